@@ -1,0 +1,6 @@
+"""Evaluate a checkpoint: `python evaluate.py ckpt=PATH [group=option ...]`."""
+
+from parallab.cli import evaluate
+
+if __name__ == "__main__":
+    evaluate()

@@ -1,0 +1,119 @@
+"""The Hydra apps behind train.py and evaluate.py.
+
+The Hydra process is the controller: it composes, checks and resolves the config once, then
+either trains in this process (one device, or in place under torchrun/SLURM/mpirun) or
+starts the workers with torch's elastic launcher. Workers never re-enter Hydra.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any, NoReturn
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from parallab import launch, run, validate
+from parallab.config import REPO_DIR, register_configs
+
+log = logging.getLogger("parallab")
+CONF_DIR = str(REPO_DIR / "conf")
+
+
+def _fail(message: str, status: int) -> NoReturn:
+    log.error(message)
+    sys.exit(status)
+
+
+def _worker_env(cfg) -> dict[str, str]:
+    from parallab.distributed import threads_for
+
+    p = cfg.parallel
+    env = {"OMP_NUM_THREADS": str(threads_for(p.world_size // p.nnodes, p.threads_per_worker))}
+    if p.nnodes == 1 and "GLOO_SOCKET_IFNAME" not in __import__("os").environ:
+        env["GLOO_SOCKET_IFNAME"] = "lo"  # gloo picks its interface from the hostname otherwise
+    return env
+
+
+def _train_and_report(spec: run.RunSpec, in_place: launch.InPlace | None) -> dict[str, Any]:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from parallab.parallel import STRATEGIES
+
+    p = spec.cfg.parallel
+    if in_place is not None or not STRATEGIES[p.name].launches_workers:
+        return run.train(spec)
+    log.info("launching %d workers (parallel=%s, backend=%s) in %s", p.world_size, p.name,
+             spec.cfg.backend.name, spec.run_dir)
+    try:
+        return launch.elastic(run.worker_main, (spec,), p.world_size, p.nnodes,
+                              p.max_restarts, _worker_env(spec.cfg))
+    except ChildFailedError as error:
+        _fail(f"a worker failed, so the job was stopped:\n{error}", 1)
+
+
+@hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")
+def _train_app(dict_cfg: DictConfig) -> float | None:
+    hydra_cfg = HydraConfig.get()
+    in_place = launch.detect()
+    try:
+        cfg = validate.prepare(OmegaConf.to_object(dict_cfg), in_place)
+    except validate.ConfigError as error:
+        _fail(str(error), 2)
+    spec = run.RunSpec(cfg, hydra_cfg.runtime.output_dir, list(hydra_cfg.overrides.task))
+    return _train_and_report(spec, in_place).get("eval_accuracy")
+
+
+def train() -> None:
+    """`python train.py [overrides]`."""
+    launch.prepare_in_place()
+    launch.register_resolvers()
+    register_configs()
+    _train_app()
+
+
+@hydra.main(version_base=None, config_path=CONF_DIR, config_name="evaluate")
+def _evaluate_app(dict_cfg: DictConfig) -> float:
+    from parallab import checkpoint, distributed
+    from parallab.config import model_config
+    from parallab.data import build_data
+    from parallab.models import build_model
+    from parallab.precision import Precision
+    from parallab.trainer import evaluate
+
+    cfg = OmegaConf.to_object(dict_cfg)
+    try:
+        state = checkpoint.load(cfg.ckpt)
+        cfg.model = model_config(state["config"]["model"])
+        validate.prepare(cfg, in_place=None)
+    except (validate.ConfigError, checkpoint.CheckpointError) as error:
+        _fail(str(error), 2)
+    dist = distributed.setup(cfg.device.value, None, cfg.backend.timeout_s,
+                             cfg.parallel.threads_per_worker)
+    model = build_model(cfg.model)
+    try:
+        model.load_state_dict(state["model"])
+    except RuntimeError as error:
+        _fail(f"ckpt={cfg.ckpt} does not fit model={cfg.model.name}: "
+              f"{str(error).splitlines()[1].strip()}", 2)
+    data = build_data(cfg.data, dist, cfg.seed)
+    metrics = evaluate(model.to(dist.device), data.eval, dist, Precision(cfg.precision,
+                                                                        dist.device))
+    result = {"ckpt": str(Path(cfg.ckpt).resolve()), "model": cfg.model.name,
+              "data": cfg.data.name, "step": state.get("step"), **metrics}
+    out = Path(HydraConfig.get().runtime.output_dir) / "metrics.json"
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    log.info("eval loss %.4f, accuracy %.2f%% (%s)", metrics["eval_loss"],
+             100 * metrics["eval_accuracy"], out)
+    return metrics["eval_accuracy"]
+
+
+def evaluate() -> None:
+    """`python evaluate.py ckpt=PATH [overrides]`."""
+    launch.register_resolvers()
+    register_configs()
+    _evaluate_app()

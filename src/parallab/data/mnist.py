@@ -1,0 +1,58 @@
+"""MNIST from the IDX files LeCun et al. publish, gzipped or extracted, read into uint8 tensors."""
+
+from __future__ import annotations
+
+import gzip
+from pathlib import Path
+
+import torch
+
+from parallab.data.split import Split
+
+MEAN, STD = 0.1307, 0.3081  # of the training pixels scaled to [0, 1]
+FILES = {
+    "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
+    "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
+}
+
+
+def raw_dir(root: str | Path) -> Path:
+    return Path(root) / "MNIST" / "raw"
+
+
+def _find(root: str | Path, name: str) -> Path | None:
+    for candidate in (raw_dir(root) / name, raw_dir(root) / f"{name}.gz"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def missing_files(root: str | Path) -> list[str]:
+    names = [name for pair in FILES.values() for name in pair]
+    return [name for name in names if _find(root, name) is None]
+
+
+def download(root: str | Path) -> None:
+    """Fetch the files with torchvision's downloader (it tries each of its mirrors)."""
+    from torchvision.datasets import MNIST
+
+    for train in (True, False):
+        MNIST(str(root), train=train, download=True)
+
+
+def read_idx(path: Path) -> torch.Tensor:
+    """An IDX file as a tensor: magic (0, 0, dtype 0x08 = uint8, ndim), then big-endian dims."""
+    with (gzip.open if path.suffix == ".gz" else open)(path, "rb") as f:
+        raw = f.read()
+    if raw[:3] != b"\x00\x00\x08":
+        raise ValueError(f"{path} is not an IDX file of unsigned bytes")
+    ndim = raw[3]
+    shape = [int.from_bytes(raw[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndim)]
+    return torch.frombuffer(bytearray(raw[4 + 4 * ndim:]), dtype=torch.uint8).reshape(shape)
+
+
+def load(root: str | Path, split: str) -> Split:
+    images_name, labels_name = FILES[split]
+    images = read_idx(_find(root, images_name)).unsqueeze(1)  # (N, 1, 28, 28) uint8
+    labels = read_idx(_find(root, labels_name)).long()
+    return Split(images, labels, mean=MEAN, std=STD)

@@ -1,0 +1,24 @@
+"""One split of a data set held in memory, and how a batch of it becomes model input."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Split:
+    inputs: torch.Tensor  # (N, ...) uint8 pixels, or float features already scaled
+    targets: torch.Tensor  # (N,) int64 class labels
+    mean: float = 0.0  # uint8 inputs are scaled to [0, 1], then normalised by mean and std
+    std: float = 1.0
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    def prepare(self, inputs: torch.Tensor) -> torch.Tensor:
+        """A batch of raw inputs as normalised float32, on whatever device it already is."""
+        if inputs.dtype != torch.uint8:
+            return inputs
+        return inputs.float().mul_(1.0 / (255.0 * self.std)).sub_(self.mean / self.std)

@@ -1,0 +1,85 @@
+"""The process's place in the job: rank, device, threads, and the process group.
+
+With launch.py, the only module that reads RANK, LOCAL_RANK, WORLD_SIZE and friends;
+everything else receives a `Dist` and asks it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Dist:
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    device: torch.device
+    backend: str | None  # None: no process group in this job
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum `tensor` over all ranks in place (a no-op without a process group)."""
+        if self.backend is not None and self.world_size > 1:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return tensor
+
+
+def rank_from_env() -> int:
+    return int(os.environ.get("RANK", 0))
+
+
+def cpu_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def threads_for(local_workers: int, threads_per_worker: int | None) -> int:
+    """Intra-op threads per worker: as configured, else the cores shared out, at least one."""
+    return threads_per_worker or max(1, cpu_cores() // local_workers)
+
+
+def setup(device_type: str, backend: str | None, timeout_s: float,
+          threads_per_worker: int | None, store: dist.Store | None = None) -> Dist:
+    """Join the job described by the environment (single process when RANK is unset).
+
+    `store` is one the launcher already opened at MASTER_ADDR:MASTER_PORT (SLURM, mpirun);
+    without it the group rendezvouses by env://, which under torchrun uses the agent's store.
+    """
+    env = os.environ
+    rank = rank_from_env()
+    world_size = int(env.get("WORLD_SIZE", 1))
+    local_rank = int(env.get("LOCAL_RANK", 0))
+    local_world_size = int(env.get("LOCAL_WORLD_SIZE", 1))
+
+    if device_type == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    torch.set_num_threads(threads_for(local_world_size, threads_per_worker))
+
+    if backend is not None:
+        dist.init_process_group(
+            backend=backend,
+            init_method=None if store else "env://",
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout_s),
+            device_id=device if backend == "nccl" else None,
+        )
+    return Dist(rank, local_rank, world_size, local_world_size, device, backend)
+
+
+def teardown() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,174 @@
+"""Starting the workers: PyTorch's elastic launcher, or in place under torchrun/SLURM/mpirun.
+
+Under an external launcher every process runs the entrypoint itself. Before Hydra starts,
+`prepare_in_place()` translates SLURM's and MPI's variables into torch's (RANK, WORLD_SIZE,
+LOCAL_RANK, MASTER_ADDR, ...) and has rank 0 hand every rank its start time, so that all of
+them resolve the same Hydra run dir (`${run_time:...}` in conf/config.yaml).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import uuid
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any, Callable
+
+from omegaconf import OmegaConf
+
+log = logging.getLogger(__name__)
+
+RUN_TIME_ENV = "PARALLAB_RUN_TIME"
+_RUN_TIME_KEY = "parallab/run_time"
+_store = None  # the TCPStore opened before Hydra under SLURM/mpirun, reused by the process group
+
+
+@dataclass(frozen=True)
+class InPlace:
+    """This process was started by an external launcher."""
+
+    launcher: str  # torchrun | slurm | mpirun
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+
+    @property
+    def nnodes(self) -> int:
+        return max(1, self.world_size // self.local_world_size)
+
+
+def _int(name: str, default: int | None = None) -> int | None:
+    value = os.environ.get(name)
+    return int(value) if value not in (None, "") else default
+
+
+def detect() -> InPlace | None:
+    """Which external launcher started this process, if any."""
+    if _int("WORLD_SIZE") is not None and _int("RANK") is not None and "LOCAL_RANK" in os.environ:
+        world = _int("WORLD_SIZE")
+        return InPlace("torchrun", _int("RANK"), _int("LOCAL_RANK"), world,
+                       _int("LOCAL_WORLD_SIZE", world))
+    if (_int("SLURM_NTASKS") or 1) > 1 and "SLURM_PROCID" in os.environ:
+        world = _int("SLURM_NTASKS")
+        per_node = _int("SLURM_NTASKS_PER_NODE") if os.environ.get(
+            "SLURM_NTASKS_PER_NODE", "").isdigit() else world // (_int("SLURM_NNODES") or 1)
+        return InPlace("slurm", _int("SLURM_PROCID"), _int("SLURM_LOCALID", 0), world, per_node)
+    if _int("OMPI_COMM_WORLD_SIZE") is not None:
+        world = _int("OMPI_COMM_WORLD_SIZE")
+        return InPlace("mpirun", _int("OMPI_COMM_WORLD_RANK"),
+                       _int("OMPI_COMM_WORLD_LOCAL_RANK", 0), world,
+                       _int("OMPI_COMM_WORLD_LOCAL_SIZE", world))
+    if (_int("PMI_SIZE") or 1) > 1:
+        world = _int("PMI_SIZE")
+        return InPlace("mpirun", _int("PMI_RANK"), _int("MPI_LOCALRANKID", 0), world,
+                       _int("MPI_LOCALNRANKS", world))
+    return None
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """'gpu[003-005,010],cpu1' -> 'gpu003' (what `scontrol show hostnames` lists first)."""
+    match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist)
+    prefix, ranges = match.group(1), match.group(2)
+    return prefix + ranges.split(",")[0].split("-")[0] if ranges else prefix
+
+
+def _export_torch_env(ctx: InPlace) -> None:
+    env = os.environ
+    env.update(RANK=str(ctx.rank), LOCAL_RANK=str(ctx.local_rank),
+               WORLD_SIZE=str(ctx.world_size), LOCAL_WORLD_SIZE=str(ctx.local_world_size))
+    if ctx.launcher == "slurm":
+        env.setdefault("MASTER_ADDR", first_slurm_host(env.get("SLURM_JOB_NODELIST", "127.0.0.1")))
+        env.setdefault("MASTER_PORT", str(15000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
+    env.setdefault("MASTER_ADDR", "127.0.0.1")
+    env.setdefault("MASTER_PORT", "29500")
+
+
+def _open_store(ctx: InPlace):
+    from torch.distributed import TCPStore
+
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # torchrun hosts one already
+        return TCPStore(host, port, is_master=False, timeout=timedelta(minutes=5))
+    return TCPStore(host, port, ctx.world_size, is_master=ctx.rank == 0,
+                    timeout=timedelta(minutes=5), wait_for_workers=False)
+
+
+def prepare_in_place() -> InPlace | None:
+    """Under an external launcher: torch's env variables, and one run time for all ranks."""
+    global _store
+    ctx = detect()
+    if ctx is None or RUN_TIME_ENV in os.environ:
+        return ctx
+    _export_torch_env(ctx)
+    store = _open_store(ctx)
+    if ctx.rank == 0 and not store.check([_RUN_TIME_KEY]):  # kept across elastic restarts
+        store.set(_RUN_TIME_KEY, datetime.now().isoformat())
+    os.environ[RUN_TIME_ENV] = store.get(_RUN_TIME_KEY).decode()
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        _store = store
+    return ctx
+
+
+def take_store():
+    """The store opened by prepare_in_place, for the process group (once)."""
+    global _store
+    store, _store = _store, None
+    return store
+
+
+def _run_time(pattern: str) -> str:
+    stamp = os.environ.get(RUN_TIME_ENV)
+    moment = datetime.fromisoformat(stamp) if stamp else datetime.now()
+    return moment.strftime(pattern)
+
+
+def _rank_suffix() -> str:
+    rank = _int("RANK", 0)
+    return "" if rank == 0 else f"_rank{rank}"
+
+
+def _rank_zero(value: Any, otherwise: Any = None) -> Any:
+    return value if _int("RANK", 0) == 0 else otherwise
+
+
+def register_resolvers() -> None:
+    """Resolvers conf/config.yaml uses so that every rank shares one run dir and log names."""
+    OmegaConf.register_new_resolver("run_time", _run_time, use_cache=True, replace=True)
+    OmegaConf.register_new_resolver("rank_suffix", _rank_suffix, replace=True)
+    OmegaConf.register_new_resolver("rank_zero", _rank_zero, replace=True)
+
+
+def elastic(entrypoint: Callable, args: tuple, world_size: int, nnodes: int,
+            max_restarts: int, worker_env: dict[str, str]) -> Any:
+    """Run `entrypoint(*args)` in world_size workers with torch's elastic agent; rank 0's result."""
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    endpoint = f"{addr}:{port}" if addr and port else "127.0.0.1:0"  # 0: a free port per job
+    config = LaunchConfig(
+        min_nodes=nnodes,
+        max_nodes=nnodes,
+        nproc_per_node=world_size // nnodes,
+        run_id=f"parallab-{uuid.uuid4().hex[:12]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint=endpoint,
+        max_restarts=max_restarts,
+        monitor_interval=0.1,
+        start_method="spawn",
+        shutdown_timeout=5,
+    )
+    saved = {key: os.environ.get(key) for key in worker_env}
+    os.environ.update(worker_env)  # the agent hands its own environment to the workers
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
+    try:
+        results = elastic_launch(config, entrypoint)(*args)
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    return results[0]

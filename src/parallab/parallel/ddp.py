@@ -1,0 +1,25 @@
+"""DistributedDataParallel: one process per rank, gradients all-reduced in buckets."""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from parallab.parallel.base import Strategy
+
+
+class DDPStrategy(Strategy):
+    launches_workers = True
+    uses_process_group = True
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        model = model.to(self.dist.device)
+        device_ids = [self.dist.device] if self.dist.device.type == "cuda" else None
+        return DistributedDataParallel(
+            model, device_ids=device_ids,
+            bucket_cap_mb=self.cfg.bucket_cap_mb,
+            find_unused_parameters=self.cfg.find_unused_parameters,
+            gradient_as_bucket_view=self.cfg.gradient_as_bucket_view)
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model.module

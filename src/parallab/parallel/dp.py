@@ -1,0 +1,30 @@
+"""nn.DataParallel: one process scatters each batch over several GPUs (DDP is faster)."""
+
+from __future__ import annotations
+
+import logging
+
+from torch import nn
+
+from parallab.parallel.base import Strategy
+
+log = logging.getLogger(__name__)
+
+
+class DataParallelStrategy(Strategy):
+    @property
+    def devices_per_process(self) -> int:
+        return self.cfg.world_size if self.dist.device.type == "cuda" else 1
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        model = model.to(self.dist.device)
+        if self.dist.device.type != "cuda":
+            log.warning("parallel=dp on CPU runs on one device: DataParallel splits batches "
+                        "over GPUs only")
+            return model
+        log.info("parallel=dp over %d GPUs; parallel=ddp is faster (one process per GPU, "
+                 "no per-step scatter/gather)", self.cfg.world_size)
+        return nn.DataParallel(model, device_ids=list(range(self.cfg.world_size)))
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model.module if isinstance(model, nn.DataParallel) else model

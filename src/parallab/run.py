@@ -1,0 +1,112 @@
+"""What one rank does: join the job, build data, model, strategy and optimizer, train."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import OmegaConf
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from parallab import checkpoint, distributed, launch
+from parallab.config import Config
+from parallab.data import build_data
+from parallab.logger import RunLogger
+from parallab.models import build_model
+from parallab.optim import build_optimizer
+from parallab.parallel import STRATEGIES
+from parallab.precision import Precision
+from parallab.trainer import Trainer
+
+log = logging.getLogger(__name__)
+LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"  # Hydra's
+
+
+@dataclass
+class RunSpec:
+    """Everything a worker needs, resolved and checked by the controlling process."""
+
+    cfg: Config
+    run_dir: str
+    overrides: list[str] = field(default_factory=list)  # what the command line changed
+    started: float = field(default_factory=time.time)
+
+
+def hparams(spec: RunSpec, metrics: dict[str, Any]) -> dict[str, Any]:
+    """The keys runs are compared by: the main choices plus whatever the command line set."""
+    cfg = spec.cfg
+    values: dict[str, Any] = {
+        "model": cfg.model.name, "data": cfg.data.name, "parallel": cfg.parallel.name,
+        "precision": cfg.precision.name, "backend": cfg.backend.name, "optim": cfg.optim.name,
+        "data.batch_size": cfg.data.batch_size, "optim.lr": cfg.optim.lr,
+        "world_size": metrics["world_size"], "global_batch_size": metrics["global_batch_size"],
+        "precision_dtype": metrics["precision_dtype"], "seed": cfg.seed,
+    }
+    for override in spec.overrides:
+        key, _, value = override.partition("=")
+        values.setdefault(key.lstrip("+~"), value)
+    return {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in values.items()}
+
+
+def train(spec: RunSpec) -> dict[str, Any]:
+    """Train on this rank; returns the run's final metrics (every rank gets the same)."""
+    cfg = spec.cfg
+    strategy_cls = STRATEGIES[cfg.parallel.name]
+    backend = cfg.backend.name if strategy_cls.uses_process_group else None
+    dist = distributed.setup(cfg.device.value, backend, cfg.backend.timeout_s,
+                             cfg.parallel.threads_per_worker, store=launch.take_store())
+    logger = RunLogger(spec.run_dir, active=dist.is_main)
+    try:
+        torch.manual_seed(cfg.seed)
+        model = build_model(cfg.model)  # identical initial weights on every rank
+        torch.manual_seed(cfg.seed + dist.rank)  # dropout masks differ between ranks
+        strategy = strategy_cls(cfg.parallel, dist)
+        model = strategy.wrap(model)
+        data = build_data(cfg.data, dist, cfg.seed, batch_scale=strategy.devices_per_process)
+        optimizer = build_optimizer(cfg.optim, model.parameters())
+        precision = Precision(cfg.precision, dist.device)
+        trainer = Trainer(cfg.trainer, model, strategy.unwrap(model), optimizer, precision,
+                          data, dist, logger)
+        logger.config(cfg)
+        metrics = trainer.fit()
+        metrics.update(wall_time_s=time.time() - spec.started, world_size=dist.world_size,
+                       precision_dtype=precision.dtype_name, backend=backend or "none",
+                       parallel=cfg.parallel.name)
+        if dist.is_main:
+            checkpoint.save(Path(spec.run_dir) / "checkpoints" / "last.pt", {
+                "model": strategy.unwrap(model).state_dict(), **trainer.state_dict(),
+                "config": OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)})
+            logger.finish(metrics, hparams(spec, metrics), trainer.step)
+            log.info("metrics: %s", {k: round(v, 4) if isinstance(v, float) else v
+                                     for k, v in metrics.items()})
+        return metrics
+    finally:
+        logger.close()
+        distributed.teardown()
+
+
+def _log_to_files(run_dir: str) -> None:
+    """Rank 0 appends to the run's log (train.log); rank k writes train_rank{k}.log."""
+    rank = distributed.rank_from_env()
+    name = "train.log" if rank == 0 else f"train_rank{rank}.log"
+    formatter = logging.Formatter(LOG_FORMAT)
+    file_handler = logging.FileHandler(Path(run_dir) / name)
+    console = logging.StreamHandler(sys.stdout)
+    console.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    root = logging.getLogger()
+    root.setLevel(logging.INFO)
+    for handler in (file_handler, console):
+        handler.setFormatter(formatter)
+        root.addHandler(handler)
+
+
+@record
+def worker_main(spec: RunSpec) -> dict[str, Any]:
+    """Entry point of a worker started by the elastic launcher (a fresh process)."""
+    _log_to_files(spec.run_dir)
+    return train(spec)

@@ -1,0 +1,184 @@
+"""The training loop: steps, periodic logging, evaluation, and the run's final figures."""
+
+from __future__ import annotations
+
+import logging
+import math
+import resource
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from parallab.config import TrainerConfig
+from parallab.data import Data
+from parallab.data.loaders import ShardLoader
+from parallab.distributed import Dist
+from parallab.logger import RunLogger
+from parallab.precision import Precision
+from parallab.progress import Progress
+
+log = logging.getLogger(__name__)
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak CUDA memory allocated, or on CPU the process's peak resident set."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, loader: ShardLoader, dist: Dist,
+             precision: Precision) -> dict[str, float]:
+    """Loss and accuracy over the whole split: each sample counted once, summed over ranks."""
+    was_training = model.training
+    model.eval()
+    totals = torch.zeros(3, dtype=torch.float64, device=dist.device)  # loss, correct, count
+    remaining = loader.num_valid  # the rest of this rank's shard is sampler padding
+    for inputs, targets in loader:
+        with precision.autocast():
+            output = model(inputs)
+        n = min(len(targets), remaining)
+        remaining -= n
+        output, targets = output[:n].float(), targets[:n]
+        totals[0] += F.cross_entropy(output, targets, reduction="sum")
+        totals[1] += (output.argmax(dim=1) == targets).sum()
+        totals[2] += n
+    dist.all_reduce_sum(totals)
+    model.train(was_training)
+    loss, correct, count = totals.tolist()
+    return {"eval_loss": loss / count, "eval_accuracy": correct / count}
+
+
+class Trainer:
+    def __init__(self, cfg: TrainerConfig, model: nn.Module, eval_model: nn.Module,
+                 optimizer: torch.optim.Optimizer, precision: Precision, data: Data,
+                 dist: Dist, logger: RunLogger):
+        self.cfg = cfg
+        self.model = model
+        self.eval_model = eval_model  # the same weights, without the wrapper's collectives
+        self.optimizer = optimizer
+        self.precision = precision
+        self.data = data
+        self.dist = dist
+        self.logger = logger
+        self.step = 0
+        self.epoch = 0
+        self.step_times: list[float] = []  # seconds per step, data loading included
+        self.measured_samples = 0  # global samples in steps after warm-up
+        self.epoch_times: list[float] = []
+        self.window_loss = torch.zeros((), device=dist.device)  # summed since the last log
+        self.window_steps = 0
+        self.epoch_loss = 0.0
+        self.epoch_steps = 0
+        self.last_train_loss = math.nan
+        self.eval_metrics: dict[str, float] = {}
+
+    @property
+    def total_steps(self) -> int:
+        steps = self.cfg.epochs * len(self.data.train)
+        return min(steps, self.cfg.max_steps) if self.cfg.max_steps else steps
+
+    def done(self) -> bool:
+        return self.step >= self.total_steps
+
+    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        with self.precision.autocast():
+            loss = F.cross_entropy(self.model(inputs), targets)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.optimizer.step()
+        return loss.detach()
+
+    def fit(self) -> dict[str, Any]:
+        with Progress(self.total_steps, self.dist.is_main, self.cfg.progress_bar) as progress:
+            while self.epoch < self.cfg.epochs and not self.done():
+                self.train_epoch(progress)
+                self.epoch += 1
+                if self.epoch % self.cfg.eval_every_n_epochs == 0 or self.done():
+                    self.run_eval()
+        if not self.eval_metrics:  # epochs=0, or no eval on the last epoch
+            self.run_eval()
+        return self.summary()
+
+    def train_epoch(self, progress: Progress) -> None:
+        loader = self.data.train
+        loader.set_epoch(self.epoch)
+        self.model.train()
+        self.epoch_loss, self.epoch_steps = 0.0, 0
+        world = self.dist.world_size
+        start = tick = time.perf_counter()
+        for inputs, targets in loader:
+            self.window_loss += self.train_step(inputs, targets)
+            self.step += 1
+            self.window_steps += 1
+            now = time.perf_counter()
+            self.step_times.append(now - tick)
+            tick = now
+            if self.step > self.cfg.warmup_steps:
+                self.measured_samples += len(targets) * world
+            progress.update()
+            if self.step % self.cfg.log_every_n_steps == 0 or self.done():
+                self.log_window(progress)
+            if self.done():
+                break
+        if self.window_steps:
+            self.log_window(progress)
+        self.epoch_times.append(time.perf_counter() - start)
+        self.last_train_loss = self.epoch_loss / max(self.epoch_steps, 1)
+
+    def log_window(self, progress: Progress) -> None:
+        """Train loss averaged over the steps since the last log and over all ranks."""
+        steps = self.window_steps
+        loss = self.dist.all_reduce_sum(self.window_loss).item() / (steps * self.dist.world_size)
+        step_time = sum(self.step_times[-steps:]) / steps
+        samples_per_sec = self.global_batch_size / step_time
+        self.logger.scalars({
+            "train/loss": loss,
+            "train/lr": self.optimizer.param_groups[0]["lr"],
+            "train/samples_per_sec": samples_per_sec,
+            "train/step_time_ms": step_time * 1e3,
+            "train/peak_memory_mb": peak_memory_mb(self.dist.device),
+            "train/epoch": self.epoch,
+        }, self.step)
+        progress.line(f"epoch {self.epoch + 1} step {self.step}/{self.total_steps} "
+                      f"loss {loss:.4f} {samples_per_sec:,.0f} samples/s",
+                      loss=f"{loss:.4f}", epoch=str(self.epoch + 1))
+        self.epoch_loss += loss * steps
+        self.epoch_steps += steps
+        self.window_loss.zero_()
+        self.window_steps = 0
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.data.train.batch_size * self.dist.world_size
+
+    def run_eval(self) -> None:
+        self.eval_metrics = evaluate(self.eval_model, self.data.eval, self.dist, self.precision)
+        self.logger.scalars({"eval/loss": self.eval_metrics["eval_loss"],
+                             "eval/accuracy": self.eval_metrics["eval_accuracy"]}, self.step)
+        if self.dist.is_main:
+            log.info("epoch %d: eval loss %.4f, accuracy %.2f%%", self.epoch,
+                     self.eval_metrics["eval_loss"], 100 * self.eval_metrics["eval_accuracy"])
+
+    def summary(self) -> dict[str, Any]:
+        """The final figures; None where the run was too short to measure one."""
+        measured = self.step_times[self.cfg.warmup_steps:]
+        return {
+            "train_loss": None if math.isnan(self.last_train_loss) else self.last_train_loss,
+            **self.eval_metrics,
+            "samples_per_sec": self.measured_samples / sum(measured) if measured else None,
+            "step_time_ms": statistics.median(measured) * 1e3 if measured else None,
+            "epoch_time_s": statistics.median(self.epoch_times) if self.epoch_times else None,
+            "steps": self.step,
+            "global_batch_size": self.global_batch_size,
+            "peak_memory_mb": peak_memory_mb(self.dist.device),
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "epoch": self.epoch,
+                "optimizer": self.optimizer.state_dict()}
