@@ -37,8 +37,10 @@ def load(path: str | Path) -> dict[str, Any]:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:  # weights_only refused a global
+        reason = next((line.strip() for line in str(error).splitlines()
+                       if "Unsupported global" in line), "an object that is not plain data")
         raise CheckpointError(f"ckpt={path} holds more than tensors and plain containers "
-                              f"({str(error).splitlines()[0]}); refusing to load it") from None
+                              f"({reason}); refusing to load it") from None
     except (RuntimeError, EOFError) as error:
         raise CheckpointError(f"ckpt={path} is not a readable checkpoint "
                               f"({str(error).splitlines()[0]})") from None

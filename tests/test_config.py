@@ -1,0 +1,130 @@
+"""Composition of every config group option, and bad input caught before any work starts."""
+
+from __future__ import annotations
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from conftest import REPO, output, run_entry
+from parallab import launch, validate
+from parallab.config import Config, register_configs
+from parallab.cli import CONF_DIR
+
+GROUPS = ["model", "data", "parallel", "precision", "backend", "optim", "trainer"]
+NEEDS_MORE_THAN_THIS_MACHINE = {("backend", "nccl"), ("backend", "mpi")}  # CUDA / an MPI build
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _registered():
+    launch.register_resolvers()
+    register_configs()
+
+
+def typed(*overrides: str) -> Config:
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        return OmegaConf.to_object(compose("config", overrides=list(overrides)))
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (REPO / "conf" / group).glob("*.yaml"))
+
+
+@pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in options(g)])
+def test_every_option_composes_and_validates(group, option):
+    cfg = typed(f"{group}={option}", "device=cpu")
+    assert getattr(getattr(cfg, group), "name", option) == option
+    if (group, option) in NEEDS_MORE_THAN_THIS_MACHINE:
+        with pytest.raises(validate.ConfigError, match=f"backend={option}"):
+            validate.prepare(cfg, in_place=None)
+    else:
+        validate.prepare(cfg, in_place=None)
+
+
+def test_defaults_are_the_seed_recipe():
+    cfg = validate.prepare(typed("device=cpu"), in_place=None)
+    assert (cfg.model.name, cfg.data.name, cfg.parallel.name) == ("mnist_cnn", "mnist", "none")
+    assert (cfg.optim.name, cfg.optim.lr, cfg.optim.momentum) == ("sgd", 0.01, 0.5)
+    assert (cfg.data.batch_size, cfg.trainer.epochs) == (64, 10)
+    assert (cfg.backend.name, cfg.parallel.world_size) == ("gloo", 1)
+
+
+def test_auto_values_resolve_for_cpu():
+    cfg = validate.prepare(typed("parallel=ddp"), in_place=None)
+    assert cfg.device.value == "cpu" and cfg.backend.name == "gloo"
+    assert cfg.parallel.world_size == 2  # null = one per GPU, or 2 on CPU
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["data.batch_size=0"], "data.batch_size=0"),
+    (["data.batch_size=-8"], "data.batch_size=-8"),
+    (["data.eval_batch_size=0"], "data.eval_batch_size=0"),
+    (["trainer.epochs=-1"], "trainer.epochs=-1"),
+    (["trainer.max_steps=0"], "trainer.max_steps=0"),
+    (["trainer.log_every_n_steps=0"], "trainer.log_every_n_steps=0"),
+    (["optim.lr=0"], "optim.lr=0"),
+    (["optim=adamw", "optim.lr=-1e-3"], "optim.lr=-0.001"),
+    (["optim.weight_decay=-1"], "optim.weight_decay=-1"),
+    (["model.dropout=1.0"], "model.dropout=1.0"),
+    (["parallel.world_size=2"], "parallel=none runs one"),
+    (["parallel=ddp", "parallel.world_size=0"], "parallel.world_size=0"),
+    (["parallel=ddp", "parallel.world_size=3", "parallel.nnodes=2"], "parallel.nnodes=2"),
+    (["parallel=ddp", "parallel.threads_per_worker=0"], "parallel.threads_per_worker=0"),
+    (["parallel=ddp", "parallel.max_restarts=-1"], "parallel.max_restarts=-1"),
+    (["backend=nccl"], "backend=nccl needs CUDA"),
+    (["backend=mpi"], "built without MPI"),
+    (["backend.timeout_s=0"], "backend.timeout_s=0"),
+    (["device=cuda"], "device=cuda"),
+    (["parallel=ddp", "parallel.devices=[0,1]"], "parallel.devices"),
+    (["data=synthetic", "data.shape=[3,32,32]"], "data.shape=[3, 32, 32]"),
+    (["data=synthetic", "data.num_classes=20"], "model.num_classes=10"),
+    (["data=synthetic", "data.train_size=0"], "data.train_size=0"),
+    (["data.root=/nonexistent/mnist"], "data.root=/nonexistent/mnist"),
+    (["seed=-1"], "seed=-1"),
+])
+def test_bad_values_fail_naming_the_key(overrides, message):
+    with pytest.raises(validate.ConfigError) as error:
+        validate.prepare(typed(*overrides, "device=cpu") if "device=cuda" not in overrides
+                         else typed(*overrides), in_place=None)
+    text = str(error.value)
+    assert message in text and "\n" not in text
+
+
+@pytest.mark.parametrize("args,key", [
+    (["data.batch_size=-1"], "data.batch_size"),  # value check in the app
+    (["data.root=/nonexistent"], "data.root"),  # missing data
+    (["data.batch_size=abc"], "data.batch_size"),  # wrong type: Hydra's schema
+    (["data.batch_sze=3"], "batch_sze"),  # unknown key
+    (["parallel=fsdp_typo"], "parallel"),  # unknown group option
+    (["device=gpu"], "device"),  # not one of the enum's values
+])
+def test_bad_input_exits_nonzero_with_one_clear_message(args, key, tmp_path):
+    result = run_entry("train.py", args, tmp_path / "run", timeout=120)
+    text = output(result)
+    assert result.returncode != 0
+    assert key in text
+    assert "Traceback" not in text
+    assert not (tmp_path / "run" / "metrics.json").exists()
+
+
+def test_cfg_job_prints_the_composed_config():
+    result = run_entry("train.py", ["--cfg", "job", "parallel=ddp", "optim=adam"], timeout=120)
+    assert result.returncode == 0, output(result)
+    printed = OmegaConf.create(result.stdout)
+    assert printed.parallel.name == "ddp" and printed.optim.name == "adam"
+    assert printed.optim.lr == 0.001 and printed.data.batch_size == 64
+
+
+def test_help_lists_the_groups():
+    result = run_entry("train.py", ["--help"], timeout=120)
+    assert result.returncode == 0, output(result)
+    for group in GROUPS:
+        assert f"{group}: " in result.stdout
+    assert "mnist_cnn" in result.stdout and "ddp" in result.stdout
+
+
+def test_shell_completion_offers_group_options():
+    result = run_entry("train.py", ["-sc", "query=bash"], timeout=120,
+                       env={"COMP_LINE": "python train.py parallel=", "COMP_POINT": "99"})
+    assert result.returncode == 0, output(result)
+    assert "parallel=ddp" in result.stdout and "parallel=none" in result.stdout

@@ -1,0 +1,122 @@
+"""End to end through train.py and evaluate.py: real MNIST, metrics, TensorBoard, checkpoints."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import FAST, assert_ok, output, read_metrics, run_entry, scalars
+
+METRIC_KEYS = {"train_loss", "eval_loss", "eval_accuracy", "samples_per_sec", "step_time_ms",
+               "epoch_time_s", "wall_time_s", "world_size", "global_batch_size",
+               "precision_dtype", "backend", "parallel", "peak_memory_mb", "steps"}
+
+
+@pytest.fixture(scope="module")
+def mnist_epoch(tmp_path_factory):
+    """One epoch of the default experiment (seed recipe on real MNIST)."""
+    run_dir = tmp_path_factory.mktemp("mnist") / "run"
+    result = run_entry("train.py", ["trainer.epochs=1"], run_dir, timeout=300)
+    assert_ok(result)
+    return result, run_dir
+
+
+@pytest.mark.slow
+def test_one_mnist_epoch_reaches_93_percent(mnist_epoch):
+    _, run_dir = mnist_epoch
+    metrics = read_metrics(run_dir)
+    assert set(metrics) == METRIC_KEYS
+    assert metrics["eval_accuracy"] >= 0.93
+    assert metrics["steps"] == 938 and metrics["global_batch_size"] == 64
+    assert (metrics["world_size"], metrics["parallel"], metrics["backend"]) == (1, "none", "none")
+    assert metrics["precision_dtype"] == "float32"
+    assert metrics["samples_per_sec"] > 0 and metrics["train_loss"] < 1.5
+
+
+@pytest.mark.slow
+def test_tensorboard_holds_the_run(mnist_epoch):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    _, run_dir = mnist_epoch
+    loss = scalars(run_dir, "train/loss")
+    assert [step for step, _ in loss][:3] == [50, 100, 150] and loss[-1][0] == 938
+    assert loss[-1][1] < loss[0][1]
+    accuracy = scalars(run_dir, "eval/accuracy")
+    assert accuracy[-1][1] == pytest.approx(read_metrics(run_dir)["eval_accuracy"])
+    for tag in ("train/lr", "train/samples_per_sec", "train/step_time_ms",
+                "train/peak_memory_mb", "eval/loss", "final/samples_per_sec"):
+        assert scalars(run_dir, tag), tag
+    events = EventAccumulator(str(run_dir))
+    events.Reload()
+    assert "config/text_summary" in events.Tags()["tensors"]
+    plugin = events.PluginTagToContent("hparams")
+    assert "_hparams_/experiment" in plugin and "_hparams_/session_start_info" in plugin
+    assert b"data.batch_size" in plugin["_hparams_/session_start_info"]
+
+
+@pytest.mark.slow
+def test_progress_lines_reach_console_and_log_file(mnist_epoch):
+    result, run_dir = mnist_epoch
+    line = "epoch 1 step 100/938"
+    assert line in output(result)  # not a terminal: plain lines instead of a bar
+    assert line in (run_dir / "train.log").read_text()
+
+
+@pytest.mark.slow
+def test_evaluate_py_scores_the_saved_checkpoint(mnist_epoch, tmp_path):
+    _, run_dir = mnist_epoch
+    ckpt = run_dir / "checkpoints" / "last.pt"
+    state = torch.load(ckpt, weights_only=True)
+    assert {"model", "optimizer", "step", "config"} <= set(state)
+    result = run_entry("evaluate.py", [f"ckpt={ckpt}", "device=cpu"], tmp_path / "eval")
+    assert_ok(result)
+    evaluated = read_metrics(tmp_path / "eval")
+    assert evaluated["eval_accuracy"] == read_metrics(run_dir)["eval_accuracy"]
+    assert "accuracy" in output(result)
+
+
+def test_evaluate_py_refuses_a_checkpoint_that_would_run_code(tmp_path):
+    import fractions
+
+    ckpt = tmp_path / "evil.pt"  # unpickling an arbitrary class is how a checkpoint runs code
+    torch.save({"model": fractions.Fraction(1, 3), "config": {"model": {"name": "mnist_cnn"}}},
+               ckpt)
+    result = run_entry("evaluate.py", [f"ckpt={ckpt}"], tmp_path / "eval")
+    assert result.returncode != 0
+    assert "refusing to load" in output(result) and "Traceback" not in output(result)
+
+
+def test_evaluate_py_names_a_missing_checkpoint(tmp_path):
+    result = run_entry("evaluate.py", [f"ckpt={tmp_path}/none.pt"], tmp_path / "eval")
+    assert result.returncode != 0 and "no such file" in output(result)
+
+
+@pytest.mark.slow
+def test_same_seed_gives_the_same_loss_curve_bit_for_bit(train):
+    args = [*FAST, "trainer.log_every_n_steps=1", "trainer.max_steps=25"]
+    (first, dir1), (second, dir2) = train(*args, name="a"), train(*args, name="b")
+    assert_ok(first)
+    assert_ok(second)
+    assert scalars(dir1, "train/loss") == scalars(dir2, "train/loss")
+    (other, dir3) = train(*args, "seed=7", name="c")
+    assert_ok(other)
+    assert scalars(dir1, "train/loss") != scalars(dir3, "train/loss")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optim", ["sgd", "adam", "adamw"])
+def test_each_optimizer_trains(train, optim):
+    result, run_dir = train(*FAST, f"optim={optim}")
+    assert_ok(result)
+    loss = [value for _, value in scalars(run_dir, "train/loss")]
+    assert loss[-1] < loss[0]
+
+
+@pytest.mark.slow
+def test_dataloader_path_trains_mnist(train):
+    result, run_dir = train("data.loader=dataloader", "data.num_workers=1",
+                            "data.persistent_workers=true", "optim=adam", "trainer.max_steps=60",
+                            "trainer.log_every_n_steps=20")
+    assert_ok(result)
+    metrics = read_metrics(run_dir)
+    assert metrics["steps"] == 60 and metrics["eval_accuracy"] > 0.5
