@@ -162,7 +162,8 @@ def elastic(entrypoint: Callable, args: tuple, world_size: int, nnodes: int,
     )
     saved = {key: os.environ.get(key) for key in worker_env}
     os.environ.update(worker_env)  # the agent hands its own environment to the workers
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
+    # the controlling process reports a failure once, with the root cause's traceback
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     try:
         results = elastic_launch(config, entrypoint)(*args)
     finally:

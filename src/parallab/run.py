@@ -11,7 +11,6 @@ from typing import Any
 
 import torch
 from omegaconf import OmegaConf
-from torch.distributed.elastic.multiprocessing.errors import record
 
 from parallab import checkpoint, distributed, launch
 from parallab.config import Config
@@ -61,6 +60,8 @@ def train(spec: RunSpec) -> dict[str, Any]:
     dist = distributed.setup(cfg.device.value, backend, cfg.backend.timeout_s,
                              cfg.parallel.threads_per_worker, store=launch.take_store())
     logger = RunLogger(spec.run_dir, active=dist.is_main)
+    log.info("rank %d/%d on %s, %d threads", dist.rank, dist.world_size, dist.device,
+             torch.get_num_threads())
     try:
         torch.manual_seed(cfg.seed)
         model = build_model(cfg.model)  # identical initial weights on every rank
@@ -105,8 +106,8 @@ def _log_to_files(run_dir: str) -> None:
         root.addHandler(handler)
 
 
-@record
 def worker_main(spec: RunSpec) -> dict[str, Any]:
-    """Entry point of a worker started by the elastic launcher (a fresh process)."""
+    """Entry point of a worker started by the elastic launcher (a fresh process); the agent
+    records its traceback for the controlling process to show."""
     _log_to_files(spec.run_dir)
     return train(spec)

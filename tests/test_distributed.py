@@ -1,0 +1,161 @@
+"""Real multi-process runs on CPU with gloo: the launcher, DDP, in-place launchers, failures."""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from conftest import FAST, REPO, assert_ok, output, read_metrics, run_entry, scalars
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def only_run_dir(root: Path) -> Path:
+    """The one run dir under outputs/ (asserting the ranks did not split it)."""
+    dirs = [p.parent for p in root.glob("outputs/*/*/.hydra")]
+    assert len(dirs) == 1, dirs
+    return dirs[0]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_ddp_trains_at_each_world_size(train, world_size):
+    result, run_dir = train(*FAST, "parallel=ddp", f"parallel.world_size={world_size}")
+    assert_ok(result)
+    metrics = read_metrics(run_dir)
+    assert (metrics["world_size"], metrics["backend"], metrics["parallel"]) == (
+        world_size, "gloo", "ddp")
+    assert metrics["global_batch_size"] == 64 * world_size
+    assert metrics["steps"] == math.ceil(math.ceil(2048 / world_size) / 64)
+    rank_logs = sorted(p.name for p in run_dir.glob("train_rank*.log"))
+    assert rank_logs == [f"train_rank{r}.log" for r in range(1, world_size)]
+    threads = max(1, len(os.sched_getaffinity(0)) // world_size)
+    assert f"rank 0/{world_size} on cpu, {threads} threads" in (run_dir / "train.log").read_text()
+    assert len(list(run_dir.glob("events.out.tfevents*"))) == 1  # rank 0 alone writes
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_ddp_matches_one_process_with_the_global_batch(train, world_size):
+    common = [*FAST, "model.dropout=0", "trainer.max_steps=20", "trainer.log_every_n_steps=1"]
+    single, single_dir = train(*common, f"data.batch_size={16 * world_size}", name="single")
+    ddp, ddp_dir = train(*common, "data.batch_size=16", "parallel=ddp",
+                         f"parallel.world_size={world_size}", name="ddp")
+    assert_ok(single)
+    assert_ok(ddp)
+    expected, got = scalars(single_dir, "train/loss"), scalars(ddp_dir, "train/loss")
+    assert [s for s, _ in got] == list(range(1, 21))
+    for (_, a), (_, b) in zip(expected, got, strict=True):
+        assert b == pytest.approx(a, rel=1e-4, abs=1e-5)
+
+
+def test_eval_counts_every_sample_once_over_uneven_shards(train):
+    common = [*FAST, "trainer.epochs=0", "data.eval_size=1001", "data.eval_batch_size=64"]
+    single, single_dir = train(*common, name="single")
+    ddp, ddp_dir = train(*common, "parallel=ddp", "parallel.world_size=3", name="ddp")
+    assert_ok(single)
+    assert_ok(ddp)
+    one, three = read_metrics(single_dir), read_metrics(ddp_dir)
+    assert three["eval_accuracy"] == one["eval_accuracy"]  # same correct count out of 1001
+    assert three["eval_loss"] == pytest.approx(one["eval_loss"], rel=1e-6)
+
+
+def test_torchrun_runs_the_entrypoint_in_place(tmp_path):
+    result = run_entry("train.py", [*FAST, "parallel=ddp"], cwd=tmp_path, prefix=[
+        str(BIN / "torchrun"), "--standalone", "--nproc-per-node=2"])
+    assert_ok(result)
+    run_dir = only_run_dir(tmp_path)
+    assert read_metrics(run_dir)["world_size"] == 2
+    assert (run_dir / "train_rank1.log").exists()
+
+
+def test_two_nodes_over_loopback(tmp_path):
+    port = free_port()
+    command = [str(BIN / "torchrun"), "--nnodes=2", "--nproc-per-node=2", "--rdzv-backend=c10d",
+               f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={uuid.uuid4().hex}",
+               str(REPO / "train.py"), *FAST, "parallel=ddp"]
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo"}
+    nodes = [subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    outputs = [node.communicate(timeout=300)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs
+    run_dir = only_run_dir(tmp_path)
+    assert read_metrics(run_dir)["world_size"] == 4
+    assert sorted(p.name for p in run_dir.glob("train_rank*.log")) == [
+        "train_rank1.log", "train_rank2.log", "train_rank3.log"]
+
+
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="needs mpirun (openmpi-bin)")
+def test_mpirun_runs_the_entrypoint_in_place(tmp_path):
+    result = run_entry("train.py", [*FAST, "parallel=ddp", "backend=gloo"], cwd=tmp_path,
+                       env={"MASTER_PORT": str(free_port())}, prefix=[
+                           "mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2",
+                           sys.executable])
+    assert_ok(result)
+    run_dir = only_run_dir(tmp_path)
+    assert read_metrics(run_dir)["world_size"] == 2
+    assert (run_dir / "train_rank1.log").exists()
+
+
+# Loaded by every Python process of the test's job; the agent sets RANK in a worker only
+# after the interpreter starts, so the rank is checked when the step runs.
+INJECT = """
+import os
+import parallab.trainer as trainer
+
+step = trainer.Trainer.train_step
+
+def failing_step(self, inputs, targets):
+    if self.step == 3 and os.environ.get("RANK") == "1":
+        {action}
+    return step(self, inputs, targets)
+
+trainer.Trainer.train_step = failing_step
+"""
+
+
+def processes_with(marker: str) -> list[int]:
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and marker.encode() in (proc / "environ").read_bytes():
+                found.append(int(proc.name))
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.parametrize("action,shown", [
+    ("raise RuntimeError('injected failure on rank 1')", "RuntimeError: injected failure"),
+    ("os.kill(os.getpid(), 9)", "SIGKILL"),
+])
+def test_a_failing_rank_ends_the_whole_job_promptly(tmp_path, action, shown):
+    (tmp_path / "inject").mkdir()
+    (tmp_path / "inject" / "sitecustomize.py").write_text(
+        textwrap.dedent(INJECT).format(action=action))
+    marker = f"parallab-test-{uuid.uuid4().hex}"
+    start = time.monotonic()
+    result = run_entry("train.py", [*FAST, "parallel=ddp", "parallel.world_size=2",
+                                    "trainer.epochs=5"], tmp_path / "run",
+                       env={"PYTHONPATH": str(tmp_path / "inject"), "PARALLAB_MARK": marker})
+    elapsed = time.monotonic() - start
+    assert result.returncode != 0
+    assert shown in output(result)
+    assert elapsed < 60, f"took {elapsed:.0f}s to notice"
+    time.sleep(1)
+    assert processes_with(marker) == []
