@@ -11,7 +11,9 @@ import torch
 from conftest import REPO
 from parallab.config import Loader, MnistDataConfig, SyntheticDataConfig
 from parallab.data import build_data, mnist, synthetic
-from parallab.data.loaders import DataLoaderLoader, MemoryLoader
+from torch.utils.data import DistributedSampler
+
+from parallab.data.loaders import DataLoaderLoader, MemoryLoader, ShardSampler
 from parallab.distributed import Dist
 
 ROOT = REPO / "data"
@@ -75,6 +77,18 @@ def test_shards_are_disjoint_cover_the_set_and_have_equal_steps(world_size):
         loaders[0].set_epoch(epoch)
         out.extend(loaders[0].sampler)
     assert first != second  # reshuffled each epoch
+
+
+@pytest.mark.parametrize("size,world_size", [(1001, 4), (10, 3), (2, 4), (64, 1)])
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_shard_order_is_distributed_samplers(size, world_size, shuffle):
+    for rank in range(world_size):
+        ours = ShardSampler(size, rank, world_size, shuffle, seed=5)
+        torchs = DistributedSampler(range(size), world_size, rank, shuffle=shuffle, seed=5)
+        for epoch in (0, 3):
+            ours.set_epoch(epoch)
+            torchs.set_epoch(epoch)
+            assert list(ours) == list(torchs) and len(ours) == len(torchs)
 
 
 def test_memory_and_dataloader_paths_yield_the_same_batches(mnist_train):

@@ -78,10 +78,8 @@ class Trainer:
         self.last_train_loss = math.nan
         self.eval_metrics: dict[str, float] = {}
 
-    @property
-    def total_steps(self) -> int:
-        steps = self.cfg.epochs * len(self.data.train)
-        return min(steps, self.cfg.max_steps) if self.cfg.max_steps else steps
+        steps = cfg.epochs * len(data.train)
+        self.total_steps = min(steps, cfg.max_steps) if cfg.max_steps else steps
 
     def done(self) -> bool:
         return self.step >= self.total_steps

@@ -1,9 +1,9 @@
 """Batches for one rank: DistributedSampler shards, on the in-memory or the DataLoader path.
 
-Both paths shard the same way: a permutation seeded by (seed, epoch), padded to a multiple
-of the world size, every rank taking every world_size-th index, so each rank runs the same
-number of steps. Padding sits at the end of a rank's shard; `num_valid` says how much of the
-shard is real, so evaluation can count every sample exactly once.
+Both paths shard as torch's DistributedSampler does: a permutation seeded by seed + epoch,
+padded with its head to a multiple of the world size, every rank taking every world_size-th
+index, so each rank runs the same number of steps. Padding sits at the end of a rank's
+shard; `num_valid` says how much of the shard is real, so evaluation counts every sample once.
 """
 
 from __future__ import annotations
@@ -13,11 +13,41 @@ from typing import Iterator
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 from parallab.config import DataConfig
 from parallab.data.split import Split
 from parallab.distributed import Dist
+
+
+class ShardSampler(Sampler[int]):
+    """DistributedSampler's order, computed as one tensor (a Python list of 60k ints per
+    epoch costs more than the in-memory path spends on data in a whole epoch)."""
+
+    def __init__(self, size: int, rank: int, world_size: int, shuffle: bool, seed: int):
+        self.size, self.rank, self.world_size = size, rank, world_size
+        self.shuffle, self.seed, self.epoch = shuffle, seed, 0
+        self.per_rank = math.ceil(size / world_size)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def indices(self) -> torch.Tensor:
+        if self.shuffle:
+            generator = torch.Generator().manual_seed(self.seed + self.epoch)
+            order = torch.randperm(self.size, generator=generator)
+        else:
+            order = torch.arange(self.size)
+        total = self.per_rank * self.world_size
+        if total > self.size:  # pad with the head, repeated if the set is tiny
+            order = torch.cat([order, order.repeat(math.ceil(total / self.size))[: total - self.size]])
+        return order[self.rank:total:self.world_size]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.indices().tolist())
+
+    def __len__(self) -> int:
+        return self.per_rank
 
 
 class ShardLoader:
@@ -25,8 +55,7 @@ class ShardLoader:
         self.split = split
         self.batch_size = batch_size
         self.device = dist.device
-        self.sampler = DistributedSampler(range(len(split)), num_replicas=dist.world_size,
-                                          rank=dist.rank, shuffle=shuffle, seed=seed)
+        self.sampler = ShardSampler(len(split), dist.rank, dist.world_size, shuffle, seed)
         self.num_valid = len(range(dist.rank, len(split), dist.world_size))
 
     def set_epoch(self, epoch: int) -> None:
@@ -45,7 +74,7 @@ class MemoryLoader(ShardLoader):
         self.targets = split.targets.to(self.device)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        order = torch.tensor(list(self.sampler), device=self.device)
+        order = self.sampler.indices().to(self.device)
         for batch in order.split(self.batch_size):
             yield self.split.prepare(self.inputs[batch]), self.targets[batch]
 
