@@ -140,18 +140,20 @@ def processes_with(marker: str) -> list[int]:
     return found
 
 
-@pytest.mark.parametrize("action,shown", [
-    ("raise RuntimeError('injected failure on rank 1')", "RuntimeError: injected failure"),
-    ("os.kill(os.getpid(), 9)", "SIGKILL"),
+@pytest.mark.parametrize("action,shown,extra", [
+    ("raise RuntimeError('injected failure on rank 1')", "RuntimeError: injected failure", []),
+    ("os.kill(os.getpid(), 9)", "SIGKILL", []),
+    # a hung rank: the others' next collective gives up after backend.timeout_s
+    ("import time; time.sleep(300)", "Timed out waiting 5000ms", ["backend.timeout_s=5"]),
 ])
-def test_a_failing_rank_ends_the_whole_job_promptly(tmp_path, action, shown):
+def test_a_failing_rank_ends_the_whole_job_promptly(tmp_path, action, shown, extra):
     (tmp_path / "inject").mkdir()
     (tmp_path / "inject" / "sitecustomize.py").write_text(
         textwrap.dedent(INJECT).format(action=action))
     marker = f"parallab-test-{uuid.uuid4().hex}"
     start = time.monotonic()
     result = run_entry("train.py", [*FAST, "parallel=ddp", "parallel.world_size=2",
-                                    "trainer.epochs=5"], tmp_path / "run",
+                                    "trainer.epochs=5", *extra], tmp_path / "run",
                        env={"PYTHONPATH": str(tmp_path / "inject"), "PARALLAB_MARK": marker})
     elapsed = time.monotonic() - start
     assert result.returncode != 0

@@ -120,3 +120,12 @@ def test_dataloader_path_trains_mnist(train):
     assert_ok(result)
     metrics = read_metrics(run_dir)
     assert metrics["steps"] == 60 and metrics["eval_accuracy"] > 0.5
+
+
+@pytest.mark.slow
+def test_dp_on_cpu_says_it_runs_on_one_device(train):
+    result, run_dir = train(*FAST, "parallel=dp", "trainer.max_steps=10")
+    assert_ok(result)
+    assert "parallel=dp on CPU runs on one device" in output(result)
+    metrics = read_metrics(run_dir)
+    assert (metrics["parallel"], metrics["world_size"], metrics["steps"]) == ("dp", 1, 10)

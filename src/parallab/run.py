@@ -75,7 +75,8 @@ def train(spec: RunSpec) -> dict[str, Any]:
                           data, dist, logger)
         logger.config(cfg)
         metrics = trainer.fit()
-        metrics.update(wall_time_s=time.time() - spec.started, world_size=dist.world_size,
+        metrics.update(wall_time_s=time.time() - spec.started,
+                       world_size=dist.world_size * strategy.devices_per_process,
                        precision_dtype=precision.dtype_name, backend=backend or "none",
                        parallel=cfg.parallel.name)
         if dist.is_main:

@@ -1,0 +1,73 @@
+"""How the entrypoint recognises an external launcher and shares one run dir with its ranks."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import FAST, REPO, read_metrics
+from parallab import launch
+from test_distributed import free_port, only_run_dir
+
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_NTASKS",
+                 "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NNODES", "SLURM_NTASKS_PER_NODE",
+                 "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK",
+                 "OMPI_COMM_WORLD_LOCAL_SIZE", "PMI_SIZE", "PMI_RANK")
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for name in LAUNCHER_VARS:
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+@pytest.mark.parametrize("env,expected", [
+    ({}, None),
+    ({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"},
+     ("torchrun", 3, 1, 4, 2)),
+    ({"SLURM_NTASKS": "8", "SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NNODES": "2"},
+     ("slurm", 5, 1, 8, 4)),
+    ({"SLURM_NTASKS": "1", "SLURM_PROCID": "0"}, None),  # an interactive allocation
+    ({"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "1",
+      "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"},
+     ("mpirun", 1, 1, 2, 2)),
+    ({"PMI_SIZE": "4", "PMI_RANK": "2"}, ("mpirun", 2, 0, 4, 4)),
+])
+def test_detects_the_launcher_from_its_variables(clean_env, env, expected):
+    for name, value in env.items():
+        clean_env.setenv(name, value)
+    found = launch.detect()
+    assert (found and (found.launcher, found.rank, found.local_rank, found.world_size,
+                       found.local_world_size)) == expected
+
+
+@pytest.mark.parametrize("nodelist,host", [
+    ("gpu[003-005,010],cpu1", "gpu003"), ("node7", "node7"), ("a[1,4]", "a1"),
+    ("n[10-11]", "n10"),
+])
+def test_slurm_master_is_the_first_host_of_the_nodelist(nodelist, host):
+    assert launch.first_slurm_host(nodelist) == host
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_slurm_tasks_run_in_place_and_share_one_run_dir(tmp_path):
+    """Two processes started as srun starts them: only SLURM's variables tell them apart."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    env.update(SLURM_NTASKS="2", SLURM_NNODES="1", SLURM_JOB_ID="4242",
+               SLURM_JOB_NODELIST="localhost", MASTER_PORT=str(free_port()),
+               GLOO_SOCKET_IFNAME="lo")
+    tasks = [subprocess.Popen([sys.executable, str(REPO / "train.py"), *FAST, "parallel=ddp"],
+                              cwd=tmp_path, env={**env, "SLURM_PROCID": str(r),
+                                                 "SLURM_LOCALID": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(2)]
+    outputs = [task.communicate(timeout=300)[0] for task in tasks]
+    assert [task.returncode for task in tasks] == [0, 0], outputs
+    run_dir = only_run_dir(tmp_path)
+    assert read_metrics(run_dir)["world_size"] == 2
+    assert (run_dir / "train_rank1.log").exists()
