@@ -129,3 +129,14 @@ def test_dp_on_cpu_says_it_runs_on_one_device(train):
     assert "parallel=dp on CPU runs on one device" in output(result)
     metrics = read_metrics(run_dir)
     assert (metrics["parallel"], metrics["world_size"], metrics["steps"]) == ("dp", 1, 10)
+
+
+@pytest.mark.slow
+def test_final_metrics_score_the_final_weights(train):
+    result, run_dir = train(*FAST, "trainer.epochs=3", "trainer.eval_every_n_epochs=2",
+                            "data.train_size=640")
+    assert_ok(result)
+    evaluated_at = [step for step, _ in scalars(run_dir, "eval/accuracy")]
+    assert evaluated_at == [20, 30]  # after epoch 2, then the last epoch's weights
+    assert read_metrics(run_dir)["eval_accuracy"] == pytest.approx(
+        scalars(run_dir, "eval/accuracy")[-1][1])

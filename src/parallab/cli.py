@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any, NoReturn
@@ -34,7 +35,7 @@ def _worker_env(cfg) -> dict[str, str]:
 
     p = cfg.parallel
     env = {"OMP_NUM_THREADS": str(threads_for(p.world_size // p.nnodes, p.threads_per_worker))}
-    if p.nnodes == 1 and "GLOO_SOCKET_IFNAME" not in __import__("os").environ:
+    if p.nnodes == 1 and "GLOO_SOCKET_IFNAME" not in os.environ:
         env["GLOO_SOCKET_IFNAME"] = "lo"  # gloo picks its interface from the hostname otherwise
     return env
 
@@ -92,6 +93,9 @@ def _evaluate_app(dict_cfg: DictConfig) -> float:
         validate.prepare(cfg, in_place=None)
     except (validate.ConfigError, checkpoint.CheckpointError) as error:
         _fail(str(error), 2)
+    except (KeyError, ValueError) as error:  # a file torch can read, but not our checkpoint
+        _fail(f"ckpt={cfg.ckpt} is not a parallab checkpoint (no usable model config: "
+              f"{error})", 2)
     dist = distributed.setup(cfg.device.value, None, cfg.backend.timeout_s,
                              cfg.parallel.threads_per_worker)
     model = build_model(cfg.model)

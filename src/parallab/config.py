@@ -55,6 +55,14 @@ class MnistDataConfig(DataConfig):
     root: str = str(REPO_DIR / "data")
     download: bool = False
 
+    @property
+    def input_shape(self) -> list[int]:
+        return [1, 28, 28]
+
+    @property
+    def num_classes(self) -> int:
+        return 10
+
 
 @dataclass
 class SyntheticDataConfig(DataConfig):
@@ -64,6 +72,10 @@ class SyntheticDataConfig(DataConfig):
     shape: list[int] = field(default_factory=lambda: [1, 28, 28])
     num_classes: int = 10
     noise: float = 1.0  # std of the noise around each class prototype
+
+    @property
+    def input_shape(self) -> list[int]:
+        return list(self.shape)
 
 
 # --- parallel ----------------------------------------------------------------------------

@@ -53,8 +53,8 @@ def detect() -> InPlace | None:
                        _int("LOCAL_WORLD_SIZE", world))
     if (_int("SLURM_NTASKS") or 1) > 1 and "SLURM_PROCID" in os.environ:
         world = _int("SLURM_NTASKS")
-        per_node = _int("SLURM_NTASKS_PER_NODE") if os.environ.get(
-            "SLURM_NTASKS_PER_NODE", "").isdigit() else world // (_int("SLURM_NNODES") or 1)
+        per_node = os.environ.get("SLURM_NTASKS_PER_NODE", "")  # e.g. "4", or "4(x2)"
+        per_node = int(per_node) if per_node.isdigit() else world // (_int("SLURM_NNODES") or 1)
         return InPlace("slurm", _int("SLURM_PROCID"), _int("SLURM_LOCALID", 0), world, per_node)
     if _int("OMPI_COMM_WORLD_SIZE") is not None:
         world = _int("OMPI_COMM_WORLD_SIZE")

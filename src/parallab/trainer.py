@@ -77,6 +77,7 @@ class Trainer:
         self.epoch_steps = 0
         self.last_train_loss = math.nan
         self.eval_metrics: dict[str, float] = {}
+        self.eval_step = -1  # the step eval_metrics were measured at
 
         steps = cfg.epochs * len(data.train)
         self.total_steps = min(steps, cfg.max_steps) if cfg.max_steps else steps
@@ -97,9 +98,9 @@ class Trainer:
             while self.epoch < self.cfg.epochs and not self.done():
                 self.train_epoch(progress)
                 self.epoch += 1
-                if self.epoch % self.cfg.eval_every_n_epochs == 0 or self.done():
+                if self.epoch % self.cfg.eval_every_n_epochs == 0:
                     self.run_eval()
-        if not self.eval_metrics:  # epochs=0, or no eval on the last epoch
+        if self.eval_step != self.step or not self.eval_metrics:  # final weights unscored
             self.run_eval()
         return self.summary()
 
@@ -157,6 +158,7 @@ class Trainer:
 
     def run_eval(self) -> None:
         self.eval_metrics = evaluate(self.eval_model, self.data.eval, self.dist, self.precision)
+        self.eval_step = self.step
         self.logger.scalars({"eval/loss": self.eval_metrics["eval_loss"],
                              "eval/accuracy": self.eval_metrics["eval_accuracy"]}, self.step)
         if self.dist.is_main:

@@ -58,8 +58,7 @@ def check_model_fits_data(cfg: Config) -> None:
     from parallab.models import MODELS
 
     shape = list(MODELS[cfg.model.name].input_shape)
-    data_shape = [1, 28, 28] if cfg.data.name == "mnist" else list(cfg.data.shape)
-    classes = 10 if cfg.data.name == "mnist" else cfg.data.num_classes
+    data_shape, classes = cfg.data.input_shape, cfg.data.num_classes
     _require(data_shape == shape, f"data.shape={data_shape} does not fit model={cfg.model.name},"
              f" which takes inputs of shape {shape}: set data.shape={shape}")
     _require(cfg.model.num_classes >= classes,
@@ -89,8 +88,9 @@ def resolve_parallel(cfg: Config, in_place: InPlace | None) -> None:
     p = cfg.parallel
     gpus = torch.cuda.device_count() if cfg.device is Device.cuda else 0
     if in_place is not None:
-        _require(p.name == "ddp", f"parallel={p.name} runs one process, but {in_place.launcher} "
-                 f"started {in_place.world_size}: use parallel=ddp or launch one process")
+        _require(p.name == "ddp" or in_place.world_size == 1, f"parallel={p.name} runs one "
+                 f"process, but {in_place.launcher} started {in_place.world_size}: use "
+                 "parallel=ddp or launch one process")
         p.world_size, p.nnodes = in_place.world_size, in_place.nnodes
     elif p.world_size is None:
         p.world_size = gpus or (2 if p.name == "ddp" else 1)
