@@ -21,4 +21,6 @@ class Split:
         """A batch of raw inputs as normalised float32, on whatever device it already is."""
         if inputs.dtype != torch.uint8:
             return inputs
-        return inputs.float().mul_(1.0 / (255.0 * self.std)).sub_(self.mean / self.std)
+        # one fused pass: -mean/std + x / (255 std), the uint8 promoted to float32 on the way
+        shift = torch.tensor(-self.mean / self.std, device=inputs.device)
+        return torch.add(shift, inputs, alpha=1.0 / (255.0 * self.std))
