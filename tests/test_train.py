@@ -140,3 +140,12 @@ def test_final_metrics_score_the_final_weights(train):
     assert evaluated_at == [20, 30]  # after epoch 2, then the last epoch's weights
     assert read_metrics(run_dir)["eval_accuracy"] == pytest.approx(
         scalars(run_dir, "eval/accuracy")[-1][1])
+
+
+@pytest.mark.slow
+def test_progress_bar_replaces_console_lines_but_not_the_log_file(train):
+    result, run_dir = train(*FAST, "trainer.progress_bar=true", "trainer.max_steps=20")
+    assert_ok(result)
+    assert "20/20" in result.stderr and "step/s" in result.stderr  # tqdm's bar
+    assert "epoch 1 step 20/20" not in output(result)
+    assert "epoch 1 step 20/20" in (run_dir / "train.log").read_text()
