@@ -128,3 +128,15 @@ def test_shell_completion_offers_group_options():
                        env={"COMP_LINE": "python train.py parallel=", "COMP_POINT": "99"})
     assert result.returncode == 0, output(result)
     assert "parallel=ddp" in result.stdout and "parallel=none" in result.stdout
+
+
+def test_download_that_cannot_connect_names_root_and_files(tmp_path, monkeypatch):
+    from torchvision.datasets import MNIST
+
+    monkeypatch.setattr(MNIST, "mirrors", ["http://127.0.0.1:9/"])  # nothing listens there
+    cfg = typed(f"data.root={tmp_path}", "data.download=true", "device=cpu")
+    with pytest.raises(validate.ConfigError) as error:
+        validate.prepare(cfg, in_place=None)
+    text = str(error.value)
+    assert f"data.root={tmp_path}" in text and "train-images-idx3-ubyte" in text
+    assert "data.download=true" in text and "\n" not in text

@@ -133,10 +133,11 @@ def check_data(cfg: Config) -> None:
         try:
             mnist.download(cfg.data.root)
         except Exception as error:  # offline, mirror down, disk full: say so in one line
-            raise ConfigError(f"data.download=true but fetching MNIST into "
-                              f"data.root={cfg.data.root} failed ({type(error).__name__}: "
-                              f"{str(error).splitlines()[0] if str(error) else ''}): put the "
-                              f"files there by hand") from None
+            reason = (str(error).splitlines() or [""])[0]
+            raise ConfigError(f"data.root={cfg.data.root} has no MNIST files {missing} under "
+                              f"MNIST/raw/ and data.download=true could not fetch them "
+                              f"({type(error).__name__}: {reason}): copy them there by "
+                              "hand") from None
         missing = mnist.missing_files(cfg.data.root)
     _require(not missing, f"data.root={cfg.data.root} has no MNIST files {missing} under "
              f"MNIST/raw/ (gzipped or not): copy them there, point data.root at them, or set "
