@@ -108,7 +108,7 @@ class DPConfig(ParallelConfig):
 # --- precision, backend, optim, trainer -------------------------------------------------
 @dataclass
 class PrecisionConfig:
-    name: str = "fp32"
+    name: str = "fp32"  # fp32 | amp | bf16 | fp16
     tf32: bool = False  # TF32 matmul/cuDNN on CUDA (Tensor Cores for fp32 models)
 
 
@@ -150,6 +150,12 @@ class TrainerConfig:
     eval_every_n_epochs: int = 1
     warmup_steps: int = 5  # steps left out of throughput figures
     progress_bar: Optional[bool] = None  # null = only on an interactive terminal
+    accumulate_grad_batches: int = 1  # micro-batches per optimizer step
+    clip_grad_norm: Optional[float] = None  # max global gradient norm
+    channels_last: bool = False  # NHWC memory format for conv models
+    compile: bool = False  # torch.compile the model
+    compile_mode: Optional[str] = None  # default | reduce-overhead | max-autotune...
+    profile: bool = False  # torch.profiler trace of a few steps into the run dir
 
 
 @dataclass
@@ -174,7 +180,7 @@ SCHEMAS: dict[str, dict[str, type]] = {
     "model": {"mnist_cnn": MnistCnnConfig},
     "data": {"mnist": MnistDataConfig, "synthetic": SyntheticDataConfig},
     "parallel": {"none": ParallelConfig, "ddp": DDPConfig, "dp": DPConfig},
-    "precision": {"fp32": PrecisionConfig},
+    "precision": {"default": PrecisionConfig},
     "backend": {"default": BackendConfig},
     "optim": {"sgd": SGDConfig, "adam": AdamConfig, "adamw": AdamWConfig},
     "trainer": {"default": TrainerConfig},

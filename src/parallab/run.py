@@ -13,7 +13,7 @@ import torch
 from omegaconf import OmegaConf
 
 from parallab import checkpoint, distributed, launch
-from parallab.config import Config
+from parallab.config import Config, TrainerConfig
 from parallab.data import build_data
 from parallab.logger import RunLogger
 from parallab.models import build_model
@@ -45,11 +45,25 @@ def hparams(spec: RunSpec, metrics: dict[str, Any]) -> dict[str, Any]:
         "data.batch_size": cfg.data.batch_size, "optim.lr": cfg.optim.lr,
         "world_size": metrics["world_size"], "global_batch_size": metrics["global_batch_size"],
         "precision_dtype": metrics["precision_dtype"], "seed": cfg.seed,
+        "precision.tf32": cfg.precision.tf32, "trainer.compile": cfg.trainer.compile,
+        "trainer.channels_last": cfg.trainer.channels_last,
+        "trainer.accumulate_grad_batches": cfg.trainer.accumulate_grad_batches,
+        "trainer.clip_grad_norm": cfg.trainer.clip_grad_norm or 0.0,
     }
     for override in spec.overrides:
         key, _, value = override.partition("=")
         values.setdefault(key.lstrip("+~"), value)
     return {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in values.items()}
+
+
+def speed_up(model: torch.nn.Module, cfg: TrainerConfig) -> torch.nn.Module:
+    """Memory format, then compilation, before any parallel wrapper (as torchtitan orders
+    them); Module.compile keeps the state_dict keys unprefixed, so checkpoints load anywhere."""
+    if cfg.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    if cfg.compile:
+        model.compile(mode=cfg.compile_mode)
+    return model
 
 
 def train(spec: RunSpec) -> dict[str, Any]:
@@ -67,12 +81,12 @@ def train(spec: RunSpec) -> dict[str, Any]:
         model = build_model(cfg.model)  # identical initial weights on every rank
         torch.manual_seed(cfg.seed + dist.rank)  # dropout masks differ between ranks
         strategy = strategy_cls(cfg.parallel, dist)
-        model = strategy.wrap(model)
+        model = strategy.wrap(speed_up(model, cfg.trainer))
         data = build_data(cfg.data, dist, cfg.seed, batch_scale=strategy.devices_per_process)
         optimizer = build_optimizer(cfg.optim, model.parameters())
         precision = Precision(cfg.precision, dist.device)
-        trainer = Trainer(cfg.trainer, model, strategy.unwrap(model), optimizer, precision,
-                          data, dist, logger)
+        trainer = Trainer(cfg.trainer, model, strategy, optimizer, precision, data, dist,
+                          logger)
         logger.config(cfg)
         metrics = trainer.fit()
         metrics.update(wall_time_s=time.time() - spec.started,

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import resource
 import statistics
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -18,10 +19,12 @@ from parallab.data import Data
 from parallab.data.loaders import ShardLoader
 from parallab.distributed import Dist
 from parallab.logger import RunLogger
+from parallab.parallel.base import Strategy
 from parallab.precision import Precision
 from parallab.progress import Progress
 
 log = logging.getLogger(__name__)
+Batch = tuple[torch.Tensor, torch.Tensor]
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -54,13 +57,26 @@ def evaluate(model: nn.Module, loader: ShardLoader, dist: Dist,
     return {"eval_loss": loss / count, "eval_accuracy": correct / count}
 
 
+def micro_batches(loader: ShardLoader, size: int) -> Iterator[list[Batch]]:
+    """The loader's batches in groups of `size` (the last group may be shorter)."""
+    group: list[Batch] = []
+    for batch in loader:
+        group.append(batch)
+        if len(group) == size:
+            yield group
+            group = []
+    if group:
+        yield group
+
+
 class Trainer:
-    def __init__(self, cfg: TrainerConfig, model: nn.Module, eval_model: nn.Module,
+    def __init__(self, cfg: TrainerConfig, model: nn.Module, strategy: Strategy,
                  optimizer: torch.optim.Optimizer, precision: Precision, data: Data,
                  dist: Dist, logger: RunLogger):
         self.cfg = cfg
         self.model = model
-        self.eval_model = eval_model  # the same weights, without the wrapper's collectives
+        self.strategy = strategy
+        self.eval_model = strategy.unwrap(model)  # same weights, no wrapper's collectives
         self.optimizer = optimizer
         self.precision = precision
         self.data = data
@@ -78,23 +94,39 @@ class Trainer:
         self.last_train_loss = math.nan
         self.eval_metrics: dict[str, float] = {}
         self.eval_step = -1  # the step eval_metrics were measured at
+        self.profiler = None  # a torch.profiler.profile while trainer.profile is on
 
-        steps = cfg.epochs * len(data.train)
+        self.steps_per_epoch = math.ceil(len(data.train) / cfg.accumulate_grad_batches)
+        steps = cfg.epochs * self.steps_per_epoch
         self.total_steps = min(steps, cfg.max_steps) if cfg.max_steps else steps
 
     def done(self) -> bool:
         return self.step >= self.total_steps
 
-    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        with self.precision.autocast():
-            loss = F.cross_entropy(self.model(inputs), targets)
+    def train_step(self, batches: list[Batch]) -> torch.Tensor:
+        """One optimizer step over `batches` (gradient accumulation when more than one);
+        returns the mean loss, detached."""
+        total = torch.zeros((), device=self.dist.device)
+        for index, (inputs, targets) in enumerate(batches):
+            if self.cfg.channels_last and inputs.dim() == 4:
+                inputs = inputs.contiguous(memory_format=torch.channels_last)
+            last = index == len(batches) - 1
+            # reduce gradients across ranks once per step, on its last micro-batch
+            with contextlib.nullcontext() if last else self.strategy.no_sync(self.model):
+                with self.precision.autocast():
+                    loss = F.cross_entropy(self.model(inputs), targets) / len(batches)
+                self.precision.backward(loss)
+            total += loss.detach()
+        if self.cfg.clip_grad_norm is not None:
+            self.precision.unscale_(self.optimizer)
+            nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.clip_grad_norm)
+        self.precision.step(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        self.optimizer.step()
-        return loss.detach()
+        return total
 
     def fit(self) -> dict[str, Any]:
-        with Progress(self.total_steps, self.dist.is_main, self.cfg.progress_bar) as progress:
+        with Progress(self.total_steps, self.dist.is_main, self.cfg.progress_bar) as progress, \
+                self.profiling():
             while self.epoch < self.cfg.epochs and not self.done():
                 self.train_epoch(progress)
                 self.epoch += 1
@@ -104,6 +136,29 @@ class Trainer:
             self.run_eval()
         return self.summary()
 
+    @contextlib.contextmanager
+    def profiling(self) -> Iterator[None]:
+        """trainer.profile: torch.profiler over steps 3-5 (after one to wait, one to warm up),
+        one Chrome trace per rank in <run dir>/profiler/."""
+        if not self.cfg.profile:
+            yield
+            return
+        from torch.profiler import (ProfilerActivity, profile, schedule,
+                                    tensorboard_trace_handler)
+
+        activities = [ProfilerActivity.CPU]
+        if self.dist.device.type == "cuda":
+            activities.append(ProfilerActivity.CUDA)
+        trace_dir = self.logger.run_dir / "profiler"
+        with profile(activities=activities, schedule=schedule(wait=1, warmup=1, active=3, repeat=1),
+                     on_trace_ready=tensorboard_trace_handler(
+                         str(trace_dir), worker_name=f"rank{self.dist.rank}")) as profiler:
+            self.profiler = profiler
+            yield
+        self.profiler = None
+        if self.dist.is_main:
+            log.info("profiler trace written to %s", trace_dir)
+
     def train_epoch(self, progress: Progress) -> None:
         loader = self.data.train
         loader.set_epoch(self.epoch)
@@ -111,15 +166,17 @@ class Trainer:
         self.epoch_loss, self.epoch_steps = 0.0, 0
         world = self.dist.world_size
         start = tick = time.perf_counter()
-        for inputs, targets in loader:
-            self.window_loss += self.train_step(inputs, targets)
+        for batches in micro_batches(loader, self.cfg.accumulate_grad_batches):
+            self.window_loss += self.train_step(batches)
             self.step += 1
             self.window_steps += 1
             now = time.perf_counter()
             self.step_times.append(now - tick)
             tick = now
             if self.step > self.cfg.warmup_steps:
-                self.measured_samples += len(targets) * world
+                self.measured_samples += sum(len(targets) for _, targets in batches) * world
+            if self.profiler is not None:
+                self.profiler.step()
             progress.update()
             if self.step % self.cfg.log_every_n_steps == 0 or self.done():
                 self.log_window(progress)
@@ -154,7 +211,9 @@ class Trainer:
 
     @property
     def global_batch_size(self) -> int:
-        return self.data.train.batch_size * self.dist.world_size
+        """Samples per optimizer step, over all ranks."""
+        return (self.data.train.batch_size * self.cfg.accumulate_grad_batches
+                * self.dist.world_size)
 
     def run_eval(self) -> None:
         self.eval_metrics = evaluate(self.eval_model, self.data.eval, self.dist, self.precision)
@@ -181,4 +240,5 @@ class Trainer:
 
     def state_dict(self) -> dict[str, Any]:
         return {"step": self.step, "epoch": self.epoch,
-                "optimizer": self.optimizer.state_dict()}
+                "optimizer": self.optimizer.state_dict(),
+                "grad_scaler": self.precision.state_dict()}

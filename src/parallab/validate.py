@@ -41,6 +41,13 @@ def check_values(cfg: Config) -> None:
     _at_least("parallel.nnodes", p.nnodes, 1)
     _at_least("parallel.threads_per_worker", p.threads_per_worker, 1, optional=True)
     _at_least("parallel.max_restarts", p.max_restarts, 0)
+    _at_least("trainer.accumulate_grad_batches", t.accumulate_grad_batches, 1)
+    _require(t.clip_grad_norm is None or t.clip_grad_norm > 0,
+             f"trainer.clip_grad_norm={t.clip_grad_norm} is out of range: it must be > 0 (or "
+             "null for no clipping)")
+    _require(cfg.precision.name in ("fp32", "amp", "bf16", "fp16"),
+             f"precision.name={cfg.precision.name} is unknown: use precision=fp32, amp, bf16 "
+             "or fp16")
     _require(cfg.optim.lr > 0, f"optim.lr={cfg.optim.lr} is out of range: it must be > 0")
     _at_least("optim.weight_decay", cfg.optim.weight_decay, 0.0)
     _require(cfg.backend.timeout_s > 0,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from torch import nn
 
 from parallab.distributed import Dist
@@ -28,3 +30,7 @@ class Strategy:
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The plain module: what checkpoints hold and what evaluation runs."""
         return model
+
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        """Where gradients are reduced across ranks: skip it for an accumulation micro-step."""
+        return contextlib.nullcontext()

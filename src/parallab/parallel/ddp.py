@@ -23,3 +23,6 @@ class DDPStrategy(Strategy):
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model.module
+
+    def no_sync(self, model: nn.Module):
+        return model.no_sync()

@@ -1,0 +1,167 @@
+"""Precision modes, loss scaling, accumulation, clipping, memory format, compile, profiler."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import FAST, assert_ok, output, read_metrics, scalars
+from parallab.config import PrecisionConfig
+from parallab.precision import Precision, compute_dtype
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("name,device,dtype", [
+    ("fp32", "cpu", torch.float32), ("bf16", "cpu", torch.bfloat16),
+    ("fp16", "cpu", torch.float16), ("amp", "cpu", torch.bfloat16),
+    ("amp", "cuda", torch.float16), ("bf16", "cuda", torch.bfloat16),
+])
+def test_each_mode_computes_in_its_dtype(name, device, dtype):
+    assert compute_dtype(name, device) == dtype
+
+
+@pytest.mark.parametrize("name,scaled", [("fp32", False), ("bf16", False), ("amp", False),
+                                         ("fp16", True)])
+def test_a_grad_scaler_runs_exactly_where_the_dtype_is_float16(name, scaled):
+    precision = Precision(PrecisionConfig(name=name), CPU)
+    assert precision.scaler.is_enabled() == scaled
+    with precision.autocast():
+        out = nn.Linear(4, 4)(torch.randn(2, 4))
+    assert out.dtype == precision.dtype
+
+
+def test_an_inf_gradient_skips_the_step_lowers_the_scale_and_training_goes_on():
+    torch.manual_seed(0)
+    model = nn.Linear(8, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    precision = Precision(PrecisionConfig(name="fp16"), CPU)
+    inputs, targets = torch.randn(16, 8), torch.randint(2, (16,))
+
+    def step(poison: bool) -> None:
+        with precision.autocast():
+            loss = nn.functional.cross_entropy(model(inputs), targets)
+        precision.backward(loss)
+        if poison:
+            model.weight.grad[0, 0] = float("inf")
+        precision.step(optimizer)
+        optimizer.zero_grad()
+
+    before, scale = model.weight.detach().clone(), precision.scaler.get_scale()
+    step(poison=True)
+    assert torch.equal(model.weight, before)  # the step was skipped
+    assert precision.scaler.get_scale() < scale  # and the scale lowered
+    step(poison=False)
+    assert not torch.equal(model.weight, before)  # the next one trains
+    assert precision.state_dict()["scale"] == precision.scaler.get_scale()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode,dtype", [("amp", "bfloat16"), ("bf16", "bfloat16"),
+                                        ("fp16", "float16")])
+def test_each_precision_trains_end_to_end(train, mode, dtype):
+    result, run_dir = train(*FAST, f"precision={mode}", "trainer.max_steps=20")
+    assert_ok(result)
+    metrics = read_metrics(run_dir)
+    assert metrics["precision_dtype"] == dtype
+    loss = [value for _, value in scalars(run_dir, "train/loss")]
+    assert loss[-1] < loss[0]
+    state = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
+    assert ("scale" in state["grad_scaler"]) == (dtype == "float16")
+    if mode == "fp16":
+        assert "precision=fp16 computes in float16 on CPU" in output(result)
+
+
+@pytest.mark.slow
+def test_accumulating_two_half_batches_equals_one_full_batch(train):
+    common = [*FAST, "model.dropout=0", "trainer.max_steps=12", "trainer.log_every_n_steps=1"]
+    full, full_dir = train(*common, "data.batch_size=64", name="full")
+    halves, halves_dir = train(*common, "data.batch_size=32",
+                               "trainer.accumulate_grad_batches=2", name="halves")
+    assert_ok(full)
+    assert_ok(halves)
+    assert read_metrics(halves_dir)["global_batch_size"] == 64
+    for (s1, a), (s2, b) in zip(scalars(full_dir, "train/loss"),
+                                scalars(halves_dir, "train/loss"), strict=True):
+        assert s1 == s2 and b == pytest.approx(a, rel=1e-4, abs=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_ddp_with_accumulation_matches_one_process(train):
+    common = [*FAST, "model.dropout=0", "trainer.max_steps=10", "trainer.log_every_n_steps=1"]
+    single, single_dir = train(*common, "data.batch_size=64", name="single")
+    ddp, ddp_dir = train(*common, "data.batch_size=16", "trainer.accumulate_grad_batches=2",
+                         "parallel=ddp", "parallel.world_size=2", name="ddp")
+    assert_ok(single)
+    assert_ok(ddp)
+    for (_, a), (_, b) in zip(scalars(single_dir, "train/loss"), scalars(ddp_dir, "train/loss"),
+                              strict=True):
+        assert b == pytest.approx(a, rel=1e-4, abs=1e-5)
+
+
+@pytest.mark.slow
+def test_clipping_bounds_each_update(train):
+    """With plain SGD at lr 1, an update is the clipped gradient: its norm is at most 1e-3."""
+    args = [*FAST, "optim.lr=1.0", "optim.momentum=0", "trainer.max_steps=3",
+            "trainer.clip_grad_norm=0.001"]
+    result, run_dir = train(*args, "trainer.epochs=1", name="clipped")
+    assert_ok(result)
+    base, base_dir = train(*args, "trainer.max_steps=1", name="start")  # weights after 1 step
+    assert_ok(base)
+    start = torch.load(base_dir / "checkpoints" / "last.pt", weights_only=True)["model"]
+    end = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["model"]
+    moved = torch.sqrt(sum(((end[k] - start[k]) ** 2).sum() for k in start))
+    assert 0 < moved <= 2 * 0.001 * 1.0001  # two more clipped steps
+
+
+@pytest.mark.slow
+def test_channels_last_trains_the_same_model(train):
+    common = [*FAST, "trainer.max_steps=10", "trainer.log_every_n_steps=1"]
+    plain, plain_dir = train(*common, name="plain")
+    nhwc, nhwc_dir = train(*common, "trainer.channels_last=true", name="nhwc")
+    assert_ok(plain)
+    assert_ok(nhwc)
+    for (_, a), (_, b) in zip(scalars(plain_dir, "train/loss"), scalars(nhwc_dir, "train/loss"),
+                              strict=True):
+        assert b == pytest.approx(a, rel=1e-3)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_compile_works_on_cpu_under_ddp(train):
+    result, run_dir = train(*FAST, "trainer.compile=true", "parallel=ddp",
+                            "parallel.world_size=2", "trainer.max_steps=8", timeout=600)
+    assert_ok(result)
+    assert read_metrics(run_dir)["steps"] == 8
+    state = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
+    assert "conv1.weight" in state["model"]  # no _orig_mod. prefix: loads into a plain model
+
+
+@pytest.mark.slow
+def test_profiler_writes_one_chrome_trace_and_the_run_is_unchanged_in_kind(train):
+    result, run_dir = train(*FAST, "trainer.profile=true", "trainer.max_steps=10")
+    assert_ok(result)
+    traces = list((run_dir / "profiler").glob("rank0.*.pt.trace.json"))
+    assert len(traces) == 1
+    assert json.loads(traces[0].read_text())["traceEvents"]
+    plain, plain_dir = train(*FAST, "trainer.max_steps=10", name="plain")
+    assert_ok(plain)
+    assert set(read_metrics(run_dir)) == set(read_metrics(plain_dir))
+
+
+@pytest.mark.slow
+def test_switches_show_in_hparams(train):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    result, run_dir = train(*FAST, "precision=bf16", "trainer.max_steps=3")
+    assert_ok(result)
+    events = EventAccumulator(str(run_dir))
+    events.Reload()
+    start = events.PluginTagToContent("hparams")["_hparams_/session_start_info"]
+    for key in (b"precision", b"precision.tf32", b"trainer.compile", b"trainer.channels_last",
+                b"trainer.accumulate_grad_batches", b"trainer.clip_grad_norm", b"bfloat16"):
+        assert key in start
