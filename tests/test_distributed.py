@@ -120,10 +120,10 @@ import parallab.trainer as trainer
 
 step = trainer.Trainer.train_step
 
-def failing_step(self, inputs, targets):
+def failing_step(self, batches):
     if self.step == 3 and os.environ.get("RANK") == "1":
         {action}
-    return step(self, inputs, targets)
+    return step(self, batches)
 
 trainer.Trainer.train_step = failing_step
 """
