@@ -81,6 +81,10 @@ def test_auto_values_resolve_for_cpu():
     (["data=synthetic", "data.train_size=0"], "data.train_size=0"),
     (["data.root=/nonexistent/mnist"], "data.root=/nonexistent/mnist"),
     (["seed=-1"], "seed=-1"),
+    (["trainer.quantize=int4"], "trainer.quantize=int4"),
+    (["trainer.accumulate_grad_batches=0"], "trainer.accumulate_grad_batches=0"),
+    (["trainer.clip_grad_norm=0"], "trainer.clip_grad_norm=0"),
+    (["precision.name=fp8"], "precision.name=fp8"),
 ])
 def test_bad_values_fail_naming_the_key(overrides, message):
     with pytest.raises(validate.ConfigError) as error:

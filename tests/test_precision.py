@@ -165,3 +165,16 @@ def test_switches_show_in_hparams(train):
     for key in (b"precision", b"precision.tf32", b"trainer.compile", b"trainer.channels_last",
                 b"trainer.accumulate_grad_batches", b"trainer.clip_grad_norm", b"bfloat16"):
         assert key in start
+
+
+@pytest.mark.slow
+def test_dynamic_int8_quantization_reports_sizes_and_accuracies(train):
+    result, run_dir = train("trainer.max_steps=300", "trainer.quantize=dynamic_int8")
+    assert_ok(result)
+    metrics = read_metrics(run_dir)
+    assert metrics["quantized_size_mb"] < metrics["model_size_mb"]
+    assert metrics["eval_accuracy"] > 0.8
+    assert abs(metrics["quantized_eval_accuracy"] - metrics["eval_accuracy"]) < 0.01
+    for tag in ("quantize/model_size_mb", "quantize/quantized_size_mb",
+                "quantize/quantized_eval_accuracy", "quantize/quantized_eval_loss"):
+        assert scalars(run_dir, tag), tag

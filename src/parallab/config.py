@@ -156,6 +156,7 @@ class TrainerConfig:
     compile: bool = False  # torch.compile the model
     compile_mode: Optional[str] = None  # default | reduce-overhead | max-autotune...
     profile: bool = False  # torch.profiler trace of a few steps into the run dir
+    quantize: Optional[str] = None  # dynamic_int8: quantize Linear layers after training
 
 
 @dataclass

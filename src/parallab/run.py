@@ -49,6 +49,7 @@ def hparams(spec: RunSpec, metrics: dict[str, Any]) -> dict[str, Any]:
         "trainer.channels_last": cfg.trainer.channels_last,
         "trainer.accumulate_grad_batches": cfg.trainer.accumulate_grad_batches,
         "trainer.clip_grad_norm": cfg.trainer.clip_grad_norm or 0.0,
+        "trainer.quantize": cfg.trainer.quantize or "none",
     }
     for override in spec.overrides:
         key, _, value = override.partition("=")

@@ -36,14 +36,14 @@ def peak_memory_mb(device: torch.device) -> float:
 
 @torch.no_grad()
 def evaluate(model: nn.Module, loader: ShardLoader, dist: Dist,
-             precision: Precision) -> dict[str, float]:
+             precision: Precision | None) -> dict[str, float]:
     """Loss and accuracy over the whole split: each sample counted once, summed over ranks."""
     was_training = model.training
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=dist.device)  # loss, correct, count
     remaining = loader.num_valid  # the rest of this rank's shard is sampler padding
     for inputs, targets in loader:
-        with precision.autocast():
+        with precision.autocast() if precision else contextlib.nullcontext():
             output = model(inputs)
         n = min(len(targets), remaining)
         remaining -= n
@@ -134,7 +134,10 @@ class Trainer:
                     self.run_eval()
         if self.eval_step != self.step or not self.eval_metrics:  # final weights unscored
             self.run_eval()
-        return self.summary()
+        summary = self.summary()
+        if self.cfg.quantize:
+            summary.update(self.quantized_summary())
+        return summary
 
     @contextlib.contextmanager
     def profiling(self) -> Iterator[None]:
@@ -237,6 +240,25 @@ class Trainer:
             "global_batch_size": self.global_batch_size,
             "peak_memory_mb": peak_memory_mb(self.dist.device),
         }
+
+    def quantized_summary(self) -> dict[str, float]:
+        """trainer.quantize: sizes and eval figures of the model before and after."""
+        from parallab import quantize
+
+        model = self.eval_model
+        quantized = quantize.dynamic_int8(model)
+        metrics = evaluate(quantized, self.data.eval, self.dist, precision=None)
+        summary = {"model_size_mb": quantize.serialized_mb(model),
+                   "quantized_size_mb": quantize.serialized_mb(quantized),
+                   "quantized_eval_loss": metrics["eval_loss"],
+                   "quantized_eval_accuracy": metrics["eval_accuracy"]}
+        self.logger.scalars({f"quantize/{k}": v for k, v in summary.items()}, self.step)
+        if self.dist.is_main:
+            log.info("%s: %.3f MB -> %.3f MB, eval accuracy %.2f%% -> %.2f%%",
+                     self.cfg.quantize, summary["model_size_mb"], summary["quantized_size_mb"],
+                     100 * self.eval_metrics["eval_accuracy"],
+                     100 * summary["quantized_eval_accuracy"])
+        return summary
 
     def state_dict(self) -> dict[str, Any]:
         return {"step": self.step, "epoch": self.epoch,

@@ -48,6 +48,13 @@ def check_values(cfg: Config) -> None:
     _require(cfg.precision.name in ("fp32", "amp", "bf16", "fp16"),
              f"precision.name={cfg.precision.name} is unknown: use precision=fp32, amp, bf16 "
              "or fp16")
+    if t.quantize is not None:
+        from parallab import quantize
+
+        _require(t.quantize in quantize.METHODS, f"trainer.quantize={t.quantize} is unknown: "
+                 f"use one of {', '.join(quantize.METHODS)} (or null)")
+        _require(quantize.available(), f"trainer.quantize={t.quantize} needs torchao: "
+                 "pip install 'parallab[quantize]'")
     _require(cfg.optim.lr > 0, f"optim.lr={cfg.optim.lr} is out of range: it must be > 0")
     _at_least("optim.weight_decay", cfg.optim.weight_decay, 0.0)
     _require(cfg.backend.timeout_s > 0,
