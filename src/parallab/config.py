@@ -157,6 +157,8 @@ class TrainerConfig:
     compile_mode: Optional[str] = None  # default | reduce-overhead | max-autotune...
     profile: bool = False  # torch.profiler trace of a few steps into the run dir
     quantize: Optional[str] = None  # dynamic_int8: quantize Linear layers after training
+    auto_batch_size: bool = False  # double data.batch_size while it fits and pays
+    max_memory_mb: Optional[float] = None  # the finder's memory budget per rank
 
 
 @dataclass

@@ -29,8 +29,14 @@ class Dist:
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum `tensor` over all ranks in place (a no-op without a process group)."""
+        return self._all_reduce(tensor, dist.ReduceOp.SUM)
+
+    def all_reduce_min(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self._all_reduce(tensor, dist.ReduceOp.MIN)
+
+    def _all_reduce(self, tensor: torch.Tensor, op) -> torch.Tensor:
         if self.backend is not None and self.world_size > 1:
-            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+            dist.all_reduce(tensor, op=op)
         return tensor
 
 

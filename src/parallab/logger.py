@@ -29,9 +29,12 @@ class RunLogger:
             for tag, value in values.items():
                 self.writer.add_scalar(tag, value, step)
 
-    def config(self, cfg: Any) -> None:
+    def text(self, tag: str, markdown: str) -> None:
         if self.writer:
-            self.writer.add_text("config", f"```yaml\n{config_yaml(cfg)}\n```", 0)
+            self.writer.add_text(tag, markdown, 0)
+
+    def config(self, cfg: Any) -> None:
+        self.text("config", f"```yaml\n{config_yaml(cfg)}\n```")
 
     def finish(self, metrics: dict[str, Any], hparams: dict[str, Any], step: int) -> None:
         """metrics.json, and hparams against the final figures for TensorBoard's HParams tab."""

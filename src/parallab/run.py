@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from parallab import checkpoint, distributed, launch
+from parallab import batch_size, checkpoint, distributed, launch
 from parallab.config import Config, TrainerConfig
 from parallab.data import build_data
 from parallab.logger import RunLogger
@@ -50,6 +50,7 @@ def hparams(spec: RunSpec, metrics: dict[str, Any]) -> dict[str, Any]:
         "trainer.accumulate_grad_batches": cfg.trainer.accumulate_grad_batches,
         "trainer.clip_grad_norm": cfg.trainer.clip_grad_norm or 0.0,
         "trainer.quantize": cfg.trainer.quantize or "none",
+        "trainer.auto_batch_size": cfg.trainer.auto_batch_size,
     }
     for override in spec.overrides:
         key, _, value = override.partition("=")
@@ -65,6 +66,18 @@ def speed_up(model: torch.nn.Module, cfg: TrainerConfig) -> torch.nn.Module:
     if cfg.compile:
         model.compile(mode=cfg.compile_mode)
     return model
+
+
+def tune_batch_size(module, optimizer, precision, data, dist, cfg: TrainerConfig,
+                    logger: RunLogger):
+    """trainer.auto_batch_size: the training loader at the size the finder chose."""
+    size, trials = batch_size.find_batch_size(module, optimizer, precision, data.train, dist,
+                                              cfg.max_memory_mb)
+    report = batch_size.table(trials, size)
+    logger.text("batch_size_finder", report)
+    if dist.is_main:
+        log.info("batch-size finder chose %d per rank:\n%s", size, report)
+    return data.train.resized(size)
 
 
 def train(spec: RunSpec) -> dict[str, Any]:
@@ -86,6 +99,9 @@ def train(spec: RunSpec) -> dict[str, Any]:
         data = build_data(cfg.data, dist, cfg.seed, batch_scale=strategy.devices_per_process)
         optimizer = build_optimizer(cfg.optim, model.parameters())
         precision = Precision(cfg.precision, dist.device)
+        if cfg.trainer.auto_batch_size:
+            data.train = tune_batch_size(strategy.unwrap(model), optimizer, precision, data,
+                                         dist, cfg.trainer, logger)
         trainer = Trainer(cfg.trainer, model, strategy, optimizer, precision, data, dist,
                           logger)
         logger.config(cfg)

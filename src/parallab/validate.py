@@ -48,6 +48,8 @@ def check_values(cfg: Config) -> None:
     _require(cfg.precision.name in ("fp32", "amp", "bf16", "fp16"),
              f"precision.name={cfg.precision.name} is unknown: use precision=fp32, amp, bf16 "
              "or fp16")
+    _require(t.max_memory_mb is None or t.max_memory_mb > 0, f"trainer.max_memory_mb="
+             f"{t.max_memory_mb} is out of range: it must be > 0 (or null for no budget)")
     if t.quantize is not None:
         from parallab import quantize
 

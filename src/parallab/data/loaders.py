@@ -54,6 +54,7 @@ class ShardLoader:
     def __init__(self, split: Split, dist: Dist, batch_size: int, shuffle: bool, seed: int):
         self.split = split
         self.batch_size = batch_size
+        self.dist, self.shuffle, self.seed = dist, shuffle, seed
         self.device = dist.device
         self.sampler = ShardSampler(len(split), dist.rank, dist.world_size, shuffle, seed)
         self.num_valid = len(range(dist.rank, len(split), dist.world_size))
@@ -63,6 +64,10 @@ class ShardLoader:
 
     def __len__(self) -> int:
         return math.ceil(len(self.sampler) / self.batch_size)
+
+    def resized(self, batch_size: int) -> ShardLoader:
+        """The same shard in batches of another size."""
+        return type(self)(self.split, self.dist, batch_size, self.shuffle, self.seed)
 
 
 class MemoryLoader(ShardLoader):
@@ -109,10 +114,15 @@ class DataLoaderLoader(ShardLoader):
     def __init__(self, split: Split, dist: Dist, batch_size: int, shuffle: bool, seed: int,
                  cfg: DataConfig):
         super().__init__(split, dist, batch_size, shuffle, seed)
+        self.cfg = cfg
         self.loader = DataLoader(
             SampleDataset(split), batch_size=batch_size, sampler=self.sampler,
             num_workers=cfg.num_workers, pin_memory=cfg.pin_memory and self.device.type == "cuda",
             persistent_workers=cfg.persistent_workers and cfg.num_workers > 0)
+
+    def resized(self, batch_size: int) -> ShardLoader:
+        return DataLoaderLoader(self.split, self.dist, batch_size, self.shuffle, self.seed,
+                                self.cfg)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         for inputs, targets in self.loader:

@@ -1,0 +1,74 @@
+"""The batch-size finder: budget and out-of-memory stops, agreement across ranks, no side effects."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+import torch
+
+from conftest import FAST, assert_ok, output, read_metrics
+from parallab.batch_size import find_batch_size
+from parallab.config import MnistCnnConfig, PrecisionConfig, SyntheticDataConfig
+from parallab.data import synthetic
+from parallab.data.loaders import MemoryLoader
+from parallab.distributed import Dist
+from parallab.models.mnist_cnn import MnistCNN
+from parallab.precision import Precision
+
+CPU_RANK = Dist(0, 0, 1, 1, torch.device("cpu"), None)
+
+
+def test_trials_leave_model_and_optimizer_as_they_were():
+    torch.manual_seed(0)
+    model = MnistCNN(MnistCnnConfig())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    train = synthetic.make(SyntheticDataConfig(train_size=1024, eval_size=8), seed=0)[0]
+    loader = MemoryLoader(train, CPU_RANK, 16, shuffle=True, seed=0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    size, trials = find_batch_size(model, optimizer, Precision(PrecisionConfig(), CPU_RANK.device),
+                                   loader, CPU_RANK, max_memory_mb=None)
+    assert [t.batch_size for t in trials][:2] == [16, 32] and size in {16, 32, 64, 128}
+    assert trials[-1].verdict in ("less than 5% faster", "shard too small")
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert optimizer.state_dict()["state"] == {}
+
+
+@pytest.mark.slow
+def test_a_memory_budget_stops_the_search_and_the_run_goes_on(train):
+    result, run_dir = train(*FAST, "trainer.auto_batch_size=true", "trainer.max_memory_mb=1",
+                            "trainer.max_steps=5")
+    assert_ok(result)
+    assert "over trainer.max_memory_mb=1" in (run_dir / "train.log").read_text()
+    assert read_metrics(run_dir)["global_batch_size"] == 64  # kept data.batch_size
+
+
+OOM_ON_RANK_1 = """
+import os
+import torch
+import parallab.models.mnist_cnn as mnist_cnn
+
+forward = mnist_cnn.MnistCNN.forward
+
+def forward_with_a_small_gpu(self, x):
+    if os.environ.get("RANK") == "1" and self.training and x.shape[0] >= 128:
+        raise torch.OutOfMemoryError("injected: CUDA out of memory on rank 1")
+    return forward(self, x)
+
+mnist_cnn.MnistCNN.forward = forward_with_a_small_gpu
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_ranks_agree_when_only_one_runs_out_of_memory(train, tmp_path):
+    (tmp_path / "inject").mkdir()
+    (tmp_path / "inject" / "sitecustomize.py").write_text(textwrap.dedent(OOM_ON_RANK_1))
+    result, run_dir = train(*FAST, "data.train_size=4096", "parallel=ddp",
+                            "parallel.world_size=2", "trainer.auto_batch_size=true",
+                            "trainer.max_steps=5", env={"PYTHONPATH": str(tmp_path / "inject")})
+    assert_ok(result)
+    log = (run_dir / "train.log").read_text()
+    assert "| 128 |" in log and "does not fit on another rank" in log
+    assert read_metrics(run_dir)["global_batch_size"] == 2 * 64  # both ranks chose 64
+    assert "finder chose 64" in output(result)
