@@ -106,7 +106,7 @@ class Trainer:
     def train_step(self, batches: list[Batch]) -> torch.Tensor:
         """One optimizer step over `batches` (gradient accumulation when more than one);
         returns the mean loss, detached."""
-        total = torch.zeros((), device=self.dist.device)
+        total = None
         for index, (inputs, targets) in enumerate(batches):
             if self.cfg.channels_last and inputs.dim() == 4:
                 inputs = inputs.contiguous(memory_format=torch.channels_last)
@@ -116,7 +116,7 @@ class Trainer:
                 with self.precision.autocast():
                     loss = F.cross_entropy(self.model(inputs), targets) / len(batches)
                 self.precision.backward(loss)
-            total += loss.detach()
+            total = loss.detach() if total is None else total + loss.detach()
         if self.cfg.clip_grad_norm is not None:
             self.precision.unscale_(self.optimizer)
             nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.clip_grad_norm)
