@@ -16,9 +16,10 @@ from typing import Any, NoReturn
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from parallab import launch, run, validate
+from parallab import launch, run, summary, validate
 from parallab.config import REPO_DIR, register_configs
 
 log = logging.getLogger("parallab")
@@ -54,19 +55,61 @@ def _train_and_report(spec: run.RunSpec, in_place: launch.InPlace | None) -> dic
         return launch.elastic(run.worker_main, (spec,), p.world_size, p.nnodes,
                               p.max_restarts, _worker_env(spec.cfg))
     except ChildFailedError as error:
-        _fail(f"a worker failed, so the job was stopped:\n{error}", 1)
+        rank, failure = error.get_first_failure()
+        raise JobFailed(f"a worker failed, so the job was stopped:\n{error}", 1,
+                        f"rank {rank}: {str(failure.message).strip().splitlines()[-1]}")
 
 
-@hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")
-def _train_app(dict_cfg: DictConfig) -> float | None:
+class JobFailed(Exception):
+    """A job that cannot go on: its message, exit status, and a one-line summary."""
+
+    def __init__(self, message: str, status: int, summary: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.summary = summary or message
+
+
+def _train_job(dict_cfg: DictConfig) -> float | None:
     hydra_cfg = HydraConfig.get()
     in_place = launch.detect()
     try:
         cfg = validate.prepare(OmegaConf.to_object(dict_cfg), in_place)
     except validate.ConfigError as error:
-        _fail(str(error), 2)
+        raise JobFailed(str(error), 2) from None
     spec = run.RunSpec(cfg, hydra_cfg.runtime.output_dir, list(hydra_cfg.overrides.task))
     return _train_and_report(spec, in_place).get("eval_accuracy")
+
+
+def _sweep_job(dict_cfg: DictConfig, run_dir: Path) -> float | None:
+    """One job of a multirun: a failure is recorded for the summary and ends no other job;
+    with sweep.skip_completed, a job whose dir holds complete metrics is not run again."""
+    status_file = run_dir / summary.STATUS_FILE
+    status_file.unlink(missing_ok=True)
+    done = summary.read_metrics(run_dir) if dict_cfg.sweep.skip_completed else None
+    if done is not None:
+        status_file.write_text(json.dumps({"status": "skipped"}) + "\n")
+        log.info("skipped: %s already holds complete metrics", run_dir)
+        return done["eval_accuracy"]
+    try:
+        return _train_job(dict_cfg)
+    except Exception as error:  # noqa: BLE001 - any failure of one job is that job's result
+        line = error.summary if isinstance(error, JobFailed) else (
+            f"{type(error).__name__}: {error}".splitlines()[0])
+        log.error("job failed: %s", error if isinstance(error, JobFailed) else line,
+                  exc_info=not isinstance(error, JobFailed))
+        status_file.write_text(json.dumps({"status": "failed", "error": line}) + "\n")
+        return None
+
+
+@hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")
+def _train_app(dict_cfg: DictConfig) -> float | None:
+    hydra_cfg = HydraConfig.get()
+    if hydra_cfg.mode == RunMode.MULTIRUN:
+        return _sweep_job(dict_cfg, Path(hydra_cfg.runtime.output_dir))
+    try:
+        return _train_job(dict_cfg)
+    except JobFailed as error:
+        _fail(str(error), error.status)
 
 
 def train() -> None:
@@ -121,3 +164,17 @@ def evaluate() -> None:
     launch.register_resolvers()
     register_configs()
     _evaluate_app()
+
+
+def parallab() -> None:
+    """`parallab summary DIR`: rebuild a finished multirun's summary."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="parallab")
+    commands = parser.add_subparsers(dest="command", required=True)
+    summarize = commands.add_parser("summary", help="summary.csv/.md/.png of a multirun dir")
+    summarize.add_argument("sweep_dir", type=Path)
+    args = parser.parse_args()
+    if not any(args.sweep_dir.glob("*/.hydra/overrides.yaml")):
+        parser.error(f"{args.sweep_dir} holds no multirun jobs (no */.hydra/overrides.yaml)")
+    print(summary.markdown(summary.write(args.sweep_dir)))

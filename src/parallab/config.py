@@ -162,6 +162,11 @@ class TrainerConfig:
 
 
 @dataclass
+class SweepConfig:
+    skip_completed: bool = False  # re-running a sweep: keep jobs that already finished
+
+
+@dataclass
 class Config:
     model: Any = MISSING
     data: Any = MISSING
@@ -172,6 +177,7 @@ class Config:
     trainer: Any = MISSING
     seed: int = 42
     device: Device = Device.auto
+    sweep: SweepConfig = field(default_factory=SweepConfig)
 
 
 @dataclass

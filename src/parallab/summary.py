@@ -1,0 +1,136 @@
+"""A multirun's summary: one row per job (overrides, status, metrics), as CSV, Markdown, plot.
+
+Written by SummaryCallback when a multirun ends, and by `parallab summary DIR` for any
+finished sweep dir, including one made by an older run.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import yaml
+from hydra.experimental.callback import Callback
+
+log = logging.getLogger(__name__)
+STATUS_FILE = "status.json"  # written into a job's dir when it failed or was skipped
+METRIC_COLUMNS = ["eval_accuracy", "eval_loss", "train_loss", "samples_per_sec",
+                  "step_time_ms", "epoch_time_s", "wall_time_s", "world_size",
+                  "global_batch_size", "precision_dtype", "backend", "parallel",
+                  "peak_memory_mb", "steps"]
+
+
+def read_metrics(run_dir: Path) -> dict[str, Any] | None:
+    """A run's metrics.json if it is complete, else None."""
+    try:
+        metrics = json.loads((run_dir / "metrics.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return metrics if "eval_accuracy" in metrics else None
+
+
+def job_row(job_dir: Path) -> dict[str, Any]:
+    overrides = yaml.safe_load((job_dir / ".hydra" / "overrides.yaml").read_text()) or []
+    metrics = read_metrics(job_dir)
+    status_file = job_dir / STATUS_FILE
+    status = json.loads(status_file.read_text()) if status_file.exists() else {}
+    row = {"job": job_dir.name, "overrides": " ".join(overrides),
+           "status": status.get("status") or ("completed" if metrics else "incomplete"),
+           "error": status.get("error", "")}
+    row.update({key: (metrics or {}).get(key) for key in METRIC_COLUMNS})
+    return row
+
+
+def collect(sweep_dir: Path) -> list[dict[str, Any]]:
+    def job_number(job: Path) -> tuple[int, str]:
+        head = job.name.split("_")[0]
+        return (int(head) if head.isdigit() else -1, job.name)
+
+    jobs = sorted((p.parent.parent for p in sweep_dir.glob("*/.hydra/overrides.yaml")),
+                  key=job_number)
+    return [job_row(job) for job in jobs]
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:,.4f}" if abs(value) < 10 else f"{value:,.1f}"
+    return "" if value is None else str(value)
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    columns = ["job", "overrides", "status", *METRIC_COLUMNS[:8], "error"]
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(_cell(row[c]) for c in columns) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    """samples/s and scaling efficiency against world size (a line per per-rank batch), and
+    eval accuracy against global batch size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    done = [r for r in rows if r["status"] in ("completed", "skipped") and r["samples_per_sec"]]
+    fig, (speed, efficiency, accuracy) = plt.subplots(1, 3, figsize=(15, 4.2))
+    by_batch: dict[int, list[tuple[int, float]]] = {}
+    for r in done:
+        per_rank = r["global_batch_size"] // max(r["world_size"], 1)
+        by_batch.setdefault(per_rank, []).append((r["world_size"], r["samples_per_sec"]))
+    for per_rank, points in sorted(by_batch.items()):
+        points.sort()
+        worlds, speeds = zip(*points)
+        speed.plot(worlds, speeds, marker="o", label=f"batch {per_rank}/rank")
+        base = speeds[0] / worlds[0]
+        efficiency.plot(worlds, [s / (base * w) for w, s in points], marker="o",
+                        label=f"batch {per_rank}/rank")
+    accuracy.scatter([r["global_batch_size"] for r in done],
+                     [r["eval_accuracy"] for r in done])
+    for axes, title, ylabel in ((speed, "throughput", "samples/s"),
+                                (efficiency, "scaling efficiency", "efficiency"),
+                                (accuracy, "accuracy", "eval accuracy")):
+        axes.set_title(title)
+        axes.set_ylabel(ylabel)
+        axes.grid(alpha=0.3)
+    worlds = sorted({w for points in by_batch.values() for w, _ in points})
+    speed.set_xticks(worlds)
+    efficiency.set_xticks(worlds)
+    speed.set_xlabel("world size")
+    efficiency.set_xlabel("world size")
+    accuracy.set_xlabel("global batch size")
+    if by_batch:
+        speed.legend()
+        efficiency.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write(sweep_dir: Path) -> list[dict[str, Any]]:
+    """summary.csv, summary.md and summary.png in `sweep_dir`; the rows."""
+    rows = collect(sweep_dir)
+    with open(sweep_dir / "summary.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["job"])
+        writer.writeheader()
+        writer.writerows(rows)
+    (sweep_dir / "summary.md").write_text(markdown(rows) + "\n")
+    plot(rows, sweep_dir / "summary.png")
+    return rows
+
+
+class SummaryCallback(Callback):
+    """At the end of a multirun: the summary, the table printed, exit 1 if a job failed."""
+
+    def on_multirun_end(self, config, **kwargs: Any) -> None:
+        sweep_dir = Path(config.hydra.sweep.dir)
+        rows = write(sweep_dir)
+        print(markdown(rows), flush=True)
+        failed = [r["job"] for r in rows if r["status"] == "failed"]
+        log.info("summary of %d jobs in %s", len(rows), sweep_dir)
+        if failed:
+            log.error("%d of %d jobs failed: %s", len(failed), len(rows), ", ".join(failed))
+            raise SystemExit(1)

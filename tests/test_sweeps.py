@@ -1,0 +1,79 @@
+"""Multirun sweeps: job dirs named by overrides, the summary, failures, skipping, presets."""
+
+from __future__ import annotations
+
+import csv
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, output, run_entry
+
+pytestmark = pytest.mark.slow
+QUICK = ["data=synthetic", "data.train_size=512", "data.eval_size=128", "trainer.max_steps=4",
+         "device=cpu"]
+
+
+def sweep(sweep_dir: Path, *args: str) -> subprocess.CompletedProcess:
+    return run_entry("train.py", ["-m", *QUICK, *args, f"hydra.sweep.dir={sweep_dir}"])
+
+
+def summary_rows(sweep_dir: Path) -> list[dict]:
+    with open(sweep_dir / "summary.csv") as f:
+        return list(csv.DictReader(f))
+
+
+def test_a_failing_job_is_reported_and_the_others_still_run(tmp_path):
+    sweep_dir = tmp_path / "sweep"
+    result = sweep(sweep_dir, "data.batch_size=0,32")
+    assert result.returncode != 0, output(result)
+    rows = summary_rows(sweep_dir)
+    assert [r["status"] for r in rows] == ["failed", "completed"]
+    assert "data.batch_size=0" in rows[0]["error"] and float(rows[1]["eval_accuracy"]) > 0
+    assert rows[1]["job"] == "1_data.batch_size=32,data.eval_size=128,data.train_size=512," \
+                             "data=synthetic,trainer.max_steps=4"
+    assert (sweep_dir / "summary.md").read_text().count("\n") == 4
+    assert (sweep_dir / "summary.png").stat().st_size > 10_000
+    assert "| failed |" in result.stdout  # the table is printed too
+
+
+def test_rerun_skips_completed_jobs_and_runs_the_rest(tmp_path):
+    sweep_dir = tmp_path / "sweep"
+    assert sweep(sweep_dir, "data.batch_size=16,32").returncode == 0
+    jobs = sorted(p for p in sweep_dir.iterdir() if p.is_dir())
+    kept = (jobs[0] / "metrics.json").read_text()
+    (jobs[1] / "metrics.json").unlink()  # as if the sweep had been interrupted there
+    result = sweep(sweep_dir, "data.batch_size=16,32", "sweep.skip_completed=true")
+    assert result.returncode == 0, output(result)
+    assert [r["status"] for r in summary_rows(sweep_dir)] == ["skipped", "completed"]
+    assert (jobs[0] / "metrics.json").read_text() == kept
+    assert (jobs[1] / "metrics.json").exists()
+
+
+def test_parallab_summary_rebuilds_a_finished_sweep(tmp_path):
+    sweep_dir = tmp_path / "sweep"
+    assert sweep(sweep_dir, "optim=sgd,adam").returncode == 0
+    for name in ("summary.csv", "summary.md", "summary.png"):
+        (sweep_dir / name).unlink()
+    result = subprocess.run([str(Path(sys.executable).parent / "parallab"), "summary",
+                             str(sweep_dir)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert "optim=adam" in result.stdout and "completed" in result.stdout
+    assert [r["overrides"].split()[-1] for r in summary_rows(sweep_dir)] == ["optim=sgd",
+                                                                            "optim=adam"]
+    assert (sweep_dir / "summary.png").exists()
+    nothing = subprocess.run([str(Path(sys.executable).parent / "parallab"), "summary",
+                              str(tmp_path)], capture_output=True, text=True)
+    assert nothing.returncode != 0 and "no multirun jobs" in nothing.stderr
+
+
+def test_every_experiment_preset_runs(tmp_path):
+    presets = sorted(p.stem for p in (REPO / "experiments").glob("*.yaml"))
+    assert {"scaling", "precision"} <= set(presets)
+    result = sweep(tmp_path / "sweep", "experiment=glob(*)")
+    assert result.returncode == 0, output(result)
+    rows = summary_rows(tmp_path / "sweep")
+    assert len(rows) == len(presets) and {r["status"] for r in rows} == {"completed"}
+    assert {r["parallel"] for r in rows} >= {"ddp", "none"}  # scaling runs ddp
