@@ -46,7 +46,7 @@ def test_ddp_trains_at_each_world_size(train, world_size):
     rank_logs = sorted(p.name for p in run_dir.glob("train_rank*.log"))
     assert rank_logs == [f"train_rank{r}.log" for r in range(1, world_size)]
     threads = max(1, len(os.sched_getaffinity(0)) // world_size)
-    assert f"rank 0/{world_size} on cpu, {threads} threads" in (run_dir / "train.log").read_text()
+    assert f"rank 0/{world_size} on cpu, {threads} threads," in (run_dir / "train.log").read_text()
     assert len(list(run_dir.glob("events.out.tfevents*"))) == 1  # rank 0 alone writes
 
 

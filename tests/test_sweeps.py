@@ -77,3 +77,32 @@ def test_every_experiment_preset_runs(tmp_path):
     rows = summary_rows(tmp_path / "sweep")
     assert len(rows) == len(presets) and {r["status"] for r in rows} == {"completed"}
     assert {r["parallel"] for r in rows} >= {"ddp", "none"}  # scaling runs ddp
+
+
+@pytest.mark.distributed
+def test_every_rank_of_an_optuna_ddp_trial_trains_with_that_trials_parameters(tmp_path):
+    import re
+
+    result = sweep(tmp_path / "sweep", "experiment=lr_search", "hydra.sweeper.n_trials=2",
+                   "parallel=ddp", "parallel.world_size=2")
+    assert result.returncode == 0, output(result)
+    assert "Best parameters" in output(result)
+    jobs = sorted(p for p in (tmp_path / "sweep").iterdir() if p.is_dir())
+    assert len(jobs) == 2
+    for job in jobs:
+        chosen = dict(o.split("=", 1) for o in (job / ".hydra" / "overrides.yaml").read_text()
+                      .replace("- ", "").split() if o.startswith(("optim.lr", "data.batch")))
+        for log_name in ("train.log", "train_rank1.log"):
+            line = re.search(r"optim\.lr=(\S+), data\.batch_size=(\d+)",
+                             (job / log_name).read_text())
+            assert float(line[1]) == pytest.approx(float(chosen["optim.lr"]), rel=1e-5)
+            assert line[2] == chosen["data.batch_size"]
+
+
+@pytest.mark.distributed
+def test_submitit_local_runs_each_job_as_ranks_in_place(tmp_path):
+    result = sweep(tmp_path / "sweep", "hydra/launcher=submitit_local",
+                   "hydra.launcher.tasks_per_node=2", "parallel=ddp", "data.batch_size=16,32")
+    assert result.returncode == 0, output(result)
+    rows = summary_rows(tmp_path / "sweep")
+    assert [(r["status"], r["world_size"]) for r in rows] == [("completed", "2")] * 2

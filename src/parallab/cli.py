@@ -71,7 +71,7 @@ class JobFailed(Exception):
 
 def _train_job(dict_cfg: DictConfig) -> float | None:
     hydra_cfg = HydraConfig.get()
-    in_place = launch.detect()
+    in_place = launch.prepare_in_place()  # again for launchers that call the app (submitit)
     try:
         cfg = validate.prepare(OmegaConf.to_object(dict_cfg), in_place)
     except validate.ConfigError as error:

@@ -29,7 +29,7 @@ _store = None  # the TCPStore opened before Hydra under SLURM/mpirun, reused by 
 class InPlace:
     """This process was started by an external launcher."""
 
-    launcher: str  # torchrun | slurm | mpirun
+    launcher: str  # torchrun | slurm | submitit | mpirun
     rank: int
     local_rank: int
     world_size: int
@@ -56,6 +56,10 @@ def detect() -> InPlace | None:
         per_node = os.environ.get("SLURM_NTASKS_PER_NODE", "")  # e.g. "4", or "4(x2)"
         per_node = int(per_node) if per_node.isdigit() else world // (_int("SLURM_NNODES") or 1)
         return InPlace("slurm", _int("SLURM_PROCID"), _int("SLURM_LOCALID", 0), world, per_node)
+    if (_int("SUBMITIT_LOCAL_NTASKS") or 1) > 1:  # hydra/launcher=submitit_local, tasks > 1
+        world = _int("SUBMITIT_LOCAL_NTASKS")
+        return InPlace("submitit", _int("SUBMITIT_LOCAL_GLOBALID"),
+                       _int("SUBMITIT_LOCAL_LOCALID", 0), world, world)
     if _int("OMPI_COMM_WORLD_SIZE") is not None:
         world = _int("OMPI_COMM_WORLD_SIZE")
         return InPlace("mpirun", _int("OMPI_COMM_WORLD_RANK"),
@@ -82,6 +86,8 @@ def _export_torch_env(ctx: InPlace) -> None:
     if ctx.launcher == "slurm":
         env.setdefault("MASTER_ADDR", first_slurm_host(env.get("SLURM_JOB_NODELIST", "127.0.0.1")))
         env.setdefault("MASTER_PORT", str(15000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
+    if ctx.launcher == "submitit":  # one job id per job: a port per job
+        env.setdefault("MASTER_PORT", str(15000 + int(env["SUBMITIT_LOCAL_JOB_ID"]) % 20000))
     env.setdefault("MASTER_ADDR", "127.0.0.1")
     env.setdefault("MASTER_PORT", "29500")
 

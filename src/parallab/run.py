@@ -88,8 +88,9 @@ def train(spec: RunSpec) -> dict[str, Any]:
     dist = distributed.setup(cfg.device.value, backend, cfg.backend.timeout_s,
                              cfg.parallel.threads_per_worker, store=launch.take_store())
     logger = RunLogger(spec.run_dir, active=dist.is_main)
-    log.info("rank %d/%d on %s, %d threads", dist.rank, dist.world_size, dist.device,
-             torch.get_num_threads())
+    log.info("rank %d/%d on %s, %d threads, optim.lr=%g, data.batch_size=%d", dist.rank,
+             dist.world_size, dist.device, torch.get_num_threads(), cfg.optim.lr,
+             cfg.data.batch_size)
     try:
         torch.manual_seed(cfg.seed)
         model = build_model(cfg.model)  # identical initial weights on every rank
