@@ -73,7 +73,8 @@ def _train_job(dict_cfg: DictConfig) -> float | None:
     hydra_cfg = HydraConfig.get()
     in_place = launch.prepare_in_place()  # again for launchers that call the app (submitit)
     try:
-        cfg = validate.prepare(OmegaConf.to_object(dict_cfg), in_place)
+        cfg = validate.prepare(OmegaConf.to_object(dict_cfg), in_place,
+                               hydra_cfg.runtime.output_dir)
     except validate.ConfigError as error:
         raise JobFailed(str(error), 2) from None
     spec = run.RunSpec(cfg, hydra_cfg.runtime.output_dir, list(hydra_cfg.overrides.task))

@@ -159,6 +159,10 @@ class TrainerConfig:
     quantize: Optional[str] = None  # dynamic_int8: quantize Linear layers after training
     auto_batch_size: bool = False  # double data.batch_size while it fits and pays
     max_memory_mb: Optional[float] = None  # the finder's memory budget per rank
+    checkpoint_every_n_steps: Optional[int] = 500  # and at each epoch end; null = epochs only
+    keep_last_k: int = 3  # periodic checkpoints kept (last.pt is always kept)
+    resume: Optional[str] = None  # auto (newest in the run dir) or a checkpoint path
+    on_nan: str = "stop"  # stop | skip: what a NaN/inf loss or gradient does
 
 
 @dataclass

@@ -44,6 +44,11 @@ def rank_from_env() -> int:
     return int(os.environ.get("RANK", 0))
 
 
+def restart_count() -> int:
+    """How many times the elastic agent has restarted this worker group."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+
+
 def cpu_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 

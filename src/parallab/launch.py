@@ -164,7 +164,7 @@ def elastic(entrypoint: Callable, args: tuple, world_size: int, nnodes: int,
         max_restarts=max_restarts,
         monitor_interval=0.1,
         start_method="spawn",
-        shutdown_timeout=5,
+        shutdown_timeout=30,  # a stopping worker's time to save before SIGKILL
     )
     saved = {key: os.environ.get(key) for key in worker_env}
     os.environ.update(worker_env)  # the agent hands its own environment to the workers

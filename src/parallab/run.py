@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -13,6 +14,8 @@ import torch
 from omegaconf import OmegaConf
 
 from parallab import batch_size, checkpoint, distributed, launch
+from parallab.checkpoint import Checkpointer
+from parallab.preemption import Preemption
 from parallab.config import Config, TrainerConfig
 from parallab.data import build_data
 from parallab.logger import RunLogger
@@ -80,6 +83,19 @@ def tune_batch_size(module, optimizer, precision, data, dist, cfg: TrainerConfig
     return data.train.resized(size)
 
 
+def resume_path(resume: str | None, run_dir: str) -> Path | None:
+    """trainer.resume as a file: `auto` is the newest checkpoint in the run dir, if any; a
+    worker the elastic agent restarted resumes that way too."""
+    if resume is None and distributed.restart_count() > 0:
+        resume = "auto"
+    if resume != "auto":
+        return Path(resume) if resume else None
+    found = checkpoint.latest(Path(run_dir) / "checkpoints")
+    if found is None:
+        log.info("trainer.resume=auto: no checkpoint in %s yet, starting afresh", run_dir)
+    return found
+
+
 def train(spec: RunSpec) -> dict[str, Any]:
     """Train on this rank; returns the run's final metrics (every rank gets the same)."""
     cfg = spec.cfg
@@ -92,36 +108,63 @@ def train(spec: RunSpec) -> dict[str, Any]:
              dist.world_size, dist.device, torch.get_num_threads(), cfg.optim.lr,
              cfg.data.batch_size)
     try:
-        torch.manual_seed(cfg.seed)
-        model = build_model(cfg.model)  # identical initial weights on every rank
-        torch.manual_seed(cfg.seed + dist.rank)  # dropout masks differ between ranks
-        strategy = strategy_cls(cfg.parallel, dist)
-        model = strategy.wrap(speed_up(model, cfg.trainer))
-        data = build_data(cfg.data, dist, cfg.seed, batch_scale=strategy.devices_per_process)
-        optimizer = build_optimizer(cfg.optim, model.parameters())
-        precision = Precision(cfg.precision, dist.device)
-        if cfg.trainer.auto_batch_size:
-            data.train = tune_batch_size(strategy.unwrap(model), optimizer, precision, data,
-                                         dist, cfg.trainer, logger)
+        metrics = _fit(spec, dist, logger, backend)
+    except BaseException:
+        # no destroy_process_group here: with a peer gone it can block for good, and the
+        # process is ending anyway
+        logger.close()
+        raise
+    logger.close()
+    distributed.teardown()
+    return metrics
+
+
+def _fit(spec: RunSpec, dist: distributed.Dist, logger: RunLogger,
+         backend: str | None) -> dict[str, Any]:
+    """Build model, data, optimizer and trainer on this rank, resume if asked, train, save."""
+    cfg = spec.cfg
+    strategy_cls = STRATEGIES[cfg.parallel.name]
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg.model)  # identical initial weights on every rank
+    torch.manual_seed(cfg.seed + dist.rank)  # dropout masks differ between ranks
+    strategy = strategy_cls(cfg.parallel, dist)
+    model = strategy.wrap(speed_up(model, cfg.trainer))
+    data = build_data(cfg.data, dist, cfg.seed, batch_scale=strategy.devices_per_process)
+    optimizer = build_optimizer(cfg.optim, model.parameters())
+    precision = Precision(cfg.precision, dist.device)
+    if cfg.trainer.auto_batch_size:
+        data.train = tune_batch_size(strategy.unwrap(model), optimizer, precision, data,
+                                     dist, cfg.trainer, logger)
+    config = OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
+    checkpointer = Checkpointer(Path(spec.run_dir) / "checkpoints", dist, config,
+                                cfg.trainer.keep_last_k)
+    with Preemption() as preemption:
         trainer = Trainer(cfg.trainer, model, strategy, optimizer, precision, data, dist,
-                          logger)
+                          logger, checkpointer, preemption)
+        resume_from = resume_path(cfg.trainer.resume, spec.run_dir)
+        if resume_from is not None:
+            trainer.load_state_dict(checkpoint.load(resume_from))
+            log.info("resumed from %s at step %d", resume_from, trainer.step)
         logger.config(cfg)
         metrics = trainer.fit()
-        metrics.update(wall_time_s=time.time() - spec.started,
-                       world_size=dist.world_size * strategy.devices_per_process,
-                       precision_dtype=precision.dtype_name, backend=backend or "none",
-                       parallel=cfg.parallel.name)
+    if trainer.stopped:
         if dist.is_main:
-            checkpoint.save(Path(spec.run_dir) / "checkpoints" / "last.pt", {
-                "model": strategy.unwrap(model).state_dict(), **trainer.state_dict(),
-                "config": OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)})
-            logger.finish(metrics, hparams(spec, metrics), trainer.step)
-            log.info("metrics: %s", {k: round(v, 4) if isinstance(v, float) else v
-                                     for k, v in metrics.items()})
-        return metrics
-    finally:
-        logger.close()
-        distributed.teardown()
+            log.warning("stopped by %s at step %d, checkpoint saved; resume with: python "
+                        "train.py %s hydra.run.dir=%s trainer.resume=auto",
+                        signal.Signals(preemption.signum or signal.SIGTERM).name,
+                        trainer.step, " ".join(o for o in spec.overrides if not o.startswith(
+                            ("hydra.run.dir=", "trainer.resume="))), spec.run_dir)
+        return {}
+    metrics.update(wall_time_s=time.time() - spec.started,
+                   world_size=dist.world_size * strategy.devices_per_process,
+                   precision_dtype=precision.dtype_name, backend=backend or "none",
+                   parallel=cfg.parallel.name)
+    checkpointer.save(trainer.state_dict(), "last.pt")
+    if dist.is_main:
+        logger.finish(metrics, hparams(spec, metrics), trainer.step)
+        log.info("metrics: %s", {k: round(v, 4) if isinstance(v, float) else v
+                                 for k, v in metrics.items()})
+    return metrics
 
 
 def _log_to_files(run_dir: str) -> None:

@@ -14,16 +14,25 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from parallab import checkpoint
+from parallab.checkpoint import Checkpointer
 from parallab.config import TrainerConfig
 from parallab.data import Data
 from parallab.data.loaders import ShardLoader
 from parallab.distributed import Dist
 from parallab.logger import RunLogger
 from parallab.parallel.base import Strategy
+from parallab.preemption import Preemption
 from parallab.precision import Precision
 from parallab.progress import Progress
 
 log = logging.getLogger(__name__)
+
+
+class Diverged(RuntimeError):
+    """The train loss went NaN or inf under trainer.on_nan=stop."""
+
+
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
@@ -72,8 +81,11 @@ def micro_batches(loader: ShardLoader, size: int) -> Iterator[list[Batch]]:
 class Trainer:
     def __init__(self, cfg: TrainerConfig, model: nn.Module, strategy: Strategy,
                  optimizer: torch.optim.Optimizer, precision: Precision, data: Data,
-                 dist: Dist, logger: RunLogger):
+                 dist: Dist, logger: RunLogger, checkpointer: Checkpointer | None = None,
+                 preemption: Preemption | None = None):
         self.cfg = cfg
+        self.checkpointer = checkpointer
+        self.preemption = preemption or Preemption()
         self.model = model
         self.strategy = strategy
         self.eval_model = strategy.unwrap(model)  # same weights, no wrapper's collectives
@@ -84,11 +96,16 @@ class Trainer:
         self.logger = logger
         self.step = 0
         self.epoch = 0
+        self.epoch_step = 0  # optimizer steps done in the current epoch: where to resume
+        self.stopped = False  # a signal asked the run to stop; its checkpoint is saved
+        self.stop_agreed = False  # every rank has seen the stop request
+        self.skipped_steps = 0  # trainer.on_nan=skip: steps dropped for non-finite gradients
         self.step_times: list[float] = []  # seconds per step, data loading included
         self.measured_samples = 0  # global samples in steps after warm-up
         self.epoch_times: list[float] = []
         self.window_loss = torch.zeros((), device=dist.device)  # summed since the last log
         self.window_steps = 0
+        self.window_skipped = 0
         self.epoch_loss = 0.0
         self.epoch_steps = 0
         self.last_train_loss = math.nan
@@ -117,9 +134,18 @@ class Trainer:
                     loss = F.cross_entropy(self.model(inputs), targets) / len(batches)
                 self.precision.backward(loss)
             total = loss.detach() if total is None else total + loss.detach()
-        if self.cfg.clip_grad_norm is not None:
+        skip = self.cfg.on_nan == "skip"
+        if self.cfg.clip_grad_norm is not None or skip:
             self.precision.unscale_(self.optimizer)
-            nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.clip_grad_norm)
+            norm = nn.utils.clip_grad_norm_(self.model.parameters(),
+                                            self.cfg.clip_grad_norm or math.inf)
+            # gradients are already reduced, so every rank decides alike
+            if skip and not torch.isfinite(norm):
+                self.skipped_steps += 1
+                self.window_skipped += 1
+                total = torch.zeros_like(total)
+                if not self.precision.scaler.is_enabled():  # a scaler skips it by itself
+                    self.optimizer.zero_grad(set_to_none=True)
         self.precision.step(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         return total
@@ -129,9 +155,14 @@ class Trainer:
                 self.profiling():
             while self.epoch < self.cfg.epochs and not self.done():
                 self.train_epoch(progress)
+                if self.stopped:
+                    return {}
                 self.epoch += 1
+                self.epoch_step = 0
                 if self.epoch % self.cfg.eval_every_n_epochs == 0:
                     self.run_eval()
+                if not self.done():  # the last one is last.pt, saved by the caller
+                    self.save_checkpoint()
         if self.eval_step != self.step or not self.eval_metrics:  # final weights unscored
             self.run_eval()
         summary = self.summary()
@@ -164,14 +195,17 @@ class Trainer:
 
     def train_epoch(self, progress: Progress) -> None:
         loader = self.data.train
-        loader.set_epoch(self.epoch)
+        loader.set_epoch(self.epoch, skip_batches=self.epoch_step * self.cfg.accumulate_grad_batches)
         self.model.train()
-        self.epoch_loss, self.epoch_steps = 0.0, 0
+        if self.epoch_step == 0:  # else resumed mid-epoch with these restored
+            self.epoch_loss, self.epoch_steps = 0.0, 0
         world = self.dist.world_size
         start = tick = time.perf_counter()
         for batches in micro_batches(loader, self.cfg.accumulate_grad_batches):
             self.window_loss += self.train_step(batches)
             self.step += 1
+            self.epoch_step += 1
+            self.preemption.step_done()
             self.window_steps += 1
             now = time.perf_counter()
             self.step_times.append(now - tick)
@@ -183,6 +217,12 @@ class Trainer:
             progress.update()
             if self.step % self.cfg.log_every_n_steps == 0 or self.done():
                 self.log_window(progress)
+            every = self.cfg.checkpoint_every_n_steps
+            if every and self.step % every == 0 and not self.done():
+                self.save_checkpoint()
+            if self.stop_requested():
+                self.stop()
+                return
             if self.done():
                 break
         if self.window_steps:
@@ -190,10 +230,38 @@ class Trainer:
         self.epoch_times.append(time.perf_counter() - start)
         self.last_train_loss = self.epoch_loss / max(self.epoch_steps, 1)
 
-    def log_window(self, progress: Progress) -> None:
-        """Train loss averaged over the steps since the last log and over all ranks."""
+    def stop_requested(self) -> bool:
+        """One process stops as soon as it is signalled; several stop together, when the
+        next log step has shared the request (no extra collective per step)."""
+        return self.stop_agreed or (self.dist.world_size == 1 and self.preemption.requested)
+
+    def stop(self) -> None:
+        if self.window_steps:  # so the checkpoint holds no half-reduced window
+            self.log_window(None)
+        self.preemption.saving = True
+        self.save_checkpoint()
+        self.stopped = True
+
+    def save_checkpoint(self, name: str | None = None) -> None:
+        if self.checkpointer is None:
+            return
+        self.checkpointer.save(self.state_dict(), name or checkpoint.periodic_name(self.step))
+
+    def log_window(self, progress: Progress | None) -> None:
+        """Train loss averaged over the steps since the last log and over all ranks; the
+        same all-reduce shares any stop request."""
         steps = self.window_steps
-        loss = self.dist.all_reduce_sum(self.window_loss).item() / (steps * self.dist.world_size)
+        shared = torch.stack([self.window_loss.float(),
+                              torch.tensor(float(self.preemption.requested),
+                                           device=self.dist.device)])
+        loss_sum, stops = self.dist.all_reduce_sum(shared).tolist()
+        self.stop_agreed = self.stop_agreed or stops > 0
+        counted = (steps - self.window_skipped) * self.dist.world_size
+        loss = loss_sum / counted if counted else math.nan
+        if not math.isfinite(loss) and self.cfg.on_nan == "stop":
+            raise Diverged(f"train loss is {loss} at step {self.step}: stopped, the last good "
+                           "checkpoint is kept; lower optim.lr, set trainer.clip_grad_norm, or "
+                           "set trainer.on_nan=skip to drop such steps")
         step_time = sum(self.step_times[-steps:]) / steps
         samples_per_sec = self.global_batch_size / step_time
         self.logger.scalars({
@@ -203,14 +271,17 @@ class Trainer:
             "train/step_time_ms": step_time * 1e3,
             "train/peak_memory_mb": peak_memory_mb(self.dist.device),
             "train/epoch": self.epoch,
+            "train/skipped_steps": self.skipped_steps,
         }, self.step)
-        progress.line(f"epoch {self.epoch + 1} step {self.step}/{self.total_steps} "
+        if progress is not None:
+            progress.line(f"epoch {self.epoch + 1} step {self.step}/{self.total_steps} "
                       f"loss {loss:.4f} {samples_per_sec:,.0f} samples/s",
                       loss=f"{loss:.4f}", epoch=str(self.epoch + 1))
-        self.epoch_loss += loss * steps
-        self.epoch_steps += steps
+        if math.isfinite(loss):
+            self.epoch_loss += loss * (steps - self.window_skipped)
+            self.epoch_steps += steps - self.window_skipped
         self.window_loss.zero_()
-        self.window_steps = 0
+        self.window_steps = self.window_skipped = 0
 
     @property
     def global_batch_size(self) -> int:
@@ -261,6 +332,24 @@ class Trainer:
         return summary
 
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "epoch": self.epoch,
-                "optimizer": self.optimizer.state_dict(),
-                "grad_scaler": self.precision.state_dict()}
+        """All a run needs to continue exactly: weights, optimizer, scaler, position."""
+        return {"model": self.eval_model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "grad_scaler": self.precision.state_dict(), "step": self.step,
+                "epoch": self.epoch, "epoch_step": self.epoch_step,
+                "epoch_loss": self.epoch_loss, "epoch_steps": self.epoch_steps,
+                "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.eval_model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.precision.load_state_dict(state["grad_scaler"])
+        self.step, self.epoch, self.epoch_step = state["step"], state["epoch"], state["epoch_step"]
+        self.epoch_loss, self.epoch_steps = state["epoch_loss"], state["epoch_steps"]
+        self.skipped_steps = state["skipped_steps"]
+        rng = state.get("rng", [])
+        if len(rng) == self.dist.world_size:
+            torch.set_rng_state(rng[self.dist.rank])
+        else:
+            log.warning("the checkpoint holds RNG states for %d ranks, this run has %d: "
+                        "dropout draws will differ from the original run", len(rng),
+                        self.dist.world_size)

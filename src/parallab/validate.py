@@ -7,6 +7,8 @@ whose message is one line: the key, its value, what is allowed, and the fix.
 from __future__ import annotations
 
 import os
+
+from omegaconf import OmegaConf
 from parallab.config import Config, Device, MnistDataConfig
 from parallab.launch import InPlace
 
@@ -50,6 +52,10 @@ def check_values(cfg: Config) -> None:
              "or fp16")
     _require(t.max_memory_mb is None or t.max_memory_mb > 0, f"trainer.max_memory_mb="
              f"{t.max_memory_mb} is out of range: it must be > 0 (or null for no budget)")
+    _at_least("trainer.checkpoint_every_n_steps", t.checkpoint_every_n_steps, 1, optional=True)
+    _at_least("trainer.keep_last_k", t.keep_last_k, 1)
+    _require(t.on_nan in ("stop", "skip"),
+             f"trainer.on_nan={t.on_nan} is unknown: use trainer.on_nan=stop or skip")
     if t.quantize is not None:
         from parallab import quantize
 
@@ -160,7 +166,35 @@ def check_data(cfg: Config) -> None:
              f"data.download=true")
 
 
-def prepare(cfg: Config, in_place: InPlace | None) -> Config:
+def check_resume(cfg: Config, run_dir: str | None) -> None:
+    """trainer.resume names a readable parallab checkpoint of this model (auto: if any)."""
+    from pathlib import Path
+
+    from parallab import checkpoint
+
+    resume = cfg.trainer.resume
+    if resume is None:
+        return
+    if resume == "auto":
+        found = checkpoint.latest(Path(run_dir) / "checkpoints") if run_dir else None
+        if found is None:
+            return
+        resume = str(found)
+    try:
+        state = checkpoint.load(resume)
+    except checkpoint.CheckpointError as error:
+        raise ConfigError(f"trainer.resume: {error}: give an existing checkpoint, or "
+                          "trainer.resume=auto") from None
+    saved = state.get("config", {}).get("model", {}) if isinstance(state, dict) else {}
+    _require("epoch_step" in state and "optimizer" in state,
+             f"trainer.resume={resume} is not a parallab training checkpoint (no optimizer or "
+             "position in it): evaluate it with evaluate.py, or start afresh")
+    _require(saved == OmegaConf.to_container(OmegaConf.structured(cfg.model), enum_to_str=True),
+             f"trainer.resume={resume} was saved from model={saved.get('name')} with other "
+             f"settings than model={cfg.model.name} here: resume with the same model config")
+
+
+def prepare(cfg: Config, in_place: InPlace | None, run_dir: str | None = None) -> Config:
     """Check `cfg` and fill in its `auto` values; raises ConfigError on the first problem."""
     check_values(cfg)
     check_model_fits_data(cfg)
@@ -168,4 +202,5 @@ def prepare(cfg: Config, in_place: InPlace | None) -> Config:
     resolve_parallel(cfg, in_place)
     resolve_backend(cfg)
     check_data(cfg)
+    check_resume(cfg, run_dir)
     return cfg

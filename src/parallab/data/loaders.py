@@ -28,9 +28,10 @@ class ShardSampler(Sampler[int]):
         self.size, self.rank, self.world_size = size, rank, world_size
         self.shuffle, self.seed, self.epoch = shuffle, seed, 0
         self.per_rank = math.ceil(size / world_size)
+        self.offset = 0  # samples of this epoch's shard already consumed (resuming)
 
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+    def set_epoch(self, epoch: int, offset: int = 0) -> None:
+        self.epoch, self.offset = epoch, offset
 
     def indices(self) -> torch.Tensor:
         if self.shuffle:
@@ -41,13 +42,13 @@ class ShardSampler(Sampler[int]):
         total = self.per_rank * self.world_size
         if total > self.size:  # pad with the head, repeated if the set is tiny
             order = torch.cat([order, order.repeat(math.ceil(total / self.size))[: total - self.size]])
-        return order[self.rank:total:self.world_size]
+        return order[self.rank:total:self.world_size][self.offset:]
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.indices().tolist())
 
     def __len__(self) -> int:
-        return self.per_rank
+        return self.per_rank - self.offset
 
 
 class ShardLoader:
@@ -59,11 +60,12 @@ class ShardLoader:
         self.sampler = ShardSampler(len(split), dist.rank, dist.world_size, shuffle, seed)
         self.num_valid = len(range(dist.rank, len(split), dist.world_size))
 
-    def set_epoch(self, epoch: int) -> None:
-        self.sampler.set_epoch(epoch)
+    def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
+        """Shuffle for `epoch`; start after its first `skip_batches` batches (resuming)."""
+        self.sampler.set_epoch(epoch, offset=skip_batches * self.batch_size)
 
     def __len__(self) -> int:
-        return math.ceil(len(self.sampler) / self.batch_size)
+        return math.ceil(self.sampler.per_rank / self.batch_size)
 
     def resized(self, batch_size: int) -> ShardLoader:
         """The same shard in batches of another size."""

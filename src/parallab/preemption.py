@@ -1,0 +1,90 @@
+"""SIGTERM / SIGINT (a cluster pre-empting the job, Ctrl-C): save, then stop cleanly.
+
+The first signal only sets a flag; the training loop sees it at a step boundary, saves a
+checkpoint and stops. A process whose main thread is stuck in C++ (a collective whose peer
+died) cannot run Python signal handlers, so the signal is also read in a helper thread from
+Python's wakeup fd, written by the C-level handler at once; a watchdog there ends the
+process when no step completes for STUCK_S after the signal, or the stop takes over GRACE_S.
+A second signal ends the process at once.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+import time
+from types import FrameType
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+STUCK_S = 10.0  # no step finished for this long after a signal: the process is stuck
+GRACE_S = 120.0  # the longest a stop, checkpoint included, may take
+
+
+class Preemption:
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.saving = False  # the stop's checkpoint is being written: not stuck
+        self._last_step = time.monotonic()
+        self._closed = threading.Event()
+        self._previous: dict[int, object] = {}
+        self._previous_fd = -1
+        self._sockets: tuple[socket.socket, socket.socket] | None = None
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    def step_done(self) -> None:
+        self._last_step = time.monotonic()
+
+    def _python_handler(self, signum: int, frame: FrameType | None) -> None:
+        """Installed so the signal does not kill the process; the listener does the work."""
+
+    def _on_signal(self, signum: int) -> None:
+        if self.signum is not None:
+            os._exit(128 + signum)
+        self.signum, self._last_step = signum, time.monotonic()
+        threading.Thread(target=self._watch, args=(time.monotonic(),), daemon=True).start()
+
+    def _watch(self, since: float) -> None:
+        while not self._closed.wait(0.2):
+            now = time.monotonic()
+            stuck = not self.saving and now - self._last_step > STUCK_S
+            if stuck or now - since > GRACE_S:
+                os._exit(128 + (self.signum or signal.SIGTERM))
+
+    def _listen(self, reader: socket.socket) -> None:
+        while True:
+            try:
+                data = reader.recv(64)
+            except OSError:
+                return
+            if not data:
+                return
+            for signum in data:
+                if signum in SIGNALS and not self._closed.is_set():
+                    self._on_signal(signum)
+
+    def __enter__(self) -> Preemption:
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        reader, writer = socket.socketpair()
+        writer.setblocking(False)
+        self._sockets = (reader, writer)
+        self._previous_fd = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+        for signum in SIGNALS:
+            self._previous[signum] = signal.signal(signum, self._python_handler)
+        threading.Thread(target=self._listen, args=(reader,), daemon=True).start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._closed.set()
+        if self._sockets is None:
+            return
+        signal.set_wakeup_fd(self._previous_fd)
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        for sock in self._sockets:
+            sock.close()

@@ -1,0 +1,124 @@
+"""Nothing lost: periodic checkpoints, exact resume after SIGTERM or SIGKILL, NaN policy,
+a full disk."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+import torch
+
+from conftest import FAST, assert_ok, output, read_metrics, run_entry, scalars
+
+pytestmark = pytest.mark.slow
+RUN = [*FAST, "trainer.epochs=3", "trainer.max_steps=40", "trainer.log_every_n_steps=1",
+       "trainer.checkpoint_every_n_steps=10"]
+
+# sitecustomize for the run's processes: act once the trainer has done `step` steps
+INJECT = """
+import os, signal
+import parallab.trainer as trainer
+
+step = trainer.Trainer.train_step
+
+def train_step(self, batches):
+    if self.step == {step} and {condition}:
+        {action}
+    return step(self, batches)
+
+trainer.Trainer.train_step = train_step
+"""
+
+
+def inject(tmp_path, step: int, action: str, condition: str = "True") -> dict[str, str]:
+    folder = tmp_path / "inject"
+    folder.mkdir(exist_ok=True)
+    (folder / "sitecustomize.py").write_text(textwrap.dedent(INJECT).format(
+        step=step, action=action, condition=condition))
+    return {"PYTHONPATH": str(folder)}
+
+
+def losses(run_dir) -> dict[int, float]:
+    return dict(scalars(run_dir, "train/loss"))  # a resumed run's later values win
+
+
+@pytest.mark.parametrize("parallel", [["parallel=none"],
+                                      ["parallel=ddp", "parallel.world_size=2"]])
+def test_sigterm_saves_and_resume_continues_bit_for_bit(tmp_path, parallel):
+    reference = tmp_path / "reference"
+    assert_ok(run_entry("train.py", [*RUN, *parallel], reference))
+    run_dir = tmp_path / "run"
+    stopped = run_entry("train.py", [*RUN, *parallel], run_dir,
+                        env=inject(tmp_path, 23, "os.kill(os.getpid(), signal.SIGTERM)"))
+    assert_ok(stopped)
+    assert "resume with: python train.py" in output(stopped)
+    assert not (run_dir / "metrics.json").exists()
+    assert any(run_dir.glob("checkpoints/step_0000002*.pt"))
+    resumed = run_entry("train.py", [*RUN, *parallel, "trainer.resume=auto"], run_dir)
+    assert_ok(resumed)
+    assert "resumed from" in output(resumed)
+    assert losses(run_dir) == losses(reference)
+    assert read_metrics(run_dir)["eval_accuracy"] == read_metrics(reference)["eval_accuracy"]
+
+
+def test_sigkill_then_resume_from_the_last_periodic_checkpoint(tmp_path):
+    reference = tmp_path / "reference"
+    assert_ok(run_entry("train.py", RUN, reference))
+    run_dir = tmp_path / "run"
+    killed = run_entry("train.py", RUN, run_dir,
+                       env=inject(tmp_path, 25, "os.kill(os.getpid(), signal.SIGKILL)"))
+    assert killed.returncode != 0
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [
+        "step_00000010.pt", "step_00000020.pt"]  # whole files only: no temporary left
+    resumed = run_entry("train.py", [*RUN, "trainer.resume=auto"], run_dir)
+    assert_ok(resumed)
+    assert "resumed from" in output(resumed) and "at step 20" in output(resumed)
+    assert losses(run_dir) == losses(reference)
+
+
+def test_periodic_checkpoints_are_pruned_to_keep_last_k(train):
+    result, run_dir = train(*RUN, "trainer.checkpoint_every_n_steps=5", "trainer.keep_last_k=2")
+    assert_ok(result)
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [
+        "last.pt", "step_00000032.pt", "step_00000035.pt"]  # 32: the end of epoch 1
+    state = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
+    assert {"model", "optimizer", "grad_scaler", "rng", "config", "epoch_step"} <= set(state)
+
+
+def test_a_diverging_run_stops_with_a_clear_message(train):
+    result, run_dir = train(*RUN, "optim.lr=1e6")
+    assert result.returncode != 0
+    assert "train loss is nan" in output(result) or "train loss is inf" in output(result)
+    assert "trainer.on_nan=skip" in output(result)
+
+
+def test_on_nan_skip_drops_the_bad_steps_and_finishes(train):
+    result, run_dir = train(*RUN, "optim.lr=1e6", "trainer.on_nan=skip")
+    assert_ok(result)
+    skipped = scalars(run_dir, "train/skipped_steps")
+    assert skipped[-1][1] > 0
+    assert read_metrics(run_dir)["steps"] == 40
+
+
+def test_a_full_disk_is_a_clear_error_and_the_previous_checkpoint_survives(tmp_path):
+    env = inject(tmp_path, 0, "pass")  # only to have a sitecustomize folder
+    (tmp_path / "inject" / "sitecustomize.py").write_text(textwrap.dedent("""
+        import errno
+        import torch
+        save, calls = torch.save, []
+
+        def save_on_a_small_disk(obj, f, *args, **kwargs):
+            calls.append(f)
+            if len(calls) == 2:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return save(obj, f, *args, **kwargs)
+
+        torch.save = save_on_a_small_disk
+    """))
+    run_dir = tmp_path / "run"
+    result = run_entry("train.py", RUN, run_dir, env=env)
+    assert result.returncode != 0
+    assert "could not write checkpoint" in output(result)
+    assert "No space left on device" in output(result)
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_00000010.pt"]
+    assert torch.load(run_dir / "checkpoints" / "step_00000010.pt", weights_only=True)["step"] == 10
