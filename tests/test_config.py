@@ -85,6 +85,10 @@ def test_auto_values_resolve_for_cpu():
     (["trainer.accumulate_grad_batches=0"], "trainer.accumulate_grad_batches=0"),
     (["trainer.clip_grad_norm=0"], "trainer.clip_grad_norm=0"),
     (["precision.name=fp8"], "precision.name=fp8"),
+    (["trainer.on_nan=ignore"], "trainer.on_nan=ignore"),
+    (["trainer.keep_last_k=0"], "trainer.keep_last_k=0"),
+    (["trainer.checkpoint_every_n_steps=0"], "trainer.checkpoint_every_n_steps=0"),
+    (["parallel=dp", "backend=nccl"], "backend=nccl needs CUDA"),
 ])
 def test_bad_values_fail_naming_the_key(overrides, message):
     with pytest.raises(validate.ConfigError) as error:
@@ -144,3 +148,25 @@ def test_download_that_cannot_connect_names_root_and_files(tmp_path, monkeypatch
     text = str(error.value)
     assert f"data.root={tmp_path}" in text and "train-images-idx3-ubyte" in text
     assert "data.download=true" in text and "\n" not in text
+
+
+def test_resume_refuses_missing_truncated_and_foreign_checkpoints(tmp_path):
+    import torch
+
+    good = tmp_path / "good.pt"
+    model_cfg = {"name": "mnist_cnn", "num_classes": 10, "dropout": 0.5}
+    torch.save({"model": {}, "optimizer": {}, "epoch_step": 0, "config": {"model": model_cfg}},
+               good)
+    truncated = tmp_path / "truncated.pt"
+    truncated.write_bytes(good.read_bytes()[:100])
+    cases = {
+        str(tmp_path / "missing.pt"): "no such file",
+        str(truncated): "not a readable checkpoint",
+    }
+    for path, message in cases.items():
+        with pytest.raises(validate.ConfigError, match=message):
+            validate.prepare(typed(f"trainer.resume={path}", "device=cpu"), in_place=None)
+    with pytest.raises(validate.ConfigError, match="resume with the same model config"):
+        validate.prepare(typed(f"trainer.resume={good}", "model.dropout=0.1", "device=cpu"),
+                         in_place=None)
+    validate.prepare(typed(f"trainer.resume={good}", "device=cpu"), in_place=None)
