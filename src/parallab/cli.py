@@ -63,10 +63,10 @@ def _train_and_report(spec: run.RunSpec, in_place: launch.InPlace | None) -> dic
 class JobFailed(Exception):
     """A job that cannot go on: its message, exit status, and a one-line summary."""
 
-    def __init__(self, message: str, status: int, summary: str | None = None):
+    def __init__(self, message: str, status: int, line: str | None = None):
         super().__init__(message)
         self.status = status
-        self.summary = summary or message
+        self.line = line or message
 
 
 def _train_job(dict_cfg: DictConfig) -> float | None:
@@ -94,7 +94,7 @@ def _sweep_job(dict_cfg: DictConfig, run_dir: Path) -> float | None:
     try:
         return _train_job(dict_cfg)
     except Exception as error:  # noqa: BLE001 - any failure of one job is that job's result
-        line = error.summary if isinstance(error, JobFailed) else (
+        line = error.line if isinstance(error, JobFailed) else (
             f"{type(error).__name__}: {error}".splitlines()[0])
         log.error("job failed: %s", error if isinstance(error, JobFailed) else line,
                   exc_info=not isinstance(error, JobFailed))
