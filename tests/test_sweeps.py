@@ -106,3 +106,25 @@ def test_submitit_local_runs_each_job_as_ranks_in_place(tmp_path):
     assert result.returncode == 0, output(result)
     rows = summary_rows(tmp_path / "sweep")
     assert [(r["status"], r["world_size"]) for r in rows] == [("completed", "2")] * 2
+
+
+@pytest.mark.distributed
+def test_a_failed_ddp_job_is_summarised_by_its_root_cause(tmp_path):
+    (tmp_path / "inject").mkdir()
+    (tmp_path / "inject" / "sitecustomize.py").write_text(
+        "import os\n"
+        "import parallab.trainer as trainer\n"
+        "step = trainer.Trainer.train_step\n"
+        "def failing(self, batches):\n"
+        "    if self.step == 2 and os.environ.get('RANK') == '1':\n"
+        "        raise RuntimeError('injected failure on rank 1')\n"
+        "    return step(self, batches)\n"
+        "trainer.Trainer.train_step = failing\n")
+    sweep_dir = tmp_path / "sweep"
+    result = run_entry("train.py", ["-m", *QUICK, "parallel=ddp", "parallel.world_size=2",
+                                    f"hydra.sweep.dir={sweep_dir}"],
+                       env={"PYTHONPATH": str(tmp_path / "inject")})
+    assert result.returncode != 0
+    [row] = summary_rows(sweep_dir)
+    assert row["status"] == "failed"
+    assert row["error"] == "rank 1: RuntimeError: injected failure on rank 1"

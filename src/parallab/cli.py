@@ -56,8 +56,12 @@ def _train_and_report(spec: run.RunSpec, in_place: launch.InPlace | None) -> dic
                               p.max_restarts, _worker_env(spec.cfg))
     except ChildFailedError as error:
         rank, failure = error.get_first_failure()
+        reason = failure.message  # the error file's record, or a line about a signal
+        reason = reason.get("message", "") if isinstance(reason, dict) else str(reason)
+        reason = reason.strip().splitlines()[-1] if reason.strip() else (
+            f"exit code {failure.exitcode}")
         raise JobFailed(f"a worker failed, so the job was stopped:\n{error}", 1,
-                        f"rank {rank}: {str(failure.message).strip().splitlines()[-1]}")
+                        f"rank {rank}: {reason}")
 
 
 class JobFailed(Exception):
