@@ -1,5 +1,5 @@
-"""Nothing lost: periodic checkpoints, exact resume after SIGTERM or SIGKILL, NaN policy,
-a full disk."""
+"""Nothing lost: periodic checkpoints, exact resume after SIGTERM or SIGKILL, elastic
+restarts, NaN policy, a full disk."""
 
 from __future__ import annotations
 
@@ -74,6 +74,23 @@ def test_sigkill_then_resume_from_the_last_periodic_checkpoint(tmp_path):
     assert_ok(resumed)
     assert "resumed from" in output(resumed) and "at step 20" in output(resumed)
     assert losses(run_dir) == losses(reference)
+
+
+@pytest.mark.distributed
+def test_elastic_restart_after_a_killed_worker_ends_as_if_uninterrupted(tmp_path):
+    ddp = ["parallel=ddp", "parallel.world_size=2"]
+    reference = tmp_path / "reference"
+    assert_ok(run_entry("train.py", [*RUN, *ddp], reference))
+    run_dir = tmp_path / "run"
+    result = run_entry("train.py", [*RUN, *ddp, "parallel.max_restarts=1"], run_dir,
+                       env=inject(tmp_path, 25, "os.kill(os.getpid(), signal.SIGKILL)",
+                                  'os.environ.get("RANK") == "1" and '
+                                  'os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0"'))
+    assert_ok(result)
+    assert "resumed from" in (run_dir / "train.log").read_text()
+    got, expected = read_metrics(run_dir), read_metrics(reference)
+    for key in ("train_loss", "eval_loss", "eval_accuracy", "steps"):
+        assert got[key] == expected[key], key
 
 
 def test_periodic_checkpoints_are_pruned_to_keep_last_k(train):
