@@ -78,13 +78,6 @@ def setup(device_type: str, backend: str | None, timeout_s: float,
         device = torch.device("cpu")
     torch.set_num_threads(threads_for(local_world_size, threads_per_worker))
 
-    if backend is not None and store is None and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        # The elastic agent's store outlives a restart, and torch's env:// rendezvous adds no
-        # per-attempt prefix: a restarted group could read the previous attempt's gloo
-        # addresses ("Connection refused"). Give each attempt its own key space.
-        agent_store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]),
-                                    is_master=False, timeout=timedelta(seconds=timeout_s))
-        store = dist.PrefixStore(f"parallab/attempt_{restart_count()}", agent_store)
     if backend is not None:
         dist.init_process_group(
             backend=backend,
@@ -96,6 +89,19 @@ def setup(device_type: str, backend: str | None, timeout_s: float,
             device_id=device if backend == "nccl" else None,
         )
     return Dist(rank, local_rank, world_size, local_world_size, device, backend)
+
+
+def attempt_store(timeout_s: float) -> dist.Store:
+    """For a worker of parallab's own elastic launch: the agent's store, keyed by attempt.
+
+    The agent's store outlives a restart and torch's env:// rendezvous adds no per-attempt
+    prefix, so a restarted group could read the previous attempt's gloo addresses and fail
+    with "Connection refused"; each attempt gets its own key space here.
+    """
+    env = os.environ
+    agent_store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False,
+                                timeout=timedelta(seconds=timeout_s))
+    return dist.PrefixStore(f"parallab/attempt_{restart_count()}", agent_store)
 
 
 def teardown() -> None:

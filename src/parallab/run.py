@@ -96,13 +96,13 @@ def resume_path(resume: str | None, run_dir: str) -> Path | None:
     return found
 
 
-def train(spec: RunSpec) -> dict[str, Any]:
+def train(spec: RunSpec, store=None) -> dict[str, Any]:
     """Train on this rank; returns the run's final metrics (every rank gets the same)."""
     cfg = spec.cfg
     strategy_cls = STRATEGIES[cfg.parallel.name]
     backend = cfg.backend.name if strategy_cls.uses_process_group else None
     dist = distributed.setup(cfg.device.value, backend, cfg.backend.timeout_s,
-                             cfg.parallel.threads_per_worker, store=launch.take_store())
+                             cfg.parallel.threads_per_worker, store=store or launch.take_store())
     logger = RunLogger(spec.run_dir, active=dist.is_main)
     log.info("rank %d/%d on %s, %d threads, optim.lr=%g, data.batch_size=%d", dist.rank,
              dist.world_size, dist.device, torch.get_num_threads(), cfg.optim.lr,
@@ -186,4 +186,4 @@ def worker_main(spec: RunSpec) -> dict[str, Any]:
     """Entry point of a worker started by the elastic launcher (a fresh process); the agent
     records its traceback for the controlling process to show."""
     _log_to_files(spec.run_dir)
-    return train(spec)
+    return train(spec, store=distributed.attempt_store(spec.cfg.backend.timeout_s))
