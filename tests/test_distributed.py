@@ -90,8 +90,21 @@ def test_two_nodes_over_loopback(tmp_path):
                f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={uuid.uuid4().hex}",
                str(REPO / "train.py"), *FAST, "parallel=ddp"]
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo"}
-    nodes = [subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+
+    def start_node() -> subprocess.Popen:
+        return subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+
+    # Both agents see 127.0.0.1 as their own host; started together, both may try to host the
+    # rendezvous store. On two machines one is simply started first: do the same here.
+    nodes = [start_node()]
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) == 0:
+                break
+        time.sleep(0.2)
+    nodes.append(start_node())
     outputs = [node.communicate(timeout=300)[0] for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], outputs
     run_dir = only_run_dir(tmp_path)
