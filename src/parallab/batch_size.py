@@ -15,13 +15,12 @@ import time
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from parallab.data.loaders import ShardLoader
 from parallab.distributed import Dist
 from parallab.precision import Precision
-from parallab.trainer import peak_memory_mb
+from parallab.trainer import loss_fn, peak_memory_mb
 
 log = logging.getLogger(__name__)
 GAIN = 1.05  # a larger batch must be this much faster to be worth it
@@ -49,7 +48,7 @@ def _measure(module: nn.Module, optimizer: torch.optim.Optimizer, precision: Pre
             start = time.perf_counter()
         inputs, targets = next(batches)
         with precision.autocast():
-            loss = F.cross_entropy(module(inputs), targets)
+            loss = loss_fn(module(inputs), targets)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

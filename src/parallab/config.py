@@ -37,6 +37,15 @@ class MnistCnnConfig:
     dropout: float = 0.5
 
 
+@dataclass
+class MlpConfig:
+    name: str = "mlp"
+    input_dim: Optional[int] = None  # null = inferred from the data
+    hidden: list[int] = field(default_factory=lambda: [256, 128])
+    num_classes: int = 10
+    dropout: float = 0.0
+
+
 # --- data --------------------------------------------------------------------------------
 @dataclass
 class DataConfig:
@@ -190,7 +199,7 @@ class EvalConfig(Config):
 
 
 SCHEMAS: dict[str, dict[str, type]] = {
-    "model": {"mnist_cnn": MnistCnnConfig},
+    "model": {"mnist_cnn": MnistCnnConfig, "mlp": MlpConfig},
     "data": {"mnist": MnistDataConfig, "synthetic": SyntheticDataConfig},
     "parallel": {"none": ParallelConfig, "ddp": DDPConfig, "dp": DPConfig},
     "precision": {"default": PrecisionConfig},

@@ -43,6 +43,12 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
+def loss_fn(output: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy of class scores (B, C) against labels (B,), or of per-position scores
+    (B, T, V) against next tokens (B, T): every target position counts once."""
+    return F.cross_entropy(output.flatten(0, -2).float(), targets.flatten(), reduction=reduction)
+
+
 @torch.no_grad()
 def evaluate(model: nn.Module, loader: ShardLoader, dist: Dist,
              precision: Precision | None) -> dict[str, float]:
@@ -56,10 +62,10 @@ def evaluate(model: nn.Module, loader: ShardLoader, dist: Dist,
             output = model(inputs)
         n = min(len(targets), remaining)
         remaining -= n
-        output, targets = output[:n].float(), targets[:n]
-        totals[0] += F.cross_entropy(output, targets, reduction="sum")
-        totals[1] += (output.argmax(dim=1) == targets).sum()
-        totals[2] += n
+        output, targets = output[:n], targets[:n]
+        totals[0] += loss_fn(output, targets, reduction="sum")
+        totals[1] += (output.argmax(dim=-1) == targets).sum()
+        totals[2] += targets.numel()
     dist.all_reduce_sum(totals)
     model.train(was_training)
     loss, correct, count = totals.tolist()
@@ -131,7 +137,7 @@ class Trainer:
             # reduce gradients across ranks once per step, on its last micro-batch
             with contextlib.nullcontext() if last else self.strategy.no_sync(self.model):
                 with self.precision.autocast():
-                    loss = F.cross_entropy(self.model(inputs), targets) / len(batches)
+                    loss = loss_fn(self.model(inputs), targets) / len(batches)
                 self.precision.backward(loss)
             total = loss.detach() if total is None else total + loss.detach()
         skip = self.cfg.on_nan == "skip"

@@ -67,8 +67,8 @@ def check_values(cfg: Config) -> None:
     _at_least("optim.weight_decay", cfg.optim.weight_decay, 0.0)
     _require(cfg.backend.timeout_s > 0,
              f"backend.timeout_s={cfg.backend.timeout_s} is out of range: it must be > 0")
-    _require(0 <= cfg.model.dropout < 1,
-             f"model.dropout={cfg.model.dropout} is out of range: it must be in [0, 1)")
+    dropout = getattr(cfg.model, "dropout", 0.0)
+    _require(0 <= dropout < 1, f"model.dropout={dropout} is out of range: it must be in [0, 1)")
     if cfg.data.name == "synthetic":
         _at_least("data.train_size", d.train_size, 1)
         _at_least("data.eval_size", d.eval_size, 1)
@@ -79,13 +79,8 @@ def check_values(cfg: Config) -> None:
 def check_model_fits_data(cfg: Config) -> None:
     from parallab.models import MODELS
 
-    shape = list(MODELS[cfg.model.name].input_shape)
-    data_shape, classes = cfg.data.input_shape, cfg.data.num_classes
-    _require(data_shape == shape, f"data.shape={data_shape} does not fit model={cfg.model.name},"
-             f" which takes inputs of shape {shape}: set data.shape={shape}")
-    _require(cfg.model.num_classes >= classes,
-             f"model.num_classes={cfg.model.num_classes} is fewer than the {classes} classes "
-             f"of data={cfg.data.name}: set model.num_classes={classes}")
+    problem = MODELS[cfg.model.name].check_data(cfg.model, cfg.data)
+    _require(problem is None, problem)
 
 
 def resolve_device(cfg: Config) -> None:

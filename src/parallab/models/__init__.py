@@ -1,13 +1,13 @@
-"""Models by name; each is a plain nn.Module built from its own config dataclass."""
+"""Models by name; each is a Model (models/base.py) built from its own config dataclass."""
 
 from __future__ import annotations
 
-from torch import nn
-
+from parallab.models.base import Model
+from parallab.models.mlp import MLP
 from parallab.models.mnist_cnn import MnistCNN
 
-MODELS: dict[str, type[nn.Module]] = {"mnist_cnn": MnistCNN}
+MODELS: dict[str, type[Model]] = {"mnist_cnn": MnistCNN, "mlp": MLP}
 
 
-def build_model(cfg) -> nn.Module:
+def build_model(cfg) -> Model:
     return MODELS[cfg.name](cfg)
