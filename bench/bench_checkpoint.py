@@ -41,7 +41,7 @@ def save_seconds(saves: int, directory: Path) -> tuple[float, int]:
     times = []
     for i in range(saves):
         start = time.perf_counter()
-        path = checkpointer.save(state, f"step_{i:08d}.pt")
+        path = checkpointer.save(state, f"step_{i:08d}")
         times.append(time.perf_counter() - start)
     return statistics.median(times), path.stat().st_size
 

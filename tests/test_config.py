@@ -12,7 +12,11 @@ from parallab.config import Config, register_configs
 from parallab.cli import CONF_DIR
 
 GROUPS = ["model", "data", "parallel", "precision", "backend", "optim", "trainer"]
-NEEDS_MORE_THAN_THIS_MACHINE = {("backend", "nccl"), ("backend", "mpi")}  # CUDA / an MPI build
+# what this machine lacks for an option, and the key the refusal names
+NEEDS_MORE_THAN_THIS_MACHINE = {("backend", "nccl"): "backend=nccl",  # CUDA
+                                ("backend", "mpi"): "backend=mpi",  # a PyTorch built with MPI
+                                ("data", "cifar10"): "data.root",  # CIFAR-10 is not shipped
+                                ("data", "imagefolder"): "data.path"}  # nor is a default folder
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -30,12 +34,20 @@ def options(group: str) -> list[str]:
     return sorted(p.stem for p in (REPO / "conf" / group).glob("*.yaml"))
 
 
+# options that only make sense with a partner from another group
+PARTNERS = {("model", "gpt"): ["data=bytes"], ("data", "bytes"): ["model=gpt"],
+            ("model", "lstm"): ["data=text"], ("data", "text"): ["model=lstm"],
+            ("model", "resnet18"): ["data=synthetic", "data.shape=[3,32,32]"],
+            ("data", "cifar10"): ["model=resnet18"], ("data", "imagefolder"): ["model=resnet18"]}
+
+
 @pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in options(g)])
 def test_every_option_composes_and_validates(group, option):
-    cfg = typed(f"{group}={option}", "device=cpu")
+    cfg = typed(f"{group}={option}", "device=cpu", *PARTNERS.get((group, option), []))
     assert getattr(getattr(cfg, group), "name", option) == option
     if (group, option) in NEEDS_MORE_THAN_THIS_MACHINE:
-        with pytest.raises(validate.ConfigError, match=f"backend={option}"):
+        with pytest.raises(validate.ConfigError,
+                           match=NEEDS_MORE_THAN_THIS_MACHINE[(group, option)]):
             validate.prepare(cfg, in_place=None)
     else:
         validate.prepare(cfg, in_place=None)
@@ -89,6 +101,17 @@ def test_auto_values_resolve_for_cpu():
     (["trainer.keep_last_k=0"], "trainer.keep_last_k=0"),
     (["trainer.checkpoint_every_n_steps=0"], "trainer.checkpoint_every_n_steps=0"),
     (["parallel=dp", "backend=nccl"], "backend=nccl needs CUDA"),
+    (["parallel=pipeline", "parallel.world_size=1"], "needs at least 2 parts"),
+    (["parallel=pipeline", "parallel.world_size=4"], "more parts than the 3 stages"),
+    (["parallel=model", "parallel.split=[1,2]"], "parallel.split=[1, 2] gives 3 parts"),
+    (["parallel=model", "parallel.split=[3]"], "parallel.split=[3] must be increasing"),
+    (["parallel=pipeline", "parallel.microbatches=3"], "parallel.microbatches=3"),
+    (["parallel=pipeline", "parallel.microbatches=1"], "parallel.microbatches=1"),
+    (["parallel=pipeline", "parallel.schedule=zb"], "parallel.schedule=zb"),
+    (["parallel=pipeline", "precision=fp16"], "precision=fp16 with parallel=pipeline"),
+    (["parallel=fsdp", "precision=fp16"], "precision=fp16 with parallel=fsdp"),
+    (["parallel=model", "trainer.auto_batch_size=true"], "trainer.auto_batch_size=true"),
+    (["model=mlp", "model.input_dim=100"], "model.input_dim=100"),
 ])
 def test_bad_values_fail_naming_the_key(overrides, message):
     with pytest.raises(validate.ConfigError) as error:

@@ -138,7 +138,7 @@ def test_compile_works_on_cpu_under_ddp(train):
     assert_ok(result)
     assert read_metrics(run_dir)["steps"] == 8
     state = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
-    assert "conv1.weight" in state["model"]  # no _orig_mod. prefix: loads into a plain model
+    assert "conv1.0.weight" in state["model"]  # no _orig_mod. prefix: loads into a plain model
 
 
 @pytest.mark.slow

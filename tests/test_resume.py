@@ -43,7 +43,10 @@ def losses(run_dir) -> dict[int, float]:
 
 
 @pytest.mark.parametrize("parallel", [["parallel=none"],
-                                      ["parallel=ddp", "parallel.world_size=2"]])
+                                      ["parallel=ddp", "parallel.world_size=2"],
+                                      ["parallel=fsdp", "parallel.world_size=2"],
+                                      ["parallel=pipeline", "parallel.world_size=2"]],
+                         ids=["none", "ddp", "fsdp", "pipeline"])
 def test_sigterm_saves_and_resume_continues_bit_for_bit(tmp_path, parallel):
     reference = tmp_path / "reference"
     assert_ok(run_entry("train.py", [*RUN, *parallel], reference))
@@ -53,7 +56,7 @@ def test_sigterm_saves_and_resume_continues_bit_for_bit(tmp_path, parallel):
     assert_ok(stopped)
     assert "resume with: python train.py" in output(stopped)
     assert not (run_dir / "metrics.json").exists()
-    assert any(run_dir.glob("checkpoints/step_0000002*.pt"))
+    assert any(run_dir.glob("checkpoints/step_0000002*"))
     resumed = run_entry("train.py", [*RUN, *parallel, "trainer.resume=auto"], run_dir)
     assert_ok(resumed)
     assert "resumed from" in output(resumed)

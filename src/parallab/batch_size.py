@@ -20,7 +20,8 @@ from torch import nn
 from parallab.data.loaders import ShardLoader
 from parallab.distributed import Dist
 from parallab.precision import Precision
-from parallab.trainer import loss_fn, peak_memory_mb
+from parallab.loss import loss_fn
+from parallab.trainer import peak_memory_mb
 
 log = logging.getLogger(__name__)
 GAIN = 1.05  # a larger batch must be this much faster to be worth it

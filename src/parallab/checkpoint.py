@@ -1,9 +1,16 @@
-"""Checkpoint files: written atomically, read back as plain tensors and containers only."""
+"""Checkpoints: written atomically, read back as plain tensors and containers only.
+
+Two layouts, chosen by the strategy: one file `<name>.pt` (rank 0 writes the whole state),
+or a directory `<name>.dcp` for strategies whose ranks each hold part of the model (fsdp,
+pipeline): torch.distributed.checkpoint files, every rank writing its shards, and
+`trainer.pt` with the rest of the state (position, RNG states, config).
+"""
 
 from __future__ import annotations
 
 import os
 import pickle
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -50,25 +57,104 @@ def load(path: str | Path) -> dict[str, Any]:
                               f"({str(error).splitlines()[0]})") from None
 
 
+SHARDED_META = "trainer.pt"  # in a .dcp directory: all but the model and optimizer tensors
+
+
 def periodic_name(step: int) -> str:
-    return f"step_{step:08d}.pt"
+    return f"step_{step:08d}"
+
+
+def is_sharded(path: str | Path) -> bool:
+    return Path(path).is_dir()
+
+
+def load_meta(path: str | Path) -> dict[str, Any]:
+    """What a checkpoint holds besides sharded tensors: all of a file, a .dcp's trainer.pt."""
+    path = Path(path)
+    return load(path / SHARDED_META) if path.is_dir() else load(path)
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Only the classes a .dcp index is made of: torch's own reader would unpickle anything."""
+
+    MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+    NAMES = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath")}
+
+    def find_class(self, module: str, name: str) -> Any:
+        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if module in self.MODULES or (module, name) in self.NAMES or dtype:
+            return super().find_class(module, name)
+        raise CheckpointError(f"the index of this sharded checkpoint names {module}.{name}, "
+                              "which is not checkpoint metadata; refusing to load it")
+
+
+def _safe_reader(path: Path):
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any):
+            with open(path / ".metadata", "rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeReader(str(path))
+
+
+def load_sharded(path: Path, template: dict[str, Any]) -> dict[str, Any]:
+    """A .dcp checkpoint read into `template` ({"model": ..., "optimizer": ...} shaped as
+    this rank holds them); works without a process group too (one process reads all)."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    meta = load_meta(path)
+    if not (path / ".metadata").is_file():
+        raise CheckpointError(f"ckpt={path} has no .metadata: not a complete sharded checkpoint")
+    with open(path / ".metadata", "rb") as f:
+        _MetadataUnpickler(f).load()  # refused here in one line, not deep inside dcp.load
+    with warnings.catch_warnings():  # "assuming ... a single process": yes, that is meant
+        warnings.filterwarnings("ignore", message=".*single process")
+        dcp.load(template, storage_reader=_safe_reader(path))
+    return {**meta, **template}
+
+
+def model_from(path: str | Path, model: torch.nn.Module) -> torch.nn.Module:
+    """`model` with the weights of any checkpoint: a file, or a .dcp read by one process."""
+    if is_sharded(path):
+        load_sharded(Path(path), {"model": model.state_dict()})  # fills the tensors in place
+    else:
+        model.load_state_dict(load(path)["model"])
+    return model
+
+
+def _step(path: Path) -> int:
+    if path.name.startswith("step_"):
+        return int(path.name[len("step_"):].split(".")[0])
+    meta = path / SHARDED_META if path.is_dir() else path
+    # mmap: read the step without reading the tensors
+    return torch.load(meta, map_location="cpu", weights_only=True, mmap=True)["step"]
 
 
 def latest(directory: Path) -> Path | None:
-    """The newest checkpoint in `directory` by step: the periodic ones, then last.pt."""
-    periodic = sorted(directory.glob("step_*.pt"))
-    candidates = periodic + ([directory / "last.pt"] if (directory / "last.pt").exists() else [])
+    """The newest checkpoint in `directory` by step, last.* winning a tie."""
+    candidates = [p for p in directory.glob("step_*") if p.suffix in (".pt", ".dcp")]
+    candidates += [p for p in (directory / "last.pt", directory / "last.dcp") if p.exists()]
     if not candidates:
         return None
-    return max(candidates, key=lambda p: torch.load(p, map_location="cpu",
-                                                     weights_only=True)["step"])
+    return max(candidates, key=lambda p: (_step(p), p.name.startswith("last")))
 
 
 class Checkpointer:
     """Saves the trainer's state with every rank's RNG state, rank 0 writing the file."""
 
-    def __init__(self, directory: Path, dist, config: dict[str, Any], keep_last_k: int):
+    def __init__(self, directory: Path, dist, config: dict[str, Any], keep_last_k: int,
+                 sharded: bool = False):
         self.directory = directory
+        self.sharded = sharded
         self.dist = dist
         self.config = config
         self.keep_last_k = keep_last_k
@@ -85,20 +171,46 @@ class Checkpointer:
         return [s.cpu() for s in states]
 
     def save(self, state: dict[str, Any], name: str) -> Path:
-        """Every rank calls this (the RNG states are gathered); rank 0 writes."""
-        path = self.directory / name
+        """Every rank calls this (the RNG states are gathered); rank 0 writes, or with
+        sharded=True every rank writes its shards."""
         rng = self._rng_states()
-        if self.dist.is_main:
-            try:
+        path = self.directory / f"{name}{'.dcp' if self.sharded else '.pt'}"
+        try:
+            if self.sharded:
+                self._save_sharded(path, state, rng)
+            elif self.dist.is_main:
                 save(path, {**state, "rng": rng, "config": self.config})
-            except OSError as error:
-                reason = error.strerror or str(error)
-                raise CheckpointError(f"could not write checkpoint {path} ({reason}); the "
-                                      "previous checkpoints are intact: free space or point "
-                                      "hydra.run.dir somewhere writable") from None
+        except OSError as error:
+            reason = error.strerror or str(error)
+            raise CheckpointError(f"could not write checkpoint {path} ({reason}); the "
+                                  "previous checkpoints are intact: free space or point "
+                                  "hydra.run.dir somewhere writable") from None
+        if self.dist.is_main:
             self._prune()
         return path
 
+    def _save_sharded(self, path: Path, state: dict[str, Any], rng: list) -> None:
+        """Shards into a temporary directory, then one rename: a crash leaves the old one."""
+        import torch.distributed as torch_dist
+        import torch.distributed.checkpoint as dcp
+
+        tmp = path.with_name(f".{path.name}.tmp")
+        if self.dist.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        torch_dist.barrier()
+        tensors = {"model": state["model"], "optimizer": state["optimizer"]}
+        dcp.save(tensors, checkpoint_id=str(tmp))  # collective: ends when all shards are written
+        if self.dist.is_main:
+            rest = {k: v for k, v in state.items() if k not in tensors}
+            save(tmp / SHARDED_META, {**rest, "rng": rng, "config": self.config})
+            old = path.with_name(f".{path.name}.old")
+            if path.exists():
+                os.replace(path, old)
+            os.replace(tmp, path)
+            shutil.rmtree(old, ignore_errors=True)
+        torch_dist.barrier()  # no rank reads or prunes before the rename
+
     def _prune(self) -> None:
-        for old in sorted(self.directory.glob("step_*.pt"))[:-self.keep_last_k]:
-            old.unlink()
+        for suffix in (".pt", ".dcp"):
+            for old in sorted(self.directory.glob(f"step_*{suffix}"))[:-self.keep_last_k]:
+                shutil.rmtree(old) if old.is_dir() else old.unlink()

@@ -20,6 +20,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from parallab import launch, run, summary, validate
+from parallab.checkpoint import CheckpointError
 from parallab.config import REPO_DIR, register_configs
 
 log = logging.getLogger("parallab")
@@ -136,8 +137,10 @@ def _evaluate_app(dict_cfg: DictConfig) -> float:
 
     cfg = OmegaConf.to_object(dict_cfg)
     try:
-        state = checkpoint.load(cfg.ckpt)
+        state = checkpoint.load_meta(cfg.ckpt)
         cfg.model = model_config(state["config"]["model"])
+        if hasattr(cfg.model, "weights"):  # the checkpoint holds them: no file needed again
+            cfg.model.weights = None
         validate.prepare(cfg, in_place=None)
     except (validate.ConfigError, checkpoint.CheckpointError) as error:
         _fail(str(error), 2)
@@ -146,9 +149,8 @@ def _evaluate_app(dict_cfg: DictConfig) -> float:
               f"{error})", 2)
     dist = distributed.setup(cfg.device.value, None, cfg.backend.timeout_s,
                              cfg.parallel.threads_per_worker)
-    model = build_model(cfg.model)
     try:
-        model.load_state_dict(state["model"])
+        model = checkpoint.model_from(cfg.ckpt, build_model(cfg.model))
     except RuntimeError as error:
         _fail(f"ckpt={cfg.ckpt} does not fit model={cfg.model.name}: "
               f"{str(error).splitlines()[1].strip()}", 2)
@@ -171,15 +173,41 @@ def evaluate() -> None:
     _evaluate_app()
 
 
+def _export(ckpt: Path, out: Path) -> None:
+    """A sharded (.dcp) checkpoint as one full state-dict file evaluate.py and torch read."""
+    from parallab import checkpoint
+    from parallab.config import model_config
+    from parallab.models import build_model
+
+    if out.exists():
+        raise SystemExit(f"parallab export: {out} exists; give a new file name")
+    meta = checkpoint.load_meta(ckpt)
+    model = checkpoint.model_from(ckpt, build_model(model_config(meta["config"]["model"])))
+    checkpoint.save(out, {"model": model.state_dict(), "step": meta["step"],
+                          "config": meta["config"]})
+    print(f"{out}: the full model state of {ckpt} (step {meta['step']})")
+
+
 def parallab() -> None:
-    """`parallab summary DIR`: rebuild a finished multirun's summary."""
+    """`parallab summary DIR`: rebuild a finished multirun's summary;
+    `parallab export CKPT OUT`: a checkpoint's full model state as one file."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="parallab")
     commands = parser.add_subparsers(dest="command", required=True)
     summarize = commands.add_parser("summary", help="summary.csv/.md/.png of a multirun dir")
     summarize.add_argument("sweep_dir", type=Path)
+    export = commands.add_parser("export", help="a checkpoint (.pt or sharded .dcp) as one "
+                                 "full state-dict file")
+    export.add_argument("ckpt", type=Path)
+    export.add_argument("out", type=Path)
     args = parser.parse_args()
+    if args.command == "export":
+        try:
+            _export(args.ckpt, args.out)
+        except (CheckpointError, KeyError) as error:
+            raise SystemExit(f"parallab export: {error}") from None
+        return
     if not any(args.sweep_dir.glob("*/.hydra/overrides.yaml")):
         parser.error(f"{args.sweep_dir} holds no multirun jobs (no */.hydra/overrides.yaml)")
     print(summary.markdown(summary.write(args.sweep_dir)))

@@ -25,6 +25,7 @@ class Device(enum.Enum):
 
 
 class Loader(enum.Enum):
+    auto = "auto"  # memory when the set fits, no per-sample augmentation (data.resolve_loader)
     memory = "memory"  # the whole split as one tensor, batches gathered by index
     dataloader = "dataloader"  # torch DataLoader over a per-sample Dataset
 
@@ -46,16 +47,49 @@ class MlpConfig:
     dropout: float = 0.0
 
 
+@dataclass
+class LstmConfig:
+    name: str = "lstm"
+    vocab_size: Optional[int] = None  # null = the data's vocabulary
+    embedding_dim: int = 64
+    hidden_dim: int = 128
+    num_layers: int = 1
+    num_classes: Optional[int] = None  # null = the data's classes
+    dropout: float = 0.0  # between LSTM layers and before the head
+
+
+@dataclass
+class ResNet18Config:
+    name: str = "resnet18"
+    num_classes: Optional[int] = None  # null = the data's classes; the new fc's outputs
+    in_channels: Optional[int] = None  # null = the data's; not 3: a new first conv
+    weights: Optional[str] = None  # a state_dict file, or a torchvision name (IMAGENET1K_V1)
+    freeze_backbone: bool = False  # train only the new head
+
+
+@dataclass
+class GptConfig:
+    name: str = "gpt"
+    vocab_size: int = 256
+    context: int = 256  # the longest sequence it takes (learned position embeddings)
+    layers: int = 4
+    heads: int = 4
+    width: int = 256
+    dropout: float = 0.0
+
+
 # --- data --------------------------------------------------------------------------------
 @dataclass
 class DataConfig:
     name: str = MISSING
     batch_size: int = 64  # per rank
+    global_batch_size: Optional[int] = None  # set: batch_size = this / data-parallel ranks
     eval_batch_size: int = 1000  # per rank
-    loader: Loader = Loader.memory
+    loader: Loader = Loader.auto
     num_workers: int = 0
     pin_memory: bool = False
     persistent_workers: bool = False
+    prefetch_factor: Optional[int] = None  # batches each worker loads ahead; null = torch's 2
 
 
 @dataclass
@@ -72,6 +106,10 @@ class MnistDataConfig(DataConfig):
     def num_classes(self) -> int:
         return 10
 
+    @property
+    def memory_bytes(self) -> int:
+        return 70_000 * 28 * 28
+
 
 @dataclass
 class SyntheticDataConfig(DataConfig):
@@ -81,10 +119,123 @@ class SyntheticDataConfig(DataConfig):
     shape: list[int] = field(default_factory=lambda: [1, 28, 28])
     num_classes: int = 10
     noise: float = 1.0  # std of the noise around each class prototype
+    vocab_size: Optional[int] = None  # set: token sequences (ids 1..vocab_size-1, 0 = padding)
+    seq_len: int = 32  # token sequences: the longest (lengths vary from seq_len / 2 up)
 
     @property
     def input_shape(self) -> list[int]:
-        return list(self.shape)
+        return [self.seq_len] if self.vocab_size else list(self.shape)
+
+    @property
+    def memory_bytes(self) -> int:
+        import math
+
+        item = 8 if self.vocab_size else 4  # int64 ids, float32 values
+        return (self.train_size + self.eval_size) * math.prod(self.input_shape) * item
+
+
+@dataclass
+class TextDataConfig(DataConfig):
+    """Labelled text: train.tsv and test.tsv under data.path, one `label<TAB>text` a line."""
+
+    name: str = "text"
+    path: str = str(REPO_DIR / "data" / "text_cls")
+    min_freq: int = 2  # rarer training tokens become <UNK>
+    max_size: Optional[int] = 20_000  # vocabulary cap, <PAD> and <UNK> included; null = none
+    max_len: Optional[int] = 64  # tokens kept per example; null = all
+    lowercase: bool = True
+
+    @property
+    def vocab_size(self) -> int:
+        from parallab.data import text
+
+        return len(text.corpus(self).vocab)
+
+    @property
+    def num_classes(self) -> int:
+        from parallab.data import text
+
+        return len(text.corpus(self).classes)
+
+    @property
+    def input_shape(self) -> list[int]:
+        from parallab.data import text
+
+        return list(text.corpus(self).train.inputs.shape[1:])
+
+
+@dataclass
+class Cifar10DataConfig(DataConfig):
+    name: str = "cifar10"
+    root: str = str(REPO_DIR / "data")  # holds cifar-10-batches-py/
+    download: bool = False
+    augment: bool = True  # random crop (padding 4) + horizontal flip, per sample (DataLoader path)
+    batch_size: int = 128
+
+    @property
+    def input_shape(self) -> list[int]:
+        return [3, 32, 32]
+
+    @property
+    def num_classes(self) -> int:
+        return 10
+
+    @property
+    def memory_bytes(self) -> int:
+        return 60_000 * 3 * 32 * 32
+
+
+@dataclass
+class ImageFolderDataConfig(DataConfig):
+    """Any folder of class subfolders (or train/ and val/ folders of them)."""
+
+    name: str = "imagefolder"
+    path: Optional[str] = None
+    image_size: int = 224  # resized (shorter side) and cropped to image_size square
+    eval_fraction: float = 0.2  # held out of each class when there is no train/ + val/
+    augment: bool = True  # random resized crop + horizontal flip, per sample (DataLoader path)
+    batch_size: int = 32
+    eval_batch_size: int = 64
+
+    @property
+    def input_shape(self) -> list[int]:
+        return [3, self.image_size, self.image_size]
+
+    @property
+    def num_classes(self) -> int:
+        from parallab.data import images
+
+        return len(images.folder_layout(self.path, self.eval_fraction).classes)
+
+    @property
+    def memory_bytes(self) -> int:
+        from parallab.data import images
+
+        return images.folder_layout(self.path, self.eval_fraction).size * 3 * self.image_size ** 2
+
+
+@dataclass
+class BytesDataConfig(DataConfig):
+    """Byte-level text: every byte a token, windows of seq_len inputs and next-byte targets."""
+
+    name: str = "bytes"
+    path: Optional[str] = None  # a text file or a directory of *.txt; null = data/text/kjv.txt
+    seq_len: int = 256
+    eval_fraction: float = 0.1  # the tail of the text held out
+    batch_size: int = 32
+    eval_batch_size: int = 64
+
+    @property
+    def vocab_size(self) -> int:
+        return 256
+
+    @property
+    def input_shape(self) -> list[int]:
+        return [self.seq_len]
+
+    @property
+    def num_classes(self) -> int:
+        return self.vocab_size
 
 
 # --- parallel ----------------------------------------------------------------------------
@@ -112,6 +263,29 @@ class DDPConfig(ParallelConfig):
 class DPConfig(ParallelConfig):
     name: str = "dp"
     world_size: Optional[int] = None
+
+
+@dataclass
+class FSDPConfig(ParallelConfig):
+    name: str = "fsdp"
+    world_size: Optional[int] = None
+    reshard_after_forward: bool = True  # free gathered parameters after forward (ZeRO-3)
+
+
+@dataclass
+class ModelParallelConfig(ParallelConfig):
+    name: str = "model"
+    world_size: Optional[int] = None  # devices the stages are placed on
+    split: Optional[list[int]] = None  # stage index where each part after the first starts
+
+
+@dataclass
+class PipelineConfig(ParallelConfig):
+    name: str = "pipeline"
+    world_size: Optional[int] = None  # ranks, one part of the model each
+    split: Optional[list[int]] = None  # null = parts even by parameter count
+    microbatches: int = 4  # per step: data.batch_size must divide by it
+    schedule: str = "1f1b"  # gpipe | 1f1b
 
 
 # --- precision, backend, optim, trainer -------------------------------------------------
@@ -199,9 +373,13 @@ class EvalConfig(Config):
 
 
 SCHEMAS: dict[str, dict[str, type]] = {
-    "model": {"mnist_cnn": MnistCnnConfig, "mlp": MlpConfig},
-    "data": {"mnist": MnistDataConfig, "synthetic": SyntheticDataConfig},
-    "parallel": {"none": ParallelConfig, "ddp": DDPConfig, "dp": DPConfig},
+    "model": {"mnist_cnn": MnistCnnConfig, "mlp": MlpConfig, "gpt": GptConfig,
+              "lstm": LstmConfig, "resnet18": ResNet18Config},
+    "data": {"mnist": MnistDataConfig, "synthetic": SyntheticDataConfig,
+             "bytes": BytesDataConfig, "text": TextDataConfig, "cifar10": Cifar10DataConfig,
+             "imagefolder": ImageFolderDataConfig},
+    "parallel": {"none": ParallelConfig, "ddp": DDPConfig, "dp": DPConfig, "fsdp": FSDPConfig,
+                 "model": ModelParallelConfig, "pipeline": PipelineConfig},
     "precision": {"default": PrecisionConfig},
     "backend": {"default": BackendConfig},
     "optim": {"sgd": SGDConfig, "adam": AdamConfig, "adamw": AdamWConfig},

@@ -29,6 +29,7 @@ def compute_dtype(name: str, device_type: str) -> torch.dtype:
 class Precision:
     def __init__(self, cfg: PrecisionConfig, device: torch.device):
         self.device_type = device.type
+        self.tf32 = cfg.tf32 and device.type == "cuda"
         self.dtype = compute_dtype(cfg.name, device.type)
         if self.dtype == torch.float16 and device.type == "cpu":
             log.warning("precision=%s computes in float16 on CPU, which is slower than fp32 "

@@ -96,6 +96,14 @@ def resume_path(resume: str | None, run_dir: str) -> Path | None:
     return found
 
 
+def read_checkpoint(path: Path, strategy, model, optimizer) -> dict[str, Any]:
+    """A checkpoint's whole state; a sharded one read into this rank's part of the model."""
+    if not checkpoint.is_sharded(path):
+        return checkpoint.load(path)
+    model_state, optimizer_state = strategy.state_dict(model, optimizer)
+    return checkpoint.load_sharded(path, {"model": model_state, "optimizer": optimizer_state})
+
+
 def train(spec: RunSpec, store=None) -> dict[str, Any]:
     """Train on this rank; returns the run's final metrics (every rank gets the same)."""
     cfg = spec.cfg
@@ -127,23 +135,26 @@ def _fit(spec: RunSpec, dist: distributed.Dist, logger: RunLogger,
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model)  # identical initial weights on every rank
     torch.manual_seed(cfg.seed + dist.rank)  # dropout masks differ between ranks
-    strategy = strategy_cls(cfg.parallel, dist)
-    model = strategy.wrap(speed_up(model, cfg.trainer))
-    data = build_data(cfg.data, dist, cfg.seed, batch_scale=strategy.devices_per_process)
-    optimizer = build_optimizer(cfg.optim, model.parameters())
     precision = Precision(cfg.precision, dist.device)
+    strategy = strategy_cls(cfg.parallel, dist, precision)
+    model = strategy.wrap(speed_up(model, cfg.trainer))
+    data = build_data(cfg.data, strategy.data_dist, cfg.seed,
+                      batch_scale=strategy.devices_per_process)
+    data.train.drop_last = strategy.fixed_batch_shape
+    # frozen parameters (model.freeze_backbone) are left out
+    optimizer = build_optimizer(cfg.optim, [p for p in model.parameters() if p.requires_grad])
     if cfg.trainer.auto_batch_size:
         data.train = tune_batch_size(strategy.unwrap(model), optimizer, precision, data,
                                      dist, cfg.trainer, logger)
     config = OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
     checkpointer = Checkpointer(Path(spec.run_dir) / "checkpoints", dist, config,
-                                cfg.trainer.keep_last_k)
+                                cfg.trainer.keep_last_k, sharded=strategy.sharded_checkpoint)
     with Preemption() as preemption:
         trainer = Trainer(cfg.trainer, model, strategy, optimizer, precision, data, dist,
                           logger, checkpointer, preemption)
         resume_from = resume_path(cfg.trainer.resume, spec.run_dir)
         if resume_from is not None:
-            trainer.load_state_dict(checkpoint.load(resume_from))
+            trainer.load_state_dict(read_checkpoint(resume_from, strategy, model, optimizer))
             log.info("resumed from %s at step %d", resume_from, trainer.step)
         logger.config(cfg)
         metrics = trainer.fit()
@@ -156,10 +167,10 @@ def _fit(spec: RunSpec, dist: distributed.Dist, logger: RunLogger,
                             ("hydra.run.dir=", "trainer.resume="))), spec.run_dir)
         return {}
     metrics.update(wall_time_s=time.time() - spec.started,
-                   world_size=dist.world_size * strategy.devices_per_process,
+                   world_size=strategy.world_size,
                    precision_dtype=precision.dtype_name, backend=backend or "none",
                    parallel=cfg.parallel.name)
-    checkpointer.save(trainer.state_dict(), "last.pt")
+    checkpointer.save(trainer.state_dict(), "last")
     if dist.is_main:
         logger.finish(metrics, hparams(spec, metrics), trainer.step)
         log.info("metrics: %s", {k: round(v, 4) if isinstance(v, float) else v

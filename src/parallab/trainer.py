@@ -8,10 +8,9 @@ import math
 import resource
 import statistics
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from parallab import checkpoint
@@ -21,6 +20,7 @@ from parallab.data import Data
 from parallab.data.loaders import ShardLoader
 from parallab.distributed import Dist
 from parallab.logger import RunLogger
+from parallab.loss import loss_fn
 from parallab.parallel.base import Strategy
 from parallab.preemption import Preemption
 from parallab.precision import Precision
@@ -43,25 +43,41 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
-def loss_fn(output: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-    """Cross-entropy of class scores (B, C) against labels (B,), or of per-position scores
-    (B, T, V) against next tokens (B, T): every target position counts once."""
-    return F.cross_entropy(output.flatten(0, -2).float(), targets.flatten(), reduction=reduction)
+def peak_flops_of(device: torch.device, precision: Precision) -> float | None:
+    from parallab import mfu
+
+    return mfu.peak_flops(torch.cuda.get_device_name(device), precision.dtype, precision.tf32)
+
+
+def held_state_mb(model: nn.Module, optimizer: torch.optim.Optimizer) -> float:
+    """Parameters, gradients and optimizer state this rank holds: its shards under fsdp,
+    its part under pipeline, everything under ddp."""
+    from torch.distributed.tensor import DTensor
+
+    params = list(model.parameters())
+    tensors = params + [p.grad for p in params if p.grad is not None] + [
+        v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
+    local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+    return sum(t.numel() * t.element_size() for t in local) / 2**20
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, loader: ShardLoader, dist: Dist,
-             precision: Precision | None) -> dict[str, float]:
-    """Loss and accuracy over the whole split: each sample counted once, summed over ranks."""
+def evaluate(model: nn.Module, loader: ShardLoader, dist: Dist, precision: Precision | None,
+             forward: Callable[[nn.Module, torch.Tensor], torch.Tensor | None] | None = None
+             ) -> dict[str, float]:
+    """Loss and accuracy over the whole split: each sample counted once, summed over ranks.
+    `forward` (a strategy's eval_forward) returns None on ranks that do not score."""
     was_training = model.training
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=dist.device)  # loss, correct, count
     remaining = loader.num_valid  # the rest of this rank's shard is sampler padding
     for inputs, targets in loader:
         with precision.autocast() if precision else contextlib.nullcontext():
-            output = model(inputs)
+            output = forward(model, inputs) if forward else model(inputs)
         n = min(len(targets), remaining)
         remaining -= n
+        if output is None:
+            continue
         output, targets = output[:n], targets[:n]
         totals[0] += loss_fn(output, targets, reduction="sum")
         totals[1] += (output.argmax(dim=-1) == targets).sum()
@@ -94,7 +110,8 @@ class Trainer:
         self.preemption = preemption or Preemption()
         self.model = model
         self.strategy = strategy
-        self.eval_model = strategy.unwrap(model)  # same weights, no wrapper's collectives
+        self.eval_model = strategy.eval_module(model)  # same weights, fewest collectives
+        self.data_world = strategy.data_dist.world_size  # ranks reading different samples
         self.optimizer = optimizer
         self.precision = precision
         self.data = data
@@ -118,6 +135,11 @@ class Trainer:
         self.eval_metrics: dict[str, float] = {}
         self.eval_step = -1  # the step eval_metrics were measured at
         self.profiler = None  # a torch.profiler.profile while trainer.profile is on
+        self.state_mb: float | None = None  # see held_state_mb, measured at the second step
+        self.tokens_per_sample = 1  # target positions per sample: > 1 for language models
+        self.flops_per_sample = 0.0  # for MFU on a device of known peak (parallab.mfu)
+        self.peak_flops = (peak_flops_of(dist.device, precision) if dist.device.type == "cuda"
+                           else None)
 
         self.steps_per_epoch = math.ceil(len(data.train) / cfg.accumulate_grad_batches)
         steps = cfg.epochs * self.steps_per_epoch
@@ -136,15 +158,13 @@ class Trainer:
             last = index == len(batches) - 1
             # reduce gradients across ranks once per step, on its last micro-batch
             with contextlib.nullcontext() if last else self.strategy.no_sync(self.model):
-                with self.precision.autocast():
-                    loss = loss_fn(self.model(inputs), targets) / len(batches)
-                self.precision.backward(loss)
-            total = loss.detach() if total is None else total + loss.detach()
+                loss = self.strategy.forward_backward(self.model, inputs, targets,
+                                                      self.precision, len(batches))
+            total = loss if total is None else total + loss
         skip = self.cfg.on_nan == "skip"
         if self.cfg.clip_grad_norm is not None or skip:
             self.precision.unscale_(self.optimizer)
-            norm = nn.utils.clip_grad_norm_(self.model.parameters(),
-                                            self.cfg.clip_grad_norm or math.inf)
+            norm = self.strategy.clip_grad_norm(self.model, self.cfg.clip_grad_norm)
             # gradients are already reduced, so every rank decides alike
             if skip and not torch.isfinite(norm):
                 self.skipped_steps += 1
@@ -152,6 +172,8 @@ class Trainer:
                 total = torch.zeros_like(total)
                 if not self.precision.scaler.is_enabled():  # a scaler skips it by itself
                     self.optimizer.zero_grad(set_to_none=True)
+        if self.step == 1:  # gradients and optimizer state both exist now
+            self.state_mb = held_state_mb(self.model, self.optimizer)
         self.precision.step(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         return total
@@ -167,7 +189,7 @@ class Trainer:
                 self.epoch_step = 0
                 if self.epoch % self.cfg.eval_every_n_epochs == 0:
                     self.run_eval()
-                if not self.done():  # the last one is last.pt, saved by the caller
+                if not self.done():  # the last one is `last`, saved by the caller
                     self.save_checkpoint()
         if self.eval_step != self.step or not self.eval_metrics:  # final weights unscored
             self.run_eval()
@@ -205,9 +227,11 @@ class Trainer:
         self.model.train()
         if self.epoch_step == 0:  # else resumed mid-epoch with these restored
             self.epoch_loss, self.epoch_steps = 0.0, 0
-        world = self.dist.world_size
+        world = self.data_world
         start = tick = time.perf_counter()
         for batches in micro_batches(loader, self.cfg.accumulate_grad_batches):
+            if self.step == 0:
+                self.measure_work(batches[0][1])
             self.window_loss += self.train_step(batches)
             self.step += 1
             self.epoch_step += 1
@@ -236,6 +260,23 @@ class Trainer:
         self.epoch_times.append(time.perf_counter() - start)
         self.last_train_loss = self.epoch_loss / max(self.epoch_steps, 1)
 
+    def measure_work(self, targets: torch.Tensor) -> None:
+        """Tokens and FLOPs a sample stands for, from the first batch's targets."""
+        self.tokens_per_sample = targets[0].numel()
+        flops = getattr(self.strategy.unwrap(self.model), "flops_per_token", None)
+        if flops is not None and self.tokens_per_sample > 1:
+            self.flops_per_sample = flops() * self.tokens_per_sample
+
+    def throughput(self, samples_per_sec: float) -> dict[str, float]:
+        """Tokens/s of a language model, and MFU where the device's peak is known."""
+        figures = {}
+        if self.tokens_per_sample > 1:
+            figures["tokens_per_sec"] = samples_per_sec * self.tokens_per_sample
+        if self.peak_flops and self.flops_per_sample:
+            figures["mfu"] = (samples_per_sec * self.flops_per_sample
+                              / (self.peak_flops * self.strategy.world_size))
+        return figures
+
     def stop_requested(self) -> bool:
         """One process stops as soon as it is signalled; several stop together, when the
         next log step has shared the request (no extra collective per step)."""
@@ -262,7 +303,7 @@ class Trainer:
                                            device=self.dist.device)])
         loss_sum, stops = self.dist.all_reduce_sum(shared).tolist()
         self.stop_agreed = self.stop_agreed or stops > 0
-        counted = (steps - self.window_skipped) * self.dist.world_size
+        counted = (steps - self.window_skipped) * self.data_world  # ranks holding a loss
         loss = loss_sum / counted if counted else math.nan
         if not math.isfinite(loss) and self.cfg.on_nan == "stop":
             raise Diverged(f"train loss is {loss} at step {self.step}: stopped, the last good "
@@ -278,6 +319,7 @@ class Trainer:
             "train/peak_memory_mb": peak_memory_mb(self.dist.device),
             "train/epoch": self.epoch,
             "train/skipped_steps": self.skipped_steps,
+            **{f"train/{k}": v for k, v in self.throughput(samples_per_sec).items()},
         }, self.step)
         if progress is not None:
             progress.line(f"epoch {self.epoch + 1} step {self.step}/{self.total_steps} "
@@ -293,10 +335,11 @@ class Trainer:
     def global_batch_size(self) -> int:
         """Samples per optimizer step, over all ranks."""
         return (self.data.train.batch_size * self.cfg.accumulate_grad_batches
-                * self.dist.world_size)
+                * self.data_world)
 
     def run_eval(self) -> None:
-        self.eval_metrics = evaluate(self.eval_model, self.data.eval, self.dist, self.precision)
+        self.eval_metrics = evaluate(self.eval_model, self.data.eval, self.dist, self.precision,
+                                     self.strategy.eval_forward)
         self.eval_step = self.step
         self.logger.scalars({"eval/loss": self.eval_metrics["eval_loss"],
                              "eval/accuracy": self.eval_metrics["eval_accuracy"]}, self.step)
@@ -307,15 +350,18 @@ class Trainer:
     def summary(self) -> dict[str, Any]:
         """The final figures; None where the run was too short to measure one."""
         measured = self.step_times[self.cfg.warmup_steps:]
+        samples_per_sec = self.measured_samples / sum(measured) if measured else None
         return {
             "train_loss": None if math.isnan(self.last_train_loss) else self.last_train_loss,
             **self.eval_metrics,
-            "samples_per_sec": self.measured_samples / sum(measured) if measured else None,
+            "samples_per_sec": samples_per_sec,
+            **(self.throughput(samples_per_sec) if samples_per_sec else {}),
             "step_time_ms": statistics.median(measured) * 1e3 if measured else None,
             "epoch_time_s": statistics.median(self.epoch_times) if self.epoch_times else None,
             "steps": self.step,
             "global_batch_size": self.global_batch_size,
             "peak_memory_mb": peak_memory_mb(self.dist.device),
+            "state_memory_mb": self.state_mb,
         }
 
     def quantized_summary(self) -> dict[str, float]:
@@ -339,15 +385,16 @@ class Trainer:
 
     def state_dict(self) -> dict[str, Any]:
         """All a run needs to continue exactly: weights, optimizer, scaler, position."""
-        return {"model": self.eval_model.state_dict(), "optimizer": self.optimizer.state_dict(),
+        model_state, optimizer_state = self.strategy.state_dict(self.model, self.optimizer)
+        return {"model": model_state, "optimizer": optimizer_state,
                 "grad_scaler": self.precision.state_dict(), "step": self.step,
                 "epoch": self.epoch, "epoch_step": self.epoch_step,
                 "epoch_loss": self.epoch_loss, "epoch_steps": self.epoch_steps,
                 "skipped_steps": self.skipped_steps}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.eval_model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.strategy.load_state_dict(self.model, self.optimizer, state["model"],
+                                      state["optimizer"])
         self.precision.load_state_dict(state["grad_scaler"])
         self.step, self.epoch, self.epoch_step = state["step"], state["epoch"], state["epoch_step"]
         self.epoch_loss, self.epoch_steps = state["epoch_loss"], state["epoch_steps"]

@@ -74,6 +74,24 @@ def check_values(cfg: Config) -> None:
         _at_least("data.eval_size", d.eval_size, 1)
         _at_least("data.num_classes", d.num_classes, 2)
         _at_least("data.noise", d.noise, 0.0)
+        _at_least("data.vocab_size", d.vocab_size, 2, optional=True)
+        _at_least("data.seq_len", d.seq_len, 1)
+    _at_least("data.prefetch_factor", d.prefetch_factor, 1, optional=True)
+    if d.name in ("text", "cifar10", "imagefolder"):  # before the model's check reads the files
+        from parallab.data import images, text
+
+        problem = text.problem(d) if d.name == "text" else images.problem(d)
+        _require(problem is None, problem)
+    if cfg.model.name == "lstm":
+        for key in ("embedding_dim", "hidden_dim", "num_layers"):
+            _at_least(f"model.{key}", getattr(cfg.model, key), 1)
+
+
+def resolve_loader(cfg: Config) -> None:
+    """data.loader=auto: memory when the set fits, else dataloader (data.resolve_loader)."""
+    from parallab.data import resolve_loader as pick
+
+    cfg.data.loader = pick(cfg.data)
 
 
 def check_model_fits_data(cfg: Config) -> None:
@@ -102,15 +120,19 @@ def resolve_device(cfg: Config) -> None:
 def resolve_parallel(cfg: Config, in_place: InPlace | None) -> None:
     import torch
 
+    from parallab.parallel import STRATEGIES
+
     p = cfg.parallel
+    strategy = STRATEGIES[p.name]
     gpus = torch.cuda.device_count() if cfg.device is Device.cuda else 0
     if in_place is not None:
-        _require(p.name == "ddp" or in_place.world_size == 1, f"parallel={p.name} runs one "
-                 f"process, but {in_place.launcher} started {in_place.world_size}: use "
-                 "parallel=ddp or launch one process")
+        _require(strategy.launches_workers or in_place.world_size == 1, f"parallel={p.name} "
+                 f"runs one process, but {in_place.launcher} started {in_place.world_size}: "
+                 "use parallel=ddp, fsdp or pipeline, or launch one process")
         p.world_size, p.nnodes = in_place.world_size, in_place.nnodes
     elif p.world_size is None:
-        p.world_size = gpus or (2 if p.name == "ddp" else 1)
+        several = strategy.launches_workers or strategy.splits_model
+        p.world_size = gpus or (2 if several else 1)
     _require(p.name != "none" or p.world_size == 1,
              f"parallel.world_size={p.world_size} needs several workers, but parallel=none runs"
              " one: use parallel=ddp (processes) or parallel=dp (GPUs of one process)")
@@ -123,6 +145,74 @@ def resolve_parallel(cfg: Config, in_place: InPlace | None) -> None:
     if gpus:
         _require(per_node <= gpus, f"parallel.world_size={p.world_size} needs {per_node} GPUs "
                  f"per node but {gpus} are visible: set parallel.world_size<={gpus * p.nnodes}")
+
+
+def resolve_global_batch(cfg: Config) -> None:
+    """data.global_batch_size: the per-rank data.batch_size that gives it, so strategies
+    compare at equal samples per optimizer step."""
+    from parallab.parallel import STRATEGIES
+
+    d, p = cfg.data, cfg.parallel
+    if d.global_batch_size is None:
+        return
+    on_cpu_dp = p.name == "dp" and cfg.device is not Device.cuda  # one device
+    ranks = p.world_size if STRATEGIES[p.name].shards_data and not on_cpu_dp else 1
+    per_step = ranks * cfg.trainer.accumulate_grad_batches
+    _require(d.global_batch_size % per_step == 0 and d.global_batch_size > 0,
+             f"data.global_batch_size={d.global_batch_size} does not split over {ranks} "
+             f"data-parallel ranks x trainer.accumulate_grad_batches="
+             f"{cfg.trainer.accumulate_grad_batches}: use a positive multiple of {per_step}")
+    d.batch_size = d.global_batch_size // per_step
+
+
+def check_split(cfg: Config) -> None:
+    """parallel=model/pipeline: the model has stages enough for parallel.world_size parts."""
+    import torch
+
+    from parallab.models import build_model
+    from parallab.parallel import STRATEGIES
+    from parallab.parallel.split import check_cuts
+
+    p = cfg.parallel
+    if not STRATEGIES[p.name].splits_model:
+        return
+    with torch.device("meta"):  # the structure without allocating the weights
+        model = build_model(cfg.model)
+    try:
+        stages = len(model.stages())
+    except NotImplementedError:
+        raise ConfigError(f"model={cfg.model.name} declares no stages, so parallel={p.name} "
+                          "cannot split it: use parallel=ddp or fsdp") from None
+    _require(p.world_size >= 2,
+             f"parallel.world_size={p.world_size}: parallel={p.name} needs at least 2 parts; "
+             "use parallel=none for one")
+    _require(p.world_size <= stages, f"parallel.world_size={p.world_size} is more parts than "
+             f"the {stages} stages of model={cfg.model.name}: set parallel.world_size<={stages}")
+    if p.split is not None:
+        problem = check_cuts(list(p.split), stages, p.world_size)
+        _require(problem is None, problem)
+    if p.name == "pipeline":
+        _require(p.schedule in ("gpipe", "1f1b"), f"parallel.schedule={p.schedule} is unknown: "
+                 "use parallel.schedule=gpipe or 1f1b")
+        _at_least("parallel.microbatches", p.microbatches, p.world_size if
+                  p.schedule == "1f1b" else 1)
+        _require(cfg.data.batch_size % p.microbatches == 0, f"data.batch_size="
+                 f"{cfg.data.batch_size} does not split into parallel.microbatches="
+                 f"{p.microbatches} equal micro-batches: use a multiple of {p.microbatches}")
+
+
+def check_strategy_features(cfg: Config) -> None:
+    """Switches a strategy cannot honour, refused before launch."""
+    p, t = cfg.parallel, cfg.trainer
+    if p.name in ("pipeline", "fsdp"):
+        _require(cfg.precision.name != "fp16", f"precision=fp16 with parallel={p.name}: each "
+                 "rank holds part of the gradients, and a GradScaler per rank could skip the "
+                 "step on one rank only: use precision=bf16")
+        _require(t.quantize is None, f"trainer.quantize={t.quantize} with parallel={p.name}: "
+                 "quantize needs the whole model in one process: use parallel=none or ddp")
+    if p.name in ("pipeline", "model"):
+        _require(not t.auto_batch_size, f"trainer.auto_batch_size=true with parallel={p.name}: "
+                 "the finder runs whole-model steps: use parallel=none, ddp or fsdp")
 
 
 def resolve_backend(cfg: Config) -> None:
@@ -141,6 +231,18 @@ def resolve_backend(cfg: Config) -> None:
 
 
 def check_data(cfg: Config) -> None:
+    if cfg.data.name == "cifar10":  # fetched here if asked, before any worker starts
+        from parallab.data import images
+
+        problem = images.cifar_problem(cfg.data)
+        _require(problem is None, problem)
+        return
+    if cfg.data.name == "bytes":  # text on disk: data.path readable, enough bytes to split
+        from parallab.data import bytetext
+
+        problem = bytetext.problem(cfg.data)
+        _require(problem is None, problem)
+        return
     if not isinstance(cfg.data, MnistDataConfig):
         return
     from parallab.data import mnist
@@ -175,26 +277,38 @@ def check_resume(cfg: Config, run_dir: str | None) -> None:
         if found is None:
             return
         resume = str(found)
+    from parallab.parallel import STRATEGIES
+
     try:
-        state = checkpoint.load(resume)
+        state = checkpoint.load_meta(resume)  # of a sharded one, all but the tensors
     except checkpoint.CheckpointError as error:
         raise ConfigError(f"trainer.resume: {error}: give an existing checkpoint, or "
                           "trainer.resume=auto") from None
     saved = state.get("config", {}).get("model", {}) if isinstance(state, dict) else {}
-    _require("epoch_step" in state and "optimizer" in state,
+    sharded = checkpoint.is_sharded(resume)
+    _require("epoch_step" in state and (sharded or "optimizer" in state),
              f"trainer.resume={resume} is not a parallab training checkpoint (no optimizer or "
              "position in it): evaluate it with evaluate.py, or start afresh")
     _require(saved == OmegaConf.to_container(OmegaConf.structured(cfg.model), enum_to_str=True),
              f"trainer.resume={resume} was saved from model={saved.get('name')} with other "
              f"settings than model={cfg.model.name} here: resume with the same model config")
+    saved_parallel = state["config"].get("parallel", {}).get("name")
+    _require(sharded == STRATEGIES[cfg.parallel.name].sharded_checkpoint,
+             f"trainer.resume={resume} was saved by parallel={saved_parallel} "
+             f"({'sharded' if sharded else 'one file'}), which parallel={cfg.parallel.name} "
+             f"cannot continue: resume with parallel={saved_parallel}")
 
 
 def prepare(cfg: Config, in_place: InPlace | None, run_dir: str | None = None) -> Config:
     """Check `cfg` and fill in its `auto` values; raises ConfigError on the first problem."""
     check_values(cfg)
+    resolve_loader(cfg)
     check_model_fits_data(cfg)
     resolve_device(cfg)
     resolve_parallel(cfg, in_place)
+    resolve_global_batch(cfg)
+    check_split(cfg)
+    check_strategy_features(cfg)
     resolve_backend(cfg)
     check_data(cfg)
     check_resume(cfg, run_dir)

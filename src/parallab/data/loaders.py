@@ -52,6 +52,8 @@ class ShardSampler(Sampler[int]):
 
 
 class ShardLoader:
+    drop_last = False  # True: every batch full (a pipeline's stages have fixed shapes)
+
     def __init__(self, split: Split, dist: Dist, batch_size: int, shuffle: bool, seed: int):
         self.split = split
         self.batch_size = batch_size
@@ -65,7 +67,13 @@ class ShardLoader:
         self.sampler.set_epoch(epoch, offset=skip_batches * self.batch_size)
 
     def __len__(self) -> int:
-        return math.ceil(self.sampler.per_rank / self.batch_size)
+        rounding = math.floor if self.drop_last else math.ceil
+        return rounding(self.sampler.per_rank / self.batch_size)
+
+    def batches(self, order: torch.Tensor) -> list[torch.Tensor]:
+        """`order` in batches, the last one short or, with drop_last, dropped."""
+        chunks = list(order.split(self.batch_size))
+        return chunks[:-1] if self.drop_last and chunks and len(chunks[-1]) < self.batch_size else chunks
 
     def resized(self, batch_size: int) -> ShardLoader:
         """The same shard in batches of another size."""
@@ -82,7 +90,7 @@ class MemoryLoader(ShardLoader):
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         order = self.sampler.indices().to(self.device)
-        for batch in order.split(self.batch_size):
+        for batch in self.batches(order):
             yield self.split.prepare(self.inputs[batch]), self.targets[batch]
 
 
@@ -103,7 +111,7 @@ class SampleDataset(Dataset):
         from PIL import Image
 
         inputs = self.split.inputs[index]
-        if inputs.dtype == torch.uint8:  # (C, H, W) pixels -> PIL -> normalised float
+        if inputs.dtype == torch.uint8 and inputs.dim() == 3:  # (C, H, W) pixels -> PIL -> float
             pixels = inputs.numpy().transpose(1, 2, 0)
             inputs = self.transform(Image.fromarray(np.squeeze(pixels, axis=2)
                                                     if pixels.shape[2] == 1 else pixels))
@@ -117,10 +125,25 @@ class DataLoaderLoader(ShardLoader):
                  cfg: DataConfig):
         super().__init__(split, dist, batch_size, shuffle, seed)
         self.cfg = cfg
+        # a split with its own per-sample dataset (augmentation, image files) gives it; the
+        # training split is the shuffled one
+        own = getattr(split, "dataset", None)
+        dataset = own(train=shuffle) if own is not None else SampleDataset(split)
+        # torch seeds each worker's torch, random and numpy from this generator, reseeded per
+        # epoch from (seed, rank, epoch): the same config augments the same way every run
+        # (without workers, transforms draw from this process's RNG, seeded by the run)
+        self.generator = torch.Generator()
+        self.set_epoch(0)
+        workers = cfg.num_workers > 0
         self.loader = DataLoader(
-            SampleDataset(split), batch_size=batch_size, sampler=self.sampler,
+            dataset, batch_size=batch_size, sampler=self.sampler, generator=self.generator,
             num_workers=cfg.num_workers, pin_memory=cfg.pin_memory and self.device.type == "cuda",
-            persistent_workers=cfg.persistent_workers and cfg.num_workers > 0)
+            persistent_workers=cfg.persistent_workers and workers,
+            prefetch_factor=cfg.prefetch_factor if workers else None)
+
+    def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
+        super().set_epoch(epoch, skip_batches)
+        self.generator.manual_seed(hash((self.seed, self.dist.rank, epoch)) & (2**63 - 1))
 
     def resized(self, batch_size: int) -> ShardLoader:
         return DataLoaderLoader(self.split, self.dist, batch_size, self.shuffle, self.seed,
@@ -128,5 +151,8 @@ class DataLoaderLoader(ShardLoader):
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         for inputs, targets in self.loader:
-            yield (inputs.to(self.device, non_blocking=True),
+            if self.drop_last and len(targets) < self.batch_size:
+                return
+            # uint8 pixels or token ids become model input on the device, as in memory
+            yield (self.split.prepare(inputs.to(self.device, non_blocking=True)),
                    targets.to(self.device, non_blocking=True))

@@ -24,3 +24,10 @@ class Split:
         # one fused pass: -mean/std + x / (255 std), the uint8 promoted to float32 on the way
         shift = torch.tensor(-self.mean / self.std, device=inputs.device)
         return torch.add(shift, inputs, alpha=1.0 / (255.0 * self.std))
+
+
+class TokenSplit(Split):
+    """Token sequences: inputs (N, T) stored as uint8 bytes, targets (N, T) int64 next tokens."""
+
+    def prepare(self, inputs: torch.Tensor) -> torch.Tensor:
+        return inputs.long()

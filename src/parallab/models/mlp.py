@@ -26,6 +26,9 @@ class MLP(Model):
 
     @classmethod
     def check_data(cls, cfg, data) -> str | None:
+        if getattr(data, "vocab_size", None):
+            return (f"model=mlp takes numeric features, but data={data.name} holds token ids: "
+                    "use model=lstm or model=gpt")
         features = math.prod(data.input_shape)
         if cfg.input_dim is None:
             cfg.input_dim = features

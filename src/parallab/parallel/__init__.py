@@ -5,9 +5,15 @@ from __future__ import annotations
 from parallab.parallel.base import Strategy
 from parallab.parallel.ddp import DDPStrategy
 from parallab.parallel.dp import DataParallelStrategy
+from parallab.parallel.fsdp import FSDPStrategy
+from parallab.parallel.model import ModelParallelStrategy
+from parallab.parallel.pipeline import PipelineStrategy
 
 STRATEGIES: dict[str, type[Strategy]] = {
     "none": Strategy,
     "dp": DataParallelStrategy,
     "ddp": DDPStrategy,
+    "fsdp": FSDPStrategy,
+    "model": ModelParallelStrategy,
+    "pipeline": PipelineStrategy,
 }

@@ -11,6 +11,7 @@ from parallab.parallel.base import Strategy
 class DDPStrategy(Strategy):
     launches_workers = True
     uses_process_group = True
+    shards_data = True
 
     def wrap(self, model: nn.Module) -> nn.Module:
         model = model.to(self.dist.device)

@@ -12,6 +12,7 @@ log = logging.getLogger(__name__)
 
 
 class DataParallelStrategy(Strategy):
+    shards_data = True  # over its GPUs (on CPU it runs one device)
     @property
     def devices_per_process(self) -> int:
         return self.cfg.world_size if self.dist.device.type == "cuda" else 1

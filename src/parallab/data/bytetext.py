@@ -1,0 +1,66 @@
+"""Byte-level text: the bytes of one or more text files are the tokens (0..255).
+
+The tail `eval_fraction` of the text is the eval split; each split is cut into
+non-overlapping windows of seq_len + 1 bytes: inputs the first seq_len, targets the same
+window shifted by one (the next byte at every position).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from parallab.config import REPO_DIR, BytesDataConfig, Loader
+from parallab.data.split import TokenSplit
+
+DEFAULT_TEXT = REPO_DIR / "data" / "text" / "kjv.txt"
+
+
+def text_files(path: str | None) -> list[Path]:
+    """The files data.path names: itself, or a directory's *.txt in sorted order."""
+    root = Path(path).expanduser() if path is not None else DEFAULT_TEXT
+    return sorted(root.glob("*.txt")) if root.is_dir() else [root]
+
+
+def problem(cfg: BytesDataConfig) -> str | None:
+    """None if data.path and the split settings give both splits a window, else one line."""
+    if cfg.seq_len < 1:
+        return f"data.seq_len={cfg.seq_len} is out of range: it must be >= 1"
+    if cfg.loader is Loader.dataloader:  # loaders.SampleDataset turns uint8 into images
+        return ("data.loader=dataloader does not take token data: use data.loader=memory "
+                "with data=bytes")
+    if not 0 < cfg.eval_fraction < 1:
+        return f"data.eval_fraction={cfg.eval_fraction} is out of range: it must be in (0, 1)"
+    files = text_files(cfg.path)
+    missing = [str(f) for f in files if not f.is_file()]
+    if not files or missing:
+        what = f"no file {missing[0]}" if missing else "no *.txt in that directory"
+        return (f"data.path={cfg.path}: {what}: give a text file or a directory of *.txt "
+                "files (or data.path=null for the shipped text)")
+    size = sum(f.stat().st_size for f in files)
+    if min(int(size * cfg.eval_fraction), size - int(size * cfg.eval_fraction)) <= cfg.seq_len:
+        return (f"data.path={cfg.path} holds {size} bytes, too few for a window of "
+                f"data.seq_len={cfg.seq_len} in both splits (data.eval_fraction="
+                f"{cfg.eval_fraction}): give more text or a shorter model.context")
+    return None
+
+
+def read_text(path: str | None) -> torch.Tensor:
+    """All the bytes, as one uint8 tensor."""
+    raw = b"".join(f.read_bytes() for f in text_files(path))
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+
+
+def windows(data: torch.Tensor, seq_len: int) -> TokenSplit:
+    """Non-overlapping windows: (N, seq_len) uint8 inputs and their next bytes as int64."""
+    n = (len(data) - 1) // seq_len
+    inputs = data[: n * seq_len].view(n, seq_len).clone()
+    targets = data[1: n * seq_len + 1].view(n, seq_len).long()
+    return TokenSplit(inputs, targets)
+
+
+def make(cfg: BytesDataConfig, seed: int) -> tuple[TokenSplit, TokenSplit]:
+    data = read_text(cfg.path)
+    cut = len(data) - int(len(data) * cfg.eval_fraction)
+    return windows(data[:cut], cfg.seq_len), windows(data[cut:], cfg.seq_len)

@@ -1,0 +1,223 @@
+"""Image sets: CIFAR-10 (torchvision's python version under data.root) and any folder of
+class subfolders (data.path). Pixels stay uint8 until `prepare` normalises a batch on its
+device; training augmentation runs per sample in the DataLoader's workers."""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from parallab.config import Cifar10DataConfig, ImageFolderDataConfig, Loader
+from parallab.data.split import Split
+
+CIFAR_DIR = "cifar-10-batches-py"
+CIFAR_FILES = {"train": [f"data_batch_{i}" for i in range(1, 6)], "test": ["test_batch"]}
+CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+
+
+@dataclass
+class ImageSplit(Split):
+    """(N, C, H, W) uint8 images in memory, or (files set, inputs None) image files read per
+    sample; mean and std per channel. train_ops / eval_ops: torchvision transforms applied to
+    each sample's uint8 (C, H, W) tensor on the DataLoader path."""
+
+    mean: tuple[float, ...] = (0.0,)
+    std: tuple[float, ...] = (1.0,)
+    files: list[str] | None = None
+    train_ops: list[Callable] = field(default_factory=list)
+    eval_ops: list[Callable] = field(default_factory=list)
+
+    def prepare(self, inputs: torch.Tensor) -> torch.Tensor:
+        if inputs.dtype != torch.uint8:
+            return inputs
+        mean = torch.tensor(self.mean, device=inputs.device).view(-1, 1, 1)
+        std = torch.tensor(self.std, device=inputs.device).view(-1, 1, 1) * 255.0
+        return (inputs - mean * 255.0) / std
+
+    def dataset(self, train: bool) -> Dataset:
+        return ImageDataset(self, self.train_ops if train else self.eval_ops)
+
+
+class ImageDataset(Dataset):
+    def __init__(self, split: ImageSplit, ops: list[Callable]):
+        self.split, self.ops = split, ops
+
+    def __len__(self) -> int:
+        return len(self.split)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        split = self.split
+        image = split.inputs[index] if split.files is None else read_image(split.files[index])
+        for op in self.ops:
+            image = op(image)
+        return image, int(split.targets[index])
+
+
+def read_image(path: str) -> torch.Tensor:
+    from PIL import Image
+
+    with Image.open(path) as image:
+        return torch.from_numpy(np.array(image.convert("RGB"))).permute(2, 0, 1).contiguous()
+
+
+# --- CIFAR-10 ----------------------------------------------------------------------------
+class _ArrayUnpickler(pickle.Unpickler):
+    """CIFAR's batches are pickles: allow the numpy arrays they hold and nothing else, so a
+    data file can never name code to run."""
+
+    ALLOWED = {("numpy.core.multiarray", "_reconstruct"), ("numpy", "ndarray"),
+               ("numpy._core.multiarray", "_reconstruct"), ("numpy", "dtype")}
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) not in self.ALLOWED:
+            raise pickle.UnpicklingError(f"refusing {module}.{name} in a CIFAR batch file")
+        return super().find_class(module, name)
+
+
+def cifar_missing(root: str | Path) -> list[str]:
+    folder = Path(root).expanduser() / CIFAR_DIR
+    return [name for names in CIFAR_FILES.values() for name in names
+            if not (folder / name).is_file()]
+
+
+def read_cifar(root: str | Path, split: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, 3, 32, 32) uint8 images and (N,) labels of one split."""
+    images, labels = [], []
+    for name in CIFAR_FILES[split]:
+        with open(Path(root).expanduser() / CIFAR_DIR / name, "rb") as f:
+            batch = _ArrayUnpickler(f, encoding="latin1").load()
+        images.append(np.asarray(batch["data"], dtype=np.uint8).reshape(-1, 3, 32, 32))
+        labels.extend(batch["labels"])
+    return torch.from_numpy(np.concatenate(images)), torch.tensor(labels)
+
+
+def cifar_problem(cfg: Cifar10DataConfig) -> str | None:
+    """None once the files are under data.root (fetched first if data.download), else a line."""
+    missing = cifar_missing(cfg.root)
+    reason = ""
+    if missing and cfg.download:
+        from torchvision.datasets import CIFAR10
+
+        try:
+            CIFAR10(cfg.root, train=True, download=True)
+        except Exception as error:  # offline, mirror down, disk full: say so in one line
+            reason = (f" and data.download=true could not fetch them ({type(error).__name__}: "
+                      f"{(str(error).splitlines() or [''])[0]})")
+        missing = cifar_missing(cfg.root)
+    if missing:
+        return (f"data.root={cfg.root} has no CIFAR-10 files {missing} under {CIFAR_DIR}/"
+                f"{reason}: put the python version (cifar-10-python.tar.gz, extracted) there, "
+                "point data.root at it, or set data.download=true")
+    return None
+
+
+def make_cifar10(cfg: Cifar10DataConfig, seed: int) -> tuple[ImageSplit, ImageSplit]:
+    from torchvision import transforms
+
+    augment = [transforms.RandomCrop(32, padding=4), transforms.RandomHorizontalFlip()]
+    return tuple(ImageSplit(*read_cifar(cfg.root, split), mean=CIFAR_MEAN, std=CIFAR_STD,
+                            train_ops=augment if cfg.augment else [])
+                 for split in ("train", "test"))
+
+
+# --- a folder of class subfolders --------------------------------------------------------
+@dataclass(frozen=True)
+class FolderLayout:
+    classes: list[str]
+    train: list[tuple[str, int]]  # (file, class index)
+    eval: list[tuple[str, int]]
+
+    @property
+    def size(self) -> int:
+        return len(self.train) + len(self.eval)
+
+
+def _images_by_class(root: Path, classes: list[str]) -> list[tuple[str, int]]:
+    return [(str(f), i) for i, name in enumerate(classes)
+            for f in sorted((root / name).rglob("*")) if f.suffix.lower() in EXTENSIONS]
+
+
+@lru_cache(maxsize=4)
+def _layout(path: str, eval_fraction: float) -> FolderLayout:
+    root = Path(path)
+    held_out = next((root / name for name in ("val", "test") if (root / name).is_dir()), None)
+    if (root / "train").is_dir() and held_out is not None:
+        classes = sorted(d.name for d in (root / "train").iterdir() if d.is_dir())
+        return FolderLayout(classes, _images_by_class(root / "train", classes),
+                            _images_by_class(held_out, classes))
+    classes = sorted(d.name for d in root.iterdir() if d.is_dir())
+    files = _images_by_class(root, classes)
+    # hold out eval_fraction of each class, chosen by a fixed seed (not the run's: the eval
+    # set stays the same whatever seed trains)
+    order = torch.randperm(len(files), generator=torch.Generator().manual_seed(0)).tolist()
+    by_class: list[list[tuple[str, int]]] = [[] for _ in classes]
+    for j in order:
+        by_class[files[j][1]].append(files[j])
+    train, held = [], []
+    for of_class in by_class:
+        cut = round(len(of_class) * eval_fraction)
+        held += of_class[:cut]
+        train += of_class[cut:]
+    return FolderLayout(classes, sorted(train), sorted(held))
+
+
+def folder_layout(path: str | None, eval_fraction: float = 0.2) -> FolderLayout:
+    """Classes and files of data.path; empty when it is not a folder."""
+    root = Path(path or "").expanduser()
+    if path is None or not root.is_dir():
+        return FolderLayout([], [], [])
+    return _layout(str(root.resolve()), eval_fraction)
+
+
+def folder_problem(cfg: ImageFolderDataConfig) -> str | None:
+    if cfg.image_size < 1:
+        return f"data.image_size={cfg.image_size} is out of range: it must be >= 1"
+    if not 0 <= cfg.eval_fraction < 1:
+        return f"data.eval_fraction={cfg.eval_fraction} is out of range: it must be in [0, 1)"
+    layout = folder_layout(cfg.path, cfg.eval_fraction)
+    if not layout.classes:
+        return (f"data.path={cfg.path or 'null'} is not a folder with one subfolder of "
+                "images per class (or train/ and val/ folders of them): point data.path at one")
+    if not layout.train or not layout.eval:
+        which = "training" if not layout.train else "held-out"
+        return (f"data.path={cfg.path} gives no {which} images (of {', '.join(EXTENSIONS)}): "
+                "add images, or change data.eval_fraction")
+    return None
+
+
+def make_imagefolder(cfg: ImageFolderDataConfig, seed: int) -> tuple[ImageSplit, ImageSplit]:
+    from torchvision import transforms
+
+    size = cfg.image_size
+    fit = [transforms.Resize(size, antialias=True), transforms.CenterCrop(size)]
+    augment = [transforms.RandomResizedCrop(size, antialias=True),
+               transforms.RandomHorizontalFlip()] if cfg.augment else fit
+    layout = folder_layout(cfg.path, cfg.eval_fraction)
+
+    def split(samples: list[tuple[str, int]]) -> ImageSplit:
+        files = [f for f, _ in samples]
+        targets = torch.tensor([c for _, c in samples])
+        common = dict(mean=IMAGENET_MEAN, std=IMAGENET_STD, train_ops=augment, eval_ops=fit)
+        if cfg.loader is Loader.memory:  # decoded once, fitted to size x size
+            images = [transforms.Compose(fit)(read_image(f)) for f in files]
+            return ImageSplit(torch.stack(images), targets, **common)
+        return ImageSplit(None, targets, files=files, **common)
+
+    return split(layout.train), split(layout.eval)
+
+
+def problem(cfg: Cifar10DataConfig | ImageFolderDataConfig) -> str | None:
+    """Value checks of an image set's keys (files: cifar_problem / folder_problem)."""
+    if cfg.augment and cfg.loader is Loader.memory:
+        return (f"data.augment=true with data.loader=memory: augmentation runs per sample on "
+                f"the DataLoader path: use data.loader=dataloader (or auto), or data.augment=false")
+    return folder_problem(cfg) if isinstance(cfg, ImageFolderDataConfig) else None

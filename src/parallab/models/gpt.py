@@ -1,0 +1,122 @@
+"""A small decoder-only transformer language model, after nanoGPT: pre-LayerNorm blocks of
+causal self-attention and a GELU MLP, learned position embeddings, untied output head
+(tied weights would span the first and the last stage)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from parallab.config import GptConfig
+from parallab.models.base import Model
+
+
+class Embed(nn.Module):
+    def __init__(self, cfg: GptConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tokens = nn.Embedding(cfg.vocab_size, cfg.width)
+        self.positions = nn.Embedding(cfg.context, cfg.width)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:  # (B, T) int64 -> (B, T, C)
+        positions = torch.arange(idx.shape[1], device=idx.device)
+        return self.dropout(self.tokens(idx) + self.positions(positions))
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, cfg: GptConfig):
+        super().__init__()
+        self.heads, self.dropout = cfg.heads, cfg.dropout
+        self.qkv = nn.Linear(cfg.width, 3 * cfg.width)
+        self.proj = nn.Linear(cfg.width, cfg.width)
+        self.proj_dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        # (B, T, 3C) -> 3 x (B, heads, T, C / heads)
+        q, k, v = self.qkv(x).view(B, T, 3, self.heads, C // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        return self.proj_dropout(self.proj(y.transpose(1, 2).reshape(B, T, C)))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GptConfig):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.width)
+        self.attn = SelfAttention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.width)
+        self.mlp = nn.Sequential(nn.Linear(cfg.width, 4 * cfg.width), nn.GELU(),
+                                 nn.Linear(4 * cfg.width, cfg.width), nn.Dropout(cfg.dropout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class Head(nn.Module):
+    def __init__(self, cfg: GptConfig):
+        super().__init__()
+        self.ln = nn.LayerNorm(cfg.width)
+        self.out = nn.Linear(cfg.width, cfg.vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C) -> (B, T, vocab) logits
+        return self.out(self.ln(x))
+
+
+class GPT(Model):
+    def __init__(self, cfg: GptConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = Embed(cfg)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.head = Head(cfg)
+        self.apply(_init_weights)
+        for block in self.blocks:  # GPT-2: residual projections scaled by 1/sqrt(2 layers)
+            for proj in (block.attn.proj, block.mlp[2]):
+                nn.init.normal_(proj.weight, std=0.02 / math.sqrt(2 * cfg.layers))
+
+    def stages(self) -> list[nn.Module]:
+        return [self.embed, *self.blocks, self.head]
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token (see flops_per_token below), for MFU."""
+        return flops_per_token(self.cfg)
+
+    @classmethod
+    def check_data(cls, cfg: GptConfig, data) -> str | None:
+        if cfg.width % cfg.heads:
+            return (f"model.width={cfg.width} does not split into model.heads={cfg.heads} "
+                    "heads: make model.width a multiple of model.heads")
+        seq_len, vocab = getattr(data, "seq_len", None), getattr(data, "vocab_size", None)
+        if seq_len is None or vocab is None or data.name != "bytes":  # next-token targets
+            return (f"model=gpt predicts the next token of sequences, which data={data.name} "
+                    "does not hold (no data.seq_len): use data=bytes")
+        if seq_len > cfg.context:
+            return (f"data.seq_len={seq_len} is longer than model.context={cfg.context}: set "
+                    f"model.context={seq_len} or data.seq_len<={cfg.context}")
+        if vocab > cfg.vocab_size:
+            return (f"model.vocab_size={cfg.vocab_size} is smaller than the {vocab} tokens of "
+                    f"data={data.name}: set model.vocab_size={vocab}")
+        return None
+
+
+def _init_weights(module: nn.Module) -> None:
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, std=0.02)
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        nn.init.zeros_(module.bias)
+
+
+def flops_per_token(cfg: GptConfig) -> float:
+    """Training FLOPs (forward + backward) per token at full context, the PaLM estimate that
+    nanoGPT's MFU uses: 6 per weight a token is multiplied by (embedding look-ups are not),
+    plus 12·layers·context·width for the attention scores and their use."""
+    C = cfg.width
+    per_block = 12 * C * C + 13 * C  # qkv, proj, 2 MLP linears with biases; 2 LayerNorms
+    multiplied = cfg.layers * per_block + 2 * C + C * cfg.vocab_size  # + final LN, head
+    return 6.0 * multiplied + 12.0 * cfg.layers * cfg.context * C

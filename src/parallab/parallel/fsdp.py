@@ -1,0 +1,55 @@
+"""FSDP2 (fully_shard): every stage of the model, then the root, sharded over the ranks.
+
+Parameters, gradients and optimizer state are split across ranks (each holds 1/world of
+them); a stage's parameters are all-gathered for its forward and backward and freed after,
+unless parallel.reshard_after_forward=false keeps them gathered until backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from parallab.parallel.base import ShardedStrategy
+
+
+class FSDPStrategy(ShardedStrategy):
+    launches_workers = True
+    uses_process_group = True
+    shards_data = True
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        # an explicit CPU mesh: the default prefers CUDA, which breaks a gloo group (pytorch#132471)
+        mesh = init_device_mesh(self.dist.device.type, (self.dist.world_size,))
+        # compute in the precision group's dtype, reduce gradients in float32
+        policy = MixedPrecisionPolicy(param_dtype=self.precision.dtype, reduce_dtype=torch.float32)
+        model.to(self.dist.device)
+        for stage in model.stages():
+            if any(p.requires_grad for p in stage.parameters()):
+                fully_shard(stage, mesh=mesh, mp_policy=policy,
+                            reshard_after_forward=self.cfg.reshard_after_forward)
+        # the root: whatever the stages leave; kept gathered, it is used again at once
+        fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+        return model
+
+    def eval_module(self, model: nn.Module) -> nn.Module:
+        return model  # its forward gathers parameters: every rank evaluates alike
+
+    @contextlib.contextmanager
+    def no_sync(self, model: nn.Module) -> Iterator[None]:
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float | None) -> torch.Tensor:
+        norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm or math.inf)
+        return norm.full_tensor()  # the norm over every rank's shard

@@ -1,0 +1,55 @@
+"""Manual model parallelism (seed 000): one process, the model's parts on successive devices.
+
+Each part's stages live on its device; a pre-hook moves the activation into the part, and
+the output comes back to the first device where the targets are. The module itself is not
+wrapped, so its state_dict is the single-device one.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from parallab.parallel.base import Strategy
+from parallab.parallel.split import part_ranges
+
+log = logging.getLogger(__name__)
+
+
+def _move_inputs(device: torch.device):
+    def hook(module: nn.Module, args: tuple) -> tuple:
+        return tuple(a.to(device, non_blocking=True) for a in args)
+    return hook
+
+
+def _move_output(device: torch.device):
+    def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        return output.to(device, non_blocking=True)
+    return hook
+
+
+class ModelParallelStrategy(Strategy):
+    splits_model = True
+
+    @property
+    def world_size(self) -> int:
+        return self.cfg.world_size
+
+    def devices(self) -> list[torch.device]:
+        if self.dist.device.type == "cuda":
+            return [torch.device("cuda", i) for i in range(self.cfg.world_size)]
+        return [self.dist.device] * self.cfg.world_size  # every part on the CPU: same code path
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        stages = model.stages()
+        parts = part_ranges(stages, self.cfg.world_size, self.cfg.split)
+        for device, part in zip(self.devices(), parts):
+            for index in part:
+                stages[index].to(device)
+            stages[part[0]].register_forward_pre_hook(_move_inputs(device))
+        stages[-1].register_forward_hook(_move_output(self.dist.device))
+        log.info("parallel=model: stages %s on %s", [f"{p.start}-{p.stop - 1}" for p in parts],
+                 [str(d) for d in self.devices()])
+        return model

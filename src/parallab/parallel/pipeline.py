@@ -1,0 +1,143 @@
+"""Pipeline parallelism with torch.distributed.pipelining: one part of the model per rank.
+
+Every rank builds the whole model, then replaces the stages other ranks own with
+nn.Identity: what is left runs its part (the identities pass activations through), and the
+parameter names are the whole model's, so checkpoints load into any strategy. Each batch is
+cut into parallel.microbatches micro-batches that flow through the parts by the GPipe or
+1F1B schedule. Every rank reads the same batches; the first feeds the inputs, the last
+scores them. A stage's buffers have fixed shapes, so training drops a short last batch and
+evaluation pads its last batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+
+import torch
+import torch.distributed as torch_dist
+from torch import nn
+
+from parallab.distributed import Dist
+from parallab.loss import loss_fn
+from parallab.parallel.base import ShardedStrategy
+from parallab.parallel.split import part_ranges
+from parallab.precision import Precision
+
+log = logging.getLogger(__name__)
+
+
+def keep_only(model: nn.Module, keep: range) -> None:
+    """Replace the model's stages outside `keep` by nn.Identity, names unchanged."""
+    names = {id(module): name for name, module in model.named_modules()}
+    for index, stage in enumerate(model.stages()):
+        if index not in keep:
+            parent, _, child = names[id(stage)].rpartition(".")
+            model.get_submodule(parent).register_module(child, nn.Identity())
+
+
+class PipelineStrategy(ShardedStrategy):
+    launches_workers = True
+    uses_process_group = True
+    splits_model = True
+    fixed_batch_shape = True
+
+    @property
+    def data_dist(self) -> Dist:
+        return dataclasses.replace(self.dist, rank=0, world_size=1)  # all read every batch
+
+    @property
+    def is_first(self) -> bool:
+        return self.dist.rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.dist.rank == self.dist.world_size - 1
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        parts = part_ranges(model.stages(), self.dist.world_size, self.cfg.split)
+        keep_only(model, parts[self.dist.rank])
+        if self.dist.is_main:
+            log.info("parallel=pipeline (%s, %d micro-batches): stages %s on ranks 0-%d",
+                     self.cfg.schedule, self.cfg.microbatches,
+                     [f"{p.start}-{p.stop - 1}" for p in parts], len(parts) - 1)
+        self.model = model.to(self.dist.device)
+        self.loss_scale = 1  # accumulation: each micro-batch loss is divided by this
+        self.train_schedule = self._schedule(self.cfg.schedule, self._loss)
+        self.shapes_known = False  # see dry_run
+        self.eval_schedule = None  # built at the first evaluation, for its batch shape
+        self.eval_rows = 0
+        return self.model
+
+    def _loss(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return loss_fn(output, targets) / self.loss_scale
+
+    def _schedule(self, name: str, loss):
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        stage = PipelineStage(self.model, self.dist.rank, self.dist.world_size, self.dist.device)
+        schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[name]
+        # scale_grads: gradients are the mean over micro-batches, as one full batch gives
+        return schedule(stage, n_microbatches=self.cfg.microbatches, loss_fn=loss,
+                        scale_grads=True)
+
+    def forward_backward(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
+                         precision: Precision, scale: int) -> torch.Tensor:
+        self.loss_scale = scale
+        losses: list[torch.Tensor] = []
+
+        def step() -> None:
+            with precision.autocast():
+                self.train_schedule.step(*((inputs,) if self.is_first else ()),
+                                         target=targets if self.is_last else None,
+                                         losses=losses, return_outputs=False)
+
+        if not self.shapes_known:
+            self.dry_run(step)
+            losses.clear()
+        step()
+        if not self.is_last:  # its share of the logged loss: nothing
+            return torch.zeros((), device=self.dist.device)
+        return torch.stack(losses).detach().mean()
+
+    def dry_run(self, step) -> None:
+        """Run the first step once and undo it: its shape inference feeds each stage
+        uninitialised tensors in training mode, which would leave garbage in BatchNorm
+        statistics; buffers, RNG states and gradients are restored after."""
+        buffers = {name: b.clone() for name, b in self.model.named_buffers()}
+        cpu_rng = torch.get_rng_state()
+        cuda_rng = torch.cuda.get_rng_state_all() if self.dist.device.type == "cuda" else None
+        step()
+        with torch.no_grad():
+            for name, buffer in self.model.named_buffers():
+                buffer.copy_(buffers[name])
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+        self.model.zero_grad(set_to_none=True)
+        self.shapes_known = True
+
+    def eval_forward(self, model: nn.Module, inputs: torch.Tensor) -> torch.Tensor | None:
+        rows = len(inputs)
+        if self.eval_schedule is None:  # every evaluation batch takes the first one's shape
+            micro = self.cfg.microbatches
+            self.eval_rows = math.ceil(rows / micro) * micro
+            self.eval_schedule = self._schedule("gpipe", None)
+        if rows < self.eval_rows:  # pad with copies of the first sample, dropped below
+            inputs = torch.cat([inputs, inputs[:1].expand(self.eval_rows - rows,
+                                                          *inputs.shape[1:])])
+        output = self.eval_schedule.eval(*((inputs,) if self.is_first else ()))
+        return output[:rows] if self.is_last else None
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float | None) -> torch.Tensor:
+        """The norm over every part's gradients (each rank holds one part's)."""
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        squares = torch.zeros((), dtype=torch.float32, device=self.dist.device)
+        if grads:
+            squares = nn.utils.get_total_norm(grads, norm_type=2.0).float() ** 2
+        torch_dist.all_reduce(squares)
+        norm = squares.sqrt()
+        if max_norm is not None:
+            nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, norm)
+        return norm

@@ -1,0 +1,41 @@
+"""Where a model's stages are cut into parts (parallel.split), for model and pipeline parallelism."""
+
+from __future__ import annotations
+
+from torch import nn
+
+
+def parameter_counts(stages: list[nn.Module]) -> list[int]:
+    return [sum(p.numel() for p in stage.parameters()) for stage in stages]
+
+
+def even_cuts(sizes: list[int], parts: int) -> list[int]:
+    """Start indices of parts 2..n, each part at least one stage, placed where the running
+    parameter count comes closest to an even share."""
+    total, cuts, start = sum(sizes), [], 0
+    running = [sum(sizes[:i]) for i in range(len(sizes) + 1)]  # params before stage i
+    for part in range(1, parts):
+        share = part * total / parts
+        last_allowed = len(sizes) - (parts - part)  # leave a stage for every later part
+        best = min(range(start + 1, last_allowed + 1), key=lambda i: abs(running[i] - share))
+        cuts.append(best)
+        start = best
+    return cuts
+
+
+def check_cuts(cuts: list[int], stages: int, parts: int) -> str | None:
+    """None if `cuts` (parallel.split) cuts `stages` into `parts` non-empty parts."""
+    if len(cuts) != parts - 1:
+        return (f"parallel.split={cuts} gives {len(cuts) + 1} parts but parallel.world_size="
+                f"{parts}: give {parts - 1} stage indices, or null to split evenly")
+    if cuts != sorted(set(cuts)) or cuts[0] < 1 or cuts[-1] > stages - 1:
+        return (f"parallel.split={cuts} must be increasing stage indices between 1 and "
+                f"{stages - 1} (the model has {stages} stages), or null to split evenly")
+    return None
+
+
+def part_ranges(stages: list[nn.Module], parts: int, cuts: list[int] | None) -> list[range]:
+    """The stage indices of each part."""
+    cuts = cuts if cuts is not None else even_cuts(parameter_counts(stages), parts)
+    bounds = [0, *cuts, len(stages)]
+    return [range(a, b) for a, b in zip(bounds, bounds[1:])]

@@ -1,0 +1,110 @@
+"""FSDP, model parallelism and pipelines: the same training as one device, and checkpoints
+that move between strategies."""
+
+from __future__ import annotations
+
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import FAST, assert_ok, read_metrics, run_entry, scalars
+from parallab import checkpoint
+from parallab.config import MlpConfig
+from parallab.models.mlp import MLP
+from parallab.parallel.split import even_cuts, part_ranges
+
+BIN = Path(sys.executable).parent
+# the issue's setting: mlp on synthetic data, no dropout, every step logged
+EQUIVALENCE = [*FAST, "model=mlp", "model.hidden=[64,64,32]", "data.shape=[1,8,8]",
+               "trainer.max_steps=20", "trainer.log_every_n_steps=1", "optim.lr=0.05"]
+
+
+def test_even_cuts_balance_parameters_and_keep_every_part_non_empty():
+    assert even_cuts([10, 10, 10, 10], 2) == [2]
+    assert even_cuts([100, 1, 1, 1], 2) == [1]  # the big stage alone
+    assert even_cuts([1, 1, 1, 100], 4) == [1, 2, 3]  # one stage each, whatever the sizes
+    assert even_cuts([5, 5, 5, 5, 5, 5], 3) == [2, 4]
+    model = MLP(MlpConfig(input_dim=64, hidden=[64, 64, 32]))
+    assert [list(r) for r in part_ranges(model.stages(), 2, [3])] == [[0, 1, 2], [3]]
+
+
+def final_weights(run_dir) -> dict[str, torch.Tensor]:
+    """The run's last checkpoint read into a plain single-device model."""
+    ckpt = checkpoint.latest(run_dir / "checkpoints")
+    model = MLP(MlpConfig(input_dim=64, hidden=[64, 64, 32]))
+    return checkpoint.model_from(ckpt, model).state_dict()
+
+
+@pytest.fixture(scope="module")
+def single_device(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("none") / "run"
+    assert_ok(run_entry("train.py", [*EQUIVALENCE, "data.batch_size=64"], run_dir))
+    return run_dir
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("strategy", [
+    ["parallel=fsdp", "parallel.world_size=2", "data.batch_size=32"],  # same global batch
+    ["parallel=fsdp", "parallel.world_size=2", "data.batch_size=32",
+     "parallel.reshard_after_forward=false"],
+    ["parallel=model", "parallel.world_size=2", "data.batch_size=64"],
+    ["parallel=pipeline", "parallel.world_size=2", "parallel.schedule=gpipe", "data.batch_size=64"],
+    ["parallel=pipeline", "parallel.world_size=2", "parallel.schedule=1f1b", "data.batch_size=64"],
+], ids=["fsdp", "fsdp-keep-gathered", "model", "pipeline-gpipe", "pipeline-1f1b"])
+def test_strategy_trains_as_one_device_does(tmp_path, single_device, strategy):
+    run_dir = tmp_path / "run"
+    assert_ok(run_entry("train.py", [*EQUIVALENCE, *strategy], run_dir))
+    expected, got = scalars(single_device, "train/loss"), scalars(run_dir, "train/loss")
+    assert [step for step, _ in got] == list(range(1, 21))
+    assert [v for _, v in got] == pytest.approx([v for _, v in expected], rel=1e-4, abs=1e-5)
+    reference, weights = final_weights(single_device), final_weights(run_dir)
+    assert weights.keys() == reference.keys()
+    for name in reference:
+        torch.testing.assert_close(weights[name], reference[name], rtol=1e-4, atol=1e-5)
+    metrics = read_metrics(run_dir)
+    assert metrics["global_batch_size"] == 64 and metrics["world_size"] == 2
+    assert metrics["eval_accuracy"] == pytest.approx(read_metrics(single_device)["eval_accuracy"])
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("parallel", ["fsdp", "pipeline"])
+def test_sharded_checkpoint_evaluates_and_exports_on_one_device(tmp_path, parallel):
+    run_dir = tmp_path / "run"
+    assert_ok(run_entry("train.py", [*EQUIVALENCE, f"parallel={parallel}",
+                                     "parallel.world_size=2", "trainer.max_steps=10"], run_dir))
+    ckpt = run_dir / "checkpoints" / "last.dcp"
+    assert len(list(ckpt.glob("*.distcp"))) == 2  # each rank wrote its own part
+    accuracy = read_metrics(run_dir)["eval_accuracy"]
+    data = EQUIVALENCE[:3] + ["data.shape=[1,8,8]"]
+    assert_ok(run_entry("evaluate.py", [f"ckpt={ckpt}", *data], tmp_path / "eval"))
+    assert read_metrics(tmp_path / "eval")["eval_accuracy"] == pytest.approx(accuracy)
+
+    full = tmp_path / "full.pt"
+    exported = subprocess.run([str(BIN / "parallab"), "export", str(ckpt), str(full)],
+                              capture_output=True, text=True)
+    assert exported.returncode == 0, exported.stderr
+    state = torch.load(full, weights_only=True)
+    assert state["step"] == 10
+    for name, tensor in final_weights(run_dir).items():
+        torch.testing.assert_close(state["model"][name], tensor)
+    assert_ok(run_entry("evaluate.py", [f"ckpt={full}", *data], tmp_path / "eval_full"))
+    assert read_metrics(tmp_path / "eval_full")["eval_accuracy"] == pytest.approx(accuracy)
+    again = subprocess.run([str(BIN / "parallab"), "export", str(ckpt), str(full)],
+                           capture_output=True, text=True)
+    assert again.returncode != 0 and "exists" in again.stderr  # nothing overwritten
+
+
+def test_a_sharded_index_naming_other_code_is_refused(tmp_path):
+    """torch's own reader unpickles .metadata whole; ours admits checkpoint metadata only."""
+    ckpt = tmp_path / "evil.dcp"
+    ckpt.mkdir()
+    checkpoint.save(ckpt / checkpoint.SHARDED_META, {"step": 1, "config": {}})
+    (ckpt / ".metadata").write_bytes(pickle.dumps(print))  # a global outside the allow-list
+    with pytest.raises(checkpoint.CheckpointError, match="builtins.print"):
+        checkpoint.load_sharded(ckpt, {"model": {}})
