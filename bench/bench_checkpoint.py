@@ -2,9 +2,11 @@
 
     python bench/bench_checkpoint.py [--saves 20]
 
-Saves the seed CNN's full training state (model, SGD momentum, scaler, position, RNG) the
-way a run does (temporary file, fsync, rename) into a fresh dir, and relates the median
-save time to one epoch of `python train.py` measured in the same sitting.
+For the seed CNN (SGD) and the default gpt (AdamW), saves the full training state (model,
+optimizer, scaler, position, RNG) the way a run does (temporary file, fsync, rename) into a
+fresh dir, and relates the median save to the step time of `python train.py` measured in
+the same sitting: an epoch holds a save every trainer.checkpoint_every_n_steps plus one at
+its end.
 """
 
 from __future__ import annotations
@@ -24,26 +26,52 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 from parallab.checkpoint import Checkpointer  # noqa: E402
-from parallab.config import MnistCnnConfig, TrainerConfig  # noqa: E402
+from parallab.config import (BytesDataConfig, GptConfig, MnistCnnConfig,  # noqa: E402
+                             TrainerConfig)
+from parallab.data import bytetext  # noqa: E402
 from parallab.distributed import Dist  # noqa: E402
+from parallab.models.gpt import GPT  # noqa: E402
 from parallab.models.mnist_cnn import MnistCNN  # noqa: E402
 
 
-def save_seconds(saves: int, directory: Path) -> tuple[float, int]:
+def mnist_cnn() -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.Tensor, int]:
     model = MnistCNN(MnistCnnConfig())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.5)
-    model(torch.randn(8, 1, 28, 28)).sum().backward()
-    optimizer.step()  # momentum buffers exist, as mid-run
+    return model, optimizer, torch.randn(8, 1, 28, 28), math.ceil(60_000 / 64)
+
+
+def gpt() -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.Tensor, int]:
+    model = GPT(GptConfig())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    train, _ = bytetext.make(BytesDataConfig(), seed=0)
+    return model, optimizer, torch.randint(256, (2, 256)), math.ceil(len(train) / 32)
+
+
+MODELS = {"mnist_cnn": (mnist_cnn, []),
+          "gpt": (gpt, ["model=gpt", "data=bytes", "optim=adamw", "data.eval_fraction=0.002"])}
+
+
+def save_seconds(build, saves: int, directory: Path) -> tuple[float, int, int]:
+    model, optimizer, inputs, steps_per_epoch = build()
+    model(inputs).float().sum().backward()
+    optimizer.step()  # optimizer state exists, as mid-run
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
              "grad_scaler": {}, "step": 500, "epoch": 0, "epoch_step": 500}
     dist = Dist(0, 0, 1, 1, torch.device("cpu"), None)
-    checkpointer = Checkpointer(directory, dist, {"model": {"name": "mnist_cnn"}}, keep_last_k=3)
+    checkpointer = Checkpointer(directory, dist, {"model": {}}, keep_last_k=3)
     times = []
     for i in range(saves):
         start = time.perf_counter()
         path = checkpointer.save(state, f"step_{i:08d}")
         times.append(time.perf_counter() - start)
-    return statistics.median(times), path.stat().st_size
+    return statistics.median(times), path.stat().st_size, steps_per_epoch
+
+
+def step_seconds(overrides: list[str], run_dir: Path) -> float:
+    subprocess.run([sys.executable, str(REPO / "train.py"), "trainer.max_steps=30",
+                    "device=cpu", "trainer.checkpoint_every_n_steps=null",
+                    f"hydra.run.dir={run_dir}", *overrides], check=True, capture_output=True)
+    return json.loads((run_dir / "metrics.json").read_text())["step_time_ms"] / 1e3
 
 
 def main() -> None:
@@ -51,19 +79,17 @@ def main() -> None:
     parser.add_argument("--saves", type=int, default=20)
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="parallab-bench-ckpt-"))
-    per_save, size = save_seconds(args.saves, work / "checkpoints")
-    subprocess.run([sys.executable, str(REPO / "train.py"), "trainer.epochs=1", "device=cpu",
-                    "trainer.checkpoint_every_n_steps=null", f"hydra.run.dir={work / 'run'}"],
-                   check=True, capture_output=True)
-    metrics = json.loads((work / "run" / "metrics.json").read_text())
     interval = TrainerConfig().checkpoint_every_n_steps
-    saves_per_epoch = math.floor((metrics["steps"] - 1) / interval) + 1  # + the epoch-end one
-    share = saves_per_epoch * per_save / metrics["epoch_time_s"]
-    print("| model | checkpoint size | seconds per save (median) | epoch s | saves per epoch "
-          f"(every {interval} steps + epoch end) | share of the epoch |")
-    print("|---|---|---|---|---|---|")
-    print(f"| mnist_cnn | {size / 1024:.0f} KiB | {per_save:.4f} | "
-          f"{metrics['epoch_time_s']:.2f} | {saves_per_epoch} | {100 * share:.2f}% |")
+    print("| model | checkpoint size | seconds per save (median) | step s | steps per epoch | "
+          f"saves per epoch (every {interval} steps + epoch end) | share of the epoch |")
+    print("|---|---|---|---|---|---|---|")
+    for name, (build, overrides) in MODELS.items():
+        per_save, size, steps = save_seconds(build, args.saves, work / name / "checkpoints")
+        step = step_seconds(overrides, work / name / "run")
+        saves = math.floor((steps - 1) / interval) + 1
+        share = saves * per_save / (steps * step)
+        print(f"| {name} | {size / 2**20:.2f} MiB | {per_save:.4f} | {step:.4f} | {steps} | "
+              f"{saves} | {100 * share:.3f}% |", flush=True)
 
 
 if __name__ == "__main__":

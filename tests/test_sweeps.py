@@ -70,13 +70,28 @@ def test_parallab_summary_rebuilds_a_finished_sweep(tmp_path):
 
 
 def test_every_experiment_preset_runs(tmp_path):
-    presets = sorted(p.stem for p in (REPO / "experiments").glob("*.yaml"))
+    """On the quick synthetic set: all but strategies, which is gpt on text (below)."""
+    presets = sorted(p.stem for p in (REPO / "experiments").glob("*.yaml") if p.stem != "strategies")
     assert {"scaling", "precision"} <= set(presets)
-    result = sweep(tmp_path / "sweep", "experiment=glob(*)")
+    result = sweep(tmp_path / "sweep", "experiment=glob(*,exclude=strategies)")
     assert result.returncode == 0, output(result)
     rows = summary_rows(tmp_path / "sweep")
     assert len(rows) == len(presets) and {r["status"] for r in rows} == {"completed"}
     assert {r["parallel"] for r in rows} >= {"ddp", "none"}  # scaling runs ddp
+
+
+@pytest.mark.distributed
+def test_strategies_preset_trains_every_strategy_at_one_global_batch(tmp_path):
+    sweep_dir = tmp_path / "sweep"
+    result = run_entry("train.py", ["-m", "experiment=strategies", "trainer.max_steps=3",
+                                    "model.layers=2", "model.width=32", "model.context=32",
+                                    "data.eval_fraction=0.001", f"hydra.sweep.dir={sweep_dir}"])
+    assert result.returncode == 0, output(result)
+    rows = summary_rows(sweep_dir)
+    assert sorted(r["parallel"] for r in rows) == ["ddp", "fsdp", "model", "none", "pipeline"]
+    assert {r["global_batch_size"] for r in rows} == {"64"}
+    losses = [float(r["eval_loss"]) for r in rows]
+    assert max(losses) - min(losses) < 1e-4  # the same training, however it is split
 
 
 @pytest.mark.distributed
