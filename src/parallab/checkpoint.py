@@ -41,12 +41,13 @@ def save(path: Path, state: dict[str, Any]) -> None:
         os.close(dir_fd)
 
 
-def load(path: str | Path) -> dict[str, Any]:
+def load(path: str | Path, mmap: bool = False) -> dict[str, Any]:
+    """A checkpoint file's contents; with `mmap`, tensors are mapped, not read, until used."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"ckpt={path}: no such file")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as error:  # weights_only refused a global
         reason = next((line.strip() for line in str(error).splitlines()
                        if "Unsupported global" in line), "an object that is not plain data")
@@ -69,9 +70,10 @@ def is_sharded(path: str | Path) -> bool:
 
 
 def load_meta(path: str | Path) -> dict[str, Any]:
-    """What a checkpoint holds besides sharded tensors: all of a file, a .dcp's trainer.pt."""
+    """What a checkpoint holds besides sharded tensors: a .dcp's trainer.pt, or a file with
+    its tensors memory-mapped (checking a resume target reads no weights)."""
     path = Path(path)
-    return load(path / SHARDED_META) if path.is_dir() else load(path)
+    return load(path / SHARDED_META) if path.is_dir() else load(path, mmap=True)
 
 
 class _MetadataUnpickler(pickle.Unpickler):
