@@ -7,6 +7,7 @@ everything else receives a `Dist` and asks it.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -102,6 +103,17 @@ def attempt_store(timeout_s: float) -> dist.Store:
     agent_store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False,
                                 timeout=timedelta(seconds=timeout_s))
     return dist.PrefixStore(f"parallab/attempt_{restart_count()}", agent_store)
+
+
+def leave_together(store: dist.Store, job: Dist, timeout_s: float = 60.0) -> None:
+    """Rank 0 hosts the store under SLURM/mpirun: it exits once every peer is done with it
+    (a peer whose store vanished under it aborted: "terminate called without an active
+    exception")."""
+    left = store.add("parallab/left", 1)
+    deadline = time.monotonic() + timeout_s
+    while job.is_main and left < job.world_size and time.monotonic() < deadline:
+        time.sleep(0.05)
+        left = store.add("parallab/left", 0)
 
 
 def teardown() -> None:

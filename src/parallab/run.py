@@ -109,8 +109,9 @@ def train(spec: RunSpec, store=None) -> dict[str, Any]:
     cfg = spec.cfg
     strategy_cls = STRATEGIES[cfg.parallel.name]
     backend = cfg.backend.name if strategy_cls.uses_process_group else None
+    hosted = launch.take_store()  # under SLURM/mpirun: the store rank 0 hosts
     dist = distributed.setup(cfg.device.value, backend, cfg.backend.timeout_s,
-                             cfg.parallel.threads_per_worker, store=store or launch.take_store())
+                             cfg.parallel.threads_per_worker, store=store or hosted)
     logger = RunLogger(spec.run_dir, active=dist.is_main)
     log.info("rank %d/%d on %s, %d threads, optim.lr=%g, data.batch_size=%d", dist.rank,
              dist.world_size, dist.device, torch.get_num_threads(), cfg.optim.lr,
@@ -124,6 +125,8 @@ def train(spec: RunSpec, store=None) -> dict[str, Any]:
         raise
     logger.close()
     distributed.teardown()
+    if hosted is not None:
+        distributed.leave_together(hosted, dist)
     return metrics
 
 
