@@ -218,6 +218,6 @@ def make_imagefolder(cfg: ImageFolderDataConfig, seed: int) -> tuple[ImageSplit,
 def problem(cfg: Cifar10DataConfig | ImageFolderDataConfig) -> str | None:
     """Value checks of an image set's keys (files: cifar_problem / folder_problem)."""
     if cfg.augment and cfg.loader is Loader.memory:
-        return (f"data.augment=true with data.loader=memory: augmentation runs per sample on "
-                f"the DataLoader path: use data.loader=dataloader (or auto), or data.augment=false")
+        return ("data.augment=true with data.loader=memory: augmentation runs per sample on "
+                "the DataLoader path: use data.loader=dataloader (or auto), or data.augment=false")
     return folder_problem(cfg) if isinstance(cfg, ImageFolderDataConfig) else None
