@@ -138,6 +138,24 @@ def test_bad_input_exits_nonzero_with_one_clear_message(args, key, tmp_path):
     assert not (tmp_path / "run" / "metrics.json").exists()
 
 
+def test_bad_input_aimed_at_an_earlier_run_leaves_its_record_as_it_was(tmp_path):
+    """Resuming with a typo: Hydra writes .hydra/ before the check, so the app puts it back."""
+    earlier = tmp_path / "earlier"
+    record = {name: f"# the earlier run's {name}\n".encode()
+              for name in ("config.yaml", "hydra.yaml", "overrides.yaml")}
+    (earlier / ".hydra").mkdir(parents=True)
+    for name, content in record.items():
+        (earlier / ".hydra" / name).write_bytes(content)
+    (earlier / "checkpoints").mkdir()
+    (earlier / "checkpoints" / "last.pt").write_bytes(b"weights")
+    result = run_entry("train.py", ["trainer.resume=auto", "data.batch_size=0"], earlier,
+                       timeout=120)
+    assert result.returncode == 2 and "data.batch_size=0" in output(result)
+    for name, content in record.items():
+        assert (earlier / ".hydra" / name).read_bytes() == content, name
+    assert (earlier / "checkpoints" / "last.pt").read_bytes() == b"weights"
+
+
 def test_cfg_job_prints_the_composed_config():
     result = run_entry("train.py", ["--cfg", "job", "parallel=ddp", "optim=adam"], timeout=120)
     assert result.returncode == 0, output(result)

@@ -81,6 +81,7 @@ def _train_job(dict_cfg: DictConfig) -> float | None:
         cfg = validate.prepare(OmegaConf.to_object(dict_cfg), in_place,
                                hydra_cfg.runtime.output_dir)
     except validate.ConfigError as error:
+        _restore_earlier_run()
         raise JobFailed(str(error), 2) from None
     spec = run.RunSpec(cfg, hydra_cfg.runtime.output_dir, list(hydra_cfg.overrides.task))
     return _train_and_report(spec, in_place).get("eval_accuracy")
@@ -118,8 +119,29 @@ def _train_app(dict_cfg: DictConfig) -> float | None:
         _fail(str(error), error.status)
 
 
+_earlier_run: dict[Path, bytes] = {}  # .hydra files of the run dir named on the command line
+
+
+def _remember_earlier_run(argv: list[str]) -> None:
+    """Hydra writes .hydra/ into the run dir before the config can be checked; when
+    hydra.run.dir names an earlier run (to resume it), keep its files to put back."""
+    for arg in argv:
+        if arg.startswith("hydra.run.dir="):
+            hydra_dir = Path(arg.partition("=")[2]) / ".hydra"
+            if hydra_dir.is_dir():
+                _earlier_run.update({p: p.read_bytes() for p in hydra_dir.iterdir()
+                                     if p.is_file()})
+
+
+def _restore_earlier_run() -> None:
+    """A refused command leaves an earlier run's record as it was."""
+    for path, content in _earlier_run.items():
+        path.write_bytes(content)
+
+
 def train() -> None:
     """`python train.py [overrides]`."""
+    _remember_earlier_run(sys.argv[1:])
     launch.prepare_in_place()
     launch.register_resolvers()
     register_configs()
