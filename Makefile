@@ -17,7 +17,7 @@ train: $(INSTALLED)
 	$(PY) train.py $(ARGS)
 
 test: $(INSTALLED)
-	$(PY) -m pytest -n 2 $(ARGS)
+	$(PY) -m pytest -n auto $(ARGS)
 
 bench: $(INSTALLED)
 	$(PY) bench/bench_loop.py $(ARGS)
