@@ -26,7 +26,8 @@ class FSDPStrategy(ShardedStrategy):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        # an explicit CPU mesh: the default prefers CUDA, which breaks a gloo group (pytorch#132471)
+        # a mesh of the device in use: the default prefers CUDA, which breaks a gloo group on
+        # CPU (pytorch#132471)
         mesh = init_device_mesh(self.dist.device.type, (self.dist.world_size,))
         # compute in the precision group's dtype, reduce gradients in float32
         policy = MixedPrecisionPolicy(param_dtype=self.precision.dtype, reduce_dtype=torch.float32)
