@@ -49,6 +49,21 @@ def scalars(run_dir: Path, tag: str) -> list[tuple[int, float]]:
     return [(e.step, e.value) for e in events.Scalars(tag)]
 
 
+def typed(*overrides: str):
+    """The real conf/ composed with `overrides`, as the typed Config train.py checks."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from parallab import launch
+    from parallab.cli import CONF_DIR
+    from parallab.config import register_configs
+
+    launch.register_resolvers()
+    register_configs()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        return OmegaConf.to_object(compose("config", overrides=list(overrides)))
+
+
 @pytest.fixture
 def train(tmp_path):
     """train(args...) -> (result, run_dir): the real train.py in a fresh output dir."""

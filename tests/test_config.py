@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from conftest import REPO, output, run_entry
-from parallab import launch, validate
-from parallab.config import Config, register_configs
-from parallab.cli import CONF_DIR
+from conftest import REPO, output, run_entry, typed
+from parallab import validate
 
 GROUPS = ["model", "data", "parallel", "precision", "backend", "optim", "trainer"]
 # what this machine lacks for an option, and the key the refusal names
@@ -17,17 +14,6 @@ NEEDS_MORE_THAN_THIS_MACHINE = {("backend", "nccl"): "backend=nccl",  # CUDA
                                 ("backend", "mpi"): "backend=mpi",  # a PyTorch built with MPI
                                 ("data", "cifar10"): "data.root",  # CIFAR-10 is not shipped
                                 ("data", "imagefolder"): "data.path"}  # nor is a default folder
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _registered():
-    launch.register_resolvers()
-    register_configs()
-
-
-def typed(*overrides: str) -> Config:
-    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        return OmegaConf.to_object(compose("config", overrides=list(overrides)))
 
 
 def options(group: str) -> list[str]:

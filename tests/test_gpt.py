@@ -7,29 +7,15 @@ import math
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
-from conftest import assert_ok, output, read_metrics
-from parallab import launch, validate
-from parallab.cli import CONF_DIR
-from parallab.config import BytesDataConfig, Config, GptConfig, register_configs
+from conftest import assert_ok, output, read_metrics, typed
+from parallab import validate
+from parallab.config import BytesDataConfig, GptConfig
 from parallab.data import bytetext
 from parallab.mfu import peak_flops
 from parallab.models.gpt import GPT, flops_per_token
 
 SMALL = GptConfig(layers=2, heads=2, width=32, context=16)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _registered():
-    launch.register_resolvers()
-    register_configs()
-
-
-def typed(*overrides: str) -> Config:
-    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        return OmegaConf.to_object(compose("config", overrides=["device=cpu", *overrides]))
 
 
 def small_model() -> GPT:
@@ -108,7 +94,7 @@ def test_shipped_text_is_public_domain_english_within_5_mb():
 
 
 def test_seq_len_follows_model_context():
-    cfg = typed("model=gpt", "data=bytes", "model.context=64")
+    cfg = typed("device=cpu", "model=gpt", "data=bytes", "model.context=64")
     assert cfg.data.seq_len == 64 and cfg.data.input_shape == [64]
     assert validate.prepare(cfg, in_place=None).data.num_classes == 256
 
@@ -123,7 +109,7 @@ def test_seq_len_follows_model_context():
 ])
 def test_mismatches_fail_in_one_line(overrides, message):
     with pytest.raises(validate.ConfigError) as error:
-        validate.prepare(typed(*overrides), in_place=None)
+        validate.prepare(typed("device=cpu", *overrides), in_place=None)
     assert message in str(error.value) and "\n" not in str(error.value)
 
 

@@ -91,13 +91,18 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def _safe_reader(path: Path):
+    """torch's FileSystemReader, with the index read once, through _MetadataUnpickler (a
+    refusal surfaces here in one line, not deep inside dcp.load)."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
 
+    if not (path / ".metadata").is_file():
+        raise CheckpointError(f"ckpt={path} has no .metadata: not a complete sharded checkpoint")
+    with open(path / ".metadata", "rb") as f:
+        metadata = _MetadataUnpickler(f).load()
+
     class SafeReader(FileSystemReader):
         def read_metadata(self, *args: Any, **kwargs: Any):
-            with open(path / ".metadata", "rb") as f:
-                metadata = _MetadataUnpickler(f).load()
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id
@@ -114,13 +119,10 @@ def load_sharded(path: Path, template: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
 
     meta = load_meta(path)
-    if not (path / ".metadata").is_file():
-        raise CheckpointError(f"ckpt={path} has no .metadata: not a complete sharded checkpoint")
-    with open(path / ".metadata", "rb") as f:
-        _MetadataUnpickler(f).load()  # refused here in one line, not deep inside dcp.load
+    reader = _safe_reader(path)
     with warnings.catch_warnings():  # "assuming ... a single process": yes, that is meant
         warnings.filterwarnings("ignore", message=".*single process")
-        dcp.load(template, storage_reader=_safe_reader(path))
+        dcp.load(template, storage_reader=reader)
     return {**meta, **template}
 
 

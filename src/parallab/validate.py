@@ -178,11 +178,7 @@ def check_split(cfg: Config) -> None:
         return
     with torch.device("meta"):  # the structure without allocating the weights
         model = build_model(cfg.model)
-    try:
-        stages = len(model.stages())
-    except NotImplementedError:
-        raise ConfigError(f"model={cfg.model.name} declares no stages, so parallel={p.name} "
-                          "cannot split it: use parallel=ddp or fsdp") from None
+    stages = len(model.stages())  # every Model declares them (an abstract method)
     _require(p.world_size >= 2,
              f"parallel.world_size={p.world_size}: parallel={p.name} needs at least 2 parts; "
              "use parallel=none for one")

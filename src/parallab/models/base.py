@@ -9,13 +9,16 @@ those of the whole model and checkpoints move between strategies).
 
 from __future__ import annotations
 
+import abc
+
 import torch
 from torch import nn
 
 
-class Model(nn.Module):
+class Model(nn.Module, abc.ABC):
+    @abc.abstractmethod
     def stages(self) -> list[nn.Module]:
-        raise NotImplementedError
+        """The model's submodules in forward order, each taking and returning one tensor."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for stage in self.stages():
