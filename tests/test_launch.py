@@ -71,3 +71,32 @@ def test_slurm_tasks_run_in_place_and_share_one_run_dir(tmp_path):
     run_dir = only_run_dir(tmp_path)
     assert read_metrics(run_dir)["world_size"] == 2
     assert (run_dir / "train_rank1.log").exists()
+
+
+def listening_addresses() -> list[str]:
+    """In a worker: the addresses that this job's processes listen on, once gloo is up."""
+    import psutil
+    import torch.distributed as dist
+
+    def listening(process: psutil.Process) -> set[str]:
+        return {c.laddr.ip for c in process.net_connections("inet")
+                if c.status == psutil.CONN_LISTEN}
+
+    dist.init_process_group("gloo")
+    mine = listening(psutil.Process())
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    dist.destroy_process_group()
+    agent = psutil.Process(os.getppid())  # the elastic agent: it hosts the stores
+    return sorted(listening(agent).union(*everyone))
+
+
+@pytest.mark.distributed
+def test_the_launcher_listens_on_loopback_only(monkeypatch):
+    from conftest import typed
+    from parallab.cli import _worker_env
+
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    cfg = typed("parallel=ddp", "parallel.world_size=2")
+    addresses = launch.elastic(listening_addresses, (), 2, 0, _worker_env(cfg))
+    assert addresses == ["127.0.0.1"]

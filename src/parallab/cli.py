@@ -53,8 +53,8 @@ def _train_and_report(spec: run.RunSpec, in_place: launch.InPlace | None) -> dic
     log.info("launching %d workers (parallel=%s, backend=%s) in %s", p.world_size, p.name,
              spec.cfg.backend.name, spec.run_dir)
     try:
-        return launch.elastic(run.worker_main, (spec,), p.world_size, p.nnodes,
-                              p.max_restarts, _worker_env(spec.cfg))
+        return launch.elastic(run.worker_main, (spec,), p.world_size, p.max_restarts,
+                              _worker_env(spec.cfg))
     except ChildFailedError as error:
         rank, failure = error.get_first_failure()
         reason = failure.message  # the error file's record, or a line about a signal

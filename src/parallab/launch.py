@@ -147,20 +147,25 @@ def register_resolvers() -> None:
     OmegaConf.register_new_resolver("rank_zero", _rank_zero, replace=True)
 
 
-def elastic(entrypoint: Callable, args: tuple, world_size: int, nnodes: int,
-            max_restarts: int, worker_env: dict[str, str]) -> Any:
-    """Run `entrypoint(*args)` in world_size workers with torch's elastic agent; rank 0's result."""
+def elastic(entrypoint: Callable, args: tuple, world_size: int, max_restarts: int,
+            worker_env: dict[str, str]) -> Any:
+    """Run `entrypoint(*args)` in world_size workers on this machine; rank 0's result.
+
+    The rendezvous listens on loopback only (more nodes go through torchrun/SLURM/mpirun).
+    """
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-    endpoint = f"{addr}:{port}" if addr and port else "127.0.0.1:0"  # 0: a free port per job
+    from parallab import rendezvous
+
+    port = os.environ.get("MASTER_PORT") or 0  # 0: a free port per job
     config = LaunchConfig(
-        min_nodes=nnodes,
-        max_nodes=nnodes,
-        nproc_per_node=world_size // nnodes,
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=world_size,
         run_id=f"parallab-{uuid.uuid4().hex[:12]}",
-        rdzv_backend="c10d",
-        rdzv_endpoint=endpoint,
+        rdzv_backend=rendezvous.register(),
+        rdzv_endpoint=f"{rendezvous.HOST}:{port}",
+        local_addr=rendezvous.HOST,
         max_restarts=max_restarts,
         monitor_interval=0.1,
         start_method="spawn",
