@@ -17,7 +17,7 @@ train: $(INSTALLED)
 	$(PY) train.py $(ARGS)
 
 test: $(INSTALLED)
-	$(PY) -m pytest -n auto $(ARGS)
+	$(PY) -m pytest -n auto --dist loadgroup $(ARGS)
 
 bench: $(INSTALLED)
 	$(PY) bench/bench_loop.py $(ARGS)

@@ -42,14 +42,35 @@ def losses(run_dir) -> dict[int, float]:
     return dict(scalars(run_dir, "train/loss"))  # a resumed run's later values win
 
 
-@pytest.mark.parametrize("parallel", [["parallel=none"],
-                                      ["parallel=ddp", "parallel.world_size=2"],
-                                      ["parallel=fsdp", "parallel.world_size=2"],
-                                      ["parallel=pipeline", "parallel.world_size=2"]],
-                         ids=["none", "ddp", "fsdp", "pipeline"])
-def test_sigterm_saves_and_resume_continues_bit_for_bit(tmp_path, parallel):
-    reference = tmp_path / "reference"
-    assert_ok(run_entry("train.py", [*RUN, *parallel], reference))
+NONE = ["parallel=none"]
+DDP = ["parallel=ddp", "parallel.world_size=2"]
+# a module fixture runs once per xdist worker: the tests sharing a reference share a worker
+ON_NONE_REFERENCE = pytest.mark.xdist_group("none_reference")
+ON_DDP_REFERENCE = pytest.mark.xdist_group("ddp_reference")
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    """Uninterrupted runs, made on first use: {strategy name: run dir}."""
+    made = {}
+
+    def reference(parallel: list[str]):
+        name = parallel[0].split("=")[1]
+        if name not in made:
+            made[name] = tmp_path_factory.mktemp("reference") / name
+            assert_ok(run_entry("train.py", [*RUN, *parallel], made[name]))
+        return made[name]
+
+    return reference
+
+
+@pytest.mark.parametrize("parallel", [
+    pytest.param(NONE, id="none", marks=ON_NONE_REFERENCE),
+    pytest.param(DDP, id="ddp", marks=ON_DDP_REFERENCE),
+    pytest.param(["parallel=fsdp", "parallel.world_size=2"], id="fsdp"),
+    pytest.param(["parallel=pipeline", "parallel.world_size=2"], id="pipeline")])
+def test_sigterm_saves_and_resume_continues_bit_for_bit(tmp_path, references, parallel):
+    reference = references(parallel)
     run_dir = tmp_path / "run"
     stopped = run_entry("train.py", [*RUN, *parallel], run_dir,
                         env=inject(tmp_path, 23, "os.kill(os.getpid(), signal.SIGTERM)"))
@@ -64,9 +85,9 @@ def test_sigterm_saves_and_resume_continues_bit_for_bit(tmp_path, parallel):
     assert read_metrics(run_dir)["eval_accuracy"] == read_metrics(reference)["eval_accuracy"]
 
 
-def test_sigkill_then_resume_from_the_last_periodic_checkpoint(tmp_path):
-    reference = tmp_path / "reference"
-    assert_ok(run_entry("train.py", RUN, reference))
+@ON_NONE_REFERENCE
+def test_sigkill_then_resume_from_the_last_periodic_checkpoint(tmp_path, references):
+    reference = references(NONE)
     run_dir = tmp_path / "run"
     killed = run_entry("train.py", RUN, run_dir,
                        env=inject(tmp_path, 25, "os.kill(os.getpid(), signal.SIGKILL)"))
@@ -80,12 +101,11 @@ def test_sigkill_then_resume_from_the_last_periodic_checkpoint(tmp_path):
 
 
 @pytest.mark.distributed
-def test_elastic_restart_after_a_killed_worker_ends_as_if_uninterrupted(tmp_path):
-    ddp = ["parallel=ddp", "parallel.world_size=2"]
-    reference = tmp_path / "reference"
-    assert_ok(run_entry("train.py", [*RUN, *ddp], reference))
+@ON_DDP_REFERENCE
+def test_elastic_restart_after_a_killed_worker_ends_as_if_uninterrupted(tmp_path, references):
+    reference = references(DDP)
     run_dir = tmp_path / "run"
-    result = run_entry("train.py", [*RUN, *ddp, "parallel.max_restarts=1"], run_dir,
+    result = run_entry("train.py", [*RUN, *DDP, "parallel.max_restarts=1"], run_dir,
                        env=inject(tmp_path, 25, "os.kill(os.getpid(), signal.SIGKILL)",
                                   'os.environ.get("RANK") == "1" and '
                                   'os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0"'))

@@ -39,36 +39,58 @@ def final_weights(run_dir) -> dict[str, torch.Tensor]:
     return checkpoint.model_from(ckpt, model).state_dict()
 
 
+# trainer.accumulate_grad_batches and clip_grad_norm: the same global batch in two
+# micro-batches, each step's gradient norm cut to 0.1 (it is larger in these runs)
+ACCUMULATE_AND_CLIP = ["trainer.accumulate_grad_batches=2", "trainer.clip_grad_norm=0.1"]
+
+
 @pytest.fixture(scope="module")
 def single_device(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("none") / "run"
-    assert_ok(run_entry("train.py", [*EQUIVALENCE, "data.batch_size=64"], run_dir))
-    return run_dir
+    """The reference runs on one device: plain, and accumulating with clipping."""
+    runs = {}
+    for name, extra in [("plain", ["data.batch_size=64"]),
+                        ("accumulate-clip", ["data.batch_size=32", *ACCUMULATE_AND_CLIP])]:
+        runs[name] = tmp_path_factory.mktemp(name) / "run"
+        assert_ok(run_entry("train.py", [*EQUIVALENCE, *extra], runs[name]))
+    return runs
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("single_device")
+def test_clipping_is_active_in_the_reference(single_device):
+    plain, clipped = (scalars(single_device[name], "train/loss") for name in single_device)
+    assert max(abs(a - b) for (_, a), (_, b) in zip(plain, clipped)) > 1e-2
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
+@pytest.mark.xdist_group("single_device")  # one reference per run, not per xdist worker
 @pytest.mark.parametrize("strategy", [
     ["parallel=fsdp", "parallel.world_size=2", "data.batch_size=32"],  # same global batch
+    ["parallel=fsdp", "parallel.world_size=2", "data.batch_size=16", *ACCUMULATE_AND_CLIP],
     ["parallel=fsdp", "parallel.world_size=2", "data.batch_size=32",
      "parallel.reshard_after_forward=false"],
-    ["parallel=model", "parallel.world_size=2", "data.batch_size=64"],
+    ["parallel=model", "parallel.world_size=2", "data.batch_size=32", *ACCUMULATE_AND_CLIP],
     ["parallel=pipeline", "parallel.world_size=2", "parallel.schedule=gpipe", "data.batch_size=64"],
-    ["parallel=pipeline", "parallel.world_size=2", "parallel.schedule=1f1b", "data.batch_size=64"],
-], ids=["fsdp", "fsdp-keep-gathered", "model", "pipeline-gpipe", "pipeline-1f1b"])
+    ["parallel=pipeline", "parallel.world_size=2", "parallel.schedule=1f1b", "data.batch_size=32",
+     *ACCUMULATE_AND_CLIP],
+], ids=["fsdp", "fsdp-accumulate-clip", "fsdp-keep-gathered", "model-accumulate-clip",
+        "pipeline-gpipe", "pipeline-1f1b-accumulate-clip"])
 def test_strategy_trains_as_one_device_does(tmp_path, single_device, strategy):
     run_dir = tmp_path / "run"
     assert_ok(run_entry("train.py", [*EQUIVALENCE, *strategy], run_dir))
-    expected, got = scalars(single_device, "train/loss"), scalars(run_dir, "train/loss")
+    reference = single_device["accumulate-clip" if "trainer.clip_grad_norm=0.1" in strategy
+                              else "plain"]
+    expected, got = scalars(reference, "train/loss"), scalars(run_dir, "train/loss")
     assert [step for step, _ in got] == list(range(1, 21))
     assert [v for _, v in got] == pytest.approx([v for _, v in expected], rel=1e-4, abs=1e-5)
-    reference, weights = final_weights(single_device), final_weights(run_dir)
-    assert weights.keys() == reference.keys()
-    for name in reference:
-        torch.testing.assert_close(weights[name], reference[name], rtol=1e-4, atol=1e-5)
+    expected_weights, weights = final_weights(reference), final_weights(run_dir)
+    assert weights.keys() == expected_weights.keys()
+    for name in expected_weights:
+        torch.testing.assert_close(weights[name], expected_weights[name], rtol=1e-4, atol=1e-5)
     metrics = read_metrics(run_dir)
     assert metrics["global_batch_size"] == 64 and metrics["world_size"] == 2
-    assert metrics["eval_accuracy"] == pytest.approx(read_metrics(single_device)["eval_accuracy"])
+    assert metrics["eval_accuracy"] == pytest.approx(read_metrics(reference)["eval_accuracy"])
 
 
 @pytest.mark.slow

@@ -13,6 +13,10 @@ METRIC_KEYS = {"train_loss", "eval_loss", "eval_accuracy", "samples_per_sec", "s
                "state_memory_mb"}
 
 
+# under xdist a module fixture runs once per worker: its tests share one worker
+ON_THE_EPOCHS_WORKER = pytest.mark.xdist_group("mnist_epoch")
+
+
 @pytest.fixture(scope="module")
 def mnist_epoch(tmp_path_factory):
     """One epoch of the default experiment (seed recipe on real MNIST)."""
@@ -23,6 +27,7 @@ def mnist_epoch(tmp_path_factory):
 
 
 @pytest.mark.slow
+@ON_THE_EPOCHS_WORKER
 def test_one_mnist_epoch_reaches_93_percent(mnist_epoch):
     _, run_dir = mnist_epoch
     metrics = read_metrics(run_dir)
@@ -35,6 +40,7 @@ def test_one_mnist_epoch_reaches_93_percent(mnist_epoch):
 
 
 @pytest.mark.slow
+@ON_THE_EPOCHS_WORKER
 def test_tensorboard_holds_the_run(mnist_epoch):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -56,6 +62,7 @@ def test_tensorboard_holds_the_run(mnist_epoch):
 
 
 @pytest.mark.slow
+@ON_THE_EPOCHS_WORKER
 def test_progress_lines_reach_console_and_log_file(mnist_epoch):
     result, run_dir = mnist_epoch
     line = "epoch 1 step 100/938"
@@ -64,6 +71,7 @@ def test_progress_lines_reach_console_and_log_file(mnist_epoch):
 
 
 @pytest.mark.slow
+@ON_THE_EPOCHS_WORKER
 def test_evaluate_py_scores_the_saved_checkpoint(mnist_epoch, tmp_path):
     _, run_dir = mnist_epoch
     ckpt = run_dir / "checkpoints" / "last.pt"
@@ -105,12 +113,14 @@ def test_same_seed_gives_the_same_loss_curve_bit_for_bit(train):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("optim", ["sgd", "adam", "adamw"])
-def test_each_optimizer_trains(train, optim):
-    result, run_dir = train(*FAST, f"optim={optim}")
+def test_each_optimizer_trains(tmp_path):
+    sweep = tmp_path / "sweep"
+    result = run_entry("train.py", ["-m", *FAST, "optim=sgd,adam,adamw",
+                                    f"hydra.sweep.dir={sweep}", "hydra.sweep.subdir=${optim.name}"])
     assert_ok(result)
-    loss = [value for _, value in scalars(run_dir, "train/loss")]
-    assert loss[-1] < loss[0]
+    for optim in ("sgd", "adam", "adamw"):
+        loss = [value for _, value in scalars(sweep / optim, "train/loss")]
+        assert loss[-1] < loss[0], optim
 
 
 @pytest.mark.slow

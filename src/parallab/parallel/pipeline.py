@@ -63,7 +63,7 @@ class PipelineStrategy(ShardedStrategy):
                      self.cfg.schedule, self.cfg.microbatches,
                      [f"{p.start}-{p.stop - 1}" for p in parts], len(parts) - 1)
         self.model = model.to(self.dist.device)
-        self.loss_scale = 1  # accumulation: each micro-batch loss is divided by this
+        self.accumulation = 1  # batches per optimizer step (trainer.accumulate_grad_batches)
         self.train_schedule = self._schedule(self.cfg.schedule, self._loss)
         self.shapes_known = False  # see dry_run
         self.eval_schedule = None  # built at the first evaluation, for its batch shape
@@ -71,20 +71,23 @@ class PipelineStrategy(ShardedStrategy):
         return self.model
 
     def _loss(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return loss_fn(output, targets) / self.loss_scale
+        """A micro-batch's share of the step's loss: its gradients then add up to the
+        gradient of the mean over every micro-batch of every accumulated batch."""
+        return loss_fn(output, targets) / (self.cfg.microbatches * self.accumulation)
 
     def _schedule(self, name: str, loss):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
         stage = PipelineStage(self.model, self.dist.rank, self.dist.world_size, self.dist.device)
         schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[name]
-        # scale_grads: gradients are the mean over micro-batches, as one full batch gives
+        # not scale_grads: it divides all gradients held, those of earlier accumulated
+        # batches too; _loss scales each micro-batch's instead
         return schedule(stage, n_microbatches=self.cfg.microbatches, loss_fn=loss,
-                        scale_grads=True)
+                        scale_grads=False)
 
     def forward_backward(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
                          precision: Precision, scale: int) -> torch.Tensor:
-        self.loss_scale = scale
+        self.accumulation = scale
         losses: list[torch.Tensor] = []
 
         def step() -> None:
@@ -99,7 +102,7 @@ class PipelineStrategy(ShardedStrategy):
         step()
         if not self.is_last:  # its share of the logged loss: nothing
             return torch.zeros((), device=self.dist.device)
-        return torch.stack(losses).detach().mean()
+        return torch.stack(losses).detach().sum()  # this batch's mean loss / scale
 
     def dry_run(self, step) -> None:
         """Run the first step once and undo it: its shape inference feeds each stage
