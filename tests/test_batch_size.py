@@ -72,3 +72,20 @@ def test_ranks_agree_when_only_one_runs_out_of_memory(train, tmp_path):
     assert "| 128 |" in log and "does not fit on another rank" in log
     assert read_metrics(run_dir)["global_batch_size"] == 2 * 64  # both ranks chose 64
     assert "finder chose 64" in output(result)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_the_finder_searches_on_the_sharded_model_under_fsdp(train):
+    result, run_dir = train(*FAST, "data.train_size=4096", "data.batch_size=16", "parallel=fsdp",
+                            "parallel.world_size=2", "trainer.auto_batch_size=true",
+                            "trainer.max_steps=5")
+    assert_ok(result)
+    rows = [line for line in (run_dir / "train.log").read_text().splitlines()
+            if line.startswith("| 16 |") or line.startswith("| 32 |")]
+    assert len(rows) == 2  # it grew the batch at least once
+    chosen = int(output(result).split("finder chose ")[1].split()[0])
+    assert chosen in {16, 32, 64, 128, 256, 512}
+    metrics = read_metrics(run_dir)
+    assert metrics["global_batch_size"] == 2 * chosen
+    assert metrics["steps"] == min(5, 2048 // chosen)  # one epoch of each rank's half

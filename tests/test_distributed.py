@@ -34,15 +34,12 @@ def only_run_dir(root: Path) -> Path:
     return dirs[0]
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 4])
-def test_ddp_trains_at_each_world_size(train, world_size):
-    result, run_dir = train(*FAST, "parallel=ddp", f"parallel.world_size={world_size}")
-    assert_ok(result)
+def assert_ddp_run(run_dir, world_size: int, batch_size: int) -> None:
+    """What a ddp run leaves: its world, rank logs, thread split and one event file."""
     metrics = read_metrics(run_dir)
     assert (metrics["world_size"], metrics["backend"], metrics["parallel"]) == (
         world_size, "gloo", "ddp")
-    assert metrics["global_batch_size"] == 64 * world_size
-    assert metrics["steps"] == math.ceil(math.ceil(2048 / world_size) / 64)
+    assert metrics["global_batch_size"] == batch_size * world_size
     rank_logs = sorted(p.name for p in run_dir.glob("train_rank*.log"))
     assert rank_logs == [f"train_rank{r}.log" for r in range(1, world_size)]
     threads = max(1, len(os.sched_getaffinity(0)) // world_size)
@@ -50,14 +47,27 @@ def test_ddp_trains_at_each_world_size(train, world_size):
     assert len(list(run_dir.glob("events.out.tfevents*"))) == 1  # rank 0 alone writes
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_ddp_matches_one_process_with_the_global_batch(train, world_size):
+def test_ddp_trains_a_whole_epoch_in_equal_steps_per_rank(train):
+    result, run_dir = train(*FAST, "parallel=ddp", "parallel.world_size=3")
+    assert_ok(result)
+    assert_ddp_run(run_dir, 3, 64)
+    assert read_metrics(run_dir)["steps"] == math.ceil(math.ceil(2048 / 3) / 64)
+
+
+# the one-process reference: ddp with one worker at the global batch, or parallel=none
+@pytest.mark.parametrize("world_size,reference", [(2, ["parallel=ddp", "parallel.world_size=1"]),
+                                                  (4, ["parallel=none"])])
+def test_ddp_matches_one_process_with_the_global_batch(train, world_size, reference):
     common = [*FAST, "model.dropout=0", "trainer.max_steps=20", "trainer.log_every_n_steps=1"]
-    single, single_dir = train(*common, f"data.batch_size={16 * world_size}", name="single")
+    single, single_dir = train(*common, *reference, f"data.batch_size={16 * world_size}",
+                               name="single")
     ddp, ddp_dir = train(*common, "data.batch_size=16", "parallel=ddp",
                          f"parallel.world_size={world_size}", name="ddp")
     assert_ok(single)
     assert_ok(ddp)
+    assert_ddp_run(ddp_dir, world_size, 16)
+    if "parallel=ddp" in reference:
+        assert_ddp_run(single_dir, 1, 16 * world_size)
     expected, got = scalars(single_dir, "train/loss"), scalars(ddp_dir, "train/loss")
     assert [s for s, _ in got] == list(range(1, 21))
     for (_, a), (_, b) in zip(expected, got, strict=True):

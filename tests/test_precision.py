@@ -8,8 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import FAST, assert_ok, output, read_metrics, scalars
-from parallab.config import PrecisionConfig
+from conftest import FAST, assert_ok, output, read_metrics, run_entry, scalars
+from parallab import checkpoint
+from parallab.config import MnistCnnConfig, PrecisionConfig
+from parallab.models.mnist_cnn import MnistCNN
 from parallab.precision import Precision, compute_dtype
 
 CPU = torch.device("cpu")
@@ -132,13 +134,18 @@ def test_channels_last_trains_the_same_model(train):
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_compile_works_on_cpu_under_ddp(train):
-    result, run_dir = train(*FAST, "trainer.compile=true", "parallel=ddp",
-                            "parallel.world_size=2", "trainer.max_steps=8", timeout=600)
+def test_compile_works_on_cpu_under_ddp_and_fsdp(tmp_path):
+    sweep = tmp_path / "sweep"
+    result = run_entry("train.py", ["-m", *FAST, "trainer.compile=true", "parallel=ddp,fsdp",
+                                    "parallel.world_size=2", "trainer.max_steps=8",
+                                    f"hydra.sweep.dir={sweep}",
+                                    "hydra.sweep.subdir=${parallel.name}"], timeout=600)
     assert_ok(result)
-    assert read_metrics(run_dir)["steps"] == 8
-    state = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
-    assert "conv1.0.weight" in state["model"]  # no _orig_mod. prefix: loads into a plain model
+    for parallel in ("ddp", "fsdp"):
+        assert read_metrics(sweep / parallel)["steps"] == 8
+        # no _orig_mod. prefix: the weights load into a plain model
+        ckpt = checkpoint.latest(sweep / parallel / "checkpoints")
+        checkpoint.model_from(ckpt, MnistCNN(MnistCnnConfig()))
 
 
 @pytest.mark.slow

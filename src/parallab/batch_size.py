@@ -1,10 +1,12 @@
 """Batch-size finder (seed 001 §4): grow the per-rank batch until just under the limit.
 
 Doubles data.batch_size while the trial fits (no out-of-memory, under trainer.max_memory_mb)
-and samples/s still improves by 5%. Trials run the plain module on each rank's own shard,
-with no collective inside a trial, so an out-of-memory on one rank cannot leave the others
-waiting in an all-reduce; after each trial the ranks agree on its outcome (all-reduce of
-the fit flag), so every rank takes the same decisions and the same final size.
+and samples/s still improves by 5%. Trials run the unwrapped module on each rank's own shard:
+under ddp that is the plain module, with no collective inside a trial, so an out-of-memory
+on one rank cannot leave the others waiting in an all-reduce; under fsdp it is the sharded
+module itself (its real memory), whose steps do gather across ranks. After each trial the
+ranks agree on its outcome (all-reduce of the fit flag), so every rank takes the same
+decisions and the same final size.
 """
 
 from __future__ import annotations
