@@ -3,7 +3,11 @@ restarts, NaN policy, a full disk."""
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -162,3 +166,27 @@ def test_a_full_disk_is_a_clear_error_and_the_previous_checkpoint_survives(tmp_p
     assert "No space left on device" in output(result)
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_00000010.pt"]
     assert torch.load(run_dir / "checkpoints" / "step_00000010.pt", weights_only=True)["step"] == 10
+
+
+WAIT_AFTER_SIGTERM = """
+import os, signal, sys, time
+from parallab.preemption import MIN_STUCK_S, Preemption
+
+with Preemption() as preemption:
+    preemption.step_done()
+    with preemption.busy():  # an evaluation longer than the patience is not a hang
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(MIN_STUCK_S + 1)
+    print("survived the evaluation", flush=True)
+    time.sleep(60)  # a hang: no step ends
+print("not stopped")
+"""
+
+
+def test_after_a_signal_a_hang_ends_the_process_but_an_evaluation_does_not():
+    start = time.monotonic()
+    result = subprocess.run([sys.executable, "-c", WAIT_AFTER_SIGTERM], capture_output=True,
+                            text=True, timeout=60)
+    assert result.stdout == "survived the evaluation\n", result.stderr
+    assert result.returncode == 128 + signal.SIGTERM
+    assert time.monotonic() - start < 20

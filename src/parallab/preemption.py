@@ -4,12 +4,14 @@ The first signal only sets a flag; the training loop sees it at a step boundary,
 checkpoint and stops. A process whose main thread is stuck in C++ (a collective whose peer
 died) cannot run Python signal handlers, so the signal is also read in a helper thread from
 Python's wakeup fd, written by the C-level handler at once; a watchdog there ends the
-process when no step completes for STUCK_S after the signal, or the stop takes over GRACE_S.
-A second signal ends the process at once.
+process when, after the signal, no step completes for STUCK_STEPS times the slowest step
+seen (at least MIN_STUCK_S; evaluation and checkpoints do not count), or the stop takes
+over GRACE_S. A second signal ends the process at once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -18,7 +20,8 @@ import time
 from types import FrameType
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
-STUCK_S = 10.0  # no step finished for this long after a signal: the process is stuck
+STUCK_STEPS = 5  # no step finished for this many slowest steps after a signal: stuck
+MIN_STUCK_S = 3.0
 GRACE_S = 120.0  # the longest a stop, checkpoint included, may take
 
 
@@ -26,7 +29,9 @@ class Preemption:
     def __init__(self) -> None:
         self.signum: int | None = None
         self.saving = False  # the stop's checkpoint is being written: not stuck
+        self._busy = 0  # evaluating or saving: long, but not stuck
         self._last_step = time.monotonic()
+        self._slowest_step = 0.0
         self._closed = threading.Event()
         self._previous: dict[int, object] = {}
         self._previous_fd = -1
@@ -37,7 +42,19 @@ class Preemption:
         return self.signum is not None
 
     def step_done(self) -> None:
-        self._last_step = time.monotonic()
+        now = time.monotonic()
+        self._slowest_step = max(self._slowest_step, now - self._last_step)
+        self._last_step = now
+
+    @contextlib.contextmanager
+    def busy(self):
+        """Work between steps that may take long (evaluation, a checkpoint)."""
+        self._busy += 1
+        try:
+            yield
+        finally:
+            self._busy -= 1
+            self._last_step = time.monotonic()  # the next step's time leaves this out
 
     def _python_handler(self, signum: int, frame: FrameType | None) -> None:
         """Installed so the signal does not kill the process; the listener does the work."""
@@ -51,7 +68,8 @@ class Preemption:
     def _watch(self, since: float) -> None:
         while not self._closed.wait(0.2):
             now = time.monotonic()
-            stuck = not self.saving and now - self._last_step > STUCK_S
+            patience = max(MIN_STUCK_S, STUCK_STEPS * self._slowest_step)
+            stuck = not (self.saving or self._busy) and now - self._last_step > patience
             if stuck or now - since > GRACE_S:
                 os._exit(128 + (self.signum or signal.SIGTERM))
 

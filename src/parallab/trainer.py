@@ -292,7 +292,8 @@ class Trainer:
     def save_checkpoint(self, name: str | None = None) -> None:
         if self.checkpointer is None:
             return
-        self.checkpointer.save(self.state_dict(), name or checkpoint.periodic_name(self.step))
+        with self.preemption.busy():
+            self.checkpointer.save(self.state_dict(), name or checkpoint.periodic_name(self.step))
 
     def log_window(self, progress: Progress | None) -> None:
         """Train loss averaged over the steps since the last log and over all ranks; the
@@ -338,8 +339,9 @@ class Trainer:
                 * self.data_world)
 
     def run_eval(self) -> None:
-        self.eval_metrics = evaluate(self.eval_model, self.data.eval, self.dist, self.precision,
-                                     self.strategy.eval_forward)
+        with self.preemption.busy():
+            self.eval_metrics = evaluate(self.eval_model, self.data.eval, self.dist,
+                                         self.precision, self.strategy.eval_forward)
         self.eval_step = self.step
         self.logger.scalars({"eval/loss": self.eval_metrics["eval_loss"],
                              "eval/accuracy": self.eval_metrics["eval_accuracy"]}, self.step)
