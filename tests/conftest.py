@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +27,19 @@ def run_entry(script: str, args: list[str], run_dir: Path | None = None, timeout
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.run(command, cwd=cwd, env=full_env, capture_output=True, text=True,
                           timeout=timeout)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def only_run_dir(root: Path) -> Path:
+    """The one run dir under outputs/ (asserting the ranks did not split it)."""
+    dirs = [p.parent for p in root.glob("outputs/*/*/.hydra")]
+    assert len(dirs) == 1, dirs
+    return dirs[0]
 
 
 def output(result: subprocess.CompletedProcess) -> str:

@@ -15,23 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FAST, REPO, assert_ok, output, read_metrics, run_entry, scalars
+from conftest import (FAST, REPO, assert_ok, free_port, only_run_dir, output, read_metrics,
+                      run_entry, scalars)
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 BIN = Path(sys.executable).parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def only_run_dir(root: Path) -> Path:
-    """The one run dir under outputs/ (asserting the ranks did not split it)."""
-    dirs = [p.parent for p in root.glob("outputs/*/*/.hydra")]
-    assert len(dirs) == 1, dirs
-    return dirs[0]
 
 
 def assert_ddp_run(run_dir, world_size: int, batch_size: int) -> None:
@@ -182,5 +170,7 @@ def test_a_failing_rank_ends_the_whole_job_promptly(tmp_path, action, shown, ext
     assert result.returncode != 0
     assert shown in output(result)
     assert elapsed < 60, f"took {elapsed:.0f}s to notice"
-    time.sleep(1)
+    deadline = time.monotonic() + 15  # the agent's children may take a moment to be reaped
+    while processes_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert processes_with(marker) == []

@@ -65,6 +65,8 @@ def test_default_size_and_flops_estimate():
     looked_up = sum(p.numel() for p in model.embed.parameters())  # embeddings: no matmul
     attention = 12 * cfg.layers * cfg.context * cfg.width
     assert flops_per_token(cfg) == 6 * (params - looked_up) + attention
+    # the attention term follows the sequences actually trained on
+    assert flops_per_token(cfg, 64) == 6 * (params - looked_up) + attention * 64 / cfg.context
     # nanoGPT's initialisation: residual projections scaled down by sqrt(2 layers)
     std = model.blocks[0].attn.proj.weight.std().item()
     assert std == pytest.approx(0.02 / math.sqrt(2 * cfg.layers), rel=0.1)

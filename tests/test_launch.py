@@ -8,9 +8,8 @@ import sys
 
 import pytest
 
-from conftest import FAST, REPO, read_metrics
+from conftest import FAST, REPO, free_port, only_run_dir, read_metrics
 from parallab import launch
-from test_distributed import free_port, only_run_dir
 
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_NTASKS",
                  "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NNODES", "SLURM_NTASKS_PER_NODE",

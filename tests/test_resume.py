@@ -81,12 +81,13 @@ def test_sigterm_saves_and_resume_continues_bit_for_bit(tmp_path, references, pa
     assert_ok(stopped)
     assert "resume with: python train.py" in output(stopped)
     assert not (run_dir / "metrics.json").exists()
-    assert any(run_dir.glob("checkpoints/step_0000002*"))
     resumed = run_entry("train.py", [*RUN, *parallel, "trainer.resume=auto"], run_dir)
     assert_ok(resumed)
-    assert "resumed from" in output(resumed)
+    assert "at step 24" in output(resumed)  # the stop's own checkpoint, not the periodic one
     assert losses(run_dir) == losses(reference)
-    assert read_metrics(run_dir)["eval_accuracy"] == read_metrics(reference)["eval_accuracy"]
+    got, expected = read_metrics(run_dir), read_metrics(reference)
+    for key in ("eval_accuracy", "state_memory_mb"):  # the resumed run measures it too
+        assert got[key] == expected[key], key
 
 
 @ON_NONE_REFERENCE
@@ -189,4 +190,4 @@ def test_after_a_signal_a_hang_ends_the_process_but_an_evaluation_does_not():
                             text=True, timeout=60)
     assert result.stdout == "survived the evaluation\n", result.stderr
     assert result.returncode == 128 + signal.SIGTERM
-    assert time.monotonic() - start < 20
+    assert time.monotonic() - start < 45  # the watchdog, not the end of the 60 s hang

@@ -82,8 +82,15 @@ def test_every_experiment_preset_runs(tmp_path):
 
 @pytest.mark.distributed
 def test_strategies_preset_trains_every_strategy_at_one_global_batch(tmp_path):
+    from omegaconf import OmegaConf
+
+    from parallab.parallel import STRATEGIES
+
+    preset = OmegaConf.load(REPO / "experiments" / "strategies.yaml")
+    swept = preset.hydra.sweeper.params.parallel.split(",")
+    assert sorted(swept) == sorted(set(STRATEGIES) - {"dp"})  # dp needs GPUs to differ
     sweep_dir = tmp_path / "sweep"
-    # the preset's mechanics; every strategy's equivalence is tests/test_strategies.py's
+    # the preset's mechanics on three of them; each one's equivalence is test_strategies'
     result = run_entry("train.py", ["-m", "experiment=strategies", "trainer.max_steps=3",
                                     "parallel=none,ddp,pipeline",
                                     "model.layers=2", "model.width=32", "model.context=32",

@@ -138,9 +138,7 @@ def model_from(path: str | Path, model: torch.nn.Module) -> torch.nn.Module:
 def _step(path: Path) -> int:
     if path.name.startswith("step_"):
         return int(path.name[len("step_"):].split(".")[0])
-    meta = path / SHARDED_META if path.is_dir() else path
-    # mmap: read the step without reading the tensors
-    return torch.load(meta, map_location="cpu", weights_only=True, mmap=True)["step"]
+    return load_meta(path)["step"]  # mapped: no tensors read
 
 
 def latest(directory: Path) -> Path | None:
@@ -153,7 +151,8 @@ def latest(directory: Path) -> Path | None:
 
 
 class Checkpointer:
-    """Saves the trainer's state with every rank's RNG state, rank 0 writing the file."""
+    """Saves the trainer's state with every rank's RNG state: rank 0 writes the file, or
+    under a sharded strategy every rank its part of the .dcp directory."""
 
     def __init__(self, directory: Path, dist, config: dict[str, Any], keep_last_k: int,
                  sharded: bool = False):

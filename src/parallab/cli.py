@@ -151,7 +151,6 @@ def train() -> None:
 @hydra.main(version_base=None, config_path=CONF_DIR, config_name="evaluate")
 def _evaluate_app(dict_cfg: DictConfig) -> float:
     from parallab import checkpoint, distributed
-    from parallab.config import model_config
     from parallab.data import build_data
     from parallab.models import build_model
     from parallab.precision import Precision
@@ -160,9 +159,7 @@ def _evaluate_app(dict_cfg: DictConfig) -> float:
     cfg = OmegaConf.to_object(dict_cfg)
     try:
         state = checkpoint.load_meta(cfg.ckpt)
-        cfg.model = model_config(state["config"]["model"])
-        if hasattr(cfg.model, "weights"):  # the checkpoint holds them: no file needed again
-            cfg.model.weights = None
+        cfg.model = _trained_model_config(state)
         validate.prepare(cfg, in_place=None)
     except (validate.ConfigError, checkpoint.CheckpointError) as error:
         _fail(str(error), 2)
@@ -188,6 +185,17 @@ def _evaluate_app(dict_cfg: DictConfig) -> float:
     return metrics["eval_accuracy"]
 
 
+def _trained_model_config(meta: dict[str, Any]):
+    """The model config a checkpoint was trained with; a pretrained-weights file it named is
+    not needed again (the checkpoint holds the weights)."""
+    from parallab.config import model_config
+
+    cfg = model_config(meta["config"]["model"])
+    if hasattr(cfg, "weights"):
+        cfg.weights = None
+    return cfg
+
+
 def evaluate() -> None:
     """`python evaluate.py ckpt=PATH [overrides]`."""
     launch.register_resolvers()
@@ -198,13 +206,12 @@ def evaluate() -> None:
 def _export(ckpt: Path, out: Path) -> None:
     """A sharded (.dcp) checkpoint as one full state-dict file evaluate.py and torch read."""
     from parallab import checkpoint
-    from parallab.config import model_config
     from parallab.models import build_model
 
     if out.exists():
         raise SystemExit(f"parallab export: {out} exists; give a new file name")
     meta = checkpoint.load_meta(ckpt)
-    model = checkpoint.model_from(ckpt, build_model(model_config(meta["config"]["model"])))
+    model = checkpoint.model_from(ckpt, build_model(_trained_model_config(meta)))
     checkpoint.save(out, {"model": model.state_dict(), "step": meta["step"],
                           "config": meta["config"]})
     print(f"{out}: the full model state of {ckpt} (step {meta['step']})")

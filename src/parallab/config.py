@@ -83,7 +83,8 @@ class GptConfig:
 class DataConfig:
     name: str = MISSING
     batch_size: int = 64  # per rank
-    global_batch_size: Optional[int] = None  # set: batch_size = this / data-parallel ranks
+    # set: batch_size = this / (data-parallel ranks x trainer.accumulate_grad_batches)
+    global_batch_size: Optional[int] = None
     eval_batch_size: int = 1000  # per rank
     loader: Loader = Loader.auto
     num_workers: int = 0
@@ -343,7 +344,7 @@ class TrainerConfig:
     auto_batch_size: bool = False  # double data.batch_size while it fits and pays
     max_memory_mb: Optional[float] = None  # the finder's memory budget per rank
     checkpoint_every_n_steps: Optional[int] = 500  # and at each epoch end; null = epochs only
-    keep_last_k: int = 3  # periodic checkpoints kept (last.pt is always kept)
+    keep_last_k: int = 3  # periodic checkpoints kept (last.pt / last.dcp always is)
     resume: Optional[str] = None  # auto (newest in the run dir) or a checkpoint path
     on_nan: str = "stop"  # stop | skip: what a NaN/inf loss or gradient does
 

@@ -5,8 +5,8 @@ checkpoint and stops. A process whose main thread is stuck in C++ (a collective 
 died) cannot run Python signal handlers, so the signal is also read in a helper thread from
 Python's wakeup fd, written by the C-level handler at once; a watchdog there ends the
 process when, after the signal, no step completes for STUCK_STEPS times the slowest step
-seen (at least MIN_STUCK_S; evaluation and checkpoints do not count), or the stop takes
-over GRACE_S. A second signal ends the process at once.
+seen (at least MIN_STUCK_S; start-up and the first step, evaluation and checkpoints do not
+count), or the stop takes over GRACE_S. A second signal ends the process at once.
 """
 
 from __future__ import annotations
@@ -28,9 +28,8 @@ GRACE_S = 120.0  # the longest a stop, checkpoint included, may take
 class Preemption:
     def __init__(self) -> None:
         self.signum: int | None = None
-        self.saving = False  # the stop's checkpoint is being written: not stuck
         self._busy = 0  # evaluating or saving: long, but not stuck
-        self._last_step = time.monotonic()
+        self._last_step: float | None = None  # when the last step ended
         self._slowest_step = 0.0
         self._closed = threading.Event()
         self._previous: dict[int, object] = {}
@@ -43,7 +42,8 @@ class Preemption:
 
     def step_done(self) -> None:
         now = time.monotonic()
-        self._slowest_step = max(self._slowest_step, now - self._last_step)
+        if self._last_step is not None:  # the first step's time holds start-up and compiling
+            self._slowest_step = max(self._slowest_step, now - self._last_step)
         self._last_step = now
 
     @contextlib.contextmanager
@@ -54,7 +54,8 @@ class Preemption:
             yield
         finally:
             self._busy -= 1
-            self._last_step = time.monotonic()  # the next step's time leaves this out
+            if self._last_step is not None:  # the next step's time leaves this out
+                self._last_step = time.monotonic()
 
     def _python_handler(self, signum: int, frame: FrameType | None) -> None:
         """Installed so the signal does not kill the process; the listener does the work."""
@@ -62,14 +63,15 @@ class Preemption:
     def _on_signal(self, signum: int) -> None:
         if self.signum is not None:
             os._exit(128 + signum)
-        self.signum, self._last_step = signum, time.monotonic()
+        self.signum = signum
         threading.Thread(target=self._watch, args=(time.monotonic(),), daemon=True).start()
 
     def _watch(self, since: float) -> None:
         while not self._closed.wait(0.2):
             now = time.monotonic()
             patience = max(MIN_STUCK_S, STUCK_STEPS * self._slowest_step)
-            stuck = not (self.saving or self._busy) and now - self._last_step > patience
+            waiting = now - (since if self._last_step is None else max(self._last_step, since))
+            stuck = not self._busy and waiting > patience
             if stuck or now - since > GRACE_S:
                 os._exit(128 + (self.signum or signal.SIGTERM))
 

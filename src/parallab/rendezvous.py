@@ -25,7 +25,7 @@ BACKEND = "parallab-loopback"
 HOST = "127.0.0.1"
 
 
-def loopback_store(port: int = 0, timeout: timedelta = timedelta(minutes=5)) -> TCPStore:
+def loopback_store(port: int = 0) -> TCPStore:
     """A TCPStore server reachable from this machine only; port 0 picks a free one."""
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
@@ -36,8 +36,8 @@ def loopback_store(port: int = 0, timeout: timedelta = timedelta(minutes=5)) -> 
     except OSError:
         listener.close()
         raise
-    return TCPStore(HOST, port, is_master=True, timeout=timeout, wait_for_workers=False,
-                    master_listen_fd=listener.detach(), use_libuv=True)
+    return TCPStore(HOST, port, is_master=True, timeout=timedelta(minutes=5),
+                    wait_for_workers=False, master_listen_fd=listener.detach(), use_libuv=True)
 
 
 class _LoopbackHandler(DynamicRendezvousHandler):

@@ -20,7 +20,9 @@ STATUS_FILE = "status.json"  # written into a job's dir when it failed or was sk
 METRIC_COLUMNS = ["eval_accuracy", "eval_loss", "train_loss", "samples_per_sec",
                   "step_time_ms", "epoch_time_s", "wall_time_s", "world_size",
                   "global_batch_size", "precision_dtype", "backend", "parallel",
-                  "peak_memory_mb", "steps"]
+                  "peak_memory_mb", "state_memory_mb", "steps", "tokens_per_sec", "mfu"]
+# summary.md: the figures to compare at a glance (summary.csv has them all)
+MARKDOWN_METRICS = [*METRIC_COLUMNS[:8], "peak_memory_mb", "state_memory_mb"]
 
 
 def read_metrics(run_dir: Path) -> dict[str, Any] | None:
@@ -61,7 +63,7 @@ def _cell(value: Any) -> str:
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
-    columns = ["job", "overrides", "status", *METRIC_COLUMNS[:8], "error"]
+    columns = ["job", "overrides", "status", *MARKDOWN_METRICS, "error"]
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(_cell(row[c]) for c in columns) + " |" for row in rows]
     return "\n".join(lines)

@@ -50,12 +50,12 @@ def peak_flops_of(device: torch.device, precision: Precision) -> float | None:
 
 
 def held_state_mb(model: nn.Module, optimizer: torch.optim.Optimizer) -> float:
-    """Parameters, gradients and optimizer state this rank holds: its shards under fsdp,
-    its part under pipeline, everything under ddp."""
+    """Parameters, gradients (one like each trainable parameter) and optimizer state this
+    rank holds: its shards under fsdp, its part under pipeline, everything under ddp."""
     from torch.distributed.tensor import DTensor
 
     params = list(model.parameters())
-    tensors = params + [p.grad for p in params if p.grad is not None] + [
+    tensors = params + [p for p in params if p.requires_grad] + [
         v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
     local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
     return sum(t.numel() * t.element_size() for t in local) / 2**20
@@ -110,7 +110,7 @@ class Trainer:
         self.preemption = preemption or Preemption()
         self.model = model
         self.strategy = strategy
-        self.eval_model = strategy.eval_module(model)  # same weights, fewest collectives
+        self.eval_model = strategy.unwrap(model)  # same weights, fewest collectives
         self.data_world = strategy.data_dist.world_size  # ranks reading different samples
         self.optimizer = optimizer
         self.precision = precision
@@ -135,9 +135,11 @@ class Trainer:
         self.eval_metrics: dict[str, float] = {}
         self.eval_step = -1  # the step eval_metrics were measured at
         self.profiler = None  # a torch.profiler.profile while trainer.profile is on
-        self.state_mb: float | None = None  # see held_state_mb, measured at the second step
-        self.tokens_per_sample = 1  # target positions per sample: > 1 for language models
-        self.flops_per_sample = 0.0  # for MFU on a device of known peak (parallab.mfu)
+        # target positions per sample: > 1 for language models
+        self.tokens_per_sample = tokens = data.train.split.targets[0].numel()
+        count_flops = getattr(strategy.unwrap(model), "flops_per_token", None)
+        # for MFU: the training FLOPs of one sample, 0 where the model cannot say
+        self.flops_per_sample = count_flops(tokens) * tokens if count_flops and tokens > 1 else 0.0
         self.peak_flops = (peak_flops_of(dist.device, precision) if dist.device.type == "cuda"
                            else None)
 
@@ -172,8 +174,6 @@ class Trainer:
                 total = torch.zeros_like(total)
                 if not self.precision.scaler.is_enabled():  # a scaler skips it by itself
                     self.optimizer.zero_grad(set_to_none=True)
-        if self.step == 1:  # gradients and optimizer state both exist now
-            self.state_mb = held_state_mb(self.model, self.optimizer)
         self.precision.step(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         return total
@@ -230,8 +230,6 @@ class Trainer:
         world = self.data_world
         start = tick = time.perf_counter()
         for batches in micro_batches(loader, self.cfg.accumulate_grad_batches):
-            if self.step == 0:
-                self.measure_work(batches[0][1])
             self.window_loss += self.train_step(batches)
             self.step += 1
             self.epoch_step += 1
@@ -260,13 +258,6 @@ class Trainer:
         self.epoch_times.append(time.perf_counter() - start)
         self.last_train_loss = self.epoch_loss / max(self.epoch_steps, 1)
 
-    def measure_work(self, targets: torch.Tensor) -> None:
-        """Tokens and FLOPs a sample stands for, from the first batch's targets."""
-        self.tokens_per_sample = targets[0].numel()
-        flops = getattr(self.strategy.unwrap(self.model), "flops_per_token", None)
-        if flops is not None and self.tokens_per_sample > 1:
-            self.flops_per_sample = flops() * self.tokens_per_sample
-
     def throughput(self, samples_per_sec: float) -> dict[str, float]:
         """Tokens/s of a language model, and MFU where the device's peak is known."""
         figures = {}
@@ -285,7 +276,6 @@ class Trainer:
     def stop(self) -> None:
         if self.window_steps:  # so the checkpoint holds no half-reduced window
             self.log_window(None)
-        self.preemption.saving = True
         self.save_checkpoint()
         self.stopped = True
 
@@ -363,7 +353,7 @@ class Trainer:
             "steps": self.step,
             "global_batch_size": self.global_batch_size,
             "peak_memory_mb": peak_memory_mb(self.dist.device),
-            "state_memory_mb": self.state_mb,
+            "state_memory_mb": held_state_mb(self.model, self.optimizer) if self.step else None,
         }
 
     def quantized_summary(self) -> dict[str, float]:

@@ -216,7 +216,8 @@ def make_imagefolder(cfg: ImageFolderDataConfig, seed: int) -> tuple[ImageSplit,
 
 
 def problem(cfg: Cifar10DataConfig | ImageFolderDataConfig) -> str | None:
-    """Value checks of an image set's keys (files: cifar_problem / folder_problem)."""
+    """What is wrong with an image set's keys, and for a folder its layout (folder_problem);
+    CIFAR-10's files are cifar_problem's."""
     if cfg.augment and cfg.loader is Loader.memory:
         return ("data.augment=true with data.loader=memory: augmentation runs per sample on "
                 "the DataLoader path: use data.loader=dataloader (or auto), or data.augment=false")

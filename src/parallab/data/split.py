@@ -27,7 +27,8 @@ class Split:
 
 
 class TokenSplit(Split):
-    """Token sequences: inputs (N, T) stored as uint8 bytes, targets (N, T) int64 next tokens."""
+    """Token sequences (N, T), stored as uint8 bytes or int64 ids, fed to the model as int64;
+    targets are next tokens (N, T) or class labels (N,)."""
 
     def prepare(self, inputs: torch.Tensor) -> torch.Tensor:
         return inputs.long()

@@ -83,9 +83,9 @@ class GPT(Model):
     def stages(self) -> list[nn.Module]:
         return [self.embed, *self.blocks, self.head]
 
-    def flops_per_token(self) -> float:
-        """Training FLOPs per token (see flops_per_token below), for MFU."""
-        return flops_per_token(self.cfg)
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token of `seq_len`-token sequences (see below), for MFU."""
+        return flops_per_token(self.cfg, seq_len)
 
     @classmethod
     def check_data(cls, cfg: GptConfig, data) -> str | None:
@@ -112,11 +112,12 @@ def _init_weights(module: nn.Module) -> None:
         nn.init.zeros_(module.bias)
 
 
-def flops_per_token(cfg: GptConfig) -> float:
-    """Training FLOPs (forward + backward) per token at full context, the PaLM estimate that
-    nanoGPT's MFU uses: 6 per weight a token is multiplied by (embedding look-ups are not),
-    plus 12·layers·context·width for the attention scores and their use."""
+def flops_per_token(cfg: GptConfig, seq_len: int | None = None) -> float:
+    """Training FLOPs (forward + backward) per token, the PaLM estimate that nanoGPT's MFU
+    uses: 6 per weight a token is multiplied by (embedding look-ups are not), plus
+    12·layers·seq_len·width for the attention scores and their use (seq_len: the full
+    context unless given)."""
     C = cfg.width
     per_block = 12 * C * C + 13 * C  # qkv, proj, 2 MLP linears with biases; 2 LayerNorms
     multiplied = cfg.layers * per_block + 2 * C + C * cfg.vocab_size  # + final LN, head
-    return 6.0 * multiplied + 12.0 * cfg.layers * cfg.context * C
+    return 6.0 * multiplied + 12.0 * cfg.layers * (seq_len or cfg.context) * C

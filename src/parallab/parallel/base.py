@@ -48,12 +48,9 @@ class Strategy:
         return model.to(self.dist.device)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
-        """The plain module: what checkpoints hold and what evaluation runs."""
+        """The module without a wrapper: what checkpoints hold and what evaluation runs (with
+        the fewest collectives; an fsdp module is its own, its forward gathers parameters)."""
         return model
-
-    def eval_module(self, model: nn.Module) -> nn.Module:
-        """What evaluation runs: the plain module unless its forward needs every rank."""
-        return self.unwrap(model)
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager:
         """Where gradients are reduced across ranks: skip it for an accumulation micro-step."""

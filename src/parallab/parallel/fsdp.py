@@ -1,4 +1,5 @@
-"""FSDP2 (fully_shard): every stage of the model, then the root, sharded over the ranks.
+"""FSDP2 (fully_shard): every stage with trainable parameters, then the root (which takes
+what is left, a frozen backbone included), sharded over the ranks.
 
 Parameters, gradients and optimizer state are split across ranks (each holds 1/world of
 them); a stage's parameters are all-gathered for its forward and backward and freed after,
@@ -39,9 +40,6 @@ class FSDPStrategy(ShardedStrategy):
         # the root: whatever the stages leave; kept gathered, it is used again at once
         fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
         return model
-
-    def eval_module(self, model: nn.Module) -> nn.Module:
-        return model  # its forward gathers parameters: every rank evaluates alike
 
     @contextlib.contextmanager
     def no_sync(self, model: nn.Module) -> Iterator[None]:

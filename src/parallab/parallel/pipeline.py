@@ -16,7 +16,6 @@ import logging
 import math
 
 import torch
-import torch.distributed as torch_dist
 from torch import nn
 
 from parallab.distributed import Dist
@@ -139,7 +138,7 @@ class PipelineStrategy(ShardedStrategy):
         squares = torch.zeros((), dtype=torch.float32, device=self.dist.device)
         if grads:
             squares = nn.utils.get_total_norm(grads, norm_type=2.0).float() ** 2
-        torch_dist.all_reduce(squares)
+        self.dist.all_reduce_sum(squares)
         norm = squares.sqrt()
         if max_norm is not None:
             nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, norm)
