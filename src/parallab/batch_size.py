@@ -22,7 +22,7 @@ from torch import nn
 from parallab.data.loaders import ShardLoader
 from parallab.distributed import Dist
 from parallab.precision import Precision
-from parallab.loss import loss_fn
+from parallab.loss import CrossEntropy, Objective
 from parallab.trainer import peak_memory_mb
 
 log = logging.getLogger(__name__)
@@ -40,7 +40,7 @@ class Trial:
 
 
 def _measure(module: nn.Module, optimizer: torch.optim.Optimizer, precision: Precision,
-             loader: ShardLoader, dist: Dist) -> tuple[float, float]:
+             loader: ShardLoader, dist: Dist, loss_of: Objective) -> tuple[float, float]:
     """Local samples/s and peak memory of a few steps at this loader's batch size."""
     if dist.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dist.device)
@@ -51,7 +51,8 @@ def _measure(module: nn.Module, optimizer: torch.optim.Optimizer, precision: Pre
             start = time.perf_counter()
         inputs, targets = next(batches)
         with precision.autocast():
-            loss = loss_fn(module(inputs), targets)
+            loss = loss_of(module(inputs, targets) if loss_of.from_model else module(inputs),
+                           targets)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -63,14 +64,14 @@ def _measure(module: nn.Module, optimizer: torch.optim.Optimizer, precision: Pre
 
 def _trial(batch_size: int, module: nn.Module, optimizer: torch.optim.Optimizer,
            precision: Precision, loader: ShardLoader, dist: Dist,
-           max_memory_mb: float | None) -> Trial:
+           max_memory_mb: float | None, loss: Objective) -> Trial:
     verdict, speed, memory = "", 0.0, 0.0
     if len(loader.sampler) < batch_size * (1 + TIMED_STEPS):
         verdict = "shard too small"
     else:
         try:
             speed, memory = _measure(module, optimizer, precision, loader.resized(batch_size),
-                                     dist)
+                                     dist, loss)
             if max_memory_mb is not None and memory > max_memory_mb:
                 verdict = f"over trainer.max_memory_mb={max_memory_mb:g}"
         except torch.OutOfMemoryError:
@@ -90,8 +91,8 @@ def _trial(batch_size: int, module: nn.Module, optimizer: torch.optim.Optimizer,
 
 
 def find_batch_size(module: nn.Module, optimizer: torch.optim.Optimizer, precision: Precision,
-                    loader: ShardLoader, dist: Dist,
-                    max_memory_mb: float | None) -> tuple[int, list[Trial]]:
+                    loader: ShardLoader, dist: Dist, max_memory_mb: float | None,
+                    loss: Objective | None = None) -> tuple[int, list[Trial]]:
     """The best per-rank batch size from loader.batch_size upward, and the trials run.
     Model and optimizer are left as they were."""
     saved = copy.deepcopy(module.state_dict()), copy.deepcopy(optimizer.state_dict())
@@ -99,7 +100,8 @@ def find_batch_size(module: nn.Module, optimizer: torch.optim.Optimizer, precisi
     best: Trial | None = None
     size = loader.batch_size
     while True:
-        trial = _trial(size, module, optimizer, precision, loader, dist, max_memory_mb)
+        trial = _trial(size, module, optimizer, precision, loader, dist, max_memory_mb,
+                       loss or CrossEntropy())
         trials.append(trial)
         if not trial.fits:
             break

@@ -135,6 +135,27 @@ def model_from(path: str | Path, model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def saved_config(meta: dict[str, Any]) -> dict[str, Any]:
+    """The run config a checkpoint records (plain containers; {} when it holds none)."""
+    config = meta.get("config") if isinstance(meta, dict) else None
+    return config if isinstance(config, dict) else {}
+
+
+def saved_model(meta: dict[str, Any], path: str | Path) -> dict[str, Any]:
+    """The model spec (_target_ and arguments) a checkpoint was trained with; CheckpointError
+    when it records none (not parallab's, or saved before models were given by _target_)."""
+    model = saved_config(meta).get("model")
+    if not isinstance(model, dict) or "_target_" not in model:
+        raise CheckpointError(f"ckpt={path} records no model._target_: not a checkpoint of "
+                              "this parallab")
+    return dict(model)
+
+
+def resumable(path: str | Path, meta: dict[str, Any]) -> bool:
+    """A training checkpoint: a position to resume from, and its optimizer state."""
+    return "epoch_step" in meta and (is_sharded(path) or "optimizer" in meta)
+
+
 def _step(path: Path) -> int:
     if path.name.startswith("step_"):
         return int(path.name[len("step_"):].split(".")[0])

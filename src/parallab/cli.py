@@ -19,12 +19,14 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from parallab import launch, run, summary, validate
+from parallab import launch, metrics, run, summary, validate
 from parallab.checkpoint import CheckpointError
-from parallab.config import REPO_DIR, register_configs
+from parallab.config import register_configs
 
 log = logging.getLogger("parallab")
-CONF_DIR = str(REPO_DIR / "conf")
+# conf/ ships inside the package; Hydra finds it as pkg://parallab/conf (a user project adds
+# its own groups with --config-dir or hydra.searchpath)
+CONF_DIR = str(Path(__file__).resolve().parent / "conf")
 
 
 def _fail(message: str, status: int) -> NoReturn:
@@ -84,7 +86,13 @@ def _train_job(dict_cfg: DictConfig) -> float | None:
         _restore_earlier_run()
         raise JobFailed(str(error), 2) from None
     spec = run.RunSpec(cfg, hydra_cfg.runtime.output_dir, list(hydra_cfg.overrides.task))
-    return _train_and_report(spec, in_place).get("eval_accuracy")
+    return _train_and_report(spec, in_place).get(objective(cfg))
+
+
+def objective(cfg) -> str:
+    from parallab.loss import build_loss
+
+    return metrics.objective(cfg, build_loss(cfg.loss))
 
 
 def _sweep_job(dict_cfg: DictConfig, run_dir: Path) -> float | None:
@@ -96,7 +104,7 @@ def _sweep_job(dict_cfg: DictConfig, run_dir: Path) -> float | None:
     if done is not None:
         status_file.write_text(json.dumps({"status": "skipped"}) + "\n")
         log.info("skipped: %s already holds complete metrics", run_dir)
-        return done["eval_accuracy"]
+        return done.get(dict_cfg.objective or metrics.ACCURACY, done.get(metrics.LOSS))
     try:
         return _train_job(dict_cfg)
     except Exception as error:  # noqa: BLE001 - any failure of one job is that job's result
@@ -108,7 +116,7 @@ def _sweep_job(dict_cfg: DictConfig, run_dir: Path) -> float | None:
         return None
 
 
-@hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")
+@hydra.main(version_base=None, config_path="conf", config_name="config")
 def _train_app(dict_cfg: DictConfig) -> float | None:
     hydra_cfg = HydraConfig.get()
     if hydra_cfg.mode == RunMode.MULTIRUN:
@@ -148,10 +156,11 @@ def train() -> None:
     _train_app()
 
 
-@hydra.main(version_base=None, config_path=CONF_DIR, config_name="evaluate")
+@hydra.main(version_base=None, config_path="conf", config_name="evaluate")
 def _evaluate_app(dict_cfg: DictConfig) -> float:
     from parallab import checkpoint, distributed
     from parallab.data import build_data
+    from parallab.loss import build_loss
     from parallab.models import build_model
     from parallab.precision import Precision
     from parallab.trainer import evaluate
@@ -159,41 +168,38 @@ def _evaluate_app(dict_cfg: DictConfig) -> float:
     cfg = OmegaConf.to_object(dict_cfg)
     try:
         state = checkpoint.load_meta(cfg.ckpt)
-        cfg.model = _trained_model_config(state)
+        cfg.model = _trained_model_config(state, cfg.ckpt)
         validate.prepare(cfg, in_place=None)
     except (validate.ConfigError, checkpoint.CheckpointError) as error:
         _fail(str(error), 2)
-    except (KeyError, ValueError) as error:  # a file torch can read, but not our checkpoint
-        _fail(f"ckpt={cfg.ckpt} is not a parallab checkpoint (no usable model config: "
-              f"{error})", 2)
     dist = distributed.setup(cfg.device.value, None, cfg.backend.timeout_s,
                              cfg.parallel.threads_per_worker)
     try:
         model = checkpoint.model_from(cfg.ckpt, build_model(cfg.model))
     except RuntimeError as error:
-        _fail(f"ckpt={cfg.ckpt} does not fit model={cfg.model.name}: "
-              f"{str(error).splitlines()[1].strip()}", 2)
+        _fail(f"ckpt={cfg.ckpt} does not fit model {cfg.model['_target_']}: "
+              f"{(str(error).splitlines() + [''])[1].strip()}", 2)
     data = build_data(cfg.data, dist, cfg.seed)
-    metrics = evaluate(model.to(dist.device), data.eval, dist, Precision(cfg.precision,
-                                                                        dist.device))
-    result = {"ckpt": str(Path(cfg.ckpt).resolve()), "model": cfg.model.name,
-              "data": cfg.data.name, "step": state.get("step"), **metrics}
+    loss = build_loss(cfg.loss)
+    figures = evaluate(model.to(dist.device), data.eval, dist,
+                       Precision(cfg.precision, dist.device), loss, cfg.metrics)
+    result = {"ckpt": str(Path(cfg.ckpt).resolve()), "model": cfg.model["_target_"],
+              "data": cfg.data.name, "step": state.get("step"), **figures}
     out = Path(HydraConfig.get().runtime.output_dir) / "metrics.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
-    log.info("eval loss %.4f, accuracy %.2f%% (%s)", metrics["eval_loss"],
-             100 * metrics["eval_accuracy"], out)
-    return metrics["eval_accuracy"]
+    log.info("%s (%s)", ", ".join(f"{k} {v:.4f}" for k, v in figures.items()), out)
+    return figures[metrics.objective(cfg, loss)]
 
 
-def _trained_model_config(meta: dict[str, Any]):
-    """The model config a checkpoint was trained with; a pretrained-weights file it named is
+def _trained_model_config(meta: dict[str, Any], path) -> dict[str, Any]:
+    """The model spec a checkpoint was trained with; a pretrained-weights file it named is
     not needed again (the checkpoint holds the weights)."""
-    from parallab.config import model_config
+    from parallab import checkpoint
 
-    cfg = model_config(meta["config"]["model"])
-    if hasattr(cfg, "weights"):
-        cfg.weights = None
-    return cfg
+    spec = checkpoint.saved_model(meta, path)
+    if spec.get("weights"):
+        spec["weights"] = None
+    return spec
 
 
 def evaluate() -> None:
@@ -211,19 +217,30 @@ def _export(ckpt: Path, out: Path) -> None:
     if out.exists():
         raise SystemExit(f"parallab export: {out} exists; give a new file name")
     meta = checkpoint.load_meta(ckpt)
-    model = checkpoint.model_from(ckpt, build_model(_trained_model_config(meta)))
+    model = checkpoint.model_from(ckpt, build_model(_trained_model_config(meta, ckpt)))
     checkpoint.save(out, {"model": model.state_dict(), "step": meta["step"],
                           "config": meta["config"]})
     print(f"{out}: the full model state of {ckpt} (step {meta['step']})")
 
 
+APPS = {"train": train, "evaluate": evaluate}  # Hydra apps: the rest of argv is theirs
+
+
 def parallab() -> None:
-    """`parallab summary DIR`: rebuild a finished multirun's summary;
+    """`parallab train [overrides]` = python train.py; `parallab evaluate ckpt=PATH` =
+    python evaluate.py; `parallab summary DIR`: rebuild a finished multirun's summary;
     `parallab export CKPT OUT`: a checkpoint's full model state as one file."""
     import argparse
 
+    if len(sys.argv) > 1 and sys.argv[1] in APPS:
+        app = APPS[sys.argv.pop(1)]
+        app()
+        return
     parser = argparse.ArgumentParser(prog="parallab")
     commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("train", help="train: [group=option ...] [key=value ...] (Hydra's "
+                        "overrides and flags, as python train.py takes them)")
+    commands.add_parser("evaluate", help="evaluate a checkpoint: ckpt=PATH [overrides]")
     summarize = commands.add_parser("summary", help="summary.csv/.md/.png of a multirun dir")
     summarize.add_argument("sweep_dir", type=Path)
     export = commands.add_parser("export", help="a checkpoint (.pt or sharded .dcp) as one "

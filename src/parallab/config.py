@@ -1,21 +1,26 @@
-"""Typed configuration: the schema every file in conf/ is checked against.
+"""Typed configuration: the schema of the groups parallab owns, and the base of data sets.
 
-Each config group option in conf/ starts its defaults list with its schema from the
-ConfigStore (`/schema/<group>/<option>`), so Hydra itself rejects an unknown key or a
-value of the wrong type and names it. Value and cross-field checks live in validate.py.
+Groups whose options are parallab's own (parallel, precision, backend, optim, trainer) start
+their defaults list with a schema from the ConfigStore (`/schema/<group>/<option>`), so
+Hydra itself rejects an unknown key or a value of the wrong type and names it. `model`,
+`data` and `loss` are `_target_` specs: a model or loss is checked against its signature
+(targets.py), a data set against its own config class, a DataConfig subclass (data_config).
+Value and cross-field checks live with their owners; validate.py runs them in order.
 """
 
 from __future__ import annotations
 
 import enum
+import inspect
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
-REPO_DIR = Path(__file__).resolve().parents[2]
+from parallab import targets
+from parallab.errors import ConfigError
 
 
 class Device(enum.Enum):
@@ -25,63 +30,18 @@ class Device(enum.Enum):
 
 
 class Loader(enum.Enum):
-    auto = "auto"  # memory when the set fits, no per-sample augmentation (data.resolve_loader)
+    auto = "auto"  # memory when the set is tensors that fit, no per-sample augmentation
     memory = "memory"  # the whole split as one tensor, batches gathered by index
     dataloader = "dataloader"  # torch DataLoader over a per-sample Dataset
 
 
-# --- model -------------------------------------------------------------------------------
-@dataclass
-class MnistCnnConfig:
-    name: str = "mnist_cnn"
-    num_classes: int = 10
-    dropout: float = 0.5
-
-
-@dataclass
-class MlpConfig:
-    name: str = "mlp"
-    input_dim: Optional[int] = None  # null = inferred from the data
-    hidden: list[int] = field(default_factory=lambda: [256, 128])
-    num_classes: int = 10
-    dropout: float = 0.0
-
-
-@dataclass
-class LstmConfig:
-    name: str = "lstm"
-    vocab_size: Optional[int] = None  # null = the data's vocabulary
-    embedding_dim: int = 64
-    hidden_dim: int = 128
-    num_layers: int = 1
-    num_classes: Optional[int] = None  # null = the data's classes
-    dropout: float = 0.0  # between LSTM layers and before the head
-
-
-@dataclass
-class ResNet18Config:
-    name: str = "resnet18"
-    num_classes: Optional[int] = None  # null = the data's classes; the new fc's outputs
-    in_channels: Optional[int] = None  # null = the data's; not 3: a new first conv
-    weights: Optional[str] = None  # a state_dict file, or a torchvision name (IMAGENET1K_V1)
-    freeze_backbone: bool = False  # train only the new head
-
-
-@dataclass
-class GptConfig:
-    name: str = "gpt"
-    vocab_size: int = 256
-    context: int = 256  # the longest sequence it takes (learned position embeddings)
-    layers: int = 4
-    heads: int = 4
-    width: int = 256
-    dropout: float = 0.0
-
-
-# --- data --------------------------------------------------------------------------------
+# --- data: the keys parallab owns; each data set's class adds its own (data/*.py) -------
 @dataclass
 class DataConfig:
-    name: str = MISSING
+    """A data set's config, and the data set itself: problem() checks it before any worker
+    starts, make() builds its (train, eval) splits in each worker."""
+
+    _target_: str = MISSING  # the data set's config class (this one's subclass)
     batch_size: int = 64  # per rank
     # set: batch_size = this / (data-parallel ranks x trainer.accumulate_grad_batches)
     global_batch_size: Optional[int] = None
@@ -91,152 +51,40 @@ class DataConfig:
     pin_memory: bool = False
     persistent_workers: bool = False
     prefetch_factor: Optional[int] = None  # batches each worker loads ahead; null = torch's 2
+    collate_fn: Any = None  # a function's dotted path, or a _target_ spec; null = torch's
+
+    name: ClassVar[str] = "data"  # in messages and hparams
+    tensors: ClassVar[bool] = True  # make() gives in-memory Splits (data.loader=memory works)
+    next_token: ClassVar[bool] = False  # targets are the next token of every input position
+
+    def problem(self) -> Optional[str]:
+        """None if the data can be made (files there, values in range), else one line
+        naming the key and the fix. May fetch files when the config asks to download."""
+        return None
+
+    def make(self, seed: int) -> tuple[Any, Any]:
+        """(train, eval): Splits (data/split.py) or torch Datasets."""
+        raise TypeError(f"{type(self).__name__} does not say how to make its data")
 
 
-@dataclass
-class MnistDataConfig(DataConfig):
-    name: str = "mnist"
-    root: str = str(REPO_DIR / "data")
-    download: bool = False
-
-    @property
-    def input_shape(self) -> list[int]:
-        return [1, 28, 28]
-
-    @property
-    def num_classes(self) -> int:
-        return 10
-
-    @property
-    def memory_bytes(self) -> int:
-        return 70_000 * 28 * 28
-
-
-@dataclass
-class SyntheticDataConfig(DataConfig):
-    name: str = "synthetic"
-    train_size: int = 8192
-    eval_size: int = 2048
-    shape: list[int] = field(default_factory=lambda: [1, 28, 28])
-    num_classes: int = 10
-    noise: float = 1.0  # std of the noise around each class prototype
-    vocab_size: Optional[int] = None  # set: token sequences (ids 1..vocab_size-1, 0 = padding)
-    seq_len: int = 32  # token sequences: the longest (lengths vary from seq_len / 2 up)
-
-    @property
-    def input_shape(self) -> list[int]:
-        return [self.seq_len] if self.vocab_size else list(self.shape)
-
-    @property
-    def memory_bytes(self) -> int:
-        import math
-
-        item = 8 if self.vocab_size else 4  # int64 ids, float32 values
-        return (self.train_size + self.eval_size) * math.prod(self.input_shape) * item
-
-
-@dataclass
-class TextDataConfig(DataConfig):
-    """Labelled text: train.tsv and test.tsv under data.path, one `label<TAB>text` a line."""
-
-    name: str = "text"
-    path: str = str(REPO_DIR / "data" / "text_cls")
-    min_freq: int = 2  # rarer training tokens become <UNK>
-    max_size: Optional[int] = 20_000  # vocabulary cap, <PAD> and <UNK> included; null = none
-    max_len: Optional[int] = 64  # tokens kept per example; null = all
-    lowercase: bool = True
-
-    @property
-    def vocab_size(self) -> int:
-        from parallab.data import text
-
-        return len(text.corpus(self).vocab)
-
-    @property
-    def num_classes(self) -> int:
-        from parallab.data import text
-
-        return len(text.corpus(self).classes)
-
-    @property
-    def input_shape(self) -> list[int]:
-        from parallab.data import text
-
-        return list(text.corpus(self).train.inputs.shape[1:])
-
-
-@dataclass
-class Cifar10DataConfig(DataConfig):
-    name: str = "cifar10"
-    root: str = str(REPO_DIR / "data")  # holds cifar-10-batches-py/
-    download: bool = False
-    augment: bool = True  # random crop (padding 4) + horizontal flip, per sample (DataLoader path)
-    batch_size: int = 128
-
-    @property
-    def input_shape(self) -> list[int]:
-        return [3, 32, 32]
-
-    @property
-    def num_classes(self) -> int:
-        return 10
-
-    @property
-    def memory_bytes(self) -> int:
-        return 60_000 * 3 * 32 * 32
-
-
-@dataclass
-class ImageFolderDataConfig(DataConfig):
-    """Any folder of class subfolders (or train/ and val/ folders of them)."""
-
-    name: str = "imagefolder"
-    path: Optional[str] = None
-    image_size: int = 224  # resized (shorter side) and cropped to image_size square
-    eval_fraction: float = 0.2  # held out of each class when there is no train/ + val/
-    augment: bool = True  # random resized crop + horizontal flip, per sample (DataLoader path)
-    batch_size: int = 32
-    eval_batch_size: int = 64
-
-    @property
-    def input_shape(self) -> list[int]:
-        return [3, self.image_size, self.image_size]
-
-    @property
-    def num_classes(self) -> int:
-        from parallab.data import images
-
-        return len(images.folder_layout(self.path, self.eval_fraction).classes)
-
-    @property
-    def memory_bytes(self) -> int:
-        from parallab.data import images
-
-        return images.folder_layout(self.path, self.eval_fraction).size * 3 * self.image_size ** 2
-
-
-@dataclass
-class BytesDataConfig(DataConfig):
-    """Byte-level text: every byte a token, windows of seq_len inputs and next-byte targets."""
-
-    name: str = "bytes"
-    path: Optional[str] = None  # a text file or a directory of *.txt; null = data/text/kjv.txt
-    seq_len: int = 256
-    eval_fraction: float = 0.1  # the tail of the text held out
-    batch_size: int = 32
-    eval_batch_size: int = 64
-
-    @property
-    def vocab_size(self) -> int:
-        return 256
-
-    @property
-    def input_shape(self) -> list[int]:
-        return [self.seq_len]
-
-    @property
-    def num_classes(self) -> int:
-        return self.vocab_size
+def data_config(node: dict[str, Any]) -> DataConfig:
+    """The composed `data` node as its typed config: the class its _target_ names, or for
+    a node with data.train / data.eval (Dataset specs) the generic Datasets."""
+    node = dict(node)
+    if targets.TARGET not in node and ("train" in node or "eval" in node):
+        node[targets.TARGET] = "parallab.data.datasets.Datasets"
+    cls = targets.locate(node.get(targets.TARGET), "data._target_")
+    if not (inspect.isclass(cls) and issubclass(cls, DataConfig)):
+        raise ConfigError(
+            f"data._target_={node.get(targets.TARGET)} is not a data set config (a "
+            "parallab.config.DataConfig dataclass): give your torch Datasets as "
+            "data.train._target_ and data.eval._target_ instead")
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls), node))
+    except OmegaConfBaseException as error:
+        message = str(error.msg).splitlines()[0].replace(f" in '{cls.__name__}'", "")
+        raise ConfigError(f"data.{error.full_key}: {message} (data set {cls.__name__}): fix "
+                          "the key or its value") from None
 
 
 # --- parallel ----------------------------------------------------------------------------
@@ -249,6 +97,9 @@ class ParallelConfig:
     threads_per_worker: Optional[int] = None  # null = cores / local workers
     max_restarts: int = 0
     devices: Optional[list[int]] = None  # GPU ids made visible to the workers
+    # the model's stages by module name in forward order ("blocks.*": a ModuleList's
+    # children); null = the model's stages(), or an nn.Sequential's children
+    stages: Optional[list[str]] = None
 
 
 @dataclass
@@ -356,13 +207,20 @@ class SweepConfig:
 
 @dataclass
 class Config:
-    model: Any = MISSING
-    data: Any = MISSING
+    model: Any = MISSING  # a _target_ spec: the model's class (or factory) and its arguments
+    data: Any = MISSING  # a DataConfig once validate.prepare has typed it
+    loss: Any = MISSING  # a _target_ spec (loss.py)
     parallel: Any = MISSING
     precision: Any = MISSING
     backend: Any = MISSING
     optim: Any = MISSING
     trainer: Any = MISSING
+    # further evaluation metrics, name -> _target_ spec (e.g. a torchmetrics class):
+    # reported as eval_<name>
+    metrics: dict[str, Any] = field(default_factory=dict)
+    # the figure a sweep's objective returns (Optuna); null = eval_accuracy where the loss
+    # classifies, else eval_loss
+    objective: Optional[str] = None
     seed: int = 42
     device: Device = Device.auto
     sweep: SweepConfig = field(default_factory=SweepConfig)
@@ -374,11 +232,6 @@ class EvalConfig(Config):
 
 
 SCHEMAS: dict[str, dict[str, type]] = {
-    "model": {"mnist_cnn": MnistCnnConfig, "mlp": MlpConfig, "gpt": GptConfig,
-              "lstm": LstmConfig, "resnet18": ResNet18Config},
-    "data": {"mnist": MnistDataConfig, "synthetic": SyntheticDataConfig,
-             "bytes": BytesDataConfig, "text": TextDataConfig, "cifar10": Cifar10DataConfig,
-             "imagefolder": ImageFolderDataConfig},
     "parallel": {"none": ParallelConfig, "ddp": DDPConfig, "dp": DPConfig, "fsdp": FSDPConfig,
                  "model": ModelParallelConfig, "pipeline": PipelineConfig},
     "precision": {"default": PrecisionConfig},
@@ -397,11 +250,6 @@ def register_configs() -> None:
             store.store(group=f"schema/{group}", name=name, node=node)
 
 
-def model_config(saved: dict[str, Any]) -> Any:
-    """A model config saved as a plain dict (in a checkpoint) back as its typed dataclass."""
-    from omegaconf import OmegaConf
-
-    schema = SCHEMAS["model"].get(saved.get("name"))
-    if schema is None:
-        raise ValueError(f"unknown model {saved.get('name')!r}")
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), saved))
+def model_name(spec: dict[str, Any]) -> str:
+    """A model's short name for logs and hparams: its class's (`GPT`, `ResMLP`)."""
+    return str(spec.get(targets.TARGET, "?")).rpartition(".")[2]

@@ -20,6 +20,16 @@ from parallab.config import PrecisionConfig
 log = logging.getLogger(__name__)
 
 
+MODES = ("fp32", "amp", "bf16", "fp16")
+
+
+def problem(cfg: PrecisionConfig) -> str | None:
+    if cfg.name not in MODES:
+        return (f"precision.name={cfg.name} is unknown: use precision="
+                f"{', '.join(MODES[:-1])} or {MODES[-1]}")
+    return None
+
+
 def compute_dtype(name: str, device_type: str) -> torch.dtype:
     if name == "amp":
         return torch.float16 if device_type == "cuda" else torch.bfloat16

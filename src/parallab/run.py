@@ -15,14 +15,15 @@ from omegaconf import OmegaConf
 
 from parallab import batch_size, checkpoint, distributed, launch
 from parallab.checkpoint import Checkpointer
-from parallab.preemption import Preemption
-from parallab.config import Config, TrainerConfig
+from parallab.config import Config, TrainerConfig, model_name
 from parallab.data import build_data
 from parallab.logger import RunLogger
+from parallab.loss import build_loss
 from parallab.models import build_model
 from parallab.optim import build_optimizer
 from parallab.parallel import STRATEGIES
 from parallab.precision import Precision
+from parallab.preemption import Preemption
 from parallab.trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -43,7 +44,8 @@ def hparams(spec: RunSpec, metrics: dict[str, Any]) -> dict[str, Any]:
     """The keys runs are compared by: the main choices plus whatever the command line set."""
     cfg = spec.cfg
     values: dict[str, Any] = {
-        "model": cfg.model.name, "data": cfg.data.name, "parallel": cfg.parallel.name,
+        "model": model_name(cfg.model), "data": cfg.data.name,
+        "loss": model_name(cfg.loss), "parallel": cfg.parallel.name,
         "precision": cfg.precision.name, "backend": cfg.backend.name, "optim": cfg.optim.name,
         "data.batch_size": cfg.data.batch_size, "optim.lr": cfg.optim.lr,
         "world_size": metrics["world_size"], "global_batch_size": metrics["global_batch_size"],
@@ -72,10 +74,10 @@ def speed_up(model: torch.nn.Module, cfg: TrainerConfig) -> torch.nn.Module:
 
 
 def tune_batch_size(module, optimizer, precision, data, dist, cfg: TrainerConfig,
-                    logger: RunLogger):
+                    logger: RunLogger, loss):
     """trainer.auto_batch_size: the training loader at the size the finder chose."""
     size, trials = batch_size.find_batch_size(module, optimizer, precision, data.train, dist,
-                                              cfg.max_memory_mb)
+                                              cfg.max_memory_mb, loss)
     report = batch_size.table(trials, size)
     logger.text("batch_size_finder", report)
     if dist.is_main:
@@ -139,7 +141,7 @@ def _fit(spec: RunSpec, dist: distributed.Dist, logger: RunLogger,
     model = build_model(cfg.model)  # identical initial weights on every rank
     torch.manual_seed(cfg.seed + dist.rank)  # dropout masks differ between ranks
     precision = Precision(cfg.precision, dist.device)
-    strategy = strategy_cls(cfg.parallel, dist, precision)
+    strategy = strategy_cls(cfg.parallel, dist, precision, build_loss(cfg.loss))
     model = strategy.wrap(speed_up(model, cfg.trainer))
     data = build_data(cfg.data, strategy.data_dist, cfg.seed,
                       batch_scale=strategy.devices_per_process)
@@ -148,13 +150,13 @@ def _fit(spec: RunSpec, dist: distributed.Dist, logger: RunLogger,
     optimizer = build_optimizer(cfg.optim, [p for p in model.parameters() if p.requires_grad])
     if cfg.trainer.auto_batch_size:
         data.train = tune_batch_size(strategy.unwrap(model), optimizer, precision, data,
-                                     dist, cfg.trainer, logger)
+                                     dist, cfg.trainer, logger, strategy.loss)
     config = OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
     checkpointer = Checkpointer(Path(spec.run_dir) / "checkpoints", dist, config,
                                 cfg.trainer.keep_last_k, sharded=strategy.sharded_checkpoint)
     with Preemption() as preemption:
         trainer = Trainer(cfg.trainer, model, strategy, optimizer, precision, data, dist,
-                          logger, checkpointer, preemption)
+                          logger, checkpointer, preemption, cfg.metrics)
         resume_from = resume_path(cfg.trainer.resume, spec.run_dir)
         if resume_from is not None:
             trainer.load_state_dict(read_checkpoint(resume_from, strategy, model, optimizer))

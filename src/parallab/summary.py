@@ -31,7 +31,7 @@ def read_metrics(run_dir: Path) -> dict[str, Any] | None:
         metrics = json.loads((run_dir / "metrics.json").read_text())
     except (OSError, ValueError):
         return None
-    return metrics if "eval_accuracy" in metrics else None
+    return metrics if isinstance(metrics, dict) and "eval_loss" in metrics else None
 
 
 def job_row(job_dir: Path) -> dict[str, Any]:
@@ -90,11 +90,12 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         base = speeds[0] / worlds[0]
         efficiency.plot(worlds, [s / (base * w) for w, s in points], marker="o",
                         label=f"batch {per_rank}/rank")
-    accuracy.scatter([r["global_batch_size"] for r in done],
-                     [r["eval_accuracy"] for r in done])
+    # accuracy where the runs report it, else the eval loss (a regression, say)
+    quality = "eval_accuracy" if all(r["eval_accuracy"] is not None for r in done) else "eval_loss"
+    accuracy.scatter([r["global_batch_size"] for r in done], [r[quality] for r in done])
     for axes, title, ylabel in ((speed, "throughput", "samples/s"),
                                 (efficiency, "scaling efficiency", "efficiency"),
-                                (accuracy, "accuracy", "eval accuracy")):
+                                (accuracy, quality.replace("_", " ")[5:], quality.replace("_", " "))):
         axes.set_title(title)
         axes.set_ylabel(ylabel)
         axes.grid(alpha=0.3)

@@ -20,7 +20,8 @@ from parallab.data import Data
 from parallab.data.loaders import ShardLoader
 from parallab.distributed import Dist
 from parallab.logger import RunLogger
-from parallab.loss import loss_fn
+from parallab import metrics
+from parallab.loss import Objective
 from parallab.parallel.base import Strategy
 from parallab.preemption import Preemption
 from parallab.precision import Precision
@@ -63,29 +64,41 @@ def held_state_mb(model: nn.Module, optimizer: torch.optim.Optimizer) -> float:
 
 @torch.no_grad()
 def evaluate(model: nn.Module, loader: ShardLoader, dist: Dist, precision: Precision | None,
-             forward: Callable[[nn.Module, torch.Tensor], torch.Tensor | None] | None = None
+             loss: Objective, metric_specs: dict[str, Any] | None = None,
+             forward: Callable[[nn.Module, Any], torch.Tensor | None] | None = None
              ) -> dict[str, float]:
-    """Loss and accuracy over the whole split: each sample counted once, summed over ranks.
-    `forward` (a strategy's eval_forward) returns None on ranks that do not score."""
+    """eval_loss (and eval_accuracy where the loss classifies, and the configured metrics)
+    over the whole split: each sample counted once, summed over ranks. `forward` (a
+    strategy's eval_forward) returns None on ranks that do not score."""
     was_training = model.training
     model.eval()
+    extra = metrics.Metrics(metric_specs or {}, dist.device)
     totals = torch.zeros(3, dtype=torch.float64, device=dist.device)  # loss, correct, count
     remaining = loader.num_valid  # the rest of this rank's shard is sampler padding
     for inputs, targets in loader:
-        with precision.autocast() if precision else contextlib.nullcontext():
-            output = forward(model, inputs) if forward else model(inputs)
         n = min(len(targets), remaining)
         remaining -= n
-        if output is None:
+        with precision.autocast() if precision else contextlib.nullcontext():
+            if loss.from_model:  # the model scores itself: no padding rows to drop
+                totals[0] += loss(model(inputs, targets), targets).float() * loss.weight(targets)
+                totals[2] += loss.weight(targets)
+                continue
+            output = forward(model, inputs) if forward else model(inputs)
+        if output is None or n == 0:
             continue
         output, targets = output[:n], targets[:n]
-        totals[0] += loss_fn(output, targets, reduction="sum")
-        totals[1] += (output.argmax(dim=-1) == targets).sum()
-        totals[2] += targets.numel()
+        totals[0] += loss(output, targets).double() * loss.weight(targets)
+        totals[2] += loss.weight(targets)
+        if loss.classifies:
+            totals[1] += (output.argmax(dim=-1) == targets).sum()
+        extra.update(output, targets)
     dist.all_reduce_sum(totals)
     model.train(was_training)
-    loss, correct, count = totals.tolist()
-    return {"eval_loss": loss / count, "eval_accuracy": correct / count}
+    total_loss, correct, count = totals.tolist()
+    figures = {metrics.LOSS: total_loss / count}
+    if loss.classifies:
+        figures[metrics.ACCURACY] = correct / count
+    return {**figures, **extra.compute(dist)}
 
 
 def micro_batches(loader: ShardLoader, size: int) -> Iterator[list[Batch]]:
@@ -104,8 +117,10 @@ class Trainer:
     def __init__(self, cfg: TrainerConfig, model: nn.Module, strategy: Strategy,
                  optimizer: torch.optim.Optimizer, precision: Precision, data: Data,
                  dist: Dist, logger: RunLogger, checkpointer: Checkpointer | None = None,
-                 preemption: Preemption | None = None):
+                 preemption: Preemption | None = None,
+                 metric_specs: dict[str, Any] | None = None):
         self.cfg = cfg
+        self.metric_specs = metric_specs or {}
         self.checkpointer = checkpointer
         self.preemption = preemption or Preemption()
         self.model = model
@@ -136,7 +151,7 @@ class Trainer:
         self.eval_step = -1  # the step eval_metrics were measured at
         self.profiler = None  # a torch.profiler.profile while trainer.profile is on
         # target positions per sample: > 1 for language models
-        self.tokens_per_sample = tokens = data.train.split.targets[0].numel()
+        self.tokens_per_sample = tokens = data.train.targets_per_sample()
         count_flops = getattr(strategy.unwrap(model), "flops_per_token", None)
         # for MFU: the training FLOPs of one sample, 0 where the model cannot say
         self.flops_per_sample = count_flops(tokens) * tokens if count_flops and tokens > 1 else 0.0
@@ -331,13 +346,14 @@ class Trainer:
     def run_eval(self) -> None:
         with self.preemption.busy():
             self.eval_metrics = evaluate(self.eval_model, self.data.eval, self.dist,
-                                         self.precision, self.strategy.eval_forward)
+                                         self.precision, self.strategy.loss,
+                                         self.metric_specs, self.strategy.eval_forward)
         self.eval_step = self.step
-        self.logger.scalars({"eval/loss": self.eval_metrics["eval_loss"],
-                             "eval/accuracy": self.eval_metrics["eval_accuracy"]}, self.step)
+        self.logger.scalars({"eval/" + k.removeprefix(metrics.PREFIX): v
+                             for k, v in self.eval_metrics.items()}, self.step)
         if self.dist.is_main:
-            log.info("epoch %d: eval loss %.4f, accuracy %.2f%%", self.epoch,
-                     self.eval_metrics["eval_loss"], 100 * self.eval_metrics["eval_accuracy"])
+            log.info("epoch %d: %s", self.epoch, ", ".join(
+                f"{k} {v:.4f}" for k, v in self.eval_metrics.items()))
 
     def summary(self) -> dict[str, Any]:
         """The final figures; None where the run was too short to measure one."""
@@ -362,17 +378,15 @@ class Trainer:
 
         model = self.eval_model
         quantized = quantize.dynamic_int8(model)
-        metrics = evaluate(quantized, self.data.eval, self.dist, precision=None)
+        figures = evaluate(quantized, self.data.eval, self.dist, None, self.strategy.loss)
         summary = {"model_size_mb": quantize.serialized_mb(model),
                    "quantized_size_mb": quantize.serialized_mb(quantized),
-                   "quantized_eval_loss": metrics["eval_loss"],
-                   "quantized_eval_accuracy": metrics["eval_accuracy"]}
+                   **{"quantized_" + k: v for k, v in figures.items()}}
         self.logger.scalars({f"quantize/{k}": v for k, v in summary.items()}, self.step)
         if self.dist.is_main:
-            log.info("%s: %.3f MB -> %.3f MB, eval accuracy %.2f%% -> %.2f%%",
-                     self.cfg.quantize, summary["model_size_mb"], summary["quantized_size_mb"],
-                     100 * self.eval_metrics["eval_accuracy"],
-                     100 * summary["quantized_eval_accuracy"])
+            log.info("%s: %.3f MB -> %.3f MB, eval loss %.4f -> %.4f", self.cfg.quantize,
+                     summary["model_size_mb"], summary["quantized_size_mb"],
+                     self.eval_metrics[metrics.LOSS], summary["quantized_eval_loss"])
         return summary
 
     def state_dict(self) -> dict[str, Any]:

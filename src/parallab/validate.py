@@ -1,23 +1,25 @@
-"""Fail fast: every value and cross-field check, and the resolution of `auto` choices.
+"""Fail fast: the checks and `auto` resolutions of a whole config, run in order.
 
-Runs once in the controlling process, before any worker starts. A problem is a ConfigError
-whose message is one line: the key, its value, what is allowed, and the fix.
+Runs once in the controlling process, before any worker starts. Each part checks its own
+config (a data set's problem(), a model's check_data, a strategy's check); this module runs
+them in order and checks the keys that belong to no one part (trainer, optim, backend). A
+problem is a ConfigError whose message is one line: the key, its value, what is allowed,
+and the fix.
 """
 
 from __future__ import annotations
 
 import os
 
-from omegaconf import OmegaConf
-from parallab.config import Config, Device, MnistDataConfig
+from parallab import checkpoint, config, models, precision, trial
+from parallab.config import Config, Device
+from parallab.errors import ConfigError
 from parallab.launch import InPlace
 
-
-class ConfigError(ValueError):
-    """Bad input, stated in one line that names the key and the fix."""
+__all__ = ["ConfigError", "prepare"]
 
 
-def _require(ok: bool, message: str) -> None:
+def _require(ok: bool, message: str | None) -> None:
     if not ok:
         raise ConfigError(message)
 
@@ -29,11 +31,9 @@ def _at_least(key: str, value, low, optional: bool = False) -> None:
 
 
 def check_values(cfg: Config) -> None:
-    d, t, p = cfg.data, cfg.trainer, cfg.parallel
+    """The keys of the trainer, optimizer, backend and launcher, and the seed."""
+    t, p = cfg.trainer, cfg.parallel
     _at_least("seed", cfg.seed, 0)
-    _at_least("data.batch_size", d.batch_size, 1)
-    _at_least("data.eval_batch_size", d.eval_batch_size, 1)
-    _at_least("data.num_workers", d.num_workers, 0)
     _at_least("trainer.epochs", t.epochs, 0)
     _at_least("trainer.max_steps", t.max_steps, 1, optional=True)
     _at_least("trainer.log_every_n_steps", t.log_every_n_steps, 1)
@@ -47,9 +47,7 @@ def check_values(cfg: Config) -> None:
     _require(t.clip_grad_norm is None or t.clip_grad_norm > 0,
              f"trainer.clip_grad_norm={t.clip_grad_norm} is out of range: it must be > 0 (or "
              "null for no clipping)")
-    _require(cfg.precision.name in ("fp32", "amp", "bf16", "fp16"),
-             f"precision.name={cfg.precision.name} is unknown: use precision=fp32, amp, bf16 "
-             "or fp16")
+    _require(precision.problem(cfg.precision) is None, precision.problem(cfg.precision))
     _require(t.max_memory_mb is None or t.max_memory_mb > 0, f"trainer.max_memory_mb="
              f"{t.max_memory_mb} is out of range: it must be > 0 (or null for no budget)")
     _at_least("trainer.checkpoint_every_n_steps", t.checkpoint_every_n_steps, 1, optional=True)
@@ -67,38 +65,29 @@ def check_values(cfg: Config) -> None:
     _at_least("optim.weight_decay", cfg.optim.weight_decay, 0.0)
     _require(cfg.backend.timeout_s > 0,
              f"backend.timeout_s={cfg.backend.timeout_s} is out of range: it must be > 0")
-    dropout = getattr(cfg.model, "dropout", 0.0)
-    _require(0 <= dropout < 1, f"model.dropout={dropout} is out of range: it must be in [0, 1)")
-    if cfg.data.name == "synthetic":
-        _at_least("data.train_size", d.train_size, 1)
-        _at_least("data.eval_size", d.eval_size, 1)
-        _at_least("data.num_classes", d.num_classes, 2)
-        _at_least("data.noise", d.noise, 0.0)
-        _at_least("data.vocab_size", d.vocab_size, 2, optional=True)
-        _at_least("data.seq_len", d.seq_len, 1)
-    _at_least("data.prefetch_factor", d.prefetch_factor, 1, optional=True)
-    if d.name in ("text", "cifar10", "imagefolder"):  # before the model's check reads the files
-        from parallab.data import images, text
-
-        problem = text.problem(d) if d.name == "text" else images.problem(d)
-        _require(problem is None, problem)
-    if cfg.model.name == "lstm":
-        for key in ("embedding_dim", "hidden_dim", "num_layers"):
-            _at_least(f"model.{key}", getattr(cfg.model, key), 1)
 
 
-def resolve_loader(cfg: Config) -> None:
-    """data.loader=auto: memory when the set fits, else dataloader (data.resolve_loader)."""
-    from parallab.data import resolve_loader as pick
+def check_data(cfg: Config) -> None:
+    """The data set's own keys and files (fetched here if asked), and the loader keys."""
+    from parallab.data import loader_problem, resolve_loader
 
-    cfg.data.loader = pick(cfg.data)
-
-
-def check_model_fits_data(cfg: Config) -> None:
-    from parallab.models import MODELS
-
-    problem = MODELS[cfg.model.name].check_data(cfg.model, cfg.data)
+    if isinstance(cfg.data, dict):  # as composed: typed by its data set's class
+        cfg.data = config.data_config(cfg.data)
+    problem = loader_problem(cfg.data) or cfg.data.problem()
     _require(problem is None, problem)
+    cfg.data.loader = resolve_loader(cfg.data)
+
+
+def check_objective(cfg: Config) -> None:
+    """The loss, the extra metrics and the objective name a sweep optimises."""
+    from parallab import loss, metrics
+
+    loss.check(cfg.loss)
+    metrics.check(cfg.metrics)
+    if cfg.objective is not None:
+        names = metrics.names(loss.build_loss(cfg.loss), cfg.metrics)
+        _require(cfg.objective in names, f"objective={cfg.objective} is not a figure this run "
+                 f"reports ({', '.join(names)}): pick one of them")
 
 
 def resolve_device(cfg: Config) -> None:
@@ -133,9 +122,6 @@ def resolve_parallel(cfg: Config, in_place: InPlace | None) -> None:
     elif p.world_size is None:
         several = strategy.launches_workers or strategy.splits_model
         p.world_size = gpus or (2 if several else 1)
-    _require(p.name != "none" or p.world_size == 1,
-             f"parallel.world_size={p.world_size} needs several workers, but parallel=none runs"
-             " one: use parallel=ddp (processes) or parallel=dp (GPUs of one process)")
     _require(p.world_size % p.nnodes == 0, f"parallel.world_size={p.world_size} does not split "
              f"evenly over parallel.nnodes={p.nnodes}: use a multiple of {p.nnodes}")
     _require(in_place is not None or p.nnodes == 1,
@@ -152,11 +138,10 @@ def resolve_global_batch(cfg: Config) -> None:
     compare at equal samples per optimizer step."""
     from parallab.parallel import STRATEGIES
 
-    d, p = cfg.data, cfg.parallel
+    d = cfg.data
     if d.global_batch_size is None:
         return
-    on_cpu_dp = p.name == "dp" and cfg.device is not Device.cuda  # one device
-    ranks = p.world_size if STRATEGIES[p.name].shards_data and not on_cpu_dp else 1
+    ranks = STRATEGIES[cfg.parallel.name].data_parallel_ranks(cfg)
     per_step = ranks * cfg.trainer.accumulate_grad_batches
     _require(d.global_batch_size % per_step == 0 and d.global_batch_size > 0,
              f"data.global_batch_size={d.global_batch_size} does not split over {ranks} "
@@ -165,50 +150,17 @@ def resolve_global_batch(cfg: Config) -> None:
     d.batch_size = d.global_batch_size // per_step
 
 
-def check_split(cfg: Config) -> None:
-    """parallel=model/pipeline: the model has stages enough for parallel.world_size parts."""
-    import torch
-
-    from parallab.models import build_model
+def check_strategy(cfg: Config) -> None:
+    """One batch tried where a user's part is in play, then the strategy's own checks (with
+    the model's stages where it cuts the model into parts)."""
     from parallab.parallel import STRATEGIES
-    from parallab.parallel.split import check_cuts
 
-    p = cfg.parallel
-    if not STRATEGIES[p.name].splits_model:
-        return
-    with torch.device("meta"):  # the structure without allocating the weights
-        model = build_model(cfg.model)
-    stages = len(model.stages())  # every Model declares them (an abstract method)
-    _require(p.world_size >= 2,
-             f"parallel.world_size={p.world_size}: parallel={p.name} needs at least 2 parts; "
-             "use parallel=none for one")
-    _require(p.world_size <= stages, f"parallel.world_size={p.world_size} is more parts than "
-             f"the {stages} stages of model={cfg.model.name}: set parallel.world_size<={stages}")
-    if p.split is not None:
-        problem = check_cuts(list(p.split), stages, p.world_size)
-        _require(problem is None, problem)
-    if p.name == "pipeline":
-        _require(p.schedule in ("gpipe", "1f1b"), f"parallel.schedule={p.schedule} is unknown: "
-                 "use parallel.schedule=gpipe or 1f1b")
-        _at_least("parallel.microbatches", p.microbatches, p.world_size if
-                  p.schedule == "1f1b" else 1)
-        _require(cfg.data.batch_size % p.microbatches == 0, f"data.batch_size="
-                 f"{cfg.data.batch_size} does not split into parallel.microbatches="
-                 f"{p.microbatches} equal micro-batches: use a multiple of {p.microbatches}")
-
-
-def check_strategy_features(cfg: Config) -> None:
-    """Switches a strategy cannot honour, refused before launch."""
-    p, t = cfg.parallel, cfg.trainer
-    if p.name in ("pipeline", "fsdp"):
-        _require(cfg.precision.name != "fp16", f"precision=fp16 with parallel={p.name}: each "
-                 "rank holds part of the gradients, and a GradScaler per rank could skip the "
-                 "step on one rank only: use precision=bf16")
-        _require(t.quantize is None, f"trainer.quantize={t.quantize} with parallel={p.name}: "
-                 "quantize needs the whole model in one process: use parallel=none or ddp")
-    if p.name in ("pipeline", "model"):
-        _require(not t.auto_batch_size, f"trainer.auto_batch_size=true with parallel={p.name}: "
-                 "the finder runs whole-model steps: use parallel=none, ddp or fsdp")
+    strategy = STRATEGIES[cfg.parallel.name]
+    stages = trial.run(cfg, needs_stages=strategy.splits_model)
+    if strategy.splits_model:
+        strategy.check(cfg, stages)
+    else:
+        strategy.check(cfg)
 
 
 def resolve_backend(cfg: Config) -> None:
@@ -226,44 +178,11 @@ def resolve_backend(cfg: Config) -> None:
              "from source with MPI, or run under mpirun with backend=gloo or backend=nccl")
 
 
-def check_data(cfg: Config) -> None:
-    if cfg.data.name == "cifar10":  # fetched here if asked, before any worker starts
-        from parallab.data import images
-
-        problem = images.cifar_problem(cfg.data)
-        _require(problem is None, problem)
-        return
-    if cfg.data.name == "bytes":  # text on disk: data.path readable, enough bytes to split
-        from parallab.data import bytetext
-
-        problem = bytetext.problem(cfg.data)
-        _require(problem is None, problem)
-        return
-    if not isinstance(cfg.data, MnistDataConfig):
-        return
-    from parallab.data import mnist
-
-    missing = mnist.missing_files(cfg.data.root)
-    if missing and cfg.data.download:
-        try:
-            mnist.download(cfg.data.root)
-        except Exception as error:  # offline, mirror down, disk full: say so in one line
-            reason = (str(error).splitlines() or [""])[0]
-            raise ConfigError(f"data.root={cfg.data.root} has no MNIST files {missing} under "
-                              f"MNIST/raw/ and data.download=true could not fetch them "
-                              f"({type(error).__name__}: {reason}): copy them there by "
-                              "hand") from None
-        missing = mnist.missing_files(cfg.data.root)
-    _require(not missing, f"data.root={cfg.data.root} has no MNIST files {missing} under "
-             f"MNIST/raw/ (gzipped or not): copy them there, point data.root at them, or set "
-             f"data.download=true")
-
-
 def check_resume(cfg: Config, run_dir: str | None) -> None:
     """trainer.resume names a readable parallab checkpoint of this model (auto: if any)."""
     from pathlib import Path
 
-    from parallab import checkpoint
+    from parallab.parallel import STRATEGIES
 
     resume = cfg.trainer.resume
     if resume is None:
@@ -273,22 +192,21 @@ def check_resume(cfg: Config, run_dir: str | None) -> None:
         if found is None:
             return
         resume = str(found)
-    from parallab.parallel import STRATEGIES
-
     try:
-        state = checkpoint.load_meta(resume)  # of a sharded one, all but the tensors
+        meta = checkpoint.load_meta(resume)  # of a sharded one, all but the tensors
     except checkpoint.CheckpointError as error:
         raise ConfigError(f"trainer.resume: {error}: give an existing checkpoint, or "
                           "trainer.resume=auto") from None
-    saved = state.get("config", {}).get("model", {}) if isinstance(state, dict) else {}
-    sharded = checkpoint.is_sharded(resume)
-    _require("epoch_step" in state and (sharded or "optimizer" in state),
+    _require(checkpoint.resumable(resume, meta),
              f"trainer.resume={resume} is not a parallab training checkpoint (no optimizer or "
              "position in it): evaluate it with evaluate.py, or start afresh")
-    _require(saved == OmegaConf.to_container(OmegaConf.structured(cfg.model), enum_to_str=True),
-             f"trainer.resume={resume} was saved from model={saved.get('name')} with other "
-             f"settings than model={cfg.model.name} here: resume with the same model config")
-    saved_parallel = state["config"].get("parallel", {}).get("name")
+    saved = checkpoint.saved_config(meta)
+    _require(saved.get("model") == cfg.model,
+             f"trainer.resume={resume} was saved from model {config.model_name(saved.get('model') or {})} "
+             f"with other settings than model {config.model_name(cfg.model)} here: resume with "
+             "the same model config")
+    saved_parallel = (saved.get("parallel") or {}).get("name")
+    sharded = checkpoint.is_sharded(resume)
     _require(sharded == STRATEGIES[cfg.parallel.name].sharded_checkpoint,
              f"trainer.resume={resume} was saved by parallel={saved_parallel} "
              f"({'sharded' if sharded else 'one file'}), which parallel={cfg.parallel.name} "
@@ -298,14 +216,13 @@ def check_resume(cfg: Config, run_dir: str | None) -> None:
 def prepare(cfg: Config, in_place: InPlace | None, run_dir: str | None = None) -> Config:
     """Check `cfg` and fill in its `auto` values; raises ConfigError on the first problem."""
     check_values(cfg)
-    resolve_loader(cfg)
-    check_model_fits_data(cfg)
+    check_data(cfg)
+    cfg.model = models.check(cfg.model, cfg.data)
+    check_objective(cfg)
     resolve_device(cfg)
     resolve_parallel(cfg, in_place)
     resolve_global_batch(cfg)
-    check_split(cfg)
-    check_strategy_features(cfg)
+    check_strategy(cfg)
     resolve_backend(cfg)
-    check_data(cfg)
     check_resume(cfg, run_dir)
     return cfg

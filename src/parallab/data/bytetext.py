@@ -7,14 +7,16 @@ window shifted by one (the next byte at every position).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar, Optional
 
 import torch
 
-from parallab.config import REPO_DIR, BytesDataConfig, Loader
+from parallab.config import DataConfig, Loader
 from parallab.data.split import TokenSplit
 
-DEFAULT_TEXT = REPO_DIR / "data" / "text" / "kjv.txt"
+DEFAULT_TEXT = Path(__file__).resolve().parent / "files" / "text" / "kjv.txt"  # shipped
 
 
 def text_files(path: str | None) -> list[Path]:
@@ -23,7 +25,7 @@ def text_files(path: str | None) -> list[Path]:
     return sorted(root.glob("*.txt")) if root.is_dir() else [root]
 
 
-def problem(cfg: BytesDataConfig) -> str | None:
+def problem(cfg: Bytes) -> str | None:
     """None if data.path and the split settings give both splits a window, else one line."""
     if cfg.seq_len < 1:
         return f"data.seq_len={cfg.seq_len} is out of range: it must be >= 1"
@@ -60,7 +62,30 @@ def windows(data: torch.Tensor, seq_len: int) -> TokenSplit:
     return TokenSplit(inputs, targets)
 
 
-def make(cfg: BytesDataConfig, seed: int) -> tuple[TokenSplit, TokenSplit]:
-    data = read_text(cfg.path)
-    cut = len(data) - int(len(data) * cfg.eval_fraction)
-    return windows(data[:cut], cfg.seq_len), windows(data[cut:], cfg.seq_len)
+@dataclass
+class Bytes(DataConfig):
+    """Byte-level text: every byte a token, windows of seq_len inputs and next-byte targets."""
+
+    _target_: str = "parallab.data.bytetext.Bytes"
+    path: Optional[str] = None  # a text file or a directory of *.txt; null = the shipped text
+    seq_len: int = 256
+    eval_fraction: float = 0.1  # the tail of the text held out
+    batch_size: int = 32
+    eval_batch_size: int = 64
+
+    name: ClassVar[str] = "bytes"
+    vocab_size: ClassVar[int] = 256
+    num_classes: ClassVar[int] = 256
+    next_token: ClassVar[bool] = True
+
+    @property
+    def input_shape(self) -> list[int]:
+        return [self.seq_len]
+
+    def problem(self) -> str | None:
+        return problem(self)
+
+    def make(self, seed: int) -> tuple[TokenSplit, TokenSplit]:
+        data = read_text(self.path)
+        cut = len(data) - int(len(data) * self.eval_fraction)
+        return windows(data[:cut], self.seq_len), windows(data[cut:], self.seq_len)

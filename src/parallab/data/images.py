@@ -8,13 +8,13 @@ import pickle
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar, Optional
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from parallab.config import Cifar10DataConfig, ImageFolderDataConfig, Loader
+from parallab.config import DataConfig, Loader
 from parallab.data.split import Split
 
 CIFAR_DIR = "cifar-10-batches-py"
@@ -100,7 +100,7 @@ def read_cifar(root: str | Path, split: str) -> tuple[torch.Tensor, torch.Tensor
     return torch.from_numpy(np.concatenate(images)), torch.tensor(labels)
 
 
-def cifar_problem(cfg: Cifar10DataConfig) -> str | None:
+def cifar_problem(cfg: Cifar10) -> str | None:
     """None once the files are under data.root (fetched first if data.download), else a line."""
     missing = cifar_missing(cfg.root)
     reason = ""
@@ -120,7 +120,7 @@ def cifar_problem(cfg: Cifar10DataConfig) -> str | None:
     return None
 
 
-def make_cifar10(cfg: Cifar10DataConfig, seed: int) -> tuple[ImageSplit, ImageSplit]:
+def make_cifar10(cfg: Cifar10, seed: int) -> tuple[ImageSplit, ImageSplit]:
     from torchvision import transforms
 
     augment = [transforms.RandomCrop(32, padding=4), transforms.RandomHorizontalFlip()]
@@ -178,7 +178,7 @@ def folder_layout(path: str | None, eval_fraction: float = 0.2) -> FolderLayout:
     return _layout(str(root.resolve()), eval_fraction)
 
 
-def folder_problem(cfg: ImageFolderDataConfig) -> str | None:
+def folder_problem(cfg: ImageFolder) -> str | None:
     if cfg.image_size < 1:
         return f"data.image_size={cfg.image_size} is out of range: it must be >= 1"
     if not 0 <= cfg.eval_fraction < 1:
@@ -194,7 +194,7 @@ def folder_problem(cfg: ImageFolderDataConfig) -> str | None:
     return None
 
 
-def make_imagefolder(cfg: ImageFolderDataConfig, seed: int) -> tuple[ImageSplit, ImageSplit]:
+def make_imagefolder(cfg: ImageFolder, seed: int) -> tuple[ImageSplit, ImageSplit]:
     from torchvision import transforms
 
     size = cfg.image_size
@@ -215,10 +215,63 @@ def make_imagefolder(cfg: ImageFolderDataConfig, seed: int) -> tuple[ImageSplit,
     return split(layout.train), split(layout.eval)
 
 
-def problem(cfg: Cifar10DataConfig | ImageFolderDataConfig) -> str | None:
-    """What is wrong with an image set's keys, and for a folder its layout (folder_problem);
-    CIFAR-10's files are cifar_problem's."""
+def augment_problem(cfg: Cifar10 | ImageFolder) -> str | None:
     if cfg.augment and cfg.loader is Loader.memory:
         return ("data.augment=true with data.loader=memory: augmentation runs per sample on "
                 "the DataLoader path: use data.loader=dataloader (or auto), or data.augment=false")
-    return folder_problem(cfg) if isinstance(cfg, ImageFolderDataConfig) else None
+    return None
+
+
+@dataclass
+class Cifar10(DataConfig):
+    """CIFAR-10, torchvision's python version under data.root/cifar-10-batches-py."""
+
+    _target_: str = "parallab.data.images.Cifar10"
+    root: str = "data"  # holds cifar-10-batches-py/
+    download: bool = False
+    augment: bool = True  # random crop (padding 4) + horizontal flip, per sample (DataLoader path)
+    batch_size: int = 128
+
+    name: ClassVar[str] = "cifar10"
+    input_shape: ClassVar[list[int]] = [3, 32, 32]
+    num_classes: ClassVar[int] = 10
+    memory_bytes: ClassVar[int] = 60_000 * 3 * 32 * 32
+
+    def problem(self) -> str | None:
+        return augment_problem(self) or cifar_problem(self)
+
+    def make(self, seed: int) -> tuple[ImageSplit, ImageSplit]:
+        return make_cifar10(self, seed)
+
+
+@dataclass
+class ImageFolder(DataConfig):
+    """Any folder of class subfolders (or train/ and val/ folders of them)."""
+
+    _target_: str = "parallab.data.images.ImageFolder"
+    path: Optional[str] = None
+    image_size: int = 224  # resized (shorter side) and cropped to image_size square
+    eval_fraction: float = 0.2  # held out of each class when there is no train/ + val/
+    augment: bool = True  # random resized crop + horizontal flip, per sample (DataLoader path)
+    batch_size: int = 32
+    eval_batch_size: int = 64
+
+    name: ClassVar[str] = "imagefolder"
+
+    @property
+    def input_shape(self) -> list[int]:
+        return [3, self.image_size, self.image_size]
+
+    @property
+    def num_classes(self) -> int:
+        return len(folder_layout(self.path, self.eval_fraction).classes)
+
+    @property
+    def memory_bytes(self) -> int:
+        return folder_layout(self.path, self.eval_fraction).size * 3 * self.image_size ** 2
+
+    def problem(self) -> str | None:
+        return augment_problem(self) or folder_problem(self)
+
+    def make(self, seed: int) -> tuple[ImageSplit, ImageSplit]:
+        return make_imagefolder(self, seed)

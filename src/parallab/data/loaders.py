@@ -1,5 +1,8 @@
 """Batches for one rank: DistributedSampler shards, on the in-memory or the DataLoader path.
 
+A loader reads a source: a Split (tensors in memory, data/split.py) or any map-style torch
+Dataset of (inputs, targets) samples (a user's, data/datasets.py).
+
 Both paths shard as torch's DistributedSampler does: a permutation seeded by seed + epoch,
 padded with its head to a multiple of the world size, every rank taking every world_size-th
 index, so each rank runs the same number of steps. Padding sits at the end of a rank's
@@ -9,7 +12,7 @@ shard; `num_valid` says how much of the shard is real, so evaluation counts ever
 from __future__ import annotations
 
 import math
-from typing import Iterator
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -51,16 +54,34 @@ class ShardSampler(Sampler[int]):
         return self.per_rank - self.offset
 
 
+def to_device(batch: Any, device: torch.device) -> Any:
+    """Tensors, and tensors in tuples, lists and dicts, moved to `device`."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(to_device(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    return batch
+
+
 class ShardLoader:
     drop_last = False  # True: every batch full (a pipeline's stages have fixed shapes)
 
-    def __init__(self, split: Split, dist: Dist, batch_size: int, shuffle: bool, seed: int):
-        self.split = split
+    def __init__(self, source: Split | Dataset, dist: Dist, batch_size: int, shuffle: bool,
+                 seed: int):
+        self.source = source
         self.batch_size = batch_size
         self.dist, self.shuffle, self.seed = dist, shuffle, seed
         self.device = dist.device
-        self.sampler = ShardSampler(len(split), dist.rank, dist.world_size, shuffle, seed)
-        self.num_valid = len(range(dist.rank, len(split), dist.world_size))
+        self.sampler = ShardSampler(len(source), dist.rank, dist.world_size, shuffle, seed)
+        self.num_valid = len(range(dist.rank, len(source), dist.world_size))
+
+    def targets_per_sample(self) -> int:
+        """Target positions in one sample: > 1 for a language model's next tokens."""
+        if isinstance(self.source, Split):
+            return self.source.targets[0].numel()
+        return torch.as_tensor(self.source[0][1]).numel()
 
     def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
         """Shuffle for `epoch`; start after its first `skip_batches` batches (resuming)."""
@@ -77,7 +98,7 @@ class ShardLoader:
 
     def resized(self, batch_size: int) -> ShardLoader:
         """The same shard in batches of another size."""
-        return type(self)(self.split, self.dist, batch_size, self.shuffle, self.seed)
+        return type(self)(self.source, self.dist, batch_size, self.shuffle, self.seed)
 
 
 class MemoryLoader(ShardLoader):
@@ -91,7 +112,7 @@ class MemoryLoader(ShardLoader):
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         order = self.sampler.indices().to(self.device)
         for batch in self.batches(order):
-            yield self.split.prepare(self.inputs[batch]), self.targets[batch]
+            yield self.source.prepare(self.inputs[batch]), self.targets[batch]
 
 
 class SampleDataset(Dataset):
@@ -118,17 +139,25 @@ class SampleDataset(Dataset):
         return inputs, int(self.split.targets[index])
 
 
+def _dataset(source: Split | Dataset, train: bool) -> Dataset:
+    """The per-sample Dataset of a source: a user's as it is; a split with its own
+    (augmentation, image files) gives it, for training or evaluation; else SampleDataset."""
+    if not isinstance(source, Split):
+        return source
+    own = getattr(source, "dataset", None)
+    return own(train=train) if own is not None else SampleDataset(source)
+
+
 class DataLoaderLoader(ShardLoader):
     """torch's DataLoader over a per-sample Dataset, batches moved to the device."""
 
-    def __init__(self, split: Split, dist: Dist, batch_size: int, shuffle: bool, seed: int,
-                 cfg: DataConfig):
-        super().__init__(split, dist, batch_size, shuffle, seed)
+    def __init__(self, source: Split | Dataset, dist: Dist, batch_size: int, shuffle: bool,
+                 seed: int, cfg: DataConfig):
+        super().__init__(source, dist, batch_size, shuffle, seed)
         self.cfg = cfg
-        # a split with its own per-sample dataset (augmentation, image files) gives it; the
-        # training split is the shuffled one
-        own = getattr(split, "dataset", None)
-        dataset = own(train=shuffle) if own is not None else SampleDataset(split)
+        # a Split's uint8 pixels or token ids become model input on the device, as in memory
+        self.prepare = source.prepare if isinstance(source, Split) else (lambda x: x)
+        dataset = _dataset(source, train=shuffle)  # the training split is the shuffled one
         # torch seeds each worker's torch, random and numpy from this generator, reseeded per
         # epoch from (seed, rank, epoch): the same config augments the same way every run
         # (without workers, transforms draw from this process's RNG, seeded by the run)
@@ -137,6 +166,7 @@ class DataLoaderLoader(ShardLoader):
         workers = cfg.num_workers > 0
         self.loader = DataLoader(
             dataset, batch_size=batch_size, sampler=self.sampler, generator=self.generator,
+            collate_fn=_collate(cfg.collate_fn),
             num_workers=cfg.num_workers, pin_memory=cfg.pin_memory and self.device.type == "cuda",
             persistent_workers=cfg.persistent_workers and workers,
             prefetch_factor=cfg.prefetch_factor if workers else None)
@@ -146,13 +176,19 @@ class DataLoaderLoader(ShardLoader):
         self.generator.manual_seed(hash((self.seed, self.dist.rank, epoch)) & (2**63 - 1))
 
     def resized(self, batch_size: int) -> ShardLoader:
-        return DataLoaderLoader(self.split, self.dist, batch_size, self.shuffle, self.seed,
+        return DataLoaderLoader(self.source, self.dist, batch_size, self.shuffle, self.seed,
                                 self.cfg)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         for inputs, targets in self.loader:
             if self.drop_last and len(targets) < self.batch_size:
                 return
-            # uint8 pixels or token ids become model input on the device, as in memory
-            yield (self.split.prepare(inputs.to(self.device, non_blocking=True)),
-                   targets.to(self.device, non_blocking=True))
+            yield self.prepare(to_device(inputs, self.device)), to_device(targets, self.device)
+
+
+def _collate(spec: Any):
+    if spec is None:
+        return None
+    from parallab.data.datasets import collate
+
+    return collate(spec)

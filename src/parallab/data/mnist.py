@@ -1,23 +1,32 @@
-"""MNIST from the IDX files LeCun et al. publish, gzipped or extracted, read into uint8 tensors."""
+"""MNIST from the IDX files LeCun et al. publish, gzipped or extracted, read into uint8 tensors.
+
+data.root=null reads the copy parallab ships (data/MNIST/raw in the repository, inside the
+package once installed), so the default run needs no download.
+"""
 
 from __future__ import annotations
 
 import gzip
+from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar, Optional
 
 import torch
 
+from parallab.config import DataConfig
 from parallab.data.split import Split
+from parallab.errors import first_line
 
 MEAN, STD = 0.1307, 0.3081  # of the training pixels scaled to [0, 1]
 FILES = {
     "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
     "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
 }
+SHIPPED = Path(__file__).resolve().parent / "files"  # the package's own data/
 
 
 def raw_dir(root: str | Path) -> Path:
-    return Path(root) / "MNIST" / "raw"
+    return Path(root).expanduser() / "MNIST" / "raw"
 
 
 def _find(root: str | Path, name: str) -> Path | None:
@@ -34,10 +43,10 @@ def missing_files(root: str | Path) -> list[str]:
 
 def download(root: str | Path) -> None:
     """Fetch the files with torchvision's downloader (it tries each of its mirrors)."""
-    from torchvision.datasets import MNIST
+    from torchvision.datasets import MNIST as TorchvisionMNIST
 
     for train in (True, False):
-        MNIST(str(root), train=train, download=True)
+        TorchvisionMNIST(str(root), train=train, download=True)
 
 
 def read_idx(path: Path) -> torch.Tensor:
@@ -56,3 +65,38 @@ def load(root: str | Path, split: str) -> Split:
     images = read_idx(_find(root, images_name)).unsqueeze(1)  # (N, 1, 28, 28) uint8
     labels = read_idx(_find(root, labels_name)).long()
     return Split(images, labels, mean=MEAN, std=STD)
+
+
+@dataclass
+class MNIST(DataConfig):
+    _target_: str = "parallab.data.mnist.MNIST"
+    root: Optional[str] = None  # holds MNIST/raw/; null = the copy parallab ships
+    download: bool = False
+
+    name: ClassVar[str] = "mnist"
+    input_shape: ClassVar[list[int]] = [1, 28, 28]
+    num_classes: ClassVar[int] = 10
+    memory_bytes: ClassVar[int] = 70_000 * 28 * 28
+
+    @property
+    def folder(self) -> Path:
+        return Path(self.root).expanduser() if self.root is not None else SHIPPED
+
+    def problem(self) -> str | None:
+        missing = missing_files(self.folder)
+        if missing and self.download:
+            try:
+                download(self.folder)
+            except Exception as error:  # offline, mirror down, disk full: one line
+                return (f"data.root={self.folder} has no MNIST files {missing} under "
+                        f"MNIST/raw/ and data.download=true could not fetch them "
+                        f"({first_line(error)}): copy them there by hand")
+            missing = missing_files(self.folder)
+        if missing:
+            return (f"data.root={self.folder} has no MNIST files {missing} under MNIST/raw/ "
+                    "(gzipped or not): copy them there, point data.root at them, or set "
+                    "data.download=true")
+        return None
+
+    def make(self, seed: int) -> tuple[Split, Split]:
+        return load(self.folder, "train"), load(self.folder, "test")

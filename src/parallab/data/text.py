@@ -14,12 +14,15 @@ from collections import Counter
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import ClassVar, Optional
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from parallab.config import TextDataConfig
+from parallab.config import DataConfig
 from parallab.data.split import TokenSplit
+
+DEFAULT_PATH = Path(__file__).resolve().parent / "files" / "text_cls"  # shipped
 
 PAD, UNK = "<PAD>", "<UNK>"
 FILES = ("train.tsv", "test.tsv")
@@ -75,8 +78,8 @@ class Corpus:
     test: TokenSplit
 
 
-def corpus(cfg: TextDataConfig) -> Corpus:
-    root = Path(cfg.path).expanduser()
+def corpus(cfg: Text) -> Corpus:
+    root = cfg.folder
     stamps = tuple((root / name).stat().st_mtime_ns for name in FILES)  # edited files: rebuild
     return _corpus(str(root.resolve()), stamps, cfg.min_freq, cfg.max_size, cfg.max_len,
                    cfg.lowercase)
@@ -101,13 +104,13 @@ def _corpus(root: str, stamps: tuple[int, ...], min_freq: int, max_size: int | N
     return Corpus(vocab, classes, *splits)
 
 
-def problem(cfg: TextDataConfig) -> str | None:
+def problem(cfg: Text) -> str | None:
     """None if data.path holds a readable labelled set and the settings are in range."""
     for key, value, low in (("min_freq", cfg.min_freq, 1), ("max_size", cfg.max_size, 3),
                             ("max_len", cfg.max_len, 1)):
         if value is not None and value < low:
             return f"data.{key}={value} is out of range: it must be >= {low}"
-    root = Path(cfg.path).expanduser()
+    root = cfg.folder
     missing = [name for name in FILES if not (root / name).is_file()]
     if missing:
         return (f"data.path={cfg.path} has no {' or '.join(missing)}: point data.path at a "
@@ -121,6 +124,38 @@ def problem(cfg: TextDataConfig) -> str | None:
     return None
 
 
-def make(cfg: TextDataConfig, seed: int) -> tuple[TokenSplit, TokenSplit]:
-    found = corpus(cfg)
-    return found.train, found.test
+@dataclass
+class Text(DataConfig):
+    """Labelled text: train.tsv and test.tsv under data.path, one `label<TAB>text` a line."""
+
+    _target_: str = "parallab.data.text.Text"
+    path: Optional[str] = None  # null = the shipped verse lines (data/text_cls)
+    min_freq: int = 2  # rarer training tokens become <UNK>
+    max_size: Optional[int] = 20_000  # vocabulary cap, <PAD> and <UNK> included; null = none
+    max_len: Optional[int] = 64  # tokens kept per example; null = all
+    lowercase: bool = True
+
+    name: ClassVar[str] = "text"
+
+    @property
+    def folder(self) -> Path:
+        return Path(self.path).expanduser() if self.path is not None else DEFAULT_PATH
+
+    @property
+    def vocab_size(self) -> int:
+        return len(corpus(self).vocab)
+
+    @property
+    def num_classes(self) -> int:
+        return len(corpus(self).classes)
+
+    @property
+    def input_shape(self) -> list[int]:
+        return list(corpus(self).train.inputs.shape[1:])
+
+    def problem(self) -> str | None:
+        return problem(self)
+
+    def make(self, seed: int) -> tuple[TokenSplit, TokenSplit]:
+        found = corpus(self)
+        return found.train, found.test

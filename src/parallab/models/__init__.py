@@ -1,17 +1,49 @@
-"""Models by name; each is a Model (models/base.py) built from its own config dataclass."""
+"""Models by `_target_`: any nn.Module class (or a function returning one) with its arguments,
+parallab's own (this package) and a user's alike.
+
+    model:
+      _target_: mypkg.model.ResMLP
+      width: 256
+"""
 
 from __future__ import annotations
 
-from parallab.models.base import Model
-from parallab.models.gpt import GPT
-from parallab.models.lstm import LSTMClassifier
-from parallab.models.mlp import MLP
-from parallab.models.mnist_cnn import MnistCNN
-from parallab.models.resnet import ResNet18
+import inspect
+from typing import Any
 
-MODELS: dict[str, type[Model]] = {"mnist_cnn": MnistCNN, "mlp": MLP, "gpt": GPT,
-                                  "lstm": LSTMClassifier, "resnet18": ResNet18}
+from torch import nn
+
+from parallab import targets
+from parallab.errors import ConfigError
+
+KEY = "model"
 
 
-def build_model(cfg) -> Model:
-    return MODELS[cfg.name](cfg)
+def build_model(spec: dict[str, Any]) -> nn.Module:
+    model = targets.build(spec)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model._target_={spec.get(targets.TARGET)} returned "
+                        f"{type(model).__name__}, not a torch.nn.Module")
+    return model
+
+
+def check(spec: dict[str, Any], data) -> dict[str, Any]:
+    """model._target_ imports, takes the YAML's arguments and (where the class says how,
+    with check_data) the data's samples; returns the spec with the arguments it infers
+    from the data (null ones) filled in. ConfigError otherwise."""
+    target = targets.locate(spec.get(targets.TARGET), "model._target_")
+    if inspect.isclass(target) and not issubclass(target, nn.Module):
+        raise ConfigError(f"model._target_={spec[targets.TARGET]} is not a torch.nn.Module: "
+                          "name a Module class, or a function that returns a Module")
+    if not callable(target):
+        raise ConfigError(f"model._target_={spec[targets.TARGET]} is not callable: name a "
+                          "Module class, or a function that returns a Module")
+    kwargs = targets.arguments(spec)
+    targets.check_arguments(target, kwargs, KEY)
+    check_data = getattr(target, "check_data", None)
+    if callable(check_data):
+        problem = check_data(kwargs, data)
+        if problem:
+            raise ConfigError(problem)
+    targets.check_types(target, kwargs, KEY)
+    return {targets.TARGET: spec[targets.TARGET], **kwargs}

@@ -1,15 +1,15 @@
-"""What every model provides: an ordered list of stages that compose into its forward.
+"""What parallab's own models share: an ordered list of stages that compose into forward.
 
-A model is a chain of stage modules (`stages()`), each a real submodule taking one tensor
-and returning one; `forward` runs them in order. That one fact is what the strategies
-build on: fsdp shards each stage, model parallelism places stages on devices, the pipeline
-keeps a run of stages per rank (the rest replaced by nn.Identity, so parameter names stay
-those of the whole model and checkpoints move between strategies).
+A user's model needs none of this (parallel/stages.py finds stages from parallel.stages or
+an nn.Sequential); parallab's models declare theirs with stages(), and check the data they
+are given with check_data before any worker starts. A user's model class may define
+check_data too: the controller calls it the same way.
 """
 
 from __future__ import annotations
 
 import abc
+from typing import Any
 
 import torch
 from torch import nn
@@ -26,15 +26,33 @@ class Model(nn.Module, abc.ABC):
         return x
 
     @classmethod
-    def check_data(cls, cfg, data) -> str | None:
-        """None if this model takes the data config's samples, else one line with the fix.
-        May fill the model config's null (inferred) fields from the data."""
+    def check_data(cls, cfg: dict[str, Any], data) -> str | None:
+        """None if this model takes the data's samples, else one line with the fix. May fill
+        the model config's null (inferred) arguments from the data (a DataConfig)."""
         return None
 
 
-def fits_classes(cfg, data) -> str | None:
+def in_range(cfg: dict[str, Any], low: dict[str, float], below_one: tuple[str, ...] = ()
+             ) -> str | None:
+    """The first argument under its lower bound (`low`), or a probability not in [0, 1)."""
+    for key, bound in low.items():
+        if cfg.get(key) is not None and cfg[key] < bound:
+            return f"model.{key}={cfg[key]} is out of range: it must be >= {bound}"
+    for key in below_one:
+        if not 0 <= cfg.get(key, 0.0) < 1:
+            return f"model.{key}={cfg[key]} is out of range: it must be in [0, 1)"
+    return None
+
+
+def fits_classes(cfg: dict[str, Any], data) -> str | None:
     """The common check for a classifier's head: enough outputs for the data's classes."""
-    if cfg.num_classes < data.num_classes:
-        return (f"model.num_classes={cfg.num_classes} is fewer than the {data.num_classes} "
-                f"classes of data={data.name}: set model.num_classes={data.num_classes}")
+    classes = getattr(data, "num_classes", None)
+    if classes is None:
+        return (f"model.num_classes={cfg['num_classes']}: data={data.name} does not say how "
+                "many classes it has: set model.num_classes")
+    if cfg["num_classes"] is None:
+        cfg["num_classes"] = classes
+    if cfg["num_classes"] < classes:
+        return (f"model.num_classes={cfg['num_classes']} is fewer than the {classes} "
+                f"classes of data={data.name}: set model.num_classes={classes}")
     return None

@@ -5,13 +5,23 @@ causal self-attention and a GELU MLP, learned position embeddings, untied output
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from parallab.config import GptConfig
-from parallab.models.base import Model
+from parallab.models.base import Model, in_range
+
+
+@dataclass
+class GptConfig:
+    vocab_size: int = 256
+    context: int = 256  # the longest sequence it takes (learned position embeddings)
+    layers: int = 4
+    heads: int = 4
+    width: int = 256
+    dropout: float = 0.0
 
 
 class Embed(nn.Module):
@@ -69,9 +79,10 @@ class Head(nn.Module):
 
 
 class GPT(Model):
-    def __init__(self, cfg: GptConfig):
+    def __init__(self, vocab_size: int = 256, context: int = 256, layers: int = 4,
+                 heads: int = 4, width: int = 256, dropout: float = 0.0):
         super().__init__()
-        self.cfg = cfg
+        self.cfg = cfg = GptConfig(vocab_size, context, layers, heads, width, dropout)
         self.embed = Embed(cfg)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
         self.head = Head(cfg)
@@ -88,12 +99,17 @@ class GPT(Model):
         return flops_per_token(self.cfg, seq_len)
 
     @classmethod
-    def check_data(cls, cfg: GptConfig, data) -> str | None:
+    def check_data(cls, cfg, data) -> str | None:
+        problem = in_range(cfg, {"vocab_size": 1, "context": 1, "layers": 1, "heads": 1,
+                                 "width": 1}, below_one=("dropout",))
+        if problem:
+            return problem
+        cfg = GptConfig(**cfg)
         if cfg.width % cfg.heads:
             return (f"model.width={cfg.width} does not split into model.heads={cfg.heads} "
                     "heads: make model.width a multiple of model.heads")
         seq_len, vocab = getattr(data, "seq_len", None), getattr(data, "vocab_size", None)
-        if seq_len is None or vocab is None or data.name != "bytes":  # next-token targets
+        if seq_len is None or vocab is None or not data.next_token:  # next-token targets
             return (f"model=gpt predicts the next token of sequences, which data={data.name} "
                     "does not hold (no data.seq_len): use data=bytes")
         if seq_len > cfg.context:

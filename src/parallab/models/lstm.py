@@ -11,8 +11,7 @@ import torch
 from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence
 
-from parallab.config import LstmConfig
-from parallab.models.base import Model, fits_classes
+from parallab.models.base import Model, fits_classes, in_range
 
 
 class MaskedEmbedding(nn.Module):
@@ -48,29 +47,30 @@ class PackedLSTM(nn.Module):
 
 
 class LSTMClassifier(Model):
-    def __init__(self, cfg: LstmConfig):
+    def __init__(self, vocab_size: int, num_classes: int, embedding_dim: int = 64,
+                 hidden_dim: int = 128, num_layers: int = 1, dropout: float = 0.0):
         super().__init__()
-        self.embed = MaskedEmbedding(cfg.vocab_size, cfg.embedding_dim)
-        self.encoder = PackedLSTM(cfg.embedding_dim, cfg.hidden_dim, cfg.num_layers,
-                                  cfg.dropout)
-        self.head = nn.Sequential(nn.Dropout(cfg.dropout),
-                                  nn.Linear(cfg.hidden_dim, cfg.num_classes))
+        self.embed = MaskedEmbedding(vocab_size, embedding_dim)
+        self.encoder = PackedLSTM(embedding_dim, hidden_dim, num_layers, dropout)
+        self.head = nn.Sequential(nn.Dropout(dropout), nn.Linear(hidden_dim, num_classes))
 
     def stages(self) -> list[nn.Module]:
         return [self.embed, self.encoder, self.head]
 
     @classmethod
-    def check_data(cls, cfg: LstmConfig, data) -> str | None:
+    def check_data(cls, cfg, data) -> str | None:
+        problem = in_range(cfg, {"embedding_dim": 1, "hidden_dim": 1, "num_layers": 1,
+                                 "num_classes": 1}, below_one=("dropout",))
+        if problem:
+            return problem
         vocab = getattr(data, "vocab_size", None)
-        if vocab is None or data.name == "bytes":  # bytes: a target per token, not per text
+        if vocab is None or data.next_token:  # bytes: a target per token, not per text
             return (f"model=lstm classifies token sequences, which data={data.name} does not "
                     "give: use data=text, or data=synthetic with data.vocab_size=N")
-        if cfg.vocab_size is None:
-            cfg.vocab_size = vocab
-        if cfg.vocab_size != vocab:
-            return (f"model.vocab_size={cfg.vocab_size} does not match the {vocab} tokens of "
+        if cfg["vocab_size"] is None:
+            cfg["vocab_size"] = vocab
+        if cfg["vocab_size"] != vocab:
+            return (f"model.vocab_size={cfg['vocab_size']} does not match the {vocab} tokens of "
                     f"data={data.name}'s vocabulary: set model.vocab_size={vocab} (or null), or "
                     "use the data settings the model was trained with")
-        if cfg.num_classes is None:
-            cfg.num_classes = data.num_classes
         return fits_classes(cfg, data)

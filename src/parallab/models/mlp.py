@@ -6,33 +6,40 @@ import math
 
 from torch import nn
 
-from parallab.config import MlpConfig
-from parallab.models.base import Model, fits_classes
+from parallab.models.base import Model, fits_classes, in_range
 
 
 class MLP(Model):
-    def __init__(self, cfg: MlpConfig):
+    def __init__(self, input_dim: int, hidden: list[int] = (256, 128), num_classes: int = 10,
+                 dropout: float = 0.0):
         super().__init__()
-        widths = [cfg.input_dim, *cfg.hidden]
+        widths = [input_dim, *hidden]
         self.layers = nn.ModuleList(
             nn.Sequential(nn.Flatten() if i == 0 else nn.Identity(), nn.Linear(w_in, w_out),
-                          nn.ReLU(), nn.Dropout(cfg.dropout))
+                          nn.ReLU(), nn.Dropout(dropout))
             for i, (w_in, w_out) in enumerate(zip(widths, widths[1:])))
-        self.head = nn.Sequential(nn.Flatten() if not cfg.hidden else nn.Identity(),
-                                  nn.Linear(widths[-1], cfg.num_classes))
+        self.head = nn.Sequential(nn.Flatten() if not hidden else nn.Identity(),
+                                  nn.Linear(widths[-1], num_classes))
 
     def stages(self) -> list[nn.Module]:
         return [*self.layers, self.head]
 
     @classmethod
     def check_data(cls, cfg, data) -> str | None:
+        problem = in_range(cfg, {"input_dim": 1, "num_classes": 1}, below_one=("dropout",))
+        if problem:
+            return problem
+        if any(width < 1 for width in cfg["hidden"]):
+            return f"model.hidden={cfg['hidden']} holds a width < 1: every width must be >= 1"
         if getattr(data, "vocab_size", None):
             return (f"model=mlp takes numeric features, but data={data.name} holds token ids: "
                     "use model=lstm or model=gpt")
+        if data.input_shape is None:
+            return f"model=mlp: data={data.name} does not say its sample shape: set model.input_dim"
         features = math.prod(data.input_shape)
-        if cfg.input_dim is None:
-            cfg.input_dim = features
-        if cfg.input_dim != features:
-            return (f"model.input_dim={cfg.input_dim} does not fit data={data.name}, whose "
+        if cfg["input_dim"] is None:
+            cfg["input_dim"] = features
+        if cfg["input_dim"] != features:
+            return (f"model.input_dim={cfg['input_dim']} does not fit data={data.name}, whose "
                     f"samples have {features} values: set model.input_dim={features} (or null)")
         return fits_classes(cfg, data)

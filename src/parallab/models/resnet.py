@@ -13,7 +13,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from parallab.config import ResNet18Config
 from parallab.models.base import Model, fits_classes
 
 
@@ -68,23 +67,24 @@ def load_backbone(net: nn.Module, weights: str, fetch: bool = False) -> None:
 
 
 class ResNet18(Model):
-    def __init__(self, cfg: ResNet18Config):
+    def __init__(self, num_classes: int, in_channels: int = 3, weights: str | None = None,
+                 freeze_backbone: bool = False):
         super().__init__()
         from torchvision.models import resnet18
 
         net = resnet18()
-        if cfg.weights:
-            load_backbone(net, cfg.weights)
-        if cfg.in_channels not in (None, 3):  # new first conv: pretrained filters averaged
+        if weights:
+            load_backbone(net, weights)
+        if in_channels != 3:  # new first conv: pretrained filters averaged
             rgb = net.conv1.weight.detach()
-            net.conv1 = nn.Conv2d(cfg.in_channels, 64, 7, 2, 3, bias=False)
+            net.conv1 = nn.Conv2d(in_channels, 64, 7, 2, 3, bias=False)
             with torch.no_grad():
                 net.conv1.weight.copy_(rgb.mean(1, keepdim=True).expand_as(net.conv1.weight))
         self.stem = nn.Sequential(net.conv1, net.bn1, net.relu, net.maxpool)  # /4
         self.layer1, self.layer2, self.layer3, self.layer4 = (  # 64, 128, 256, 512 channels
             net.layer1, net.layer2, net.layer3, net.layer4)
-        self.head = nn.Sequential(net.avgpool, nn.Flatten(), nn.Linear(512, cfg.num_classes))
-        self.frozen = cfg.freeze_backbone
+        self.head = nn.Sequential(net.avgpool, nn.Flatten(), nn.Linear(512, num_classes))
+        self.frozen = freeze_backbone
         for stage in self.stages()[:-1]:
             stage.requires_grad_(not self.frozen)
 
@@ -99,27 +99,25 @@ class ResNet18(Model):
         return self
 
     @classmethod
-    def check_data(cls, cfg: ResNet18Config, data) -> str | None:
-        shape = list(data.input_shape)
+    def check_data(cls, cfg, data) -> str | None:
+        shape = list(data.input_shape or [])
         if len(shape) != 3 or getattr(data, "vocab_size", None) is not None:
             return (f"model=resnet18 takes images (C, H, W), but data={data.name} gives "
                     f"{shape}: use data=cifar10, imagefolder, mnist, or synthetic with "
                     "data.shape=[3,32,32]")
-        if cfg.in_channels is None:
-            cfg.in_channels = shape[0]
-        if cfg.in_channels != shape[0]:
-            return (f"model.in_channels={cfg.in_channels} does not fit data={data.name}'s "
+        if cfg["in_channels"] is None:
+            cfg["in_channels"] = shape[0]
+        if cfg["in_channels"] != shape[0]:
+            return (f"model.in_channels={cfg['in_channels']} does not fit data={data.name}'s "
                     f"{shape[0]} channels: set model.in_channels={shape[0]} (or null)")
-        if cfg.num_classes is None:
-            cfg.num_classes = data.num_classes
-        if cfg.weights:
+        if cfg["weights"]:
             from torchvision.models import resnet18
 
             try:  # fetched here, once, before any worker starts; loaded to check it fits
-                load_backbone(resnet18(), cfg.weights, fetch=True)
+                load_backbone(resnet18(), cfg["weights"], fetch=True)
             except Exception as error:  # noqa: BLE001 - whatever is wrong: one line, a fix
                 line = (str(error).splitlines() or [""])[0]
                 return line if line.startswith("model.weights=") else (
-                    f"model.weights={cfg.weights} cannot be read ({type(error).__name__}: "
+                    f"model.weights={cfg['weights']} cannot be read ({type(error).__name__}: "
                     f"{line}): give a resnet18 state_dict saved with torch.save")
         return fits_classes(cfg, data)

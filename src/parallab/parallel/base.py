@@ -10,8 +10,9 @@ import torch
 from torch import nn
 
 from parallab.distributed import Dist
+from parallab.errors import ConfigError
+from parallab.loss import Objective
 from parallab.precision import Precision
-from parallab.loss import loss_fn
 
 
 class Strategy:
@@ -24,10 +25,35 @@ class Strategy:
     fixed_batch_shape = False  # True: a short last training batch is dropped
     shards_data = False  # True: each of parallel.world_size ranks/devices reads its own samples
 
-    def __init__(self, cfg, dist: Dist, precision: Precision):
+    def __init__(self, cfg, dist: Dist, precision: Precision, loss: Objective):
         self.cfg = cfg
         self.dist = dist
         self.precision = precision
+        self.loss = loss
+
+    @classmethod
+    def check(cls, cfg) -> None:
+        """This strategy's own checks of the whole config (parallel.world_size resolved),
+        before any worker starts; ConfigError on the first problem."""
+        p = cfg.parallel
+        one_device = not (cls.launches_workers or cls.shards_data or cls.splits_model)
+        if one_device and p.world_size != 1:
+            raise ConfigError(f"parallel.world_size={p.world_size} needs several workers, but "
+                              f"parallel={p.name} runs one: use parallel=ddp (processes) or "
+                              "parallel=dp (GPUs of one process)")
+
+    @classmethod
+    def data_parallel_ranks(cls, cfg) -> int:
+        """Ranks (or devices) that read different samples each step."""
+        return cfg.parallel.world_size if cls.shards_data else 1
+
+    def output_and_loss(self, model: nn.Module, inputs, targets: torch.Tensor
+                        ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The model's output (None where the model computes its own loss) and the loss."""
+        if self.loss.from_model:
+            return None, self.loss(model(inputs, targets), targets)
+        output = model(inputs)
+        return output, self.loss(output, targets)
 
     @property
     def devices_per_process(self) -> int:
@@ -60,7 +86,7 @@ class Strategy:
                          precision: Precision, scale: int) -> torch.Tensor:
         """Loss of one (micro-)batch divided by `scale`, gradients accumulated; detached."""
         with precision.autocast():
-            loss = loss_fn(model(inputs), targets) / scale
+            loss = self.output_and_loss(model, inputs, targets)[1] / scale
         precision.backward(loss)
         return loss.detach()
 
@@ -89,6 +115,18 @@ class ShardedStrategy(Strategy):
     share a key (param_groups.0 would)."""
 
     sharded_checkpoint = True
+
+    @classmethod
+    def check(cls, cfg) -> None:
+        super().check(cfg)
+        p, t = cfg.parallel, cfg.trainer
+        if cfg.precision.name == "fp16":
+            raise ConfigError(f"precision=fp16 with parallel={p.name}: each rank holds part of "
+                              "the gradients, and a GradScaler per rank could skip the step on "
+                              "one rank only: use precision=bf16")
+        if t.quantize is not None:
+            raise ConfigError(f"trainer.quantize={t.quantize} with parallel={p.name}: quantize "
+                              "needs the whole model in one process: use parallel=none or ddp")
 
     def state_dict(self, model, optimizer):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict

@@ -13,6 +13,11 @@ log = logging.getLogger(__name__)
 
 class DataParallelStrategy(Strategy):
     shards_data = True  # over its GPUs (on CPU it runs one device)
+
+    @classmethod
+    def data_parallel_ranks(cls, cfg) -> int:
+        return cfg.parallel.world_size if cfg.device.value == "cuda" else 1
+
     @property
     def devices_per_process(self) -> int:
         return self.cfg.world_size if self.dist.device.type == "cuda" else 1

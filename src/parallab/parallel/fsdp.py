@@ -9,13 +9,17 @@ unless parallel.reshard_after_forward=false keeps them gathered until backward.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from typing import Iterator
 
 import torch
 from torch import nn
 
+from parallab.parallel import stages as stages_of
 from parallab.parallel.base import ShardedStrategy
+
+log = logging.getLogger(__name__)
 
 
 class FSDPStrategy(ShardedStrategy):
@@ -33,7 +37,12 @@ class FSDPStrategy(ShardedStrategy):
         # compute in the precision group's dtype, reduce gradients in float32
         policy = MixedPrecisionPolicy(param_dtype=self.precision.dtype, reduce_dtype=torch.float32)
         model.to(self.dist.device)
-        for stage in model.stages():
+        stages = stages_of.find(model, self.cfg.stages)
+        if stages is None and self.dist.is_main:
+            log.info("parallel=fsdp: the model declares no stages, so it is sharded as one "
+                     "unit (every parameter gathered at once); set parallel.stages to shard "
+                     "its blocks one by one")
+        for stage in stages or []:
             if any(p.requires_grad for p in stage.parameters()):
                 fully_shard(stage, mesh=mesh, mp_policy=policy,
                             reshard_after_forward=self.cfg.reshard_after_forward)

@@ -12,8 +12,10 @@ import logging
 import torch
 from torch import nn
 
+from parallab.errors import ConfigError
+from parallab.parallel import stages as stages_of
 from parallab.parallel.base import Strategy
-from parallab.parallel.split import part_ranges
+from parallab.parallel.split import check_parts, part_ranges
 
 log = logging.getLogger(__name__)
 
@@ -30,8 +32,20 @@ def _move_output(device: torch.device):
     return hook
 
 
+def refuse_finder(cfg) -> None:
+    if cfg.trainer.auto_batch_size:
+        raise ConfigError(f"trainer.auto_batch_size=true with parallel={cfg.parallel.name}: "
+                          "the finder runs whole-model steps: use parallel=none, ddp or fsdp")
+
+
 class ModelParallelStrategy(Strategy):
     splits_model = True
+
+    @classmethod
+    def check(cls, cfg, stages=None) -> None:
+        super().check(cfg)
+        check_parts(cfg, stages)
+        refuse_finder(cfg)
 
     @property
     def world_size(self) -> int:
@@ -43,7 +57,7 @@ class ModelParallelStrategy(Strategy):
         return [self.dist.device] * self.cfg.world_size  # every part on the CPU: same code path
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        stages = model.stages()
+        stages = stages_of.find(model, self.cfg.stages)
         parts = part_ranges(stages, self.cfg.world_size, self.cfg.split)
         for device, part in zip(self.devices(), parts):
             for index in part:

@@ -19,18 +19,24 @@ import torch
 from torch import nn
 
 from parallab.distributed import Dist
-from parallab.loss import loss_fn
+from parallab.errors import ConfigError
+from parallab.loss import from_model
+from parallab.parallel import stages as stages_of
 from parallab.parallel.base import ShardedStrategy
-from parallab.parallel.split import part_ranges
+from parallab.parallel.model import refuse_finder
+from parallab.parallel.split import check_parts, part_ranges
 from parallab.precision import Precision
 
 log = logging.getLogger(__name__)
 
 
-def keep_only(model: nn.Module, keep: range) -> None:
+SCHEDULES = ("gpipe", "1f1b")
+
+
+def keep_only(model: nn.Module, stages: list[nn.Module], keep: range) -> None:
     """Replace the model's stages outside `keep` by nn.Identity, names unchanged."""
     names = {id(module): name for name, module in model.named_modules()}
-    for index, stage in enumerate(model.stages()):
+    for index, stage in enumerate(stages):
         if index not in keep:
             parent, _, child = names[id(stage)].rpartition(".")
             model.get_submodule(parent).register_module(child, nn.Identity())
@@ -41,6 +47,28 @@ class PipelineStrategy(ShardedStrategy):
     uses_process_group = True
     splits_model = True
     fixed_batch_shape = True
+
+    @classmethod
+    def check(cls, cfg, stages=None) -> None:
+        super().check(cfg)
+        check_parts(cfg, stages)
+        refuse_finder(cfg)
+        p = cfg.parallel
+        if p.schedule not in SCHEDULES:
+            raise ConfigError(f"parallel.schedule={p.schedule} is unknown: use "
+                              f"parallel.schedule={' or '.join(SCHEDULES)}")
+        least = p.world_size if p.schedule == "1f1b" else 1
+        if p.microbatches < least:
+            raise ConfigError(f"parallel.microbatches={p.microbatches} is out of range: it "
+                              f"must be >= {least}")
+        if cfg.data.batch_size % p.microbatches:
+            raise ConfigError(f"data.batch_size={cfg.data.batch_size} does not split into "
+                              f"parallel.microbatches={p.microbatches} equal micro-batches: "
+                              f"use a multiple of {p.microbatches}")
+        if from_model(cfg.loss):
+            raise ConfigError("loss=model with parallel=pipeline: the last stage computes the "
+                              "loss from the output, which a model returning its own loss does "
+                              "not give: use a loss of output and targets")
 
     @property
     def data_dist(self) -> Dist:
@@ -55,8 +83,9 @@ class PipelineStrategy(ShardedStrategy):
         return self.dist.rank == self.dist.world_size - 1
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        parts = part_ranges(model.stages(), self.dist.world_size, self.cfg.split)
-        keep_only(model, parts[self.dist.rank])
+        stages = stages_of.find(model, self.cfg.stages)
+        parts = part_ranges(stages, self.dist.world_size, self.cfg.split)
+        keep_only(model, stages, parts[self.dist.rank])
         if self.dist.is_main:
             log.info("parallel=pipeline (%s, %d micro-batches): stages %s on ranks 0-%d",
                      self.cfg.schedule, self.cfg.microbatches,
@@ -72,7 +101,7 @@ class PipelineStrategy(ShardedStrategy):
     def _loss(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """A micro-batch's share of the step's loss: its gradients then add up to the
         gradient of the mean over every micro-batch of every accumulated batch."""
-        return loss_fn(output, targets) / (self.cfg.microbatches * self.accumulation)
+        return self.loss(output, targets) / (self.cfg.microbatches * self.accumulation)
 
     def _schedule(self, name: str, loss):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe

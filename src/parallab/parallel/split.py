@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from parallab.errors import ConfigError
+
 
 def parameter_counts(stages: list[nn.Module]) -> list[int]:
     return [sum(p.numel() for p in stage.parameters()) for stage in stages]
@@ -39,3 +41,25 @@ def part_ranges(stages: list[nn.Module], parts: int, cuts: list[int] | None) -> 
     cuts = cuts if cuts is not None else even_cuts(parameter_counts(stages), parts)
     bounds = [0, *cuts, len(stages)]
     return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+def check_parts(cfg, stages: list[nn.Module] | None) -> None:
+    """parallel=model/pipeline: the model has stages enough for parallel.world_size parts,
+    and parallel.split (if set) cuts them into that many. ConfigError otherwise."""
+    p = cfg.parallel
+    if stages is None:
+        raise ConfigError(f"parallel={p.name} cuts the model into parts at its stages, and "
+                          "this model declares none: set parallel.stages to its submodules in "
+                          "forward order (e.g. parallel.stages='[embed,\"blocks.*\",head]'), "
+                          "or give it a stages() method")
+    if p.world_size < 2:
+        raise ConfigError(f"parallel.world_size={p.world_size}: parallel={p.name} needs at "
+                          "least 2 parts; use parallel=none for one")
+    if p.world_size > len(stages):
+        raise ConfigError(f"parallel.world_size={p.world_size} is more parts than the "
+                          f"{len(stages)} stages of the model: set parallel.world_size<="
+                          f"{len(stages)}")
+    if p.split is not None:
+        problem = check_cuts(list(p.split), len(stages), p.world_size)
+        if problem:
+            raise ConfigError(problem)

@@ -1,0 +1,1 @@
+"""parallab's config groups (found by Hydra as pkg://parallab.conf)."""

@@ -1,0 +1,77 @@
+"""A model's stages: submodules in forward order, each taking and returning one tensor,
+whose chain is the model's forward. Strategies build on them: fsdp shards each stage, model
+parallelism places stages on devices, the pipeline keeps a run of stages per rank.
+
+Found in this order: the module names parallel.stages lists ("blocks.*" expands over the
+children of a ModuleList or Sequential); the model's own stages() method; the children of
+an nn.Sequential. None when none applies: no parallab base class is needed for data
+parallelism, fsdp then shards the root alone, model and pipeline parallelism refuse.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def named(model: nn.Module, names: list[str]) -> list[nn.Module]:
+    """The submodules `names` lists, `*` expanded; KeyError naming the first one missing."""
+    stages: list[nn.Module] = []
+    for name in names:
+        if name == "*" or name.endswith(".*"):
+            parent = name[:-2] if name.endswith(".*") else ""
+            stages += list(_submodule(model, parent).children())
+        else:
+            stages.append(_submodule(model, name))
+    return stages
+
+
+def _submodule(model: nn.Module, name: str) -> nn.Module:
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        raise KeyError(name) from None
+
+
+def find(model: nn.Module, names: list[str] | None = None) -> list[nn.Module] | None:
+    if names:
+        return named(model, list(names))
+    own = getattr(model, "stages", None)
+    if callable(own):
+        return list(own())
+    if isinstance(model, nn.Sequential):
+        return list(model.children())
+    return None
+
+
+def source(model: nn.Module, names: list[str] | None) -> str:
+    """Where find() takes the stages from, for messages."""
+    if names:
+        return "parallel.stages"
+    if callable(getattr(model, "stages", None)):
+        return "the model's stages()"
+    return "the nn.Sequential's children" if isinstance(model, nn.Sequential) else "nowhere"
+
+
+@torch.no_grad()
+def chain_differs(model: nn.Module, stages: list[nn.Module], inputs: torch.Tensor) -> str | None:
+    """None if running `stages` one after the other gives the model's own forward on
+    `inputs` (eval mode, so dropout draws nothing), else what differs."""
+    was_training = model.training
+    model.eval()
+    try:
+        expected = model(inputs)
+        chained = inputs
+        for stage in stages:
+            chained = stage(chained)
+    except Exception as error:  # noqa: BLE001 - a stage that cannot take its input
+        return f"a stage fails on the previous one's output ({type(error).__name__}: " \
+               f"{(str(error).splitlines() or [''])[0]})"
+    finally:
+        model.train(was_training)
+    if not isinstance(chained, torch.Tensor) or chained.shape != expected.shape:
+        shape = getattr(chained, "shape", type(chained).__name__)
+        return f"the stages give {shape} where the forward gives {tuple(expected.shape)}"
+    if not torch.allclose(chained.float(), expected.float(), rtol=1e-4, atol=1e-5):
+        return "the stages in order compute something else than the forward"
+    return None
