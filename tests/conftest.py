@@ -1,32 +1,19 @@
-"""Shared helpers: run the real entrypoints in subprocesses, each in its own output dir."""
+"""Shared helpers: run the real entrypoints (parallab.testing) or the training function in
+this process, each run in its own output dir."""
 
 from __future__ import annotations
 
-import json
-import os
 import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from parallab.testing import REPO, read_metrics, run_entry  # noqa: F401 - shared with tests
+
 # small, quick settings for end-to-end runs on a 2-core CPU
 FAST = ["data=synthetic", "data.train_size=2048", "data.eval_size=512", "trainer.epochs=1",
         "trainer.log_every_n_steps=5", "device=cpu"]
-
-
-def run_entry(script: str, args: list[str], run_dir: Path | None = None, timeout: float = 300,
-              env: dict[str, str] | None = None, cwd: Path = REPO,
-              prefix: list[str] | None = None) -> subprocess.CompletedProcess:
-    """Run train.py/evaluate.py as a user would; output dir pinned to `run_dir` if given."""
-    command = (prefix or [sys.executable]) + [str(REPO / script), *args]
-    if run_dir is not None:
-        command.append(f"hydra.run.dir={run_dir}")
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    return subprocess.run(command, cwd=cwd, env=full_env, capture_output=True, text=True,
-                          timeout=timeout)
 
 
 def free_port() -> int:
@@ -50,10 +37,6 @@ def assert_ok(result: subprocess.CompletedProcess) -> None:
     assert result.returncode == 0, output(result)[-4000:]
 
 
-def read_metrics(run_dir: Path) -> dict:
-    return json.loads((run_dir / "metrics.json").read_text())
-
-
 def scalars(run_dir: Path, tag: str) -> list[tuple[int, float]]:
     """(step, value) of one TensorBoard scalar, read back with tensorboard's own reader."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -63,19 +46,26 @@ def scalars(run_dir: Path, tag: str) -> list[tuple[int, float]]:
     return [(e.step, e.value) for e in events.Scalars(tag)]
 
 
-def typed(*overrides: str):
-    """The real conf/ composed with `overrides`, as the typed Config train.py checks."""
-    from hydra import compose, initialize_config_dir
+def typed(*overrides: str, config_dir: Path | None = None):
+    """The real conf/ composed with `overrides` (and a project's config dir), as the
+    Config train.py checks (model, data and loss still as composed: plain dicts)."""
     from omegaconf import OmegaConf
 
-    from parallab import launch
-    from parallab.cli import CONF_DIR
-    from parallab.config import register_configs
+    from parallab.cli import compose
 
-    launch.register_resolvers()
-    register_configs()
-    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        return OmegaConf.to_object(compose("config", overrides=list(overrides)))
+    return OmegaConf.to_object(compose(list(overrides), config_dir))
+
+
+def checked(*overrides: str, config_dir: Path | None = None):
+    """typed(), then validate.prepare: the config every worker gets (ConfigError if bad)."""
+    from parallab import validate
+
+    return validate.prepare(typed(*overrides, config_dir=config_dir), in_place=None)
+
+
+def losses(run_dir: Path) -> list[float]:
+    """The logged train/loss values of a run, in step order."""
+    return [value for _, value in scalars(run_dir, "train/loss")]
 
 
 @pytest.fixture

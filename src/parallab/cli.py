@@ -234,6 +234,9 @@ def parallab() -> None:
 
     if len(sys.argv) > 1 and sys.argv[1] in APPS:
         app = APPS[sys.argv.pop(1)]
+        # as `python -m` does: a project's own modules (its model, its data) import from where
+        # it is run; launched workers inherit the path
+        sys.path.insert(0, os.getcwd())
         app()
         return
     parser = argparse.ArgumentParser(prog="parallab")
@@ -257,3 +260,28 @@ def parallab() -> None:
     if not any(args.sweep_dir.glob("*/.hydra/overrides.yaml")):
         parser.error(f"{args.sweep_dir} holds no multirun jobs (no */.hydra/overrides.yaml)")
     print(summary.markdown(summary.write(args.sweep_dir)))
+
+
+def compose(overrides: list[str], config_dir: str | Path | None = None,
+            config_name: str = "config") -> DictConfig:
+    """conf/ composed with `overrides` as train.py composes it, a project's config dir's
+    groups added (as --config-dir adds them)."""
+    from hydra import compose as hydra_compose, initialize_config_dir
+
+    launch.register_resolvers()
+    register_configs()
+    extra = [f"hydra.searchpath=[file://{Path(config_dir).resolve()}]"] if config_dir else []
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        return hydra_compose(config_name, overrides=[*overrides, *extra])
+
+
+def train_in_process(overrides: list[str], run_dir: str | Path,
+                     config_dir: str | Path | None = None) -> dict[str, Any]:
+    """What `python train.py OVERRIDES hydra.run.dir=RUN_DIR` does, in this process and
+    without Hydra's logging set-up (tests, notebooks): check, then train here or launch the
+    workers. Returns the run's metrics; raises ConfigError or JobFailed."""
+    in_place = launch.prepare_in_place()
+    cfg = validate.prepare(OmegaConf.to_object(compose(overrides, config_dir)), in_place,
+                           str(run_dir))
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    return _train_and_report(run.RunSpec(cfg, str(run_dir), list(overrides)), in_place)

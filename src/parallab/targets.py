@@ -65,7 +65,8 @@ def check_arguments(obj: Any, kwargs: dict[str, Any], key: str, at_call: int = 0
     for name in kwargs:
         if name not in named and not open_ended:
             raise ConfigError(f"{key}.{name} is not an argument of {qualname(obj)} (it takes: "
-                              f"{', '.join(named) or 'nothing'}): fix or remove the key")
+                              f"{', '.join(named) or 'nothing'}): fix the key, or drop it with "
+                              f"~{key}.{name}")
     missing = [n for n, p in named.items() if p.default is p.empty and n not in kwargs]
     if missing:
         raise ConfigError(f"{key}.{missing[0]} is required by {qualname(obj)} but not set: "
