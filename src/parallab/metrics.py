@@ -9,6 +9,7 @@ a process group torchmetrics reduces its state over the ranks in compute) or any
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -36,7 +37,8 @@ def check(specs: dict[str, Any]) -> None:
             raise ConfigError(f"metrics.{name}={spec!r}: give a _target_ spec, e.g. "
                               f"+metrics.{name}._target_=torchmetrics.MeanAbsoluteError")
         target = targets.locate(spec[targets.TARGET], f"metrics.{name}._target_")
-        targets.check_arguments(target, targets.arguments(spec), f"metrics.{name}")
+        at_call = 0 if inspect.isclass(target) else 2  # a function's (output, targets)
+        targets.check_arguments(target, targets.arguments(spec), f"metrics.{name}", at_call)
 
 
 class Metrics:

@@ -88,8 +88,12 @@ def _is_spec(value: Any) -> bool:
     return isinstance(value, dict) and TARGET in value
 
 
+HYDRA_KEYS = (TARGET, "_partial_", "_convert_", "_recursive_", "_args_")  # instantiate's own
+
+
 def arguments(spec: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in spec.items() if k != TARGET}
+    """The arguments a spec gives its target (instantiate's own keys left out)."""
+    return {k: v for k, v in spec.items() if k not in HYDRA_KEYS}
 
 
 def build(spec: dict[str, Any], **extra: Any) -> Any:

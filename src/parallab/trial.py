@@ -66,11 +66,11 @@ def one_batch(cfg, size: int = 2) -> tuple[Any, torch.Tensor]:
     return tuple(join(samples))
 
 
-def run(cfg, needs_stages: bool) -> list[nn.Module] | None:
-    """Try one batch (when needed); returns the model's stages where the strategy needs
-    them. ConfigError naming the key at fault."""
+def run(cfg, strategy) -> list[nn.Module] | None:
+    """Try one batch (when needed); returns the model's stages where the strategy uses them.
+    ConfigError naming the key at fault."""
     if not needed(cfg):
-        return stages_on_meta(cfg) if needs_stages else None
+        return stages_on_meta(cfg) if strategy.uses_stages else None
     torch.manual_seed(cfg.seed)
     model = targets.build_checked(cfg.model, "model")
     if not isinstance(model, nn.Module):
@@ -85,8 +85,8 @@ def run(cfg, needs_stages: bool) -> list[nn.Module] | None:
         shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
         raise ConfigError(f"loss._target_={cfg.loss[targets.TARGET]} returns {shape}, not a "
                           "scalar: reduce it (mean over the batch)")
-    stages = find_stages(model, cfg)
-    if needs_stages and stages is not None and not loss.from_model:
+    stages = find_stages(model, cfg) if strategy.uses_stages else None
+    if strategy.splits_model and stages is not None and not loss.from_model:
         differs = stages_of.chain_differs(model, stages, inputs)
         if differs:
             raise ConfigError(f"parallel={cfg.parallel.name} runs the model as its stages in "

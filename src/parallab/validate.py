@@ -156,7 +156,7 @@ def check_strategy(cfg: Config) -> None:
     from parallab.parallel import STRATEGIES
 
     strategy = STRATEGIES[cfg.parallel.name]
-    stages = trial.run(cfg, needs_stages=strategy.splits_model)
+    stages = trial.run(cfg, strategy)
     if strategy.splits_model:
         strategy.check(cfg, stages)
     else:

@@ -84,6 +84,9 @@ def first_sample(cfg: Datasets, split: str) -> tuple[Any, Any]:
 
 def _read_first_sample(spec: dict[str, Any], split: str) -> tuple[Any, Any]:
     dataset = targets.build_checked(spec, f"data.{split}")
+    if not isinstance(dataset, IterableDataset) and hasattr(dataset, "__len__") \
+            and not len(dataset):
+        raise ConfigError(f"data.{split} is empty: give it samples")
     try:
         sample = next(iter(dataset)) if isinstance(dataset, IterableDataset) else dataset[0]
     except Exception as error:  # noqa: BLE001 - a user's __getitem__ may raise anything
@@ -92,8 +95,6 @@ def _read_first_sample(spec: dict[str, Any], split: str) -> tuple[Any, Any]:
     if not isinstance(sample, (tuple, list)) or len(sample) != 2:
         raise ConfigError(f"data.{split}: a sample is {type(sample).__name__}, not an "
                           "(inputs, targets) pair: make __getitem__ return (inputs, targets)")
-    if not isinstance(dataset, IterableDataset) and not len(dataset):
-        raise ConfigError(f"data.{split} is empty: give it samples")
     return sample[0], sample[1]
 
 

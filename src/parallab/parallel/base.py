@@ -24,6 +24,7 @@ class Strategy:
     splits_model = False  # True: the model's stages are cut into parallel.world_size parts
     fixed_batch_shape = False  # True: a short last training batch is dropped
     shards_data = False  # True: each of parallel.world_size ranks/devices reads its own samples
+    uses_stages = False  # True: wrap() works on the model's stages (parallel/stages.py)
 
     def __init__(self, cfg, dist: Dist, precision: Precision, loss: Objective):
         self.cfg = cfg

@@ -26,6 +26,7 @@ class FSDPStrategy(ShardedStrategy):
     launches_workers = True
     uses_process_group = True
     shards_data = True
+    uses_stages = True
 
     def wrap(self, model: nn.Module) -> nn.Module:
         from torch.distributed.device_mesh import init_device_mesh

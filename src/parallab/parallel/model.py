@@ -40,6 +40,7 @@ def refuse_finder(cfg) -> None:
 
 class ModelParallelStrategy(Strategy):
     splits_model = True
+    uses_stages = True
 
     @classmethod
     def check(cls, cfg, stages=None) -> None:

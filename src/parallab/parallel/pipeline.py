@@ -47,9 +47,14 @@ class PipelineStrategy(ShardedStrategy):
     uses_process_group = True
     splits_model = True
     fixed_batch_shape = True
+    uses_stages = True
 
     @classmethod
     def check(cls, cfg, stages=None) -> None:
+        if from_model(cfg.loss):
+            raise ConfigError("loss=model with parallel=pipeline: the last stage computes the "
+                              "loss from the output, which a model returning its own loss does "
+                              "not give: use a loss of output and targets")
         super().check(cfg)
         check_parts(cfg, stages)
         refuse_finder(cfg)
@@ -65,10 +70,6 @@ class PipelineStrategy(ShardedStrategy):
             raise ConfigError(f"data.batch_size={cfg.data.batch_size} does not split into "
                               f"parallel.microbatches={p.microbatches} equal micro-batches: "
                               f"use a multiple of {p.microbatches}")
-        if from_model(cfg.loss):
-            raise ConfigError("loss=model with parallel=pipeline: the last stage computes the "
-                              "loss from the output, which a model returning its own loss does "
-                              "not give: use a loss of output and targets")
 
     @property
     def data_dist(self) -> Dist:

@@ -1,0 +1,130 @@
+"""A user's own model, data, loss and metrics by _target_: what each one gets, in-process, and
+every bad one refused in one line before any worker starts."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from conftest import REPO, checked, losses
+from parallab.cli import train_in_process
+from parallab.errors import ConfigError
+from parallab.parallel import stages
+
+CONF = REPO / "examples" / "own_model" / "conf"
+WAVES = ["experiment=waves", "device=cpu", "trainer.max_steps=12", "trainer.epochs=1",
+         "trainer.log_every_n_steps=1", "data.train.size=512", "data.eval.size=256"]
+
+
+@pytest.fixture(autouse=True)
+def project_on_path(monkeypatch):
+    monkeypatch.syspath_prepend(str(CONF.parent))
+
+
+def train(run_dir, *overrides: str) -> dict:
+    return train_in_process([*WAVES, *overrides], run_dir, CONF)
+
+
+BAD = [
+    (["model._target_=own_model.nope.Net"], "model._target_=own_model.nope.Net does not import"),
+    (["model._target_=own_model.data.Waves"], "is not a torch.nn.Module"),
+    (["+model.widht=3"], "model.widht is not an argument of own_model.model.ResMLP"),
+    (["~model.in_features"], "model.in_features is required by own_model.model.ResMLP"),
+    (["model.width=wide"], "model.width='wide' is not of type int"),
+    (["model.in_features=5"], "model: its forward fails on a batch of the data"),
+    (["data.train._target_=own_model.data.Nope"], "data.train._target_=own_model.data.Nope "
+                                                  "does not import"),
+    (["data.train._target_=own_model.model.Block"], "is not a torch Dataset"),
+    (["+data.train.sise=3"], "data.train.sise is not an argument of own_model.data.Waves"),
+    (["data.train.size=0"], "data.train is empty"),
+    (["+data._target_=own_model.data.Waves"], "is not a data set config"),
+    (["data.loader=memory"], "data.loader=memory: data=datasets gives torch Datasets"),
+    (["data.collate_fn=own_model.data.nope"], "data.collate_fn=own_model.data.nope does not"),
+    (["parallel=pipeline", "parallel.stages=[inp,body,out]"], "parallel.stages names 'body', "
+                                                              "which is not a submodule"),
+    (["parallel=pipeline", "parallel.stages=[inp,out]"], "runs the model as its stages in "
+                                                         "order (parallel.stages), but"),
+    (["parallel=model", "parallel.stages=null"], "this model declares none: set "
+                                                 "parallel.stages"),
+    (["loss._target_=torch.nn.functional.mse_loss", "+loss.reduction=none"], "not a scalar"),
+    (["loss=cross_entropy"], "loss: "),
+    (["loss._target_=own_model.losses.nope"], "loss._target_=own_model.losses.nope does not"),
+    (["+loss.sharpness=2"], "loss.sharpness is not an argument of parallab.loss.MSE"),
+    (["+metrics.mae._target_=torchmetrics.Nope"], "metrics.mae._target_=torchmetrics.Nope"),
+    (["objective=eval_accuracy"], "objective=eval_accuracy is not a figure this run reports"),
+    (["loss=model", "model._target_=own_parts.SelfScoring", "~model.out_features",
+      "~model.width", "~model.depth", "~model.expansion", "parallel=pipeline",
+      "parallel.stages=null"],
+     "loss=model with parallel=pipeline"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", BAD, ids=[" ".join(o) for o, _ in BAD])
+def test_bad_own_parts_are_one_line(overrides, message):
+    with pytest.raises(ConfigError) as error:
+        checked(*WAVES, *overrides, config_dir=CONF)
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_stages_come_from_the_config_a_method_or_a_sequential():
+    from own_model.model import ResMLP
+    from own_parts import sequential
+
+    model = ResMLP(8, 1, depth=3)
+    named = stages.find(model, ["inp", "blocks.*", "out"])
+    assert named == [model.inp, *model.blocks, model.out]
+    assert stages.chain_differs(model, named, torch.randn(2, 8)) is None
+    assert "something else" in stages.chain_differs(model, [model.inp, model.out],
+                                                    torch.randn(2, 8))
+    assert stages.find(model) is None  # no stages() and not a Sequential
+    chain = sequential()
+    assert stages.find(chain) == list(chain.children())
+
+
+@pytest.mark.slow
+def test_metrics_by_target_and_the_objective(tmp_path):
+    metrics = train(tmp_path, "+metrics.mae._target_=torchmetrics.MeanAbsoluteError",
+                    "+metrics.half._target_=own_parts.half_mse", "+metrics.half._partial_=true",
+                    "objective=eval_mae")
+    assert "eval_accuracy" not in metrics
+    assert metrics["eval_half"] == pytest.approx(metrics["eval_loss"] / 2, rel=1e-4)
+    assert 0 < metrics["eval_mae"] ** 2 <= metrics["eval_loss"] * 1.0001  # MAE^2 <= MSE
+
+
+@pytest.mark.slow
+def test_a_loss_function_with_bound_arguments(tmp_path):
+    train(tmp_path / "mse")
+    mse = losses(tmp_path / "mse")
+    train(tmp_path / "half", "loss._target_=own_parts.half_mse", "+loss.scale=0.5")
+    # Adam's step does not depend on the loss's scale, so the losses are exactly halved
+    assert losses(tmp_path / "half") == pytest.approx([v / 2 for v in mse], rel=1e-3)
+
+
+@pytest.mark.slow
+def test_a_model_that_returns_its_own_loss(tmp_path):
+    metrics = train(tmp_path, "loss=model", "model._target_=own_parts.SelfScoring",
+                    "~model.out_features", "~model.width", "~model.depth", "~model.expansion",
+                    "trainer.max_steps=40", "trainer.epochs=3")
+    assert metrics["eval_loss"] < 1.0 and "eval_accuracy" not in metrics
+    steps = losses(tmp_path)
+    assert len(steps) == 40 and sum(steps[-5:]) < sum(steps[:5])
+
+
+@pytest.mark.slow
+def test_a_sequential_model_trains_under_pipeline(tmp_path, caplog):
+    sequential = ["model._target_=own_parts.sequential", "~model.out_features",
+                  "~model.depth", "~model.expansion", "parallel.stages=null",
+                  "data.global_batch_size=32"]
+    train(tmp_path / "none", *sequential)
+    train(tmp_path / "pipe", *sequential, "parallel=pipeline", "parallel.world_size=2")
+    assert losses(tmp_path / "pipe") == pytest.approx(losses(tmp_path / "none"), abs=1e-4)
+
+
+@pytest.mark.slow
+def test_fsdp_without_stages_shards_the_root_and_says_so(tmp_path, caplog):
+    with caplog.at_level(logging.INFO):
+        metrics = train(tmp_path, "parallel=fsdp", "parallel.world_size=1",
+                        "parallel.stages=null")
+    assert metrics["parallel"] == "fsdp" and metrics["steps"] == 12
