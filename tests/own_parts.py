@@ -27,3 +27,28 @@ def sequential(in_features: int = 8, width: int = 32) -> nn.Sequential:
 def half_mse(output: torch.Tensor, targets: torch.Tensor, scale: float = 0.5) -> torch.Tensor:
     """A loss function with an argument bound from the YAML."""
     return scale * F.mse_loss(output, targets)
+
+
+class WaveStream(torch.utils.data.IterableDataset):
+    """The example's regression samples as a stream; reshuffled by set_epoch; `sized`: with
+    a __len__ (then an epoch's steps are known)."""
+
+    def __init__(self, size: int = 512, seed: int = 0, sized: bool = True):
+        from own_model.data import Waves
+
+        self.samples, self.seed, self.epoch = Waves(size, seed=seed), seed, 0
+        if sized:
+            self.__class__ = SizedWaveStream
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        order = torch.randperm(len(self.samples),
+                               generator=torch.Generator().manual_seed(self.seed + self.epoch))
+        return (self.samples[i] for i in order.tolist())
+
+
+class SizedWaveStream(WaveStream):
+    def __len__(self) -> int:
+        return len(self.samples)

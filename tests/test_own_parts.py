@@ -128,3 +128,25 @@ def test_fsdp_without_stages_shards_the_root_and_says_so(tmp_path, caplog):
         metrics = train(tmp_path, "parallel=fsdp", "parallel.world_size=1",
                         "parallel.stages=null")
     assert metrics["parallel"] == "fsdp" and metrics["steps"] == 12
+
+
+STREAM = ["data.train._target_=own_parts.WaveStream", "~data.train.size", "~data.eval.size",
+          "+data.train.size=512", "+data.eval.size=256", "data.global_batch_size=64",
+          "trainer.epochs=2", "trainer.max_steps=14"]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_stream_is_shared_by_the_ranks_in_turn(tmp_path):
+    """Rank r takes samples r, r + 2, ...: two ranks see, step by step, the 64 samples one
+    device sees, so the losses match; an epoch is 8 steps (512 / 64), the second reshuffled."""
+    one = train(tmp_path / "one", *STREAM)
+    two = train(tmp_path / "two", *STREAM, "parallel=ddp", "parallel.world_size=2")
+    assert one["steps"] == two["steps"] == 14
+    assert losses(tmp_path / "two") == pytest.approx(losses(tmp_path / "one"), abs=1e-4)
+
+
+def test_a_stream_without_length_needs_max_steps():
+    with pytest.raises(ConfigError, match="set trainer.max_steps"):
+        checked(*WAVES, *STREAM, "+data.train.sized=false", "trainer.max_steps=null",
+                config_dir=CONF)

@@ -66,7 +66,8 @@ def _trial(batch_size: int, module: nn.Module, optimizer: torch.optim.Optimizer,
            precision: Precision, loader: ShardLoader, dist: Dist,
            max_memory_mb: float | None, loss: Objective) -> Trial:
     verdict, speed, memory = "", 0.0, 0.0
-    if len(loader.sampler) < batch_size * (1 + TIMED_STEPS):
+    shard = len(loader.sampler) if hasattr(loader, "sampler") else loader.per_rank
+    if shard is not None and shard < batch_size * (1 + TIMED_STEPS):
         verdict = "shard too small"
     else:
         try:

@@ -62,6 +62,10 @@ class DataConfig:
         naming the key and the fix. May fetch files when the config asks to download."""
         return None
 
+    def sized(self) -> bool:
+        """False for a stream of unknown length: then trainer.max_steps must bound the run."""
+        return True
+
     def make(self, seed: int) -> tuple[Any, Any]:
         """(train, eval): Splits (data/split.py) or torch Datasets."""
         raise TypeError(f"{type(self).__name__} does not say how to make its data")

@@ -16,7 +16,7 @@ from torch import nn
 from parallab import checkpoint
 from parallab.checkpoint import Checkpointer
 from parallab.config import TrainerConfig
-from parallab.data import Data
+from parallab.data import Data, stream
 from parallab.data.loaders import ShardLoader
 from parallab.distributed import Dist
 from parallab.logger import RunLogger
@@ -158,9 +158,11 @@ class Trainer:
         self.peak_flops = (peak_flops_of(dist.device, precision) if dist.device.type == "cuda"
                            else None)
 
-        self.steps_per_epoch = math.ceil(len(data.train) / cfg.accumulate_grad_batches)
-        steps = cfg.epochs * self.steps_per_epoch
-        self.total_steps = min(steps, cfg.max_steps) if cfg.max_steps else steps
+        if stream.length(data.train) is None:  # a stream without __len__: max_steps bounds it
+            self.total_steps = cfg.max_steps
+        else:
+            steps = cfg.epochs * math.ceil(len(data.train) / cfg.accumulate_grad_batches)
+            self.total_steps = min(steps, cfg.max_steps) if cfg.max_steps else steps
 
     def done(self) -> bool:
         return self.step >= self.total_steps

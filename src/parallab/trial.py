@@ -8,10 +8,12 @@ any run whose stages come from parallel.stages. Two samples, on the CPU, in eval
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.data import IterableDataset
 
 from parallab import targets
 from parallab.errors import ConfigError, first_line
@@ -60,8 +62,11 @@ def one_batch(cfg, size: int = 2) -> tuple[Any, torch.Tensor]:
     if isinstance(train, Split):
         inputs, labels = train.inputs[:size], train.targets[:size]
         return train.prepare(inputs), labels
-    dataset = _dataset(train, train=False)
-    samples = [dataset[i] for i in range(min(size, len(dataset)))]
+    if isinstance(train, IterableDataset):
+        samples = list(itertools.islice(iter(train), size))
+    else:
+        dataset = _dataset(train, train=False)
+        samples = [dataset[i] for i in range(min(size, len(dataset)))]
     join = collate(cfg.data.collate_fn) if cfg.data.collate_fn is not None else default_collate
     return tuple(join(samples))
 

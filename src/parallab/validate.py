@@ -75,6 +75,9 @@ def check_data(cfg: Config) -> None:
         cfg.data = config.data_config(cfg.data)
     problem = loader_problem(cfg.data) or cfg.data.problem()
     _require(problem is None, problem)
+    _require(cfg.data.sized() or cfg.trainer.max_steps is not None, f"data={cfg.data.name} "
+             "streams samples with no known length (an IterableDataset without __len__), so "
+             "an epoch has no known number of steps: set trainer.max_steps")
     cfg.data.loader = resolve_loader(cfg.data)
 
 

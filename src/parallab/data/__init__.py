@@ -7,7 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from parallab.config import DataConfig, Loader
+from torch.utils.data import IterableDataset
+
 from parallab.data.loaders import DataLoaderLoader, MemoryLoader, ShardLoader
+from parallab.data.stream import StreamLoader
 from parallab.distributed import Dist
 
 MEMORY_LIMIT_BYTES = 1 << 30  # data.loader=auto: a set this size or smaller is held in memory
@@ -38,8 +41,14 @@ def loader_problem(cfg: DataConfig) -> str | None:
 
 @dataclass
 class Data:
-    train: ShardLoader
-    eval: ShardLoader
+    train: ShardLoader | StreamLoader
+    eval: ShardLoader | StreamLoader
+
+
+def _loader(source, dist: Dist, batch: int, shuffle: bool, seed: int, cfg: DataConfig):
+    if isinstance(source, IterableDataset):
+        return StreamLoader(source, dist, batch, seed, cfg)
+    return DataLoaderLoader(source, dist, batch, shuffle, seed, cfg)
 
 
 def build_data(cfg: DataConfig, dist: Dist, seed: int, batch_scale: int = 1) -> Data:
@@ -48,6 +57,9 @@ def build_data(cfg: DataConfig, dist: Dist, seed: int, batch_scale: int = 1) -> 
     cfg.loader = resolve_loader(cfg)  # validate resolved it already, unless built directly
     train, test = cfg.make(seed)
     batch, eval_batch = cfg.batch_size * batch_scale, cfg.eval_batch_size * batch_scale
+    if isinstance(train, IterableDataset) or isinstance(test, IterableDataset):
+        return Data(_loader(train, dist, batch, True, seed, cfg),
+                    _loader(test, dist, eval_batch, False, seed, cfg))
     if cfg.loader is Loader.memory:
         return Data(MemoryLoader(train, dist, batch, True, seed),
                     MemoryLoader(test, dist, eval_batch, False, seed))

@@ -67,11 +67,15 @@ class Datasets(DataConfig):
         inputs = first_sample(self, "train")[0]
         return list(inputs.shape) if isinstance(inputs, torch.Tensor) else None
 
+    def sized(self) -> bool:
+        return _LENGTHS.get(repr(self._spec("train")), True)
+
     def make(self, seed: int) -> tuple[Any, Any]:
         return targets.build(self._spec("train")), targets.build(self._spec("eval"))
 
 
 _SAMPLES: dict[str, tuple[Any, Any]] = {}  # spec -> first sample: each Dataset built once
+_LENGTHS: dict[str, bool] = {}  # spec -> whether the Dataset has a length
 
 
 def first_sample(cfg: Datasets, split: str) -> tuple[Any, Any]:
@@ -84,6 +88,7 @@ def first_sample(cfg: Datasets, split: str) -> tuple[Any, Any]:
 
 def _read_first_sample(spec: dict[str, Any], split: str) -> tuple[Any, Any]:
     dataset = targets.build_checked(spec, f"data.{split}")
+    _LENGTHS[repr(spec)] = hasattr(dataset, "__len__")
     if not isinstance(dataset, IterableDataset) and hasattr(dataset, "__len__") \
             and not len(dataset):
         raise ConfigError(f"data.{split} is empty: give it samples")

@@ -1,0 +1,97 @@
+"""An IterableDataset (a stream) read by the ranks in turn.
+
+Sample i of the stream goes to rank i % world_size, in rounds of world_size samples; a last,
+short round is dropped, so every rank takes as many samples and so runs as many steps (a
+rank with one step more would wait for its peers forever). Within a rank, DataLoader workers
+take every num_workers-th sample of its share. Each epoch reads the stream again from its
+start, calling its set_epoch(epoch) first where it has one (to reshuffle). Resuming
+mid-epoch reads the stream again past the batches already trained: exact for a stream that
+gives the same samples for the same epoch. Without __len__, an epoch lasts until the stream
+ends and trainer.max_steps bounds the run.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Any, Iterator
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from parallab.distributed import Dist
+
+
+class RankShare(IterableDataset):
+    """This rank's share of `stream` (and, in a DataLoader worker, that worker's part)."""
+
+    def __init__(self, stream: IterableDataset, rank: int, world_size: int):
+        self.stream, self.rank, self.world_size = stream, rank, world_size
+
+    def __iter__(self) -> Iterator[Any]:
+        worker = get_worker_info()
+        worker_id, workers = (worker.id, worker.num_workers) if worker else (0, 1)
+        source = iter(self.stream)
+        for j in itertools.count():  # j: the round, and this rank's j-th sample
+            round_ = list(itertools.islice(source, self.world_size))
+            if len(round_) < self.world_size:
+                return
+            if j % workers == worker_id:
+                yield round_[self.rank]
+
+
+def length(stream: Any) -> int | None:
+    try:
+        return len(stream)
+    except TypeError:
+        return None
+
+
+class StreamLoader:
+    """The trainer's loader interface over a stream (see the module's docstring)."""
+
+    drop_last = False  # True: every batch full (a pipeline's stages have fixed shapes)
+    num_valid = math.inf  # no sampler padding to leave out of evaluation
+
+    def __init__(self, stream: IterableDataset, dist: Dist, batch_size: int, seed: int, cfg):
+        from parallab.data.loaders import _collate
+
+        self.source, self.dist, self.batch_size, self.seed, self.cfg = (
+            stream, dist, batch_size, seed, cfg)
+        self.device = dist.device
+        self.epoch = self.skip = 0
+        total = length(stream)
+        self.per_rank = None if total is None else total // dist.world_size
+        workers = cfg.num_workers > 0
+        # not persistent: each epoch's workers must see the stream's set_epoch
+        self.loader = DataLoader(
+            RankShare(stream, dist.rank, dist.world_size), batch_size=batch_size,
+            collate_fn=_collate(cfg.collate_fn), num_workers=cfg.num_workers,
+            pin_memory=cfg.pin_memory and self.device.type == "cuda",
+            prefetch_factor=cfg.prefetch_factor if workers else None)
+
+    def __len__(self) -> int:
+        if self.per_rank is None:
+            raise TypeError("a stream without __len__ has no known number of batches")
+        rounding = math.floor if self.drop_last else math.ceil
+        return rounding(self.per_rank / self.batch_size)
+
+    def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
+        self.epoch, self.skip = epoch, skip_batches
+
+    def __iter__(self) -> Iterator[tuple[Any, torch.Tensor]]:
+        from parallab.data.loaders import to_device
+
+        if callable(getattr(self.source, "set_epoch", None)):
+            self.source.set_epoch(self.epoch)
+        for index, (inputs, targets) in enumerate(self.loader):
+            if self.drop_last and len(targets) < self.batch_size:
+                return
+            if index >= self.skip:
+                yield to_device(inputs, self.device), to_device(targets, self.device)
+
+    def targets_per_sample(self) -> int:
+        return torch.as_tensor(next(iter(self.source))[1]).numel()
+
+    def resized(self, batch_size: int) -> StreamLoader:
+        return StreamLoader(self.source, self.dist, batch_size, self.seed, self.cfg)
