@@ -151,6 +151,17 @@ def saved_model(meta: dict[str, Any], path: str | Path) -> dict[str, Any]:
     return dict(model)
 
 
+def saved_parallel(meta: dict[str, Any]) -> str | None:
+    """The strategy (parallel.name) a checkpoint was saved under."""
+    parallel = saved_config(meta).get("parallel")
+    return parallel.get("name") if isinstance(parallel, dict) else None
+
+
+def same_model(meta: dict[str, Any], spec: dict[str, Any]) -> bool:
+    """The checkpoint was trained with this model spec (_target_ and every argument)."""
+    return saved_config(meta).get("model") == spec
+
+
 def resumable(path: str | Path, meta: dict[str, Any]) -> bool:
     """A training checkpoint: a position to resume from, and its optimizer state."""
     return "epoch_step" in meta and (is_sharded(path) or "optimizer" in meta)

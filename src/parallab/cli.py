@@ -163,7 +163,7 @@ def _evaluate_app(dict_cfg: DictConfig) -> float:
     from parallab.loss import build_loss
     from parallab.models import build_model
     from parallab.precision import Precision
-    from parallab.trainer import evaluate
+    from parallab.metrics import evaluate
 
     cfg = OmegaConf.to_object(dict_cfg)
     try:

@@ -9,13 +9,21 @@ a process group torchmetrics reduces its state over the ranks in compute) or any
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
+from torch import nn
 
 from parallab import targets
 from parallab.errors import ConfigError
+
+if TYPE_CHECKING:
+    from parallab.data.loaders import ShardLoader
+    from parallab.distributed import Dist
+    from parallab.loss import Objective
+    from parallab.precision import Precision
 
 LOSS, ACCURACY = "eval_loss", "eval_accuracy"
 PREFIX = "eval_"
@@ -70,3 +78,42 @@ class Metrics:
             else:
                 figures[PREFIX + name] = (self.sums[index] / self.sums[-1]).item()
         return figures
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, loader: ShardLoader, dist: Dist, precision: Precision | None,
+             loss: Objective, metric_specs: dict[str, Any] | None = None,
+             forward: Callable[[nn.Module, Any], torch.Tensor | None] | None = None
+             ) -> dict[str, float]:
+    """eval_loss (and eval_accuracy where the loss classifies, and the configured metrics)
+    over the whole split: each sample counted once, summed over ranks. `forward` (a
+    strategy's eval_forward) returns None on ranks that do not score."""
+    was_training = model.training
+    model.eval()
+    extra = Metrics(metric_specs or {}, dist.device)
+    totals = torch.zeros(3, dtype=torch.float64, device=dist.device)  # loss, correct, count
+    remaining = loader.num_valid  # the rest of this rank's shard is sampler padding
+    for inputs, labels in loader:
+        n = min(len(labels), remaining)
+        remaining -= n
+        with precision.autocast() if precision else contextlib.nullcontext():
+            if loss.from_model:  # the model scores itself: no padding rows to drop
+                totals[0] += loss(model(inputs, labels), labels).float() * loss.weight(labels)
+                totals[2] += loss.weight(labels)
+                continue
+            output = forward(model, inputs) if forward else model(inputs)
+        if output is None or n == 0:
+            continue
+        output, labels = output[:n], labels[:n]
+        totals[0] += loss(output, labels).double() * loss.weight(labels)
+        totals[2] += loss.weight(labels)
+        if loss.classifies:
+            totals[1] += (output.argmax(dim=-1) == labels).sum()
+        extra.update(output, labels)
+    dist.all_reduce_sum(totals)
+    model.train(was_training)
+    total_loss, correct, count = totals.tolist()
+    figures = {LOSS: total_loss / count}
+    if loss.classifies:
+        figures[ACCURACY] = correct / count
+    return {**figures, **extra.compute(dist)}

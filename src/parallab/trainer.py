@@ -8,20 +8,18 @@ import math
 import resource
 import statistics
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 from torch import nn
 
-from parallab import checkpoint
+from parallab import checkpoint, metrics
 from parallab.checkpoint import Checkpointer
 from parallab.config import TrainerConfig
 from parallab.data import Data, stream
-from parallab.data.loaders import ShardLoader
 from parallab.distributed import Dist
 from parallab.logger import RunLogger
-from parallab import metrics
-from parallab.loss import Objective
+from parallab.metrics import evaluate
 from parallab.parallel.base import Strategy
 from parallab.preemption import Preemption
 from parallab.precision import Precision
@@ -62,46 +60,7 @@ def held_state_mb(model: nn.Module, optimizer: torch.optim.Optimizer) -> float:
     return sum(t.numel() * t.element_size() for t in local) / 2**20
 
 
-@torch.no_grad()
-def evaluate(model: nn.Module, loader: ShardLoader, dist: Dist, precision: Precision | None,
-             loss: Objective, metric_specs: dict[str, Any] | None = None,
-             forward: Callable[[nn.Module, Any], torch.Tensor | None] | None = None
-             ) -> dict[str, float]:
-    """eval_loss (and eval_accuracy where the loss classifies, and the configured metrics)
-    over the whole split: each sample counted once, summed over ranks. `forward` (a
-    strategy's eval_forward) returns None on ranks that do not score."""
-    was_training = model.training
-    model.eval()
-    extra = metrics.Metrics(metric_specs or {}, dist.device)
-    totals = torch.zeros(3, dtype=torch.float64, device=dist.device)  # loss, correct, count
-    remaining = loader.num_valid  # the rest of this rank's shard is sampler padding
-    for inputs, targets in loader:
-        n = min(len(targets), remaining)
-        remaining -= n
-        with precision.autocast() if precision else contextlib.nullcontext():
-            if loss.from_model:  # the model scores itself: no padding rows to drop
-                totals[0] += loss(model(inputs, targets), targets).float() * loss.weight(targets)
-                totals[2] += loss.weight(targets)
-                continue
-            output = forward(model, inputs) if forward else model(inputs)
-        if output is None or n == 0:
-            continue
-        output, targets = output[:n], targets[:n]
-        totals[0] += loss(output, targets).double() * loss.weight(targets)
-        totals[2] += loss.weight(targets)
-        if loss.classifies:
-            totals[1] += (output.argmax(dim=-1) == targets).sum()
-        extra.update(output, targets)
-    dist.all_reduce_sum(totals)
-    model.train(was_training)
-    total_loss, correct, count = totals.tolist()
-    figures = {metrics.LOSS: total_loss / count}
-    if loss.classifies:
-        figures[metrics.ACCURACY] = correct / count
-    return {**figures, **extra.compute(dist)}
-
-
-def micro_batches(loader: ShardLoader, size: int) -> Iterator[list[Batch]]:
+def micro_batches(loader, size: int) -> Iterator[list[Batch]]:
     """The loader's batches in groups of `size` (the last group may be shorter)."""
     group: list[Batch] = []
     for batch in loader:

@@ -55,7 +55,7 @@ def one_batch(cfg, size: int = 2) -> tuple[Any, torch.Tensor]:
     from torch.utils.data import default_collate
 
     from parallab.data.datasets import collate
-    from parallab.data.loaders import SampleDataset, _dataset
+    from parallab.data.loaders import _dataset
     from parallab.data.split import Split
 
     train, _ = cfg.data.make(cfg.seed)

@@ -203,12 +203,10 @@ def check_resume(cfg: Config, run_dir: str | None) -> None:
     _require(checkpoint.resumable(resume, meta),
              f"trainer.resume={resume} is not a parallab training checkpoint (no optimizer or "
              "position in it): evaluate it with evaluate.py, or start afresh")
-    saved = checkpoint.saved_config(meta)
-    _require(saved.get("model") == cfg.model,
-             f"trainer.resume={resume} was saved from model {config.model_name(saved.get('model') or {})} "
-             f"with other settings than model {config.model_name(cfg.model)} here: resume with "
-             "the same model config")
-    saved_parallel = (saved.get("parallel") or {}).get("name")
+    _require(checkpoint.same_model(meta, cfg.model),
+             f"trainer.resume={resume} was saved from another model config than model "
+             f"{config.model_name(cfg.model)} here: resume with the same model config")
+    saved_parallel = checkpoint.saved_parallel(meta)
     sharded = checkpoint.is_sharded(resume)
     _require(sharded == STRATEGIES[cfg.parallel.name].sharded_checkpoint,
              f"trainer.resume={resume} was saved by parallel={saved_parallel} "
