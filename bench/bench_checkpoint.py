@@ -26,24 +26,23 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 from parallab.checkpoint import Checkpointer  # noqa: E402
-from parallab.config import (BytesDataConfig, GptConfig, MnistCnnConfig,  # noqa: E402
-                             TrainerConfig)
-from parallab.data import bytetext  # noqa: E402
+from parallab.config import TrainerConfig  # noqa: E402
+from parallab.data.bytetext import Bytes  # noqa: E402
 from parallab.distributed import Dist  # noqa: E402
 from parallab.models.gpt import GPT  # noqa: E402
 from parallab.models.mnist_cnn import MnistCNN  # noqa: E402
 
 
 def mnist_cnn() -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.Tensor, int]:
-    model = MnistCNN(MnistCnnConfig())
+    model = MnistCNN()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.5)
     return model, optimizer, torch.randn(8, 1, 28, 28), math.ceil(60_000 / 64)
 
 
 def gpt() -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.Tensor, int]:
-    model = GPT(GptConfig())
+    model = GPT()  # conf/model/gpt.yaml's sizes are GPT's defaults
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    train, _ = bytetext.make(BytesDataConfig(), seed=0)
+    train, _ = Bytes().make(seed=0)
     return model, optimizer, torch.randint(256, (2, 256)), math.ceil(len(train) / 32)
 
 

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+SHIPPED = REPO / "src" / "parallab" / "data" / "files"  # parallab.data.mnist.SHIPPED: MNIST/raw/
 
 
 def seed_net():
@@ -144,12 +145,12 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="parallab-bench-"))
     raw = work / "MNIST" / "raw"  # torchvision's MNIST wants the files extracted
     raw.mkdir(parents=True)
-    for gz in (REPO / "data" / "MNIST" / "raw").glob("*.gz"):
+    for gz in (SHIPPED / "MNIST" / "raw").glob("*.gz"):
         with gzip.open(gz) as src, open(raw / gz.stem, "wb") as dst:
             shutil.copyfileobj(src, dst)
     results: dict[str, list[dict]] = {"seed": [], "hand": [], "parallab": []}
     for repeat in range(args.repeats):
-        pair = [lambda: results["hand"].append(in_subprocess("hand", str(REPO / "data"))),
+        pair = [lambda: results["hand"].append(in_subprocess("hand", str(SHIPPED))),
                 lambda: results["parallab"].append(run_parallab(work / f"run{repeat}"))]
         for run in pair if repeat % 2 == 0 else reversed(pair):  # no side always goes first
             run()

@@ -9,8 +9,8 @@ import torch
 
 from conftest import FAST, assert_ok, output, read_metrics
 from parallab.batch_size import find_batch_size
-from parallab.config import MnistCnnConfig, PrecisionConfig, SyntheticDataConfig
-from parallab.data import synthetic
+from parallab.config import PrecisionConfig
+from parallab.data.synthetic import Synthetic
 from parallab.data.loaders import MemoryLoader
 from parallab.distributed import Dist
 from parallab.models.mnist_cnn import MnistCNN
@@ -21,9 +21,9 @@ CPU_RANK = Dist(0, 0, 1, 1, torch.device("cpu"), None)
 
 def test_trials_leave_model_and_optimizer_as_they_were():
     torch.manual_seed(0)
-    model = MnistCNN(MnistCnnConfig())
+    model = MnistCNN()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    train = synthetic.make(SyntheticDataConfig(train_size=1024, eval_size=8), seed=0)[0]
+    train = Synthetic(train_size=1024, eval_size=8).make(seed=0)[0]
     loader = MemoryLoader(train, CPU_RANK, 16, shuffle=True, seed=0)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     size, trials = find_batch_size(model, optimizer, Precision(PrecisionConfig(), CPU_RANK.device),

@@ -7,6 +7,7 @@ from omegaconf import OmegaConf
 
 from conftest import REPO, output, run_entry, typed
 from parallab import validate
+from parallab.config import data_config, model_name
 
 GROUPS = ["model", "data", "parallel", "precision", "backend", "optim", "trainer"]
 # what this machine lacks for an option, and the key the refusal names
@@ -20,6 +21,10 @@ def options(group: str) -> list[str]:
     return sorted(p.stem for p in (REPO / "conf" / group).glob("*.yaml"))
 
 
+# the class each model option builds (model._target_'s last part)
+MODEL_CLASSES = {"gpt": "GPT", "lstm": "LSTMClassifier", "mlp": "MLP", "mnist_cnn": "MnistCNN",
+                 "resnet18": "ResNet18"}
+
 # options that only make sense with a partner from another group
 PARTNERS = {("model", "gpt"): ["data=bytes"], ("data", "bytes"): ["model=gpt"],
             ("model", "lstm"): ["data=text"], ("data", "text"): ["model=lstm"],
@@ -32,6 +37,10 @@ def test_every_option_composes_and_validates(group, option):
     cfg = typed(f"{group}={option}", "device=cpu", *PARTNERS.get((group, option), []))
     if group == "trainer":  # one option, no name field
         assert type(cfg.trainer).__name__ == "TrainerConfig"
+    elif group == "model":  # a _target_ spec: named by its class
+        assert model_name(cfg.model) == MODEL_CLASSES[option]
+    elif group == "data":  # a plain dict until typed by its data set's class
+        assert data_config(cfg.data).name == option
     else:
         assert getattr(cfg, group).name == option
     if (group, option) in NEEDS_MORE_THAN_THIS_MACHINE:
@@ -44,7 +53,10 @@ def test_every_option_composes_and_validates(group, option):
 
 def test_defaults_are_the_seed_recipe():
     cfg = validate.prepare(typed("device=cpu"), in_place=None)
-    assert (cfg.model.name, cfg.data.name, cfg.parallel.name) == ("mnist_cnn", "mnist", "none")
+    assert (model_name(cfg.model), cfg.data.name, cfg.parallel.name) == ("MnistCNN", "mnist",
+                                                                          "none")
+    assert cfg.model == {"_target_": "parallab.models.mnist_cnn.MnistCNN", "num_classes": 10,
+                         "dropout": 0.5}
     assert (cfg.optim.name, cfg.optim.lr, cfg.optim.momentum) == ("sgd", 0.01, 0.5)
     assert (cfg.data.batch_size, cfg.trainer.epochs) == (64, 10)
     assert (cfg.backend.name, cfg.parallel.world_size) == ("gloo", 1)
@@ -77,7 +89,8 @@ def test_auto_values_resolve_for_cpu():
     (["backend.timeout_s=0"], "backend.timeout_s=0"),
     (["device=cuda"], "device=cuda"),
     (["parallel=ddp", "parallel.devices=[0,1]"], "parallel.devices"),
-    (["data=synthetic", "data.shape=[3,32,32]"], "data.shape=[3, 32, 32]"),
+    (["data=synthetic", "data.shape=[3,32,32]"],
+     "data=synthetic gives samples of shape [3, 32, 32]"),
     (["data=synthetic", "data.num_classes=20"], "model.num_classes=10"),
     (["data=synthetic", "data.train_size=0"], "data.train_size=0"),
     (["data.root=/nonexistent/mnist"], "data.root=/nonexistent/mnist"),
@@ -101,6 +114,14 @@ def test_auto_values_resolve_for_cpu():
     (["parallel=fsdp", "precision=fp16"], "precision=fp16 with parallel=fsdp"),
     (["parallel=model", "trainer.auto_batch_size=true"], "trainer.auto_batch_size=true"),
     (["model=mlp", "model.input_dim=100"], "model.input_dim=100"),
+    (["model=mlp", "model.hidden=[64,0]"], "model.hidden=[64, 0] holds a width < 1"),
+    (["model=gpt", "data=bytes", "model.heads=0"], "model.heads=0 is out of range"),
+    (["model=lstm", "data=text", "model.num_layers=0"], "model.num_layers=0 is out of range"),
+    (["+model.layers=4"], "model.layers is not an argument of parallab.models.mnist_cnn.Mnist"),
+    (["model.num_classes=ten"], "model.num_classes='ten' is not of type int"),
+    (["loss=mse"], "loss=mse compares outputs of shape (2, 10) with targets of shape (2,)"),
+    (["loss=bce_with_logits"], "loss=bce_with_logits compares outputs"),
+    (["data.loader=memory", "data=cifar10", "data.augment=true"], "data.augment=true"),
 ])
 def test_bad_values_fail_naming_the_key(overrides, message):
     with pytest.raises(validate.ConfigError) as error:
@@ -184,7 +205,8 @@ def test_resume_refuses_missing_truncated_and_foreign_checkpoints(tmp_path):
     import torch
 
     good = tmp_path / "good.pt"
-    model_cfg = {"name": "mnist_cnn", "num_classes": 10, "dropout": 0.5}
+    model_cfg = {"_target_": "parallab.models.mnist_cnn.MnistCNN", "num_classes": 10,
+                 "dropout": 0.5}
     torch.save({"model": {}, "optimizer": {}, "epoch_step": 0, "config": {"model": model_cfg}},
                good)
     truncated = tmp_path / "truncated.pt"

@@ -8,15 +8,16 @@ import shutil
 import pytest
 import torch
 
-from conftest import REPO
-from parallab.config import Loader, MnistDataConfig, SyntheticDataConfig
-from parallab.data import build_data, mnist, synthetic
+from parallab.config import Loader
+from parallab.data import build_data, mnist
+from parallab.data.mnist import MNIST
+from parallab.data.synthetic import Synthetic
 from torch.utils.data import DistributedSampler
 
 from parallab.data.loaders import DataLoaderLoader, MemoryLoader, ShardSampler
 from parallab.distributed import Dist
 
-ROOT = REPO / "data"
+ROOT = MNIST().folder  # data.root=null: the copy parallab ships
 
 
 def cpu_rank(rank: int, world_size: int) -> Dist:
@@ -61,7 +62,7 @@ def test_batches_are_normalised_like_totensor_then_normalize(mnist_train):
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_shards_are_disjoint_cover_the_set_and_have_equal_steps(world_size):
-    split = synthetic.make(SyntheticDataConfig(train_size=1001, eval_size=10), seed=0)[0]
+    split = Synthetic(train_size=1001, eval_size=10).make(seed=0)[0]
     loaders = [MemoryLoader(split, cpu_rank(r, world_size), 64, shuffle=True, seed=3)
                for r in range(world_size)]
     for epoch in (0, 1):
@@ -92,7 +93,7 @@ def test_shard_order_is_distributed_samplers(size, world_size, shuffle):
 
 
 def test_memory_and_dataloader_paths_yield_the_same_batches(mnist_train):
-    cfg = MnistDataConfig(num_workers=0)
+    cfg = MNIST(num_workers=0)
     small = mnist.Split(mnist_train.inputs[:300], mnist_train.targets[:300], mnist.MEAN, mnist.STD)
     memory = MemoryLoader(small, cpu_rank(1, 2), 32, shuffle=True, seed=7)
     loader = DataLoaderLoader(small, cpu_rank(1, 2), 32, shuffle=True, seed=7, cfg=cfg)
@@ -107,10 +108,10 @@ def test_memory_and_dataloader_paths_yield_the_same_batches(mnist_train):
 
 
 def test_synthetic_data_is_seeded_and_learnable():
-    cfg = SyntheticDataConfig(train_size=512, eval_size=256, shape=[1, 8, 8], num_classes=4)
-    a, b = synthetic.make(cfg, seed=1)[0], synthetic.make(cfg, seed=1)[0]
+    cfg = Synthetic(train_size=512, eval_size=256, shape=[1, 8, 8], num_classes=4)
+    a, b = cfg.make(seed=1)[0], cfg.make(seed=1)[0]
     assert torch.equal(a.inputs, b.inputs) and a.inputs.shape == (512, 1, 8, 8)
-    train, test = synthetic.make(cfg, seed=1)
+    train, test = cfg.make(seed=1)
     # nearest class mean, estimated on train, classifies the held-out split well
     means = torch.stack([train.inputs[train.targets == c].mean(0) for c in range(4)])
     distances = ((test.inputs[:, None] - means[None]) ** 2).flatten(2).sum(-1)
@@ -118,7 +119,7 @@ def test_synthetic_data_is_seeded_and_learnable():
 
 
 def test_build_data_uses_the_configured_path():
-    cfg = SyntheticDataConfig(train_size=100, eval_size=50, loader=Loader.dataloader, batch_size=10)
+    cfg = Synthetic(train_size=100, eval_size=50, loader=Loader.dataloader, batch_size=10)
     data = build_data(cfg, cpu_rank(0, 1), seed=0)
     assert isinstance(data.train, DataLoaderLoader) and len(data.train) == 10
     inputs, targets = next(iter(data.train))

@@ -10,29 +10,30 @@ import torch
 
 from conftest import assert_ok, output, read_metrics, typed
 from parallab import validate
-from parallab.config import BytesDataConfig, GptConfig
+from parallab.config import data_config
 from parallab.data import bytetext
+from parallab.data.bytetext import Bytes
 from parallab.mfu import peak_flops
-from parallab.models.gpt import GPT, flops_per_token
+from parallab.models.gpt import GPT, GptConfig, flops_per_token
 
-SMALL = GptConfig(layers=2, heads=2, width=32, context=16)
+SMALL = dict(layers=2, heads=2, width=32, context=16)
 
 
 def small_model() -> GPT:
     torch.manual_seed(0)
-    return GPT(SMALL).eval()
+    return GPT(**SMALL).eval()
 
 
 def test_logits_per_position_for_any_length_up_to_context():
     model = small_model()
-    for length in (1, 5, SMALL.context):
+    for length in (1, 5, SMALL["context"]):
         tokens = torch.randint(256, (3, length))
         assert model(tokens).shape == (3, length, 256)
 
 
 def test_changing_a_token_changes_no_earlier_logits():
     model = small_model()
-    tokens = torch.randint(256, (2, SMALL.context))
+    tokens = torch.randint(256, (2, SMALL["context"]))
     changed = tokens.clone()
     t = 9
     changed[:, t] = (changed[:, t] + 1) % 256
@@ -44,7 +45,7 @@ def test_changing_a_token_changes_no_earlier_logits():
 def test_stages_are_submodules_that_compose_to_forward():
     model = small_model()
     stages = model.stages()
-    assert len(stages) == SMALL.layers + 2
+    assert len(stages) == SMALL["layers"] + 2
     submodules = list(model.modules())
     assert all(any(stage is m for m in submodules) for stage in stages)
     # every parameter belongs to exactly one stage: no weight spans two (no tying)
@@ -58,8 +59,9 @@ def test_stages_are_submodules_that_compose_to_forward():
 
 
 def test_default_size_and_flops_estimate():
-    cfg = GptConfig()
-    model = GPT(cfg)
+    model = GPT()
+    cfg = GptConfig()  # GPT's defaults
+    assert model.cfg == cfg
     params = sum(p.numel() for p in model.parameters())
     assert 3e6 < params < 4e6
     looked_up = sum(p.numel() for p in model.embed.parameters())  # embeddings: no matmul
@@ -76,9 +78,9 @@ def test_byte_windows_shift_by_one_and_hold_out_the_tail(tmp_path):
     (tmp_path / "b.txt").write_bytes(bytes(range(100, 150)))
     (tmp_path / "a.txt").write_bytes(bytes(range(0, 50)))
     (tmp_path / "notes.md").write_bytes(b"not read")
-    cfg = BytesDataConfig(path=str(tmp_path), seq_len=8, eval_fraction=0.2)
-    assert bytetext.problem(cfg) is None
-    train, test = bytetext.make(cfg, seed=0)
+    cfg = Bytes(path=str(tmp_path), seq_len=8, eval_fraction=0.2)
+    assert cfg.problem() is None
+    train, test = cfg.make(seed=0)
     text = torch.tensor(list(range(0, 50)) + list(range(100, 150)))  # sorted: a.txt, b.txt
     assert train.inputs.dtype == torch.uint8 and train.targets.dtype == torch.int64
     assert train.inputs.shape == (9, 8) and test.inputs.shape == (2, 8)  # 80 | 20 bytes
@@ -97,7 +99,8 @@ def test_shipped_text_is_public_domain_english_within_5_mb():
 
 def test_seq_len_follows_model_context():
     cfg = typed("device=cpu", "model=gpt", "data=bytes", "model.context=64")
-    assert cfg.data.seq_len == 64 and cfg.data.input_shape == [64]
+    data = data_config(cfg.data)
+    assert isinstance(data, Bytes) and data.seq_len == 64 and data.input_shape == [64]
     assert validate.prepare(cfg, in_place=None).data.num_classes == 256
 
 

@@ -10,13 +10,18 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from omegaconf import OmegaConf
 from torch import nn
 
 from conftest import FAST, assert_ok, output, read_metrics, run_entry
-from parallab.config import (Cifar10DataConfig, ImageFolderDataConfig, Loader, LstmConfig,
-                             MnistDataConfig, ResNet18Config, SyntheticDataConfig,
-                             TextDataConfig)
-from parallab.data import build_data, images, resolve_loader, synthetic, text
+from parallab import targets
+from parallab.cli import CONF_DIR
+from parallab.config import Loader
+from parallab.data import build_data, images, resolve_loader, text
+from parallab.data.images import Cifar10, ImageFolder
+from parallab.data.mnist import MNIST
+from parallab.data.synthetic import Synthetic
+from parallab.data.text import Text
 from parallab.data.loaders import DataLoaderLoader, MemoryLoader
 from parallab.distributed import Dist
 from parallab.models.lstm import LSTMClassifier
@@ -24,6 +29,17 @@ from parallab.models.resnet import ResNet18
 
 CPU = Dist(0, 0, 1, 1, torch.device("cpu"), None)
 SEED_TEXTS, SEED_LABELS = ["I love this movie", "This movie is terrible"], [1, 0]
+
+
+def model_spec(option: str) -> dict:
+    """conf/model/<option>.yaml as composed: _target_ and the model's arguments."""
+    return OmegaConf.to_container(OmegaConf.load(Path(CONF_DIR) / "model" / f"{option}.yaml"))
+
+
+def model_args(option: str, **overrides) -> dict:
+    """The arguments conf/model/<option>.yaml gives its model (nulls: inferred from the
+    data by check_data), with `overrides`: what check_data receives."""
+    return {**targets.arguments(model_spec(option)), **overrides}
 
 
 def write_tsv(folder: Path, rows: list[tuple[object, str]]) -> Path:
@@ -40,8 +56,7 @@ def seed_002_training(seed: int) -> list[int]:
              "terrible": 7}
     ids = [torch.tensor([vocab.get(w, 1) for w in t.split()]) for t in SEED_TEXTS]
     torch.manual_seed(seed)
-    model = LSTMClassifier(LstmConfig(vocab_size=8, embedding_dim=50, hidden_dim=50,
-                                      num_classes=2))
+    model = LSTMClassifier(vocab_size=8, embedding_dim=50, hidden_dim=50, num_classes=2)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.001)
     for _ in range(10):
         order = torch.randperm(2).tolist()
@@ -67,8 +82,8 @@ def test_seed_002_sentences_come_out_right():
 
 def test_padding_changes_nothing():
     torch.manual_seed(0)
-    model = LSTMClassifier(LstmConfig(vocab_size=20, embedding_dim=8, hidden_dim=12,
-                                      num_layers=2, num_classes=3)).eval()
+    model = LSTMClassifier(vocab_size=20, embedding_dim=8, hidden_dim=12, num_layers=2,
+                           num_classes=3).eval()
     short, long = torch.tensor([5, 6, 7]), torch.arange(1, 10)
     alone = model(short[None])
     batch = nn.utils.rnn.pad_sequence([long, short], batch_first=True)  # short padded by 6
@@ -91,7 +106,7 @@ def test_vocabulary_is_deterministic_with_pad_unk_min_freq_and_max_size():
 
 
 def test_shipped_text_set_and_its_vocabulary(tmp_path):
-    cfg = TextDataConfig()
+    cfg = Text()
     found = text.corpus(cfg)
     assert found.classes == ["milton", "shakespeare"]
     assert (len(found.train), len(found.test)) == (8019, 2002)
@@ -101,18 +116,17 @@ def test_shipped_text_set_and_its_vocabulary(tmp_path):
     inputs = found.train.inputs
     lengths = (inputs != 0).sum(1)
     assert (lengths >= 1).all() and ((inputs != 0).cumsum(1).max(1).values == lengths).all()
-    assert text.problem(TextDataConfig(path=str(tmp_path))).startswith(
+    assert Text(path=str(tmp_path)).problem().startswith(
         f"data.path={tmp_path} has no train.tsv or test.tsv")
     (tmp_path / "train.tsv").write_text("no tab here\n")
     (tmp_path / "test.tsv").write_text("")
-    assert "train.tsv line 1 is not `label<TAB>text`" in text.problem(TextDataConfig(
-        path=str(tmp_path)))
+    assert "train.tsv line 1 is not `label<TAB>text`" in Text(path=str(tmp_path)).problem()
 
 
 def test_text_on_the_dataloader_path_matches_memory(tmp_path):
-    cfg = TextDataConfig(path=str(write_tsv(tmp_path, [(i % 2, "a b " * (i % 4 + 1))
-                                                       for i in range(10)])), min_freq=1)
-    train, _ = text.make(cfg, 0)
+    cfg = Text(path=str(write_tsv(tmp_path, [(i % 2, "a b " * (i % 4 + 1))
+                                             for i in range(10)])), min_freq=1)
+    train, _ = cfg.make(0)
     memory = MemoryLoader(train, CPU, 4, True, 3)
     loader = DataLoaderLoader(train, CPU, 4, True, 3, cfg)
     for (x1, y1), (x2, y2) in zip(memory, loader, strict=True):
@@ -120,16 +134,17 @@ def test_text_on_the_dataloader_path_matches_memory(tmp_path):
 
 
 def test_synthetic_token_sequences_with_labels():
-    cfg = SyntheticDataConfig(vocab_size=50, seq_len=12, train_size=64, eval_size=16,
-                              num_classes=3)
-    train, test = synthetic.make(cfg, seed=1)
+    cfg = Synthetic(vocab_size=50, seq_len=12, train_size=64, eval_size=16, num_classes=3)
+    train, test = cfg.make(seed=1)
     assert train.inputs.shape == (64, 12) and test.inputs.shape == (16, 12)
     lengths = (train.inputs != 0).sum(1)
     assert lengths.min() >= 6 and lengths.max() <= 12 and train.inputs.max() < 50
     assert ((train.inputs != 0).cumsum(1).max(1).values == lengths).all()  # right-padded
-    assert torch.equal(synthetic.make(cfg, seed=1)[0].inputs, train.inputs)
-    assert cfg.input_shape == [12] and LSTMClassifier.check_data(LstmConfig(), cfg) is None
-    assert "data.vocab_size=N" in LSTMClassifier.check_data(LstmConfig(), SyntheticDataConfig())
+    assert torch.equal(cfg.make(seed=1)[0].inputs, train.inputs)
+    args = model_args("lstm")
+    assert cfg.input_shape == [12] and LSTMClassifier.check_data(args, cfg) is None
+    assert (args["vocab_size"], args["num_classes"]) == (50, 3)  # inferred from the data
+    assert "data.vocab_size=N" in LSTMClassifier.check_data(model_args("lstm"), Synthetic())
 
 
 # --- ResNet-18 (seed 004) --------------------------------------------------------------------
@@ -149,10 +164,10 @@ def test_resnet18_loads_weights_and_replaces_fc(weights):
     from torchvision.models import resnet18
 
     path, state = weights
-    cfg = ResNet18Config(weights=str(path))
-    assert ResNet18.check_data(cfg, SyntheticDataConfig(shape=[3, 32, 32])) is None
-    assert (cfg.num_classes, cfg.in_channels) == (10, 3)
-    model = ResNet18(cfg).eval()
+    cfg = model_args("resnet18", weights=str(path))
+    assert ResNet18.check_data(cfg, Synthetic(shape=[3, 32, 32])) is None
+    assert (cfg["num_classes"], cfg["in_channels"]) == (10, 3)
+    model = ResNet18(**cfg).eval()
     torch.testing.assert_close(model.stem[0].weight, state["conv1.weight"])
     torch.testing.assert_close(model.layer4[1].bn2.running_var, state["layer4.1.bn2.running_var"])
     assert model.head[-1].out_features == 10
@@ -166,8 +181,8 @@ def test_resnet18_loads_weights_and_replaces_fc(weights):
 def test_freeze_backbone_trains_only_the_head(weights):
     path, state = weights
     torch.manual_seed(0)
-    model = ResNet18(ResNet18Config(weights=str(path), num_classes=4, in_channels=3,
-                                    freeze_backbone=True)).train()
+    model = ResNet18(weights=str(path), num_classes=4, in_channels=3,
+                     freeze_backbone=True).train()
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert trainable == ["head.2.weight", "head.2.bias"]
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -180,8 +195,8 @@ def test_freeze_backbone_trains_only_the_head(weights):
 
 
 def test_resnet18_weight_errors_name_the_file(tmp_path, monkeypatch):
-    data = SyntheticDataConfig(shape=[3, 32, 32])
-    problem = ResNet18.check_data(ResNet18Config(weights=str(tmp_path / "x.pth")), data)
+    data = Synthetic(shape=[3, 32, 32])
+    problem = ResNet18.check_data(model_args("resnet18", weights=str(tmp_path / "x.pth")), data)
     assert problem.startswith(f"model.weights={tmp_path / 'x.pth'}: no such file")
     monkeypatch.setattr(torch.hub, "get_dir", lambda: str(tmp_path / "hub"))
 
@@ -189,20 +204,21 @@ def test_resnet18_weight_errors_name_the_file(tmp_path, monkeypatch):
         raise OSError("network is unreachable")
 
     monkeypatch.setattr(torch.hub, "load_state_dict_from_url", offline)
-    problem = ResNet18.check_data(ResNet18Config(weights="IMAGENET1K_V1"), data)
+    problem = ResNet18.check_data(model_args("resnet18", weights="IMAGENET1K_V1"), data)
     assert str(tmp_path / "hub" / "checkpoints" / "resnet18-f37072fd.pth") in problem
     assert "could not be downloaded" in problem and "\n" not in problem
-    assert "neither a file" in ResNet18.check_data(ResNet18Config(weights="IMAGENET9"), data)
+    assert "neither a file" in ResNet18.check_data(model_args("resnet18", weights="IMAGENET9"),
+                                                   data)
     torch.save({"w": torch.zeros(1)}, tmp_path / "other.pt")
     assert "is not a resnet18 state_dict" in ResNet18.check_data(
-        ResNet18Config(weights=str(tmp_path / "other.pt")), data)
-    assert "takes images" in ResNet18.check_data(ResNet18Config(), TextDataConfig())
+        model_args("resnet18", weights=str(tmp_path / "other.pt")), data)
+    assert "takes images" in ResNet18.check_data(model_args("resnet18"), Text())
 
 
 def test_resnet18_takes_one_channel_images():
-    cfg = ResNet18Config()
-    assert ResNet18.check_data(cfg, MnistDataConfig()) is None and cfg.in_channels == 1
-    assert ResNet18(cfg)(torch.randn(2, 1, 28, 28)).shape == (2, 10)
+    cfg = model_args("resnet18")
+    assert ResNet18.check_data(cfg, MNIST()) is None and cfg["in_channels"] == 1
+    assert ResNet18(**cfg)(torch.randn(2, 1, 28, 28)).shape == (2, 10)
 
 
 # --- image sets ----------------------------------------------------------------------------
@@ -218,8 +234,8 @@ def write_cifar(root: Path, per_batch: int = 8) -> None:
 
 def test_cifar10_from_files_with_augmentation_on_the_dataloader_path(tmp_path):
     write_cifar(tmp_path)
-    cfg = Cifar10DataConfig(root=str(tmp_path))
-    assert images.cifar_problem(cfg) is None and resolve_loader(cfg) is Loader.dataloader
+    cfg = Cifar10(root=str(tmp_path))
+    assert cfg.problem() is None and resolve_loader(cfg) is Loader.dataloader
     train, test = images.make_cifar10(cfg, 0)
     assert train.inputs.shape == (40, 3, 32, 32) and len(test) == 8
     batch = train.prepare(train.inputs[:4])
@@ -241,7 +257,7 @@ def test_cifar10_from_files_with_augmentation_on_the_dataloader_path(tmp_path):
 
 
 def test_cifar10_missing_is_one_line_naming_data_root(tmp_path):
-    problem = images.cifar_problem(Cifar10DataConfig(root=str(tmp_path)))
+    problem = Cifar10(root=str(tmp_path)).problem()
     assert problem.startswith(f"data.root={tmp_path} has no CIFAR-10 files") and "\n" not in problem
     (tmp_path / images.CIFAR_DIR).mkdir()
     (tmp_path / images.CIFAR_DIR / "data_batch_1").write_bytes(
@@ -264,28 +280,26 @@ def write_folder(root: Path, classes=("cat", "dog"), per_class: int = 5) -> Path
 
 @pytest.mark.parametrize("loader", [Loader.memory, Loader.dataloader])
 def test_imagefolder_on_both_paths(tmp_path, loader):
-    cfg = ImageFolderDataConfig(path=str(write_folder(tmp_path)), image_size=16,
-                                augment=loader is Loader.dataloader, loader=loader,
-                                batch_size=4, eval_batch_size=4)
-    assert images.problem(cfg) is None and cfg.num_classes == 2
+    cfg = ImageFolder(path=str(write_folder(tmp_path)), image_size=16,
+                      augment=loader is Loader.dataloader, loader=loader, batch_size=4,
+                      eval_batch_size=4)
+    assert cfg.problem() is None and cfg.num_classes == 2
     data = build_data(cfg, CPU, seed=0)
-    assert (len(data.train.split), len(data.eval.split)) == (8, 2)  # 1 of 5 held out per class
+    assert (len(data.train.source), len(data.eval.source)) == (8, 2)  # 1 of 5 held out per class
     for part in (data.train, data.eval):
         inputs, targets = next(iter(part))
         assert inputs.shape[1:] == (3, 16, 16) and inputs.dtype == torch.float32
         assert set(targets.tolist()) <= {0, 1}
-    assert images.problem(ImageFolderDataConfig(path=str(tmp_path / "cat" / "0.png"))
-                          ).startswith("data.path=")
+    assert ImageFolder(path=str(tmp_path / "cat" / "0.png")).problem().startswith("data.path=")
 
 
 def test_loader_auto_picks_memory_when_the_set_fits():
-    assert resolve_loader(MnistDataConfig()) is Loader.memory
-    assert resolve_loader(TextDataConfig()) is Loader.memory
-    assert resolve_loader(Cifar10DataConfig(augment=False)) is Loader.memory
-    assert resolve_loader(Cifar10DataConfig()) is Loader.dataloader  # augmentation per sample
-    assert resolve_loader(SyntheticDataConfig(train_size=10**6, shape=[3, 64, 64])
-                          ) is Loader.dataloader
-    assert resolve_loader(MnistDataConfig(loader=Loader.dataloader)) is Loader.dataloader
+    assert resolve_loader(MNIST()) is Loader.memory
+    assert resolve_loader(Text()) is Loader.memory
+    assert resolve_loader(Cifar10(augment=False)) is Loader.memory
+    assert resolve_loader(Cifar10()) is Loader.dataloader  # augmentation per sample
+    assert resolve_loader(Synthetic(train_size=10**6, shape=[3, 64, 64])) is Loader.dataloader
+    assert resolve_loader(MNIST(loader=Loader.dataloader)) is Loader.dataloader
 
 
 # --- end to end ------------------------------------------------------------------------------
@@ -338,10 +352,12 @@ def test_every_model_runs_under_none_and_ddp_in_fp32_and_amp(tmp_path, models):
             "precision=fp32,amp", f"hydra.sweep.dir={sweep}", "hydra.sweep.subdir=${hydra.job.num}"]
     result = run_entry("train.py", ["-m", *args], timeout=300)
     assert result.returncode == 0, output(result)[-3000:]
+    option_of = {model_spec(m)["_target_"]: m for m in models.split(",")}
     runs = {}
     for job in filter(Path.is_dir, sweep.iterdir()):
         metrics = read_metrics(job)
-        model = yaml.safe_load((job / ".hydra" / "config.yaml").read_text())["model"]["name"]
+        target = yaml.safe_load((job / ".hydra" / "config.yaml").read_text())["model"]["_target_"]
+        model = option_of[target]
         runs[model, metrics["parallel"], metrics["precision_dtype"]] = metrics
         assert metrics["world_size"] == (2 if metrics["parallel"] == "ddp" else 1)
         assert np.isfinite(metrics["train_loss"]) and 0 <= metrics["eval_accuracy"] <= 1

@@ -10,7 +10,7 @@ from torch import nn
 
 from conftest import FAST, assert_ok, output, read_metrics, run_entry, scalars
 from parallab import checkpoint
-from parallab.config import MnistCnnConfig, PrecisionConfig
+from parallab.config import PrecisionConfig
 from parallab.models.mnist_cnn import MnistCNN
 from parallab.precision import Precision, compute_dtype
 
@@ -145,7 +145,7 @@ def test_compile_works_on_cpu_under_ddp_and_fsdp(tmp_path):
         assert read_metrics(sweep / parallel)["steps"] == 8
         # no _orig_mod. prefix: the weights load into a plain model
         ckpt = checkpoint.latest(sweep / parallel / "checkpoints")
-        checkpoint.model_from(ckpt, MnistCNN(MnistCnnConfig()))
+        checkpoint.model_from(ckpt, MnistCNN())
 
 
 @pytest.mark.slow

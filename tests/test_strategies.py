@@ -13,7 +13,6 @@ import torch
 
 from conftest import FAST, assert_ok, read_metrics, run_entry, scalars
 from parallab import checkpoint
-from parallab.config import MlpConfig
 from parallab.models.mlp import MLP
 from parallab.parallel.split import even_cuts, part_ranges
 
@@ -28,14 +27,14 @@ def test_even_cuts_balance_parameters_and_keep_every_part_non_empty():
     assert even_cuts([100, 1, 1, 1], 2) == [1]  # the big stage alone
     assert even_cuts([1, 1, 1, 100], 4) == [1, 2, 3]  # one stage each, whatever the sizes
     assert even_cuts([5, 5, 5, 5, 5, 5], 3) == [2, 4]
-    model = MLP(MlpConfig(input_dim=64, hidden=[64, 64, 32]))
+    model = MLP(input_dim=64, hidden=[64, 64, 32])
     assert [list(r) for r in part_ranges(model.stages(), 2, [3])] == [[0, 1, 2], [3]]
 
 
 def final_weights(run_dir) -> dict[str, torch.Tensor]:
     """The run's last checkpoint read into a plain single-device model."""
     ckpt = checkpoint.latest(run_dir / "checkpoints")
-    model = MLP(MlpConfig(input_dim=64, hidden=[64, 64, 32]))
+    model = MLP(input_dim=64, hidden=[64, 64, 32])
     return checkpoint.model_from(ckpt, model).state_dict()
 
 

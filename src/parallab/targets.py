@@ -73,10 +73,22 @@ def check_arguments(obj: Any, kwargs: dict[str, Any], key: str, at_call: int = 0
                           f"add it to the YAML, or +{key}.{missing[0]}=VALUE")
 
 
-def check_types(obj: Any, kwargs: dict[str, Any], key: str) -> None:
-    """Values against simple annotations (int, float, bool, str, list, Optional of them)."""
+def defaults(obj: Any) -> dict[str, Any]:
+    """The keyword arguments `obj`'s signature gives defaults to."""
+    try:
+        parameters = inspect.signature(obj).parameters.values()
+    except (TypeError, ValueError):
+        return {}
+    return {p.name: p.default for p in parameters if p.default is not p.empty}
+
+
+def check_types(obj: Any, kwargs: dict[str, Any], key: str, nulls: bool = False) -> None:
+    """Values against simple annotations (int, float, bool, str, list, Optional of them);
+    with `nulls`, a null passes (a value the data will fill in)."""
     hints = _hints(obj)
     for name, value in kwargs.items():
+        if nulls and value is None:
+            continue
         accepted = _accepted(hints.get(name))
         if accepted and not isinstance(value, accepted) and not _is_spec(value):
             wanted = " or ".join(t.__name__ for t in accepted)

@@ -21,14 +21,15 @@ from parallab.loss import Objective, build_loss
 from parallab.parallel import stages as stages_of
 
 OURS = "parallab."
+CROSS_ENTROPY = "parallab.loss.CrossEntropy"
 
 
 def needed(cfg) -> bool:
-    """A user's part is in play (or the stages are named in the config)."""
+    """A user's part is in play, a loss other than cross-entropy (which every built-in model
+    and data set is checked for), or stages named in the config."""
     return not (str(cfg.model.get(targets.TARGET, "")).startswith(OURS)
                 and cfg.data._target_.startswith(OURS) and cfg.data.tensors
-                and str(cfg.loss.get(targets.TARGET, "")).startswith(OURS)
-                ) or bool(cfg.parallel.stages)
+                and cfg.loss.get(targets.TARGET) == CROSS_ENTROPY) or bool(cfg.parallel.stages)
 
 
 def find_stages(model: nn.Module, cfg) -> list[nn.Module] | None:

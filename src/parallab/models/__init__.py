@@ -40,10 +40,15 @@ def check(spec: dict[str, Any], data) -> dict[str, Any]:
                           "Module class, or a function that returns a Module")
     kwargs = targets.arguments(spec)
     targets.check_arguments(target, kwargs, KEY)
+    targets.check_types(target, kwargs, KEY, nulls=True)
     check_data = getattr(target, "check_data", None)
-    if callable(check_data):
-        problem = check_data(kwargs, data)
+    if callable(check_data):  # sees every argument, the signature's defaults filled in
+        defaults = targets.defaults(target)
+        full = {**defaults, **kwargs}
+        problem = check_data(full, data)
         if problem:
             raise ConfigError(problem)
+        # the spec's own keys, and any argument the data decided (a null filled in)
+        kwargs = {k: v for k, v in full.items() if k in kwargs or v != defaults.get(k)}
     targets.check_types(target, kwargs, KEY)
     return {targets.TARGET: spec[targets.TARGET], **kwargs}

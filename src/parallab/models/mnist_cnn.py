@@ -31,6 +31,7 @@ class MnistCNN(Model):
         if problem:
             return problem
         if list(data.input_shape or []) != cls.input_shape:
-            return (f"data={data.name} gives samples of shape {data.input_shape}, which does not fit model=mnist_cnn, which "
-                    f"takes inputs of shape {cls.input_shape}: set data.shape={cls.input_shape}")
+            return (f"data={data.name} gives samples of shape {data.input_shape}, which does "
+                    f"not fit model=mnist_cnn, which takes inputs of shape {cls.input_shape}: "
+                    f"set data.shape={cls.input_shape}")
         return fits_classes(cfg, data)
