@@ -12,10 +12,8 @@ its end.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,6 +29,8 @@ from parallab.data.bytetext import Bytes  # noqa: E402
 from parallab.distributed import Dist  # noqa: E402
 from parallab.models.gpt import GPT  # noqa: E402
 from parallab.models.mnist_cnn import MnistCNN  # noqa: E402
+
+from parallab.testing import train_metrics
 
 
 def mnist_cnn() -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.Tensor, int]:
@@ -67,10 +67,9 @@ def save_seconds(build, saves: int, directory: Path) -> tuple[float, int, int]:
 
 
 def step_seconds(overrides: list[str], run_dir: Path) -> float:
-    subprocess.run([sys.executable, str(REPO / "train.py"), "trainer.max_steps=30",
-                    "device=cpu", "trainer.checkpoint_every_n_steps=null",
-                    f"hydra.run.dir={run_dir}", *overrides], check=True, capture_output=True)
-    return json.loads((run_dir / "metrics.json").read_text())["step_time_ms"] / 1e3
+    return train_metrics(["trainer.max_steps=30", "device=cpu",
+                          "trainer.checkpoint_every_n_steps=null", *overrides], run_dir,
+                         timeout=None)["step_time_ms"] / 1e3
 
 
 def main() -> None:

@@ -20,6 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from parallab.testing import train_metrics
+
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
@@ -34,11 +36,9 @@ def hand(world: int, out: Path) -> float:
 
 
 def parallab(world: int, run_dir: Path, *extra: str) -> float:
-    subprocess.run([sys.executable, str(REPO / "train.py"), "parallel=ddp",
-                    f"parallel.world_size={world}", "parallel.threads_per_worker=1",
-                    "trainer.epochs=1", "device=cpu", f"hydra.run.dir={run_dir}", *extra],
-                   check=True, capture_output=True)
-    return json.loads((run_dir / "metrics.json").read_text())["samples_per_sec"]
+    return train_metrics(["parallel=ddp", f"parallel.world_size={world}",
+                          "parallel.threads_per_worker=1", "trainer.epochs=1", "device=cpu",
+                          *extra], run_dir, timeout=None)["samples_per_sec"]
 
 
 def timed(commands: list[list[str]]) -> float:

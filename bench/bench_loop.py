@@ -11,6 +11,12 @@ each variant in a fresh process, interleaved so machine noise hits all alike:
 Prints seconds per epoch, eval accuracy, and the ratios c/b and a/c. This machine is shared
 and noisy (the same epoch varies by 10% from run to run), so c/b is also given as the median
 over back-to-back (b, c) pairs, run in alternating order, which cancels slow drifts.
+
+Then the same for a user's model given by _target_ (examples/own_model: ResMLP on its Waves
+Dataset, Adam, MSE, batch 32, 1,024 steps):
+  (d) hand:      the loop its user would write: DataLoader(Waves, shuffle=True), Adam, MSE
+  (e) parallab:  parallab train --config-dir conf experiment=waves, from the example's dir
+and the ratio e/d.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from parallab.testing import read_metrics, run_entry, train_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED = REPO / "src" / "parallab" / "data" / "files"  # parallab.data.mnist.SHIPPED: MNIST/raw/
@@ -118,11 +126,76 @@ def run_hand(root: str) -> dict:
 
 
 def run_parallab(out: Path) -> dict:
-    subprocess.run([sys.executable, str(REPO / "train.py"), "trainer.epochs=1", "device=cpu",
-                    f"hydra.run.dir={out}"], check=True, capture_output=True)
-    metrics = json.loads((out / "metrics.json").read_text())
+    metrics = train_metrics(["trainer.epochs=1", "device=cpu"], out, timeout=None)
     return {"epoch_s": metrics["epoch_time_s"], "step_ms": metrics["step_time_ms"],
             "accuracy": metrics["eval_accuracy"]}
+
+
+EXAMPLE = REPO / "examples" / "own_model"
+OWN_SIZE = 32768  # training samples: 1,024 steps of 32
+OWN = ["train", "--config-dir", "conf", "experiment=waves", "trainer.epochs=1", "device=cpu",
+       f"data.train.size={OWN_SIZE}", "trainer.checkpoint_every_n_steps=null"]
+
+
+def run_own_hand(size: str) -> dict:
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.data import DataLoader
+    sys.path.insert(0, str(EXAMPLE))
+    from own_model.data import Waves
+    from own_model.model import ResMLP
+
+    torch.manual_seed(42)
+    model = ResMLP(8, 1, width=64, depth=4, expansion=2)  # conf/model/resmlp.yaml
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.003)
+    loader = DataLoader(Waves(int(size), seed=0), batch_size=32, shuffle=True,
+                        generator=torch.Generator().manual_seed(42))
+    start = tick = time.perf_counter()
+    step_times = []
+    for inputs, targets in loader:
+        optimizer.zero_grad()
+        F.mse_loss(model(inputs), targets).backward()
+        optimizer.step()
+        step_times.append(time.perf_counter() - tick)
+        tick = time.perf_counter()
+    epoch = time.perf_counter() - start
+    test = Waves(1024, seed=1)
+    model.eval()
+    with torch.no_grad():
+        loss = F.mse_loss(model(test.x), test.y).item()
+    return {"epoch_s": epoch, "step_ms": 1e3 * statistics.median(step_times[5:]),
+            "eval_loss": loss}
+
+
+def run_own_parallab(out: Path) -> dict:
+    run_entry("parallab", OWN, out, cwd=EXAMPLE, check=True, timeout=None)
+    metrics = read_metrics(out)
+    return {"epoch_s": metrics["epoch_time_s"], "step_ms": metrics["step_time_ms"],
+            "eval_loss": metrics["eval_loss"]}
+
+
+def own_model(repeats: int, work: Path) -> None:
+    """(d) vs (e): the framework's cost on a user's model and Dataset."""
+    results: dict[str, list[dict]] = {"hand": [], "parallab": []}
+    for repeat in range(repeats):
+        pair = [lambda: results["hand"].append(in_subprocess("own_hand", str(OWN_SIZE))),
+                lambda: results["parallab"].append(run_own_parallab(work / f"own{repeat}"))]
+        for run in pair if repeat % 2 == 0 else reversed(pair):
+            run()
+        print(f"own model, repeat {repeat + 1}: " + ", ".join(
+            f"{k} {v[-1]['epoch_s']:.2f}s" for k, v in results.items()), flush=True)
+    best = {k: min(r["epoch_s"] for r in v) for k, v in results.items()}
+    step = {k: statistics.median(r["step_ms"] for r in v) for k, v in results.items()}
+    loss = {k: statistics.median(r["eval_loss"] for r in v) for k, v in results.items()}
+    print("\n| variant | s/epoch (best) | ms/step (median) | eval loss |\n|---|---|---|---|")
+    for name, label in (("hand", "(d) hand-written loop, DataLoader over Waves"),
+                        ("parallab", "(e) parallab train experiment=waves")):
+        print(f"| {label} | {best[name]:.2f} | {step[name]:.3f} | {loss[name]:.4f} |")
+    paired = statistics.median(p["epoch_s"] / h["epoch_s"]
+                               for p, h in zip(results["parallab"], results["hand"]))
+    print(f"\ne/d = {best['parallab'] / best['hand']:.3f} per epoch (best of each), "
+          f"{paired:.3f} (median of back-to-back pairs), "
+          f"{step['parallab'] / step['hand']:.3f} per step (median) (target <= 1.02)")
 
 
 def in_subprocess(variant: str, arg: str) -> dict:
@@ -136,12 +209,22 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--variant")
     parser.add_argument("--arg")
+    parser.add_argument("--only", choices=["seed", "own"], help="one of the two comparisons")
     args = parser.parse_args()
     if args.variant:  # a child process running one variant
-        run = {"seed": run_seed, "hand": run_hand}[args.variant]
+        run = {"seed": run_seed, "hand": run_hand, "own_hand": run_own_hand}[args.variant]
         print(json.dumps(run(args.arg)))
         return
+    if args.only != "own":
+        seed_cnn(args.repeats)
+    if args.only != "seed":
+        work = Path(tempfile.mkdtemp(prefix="parallab-bench-own-"))
+        own_model(args.repeats, work)
+        shutil.rmtree(work)
 
+
+def seed_cnn(repeats: int) -> None:
+    """(a), (b), (c): the seed recipe, a hand-written loop and train.py on the seed CNN."""
     work = Path(tempfile.mkdtemp(prefix="parallab-bench-"))
     raw = work / "MNIST" / "raw"  # torchvision's MNIST wants the files extracted
     raw.mkdir(parents=True)
@@ -149,7 +232,7 @@ def main() -> None:
         with gzip.open(gz) as src, open(raw / gz.stem, "wb") as dst:
             shutil.copyfileobj(src, dst)
     results: dict[str, list[dict]] = {"seed": [], "hand": [], "parallab": []}
-    for repeat in range(args.repeats):
+    for repeat in range(repeats):
         pair = [lambda: results["hand"].append(in_subprocess("hand", str(SHIPPED))),
                 lambda: results["parallab"].append(run_parallab(work / f"run{repeat}"))]
         for run in pair if repeat % 2 == 0 else reversed(pair):  # no side always goes first

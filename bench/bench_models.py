@@ -10,13 +10,11 @@ first conv) for a few hundred steps: CIFAR-10 is not shipped and this machine is
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from parallab.testing import train_metrics
+
 RUNS = {  # name -> overrides
     "mnist_cnn": ["model=mnist_cnn", "data=mnist", "trainer.epochs=1"],
     "mlp": ["model=mlp", "data=mnist", "trainer.epochs=1"],
@@ -26,12 +24,8 @@ RUNS = {  # name -> overrides
 
 
 def run(run_dir: Path, overrides: list[str]) -> dict:
-    result = subprocess.run([sys.executable, str(REPO / "train.py"), f"hydra.run.dir={run_dir}",
-                             "trainer.checkpoint_every_n_steps=null", *overrides],
-                            capture_output=True, text=True)
-    if result.returncode:
-        sys.exit(f"{' '.join(overrides)} failed:\n{result.stdout[-2000:]}{result.stderr[-2000:]}")
-    return json.loads((run_dir / "metrics.json").read_text())
+    return train_metrics(["trainer.checkpoint_every_n_steps=null", *overrides], run_dir,
+                         timeout=None)
 
 
 def main() -> None:

@@ -11,20 +11,16 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from parallab.testing import train_metrics
+
 
 
 def run(run_dir: Path, overrides: list[str]) -> dict:
-    subprocess.run([sys.executable, str(REPO / "train.py"), "trainer.epochs=1",
-                    f"hydra.run.dir={run_dir}", *overrides], check=True, capture_output=True)
-    return json.loads((run_dir / "metrics.json").read_text())
+    return train_metrics(["trainer.epochs=1", *overrides], run_dir, timeout=None)
 
 
 def main() -> None:

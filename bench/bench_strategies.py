@@ -12,13 +12,11 @@ batch on a smaller gpt, so the whole table runs in a few minutes on a 2-core CPU
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from parallab.testing import train_metrics
+
 GPT = ["model=gpt", "data=bytes", "optim=adamw", "device=cpu", "trainer.epochs=1",
        "trainer.checkpoint_every_n_steps=null", "trainer.progress_bar=false"]
 SMALL = ["model.layers=4", "model.width=128", "model.heads=4", "model.context=128"]
@@ -36,9 +34,7 @@ STRATEGIES = {  # name -> overrides at GLOBAL_BATCH samples per step
 
 
 def run(overrides: list[str], run_dir: Path) -> dict:
-    subprocess.run([sys.executable, str(REPO / "train.py"), *GPT, *overrides,
-                    f"hydra.run.dir={run_dir}"], check=True, capture_output=True)
-    return json.loads((run_dir / "metrics.json").read_text())
+    return train_metrics([*GPT, *overrides], run_dir, timeout=None)
 
 
 def memory(work: Path) -> None:
