@@ -78,3 +78,17 @@ def train(tmp_path):
         return run_entry("train.py", list(args), run_dir, timeout, env), run_dir
 
     return _train
+
+
+@pytest.fixture
+def train_here(tmp_path):
+    """train_here(args...) -> (metrics, run_dir): the training function train.py calls, run
+    in this process (parallab.cli.train_in_process) in a fresh output dir; for tests whose
+    point is not the command line, the launcher or signals (no interpreter start-up)."""
+    from parallab.cli import train_in_process
+
+    def _train(*args: str, name: str = "run", config_dir: Path | None = None):
+        run_dir = tmp_path / name
+        return train_in_process(list(args), run_dir, config_dir), run_dir
+
+    return _train

@@ -87,7 +87,9 @@ class Strategy:
                          precision: Precision, scale: int) -> torch.Tensor:
         """Loss of one (micro-)batch divided by `scale`, gradients accumulated; detached."""
         with precision.autocast():
-            loss = self.output_and_loss(model, inputs, targets)[1] / scale
+            loss = self.output_and_loss(model, inputs, targets)[1]
+        if scale > 1:  # no extra autograd node for the usual single micro-batch
+            loss = loss / scale
         precision.backward(loss)
         return loss.detach()
 
