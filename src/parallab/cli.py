@@ -7,12 +7,13 @@ starts the workers with torch's elastic launcher. Workers never re-enter Hydra.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, Iterator, NoReturn
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -49,9 +50,14 @@ def _train_and_report(spec: run.RunSpec, in_place: launch.InPlace | None) -> dic
 
     from parallab.parallel import STRATEGIES
 
+    from parallab.trainer import Diverged
+
     p = spec.cfg.parallel
     if in_place is not None or not STRATEGIES[p.name].launches_workers:
-        return run.train(spec)
+        try:
+            return run.train(spec)
+        except Diverged as error:  # said in one line: the run's own verdict, not a crash
+            raise JobFailed(str(error), 1) from None
     log.info("launching %d workers (parallel=%s, backend=%s) in %s", p.world_size, p.name,
              spec.cfg.backend.name, spec.run_dir)
     try:
@@ -63,6 +69,9 @@ def _train_and_report(spec: run.RunSpec, in_place: launch.InPlace | None) -> dic
         reason = reason.get("message", "") if isinstance(reason, dict) else str(reason)
         reason = reason.strip().splitlines()[-1] if reason.strip() else (
             f"exit code {failure.exitcode}")
+        diverged = f"{Diverged.__name__}: "  # the error record: "Type: message"
+        if reason.startswith(diverged):  # every rank saw it: one line, not a traceback
+            raise JobFailed(f"rank {rank}: {reason.removeprefix(diverged)}", 1) from None
         raise JobFailed(f"a worker failed, so the job was stopped:\n{error}", 1,
                         f"rank {rank}: {reason}")
 
@@ -76,17 +85,67 @@ class JobFailed(Exception):
         self.line = line or message
 
 
+def typed_config(dict_cfg: DictConfig, overrides: list[str]):
+    """The composed config as the typed Config; a key added with `+` that the schema does not
+    know is refused (Hydra adds it, and the typed config would drop it without a word)."""
+    import dataclasses
+
+    for override in overrides:
+        key = override.lstrip("+~").partition("=")[0]
+        if not override.startswith("+"):
+            continue
+        node, parts = dict_cfg, key.split(".")
+        for depth, part in enumerate(parts):
+            schema = OmegaConf.get_type(node)
+            if dataclasses.is_dataclass(schema):
+                known = [f.name for f in dataclasses.fields(schema)]
+                if part not in known:
+                    import difflib
+
+                    where = ".".join(parts[:depth]) or "the config"
+                    close = difflib.get_close_matches(part, known, n=1)
+                    hint = f"did you mean {'.'.join([*parts[:depth], close[0]])}?" if close \
+                        else f"its keys: {', '.join(known)}"
+                    raise validate.ConfigError(f"{override}: {where} has no key {part!r} ({hint})"
+                                               ": a + override adds a key only where the config "
+                                               "takes any (model, data, loss, metrics)")
+            if not isinstance(node, DictConfig) or part not in node:
+                break
+            node = node[part]
+    return OmegaConf.to_object(dict_cfg)
+
+
 def _train_job(dict_cfg: DictConfig) -> float | None:
     hydra_cfg = HydraConfig.get()
     in_place = launch.prepare_in_place()  # again for launchers that call the app (submitit)
     try:
-        cfg = validate.prepare(OmegaConf.to_object(dict_cfg), in_place,
-                               hydra_cfg.runtime.output_dir)
+        cfg = validate.prepare(typed_config(dict_cfg, list(hydra_cfg.overrides.task)),
+                               in_place, hydra_cfg.runtime.output_dir)
     except validate.ConfigError as error:
         _restore_earlier_run()
         raise JobFailed(str(error), 2) from None
     spec = run.RunSpec(cfg, hydra_cfg.runtime.output_dir, list(hydra_cfg.overrides.task))
-    return _train_and_report(spec, in_place).get(objective(cfg))
+    with _claimed(spec.run_dir, cfg, in_place):
+        return _train_and_report(spec, in_place).get(objective(cfg))
+
+
+@contextlib.contextmanager
+def _claimed(run_dir: str, cfg, in_place: launch.InPlace | None) -> Iterator[None]:
+    """The run dir for this run alone: a fresh run does not start over an earlier one's
+    checkpoints or metrics (trainer.resume=auto continues it), and a second run started in
+    the same dir while this one runs is refused at once (a lock file)."""
+    from parallab import rundir
+
+    main = in_place is None or in_place.rank == 0
+    try:
+        rundir.check_fresh(Path(run_dir), cfg.trainer.resume, cfg.trainer.overwrite,
+                           delete=main)
+        lock = rundir.lock(Path(run_dir)) if main else contextlib.nullcontext()
+        with lock:
+            yield
+    except validate.ConfigError as error:
+        _restore_earlier_run()
+        raise JobFailed(str(error), 2) from None
 
 
 def objective(cfg) -> str:
@@ -134,8 +193,8 @@ def _remember_earlier_run(argv: list[str]) -> None:
     """Hydra writes .hydra/ into the run dir before the config can be checked; when
     hydra.run.dir names an earlier run (to resume it), keep its files to put back."""
     for arg in argv:
-        if arg.startswith("hydra.run.dir="):
-            hydra_dir = Path(arg.partition("=")[2]) / ".hydra"
+        if arg.startswith("hydra.run.dir="):  # the value may be quoted (a path with spaces)
+            hydra_dir = Path(arg.partition("=")[2].strip("'\"")) / ".hydra"
             if hydra_dir.is_dir():
                 _earlier_run.update({p: p.read_bytes() for p in hydra_dir.iterdir()
                                      if p.is_file()})
@@ -165,8 +224,11 @@ def _evaluate_app(dict_cfg: DictConfig) -> float:
     from parallab.precision import Precision
     from parallab.metrics import evaluate
 
-    cfg = OmegaConf.to_object(dict_cfg)
+    if OmegaConf.is_missing(dict_cfg, "ckpt"):
+        _fail("ckpt is not set: give the checkpoint to evaluate, python evaluate.py "
+              "ckpt=outputs/DATE/TIME/checkpoints/last.pt", 2)
     try:
+        cfg = typed_config(dict_cfg, list(HydraConfig.get().overrides.task))
         state = checkpoint.load_meta(cfg.ckpt)
         cfg.model = _trained_model_config(state, cfg.ckpt)
         validate.prepare(cfg, in_place=None)
@@ -281,7 +343,8 @@ def train_in_process(overrides: list[str], run_dir: str | Path,
     without Hydra's logging set-up (tests, notebooks): check, then train here or launch the
     workers. Returns the run's metrics; raises ConfigError or JobFailed."""
     in_place = launch.prepare_in_place()
-    cfg = validate.prepare(OmegaConf.to_object(compose(overrides, config_dir)), in_place,
+    cfg = validate.prepare(typed_config(compose(overrides, config_dir), overrides), in_place,
                            str(run_dir))
     Path(run_dir).mkdir(parents=True, exist_ok=True)
-    return _train_and_report(run.RunSpec(cfg, str(run_dir), list(overrides)), in_place)
+    with _claimed(str(run_dir), cfg, in_place):
+        return _train_and_report(run.RunSpec(cfg, str(run_dir), list(overrides)), in_place)

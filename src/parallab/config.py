@@ -201,6 +201,7 @@ class TrainerConfig:
     checkpoint_every_n_steps: Optional[int] = 500  # and at each epoch end; null = epochs only
     keep_last_k: int = 3  # periodic checkpoints kept (last.pt / last.dcp always is)
     resume: Optional[str] = None  # auto (newest in the run dir) or a checkpoint path
+    overwrite: bool = False  # a fresh run in a dir holding one: delete its checkpoints first
     on_nan: str = "stop"  # stop | skip: what a NaN/inf loss or gradient does
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +43,11 @@ class RunLogger:
             return
         from torch.utils.tensorboard.summary import hparams as hparams_summary
 
-        (self.run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+        # JSON has no NaN: a figure that is not finite is null
+        finite = {k: None if isinstance(v, float) and not math.isfinite(v) else v
+                  for k, v in metrics.items()}
+        (self.run_dir / "metrics.json").write_text(
+            json.dumps(finite, indent=2, allow_nan=False) + "\n")
         final = {f"final/{k}": v for k, v in metrics.items()
                  if isinstance(v, (int, float)) and not isinstance(v, bool)}
         self.scalars(final, step)

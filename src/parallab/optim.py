@@ -2,9 +2,32 @@
 
 from __future__ import annotations
 
+import math
 from typing import Iterable
 
 import torch
+
+
+def problem(cfg) -> str | None:
+    """None if the optimizer's values make sense, else one line naming the key and the fix."""
+    if not (math.isfinite(cfg.lr) and cfg.lr > 0):
+        return f"optim.lr={cfg.lr} is out of range: it must be a finite number > 0"
+    if not (math.isfinite(cfg.weight_decay) and cfg.weight_decay >= 0):
+        return f"optim.weight_decay={cfg.weight_decay} is out of range: it must be >= 0"
+    if hasattr(cfg, "momentum"):
+        if not 0 <= cfg.momentum < 1:
+            return f"optim.momentum={cfg.momentum} is out of range: it must be in [0, 1)"
+        if cfg.nesterov and cfg.momentum == 0:
+            return ("optim.nesterov=true needs momentum: set optim.momentum > 0, or "
+                    "optim.nesterov=false")
+    if hasattr(cfg, "betas"):
+        betas = list(cfg.betas)
+        if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
+            return (f"optim.betas={betas} must be two values in [0, 1), e.g. "
+                    "optim.betas=[0.9,0.999]")
+        if not (math.isfinite(cfg.eps) and cfg.eps > 0):
+            return f"optim.eps={cfg.eps} is out of range: it must be > 0"
+    return None
 
 
 def build_optimizer(cfg, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:

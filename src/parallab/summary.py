@@ -25,23 +25,37 @@ METRIC_COLUMNS = ["eval_accuracy", "eval_loss", "train_loss", "samples_per_sec",
 MARKDOWN_METRICS = [*METRIC_COLUMNS[:8], "peak_memory_mb", "state_memory_mb"]
 
 
-def read_metrics(run_dir: Path) -> dict[str, Any] | None:
-    """A run's metrics.json if it is complete, else None."""
+def _json_object(path: Path) -> dict[str, Any] | None:
+    """A JSON file holding an object; None if it is missing, corrupt or holds anything else."""
     try:
-        metrics = json.loads((run_dir / "metrics.json").read_text())
+        value = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    return metrics if isinstance(metrics, dict) and "eval_loss" in metrics else None
+    return value if isinstance(value, dict) else None
+
+
+def read_metrics(run_dir: Path) -> dict[str, Any] | None:
+    """A run's metrics.json if it is complete (an object with a numeric eval_loss), else None."""
+    metrics = _json_object(run_dir / "metrics.json")
+    complete = metrics is not None and isinstance(metrics.get("eval_loss"), (int, float))
+    return metrics if complete else None
 
 
 def job_row(job_dir: Path) -> dict[str, Any]:
-    overrides = yaml.safe_load((job_dir / ".hydra" / "overrides.yaml").read_text()) or []
+    try:
+        overrides = yaml.safe_load((job_dir / ".hydra" / "overrides.yaml").read_text()) or []
+    except (OSError, yaml.YAMLError):
+        overrides = ["(unreadable overrides.yaml)"]
     metrics = read_metrics(job_dir)
-    status_file = job_dir / STATUS_FILE
-    status = json.loads(status_file.read_text()) if status_file.exists() else {}
-    row = {"job": job_dir.name, "overrides": " ".join(overrides),
-           "status": status.get("status") or ("completed" if metrics else "incomplete"),
-           "error": status.get("error", "")}
+    status = _json_object(job_dir / STATUS_FILE) or {}
+    if metrics:
+        state = status.get("status") or "completed"
+    elif (job_dir / "metrics.json").exists():  # written, but not as a run writes it
+        state = "unreadable"
+    else:
+        state = status.get("status") or "incomplete"
+    row = {"job": job_dir.name, "overrides": " ".join(map(str, overrides)), "status": state,
+           "error": str(status.get("error", ""))}
     row.update({key: (metrics or {}).get(key) for key in METRIC_COLUMNS})
     return row
 
@@ -77,7 +91,9 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    done = [r for r in rows if r["status"] in ("completed", "skipped") and r["samples_per_sec"]]
+    numeric = ("samples_per_sec", "global_batch_size", "world_size")
+    done = [r for r in rows if r["status"] in ("completed", "skipped")
+            and all(isinstance(r[k], (int, float)) and r[k] for k in numeric)]
     fig, (speed, efficiency, accuracy) = plt.subplots(1, 3, figsize=(15, 4.2))
     by_batch: dict[int, list[tuple[int, float]]] = {}
     for r in done:
@@ -91,7 +107,8 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         efficiency.plot(worlds, [s / (base * w) for w, s in points], marker="o",
                         label=f"batch {per_rank}/rank")
     # accuracy where the runs report it, else the eval loss (a regression, say)
-    quality = "eval_accuracy" if all(r["eval_accuracy"] is not None for r in done) else "eval_loss"
+    quality = "eval_accuracy" if all(isinstance(r["eval_accuracy"], (int, float))
+                                     for r in done) else "eval_loss"
     accuracy.scatter([r["global_batch_size"] for r in done], [r[quality] for r in done])
     for axes, title, ylabel in ((speed, "throughput", "samples/s"),
                                 (efficiency, "scaling efficiency", "efficiency"),

@@ -117,10 +117,11 @@ class Trainer:
         self.peak_flops = (peak_flops_of(dist.device, precision) if dist.device.type == "cuda"
                            else None)
 
-        if stream.length(data.train) is None:  # a stream without __len__: max_steps bounds it
-            self.total_steps = cfg.max_steps
-        else:
-            steps = cfg.epochs * math.ceil(len(data.train) / cfg.accumulate_grad_batches)
+        self.steps_per_epoch = None  # a stream without __len__: max_steps bounds the run
+        self.total_steps = cfg.max_steps
+        if stream.length(data.train) is not None:
+            self.steps_per_epoch = math.ceil(len(data.train) / cfg.accumulate_grad_batches)
+            steps = cfg.epochs * self.steps_per_epoch
             self.total_steps = min(steps, cfg.max_steps) if cfg.max_steps else steps
 
     def done(self) -> bool:
@@ -158,9 +159,11 @@ class Trainer:
         with Progress(self.total_steps, self.dist.is_main, self.cfg.progress_bar) as progress, \
                 self.profiling():
             while self.epoch < self.cfg.epochs and not self.done():
-                self.train_epoch(progress)
+                finished = self.train_epoch(progress)
                 if self.stopped:
                     return {}
+                if not finished:  # trainer.max_steps ended it: resuming goes on from here
+                    break
                 self.epoch += 1
                 self.epoch_step = 0
                 if self.epoch % self.cfg.eval_every_n_epochs == 0:
@@ -197,7 +200,9 @@ class Trainer:
         if self.dist.is_main:
             log.info("profiler trace written to %s", trace_dir)
 
-    def train_epoch(self, progress: Progress) -> None:
+    def train_epoch(self, progress: Progress) -> bool:
+        """Train to the end of the epoch, or until the run is done or stopped; True if the
+        epoch's batches were all trained."""
         loader = self.data.train
         loader.set_epoch(self.epoch, skip_batches=self.epoch_step * self.cfg.accumulate_grad_batches)
         self.model.train()
@@ -205,6 +210,7 @@ class Trainer:
             self.epoch_loss, self.epoch_steps = 0.0, 0
         world = self.data_world
         start = tick = time.perf_counter()
+        finished = False
         for batches in micro_batches(loader, self.cfg.accumulate_grad_batches):
             self.window_loss += self.train_step(batches)
             self.step += 1
@@ -226,13 +232,16 @@ class Trainer:
                 self.save_checkpoint()
             if self.stop_requested():
                 self.stop()
-                return
+                return False
             if self.done():
                 break
+        else:
+            finished = True
         if self.window_steps:
             self.log_window(progress)
         self.epoch_times.append(time.perf_counter() - start)
         self.last_train_loss = self.epoch_loss / max(self.epoch_steps, 1)
+        return finished or self.epoch_step == self.steps_per_epoch
 
     def throughput(self, samples_per_sec: float) -> dict[str, float]:
         """Tokens/s of a language model, and MFU where the device's peak is known."""
@@ -256,10 +265,21 @@ class Trainer:
         self.stopped = True
 
     def save_checkpoint(self, name: str | None = None) -> None:
+        """Save, from finite weights only: a NaN loss in any step since the last log window
+        (on any rank) means the weights may be NaN too (one all-reduce per checkpoint)."""
         if self.checkpointer is None:
             return
+        if self.window_steps:
+            bad = torch.tensor(float(not torch.isfinite(self.window_loss)), device=self.dist.device)
+            if self.dist.all_reduce_sum(bad).item() > 0:
+                self.diverged(math.nan)
         with self.preemption.busy():
             self.checkpointer.save(self.state_dict(), name or checkpoint.periodic_name(self.step))
+
+    def diverged(self, loss: float) -> None:
+        raise Diverged(f"train loss is {loss} at step {self.step}: stopped; every checkpoint "
+                       "kept holds finite weights; lower optim.lr, set trainer.clip_grad_norm, "
+                       "or set trainer.on_nan=skip to drop such steps")
 
     def log_window(self, progress: Progress | None) -> None:
         """Train loss averaged over the steps since the last log and over all ranks; the
@@ -273,9 +293,12 @@ class Trainer:
         counted = (steps - self.window_skipped) * self.data_world  # ranks holding a loss
         loss = loss_sum / counted if counted else math.nan
         if not math.isfinite(loss) and self.cfg.on_nan == "stop":
-            raise Diverged(f"train loss is {loss} at step {self.step}: stopped, the last good "
-                           "checkpoint is kept; lower optim.lr, set trainer.clip_grad_norm, or "
-                           "set trainer.on_nan=skip to drop such steps")
+            self.diverged(loss)
+        if self.window_skipped * 2 > steps:  # on_nan=skip dropping most steps learns nothing
+            raise Diverged(f"trainer.on_nan=skip dropped {self.window_skipped} of the last "
+                           f"{steps} steps (non-finite gradients) at step {self.step}: stopped, "
+                           "the last checkpoint holds finite weights; lower optim.lr or set "
+                           "trainer.clip_grad_norm")
         step_time = sum(self.step_times[-steps:]) / steps
         samples_per_sec = self.global_batch_size / step_time
         self.logger.scalars({

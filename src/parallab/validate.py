@@ -11,12 +11,19 @@ from __future__ import annotations
 
 import os
 
-from parallab import checkpoint, config, models, precision, trial
+import logging
+import math
+
+from parallab import checkpoint, config, models, optim, precision, trial
 from parallab.config import Config, Device
 from parallab.errors import ConfigError
 from parallab.launch import InPlace
 
 __all__ = ["ConfigError", "prepare"]
+log = logging.getLogger(__name__)
+MIN_TIMEOUT_S, MAX_TIMEOUT_S = 1.0, 7 * 24 * 3600.0
+# torch.compile's modes (torch._inductor.list_mode_options)
+COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
 def _require(ok: bool, message: str | None) -> None:
@@ -34,7 +41,7 @@ def check_values(cfg: Config) -> None:
     """The keys of the trainer, optimizer, backend and launcher, and the seed."""
     t, p = cfg.trainer, cfg.parallel
     _at_least("seed", cfg.seed, 0)
-    _at_least("trainer.epochs", t.epochs, 0)
+    _at_least("trainer.epochs", t.epochs, 1)
     _at_least("trainer.max_steps", t.max_steps, 1, optional=True)
     _at_least("trainer.log_every_n_steps", t.log_every_n_steps, 1)
     _at_least("trainer.eval_every_n_epochs", t.eval_every_n_epochs, 1)
@@ -61,10 +68,15 @@ def check_values(cfg: Config) -> None:
                  f"use one of {', '.join(quantize.METHODS)} (or null)")
         _require(quantize.available(), f"trainer.quantize={t.quantize} needs torchao: "
                  "pip install 'parallab[quantize]'")
-    _require(cfg.optim.lr > 0, f"optim.lr={cfg.optim.lr} is out of range: it must be > 0")
-    _at_least("optim.weight_decay", cfg.optim.weight_decay, 0.0)
-    _require(cfg.backend.timeout_s > 0,
-             f"backend.timeout_s={cfg.backend.timeout_s} is out of range: it must be > 0")
+    _require(optim.problem(cfg.optim) is None, optim.problem(cfg.optim))
+    timeout = cfg.backend.timeout_s
+    _require(math.isfinite(timeout) and MIN_TIMEOUT_S <= timeout <= MAX_TIMEOUT_S,
+             f"backend.timeout_s={timeout} is out of range: a collective may wait between "
+             f"{MIN_TIMEOUT_S:g} s and {MAX_TIMEOUT_S:g} s (a week) before the job fails")
+    _require(cfg.seed < 2**63, f"seed={cfg.seed} is out of range: it must be < 2**63 (torch "
+             "seeds take 64 bits, and each rank adds its rank)")
+    _require(t.compile_mode in COMPILE_MODES, f"trainer.compile_mode={t.compile_mode} is not "
+             f"a torch.compile mode: use one of {', '.join(map(str, COMPILE_MODES[1:]))} (or null)")
 
 
 def check_data(cfg: Config) -> None:
@@ -131,6 +143,11 @@ def resolve_parallel(cfg: Config, in_place: InPlace | None) -> None:
              f"parallel.nnodes={p.nnodes}: start one agent per node with torchrun, SLURM or "
              "mpirun (README: multi-node); the built-in launcher starts one node")
     per_node = p.world_size // p.nnodes
+    cores = os.cpu_count() or 1
+    if p.threads_per_worker is not None and p.threads_per_worker * per_node > cores:
+        log.warning("parallel.threads_per_worker=%d x %d workers per node is more threads than "
+                    "the %d cores here: they will contend (null gives each its share)",
+                    p.threads_per_worker, per_node, cores)
     if gpus:
         _require(per_node <= gpus, f"parallel.world_size={p.world_size} needs {per_node} GPUs "
                  f"per node but {gpus} are visible: set parallel.world_size<={gpus * p.nnodes}")

@@ -36,6 +36,10 @@ def loader_problem(cfg: DataConfig) -> str | None:
             return f"data.{key}={getattr(cfg, key)} is out of range: it must be >= {low}"
     if cfg.prefetch_factor is not None and cfg.prefetch_factor < 1:
         return f"data.prefetch_factor={cfg.prefetch_factor} is out of range: it must be >= 1"
+    for key in ("prefetch_factor", "persistent_workers"):  # DataLoader workers' settings
+        if getattr(cfg, key) not in (None, False) and cfg.num_workers == 0:
+            return (f"data.{key}={getattr(cfg, key)} applies to DataLoader workers, and "
+                    "data.num_workers=0 starts none: set data.num_workers>0, or drop it")
     return None
 
 

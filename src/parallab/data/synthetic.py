@@ -42,6 +42,8 @@ class Synthetic(DataConfig):
                          ("noise", 0.0), ("seq_len", 1)):
             if getattr(self, key) < low:
                 return f"data.{key}={getattr(self, key)} is out of range: it must be >= {low}"
+        if not self.shape or min(self.shape) < 1:
+            return f"data.shape={list(self.shape)} must be sizes >= 1, e.g. data.shape=[1,28,28]"
         if self.vocab_size is not None and self.vocab_size < 2:
             return f"data.vocab_size={self.vocab_size} is out of range: it must be >= 2"
         return None

@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from parallab.errors import ConfigError
 from parallab.parallel.base import Strategy
 
 
@@ -12,6 +13,13 @@ class DDPStrategy(Strategy):
     launches_workers = True
     uses_process_group = True
     shards_data = True
+
+    @classmethod
+    def check(cls, cfg) -> None:
+        super().check(cfg)
+        if not cfg.parallel.bucket_cap_mb > 0:
+            raise ConfigError(f"parallel.bucket_cap_mb={cfg.parallel.bucket_cap_mb} is out of "
+                              "range: it must be > 0 (DDP's default is 25)")
 
     def wrap(self, model: nn.Module) -> nn.Module:
         model = model.to(self.dist.device)
