@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from omegaconf import OmegaConf
 
@@ -122,8 +124,26 @@ def test_auto_values_resolve_for_cpu():
     (["loss=mse"], "loss=mse compares outputs of shape (2, 10) with targets of shape (2,)"),
     (["loss=bce_with_logits"], "loss=bce_with_logits compares outputs"),
     (["data.loader=memory", "data=cifar10", "data.augment=true"], "data.augment=true"),
+    (["optim.momentum=1.0"], "optim.momentum=1.0 is out of range"),
+    (["optim.momentum=-0.1"], "optim.momentum=-0.1 is out of range"),
+    (["optim.momentum=0", "optim.nesterov=true"], "optim.nesterov=true needs momentum"),
+    (["optim=adam", "optim.betas=[0.9]"], "optim.betas=[0.9] must be two values"),
+    (["optim=adam", "optim.betas=[0.9,1.0]"], "optim.betas=[0.9, 1.0] must be two values"),
+    (["optim=adam", "optim.eps=0"], "optim.eps=0.0 is out of range"),
+    (["optim.lr=inf"], "optim.lr=inf is out of range"),
+    (["optim.weight_decay=nan"], "optim.weight_decay=nan"),
+    (["trainer.epochs=0"], "trainer.epochs=0"),
+    (["trainer.compile_mode=fastest"], "trainer.compile_mode=fastest is not a torch.compile"),
+    (["seed=9223372036854775808"], "seed=9223372036854775808 is out of range"),
+    (["backend.timeout_s=1e9"], "backend.timeout_s=1000000000.0 is out of range"),
+    (["backend.timeout_s=0.01"], "backend.timeout_s=0.01 is out of range"),
+    (["parallel=ddp", "parallel.bucket_cap_mb=0"], "parallel.bucket_cap_mb=0.0"),
+    (["data=synthetic", "data.shape=[1,0,28]"], "data.shape=[1, 0, 28] must be sizes >= 1"),
+    (["data.prefetch_factor=2"], "data.prefetch_factor=2 applies to DataLoader workers"),
+    (["data.persistent_workers=true"], "data.persistent_workers=True applies to DataLoader"),
 ])
 def test_bad_values_fail_naming_the_key(overrides, message):
+    """Checked in-process, as validate.prepare runs in the controller."""
     with pytest.raises(validate.ConfigError) as error:
         validate.prepare(typed(*overrides, "device=cpu") if "device=cuda" not in overrides
                          else typed(*overrides), in_place=None)
@@ -222,3 +242,16 @@ def test_resume_refuses_missing_truncated_and_foreign_checkpoints(tmp_path):
         validate.prepare(typed(f"trainer.resume={good}", "model.dropout=0.1", "device=cpu"),
                          in_place=None)
     validate.prepare(typed(f"trainer.resume={good}", "device=cpu"), in_place=None)
+
+
+@pytest.mark.parametrize("override,message", [
+    ("+trainer.max_step=5", "trainer has no key 'max_step' (did you mean trainer.max_steps?)"),
+    ("+seedx=1", "the config has no key 'seedx' (did you mean seed?)"),
+    ("++optim.momentun=0.9", "optim has no key 'momentun' (did you mean optim.momentum?)"),
+])
+def test_a_plus_key_the_schema_lacks_is_refused_not_dropped(override, message):
+    from parallab.cli import compose, typed_config
+
+    with pytest.raises(validate.ConfigError, match=re.escape(message)):
+        typed_config(compose([override]), [override])
+    typed_config(compose(["+model.extra=1"]), ["+model.extra=1"])  # a model argument: its check

@@ -1,0 +1,134 @@
+"""Faults a new user meets (issue 14): diverging runs, reused and shared run dirs, runs
+continued past max_steps, sweep bookkeeping on bad files; each ends in one line or is
+survived, and nothing a user wrote is overwritten."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import FAST, REPO, assert_ok, losses, output, read_metrics, run_entry
+from parallab import summary
+from parallab.cli import JobFailed
+from parallab.logger import RunLogger
+
+DIVERGE = [*FAST, "optim.lr=1e6", "trainer.log_every_n_steps=10",
+           "trainer.checkpoint_every_n_steps=5"]
+
+
+def finite_checkpoints(run_dir) -> list[bool]:
+    return [all(torch.isfinite(v).all() for v in torch.load(f, weights_only=True)["model"].values())
+            for f in sorted((run_dir / "checkpoints").glob("*.pt"))]
+
+
+def test_a_diverging_run_keeps_no_nan_checkpoint_and_ends_in_one_line(train_here, tmp_path):
+    """Steps 1-5 hold a NaN loss, the periodic checkpoint falls at step 5, the log window at
+    10: the checkpoint is not written."""
+    with pytest.raises(JobFailed) as failed:
+        train_here(*DIVERGE, name="run")
+    assert "train loss is nan at step 5" in str(failed.value) and "\n" not in str(failed.value)
+    assert finite_checkpoints(tmp_path / "run") == []  # none at all: every one would be NaN
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_diverging_ddp_run_ends_in_one_line(train):
+    result, run_dir = train(*DIVERGE, "parallel=ddp", "parallel.world_size=2")
+    assert result.returncode == 1, output(result)
+    assert "Traceback" not in output(result)
+    assert "rank 0: train loss is nan at step 5" in output(result)
+    assert all(finite_checkpoints(run_dir))
+
+
+def test_skipping_most_steps_stops_and_metrics_never_hold_nan(train_here, tmp_path):
+    with pytest.raises(JobFailed, match="trainer.on_nan=skip dropped"):
+        train_here(*DIVERGE, "trainer.on_nan=skip")
+    logger = RunLogger(tmp_path, active=True)
+    logger.finish({"eval_loss": math.nan, "train_loss": math.inf, "steps": 3}, {"a": 1}, 3)
+    logger.close()
+    assert json.loads((tmp_path / "metrics.json").read_text()) == {
+        "eval_loss": None, "train_loss": None, "steps": 3}
+
+
+def test_a_run_stopped_by_max_steps_continues_as_if_uninterrupted(train_here):
+    common = [*FAST, "data.train_size=1024", "trainer.epochs=3", "trainer.log_every_n_steps=1",
+              "trainer.checkpoint_every_n_steps=null"]
+    whole, whole_dir = train_here(*common, name="whole")
+    train_here(*common, "trainer.max_steps=10", name="parts")
+    parts, parts_dir = train_here(*common, "trainer.max_steps=48", "trainer.resume=auto",
+                                  name="parts")
+    assert whole["steps"] == parts["steps"] == 48
+    assert losses(parts_dir) == losses(whole_dir)  # steps 11.. from mid-epoch 1
+    assert parts["eval_loss"] == whole["eval_loss"]
+
+
+@pytest.mark.slow
+def test_a_fresh_run_in_a_used_dir_is_refused_and_leaves_it_as_it_was(tmp_path):
+    run_dir = tmp_path / "a run with spaces"
+    assert_ok(run_entry("train.py", [*FAST, "trainer.max_steps=3"], run_dir))
+    record = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file() and p.name != "train.log"}
+    for quoted in (f"hydra.run.dir={run_dir}", f"hydra.run.dir='{run_dir}'"):
+        result = run_entry("train.py", [*FAST, "trainer.max_steps=5", quoted])
+        assert result.returncode == 2, output(result)
+        assert "already holds a run (metrics.json, checkpoints/): continue it with " \
+               "trainer.resume=auto" in output(result) and "Traceback" not in output(result)
+        assert {p: p.read_bytes() for p in record} == record
+    replaced = run_entry("train.py", [*FAST, "trainer.max_steps=5", "trainer.overwrite=true"],
+                         run_dir)
+    assert_ok(replaced)
+    assert read_metrics(run_dir)["steps"] == 5
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["last.pt"]
+
+
+@pytest.mark.slow
+def test_a_second_run_in_the_same_dir_at_once_is_refused(tmp_path):
+    run_dir = tmp_path / "shared"
+    first = subprocess.Popen([sys.executable, "train.py", *FAST, "trainer.epochs=50",
+                              f"hydra.run.dir={run_dir}"], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, cwd=REPO)
+    try:
+        deadline = time.time() + 60
+        while not (run_dir / ".parallab.lock").exists() and time.time() < deadline:
+            time.sleep(0.2)
+        second = run_entry("train.py", [*FAST, "trainer.resume=auto"], run_dir)
+        assert second.returncode == 2, output(second)
+        assert f"is in use by a run still going (pid {first.pid})" in output(second)
+    finally:
+        first.kill()
+        first.wait()
+
+
+def write_job(sweep, name: str, metrics, status=None) -> None:
+    job = sweep / name
+    (job / ".hydra").mkdir(parents=True)
+    (job / ".hydra" / "overrides.yaml").write_text(f"- data.batch_size={len(name)}\n")
+    if metrics is not None:
+        (job / "metrics.json").write_text(metrics)
+    if status is not None:
+        (job / summary.STATUS_FILE).write_text(status)
+
+
+def test_the_summary_survives_bad_bookkeeping_files(tmp_path):
+    good = json.dumps({"eval_loss": 0.5, "samples_per_sec": 10.0, "world_size": 1,
+                       "global_batch_size": 8, "eval_accuracy": None})
+    write_job(tmp_path, "0_good", good)
+    write_job(tmp_path, "1_list", "[1, 2]")
+    write_job(tmp_path, "2_nulls", json.dumps({"eval_loss": None, "samples_per_sec": None}))
+    write_job(tmp_path, "3_corrupt_status", None, status="{not json")
+    rows = {r["job"]: r["status"] for r in summary.write(tmp_path)}
+    assert rows == {"0_good": "completed", "1_list": "unreadable", "2_nulls": "unreadable",
+                    "3_corrupt_status": "incomplete"}
+    assert (tmp_path / "summary.png").stat().st_size > 0
+    assert summary.read_metrics(tmp_path / "2_nulls") is None  # skip_completed reruns it
+
+
+def test_evaluate_without_ckpt_is_one_line():
+    result = run_entry("evaluate.py", ["device=cpu"])
+    assert result.returncode == 2 and "Traceback" not in output(result)
+    assert "ckpt is not set" in output(result)
