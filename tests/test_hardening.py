@@ -132,3 +132,11 @@ def test_evaluate_without_ckpt_is_one_line():
     result = run_entry("evaluate.py", ["device=cpu"])
     assert result.returncode == 2 and "Traceback" not in output(result)
     assert "ckpt is not set" in output(result)
+
+
+def test_peak_memory_is_the_runs_own_not_an_earlier_jobs(train_here):
+    """A sweep's jobs share a process: a 1.2 GB job before must not be this run's peak."""
+    big = torch.ones(300_000_000)  # 1.2 GB resident
+    del big
+    metrics, _ = train_here(*FAST, "trainer.max_steps=3")
+    assert 0 < metrics["peak_memory_mb"] < 1100, metrics["peak_memory_mb"]

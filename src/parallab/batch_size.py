@@ -23,7 +23,7 @@ from parallab.data.loaders import ShardLoader
 from parallab.distributed import Dist
 from parallab.precision import Precision
 from parallab.loss import CrossEntropy, Objective
-from parallab.trainer import peak_memory_mb
+from parallab.trainer import peak_memory_mb, reset_peak_memory
 
 log = logging.getLogger(__name__)
 GAIN = 1.05  # a larger batch must be this much faster to be worth it
@@ -42,8 +42,7 @@ class Trial:
 def _measure(module: nn.Module, optimizer: torch.optim.Optimizer, precision: Precision,
              loader: ShardLoader, dist: Dist, loss_of: Objective) -> tuple[float, float]:
     """Local samples/s and peak memory of a few steps at this loader's batch size."""
-    if dist.device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(dist.device)
+    reset_peak_memory(dist.device)  # this trial's own peak (the CPU budget uses it too)
     batches = iter(loader)
     samples, start = 0, 0.0
     for step in range(1 + TIMED_STEPS):  # the first step warms up

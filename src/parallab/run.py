@@ -24,7 +24,7 @@ from parallab.optim import build_optimizer
 from parallab.parallel import STRATEGIES
 from parallab.precision import Precision
 from parallab.preemption import Preemption
-from parallab.trainer import Trainer
+from parallab.trainer import Trainer, reset_peak_memory
 
 log = logging.getLogger(__name__)
 LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"  # Hydra's
@@ -114,6 +114,7 @@ def train(spec: RunSpec, store=None) -> dict[str, Any]:
     hosted = launch.take_store()  # under SLURM/mpirun: the store rank 0 hosts
     dist = distributed.setup(cfg.device.value, backend, cfg.backend.timeout_s,
                              cfg.parallel.threads_per_worker, store=store or hosted)
+    reset_peak_memory(dist.device)  # this run's own peak, not an earlier job's in the process
     logger = RunLogger(spec.run_dir, active=dist.is_main)
     log.info("rank %d/%d on %s, %d threads, optim.lr=%g, data.batch_size=%d", dist.rank,
              dist.world_size, dist.device, torch.get_num_threads(), cfg.optim.lr,

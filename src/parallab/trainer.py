@@ -8,6 +8,7 @@ import math
 import resource
 import statistics
 import time
+from pathlib import Path
 from typing import Any, Iterator
 
 import torch
@@ -35,10 +36,25 @@ class Diverged(RuntimeError):
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
+def reset_peak_memory(device: torch.device) -> None:
+    """Start this run's own high-water mark: CUDA's peak statistics, or on Linux the
+    process's peak resident set (VmHWM, reset by writing 5 to /proc/self/clear_refs): a
+    sweep's jobs share one process, and ru_maxrss would carry a big job's peak into the
+    next. Where the OS allows neither, the process's lifetime peak stands."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")
+
+
 def peak_memory_mb(device: torch.device) -> float:
-    """Peak CUDA memory allocated, or on CPU the process's peak resident set."""
+    """Peak CUDA memory allocated, or on CPU the peak resident set since reset_peak_memory."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
+    with contextlib.suppress(OSError, StopIteration, ValueError):
+        status = Path("/proc/self/status").read_text().splitlines()
+        return int(next(line for line in status if line.startswith("VmHWM:")).split()[1]) / 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
