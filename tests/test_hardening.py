@@ -140,3 +140,18 @@ def test_peak_memory_is_the_runs_own_not_an_earlier_jobs(train_here):
     del big
     metrics, _ = train_here(*FAST, "trainer.max_steps=3")
     assert 0 < metrics["peak_memory_mb"] < 1100, metrics["peak_memory_mb"]
+
+
+def test_swept_keys_reach_the_hparams_as_numbers():
+    from conftest import checked
+    from parallab.run import RunSpec, hparams
+
+    spec = RunSpec(checked(*FAST), "unused", ["data.batch_size=32", "optim.lr=0.1",
+                                              "trainer.compile=false", "+metrics.x=abc"])
+    figures = {"world_size": 1, "global_batch_size": 32, "precision_dtype": "float32"}
+    values = hparams(spec, figures)
+    assert (values["optim.lr"], values["trainer.compile"], values["metrics.x"]) == (
+        0.01, False, "abc")  # the config's own values win where it names the key
+    spec.overrides = ["trainer.max_steps=7", "parallel.world_size=2"]
+    values = hparams(spec, figures)
+    assert values["trainer.max_steps"] == 7 and values["parallel.world_size"] == 2

@@ -303,16 +303,15 @@ def test_loader_auto_picks_memory_when_the_set_fits():
 
 
 # --- end to end ------------------------------------------------------------------------------
-def test_seed_002_end_to_end_and_evaluate_rebuilds_the_vocabulary(tmp_path):
-    """Seed 002's two sentences through train.py as the seed runs them, then evaluate.py."""
+def test_seed_002_end_to_end_and_evaluate_rebuilds_the_vocabulary(tmp_path, train_here):
+    """Seed 002's two sentences through train.py's training as the seed runs them, then
+    evaluate.py (a fresh process: it rebuilds the vocabulary from data.path alone)."""
     data = write_tsv(tmp_path / "seed", list(zip(SEED_LABELS, SEED_TEXTS)))
     setting = ["model=lstm", "data=text", f"data.path={data}", "data.min_freq=1",
                "data.lowercase=false", "device=cpu"]
-    run_dir = tmp_path / "run"
-    result = run_entry("train.py", [*setting, "model.embedding_dim=50", "model.hidden_dim=50",
-                                    "optim=adam", "optim.lr=0.001", "data.batch_size=2",
-                                    "trainer.epochs=10"], run_dir)
-    assert_ok(result)
+    _, run_dir = train_here(*setting, "model.embedding_dim=50", "model.hidden_dim=50",
+                            "optim=adam", "optim.lr=0.001", "data.batch_size=2",
+                            "trainer.epochs=10")
     metrics = read_metrics(run_dir)
     assert metrics["eval_accuracy"] == 1.0 and metrics["steps"] == 10
     evaluated = run_entry("evaluate.py", [*setting, f"ckpt={run_dir}/checkpoints/last.pt"],

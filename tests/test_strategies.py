@@ -13,6 +13,7 @@ import torch
 
 from conftest import FAST, assert_ok, read_metrics, run_entry, scalars
 from parallab import checkpoint
+from parallab.cli import train_in_process
 from parallab.models.mlp import MLP
 from parallab.parallel.split import even_cuts, part_ranges
 
@@ -50,7 +51,7 @@ def single_device(tmp_path_factory):
     for name, extra in [("plain", ["data.batch_size=64"]),
                         ("accumulate-clip", ["data.batch_size=32", *ACCUMULATE_AND_CLIP])]:
         runs[name] = tmp_path_factory.mktemp(name) / "run"
-        assert_ok(run_entry("train.py", [*EQUIVALENCE, *extra], runs[name]))
+        train_in_process([*EQUIVALENCE, *extra], runs[name])  # what the train_here fixture runs
     return runs
 
 
@@ -75,9 +76,8 @@ def test_clipping_is_active_in_the_reference(single_device):
      *ACCUMULATE_AND_CLIP],
 ], ids=["fsdp", "fsdp-accumulate-clip", "fsdp-keep-gathered", "model-accumulate-clip",
         "pipeline-gpipe", "pipeline-1f1b-accumulate-clip"])
-def test_strategy_trains_as_one_device_does(tmp_path, single_device, strategy):
-    run_dir = tmp_path / "run"
-    assert_ok(run_entry("train.py", [*EQUIVALENCE, *strategy], run_dir))
+def test_strategy_trains_as_one_device_does(train_here, single_device, strategy):
+    _, run_dir = train_here(*EQUIVALENCE, *strategy)
     reference = single_device["accumulate-clip" if "trainer.clip_grad_norm=0.1" in strategy
                               else "plain"]
     expected, got = scalars(reference, "train/loss"), scalars(run_dir, "train/loss")
@@ -95,10 +95,9 @@ def test_strategy_trains_as_one_device_does(tmp_path, single_device, strategy):
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("parallel", ["fsdp", "pipeline"])
-def test_sharded_checkpoint_evaluates_and_exports_on_one_device(tmp_path, parallel):
-    run_dir = tmp_path / "run"
-    assert_ok(run_entry("train.py", [*EQUIVALENCE, f"parallel={parallel}",
-                                     "parallel.world_size=2", "trainer.max_steps=10"], run_dir))
+def test_sharded_checkpoint_evaluates_and_exports_on_one_device(tmp_path, train_here, parallel):
+    _, run_dir = train_here(*EQUIVALENCE, f"parallel={parallel}", "parallel.world_size=2",
+                            "trainer.max_steps=10")
     ckpt = run_dir / "checkpoints" / "last.dcp"
     assert len(list(ckpt.glob("*.distcp"))) == 2  # each rank wrote its own part
     accuracy = read_metrics(run_dir)["eval_accuracy"]

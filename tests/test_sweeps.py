@@ -155,6 +155,11 @@ def test_submitit_local_runs_each_job_as_ranks_in_place(tmp_path):
     assert result.returncode == 0, output(result)
     rows = summary_rows(tmp_path / "sweep")
     assert [(r["status"], r["world_size"]) for r in rows] == [("completed", "2")] * 2
+    for job in filter(Path.is_dir, (tmp_path / "sweep").iterdir()):
+        if (job / ".hydra").is_dir():  # rank 1 logs to its own file, as under torchrun
+            assert "rank 0/2" in (job / "train.log").read_text()
+            assert "rank 1/2" not in (job / "train.log").read_text()
+            assert (job / "train_rank1.log").is_file()
 
 
 @pytest.mark.distributed

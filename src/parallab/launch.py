@@ -131,13 +131,20 @@ def _run_time(pattern: str) -> str:
     return moment.strftime(pattern)
 
 
+def _rank() -> int:
+    """This process's rank, from whichever launcher started it: Hydra configures the log
+    files before the app exports RANK (submitit calls the app in a fresh process)."""
+    ctx = detect()
+    return ctx.rank if ctx is not None else 0
+
+
 def _rank_suffix() -> str:
-    rank = _int("RANK", 0)
+    rank = _rank()
     return "" if rank == 0 else f"_rank{rank}"
 
 
 def _rank_zero(value: Any, otherwise: Any = None) -> Any:
-    return value if _int("RANK", 0) == 0 else otherwise
+    return value if _rank() == 0 else otherwise
 
 
 def register_resolvers() -> None:

@@ -59,8 +59,20 @@ def hparams(spec: RunSpec, metrics: dict[str, Any]) -> dict[str, Any]:
     }
     for override in spec.overrides:
         key, _, value = override.partition("=")
-        values.setdefault(key.lstrip("+~"), value)
+        values.setdefault(key.lstrip("+~"), _scalar(value))
     return {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in values.items()}
+
+
+def _scalar(text: str) -> Any:
+    """A command-line value as its number or bool (so TensorBoard sorts and plots swept keys
+    numerically), else the text."""
+    import yaml
+
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+    return value if isinstance(value, (int, float, bool)) else text
 
 
 def speed_up(model: torch.nn.Module, cfg: TrainerConfig) -> torch.nn.Module:
