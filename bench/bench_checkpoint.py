@@ -15,7 +15,6 @@ import argparse
 import math
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -30,7 +29,7 @@ from parallab.distributed import Dist  # noqa: E402
 from parallab.models.gpt import GPT  # noqa: E402
 from parallab.models.mnist_cnn import MnistCNN  # noqa: E402
 
-from parallab.testing import train_metrics
+from parallab.testing import scratch_dir, train_metrics
 
 
 def mnist_cnn() -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.Tensor, int]:
@@ -76,7 +75,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--saves", type=int, default=20)
     args = parser.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="parallab-bench-ckpt-"))
+    work = scratch_dir("parallab-bench-ckpt-")
     interval = TrainerConfig().checkpoint_every_n_steps
     print("| model | checkpoint size | seconds per save (median) | step s | steps per epoch | "
           f"saves per epoch (every {interval} steps + epoch end) | share of the epoch |")

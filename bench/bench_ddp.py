@@ -16,11 +16,10 @@ import json
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from parallab.testing import train_metrics
+from parallab.testing import scratch_dir, train_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -54,7 +53,7 @@ def main() -> None:
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="parallab-bench-ddp-"))
+    work = scratch_dir("parallab-bench-ddp-")
     rows = []
     for world in args.world_sizes:
         runs = {"hand": [], "parallab": []}

@@ -28,11 +28,10 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from parallab.testing import read_metrics, run_entry, train_metrics
+from parallab.testing import read_metrics, run_entry, scratch_dir, train_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED = REPO / "src" / "parallab" / "data" / "files"  # parallab.data.mnist.SHIPPED: MNIST/raw/
@@ -218,14 +217,12 @@ def main() -> None:
     if args.only != "own":
         seed_cnn(args.repeats)
     if args.only != "seed":
-        work = Path(tempfile.mkdtemp(prefix="parallab-bench-own-"))
-        own_model(args.repeats, work)
-        shutil.rmtree(work)
+        own_model(args.repeats, scratch_dir("parallab-bench-own-"))
 
 
 def seed_cnn(repeats: int) -> None:
     """(a), (b), (c): the seed recipe, a hand-written loop and train.py on the seed CNN."""
-    work = Path(tempfile.mkdtemp(prefix="parallab-bench-"))
+    work = scratch_dir("parallab-bench-")
     raw = work / "MNIST" / "raw"  # torchvision's MNIST wants the files extracted
     raw.mkdir(parents=True)
     for gz in (SHIPPED / "MNIST" / "raw").glob("*.gz"):
@@ -240,7 +237,6 @@ def seed_cnn(repeats: int) -> None:
         results["seed"].append(in_subprocess("seed", str(work)))
         print(f"repeat {repeat + 1}: " + ", ".join(
             f"{k} {v[-1]['epoch_s']:.2f}s" for k, v in results.items()), flush=True)
-    shutil.rmtree(work)
 
     # the machine is shared: the fastest of the repeats is the cost with the least noise in it
     best = {k: min(r["epoch_s"] for r in v) for k, v in results.items()}

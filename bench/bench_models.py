@@ -10,10 +10,9 @@ first conv) for a few hundred steps: CIFAR-10 is not shipped and this machine is
 from __future__ import annotations
 
 import argparse
-import tempfile
 from pathlib import Path
 
-from parallab.testing import train_metrics
+from parallab.testing import scratch_dir, train_metrics
 
 RUNS = {  # name -> overrides
     "mnist_cnn": ["model=mnist_cnn", "data=mnist", "trainer.epochs=1"],
@@ -34,7 +33,13 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=list(RUNS))
     parser.add_argument("extra", nargs="*", help="more overrides for every run")
     args = parser.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="parallab-bench-models-"))
+    # `--models mlp trainer.max_steps=100`: --models swallows the overrides after it
+    args.extra += [m for m in args.models if "=" in m]
+    args.models = [m for m in args.models if "=" not in m]
+    unknown = [m for m in args.models if m not in RUNS]
+    if unknown:
+        parser.error(f"--models {' '.join(unknown)}: not one of {', '.join(RUNS)}")
+    work = scratch_dir("parallab-bench-models-")
     best: dict[str, dict] = {}
     for repeat in range(args.repeats):
         for name in args.models:

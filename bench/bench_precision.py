@@ -12,10 +12,9 @@ from __future__ import annotations
 import argparse
 import itertools
 import statistics
-import tempfile
 from pathlib import Path
 
-from parallab.testing import train_metrics
+from parallab.testing import scratch_dir, train_metrics
 
 
 
@@ -29,7 +28,7 @@ def main() -> None:
     parser.add_argument("--precisions", nargs="+", default=["fp32", "amp", "bf16"])
     parser.add_argument("extra", nargs="*", help="more overrides, e.g. model=... device=cuda")
     args = parser.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="parallab-bench-precision-"))
+    work = scratch_dir("parallab-bench-precision-")
     configs = list(itertools.product(args.precisions, ["false", "true"]))
     results: dict[tuple[str, str], list[dict]] = {c: [] for c in configs}
     for repeat in range(args.repeats):

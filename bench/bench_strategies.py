@@ -12,10 +12,9 @@ batch on a smaller gpt, so the whole table runs in a few minutes on a 2-core CPU
 from __future__ import annotations
 
 import argparse
-import tempfile
 from pathlib import Path
 
-from parallab.testing import train_metrics
+from parallab.testing import scratch_dir, train_metrics
 
 GPT = ["model=gpt", "data=bytes", "optim=adamw", "device=cpu", "trainer.epochs=1",
        "trainer.checkpoint_every_n_steps=null", "trainer.progress_bar=false"]
@@ -71,7 +70,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--memory-only", action="store_true")
     args = parser.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="parallab-bench-strategies-"))
+    work = scratch_dir("parallab-bench-strategies-")
     memory(work)
     if not args.memory_only:
         throughput(work, args.steps)

@@ -15,10 +15,10 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-import tempfile
 import time
 from datetime import datetime
 from pathlib import Path
+from parallab.testing import scratch_dir
 
 REPO = Path(__file__).resolve().parents[1]
 SWEEP = ["-m", "parallel=ddp", "parallel.world_size=1,2", "data.batch_size=32,64",
@@ -34,7 +34,7 @@ def stamp(line: str) -> float:
 
 
 def main() -> None:
-    sweep_dir = Path(tempfile.mkdtemp(prefix="parallab-bench-sweep-")) / "sweep"
+    sweep_dir = scratch_dir("parallab-bench-sweep-") / "sweep"
     start = time.time()
     result = subprocess.run([sys.executable, str(REPO / "train.py"), *SWEEP,
                              f"hydra.sweep.dir={sweep_dir}"], capture_output=True, text=True,

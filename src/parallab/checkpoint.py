@@ -54,8 +54,10 @@ def load(path: str | Path, mmap: bool = False) -> dict[str, Any]:
         raise CheckpointError(f"ckpt={path} holds more than tensors and plain containers "
                               f"({reason}); refusing to load it") from None
     except (RuntimeError, EOFError) as error:
-        raise CheckpointError(f"ckpt={path} is not a readable checkpoint "
-                              f"({str(error).splitlines()[0]})") from None
+        # torch's first sentence says what failed; the rest is advice on torch.load's flags
+        reason = (str(error).splitlines() or [""])[0].split(". ")[0].rstrip(".")
+        raise CheckpointError(f"ckpt={path} is not a readable checkpoint, truncated or corrupt "
+                              f"({reason})") from None
 
 
 SHARDED_META = "trainer.pt"  # in a .dcp directory: all but the model and optimizer tensors

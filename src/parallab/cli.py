@@ -278,6 +278,9 @@ def _export(ckpt: Path, out: Path) -> None:
 
     if out.exists():
         raise SystemExit(f"parallab export: {out} exists; give a new file name")
+    if not out.parent.is_dir():
+        raise SystemExit(f"parallab export: {out.parent} is not a directory: create it, or "
+                         "give a file in an existing one")
     meta = checkpoint.load_meta(ckpt)
     model = checkpoint.model_from(ckpt, build_model(_trained_model_config(meta, ckpt)))
     checkpoint.save(out, {"model": model.state_dict(), "step": meta["step"],

@@ -4,10 +4,13 @@ process, its output dir pinned, its metrics.json read back."""
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -42,3 +45,11 @@ def train_metrics(args: list[str], run_dir: Path, **kwargs: Any) -> dict[str, An
     """`python train.py ARGS` in a fresh process; its metrics.json (RuntimeError if it fails)."""
     run_entry("train.py", args, run_dir, check=True, **kwargs)
     return read_metrics(run_dir)
+
+
+def scratch_dir(prefix: str) -> Path:
+    """A temporary dir for a benchmark's runs, removed when the process exits (their
+    checkpoints and event files are hundreds of MB)."""
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    atexit.register(shutil.rmtree, path, True)
+    return path

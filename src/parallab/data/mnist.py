@@ -85,9 +85,14 @@ class MNIST(DataConfig):
     def problem(self) -> str | None:
         missing = missing_files(self.folder)
         if missing and self.download:
+            existed = {d for d in (self.folder, self.folder / "MNIST", raw_dir(self.folder))
+                       if d.exists()}
             try:
                 download(self.folder)
             except Exception as error:  # offline, mirror down, disk full: one line
+                for made in (raw_dir(self.folder), self.folder / "MNIST", self.folder):
+                    if made not in existed and made.is_dir() and not any(made.iterdir()):
+                        made.rmdir()  # leave no empty MNIST/raw/ behind
                 return (f"data.root={self.folder} has no MNIST files {missing} under "
                         f"MNIST/raw/ and data.download=true could not fetch them "
                         f"({first_line(error)}): copy them there by hand")
