@@ -5,10 +5,12 @@ survived, and nothing a user wrote is overwritten."""
 from __future__ import annotations
 
 import json
+import re
 import math
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -155,3 +157,36 @@ def test_swept_keys_reach_the_hparams_as_numbers():
     spec.overrides = ["trainer.max_steps=7", "parallel.world_size=2"]
     values = hparams(spec, figures)
     assert values["trainer.max_steps"] == 7 and values["parallel.world_size"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_sharded_checkpoint_missing_or_truncating_a_shard_is_refused_before_launch(
+        train_here, tmp_path):
+    import shutil
+
+    from conftest import checked
+    from parallab import validate
+
+    _, run_dir = train_here(*FAST, "parallel=fsdp", "parallel.world_size=2",
+                            "trainer.max_steps=4", "model=mlp")
+    whole = run_dir / "checkpoints" / "last.dcp"
+    shard = sorted(whole.glob("*.distcp"))[-1].name
+    missing, truncated = tmp_path / "missing.dcp", tmp_path / "truncated.dcp"
+    for broken in (missing, truncated):
+        shutil.copytree(whole, broken)
+    (missing / shard).unlink()
+    (truncated / shard).write_bytes((whole / shard).read_bytes()[:100])
+    for broken, problem in ((missing, f"is missing its shard {shard}"),
+                            (truncated, f"its shard {shard} is truncated (100 of")):
+        with pytest.raises(validate.ConfigError, match=re.escape(problem)):
+            checked(*FAST, "parallel=fsdp", "model=mlp", f"trainer.resume={broken}")
+        for command in (["evaluate.py", [f"ckpt={broken}", "device=cpu"]],):
+            result = run_entry(*command, run_dir=tmp_path / "eval")
+            assert result.returncode == 2 and problem in output(result), output(result)
+            assert "Traceback" not in output(result)
+    exported = subprocess.run([str(Path(sys.executable).parent / "parallab"), "export",
+                               str(missing), str(tmp_path / "out.pt")], capture_output=True,
+                              text=True)
+    assert exported.returncode != 0 and "is missing its shard" in exported.stderr
+    assert "Traceback" not in exported.stderr

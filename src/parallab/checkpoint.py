@@ -72,10 +72,47 @@ def is_sharded(path: str | Path) -> bool:
 
 
 def load_meta(path: str | Path) -> dict[str, Any]:
-    """What a checkpoint holds besides sharded tensors: a .dcp's trainer.pt, or a file with
-    its tensors memory-mapped (checking a resume target reads no weights)."""
+    """What a checkpoint holds besides sharded tensors: a .dcp's trainer.pt (its shards
+    checked against its index first), or a file with its tensors memory-mapped (checking a
+    resume target reads no weights)."""
     path = Path(path)
-    return load(path / SHARDED_META) if path.is_dir() else load(path, mmap=True)
+    if path.is_dir():
+        check_shards(path)
+        return load(path / SHARDED_META)
+    return load(path, mmap=True)
+
+
+def _read_index(path: Path) -> Any:
+    if not (path / ".metadata").is_file():
+        raise CheckpointError(f"ckpt={path} has no .metadata: not a complete sharded checkpoint")
+    try:
+        with open(path / ".metadata", "rb") as f:
+            return _MetadataUnpickler(f).load()
+    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError) as error:
+        raise CheckpointError(f"ckpt={path}: its .metadata index cannot be read "
+                              f"({type(error).__name__}): the checkpoint is damaged") from None
+
+
+def check_shards(path: Path) -> None:
+    """Every shard file the index names is there and long enough for what it should hold:
+    a missing or truncated shard is one line before anything starts, not a traceback from
+    every rank inside torch.distributed.checkpoint."""
+    needed: dict[str, int] = {}
+    for info in getattr(_read_index(path), "storage_data", {}).values():
+        name = str(info.relative_path)
+        needed[name] = max(needed.get(name, 0), int(info.offset) + int(info.length))
+    for name, size in sorted(needed.items()):
+        shard = path / name
+        if not shard.is_file():
+            raise CheckpointError(f"ckpt={path} is missing its shard {name}: copy the whole "
+                                  ".dcp directory, or resume from another checkpoint")
+        if shard.stat().st_size < size:
+            raise CheckpointError(f"ckpt={path}: its shard {name} is truncated "
+                                  f"({shard.stat().st_size} of {size} bytes): resume from "
+                                  "another checkpoint")
+    if not (path / SHARDED_META).is_file():
+        raise CheckpointError(f"ckpt={path} has no {SHARDED_META}: not a complete sharded "
+                              "checkpoint")
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -98,10 +135,7 @@ def _safe_reader(path: Path):
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
 
-    if not (path / ".metadata").is_file():
-        raise CheckpointError(f"ckpt={path} has no .metadata: not a complete sharded checkpoint")
-    with open(path / ".metadata", "rb") as f:
-        metadata = _MetadataUnpickler(f).load()
+    metadata = _read_index(path)
 
     class SafeReader(FileSystemReader):
         def read_metadata(self, *args: Any, **kwargs: Any):
