@@ -190,3 +190,36 @@ def test_a_sharded_checkpoint_missing_or_truncating_a_shard_is_refused_before_la
                               text=True)
     assert exported.returncode != 0 and "is missing its shard" in exported.stderr
     assert "Traceback" not in exported.stderr
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 450 KB tmpfs: room for two checkpoints of the seed CNN (~180 KB each), not three."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=450k", "tmpfs", str(disk)],
+                             capture_output=True)
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    yield disk
+    subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["none", "fsdp"])
+def test_a_full_disk_ends_in_one_line_and_keeps_the_earlier_checkpoints(small_disk, strategy):
+    run_dir = small_disk / "run"
+    result = run_entry("train.py", [*FAST, f"parallel={strategy}", "trainer.max_steps=30",
+                                    "trainer.checkpoint_every_n_steps=5",
+                                    "trainer.keep_last_k=5"], run_dir)
+    assert result.returncode == 1, output(result)
+    assert "Traceback" not in output(result)
+    assert "could not write checkpoint" in output(result)
+    assert "the previous checkpoints are intact" in output(result)
+    kept = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert not [name for name in kept if name.endswith(".tmp")], kept  # nothing half-written
+    assert kept and all(name.startswith("step_") for name in kept), kept
+    from parallab import checkpoint
+
+    newest = checkpoint.latest(run_dir / "checkpoints")
+    assert checkpoint.load_meta(newest)["step"] == 5 * len(kept)  # readable, in order

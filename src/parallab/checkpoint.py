@@ -8,6 +8,7 @@ pipeline): torch.distributed.checkpoint files, every rank writing its shards, an
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import shutil
@@ -218,6 +219,20 @@ def latest(directory: Path) -> Path | None:
     return max(candidates, key=lambda p: (_step(p), p.name.startswith("last")))
 
 
+def write_failure(path: Path, error: BaseException) -> CheckpointError:
+    """A failed checkpoint write as one line: why, and that the earlier ones are intact."""
+    if isinstance(error, OSError) and error.strerror:
+        reason = error.strerror
+    else:
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+        with contextlib.suppress(OSError):
+            if shutil.disk_usage(path.parent).free < 1 << 20:
+                reason = "no space left on the device"
+    return CheckpointError(f"could not write checkpoint {path} ({reason}); the previous "
+                           "checkpoints are intact: free space or point hydra.run.dir "
+                           "somewhere writable")
+
+
 class Checkpointer:
     """Saves the trainer's state with every rank's RNG state: rank 0 writes the file, or
     under a sharded strategy every rank its part of the .dcp directory."""
@@ -246,16 +261,13 @@ class Checkpointer:
         sharded=True every rank writes its shards."""
         rng = self._rng_states()
         path = self.directory / f"{name}{'.dcp' if self.sharded else '.pt'}"
-        try:
-            if self.sharded:
-                self._save_sharded(path, state, rng)
-            elif self.dist.is_main:
+        if self.sharded:
+            self._save_sharded(path, state, rng)
+        elif self.dist.is_main:
+            try:
                 save(path, {**state, "rng": rng, "config": self.config})
-        except OSError as error:
-            reason = error.strerror or str(error)
-            raise CheckpointError(f"could not write checkpoint {path} ({reason}); the "
-                                  "previous checkpoints are intact: free space or point "
-                                  "hydra.run.dir somewhere writable") from None
+            except (OSError, RuntimeError) as error:  # torch.save: RuntimeError on disk full
+                raise write_failure(path, error) from None
         if self.dist.is_main:
             self._prune()
         return path
@@ -264,16 +276,31 @@ class Checkpointer:
         """Shards into a temporary directory, then one rename: a crash leaves the old one."""
         import torch.distributed as torch_dist
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
 
         tmp = path.with_name(f".{path.name}.tmp")
         if self.dist.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
         torch_dist.barrier()
         tensors = {"model": state["model"], "optimizer": state["optimizer"]}
-        dcp.save(tensors, checkpoint_id=str(tmp))  # collective: ends when all shards are written
+        failure = None
+        try:
+            dcp.save(tensors, checkpoint_id=str(tmp))  # collective: raises on every rank
+            if self.dist.is_main:
+                rest = {k: v for k, v in state.items() if k not in tensors}
+                save(tmp / SHARDED_META, {**rest, "rng": rng, "config": self.config})
+        # CheckpointException derives from BaseException: named, or it would pass through
+        except (Exception, CheckpointException) as error:  # noqa: BLE001 - any write failure
+            failure = error
+        # every rank learns whether all wrote (trainer.pt is rank 0's alone)
+        written = self.dist.all_reduce_min(torch.tensor([float(failure is None)],
+                                                        device=self.dist.device))
+        if not written.item():
+            if self.dist.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)  # no half-written .tmp left on disk
+            torch_dist.barrier()
+            raise write_failure(path, failure or RuntimeError("another rank could not write"))
         if self.dist.is_main:
-            rest = {k: v for k, v in state.items() if k not in tensors}
-            save(tmp / SHARDED_META, {**rest, "rng": rng, "config": self.config})
             old = path.with_name(f".{path.name}.old")
             if path.exists():
                 os.replace(path, old)

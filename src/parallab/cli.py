@@ -56,7 +56,7 @@ def _train_and_report(spec: run.RunSpec, in_place: launch.InPlace | None) -> dic
     if in_place is not None or not STRATEGIES[p.name].launches_workers:
         try:
             return run.train(spec)
-        except Diverged as error:  # said in one line: the run's own verdict, not a crash
+        except (Diverged, CheckpointError) as error:  # the whole story in one line
             raise JobFailed(str(error), 1) from None
     log.info("launching %d workers (parallel=%s, backend=%s) in %s", p.world_size, p.name,
              spec.cfg.backend.name, spec.run_dir)
@@ -69,9 +69,9 @@ def _train_and_report(spec: run.RunSpec, in_place: launch.InPlace | None) -> dic
         reason = reason.get("message", "") if isinstance(reason, dict) else str(reason)
         reason = reason.strip().splitlines()[-1] if reason.strip() else (
             f"exit code {failure.exitcode}")
-        diverged = f"{Diverged.__name__}: "  # the error record: "Type: message"
-        if reason.startswith(diverged):  # every rank saw it: one line, not a traceback
-            raise JobFailed(f"rank {rank}: {reason.removeprefix(diverged)}", 1) from None
+        for known in (Diverged, CheckpointError):  # the error record: "Type: message"
+            if reason.startswith(f"{known.__name__}: "):  # one line, not a traceback
+                raise JobFailed(f"rank {rank}: {reason.split(': ', 1)[1]}", 1) from None
         raise JobFailed(f"a worker failed, so the job was stopped:\n{error}", 1,
                         f"rank {rank}: {reason}")
 
