@@ -191,3 +191,26 @@ def test_after_a_signal_a_hang_ends_the_process_but_an_evaluation_does_not():
     assert result.stdout == "survived the evaluation\n", result.stderr
     assert result.returncode == 128 + signal.SIGTERM
     assert time.monotonic() - start < 45  # the watchdog, not the end of the 60 s hang
+
+
+@ON_DDP_REFERENCE
+@pytest.mark.distributed
+@pytest.mark.parametrize("who,action", [
+    # Ctrl-C: the terminal signals the whole process group, controller and workers alike
+    ("the group", "os.killpg(os.getpgid(0), signal.SIGINT)"),
+    # a scheduler that signals the controller alone; it passes the request on
+    ("the controller", "os.kill(os.getppid(), signal.SIGTERM)")])
+def test_a_signalled_ddp_job_stops_together_saves_once_and_exits_0(tmp_path, references, who,
+                                                                   action):
+    reference = references(DDP)
+    run_dir = tmp_path / "run"
+    stopped = run_entry("train.py", [*RUN, *DDP], run_dir, prefix=["setsid", sys.executable],
+                        env=inject(tmp_path, 23, action, condition="os.environ['RANK'] == '0'"))
+    assert stopped.returncode == 0, output(stopped)[-3000:]
+    assert "Traceback" not in output(stopped) and "SignalException" not in output(stopped)
+    assert output(stopped).count("resume with: python train.py") == 1  # rank 0, once
+    assert not (run_dir / "metrics.json").exists()
+    resumed = run_entry("train.py", [*RUN, *DDP, "trainer.resume=auto"], run_dir)
+    assert_ok(resumed)
+    assert "at step 24" in output(resumed)  # the group's own checkpoint, at the next log step
+    assert losses(run_dir) == losses(reference)

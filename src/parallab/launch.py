@@ -8,13 +8,17 @@ them resolve the same Hydra run dir (`${run_time:...}` in conf/config.yaml).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
+import signal
+import threading
 import uuid
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any, Callable
+from pathlib import Path
+from typing import Any, Callable, Iterator
 
 from omegaconf import OmegaConf
 
@@ -154,6 +158,9 @@ def register_resolvers() -> None:
     OmegaConf.register_new_resolver("rank_zero", _rank_zero, replace=True)
 
 
+AGENT_SIGNALS = "SIGHUP,SIGQUIT"  # the signals torch's agent handles itself
+
+
 def elastic(entrypoint: Callable, args: tuple, world_size: int, max_restarts: int,
             worker_env: dict[str, str]) -> Any:
     """Run `entrypoint(*args)` in world_size workers on this machine; rank 0's result.
@@ -177,13 +184,19 @@ def elastic(entrypoint: Callable, args: tuple, world_size: int, max_restarts: in
         monitor_interval=0.1,
         start_method="spawn",
         shutdown_timeout=30,  # a stopping worker's time to save before SIGKILL
+        # not SIGINT/SIGTERM: torch's agent would turn them into an exception that stops
+        # the workers before they save; _forwarding_stop_signals passes them on instead
+        **({"signals_to_handle": AGENT_SIGNALS}
+           if "signals_to_handle" in LaunchConfig.__dataclass_fields__ else {}),
     )
+    worker_env = {**worker_env, "TORCHELASTIC_SIGNALS_TO_HANDLE": AGENT_SIGNALS}  # older torch
     saved = {key: os.environ.get(key) for key in worker_env}
     os.environ.update(worker_env)  # the agent hands its own environment to the workers
     # the controlling process reports a failure once, with the root cause's traceback
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     try:
-        results = elastic_launch(config, entrypoint)(*args)
+        with _forwarding_stop_signals():
+            results = elastic_launch(config, entrypoint)(*args)
     finally:
         for key, value in saved.items():
             if value is None:
@@ -191,3 +204,41 @@ def elastic(entrypoint: Callable, args: tuple, world_size: int, max_restarts: in
             else:
                 os.environ[key] = value
     return results[0]
+
+
+def _child_pids() -> list[int]:
+    """This process's children (Linux /proc; none found elsewhere)."""
+    me, children = os.getpid(), []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "(comm)": state ppid
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == me:
+            children.append(int(stat.parent.name))
+    return children
+
+
+@contextlib.contextmanager
+def _forwarding_stop_signals() -> Iterator[None]:
+    """While the workers run, a SIGINT or SIGTERM to this process is passed on to them: they
+    save at the next step the ranks agree on and end normally, and the job ends with them.
+    Ctrl-C signals the whole group, so the workers see it twice, at once, and count it once
+    (preemption.SAME_REQUEST_S); a scheduler that signals this process alone reaches them
+    too. A later signal reaches them again and stops them at once."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def forward(signum: int, frame: object) -> None:
+        for pid in _child_pids():  # multiprocessing's resource tracker ignores both
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+
+    previous = {signum: signal.signal(signum, forward) for signum in (signal.SIGINT,
+                                                                      signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)

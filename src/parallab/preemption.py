@@ -6,7 +6,9 @@ died) cannot run Python signal handlers, so the signal is also read in a helper 
 Python's wakeup fd, written by the C-level handler at once; a watchdog there ends the
 process when, after the signal, no step completes for STUCK_STEPS times the slowest step
 seen (at least MIN_STUCK_S; start-up and the first step, evaluation and checkpoints do not
-count), or the stop takes over GRACE_S. A second signal ends the process at once.
+count), or the stop takes over GRACE_S. A second signal ends the process at once; one
+within SAME_REQUEST_S of the first is the same request arriving twice (Ctrl-C signals the
+whole process group, and the launcher passes its own copy on to the workers too).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ SIGNALS = (signal.SIGTERM, signal.SIGINT)
 STUCK_STEPS = 5  # no step finished for this many slowest steps after a signal: stuck
 MIN_STUCK_S = 3.0
 GRACE_S = 120.0  # the longest a stop, checkpoint included, may take
+SAME_REQUEST_S = 2.0  # a repeat this soon after the first signal is the same request
 
 
 class Preemption:
@@ -35,6 +38,7 @@ class Preemption:
         self._previous: dict[int, object] = {}
         self._previous_fd = -1
         self._sockets: tuple[socket.socket, socket.socket] | None = None
+        self._since = 0.0  # when the first signal came
 
     @property
     def requested(self) -> bool:
@@ -62,8 +66,10 @@ class Preemption:
 
     def _on_signal(self, signum: int) -> None:
         if self.signum is not None:
+            if time.monotonic() - self._since < SAME_REQUEST_S:
+                return
             os._exit(128 + signum)
-        self.signum = signum
+        self.signum, self._since = signum, time.monotonic()
         threading.Thread(target=self._watch, args=(time.monotonic(),), daemon=True).start()
 
     def _watch(self, since: float) -> None:
