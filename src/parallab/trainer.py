@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections import deque
 import math
 import resource
 import statistics
@@ -34,6 +35,7 @@ class Diverged(RuntimeError):
 
 
 Batch = tuple[torch.Tensor, torch.Tensor]
+SKIP_HORIZON = 20  # on_nan=skip stops when it drops over half of this many recent steps
 
 
 def reset_peak_memory(device: torch.device) -> None:
@@ -113,6 +115,7 @@ class Trainer:
         self.stopped = False  # a signal asked the run to stop; its checkpoint is saved
         self.stop_agreed = False  # every rank has seen the stop request
         self.skipped_steps = 0  # trainer.on_nan=skip: steps dropped for non-finite gradients
+        self.recent_skips: deque[bool] = deque(maxlen=SKIP_HORIZON)  # dropped or not, per step
         self.step_times: list[float] = []  # seconds per step, data loading included
         self.measured_samples = 0  # global samples in steps after warm-up
         self.epoch_times: list[float] = []
@@ -161,9 +164,12 @@ class Trainer:
             self.precision.unscale_(self.optimizer)
             norm = self.strategy.clip_grad_norm(self.model, self.cfg.clip_grad_norm)
             # gradients are already reduced, so every rank decides alike
-            if skip and not torch.isfinite(norm):
+            dropped = skip and not bool(torch.isfinite(norm))
+            self.recent_skips.append(dropped)
+            if dropped:
                 self.skipped_steps += 1
                 self.window_skipped += 1
+                self.check_skips()
                 total = torch.zeros_like(total)
                 if not self.precision.scaler.is_enabled():  # a scaler skips it by itself
                     self.optimizer.zero_grad(set_to_none=True)
@@ -292,6 +298,15 @@ class Trainer:
         with self.preemption.busy():
             self.checkpointer.save(self.state_dict(), name or checkpoint.periodic_name(self.step))
 
+    def check_skips(self) -> None:
+        """on_nan=skip that drops most of the recent steps learns nothing: stop as `stop`."""
+        recent = self.recent_skips
+        if len(recent) >= SKIP_HORIZON // 2 and sum(recent) * 2 > len(recent):
+            raise Diverged(f"trainer.on_nan=skip dropped {sum(recent)} of the last "
+                           f"{len(recent)} steps (non-finite gradients) at step {self.step}: "
+                           "stopped, every checkpoint kept holds finite weights; lower "
+                           "optim.lr or set trainer.clip_grad_norm")
+
     def diverged(self, loss: float) -> None:
         raise Diverged(f"train loss is {loss} at step {self.step}: stopped; every checkpoint "
                        "kept holds finite weights; lower optim.lr, set trainer.clip_grad_norm, "
@@ -310,11 +325,6 @@ class Trainer:
         loss = loss_sum / counted if counted else math.nan
         if not math.isfinite(loss) and self.cfg.on_nan == "stop":
             self.diverged(loss)
-        if self.window_skipped * 2 > steps:  # on_nan=skip dropping most steps learns nothing
-            raise Diverged(f"trainer.on_nan=skip dropped {self.window_skipped} of the last "
-                           f"{steps} steps (non-finite gradients) at step {self.step}: stopped, "
-                           "the last checkpoint holds finite weights; lower optim.lr or set "
-                           "trainer.clip_grad_norm")
         step_time = sum(self.step_times[-steps:]) / steps
         samples_per_sec = self.global_batch_size / step_time
         self.logger.scalars({
