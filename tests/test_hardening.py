@@ -223,3 +223,32 @@ def test_a_full_disk_ends_in_one_line_and_keeps_the_earlier_checkpoints(small_di
 
     newest = checkpoint.latest(run_dir / "checkpoints")
     assert checkpoint.load_meta(newest)["step"] == 5 * len(kept)  # readable, in order
+
+
+@pytest.mark.slow
+def test_evaluate_follows_the_checkpoints_model_and_refuses_model_overrides(train_here, tmp_path):
+    """A gpt trained with model.context=64: data=bytes takes its seq_len from that context
+    (not the default model's), and a model.* override is refused, not dropped."""
+    gpt = ["model=gpt", "data=bytes", "model.context=64", "model.layers=1", "model.width=32",
+           "model.heads=2", "trainer.max_steps=3", "device=cpu"]
+    _, run_dir = train_here(*gpt)
+    ckpt = f"ckpt={run_dir / 'checkpoints' / 'last.pt'}"
+    scored = run_entry("evaluate.py", [ckpt, "data=bytes", "device=cpu"], tmp_path / "eval")
+    assert_ok(scored)
+    assert read_metrics(tmp_path / "eval")["step"] == 3
+    refused = run_entry("evaluate.py", [ckpt, "data=bytes", "model=gpt", "model.context=32"],
+                        tmp_path / "eval2")
+    assert refused.returncode == 2 and "Traceback" not in output(refused)
+    assert "model=gpt: evaluate.py builds the model" in output(refused)
+
+
+def test_an_image_folder_of_one_class_is_refused(tmp_path):
+    from PIL import Image
+
+    from parallab.data.images import ImageFolder
+
+    (tmp_path / "cats").mkdir()
+    for i in range(5):
+        Image.new("RGB", (8, 8)).save(tmp_path / "cats" / f"{i}.png")
+    problem = ImageFolder(path=str(tmp_path)).problem()
+    assert problem and "holds one class folder (cats)" in problem

@@ -18,7 +18,7 @@ from typing import Any, Iterator, NoReturn
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from parallab import launch, metrics, run, summary, validate
 from parallab.checkpoint import CheckpointError
@@ -227,10 +227,15 @@ def _evaluate_app(dict_cfg: DictConfig) -> float:
     if OmegaConf.is_missing(dict_cfg, "ckpt"):
         _fail("ckpt is not set: give the checkpoint to evaluate, python evaluate.py "
               "ckpt=outputs/DATE/TIME/checkpoints/last.pt", 2)
+    overrides = list(HydraConfig.get().overrides.task)
     try:
-        cfg = typed_config(dict_cfg, list(HydraConfig.get().overrides.task))
-        state = checkpoint.load_meta(cfg.ckpt)
-        cfg.model = _trained_model_config(state, cfg.ckpt)
+        state = checkpoint.load_meta(dict_cfg.ckpt)
+        _refuse_model_overrides(overrides, dict_cfg.ckpt)
+        # the checkpoint's model, before anything resolves: data keys that follow the model
+        # (data=bytes: seq_len from model.context) follow the trained one
+        with open_dict(dict_cfg):
+            dict_cfg.model = _trained_model_config(state, dict_cfg.ckpt)
+        cfg = typed_config(dict_cfg, overrides)
         validate.prepare(cfg, in_place=None)
     except (validate.ConfigError, checkpoint.CheckpointError) as error:
         _fail(str(error), 2)
@@ -251,6 +256,16 @@ def _evaluate_app(dict_cfg: DictConfig) -> float:
     out.write_text(json.dumps(result, indent=2) + "\n")
     log.info("%s (%s)", ", ".join(f"{k} {v:.4f}" for k, v in figures.items()), out)
     return figures[metrics.objective(cfg, loss)]
+
+
+def _refuse_model_overrides(overrides: list[str], ckpt: str) -> None:
+    """evaluate.py builds the model the checkpoint records: a model override would be
+    ignored, so it is refused rather than dropped without a word."""
+    for override in overrides:
+        if override.lstrip("+~").split("=")[0].split(".")[0] == "model":
+            raise validate.ConfigError(
+                f"{override}: evaluate.py builds the model ckpt={ckpt} was trained with (its "
+                "_target_ and arguments come from the checkpoint): drop the model override")
 
 
 def _trained_model_config(meta: dict[str, Any], path) -> dict[str, Any]:

@@ -187,6 +187,9 @@ def folder_problem(cfg: ImageFolder) -> str | None:
     if not layout.classes:
         return (f"data.path={cfg.path or 'null'} is not a folder with one subfolder of "
                 "images per class (or train/ and val/ folders of them): point data.path at one")
+    if len(layout.classes) < 2:
+        return (f"data.path={cfg.path} holds one class folder ({layout.classes[0]}): a "
+                "classifier needs at least two, one subfolder of images per class")
     if not layout.train or not layout.eval:
         which = "training" if not layout.train else "held-out"
         return (f"data.path={cfg.path} gives no {which} images (of {', '.join(EXTENSIONS)}): "
