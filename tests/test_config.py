@@ -255,3 +255,15 @@ def test_a_plus_key_the_schema_lacks_is_refused_not_dropped(override, message):
     with pytest.raises(validate.ConfigError, match=re.escape(message)):
         typed_config(compose([override]), [override])
     typed_config(compose(["+model.extra=1"]), ["+model.extra=1"])  # a model argument: its check
+
+
+def test_amp_is_fp16_on_cuda_and_refused_where_ranks_hold_part_of_the_gradients():
+    from parallab.config import Device
+    from parallab.parallel import STRATEGIES
+
+    cfg = typed("parallel=fsdp", "precision=amp", "parallel.world_size=2")
+    cfg.device = Device.cuda  # resolved, as on a GPU machine
+    with pytest.raises(validate.ConfigError, match="precision=amp computes in float16 here"):
+        STRATEGIES["fsdp"].check(cfg)
+    cfg.device = Device.cpu  # amp is bfloat16 there: allowed
+    STRATEGIES["fsdp"].check(cfg)

@@ -5,6 +5,7 @@ survived, and nothing a user wrote is overwritten."""
 from __future__ import annotations
 
 import json
+import logging
 import re
 import math
 import subprocess
@@ -98,9 +99,14 @@ def test_a_second_run_in_the_same_dir_at_once_is_refused(tmp_path):
         deadline = time.time() + 60
         while not (run_dir / ".parallab.lock").exists() and time.time() < deadline:
             time.sleep(0.2)
-        second = run_entry("train.py", [*FAST, "trainer.resume=auto"], run_dir)
-        assert second.returncode == 2, output(second)
-        assert f"is in use by a run still going (pid {first.pid})" in output(second)
+        while not any((run_dir / "checkpoints").glob("step_*")) and time.time() < deadline:
+            time.sleep(0.2)
+        for second_args in (["trainer.resume=auto"], ["trainer.overwrite=true"]):
+            second = run_entry("train.py", [*FAST, *second_args], run_dir)
+            assert second.returncode == 2, output(second)
+            assert f"is in use by a run still going (pid {first.pid})" in output(second)
+            # refused before it could delete anything of the running one
+            assert any((run_dir / "checkpoints").glob("step_*"))
     finally:
         first.kill()
         first.wait()
@@ -252,3 +258,17 @@ def test_an_image_folder_of_one_class_is_refused(tmp_path):
         Image.new("RGB", (8, 8)).save(tmp_path / "cats" / f"{i}.png")
     problem = ImageFolder(path=str(tmp_path)).problem()
     assert problem and "holds one class folder (cats)" in problem
+
+
+def test_resume_auto_passes_over_a_truncated_newest_checkpoint(train_here, caplog):
+    common = [*FAST, "trainer.max_steps=20", "trainer.checkpoint_every_n_steps=5"]
+    _, run_dir = train_here(*common)
+    last = run_dir / "checkpoints" / "last.pt"
+    last.write_bytes(last.read_bytes()[:1000])  # a crash mid-write of a copy, say
+    (run_dir / "metrics.json").unlink()
+    with caplog.at_level(logging.INFO):
+        metrics, _ = train_here(*common, "trainer.max_steps=25", "trainer.resume=auto")
+    assert f"passing over {last}" in caplog.text
+    # the newest readable one: last.pt held step 20, the newest periodic one step 15
+    assert "step_00000015.pt at step 15" in caplog.text
+    assert metrics["steps"] == 25

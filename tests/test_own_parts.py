@@ -150,3 +150,21 @@ def test_a_stream_without_length_needs_max_steps():
     with pytest.raises(ConfigError, match="set trainer.max_steps"):
         checked(*WAVES, *STREAM, "+data.train.sized=false", "trainer.max_steps=null",
                 config_dir=CONF)
+
+
+def test_dataloader_workers_read_a_stream_in_whole_batches():
+    """Workers take whole batches of a rank's share in turn: the batches are those of one
+    process reading alone, every one full but the last."""
+    from torch.utils.data import DataLoader
+
+    from own_parts import WaveStream
+    from parallab.data.stream import RankShare
+
+    def batches(workers: int) -> list[list[float]]:
+        share = RankShare(WaveStream(300, sized=False), rank=1, world_size=2, batch_size=32)
+        return [targets.flatten().tolist() for _, targets in
+                DataLoader(share, batch_size=32, num_workers=workers)]
+
+    alone = batches(0)
+    assert [len(b) for b in alone] == [32] * 4 + [22]  # 150 samples of rank 1
+    assert batches(2) == alone

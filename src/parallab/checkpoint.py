@@ -89,7 +89,9 @@ def _read_index(path: Path) -> Any:
     try:
         with open(path / ".metadata", "rb") as f:
             return _MetadataUnpickler(f).load()
-    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError) as error:
+    except CheckpointError:  # the unpickler's own refusal says what it refused
+        raise
+    except Exception as error:  # noqa: BLE001 - garbage can fail any way at all
         raise CheckpointError(f"ckpt={path}: its .metadata index cannot be read "
                               f"({type(error).__name__}): the checkpoint is damaged") from None
 
@@ -211,12 +213,25 @@ def _step(path: Path) -> int:
 
 
 def latest(directory: Path) -> Path | None:
-    """The newest checkpoint in `directory` by step, last.* winning a tie."""
+    """The newest readable checkpoint in `directory` by step, last.* winning a tie; an
+    unreadable newer one (truncated by a crash, a shard lost) is passed over, saying so."""
+    import logging
+
     candidates = [p for p in directory.glob("step_*") if p.suffix in (".pt", ".dcp")]
     candidates += [p for p in (directory / "last.pt", directory / "last.dcp") if p.exists()]
-    if not candidates:
-        return None
-    return max(candidates, key=lambda p: (_step(p), p.name.startswith("last")))
+    ranked = []
+    for path in candidates:
+        try:
+            ranked.append(((_step(path), path.name.startswith("last")), path))
+        except (CheckpointError, KeyError, TypeError) as error:
+            logging.getLogger(__name__).warning("passing over %s: %s", path, error)
+    for _, path in sorted(ranked, reverse=True):
+        try:
+            load_meta(path)
+            return path
+        except CheckpointError as error:
+            logging.getLogger(__name__).warning("passing over %s: %s", path, error)
+    return None
 
 
 def write_failure(path: Path, error: BaseException) -> CheckpointError:
@@ -263,14 +278,26 @@ class Checkpointer:
         path = self.directory / f"{name}{'.dcp' if self.sharded else '.pt'}"
         if self.sharded:
             self._save_sharded(path, state, rng)
-        elif self.dist.is_main:
-            try:
-                save(path, {**state, "rng": rng, "config": self.config})
-            except (OSError, RuntimeError) as error:  # torch.save: RuntimeError on disk full
-                raise write_failure(path, error) from None
+        else:
+            failure = None
+            if self.dist.is_main:
+                try:
+                    save(path, {**state, "rng": rng, "config": self.config})
+                except (OSError, RuntimeError) as error:  # torch.save: RuntimeError on disk full
+                    failure = error
+            if not self._all_wrote(failure is None):  # every rank stops, not rank 0 alone
+                raise write_failure(path, failure or RuntimeError("rank 0 could not write"))
         if self.dist.is_main:
             self._prune()
         return path
+
+    def _all_wrote(self, wrote: bool) -> bool:
+        """Whether every rank's part of the write succeeded (one all-reduce where there are
+        several ranks), so that all ranks go on, or all stop, together."""
+        if self.dist.backend is None or self.dist.world_size == 1:
+            return wrote
+        flag = torch.tensor([float(wrote)], device=self.dist.device)
+        return bool(self.dist.all_reduce_min(flag).item())
 
     def _save_sharded(self, path: Path, state: dict[str, Any], rng: list) -> None:
         """Shards into a temporary directory, then one rename: a crash leaves the old one."""
@@ -292,16 +319,14 @@ class Checkpointer:
         # CheckpointException derives from BaseException: named, or it would pass through
         except (Exception, CheckpointException) as error:  # noqa: BLE001 - any write failure
             failure = error
-        # every rank learns whether all wrote (trainer.pt is rank 0's alone)
-        written = self.dist.all_reduce_min(torch.tensor([float(failure is None)],
-                                                        device=self.dist.device))
-        if not written.item():
+        if not self._all_wrote(failure is None):  # trainer.pt is rank 0's alone
             if self.dist.is_main:
                 shutil.rmtree(tmp, ignore_errors=True)  # no half-written .tmp left on disk
             torch_dist.barrier()
             raise write_failure(path, failure or RuntimeError("another rank could not write"))
         if self.dist.is_main:
             old = path.with_name(f".{path.name}.old")
+            shutil.rmtree(old, ignore_errors=True)  # a crash's leftover would block the move
             if path.exists():
                 os.replace(path, old)
             os.replace(tmp, path)

@@ -136,12 +136,15 @@ def _claimed(run_dir: str, cfg, in_place: launch.InPlace | None) -> Iterator[Non
     the same dir while this one runs is refused at once (a lock file)."""
     from parallab import rundir
 
+    from parallab.distributed import restart_count
+
     main = in_place is None or in_place.rank == 0
+    # a launcher's restart of this job continues it (run.resume_path), deleting nothing
+    resume = "auto" if restart_count() > 0 else cfg.trainer.resume
     try:
-        rundir.check_fresh(Path(run_dir), cfg.trainer.resume, cfg.trainer.overwrite,
-                           delete=main)
         lock = rundir.lock(Path(run_dir)) if main else contextlib.nullcontext()
-        with lock:
+        with lock:  # taken first: a refused run touches nothing of a running one
+            rundir.check_fresh(Path(run_dir), resume, cfg.trainer.overwrite, delete=main)
             yield
     except validate.ConfigError as error:
         _restore_earlier_run()
@@ -163,7 +166,7 @@ def _sweep_job(dict_cfg: DictConfig, run_dir: Path) -> float | None:
     if done is not None:
         status_file.write_text(json.dumps({"status": "skipped"}) + "\n")
         log.info("skipped: %s already holds complete metrics", run_dir)
-        return done.get(dict_cfg.objective or metrics.ACCURACY, done.get(metrics.LOSS))
+        return metrics.objective_of(done, dict_cfg.objective)
     try:
         return _train_job(dict_cfg)
     except Exception as error:  # noqa: BLE001 - any failure of one job is that job's result

@@ -235,8 +235,10 @@ def _forwarding_stop_signals() -> Iterator[None]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signum)
 
-    previous = {signum: signal.signal(signum, forward) for signum in (signal.SIGINT,
-                                                                      signal.SIGTERM)}
+    # torch's agent installs its own SIGHUP/SIGQUIT handlers and leaves them: put ours back
+    previous = {signum: signal.getsignal(signum) for signum in (signal.SIGHUP, signal.SIGQUIT)}
+    previous.update({signum: signal.signal(signum, forward) for signum in (signal.SIGINT,
+                                                                           signal.SIGTERM)})
     try:
         yield
     finally:

@@ -39,6 +39,11 @@ def objective(cfg, loss) -> str:
     return cfg.objective or (ACCURACY if loss.classifies else LOSS)
 
 
+def objective_of(figures: dict[str, Any], name: str | None) -> Any:
+    """A finished run's objective from its metrics.json (a run without accuracy: its loss)."""
+    return figures.get(name) if name else figures.get(ACCURACY, figures.get(LOSS))
+
+
 def check(specs: dict[str, Any]) -> None:
     for name, spec in specs.items():
         if not isinstance(spec, dict) or targets.TARGET not in spec:
@@ -97,9 +102,11 @@ def evaluate(model: nn.Module, loader: ShardLoader, dist: Dist, precision: Preci
         n = min(len(labels), remaining)
         remaining -= n
         with precision.autocast() if precision else contextlib.nullcontext():
-            if loss.from_model:  # the model scores itself: no padding rows to drop
-                totals[0] += loss(model(inputs, labels), labels).float() * loss.weight(labels)
-                totals[2] += loss.weight(labels)
+            if loss.from_model:  # the model scores itself, on this rank's real rows only
+                if n:
+                    inputs, labels = _rows(inputs, n), labels[:n]
+                    totals[0] += loss(model(inputs, labels), labels).double() * loss.weight(labels)
+                    totals[2] += loss.weight(labels)
                 continue
             output = forward(model, inputs) if forward else model(inputs)
         if output is None or n == 0:
@@ -117,3 +124,14 @@ def evaluate(model: nn.Module, loader: ShardLoader, dist: Dist, precision: Preci
     if loss.classifies:
         figures[ACCURACY] = correct / count
     return {**figures, **extra.compute(dist)}
+
+
+def _rows(batch: Any, n: int) -> Any:
+    """The first n rows of a batch: a tensor, or tensors in a tuple, list or dict."""
+    if isinstance(batch, torch.Tensor):
+        return batch[:n]
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_rows(b, n) for b in batch)
+    if isinstance(batch, dict):
+        return {k: _rows(v, n) for k, v in batch.items()}
+    return batch

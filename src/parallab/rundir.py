@@ -50,7 +50,10 @@ def lock(run_dir: Path) -> Iterator[None]:
     with open(run_dir / LOCK, "a+") as handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        except OSError as error:
+            if not isinstance(error, BlockingIOError):
+                raise ConfigError(f"hydra.run.dir={run_dir}: its file system cannot lock files "
+                                  f"({error.strerror}): put the run dir on a local disk") from None
             handle.seek(0)
             holder = handle.read().strip() or "another process"
             raise ConfigError(f"hydra.run.dir={run_dir} is in use by a run still going "

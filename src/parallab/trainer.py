@@ -165,10 +165,12 @@ class Trainer:
             norm = self.strategy.clip_grad_norm(self.model, self.cfg.clip_grad_norm)
             # gradients are already reduced, so every rank decides alike
             dropped = skip and not bool(torch.isfinite(norm))
-            self.recent_skips.append(dropped)
             if dropped:
                 self.skipped_steps += 1
                 self.window_skipped += 1
+            # a GradScaler's overflow steps are its calibration, not divergence
+            if skip and not self.precision.scaler.is_enabled():
+                self.recent_skips.append(dropped)
                 self.check_skips()
                 total = torch.zeros_like(total)
                 if not self.precision.scaler.is_enabled():  # a scaler skips it by itself

@@ -99,6 +99,9 @@ def check_objective(cfg: Config) -> None:
 
     loss.check(cfg.loss)
     metrics.check(cfg.metrics)
+    _require(not (cfg.metrics and loss.from_model(cfg.loss)), "metrics with loss=model: the "
+             "model returns its loss, not an output a metric could score: drop metrics, or "
+             "use a loss of output and targets")
     if cfg.objective is not None:
         names = metrics.names(loss.build_loss(cfg.loss), cfg.metrics)
         _require(cfg.objective in names, f"objective={cfg.objective} is not a figure this run "

@@ -12,6 +12,7 @@ shard; `num_valid` says how much of the shard is real, so evaluation counts ever
 from __future__ import annotations
 
 import math
+import signal
 from typing import Any, Iterator
 
 import numpy as np
@@ -166,7 +167,7 @@ class DataLoaderLoader(ShardLoader):
         workers = cfg.num_workers > 0
         self.loader = DataLoader(
             dataset, batch_size=batch_size, sampler=self.sampler, generator=self.generator,
-            collate_fn=_collate(cfg.collate_fn),
+            collate_fn=_collate(cfg.collate_fn), worker_init_fn=ignore_stop_signals,
             num_workers=cfg.num_workers, pin_memory=cfg.pin_memory and self.device.type == "cuda",
             persistent_workers=cfg.persistent_workers and workers,
             prefetch_factor=cfg.prefetch_factor if workers else None)
@@ -184,6 +185,14 @@ class DataLoaderLoader(ShardLoader):
             if self.drop_last and len(targets) < self.batch_size:
                 return
             yield self.prepare(to_device(inputs, self.device)), to_device(targets, self.device)
+
+
+def ignore_stop_signals(worker_id: int) -> None:
+    """A DataLoader worker leaves a stop to the trainer: Ctrl-C signals the whole process
+    group, and a worker ended by it would break the epoch before the agreed checkpoint (the
+    worker still ends with its parent)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def _collate(spec: Any):

@@ -4,7 +4,8 @@ Sample i of the stream goes to rank i % world_size, in rounds of world_size samp
 short round is dropped, so every rank takes as many samples and so runs as many steps (a
 rank with one step more would wait for its peers forever). Within a rank, DataLoader workers
 take every num_workers-th sample of its share. Each epoch reads the stream again from its
-start, calling its set_epoch(epoch) first where it has one (to reshuffle). Resuming
+start, calling its set_epoch(epoch) first where it has one (to reshuffle); every rank, and
+every DataLoader worker, reads the whole stream to take its share of it. Resuming
 mid-epoch reads the stream again past the batches already trained: exact for a stream that
 gives the same samples for the same epoch. Without __len__, an epoch lasts until the stream
 ends and trainer.max_steps bounds the run.
@@ -23,10 +24,13 @@ from parallab.distributed import Dist
 
 
 class RankShare(IterableDataset):
-    """This rank's share of `stream` (and, in a DataLoader worker, that worker's part)."""
+    """This rank's share of `stream`; in DataLoader worker w of W, the samples of this rank's
+    batches w, w + W, ...: whole batches, which the DataLoader takes from its workers in
+    turn, so the batches are those of one process reading alone."""
 
-    def __init__(self, stream: IterableDataset, rank: int, world_size: int):
+    def __init__(self, stream: IterableDataset, rank: int, world_size: int, batch_size: int):
         self.stream, self.rank, self.world_size = stream, rank, world_size
+        self.batch_size = batch_size
 
     def __iter__(self) -> Iterator[Any]:
         worker = get_worker_info()
@@ -36,7 +40,7 @@ class RankShare(IterableDataset):
             round_ = list(itertools.islice(source, self.world_size))
             if len(round_) < self.world_size:
                 return
-            if j % workers == worker_id:
+            if (j // self.batch_size) % workers == worker_id:
                 yield round_[self.rank]
 
 
@@ -54,7 +58,7 @@ class StreamLoader:
     num_valid = math.inf  # no sampler padding to leave out of evaluation
 
     def __init__(self, stream: IterableDataset, dist: Dist, batch_size: int, seed: int, cfg):
-        from parallab.data.loaders import _collate
+        from parallab.data.loaders import _collate, ignore_stop_signals
 
         self.source, self.dist, self.batch_size, self.seed, self.cfg = (
             stream, dist, batch_size, seed, cfg)
@@ -65,8 +69,9 @@ class StreamLoader:
         workers = cfg.num_workers > 0
         # not persistent: each epoch's workers must see the stream's set_epoch
         self.loader = DataLoader(
-            RankShare(stream, dist.rank, dist.world_size), batch_size=batch_size,
-            collate_fn=_collate(cfg.collate_fn), num_workers=cfg.num_workers,
+            RankShare(stream, dist.rank, dist.world_size, batch_size), batch_size=batch_size,
+            collate_fn=_collate(cfg.collate_fn), worker_init_fn=ignore_stop_signals,
+            num_workers=cfg.num_workers,
             pin_memory=cfg.pin_memory and self.device.type == "cuda",
             prefetch_factor=cfg.prefetch_factor if workers else None)
 

@@ -39,7 +39,8 @@ def check(spec: dict[str, Any], data) -> dict[str, Any]:
         raise ConfigError(f"model._target_={spec[targets.TARGET]} is not callable: name a "
                           "Module class, or a function that returns a Module")
     kwargs = targets.arguments(spec)
-    targets.check_arguments(target, kwargs, KEY)
+    # a spec's _args_ fill the first parameters
+    targets.check_arguments(target, kwargs, KEY, at_call=len(spec.get("_args_") or []))
     targets.check_types(target, kwargs, KEY, nulls=True)
     check_data = getattr(target, "check_data", None)
     if callable(check_data):  # sees every argument, the signature's defaults filled in
@@ -51,4 +52,5 @@ def check(spec: dict[str, Any], data) -> dict[str, Any]:
         # the spec's own keys, and any argument the data decided (a null filled in)
         kwargs = {k: v for k, v in full.items() if k in kwargs or v != defaults.get(k)}
     targets.check_types(target, kwargs, KEY)
-    return {targets.TARGET: spec[targets.TARGET], **kwargs}
+    hydra_keys = {k: v for k, v in spec.items() if k in targets.HYDRA_KEYS}  # _target_, ...
+    return {**hydra_keys, **kwargs}

@@ -12,7 +12,7 @@ from torch import nn
 from parallab.distributed import Dist
 from parallab.errors import ConfigError
 from parallab.loss import Objective
-from parallab.precision import Precision
+from parallab.precision import Precision, compute_dtype
 
 
 class Strategy:
@@ -123,10 +123,11 @@ class ShardedStrategy(Strategy):
     def check(cls, cfg) -> None:
         super().check(cfg)
         p, t = cfg.parallel, cfg.trainer
-        if cfg.precision.name == "fp16":
-            raise ConfigError(f"precision=fp16 with parallel={p.name}: each rank holds part of "
-                              "the gradients, and a GradScaler per rank could skip the step on "
-                              "one rank only: use precision=bf16")
+        if compute_dtype(cfg.precision.name, cfg.device.value) == torch.float16:
+            raise ConfigError(f"precision={cfg.precision.name} computes in float16 here, with "
+                              f"a GradScaler, and under parallel={p.name} each rank holds part "
+                              "of the gradients: a scaler per rank could skip the step on one "
+                              "rank only: use precision=bf16")
         if t.quantize is not None:
             raise ConfigError(f"trainer.quantize={t.quantize} with parallel={p.name}: quantize "
                               "needs the whole model in one process: use parallel=none or ddp")

@@ -69,6 +69,8 @@ def chain_differs(model: nn.Module, stages: list[nn.Module], inputs: torch.Tenso
                f"{(str(error).splitlines() or [''])[0]})"
     finally:
         model.train(was_training)
+    if not isinstance(expected, torch.Tensor):
+        return f"the forward returns {type(expected).__name__}, not one tensor"
     if not isinstance(chained, torch.Tensor) or chained.shape != expected.shape:
         shape = getattr(chained, "shape", type(chained).__name__)
         return f"the stages give {shape} where the forward gives {tuple(expected.shape)}"
