@@ -167,6 +167,8 @@ def _sweep_job(dict_cfg: DictConfig, run_dir: Path) -> float | None:
         status_file.write_text(json.dumps({"status": "skipped"}) + "\n")
         log.info("skipped: %s already holds complete metrics", run_dir)
         return metrics.objective_of(done, dict_cfg.objective)
+    if dict_cfg.sweep.skip_completed and dict_cfg.trainer.resume is None:
+        dict_cfg.trainer.resume = "auto"  # a job that did not finish continues (or starts)
     try:
         return _train_job(dict_cfg)
     except Exception as error:  # noqa: BLE001 - any failure of one job is that job's result
@@ -265,10 +267,13 @@ def _refuse_model_overrides(overrides: list[str], ckpt: str) -> None:
     """evaluate.py builds the model the checkpoint records: a model override would be
     ignored, so it is refused rather than dropped without a word."""
     for override in overrides:
-        if override.lstrip("+~").split("=")[0].split(".")[0] == "model":
+        key = override.lstrip("+~").split("=")[0]
+        if key.startswith("model."):
             raise validate.ConfigError(
                 f"{override}: evaluate.py builds the model ckpt={ckpt} was trained with (its "
                 "_target_ and arguments come from the checkpoint): drop the model override")
+        if key == "model":  # a group choice, harmless: said, not silently dropped
+            log.info("%s: evaluate.py uses the model ckpt=%s records", override, ckpt)
 
 
 def _trained_model_config(meta: dict[str, Any], path) -> dict[str, Any]:

@@ -12,7 +12,6 @@ from typing import Iterator
 
 from parallab.errors import ConfigError
 
-LOCK = ".parallab.lock"
 RECORD = ("metrics.json", "checkpoints")  # what makes a dir hold a run
 
 
@@ -44,26 +43,20 @@ def check_fresh(run_dir: Path, resume: str | None, overwrite: bool, delete: bool
 
 @contextlib.contextmanager
 def lock(run_dir: Path) -> Iterator[None]:
-    """Hold the dir's lock file for the run; ConfigError at once if another run holds it.
-    The OS drops the lock when the holder dies, so a killed run leaves no stale lock."""
+    """Hold a lock on the run dir for the run; ConfigError at once if another run holds it.
+    The lock is on the directory itself (flock), so nothing is left in it, and the OS drops
+    it when the holder dies: a killed run leaves no stale lock."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    with open(run_dir / LOCK, "a+") as handle:
+    fd = os.open(run_dir, os.O_RDONLY)
+    try:
         try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ConfigError(f"hydra.run.dir={run_dir} is in use by a run still going: wait "
+                              "for it to end, or choose another hydra.run.dir") from None
         except OSError as error:
-            if not isinstance(error, BlockingIOError):
-                raise ConfigError(f"hydra.run.dir={run_dir}: its file system cannot lock files "
-                                  f"({error.strerror}): put the run dir on a local disk") from None
-            handle.seek(0)
-            holder = handle.read().strip() or "another process"
-            raise ConfigError(f"hydra.run.dir={run_dir} is in use by a run still going "
-                              f"(pid {holder}): wait for it to end, or choose another "
-                              "hydra.run.dir") from None
-        handle.seek(0)
-        handle.truncate()
-        handle.write(str(os.getpid()))
-        handle.flush()
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+            raise ConfigError(f"hydra.run.dir={run_dir}: its file system cannot lock it "
+                              f"({error.strerror}): put the run dir on a local disk") from None
+        yield
+    finally:
+        os.close(fd)  # releases the lock

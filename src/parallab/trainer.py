@@ -168,13 +168,13 @@ class Trainer:
             if dropped:
                 self.skipped_steps += 1
                 self.window_skipped += 1
+                total = torch.zeros_like(total)
+                if not self.precision.scaler.is_enabled():  # a scaler skips it by itself
+                    self.optimizer.zero_grad(set_to_none=True)
             # a GradScaler's overflow steps are its calibration, not divergence
             if skip and not self.precision.scaler.is_enabled():
                 self.recent_skips.append(dropped)
                 self.check_skips()
-                total = torch.zeros_like(total)
-                if not self.precision.scaler.is_enabled():  # a scaler skips it by itself
-                    self.optimizer.zero_grad(set_to_none=True)
         self.precision.step(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         return total

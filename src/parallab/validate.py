@@ -41,7 +41,7 @@ def check_values(cfg: Config) -> None:
     """The keys of the trainer, optimizer, backend and launcher, and the seed."""
     t, p = cfg.trainer, cfg.parallel
     _at_least("seed", cfg.seed, 0)
-    _at_least("trainer.epochs", t.epochs, 1)
+    _at_least("trainer.epochs", t.epochs, 0)  # 0: evaluate the initial model, save it
     _at_least("trainer.max_steps", t.max_steps, 1, optional=True)
     _at_least("trainer.log_every_n_steps", t.log_every_n_steps, 1)
     _at_least("trainer.eval_every_n_epochs", t.eval_every_n_epochs, 1)

@@ -124,10 +124,10 @@ class ShardedStrategy(Strategy):
         super().check(cfg)
         p, t = cfg.parallel, cfg.trainer
         if compute_dtype(cfg.precision.name, cfg.device.value) == torch.float16:
-            raise ConfigError(f"precision={cfg.precision.name} computes in float16 here, with "
-                              f"a GradScaler, and under parallel={p.name} each rank holds part "
-                              "of the gradients: a scaler per rank could skip the step on one "
-                              "rank only: use precision=bf16")
+            raise ConfigError(f"precision={cfg.precision.name} with parallel={p.name}: it "
+                              "computes in float16 here, with a GradScaler, and each rank holds "
+                              "part of the gradients: a scaler per rank could skip the step on "
+                              "one rank only: use precision=bf16")
         if t.quantize is not None:
             raise ConfigError(f"trainer.quantize={t.quantize} with parallel={p.name}: quantize "
                               "needs the whole model in one process: use parallel=none or ddp")
