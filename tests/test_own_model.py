@@ -49,12 +49,16 @@ def test_the_project_trains_a_regression_without_accuracy(one_device):
 @pytest.mark.distributed
 @ON_ONE_WORKER
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", "pipeline"])
-def test_every_layout_gives_the_one_device_losses(project, one_device, strategy):
+def test_every_layout_gives_the_one_device_losses(project, one_device, strategy, monkeypatch):
+    """The training function on the copy's config dir and modules, in this process (its
+    workers import the project as the command's would): no interpreter start-up per run."""
+    from parallab.cli import train_in_process
+
+    monkeypatch.syspath_prepend(str(project))
     run_dir = project / "outputs" / strategy
-    result = parallab(project, "train", *SAME, f"parallel={strategy}", "parallel.world_size=2",
-                      run_dir=run_dir)
-    assert_ok(result)
-    assert read_metrics(run_dir)["world_size"] == 2
+    metrics = train_in_process([*SAME[2:], f"parallel={strategy}", "parallel.world_size=2"],
+                               run_dir, project / "conf")
+    assert metrics["world_size"] == 2
     assert losses(run_dir) == pytest.approx(losses(one_device), abs=1e-4)
 
 
@@ -78,7 +82,7 @@ def test_a_sweep_over_batch_and_world_size_writes_its_summary(project):
     sweep = project / "outputs" / "sweep"
     result = parallab(project, "train", "-m", "--config-dir", "conf", "experiment=waves",
                       "parallel=ddp", "parallel.world_size=1,2", "data.batch_size=16,32",
-                      "trainer.max_steps=8", "device=cpu", f"hydra.sweep.dir={sweep}",
+                      "trainer.max_steps=4", "device=cpu", f"hydra.sweep.dir={sweep}",
                       timeout=400)
     assert_ok(result)
     rows = (sweep / "summary.csv").read_text().splitlines()
