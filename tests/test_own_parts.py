@@ -3,8 +3,6 @@ every bad one refused in one line before any worker starts."""
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 import torch
 
@@ -113,7 +111,7 @@ def test_a_model_that_returns_its_own_loss(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_sequential_model_trains_under_pipeline(tmp_path, caplog):
+def test_a_sequential_model_trains_under_pipeline(tmp_path):
     sequential = ["model._target_=own_parts.sequential", "~model.out_features",
                   "~model.depth", "~model.expansion", "parallel.stages=null",
                   "data.global_batch_size=32"]
@@ -123,11 +121,11 @@ def test_a_sequential_model_trains_under_pipeline(tmp_path, caplog):
 
 
 @pytest.mark.slow
-def test_fsdp_without_stages_shards_the_root_and_says_so(tmp_path, caplog):
-    with caplog.at_level(logging.INFO):
-        metrics = train(tmp_path, "parallel=fsdp", "parallel.world_size=1",
-                        "parallel.stages=null")
+def test_fsdp_without_stages_shards_the_root_and_says_so(tmp_path):
+    metrics = train(tmp_path, "parallel=fsdp", "parallel.world_size=1", "parallel.stages=null")
     assert metrics["parallel"] == "fsdp" and metrics["steps"] == 12
+    # said once, by the worker, in the run's log
+    assert (tmp_path / "train.log").read_text().count("sharded as one unit") == 1
 
 
 STREAM = ["data.train._target_=own_parts.WaveStream", "~data.train.size", "~data.eval.size",

@@ -12,7 +12,6 @@ from typing import Iterator
 
 from parallab.errors import ConfigError
 
-RECORD = ("metrics.json", "checkpoints")  # what makes a dir hold a run
 
 
 def held_run(run_dir: Path) -> list[str]:
