@@ -38,12 +38,20 @@ def assert_ok(result: subprocess.CompletedProcess) -> None:
 
 
 def scalars(run_dir: Path, tag: str) -> list[tuple[int, float]]:
-    """(step, value) of one TensorBoard scalar, read back with tensorboard's own reader."""
+    """(step, value) of one TensorBoard scalar in step order, read back with tensorboard's
+    own reader file by file, a resumed run's file after the one it continues: a directory
+    read sorts files by name, and a writer's per-process counter in the name (…9 before
+    …10) can put a later file of the same second first."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
-    events.Reload()
-    return [(e.step, e.value) for e in events.Scalars(tag)]
+    runs = []
+    for path in Path(run_dir).glob("events.out.tfevents.*"):
+        events = EventAccumulator(str(path), size_guidance={"scalars": 0})
+        events.Reload()
+        if tag in events.Tags()["scalars"]:
+            runs.append((events.FirstEventTimestamp(), events.Scalars(tag)))
+    points = {e.step: e.value for _, run in sorted(runs, key=lambda r: r[0]) for e in run}
+    return sorted(points.items())
 
 
 def typed(*overrides: str, config_dir: Path | None = None):
