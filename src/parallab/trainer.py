@@ -119,7 +119,8 @@ class Trainer:
         self.step_times: list[float] = []  # seconds per step, data loading included
         self.measured_samples = 0  # global samples in steps after warm-up
         self.epoch_times: list[float] = []
-        self.window_loss = torch.zeros((), device=dist.device)  # summed since the last log
+        # each step's loss since the last log, summed there (an add per step costs more)
+        self.window_losses: list[torch.Tensor] = []
         self.window_steps = 0
         self.window_skipped = 0
         self.epoch_loss = 0.0
@@ -236,7 +237,7 @@ class Trainer:
         start = tick = time.perf_counter()
         finished = False
         for batches in micro_batches(loader, self.cfg.accumulate_grad_batches):
-            self.window_loss += self.train_step(batches)
+            self.window_losses.append(self.train_step(batches))
             self.step += 1
             self.epoch_step += 1
             self.preemption.step_done()
@@ -294,7 +295,8 @@ class Trainer:
         if self.checkpointer is None:
             return
         if self.window_steps:
-            bad = torch.tensor(float(not torch.isfinite(self.window_loss)), device=self.dist.device)
+            bad = torch.tensor(float(not torch.isfinite(self.window_loss())),
+                               device=self.dist.device)
             if self.dist.all_reduce_sum(bad).item() > 0:
                 self.diverged(math.nan)
         with self.preemption.busy():
@@ -314,11 +316,17 @@ class Trainer:
                        "kept holds finite weights; lower optim.lr, set trainer.clip_grad_norm, "
                        "or set trainer.on_nan=skip to drop such steps")
 
+    def window_loss(self) -> torch.Tensor:
+        """This rank's summed loss of the steps since the last log window."""
+        if not self.window_losses:
+            return torch.zeros((), device=self.dist.device)
+        return torch.stack(self.window_losses).float().sum()
+
     def log_window(self, progress: Progress | None) -> None:
         """Train loss averaged over the steps since the last log and over all ranks; the
         same all-reduce shares any stop request."""
         steps = self.window_steps
-        shared = torch.stack([self.window_loss.float(),
+        shared = torch.stack([self.window_loss(),
                               torch.tensor(float(self.preemption.requested),
                                            device=self.dist.device)])
         loss_sum, stops = self.dist.all_reduce_sum(shared).tolist()
@@ -346,7 +354,7 @@ class Trainer:
         if math.isfinite(loss):
             self.epoch_loss += loss * (steps - self.window_skipped)
             self.epoch_steps += steps - self.window_skipped
-        self.window_loss.zero_()
+        self.window_losses.clear()
         self.window_steps = self.window_skipped = 0
 
     @property

@@ -181,10 +181,13 @@ class DataLoaderLoader(ShardLoader):
                                 self.cfg)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        move = self.device.type != "cpu"  # else the loader's batches are where they belong
         for inputs, targets in self.loader:
             if self.drop_last and len(targets) < self.batch_size:
                 return
-            yield self.prepare(to_device(inputs, self.device)), to_device(targets, self.device)
+            if move:
+                inputs, targets = to_device(inputs, self.device), to_device(targets, self.device)
+            yield self.prepare(inputs), targets
 
 
 def ignore_stop_signals(worker_id: int) -> None:
