@@ -202,8 +202,9 @@ def test_after_a_signal_a_hang_ends_the_process_but_an_evaluation_does_not():
 @pytest.mark.parametrize("who,action", [
     # Ctrl-C: the terminal signals the whole process group, controller and workers alike
     ("the group", "os.killpg(os.getpgid(0), signal.SIGINT)"),
-    # a scheduler that signals the controller alone; it passes the request on
-    ("the controller", "os.kill(os.getppid(), signal.SIGTERM)")])
+    # a scheduler that signals the controller alone (setsid made it the group's leader); it
+    # passes the request on
+    ("the controller", "os.kill(os.getpgid(0), signal.SIGTERM)")])
 def test_a_signalled_ddp_job_stops_together_saves_once_and_exits_0(tmp_path, references, who,
                                                                    action):
     reference = references(DDP)

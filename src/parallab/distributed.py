@@ -15,6 +15,16 @@ import torch
 import torch.distributed as dist
 
 
+# how a peer's end shows on the ranks still running (gloo raises a plain RuntimeError)
+PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+PEER_FAILURE_GRACE_S = 1.0  # ten of the launcher agent's monitor intervals
+
+
+def lost_a_peer(error: BaseException) -> bool:
+    """The error is this rank's view of another rank's failure: a collective or the store
+    failed (torch's DistError), or a connection to a peer broke."""
+    return isinstance(error, dist.DistError) or any(m in str(error) for m in PEER_GONE)
+
 @dataclass(frozen=True)
 class Dist:
     rank: int

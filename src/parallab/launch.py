@@ -182,7 +182,7 @@ def elastic(entrypoint: Callable, args: tuple, world_size: int, max_restarts: in
         local_addr=rendezvous.HOST,
         max_restarts=max_restarts,
         monitor_interval=0.1,
-        start_method="spawn",
+        start_method="forkserver" if _forkserver_ready() else "spawn",
         shutdown_timeout=30,  # a stopping worker's time to save before SIGKILL
         # not SIGINT/SIGTERM: torch's agent would turn them into an exception that stops
         # the workers before they save; _forwarding_stop_signals passes them on instead
@@ -195,7 +195,7 @@ def elastic(entrypoint: Callable, args: tuple, world_size: int, max_restarts: in
     # the controlling process reports a failure once, with the root cause's traceback
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     try:
-        with _forwarding_stop_signals():
+        with _forwarding_stop_signals(), _forkserver():
             results = elastic_launch(config, entrypoint)(*args)
     finally:
         for key, value in saved.items():
@@ -206,17 +206,50 @@ def elastic(entrypoint: Callable, args: tuple, world_size: int, max_restarts: in
     return results[0]
 
 
-def _child_pids() -> list[int]:
-    """This process's children (Linux /proc; none found elsewhere)."""
-    me, children = os.getpid(), []
+def _forkserver_ready() -> bool:
+    """Workers forked from a server that imported torch and parallab once, instead of each
+    spawned worker importing them (2 s of CPU each): needs the server's stop (CPython 3.8+)."""
+    from multiprocessing import forkserver
+
+    return hasattr(forkserver._forkserver, "_stop")
+
+
+@contextlib.contextmanager
+def _forkserver() -> Iterator[None]:
+    """A fork server for this launch alone: started now, it holds this launch's environment
+    (the workers inherit the server's, not the controller's), and stopped after it. It
+    ignores SIGTERM (the disposition survives exec) as it ignores SIGINT: `timeout` or a
+    `kill` of the process group would else end it, and the agent would read every worker's
+    exit status as 255 and fail a job that is saving; workers restore it (run.worker_main)."""
+    if not _forkserver_ready() or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    from multiprocessing import forkserver
+
+    forkserver.set_forkserver_preload(["parallab.run"])
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        forkserver.ensure_running()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    try:
+        yield
+    finally:
+        forkserver._forkserver._stop()
+
+
+def _workers() -> list[int]:
+    """This process's children and their children (Linux /proc; none found elsewhere): the
+    workers, forked by the fork server or spawned by the agent."""
+    parents: dict[int, int] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()  # after "(comm)": state ppid
         except (OSError, IndexError):
             continue
-        if int(fields[1]) == me:
-            children.append(int(stat.parent.name))
-    return children
+        parents[int(stat.parent.name)] = int(fields[1])
+    children = {pid for pid, parent in parents.items() if parent == os.getpid()}
+    return sorted(children | {pid for pid, parent in parents.items() if parent in children})
 
 
 @contextlib.contextmanager
@@ -231,7 +264,7 @@ def _forwarding_stop_signals() -> Iterator[None]:
         return
 
     def forward(signum: int, frame: object) -> None:
-        for pid in _child_pids():  # multiprocessing's resource tracker ignores both
+        for pid in _workers():  # the fork server and the resource tracker ignore both
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signum)
 

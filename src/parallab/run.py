@@ -214,5 +214,13 @@ def _log_to_files(run_dir: str) -> None:
 def worker_main(spec: RunSpec) -> dict[str, Any]:
     """Entry point of a worker started by the elastic launcher (a fresh process); the agent
     records its traceback for the controlling process to show."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the fork server's SIG_IGN (launch.py)
     _log_to_files(spec.run_dir)
-    return train(spec, store=distributed.attempt_store(spec.cfg.backend.timeout_s))
+    try:
+        return train(spec, store=distributed.attempt_store(spec.cfg.backend.timeout_s))
+    except Exception as error:
+        if distributed.lost_a_peer(error):
+            # the agent names the first exit it sees as the root cause: leave that to the
+            # rank that failed (or was killed) first, whose end broke this one's connection
+            time.sleep(distributed.PEER_FAILURE_GRACE_S)
+        raise
