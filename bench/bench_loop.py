@@ -16,7 +16,9 @@ Then the same for a user's model given by _target_ (examples/own_model: ResMLP o
 Dataset, Adam, MSE, batch 32, 1,024 steps):
   (d) hand:      the loop its user would write: DataLoader(Waves, shuffle=True), Adam, MSE
   (e) parallab:  parallab train --config-dir conf experiment=waves, from the example's dir
-and the ratio e/d.
+  (f) parallab with optim.foreach=false: torch's per-parameter optimizer loop, the one (d)
+                 gets by default on CPU, so that f/d is the trainer's own per-step cost
+and the ratios e/d and f/d.
 """
 
 from __future__ import annotations
@@ -166,8 +168,8 @@ def run_own_hand(size: str) -> dict:
             "eval_loss": loss}
 
 
-def run_own_parallab(out: Path) -> dict:
-    run_entry("parallab", OWN, out, cwd=EXAMPLE, check=True, timeout=None)
+def run_own_parallab(out: Path, *extra: str) -> dict:
+    run_entry("parallab", [*OWN, *extra], out, cwd=EXAMPLE, check=True, timeout=None)
     metrics = read_metrics(out)
     return {"epoch_s": metrics["epoch_time_s"], "step_ms": metrics["step_time_ms"],
             "eval_loss": metrics["eval_loss"]}
@@ -175,11 +177,13 @@ def run_own_parallab(out: Path) -> dict:
 
 def own_model(repeats: int, work: Path) -> None:
     """(d) vs (e): the framework's cost on a user's model and Dataset."""
-    results: dict[str, list[dict]] = {"hand": [], "parallab": []}
+    results: dict[str, list[dict]] = {"hand": [], "parallab": [], "loop": []}
     for repeat in range(repeats):
-        pair = [lambda: results["hand"].append(in_subprocess("own_hand", str(OWN_SIZE))),
-                lambda: results["parallab"].append(run_own_parallab(work / f"own{repeat}"))]
-        for run in pair if repeat % 2 == 0 else reversed(pair):
+        trio = [lambda: results["hand"].append(in_subprocess("own_hand", str(OWN_SIZE))),
+                lambda: results["parallab"].append(run_own_parallab(work / f"own{repeat}")),
+                lambda: results["loop"].append(run_own_parallab(
+                    work / f"loop{repeat}", "optim.foreach=false"))]
+        for run in trio if repeat % 2 == 0 else reversed(trio):
             run()
         print(f"own model, repeat {repeat + 1}: " + ", ".join(
             f"{k} {v[-1]['epoch_s']:.2f}s" for k, v in results.items()), flush=True)
@@ -188,13 +192,15 @@ def own_model(repeats: int, work: Path) -> None:
     loss = {k: statistics.median(r["eval_loss"] for r in v) for k, v in results.items()}
     print("\n| variant | s/epoch (best) | ms/step (median) | eval loss |\n|---|---|---|---|")
     for name, label in (("hand", "(d) hand-written loop, DataLoader over Waves"),
-                        ("parallab", "(e) parallab train experiment=waves")):
+                        ("parallab", "(e) parallab train experiment=waves"),
+                        ("loop", "(f) the same, optim.foreach=false")):
         print(f"| {label} | {best[name]:.2f} | {step[name]:.3f} | {loss[name]:.4f} |")
-    paired = statistics.median(p["epoch_s"] / h["epoch_s"]
-                               for p, h in zip(results["parallab"], results["hand"]))
-    print(f"\ne/d = {best['parallab'] / best['hand']:.3f} per epoch (best of each), "
-          f"{paired:.3f} (median of back-to-back pairs), "
-          f"{step['parallab'] / step['hand']:.3f} per step (median) (target <= 1.02)")
+    for name, ratio in (("parallab", "e/d"), ("loop", "f/d")):
+        paired = statistics.median(p["epoch_s"] / h["epoch_s"]
+                                   for p, h in zip(results[name], results["hand"]))
+        print(f"{ratio} = {best[name] / best['hand']:.3f} per epoch (best of each), "
+              f"{paired:.3f} (median of back-to-back runs), "
+              f"{step[name] / step['hand']:.3f} per step (median) (target <= 1.02)")
 
 
 def in_subprocess(variant: str, arg: str) -> dict:

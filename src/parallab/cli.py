@@ -58,6 +58,8 @@ def _train_and_report(spec: run.RunSpec, in_place: launch.InPlace | None) -> dic
             return run.train(spec)
         except (Diverged, CheckpointError) as error:  # the whole story in one line
             raise JobFailed(str(error), 1) from None
+        except validate.ConfigError as error:  # a value found wrong only once data is built
+            raise JobFailed(str(error), 2) from None
     log.info("launching %d workers (parallel=%s, backend=%s) in %s", p.world_size, p.name,
              spec.cfg.backend.name, spec.run_dir)
     try:
@@ -69,9 +71,9 @@ def _train_and_report(spec: run.RunSpec, in_place: launch.InPlace | None) -> dic
         reason = reason.get("message", "") if isinstance(reason, dict) else str(reason)
         reason = reason.strip().splitlines()[-1] if reason.strip() else (
             f"exit code {failure.exitcode}")
-        for known in (Diverged, CheckpointError):  # the error record: "Type: message"
-            if reason.startswith(f"{known.__name__}: "):  # one line, not a traceback
-                raise JobFailed(f"rank {rank}: {reason.split(': ', 1)[1]}", 1) from None
+        for known, status in ((Diverged, 1), (CheckpointError, 1), (validate.ConfigError, 2)):
+            if reason.startswith(f"{known.__name__}: "):  # the error record: "Type: message"
+                raise JobFailed(f"rank {rank}: {reason.split(': ', 1)[1]}", status) from None
         raise JobFailed(f"a worker failed, so the job was stopped:\n{error}", 1,
                         f"rank {rank}: {reason}")
 

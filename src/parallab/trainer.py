@@ -20,6 +20,7 @@ from parallab.checkpoint import Checkpointer
 from parallab.config import TrainerConfig
 from parallab.data import Data, stream
 from parallab.distributed import Dist
+from parallab.errors import ConfigError
 from parallab.logger import RunLogger
 from parallab.metrics import evaluate
 from parallab.parallel.base import Strategy
@@ -140,6 +141,11 @@ class Trainer:
         self.steps_per_epoch = None  # a stream without __len__: max_steps bounds the run
         self.total_steps = cfg.max_steps
         if stream.length(data.train) is not None:
+            if cfg.accumulate_grad_batches > len(data.train):  # else fewer samples per step
+                raise ConfigError(
+                    f"trainer.accumulate_grad_batches={cfg.accumulate_grad_batches} is more "
+                    f"than the {len(data.train)} batches an epoch gives each rank: set it to at "
+                    f"most {len(data.train)}, or lower data.batch_size")
             self.steps_per_epoch = math.ceil(len(data.train) / cfg.accumulate_grad_batches)
             steps = cfg.epochs * self.steps_per_epoch
             self.total_steps = min(steps, cfg.max_steps) if cfg.max_steps else steps
