@@ -3,13 +3,20 @@ this process, each run in its own output dir."""
 
 from __future__ import annotations
 
-import socket
-import subprocess
-from pathlib import Path
+import os
 
-import pytest
+# Two test workers and the runs they start share two cores: OpenMP threads that spin while
+# they wait burn the time the other processes need (set before torch loads libgomp here;
+# every run this process starts inherits it)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from parallab.testing import REPO, read_metrics, run_entry  # noqa: F401 - shared with tests
+import socket  # noqa: E402
+import subprocess  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+from parallab.testing import REPO, read_metrics, run_entry  # noqa: F401,E402 - shared
 
 # small, quick settings for end-to-end runs on a 2-core CPU
 FAST = ["data=synthetic", "data.train_size=2048", "data.eval_size=512", "trainer.epochs=1",
