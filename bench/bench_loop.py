@@ -16,7 +16,7 @@ Then the same for a user's model given by _target_ (examples/own_model: ResMLP o
 Dataset, Adam, MSE, batch 32, 1,024 steps):
   (d) hand:      the loop its user would write: DataLoader(Waves, shuffle=True), Adam, MSE
   (e) parallab:  parallab train --config-dir conf experiment=waves, from the example's dir
-  (f) parallab with optim.foreach=false: torch's per-parameter optimizer loop, the one (d)
+  (f) parallab with optim.implementation=for_loop: torch's per-parameter optimizer loop, the one (d)
                  gets by default on CPU, so that f/d is the trainer's own per-step cost
 and the ratios e/d and f/d.
 """
@@ -182,7 +182,7 @@ def own_model(repeats: int, work: Path) -> None:
         trio = [lambda: results["hand"].append(in_subprocess("own_hand", str(OWN_SIZE))),
                 lambda: results["parallab"].append(run_own_parallab(work / f"own{repeat}")),
                 lambda: results["loop"].append(run_own_parallab(
-                    work / f"loop{repeat}", "optim.foreach=false"))]
+                    work / f"loop{repeat}", "optim.implementation=for_loop"))]
         for run in trio if repeat % 2 == 0 else reversed(trio):
             run()
         print(f"own model, repeat {repeat + 1}: " + ", ".join(
@@ -193,7 +193,7 @@ def own_model(repeats: int, work: Path) -> None:
     print("\n| variant | s/epoch (best) | ms/step (median) | eval loss |\n|---|---|---|---|")
     for name, label in (("hand", "(d) hand-written loop, DataLoader over Waves"),
                         ("parallab", "(e) parallab train experiment=waves"),
-                        ("loop", "(f) the same, optim.foreach=false")):
+                        ("loop", "(f) the same, optim.implementation=for_loop")):
         print(f"| {label} | {best[name]:.2f} | {step[name]:.3f} | {loss[name]:.4f} |")
     for name, ratio in (("parallab", "e/d"), ("loop", "f/d")):
         paired = statistics.median(p["epoch_s"] / h["epoch_s"]

@@ -130,6 +130,7 @@ def test_auto_values_resolve_for_cpu():
     (["optim=adam", "optim.betas=[0.9]"], "optim.betas=[0.9] must be two values"),
     (["optim=adam", "optim.betas=[0.9,1.0]"], "optim.betas=[0.9, 1.0] must be two values"),
     (["optim=adam", "optim.eps=0"], "optim.eps=0.0 is out of range"),
+    (["optim.implementation=fast"], "optim.implementation=fast is unknown: use auto, foreach, fused or for_loop"),
     (["optim.lr=inf"], "optim.lr=inf is out of range"),
     (["optim.weight_decay=nan"], "optim.weight_decay=nan"),
     (["trainer.compile_mode=fastest"], "trainer.compile_mode=fastest is not a torch.compile"),

@@ -126,6 +126,32 @@ def test_each_optimizer_trains(tmp_path):
         assert loss[-1] < loss[0], optim
 
 
+
+@pytest.mark.parametrize("name", ["sgd", "adam", "adamw"])
+def test_optimizer_implementations_take_the_same_steps(name):
+    """optim.implementation picks torch's kernels, not the update: auto is foreach on CPU."""
+    from torch import nn
+
+    from parallab.config import SCHEMAS
+    from parallab.optim import IMPLEMENTATIONS, build_optimizer
+
+    inputs = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+    weights = {}
+    for implementation in IMPLEMENTATIONS:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+        cfg = SCHEMAS["optim"][name](implementation=implementation)
+        optimizer = build_optimizer(cfg, model.parameters())
+        for _ in range(5):
+            optimizer.zero_grad()
+            model(inputs).pow(2).mean().backward()
+            optimizer.step()
+        weights[implementation] = torch.cat([p.detach().flatten() for p in model.parameters()])
+        if implementation == "auto":
+            assert optimizer.defaults["foreach"] and not optimizer.defaults["fused"]
+    for implementation, flat in weights.items():
+        torch.testing.assert_close(flat, weights["for_loop"], msg=implementation)
+
 @pytest.mark.slow
 def test_dataloader_path_trains_mnist(train_here):
     _, run_dir = train_here("data.loader=dataloader", "data.num_workers=1",

@@ -162,9 +162,10 @@ class OptimConfig:
     name: str = "sgd"
     lr: float = 0.01
     weight_decay: float = 0.0
-    # torch's multi-tensor (foreach) kernels, which torch picks by itself only on CUDA: on
-    # CPU they took 9% off a 2 ms MLP step (bench/bench_loop.py); false: a loop per parameter
-    foreach: bool = True
+    # auto | foreach | fused | for_loop: torch's kernels for the update. auto = fused on
+    # CUDA, else foreach (multi-tensor), which torch itself picks only on CUDA: on CPU it
+    # took 9% off a 2 ms MLP step (bench/bench_loop.py); for_loop: one kernel per parameter
+    implementation: str = "auto"
 
 
 @dataclass

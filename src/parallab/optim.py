@@ -8,8 +8,14 @@ from typing import Iterable
 import torch
 
 
+IMPLEMENTATIONS = ("auto", "foreach", "fused", "for_loop")
+
+
 def problem(cfg) -> str | None:
     """None if the optimizer's values make sense, else one line naming the key and the fix."""
+    if cfg.implementation not in IMPLEMENTATIONS:
+        return (f"optim.implementation={cfg.implementation} is unknown: use "
+                f"{', '.join(IMPLEMENTATIONS[:-1])} or {IMPLEMENTATIONS[-1]}")
     if not (math.isfinite(cfg.lr) and cfg.lr > 0):
         return f"optim.lr={cfg.lr} is out of range: it must be a finite number > 0"
     if not (math.isfinite(cfg.weight_decay) and cfg.weight_decay >= 0):
@@ -30,11 +36,20 @@ def problem(cfg) -> str | None:
     return None
 
 
+def kernels(implementation: str, params: list[torch.nn.Parameter]) -> dict[str, bool]:
+    """torch's foreach/fused arguments for optim.implementation."""
+    if implementation == "auto":
+        on_cuda = bool(params) and all(p.device.type == "cuda" for p in params)
+        implementation = "fused" if on_cuda else "foreach"
+    return {"fused": implementation == "fused", "foreach": implementation == "foreach"}
+
+
 def build_optimizer(cfg, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    params = list(params)
+    how = kernels(cfg.implementation, params)
     if cfg.name == "sgd":
         return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum,
-                               weight_decay=cfg.weight_decay, nesterov=cfg.nesterov,
-                               foreach=cfg.foreach)
+                               weight_decay=cfg.weight_decay, nesterov=cfg.nesterov, **how)
     optimizer = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[cfg.name]
     return optimizer(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
-                     weight_decay=cfg.weight_decay, foreach=cfg.foreach)
+                     weight_decay=cfg.weight_decay, **how)
