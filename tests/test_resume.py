@@ -16,8 +16,9 @@ import torch
 from conftest import FAST, assert_ok, output, read_metrics, run_entry, scalars
 
 pytestmark = pytest.mark.slow
+# a cosine schedule: every resume must also land on the uninterrupted run's learning rates
 RUN = [*FAST, "trainer.epochs=3", "trainer.max_steps=40", "trainer.log_every_n_steps=1",
-       "trainer.checkpoint_every_n_steps=10"]
+       "trainer.checkpoint_every_n_steps=10", "scheduler=cosine"]
 
 # sitecustomize for the run's processes: act once the trainer has done `step` steps
 INJECT = """
@@ -43,8 +44,10 @@ def inject(tmp_path, step: int, action: str, condition: str = "True") -> dict[st
     return {"PYTHONPATH": str(folder)}
 
 
-def losses(run_dir) -> dict[int, float]:
-    return dict(scalars(run_dir, "train/loss"))  # a resumed run's later values win
+def losses(run_dir) -> dict[int, tuple[float, float]]:
+    """Step -> (train loss, learning rate); a resumed run's later values win."""
+    rates = dict(scalars(run_dir, "train/lr"))
+    return {step: (loss, rates[step]) for step, loss in scalars(run_dir, "train/loss")}
 
 
 NONE = ["parallel=none"]

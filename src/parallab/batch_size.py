@@ -23,7 +23,7 @@ from parallab.data.loaders import ShardLoader
 from parallab.distributed import Dist
 from parallab.precision import Precision
 from parallab.loss import CrossEntropy, Objective
-from parallab.trainer import peak_memory_mb, reset_peak_memory
+from parallab.memory import peak_memory_mb, reset_peak_memory
 
 log = logging.getLogger(__name__)
 GAIN = 1.05  # a larger batch must be this much faster to be worth it

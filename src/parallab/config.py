@@ -166,6 +166,10 @@ class OptimConfig:
     # CUDA, else foreach (multi-tensor), which torch itself picks only on CUDA: on CPU it
     # took 9% off a 2 ms MLP step (bench/bench_loop.py); for_loop: one kernel per parameter
     implementation: str = "auto"
+    # none | linear | sqrt: optim.lr is for a global batch of base_batch_size; the rate used
+    # is scaled to the run's (Goyal et al.'s linear rule, or the square root's)
+    scale_lr: str = "none"
+    base_batch_size: int = 64  # the seed's
 
 
 @dataclass
@@ -188,6 +192,16 @@ class AdamConfig(OptimConfig):
 class AdamWConfig(AdamConfig):
     name: str = "adamw"
     weight_decay: float = 0.01
+
+
+@dataclass
+class SchedulerConfig:
+    name: str = "constant"  # constant | cosine | linear | step | wsd (schedule.py)
+    warmup_steps: float = 0  # linear warmup: optimizer steps (>= 1) or a fraction of the run
+    min_lr_ratio: float = 0.0  # cosine, linear, wsd: the final lr, as a fraction of optim.lr
+    step_size: int = 1000  # step: optimizer steps between decays
+    gamma: float = 0.1  # step: each decay multiplies the lr by this
+    decay_steps: float = 0.2  # wsd: the last steps (>= 1) or fraction of the run that decay
 
 
 @dataclass
@@ -228,6 +242,7 @@ class Config:
     precision: Any = MISSING
     backend: Any = MISSING
     optim: Any = MISSING
+    scheduler: Any = MISSING
     trainer: Any = MISSING
     # further evaluation metrics, name -> _target_ spec (e.g. a torchmetrics class):
     # reported as eval_<name>
@@ -251,6 +266,7 @@ SCHEMAS: dict[str, dict[str, type]] = {
     "precision": {"default": PrecisionConfig},
     "backend": {"default": BackendConfig},
     "optim": {"sgd": SGDConfig, "adam": AdamConfig, "adamw": AdamWConfig},
+    "scheduler": {"default": SchedulerConfig},
     "trainer": {"default": TrainerConfig},
 }
 

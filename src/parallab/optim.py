@@ -9,6 +9,7 @@ import torch
 
 
 IMPLEMENTATIONS = ("auto", "foreach", "fused", "for_loop")
+SCALINGS = {"none": 0.0, "linear": 1.0, "sqrt": 0.5}  # the power of global / base batch
 
 
 def problem(cfg) -> str | None:
@@ -16,6 +17,10 @@ def problem(cfg) -> str | None:
     if cfg.implementation not in IMPLEMENTATIONS:
         return (f"optim.implementation={cfg.implementation} is unknown: use "
                 f"{', '.join(IMPLEMENTATIONS[:-1])} or {IMPLEMENTATIONS[-1]}")
+    if cfg.scale_lr not in SCALINGS:
+        return f"optim.scale_lr={cfg.scale_lr} is unknown: use none, linear or sqrt"
+    if cfg.base_batch_size < 1:
+        return f"optim.base_batch_size={cfg.base_batch_size} is out of range: it must be >= 1"
     if not (math.isfinite(cfg.lr) and cfg.lr > 0):
         return f"optim.lr={cfg.lr} is out of range: it must be a finite number > 0"
     if not (math.isfinite(cfg.weight_decay) and cfg.weight_decay >= 0):
@@ -34,6 +39,11 @@ def problem(cfg) -> str | None:
         if not (math.isfinite(cfg.eps) and cfg.eps > 0):
             return f"optim.eps={cfg.eps} is out of range: it must be > 0"
     return None
+
+
+def scaled_lr(cfg, global_batch_size: int) -> float:
+    """optim.lr scaled from optim.base_batch_size to the run's global batch (optim.scale_lr)."""
+    return cfg.lr * (global_batch_size / cfg.base_batch_size) ** SCALINGS[cfg.scale_lr]
 
 
 def kernels(implementation: str, params: list[torch.nn.Parameter]) -> dict[str, bool]:

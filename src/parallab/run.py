@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import signal
 import sys
@@ -19,12 +20,13 @@ from parallab.config import Config, TrainerConfig, model_name
 from parallab.data import build_data
 from parallab.logger import RunLogger
 from parallab.loss import build_loss
+from parallab.memory import reset_peak_memory
 from parallab.models import build_model
-from parallab.optim import build_optimizer
+from parallab.optim import build_optimizer, scaled_lr
 from parallab.parallel import STRATEGIES
 from parallab.precision import Precision
 from parallab.preemption import Preemption
-from parallab.trainer import Trainer, reset_peak_memory
+from parallab.trainer import Trainer
 
 log = logging.getLogger(__name__)
 LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"  # Hydra's
@@ -47,7 +49,9 @@ def hparams(spec: RunSpec, metrics: dict[str, Any]) -> dict[str, Any]:
         "model": model_name(cfg.model), "data": cfg.data.name,
         "loss": model_name(cfg.loss), "parallel": cfg.parallel.name,
         "precision": cfg.precision.name, "backend": cfg.backend.name, "optim": cfg.optim.name,
-        "data.batch_size": cfg.data.batch_size, "optim.lr": cfg.optim.lr,
+        "scheduler": cfg.scheduler.name,
+        "data.batch_size": cfg.data.batch_size, "optim.lr": cfg.optim.lr, "lr": metrics["lr"],
+        "optim.scale_lr": cfg.optim.scale_lr,
         "world_size": metrics["world_size"], "global_batch_size": metrics["global_batch_size"],
         "precision_dtype": metrics["precision_dtype"], "seed": cfg.seed,
         "precision.tf32": cfg.precision.tf32, "trainer.compile": cfg.trainer.compile,
@@ -56,6 +60,7 @@ def hparams(spec: RunSpec, metrics: dict[str, Any]) -> dict[str, Any]:
         "trainer.clip_grad_norm": cfg.trainer.clip_grad_norm or 0.0,
         "trainer.quantize": cfg.trainer.quantize or "none",
         "trainer.auto_batch_size": cfg.trainer.auto_batch_size,
+        **{f"scheduler.{k}": v for k, v in vars(cfg.scheduler).items() if k != "name"},
     }
     for override in spec.overrides:
         key, _, value = override.partition("=")
@@ -83,6 +88,20 @@ def speed_up(model: torch.nn.Module, cfg: TrainerConfig) -> torch.nn.Module:
     if cfg.compile:
         model.compile(mode=cfg.compile_mode)
     return model
+
+
+def use_scaled_lr(cfg: Config, optimizer, global_batch_size: int, main: bool) -> float:
+    """optim.scale_lr: the optimizer's rate scaled to the run's global batch (known only
+    here, after the batch-size finder); the rate the run uses."""
+    lr = scaled_lr(cfg.optim, global_batch_size)
+    if lr != cfg.optim.lr:
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        if main:
+            log.info("optim.scale_lr=%s: lr %g for global batch %d (optim.lr=%g at %d)",
+                     cfg.optim.scale_lr, lr, global_batch_size, cfg.optim.lr,
+                     cfg.optim.base_batch_size)
+    return lr
 
 
 def tune_batch_size(module, optimizer, precision, data, dist, cfg: TrainerConfig,
@@ -164,18 +183,27 @@ def _fit(spec: RunSpec, dist: distributed.Dist, logger: RunLogger,
     if cfg.trainer.auto_batch_size:
         data.train = tune_batch_size(strategy.unwrap(model), optimizer, precision, data,
                                      dist, cfg.trainer, logger, strategy.loss)
+    lr = use_scaled_lr(cfg, optimizer, data.train.batch_size * cfg.trainer.accumulate_grad_batches
+                       * strategy.data_dist.world_size, dist.is_main)
     config = OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
     checkpointer = Checkpointer(Path(spec.run_dir) / "checkpoints", dist, config,
                                 cfg.trainer.keep_last_k, sharded=strategy.sharded_checkpoint)
     with Preemption() as preemption:
         trainer = Trainer(cfg.trainer, model, strategy, optimizer, precision, data, dist,
-                          logger, checkpointer, preemption, cfg.metrics)
+                          logger, checkpointer, preemption, cfg.metrics, cfg.scheduler)
         resume_from = resume_path(cfg.trainer.resume, spec.run_dir)
         if resume_from is not None:
             trainer.load_state_dict(read_checkpoint(resume_from, strategy, model, optimizer))
             log.info("resumed from %s at step %d", resume_from, trainer.step)
         logger.config(cfg)
-        metrics = trainer.fit()
+        # the set-up's objects (Hydra's, the config's, torch's) out of the collector's way:
+        # a full collection no longer scans them during training
+        gc.collect()
+        gc.freeze()
+        try:
+            metrics = trainer.fit()
+        finally:
+            gc.unfreeze()
     if trainer.stopped:
         if dist.is_main:
             log.warning("stopped by %s at step %d, checkpoint saved; resume with: python "
@@ -184,7 +212,7 @@ def _fit(spec: RunSpec, dist: distributed.Dist, logger: RunLogger,
                         trainer.step, " ".join(o for o in spec.overrides if not o.startswith(
                             ("hydra.run.dir=", "trainer.resume="))), spec.run_dir)
         return {}
-    metrics.update(wall_time_s=time.time() - spec.started,
+    metrics.update(lr=lr, wall_time_s=time.time() - spec.started,
                    world_size=strategy.world_size,
                    precision_dtype=precision.dtype_name, backend=backend or "none",
                    parallel=cfg.parallel.name)

@@ -4,24 +4,23 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections import deque
 import math
-import resource
 import statistics
 import time
-from pathlib import Path
+from collections import deque
 from typing import Any, Iterator
 
 import torch
 from torch import nn
 
-from parallab import checkpoint, metrics
+from parallab import checkpoint, metrics, schedule
 from parallab.checkpoint import Checkpointer
 from parallab.config import TrainerConfig
 from parallab.data import Data, stream
 from parallab.distributed import Dist
 from parallab.errors import ConfigError
 from parallab.logger import RunLogger
+from parallab.memory import held_state_mb, peak_memory_mb
 from parallab.metrics import evaluate
 from parallab.parallel.base import Strategy
 from parallab.preemption import Preemption
@@ -39,44 +38,10 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 SKIP_HORIZON = 20  # on_nan=skip stops when it drops over half of this many recent steps
 
 
-def reset_peak_memory(device: torch.device) -> None:
-    """Start this run's own high-water mark: CUDA's peak statistics, or on Linux the
-    process's peak resident set (VmHWM, reset by writing 5 to /proc/self/clear_refs): a
-    sweep's jobs share one process, and ru_maxrss would carry a big job's peak into the
-    next. Where the OS allows neither, the process's lifetime peak stands."""
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        return
-    with contextlib.suppress(OSError):
-        Path("/proc/self/clear_refs").write_text("5")
-
-
-def peak_memory_mb(device: torch.device) -> float:
-    """Peak CUDA memory allocated, or on CPU the peak resident set since reset_peak_memory."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    with contextlib.suppress(OSError, StopIteration, ValueError):
-        status = Path("/proc/self/status").read_text().splitlines()
-        return int(next(line for line in status if line.startswith("VmHWM:")).split()[1]) / 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
-
-
 def peak_flops_of(device: torch.device, precision: Precision) -> float | None:
     from parallab import mfu
 
     return mfu.peak_flops(torch.cuda.get_device_name(device), precision.dtype, precision.tf32)
-
-
-def held_state_mb(model: nn.Module, optimizer: torch.optim.Optimizer) -> float:
-    """Parameters, gradients (one like each trainable parameter) and optimizer state this
-    rank holds: its shards under fsdp, its part under pipeline, everything under ddp."""
-    from torch.distributed.tensor import DTensor
-
-    params = list(model.parameters())
-    tensors = params + [p for p in params if p.requires_grad] + [
-        v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
-    local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
-    return sum(t.numel() * t.element_size() for t in local) / 2**20
 
 
 def micro_batches(loader, size: int) -> Iterator[list[Batch]]:
@@ -96,7 +61,7 @@ class Trainer:
                  optimizer: torch.optim.Optimizer, precision: Precision, data: Data,
                  dist: Dist, logger: RunLogger, checkpointer: Checkpointer | None = None,
                  preemption: Preemption | None = None,
-                 metric_specs: dict[str, Any] | None = None):
+                 metric_specs: dict[str, Any] | None = None, scheduler_cfg: Any = None):
         self.cfg = cfg
         self.metric_specs = metric_specs or {}
         self.checkpointer = checkpointer
@@ -149,6 +114,9 @@ class Trainer:
             self.steps_per_epoch = math.ceil(len(data.train) / cfg.accumulate_grad_batches)
             steps = cfg.epochs * self.steps_per_epoch
             self.total_steps = min(steps, cfg.max_steps) if cfg.max_steps else steps
+        # the learning rate of each step: over this run's steps (a continued run's new horizon)
+        self.scheduler = (schedule.build(scheduler_cfg, optimizer, self.total_steps)
+                          if scheduler_cfg is not None else None)
 
     def done(self) -> bool:
         return self.step >= self.total_steps
@@ -184,6 +152,8 @@ class Trainer:
                 self.check_skips()
         self.precision.step(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
+        if self.scheduler is not None:
+            self.scheduler.step()
         return total
 
     def fit(self) -> dict[str, Any]:
@@ -422,7 +392,8 @@ class Trainer:
                 "grad_scaler": self.precision.state_dict(), "step": self.step,
                 "epoch": self.epoch, "epoch_step": self.epoch_step,
                 "epoch_loss": self.epoch_loss, "epoch_steps": self.epoch_steps,
-                "skipped_steps": self.skipped_steps}
+                "skipped_steps": self.skipped_steps,
+                "scheduler": self.scheduler.state_dict() if self.scheduler else None}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.strategy.load_state_dict(self.model, self.optimizer, state["model"],
@@ -431,6 +402,8 @@ class Trainer:
         self.step, self.epoch, self.epoch_step = state["step"], state["epoch"], state["epoch_step"]
         self.epoch_loss, self.epoch_steps = state["epoch_loss"], state["epoch_steps"]
         self.skipped_steps = state["skipped_steps"]
+        if self.scheduler is not None and state.get("scheduler"):  # its step count
+            self.scheduler.load_state_dict(state["scheduler"])
         rng = state.get("rng", [])
         if len(rng) == self.dist.world_size:
             torch.set_rng_state(rng[self.dist.rank])

@@ -14,7 +14,7 @@ import os
 import logging
 import math
 
-from parallab import checkpoint, config, models, optim, precision, trial
+from parallab import checkpoint, config, models, optim, precision, schedule, trial
 from parallab.config import Config, Device
 from parallab.errors import ConfigError
 from parallab.launch import InPlace
@@ -69,6 +69,7 @@ def check_values(cfg: Config) -> None:
         _require(quantize.available(), f"trainer.quantize={t.quantize} needs torchao: "
                  "pip install 'parallab[quantize]'")
     _require(optim.problem(cfg.optim) is None, optim.problem(cfg.optim))
+    _require(schedule.problem(cfg.scheduler) is None, schedule.problem(cfg.scheduler))
     timeout = cfg.backend.timeout_s
     _require(math.isfinite(timeout) and MIN_TIMEOUT_S <= timeout <= MAX_TIMEOUT_S,
              f"backend.timeout_s={timeout} is out of range: a collective may wait between "

@@ -1,0 +1,84 @@
+"""Learning-rate schedules (the `scheduler` group), as torch's LambdaLR over the run's steps.
+
+    constant  optim.lr throughout (the seed recipe), after the warmup if one is set
+    cosine    linear warmup, then cosine decay to scheduler.min_lr_ratio x optim.lr
+    linear    linear warmup, then linear decay to min_lr_ratio x optim.lr
+    step      StepLR's schedule: x scheduler.gamma every scheduler.step_size steps
+    wsd       warmup, stable, decay: optim.lr until the last scheduler.decay_steps, then
+              linear decay to min_lr_ratio x optim.lr (for runs that may be continued)
+
+Stepped once per optimizer step. Warmup rises as torchtitan's does: step k of W runs at
+k / (W + 1) of the rate. A LambdaLR's state is its step count, so a checkpoint holding it
+resumes to the same rates bit for bit (the multipliers are recomputed from it).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+
+from parallab.errors import ConfigError
+
+NAMES = ("constant", "cosine", "linear", "step", "wsd")
+
+
+def problem(cfg) -> str | None:
+    """None if the schedule's values make sense, else one line naming the key and the fix."""
+    if cfg.name not in NAMES:
+        return f"scheduler.name={cfg.name} is unknown: use scheduler={', '.join(NAMES)}"
+    if not (math.isfinite(cfg.warmup_steps) and cfg.warmup_steps >= 0):
+        return (f"scheduler.warmup_steps={cfg.warmup_steps} is out of range: give optimizer "
+                "steps (>= 1) or a fraction of the run (< 1)")
+    if not 0 <= cfg.min_lr_ratio <= 1:
+        return f"scheduler.min_lr_ratio={cfg.min_lr_ratio} is out of range: it must be in [0, 1]"
+    if cfg.step_size < 1:
+        return f"scheduler.step_size={cfg.step_size} is out of range: it must be >= 1"
+    if not 0 < cfg.gamma <= 1:
+        return f"scheduler.gamma={cfg.gamma} is out of range: it must be in (0, 1]"
+    if not (math.isfinite(cfg.decay_steps) and cfg.decay_steps > 0):
+        return (f"scheduler.decay_steps={cfg.decay_steps} is out of range: give optimizer "
+                "steps (>= 1) or a fraction of the run (< 1)")
+    return None
+
+
+def steps_of(value: float, total: int) -> int:
+    """A step count given as steps (>= 1) or as a fraction of the run (< 1)."""
+    return round(value * total) if value < 1 else int(value)
+
+
+def multiplier(cfg, total: int) -> Callable[[int], float]:
+    """The factor on optim.lr at step s (0 = the first optimizer step) of `total`."""
+    warmup = steps_of(cfg.warmup_steps, total)
+    if cfg.name != "constant" and warmup >= total:
+        raise ConfigError(f"scheduler.warmup_steps={cfg.warmup_steps} is {warmup} steps, the "
+                          f"whole run of {total}: leaves none to decay over; lower it")
+    decay = steps_of(cfg.decay_steps, total) if cfg.name == "wsd" else total - warmup
+    if decay > total - warmup:
+        raise ConfigError(f"scheduler.decay_steps={cfg.decay_steps} is {decay} steps, more than "
+                          f"the {total - warmup} after the warmup: lower it")
+    low = cfg.min_lr_ratio
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        if cfg.name == "constant":
+            return 1.0
+        if cfg.name == "step":
+            return cfg.gamma ** ((step - warmup) // cfg.step_size)
+        progress = min(1.0, (step - (total - decay)) / decay) if step >= total - decay else 0.0
+        if cfg.name == "cosine":
+            return low + (1 - low) * 0.5 * (1 + math.cos(math.pi * progress))
+        return low + (1 - low) * (1 - progress)  # linear, and wsd's decay
+
+    return factor
+
+
+def build(cfg, optimizer: torch.optim.Optimizer, total_steps: int
+          ) -> torch.optim.lr_scheduler.LambdaLR | None:
+    """The run's scheduler; None for a constant rate without warmup (the seed's loop, and no
+    scheduler step's cost: about 10 us a step)."""
+    if cfg.name == "constant" and steps_of(cfg.warmup_steps, total_steps) == 0:
+        return None
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, multiplier(cfg, total_steps))
