@@ -208,10 +208,12 @@ def elastic(entrypoint: Callable, args: tuple, world_size: int, max_restarts: in
 
 def _forkserver_ready() -> bool:
     """Workers forked from a server that imported torch and parallab once, instead of each
-    spawned worker importing them (2 s of CPU each): needs the server's stop (CPython 3.8+)."""
+    spawned worker importing them (2 s of CPU each): needs the server's stop (CPython 3.8+),
+    and the main thread, where _forkserver() can start it with SIGTERM ignored; else spawn."""
     from multiprocessing import forkserver
 
-    return hasattr(forkserver._forkserver, "_stop")
+    return (hasattr(forkserver._forkserver, "_stop")
+            and threading.current_thread() is threading.main_thread())
 
 
 @contextlib.contextmanager
@@ -221,7 +223,7 @@ def _forkserver() -> Iterator[None]:
     ignores SIGTERM (the disposition survives exec) as it ignores SIGINT: `timeout` or a
     `kill` of the process group would else end it, and the agent would read every worker's
     exit status as 255 and fail a job that is saving; workers restore it (run.worker_main)."""
-    if not _forkserver_ready() or threading.current_thread() is not threading.main_thread():
+    if not _forkserver_ready():
         yield
         return
     from multiprocessing import forkserver
