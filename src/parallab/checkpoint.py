@@ -9,6 +9,7 @@ pipeline): torch.distributed.checkpoint files, every rank writing its shards, an
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import pickle
 import shutil
@@ -16,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 class CheckpointError(ValueError):
@@ -215,8 +218,6 @@ def _step(path: Path) -> int:
 def latest(directory: Path) -> Path | None:
     """The newest readable checkpoint in `directory` by step, last.* winning a tie; an
     unreadable newer one (truncated by a crash, a shard lost) is passed over, saying so."""
-    import logging
-
     candidates = [p for p in directory.glob("step_*") if p.suffix in (".pt", ".dcp")]
     candidates += [p for p in (directory / "last.pt", directory / "last.dcp") if p.exists()]
     ranked = []
@@ -224,13 +225,13 @@ def latest(directory: Path) -> Path | None:
         try:
             ranked.append(((_step(path), path.name.startswith("last")), path))
         except (CheckpointError, KeyError, TypeError) as error:
-            logging.getLogger(__name__).warning("passing over %s: %s", path, error)
+            log.warning("passing over %s: %s", path, error)
     for _, path in sorted(ranked, reverse=True):
         try:
             load_meta(path)
             return path
         except CheckpointError as error:
-            logging.getLogger(__name__).warning("passing over %s: %s", path, error)
+            log.warning("passing over %s: %s", path, error)
     return None
 
 

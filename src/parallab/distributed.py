@@ -25,6 +25,7 @@ def lost_a_peer(error: BaseException) -> bool:
     failed (torch's DistError), or a connection to a peer broke."""
     return isinstance(error, dist.DistError) or any(m in str(error) for m in PEER_GONE)
 
+
 @dataclass(frozen=True)
 class Dist:
     rank: int

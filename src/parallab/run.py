@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import logging
 import signal
 import sys
@@ -26,7 +25,7 @@ from parallab.optim import build_optimizer, scaled_lr
 from parallab.parallel import STRATEGIES
 from parallab.precision import Precision
 from parallab.preemption import Preemption
-from parallab.trainer import Trainer
+from parallab.trainer import Trainer, global_batch_size
 
 log = logging.getLogger(__name__)
 LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"  # Hydra's
@@ -183,8 +182,8 @@ def _fit(spec: RunSpec, dist: distributed.Dist, logger: RunLogger,
     if cfg.trainer.auto_batch_size:
         data.train = tune_batch_size(strategy.unwrap(model), optimizer, precision, data,
                                      dist, cfg.trainer, logger, strategy.loss)
-    lr = use_scaled_lr(cfg, optimizer, data.train.batch_size * cfg.trainer.accumulate_grad_batches
-                       * strategy.data_dist.world_size, dist.is_main)
+    lr = use_scaled_lr(cfg, optimizer, global_batch_size(data.train, cfg.trainer, strategy),
+                       dist.is_main)
     config = OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
     checkpointer = Checkpointer(Path(spec.run_dir) / "checkpoints", dist, config,
                                 cfg.trainer.keep_last_k, sharded=strategy.sharded_checkpoint)
@@ -196,14 +195,7 @@ def _fit(spec: RunSpec, dist: distributed.Dist, logger: RunLogger,
             trainer.load_state_dict(read_checkpoint(resume_from, strategy, model, optimizer))
             log.info("resumed from %s at step %d", resume_from, trainer.step)
         logger.config(cfg)
-        # the set-up's objects (Hydra's, the config's, torch's) out of the collector's way:
-        # a full collection no longer scans them during training
-        gc.collect()
-        gc.freeze()
-        try:
-            metrics = trainer.fit()
-        finally:
-            gc.unfreeze()
+        metrics = trainer.fit()
     if trainer.stopped:
         if dist.is_main:
             log.warning("stopped by %s at step %d, checkpoint saved; resume with: python "

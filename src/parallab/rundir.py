@@ -13,7 +13,6 @@ from typing import Iterator
 from parallab.errors import ConfigError
 
 
-
 def held_run(run_dir: Path) -> list[str]:
     """What of an earlier run the dir holds: metrics.json, and checkpoints/ if not empty."""
     held = []

@@ -44,6 +44,11 @@ def peak_flops_of(device: torch.device, precision: Precision) -> float | None:
     return mfu.peak_flops(torch.cuda.get_device_name(device), precision.dtype, precision.tf32)
 
 
+def global_batch_size(loader, cfg: TrainerConfig, strategy: Strategy) -> int:
+    """Samples per optimizer step, over all ranks."""
+    return loader.batch_size * cfg.accumulate_grad_batches * strategy.data_dist.world_size
+
+
 def micro_batches(loader, size: int) -> Iterator[list[Batch]]:
     """The loader's batches in groups of `size` (the last group may be shorter)."""
     group: list[Batch] = []
@@ -87,7 +92,6 @@ class Trainer:
         self.epoch_times: list[float] = []
         # each step's loss since the last log, summed there (an add per step costs more)
         self.window_losses: list[torch.Tensor] = []
-        self.window_steps = 0
         self.window_skipped = 0
         self.epoch_loss = 0.0
         self.epoch_steps = 0
@@ -217,7 +221,6 @@ class Trainer:
             self.step += 1
             self.epoch_step += 1
             self.preemption.step_done()
-            self.window_steps += 1
             now = time.perf_counter()
             self.step_times.append(now - tick)
             tick = now
@@ -238,7 +241,7 @@ class Trainer:
                 break
         else:
             finished = True
-        if self.window_steps:
+        if self.window_losses:
             self.log_window(progress)
         self.epoch_times.append(time.perf_counter() - start)
         self.last_train_loss = self.epoch_loss / max(self.epoch_steps, 1)
@@ -260,7 +263,7 @@ class Trainer:
         return self.stop_agreed or (self.dist.world_size == 1 and self.preemption.requested)
 
     def stop(self) -> None:
-        if self.window_steps:  # so the checkpoint holds no half-reduced window
+        if self.window_losses:  # so the checkpoint holds no half-reduced window
             self.log_window(None)
         self.save_checkpoint()
         self.stopped = True
@@ -270,7 +273,7 @@ class Trainer:
         (on any rank) means the weights may be NaN too (one all-reduce per checkpoint)."""
         if self.checkpointer is None:
             return
-        if self.window_steps:
+        if self.window_losses:
             bad = torch.tensor(float(not torch.isfinite(self.window_loss())),
                                device=self.dist.device)
             if self.dist.all_reduce_sum(bad).item() > 0:
@@ -301,7 +304,7 @@ class Trainer:
     def log_window(self, progress: Progress | None) -> None:
         """Train loss averaged over the steps since the last log and over all ranks; the
         same all-reduce shares any stop request."""
-        steps = self.window_steps
+        steps = len(self.window_losses)
         shared = torch.stack([self.window_loss(),
                               torch.tensor(float(self.preemption.requested),
                                            device=self.dist.device)])
@@ -331,13 +334,11 @@ class Trainer:
             self.epoch_loss += loss * (steps - self.window_skipped)
             self.epoch_steps += steps - self.window_skipped
         self.window_losses.clear()
-        self.window_steps = self.window_skipped = 0
+        self.window_skipped = 0
 
     @property
     def global_batch_size(self) -> int:
-        """Samples per optimizer step, over all ranks."""
-        return (self.data.train.batch_size * self.cfg.accumulate_grad_batches
-                * self.data_world)
+        return global_batch_size(self.data.train, self.cfg, self.strategy)
 
     def run_eval(self) -> None:
         with self.preemption.busy():

@@ -9,13 +9,13 @@ and the fix.
 
 from __future__ import annotations
 
-import os
-
 import logging
 import math
+import os
 
 from parallab import checkpoint, config, models, optim, precision, schedule, trial
 from parallab.config import Config, Device
+from parallab.distributed import cpu_cores
 from parallab.errors import ConfigError
 from parallab.launch import InPlace
 
@@ -29,6 +29,11 @@ COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotu
 def _require(ok: bool, message: str | None) -> None:
     if not ok:
         raise ConfigError(message)
+
+
+def _refuse(problem: str | None) -> None:
+    """An owner's problem() (None: nothing wrong) as the ConfigError it names."""
+    _require(problem is None, problem)
 
 
 def _at_least(key: str, value, low, optional: bool = False) -> None:
@@ -54,7 +59,7 @@ def check_values(cfg: Config) -> None:
     _require(t.clip_grad_norm is None or t.clip_grad_norm > 0,
              f"trainer.clip_grad_norm={t.clip_grad_norm} is out of range: it must be > 0 (or "
              "null for no clipping)")
-    _require(precision.problem(cfg.precision) is None, precision.problem(cfg.precision))
+    _refuse(precision.problem(cfg.precision))
     _require(t.max_memory_mb is None or t.max_memory_mb > 0, f"trainer.max_memory_mb="
              f"{t.max_memory_mb} is out of range: it must be > 0 (or null for no budget)")
     _at_least("trainer.checkpoint_every_n_steps", t.checkpoint_every_n_steps, 1, optional=True)
@@ -68,8 +73,8 @@ def check_values(cfg: Config) -> None:
                  f"use one of {', '.join(quantize.METHODS)} (or null)")
         _require(quantize.available(), f"trainer.quantize={t.quantize} needs torchao: "
                  "pip install 'parallab[quantize]'")
-    _require(optim.problem(cfg.optim) is None, optim.problem(cfg.optim))
-    _require(schedule.problem(cfg.scheduler) is None, schedule.problem(cfg.scheduler))
+    _refuse(optim.problem(cfg.optim))
+    _refuse(schedule.problem(cfg.scheduler))
     timeout = cfg.backend.timeout_s
     _require(math.isfinite(timeout) and MIN_TIMEOUT_S <= timeout <= MAX_TIMEOUT_S,
              f"backend.timeout_s={timeout} is out of range: a collective may wait between "
@@ -86,8 +91,7 @@ def check_data(cfg: Config) -> None:
 
     if isinstance(cfg.data, dict):  # as composed: typed by its data set's class
         cfg.data = config.data_config(cfg.data)
-    problem = loader_problem(cfg.data) or cfg.data.problem()
-    _require(problem is None, problem)
+    _refuse(loader_problem(cfg.data) or cfg.data.problem())
     _require(cfg.data.sized() or cfg.trainer.max_steps is not None, f"data={cfg.data.name} "
              "streams samples with no known length (an IterableDataset without __len__), so "
              "an epoch has no known number of steps: set trainer.max_steps")
@@ -147,7 +151,7 @@ def resolve_parallel(cfg: Config, in_place: InPlace | None) -> None:
              f"parallel.nnodes={p.nnodes}: start one agent per node with torchrun, SLURM or "
              "mpirun (README: multi-node); the built-in launcher starts one node")
     per_node = p.world_size // p.nnodes
-    cores = os.cpu_count() or 1
+    cores = cpu_cores()
     if p.threads_per_worker is not None and p.threads_per_worker * per_node > cores:
         log.warning("parallel.threads_per_worker=%d x %d workers per node is more threads than "
                     "the %d cores here: they will contend (null gives each its share)",

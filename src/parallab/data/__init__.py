@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from parallab.config import DataConfig, Loader
 from torch.utils.data import IterableDataset
 
+from parallab.config import DataConfig, Loader
 from parallab.data.loaders import DataLoaderLoader, MemoryLoader, ShardLoader
 from parallab.data.stream import StreamLoader
 from parallab.distributed import Dist

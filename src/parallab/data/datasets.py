@@ -88,12 +88,12 @@ def first_sample(cfg: Datasets, split: str) -> tuple[Any, Any]:
 
 def _read_first_sample(spec: dict[str, Any], split: str) -> tuple[Any, Any]:
     dataset = targets.build_checked(spec, f"data.{split}")
-    if not isinstance(dataset, IterableDataset) and not hasattr(dataset, "__len__"):
+    streams, sized = isinstance(dataset, IterableDataset), hasattr(dataset, "__len__")
+    if not streams and not sized:
         raise ConfigError(f"data.{split}: {type(dataset).__name__} has no __len__: give a "
                           "map-style Dataset a length, or make it an IterableDataset")
-    _LENGTHS[repr(spec)] = hasattr(dataset, "__len__")
-    if not isinstance(dataset, IterableDataset) and hasattr(dataset, "__len__") \
-            and not len(dataset):
+    _LENGTHS[repr(spec)] = sized
+    if not streams and not len(dataset):
         raise ConfigError(f"data.{split} is empty: give it samples")
     try:
         sample = next(iter(dataset)) if isinstance(dataset, IterableDataset) else dataset[0]

@@ -24,9 +24,6 @@ from parallab.data.split import Split
 from parallab.distributed import Dist
 
 
-PREPARED_LIMIT_BYTES = 512 << 20  # a uint8 split whose float copy fits is held as floats
-
-
 class ShardSampler(Sampler[int]):
     """DistributedSampler's order, computed as one tensor (a Python list of 60k ints per
     epoch costs more than the in-memory path spends on data in a whole epoch)."""
@@ -59,7 +56,10 @@ class ShardSampler(Sampler[int]):
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
-    """Tensors, and tensors in tuples, lists and dicts, moved to `device`."""
+    """Tensors, and tensors in tuples, lists and dicts, moved to `device`; a CPU run's
+    batches as they are (where a loader's batches already are: no walk over them per step)."""
+    if device.type == "cpu":
+        return batch
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=True)
     if isinstance(batch, (tuple, list)):
@@ -112,21 +112,11 @@ class MemoryLoader(ShardLoader):
         super().__init__(split, dist, batch_size, shuffle, seed)
         self.inputs = split.inputs.to(self.device)
         self.targets = split.targets.to(self.device)
-        self.prepare = split.prepare
-        if (type(split).prepare is Split.prepare and self.inputs.dtype == torch.uint8
-                and self.inputs.numel() * 4 <= PREPARED_LIMIT_BYTES):
-            # pixels normalised once, not per batch (MNIST's 60k: 188 MB, 4% of a CNN step);
-            # the same elementwise pass, so the same values
-            self.inputs, self.prepare = split.prepare(self.inputs), _as_is
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         order = self.sampler.indices().to(self.device)
         for batch in self.batches(order):
-            yield self.prepare(self.inputs[batch]), self.targets[batch]
-
-
-def _as_is(inputs: torch.Tensor) -> torch.Tensor:
-    return inputs
+            yield self.source.prepare(self.inputs[batch]), self.targets[batch]
 
 
 class SampleDataset(Dataset):
@@ -194,13 +184,10 @@ class DataLoaderLoader(ShardLoader):
                                 self.cfg)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        move = self.device.type != "cpu"  # else the loader's batches are where they belong
         for inputs, targets in self.loader:
             if self.drop_last and len(targets) < self.batch_size:
                 return
-            if move:
-                inputs, targets = to_device(inputs, self.device), to_device(targets, self.device)
-            yield self.prepare(inputs), targets
+            yield self.prepare(to_device(inputs, self.device)), to_device(targets, self.device)
 
 
 def ignore_stop_signals(worker_id: int) -> None:

@@ -20,6 +20,7 @@ from typing import Any, Iterator
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from parallab.data.loaders import _collate, ignore_stop_signals, to_device
 from parallab.distributed import Dist
 
 
@@ -58,8 +59,6 @@ class StreamLoader:
     num_valid = math.inf  # no sampler padding to leave out of evaluation
 
     def __init__(self, stream: IterableDataset, dist: Dist, batch_size: int, seed: int, cfg):
-        from parallab.data.loaders import _collate, ignore_stop_signals
-
         self.source, self.dist, self.batch_size, self.seed, self.cfg = (
             stream, dist, batch_size, seed, cfg)
         self.device = dist.device
@@ -85,8 +84,6 @@ class StreamLoader:
         self.epoch, self.skip = epoch, skip_batches
 
     def __iter__(self) -> Iterator[tuple[Any, torch.Tensor]]:
-        from parallab.data.loaders import to_device
-
         if callable(getattr(self.source, "set_epoch", None)):
             self.source.set_epoch(self.epoch)
         for index, (inputs, targets) in enumerate(self.loader):
