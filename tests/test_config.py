@@ -75,6 +75,7 @@ def test_auto_values_resolve_for_cpu():
     (["data.batch_size=-8"], "data.batch_size=-8"),
     (["data.eval_batch_size=0"], "data.eval_batch_size=0"),
     (["trainer.epochs=-1"], "trainer.epochs=-1"),
+    (["trainer.epochs=0"], "trainer.epochs=0 is out of range: it must be >= 1"),
     (["trainer.max_steps=0"], "trainer.max_steps=0"),
     (["trainer.log_every_n_steps=0"], "trainer.log_every_n_steps=0"),
     (["optim.lr=0"], "optim.lr=0"),
@@ -201,12 +202,19 @@ def test_cfg_job_prints_the_composed_config():
     assert printed.optim.lr == 0.001 and printed.data.batch_size == 64
 
 
-def test_help_lists_the_groups():
-    result = run_entry("train.py", ["--help"], timeout=120)
+def test_help_lists_the_groups_and_says_what_each_key_does():
+    result = run_entry("train.py", ["--help", "model=gpt", "data=bytes"], timeout=120)
     assert result.returncode == 0, output(result)
     for group in GROUPS:
         assert f"{group}: " in result.stdout
     assert "mnist_cnn" in result.stdout and "ddp" in result.stdout
+    assert "schema/" not in result.stdout  # the typed bases of options are not choices
+    for line in ["  clip_grad_norm: null  # max global gradient norm",  # a schema's comment
+                 "  context: 256  # longest sequence",  # the option YAML's
+                 "  loader: auto  # auto | memory",  # config.yaml's, for every data set
+                 "  path: null  # a text file"]:  # the data set class's
+        assert line in result.stdout, line
+    assert "--multirun,-m" in result.stdout  # Hydra's flags still listed
 
 
 def test_shell_completion_offers_group_options():

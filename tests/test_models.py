@@ -293,6 +293,26 @@ def test_imagefolder_on_both_paths(tmp_path, loader):
     assert ImageFolder(path=str(tmp_path / "cat" / "0.png")).problem().startswith("data.path=")
 
 
+@pytest.mark.parametrize("loader", [Loader.memory, Loader.dataloader])
+def test_an_unreadable_image_is_skipped_with_a_counted_warning(tmp_path, loader, caplog):
+    write_folder(tmp_path / "val")
+    root = write_folder(tmp_path / "train")
+    (root / "cat" / "9.png").write_bytes(b"not a png")
+    (root / "dog" / "0.png").write_bytes((root / "dog" / "0.png").read_bytes()[:60])  # truncated
+    cfg = ImageFolder(path=str(tmp_path), image_size=16, augment=False, loader=loader,
+                      batch_size=4, eval_batch_size=4)
+    data = build_data(cfg, CPU, seed=0)
+    with caplog.at_level("WARNING", logger="parallab.data.images"):
+        seen = [targets for _ in range(2) for _, targets in data.train]
+    if loader is Loader.memory:  # dropped once, when decoded
+        assert len(data.train.source) == 9
+        assert "skipped 2 unreadable image(s) of 11" in caplog.text
+    else:  # a readable neighbour stands in, so every batch keeps its size
+        assert [len(t) for t in seen] == [4, 4, 3] * 2  # 11 files, 2 epochs
+        assert caplog.text.count("skipped unreadable image") == 2  # once per file, not per epoch
+        assert "2 skipped so far by this loader" in caplog.text
+
+
 def test_loader_auto_picks_memory_when_the_set_fits():
     assert resolve_loader(MNIST()) is Loader.memory
     assert resolve_loader(Text()) is Loader.memory

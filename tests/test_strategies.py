@@ -32,6 +32,22 @@ def test_even_cuts_balance_parameters_and_keep_every_part_non_empty():
     assert [list(r) for r in part_ranges(model.stages(), 2, [3])] == [[0, 1, 2], [3]]
 
 
+def test_clip_grad_norm_null_measures_without_touching_the_gradients():
+    from parallab.parallel.base import Strategy
+
+    model = MLP(input_dim=64, hidden=[8])
+    model(torch.randn(4, 64)).sum().backward()
+    grads = [p.grad for p in model.parameters()]
+    versions = [g._version for g in grads]  # bumped by any in-place write
+    expected = torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads]))
+    strategy = Strategy.__new__(Strategy)
+    assert strategy.clip_grad_norm(model, None) == pytest.approx(expected.item(), rel=1e-6)
+    assert [g._version for g in grads] == versions
+    strategy.clip_grad_norm(model, expected.item() / 2)
+    assert torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads])).item() == \
+        pytest.approx(expected.item() / 2, rel=1e-4)
+
+
 def final_weights(run_dir) -> dict[str, torch.Tensor]:
     """The run's last checkpoint read into a plain single-device model."""
     ckpt = checkpoint.latest(run_dir / "checkpoints")

@@ -20,7 +20,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from parallab import launch, metrics, run, summary, validate
+from parallab import help, launch, metrics, run, summary, validate
 from parallab.checkpoint import CheckpointError
 from parallab.config import register_configs
 
@@ -218,6 +218,7 @@ def train() -> None:
     _remember_earlier_run(sys.argv[1:])
     launch.prepare_in_place()
     launch.register_resolvers()
+    help.register_resolver()
     register_configs()
     _train_app()
 
@@ -292,6 +293,7 @@ def _trained_model_config(meta: dict[str, Any], path) -> dict[str, Any]:
 def evaluate() -> None:
     """`python evaluate.py ckpt=PATH [overrides]`."""
     launch.register_resolvers()
+    help.register_resolver()
     register_configs()
     _evaluate_app()
 

@@ -94,12 +94,12 @@ def data_config(node: dict[str, Any]) -> DataConfig:
 # --- parallel ----------------------------------------------------------------------------
 @dataclass
 class ParallelConfig:
-    name: str = "none"
+    name: str = "none"  # none | dp | ddp | fsdp | model | pipeline (the parallel group's option)
     # processes (ddp) or devices (dp); null = one per visible GPU, or 2 on CPU
     world_size: Optional[int] = 1
-    nnodes: int = 1
+    nnodes: int = 1  # hosts of a job started by the built-in launcher (torchrun/SLURM say theirs)
     threads_per_worker: Optional[int] = None  # null = cores / local workers
-    max_restarts: int = 0
+    max_restarts: int = 0  # elastic restarts of the worker group after a worker dies
     devices: Optional[list[int]] = None  # GPU ids made visible to the workers
     # the model's stages by module name in forward order ("blocks.*": a ModuleList's
     # children); null = the model's stages(), or an nn.Sequential's children
@@ -159,9 +159,9 @@ class BackendConfig:
 
 @dataclass
 class OptimConfig:
-    name: str = "sgd"
-    lr: float = 0.01
-    weight_decay: float = 0.0
+    name: str = "sgd"  # sgd | adam | adamw (the optim group's option)
+    lr: float = 0.01  # the learning rate (peak, under a scheduler)
+    weight_decay: float = 0.0  # L2 penalty (sgd, adam) or decoupled decay (adamw)
     # auto | foreach | fused | for_loop: torch's kernels for the update. auto = fused on
     # CUDA, else foreach (multi-tensor), which torch itself picks only on CUDA: on CPU it
     # took 9% off a 2 ms MLP step (bench/bench_loop.py); for_loop: one kernel per parameter
@@ -176,16 +176,16 @@ class OptimConfig:
 class SGDConfig(OptimConfig):
     name: str = "sgd"
     lr: float = 0.01
-    momentum: float = 0.5
-    nesterov: bool = False
+    momentum: float = 0.5  # in [0, 1)
+    nesterov: bool = False  # Nesterov momentum (needs momentum > 0)
 
 
 @dataclass
 class AdamConfig(OptimConfig):
     name: str = "adam"
     lr: float = 1e-3
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    eps: float = 1e-8
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # moment decay rates
+    eps: float = 1e-8  # added to the denominator
 
 
 @dataclass
@@ -206,10 +206,10 @@ class SchedulerConfig:
 
 @dataclass
 class TrainerConfig:
-    epochs: int = 10
+    epochs: int = 10  # passes over the training set (trainer.max_steps may end it sooner)
     max_steps: Optional[int] = None  # stop after this many optimizer steps
-    log_every_n_steps: int = 50
-    eval_every_n_epochs: int = 1
+    log_every_n_steps: int = 50  # train/* scalars; ranks also agree a stop request here
+    eval_every_n_epochs: int = 1  # and once at the end on the final weights
     warmup_steps: int = 5  # steps left out of throughput figures
     progress_bar: Optional[bool] = None  # null = only on an interactive terminal
     accumulate_grad_batches: int = 1  # micro-batches per optimizer step
@@ -250,7 +250,7 @@ class Config:
     # the figure a sweep's objective returns (Optuna); null = eval_accuracy where the loss
     # classifies, else eval_loss
     objective: Optional[str] = None
-    seed: int = 42
+    seed: int = 42  # weights, data order and dropout; each rank adds its rank
     device: Device = Device.auto
     sweep: SweepConfig = field(default_factory=SweepConfig)
 

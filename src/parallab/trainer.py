@@ -231,12 +231,12 @@ class Trainer:
             progress.update()
             if self.step % self.cfg.log_every_n_steps == 0 or self.done():
                 self.log_window(progress)
+            if self.stop_requested():  # before the periodic save: it saves this step once
+                self.stop()
+                return False
             every = self.cfg.checkpoint_every_n_steps
             if every and self.step % every == 0 and not self.done():
                 self.save_checkpoint()
-            if self.stop_requested():
-                self.stop()
-                return False
             if self.done():
                 break
         else:

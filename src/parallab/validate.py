@@ -46,7 +46,8 @@ def check_values(cfg: Config) -> None:
     """The keys of the trainer, optimizer, backend and launcher, and the seed."""
     t, p = cfg.trainer, cfg.parallel
     _at_least("seed", cfg.seed, 0)
-    _at_least("trainer.epochs", t.epochs, 0)  # 0: evaluate the initial model, save it
+    _require(t.epochs >= 1, f"trainer.epochs={t.epochs} is out of range: it must be >= 1 "
+             "(to score a saved model without training, run evaluate.py ckpt=<checkpoint>)")
     _at_least("trainer.max_steps", t.max_steps, 1, optional=True)
     _at_least("trainer.log_every_n_steps", t.log_every_n_steps, 1)
     _at_least("trainer.eval_every_n_epochs", t.eval_every_n_epochs, 1)

@@ -4,6 +4,7 @@ device; training augmentation runs per sample in the DataLoader's workers."""
 
 from __future__ import annotations
 
+import logging
 import pickle
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -17,6 +18,7 @@ from torch.utils.data import Dataset
 from parallab.config import DataConfig, Loader
 from parallab.data.split import Split
 
+log = logging.getLogger(__name__)
 CIFAR_DIR = "cifar-10-batches-py"
 CIFAR_FILES = {"train": [f"data_batch_{i}" for i in range(1, 6)], "test": ["test_batch"]}
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
@@ -50,16 +52,42 @@ class ImageSplit(Split):
 class ImageDataset(Dataset):
     def __init__(self, split: ImageSplit, ops: list[Callable]):
         self.split, self.ops = split, ops
+        self.unreadable: set[str] = set()  # files this process could not decode
 
     def __len__(self) -> int:
         return len(self.split)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         split = self.split
-        image = split.inputs[index] if split.files is None else read_image(split.files[index])
+        if split.files is None:
+            image = split.inputs[index]
+        else:
+            image, index = self.readable(index)
         for op in self.ops:
             image = op(image)
         return image, int(split.targets[index])
+
+    def readable(self, index: int) -> tuple[torch.Tensor, int]:
+        """The image at `index`, or, where that file cannot be decoded, the next readable one
+        (a warning per file, counted): one bad file in a large folder should not end a run
+        hours in, and a stand-in keeps the batch its size."""
+        files = self.split.files
+        for i in [(index + k) % len(files) for k in range(min(len(files), MAX_UNREADABLE))]:
+            try:
+                return read_image(files[i]), i
+            except UNREADABLE as error:
+                if files[i] not in self.unreadable:
+                    self.unreadable.add(files[i])
+                    log.warning("skipped unreadable image %s (%s: %s); %d skipped so far by "
+                                "this loader", files[i], type(error).__name__, error,
+                                len(self.unreadable))
+        raise RuntimeError(f"{MAX_UNREADABLE} images in a row cannot be read, from {files[index]} "
+                           "on: check the files under data.path")
+
+
+# what PIL raises for a file that is not an image, is truncated or is malformed
+UNREADABLE = (OSError, SyntaxError, ValueError)
+MAX_UNREADABLE = 16  # in a row: past this the folder, not a file, is broken
 
 
 def read_image(path: str) -> torch.Tensor:
@@ -67,6 +95,25 @@ def read_image(path: str) -> torch.Tensor:
 
     with Image.open(path) as image:
         return torch.from_numpy(np.array(image.convert("RGB"))).permute(2, 0, 1).contiguous()
+
+
+def read_images(samples: list[tuple[str, int]], fit: Callable
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every readable image, decoded and fitted, and its class; unreadable files skipped with
+    one warning that counts them."""
+    images, targets, bad = [], [], []
+    for path, target in samples:
+        try:
+            images.append(fit(read_image(path)))
+            targets.append(target)
+        except UNREADABLE as error:
+            bad.append(f"{path} ({type(error).__name__}: {error})")
+    if bad:
+        log.warning("skipped %d unreadable image(s) of %d: %s", len(bad), len(samples),
+                    "; ".join(bad[:3]) + (" ..." if len(bad) > 3 else ""))
+    if not images:
+        raise RuntimeError(f"none of the {len(samples)} images can be read: check data.path")
+    return torch.stack(images), torch.tensor(targets)
 
 
 # --- CIFAR-10 ----------------------------------------------------------------------------
@@ -211,8 +258,7 @@ def make_imagefolder(cfg: ImageFolder, seed: int) -> tuple[ImageSplit, ImageSpli
         targets = torch.tensor([c for _, c in samples])
         common = dict(mean=IMAGENET_MEAN, std=IMAGENET_STD, train_ops=augment, eval_ops=fit)
         if cfg.loader is Loader.memory:  # decoded once, fitted to size x size
-            images = [transforms.Compose(fit)(read_image(f)) for f in files]
-            return ImageSplit(torch.stack(images), targets, **common)
+            return ImageSplit(*read_images(samples, transforms.Compose(fit)), **common)
         return ImageSplit(None, targets, files=files, **common)
 
     return split(layout.train), split(layout.eval)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import Any
 
 import torch
@@ -98,8 +97,13 @@ class Strategy:
         return model(inputs)
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float | None) -> torch.Tensor:
-        """Clip to `max_norm` (None: only measure); the norm of all gradients of the model."""
-        return nn.utils.clip_grad_norm_(model.parameters(), max_norm or math.inf)
+        """Clip to `max_norm` (None: only measure, leaving the gradients untouched); the norm
+        of all gradients of the model."""
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        norm = nn.utils.get_total_norm(grads)
+        if max_norm is not None:
+            nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, norm)
+        return norm
 
     def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer
                    ) -> tuple[dict[str, Any], dict[str, Any]]:

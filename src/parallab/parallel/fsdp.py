@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 from typing import Iterator
 
 import torch
@@ -60,5 +59,5 @@ class FSDPStrategy(ShardedStrategy):
             model.set_requires_gradient_sync(True)
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float | None) -> torch.Tensor:
-        norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm or math.inf)
+        norm = super().clip_grad_norm(model, max_norm)
         return norm.full_tensor()  # the norm over every rank's shard

@@ -1,0 +1,150 @@
+"""`python train.py --help`: the config groups a user picks from and every key of the
+composed config with what it means.
+
+Hydra's own help lists the ConfigStore's schema/* groups too (internal: the typed base of
+each option) and prints the keys bare. Its help template is resolved before use, so the
+`parallab_help` resolver writes the text from the composed config: groups from Hydra's
+config loader, each key's words from the comment beside it (or above it) in the option's
+YAML file or in its schema or data set dataclass; whoever defines a key describes it there.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from pathlib import Path
+from typing import Any, Iterable
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+
+HIDDEN_GROUPS = ("hydra", "schema")
+CONF_DIR = Path(__file__).parent / "conf"
+_KEY = re.compile(r"^(\s*)([A-Za-z_]\w*):(?:\s*(?:[^#\n]*?))?(?:\s+#\s*(.*))?$")
+
+
+def comments(lines: Iterable[str]) -> dict[str, str]:
+    """Key -> its comment in YAML or dataclass source: the trailing `# ...` of the key's
+    line, else the comment lines right above it. Only the outermost keys of the text."""
+    found: dict[str, str] = {}
+    above: list[str] = []
+    indent = None
+    for line in lines:
+        stripped = line.strip()
+        if stripped.startswith("#"):
+            above.append(stripped.lstrip("#").strip())
+            continue
+        match = _KEY.match(line)
+        if match and not stripped.startswith(("def ", "class ", "@")):
+            level = len(match.group(1))
+            indent = level if indent is None else indent
+            if level == indent:
+                text = match.group(3) or " ".join(above)
+                if text:
+                    found.setdefault(match.group(2), text)
+        above = []
+    return found
+
+
+def class_comments(cls: type) -> dict[str, str]:
+    """A dataclass's field comments, a subclass's over its bases'."""
+    found: dict[str, str] = {}
+    for klass in cls.__mro__:
+        if klass is object:
+            continue
+        try:
+            source = inspect.getsource(klass).splitlines()[1:]  # below the class line
+        except (OSError, TypeError):
+            continue
+        for key, text in comments(source).items():
+            found.setdefault(key, text)
+    return found
+
+
+def option_comments(group: str, choice: str | None) -> dict[str, str]:
+    path = CONF_DIR / group / f"{choice}.yaml"
+    return comments(path.read_text().splitlines()) if choice and path.is_file() else {}
+
+
+def block(section: str) -> list[str]:
+    """The lines config.yaml nests under `section:`."""
+    lines, inside = [], False
+    for line in (CONF_DIR / "config.yaml").read_text().splitlines():
+        if line and not line[0].isspace() and not line.startswith("#"):
+            inside = line.startswith(f"{section}:")
+        elif inside:
+            lines.append(line)
+    return lines
+
+
+def describe(section: str, node: Any, choices: dict[str, Any]) -> dict[str, str]:
+    from parallab import config, targets
+
+    words = option_comments(section, choices.get(section))
+    # the keys config.yaml gives every option of the group (data's), then the class's own
+    words.update({k: v for k, v in comments(block(section)).items() if k not in words})
+    kinds = {**{g: next(iter(o.values())) for g, o in config.SCHEMAS.items()},
+             **{g: o.get(str(choices.get(f"schema/{g}"))) for g, o in config.SCHEMAS.items()
+                if f"schema/{g}" in choices}}
+    field = config.Config.__dataclass_fields__.get(section)
+    cls = kinds.get(section, getattr(field, "default_factory", None))
+    if isinstance(node, DictConfig) and targets.TARGET in node:
+        try:
+            cls = targets.locate(node[targets.TARGET], f"{section}._target_")
+        except Exception:  # a user's class that cannot be imported: its keys stay bare
+            cls = None
+    if isinstance(cls, type):
+        words.update({k: v for k, v in class_comments(cls).items() if k not in words})
+    return words
+
+
+def _value(value: Any) -> str:
+    text = yaml.safe_dump(value, default_flow_style=True, width=10**6).strip()
+    return text.removesuffix("\n...").removesuffix("...").strip()
+
+
+def config_text(cfg: DictConfig) -> list[str]:
+    from parallab import config
+
+    choices = dict(cfg.hydra.runtime.choices) if "hydra" in cfg else {}
+    schema = config.EvalConfig if "ckpt" in cfg.keys() else config.Config  # ??? is not "in"
+    top = class_comments(schema) | comments(
+        (CONF_DIR / "config.yaml").read_text().splitlines()[1:])
+    lines = []
+    for section in cfg:
+        if section == "hydra":
+            continue
+        node = cfg._get_node(section)
+        if isinstance(node, DictConfig) and len(node):
+            words = describe(section, node, choices)
+            lines.append(f"{section}:" + (f"  # {top[section]}" if section in top else ""))
+            for key in node:
+                value = OmegaConf.to_container(node, resolve=False, enum_to_str=True)[key]
+                note = f"  # {words[key]}" if key in words else ""
+                lines.append(f"  {key}: {_value(value)}{note}")
+        else:
+            value = OmegaConf.to_container(cfg, resolve=False, enum_to_str=True)[section]
+            note = f"  # {top[section]}" if section in top else ""
+            lines.append(f"{section}: {_value(value)}{note}")
+    return lines
+
+
+def groups_text() -> list[str]:
+    from hydra.core.global_hydra import GlobalHydra
+
+    loader = GlobalHydra.instance().config_loader()
+    return [f"{group}: {', '.join(loader.get_group_options(group))}"
+            for group in sorted(loader.list_groups("")) if group not in HIDDEN_GROUPS]
+
+
+def help_text(*, _root_: DictConfig) -> str:
+    """The help's body; `$` doubled, as Hydra passes the text through string.Template."""
+    text = "\n".join([
+        "== Config groups (group=option) ==", *groups_text(), "",
+        "== Config (key=value; + adds a key only where a group allows new ones) ==",
+        *config_text(_root_)])
+    return text.replace("$", "$$")
+
+
+def register_resolver() -> None:
+    OmegaConf.register_new_resolver("parallab_help", help_text, replace=True)
