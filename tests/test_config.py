@@ -101,6 +101,11 @@ def test_auto_values_resolve_for_cpu():
     (["trainer.quantize=int4"], "trainer.quantize=int4"),
     (["trainer.accumulate_grad_batches=0"], "trainer.accumulate_grad_batches=0"),
     (["trainer.clip_grad_norm=0"], "trainer.clip_grad_norm=0"),
+    (["trainer.activation_checkpointing=some"], "trainer.activation_checkpointing=some is "
+                                                "unknown: use none, full or selective"),
+    (["trainer.monitor_mode=up"], "trainer.monitor_mode=up is unknown: use min or max"),
+    (["trainer.early_stop_patience=0"], "trainer.early_stop_patience=0 is out of range"),
+    (["trainer.monitor=eval_acc"], "trainer.monitor=eval_acc is not a figure this run reports"),
     (["precision.name=fp8"], "precision.name=fp8"),
     (["trainer.on_nan=ignore"], "trainer.on_nan=ignore"),
     (["trainer.keep_last_k=0"], "trainer.keep_last_k=0"),

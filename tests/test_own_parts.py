@@ -52,6 +52,12 @@ BAD = [
     (["+loss.sharpness=2"], "loss.sharpness is not an argument of parallab.loss.MSE"),
     (["+metrics.mae._target_=torchmetrics.Nope"], "metrics.mae._target_=torchmetrics.Nope"),
     (["objective=eval_accuracy"], "objective=eval_accuracy is not a figure this run reports"),
+    (["trainer.monitor=eval_accuracy"], "trainer.monitor=eval_accuracy is not a figure this "
+                                        "run reports (eval_loss"),
+    (["+metrics.mae._target_=torchmetrics.MeanAbsoluteError", "trainer.monitor=eval_mae"],
+     "trainer.monitor=eval_mae: say whether higher is better with trainer.monitor_mode=max"),
+    (["parallel.stages=null", "trainer.activation_checkpointing=full"],
+     "trainer.activation_checkpointing=full: the model declares no stages"),
     (["loss=model", "model._target_=own_parts.SelfScoring", "~model.out_features",
       "~model.width", "~model.depth", "~model.expansion", "parallel=pipeline",
       "parallel.stages=null"],

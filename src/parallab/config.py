@@ -226,6 +226,12 @@ class TrainerConfig:
     resume: Optional[str] = None  # auto (newest in the run dir) or a checkpoint path
     overwrite: bool = False  # a fresh run in a dir holding one: delete its checkpoints first
     on_nan: str = "stop"  # stop | skip: what a NaN/inf loss or gradient does
+    # none | full | selective: recompute activations in backward, per stage (activations.py)
+    activation_checkpointing: str = "none"
+    monitor: str = "eval_loss"  # the eval figure that picks best.pt and early stopping
+    monitor_mode: Optional[str] = None  # min | max; null = min for eval_loss, max for eval_accuracy
+    save_best: bool = True  # checkpoints/best.pt (best.dcp) whenever the monitored figure improves
+    early_stop_patience: Optional[int] = None  # end after this many evaluations not improving
 
 
 @dataclass

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from parallab import batch_size, checkpoint, distributed, launch
+from parallab import activations, batch_size, checkpoint, distributed, launch
 from parallab.checkpoint import Checkpointer
 from parallab.config import Config, TrainerConfig, model_name
 from parallab.data import build_data
@@ -79,11 +79,14 @@ def _scalar(text: str) -> Any:
     return value if isinstance(value, (int, float, bool)) else text
 
 
-def speed_up(model: torch.nn.Module, cfg: TrainerConfig) -> torch.nn.Module:
-    """Memory format, then compilation, before any parallel wrapper (as torchtitan orders
-    them); Module.compile keeps the state_dict keys unprefixed, so checkpoints load anywhere."""
+def speed_up(model: torch.nn.Module, cfg: TrainerConfig,
+             stages: list[str] | None = None) -> torch.nn.Module:
+    """Memory format, activation checkpointing, then compilation, before any parallel
+    wrapper (as torchtitan orders them); Module.compile keeps the state_dict keys
+    unprefixed, so checkpoints load anywhere."""
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
+    model = activations.apply(model, cfg.activation_checkpointing, stages)
     if cfg.compile:
         model.compile(mode=cfg.compile_mode)
     return model
@@ -173,7 +176,7 @@ def _fit(spec: RunSpec, dist: distributed.Dist, logger: RunLogger,
     torch.manual_seed(cfg.seed + dist.rank)  # dropout masks differ between ranks
     precision = Precision(cfg.precision, dist.device)
     strategy = strategy_cls(cfg.parallel, dist, precision, build_loss(cfg.loss))
-    model = strategy.wrap(speed_up(model, cfg.trainer))
+    model = strategy.wrap(speed_up(model, cfg.trainer, cfg.parallel.stages))
     data = build_data(cfg.data, strategy.data_dist, cfg.seed,
                       batch_scale=strategy.devices_per_process)
     data.train.drop_last = strategy.fixed_batch_shape

@@ -22,9 +22,11 @@ from parallab.errors import ConfigError
 from parallab.logger import RunLogger
 from parallab.memory import held_state_mb, peak_memory_mb
 from parallab.metrics import evaluate
+from parallab.monitor import Monitor
 from parallab.parallel.base import Strategy
 from parallab.preemption import Preemption
 from parallab.precision import Precision
+from parallab.profiling import profiled
 from parallab.progress import Progress
 
 log = logging.getLogger(__name__)
@@ -98,6 +100,7 @@ class Trainer:
         self.last_train_loss = math.nan
         self.eval_metrics: dict[str, float] = {}
         self.eval_step = -1  # the step eval_metrics were measured at
+        self.monitor = Monitor(cfg.monitor, cfg.monitor_mode, cfg.early_stop_patience)
         self.profiler = None  # a torch.profiler.profile while trainer.profile is on
         # target positions per sample: > 1 for language models
         self.tokens_per_sample = tokens = data.train.targets_per_sample()
@@ -162,7 +165,8 @@ class Trainer:
 
     def fit(self) -> dict[str, Any]:
         with Progress(self.total_steps, self.dist.is_main, self.cfg.progress_bar) as progress, \
-                self.profiling():
+                profiled(self.cfg.profile, self.dist.device, self.logger.run_dir, self.dist.rank,
+                         self.dist.is_main) as self.profiler:
             while self.epoch < self.cfg.epochs and not self.done():
                 finished = self.train_epoch(progress)
                 if self.stopped:
@@ -173,6 +177,9 @@ class Trainer:
                 self.epoch_step = 0
                 if self.epoch % self.cfg.eval_every_n_epochs == 0:
                     self.run_eval()
+                    if self.monitor.exhausted:  # every rank holds the same eval figures
+                        self.stop_early()
+                        break
                 if not self.done():  # the last one is `last`, saved by the caller
                     self.save_checkpoint()
         if self.eval_step != self.step or not self.eval_metrics:  # final weights unscored
@@ -181,29 +188,6 @@ class Trainer:
         if self.cfg.quantize:
             summary.update(self.quantized_summary())
         return summary
-
-    @contextlib.contextmanager
-    def profiling(self) -> Iterator[None]:
-        """trainer.profile: torch.profiler over steps 3-5 (after one to wait, one to warm up),
-        one Chrome trace per rank in <run dir>/profiler/."""
-        if not self.cfg.profile:
-            yield
-            return
-        from torch.profiler import (ProfilerActivity, profile, schedule,
-                                    tensorboard_trace_handler)
-
-        activities = [ProfilerActivity.CPU]
-        if self.dist.device.type == "cuda":
-            activities.append(ProfilerActivity.CUDA)
-        trace_dir = self.logger.run_dir / "profiler"
-        with profile(activities=activities, schedule=schedule(wait=1, warmup=1, active=3, repeat=1),
-                     on_trace_ready=tensorboard_trace_handler(
-                         str(trace_dir), worker_name=f"rank{self.dist.rank}")) as profiler:
-            self.profiler = profiler
-            yield
-        self.profiler = None
-        if self.dist.is_main:
-            log.info("profiler trace written to %s", trace_dir)
 
     def train_epoch(self, progress: Progress) -> bool:
         """Train to the end of the epoch, or until the run is done or stopped; True if the
@@ -281,6 +265,12 @@ class Trainer:
         with self.preemption.busy():
             self.checkpointer.save(self.state_dict(), name or checkpoint.periodic_name(self.step))
 
+    def stop_early(self) -> None:
+        if self.dist.is_main:
+            m = self.monitor
+            log.info("early stop: %s has not improved for %d evaluations (best %s at step %s)",
+                     m.name, m.stale, m.best, m.best_step)
+
     def check_skips(self) -> None:
         """on_nan=skip that drops most of the recent steps learns nothing: stop as `stop`."""
         recent = self.recent_skips
@@ -346,6 +336,8 @@ class Trainer:
                                          self.precision, self.strategy.loss,
                                          self.metric_specs, self.strategy.eval_forward)
         self.eval_step = self.step
+        if self.monitor.update(self.eval_metrics, self.step) and self.cfg.save_best:
+            self.save_checkpoint("best")
         self.logger.scalars({"eval/" + k.removeprefix(metrics.PREFIX): v
                              for k, v in self.eval_metrics.items()}, self.step)
         if self.dist.is_main:
@@ -367,6 +359,7 @@ class Trainer:
             "global_batch_size": self.global_batch_size,
             "peak_memory_mb": peak_memory_mb(self.dist.device),
             "state_memory_mb": held_state_mb(self.model, self.optimizer) if self.step else None,
+            **self.monitor.summary(),
         }
 
     def quantized_summary(self) -> dict[str, float]:
@@ -393,7 +386,7 @@ class Trainer:
                 "grad_scaler": self.precision.state_dict(), "step": self.step,
                 "epoch": self.epoch, "epoch_step": self.epoch_step,
                 "epoch_loss": self.epoch_loss, "epoch_steps": self.epoch_steps,
-                "skipped_steps": self.skipped_steps,
+                "skipped_steps": self.skipped_steps, "monitor": self.monitor.state_dict(),
                 "scheduler": self.scheduler.state_dict() if self.scheduler else None}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -403,6 +396,7 @@ class Trainer:
         self.step, self.epoch, self.epoch_step = state["step"], state["epoch"], state["epoch_step"]
         self.epoch_loss, self.epoch_steps = state["epoch_loss"], state["epoch_steps"]
         self.skipped_steps = state["skipped_steps"]
+        self.monitor.load_state_dict(state.get("monitor"))
         if self.scheduler is not None and state.get("scheduler"):  # its step count
             self.scheduler.load_state_dict(state["scheduler"])
         rng = state.get("rng", [])

@@ -51,6 +51,19 @@ def stages_on_meta(cfg) -> list[nn.Module] | None:
     return find_stages(model, cfg)
 
 
+def checkpoint_units(cfg) -> list[nn.Module] | None:
+    """The modules activation checkpointing wraps, of the model built on meta."""
+    from parallab import activations
+    from parallab.models import build_model
+
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    try:
+        return activations.units(model, cfg.parallel.stages)
+    except KeyError:
+        return find_stages(model, cfg)  # its one-line ConfigError naming the missing name
+
+
 def one_batch(cfg, size: int = 2) -> tuple[Any, torch.Tensor]:
     """`size` training samples collated as the DataLoader would (data.collate_fn too)."""
     from torch.utils.data import default_collate

@@ -13,7 +13,8 @@ import logging
 import math
 import os
 
-from parallab import checkpoint, config, models, optim, precision, schedule, trial
+from parallab import (activations, checkpoint, config, models, monitor, optim, precision,
+                      schedule, trial)
 from parallab.config import Config, Device
 from parallab.distributed import cpu_cores
 from parallab.errors import ConfigError
@@ -74,6 +75,7 @@ def check_values(cfg: Config) -> None:
                  f"use one of {', '.join(quantize.METHODS)} (or null)")
         _require(quantize.available(), f"trainer.quantize={t.quantize} needs torchao: "
                  "pip install 'parallab[quantize]'")
+    _refuse(activations.problem(t.activation_checkpointing))
     _refuse(optim.problem(cfg.optim))
     _refuse(schedule.problem(cfg.scheduler))
     timeout = cfg.backend.timeout_s
@@ -108,10 +110,11 @@ def check_objective(cfg: Config) -> None:
     _require(not (cfg.metrics and loss.from_model(cfg.loss)), "metrics with loss=model: the "
              "model returns its loss, not an output a metric could score: drop metrics, or "
              "use a loss of output and targets")
+    names = metrics.names(loss.build_loss(cfg.loss), cfg.metrics)
     if cfg.objective is not None:
-        names = metrics.names(loss.build_loss(cfg.loss), cfg.metrics)
         _require(cfg.objective in names, f"objective={cfg.objective} is not a figure this run "
                  f"reports ({', '.join(names)}): pick one of them")
+    _refuse(monitor.problem(cfg.trainer, names))
 
 
 def resolve_device(cfg: Config) -> None:
@@ -190,6 +193,12 @@ def check_strategy(cfg: Config) -> None:
         strategy.check(cfg, stages)
     else:
         strategy.check(cfg)
+    mode = cfg.trainer.activation_checkpointing
+    if mode != "none":
+        units = trial.checkpoint_units(cfg)
+        _require(bool(units), f"trainer.activation_checkpointing={mode}: the model declares no "
+                 "stages to checkpoint one by one: name them in parallel.stages (e.g. "
+                 "'[embed,\"blocks.*\",head]'), give the model a stages() method, or use none")
 
 
 def resolve_backend(cfg: Config) -> None:

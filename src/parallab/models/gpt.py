@@ -94,6 +94,10 @@ class GPT(Model):
     def stages(self) -> list[nn.Module]:
         return [self.embed, *self.blocks, self.head]
 
+    def checkpoint_stages(self) -> list[nn.Module]:
+        """Activation checkpointing per transformer block, as torchtitan applies it."""
+        return list(self.blocks)
+
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token of `seq_len`-token sequences (see below), for MFU."""
         return flops_per_token(self.cfg, seq_len)

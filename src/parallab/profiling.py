@@ -1,0 +1,35 @@
+"""trainer.profile: torch.profiler over steps 3-5 (after one to wait, one to warm up), one
+Chrome trace per rank in <run dir>/profiler/, which TensorBoard's profiler plugin and
+chrome://tracing open."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def profiled(enabled: bool, device: torch.device, run_dir: Path, rank: int,
+             is_main: bool) -> Iterator[Any]:
+    """The profiler to step once per training step, or None when not enabled."""
+    if not enabled:
+        yield None
+        return
+    from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
+
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    trace_dir = run_dir / "profiler"
+    with profile(activities=activities, schedule=schedule(wait=1, warmup=1, active=3, repeat=1),
+                 on_trace_ready=tensorboard_trace_handler(str(trace_dir),
+                                                          worker_name=f"rank{rank}")) as profiler:
+        yield profiler
+    if is_main:
+        log.info("profiler trace written to %s", trace_dir)

@@ -1,0 +1,92 @@
+"""What a real training run needs (issue 15): activation checkpointing under every layout,
+the best checkpoint and early stopping (also across ranks and a resume). Schedules and the
+batch-aware learning rate are test_schedule's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import FAST, losses, read_metrics, scalars
+from parallab import activations, checkpoint
+from parallab.models.gpt import GPT
+
+# a small gpt with dropout, every step logged: recomputation must redraw the same masks
+GPT_RUN = ["data=bytes", "data.eval_fraction=0.002", "model=gpt", "model.layers=2",
+           "model.heads=2", "model.width=32", "model.context=32", "model.dropout=0.1",
+           "data.batch_size=8", "trainer.max_steps=20", "trainer.log_every_n_steps=1",
+           "trainer.checkpoint_every_n_steps=null", "device=cpu"]
+
+
+def test_checkpointing_keeps_fewer_activations():
+    """full keeps each block's input only; selective also its matmul outputs."""
+    kept = {}
+    for mode in activations.MODES:
+        torch.manual_seed(0)
+        model = activations.apply(GPT(layers=2, width=64, heads=2, context=64), mode)
+        tokens = torch.randint(0, 256, (4, 64))
+        kept[mode] = activations.saved_bytes(model, lambda: model(tokens).sum())
+    assert kept["full"] < 0.4 * kept["none"]
+    assert kept["full"] < kept["selective"] < kept["none"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout,modes", [
+    ([], ["full", "selective"]),
+    (["parallel=ddp", "parallel.world_size=2"], ["selective"]),
+    (["parallel=fsdp", "parallel.world_size=2"], ["full"]),
+    (["parallel=pipeline", "parallel.world_size=2"], ["full"]),
+    (["trainer.compile=true", "model.layers=1"], ["selective"]),
+], ids=["none", "ddp", "fsdp", "pipeline", "compile"])
+def test_checkpointing_changes_no_loss(train_here, layout, modes):
+    """The first 20 losses with and without it, under each layout (dropout on)."""
+    runs = {mode: losses(train_here(*GPT_RUN, *layout, f"trainer.activation_checkpointing="
+                                    f"{mode}", name=mode)[1]) for mode in ["none", *modes]}
+    reference = runs.pop("none")
+    assert len(reference) == 20
+    for mode, got in runs.items():
+        assert got == pytest.approx(reference, abs=1e-5), mode
+
+
+def test_checkpointed_weights_keep_their_names(train_here):
+    metrics, run_dir = train_here(*GPT_RUN, "trainer.max_steps=3",
+                                  "trainer.activation_checkpointing=full")
+    state = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["model"]
+    assert state.keys() == GPT(layers=2, heads=2, width=32, context=32).state_dict().keys()
+
+
+# eval each epoch of 8 steps; monitoring the falling eval loss as if higher were better
+# makes every evaluation after the first a non-improvement: early stopping fires for sure
+EPOCHS = [*FAST, "data.train_size=512", "trainer.epochs=6", "trainer.log_every_n_steps=4"]
+NEVER_BETTER = ["trainer.monitor_mode=max", "trainer.early_stop_patience=2"]
+
+
+def test_best_checkpoint_holds_the_best_evaluation(train_here):
+    metrics, run_dir = train_here(*EPOCHS, "optim.lr=0.5", "trainer.monitor=eval_accuracy")
+    accuracy = dict(scalars(run_dir, "eval/accuracy"))
+    best_step = max(accuracy, key=lambda step: (accuracy[step], -step))  # the first of ties
+    assert (metrics["best_eval_accuracy"], metrics["best_step"]) == (accuracy[best_step],
+                                                                     best_step)
+    best = torch.load(run_dir / "checkpoints" / "best.pt", weights_only=True)
+    assert best["step"] == best_step and not metrics["stopped_early"]
+    assert checkpoint.latest(run_dir / "checkpoints").name == "last.pt"  # resume skips best
+
+
+def test_early_stopping_ends_the_run_and_says_so(train_here):
+    metrics, run_dir = train_here(*EPOCHS, *NEVER_BETTER)
+    assert metrics["stopped_early"] and metrics["steps"] == 3 * 8  # 1 best + 2 not better
+    assert metrics["best_step"] == 8 and read_metrics(run_dir)["stopped_early"] is True
+    assert metrics["best_eval_loss"] == dict(scalars(run_dir, "eval/loss"))[8]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_early_stopping_agrees_across_ranks_and_resumes(train_here):
+    ddp = [*EPOCHS, *NEVER_BETTER, "parallel=ddp", "parallel.world_size=2",
+           "data.batch_size=32"]
+    whole, _ = train_here(*ddp, name="whole")
+    train_here(*ddp, "trainer.max_steps=8", name="parts")  # stopped after the first eval
+    parts, _ = train_here(*ddp, "trainer.resume=auto", name="parts")
+    assert whole["stopped_early"] and whole["steps"] == 3 * 8
+    for key in ("steps", "best_step", "best_eval_loss", "stopped_early", "eval_loss"):
+        assert parts[key] == whole[key], key
