@@ -106,6 +106,8 @@ def test_auto_values_resolve_for_cpu():
     (["trainer.monitor_mode=up"], "trainer.monitor_mode=up is unknown: use min or max"),
     (["trainer.early_stop_patience=0"], "trainer.early_stop_patience=0 is out of range"),
     (["trainer.monitor=eval_acc"], "trainer.monitor=eval_acc is not a figure this run reports"),
+    (["model=gpt", "data=bytes", "model.tie_embeddings=true", "parallel=pipeline"],
+     "parallel=pipeline puts stages 0 and 5 on different parts, but they share a parameter"),
     (["precision.name=fp8"], "precision.name=fp8"),
     (["trainer.on_nan=ignore"], "trainer.on_nan=ignore"),
     (["trainer.keep_last_k=0"], "trainer.keep_last_k=0"),

@@ -90,3 +90,35 @@ def test_early_stopping_agrees_across_ranks_and_resumes(train_here):
     assert whole["stopped_early"] and whole["steps"] == 3 * 8
     for key in ("steps", "best_step", "best_eval_loss", "stopped_early", "eval_loss"):
         assert parts[key] == whole[key], key
+
+
+def test_adamw_decays_weight_matrices_only():
+    from parallab.config import AdamWConfig, SGDConfig
+    from parallab.optim import build_optimizer
+
+    model = GPT(layers=1, width=16, heads=2, context=8, vocab_size=32)
+    optimizer = build_optimizer(AdamWConfig(lr=0.1, weight_decay=0.5), model)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)  # the step is the decay alone
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    optimizer.step()
+    for name, p in model.named_parameters():
+        matrix = p.ndim == 2 and "embed" not in name
+        expected = before[name] * (1 - 0.1 * 0.5) if matrix else before[name]
+        torch.testing.assert_close(p.detach(), expected, msg=name)
+    assert len(build_optimizer(SGDConfig(weight_decay=0.5), model).param_groups) == 1  # decay_all
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_tied_embeddings_share_the_head_and_train_under_fsdp(train_here):
+    tied = GPT(layers=1, width=32, heads=2, context=32, tie_embeddings=True)
+    untied = GPT(layers=1, width=32, heads=2, context=32)
+    count = lambda model: sum(p.numel() for p in model.parameters())  # noqa: E731
+    assert count(untied) - count(tied) == 256 * 32  # vocab x width
+    assert tied.head.out.weight is tied.embed.tokens.weight
+    run = [*GPT_RUN, "model.tie_embeddings=true", "model.dropout=0.0", "data.batch_size=16"]
+    _, one = train_here(*run, name="one")
+    _, fsdp = train_here(*run, "parallel=fsdp", "parallel.world_size=2", "data.batch_size=8",
+                         name="fsdp")
+    assert losses(fsdp) == pytest.approx(losses(one), rel=1e-4, abs=1e-5)

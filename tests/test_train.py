@@ -141,7 +141,7 @@ def test_optimizer_implementations_take_the_same_steps(name):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
         cfg = SCHEMAS["optim"][name](implementation=implementation)
-        optimizer = build_optimizer(cfg, model.parameters())
+        optimizer = build_optimizer(cfg, model)
         for _ in range(5):
             optimizer.zero_grad()
             model(inputs).pow(2).mean().backward()

@@ -170,6 +170,9 @@ class OptimConfig:
     # is scaled to the run's (Goyal et al.'s linear rule, or the square root's)
     scale_lr: str = "none"
     base_batch_size: int = 64  # the seed's
+    # true: weight decay on every parameter; false: on weight matrices only (no biases,
+    # norm gains or embeddings), adamw's default
+    decay_all: bool = True
 
 
 @dataclass
@@ -192,6 +195,7 @@ class AdamConfig(OptimConfig):
 class AdamWConfig(AdamConfig):
     name: str = "adamw"
     weight_decay: float = 0.01
+    decay_all: bool = False
 
 
 @dataclass

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import math
-from typing import Iterable
-
 import torch
+from torch import nn
 
 
 IMPLEMENTATIONS = ("auto", "foreach", "fused", "for_loop")
@@ -54,12 +53,27 @@ def kernels(implementation: str, params: list[torch.nn.Parameter]) -> dict[str, 
     return {"fused": implementation == "fused", "foreach": implementation == "foreach"}
 
 
-def build_optimizer(cfg, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    params = list(params)
-    how = kernels(cfg.implementation, params)
+def param_groups(cfg, model: nn.Module) -> list[dict]:
+    """The trainable parameters (a frozen backbone's left out). With optim.decay_all=false,
+    weight decay only on weight matrices: none on biases, norm gains and embeddings (as
+    nanoGPT and torchtitan's recipes), which decay shrinks toward zero for no gain."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if cfg.decay_all or cfg.weight_decay == 0:
+        return [{"params": params}]
+    embeddings = {id(p) for m in model.modules()
+                  if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) for p in m.parameters()}
+    decays = [p.ndim >= 2 and id(p) not in embeddings for p in params]
+    groups = [{"params": [p for p, d in zip(params, decays) if d]},
+              {"params": [p for p, d in zip(params, decays) if not d], "weight_decay": 0.0}]
+    return [group for group in groups if group["params"]]
+
+
+def build_optimizer(cfg, model: nn.Module) -> torch.optim.Optimizer:
+    groups = param_groups(cfg, model)
+    how = kernels(cfg.implementation, [p for group in groups for p in group["params"]])
     if cfg.name == "sgd":
-        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum,
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum,
                                weight_decay=cfg.weight_decay, nesterov=cfg.nesterov, **how)
     optimizer = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[cfg.name]
-    return optimizer(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
+    return optimizer(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
                      weight_decay=cfg.weight_decay, **how)

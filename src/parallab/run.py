@@ -180,8 +180,7 @@ def _fit(spec: RunSpec, dist: distributed.Dist, logger: RunLogger,
     data = build_data(cfg.data, strategy.data_dist, cfg.seed,
                       batch_scale=strategy.devices_per_process)
     data.train.drop_last = strategy.fixed_batch_shape
-    # frozen parameters (model.freeze_backbone) are left out
-    optimizer = build_optimizer(cfg.optim, [p for p in model.parameters() if p.requires_grad])
+    optimizer = build_optimizer(cfg.optim, model)
     if cfg.trainer.auto_batch_size:
         data.train = tune_batch_size(strategy.unwrap(model), optimizer, precision, data,
                                      dist, cfg.trainer, logger, strategy.loss)

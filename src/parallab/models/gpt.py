@@ -1,6 +1,7 @@
 """A small decoder-only transformer language model, after nanoGPT: pre-LayerNorm blocks of
-causal self-attention and a GELU MLP, learned position embeddings, untied output head
-(tied weights would span the first and the last stage)."""
+causal self-attention and a GELU MLP, learned position embeddings, an output head untied
+by default (tie_embeddings=true shares the token embedding, as GPT-2 and nanoGPT do; the
+two then span the first and the last stage, which model and pipeline parallelism refuse)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ class GptConfig:
     heads: int = 4
     width: int = 256
     dropout: float = 0.0
+    tie_embeddings: bool = False
 
 
 class Embed(nn.Module):
@@ -80,9 +82,11 @@ class Head(nn.Module):
 
 class GPT(Model):
     def __init__(self, vocab_size: int = 256, context: int = 256, layers: int = 4,
-                 heads: int = 4, width: int = 256, dropout: float = 0.0):
+                 heads: int = 4, width: int = 256, dropout: float = 0.0,
+                 tie_embeddings: bool = False):
         super().__init__()
-        self.cfg = cfg = GptConfig(vocab_size, context, layers, heads, width, dropout)
+        self.cfg = cfg = GptConfig(vocab_size, context, layers, heads, width, dropout,
+                                   tie_embeddings)
         self.embed = Embed(cfg)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
         self.head = Head(cfg)
@@ -90,6 +94,8 @@ class GPT(Model):
         for block in self.blocks:  # GPT-2: residual projections scaled by 1/sqrt(2 layers)
             for proj in (block.attn.proj, block.mlp[2]):
                 nn.init.normal_(proj.weight, std=0.02 / math.sqrt(2 * cfg.layers))
+        if tie_embeddings:
+            self.head.out.weight = self.embed.tokens.weight
 
     def stages(self) -> list[nn.Module]:
         return [self.embed, *self.blocks, self.head]

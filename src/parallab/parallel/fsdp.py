@@ -21,6 +21,17 @@ from parallab.parallel.base import ShardedStrategy
 log = logging.getLogger(__name__)
 
 
+def shared_parameters(stages: list[nn.Module]) -> set[int]:
+    """Ids of the parameters held by more than one stage."""
+    seen: set[int] = set()
+    shared: set[int] = set()
+    for stage in stages:
+        ids = {id(p) for p in stage.parameters()}
+        shared |= seen & ids
+        seen |= ids
+    return shared
+
+
 class FSDPStrategy(ShardedStrategy):
     launches_workers = True
     uses_process_group = True
@@ -42,8 +53,12 @@ class FSDPStrategy(ShardedStrategy):
             log.info("parallel=fsdp: the model declares no stages, so it is sharded as one "
                      "unit (every parameter gathered at once); set parallel.stages to shard "
                      "its blocks one by one")
+        shared = shared_parameters(stages or [])
         for stage in stages or []:
-            if any(p.requires_grad for p in stage.parameters()):
+            # a stage sharing a parameter with another (tied embeddings) is left to the
+            # root: FSDP2 shards each parameter in one unit only
+            if any(p.requires_grad for p in stage.parameters()) and not (
+                    shared & {id(p) for p in stage.parameters()}):
                 fully_shard(stage, mesh=mesh, mp_policy=policy,
                             reshard_after_forward=self.cfg.reshard_after_forward)
         # the root: whatever the stages leave; kept gathered, it is used again at once

@@ -63,3 +63,20 @@ def check_parts(cfg, stages: list[nn.Module] | None) -> None:
         problem = check_cuts(list(p.split), len(stages), p.world_size)
         if problem:
             raise ConfigError(problem)
+    shared = shared_across(stages, part_ranges(stages, p.world_size, p.split))
+    if shared:
+        raise ConfigError(f"parallel={p.name} puts stages {shared[0]} and {shared[1]} on "
+                          "different parts, but they share a parameter (tied weights, such as "
+                          "model.tie_embeddings=true): untie them, or use parallel=ddp or fsdp")
+
+
+def shared_across(stages: list[nn.Module], parts: list[range]) -> tuple[int, int] | None:
+    """Two stage indices in different parts that hold the same parameter, or None."""
+    owner: dict[int, tuple[int, int]] = {}  # parameter id -> (part, stage)
+    for part, indices in enumerate(parts):
+        for index in indices:
+            for param in stages[index].parameters():
+                first = owner.setdefault(id(param), (part, index))
+                if first[0] != part:
+                    return first[1], index
+    return None
