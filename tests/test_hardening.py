@@ -95,7 +95,7 @@ def test_a_fresh_run_in_a_used_dir_is_refused_and_leaves_it_as_it_was(tmp_path):
                          run_dir)
     assert_ok(replaced)
     assert read_metrics(run_dir)["steps"] == 5
-    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["last.pt"]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["best.pt", "last.pt"]
 
 
 @pytest.mark.slow

@@ -129,7 +129,7 @@ def test_periodic_checkpoints_are_pruned_to_keep_last_k(train):
     result, run_dir = train(*RUN, "trainer.checkpoint_every_n_steps=5", "trainer.keep_last_k=2")
     assert_ok(result)
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [
-        "last.pt", "step_00000032.pt", "step_00000035.pt"]  # 32: the end of epoch 1
+        "best.pt", "last.pt", "step_00000032.pt", "step_00000035.pt"]  # 32: epoch 1's end
     state = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
     assert {"model", "optimizer", "grad_scaler", "rng", "config", "epoch_step"} <= set(state)
 
