@@ -129,6 +129,18 @@ class FSDPConfig(ParallelConfig):
 
 
 @dataclass
+class MeshConfig(ParallelConfig):
+    """One device mesh: dp_replicate x dp_shard x tp = world_size (parallel/mesh.py)."""
+
+    name: str = "hsdp"
+    world_size: Optional[int] = None
+    dp_replicate: Optional[int] = 1  # model replicas; gradients all-reduced across them
+    dp_shard: Optional[int] = None  # ranks each replica is sharded over (FSDP); null = inferred
+    tp: Optional[int] = 1  # ranks each layer is split over (tensor parallel)
+    reshard_after_forward: bool = True  # free gathered parameters after forward (ZeRO-3)
+
+
+@dataclass
 class ModelParallelConfig(ParallelConfig):
     name: str = "model"
     world_size: Optional[int] = None  # devices the stages are placed on
@@ -272,7 +284,7 @@ class EvalConfig(Config):
 
 SCHEMAS: dict[str, dict[str, type]] = {
     "parallel": {"none": ParallelConfig, "ddp": DDPConfig, "dp": DPConfig, "fsdp": FSDPConfig,
-                 "model": ModelParallelConfig, "pipeline": PipelineConfig},
+                 "model": ModelParallelConfig, "pipeline": PipelineConfig, "mesh": MeshConfig},
     "precision": {"default": PrecisionConfig},
     "backend": {"default": BackendConfig},
     "optim": {"sgd": SGDConfig, "adam": AdamConfig, "adamw": AdamWConfig},

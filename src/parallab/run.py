@@ -173,9 +173,9 @@ def _fit(spec: RunSpec, dist: distributed.Dist, logger: RunLogger,
     strategy_cls = STRATEGIES[cfg.parallel.name]
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model)  # identical initial weights on every rank
-    torch.manual_seed(cfg.seed + dist.rank)  # dropout masks differ between ranks
     precision = Precision(cfg.precision, dist.device)
     strategy = strategy_cls(cfg.parallel, dist, precision, build_loss(cfg.loss))
+    torch.manual_seed(cfg.seed + strategy.seed_rank)  # dropout masks differ between ranks
     model = strategy.wrap(speed_up(model, cfg.trainer, cfg.parallel.stages))
     data = build_data(cfg.data, strategy.data_dist, cfg.seed,
                       batch_scale=strategy.devices_per_process)

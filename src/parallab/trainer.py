@@ -268,7 +268,7 @@ class Trainer:
     def stop_early(self) -> None:
         if self.dist.is_main:
             m = self.monitor
-            log.info("early stop: %s has not improved for %d evaluations (best %s at step %s)",
+            log.info("early stop: %s has not improved for %d evaluations (best %.6g at step %s)",
                      m.name, m.stale, m.best, m.best_step)
 
     def check_skips(self) -> None:
@@ -300,7 +300,7 @@ class Trainer:
                                            device=self.dist.device)])
         loss_sum, stops = self.dist.all_reduce_sum(shared).tolist()
         self.stop_agreed = self.stop_agreed or stops > 0
-        counted = (steps - self.window_skipped) * self.data_world  # ranks holding a loss
+        counted = (steps - self.window_skipped) * self.strategy.loss_ranks
         loss = loss_sum / counted if counted else math.nan
         if not math.isfinite(loss) and self.cfg.on_nan == "stop":
             self.diverged(loss)

@@ -42,22 +42,23 @@ def find_stages(model: nn.Module, cfg) -> list[nn.Module] | None:
                           "names in forward order") from None
 
 
-def stages_on_meta(cfg) -> list[nn.Module] | None:
-    """The model's stages, built without allocating its weights."""
+def model_on_meta(cfg) -> nn.Module:
+    """The model, built without allocating its weights."""
     from parallab.models import build_model
 
     with torch.device("meta"):
-        model = build_model(cfg.model)
-    return find_stages(model, cfg)
+        return build_model(cfg.model)
+
+
+def stages_on_meta(cfg) -> list[nn.Module] | None:
+    return find_stages(model_on_meta(cfg), cfg)
 
 
 def checkpoint_units(cfg) -> list[nn.Module] | None:
     """The modules activation checkpointing wraps, of the model built on meta."""
     from parallab import activations
-    from parallab.models import build_model
 
-    with torch.device("meta"):
-        model = build_model(cfg.model)
+    model = model_on_meta(cfg)
     try:
         return activations.units(model, cfg.parallel.stages)
     except KeyError:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -42,18 +43,20 @@ class Embed(nn.Module):
 class SelfAttention(nn.Module):
     def __init__(self, cfg: GptConfig):
         super().__init__()
-        self.heads, self.dropout = cfg.heads, cfg.dropout
+        self.head_dim, self.dropout = cfg.width // cfg.heads, cfg.dropout
         self.qkv = nn.Linear(cfg.width, 3 * cfg.width)
         self.proj = nn.Linear(cfg.width, cfg.width)
         self.proj_dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        # (B, T, 3C) -> 3 x (B, heads, T, C / heads)
-        q, k, v = self.qkv(x).view(B, T, 3, self.heads, C // self.heads).permute(2, 0, 3, 1, 4)
+        B, T, _ = x.shape
+        # (B, T, heads x (q, k, v) x head_dim) -> 3 x (B, heads, T, head_dim); each head's
+        # q, k, v rows adjacent, so a column split of qkv (tensor parallel) gives each rank
+        # whole heads: the head count is whatever this rank holds
+        q, k, v = self.qkv(x).view(B, T, -1, 3, self.head_dim).permute(3, 0, 2, 1, 4)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                            dropout_p=self.dropout if self.training else 0.0)
-        return self.proj_dropout(self.proj(y.transpose(1, 2).reshape(B, T, C)))
+        return self.proj_dropout(self.proj(y.transpose(1, 2).flatten(2)))
 
 
 class Block(nn.Module):
@@ -99,6 +102,32 @@ class GPT(Model):
 
     def stages(self) -> list[nn.Module]:
         return [self.embed, *self.blocks, self.head]
+
+    def tp_plan(self) -> dict[str, Any]:
+        """Tensor parallel, as torchtitan's llama plan without sequence parallelism: q/k/v
+        and the MLP's first linear split by columns (whole heads per rank), the output
+        projections by rows (one all-reduce each), the token embedding by vocabulary rows,
+        the head by columns gathered to full logits; norms and positions replicated."""
+        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        plan = {"embed.tokens": RowwiseParallel(input_layouts=Replicate()),
+                "head.out": ColwiseParallel(output_layouts=Replicate())}
+        for i in range(self.cfg.layers):
+            plan.update({f"blocks.{i}.attn.qkv": ColwiseParallel(),
+                         f"blocks.{i}.attn.proj": RowwiseParallel(),
+                         f"blocks.{i}.mlp.0": ColwiseParallel(),
+                         f"blocks.{i}.mlp.2": RowwiseParallel()})
+        return plan
+
+    def tp_problem(self, tp: int) -> str | None:
+        if self.cfg.heads % tp:
+            return (f"parallel.tp={tp} does not divide model.heads={self.cfg.heads}: each rank "
+                    "computes whole heads; pick a tp that divides the heads")
+        if self.cfg.tie_embeddings:
+            return (f"model.tie_embeddings=true with parallel.tp={tp}: the embedding is split "
+                    "by rows and the head by columns; untie them for tensor parallel")
+        return None
 
     def checkpoint_stages(self) -> list[nn.Module]:
         """Activation checkpointing per transformer block, as torchtitan applies it."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from torch import nn
 
@@ -23,6 +24,20 @@ class MLP(Model):
 
     def stages(self) -> list[nn.Module]:
         return [*self.layers, self.head]
+
+    def tp_plan(self) -> dict[str, Any]:
+        """Tensor parallel in pairs, as Megatron's MLP: a linear split by columns (its
+        output stays split through the activation), the next by rows (one all-reduce); an
+        odd last linear split by columns and gathered."""
+        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        names = [f"layers.{i}.1" for i in range(len(self.layers))] + ["head.1"]
+        plan = {name: ColwiseParallel() if i % 2 == 0 else RowwiseParallel()
+                for i, name in enumerate(names)}
+        if len(names) % 2:
+            plan[names[-1]] = ColwiseParallel(output_layouts=Replicate())
+        return plan
 
     @classmethod
     def check_data(cls, cfg, data) -> str | None:

@@ -70,6 +70,17 @@ class Strategy:
         """The data-parallel view of this rank: which shard of each epoch it reads."""
         return self.dist
 
+    @property
+    def loss_ranks(self) -> int:
+        """Ranks that hold a loss each step (their sum over all ranks / this = the mean)."""
+        return self.data_dist.world_size
+
+    @property
+    def seed_rank(self) -> int:
+        """Added to the seed for this rank's dropout draws: ranks that compute one batch
+        together draw alike."""
+        return self.dist.rank
+
     def wrap(self, model: nn.Module) -> nn.Module:
         return model.to(self.dist.device)
 

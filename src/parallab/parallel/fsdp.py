@@ -40,14 +40,18 @@ class FSDPStrategy(ShardedStrategy):
 
     def wrap(self, model: nn.Module) -> nn.Module:
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         # a mesh of the device in use: the default prefers CUDA, which breaks a gloo group on
         # CPU (pytorch#132471)
         mesh = init_device_mesh(self.dist.device.type, (self.dist.world_size,))
+        return self.shard(model.to(self.dist.device), mesh)
+
+    def shard(self, model: nn.Module, mesh) -> nn.Module:
+        """fully_shard each stage, then the root, over `mesh` (2-D: replicate x shard, HSDP)."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
         # compute in the precision group's dtype, reduce gradients in float32
         policy = MixedPrecisionPolicy(param_dtype=self.precision.dtype, reduce_dtype=torch.float32)
-        model.to(self.dist.device)
         stages = stages_of.find(model, self.cfg.stages)
         if stages is None and self.dist.is_main:
             log.info("parallel=fsdp: the model declares no stages, so it is sharded as one "

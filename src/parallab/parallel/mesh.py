@@ -1,0 +1,147 @@
+"""Layouts from one device mesh: dp_replicate x dp_shard x tp ranks (torchtitan's order,
+tp innermost so a tensor-parallel group sits on neighbouring ranks: one node's GPUs).
+
+The model is first split by tensor parallelism over the `tp` dimension
+(torch.distributed.tensor.parallel.parallelize_module with the plan the model declares in
+tp_plan()), then sharded with FSDP2 over the data-parallel dimensions: over dp_shard
+alone, or replicate x shard (HSDP: sharded within a group, gradients all-reduced across the
+groups). Presets: hsdp (replicate x shard), tp (tensor parallel only), fsdp_tp (2-D).
+Ranks of one tp group read the same batch; the data-parallel rank (replicate x shard)
+picks the shard of each epoch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+
+import torch
+from torch import nn
+
+from parallab.distributed import Dist
+from parallab.errors import ConfigError
+from parallab.parallel.fsdp import FSDPStrategy
+
+log = logging.getLogger(__name__)
+DEGREES = ("dp_replicate", "dp_shard", "tp")
+
+
+def resolve_degrees(p) -> None:
+    """Fill the one degree left null so that their product is parallel.world_size;
+    ConfigError naming the degrees and the world size where they do not fit."""
+    given = {k: getattr(p, k) for k in DEGREES}
+    said = ", ".join(f"parallel.{k}={v if v is not None else 'null'}" for k, v in given.items())
+    for key, value in given.items():
+        if value is not None and value < 1:
+            raise ConfigError(f"parallel.{key}={value} is out of range: a degree is >= 1 (or "
+                              "null: inferred from the world size)")
+    unknown = [k for k, v in given.items() if v is None]
+    if len(unknown) > 1:
+        raise ConfigError(f"{said}: at most one degree may be null (inferred): set all but one")
+    known = math.prod(v for v in given.values() if v is not None)
+    if unknown and p.world_size % known == 0:
+        setattr(p, unknown[0], p.world_size // known)
+    elif math.prod(getattr(p, k) or 0 for k in DEGREES) != p.world_size:
+        raise ConfigError(f"{said} multiply to {known}{' x ?' if unknown else ''}, but "
+                          f"parallel.world_size={p.world_size}: make their product the world "
+                          "size")
+
+
+def tp_problem(model: nn.Module, tp: int) -> str | None:
+    """None if `model` (built on meta) declares a tensor-parallel plan whose split sizes
+    divide by `tp`, else one line."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan_of = getattr(model, "tp_plan", None)
+    if not callable(plan_of):
+        return (f"parallel.tp={tp}: {type(model).__name__} declares no tensor-parallel plan "
+                "(a tp_plan() method, as gpt and mlp have): use parallel.tp=1, or "
+                "parallel=fsdp or ddp")
+    own = getattr(model, "tp_problem", None)
+    problem = own(tp) if callable(own) else None
+    if problem:
+        return problem
+    for name, style in plan_of().items():
+        module = model.get_submodule(name)
+        dim = {ColwiseParallel: "out_features", RowwiseParallel: "in_features"}.get(type(style))
+        if isinstance(module, nn.Embedding):
+            dim = "num_embeddings"
+        size = getattr(module, dim, None) if dim else None
+        if size is not None and size % tp:
+            return (f"parallel.tp={tp} does not divide {name}.{dim}={size}: pick a tp that "
+                    "divides the model's widths")
+    return None
+
+
+class MeshStrategy(FSDPStrategy):
+    @classmethod
+    def check(cls, cfg) -> None:
+        super().check(cfg)
+        p = cfg.parallel
+        resolve_degrees(p)
+        if p.tp > 1:
+            from parallab.trial import model_on_meta
+
+            problem = tp_problem(model_on_meta(cfg), p.tp)
+            if problem:
+                raise ConfigError(problem)
+        if p.tp > 1 and cfg.trainer.auto_batch_size:
+            raise ConfigError(f"trainer.auto_batch_size=true with parallel.tp={p.tp}: the "
+                              "finder's trials run the model unsplit: set data.batch_size")
+
+    @classmethod
+    def data_parallel_ranks(cls, cfg) -> int:
+        resolve_degrees(cfg.parallel)
+        return cfg.parallel.world_size // cfg.parallel.tp
+
+    @property
+    def data_dist(self) -> Dist:
+        """Ranks of one tp group are one data-parallel rank: they read the same batch."""
+        tp = self.cfg.tp
+        return dataclasses.replace(self.dist, rank=self.dist.rank // tp,
+                                   world_size=self.dist.world_size // tp)
+
+    @property
+    def loss_ranks(self) -> int:
+        return self.dist.world_size  # each rank of a tp group holds its group's loss
+
+    @property
+    def seed_rank(self) -> int:
+        return self.data_dist.rank  # a tp group draws one dropout mask for its batch
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        p = self.cfg
+        mesh = init_device_mesh(self.dist.device.type, (p.dp_replicate, p.dp_shard, p.tp),
+                                mesh_dim_names=DEGREES)
+        model = model.to(self.dist.device)
+        if p.tp > 1:
+            parallelize_module(model, mesh["tp"], model.tp_plan())
+        if self.dist.is_main:
+            log.info("parallel=%s: mesh dp_replicate=%d x dp_shard=%d x tp=%d", p.name,
+                     p.dp_replicate, p.dp_shard, p.tp)
+        dp = mesh["dp_replicate", "dp_shard"] if p.dp_replicate > 1 else mesh["dp_shard"]
+        return self.shard(model, dp)
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float | None) -> torch.Tensor:
+        """The global norm over gradients on different meshes (tp-split and replicated
+        parameters), one reduction per mesh."""
+        from torch.distributed.tensor import DTensor
+
+        by_mesh: dict[object, list[torch.Tensor]] = {}
+        for param in model.parameters():
+            if param.grad is not None:
+                key = param.grad.device_mesh if isinstance(param.grad, DTensor) else None
+                by_mesh.setdefault(key, []).append(param.grad)
+        squares = torch.zeros((), device=self.dist.device)
+        for grads in by_mesh.values():
+            norm = nn.utils.get_total_norm(grads)
+            norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+            squares = squares + norm.float() ** 2
+        norm = squares.sqrt()
+        if max_norm is not None:
+            nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, norm)
+        return norm
