@@ -106,6 +106,13 @@ def test_auto_values_resolve_for_cpu():
     (["trainer.monitor_mode=up"], "trainer.monitor_mode=up is unknown: use min or max"),
     (["trainer.early_stop_patience=0"], "trainer.early_stop_patience=0 is out of range"),
     (["trainer.monitor=eval_acc"], "trainer.monitor=eval_acc is not a figure this run reports"),
+    (["parallel=tp", "parallel.world_size=2"], "parallel.tp=2: MnistCNN declares no "
+                                                 "tensor-parallel plan"),
+    (["parallel=hsdp", "parallel.world_size=4", "parallel.dp_replicate=3"],
+     "parallel.dp_replicate=3, parallel.dp_shard=null, parallel.tp=1 multiply to 3 x ?"),
+    (["model=gpt", "data=bytes", "parallel=fsdp_tp", "parallel.world_size=4",
+      "model.heads=2", "parallel.tp=4", "parallel.dp_shard=1"],
+     "parallel.tp=4 does not divide model.heads=2"),
     (["model=gpt", "data=bytes", "model.tie_embeddings=true", "parallel=pipeline"],
      "parallel=pipeline puts stages 0 and 5 on different parts, but they share a parameter"),
     (["precision.name=fp8"], "precision.name=fp8"),

@@ -68,3 +68,8 @@ def peak_flops(device_name: str, dtype: torch.dtype, tf32: bool = False) -> floa
                 return peaks.get("tf32", peaks["fp32"])
             return peaks.get(kind, peaks.get("bf16") if kind == "fp16" else None)
     return None
+
+
+def peak_flops_of(device: torch.device, precision) -> float | None:
+    """The peak of a CUDA device in the precision's compute dtype (precision.py)."""
+    return peak_flops(torch.cuda.get_device_name(device), precision.dtype, precision.tf32)

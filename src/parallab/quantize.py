@@ -39,3 +39,10 @@ def dynamic_int8(model: nn.Module) -> nn.Module:
     quantize_(quantized, Int8DynamicActivationInt8WeightConfig(),
               filter_fn=lambda module, _: isinstance(module, nn.Linear))
     return quantized
+
+
+def compare(model: nn.Module, score) -> dict[str, float]:
+    """The model's size and its int8 copy's, and the copy's figures (score(model) -> dict)."""
+    quantized = dynamic_int8(model)
+    return {"model_size_mb": serialized_mb(model), "quantized_size_mb": serialized_mb(quantized),
+            **{"quantized_" + k: v for k, v in score(quantized).items()}}

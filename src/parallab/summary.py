@@ -20,9 +20,11 @@ STATUS_FILE = "status.json"  # written into a job's dir when it failed or was sk
 METRIC_COLUMNS = ["eval_accuracy", "eval_loss", "train_loss", "samples_per_sec",
                   "step_time_ms", "epoch_time_s", "wall_time_s", "world_size",
                   "global_batch_size", "precision_dtype", "backend", "parallel",
-                  "peak_memory_mb", "state_memory_mb", "steps", "tokens_per_sec", "mfu"]
+                  "peak_memory_mb", "state_memory_mb", "steps", "tokens_per_sec", "mfu",
+                  "comm_mb_per_step"]
 # summary.md: the figures to compare at a glance (summary.csv has them all)
-MARKDOWN_METRICS = [*METRIC_COLUMNS[:8], "peak_memory_mb", "state_memory_mb"]
+MARKDOWN_METRICS = [*METRIC_COLUMNS[:8], "peak_memory_mb", "state_memory_mb",
+                    "comm_mb_per_step"]
 
 
 def _json_object(path: Path) -> dict[str, Any] | None:

@@ -8,15 +8,17 @@ import math
 import statistics
 import time
 from collections import deque
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch import nn
 
-from parallab import checkpoint, metrics, schedule
+from parallab import checkpoint, metrics, mfu, schedule
 from parallab.checkpoint import Checkpointer
+from parallab.comm import CommCounter
 from parallab.config import TrainerConfig
 from parallab.data import Data, stream
+from parallab.data.loaders import micro_batches
 from parallab.distributed import Dist
 from parallab.errors import ConfigError
 from parallab.logger import RunLogger
@@ -40,27 +42,9 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 SKIP_HORIZON = 20  # on_nan=skip stops when it drops over half of this many recent steps
 
 
-def peak_flops_of(device: torch.device, precision: Precision) -> float | None:
-    from parallab import mfu
-
-    return mfu.peak_flops(torch.cuda.get_device_name(device), precision.dtype, precision.tf32)
-
-
 def global_batch_size(loader, cfg: TrainerConfig, strategy: Strategy) -> int:
     """Samples per optimizer step, over all ranks."""
     return loader.batch_size * cfg.accumulate_grad_batches * strategy.data_dist.world_size
-
-
-def micro_batches(loader, size: int) -> Iterator[list[Batch]]:
-    """The loader's batches in groups of `size` (the last group may be shorter)."""
-    group: list[Batch] = []
-    for batch in loader:
-        group.append(batch)
-        if len(group) == size:
-            yield group
-            group = []
-    if group:
-        yield group
 
 
 class Trainer:
@@ -101,13 +85,15 @@ class Trainer:
         self.eval_metrics: dict[str, float] = {}
         self.eval_step = -1  # the step eval_metrics were measured at
         self.monitor = Monitor(cfg.monitor, cfg.monitor_mode, cfg.early_stop_patience)
+        self.first_step = 0  # where this process's training starts (after a resume: later)
+        self.comm: dict[str, float] = {}  # bytes sent in one step, by kind (counted_step)
         self.profiler = None  # a torch.profiler.profile while trainer.profile is on
         # target positions per sample: > 1 for language models
         self.tokens_per_sample = tokens = data.train.targets_per_sample()
         count_flops = getattr(strategy.unwrap(model), "flops_per_token", None)
         # for MFU: the training FLOPs of one sample, 0 where the model cannot say
         self.flops_per_sample = count_flops(tokens) * tokens if count_flops and tokens > 1 else 0.0
-        self.peak_flops = (peak_flops_of(dist.device, precision) if dist.device.type == "cuda"
+        self.peak_flops = (mfu.peak_flops_of(dist.device, precision) if dist.device.type == "cuda"
                            else None)
 
         self.steps_per_epoch = None  # a stream without __len__: max_steps bounds the run
@@ -163,7 +149,20 @@ class Trainer:
             self.scheduler.step()
         return total
 
+    def counted_step(self, batches: list[Batch]) -> torch.Tensor:
+        """train_step; this process's second step (the first may set things up) also counts
+        the bytes it sends (comm.py), but not under compile: a dispatch mode would trip its
+        guards into recompiling."""
+        if self.step != self.first_step + 1 or self.cfg.compile:
+            return self.train_step(batches)
+        with CommCounter() as counter:
+            loss = self.train_step(batches)
+        self.comm = counter.figures()
+        self.logger.scalars({"comm/" + k[5:]: v for k, v in self.comm.items()}, self.step + 1)
+        return loss
+
     def fit(self) -> dict[str, Any]:
+        self.first_step = self.step
         with Progress(self.total_steps, self.dist.is_main, self.cfg.progress_bar) as progress, \
                 profiled(self.cfg.profile, self.dist.device, self.logger.run_dir, self.dist.rank,
                          self.dist.is_main) as self.profiler:
@@ -201,7 +200,7 @@ class Trainer:
         start = tick = time.perf_counter()
         finished = False
         for batches in micro_batches(loader, self.cfg.accumulate_grad_batches):
-            self.window_losses.append(self.train_step(batches))
+            self.window_losses.append(self.counted_step(batches))
             self.step += 1
             self.epoch_step += 1
             self.preemption.step_done()
@@ -360,18 +359,15 @@ class Trainer:
             "peak_memory_mb": peak_memory_mb(self.dist.device),
             "state_memory_mb": held_state_mb(self.model, self.optimizer) if self.step else None,
             **self.monitor.summary(),
+            **self.comm,
         }
 
     def quantized_summary(self) -> dict[str, float]:
         """trainer.quantize: sizes and eval figures of the model before and after."""
         from parallab import quantize
 
-        model = self.eval_model
-        quantized = quantize.dynamic_int8(model)
-        figures = evaluate(quantized, self.data.eval, self.dist, None, self.strategy.loss)
-        summary = {"model_size_mb": quantize.serialized_mb(model),
-                   "quantized_size_mb": quantize.serialized_mb(quantized),
-                   **{"quantized_" + k: v for k, v in figures.items()}}
+        summary = quantize.compare(self.eval_model, lambda model: evaluate(
+            model, self.data.eval, self.dist, None, self.strategy.loss))
         self.logger.scalars({f"quantize/{k}": v for k, v in summary.items()}, self.step)
         if self.dist.is_main:
             log.info("%s: %.3f MB -> %.3f MB, eval loss %.4f -> %.4f", self.cfg.quantize,

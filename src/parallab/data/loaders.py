@@ -204,3 +204,16 @@ def _collate(spec: Any):
     from parallab.data.datasets import collate
 
     return collate(spec)
+
+
+def micro_batches(loader, size: int) -> Iterator[list]:
+    """The loader's batches in groups of `size` (the last group may be shorter): the
+    micro-batches of one optimizer step (trainer.accumulate_grad_batches)."""
+    group: list = []
+    for batch in loader:
+        group.append(batch)
+        if len(group) == size:
+            yield group
+            group = []
+    if group:
+        yield group

@@ -1,0 +1,140 @@
+"""Layouts from one device mesh (issue 16): degrees, tensor parallel plans, and each layout
+training as one device does (real gloo processes)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from conftest import FAST, losses, read_metrics
+from parallab import checkpoint
+from parallab.errors import ConfigError
+from parallab.models.gpt import GPT
+from parallab.models.mlp import MLP
+from parallab.parallel.mesh import resolve_degrees, tp_problem
+
+
+def degrees(world_size, dp_replicate=1, dp_shard=None, tp=1):
+    p = SimpleNamespace(world_size=world_size, dp_replicate=dp_replicate, dp_shard=dp_shard,
+                        tp=tp)
+    resolve_degrees(p)
+    return p.dp_replicate, p.dp_shard, p.tp
+
+
+def test_one_null_degree_is_inferred_and_a_mismatch_is_one_line():
+    assert degrees(8, dp_replicate=2, tp=2) == (2, 2, 2)
+    assert degrees(4, dp_shard=1, tp=None) == (1, 1, 4)
+    assert degrees(4, dp_shard=2, tp=2) == (1, 2, 2)
+    for bad, message in [
+        (dict(world_size=4, dp_replicate=3), "parallel.dp_replicate=3, parallel.dp_shard=null, "
+                                             "parallel.tp=1 multiply to 3 x ?, but "
+                                             "parallel.world_size=4"),
+        (dict(world_size=4, dp_shard=2, tp=1), "multiply to 2, but parallel.world_size=4"),
+        (dict(world_size=4, dp_replicate=None, tp=None), "at most one degree may be null"),
+        (dict(world_size=4, tp=0), "parallel.tp=0 is out of range"),
+    ]:
+        with pytest.raises(ConfigError, match=message.replace("?", r"\?")):
+            degrees(**bad)
+
+
+def test_a_plan_is_checked_against_the_widths():
+    with torch.device("meta"):
+        assert tp_problem(GPT(heads=4, width=64), 2) is None
+        assert "does not divide model.heads=4" in tp_problem(GPT(heads=4, width=96), 3)
+        assert "model.tie_embeddings=true" in tp_problem(GPT(tie_embeddings=True), 2)
+        assert "layers.0.1.out_features=63" in tp_problem(MLP(64, hidden=[63, 64]), 2)
+        assert tp_problem(MLP(64, hidden=[64, 64, 32]), 2) is None
+
+
+GPT_RUN = ["data=bytes", "data.eval_fraction=0.002", "model=gpt", "model.layers=2",
+           "model.heads=4", "model.width=32", "model.context=32"]
+MLP_RUN = [*FAST, "model=mlp", "model.hidden=[64,64,32]", "data.shape=[1,8,8]"]
+STEPS = ["trainer.max_steps=20", "trainer.log_every_n_steps=1", "optim.lr=0.05",
+         "trainer.checkpoint_every_n_steps=null", "trainer.save_best=false"]
+BATCH = {"gpt": 16, "mlp": 64}  # global, the same for every layout
+
+
+@pytest.fixture(scope="module")
+def one_device(tmp_path_factory):
+    from parallab.cli import train_in_process
+
+    runs = {}
+    for name, run in (("gpt", GPT_RUN), ("mlp", MLP_RUN)):
+        runs[name] = tmp_path_factory.mktemp(name) / "run"
+        train_in_process([*run, *STEPS, f"data.batch_size={BATCH[name]}"], runs[name])
+    return runs
+
+
+def final_weights(run_dir, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return checkpoint.model_from(checkpoint.latest(run_dir / "checkpoints"), model).state_dict()
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.xdist_group("one_device_mesh")
+@pytest.mark.parametrize("model", ["gpt", "mlp"])
+@pytest.mark.parametrize("layout,data_ranks", [
+    (["parallel=tp", "parallel.world_size=2"], 1),
+    (["parallel=hsdp", "parallel.world_size=4"], 4),  # 2 replicas x 2 shards
+    (["parallel=fsdp_tp", "parallel.world_size=4"], 2),  # 2 shards x tp 2
+], ids=["tp2", "hsdp2x2", "fsdp_tp2x2"])
+def test_each_layout_trains_as_one_device_does(train_here, one_device, model, layout,
+                                               data_ranks):
+    run = GPT_RUN if model == "gpt" else MLP_RUN
+    metrics, run_dir = train_here(*run, *STEPS, *layout,
+                                  f"data.batch_size={BATCH[model] // data_ranks}")
+    reference = one_device[model]
+    assert metrics["global_batch_size"] == BATCH[model]
+    assert losses(run_dir) == pytest.approx(losses(reference), rel=1e-4, abs=1e-5)
+    build = (lambda: GPT(layers=2, heads=4, width=32, context=32)) if model == "gpt" else (
+        lambda: MLP(64, hidden=[64, 64, 32]))
+    expected, got = final_weights(reference, build()), final_weights(run_dir, build())
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-4, atol=1e-5)
+    assert read_metrics(run_dir)["eval_loss"] == pytest.approx(
+        read_metrics(reference)["eval_loss"], rel=1e-4)
+    if model == "gpt":
+        assert_textbook_volume(metrics, layout[0].split("=")[1], BATCH[model] // data_ranks)
+
+
+MB = 2**20
+GPT_BYTES = 4 * sum(p.numel() for p in GPT(layers=2, heads=4, width=32, context=32).parameters())
+
+
+def assert_textbook_volume(metrics, layout: str, batch: int) -> None:
+    """comm_*_mb of the run against the volumes a textbook gives (ring algorithms)."""
+    sent = {k: metrics.get(f"comm_{k}_mb", 0.0) * MB for k in ("all_reduce", "all_gather",
+                                                                 "reduce_scatter")}
+    near = lambda expected: pytest.approx(expected, rel=0.01, abs=64)  # noqa: E731 - a loss
+    activation = batch * 32 * 32 * 4  # (B, T, C) float32
+    expected = {
+        # 2 layers x 4 all-reduces (attention and MLP, forward and backward) + the embedding's
+        # forward + the head's input gradient; the logits gathered once
+        "tp": {"all_reduce": (4 * 2 + 2) * activation, "all_gather": batch * 32 * 256 * 4 / 2,
+               "reduce_scatter": 0},
+        # shard group of 2: two gathers and a scatter of the parameters; the replicas
+        # all-reduce one half-size gradient shard
+        "hsdp": {"all_reduce": GPT_BYTES / 2, "all_gather": GPT_BYTES,
+                 "reduce_scatter": GPT_BYTES / 2},
+    }.get(layout)
+    if expected is None:  # fsdp_tp: both kinds of traffic, on their own groups
+        assert all(sent.values()), sent
+        return
+    for kind, volume in expected.items():
+        assert sent[kind] == near(volume), kind
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout,expected", [
+    ("ddp", {"all_reduce": GPT_BYTES}),  # 2 (n-1)/n x the gradients, n = 2
+    ("fsdp", {"all_gather": GPT_BYTES, "reduce_scatter": GPT_BYTES / 2}),  # 3 x P x (n-1)/n
+])
+def test_comm_volume_is_the_textbook_one(train_here, layout, expected):
+    metrics, _ = train_here(*GPT_RUN, "trainer.max_steps=2", "trainer.log_every_n_steps=5",
+                            f"parallel={layout}", "parallel.world_size=2", "data.batch_size=8")
+    for kind, volume in expected.items():
+        assert metrics[f"comm_{kind}_mb"] * MB == pytest.approx(volume, rel=0.01)
+    assert metrics["comm_mb_per_step"] * MB == pytest.approx(sum(expected.values()), rel=0.01)
