@@ -7,6 +7,11 @@ Part 1, memory: parameters + gradients + optimizer state (AdamW) held per rank
 gpt. Targets: fsdp <= 0.6 x ddp at 2 ranks, <= 0.35 x at 4.
 Part 2, throughput: samples/s and peak memory per rank of each strategy at the same global
 batch on a smaller gpt, so the whole table runs in a few minutes on a 2-core CPU.
+Part 3 (--layouts), the mesh layouts on the default gpt at a global batch of 8: training
+state held per rank and the bytes each rank sends per step by collective kind (comm.py,
+counted on the second step), next to the textbook volumes of ring algorithms. Targets:
+ddp, fsdp and tp within 10% of the textbook; tp 2 holds <= 0.55 x ddp's state per rank;
+hsdp 2x2 holds fsdp 2's state, its replicas all-reduce one half-size gradient shard.
 """
 
 from __future__ import annotations
@@ -65,12 +70,65 @@ def throughput(work: Path, steps: int) -> None:
               f"{metrics['state_memory_mb']:.1f} | {metrics['eval_loss']:.3f} |", flush=True)
 
 
+def textbook(layout: str, params: float, batch: int) -> dict[str, float]:
+    """Bytes per rank and step by kind for the default gpt (4 layers, width 256, context
+    256, vocabulary 256), parameters of `params` bytes, `batch` sequences per rank."""
+    activation, logits = batch * 256 * 256 * 4, batch * 256 * 256 * 4
+    tp2 = {"all_reduce": (4 * 4 + 2) * activation, "all_gather": logits / 2}  # tp 2
+    return {
+        "ddp 4": {"all_reduce": 2 * 3 / 4 * params},
+        "fsdp 4": {"all_gather": 2 * 3 / 4 * params, "reduce_scatter": 3 / 4 * params},
+        "fsdp 2": {"all_gather": params, "reduce_scatter": params / 2},
+        "hsdp 2x2": {"all_gather": params, "reduce_scatter": params / 2,
+                     "all_reduce": params / 2},  # the replicas: a half-size shard
+        "tp 2": tp2,
+    }.get(layout, {})
+
+
+LAYOUTS = {  # name -> (overrides, sequences per rank); a global batch of 8 each
+    "ddp 4": (["parallel=ddp", "parallel.world_size=4"], 2),
+    "fsdp 4": (["parallel=fsdp", "parallel.world_size=4"], 2),
+    "fsdp 2": (["parallel=fsdp", "parallel.world_size=2"], 4),
+    "hsdp 2x2": (["parallel=hsdp", "parallel.world_size=4"], 2),
+    "tp 2": (["parallel=tp", "parallel.world_size=2"], 8),
+    "fsdp_tp 2x2": (["parallel=fsdp_tp", "parallel.world_size=4"], 4),
+    "pipeline 2": (["parallel=pipeline", "parallel.world_size=2"], 8),
+}
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
+
+
+def layouts(work: Path) -> None:
+    from parallab.models.gpt import GPT
+
+    params = 4 * sum(p.numel() for p in GPT().parameters())
+    print(f"\n| layout (default gpt, global batch 8) | state MB/rank | vs ddp 4 | "
+          f"{' | '.join(f'{k} MB' for k in KINDS)} | total MB/step | textbook MB | "
+          "measured / textbook |")
+    print("|---|---|---|" + "---|" * len(KINDS) + "---|---|---|")
+    ddp = None
+    for name, (overrides, batch) in LAYOUTS.items():
+        m = run([*overrides, f"data.batch_size={batch}", "trainer.max_steps=2",
+                 "trainer.warmup_steps=0", "trainer.log_every_n_steps=10",
+                 "data.eval_fraction=0.002"], work / name.replace(" ", "_"))
+        ddp = ddp or m["state_memory_mb"]
+        expected = sum(textbook(name, params, batch).values()) / 2**20
+        figures = " | ".join(f"{m.get(f'comm_{k}_mb', 0.0):.2f}" for k in KINDS)
+        book, ratio = ((f"{expected:.2f}", f"{m['comm_mb_per_step'] / expected:.3f}")
+                       if expected else ("-", "-"))
+        print(f"| {name} | {m['state_memory_mb']:.2f} | {m['state_memory_mb'] / ddp:.2f} | "
+              f"{figures} | {m['comm_mb_per_step']:.2f} | {book} | {ratio} |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--memory-only", action="store_true")
+    parser.add_argument("--layouts", action="store_true", help="part 3 alone")
     args = parser.parse_args()
     work = scratch_dir("parallab-bench-strategies-")
+    if args.layouts:
+        layouts(work)
+        return
     memory(work)
     if not args.memory_only:
         throughput(work, args.steps)
