@@ -176,7 +176,7 @@ def _fit(spec: RunSpec, dist: distributed.Dist, logger: RunLogger,
     precision = Precision(cfg.precision, dist.device)
     strategy = strategy_cls(cfg.parallel, dist, precision, build_loss(cfg.loss))
     torch.manual_seed(cfg.seed + strategy.seed_rank)  # dropout masks differ between ranks
-    model = strategy.wrap(speed_up(model, cfg.trainer, cfg.parallel.stages))
+    model = strategy.wrap(speed_up(strategy.split(model), cfg.trainer, cfg.parallel.stages))
     data = build_data(cfg.data, strategy.data_dist, cfg.seed,
                       batch_scale=strategy.devices_per_process)
     data.train.drop_last = strategy.fixed_batch_shape

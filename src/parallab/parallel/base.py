@@ -81,6 +81,11 @@ class Strategy:
         together draw alike."""
         return self.dist.rank
 
+    def split(self, model: nn.Module) -> nn.Module:
+        """What the layout does to the model before activation checkpointing and compile
+        (tensor parallel); wrap() does the rest after them."""
+        return model
+
     def wrap(self, model: nn.Module) -> nn.Module:
         return model.to(self.dist.device)
 

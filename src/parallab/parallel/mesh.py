@@ -110,19 +110,25 @@ class MeshStrategy(FSDPStrategy):
     def seed_rank(self) -> int:
         return self.data_dist.rank  # a tp group draws one dropout mask for its batch
 
-    def wrap(self, model: nn.Module) -> nn.Module:
+    def split(self, model: nn.Module) -> nn.Module:
+        """Tensor parallel, first of all (torchtitan's order): activation checkpointing and
+        compile then wrap the split blocks, and the plan's module names stay as declared."""
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor.parallel import parallelize_module
 
         p = self.cfg
-        mesh = init_device_mesh(self.dist.device.type, (p.dp_replicate, p.dp_shard, p.tp),
-                                mesh_dim_names=DEGREES)
+        self.mesh = init_device_mesh(self.dist.device.type, (p.dp_replicate, p.dp_shard, p.tp),
+                                     mesh_dim_names=DEGREES)
         model = model.to(self.dist.device)
         if p.tp > 1:
-            parallelize_module(model, mesh["tp"], model.tp_plan())
+            parallelize_module(model, self.mesh["tp"], model.tp_plan())
         if self.dist.is_main:
             log.info("parallel=%s: mesh dp_replicate=%d x dp_shard=%d x tp=%d", p.name,
                      p.dp_replicate, p.dp_shard, p.tp)
+        return model
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        mesh, p = self.mesh, self.cfg
         dp = mesh["dp_replicate", "dp_shard"] if p.dp_replicate > 1 else mesh["dp_shard"]
         return self.shard(model, dp)
 
