@@ -152,3 +152,17 @@ def test_tensor_parallel_splits_the_blocks_under_activation_checkpointing(train_
                                   "trainer.activation_checkpointing=full")
     assert losses(run_dir) == pytest.approx(losses(one_device["gpt"]), rel=1e-4, abs=1e-5)
     assert metrics["state_memory_mb"] < 0.6 * read_metrics(one_device["gpt"])["state_memory_mb"]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.xdist_group("one_device_mesh")
+def test_a_tp_checkpoint_resumes_under_another_layout(train_here, one_device):
+    """DCP reshards: 10 steps under tp 2, the next 10 under fsdp_tp 2x2 at the same global
+    batch, equal the one-device run's 20."""
+    run = [*GPT_RUN, *STEPS]
+    train_here(*run, "trainer.max_steps=10", "parallel=tp", "parallel.world_size=2",
+               f"data.batch_size={BATCH['gpt']}")
+    _, run_dir = train_here(*run, "parallel=fsdp_tp", "parallel.world_size=4",
+                            f"data.batch_size={BATCH['gpt'] // 2}", "trainer.resume=auto")
+    assert losses(run_dir) == pytest.approx(losses(one_device["gpt"]), rel=1e-4, abs=1e-5)
