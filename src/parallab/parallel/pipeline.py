@@ -4,16 +4,22 @@ Every rank builds the whole model, then replaces the stages other ranks own with
 nn.Identity: what is left runs its part (the identities pass activations through), and the
 parameter names are the whole model's, so checkpoints load into any strategy. Each batch is
 cut into parallel.microbatches micro-batches that flow through the parts by the GPipe or
-1F1B schedule. Every rank reads the same batches; the first feeds the inputs, the last
-scores them. A stage's buffers have fixed shapes, so training drops a short last batch and
-evaluation pads its last batch.
+1F1B schedule. The ranks of a pipeline read the same batches; the first feeds the inputs,
+the last scores them. A stage's buffers have fixed shapes, so training drops a short last
+batch and evaluation pads its last batch.
+
+pp x dp: parallel.dp_replicate pipelines side by side (ranks d*pp .. d*pp + pp - 1 form
+pipeline d, neighbours as a node's GPUs), each reading its own shard of every epoch; the
+ranks holding the same stage average their gradients once per optimizer step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -56,13 +62,17 @@ class PipelineStrategy(ShardedStrategy):
                               "loss from the output, which a model returning its own loss does "
                               "not give: use a loss of output and targets")
         super().check(cfg)
-        check_parts(cfg, stages)
-        refuse_finder(cfg)
         p = cfg.parallel
+        if p.dp_replicate < 1 or p.world_size % p.dp_replicate:
+            raise ConfigError(f"parallel.dp_replicate={p.dp_replicate} does not split "
+                              f"parallel.world_size={p.world_size} into pipelines of equal "
+                              "length: use a divisor of the world size")
+        check_parts(cfg, stages, p.world_size // p.dp_replicate)
+        refuse_finder(cfg)
         if p.schedule not in SCHEDULES:
             raise ConfigError(f"parallel.schedule={p.schedule} is unknown: use "
                               f"parallel.schedule={' or '.join(SCHEDULES)}")
-        least = p.world_size if p.schedule == "1f1b" else 1
+        least = p.world_size // p.dp_replicate if p.schedule == "1f1b" else 1
         if p.microbatches < least:
             raise ConfigError(f"parallel.microbatches={p.microbatches} is out of range: it "
                               f"must be >= {least}")
@@ -71,22 +81,65 @@ class PipelineStrategy(ShardedStrategy):
                               f"parallel.microbatches={p.microbatches} equal micro-batches: "
                               f"use a multiple of {p.microbatches}")
 
+    @classmethod
+    def data_parallel_ranks(cls, cfg) -> int:
+        return cfg.parallel.dp_replicate
+
+    @property
+    def pp(self) -> int:
+        """Ranks of one pipeline: its number of parts."""
+        return self.dist.world_size // self.cfg.dp_replicate
+
+    @property
+    def stage_index(self) -> int:
+        return self.dist.rank % self.pp
+
     @property
     def data_dist(self) -> Dist:
-        return dataclasses.replace(self.dist, rank=0, world_size=1)  # all read every batch
+        """The ranks of a pipeline read the same batches; pipelines read their own shards."""
+        return dataclasses.replace(self.dist, rank=self.dist.rank // self.pp,
+                                   world_size=self.cfg.dp_replicate)
 
     @property
     def is_first(self) -> bool:
-        return self.dist.rank == 0
+        return self.stage_index == 0
 
     @property
     def is_last(self) -> bool:
-        return self.dist.rank == self.dist.world_size - 1
+        return self.stage_index == self.pp - 1
+
+    @contextlib.contextmanager
+    def no_sync(self, model: nn.Module) -> Iterator[None]:
+        self.syncing = False
+        try:
+            yield
+        finally:
+            self.syncing = True
+
+    def average_gradients(self) -> None:
+        """One all-reduce of this stage's gradients over its replicas (pp x dp)."""
+        import torch.distributed as torch_dist
+        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        if not grads:
+            return
+        flat = _flatten_dense_tensors(grads)
+        torch_dist.all_reduce(flat, group=self.dp_group)
+        flat /= self.cfg.dp_replicate
+        for grad, averaged in zip(grads, _unflatten_dense_tensors(flat, grads)):
+            grad.copy_(averaged)
 
     def wrap(self, model: nn.Module) -> nn.Module:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(self.dist.device.type, (self.cfg.dp_replicate, self.pp),
+                                mesh_dim_names=("dp", "pp"))
+        self.pp_group, self.dp_group = mesh["pp"].get_group(), mesh["dp"].get_group()
+        self.syncing = True
         stages = stages_of.find(model, self.cfg.stages)
-        parts = part_ranges(stages, self.dist.world_size, self.cfg.split)
-        keep_only(model, stages, parts[self.dist.rank])
+        parts = part_ranges(stages, self.pp, self.cfg.split)
+        keep_only(model, stages, parts[self.stage_index])
         if self.dist.is_main:
             log.info("parallel=pipeline (%s, %d micro-batches): stages %s on ranks 0-%d",
                      self.cfg.schedule, self.cfg.microbatches,
@@ -107,7 +160,8 @@ class PipelineStrategy(ShardedStrategy):
     def _schedule(self, name: str, loss):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-        stage = PipelineStage(self.model, self.dist.rank, self.dist.world_size, self.dist.device)
+        stage = PipelineStage(self.model, self.stage_index, self.pp, self.dist.device,
+                              group=self.pp_group)
         schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[name]
         # not scale_grads: it divides all gradients held, those of earlier accumulated
         # batches too; _loss scales each micro-batch's instead
@@ -129,6 +183,8 @@ class PipelineStrategy(ShardedStrategy):
             self.dry_run(step)
             losses.clear()
         step()
+        if self.cfg.dp_replicate > 1 and self.syncing:
+            self.average_gradients()
         if not self.is_last:  # its share of the logged loss: nothing
             return torch.zeros((), device=self.dist.device)
         return torch.stack(losses).detach().sum()  # this batch's mean loss / scale
@@ -169,7 +225,7 @@ class PipelineStrategy(ShardedStrategy):
         if grads:
             squares = nn.utils.get_total_norm(grads, norm_type=2.0).float() ** 2
         self.dist.all_reduce_sum(squares)
-        norm = squares.sqrt()
+        norm = (squares / self.cfg.dp_replicate).sqrt()  # each stage's replicas counted once
         if max_norm is not None:
             nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, norm)
         return norm

@@ -43,27 +43,30 @@ def part_ranges(stages: list[nn.Module], parts: int, cuts: list[int] | None) -> 
     return [range(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
-def check_parts(cfg, stages: list[nn.Module] | None) -> None:
-    """parallel=model/pipeline: the model has stages enough for parallel.world_size parts,
-    and parallel.split (if set) cuts them into that many. ConfigError otherwise."""
+def check_parts(cfg, stages: list[nn.Module] | None, parts: int | None = None) -> None:
+    """parallel=model/pipeline: the model has stages enough for `parts` (parallel.world_size)
+    parts, and parallel.split (if set) cuts them into that many. ConfigError otherwise."""
     p = cfg.parallel
+    parts = parts or p.world_size
     if stages is None:
         raise ConfigError(f"parallel={p.name} cuts the model into parts at its stages, and "
                           "this model declares none: set parallel.stages to its submodules in "
                           "forward order (e.g. parallel.stages='[embed,\"blocks.*\",head]'), "
                           "or give it a stages() method")
-    if p.world_size < 2:
-        raise ConfigError(f"parallel.world_size={p.world_size}: parallel={p.name} needs at "
-                          "least 2 parts; use parallel=none for one")
-    if p.world_size > len(stages):
-        raise ConfigError(f"parallel.world_size={p.world_size} is more parts than the "
-                          f"{len(stages)} stages of the model: set parallel.world_size<="
-                          f"{len(stages)}")
+    # the key that sets the number of parts, as the user wrote it
+    said = f"parallel.world_size={p.world_size}" + (
+        f" / parallel.dp_replicate={p.world_size // parts}" if parts != p.world_size else "")
+    if parts < 2:
+        raise ConfigError(f"{said}: parallel={p.name} needs at least 2 parts; use "
+                          "parallel=none (or ddp) for one")
+    if parts > len(stages):
+        raise ConfigError(f"{said} is {parts} parts, more than the {len(stages)} stages of the "
+                          f"model: make it at most {len(stages)} parts")
     if p.split is not None:
-        problem = check_cuts(list(p.split), len(stages), p.world_size)
+        problem = check_cuts(list(p.split), len(stages), parts)
         if problem:
             raise ConfigError(problem)
-    shared = shared_across(stages, part_ranges(stages, p.world_size, p.split))
+    shared = shared_across(stages, part_ranges(stages, parts, p.split))
     if shared:
         raise ConfigError(f"parallel={p.name} puts stages {shared[0]} and {shared[1]} on "
                           "different parts, but they share a parameter (tied weights, such as "
