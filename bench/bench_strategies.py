@@ -93,8 +93,7 @@ LAYOUTS = {  # name -> (overrides, sequences per rank); a global batch of 8 each
     "tp 2": (["parallel=tp", "parallel.world_size=2"], 8),
     "fsdp_tp 2x2": (["parallel=fsdp_tp", "parallel.world_size=4"], 4),
     "pipeline 2": (["parallel=pipeline", "parallel.world_size=2"], 8),
-    "pipeline 2 x dp 2": (["parallel=pipeline", "parallel.world_size=4",
-                           "parallel.dp_replicate=2"], 4),
+    "pipeline 2 x dp 2": (["parallel=pipeline", "parallel.world_size=4", "parallel.pp=2"], 4),
 }
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
 

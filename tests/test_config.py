@@ -31,7 +31,9 @@ MODEL_CLASSES = {"gpt": "GPT", "lstm": "LSTMClassifier", "mlp": "MLP", "mnist_cn
 PARTNERS = {("model", "gpt"): ["data=bytes"], ("data", "bytes"): ["model=gpt"],
             ("model", "lstm"): ["data=text"], ("data", "text"): ["model=lstm"],
             ("model", "resnet18"): ["data=synthetic", "data.shape=[3,32,32]"],
-            ("data", "cifar10"): ["model=resnet18"], ("data", "imagefolder"): ["model=resnet18"]}
+            ("data", "cifar10"): ["model=resnet18"], ("data", "imagefolder"): ["model=resnet18"],
+            # tensor parallel needs a model with a plan
+            ("parallel", "tp"): ["model=mlp"], ("parallel", "fsdp_tp"): ["model=mlp"]}
 
 
 @pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in options(g)])
@@ -122,8 +124,10 @@ def test_auto_values_resolve_for_cpu():
     (["parallel=dp", "backend=nccl"], "backend=nccl needs CUDA"),
     (["parallel=pipeline", "parallel.world_size=1"], "needs at least 2 parts"),
     (["parallel=pipeline", "parallel.world_size=4"], "is 4 parts, more than the 3 stages"),
+    (["parallel=pipeline", "parallel.world_size=4", "parallel.pp=3"],
+     "parallel.dp_replicate=null, parallel.pp=3 multiply to 3 x ?, but parallel.world_size=4"),
     (["parallel=pipeline", "parallel.world_size=4", "parallel.dp_replicate=3"],
-     "parallel.dp_replicate=3 does not split parallel.world_size=4 into pipelines"),
+     "parallel.dp_replicate=3, parallel.pp=null multiply to 3 x ?"),
     (["parallel=pipeline", "parallel.world_size=4", "parallel.dp_replicate=4"],
      "parallel.world_size=4 / parallel.dp_replicate=4: parallel=pipeline needs at least 2"),
     (["parallel=model", "parallel.split=[1,2]"], "parallel.split=[1, 2] gives 3 parts"),

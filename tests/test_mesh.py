@@ -79,7 +79,7 @@ def final_weights(run_dir, model: torch.nn.Module) -> dict[str, torch.Tensor]:
     (["parallel=tp", "parallel.world_size=2"], 1),
     (["parallel=hsdp", "parallel.world_size=4"], 4),  # 2 replicas x 2 shards
     (["parallel=fsdp_tp", "parallel.world_size=4"], 2),  # 2 shards x tp 2
-    (["parallel=pipeline", "parallel.world_size=4", "parallel.dp_replicate=2"], 2),  # pp 2 x dp 2
+    (["parallel=pipeline", "parallel.world_size=4", "parallel.pp=2"], 2),  # pp 2 x dp 2
 ], ids=["tp2", "hsdp2x2", "fsdp_tp2x2", "pp2xdp2"])
 def test_each_layout_trains_as_one_device_does(train_here, one_device, model, layout,
                                                data_ranks):
@@ -170,3 +170,14 @@ def test_a_tp_checkpoint_resumes_under_another_layout(train_here, one_device):
     _, run_dir = train_here(*run, "parallel=fsdp_tp", "parallel.world_size=4",
                             f"data.batch_size={BATCH['gpt'] // 2}", "trainer.resume=auto")
     assert losses(run_dir) == pytest.approx(losses(one_device["gpt"]), rel=1e-4, abs=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_the_batch_size_finder_agrees_across_a_tp_group(train_here):
+    metrics, run_dir = train_here(*GPT_RUN, "trainer.max_steps=3", "parallel=tp",
+                                  "parallel.world_size=2", "data.batch_size=2",
+                                  "trainer.auto_batch_size=true", "trainer.max_memory_mb=4000")
+    chosen = metrics["global_batch_size"]  # one data-parallel rank: the per-rank batch
+    assert chosen > 2 and chosen & (chosen - 1) == 0  # grown by doublings
+    assert "batch-size finder chose" in (run_dir / "train.log").read_text()

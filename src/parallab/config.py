@@ -154,8 +154,9 @@ class PipelineConfig(ParallelConfig):
     split: Optional[list[int]] = None  # null = parts even by parameter count
     microbatches: int = 4  # per step: data.batch_size must divide by it
     schedule: str = "1f1b"  # gpipe | 1f1b
-    # pipelines side by side (pp x dp), each reading its own shard: parts = world / this
-    dp_replicate: int = 1
+    # pipelines side by side (pp x dp), each reading its own shard; null = world_size / pp
+    dp_replicate: Optional[int] = None
+    pp: Optional[int] = None  # parts of one pipeline; null = world_size / dp_replicate
 
 
 # --- precision, backend, optim, trainer -------------------------------------------------

@@ -27,10 +27,11 @@ log = logging.getLogger(__name__)
 DEGREES = ("dp_replicate", "dp_shard", "tp")
 
 
-def resolve_degrees(p) -> None:
-    """Fill the one degree left null so that their product is parallel.world_size;
-    ConfigError naming the degrees and the world size where they do not fit."""
-    given = {k: getattr(p, k) for k in DEGREES}
+def resolve_degrees(p, keys: tuple[str, ...] = DEGREES) -> None:
+    """Fill the one degree (of `keys`) left null so that their product is
+    parallel.world_size; ConfigError naming the degrees and the world size where they do
+    not fit."""
+    given = {k: getattr(p, k) for k in keys}
     said = ", ".join(f"parallel.{k}={v if v is not None else 'null'}" for k, v in given.items())
     for key, value in given.items():
         if value is not None and value < 1:
@@ -42,7 +43,7 @@ def resolve_degrees(p) -> None:
     known = math.prod(v for v in given.values() if v is not None)
     if unknown and p.world_size % known == 0:
         setattr(p, unknown[0], p.world_size // known)
-    elif math.prod(getattr(p, k) or 0 for k in DEGREES) != p.world_size:
+    elif math.prod(getattr(p, k) or 0 for k in keys) != p.world_size:
         raise ConfigError(f"{said} multiply to {known}{' x ?' if unknown else ''}, but "
                           f"parallel.world_size={p.world_size}: make their product the world "
                           "size")
@@ -86,9 +87,6 @@ class MeshStrategy(FSDPStrategy):
             problem = tp_problem(model_on_meta(cfg), p.tp)
             if problem:
                 raise ConfigError(problem)
-        if p.tp > 1 and cfg.trainer.auto_batch_size:
-            raise ConfigError(f"trainer.auto_batch_size=true with parallel.tp={p.tp}: the "
-                              "finder's trials run the model unsplit: set data.batch_size")
 
     @classmethod
     def data_parallel_ranks(cls, cfg) -> int:

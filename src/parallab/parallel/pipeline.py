@@ -29,6 +29,7 @@ from parallab.errors import ConfigError
 from parallab.loss import from_model
 from parallab.parallel import stages as stages_of
 from parallab.parallel.base import ShardedStrategy
+from parallab.parallel.mesh import resolve_degrees
 from parallab.parallel.model import refuse_finder
 from parallab.parallel.split import check_parts, part_ranges
 from parallab.precision import Precision
@@ -48,6 +49,14 @@ def keep_only(model: nn.Module, stages: list[nn.Module], keep: range) -> None:
             model.get_submodule(parent).register_module(child, nn.Identity())
 
 
+def resolve_pipelines(p) -> None:
+    """parallel.pp x parallel.dp_replicate = parallel.world_size, one of them inferred (both
+    null: one pipeline over every rank)."""
+    if p.pp is None and p.dp_replicate is None:
+        p.dp_replicate = 1
+    resolve_degrees(p, ("dp_replicate", "pp"))
+
+
 class PipelineStrategy(ShardedStrategy):
     launches_workers = True
     uses_process_group = True
@@ -63,11 +72,8 @@ class PipelineStrategy(ShardedStrategy):
                               "not give: use a loss of output and targets")
         super().check(cfg)
         p = cfg.parallel
-        if p.dp_replicate < 1 or p.world_size % p.dp_replicate:
-            raise ConfigError(f"parallel.dp_replicate={p.dp_replicate} does not split "
-                              f"parallel.world_size={p.world_size} into pipelines of equal "
-                              "length: use a divisor of the world size")
-        check_parts(cfg, stages, p.world_size // p.dp_replicate)
+        resolve_pipelines(p)
+        check_parts(cfg, stages, p.pp)
         refuse_finder(cfg)
         if p.schedule not in SCHEDULES:
             raise ConfigError(f"parallel.schedule={p.schedule} is unknown: use "
@@ -83,12 +89,13 @@ class PipelineStrategy(ShardedStrategy):
 
     @classmethod
     def data_parallel_ranks(cls, cfg) -> int:
+        resolve_pipelines(cfg.parallel)
         return cfg.parallel.dp_replicate
 
     @property
     def pp(self) -> int:
         """Ranks of one pipeline: its number of parts."""
-        return self.dist.world_size // self.cfg.dp_replicate
+        return self.cfg.pp
 
     @property
     def stage_index(self) -> int:
