@@ -105,7 +105,8 @@ GPT_BYTES = 4 * sum(p.numel() for p in GPT(layers=2, heads=4, width=32, context=
 
 
 def assert_textbook_volume(metrics, layout: str, batch: int) -> None:
-    """comm_*_mb of the run against the volumes a textbook gives (ring algorithms)."""
+    """comm_*_mb of the run against the volumes a textbook gives (ring algorithms; ddp's
+    and fsdp's are test_recipe's)."""
     sent = {k: metrics.get(f"comm_{k}_mb", 0.0) * MB for k in ("all_reduce", "all_gather",
                                                                  "reduce_scatter")}
     near = lambda expected: pytest.approx(expected, rel=0.01, abs=64)  # noqa: E731 - a loss
@@ -128,20 +129,6 @@ def assert_textbook_volume(metrics, layout: str, batch: int) -> None:
         return
     for kind, volume in expected.items():
         assert sent[kind] == near(volume), kind
-
-
-@pytest.mark.slow
-@pytest.mark.distributed
-@pytest.mark.parametrize("layout,expected", [
-    ("ddp", {"all_reduce": GPT_BYTES}),  # 2 (n-1)/n x the gradients, n = 2
-    ("fsdp", {"all_gather": GPT_BYTES, "reduce_scatter": GPT_BYTES / 2}),  # 3 x P x (n-1)/n
-])
-def test_comm_volume_is_the_textbook_one(train_here, layout, expected):
-    metrics, _ = train_here(*GPT_RUN, "trainer.max_steps=2", "trainer.log_every_n_steps=5",
-                            f"parallel={layout}", "parallel.world_size=2", "data.batch_size=8")
-    for kind, volume in expected.items():
-        assert metrics[f"comm_{kind}_mb"] * MB == pytest.approx(volume, rel=0.01)
-    assert metrics["comm_mb_per_step"] * MB == pytest.approx(sum(expected.values()), rel=0.01)
 
 
 @pytest.mark.slow

@@ -40,12 +40,28 @@ def test_checkpointing_keeps_fewer_activations():
 ], ids=["none", "ddp", "fsdp", "pipeline", "compile"])
 def test_checkpointing_changes_no_loss(train_here, layout, modes):
     """The first 20 losses with and without it, under each layout (dropout on)."""
-    runs = {mode: losses(train_here(*GPT_RUN, *layout, f"trainer.activation_checkpointing="
-                                    f"{mode}", name=mode)[1]) for mode in ["none", *modes]}
-    reference = runs.pop("none")
+    runs = {mode: train_here(*GPT_RUN, *layout, f"trainer.activation_checkpointing={mode}",
+                             name=mode) for mode in ["none", *modes]}
+    metrics, run_dir = runs.pop("none")
+    reference = losses(run_dir)
     assert len(reference) == 20
-    for mode, got in runs.items():
-        assert got == pytest.approx(reference, abs=1e-5), mode
+    for mode, (_, got) in runs.items():
+        assert losses(got) == pytest.approx(reference, abs=1e-5), mode
+    if layout[:1] in (["parallel=ddp"], ["parallel=fsdp"]):  # the run without it, on 2 ranks
+        assert_textbook_volume(metrics, layout[0].removeprefix("parallel="))
+
+
+def assert_textbook_volume(metrics, layout: str) -> None:
+    """Bytes sent per step (comm.py) against the textbook: DDP all-reduces the gradients,
+    2 (n-1)/n x P; FSDP gathers the parameters twice (forward, backward) and scatters the
+    gradients once, 3 x P x (n-1)/n; n = 2 ranks."""
+    params = 4 * sum(p.numel() for p in GPT(layers=2, heads=2, width=32, context=32,
+                                            dropout=0.1).parameters())
+    expected = {"ddp": {"all_reduce": params},
+                "fsdp": {"all_gather": params, "reduce_scatter": params / 2}}[layout]
+    for kind, volume in expected.items():
+        assert metrics[f"comm_{kind}_mb"] * 2**20 == pytest.approx(volume, rel=0.01), kind
+    assert metrics["comm_mb_per_step"] * 2**20 == pytest.approx(sum(expected.values()), rel=0.01)
 
 
 def test_checkpointed_weights_keep_their_names(train_here):
@@ -82,14 +98,15 @@ def test_early_stopping_ends_the_run_and_says_so(train_here):
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_early_stopping_agrees_across_ranks_and_resumes(train_here):
+    """Stopped by max_steps after the first evaluation and resumed, it stops where the
+    uninterrupted run does (test above): after 2 more evaluations, the first one best."""
     ddp = [*EPOCHS, *NEVER_BETTER, "parallel=ddp", "parallel.world_size=2",
            "data.batch_size=32"]
-    whole, _ = train_here(*ddp, name="whole")
-    train_here(*ddp, "trainer.max_steps=8", name="parts")  # stopped after the first eval
-    parts, _ = train_here(*ddp, "trainer.resume=auto", name="parts")
-    assert whole["stopped_early"] and whole["steps"] == 3 * 8
-    for key in ("steps", "best_step", "best_eval_loss", "stopped_early", "eval_loss"):
-        assert parts[key] == whole[key], key
+    train_here(*ddp, "trainer.max_steps=8")
+    metrics, run_dir = train_here(*ddp, "trainer.resume=auto")
+    assert metrics["stopped_early"] and metrics["steps"] == 3 * 8
+    assert metrics["best_step"] == 8
+    assert metrics["best_eval_loss"] == dict(scalars(run_dir, "eval/loss"))[8]
 
 
 def test_adamw_decays_weight_matrices_only():
