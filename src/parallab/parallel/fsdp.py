@@ -54,9 +54,9 @@ class FSDPStrategy(ShardedStrategy):
         policy = MixedPrecisionPolicy(param_dtype=self.precision.dtype, reduce_dtype=torch.float32)
         stages = stages_of.find(model, self.cfg.stages)
         if stages is None and self.dist.is_main:
-            log.info("parallel=fsdp: the model declares no stages, so it is sharded as one "
+            log.info("parallel=%s: the model declares no stages, so it is sharded as one "
                      "unit (every parameter gathered at once); set parallel.stages to shard "
-                     "its blocks one by one")
+                     "its blocks one by one", self.cfg.name)
         shared = shared_parameters(stages or [])
         for stage in stages or []:
             # a stage sharing a parameter with another (tied embeddings) is left to the
