@@ -47,6 +47,21 @@ def global_batch_size(loader, cfg: TrainerConfig, strategy: Strategy) -> int:
     return loader.batch_size * cfg.accumulate_grad_batches * strategy.data_dist.world_size
 
 
+def run_length(cfg: TrainerConfig, loader) -> tuple[int | None, int | None]:
+    """Optimizer steps per epoch and in the run; None per epoch for a stream without
+    __len__, which trainer.max_steps bounds."""
+    if stream.length(loader) is None:
+        return None, cfg.max_steps
+    if cfg.accumulate_grad_batches > len(loader):  # else steps of fewer samples than asked
+        raise ConfigError(
+            f"trainer.accumulate_grad_batches={cfg.accumulate_grad_batches} is more than the "
+            f"{len(loader)} batches an epoch gives each rank: set it to at most "
+            f"{len(loader)}, or lower data.batch_size")
+    per_epoch = math.ceil(len(loader) / cfg.accumulate_grad_batches)
+    steps = cfg.epochs * per_epoch
+    return per_epoch, min(steps, cfg.max_steps) if cfg.max_steps else steps
+
+
 class Trainer:
     def __init__(self, cfg: TrainerConfig, model: nn.Module, strategy: Strategy,
                  optimizer: torch.optim.Optimizer, precision: Precision, data: Data,
@@ -96,17 +111,7 @@ class Trainer:
         self.peak_flops = (mfu.peak_flops_of(dist.device, precision) if dist.device.type == "cuda"
                            else None)
 
-        self.steps_per_epoch = None  # a stream without __len__: max_steps bounds the run
-        self.total_steps = cfg.max_steps
-        if stream.length(data.train) is not None:
-            if cfg.accumulate_grad_batches > len(data.train):  # else fewer samples per step
-                raise ConfigError(
-                    f"trainer.accumulate_grad_batches={cfg.accumulate_grad_batches} is more "
-                    f"than the {len(data.train)} batches an epoch gives each rank: set it to at "
-                    f"most {len(data.train)}, or lower data.batch_size")
-            self.steps_per_epoch = math.ceil(len(data.train) / cfg.accumulate_grad_batches)
-            steps = cfg.epochs * self.steps_per_epoch
-            self.total_steps = min(steps, cfg.max_steps) if cfg.max_steps else steps
+        self.steps_per_epoch, self.total_steps = run_length(cfg, data.train)
         # the learning rate of each step: over this run's steps (a continued run's new horizon)
         self.scheduler = (schedule.build(scheduler_cfg, optimizer, self.total_steps)
                           if scheduler_cfg is not None else None)
