@@ -218,7 +218,10 @@ def test_a_signalled_ddp_job_stops_together_saves_once_and_exits_0(tmp_path, ref
     assert "Traceback" not in output(stopped) and "SignalException" not in output(stopped)
     assert output(stopped).count("resume with: python train.py") == 1  # rank 0, once
     assert not (run_dir / "metrics.json").exists()
-    assert (run_dir / "checkpoints" / "step_00000024.pt").is_file()  # the group's own stop
+    steps = sorted(int(p.name[5:13]) for p in (run_dir / "checkpoints").glob("step_*.pt"))
+    # the group's ranks all hold the request at step 24's all-reduce; one forwarded by the
+    # controller may reach the workers a step or a few later (a 3 ms step on a busy machine)
+    assert (steps[-1] == 24) if who == "the group" else (24 <= steps[-1] < 30), steps
     if who == "the group":  # the controller's case saves the same way; one resume suffices
         resumed = run_entry("train.py", [*RUN, *DDP, "trainer.resume=auto"], run_dir)
         assert_ok(resumed)
