@@ -58,6 +58,8 @@ BATCH = {"gpt": 16, "mlp": 64}  # global, the same for every layout
 
 @pytest.fixture(scope="module")
 def one_device(tmp_path_factory):
+    """The one-device references (in-process, ~3 s): built once per xdist worker, so the
+    layouts' 4-rank runs spread over the workers rather than queue on one."""
     from parallab.cli import train_in_process
 
     runs = {}
@@ -73,7 +75,6 @@ def final_weights(run_dir, model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.xdist_group("one_device_mesh")
 @pytest.mark.parametrize("model", ["gpt", "mlp"])
 @pytest.mark.parametrize("layout,data_ranks", [
     (["parallel=tp", "parallel.world_size=2"], 1),
@@ -133,7 +134,6 @@ def assert_textbook_volume(metrics, layout: str, batch: int) -> None:
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.xdist_group("one_device_mesh")
 def test_tensor_parallel_splits_the_blocks_under_activation_checkpointing(train_here,
                                                                           one_device):
     """tp first, then checkpointing wraps the split blocks (a plan applied after would miss
@@ -147,7 +147,6 @@ def test_tensor_parallel_splits_the_blocks_under_activation_checkpointing(train_
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.xdist_group("one_device_mesh")
 def test_a_tp_checkpoint_resumes_under_another_layout(train_here, one_device):
     """DCP reshards: 10 steps under tp 2, the next 10 under fsdp_tp 2x2 at the same global
     batch, equal the one-device run's 20."""
