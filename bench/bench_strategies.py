@@ -73,7 +73,8 @@ def throughput(work: Path, steps: int) -> None:
 def textbook(layout: str, params: float, batch: int) -> dict[str, float]:
     """Bytes per rank and step by kind for the default gpt (4 layers, width 256, context
     256, vocabulary 256), parameters of `params` bytes, `batch` sequences per rank."""
-    activation, logits = batch * 256 * 256 * 4, batch * 256 * 256 * 4
+    context, width, vocab = 256, 256, 256
+    activation, logits = batch * context * width * 4, batch * context * vocab * 4
     tp2 = {"all_reduce": (4 * 4 + 2) * activation, "all_gather": logits / 2}  # tp 2
     return {
         "ddp 4": {"all_reduce": 2 * 3 / 4 * params},

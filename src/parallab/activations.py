@@ -56,6 +56,26 @@ def units(model: nn.Module, names: list[str] | None) -> list[nn.Module] | None:
     return stages_of.find(model, names)
 
 
+def stages_problem(cfg) -> str | None:
+    """None if the run checkpoints nothing or the model (built on meta) has units to
+    checkpoint, else one line; a parallel.stages name that is no submodule is trial's."""
+    mode = cfg.trainer.activation_checkpointing
+    if mode == "none":
+        return None
+    from parallab import trial
+
+    model = trial.model_on_meta(cfg)
+    try:
+        found = units(model, cfg.parallel.stages)
+    except KeyError:
+        found = trial.find_stages(model, cfg)  # raises its one-line ConfigError
+    if found:
+        return None
+    return (f"trainer.activation_checkpointing={mode}: the model declares no stages to "
+            "checkpoint one by one: list its submodules in forward order in parallel.stages, "
+            "give the model a stages() method, or use none")
+
+
 def apply(model: nn.Module, mode: str, names: list[str] | None = None) -> nn.Module:
     """`model` with each unit replaced, in its parent, by its checkpoint-wrapped self."""
     if mode == "none":

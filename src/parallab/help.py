@@ -99,8 +99,9 @@ def describe(section: str, node: Any, choices: dict[str, Any]) -> dict[str, str]
 
 
 def _value(value: Any) -> str:
-    text = yaml.safe_dump(value, default_flow_style=True, width=10**6).strip()
-    return text.removesuffix("\n...").removesuffix("...").strip()
+    """One value as flow-style YAML on one line (safe_dump ends a scalar with '...')."""
+    return yaml.safe_dump(value, default_flow_style=True, width=10**6).removesuffix(
+        "...\n").strip()
 
 
 def config_text(cfg: DictConfig) -> list[str]:
@@ -110,22 +111,19 @@ def config_text(cfg: DictConfig) -> list[str]:
     schema = config.EvalConfig if "ckpt" in cfg.keys() else config.Config  # ??? is not "in"
     top = class_comments(schema) | comments(
         (CONF_DIR / "config.yaml").read_text().splitlines()[1:])
+    values = OmegaConf.to_container(cfg, resolve=False, enum_to_str=True)
     lines = []
-    for section in cfg:
+    for section, value in values.items():
         if section == "hydra":
             continue
-        node = cfg._get_node(section)
-        if isinstance(node, DictConfig) and len(node):
-            words = describe(section, node, choices)
-            lines.append(f"{section}:" + (f"  # {top[section]}" if section in top else ""))
-            for key in node:
-                value = OmegaConf.to_container(node, resolve=False, enum_to_str=True)[key]
-                note = f"  # {words[key]}" if key in words else ""
-                lines.append(f"  {key}: {_value(value)}{note}")
-        else:
-            value = OmegaConf.to_container(cfg, resolve=False, enum_to_str=True)[section]
-            note = f"  # {top[section]}" if section in top else ""
+        note = f"  # {top[section]}" if section in top else ""
+        if not (isinstance(value, dict) and value):
             lines.append(f"{section}: {_value(value)}{note}")
+            continue
+        words = describe(section, cfg._get_node(section), choices)
+        lines.append(f"{section}:{note}")
+        lines += [f"  {key}: {_value(v)}" + (f"  # {words[key]}" if key in words else "")
+                  for key, v in value.items()]
     return lines
 
 

@@ -36,9 +36,10 @@ def problem(cfg, reported: list[str]) -> str | None:
 
 
 class Monitor:
-    def __init__(self, name: str, mode: str | None, patience: int | None):
+    def __init__(self, name: str, mode: str, patience: int | None):
+        """`mode` as problem() resolved it: min or max."""
         self.name = name
-        self.mode = mode or MODES.get(name, "min")
+        self.mode = mode
         self.patience = patience
         self.best: float | None = None
         self.best_step: int | None = None

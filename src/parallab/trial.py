@@ -54,17 +54,6 @@ def stages_on_meta(cfg) -> list[nn.Module] | None:
     return find_stages(model_on_meta(cfg), cfg)
 
 
-def checkpoint_units(cfg) -> list[nn.Module] | None:
-    """The modules activation checkpointing wraps, of the model built on meta."""
-    from parallab import activations
-
-    model = model_on_meta(cfg)
-    try:
-        return activations.units(model, cfg.parallel.stages)
-    except KeyError:
-        return find_stages(model, cfg)  # its one-line ConfigError naming the missing name
-
-
 def one_batch(cfg, size: int = 2) -> tuple[Any, torch.Tensor]:
     """`size` training samples collated as the DataLoader would (data.collate_fn too)."""
     from torch.utils.data import default_collate

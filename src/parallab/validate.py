@@ -142,9 +142,10 @@ def resolve_parallel(cfg: Config, in_place: InPlace | None) -> None:
     strategy = STRATEGIES[p.name]
     gpus = torch.cuda.device_count() if cfg.device is Device.cuda else 0
     if in_place is not None:
+        launching = [name for name, kind in STRATEGIES.items() if kind.launches_workers]
         _require(strategy.launches_workers or in_place.world_size == 1, f"parallel={p.name} "
                  f"runs one process, but {in_place.launcher} started {in_place.world_size}: "
-                 "use parallel=ddp, fsdp or pipeline, or launch one process")
+                 f"use parallel={' or '.join(launching)}, or launch one process")
         p.world_size, p.nnodes = in_place.world_size, in_place.nnodes
     elif p.world_size is None:
         several = strategy.launches_workers or strategy.splits_model
@@ -193,12 +194,7 @@ def check_strategy(cfg: Config) -> None:
         strategy.check(cfg, stages)
     else:
         strategy.check(cfg)
-    mode = cfg.trainer.activation_checkpointing
-    if mode != "none":
-        units = trial.checkpoint_units(cfg)
-        _require(bool(units), f"trainer.activation_checkpointing={mode}: the model declares no "
-                 "stages to checkpoint one by one: name them in parallel.stages (e.g. "
-                 "'[embed,\"blocks.*\",head]'), give the model a stages() method, or use none")
+    _refuse(activations.stages_problem(cfg))
 
 
 def resolve_backend(cfg: Config) -> None:
