@@ -93,9 +93,8 @@ def listening_addresses() -> list[str]:
 @pytest.mark.distributed
 def test_the_launcher_listens_on_loopback_only(monkeypatch):
     from conftest import typed
-    from parallab.cli import _worker_env
 
     monkeypatch.delenv("MASTER_PORT", raising=False)
     cfg = typed("parallel=ddp", "parallel.world_size=2")
-    addresses = launch.elastic(listening_addresses, (), 2, 0, _worker_env(cfg))
+    addresses = launch.elastic(listening_addresses, (), 2, 0, launch.worker_env(cfg))
     assert addresses == ["127.0.0.1"]

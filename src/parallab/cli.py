@@ -35,16 +35,6 @@ def _fail(message: str, status: int) -> NoReturn:
     sys.exit(status)
 
 
-def _worker_env(cfg) -> dict[str, str]:
-    from parallab.distributed import threads_for
-
-    p = cfg.parallel
-    env = {"OMP_NUM_THREADS": str(threads_for(p.world_size // p.nnodes, p.threads_per_worker))}
-    if p.nnodes == 1 and "GLOO_SOCKET_IFNAME" not in os.environ:
-        env["GLOO_SOCKET_IFNAME"] = "lo"  # gloo picks its interface from the hostname otherwise
-    return env
-
-
 def _train_and_report(spec: run.RunSpec, in_place: launch.InPlace | None) -> dict[str, Any]:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
@@ -64,7 +54,7 @@ def _train_and_report(spec: run.RunSpec, in_place: launch.InPlace | None) -> dic
              spec.cfg.backend.name, spec.run_dir)
     try:
         return launch.elastic(run.worker_main, (spec,), p.world_size, p.max_restarts,
-                              _worker_env(spec.cfg))
+                              launch.worker_env(spec.cfg))
     except ChildFailedError as error:
         rank, failure = error.get_first_failure()
         reason = failure.message  # the error file's record, or a line about a signal
@@ -119,6 +109,13 @@ def typed_config(dict_cfg: DictConfig, overrides: list[str]):
 
 def _train_job(dict_cfg: DictConfig) -> float | None:
     hydra_cfg = HydraConfig.get()
+    if dict_cfg.advise.run:
+        from hydra import compose as hydra_compose
+
+        overrides = list(hydra_cfg.overrides.task)
+        _advise(dict_cfg, overrides, hydra_cfg.runtime.output_dir,
+                lambda extra: hydra_compose(hydra_cfg.job.config_name, overrides=extra))
+        return None
     in_place = launch.prepare_in_place()  # again for launchers that call the app (submitit)
     try:
         cfg = validate.prepare(typed_config(dict_cfg, list(hydra_cfg.overrides.task)),
@@ -129,6 +126,25 @@ def _train_job(dict_cfg: DictConfig) -> float | None:
     spec = run.RunSpec(cfg, hydra_cfg.runtime.output_dir, list(hydra_cfg.overrides.task))
     with _claimed(spec.run_dir, cfg, in_place):
         return _train_and_report(spec, in_place).get(objective(cfg))
+
+
+def _advise(dict_cfg: DictConfig, overrides: list[str], run_dir: str, compose_with
+            ) -> dict[str, Any]:
+    """advise.run=true: parallab advise (advise/) in `run_dir`; `compose_with(overrides)`
+    composes a candidate's config as this command composed its own."""
+    from parallab import advise
+
+    def configure(extra: list[str]):
+        return validate.prepare(typed_config(compose_with(extra), extra), None)
+
+    try:
+        cfg = typed_config(dict_cfg, overrides)
+        with _claimed(run_dir, cfg, None):
+            return advise.advise(cfg, overrides, run_dir, configure)
+    except validate.ConfigError as error:
+        raise JobFailed(str(error), 2) from None
+    except advise.NothingFits as error:
+        raise JobFailed(str(error), 1) from None
 
 
 @contextlib.contextmanager
@@ -315,7 +331,13 @@ def _export(ckpt: Path, out: Path) -> None:
     print(f"{out}: the full model state of {ckpt} (step {meta['step']})")
 
 
-APPS = {"train": train, "evaluate": evaluate}  # Hydra apps: the rest of argv is theirs
+def advise() -> None:
+    """`parallab advise [overrides]` = `parallab train advise.run=true [overrides]`."""
+    sys.argv.insert(1, "advise.run=true")
+    train()
+
+
+APPS = {"train": train, "evaluate": evaluate, "advise": advise}  # Hydra apps: argv is theirs
 
 
 def parallab() -> None:
@@ -336,6 +358,8 @@ def parallab() -> None:
     commands.add_parser("train", help="train: [group=option ...] [key=value ...] (Hydra's "
                         "overrides and flags, as python train.py takes them)")
     commands.add_parser("evaluate", help="evaluate a checkpoint: ckpt=PATH [overrides]")
+    commands.add_parser("advise", help="which layout trains this model fastest: [overrides] "
+                        "(advise.md/.csv/.png in the run dir)")
     summarize = commands.add_parser("summary", help="summary.csv/.md/.png of a multirun dir")
     summarize.add_argument("sweep_dir", type=Path)
     export = commands.add_parser("export", help="a checkpoint (.pt or sharded .dcp) as one "
@@ -365,6 +389,15 @@ def compose(overrides: list[str], config_dir: str | Path | None = None,
     extra = [f"hydra.searchpath=[file://{Path(config_dir).resolve()}]"] if config_dir else []
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
         return hydra_compose(config_name, overrides=[*overrides, *extra])
+
+
+def advise_in_process(overrides: list[str], run_dir: str | Path,
+                      config_dir: str | Path | None = None) -> dict[str, Any]:
+    """What `parallab advise OVERRIDES hydra.run.dir=RUN_DIR` does, in this process."""
+    overrides = ["advise.run=true", *overrides]
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    return _advise(compose(overrides, config_dir), overrides, str(run_dir),
+                   lambda extra: compose(extra, config_dir))
 
 
 def train_in_process(overrides: list[str], run_dir: str | Path,

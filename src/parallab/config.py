@@ -259,6 +259,37 @@ class SweepConfig:
 
 
 @dataclass
+class AdviseConfig:
+    """`parallab advise` (advise/): candidate layouts, how long each is measured, and the
+    hardware its step-time prediction is for."""
+
+    run: bool = False  # true (experiment=advise, parallab advise): advise instead of training
+    steps: int = 10  # optimizer steps measured per candidate, after warmup_steps
+    warmup_steps: int = 3  # steps per candidate left out of its figures
+    world_sizes: Optional[list[int]] = None  # null = 1 and each divisor of parallel.world_size
+    layouts: Optional[list[str]] = None  # parallel options to try; null = all that fit
+    precisions: Optional[list[str]] = None  # null = fp32 and bf16 (CPU); fp32, bf16, amp (CUDA)
+    activation_checkpointing: list[str] = field(
+        default_factory=lambda: ["none", "selective", "full"])
+    max_accumulation: int = 4  # gradient accumulation tried: 1, 2, 4 ... up to this
+    microbatches: list[int] = field(default_factory=lambda: [2, 4])  # pipeline candidates
+    schedules: list[str] = field(default_factory=lambda: ["gpipe", "1f1b"])  # pipeline
+    # true: a memory saver (activation checkpointing, accumulation) is measured only where
+    # the candidate without it is predicted not to fit; false: the whole grid
+    only_needed: bool = True
+    rtol: float = 1e-3  # a candidate matches its reference when every loss is this close
+    budget_mb: Optional[float] = None  # per rank; null = trainer.max_memory_mb, else the device's
+    # step time predicted for this many GPUs (null = none) from the measured compute time
+    # and communication volume
+    target_world_size: Optional[int] = None
+    gpus_per_node: int = 8
+    intra_node_gbps: float = 3600.0  # gigabits/s per GPU within a node (NVLink 4: 450 GB/s)
+    inter_node_gbps: float = 400.0  # gigabits/s per GPU between nodes (one 400G NIC each)
+    device: str = "H100"  # the target GPU, for its peak FLOP/s (mfu.py's table)
+    mfu: float = 0.4  # the share of that peak the prediction assumes a step reaches
+
+
+@dataclass
 class Config:
     model: Any = MISSING  # a _target_ spec: the model's class (or factory) and its arguments
     data: Any = MISSING  # a DataConfig once validate.prepare has typed it
@@ -278,6 +309,7 @@ class Config:
     seed: int = 42  # weights, data order and dropout; each rank adds its rank
     device: Device = Device.auto
     sweep: SweepConfig = field(default_factory=SweepConfig)
+    advise: AdviseConfig = field(default_factory=AdviseConfig)
 
 
 @dataclass

@@ -161,6 +161,18 @@ def register_resolvers() -> None:
 AGENT_SIGNALS = "SIGHUP,SIGQUIT"  # the signals torch's agent handles itself
 
 
+def worker_env(cfg) -> dict[str, str]:
+    """The environment of the workers a job of `cfg` starts: their threads, and gloo on
+    loopback for one node."""
+    from parallab.distributed import threads_for
+
+    p = cfg.parallel
+    env = {"OMP_NUM_THREADS": str(threads_for(p.world_size // p.nnodes, p.threads_per_worker))}
+    if p.nnodes == 1 and "GLOO_SOCKET_IFNAME" not in os.environ:
+        env["GLOO_SOCKET_IFNAME"] = "lo"  # gloo picks its interface from the hostname otherwise
+    return env
+
+
 def elastic(entrypoint: Callable, args: tuple, world_size: int, max_restarts: int,
             worker_env: dict[str, str]) -> Any:
     """Run `entrypoint(*args)` in world_size workers on this machine; rank 0's result.

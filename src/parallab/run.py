@@ -166,10 +166,10 @@ def train(spec: RunSpec, store=None) -> dict[str, Any]:
     return metrics
 
 
-def _fit(spec: RunSpec, dist: distributed.Dist, logger: RunLogger,
-         backend: str | None) -> dict[str, Any]:
-    """Build model, data, optimizer and trainer on this rank, resume if asked, train, save."""
-    cfg = spec.cfg
+def build_trainer(cfg: Config, dist: distributed.Dist, logger: RunLogger,
+                  checkpoints: Path | None, preemption: Preemption) -> tuple[Trainer, float]:
+    """Model, strategy, data, optimizer and trainer on this rank (a checkpointer saving
+    into `checkpoints`, if given); the trainer and the learning rate it uses."""
     strategy_cls = STRATEGIES[cfg.parallel.name]
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model)  # identical initial weights on every rank
@@ -186,15 +186,27 @@ def _fit(spec: RunSpec, dist: distributed.Dist, logger: RunLogger,
                                      dist, cfg.trainer, logger, strategy.loss)
     lr = use_scaled_lr(cfg, optimizer, global_batch_size(data.train, cfg.trainer, strategy),
                        dist.is_main)
-    config = OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
-    checkpointer = Checkpointer(Path(spec.run_dir) / "checkpoints", dist, config,
-                                cfg.trainer.keep_last_k, sharded=strategy.sharded_checkpoint)
+    checkpointer = None
+    if checkpoints is not None:
+        config = OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
+        checkpointer = Checkpointer(checkpoints, dist, config, cfg.trainer.keep_last_k,
+                                    sharded=strategy.sharded_checkpoint)
+    trainer = Trainer(cfg.trainer, model, strategy, optimizer, precision, data, dist, logger,
+                      checkpointer, preemption, cfg.metrics, cfg.scheduler)
+    return trainer, lr
+
+
+def _fit(spec: RunSpec, dist: distributed.Dist, logger: RunLogger,
+         backend: str | None) -> dict[str, Any]:
+    """Build model, data, optimizer and trainer on this rank, resume if asked, train, save."""
+    cfg = spec.cfg
     with Preemption() as preemption:
-        trainer = Trainer(cfg.trainer, model, strategy, optimizer, precision, data, dist,
-                          logger, checkpointer, preemption, cfg.metrics, cfg.scheduler)
+        trainer, lr = build_trainer(cfg, dist, logger, Path(spec.run_dir) / "checkpoints",
+                                    preemption)
         resume_from = resume_path(cfg.trainer.resume, spec.run_dir)
         if resume_from is not None:
-            trainer.load_state_dict(read_checkpoint(resume_from, strategy, model, optimizer))
+            trainer.load_state_dict(read_checkpoint(resume_from, trainer.strategy,
+                                                    trainer.model, trainer.optimizer))
             log.info("resumed from %s at step %d", resume_from, trainer.step)
         logger.config(cfg)
         metrics = trainer.fit()
@@ -207,10 +219,10 @@ def _fit(spec: RunSpec, dist: distributed.Dist, logger: RunLogger,
                             ("hydra.run.dir=", "trainer.resume="))), spec.run_dir)
         return {}
     metrics.update(lr=lr, wall_time_s=time.time() - spec.started,
-                   world_size=strategy.world_size,
-                   precision_dtype=precision.dtype_name, backend=backend or "none",
+                   world_size=trainer.strategy.world_size,
+                   precision_dtype=trainer.precision.dtype_name, backend=backend or "none",
                    parallel=cfg.parallel.name)
-    checkpointer.save(trainer.state_dict(), "last")
+    trainer.checkpointer.save(trainer.state_dict(), "last")
     if dist.is_main:
         logger.finish(metrics, hparams(spec, metrics), trainer.step)
         log.info("metrics: %s", {k: round(v, 4) if isinstance(v, float) else v

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 from typing import Any
 
 import torch
@@ -41,6 +42,17 @@ class Strategy:
             raise ConfigError(f"parallel.world_size={p.world_size} needs several workers, but "
                               f"parallel={p.name} runs one: use parallel=ddp (processes) or "
                               "parallel=dp (GPUs of one process)")
+
+    @classmethod
+    def layouts(cls, name: str, world_size: int, device_type: str, options) -> list[list[str]]:
+        """This strategy's settings (overrides after parallel=NAME) that use `world_size`
+        ranks or devices: the candidates `parallab advise` tries (`options`: its config)."""
+        if cls.launches_workers:
+            return [[f"parallel.world_size={world_size}"]] if world_size > 1 else []
+        if cls.shards_data or cls.splits_model:  # devices of one process: GPUs
+            several = device_type == "cuda" and world_size > 1
+            return [[f"parallel.world_size={world_size}"]] if several else []
+        return [["parallel.world_size=1"]] if world_size == 1 else []
 
     @classmethod
     def data_parallel_ranks(cls, cfg) -> int:
@@ -87,6 +99,14 @@ class Strategy:
         return model
 
     def wrap(self, model: nn.Module) -> nn.Module:
+        return self.on_device(model)
+
+    def on_device(self, model: nn.Module) -> nn.Module:
+        """`model` on this rank's device; one already there is left as it is (advise.py
+        lays out fake-tensor models, which cannot be moved, to predict their memory)."""
+        tensors = itertools.chain(model.parameters(), model.buffers())
+        if all(t.device == self.dist.device for t in tensors):
+            return model
         return model.to(self.dist.device)
 
     def unwrap(self, model: nn.Module) -> nn.Module:

@@ -22,7 +22,7 @@ class DDPStrategy(Strategy):
                               "range: it must be > 0 (DDP's default is 25)")
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        model = model.to(self.dist.device)
+        model = self.on_device(model)
         device_ids = [self.dist.device] if self.dist.device.type == "cuda" else None
         return DistributedDataParallel(
             model, device_ids=device_ids,

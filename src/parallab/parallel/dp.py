@@ -23,7 +23,7 @@ class DataParallelStrategy(Strategy):
         return self.cfg.world_size if self.dist.device.type == "cuda" else 1
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        model = model.to(self.dist.device)
+        model = self.on_device(model)
         if self.dist.device.type != "cuda":
             log.warning("parallel=dp on CPU runs on one device: DataParallel splits batches "
                         "over GPUs only")

@@ -44,7 +44,7 @@ class FSDPStrategy(ShardedStrategy):
         # a mesh of the device in use: the default prefers CUDA, which breaks a gloo group on
         # CPU (pytorch#132471)
         mesh = init_device_mesh(self.dist.device.type, (self.dist.world_size,))
-        return self.shard(model.to(self.dist.device), mesh)
+        return self.shard(self.on_device(model), mesh)
 
     def shard(self, model: nn.Module, mesh) -> nn.Module:
         """fully_shard each stage, then the root, over `mesh` (2-D: replicate x shard, HSDP)."""

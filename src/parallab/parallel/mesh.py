@@ -77,6 +77,17 @@ def tp_problem(model: nn.Module, tp: int) -> str | None:
 
 class MeshStrategy(FSDPStrategy):
     @classmethod
+    def layouts(cls, name: str, world_size: int, device_type: str, options) -> list[list[str]]:
+        """hsdp: replicas x shards; tp: every rank in one tp group; fsdp_tp: tp x shards
+        (both degrees > 1 for the 2-D presets: their 1-D cases are fsdp, ddp and tp)."""
+        n = world_size
+        inner = [d for d in range(2, n) if n % d == 0]
+        degrees = {"hsdp": [(r, n // r, 1) for r in inner], "tp": [(1, 1, n)] if n > 1 else [],
+                   "fsdp_tp": [(1, n // t, t) for t in inner]}[name]
+        return [[f"parallel.world_size={n}", *(f"parallel.{k}={v}" for k, v in
+                                               zip(DEGREES, d))] for d in degrees]
+
+    @classmethod
     def check(cls, cfg) -> None:
         super().check(cfg)
         p = cfg.parallel
@@ -117,7 +128,7 @@ class MeshStrategy(FSDPStrategy):
         p = self.cfg
         self.mesh = init_device_mesh(self.dist.device.type, (p.dp_replicate, p.dp_shard, p.tp),
                                      mesh_dim_names=DEGREES)
-        model = model.to(self.dist.device)
+        model = self.on_device(model)
         if p.tp > 1:
             parallelize_module(model, self.mesh["tp"], model.tp_plan())
         if self.dist.is_main:

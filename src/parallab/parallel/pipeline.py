@@ -88,6 +88,16 @@ class PipelineStrategy(ShardedStrategy):
                               f"use a multiple of {p.microbatches}")
 
     @classmethod
+    def layouts(cls, name: str, world_size: int, device_type: str, options) -> list[list[str]]:
+        """pp x dp for every pp > 1 dividing the world size, by schedule and micro-batches."""
+        n = world_size
+        return [[f"parallel.world_size={n}", f"parallel.pp={pp}",
+                 f"parallel.dp_replicate={n // pp}", f"parallel.schedule={schedule}",
+                 f"parallel.microbatches={micro}"]
+                for pp in range(2, n + 1) if n % pp == 0
+                for schedule in options.schedules for micro in options.microbatches]
+
+    @classmethod
     def data_parallel_ranks(cls, cfg) -> int:
         resolve_pipelines(cfg.parallel)
         return cfg.parallel.dp_replicate
@@ -151,7 +161,7 @@ class PipelineStrategy(ShardedStrategy):
             log.info("parallel=pipeline (%s, %d micro-batches): stages %s on ranks 0-%d",
                      self.cfg.schedule, self.cfg.microbatches,
                      [f"{p.start}-{p.stop - 1}" for p in parts], len(parts) - 1)
-        self.model = model.to(self.dist.device)
+        self.model = self.on_device(model)
         self.accumulation = 1  # batches per optimizer step (trainer.accumulate_grad_batches)
         self.train_schedule = self._schedule(self.cfg.schedule, self._loss)
         self.shapes_known = False  # see dry_run

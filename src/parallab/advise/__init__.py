@@ -1,0 +1,225 @@
+"""`parallab advise`: which layout trains this model fastest, measured, with the memory of
+each predicted before anything runs and a correctness verdict for each.
+
+The controller enumerates the candidates (candidates.py), checks each as train.py would,
+predicts its memory per rank on fake tensors (memory.py) and prunes what cannot run or is
+not needed; then measures the rest a few steps each, one launched job per world size
+(measure.py), judges their losses against the single-device reference, predicts their
+step time at a target world size (scaling.py), and writes the answer (report.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from parallab.advise import candidates as grid, report, scaling
+from parallab.advise.candidates import Candidate
+from parallab.errors import ConfigError
+
+log = logging.getLogger("parallab")
+
+
+class NothingFits(Exception):
+    """No candidate fits the memory budget: the table of reasons (exit status 1)."""
+
+
+def problem(options, device_type: str) -> str | None:
+    """None if the advise keys can be used, else one line naming the key."""
+    from parallab import activations, precision
+    from parallab.parallel import STRATEGIES
+
+    for key, low in (("steps", 1), ("warmup_steps", 0), ("max_accumulation", 1),
+                     ("gpus_per_node", 1)):
+        if getattr(options, key) < low:
+            return f"advise.{key}={getattr(options, key)} is out of range: it must be >= {low}"
+    for key in ("rtol", "intra_node_gbps", "inter_node_gbps", "mfu"):
+        if not getattr(options, key) > 0:
+            return f"advise.{key}={getattr(options, key)} is out of range: it must be > 0"
+    unknown = [n for n in options.layouts or [] if n not in STRATEGIES]
+    if unknown:
+        return (f"advise.layouts names {', '.join(unknown)}: use parallel options "
+                f"({', '.join(STRATEGIES)})")
+    for name in options.precisions or []:
+        found = precision.problem(type("P", (), {"name": name})())
+        if found:
+            return f"advise.precisions: {found}"
+    for mode in options.activation_checkpointing:
+        found = activations.problem(mode)
+        if found:
+            return f"advise.activation_checkpointing: {found}"
+    if options.target_world_size is not None and options.target_world_size < 1:
+        return f"advise.target_world_size={options.target_world_size}: it must be >= 1"
+    return None
+
+
+def _world_size(cfg, overrides: list[str], device_type: str) -> int:
+    """parallel.world_size where the command line gives it, else the GPUs, else 2 (CPU)."""
+    given = any(o.startswith("parallel.world_size=") for o in overrides)
+    if given and cfg.parallel.world_size:
+        return cfg.parallel.world_size
+    return torch.cuda.device_count() if device_type == "cuda" else 2
+
+
+def _budget(options, cfg, device_type: str) -> Callable[[int], float]:
+    """Memory per rank at world size n: advise.budget_mb, trainer.max_memory_mb, 90% of a
+    GPU, or the available RAM shared by the n ranks."""
+    fixed = options.budget_mb or cfg.trainer.max_memory_mb
+    if fixed:
+        return lambda n: fixed
+    if device_type == "cuda":
+        total = torch.cuda.get_device_properties(0).total_memory / 2**20
+        return lambda n: 0.9 * total
+    available = next(int(line.split()[1]) for line in Path("/proc/meminfo").read_text()
+                     .splitlines() if line.startswith("MemAvailable:")) / 1024
+    return lambda n: available / n
+
+
+def measuring(options, global_batch: int) -> list[str]:
+    """What every candidate's run adds: its length, a loss logged each step, nothing saved."""
+    return [f"data.global_batch_size={global_batch}", "advise.run=false",
+            f"trainer.max_steps={options.warmup_steps + options.steps}",
+            f"trainer.warmup_steps={options.warmup_steps}", "trainer.epochs=1000000",
+            "trainer.log_every_n_steps=1", "trainer.checkpoint_every_n_steps=null",
+            "trainer.save_best=false", "trainer.early_stop_patience=null",
+            "trainer.auto_batch_size=false", "trainer.progress_bar=false",
+            "trainer.profile=false", "trainer.resume=null", "trainer.quantize=null"]
+
+
+def plan(cfg, overrides: list[str], configure: Callable[[list[str]], Any]
+         ) -> tuple[list[Candidate], int, list[str]]:
+    """The candidates, checked, predicted and pruned; the global batch; the user's
+    overrides advise keeps. ConfigError / NothingFits where nothing can be compared."""
+    options = cfg.advise
+    device_type = "cuda" if cfg.device.value == "cuda" or (
+        cfg.device.value == "auto" and torch.cuda.is_available()) else "cpu"
+    options.precisions = options.precisions or (
+        ["fp32", "bf16", "amp"] if device_type == "cuda" else ["fp32", "bf16"])
+    found = problem(options, device_type)
+    if found:
+        raise ConfigError(found)
+    world = _world_size(cfg, overrides, device_type)
+    sizes = options.world_sizes or [d for d in range(1, world + 1) if world % d == 0]
+    global_batch = cfg.data.get("global_batch_size") or cfg.data["batch_size"]
+    user = grid.user_overrides(overrides)
+    base = user + measuring(options, global_batch)
+    candidates = grid.enumerate_grid(options, sizes, device_type)
+    grid.check(candidates, lambda extra: configure(base + extra))
+    checked = [c for c in candidates if c.reason is None]
+    if not checked:
+        splits = [c for c in candidates if "does not split" in (c.reason or "")]
+        if splits and len(splits) == len(candidates):
+            raise ConfigError(f"data.global_batch_size={global_batch} does not split over any "
+                              f"layout at world sizes {sizes}: use a multiple of "
+                              f"{math.lcm(*sizes) * options.max_accumulation}")
+        raise ConfigError(candidates[0].reason if candidates else
+                          f"no layout uses world sizes {sizes}: set parallel.world_size")
+    if len(checked) == 1:
+        raise ConfigError(f"only one candidate ({checked[0].label}) at world sizes {sizes}: "
+                          "nothing to compare; give parallel.world_size > 1, or more "
+                          "advise.precisions / advise.activation_checkpointing")
+    grid.predict(candidates, _budget(options, cfg, device_type))
+    fitting = [c for c in candidates if c.reason is None]
+    if not fitting:
+        least = min((c for c in candidates if c.predicted_mb), key=lambda c: c.predicted_mb)
+        table = "\n".join(f"  {c.label}: {c.reason}" for c in candidates)
+        raise NothingFits(f"no candidate fits the memory budget; the smallest predicted need "
+                          f"is {least.predicted_mb:,.0f} MB per rank ({least.label}):\n{table}")
+    if options.only_needed:
+        grid.keep_needed(candidates)
+    return candidates, global_batch, user
+
+
+def _measure(candidates: list[Candidate], run_dir: Path) -> dict[int, float]:
+    """Every candidate left, one job per world size (world size 1: in this process);
+    the loopback bandwidth each launched job measured, by world size."""
+    from parallab import distributed, launch
+    from parallab.advise import measure
+
+    todo = [c for c in candidates if c.reason is None]
+    bandwidth: dict[int, float] = {}
+    for n in sorted({c.world_size for c in todo}):
+        group = [c for c in todo if c.world_size == n]
+        jobs = [(c.cfg, str(run_dir / "candidates" / f"{i:02d}_{_dirname(c)}"), c.overrides)
+                for i, c in enumerate(group)]
+        cfg = group[0].cfg
+        log.info("advise: measuring %d candidate(s) at world size %d", len(group), n)
+        if n == 1:
+            dist = distributed.setup(cfg.device.value, None, cfg.backend.timeout_s,
+                                     cfg.parallel.threads_per_worker)
+            results = measure.measure_all(jobs, dist)
+        else:
+            job = measure.Job(jobs, cfg.device.value, cfg.backend.name, cfg.backend.timeout_s,
+                              cfg.parallel.threads_per_worker)
+            answer = launch.elastic(measure.worker, (job,), n, 0, launch.worker_env(cfg))
+            results, bandwidth[n] = answer["results"], answer["bandwidth_gbps"]
+        for candidate, figures in zip(group, results):
+            candidate.figures = figures
+            candidate.reason = figures.get("error")
+    return bandwidth
+
+
+def _dirname(candidate: Candidate) -> str:
+    return "".join(ch if ch.isalnum() or ch in "=.-" else "_" for ch in candidate.label)
+
+
+def _predict_times(candidates: list[Candidate], options, bandwidth: dict[int, float]) -> list[str]:
+    """Each measured candidate's step time at advise.target_world_size, and here at its
+    own world size from world size 1 (the model's check); notes for advise.md."""
+    from parallab import mfu, precision, trial
+
+    ran = [c for c in candidates if c.measured]
+    devices = torch.cuda.device_count() or 1 if ran and ran[0].cfg.device.value == "cuda" else 1
+    notes, errors = [], []
+    flops = None
+    if options.target_world_size and ran:
+        flops = scaling.step_flops(ran[0].cfg, trial.one_batch(ran[0].cfg, 2))
+    for c in ran:
+        if flops is not None:
+            dtype = precision.compute_dtype(c.precision, "cuda")
+            peak = mfu.peak_flops(options.device, dtype) or mfu.peak_flops("H100", dtype)
+            work = flops * (4 / 3 if c.activation_checkpointing == "full" else 1)
+            c.figures["predicted_step_ms"] = 1e3 * scaling.predict_target(
+                c.figures, c.cfg, work, options, peak)
+        one = report.reference_of(candidates, c.precision)
+        if c.world_size > 1 and one is not None and one.world_size == 1 and c.world_size in \
+                bandwidth and one.figures.get("step_time_ms"):
+            here = scaling.validate(one.figures["step_time_ms"] / 1e3, c.figures, c.cfg,
+                                    bandwidth[c.world_size], devices)
+            c.figures["predicted_step_ms_here"] = here * 1e3
+            errors.append(abs(here * 1e3 / c.figures["step_time_ms"] - 1))
+    if flops is not None:
+        notes.append(f"predicted_step_ms: a prediction for {options.target_world_size} x "
+                     f"{options.device} ({options.gpus_per_node} per node, "
+                     f"{options.intra_node_gbps:g}/{options.inter_node_gbps:g} Gbit/s, "
+                     f"{options.mfu:.0%} of peak), README: advise.")
+    for n, gbps in bandwidth.items():
+        notes.append(f"Loopback all-reduce bandwidth at world size {n}: {gbps:.2f} Gbit/s.")
+    if errors:
+        notes.append(f"Step time here predicted from world size 1: median error "
+                     f"{sorted(errors)[len(errors) // 2]:.0%} over {len(errors)} layouts.")
+    return notes
+
+
+def advise(cfg, overrides: list[str], run_dir: str,
+           configure: Callable[[list[str]], Any]) -> dict[str, Any]:
+    """The whole advice for the composed `cfg` (advise.run=true); returns its summary."""
+    out = Path(run_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    candidates, global_batch, user = plan(cfg, overrides, configure)
+    bandwidth = _measure(candidates, out)
+    report.judge(candidates, cfg.advise.rtol)
+    notes = _predict_times(candidates, cfg.advise, bandwidth)
+    top = report.best(candidates)
+    command = report.command(user, top, global_batch) if top else None
+    table = report.write(candidates, out, command, notes)
+    log.info("advise: %d candidates, %d measured; advise.md, advise.csv, advise.png in %s",
+             len(candidates), sum(c.measured for c in candidates), out)
+    if command:
+        print(f"parallab advise recommends {top.label} "
+              f"({top.figures['samples_per_sec']:,.1f} samples/s):\n{command}", flush=True)
+    return {"recommended": top.label if top else None, "command": command, "rows": table}

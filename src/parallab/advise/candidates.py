@@ -1,0 +1,142 @@
+"""The grid `parallab advise` searches: every layout the strategies offer for each world
+size (Strategy.layouts), x precision x activation checkpointing x gradient accumulation,
+each checked as `python train.py` would check it, its memory predicted, and pruned with a
+reason where it cannot run or is not needed."""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from parallab.errors import ConfigError, first_line
+
+log = logging.getLogger(__name__)
+# the cost order of the memory savers: each next one trades more time for memory
+SAVERS = {"none": 0.0, "selective": 0.5, "full": 1.5}
+# what advise decides: the user's own settings of these keys give way to each candidate's
+DECIDED = ("parallel=", "parallel.", "precision=", "trainer.activation_checkpointing=",
+           "trainer.accumulate_grad_batches=", "advise.", "experiment=advise", "hydra.")
+KEPT = ("parallel.stages=", "parallel.threads_per_worker=")  # the model's and the machine's
+
+
+@dataclass
+class Candidate:
+    world_size: int
+    parallel: str
+    settings: list[str]  # the strategy's overrides after parallel=NAME
+    precision: str
+    activation_checkpointing: str
+    accumulation: int
+    cfg: Any = None  # the checked Config
+    predicted_state_mb: float | None = None
+    predicted_activation_mb: float | None = None
+    reason: str | None = None  # why it was pruned or failed
+    figures: dict[str, Any] = field(default_factory=dict)  # measured
+    verdict: str | None = None
+
+    @property
+    def overrides(self) -> list[str]:
+        """What `python train.py` needs beyond the user's overrides to train this way."""
+        return [f"parallel={self.parallel}", *self.settings, f"precision={self.precision}",
+                f"trainer.activation_checkpointing={self.activation_checkpointing}",
+                f"trainer.accumulate_grad_batches={self.accumulation}"]
+
+    @property
+    def label(self) -> str:
+        degrees = [s.removeprefix("parallel.").replace("world_size=", "n=")
+                   for s in self.settings]
+        return (f"{self.parallel}({','.join(degrees)}) {self.precision} "
+                f"ac={self.activation_checkpointing} accum={self.accumulation}")
+
+    @property
+    def predicted_mb(self) -> float | None:
+        if self.predicted_state_mb is None or self.predicted_activation_mb is None:
+            return None
+        return self.predicted_state_mb + self.predicted_activation_mb
+
+    @property
+    def cost(self) -> float:
+        """How much time its memory savers are expected to cost (0: none)."""
+        return SAVERS[self.activation_checkpointing] + math.log2(self.accumulation)
+
+    @property
+    def measured(self) -> bool:
+        return bool(self.figures) and "error" not in self.figures
+
+
+def user_overrides(overrides: list[str]) -> list[str]:
+    """The user's overrides less those advise decides per candidate."""
+    return [o for o in overrides if o.startswith(KEPT) or not o.lstrip("+~").startswith(DECIDED)]
+
+
+def enumerate_grid(options, world_sizes: list[int], device_type: str) -> list[Candidate]:
+    from parallab.parallel import STRATEGIES
+
+    names = options.layouts or list(STRATEGIES)
+    accumulations = [2**k for k in range(int(math.log2(options.max_accumulation)) + 1)]
+    return [Candidate(n, name, settings, precision, ac, accumulation)
+            for n in world_sizes for name in names
+            for settings in STRATEGIES[name].layouts(name, n, device_type, options)
+            for precision in options.precisions for ac in options.activation_checkpointing
+            for accumulation in accumulations]
+
+
+def check(candidates: list[Candidate], configure: Callable[[list[str]], Any]) -> None:
+    """Each candidate's config, checked as train.py checks it; a refusal prunes it."""
+    for candidate in candidates:
+        try:
+            candidate.cfg = configure(candidate.overrides)
+        except ConfigError as error:
+            candidate.reason = str(error)
+
+
+def predict(candidates: list[Candidate], budget_of: Callable[[int], float]) -> None:
+    """Memory per rank from fake tensors (memory.predict) for each checked candidate; the
+    largest rank's where ranks differ (pipeline parts). Over the budget (per rank, at the
+    candidate's world size): pruned."""
+    from parallab import trial
+    from parallab.advise import memory
+
+    batches: dict[int, Any] = {}
+    for candidate in candidates:
+        if candidate.reason is not None:
+            continue
+        cfg = candidate.cfg
+        size = cfg.data.batch_size
+        if size not in batches:
+            batches[size] = trial.one_batch(cfg, size)
+        ranks = range(cfg.parallel.world_size) if _ranks_differ(cfg) else [0]
+        try:
+            per_rank = [memory.predict(cfg, batches[size], rank) for rank in ranks]
+        except Exception as error:  # noqa: BLE001 - a layout fake tensors cannot trace
+            log.warning("%s: memory not predicted (%s)", candidate.label, first_line(error))
+            continue
+        state, act = max(per_rank, key=sum)
+        candidate.predicted_state_mb, candidate.predicted_activation_mb = state, act
+        budget_mb = budget_of(candidate.world_size)
+        if state + act > budget_mb:
+            candidate.reason = (f"predicted {state + act:,.0f} MB per rank (state {state:,.0f}"
+                                f" + activations {act:,.0f}) > budget {budget_mb:,.0f} MB")
+
+
+def _ranks_differ(cfg) -> bool:
+    from parallab.parallel import STRATEGIES
+
+    return STRATEGIES[cfg.parallel.name].splits_model
+
+
+def keep_needed(candidates: list[Candidate]) -> None:
+    """Of the candidates that differ only in memory savers, keep the cheapest that fits:
+    checkpointing and accumulation never make a step faster when it fits without them."""
+    groups: dict[tuple, list[Candidate]] = {}
+    for candidate in candidates:
+        key = (candidate.world_size, candidate.parallel, tuple(candidate.settings),
+               candidate.precision)
+        groups.setdefault(key, []).append(candidate)
+    for group in groups.values():
+        fitting = sorted((c for c in group if c.reason is None), key=lambda c: c.cost)
+        for other in fitting[1:]:
+            other.reason = (f"not needed: {fitting[0].label} fits (advise.only_needed=false "
+                            "measures it)")

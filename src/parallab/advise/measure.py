@@ -1,0 +1,159 @@
+"""Measuring candidates: a few optimizer steps each, one after another in one job.
+
+Candidates that share a world size run inside one launched job (or, at world size 1, in
+the controlling process): the process group is made once, and each candidate builds its
+own model, strategy (its own device mesh and groups), data and optimizer on it, as a
+worker of `python train.py` with its settings would (run.build_trainer). Each writes a
+TensorBoard run with its hparams into its own dir.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from parallab import distributed, run
+from parallab.advise.memory import MB, in_flight, saved_for_backward
+from parallab.errors import first_line
+from parallab.logger import RunLogger
+from parallab.memory import reset_peak_memory
+from parallab.preemption import Preemption
+from parallab.progress import Progress
+
+log = logging.getLogger(__name__)
+
+
+class LossRecorder(RunLogger):
+    """A RunLogger that also keeps every logged train loss, in step order."""
+
+    def __init__(self, run_dir: str | Path, active: bool):
+        super().__init__(run_dir, active)
+        self.losses: list[float] = []
+
+    def scalars(self, values: dict[str, float], step: int) -> None:
+        if "train/loss" in values:
+            self.losses.append(float(values["train/loss"]))
+        super().scalars(values, step)
+
+
+def _max_over_ranks(dist: distributed.Dist, value: float) -> float:
+    return -dist.all_reduce_min(torch.tensor([-value], dtype=torch.float64,
+                                             device=dist.device)).item()
+
+
+def measure(cfg, run_dir: str, dist: distributed.Dist, overrides: list[str]) -> dict[str, Any]:
+    """Train candidate `cfg` for its trainer.max_steps on the job's group; its figures:
+    losses, step time, samples/s, state and activation memory (the largest rank's), comm."""
+    logger = LossRecorder(run_dir, active=dist.is_main)
+    reset_peak_memory(dist.device)
+    activations = {"bytes": 0.0}
+    try:
+        with Preemption() as preemption:
+            trainer, lr = run.build_trainer(cfg, dist, logger, None, preemption)
+            logger.config(cfg)
+            _count_saved_on_second_step(trainer, activations)
+            progress = Progress(trainer.total_steps, False, False)
+            while not trainer.done():
+                trainer.train_epoch(progress)
+                trainer.epoch, trainer.epoch_step = trainer.epoch + 1, 0
+            figures = trainer.summary()
+        state = _max_over_ranks(dist, figures["state_memory_mb"] or 0.0)
+        act = _max_over_ranks(dist, activations["bytes"] / MB)
+        figures.update(losses=logger.losses, state_mb=state, activation_mb=act,
+                       measured_memory_mb=state + act, lr=lr, world_size=dist.world_size,
+                       precision_dtype=trainer.precision.dtype_name,
+                       peak_memory_mb=_max_over_ranks(dist, figures["peak_memory_mb"]))
+        if dist.is_main:
+            scalars = {k: v for k, v in figures.items() if k != "losses"}
+            logger.finish(scalars, run.hparams(run.RunSpec(cfg, run_dir, overrides), figures),
+                          trainer.step)
+        return figures
+    finally:
+        logger.close()
+
+
+def _count_saved_on_second_step(trainer, activations: dict[str, float]) -> None:
+    """The bytes the process's second step saves for backward (its first may set things
+    up: a pipeline's shape inference runs it twice), per micro-batch held at once."""
+    step = trainer.counted_step
+
+    def counted(batches):
+        if trainer.step != trainer.first_step + 1:
+            return step(batches)
+        with saved_for_backward(trainer.model) as saved:
+            loss = step(batches)
+            microbatches = getattr(trainer.strategy.cfg, "microbatches", 1)
+            activations["bytes"] = (saved() / len(batches)
+                                    * in_flight(trainer.strategy, microbatches))
+        return loss
+
+    trainer.counted_step = counted
+
+
+def measure_all(jobs: list[tuple[Any, str, list[str]]], dist: distributed.Dist
+                ) -> list[dict[str, Any]]:
+    """Each (cfg, run dir, overrides) measured in turn; a candidate that fails is recorded
+    with the first line of its error and the next one runs."""
+    results = []
+    for cfg, run_dir, overrides in jobs:
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        started = time.perf_counter()
+        try:
+            figures = measure(cfg, run_dir, dist, overrides)
+        except Exception as error:  # noqa: BLE001 - a candidate's failure is its result
+            if distributed.lost_a_peer(error):
+                raise  # the job itself is broken: no further candidate can run
+            log.warning("candidate %s failed: %s", run_dir, first_line(error))
+            figures = {"error": first_line(error)}
+        figures["wall_s"] = time.perf_counter() - started
+        results.append(figures)
+    return results
+
+
+def loopback_gbps(dist: distributed.Dist, megabytes: int = 16, repeats: int = 5) -> float:
+    """The job's all-reduce bus bandwidth in gigabits/s: 2(n-1)/n x the tensor per rank,
+    as comm.py counts it, over the median time of `repeats` all-reduces."""
+    import statistics
+
+    import torch.distributed as torch_dist
+
+    tensor = torch.ones(megabytes * MB // 4, device=dist.device)
+    times = []
+    for _ in range(repeats + 1):
+        torch_dist.barrier()
+        start = time.perf_counter()
+        torch_dist.all_reduce(tensor)
+        times.append(time.perf_counter() - start)
+    n = dist.world_size
+    sent = 2 * (n - 1) / n * tensor.numel() * 4
+    return sent * 8 / statistics.median(times[1:]) / 1e9
+
+
+@dataclass
+class Job:
+    """The candidates of one world size, for a launched job's workers."""
+
+    jobs: list[tuple[Any, str, list[str]]]
+    device: str
+    backend: str
+    timeout_s: float
+    threads_per_worker: int | None
+
+
+def worker(job: Job) -> dict[str, Any]:
+    """A launched worker: join the group once, measure every candidate, then the group's
+    bandwidth (for the step-time prediction)."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the fork server's SIG_IGN (launch.py)
+    logging.basicConfig(level=logging.WARNING)
+    dist = distributed.setup(job.device, job.backend, job.timeout_s, job.threads_per_worker,
+                             store=distributed.attempt_store(job.timeout_s))
+    results = measure_all(job.jobs, dist)
+    bandwidth = loopback_gbps(dist)
+    distributed.teardown()
+    return {"results": results, "bandwidth_gbps": bandwidth}

@@ -1,0 +1,157 @@
+"""Memory per rank, predicted before anything runs and measured the same way in a run.
+
+The prediction lays the candidate out as a worker would (the strategy's split, activation
+checkpointing, wrap, the optimizer and one step of it), but on fake tensors (torch's
+FakeTensorMode) under torch's fake process group, as rank r of the candidate's world size:
+no memory is allocated, no collective runs, and the shapes are exactly a worker's. From it:
+the training state the rank holds (memory.held_state_mb: its parameters, gradients and
+optimizer state) and the activations one training step keeps for backward (saved_bytes: a
+forward and backward of one micro-batch, every storage saved for backward counted once,
+with the size it still has when the step ends, so parameters FSDP gathered and freed
+again are not activations). A run measures the same two figures on its real first step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+
+MB = 2**20
+
+
+@contextlib.contextmanager
+def saved_for_backward(model: nn.Module) -> Iterator[Callable[[], int]]:
+    """While active, every storage autograd saves (parameters left out) is kept by
+    identity; the function yielded gives their bytes as of now (call it when the step is
+    over: a freed FSDP gather counts 0)."""
+    params = {p.untyped_storage()._cdata for p in model.parameters()}
+    saved: dict[int, torch.UntypedStorage] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage._cdata not in params:
+            saved[storage._cdata] = storage
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        yield lambda: sum(s.nbytes() for s in saved.values())
+
+
+def in_flight(strategy, microbatches: int) -> float:
+    """The share of one step's micro-batch activations a rank holds at once: all of them,
+    except a pipeline's 1F1B stage, which holds at most (stages to its end) of them."""
+    schedule = getattr(strategy.cfg, "schedule", None)
+    if schedule != "1f1b":
+        return 1.0
+    return min(strategy.pp - strategy.stage_index, microbatches) / microbatches
+
+
+@contextlib.contextmanager
+def fake_group(rank: int, world_size: int) -> Iterator[None]:
+    """torch's fake process group as the default group: collectives return at once."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def predict(cfg, batch: tuple[Any, torch.Tensor], rank: int) -> tuple[float, float]:
+    """(state MB, activation MB) rank `rank` of the candidate `cfg` (checked, resolved)
+    would hold, from fake tensors: `batch` is one real micro-batch of the data."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from parallab import run
+    from parallab.distributed import Dist
+    from parallab.loss import build_loss
+    from parallab.memory import held_state_mb
+    from parallab.models import build_model
+    from parallab.optim import build_optimizer
+    from parallab.parallel import STRATEGIES
+    from parallab.precision import Precision
+
+    world = cfg.parallel.world_size
+    device = torch.device("cuda" if cfg.device.value == "cuda" else "cpu")
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    with fake_group(rank, world):
+        dist = Dist(rank, rank, world, world, device, "fake")
+        precision = Precision(cfg.precision, device)
+        strategy = STRATEGIES[cfg.parallel.name](cfg.parallel, dist, precision,
+                                                 build_loss(cfg.loss))
+        with fake:  # the mesh and the wrappers are built outside: they read real tensors
+            model = build_model(cfg.model)
+        # cloned: a batch sliced from a data set held in memory is a view of all of it
+        inputs, targets = (fake.from_tensor(t.clone()) if torch.is_tensor(t) else t
+                           for t in batch)
+        if strategy.splits_model:
+            return _predict_part(cfg, strategy, model, inputs, targets, precision)
+        model = strategy.wrap(run.speed_up(strategy.split(model), cfg.trainer,
+                                           cfg.parallel.stages))
+        _reduce_locally(model)
+        optimizer = build_optimizer(cfg.optim, model)
+        with saved_for_backward(model) as saved:
+            strategy.forward_backward(model, inputs, targets, precision,
+                                      cfg.trainer.accumulate_grad_batches)
+            activations = saved()
+        optimizer.step()  # its state, laid out like the parameters
+        return held_state_mb(model, optimizer), activations / MB
+
+
+def _reduce_locally(model: nn.Module) -> None:
+    """DDP's all-reduce hook expects the reduced bucket back, which the fake group does not
+    give: each bucket stays as it is (the memory is the same)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    def local(_, bucket):
+        future = torch.futures.Future()
+        future.set_result(bucket.buffer())
+        return future
+
+    if isinstance(model, DistributedDataParallel):
+        model.register_comm_hook(None, local)
+
+
+def _predict_part(cfg, strategy, model: nn.Module, inputs, targets, precision
+                  ) -> tuple[float, float]:
+    """A pipeline rank: its part of the model (as the strategy keeps it), the optimizer
+    over it, and its part's activations for one micro-batch, times the micro-batches it
+    holds at once. The stage-to-stage exchange needs real shapes, which the fake group does
+    not pass on, so the earlier parts run here to give this part its input."""
+    from parallab.memory import held_state_mb
+    from parallab.optim import build_optimizer
+    from parallab.parallel import stages as stages_of
+    from parallab.parallel.pipeline import keep_only
+    from parallab.parallel.split import part_ranges
+
+    p = cfg.parallel
+    stages = stages_of.find(model, p.stages)
+    keep = part_ranges(stages, strategy.pp, p.split)[strategy.stage_index]
+    rows = len(targets) // p.microbatches
+    x, targets = inputs[:rows], targets[:rows]
+    with torch.no_grad(), precision.autocast():
+        for stage in stages[:keep.start]:
+            x = stage(x)
+    keep_only(model, stages, keep)
+    model = run_speed_up(model, cfg)
+    optimizer = build_optimizer(cfg.optim, model)
+    with saved_for_backward(model) as saved:
+        with precision.autocast():
+            out = model(x)
+            last = keep.stop == len(stages)
+            out = strategy.loss(out, targets) if last else out.float().sum()
+        out.backward()
+        activations = saved() * p.microbatches * in_flight(strategy, p.microbatches)
+    optimizer.step()
+    return held_state_mb(model, optimizer), activations / MB
+
+
+def run_speed_up(model: nn.Module, cfg) -> nn.Module:
+    from parallab import run
+
+    return run.speed_up(model, cfg.trainer, cfg.parallel.stages)

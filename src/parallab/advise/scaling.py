@@ -1,0 +1,95 @@
+"""Step time beyond this machine: a first-order model from what advise measured.
+
+    t(n) = compute(n) + sum over collective kinds of bytes_kind(n) / bandwidth_kind
+
+compute(n): the step's training FLOPs (counted on fake tensors with torch's
+FlopCounterMode) shared by the n ranks, at the target GPU's peak (mfu.py's table) times an
+assumed utilisation (advise.mfu); a pipeline adds its bubble, (pp - 1) / microbatches.
+bytes_kind(n): the bytes a rank sent per step by kind (comm.py), measured at the world size
+advise ran, rescaled by the ring factor (g - 1) / g of the data-parallel group size g at n
+(the payload, a gradient or parameter shard, stays the same). bandwidth_kind: the
+intra-node link while the group fits in one node (advise.gpus_per_node), else the
+inter-node one; hsdp's shard collectives stay inside a node, its replicas' all-reduce
+crosses nodes. Every figure it gives is labelled a prediction.
+
+On this machine the same model, with compute measured instead of counted, predicts the
+launched world size from world size 1 and the measured loopback bandwidth (validate()).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p", "broadcast")
+SHARD_KINDS = ("all_gather", "reduce_scatter")
+
+
+def ring(g: int) -> float:
+    return (g - 1) / g if g > 1 else 0.0
+
+
+def data_parallel_size(cfg) -> int:
+    from parallab.parallel import STRATEGIES
+
+    return STRATEGIES[cfg.parallel.name].data_parallel_ranks(cfg)
+
+
+def comm_seconds(figures: dict[str, Any], cfg, n: int, gpus_per_node: int,
+                 intra_gbps: float, inter_gbps: float) -> float:
+    """The step's communication time at world size n (see the module's formula)."""
+    d_now = data_parallel_size(cfg)
+    d_then = max(1, d_now * n // cfg.parallel.world_size)
+    scale = ring(d_then) / ring(d_now) if ring(d_now) else 1.0
+    seconds = 0.0
+    for kind in KINDS:
+        megabytes = figures.get(f"comm_{kind}_mb") or 0.0
+        spans_nodes = n > gpus_per_node and not (cfg.parallel.name == "hsdp"
+                                                 and kind in SHARD_KINDS)
+        gbps = inter_gbps if spans_nodes else intra_gbps
+        factor = scale if kind != "p2p" else 1.0
+        seconds += megabytes * factor * 2**20 * 8 / (gbps * 1e9)
+    return seconds
+
+
+def bubble(cfg) -> float:
+    p = cfg.parallel
+    return 1 + (p.pp - 1) / p.microbatches if getattr(p, "pp", None) else 1.0
+
+
+def step_flops(cfg, batch) -> float:
+    """Training FLOPs of one optimizer step at the candidate's global batch: one micro-batch's
+    forward and backward on fake tensors, times the micro-batches of a step."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from parallab.loss import build_loss
+    from parallab.models import build_model
+
+    loss = build_loss(cfg.loss)
+    with FakeTensorMode(allow_non_fake_inputs=True) as fake:
+        model = build_model(cfg.model)
+        inputs, targets = (fake.from_tensor(t) if torch.is_tensor(t) else t for t in batch)
+        with FlopCounterMode(display=False) as counter:
+            out = model(inputs, targets) if loss.from_model else model(inputs)
+            loss(out, targets).backward()
+    micro = len(targets)
+    return counter.get_total_flops() * (cfg.data.global_batch_size / micro)
+
+
+def predict_target(figures: dict[str, Any], cfg, flops: float, options, peak: float) -> float:
+    """Predicted step time (s) at advise.target_world_size on the target GPUs."""
+    n = options.target_world_size
+    compute = flops / n / (peak * options.mfu) * bubble(cfg)
+    return compute + comm_seconds(figures, cfg, n, options.gpus_per_node,
+                                  options.intra_node_gbps, options.inter_node_gbps)
+
+
+def validate(one_rank_step_s: float, figures: dict[str, Any], cfg, bandwidth_gbps: float,
+             devices: int) -> float:
+    """This machine's step time at the candidate's world size n, predicted from world
+    size 1 (its compute shared by min(n, devices) devices: CPU ranks share one set of
+    cores) and the loopback bandwidth measured in the launched job."""
+    n = cfg.parallel.world_size
+    compute = one_rank_step_s / min(n, devices) * bubble(cfg)
+    return compute + comm_seconds(figures, cfg, n, n, bandwidth_gbps, bandwidth_gbps)
