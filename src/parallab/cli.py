@@ -128,6 +128,10 @@ def _train_job(dict_cfg: DictConfig) -> float | None:
         return _train_and_report(spec, in_place).get(objective(cfg))
 
 
+# Hydra's flags that say where the config comes from: a recommended command keeps them
+CONFIG_FLAGS = ("--config-dir", "-cd", "--config-path", "-cp", "--config-name", "-cn")
+
+
 def _advise(dict_cfg: DictConfig, overrides: list[str], run_dir: str, compose_with
             ) -> dict[str, Any]:
     """advise.run=true: parallab advise (advise/) in `run_dir`; `compose_with(overrides)`
@@ -137,10 +141,13 @@ def _advise(dict_cfg: DictConfig, overrides: list[str], run_dir: str, compose_wi
     def configure(extra: list[str]):
         return validate.prepare(typed_config(compose_with(extra), extra), None)
 
+    entry = "parallab train" if Path(sys.argv[0]).name == "parallab" else "python train.py"
+    flags = [arg for i, arg in enumerate(sys.argv[1:], 1) if arg in CONFIG_FLAGS or (
+        sys.argv[i - 1] in CONFIG_FLAGS) or arg.startswith(tuple(f"{f}=" for f in CONFIG_FLAGS))]
     try:
         cfg = typed_config(dict_cfg, overrides)
         with _claimed(run_dir, cfg, None):
-            return advise.advise(cfg, overrides, run_dir, configure)
+            return advise.advise(cfg, overrides, run_dir, configure, [entry, *flags])
     except validate.ConfigError as error:
         raise JobFailed(str(error), 2) from None
     except advise.NothingFits as error:
@@ -333,7 +340,7 @@ def _export(ckpt: Path, out: Path) -> None:
 
 def advise() -> None:
     """`parallab advise [overrides]` = `parallab train advise.run=true [overrides]`."""
-    sys.argv.insert(1, "advise.run=true")
+    sys.argv.append("advise.run=true")  # last: Hydra's flags (--config-dir) may come first
     train()
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import yaml
 
 from parallab.advise import candidates as grid, report, scaling
 from parallab.advise.candidates import Candidate
@@ -108,8 +109,9 @@ def plan(cfg, overrides: list[str], configure: Callable[[list[str]], Any]
     user = grid.user_overrides(overrides)
     base = user + measuring(options, global_batch)
     candidates = grid.enumerate_grid(options, sizes, device_type)
-    grid.check(candidates, lambda extra: configure(base + extra))
-    checked = [c for c in candidates if c.reason is None]
+    grid.settle(candidates, lambda extra: configure(base + extra),
+                _budget(options, cfg, device_type), options.only_needed)
+    checked = [c for c in candidates if c.cfg is not None]
     if not checked:
         splits = [c for c in candidates if "does not split" in (c.reason or "")]
         if splits and len(splits) == len(candidates):
@@ -118,19 +120,15 @@ def plan(cfg, overrides: list[str], configure: Callable[[list[str]], Any]
                               f"{math.lcm(*sizes) * options.max_accumulation}")
         raise ConfigError(candidates[0].reason if candidates else
                           f"no layout uses world sizes {sizes}: set parallel.world_size")
-    if len(checked) == 1:
+    if len(checked) + sum("not needed" in (c.reason or "") for c in candidates) == 1:
         raise ConfigError(f"only one candidate ({checked[0].label}) at world sizes {sizes}: "
                           "nothing to compare; give parallel.world_size > 1, or more "
                           "advise.precisions / advise.activation_checkpointing")
-    grid.predict(candidates, _budget(options, cfg, device_type))
-    fitting = [c for c in candidates if c.reason is None]
-    if not fitting:
+    if not any(c.reason is None for c in candidates):
         least = min((c for c in candidates if c.predicted_mb), key=lambda c: c.predicted_mb)
         table = "\n".join(f"  {c.label}: {c.reason}" for c in candidates)
         raise NothingFits(f"no candidate fits the memory budget; the smallest predicted need "
-                          f"is {least.predicted_mb:,.0f} MB per rank ({least.label}):\n{table}")
-    if options.only_needed:
-        grid.keep_needed(candidates)
+                          f"is {least.predicted_mb:,.1f} MB per rank ({least.label}):\n{table}")
     return candidates, global_batch, user
 
 
@@ -146,6 +144,10 @@ def _measure(candidates: list[Candidate], run_dir: Path) -> dict[int, float]:
         group = [c for c in todo if c.world_size == n]
         jobs = [(c.cfg, str(run_dir / "candidates" / f"{i:02d}_{_dirname(c)}"), c.overrides)
                 for i, c in enumerate(group)]
+        for (_, path, overrides), c in zip(jobs, group):  # what the candidate was, to rerun
+            Path(path).mkdir(parents=True, exist_ok=True)
+            (Path(path) / "overrides.yaml").write_text(
+                yaml.safe_dump({"layout": c.label, "overrides": overrides}))
         cfg = group[0].cfg
         log.info("advise: measuring %d candidate(s) at world size %d", len(group), n)
         if n == 1:
@@ -205,9 +207,10 @@ def _predict_times(candidates: list[Candidate], options, bandwidth: dict[int, fl
     return notes
 
 
-def advise(cfg, overrides: list[str], run_dir: str,
-           configure: Callable[[list[str]], Any]) -> dict[str, Any]:
-    """The whole advice for the composed `cfg` (advise.run=true); returns its summary."""
+def advise(cfg, overrides: list[str], run_dir: str, configure: Callable[[list[str]], Any],
+           entry: list[str] | None = None) -> dict[str, Any]:
+    """The whole advice for the composed `cfg` (advise.run=true); returns its summary.
+    `entry`: how the recommended command starts (python train.py, and any --config-dir)."""
     out = Path(run_dir)
     out.mkdir(parents=True, exist_ok=True)
     candidates, global_batch, user = plan(cfg, overrides, configure)
@@ -215,7 +218,8 @@ def advise(cfg, overrides: list[str], run_dir: str,
     report.judge(candidates, cfg.advise.rtol)
     notes = _predict_times(candidates, cfg.advise, bandwidth)
     top = report.best(candidates)
-    command = report.command(user, top, global_batch) if top else None
+    command = report.command(entry or ["python train.py"], user, top,
+                             global_batch) if top else None
     table = report.write(candidates, out, command, notes)
     log.info("advise: %d candidates, %d measured; advise.md, advise.csv, advise.png in %s",
              len(candidates), sum(c.measured for c in candidates), out)

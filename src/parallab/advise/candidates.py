@@ -83,60 +83,56 @@ def enumerate_grid(options, world_sizes: list[int], device_type: str) -> list[Ca
             for accumulation in accumulations]
 
 
-def check(candidates: list[Candidate], configure: Callable[[list[str]], Any]) -> None:
-    """Each candidate's config, checked as train.py checks it; a refusal prunes it."""
-    for candidate in candidates:
-        try:
-            candidate.cfg = configure(candidate.overrides)
-        except ConfigError as error:
-            candidate.reason = str(error)
-
-
-def predict(candidates: list[Candidate], budget_of: Callable[[int], float]) -> None:
-    """Memory per rank from fake tensors (memory.predict) for each checked candidate; the
-    largest rank's where ranks differ (pipeline parts). Over the budget (per rank, at the
-    candidate's world size): pruned."""
-    from parallab import trial
-    from parallab.advise import memory
-
-    batches: dict[int, Any] = {}
-    for candidate in candidates:
-        if candidate.reason is not None:
-            continue
-        cfg = candidate.cfg
-        size = cfg.data.batch_size
-        if size not in batches:
-            batches[size] = trial.one_batch(cfg, size)
-        ranks = range(cfg.parallel.world_size) if _ranks_differ(cfg) else [0]
-        try:
-            per_rank = [memory.predict(cfg, batches[size], rank) for rank in ranks]
-        except Exception as error:  # noqa: BLE001 - a layout fake tensors cannot trace
-            log.warning("%s: memory not predicted (%s)", candidate.label, first_line(error))
-            continue
-        state, act = max(per_rank, key=sum)
-        candidate.predicted_state_mb, candidate.predicted_activation_mb = state, act
-        budget_mb = budget_of(candidate.world_size)
-        if state + act > budget_mb:
-            candidate.reason = (f"predicted {state + act:,.0f} MB per rank (state {state:,.0f}"
-                                f" + activations {act:,.0f}) > budget {budget_mb:,.0f} MB")
-
-
-def _ranks_differ(cfg) -> bool:
-    from parallab.parallel import STRATEGIES
-
-    return STRATEGIES[cfg.parallel.name].splits_model
-
-
-def keep_needed(candidates: list[Candidate]) -> None:
-    """Of the candidates that differ only in memory savers, keep the cheapest that fits:
-    checkpointing and accumulation never make a step faster when it fits without them."""
+def settle(candidates: list[Candidate], configure: Callable[[list[str]], Any],
+           budget_of: Callable[[int], float], only_needed: bool) -> None:
+    """Check each candidate as train.py would (a refusal prunes it) and predict its memory
+    per rank (over the budget at its world size prunes it). Of candidates differing only in
+    memory savers, cheapest first; with `only_needed`, once one fits the rest are not
+    needed (checkpointing and accumulation never make a fitting step faster) and are
+    neither checked nor predicted."""
     groups: dict[tuple, list[Candidate]] = {}
     for candidate in candidates:
         key = (candidate.world_size, candidate.parallel, tuple(candidate.settings),
                candidate.precision)
         groups.setdefault(key, []).append(candidate)
+    batches: dict[int, Any] = {}
     for group in groups.values():
-        fitting = sorted((c for c in group if c.reason is None), key=lambda c: c.cost)
-        for other in fitting[1:]:
-            other.reason = (f"not needed: {fitting[0].label} fits (advise.only_needed=false "
-                            "measures it)")
+        fits = None
+        for candidate in sorted(group, key=lambda c: c.cost):
+            if fits is not None and only_needed:
+                candidate.reason = (f"not needed: {fits.label} fits (advise.only_needed="
+                                    "false measures it)")
+                continue
+            try:
+                candidate.cfg = configure(candidate.overrides)
+            except ConfigError as error:
+                candidate.reason = str(error)
+                continue
+            _predict(candidate, budget_of(candidate.world_size), batches)
+            if candidate.reason is None and fits is None:
+                fits = candidate
+
+
+def _predict(candidate: Candidate, budget_mb: float, batches: dict[int, Any]) -> None:
+    """Memory per rank from fake tensors (memory.predict); the largest rank's where ranks
+    differ (pipeline parts). `batches`: one real micro-batch by size, shared."""
+    from parallab import trial
+    from parallab.advise import memory
+    from parallab.parallel import STRATEGIES
+
+    cfg = candidate.cfg
+    size = cfg.data.batch_size
+    if size not in batches:
+        batches[size] = trial.one_batch(cfg, size)
+    differ = STRATEGIES[cfg.parallel.name].splits_model
+    ranks = range(cfg.parallel.world_size) if differ else [0]
+    try:
+        per_rank = [memory.predict(cfg, batches[size], rank) for rank in ranks]
+    except Exception as error:  # noqa: BLE001 - a layout fake tensors cannot trace
+        log.warning("%s: memory not predicted (%s)", candidate.label, first_line(error))
+        return
+    state, act = max(per_rank, key=sum)
+    candidate.predicted_state_mb, candidate.predicted_activation_mb = state, act
+    if state + act > budget_mb:
+        candidate.reason = (f"predicted {state + act:,.1f} MB per rank (state {state:,.1f} + "
+                            f"activations {act:,.1f}) > budget {budget_mb:,.1f} MB")

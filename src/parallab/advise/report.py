@@ -137,9 +137,10 @@ def _plot(candidates: list[Candidate], path: Path) -> None:
     plt.close(figure)
 
 
-def command(user: list[str], candidate: Candidate, global_batch: int) -> str:
-    """The train.py command line that trains with `candidate`."""
+def command(entry: list[str], user: list[str], candidate: Candidate, global_batch: int) -> str:
+    """The command line (`entry`: python train.py, any --config-dir) that trains with
+    `candidate`."""
     extra = [] if any(o.startswith("data.global_batch_size=") for o in user) else [
         f"data.global_batch_size={global_batch}"]
-    return "python train.py " + " ".join(shlex.quote(o) for o in [*user, *extra,
-                                                                  *candidate.overrides])
+    return " ".join([entry[0], *(shlex.quote(o) for o in [*entry[1:], *user, *extra,
+                                                          *candidate.overrides])])

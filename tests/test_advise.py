@@ -1,0 +1,105 @@
+"""parallab advise: candidates measured in one job per world size, memory predicted on fake
+tensors against what the run measured, verdicts, the answer's files, and its refusals."""
+
+from __future__ import annotations
+
+import csv
+
+import pytest
+
+from parallab.cli import JobFailed, advise_in_process
+
+TINY = ["model=gpt", "data=bytes", "optim=adamw", "model.layers=2", "model.width=64",
+        "model.context=32", "data.global_batch_size=8", "device=cpu"]
+SHORT = ["advise.steps=3", "advise.warmup_steps=1", "advise.precisions=[fp32]"]
+
+
+@pytest.mark.distributed
+def test_advise_measures_predicts_and_recommends_a_matching_layout(tmp_path):
+    import yaml
+
+    run_dir = tmp_path / "advise"
+    answer = advise_in_process([*TINY, *SHORT, "parallel.world_size=2",
+                                "advise.layouts=[none,ddp,fsdp]",
+                                "advise.activation_checkpointing=[none,full]",
+                                "advise.max_accumulation=2", "advise.only_needed=false",
+                                "advise.target_world_size=16"], run_dir)
+    rows = list(csv.DictReader(open(run_dir / "advise.csv")))
+    assert len(rows) == 12  # none; ddp and fsdp at 2 ranks; x 2 checkpointing x 2 accumulation
+    assert {"layout", "predicted_memory_mb", "measured_memory_mb", "samples_per_sec",
+            "ratio_to_best", "verdict", "reason"} <= set(rows[0])
+    for row in rows:  # every one ran, matched its reference, and was predicted within 15%
+        assert row["verdict"] in ("reference", "matches"), row
+        assert abs(float(row["memory_error"])) <= 0.15, row
+        assert float(row["predicted_step_ms"]) > 0
+    # full checkpointing keeps less than none for the same layout, as predicted
+    by_layout = {r["layout"]: r for r in rows}
+    assert (float(by_layout["ddp(n=2) fp32 ac=full accum=1"]["predicted_memory_mb"])
+            < float(by_layout["ddp(n=2) fp32 ac=none accum=1"]["predicted_memory_mb"]))
+    best = max(rows, key=lambda r: float(r["samples_per_sec"]))
+    assert float(best["ratio_to_best"]) == 1.0 and answer["recommended"] == best["layout"]
+    command = answer["command"]
+    assert command.startswith("python train.py model=gpt") and "advise." not in command
+    assert (run_dir / "advise.png").stat().st_size > 0 and "Recommended" in (
+        run_dir / "advise.md").read_text()
+    # each candidate a TensorBoard run with its metrics and what it was
+    dirs = sorted((run_dir / "candidates").iterdir())
+    assert len(dirs) == 12 and all(any(d.glob("events.out.tfevents.*")) for d in dirs)
+    record = yaml.safe_load((dirs[-1] / "overrides.yaml").read_text())
+    assert record["layout"] in by_layout and (dirs[-1] / "metrics.json").exists()
+
+
+def test_a_losing_layout_is_judged_differs_with_its_worst_step():
+    from parallab.advise import report
+    from parallab.advise.candidates import Candidate
+
+    reference = Candidate(1, "none", ["parallel.world_size=1"], "fp32", "none", 1,
+                          figures={"losses": [2.0, 1.5, 1.2], "samples_per_sec": 10.0})
+    same = Candidate(2, "ddp", ["parallel.world_size=2"], "fp32", "none", 1,
+                     figures={"losses": [2.0, 1.5001, 1.2], "samples_per_sec": 12.0})
+    wrong = Candidate(2, "fsdp", ["parallel.world_size=2"], "fp32", "none", 1,
+                      figures={"losses": [2.0, 1.5, 1.3], "samples_per_sec": 50.0})
+    report.judge([reference, same, wrong], 1e-3)
+    assert reference.verdict == "reference" and same.verdict == "matches"
+    assert wrong.verdict.startswith("differs: step 3 loss 1.3 vs 1.2")
+    assert report.best([reference, same, wrong]) is same  # fast but wrong is never picked
+
+
+@pytest.mark.parametrize("overrides, says", [
+    (["advise.layouts=[ddp,nope]"], "advise.layouts names nope"),
+    (["advise.world_sizes=[2]", "advise.layouts=[ddp,fsdp]", "data.global_batch_size=7",
+      "parallel.world_size=2"],
+     "data.global_batch_size=7 does not split over any layout"),
+    (["advise.world_sizes=[1]", "advise.activation_checkpointing=[none]",
+      "advise.max_accumulation=1"], "only one candidate"),
+    (["advise.steps=0"], "advise.steps=0 is out of range"),
+])
+def test_bad_advice_requests_end_in_one_line(tmp_path, overrides, says):
+    with pytest.raises(JobFailed) as raised:
+        advise_in_process([*TINY, *SHORT, *overrides], tmp_path / "advise")
+    assert raised.value.status == 2 and says in str(raised.value)
+    assert "\n" not in str(raised.value)
+
+
+def test_a_budget_too_small_for_every_candidate_names_the_smallest_need(tmp_path):
+    with pytest.raises(JobFailed) as raised:
+        advise_in_process([*TINY, *SHORT, "advise.world_sizes=[1]", "advise.budget_mb=0.5"],
+                          tmp_path / "advise")
+    message = str(raised.value)
+    assert raised.value.status == 1 and "smallest predicted need is" in message
+    assert message.count("> budget") >= 2  # each candidate's reason, one line each
+    assert not (tmp_path / "advise" / "candidates").exists()  # nothing ran
+
+
+def test_the_grid_comes_from_each_strategy():
+    from parallab.advise.candidates import enumerate_grid
+    from parallab.config import AdviseConfig
+
+    options = AdviseConfig(precisions=["fp32"], activation_checkpointing=["none"],
+                           max_accumulation=1, schedules=["1f1b"], microbatches=[4])
+    labels = {c.label for c in enumerate_grid(options, [1, 4], "cpu")}
+    assert "none(n=1) fp32 ac=none accum=1" in labels
+    assert "hsdp(n=4,dp_replicate=2,dp_shard=2,tp=1) fp32 ac=none accum=1" in labels
+    assert "fsdp_tp(n=4,dp_replicate=1,dp_shard=2,tp=2) fp32 ac=none accum=1" in labels
+    assert any(label.startswith("pipeline(n=4,pp=2,dp_replicate=2") for label in labels)
+    assert not any(label.startswith(("dp(", "model(")) for label in labels)  # GPUs only
