@@ -7,7 +7,8 @@ at world size 2 on this CPU: `parallab advise` once (timed), then every candidat
 measured trained again by `python train.py` for --sweep-steps steps (a -m sweep's jobs, one
 process each). Targets: the recommendation's samples/s within 5% of the sweep's best among
 candidates whose losses match the reference; advise's wall time <= 25% of the sweep's;
-every memory prediction within 15% of the measurement.
+every memory prediction within 15% of the measurement. The sweep replays the candidates
+advise measured, not those it pruned (the memory savers it found not needed).
 """
 
 from __future__ import annotations
@@ -42,35 +43,29 @@ def advise(cwd: Path, overrides: list[str], run_dir: Path) -> tuple[float, list[
     return wall, rows, command
 
 
-def sweep(cwd: Path, command: str, rows: list[dict], advise_dir: Path, steps: int,
+def sweep(cwd: Path, command: str, advise_dir: Path, steps: int,
           scratch: Path) -> tuple[float, dict[str, float]]:
-    """Each measured candidate trained --sweep-steps steps in its own process."""
-    user = shlex.split(command)[2:]  # after `parallab train`
+    """Each measured candidate (its overrides.yaml in advise's run dir) trained
+    --sweep-steps steps in its own process."""
+    import yaml
+
+    from parallab.advise.candidates import user_overrides
+
+    # the command after `parallab train`, less the candidate's own settings
+    user = user_overrides(shlex.split(command)[2:])
     speeds, wall = {}, 0.0
-    for index, row in enumerate(r for r in rows if r["samples_per_sec"]):
-        # the candidate's own overrides: from the run dir advise gave it
-        overrides = _overrides(advise_dir, row["layout"])
-        args = [o for o in user if not o.startswith(("parallel", "precision=", "trainer.a"))]
-        args += overrides + [f"trainer.max_steps={steps + 5}", "trainer.epochs=1000",
-                             "trainer.checkpoint_every_n_steps=null", "trainer.progress_bar=false",
-                             "device=cpu"]
+    for index, path in enumerate(sorted((advise_dir / "candidates").glob("*/overrides.yaml"))):
+        record = yaml.safe_load(path.read_text())
+        args = user + record["overrides"] + [
+            f"trainer.max_steps={steps + 5}", "trainer.epochs=1000",
+            "trainer.checkpoint_every_n_steps=null", "trainer.progress_bar=false"]
         start = time.perf_counter()
         run_dir = scratch / f"sweep_{index}"
         result = run_entry("parallab", ["train", *args], run_dir, timeout=1800, cwd=cwd)
         wall += time.perf_counter() - start
         if result.returncode == 0:
-            speeds[row["layout"]] = read_metrics(run_dir)["samples_per_sec"]
+            speeds[record["layout"]] = read_metrics(run_dir)["samples_per_sec"]
     return wall, speeds
-
-
-def _overrides(advise_dir: Path, layout: str) -> list[str]:
-    import yaml
-
-    for hparams in (advise_dir / "candidates").glob("*/overrides.yaml"):
-        record = yaml.safe_load(hparams.read_text())
-        if record["layout"] == layout:
-            return record["overrides"]
-    raise KeyError(layout)
 
 
 def main() -> None:
@@ -83,21 +78,23 @@ def main() -> None:
             continue
         scratch = scratch_dir(f"bench_advise_{name}_")
         wall, rows, command = advise(cwd, overrides, scratch / "advise")
-        sweep_wall, speeds = sweep(cwd, command, rows, scratch / "advise", args.sweep_steps,
-                                   scratch)
+        sweep_wall, speeds = sweep(cwd, command, scratch / "advise", args.sweep_steps, scratch)
         good = {r["layout"] for r in rows if r["verdict"] in ("reference", "matches")}
         best = max((s, layout) for layout, s in speeds.items() if layout in good)
         pick = next(r["layout"] for r in rows if r["ratio_to_best"] and
                     float(r["ratio_to_best"]) == 1.0)
         errors = [abs(float(r["memory_error"])) for r in rows if r["memory_error"]]
-        print(f"\n## {name}: {len(speeds)} candidates measured")
+        measured = sum(1 for r in rows if r["samples_per_sec"])
+        print(f"\n## {name}: {measured} of {len(rows)} candidates measured by advise; "
+              f"{len(speeds)} of them ran in the sweep ({measured - len(speeds)} failed)")
         print(f"advise wall {wall:.1f} s, sweep wall ({args.sweep_steps} steps each) "
               f"{sweep_wall:.1f} s: ratio {wall / sweep_wall:.2f} (target <= 0.25)")
         print(f"recommended {pick}: {speeds.get(pick, float('nan')):.1f} samples/s in the sweep; "
               f"sweep's best matching {best[1]}: {best[0]:.1f}: ratio "
               f"{speeds.get(pick, float('nan')) / best[0]:.3f} (target >= 0.95)")
-        print(f"memory predictions: {len(errors)}, worst error {max(errors):.1%} "
-              "(target <= 15%)")
+        within = sum(e <= 0.15 for e in errors)
+        print(f"memory predictions: {within} of {len(errors)} within 15%, worst error "
+              f"{max(errors):.1%} (target: all)")
         print("| layout | advise samples/s | sweep samples/s | verdict | memory error |")
         print("|---|---|---|---|---|")
         for r in rows:

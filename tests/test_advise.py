@@ -103,3 +103,56 @@ def test_the_grid_comes_from_each_strategy():
     assert "fsdp_tp(n=4,dp_replicate=1,dp_shard=2,tp=2) fp32 ac=none accum=1" in labels
     assert any(label.startswith("pipeline(n=4,pp=2,dp_replicate=2") for label in labels)
     assert not any(label.startswith(("dp(", "model(")) for label in labels)  # GPUs only
+
+
+def test_only_needed_measures_the_cheapest_saver_that_fits():
+    """advise.only_needed: once a layout fits without checkpointing or accumulation, its
+    costlier variants are neither checked nor predicted."""
+    from conftest import checked
+
+    from parallab.advise import candidates as grid
+    from parallab.config import AdviseConfig
+
+    options = AdviseConfig(precisions=["fp32"], layouts=["none"], max_accumulation=2)
+    found = grid.enumerate_grid(options, [1], "cpu")
+    grid.settle(found, lambda extra: checked(*TINY, *extra), lambda n: 1e6, True)
+    kept = [c for c in found if c.reason is None]
+    assert [c.label for c in kept] == ["none(n=1) fp32 ac=none accum=1"]
+    assert kept[0].predicted_mb > 0
+    others = [c for c in found if c is not kept[0]]
+    assert len(others) == 5 and all(c.reason.startswith("not needed") and c.cfg is None
+                                    and c.predicted_mb is None for c in others)
+    # a budget below the plain layout's need: the savers are tried, cheapest first
+    tight = grid.enumerate_grid(options, [1], "cpu")
+    grid.settle(tight, lambda extra: checked(*TINY, *extra),
+                lambda n: kept[0].predicted_mb * 0.99, True)
+    assert "> budget" in tight[0].reason and tight[0].predicted_mb == pytest.approx(
+        kept[0].predicted_mb)
+    fits = [c for c in tight if c.reason is None]
+    assert len(fits) == 1 and fits[0].cost > 0 and fits[0].predicted_mb < kept[0].predicted_mb
+
+
+def test_step_time_model_follows_links_ring_factor_and_bubble():
+    """scaling.py's formula on fixed figures: the inter-node link once a group spans nodes,
+    hsdp's shard collectives kept in a node, the ring factor, a pipeline's bubble."""
+    from conftest import checked
+
+    from parallab.advise import scaling
+    from parallab.parallel import STRATEGIES
+
+    gbit = 2**20 * 8 / 1e9  # seconds to send one MB at 1 Gbit/s
+    ddp = checked(*TINY, "parallel=ddp", "parallel.world_size=2")
+    figures = {"comm_all_reduce_mb": 1.0}
+    # 2 ranks -> 16: the ring factor goes from 1/2 to 15/16; 16 ranks span 2 nodes of 8
+    assert scaling.comm_seconds(figures, ddp, 16, 8, 100.0, 10.0) == pytest.approx(
+        gbit / 10 * (15 / 16) / (1 / 2))
+    assert scaling.comm_seconds(figures, ddp, 8, 8, 100.0, 10.0) == pytest.approx(
+        gbit / 100 * (7 / 8) / (1 / 2))
+    hsdp = checked(*TINY, "parallel=hsdp", "parallel.world_size=4", "parallel.dp_replicate=2")
+    gather = {"comm_all_gather_mb": 1.0}
+    assert scaling.comm_seconds(gather, hsdp, 16, 8, 100.0, 10.0) == pytest.approx(
+        gbit / 100 * (15 / 16) / (3 / 4))  # the shard group's traffic stays in the node
+    pipeline = checked(*TINY, "parallel=pipeline", "parallel.world_size=2",
+                       "parallel.microbatches=4")
+    assert STRATEGIES["pipeline"].bubble(pipeline) == 1 + 1 / 4
+    assert STRATEGIES["ddp"].bubble(ddp) == 1.0

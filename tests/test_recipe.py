@@ -30,6 +30,20 @@ def test_checkpointing_keeps_fewer_activations():
     assert kept["full"] < kept["selective"] < kept["none"]
 
 
+def test_a_run_checkpoints_each_block_before_any_parallel_wrapper():
+    """run.speed_up (what every worker applies) wraps gpt's blocks, so the layouts'
+    equal-loss runs below do checkpoint."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    from parallab.config import TrainerConfig
+    from parallab.run import speed_up
+
+    for mode, wrapped in (("none", 0), ("full", 3), ("selective", 3)):
+        model = speed_up(GPT(layers=3, width=32, heads=2, context=16),
+                         TrainerConfig(activation_checkpointing=mode))
+        assert sum(isinstance(m, CheckpointWrapper) for m in model.modules()) == wrapped
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout,modes", [
     ([], ["full", "selective"]),

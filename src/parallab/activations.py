@@ -13,7 +13,8 @@ transformer blocks, as torchtitan), else its stages.
 
 from __future__ import annotations
 
-from typing import Callable
+import contextlib
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -86,7 +87,7 @@ def apply(model: nn.Module, mode: str, names: list[str] | None = None) -> nn.Mod
     parents = {id(child): (parent, name) for parent in model.modules()
                for name, child in parent.named_children()}
     # selective's kept outputs go through saved_tensors_hooks like any saved tensor (torch's
-    # coming default), so save_on_cpu and saved_bytes see them
+    # coming default), so save_on_cpu and saved_for_backward see them
     kwargs = ({"context_fn": _selective_contexts, "respect_saved_tensors_hooks": True}
               if mode == "selective" else {})
     for unit in found:
@@ -98,20 +99,29 @@ def apply(model: nn.Module, mode: str, names: list[str] | None = None) -> nn.Mod
     return model
 
 
-def saved_bytes(model: nn.Module, forward: Callable[[], torch.Tensor]) -> int:
-    """Bytes of activations that `forward()` (a forward pass of `model`) keeps for backward,
-    a figure that does not depend on the device: each storage saved for backward counted
-    once with saved_tensors_hooks (parameters left out). A checkpointed stage saves only its
-    inputs; a selective one also the outputs it keeps (routed through the hooks, below)."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved: dict[int, int] = {}
+@contextlib.contextmanager
+def saved_for_backward(model: nn.Module) -> Iterator[Callable[[], int]]:
+    """While active, every storage autograd saves for backward (parameters left out) is
+    kept by identity (its StorageImpl, which fake tensors have too); the function yielded
+    gives their bytes as of the call: made when a step is over, a parameter gather FSDP has
+    freed again counts 0. A figure that does not depend on the device. A checkpointed stage
+    saves only its inputs; a selective one also the outputs it keeps (routed through the
+    hooks, below)."""
+    params = {p.untyped_storage()._cdata for p in model.parameters()}
+    saved: dict[int, torch.UntypedStorage] = {}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
-        if storage.data_ptr() not in params:
-            saved[storage.data_ptr()] = storage.nbytes()
+        if storage._cdata not in params:
+            saved[storage._cdata] = storage
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        yield lambda: sum(s.nbytes() for s in saved.values())
+
+
+def saved_bytes(model: nn.Module, forward: Callable[[], torch.Tensor]) -> int:
+    """Bytes of activations that `forward()` (a forward pass of `model`) keeps for backward."""
+    with saved_for_backward(model) as saved:
         forward()
-    return sum(saved.values())
+        return saved()

@@ -80,11 +80,11 @@ def _trial(batch_size: int, module: nn.Module, optimizer: torch.optim.Optimizer,
             if dist.device.type == "cuda":
                 torch.cuda.empty_cache()
     # the ranks agree: fits only if it fits everywhere; speeds add up, memory is the worst
-    outcome = torch.tensor([float(verdict == ""), speed, -memory], dtype=torch.float64,
+    outcome = torch.tensor([float(verdict == ""), speed, memory], dtype=torch.float64,
                            device=dist.device)
     fits = bool(dist.all_reduce_min(outcome[:1]).item())
     total_speed = dist.all_reduce_sum(outcome[1:2]).item()
-    worst_memory = -dist.all_reduce_min(outcome[2:]).item()
+    worst_memory = dist.all_reduce_max(outcome[2:]).item()
     if not fits and not verdict:
         verdict = "does not fit on another rank"
     return Trial(batch_size, fits, total_speed, worst_memory, verdict)

@@ -94,7 +94,8 @@ def data_config(node: dict[str, Any]) -> DataConfig:
 # --- parallel ----------------------------------------------------------------------------
 @dataclass
 class ParallelConfig:
-    name: str = "none"  # none | dp | ddp | fsdp | model | pipeline (the parallel group's option)
+    # none | dp | ddp | fsdp | model | pipeline | hsdp | tp | fsdp_tp (the group's option)
+    name: str = "none"
     # processes (ddp) or devices (dp); null = one per visible GPU, or 2 on CPU
     world_size: Optional[int] = 1
     nnodes: int = 1  # hosts of a job started by the built-in launcher (torchrun/SLURM say theirs)
@@ -150,7 +151,7 @@ class ModelParallelConfig(ParallelConfig):
 @dataclass
 class PipelineConfig(ParallelConfig):
     name: str = "pipeline"
-    world_size: Optional[int] = None  # ranks, one part of the model each
+    world_size: Optional[int] = None  # ranks: pp parts per pipeline x dp_replicate pipelines
     split: Optional[list[int]] = None  # null = parts even by parameter count
     microbatches: int = 4  # per step: data.batch_size must divide by it
     schedule: str = "1f1b"  # gpipe | 1f1b

@@ -46,6 +46,9 @@ class Dist:
     def all_reduce_min(self, tensor: torch.Tensor) -> torch.Tensor:
         return self._all_reduce(tensor, dist.ReduceOp.MIN)
 
+    def all_reduce_max(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self._all_reduce(tensor, dist.ReduceOp.MAX)
+
     def _all_reduce(self, tensor: torch.Tensor, op) -> torch.Tensor:
         if self.backend is not None and self.world_size > 1:
             dist.all_reduce(tensor, op=op)

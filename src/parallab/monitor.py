@@ -38,12 +38,14 @@ def problem(cfg, reported: list[str]) -> str | None:
 class Monitor:
     def __init__(self, name: str, mode: str, patience: int | None):
         """`mode` as problem() resolved it: min or max."""
+        assert mode in ("min", "max"), f"monitor mode {mode!r}: problem() resolves it first"
         self.name = name
         self.mode = mode
         self.patience = patience
         self.best: float | None = None
         self.best_step: int | None = None
         self.stale = 0  # evaluations since the last improvement
+        self.stopped = False  # the run ended here, before its length (set by the trainer)
 
     def update(self, figures: dict[str, float], step: int) -> bool:
         """Record an evaluation at `step`; True if it is the best so far."""
@@ -64,7 +66,7 @@ class Monitor:
 
     def summary(self) -> dict[str, Any]:
         return {f"best_{self.name}": self.best, "best_step": self.best_step,
-                "stopped_early": self.exhausted}
+                "stopped_early": self.stopped}
 
     def state_dict(self) -> dict[str, Any]:
         return {"best": self.best, "best_step": self.best_step, "stale": self.stale}

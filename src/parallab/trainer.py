@@ -13,14 +13,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from parallab import checkpoint, metrics, mfu, schedule
+from parallab import activations, checkpoint, metrics, mfu, schedule
 from parallab.checkpoint import Checkpointer
 from parallab.comm import CommCounter
 from parallab.config import TrainerConfig
-from parallab.data import Data, stream
+from parallab.data import Data
+from parallab.data.stream import run_length
 from parallab.data.loaders import micro_batches
 from parallab.distributed import Dist
-from parallab.errors import ConfigError
 from parallab.logger import RunLogger
 from parallab.memory import held_state_mb, peak_memory_mb
 from parallab.metrics import evaluate
@@ -45,21 +45,6 @@ SKIP_HORIZON = 20  # on_nan=skip stops when it drops over half of this many rece
 def global_batch_size(loader, cfg: TrainerConfig, strategy: Strategy) -> int:
     """Samples per optimizer step, over all ranks."""
     return loader.batch_size * cfg.accumulate_grad_batches * strategy.data_dist.world_size
-
-
-def run_length(cfg: TrainerConfig, loader) -> tuple[int | None, int | None]:
-    """Optimizer steps per epoch and in the run; None per epoch for a stream without
-    __len__, which trainer.max_steps bounds."""
-    if stream.length(loader) is None:
-        return None, cfg.max_steps
-    if cfg.accumulate_grad_batches > len(loader):  # else steps of fewer samples than asked
-        raise ConfigError(
-            f"trainer.accumulate_grad_batches={cfg.accumulate_grad_batches} is more than the "
-            f"{len(loader)} batches an epoch gives each rank: set it to at most "
-            f"{len(loader)}, or lower data.batch_size")
-    per_epoch = math.ceil(len(loader) / cfg.accumulate_grad_batches)
-    steps = cfg.epochs * per_epoch
-    return per_epoch, min(steps, cfg.max_steps) if cfg.max_steps else steps
 
 
 class Trainer:
@@ -102,7 +87,11 @@ class Trainer:
         self.monitor = Monitor(cfg.monitor, cfg.monitor_mode, cfg.early_stop_patience)
         self.first_step = 0  # where this process's training starts (after a resume: later)
         self.comm: dict[str, float] = {}  # bytes sent in one step, by kind (counted_step)
-        self.profiler = None  # a torch.profiler.profile while trainer.profile is on
+        # saved for backward by one micro-batch in the step comm is counted on (advise.py);
+        # off in a training run: it keeps that step's activations until the step ends
+        self.count_activations = False
+        self.activation_bytes = 0.0
+        self.profiler = None  # fit()'s torch.profiler.profile where trainer.profile is on
         # target positions per sample: > 1 for language models
         self.tokens_per_sample = tokens = data.train.targets_per_sample()
         count_flops = getattr(strategy.unwrap(model), "flops_per_token", None)
@@ -156,14 +145,19 @@ class Trainer:
 
     def counted_step(self, batches: list[Batch]) -> torch.Tensor:
         """train_step; this process's second step (the first may set things up) also counts
-        the bytes it sends (comm.py), but not under compile: a dispatch mode would trip its
-        guards into recompiling."""
+        the bytes it sends (comm.py) and, with count_activations, the bytes one micro-batch
+        keeps for backward (activation_bytes); not under compile: a dispatch mode would trip
+        its guards into recompiling."""
         if self.step != self.first_step + 1 or self.cfg.compile:
             return self.train_step(batches)
-        with CommCounter() as counter:
+        saved = (activations.saved_for_backward(self.model) if self.count_activations
+                 else contextlib.nullcontext(lambda: 0))
+        with CommCounter() as counter, saved as saved_now:
             loss = self.train_step(batches)
+            # per micro-batch, times the share of them a rank holds at once (pipelines)
+            self.activation_bytes = saved_now() / len(batches) * self.strategy.activation_share
         self.comm = counter.figures()
-        self.logger.scalars({"comm/" + k[5:]: v for k, v in self.comm.items()}, self.step + 1)
+        self.logger.scalars({"comm/" + k.removeprefix("comm_"): v for k, v in self.comm.items()}, self.step + 1)
         return loss
 
     def fit(self) -> dict[str, Any]:
@@ -181,7 +175,8 @@ class Trainer:
                 self.epoch_step = 0
                 if self.epoch % self.cfg.eval_every_n_epochs == 0:
                     self.run_eval()
-                    if self.monitor.exhausted:  # every rank holds the same eval figures
+                    # every rank holds the same eval figures; at the run's end it just ends
+                    if self.monitor.exhausted and not self.done():
                         self.stop_early()
                         break
                 if not self.done():  # the last one is `last`, saved by the caller
@@ -270,6 +265,7 @@ class Trainer:
             self.checkpointer.save(self.state_dict(), name or checkpoint.periodic_name(self.step))
 
     def stop_early(self) -> None:
+        self.monitor.stopped = True
         if self.dist.is_main:
             m = self.monitor
             log.info("early stop: %s has not improved for %d evaluations (best %.6g at step %s)",

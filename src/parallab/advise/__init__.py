@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 from pathlib import Path
 from typing import Any, Callable
 
@@ -55,6 +56,11 @@ def problem(options, device_type: str) -> str | None:
             return f"advise.activation_checkpointing: {found}"
     if options.target_world_size is not None and options.target_world_size < 1:
         return f"advise.target_world_size={options.target_world_size}: it must be >= 1"
+    from parallab import mfu
+
+    if mfu.peak_flops(options.device, torch.float32) is None:
+        return (f"advise.device={options.device} is not in mfu.py's table of peak FLOP/s: "
+                "name a GPU it lists (H100, A100, ...)")
     return None
 
 
@@ -181,19 +187,19 @@ def _predict_times(candidates: list[Candidate], options, bandwidth: dict[int, fl
     if options.target_world_size and ran:
         flops = scaling.step_flops(ran[0].cfg, trial.one_batch(ran[0].cfg, 2))
     for c in ran:
-        if flops is not None:
-            dtype = precision.compute_dtype(c.precision, "cuda")
-            peak = mfu.peak_flops(options.device, dtype) or mfu.peak_flops("H100", dtype)
+        # the target's peak in the candidate's compute dtype (none in the table: no figure)
+        peak = flops and mfu.peak_flops(options.device,
+                                        precision.compute_dtype(c.precision, "cuda"))
+        if peak:
             work = flops * (4 / 3 if c.activation_checkpointing == "full" else 1)
             c.figures["predicted_step_ms"] = 1e3 * scaling.predict_target(
                 c.figures, c.cfg, work, options, peak)
         one = report.reference_of(candidates, c.precision)
-        if c.world_size > 1 and one is not None and one.world_size == 1 and c.world_size in \
-                bandwidth and one.figures.get("step_time_ms"):
-            here = scaling.validate(one.figures["step_time_ms"] / 1e3, c.figures, c.cfg,
-                                    bandwidth[c.world_size], devices)
-            c.figures["predicted_step_ms_here"] = here * 1e3
-            errors.append(abs(here * 1e3 / c.figures["step_time_ms"] - 1))
+        if c.world_size in bandwidth and one is not None and one.world_size == 1:
+            here = 1e3 * scaling.validate(one.figures["step_time_ms"] / 1e3, c.figures, c.cfg,
+                                          bandwidth[c.world_size], devices)
+            c.figures["predicted_step_ms_here"] = here
+            errors.append(abs(here / c.figures["step_time_ms"] - 1))
     if flops is not None:
         notes.append(f"predicted_step_ms: a prediction for {options.target_world_size} x "
                      f"{options.device} ({options.gpus_per_node} per node, "
@@ -203,7 +209,7 @@ def _predict_times(candidates: list[Candidate], options, bandwidth: dict[int, fl
         notes.append(f"Loopback all-reduce bandwidth at world size {n}: {gbps:.2f} Gbit/s.")
     if errors:
         notes.append(f"Step time here predicted from world size 1: median error "
-                     f"{sorted(errors)[len(errors) // 2]:.0%} over {len(errors)} layouts.")
+                     f"{statistics.median(errors):.0%} over {len(errors)} layouts.")
     return notes
 
 

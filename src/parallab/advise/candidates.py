@@ -78,7 +78,7 @@ def enumerate_grid(options, world_sizes: list[int], device_type: str) -> list[Ca
     accumulations = [2**k for k in range(int(math.log2(options.max_accumulation)) + 1)]
     return [Candidate(n, name, settings, precision, ac, accumulation)
             for n in world_sizes for name in names
-            for settings in STRATEGIES[name].layouts(name, n, device_type, options)
+            for settings in STRATEGIES[name].layouts(n, device_type, options)
             for precision in options.precisions for ac in options.activation_checkpointing
             for accumulation in accumulations]
 

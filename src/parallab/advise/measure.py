@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from parallab import distributed, run
-from parallab.advise.memory import MB, in_flight, saved_for_backward
+from parallab.comm import MB
 from parallab.errors import first_line
 from parallab.logger import RunLogger
 from parallab.memory import reset_peak_memory
@@ -43,8 +43,8 @@ class LossRecorder(RunLogger):
 
 
 def _max_over_ranks(dist: distributed.Dist, value: float) -> float:
-    return -dist.all_reduce_min(torch.tensor([-value], dtype=torch.float64,
-                                             device=dist.device)).item()
+    return dist.all_reduce_max(torch.tensor([value], dtype=torch.float64,
+                                            device=dist.device)).item()
 
 
 def measure(cfg, run_dir: str, dist: distributed.Dist, overrides: list[str]) -> dict[str, Any]:
@@ -52,19 +52,18 @@ def measure(cfg, run_dir: str, dist: distributed.Dist, overrides: list[str]) -> 
     losses, step time, samples/s, state and activation memory (the largest rank's), comm."""
     logger = LossRecorder(run_dir, active=dist.is_main)
     reset_peak_memory(dist.device)
-    activations = {"bytes": 0.0}
     try:
         with Preemption() as preemption:
             trainer, lr = run.build_trainer(cfg, dist, logger, None, preemption)
             logger.config(cfg)
-            _count_saved_on_second_step(trainer, activations)
+            trainer.count_activations = True
             progress = Progress(trainer.total_steps, False, False)
             while not trainer.done():
                 trainer.train_epoch(progress)
                 trainer.epoch, trainer.epoch_step = trainer.epoch + 1, 0
             figures = trainer.summary()
         state = _max_over_ranks(dist, figures["state_memory_mb"] or 0.0)
-        act = _max_over_ranks(dist, activations["bytes"] / MB)
+        act = _max_over_ranks(dist, trainer.activation_bytes / MB)
         figures.update(losses=logger.losses, state_mb=state, activation_mb=act,
                        measured_memory_mb=state + act, lr=lr, world_size=dist.world_size,
                        precision_dtype=trainer.precision.dtype_name,
@@ -78,31 +77,12 @@ def measure(cfg, run_dir: str, dist: distributed.Dist, overrides: list[str]) -> 
         logger.close()
 
 
-def _count_saved_on_second_step(trainer, activations: dict[str, float]) -> None:
-    """The bytes the process's second step saves for backward (its first may set things
-    up: a pipeline's shape inference runs it twice), per micro-batch held at once."""
-    step = trainer.counted_step
-
-    def counted(batches):
-        if trainer.step != trainer.first_step + 1:
-            return step(batches)
-        with saved_for_backward(trainer.model) as saved:
-            loss = step(batches)
-            microbatches = getattr(trainer.strategy.cfg, "microbatches", 1)
-            activations["bytes"] = (saved() / len(batches)
-                                    * in_flight(trainer.strategy, microbatches))
-        return loss
-
-    trainer.counted_step = counted
-
-
 def measure_all(jobs: list[tuple[Any, str, list[str]]], dist: distributed.Dist
                 ) -> list[dict[str, Any]]:
     """Each (cfg, run dir, overrides) measured in turn; a candidate that fails is recorded
     with the first line of its error and the next one runs."""
     results = []
-    for cfg, run_dir, overrides in jobs:
-        Path(run_dir).mkdir(parents=True, exist_ok=True)
+    for cfg, run_dir, overrides in jobs:  # their dirs made by the controller
         started = time.perf_counter()
         try:
             figures = measure(cfg, run_dir, dist, overrides)

@@ -5,49 +5,24 @@ checkpointing, wrap, the optimizer and one step of it), but on fake tensors (tor
 FakeTensorMode) under torch's fake process group, as rank r of the candidate's world size:
 no memory is allocated, no collective runs, and the shapes are exactly a worker's. From it:
 the training state the rank holds (memory.held_state_mb: its parameters, gradients and
-optimizer state) and the activations one training step keeps for backward (saved_bytes: a
-forward and backward of one micro-batch, every storage saved for backward counted once,
-with the size it still has when the step ends, so parameters FSDP gathered and freed
-again are not activations). A run measures the same two figures on its real first step.
+optimizer state) and the activations one training step keeps for backward
+(activations.saved_for_backward over a forward and backward of one micro-batch). A run
+measures the same two figures on its real second step (Trainer.count_activations).
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 from torch import nn
 
-MB = 2**20
-
-
-@contextlib.contextmanager
-def saved_for_backward(model: nn.Module) -> Iterator[Callable[[], int]]:
-    """While active, every storage autograd saves (parameters left out) is kept by
-    identity; the function yielded gives their bytes as of now (call it when the step is
-    over: a freed FSDP gather counts 0)."""
-    params = {p.untyped_storage()._cdata for p in model.parameters()}
-    saved: dict[int, torch.UntypedStorage] = {}
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        if storage._cdata not in params:
-            saved[storage._cdata] = storage
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        yield lambda: sum(s.nbytes() for s in saved.values())
-
-
-def in_flight(strategy, microbatches: int) -> float:
-    """The share of one step's micro-batch activations a rank holds at once: all of them,
-    except a pipeline's 1F1B stage, which holds at most (stages to its end) of them."""
-    schedule = getattr(strategy.cfg, "schedule", None)
-    if schedule != "1f1b":
-        return 1.0
-    return min(strategy.pp - strategy.stage_index, microbatches) / microbatches
-
+from parallab import run
+from parallab.activations import saved_for_backward
+from parallab.comm import MB
+from parallab.memory import held_state_mb
+from parallab.optim import build_optimizer
 
 @contextlib.contextmanager
 def fake_group(rank: int, world_size: int) -> Iterator[None]:
@@ -67,12 +42,9 @@ def predict(cfg, batch: tuple[Any, torch.Tensor], rank: int) -> tuple[float, flo
     would hold, from fake tensors: `batch` is one real micro-batch of the data."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from parallab import run
     from parallab.distributed import Dist
     from parallab.loss import build_loss
-    from parallab.memory import held_state_mb
     from parallab.models import build_model
-    from parallab.optim import build_optimizer
     from parallab.parallel import STRATEGIES
     from parallab.precision import Precision
 
@@ -123,8 +95,6 @@ def _predict_part(cfg, strategy, model: nn.Module, inputs, targets, precision
     over it, and its part's activations for one micro-batch, times the micro-batches it
     holds at once. The stage-to-stage exchange needs real shapes, which the fake group does
     not pass on, so the earlier parts run here to give this part its input."""
-    from parallab.memory import held_state_mb
-    from parallab.optim import build_optimizer
     from parallab.parallel import stages as stages_of
     from parallab.parallel.pipeline import keep_only
     from parallab.parallel.split import part_ranges
@@ -138,7 +108,7 @@ def _predict_part(cfg, strategy, model: nn.Module, inputs, targets, precision
         for stage in stages[:keep.start]:
             x = stage(x)
     keep_only(model, stages, keep)
-    model = run_speed_up(model, cfg)
+    model = run.speed_up(model, cfg.trainer, p.stages)
     optimizer = build_optimizer(cfg.optim, model)
     with saved_for_backward(model) as saved:
         with precision.autocast():
@@ -146,12 +116,6 @@ def _predict_part(cfg, strategy, model: nn.Module, inputs, targets, precision
             last = keep.stop == len(stages)
             out = strategy.loss(out, targets) if last else out.float().sum()
         out.backward()
-        activations = saved() * p.microbatches * in_flight(strategy, p.microbatches)
+        activations = saved() * p.microbatches * strategy.activation_share
     optimizer.step()
     return held_state_mb(model, optimizer), activations / MB
-
-
-def run_speed_up(model: nn.Module, cfg) -> nn.Module:
-    from parallab import run
-
-    return run.speed_up(model, cfg.trainer, cfg.parallel.stages)

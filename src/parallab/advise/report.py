@@ -12,8 +12,8 @@ from parallab.advise.candidates import Candidate
 
 COLUMNS = ["layout", "world_size", "predicted_memory_mb", "measured_memory_mb",
            "memory_error", "samples_per_sec", "ratio_to_best", "step_time_ms",
-           "comm_mb_per_step", "verdict", "predicted_step_ms", "measured_step_ms_here",
-           "predicted_step_ms_here", "reason"]
+           "comm_mb_per_step", "verdict", "predicted_step_ms", "predicted_step_ms_here",
+           "reason"]
 
 
 def reference_of(candidates: list[Candidate], precision: str) -> Candidate | None:
@@ -73,8 +73,6 @@ def rows(candidates: list[Candidate]) -> list[dict[str, Any]]:
             "ratio_to_best": speed / top_speed if speed and top_speed else None,
             "step_time_ms": f.get("step_time_ms"), "comm_mb_per_step": f.get("comm_mb_per_step"),
             "verdict": c.verdict, "predicted_step_ms": f.get("predicted_step_ms"),
-            "measured_step_ms_here": f.get("step_time_ms") if f.get("predicted_step_ms_here")
-            else None,
             "predicted_step_ms_here": f.get("predicted_step_ms_here"),
             "reason": c.reason or f.get("error"),
         })

@@ -9,8 +9,9 @@ bytes_kind(n): the bytes a rank sent per step by kind (comm.py), measured at the
 advise ran, rescaled by the ring factor (g - 1) / g of the data-parallel group size g at n
 (the payload, a gradient or parameter shard, stays the same). bandwidth_kind: the
 intra-node link while the group fits in one node (advise.gpus_per_node), else the
-inter-node one; hsdp's shard collectives stay inside a node, its replicas' all-reduce
-crosses nodes. Every figure it gives is labelled a prediction.
+inter-node one, except for the kinds the layout keeps in a node (Strategy.node_local_kinds:
+hsdp's shard collectives; its replicas' all-reduce crosses nodes). Every figure it gives is
+labelled a prediction.
 
 On this machine the same model, with compute measured instead of counted, predicts the
 launched world size from world size 1 and the measured loopback bandwidth (validate()).
@@ -20,40 +21,29 @@ from __future__ import annotations
 
 from typing import Any
 
-KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p", "broadcast")
-SHARD_KINDS = ("all_gather", "reduce_scatter")
+from parallab.comm import KINDS, MB
+from parallab.parallel import STRATEGIES
 
 
 def ring(g: int) -> float:
     return (g - 1) / g if g > 1 else 0.0
 
 
-def data_parallel_size(cfg) -> int:
-    from parallab.parallel import STRATEGIES
-
-    return STRATEGIES[cfg.parallel.name].data_parallel_ranks(cfg)
-
-
 def comm_seconds(figures: dict[str, Any], cfg, n: int, gpus_per_node: int,
                  intra_gbps: float, inter_gbps: float) -> float:
     """The step's communication time at world size n (see the module's formula)."""
-    d_now = data_parallel_size(cfg)
+    strategy = STRATEGIES[cfg.parallel.name]
+    d_now = strategy.data_parallel_ranks(cfg)
     d_then = max(1, d_now * n // cfg.parallel.world_size)
     scale = ring(d_then) / ring(d_now) if ring(d_now) else 1.0
+    local = strategy.node_local_kinds(cfg)
     seconds = 0.0
     for kind in KINDS:
         megabytes = figures.get(f"comm_{kind}_mb") or 0.0
-        spans_nodes = n > gpus_per_node and not (cfg.parallel.name == "hsdp"
-                                                 and kind in SHARD_KINDS)
-        gbps = inter_gbps if spans_nodes else intra_gbps
+        gbps = inter_gbps if n > gpus_per_node and kind not in local else intra_gbps
         factor = scale if kind != "p2p" else 1.0
-        seconds += megabytes * factor * 2**20 * 8 / (gbps * 1e9)
+        seconds += megabytes * factor * MB * 8 / (gbps * 1e9)
     return seconds
-
-
-def bubble(cfg) -> float:
-    p = cfg.parallel
-    return 1 + (p.pp - 1) / p.microbatches if getattr(p, "pp", None) else 1.0
 
 
 def step_flops(cfg, batch) -> float:
@@ -80,7 +70,7 @@ def step_flops(cfg, batch) -> float:
 def predict_target(figures: dict[str, Any], cfg, flops: float, options, peak: float) -> float:
     """Predicted step time (s) at advise.target_world_size on the target GPUs."""
     n = options.target_world_size
-    compute = flops / n / (peak * options.mfu) * bubble(cfg)
+    compute = flops / n / (peak * options.mfu) * STRATEGIES[cfg.parallel.name].bubble(cfg)
     return compute + comm_seconds(figures, cfg, n, options.gpus_per_node,
                                   options.intra_node_gbps, options.inter_node_gbps)
 
@@ -91,5 +81,5 @@ def validate(one_rank_step_s: float, figures: dict[str, Any], cfg, bandwidth_gbp
     size 1 (its compute shared by min(n, devices) devices: CPU ranks share one set of
     cores) and the loopback bandwidth measured in the launched job."""
     n = cfg.parallel.world_size
-    compute = one_rank_step_s / min(n, devices) * bubble(cfg)
+    compute = one_rank_step_s / min(n, devices) * STRATEGIES[cfg.parallel.name].bubble(cfg)
     return compute + comm_seconds(figures, cfg, n, n, bandwidth_gbps, bandwidth_gbps)

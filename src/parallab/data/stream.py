@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from parallab.data.loaders import _collate, ignore_stop_signals, to_device
 from parallab.distributed import Dist
+from parallab.errors import ConfigError
 
 
 class RankShare(IterableDataset):
@@ -97,3 +98,18 @@ class StreamLoader:
 
     def resized(self, batch_size: int) -> StreamLoader:
         return StreamLoader(self.source, self.dist, batch_size, self.seed, self.cfg)
+
+
+def run_length(cfg, loader) -> tuple[int | None, int | None]:
+    """Optimizer steps per epoch and in the run (`cfg`: the trainer's keys) over `loader`;
+    None per epoch for a stream without __len__, which trainer.max_steps bounds."""
+    if length(loader) is None:
+        return None, cfg.max_steps
+    if cfg.accumulate_grad_batches > len(loader):  # else steps of fewer samples than asked
+        raise ConfigError(
+            f"trainer.accumulate_grad_batches={cfg.accumulate_grad_batches} is more than the "
+            f"{len(loader)} batches an epoch gives each rank: set it to at most "
+            f"{len(loader)}, or lower data.batch_size")
+    per_epoch = math.ceil(len(loader) / cfg.accumulate_grad_batches)
+    steps = cfg.epochs * per_epoch
+    return per_epoch, min(steps, cfg.max_steps) if cfg.max_steps else steps

@@ -6,7 +6,7 @@ from parallab.parallel.base import Strategy
 from parallab.parallel.ddp import DDPStrategy
 from parallab.parallel.dp import DataParallelStrategy
 from parallab.parallel.fsdp import FSDPStrategy
-from parallab.parallel.mesh import MeshStrategy
+from parallab.parallel.mesh import FSDPTPStrategy, HSDPStrategy, TPStrategy
 from parallab.parallel.model import ModelParallelStrategy
 from parallab.parallel.pipeline import PipelineStrategy
 
@@ -17,7 +17,7 @@ STRATEGIES: dict[str, type[Strategy]] = {
     "fsdp": FSDPStrategy,
     "model": ModelParallelStrategy,
     "pipeline": PipelineStrategy,
-    "hsdp": MeshStrategy,
-    "tp": MeshStrategy,
-    "fsdp_tp": MeshStrategy,
+    "hsdp": HSDPStrategy,
+    "tp": TPStrategy,
+    "fsdp_tp": FSDPTPStrategy,
 }

@@ -44,7 +44,7 @@ class Strategy:
                               "parallel=dp (GPUs of one process)")
 
     @classmethod
-    def layouts(cls, name: str, world_size: int, device_type: str, options) -> list[list[str]]:
+    def layouts(cls, world_size: int, device_type: str, options) -> list[list[str]]:
         """This strategy's settings (overrides after parallel=NAME) that use `world_size`
         ranks or devices: the candidates `parallab advise` tries (`options`: its config)."""
         if cls.launches_workers:
@@ -81,6 +81,23 @@ class Strategy:
     def data_dist(self) -> Dist:
         """The data-parallel view of this rank: which shard of each epoch it reads."""
         return self.dist
+
+    @property
+    def activation_share(self) -> float:
+        """The share of one step's micro-batch activations this rank holds at once (a
+        pipeline's 1F1B stage holds fewer than all)."""
+        return 1.0
+
+    @classmethod
+    def bubble(cls, cfg) -> float:
+        """Compute time relative to a step without idle ranks (a pipeline's fill and drain)."""
+        return 1.0
+
+    @classmethod
+    def node_local_kinds(cls, cfg) -> tuple[str, ...]:
+        """Collective kinds (comm.KINDS) whose groups stay within one node however many
+        nodes the job spans (hsdp's shard groups)."""
+        return ()
 
     @property
     def loss_ranks(self) -> int:
@@ -134,12 +151,15 @@ class Strategy:
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float | None) -> torch.Tensor:
         """Clip to `max_norm` (None: only measure, leaving the gradients untouched); the norm
-        of all gradients of the model."""
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        norm = nn.utils.get_total_norm(grads)
+        of all gradients of the model (grad_norm)."""
+        norm = self.grad_norm(model)
         if max_norm is not None:
             nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, norm)
         return norm
+
+    def grad_norm(self, model: nn.Module) -> torch.Tensor:
+        """The 2-norm of every gradient of the model, this rank's and the others' parts."""
+        return nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
 
     def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer
                    ) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -21,17 +21,6 @@ from parallab.parallel.base import ShardedStrategy
 log = logging.getLogger(__name__)
 
 
-def shared_parameters(stages: list[nn.Module]) -> set[int]:
-    """Ids of the parameters held by more than one stage."""
-    seen: set[int] = set()
-    shared: set[int] = set()
-    for stage in stages:
-        ids = {id(p) for p in stage.parameters()}
-        shared |= seen & ids
-        seen |= ids
-    return shared
-
-
 class FSDPStrategy(ShardedStrategy):
     launches_workers = True
     uses_process_group = True
@@ -57,7 +46,7 @@ class FSDPStrategy(ShardedStrategy):
             log.info("parallel=%s: the model declares no stages, so it is sharded as one "
                      "unit (every parameter gathered at once); set parallel.stages to shard "
                      "its blocks one by one", self.cfg.name)
-        shared = shared_parameters(stages or [])
+        shared = {pid for pid, held in stages_of.holders(stages or []).items() if len(held) > 1}
         for stage in stages or []:
             # a stage sharing a parameter with another (tied embeddings) is left to the
             # root: FSDP2 shards each parameter in one unit only
@@ -77,6 +66,19 @@ class FSDPStrategy(ShardedStrategy):
         finally:
             model.set_requires_gradient_sync(True)
 
-    def clip_grad_norm(self, model: nn.Module, max_norm: float | None) -> torch.Tensor:
-        norm = super().clip_grad_norm(model, max_norm)
-        return norm.full_tensor()  # the norm over every rank's shard
+    def grad_norm(self, model: nn.Module) -> torch.Tensor:
+        """Over every rank's shards, one reduction per mesh the gradients live on (tp-split
+        and replicated parameters of the mesh layouts are on different ones)."""
+        from torch.distributed.tensor import DTensor
+
+        by_mesh: dict[object, list[torch.Tensor]] = {}
+        for param in model.parameters():
+            if param.grad is not None:
+                key = param.grad.device_mesh if isinstance(param.grad, DTensor) else None
+                by_mesh.setdefault(key, []).append(param.grad)
+        squares = torch.zeros((), device=self.dist.device)
+        for grads in by_mesh.values():
+            norm = nn.utils.get_total_norm(grads)
+            norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+            squares = squares + norm.float() ** 2
+        return squares.sqrt()

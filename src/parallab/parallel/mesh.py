@@ -16,7 +16,6 @@ import dataclasses
 import logging
 import math
 
-import torch
 from torch import nn
 
 from parallab.distributed import Dist
@@ -77,15 +76,22 @@ def tp_problem(model: nn.Module, tp: int) -> str | None:
 
 class MeshStrategy(FSDPStrategy):
     @classmethod
-    def layouts(cls, name: str, world_size: int, device_type: str, options) -> list[list[str]]:
-        """hsdp: replicas x shards; tp: every rank in one tp group; fsdp_tp: tp x shards
-        (both degrees > 1 for the 2-D presets: their 1-D cases are fsdp, ddp and tp)."""
-        n = world_size
-        inner = [d for d in range(2, n) if n % d == 0]
-        degrees = {"hsdp": [(r, n // r, 1) for r in inner], "tp": [(1, 1, n)] if n > 1 else [],
-                   "fsdp_tp": [(1, n // t, t) for t in inner]}[name]
-        return [[f"parallel.world_size={n}", *(f"parallel.{k}={v}" for k, v in
-                                               zip(DEGREES, d))] for d in degrees]
+    def node_local_kinds(cls, cfg) -> tuple[str, ...]:
+        """With replicas, the shard groups' all-gather and reduce-scatter stay in a node;
+        only the replicas' all-reduce crosses nodes."""
+        return ("all_gather", "reduce_scatter") if cfg.parallel.dp_replicate > 1 else ()
+
+    @classmethod
+    def degrees(cls, n: int) -> list[tuple[int, int, int]]:
+        """The preset's (dp_replicate, dp_shard, tp) settings for n ranks (advise's
+        candidates)."""
+        return []
+
+    @classmethod
+    def layouts(cls, world_size: int, device_type: str, options) -> list[list[str]]:
+        return [[f"parallel.world_size={world_size}", *(f"parallel.{k}={v}" for k, v in
+                                                        zip(DEGREES, d))]
+                for d in cls.degrees(world_size)]
 
     @classmethod
     def check(cls, cfg) -> None:
@@ -141,22 +147,26 @@ class MeshStrategy(FSDPStrategy):
         dp = mesh["dp_replicate", "dp_shard"] if p.dp_replicate > 1 else mesh["dp_shard"]
         return self.shard(model, dp)
 
-    def clip_grad_norm(self, model: nn.Module, max_norm: float | None) -> torch.Tensor:
-        """The global norm over gradients on different meshes (tp-split and replicated
-        parameters), one reduction per mesh."""
-        from torch.distributed.tensor import DTensor
 
-        by_mesh: dict[object, list[torch.Tensor]] = {}
-        for param in model.parameters():
-            if param.grad is not None:
-                key = param.grad.device_mesh if isinstance(param.grad, DTensor) else None
-                by_mesh.setdefault(key, []).append(param.grad)
-        squares = torch.zeros((), device=self.dist.device)
-        for grads in by_mesh.values():
-            norm = nn.utils.get_total_norm(grads)
-            norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
-            squares = squares + norm.float() ** 2
-        norm = squares.sqrt()
-        if max_norm is not None:
-            nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, norm)
-        return norm
+def _inner_divisors(n: int) -> list[int]:
+    return [d for d in range(2, n) if n % d == 0]
+
+
+class HSDPStrategy(MeshStrategy):
+    @classmethod
+    def degrees(cls, n: int) -> list[tuple[int, int, int]]:
+        """replicas x shards, both > 1 (1 x n is fsdp, n x 1 ddp)."""
+        return [(r, n // r, 1) for r in _inner_divisors(n)]
+
+
+class TPStrategy(MeshStrategy):
+    @classmethod
+    def degrees(cls, n: int) -> list[tuple[int, int, int]]:
+        return [(1, 1, n)] if n > 1 else []
+
+
+class FSDPTPStrategy(MeshStrategy):
+    @classmethod
+    def degrees(cls, n: int) -> list[tuple[int, int, int]]:
+        """shards x tp, both > 1 (its 1-D cases are fsdp and tp)."""
+        return [(1, n // t, t) for t in _inner_divisors(n)]

@@ -78,7 +78,7 @@ class PipelineStrategy(ShardedStrategy):
         if p.schedule not in SCHEDULES:
             raise ConfigError(f"parallel.schedule={p.schedule} is unknown: use "
                               f"parallel.schedule={' or '.join(SCHEDULES)}")
-        least = p.world_size // p.dp_replicate if p.schedule == "1f1b" else 1
+        least = p.pp if p.schedule == "1f1b" else 1
         if p.microbatches < least:
             raise ConfigError(f"parallel.microbatches={p.microbatches} is out of range: it "
                               f"must be >= {least}")
@@ -88,7 +88,7 @@ class PipelineStrategy(ShardedStrategy):
                               f"use a multiple of {p.microbatches}")
 
     @classmethod
-    def layouts(cls, name: str, world_size: int, device_type: str, options) -> list[list[str]]:
+    def layouts(cls, world_size: int, device_type: str, options) -> list[list[str]]:
         """pp x dp for every pp > 1 dividing the world size, by schedule and micro-batches."""
         n = world_size
         return [[f"parallel.world_size={n}", f"parallel.pp={pp}",
@@ -110,6 +110,20 @@ class PipelineStrategy(ShardedStrategy):
     @property
     def stage_index(self) -> int:
         return self.dist.rank % self.pp
+
+    @property
+    def activation_share(self) -> float:
+        """GPipe holds every micro-batch's activations before the first backward; a 1F1B
+        stage at most (stages to the pipeline's end) of them."""
+        micro = self.cfg.microbatches
+        if self.cfg.schedule != "1f1b":
+            return 1.0
+        return min(self.pp - self.stage_index, micro) / micro
+
+    @classmethod
+    def bubble(cls, cfg) -> float:
+        p = cfg.parallel
+        return 1 + (p.pp - 1) / p.microbatches
 
     @property
     def data_dist(self) -> Dist:
@@ -158,9 +172,10 @@ class PipelineStrategy(ShardedStrategy):
         parts = part_ranges(stages, self.pp, self.cfg.split)
         keep_only(model, stages, parts[self.stage_index])
         if self.dist.is_main:
-            log.info("parallel=pipeline (%s, %d micro-batches): stages %s on ranks 0-%d",
-                     self.cfg.schedule, self.cfg.microbatches,
-                     [f"{p.start}-{p.stop - 1}" for p in parts], len(parts) - 1)
+            log.info("parallel=pipeline (%s, %d micro-batches): stages %s on a pipeline's "
+                     "ranks 0-%d, %d pipeline(s)", self.cfg.schedule, self.cfg.microbatches,
+                     [f"{p.start}-{p.stop - 1}" for p in parts], len(parts) - 1,
+                     self.cfg.dp_replicate)
         self.model = self.on_device(model)
         self.accumulation = 1  # batches per optimizer step (trainer.accumulate_grad_batches)
         self.train_schedule = self._schedule(self.cfg.schedule, self._loss)
@@ -235,14 +250,11 @@ class PipelineStrategy(ShardedStrategy):
         output = self.eval_schedule.eval(*((inputs,) if self.is_first else ()))
         return output[:rows] if self.is_last else None
 
-    def clip_grad_norm(self, model: nn.Module, max_norm: float | None) -> torch.Tensor:
+    def grad_norm(self, model: nn.Module) -> torch.Tensor:
         """The norm over every part's gradients (each rank holds one part's)."""
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         squares = torch.zeros((), dtype=torch.float32, device=self.dist.device)
         if grads:
             squares = nn.utils.get_total_norm(grads, norm_type=2.0).float() ** 2
         self.dist.all_reduce_sum(squares)
-        norm = (squares / self.cfg.dp_replicate).sqrt()  # each stage's replicas counted once
-        if max_norm is not None:
-            nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, norm)
-        return norm
+        return (squares / self.cfg.dp_replicate).sqrt()  # each stage's replicas counted once

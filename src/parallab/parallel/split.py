@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from parallab.errors import ConfigError
+from parallab.parallel import stages as stages_of
 
 
 def parameter_counts(stages: list[nn.Module]) -> list[int]:
@@ -75,11 +76,9 @@ def check_parts(cfg, stages: list[nn.Module] | None, parts: int | None = None) -
 
 def shared_across(stages: list[nn.Module], parts: list[range]) -> tuple[int, int] | None:
     """Two stage indices in different parts that hold the same parameter, or None."""
-    owner: dict[int, tuple[int, int]] = {}  # parameter id -> (part, stage)
-    for part, indices in enumerate(parts):
-        for index in indices:
-            for param in stages[index].parameters():
-                first = owner.setdefault(id(param), (part, index))
-                if first[0] != part:
-                    return first[1], index
+    part_of = {index: part for part, indices in enumerate(parts) for index in indices}
+    for held in stages_of.holders(stages).values():
+        for index in held[1:]:
+            if part_of[index] != part_of[held[0]]:
+                return held[0], index
     return None

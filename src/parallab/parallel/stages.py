@@ -77,3 +77,13 @@ def chain_differs(model: nn.Module, stages: list[nn.Module], inputs: torch.Tenso
     if not torch.allclose(chained.float(), expected.float(), rtol=1e-4, atol=1e-5):
         return "the stages in order compute something else than the forward"
     return None
+
+
+def holders(stages: list[nn.Module]) -> dict[int, list[int]]:
+    """Parameter id -> the indices of the stages holding it (more than one: shared, such as
+    tied embeddings)."""
+    held: dict[int, list[int]] = {}
+    for index, stage in enumerate(stages):
+        for param in stage.parameters():
+            held.setdefault(id(param), []).append(index)
+    return held
