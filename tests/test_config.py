@@ -115,6 +115,15 @@ def test_auto_values_resolve_for_cpu():
     (["model=gpt", "data=bytes", "parallel=fsdp_tp", "parallel.world_size=4",
       "model.heads=2", "parallel.tp=4", "parallel.dp_shard=1"],
      "parallel.tp=4 does not divide model.heads=2"),
+    (["model=gpt", "data=bytes", "parallel=hsdp", "parallel.world_size=4",
+      "parallel.sequence_parallel=true"], "parallel.sequence_parallel=true cuts a "
+                                          "tensor-parallel group's activations: it needs "
+                                          "parallel.tp > 1"),
+    (["model=mlp", "data=synthetic", "parallel=tp", "parallel.world_size=2",
+      "parallel.sequence_parallel=true"], "MLP.tp_plan() takes no sequence_parallel argument"),
+    (["model=gpt", "data=bytes", "data.seq_len=33", "model.context=64", "parallel=tp",
+      "parallel.world_size=2", "parallel.sequence_parallel=true"],
+     "parallel.tp=2 ranks, which data.seq_len=33 does not divide by"),
     (["model=gpt", "data=bytes", "model.tie_embeddings=true", "parallel=pipeline"],
      "parallel=pipeline puts stages 0 and 5 on different parts, but they share a parameter"),
     (["precision.name=fp8"], "precision.name=fp8"),

@@ -136,27 +136,40 @@ def assert_textbook_volume(metrics, layout: str, batch: int) -> None:
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_tensor_parallel_splits_the_blocks_under_activation_checkpointing(train_here,
-                                                                          one_device):
+def test_sequence_parallel_splits_the_blocks_under_activation_checkpointing(train_here,
+                                                                            one_device):
     """tp first, then checkpointing wraps the split blocks (a plan applied after would miss
-    the wrapped blocks' names and leave them whole)."""
+    the wrapped blocks' names and leave them whole). With sequence parallelism each split
+    layer's input is all-gathered (forward; its gradient in backward) where plain tp sends
+    nothing, and the output projections reduce-scatter: 2 layers x (4 gathers + 2 again in
+    the forward full checkpointing recomputes), plus the head's input and the embedding's
+    output gradient, of half a (B, T, C) activation each, beside the logits' gather plain tp
+    has too."""
     metrics, run_dir = train_here(*GPT_RUN, *STEPS, "parallel=tp", "parallel.world_size=2",
                                   f"data.batch_size={BATCH['gpt']}",
-                                  "trainer.activation_checkpointing=full")
+                                  "trainer.activation_checkpointing=full",
+                                  "parallel.sequence_parallel=true")
     assert losses(run_dir) == pytest.approx(losses(one_device["gpt"]), rel=1e-4, abs=1e-5)
     assert metrics["state_memory_mb"] < 0.6 * read_metrics(one_device["gpt"])["state_memory_mb"]
+    assert "(sequence parallel)" in (run_dir / "train.log").read_text()
+    batch = BATCH["gpt"]
+    logits, half = batch * 32 * 256 * 4 / 2, batch * 32 * 32 * 4 / 2
+    assert metrics["comm_all_gather_mb"] * MB == pytest.approx(logits + 14 * half, rel=0.01)
+    assert metrics["comm_reduce_scatter_mb"] > 0
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_a_tp_checkpoint_resumes_under_another_layout(train_here, one_device):
-    """DCP reshards: 10 steps under tp 2, the next 10 under fsdp_tp 2x2 at the same global
-    batch, equal the one-device run's 20."""
+    """DCP reshards: 10 steps under tp 2, the next 10 under fsdp_tp 2x2 with sequence
+    parallelism (its norms become replicated DTensors) at the same global batch, equal the
+    one-device run's 20."""
     run = [*GPT_RUN, *STEPS]
     train_here(*run, "trainer.max_steps=10", "parallel=tp", "parallel.world_size=2",
                f"data.batch_size={BATCH['gpt']}")
     _, run_dir = train_here(*run, "parallel=fsdp_tp", "parallel.world_size=4",
-                            f"data.batch_size={BATCH['gpt'] // 2}", "trainer.resume=auto")
+                            f"data.batch_size={BATCH['gpt'] // 2}", "trainer.resume=auto",
+                            "parallel.sequence_parallel=true")
     assert losses(run_dir) == pytest.approx(losses(one_device["gpt"]), rel=1e-4, abs=1e-5)
 
 

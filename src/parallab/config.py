@@ -138,6 +138,9 @@ class MeshConfig(ParallelConfig):
     dp_replicate: Optional[int] = 1  # model replicas; gradients all-reduced across them
     dp_shard: Optional[int] = None  # ranks each replica is sharded over (FSDP); null = inferred
     tp: Optional[int] = 1  # ranks each layer is split over (tensor parallel)
+    # tp > 1: the activations between the split layers cut along the sequence too (the
+    # model's tp_plan(sequence_parallel=True); gpt has one)
+    sequence_parallel: bool = False
     reshard_after_forward: bool = True  # free gathered parameters after forward (ZeRO-3)
 
 

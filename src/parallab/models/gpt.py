@@ -103,21 +103,46 @@ class GPT(Model):
     def stages(self) -> list[nn.Module]:
         return [self.embed, *self.blocks, self.head]
 
-    def tp_plan(self) -> dict[str, Any]:
-        """Tensor parallel, as torchtitan's llama plan without sequence parallelism: q/k/v
-        and the MLP's first linear split by columns (whole heads per rank), the output
-        projections by rows (one all-reduce each), the token embedding by vocabulary rows,
-        the head by columns gathered to full logits; norms and positions replicated."""
-        from torch.distributed.tensor import Replicate
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    def tp_plan(self, sequence_parallel: bool = False) -> dict[str, Any]:
+        """Tensor parallel, as torchtitan's llama plan: q/k/v and the MLP's first linear
+        split by columns (whole heads per rank), the output projections by rows, the token
+        embedding by vocabulary rows, the head by columns gathered to full logits.
+
+        Without sequence parallelism the norms and positions are replicated and each output
+        projection ends in one all-reduce. With it (Megatron-LM's sequence parallelism) the
+        residual stream between the split layers is cut along the sequence: the norms run
+        on each rank's slice of it, an all-gather brings the whole sequence to attention and
+        the MLP and a reduce-scatter (not an all-reduce) cuts their outputs again; the same
+        bytes move, and activations outside the split layers are held once per group, not
+        once per rank. The embedding stays whole (positions are added to the full sequence)
+        and is cut after, a local slice."""
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
+                                                       PrepareModuleOutput, RowwiseParallel,
+                                                       SequenceParallel)
 
         plan = {"embed.tokens": RowwiseParallel(input_layouts=Replicate()),
                 "head.out": ColwiseParallel(output_layouts=Replicate())}
+        out = Shard(1) if sequence_parallel else Replicate()  # the residual stream's layout
         for i in range(self.cfg.layers):
             plan.update({f"blocks.{i}.attn.qkv": ColwiseParallel(),
-                         f"blocks.{i}.attn.proj": RowwiseParallel(),
+                         f"blocks.{i}.attn.proj": RowwiseParallel(output_layouts=out),
                          f"blocks.{i}.mlp.0": ColwiseParallel(),
-                         f"blocks.{i}.mlp.2": RowwiseParallel()})
+                         f"blocks.{i}.mlp.2": RowwiseParallel(output_layouts=out)})
+        if not sequence_parallel:
+            return plan
+        whole = dict(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                     use_local_output=True)
+        plan["embed"] = PrepareModuleOutput(output_layouts=Replicate(),
+                                            desired_output_layouts=Shard(1),
+                                            use_local_output=True)
+        plan["head.ln"] = SequenceParallel()
+        plan["head.out"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
+        for i in range(self.cfg.layers):
+            plan.update({f"blocks.{i}.ln1": SequenceParallel(),
+                         f"blocks.{i}.attn": PrepareModuleInput(**whole),
+                         f"blocks.{i}.ln2": SequenceParallel(),
+                         f"blocks.{i}.mlp": PrepareModuleInput(**whole)})
         return plan
 
     def tp_problem(self, tp: int) -> str | None:

@@ -13,6 +13,7 @@ picks the shard of each epoch.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import math
 
@@ -74,6 +75,20 @@ def tp_problem(model: nn.Module, tp: int) -> str | None:
     return None
 
 
+def sp_problem(model: nn.Module, data, tp: int) -> str | None:
+    """None if `model` has a sequence-parallel plan and data's sequences split over `tp`."""
+    plan_of = model.tp_plan
+    if "sequence_parallel" not in inspect.signature(plan_of).parameters:
+        return (f"parallel.sequence_parallel=true: {type(model).__name__}.tp_plan() takes no "
+                "sequence_parallel argument (gpt's does): set it false, or give the plan one")
+    seq_len = getattr(data, "seq_len", None)
+    if seq_len is not None and seq_len % tp:
+        return (f"parallel.sequence_parallel=true cuts each sequence over parallel.tp={tp} "
+                f"ranks, which data.seq_len={seq_len} does not divide by: pick a tp or "
+                "seq_len that divide")
+    return None
+
+
 class MeshStrategy(FSDPStrategy):
     @classmethod
     def node_local_kinds(cls, cfg) -> tuple[str, ...]:
@@ -98,10 +113,16 @@ class MeshStrategy(FSDPStrategy):
         super().check(cfg)
         p = cfg.parallel
         resolve_degrees(p)
+        if p.sequence_parallel and p.tp == 1:
+            raise ConfigError("parallel.sequence_parallel=true cuts a tensor-parallel "
+                              "group's activations: it needs parallel.tp > 1 (or set it "
+                              "false)")
         if p.tp > 1:
             from parallab.trial import model_on_meta
 
-            problem = tp_problem(model_on_meta(cfg), p.tp)
+            model = model_on_meta(cfg)
+            problem = (tp_problem(model, p.tp) or
+                       p.sequence_parallel and sp_problem(model, cfg.data, p.tp))
             if problem:
                 raise ConfigError(problem)
 
@@ -135,11 +156,14 @@ class MeshStrategy(FSDPStrategy):
         self.mesh = init_device_mesh(self.dist.device.type, (p.dp_replicate, p.dp_shard, p.tp),
                                      mesh_dim_names=DEGREES)
         model = self.on_device(model)
-        if p.tp > 1:
-            parallelize_module(model, self.mesh["tp"], model.tp_plan())
+        if p.tp > 1:  # a plan without sequence parallelism need not know the argument
+            plan = (model.tp_plan(sequence_parallel=True) if p.sequence_parallel
+                    else model.tp_plan())
+            parallelize_module(model, self.mesh["tp"], plan)
         if self.dist.is_main:
-            log.info("parallel=%s: mesh dp_replicate=%d x dp_shard=%d x tp=%d", p.name,
-                     p.dp_replicate, p.dp_shard, p.tp)
+            log.info("parallel=%s: mesh dp_replicate=%d x dp_shard=%d x tp=%d%s", p.name,
+                     p.dp_replicate, p.dp_shard, p.tp,
+                     " (sequence parallel)" if p.sequence_parallel else "")
         return model
 
     def wrap(self, model: nn.Module) -> nn.Module:
