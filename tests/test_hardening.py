@@ -136,9 +136,11 @@ def test_the_summary_survives_bad_bookkeeping_files(tmp_path):
     write_job(tmp_path, "1_list", "[1, 2]")
     write_job(tmp_path, "2_nulls", json.dumps({"eval_loss": None, "samples_per_sec": None}))
     write_job(tmp_path, "3_corrupt_status", None, status="{not json")
+    write_job(tmp_path, "4_advise", None)  # experiment=advise answers in advise.csv/.md
+    (tmp_path / "4_advise" / "advise.csv").write_text("layout,verdict\n")
     rows = {r["job"]: r["status"] for r in summary.write(tmp_path)}
     assert rows == {"0_good": "completed", "1_list": "unreadable", "2_nulls": "unreadable",
-                    "3_corrupt_status": "incomplete"}
+                    "3_corrupt_status": "incomplete", "4_advise": "advised (advise.md)"}
     assert (tmp_path / "summary.png").stat().st_size > 0
     assert summary.read_metrics(tmp_path / "2_nulls") is None  # skip_completed reruns it
 

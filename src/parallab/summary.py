@@ -54,6 +54,8 @@ def job_row(job_dir: Path) -> dict[str, Any]:
         state = status.get("status") or "completed"
     elif (job_dir / "metrics.json").exists():  # written, but not as a run writes it
         state = "unreadable"
+    elif (job_dir / "advise.csv").exists():  # experiment=advise: its answer is its table
+        state = "advised (advise.md)"
     else:
         state = status.get("status") or "incomplete"
     row = {"job": job_dir.name, "overrides": " ".join(map(str, overrides)), "status": state,
