@@ -1,5 +1,5 @@
-"""Layouts from one device mesh (issue 16): degrees, tensor parallel plans, pp x dp, and
-each layout training as one device does (real gloo processes)."""
+"""Layouts from one device mesh (issue 16): degrees, tensor parallel plans, pp x dp, pp x tp,
+and each layout training as one device does (real gloo processes)."""
 
 from __future__ import annotations
 
@@ -80,10 +80,11 @@ def final_weights(run_dir, model: torch.nn.Module) -> dict[str, torch.Tensor]:
     ("mlp", ["parallel=tp", "parallel.world_size=2"], 1),
     ("gpt", ["parallel=hsdp", "parallel.world_size=4"], 4),  # 2 replicas x 2 shards
     ("gpt", ["parallel=fsdp_tp", "parallel.world_size=4"], 2),  # 2 shards x tp 2
-    ("mlp", ["parallel=fsdp_tp", "parallel.world_size=4"], 2),
     ("gpt", ["parallel=pipeline", "parallel.world_size=4", "parallel.pp=2"], 2),  # pp2 x dp2
-], ids=["tp2-gpt", "tp2-mlp", "hsdp2x2-gpt", "fsdp_tp2x2-gpt", "fsdp_tp2x2-mlp",
-        "pp2xdp2-gpt"])  # mlp's plan under tp and fsdp_tp; hsdp and pp x dp are model-blind
+    ("gpt", ["parallel=pipeline", "parallel.world_size=4", "parallel.pp=2",
+             "parallel.tp=2"], 1),  # each part split by the plan: the plan's names per part
+], ids=["tp2-gpt", "tp2-mlp", "hsdp2x2-gpt", "fsdp_tp2x2-gpt", "pp2xdp2-gpt",
+        "pp2xtp2-gpt"])  # mlp's plan under tp; hsdp and pp x dp are model-blind
 def test_each_layout_trains_as_one_device_does(train_here, one_device, model, layout,
                                                data_ranks):
     run = GPT_RUN if model == "gpt" else MLP_RUN

@@ -154,13 +154,14 @@ class ModelParallelConfig(ParallelConfig):
 @dataclass
 class PipelineConfig(ParallelConfig):
     name: str = "pipeline"
-    world_size: Optional[int] = None  # ranks: pp parts per pipeline x dp_replicate pipelines
+    world_size: Optional[int] = None  # ranks: pp parts x dp_replicate pipelines x tp
     split: Optional[list[int]] = None  # null = parts even by parameter count
     microbatches: int = 4  # per step: data.batch_size must divide by it
     schedule: str = "1f1b"  # gpipe | 1f1b
-    # pipelines side by side (pp x dp), each reading its own shard; null = world_size / pp
+    # pipelines side by side (pp x dp), each reading its own shard; null = world_size / (pp x tp)
     dp_replicate: Optional[int] = None
-    pp: Optional[int] = None  # parts of one pipeline; null = world_size / dp_replicate
+    pp: Optional[int] = None  # parts of one pipeline; null = world_size / (dp_replicate x tp)
+    tp: int = 1  # ranks each part is split over by the model's tensor-parallel plan
 
 
 # --- precision, backend, optim, trainer -------------------------------------------------

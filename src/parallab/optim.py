@@ -46,7 +46,13 @@ def scaled_lr(cfg, global_batch_size: int) -> float:
 
 
 def kernels(implementation: str, params: list[torch.nn.Parameter]) -> dict[str, bool]:
-    """torch's foreach/fused arguments for optim.implementation."""
+    """torch's foreach/fused arguments for optim.implementation. A multi-tensor kernel
+    takes DTensors or plain tensors, not both: parameters that mix them (a pipeline part
+    split by tensor parallelism, its norms left whole) step one by one."""
+    from torch.distributed.tensor import DTensor
+
+    if len({isinstance(p, DTensor) for p in params}) > 1:
+        implementation = "for_loop"
     if implementation == "auto":
         on_cuda = bool(params) and all(p.device.type == "cuda" for p in params)
         implementation = "fused" if on_cuda else "foreach"

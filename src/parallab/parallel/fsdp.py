@@ -67,18 +67,23 @@ class FSDPStrategy(ShardedStrategy):
             model.set_requires_gradient_sync(True)
 
     def grad_norm(self, model: nn.Module) -> torch.Tensor:
-        """Over every rank's shards, one reduction per mesh the gradients live on (tp-split
-        and replicated parameters of the mesh layouts are on different ones)."""
-        from torch.distributed.tensor import DTensor
+        return norm_squares(model, self.dist.device).sqrt()
 
-        by_mesh: dict[object, list[torch.Tensor]] = {}
-        for param in model.parameters():
-            if param.grad is not None:
-                key = param.grad.device_mesh if isinstance(param.grad, DTensor) else None
-                by_mesh.setdefault(key, []).append(param.grad)
-        squares = torch.zeros((), device=self.dist.device)
-        for grads in by_mesh.values():
-            norm = nn.utils.get_total_norm(grads)
-            norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
-            squares = squares + norm.float() ** 2
-        return squares.sqrt()
+
+def norm_squares(model: nn.Module, device: torch.device) -> torch.Tensor:
+    """The squared 2-norm of `model`'s gradients over every shard of them: one reduction
+    per mesh the gradients live on (tp-split and replicated parameters of the mesh layouts
+    are on different ones); plain tensors count as this rank holds them."""
+    from torch.distributed.tensor import DTensor
+
+    by_mesh: dict[object, list[torch.Tensor]] = {}
+    for param in model.parameters():
+        if param.grad is not None:
+            key = param.grad.device_mesh if isinstance(param.grad, DTensor) else None
+            by_mesh.setdefault(key, []).append(param.grad)
+    squares = torch.zeros((), device=device)
+    for grads in by_mesh.values():
+        norm = nn.utils.get_total_norm(grads)
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        squares = squares + norm.float() ** 2
+    return squares

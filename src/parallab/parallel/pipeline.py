@@ -8,9 +8,11 @@ cut into parallel.microbatches micro-batches that flow through the parts by the 
 the last scores them. A stage's buffers have fixed shapes, so training drops a short last
 batch and evaluation pads its last batch.
 
-pp x dp: parallel.dp_replicate pipelines side by side (ranks d*pp .. d*pp + pp - 1 form
-pipeline d, neighbours as a node's GPUs), each reading its own shard of every epoch; the
-ranks holding the same stage average their gradients once per optimizer step.
+pp x dp x tp, one mesh (dp_replicate, pp, tp), tp innermost as torchtitan orders it:
+parallel.dp_replicate pipelines side by side, each reading its own shard of every epoch; the
+ranks holding the same stage average their gradients once per optimizer step. With
+parallel.tp > 1 each part is split by the model's tensor-parallel plan over tp neighbouring
+ranks (a node's GPUs), which read the same batches and form tp pipelines of their own.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from parallab.errors import ConfigError
 from parallab.loss import from_model
 from parallab.parallel import stages as stages_of
 from parallab.parallel.base import ShardedStrategy
-from parallab.parallel.mesh import resolve_degrees
+from parallab.parallel.fsdp import norm_squares
+from parallab.parallel.mesh import resolve_degrees, tp_problem
 from parallab.parallel.model import refuse_finder
 from parallab.parallel.split import check_parts, part_ranges
 from parallab.precision import Precision
@@ -50,11 +53,19 @@ def keep_only(model: nn.Module, stages: list[nn.Module], keep: range) -> None:
 
 
 def resolve_pipelines(p) -> None:
-    """parallel.pp x parallel.dp_replicate = parallel.world_size, one of them inferred (both
-    null: one pipeline over every rank)."""
+    """parallel.dp_replicate x parallel.pp x parallel.tp = parallel.world_size, one of them
+    inferred (dp_replicate and pp both null: one pipeline over every rank)."""
     if p.pp is None and p.dp_replicate is None:
         p.dp_replicate = 1
-    resolve_degrees(p, ("dp_replicate", "pp"))
+    resolve_degrees(p, ("dp_replicate", "pp", "tp"))
+
+
+def part_plan(model: nn.Module, plan: dict) -> dict:
+    """The entries of a tensor-parallel plan for modules this part holds (the others are
+    nn.Identity, or gone with the stage they belonged to)."""
+    kept = {name for name, module in model.named_modules()
+            if not isinstance(module, nn.Identity)}
+    return {name: style for name, style in plan.items() if name in kept}
 
 
 class PipelineStrategy(ShardedStrategy):
@@ -75,6 +86,12 @@ class PipelineStrategy(ShardedStrategy):
         resolve_pipelines(p)
         check_parts(cfg, stages, p.pp)
         refuse_finder(cfg)
+        if p.tp > 1:
+            from parallab.trial import model_on_meta
+
+            problem = tp_problem(model_on_meta(cfg), p.tp)
+            if problem:
+                raise ConfigError(problem)
         if p.schedule not in SCHEDULES:
             raise ConfigError(f"parallel.schedule={p.schedule} is unknown: use "
                               f"parallel.schedule={' or '.join(SCHEDULES)}")
@@ -109,7 +126,7 @@ class PipelineStrategy(ShardedStrategy):
 
     @property
     def stage_index(self) -> int:
-        return self.dist.rank % self.pp
+        return self.dist.rank // self.cfg.tp % self.pp
 
     @property
     def activation_share(self) -> float:
@@ -128,8 +145,16 @@ class PipelineStrategy(ShardedStrategy):
     @property
     def data_dist(self) -> Dist:
         """The ranks of a pipeline read the same batches; pipelines read their own shards."""
-        return dataclasses.replace(self.dist, rank=self.dist.rank // self.pp,
+        return dataclasses.replace(self.dist, rank=self.dist.rank // (self.pp * self.cfg.tp),
                                    world_size=self.cfg.dp_replicate)
+
+    @property
+    def loss_ranks(self) -> int:
+        return self.cfg.dp_replicate * self.cfg.tp  # each pipeline's last part, per tp rank
+
+    @property
+    def seed_rank(self) -> int:
+        return self.dist.rank // self.cfg.tp  # a tp group draws one dropout mask
 
     @property
     def is_first(self) -> bool:
@@ -152,7 +177,9 @@ class PipelineStrategy(ShardedStrategy):
         import torch.distributed as torch_dist
         from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        # a tp-split gradient's replicas hold the same shard: its local tensor is averaged
+        grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                 for p in self.model.parameters() if p.grad is not None]
         if not grads:
             return
         flat = _flatten_dense_tensors(grads)
@@ -161,22 +188,33 @@ class PipelineStrategy(ShardedStrategy):
         for grad, averaged in zip(grads, _unflatten_dense_tensors(flat, grads)):
             grad.copy_(averaged)
 
-    def wrap(self, model: nn.Module) -> nn.Module:
+    def split(self, model: nn.Module) -> nn.Module:
+        """This rank's part, split by tensor parallelism with tp > 1: before activation
+        checkpointing and compile, as the mesh layouts (the plan's names stay as declared)."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh(self.dist.device.type, (self.cfg.dp_replicate, self.pp),
-                                mesh_dim_names=("dp", "pp"))
+        p = self.cfg
+        mesh = init_device_mesh(self.dist.device.type, (p.dp_replicate, self.pp, p.tp),
+                                mesh_dim_names=("dp", "pp", "tp"))
         self.pp_group, self.dp_group = mesh["pp"].get_group(), mesh["dp"].get_group()
-        self.syncing = True
-        stages = stages_of.find(model, self.cfg.stages)
-        parts = part_ranges(stages, self.pp, self.cfg.split)
+        stages = stages_of.find(model, p.stages)
+        parts = part_ranges(stages, self.pp, p.split)
         keep_only(model, stages, parts[self.stage_index])
         if self.dist.is_main:
             log.info("parallel=pipeline (%s, %d micro-batches): stages %s on a pipeline's "
-                     "ranks 0-%d, %d pipeline(s)", self.cfg.schedule, self.cfg.microbatches,
+                     "ranks 0-%d, %d pipeline(s), tp %d", p.schedule, p.microbatches,
                      [f"{p.start}-{p.stop - 1}" for p in parts], len(parts) - 1,
-                     self.cfg.dp_replicate)
-        self.model = self.on_device(model)
+                     p.dp_replicate, p.tp)
+        model = self.on_device(model)
+        if p.tp > 1:
+            from torch.distributed.tensor.parallel import parallelize_module
+
+            parallelize_module(model, mesh["tp"], part_plan(model, model.tp_plan()))
+        return model
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        self.syncing = True
+        self.model = model
         self.accumulation = 1  # batches per optimizer step (trainer.accumulate_grad_batches)
         self.train_schedule = self._schedule(self.cfg.schedule, self._loss)
         self.shapes_known = False  # see dry_run
@@ -252,9 +290,7 @@ class PipelineStrategy(ShardedStrategy):
 
     def grad_norm(self, model: nn.Module) -> torch.Tensor:
         """The norm over every part's gradients (each rank holds one part's)."""
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        squares = torch.zeros((), dtype=torch.float32, device=self.dist.device)
-        if grads:
-            squares = nn.utils.get_total_norm(grads, norm_type=2.0).float() ** 2
+        squares = norm_squares(model, self.dist.device)  # this part's, whole on its tp ranks
         self.dist.all_reduce_sum(squares)
-        return (squares / self.cfg.dp_replicate).sqrt()  # each stage's replicas counted once
+        # each part counted once: not once per replica and tp rank holding it
+        return (squares / (self.cfg.dp_replicate * self.cfg.tp)).sqrt()
