@@ -117,9 +117,8 @@ class GPT(Model):
         once per rank. The embedding stays whole (positions are added to the full sequence)
         and is cut after, a local slice."""
         from torch.distributed.tensor import Replicate, Shard
-        from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
-                                                       PrepareModuleOutput, RowwiseParallel,
-                                                       SequenceParallel)
+        from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleOutput,
+                                                       RowwiseParallel, SequenceParallel)
 
         plan = {"embed.tokens": RowwiseParallel(input_layouts=Replicate()),
                 "head.out": ColwiseParallel(output_layouts=Replicate())}
@@ -131,18 +130,20 @@ class GPT(Model):
                          f"blocks.{i}.mlp.2": RowwiseParallel(output_layouts=out)})
         if not sequence_parallel:
             return plan
-        whole = dict(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
-                     use_local_output=True)
-        plan["embed"] = PrepareModuleOutput(output_layouts=Replicate(),
-                                            desired_output_layouts=Shard(1),
-                                            use_local_output=True)
-        plan["head.ln"] = SequenceParallel()
-        plan["head.out"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
+        # the split layers take the sequence's slices and gather them (backward: a
+        # reduce-scatter of the input's gradient, where a gather before the module would
+        # all-reduce it and slice)
+        plan.update({"embed": PrepareModuleOutput(output_layouts=Replicate(),
+                                                  desired_output_layouts=Shard(1),
+                                                  use_local_output=True),
+                     "head.ln": SequenceParallel(),
+                     "head.out": ColwiseParallel(input_layouts=Shard(1),
+                                                 output_layouts=Replicate())})
         for i in range(self.cfg.layers):
             plan.update({f"blocks.{i}.ln1": SequenceParallel(),
-                         f"blocks.{i}.attn": PrepareModuleInput(**whole),
+                         f"blocks.{i}.attn.qkv": ColwiseParallel(input_layouts=Shard(1)),
                          f"blocks.{i}.ln2": SequenceParallel(),
-                         f"blocks.{i}.mlp": PrepareModuleInput(**whole)})
+                         f"blocks.{i}.mlp.0": ColwiseParallel(input_layouts=Shard(1))})
         return plan
 
     def tp_problem(self, tp: int) -> str | None:
