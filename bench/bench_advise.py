@@ -1,14 +1,22 @@
 """`parallab advise` against the exhaustive sweep it replaces, run as a user runs both.
 
-    python bench/bench_advise.py [--sweep-steps 100] [--only gpt|own_model]
+    python bench/bench_advise.py [--sweep-steps 100] [--only gpt|own_model] [--exhaustive]
+                                 [advise overrides, e.g. 'advise.layouts=[none,ddp]']
 
 For a small gpt (data=bytes) and for examples/own_model (a user's ResMLP with its stages),
-at world size 2 on this CPU: `parallab advise` once (timed), then every candidate it
-measured trained again by `python train.py` for --sweep-steps steps (a -m sweep's jobs, one
-process each). Targets: the recommendation's samples/s within 5% of the sweep's best among
-candidates whose losses match the reference; advise's wall time <= 25% of the sweep's;
-every memory prediction within 15% of the measurement. The sweep replays the candidates
-advise measured, not those it pruned (the memory savers it found not needed).
+at world size 2 on this CPU: `parallab advise` once (timed), then a sweep: candidates of
+advise's grid trained by `parallab train` for --sweep-steps steps, one process each (a -m
+sweep's jobs). Without --exhaustive the sweep replays the candidates advise measured, not
+those it pruned (the memory savers it found not needed); with it, every candidate of
+advise's full grid (advise.full_grid, composed in this process as advise composes it),
+those train.py refuses (exit 2) and those that fail counted apart.
+
+The sweep judges every candidate it trained as advise judges (advise.report.judge: its
+losses over advise's measured steps against its precision's reference, within
+advise.rtol), so it needs no verdict of advise's; its runs log the loss each step, as
+advise's own do. Targets: the recommendation's samples/s within 5% of the sweep's best
+matching candidate; advise's wall time <= 25% of the sweep's; every memory prediction
+within 15% of the measurement.
 """
 
 from __future__ import annotations
@@ -19,21 +27,23 @@ import shlex
 import time
 from pathlib import Path
 
-from parallab.testing import REPO, read_metrics, run_entry, scratch_dir
+from parallab.testing import REPO, losses, read_metrics, run_entry, scratch_dir
 
+# name: (working dir, its --config-dir or None, overrides)
 CASES = {
-    "gpt": (REPO, ["model=gpt", "data=bytes", "optim=adamw", "model.layers=4", "model.width=128",
-                   "model.context=64", "data.global_batch_size=16"]),
-    "own_model": (REPO / "examples" / "own_model",
-                  ["--config-dir", "conf", "experiment=waves", "data.global_batch_size=64"]),
+    "gpt": (REPO, None, ["model=gpt", "data=bytes", "optim=adamw", "model.layers=4",
+                         "model.width=128", "model.context=64", "data.global_batch_size=16"]),
+    "own_model": (REPO / "examples" / "own_model", "conf",
+                  ["experiment=waves", "data.global_batch_size=64"]),
 }
 COMMON = ["parallel.world_size=2", "device=cpu"]
+NAN = float("nan")  # a figure a candidate has not
 
 
-def advise(cwd: Path, overrides: list[str], run_dir: Path) -> tuple[float, list[dict], str]:
+def advise(cwd: Path, args: list[str], run_dir: Path) -> tuple[float, list[dict], str]:
+    """`parallab advise ARGS`, timed: its wall time, advise.csv's rows, its command."""
     start = time.perf_counter()
-    result = run_entry("parallab", ["advise", *overrides, *COMMON], run_dir, timeout=1800,
-                       cwd=cwd)
+    result = run_entry("parallab", ["advise", *args], run_dir, timeout=1800, cwd=cwd)
     wall = time.perf_counter() - start
     if result.returncode != 0:
         raise SystemExit(result.stdout[-3000:] + result.stderr[-3000:])
@@ -43,65 +53,141 @@ def advise(cwd: Path, overrides: list[str], run_dir: Path) -> tuple[float, list[
     return wall, rows, command
 
 
-def sweep(cwd: Path, command: str, advise_dir: Path, steps: int,
-          scratch: Path) -> tuple[float, dict[str, float]]:
-    """Each measured candidate (its overrides.yaml in advise's run dir) trained
-    --sweep-steps steps in its own process."""
+def grid(cwd: Path, config_dir: str | None, overrides: list[str]):
+    """advise's full grid for `overrides` (fresh candidates, nothing measured) and the
+    composed advise options, as `parallab advise OVERRIDES` composes them."""
+    from parallab.advise import full_grid
+    from parallab.cli import compose, typed_config
+
+    args = ["advise.run=true", *overrides]
+    cfg = typed_config(compose(args, cwd / config_dir if config_dir else None), args)
+    return full_grid(cfg, args)[0], cfg.advise
+
+
+def advised(advise_dir: Path) -> set[str]:
+    """The labels of the candidates advise ran (each wrote its overrides.yaml)."""
     import yaml
 
+    return {yaml.safe_load(path.read_text())["layout"]
+            for path in (advise_dir / "candidates").glob("*/overrides.yaml")}
+
+
+def sweep(cwd: Path, command: str, candidates: list, steps: int, window: int,
+          scratch: Path) -> tuple[float, dict[str, int]]:
+    """Each candidate trained `steps` steps in its own `parallab train` process with the
+    user's settings of the recommended command; a run's samples/s and first `window`
+    losses go into its figures, a refusal (exit 2) into its reason, a failure into its
+    figures' error. The sweep's wall time and how many ran, were refused, failed."""
     from parallab.advise.candidates import user_overrides
 
-    # the command after `parallab train`, less the candidate's own settings
+    # the command after `parallab train`, less the recommended candidate's own settings
     user = user_overrides(shlex.split(command)[2:])
-    speeds, wall = {}, 0.0
-    for index, path in enumerate(sorted((advise_dir / "candidates").glob("*/overrides.yaml"))):
-        record = yaml.safe_load(path.read_text())
-        args = user + record["overrides"] + [
+    counts = {"ran": 0, "refused": 0, "failed": 0}
+    wall = 0.0
+    for index, candidate in enumerate(candidates):
+        args = user + candidate.overrides + [
             f"trainer.max_steps={steps + 5}", "trainer.epochs=1000",
-            "trainer.checkpoint_every_n_steps=null", "trainer.progress_bar=false"]
-        start = time.perf_counter()
+            "trainer.checkpoint_every_n_steps=null", "trainer.progress_bar=false",
+            "trainer.log_every_n_steps=1"]  # every loss, to judge the run
         run_dir = scratch / f"sweep_{index}"
+        start = time.perf_counter()
         result = run_entry("parallab", ["train", *args], run_dir, timeout=1800, cwd=cwd)
         wall += time.perf_counter() - start
+        said = (result.stdout + result.stderr).splitlines()
+        last = next((line for line in reversed(said) if line.strip()), "no output")
         if result.returncode == 0:
-            speeds[record["layout"]] = read_metrics(run_dir)["samples_per_sec"]
-    return wall, speeds
+            candidate.figures = {"samples_per_sec": read_metrics(run_dir)["samples_per_sec"],
+                                 "losses": losses(run_dir)[:window]}
+            counts["ran"] += 1
+        elif result.returncode == 2:  # train.py's one-line refusal of the settings
+            candidate.reason = last
+            counts["refused"] += 1
+        else:
+            candidate.figures = {"error": f"exit {result.returncode}: {last}"}
+            counts["failed"] += 1
+        print(f"  {candidate.label}: {_outcome(candidate)}", flush=True)
+    return wall, counts
+
+
+def _outcome(candidate) -> str:
+    if candidate.reason:
+        return f"refused ({candidate.reason})"
+    if "error" in candidate.figures:
+        return f"failed ({candidate.figures['error']})"
+    return f"{candidate.figures['samples_per_sec']:.1f} samples/s"
+
+
+def compare(name: str, rows: list[dict], candidates: list, swept: list, counts: dict,
+            wall: float, sweep_wall: float, steps: int, exhaustive: bool) -> None:
+    """advise's answer against the sweep's: speed of the pick, wall time, memory errors."""
+    from parallab.advise import report
+
+    by_label = {r["layout"]: r for r in rows}
+    measured = sum(1 for r in rows if r["samples_per_sec"])
+    pick = next(r["layout"] for r in rows if r["ratio_to_best"] and
+                float(r["ratio_to_best"]) == 1.0)
+    speed = {c.label: c.figures["samples_per_sec"] for c in swept if c.measured}
+    best = report.best(swept)
+    kind = "every candidate of the grid" if exhaustive else "the candidates advise measured"
+    print(f"\n## {name}: grid of {len(candidates)} candidates, {measured} measured by advise; "
+          f"the sweep trained {kind}: {counts['ran']} ran, {counts['refused']} refused, "
+          f"{counts['failed']} failed")
+    print(f"advise wall {wall:.1f} s, sweep wall ({steps} steps each) {sweep_wall:.1f} s: "
+          f"ratio {wall / sweep_wall:.2f} (target <= 0.25)")
+    if best is None:
+        print("the sweep has no candidate matching its reference")
+    else:
+        print(f"recommended {pick}: {speed.get(pick, NAN):.1f} samples/s in the sweep; "
+              f"sweep's best matching {best.label}: {speed[best.label]:.1f}: ratio "
+              f"{speed.get(pick, NAN) / speed[best.label]:.3f} (target >= 0.95)")
+    disagree = [c.label for c in swept if c.verdict and c.label in by_label and
+                by_label[c.label]["verdict"] and report.correct(c) != (
+                    by_label[c.label]["verdict"] in ("reference", "matches"))]
+    print(f"verdicts: the sweep and advise disagree on {len(disagree)}: {disagree}")
+    errors = [abs(float(r["memory_error"])) for r in rows if r["memory_error"]]
+    if errors:
+        print(f"memory predictions: {sum(e <= 0.15 for e in errors)} of {len(errors)} within "
+              f"15%, worst error {max(errors):.1%} (target: all)")
+    print("| layout | advise samples/s | sweep samples/s | sweep verdict | memory error |")
+    print("|---|---|---|---|---|")
+    for c in sorted(swept, key=lambda c: -speed.get(c.label, -1.0)):
+        row = by_label.get(c.label, {})
+        advise_speed, error = row.get("samples_per_sec"), row.get("memory_error")
+        print(f"| {c.label} | {f'{float(advise_speed):.1f}' if advise_speed else '-'} | "
+              f"{speed.get(c.label, NAN):.1f} | {c.verdict or _outcome(c)} | "
+              f"{f'{float(error):+.1%}' if error else '-'} |")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sweep-steps", type=int, default=100)
     parser.add_argument("--only", choices=list(CASES))
+    parser.add_argument("--exhaustive", action="store_true",
+                        help="sweep every candidate of advise's grid, not only those it measured")
+    parser.add_argument("extra", nargs="*", help="more overrides for advise and its grid, "
+                        "e.g. 'advise.layouts=[none,ddp]' 'advise.precisions=[fp32]'")
     args = parser.parse_args()
-    for name, (cwd, overrides) in CASES.items():
+    from parallab.advise import report
+
+    for name, (cwd, config_dir, overrides) in CASES.items():
         if args.only and name != args.only:
             continue
         scratch = scratch_dir(f"bench_advise_{name}_")
-        wall, rows, command = advise(cwd, overrides, scratch / "advise")
-        sweep_wall, speeds = sweep(cwd, command, scratch / "advise", args.sweep_steps, scratch)
-        good = {r["layout"] for r in rows if r["verdict"] in ("reference", "matches")}
-        best = max((s, layout) for layout, s in speeds.items() if layout in good)
-        pick = next(r["layout"] for r in rows if r["ratio_to_best"] and
-                    float(r["ratio_to_best"]) == 1.0)
-        errors = [abs(float(r["memory_error"])) for r in rows if r["memory_error"]]
-        measured = sum(1 for r in rows if r["samples_per_sec"])
-        print(f"\n## {name}: {measured} of {len(rows)} candidates measured by advise; "
-              f"{len(speeds)} of them ran in the sweep ({measured - len(speeds)} failed)")
-        print(f"advise wall {wall:.1f} s, sweep wall ({args.sweep_steps} steps each) "
-              f"{sweep_wall:.1f} s: ratio {wall / sweep_wall:.2f} (target <= 0.25)")
-        print(f"recommended {pick}: {speeds.get(pick, float('nan')):.1f} samples/s in the sweep; "
-              f"sweep's best matching {best[1]}: {best[0]:.1f}: ratio "
-              f"{speeds.get(pick, float('nan')) / best[0]:.3f} (target >= 0.95)")
-        within = sum(e <= 0.15 for e in errors)
-        print(f"memory predictions: {within} of {len(errors)} within 15%, worst error "
-              f"{max(errors):.1%} (target: all)")
-        print("| layout | advise samples/s | sweep samples/s | verdict | memory error |")
-        print("|---|---|---|---|---|")
-        for r in rows:
-            if r["samples_per_sec"]:
-                print(f"| {r['layout']} | {float(r['samples_per_sec']):.1f} | "
-                      f"{speeds.get(r['layout'], float('nan')):.1f} | {r['verdict']} | "
-                      f"{float(r['memory_error'] or 0):+.1%} |")
+        chosen = [*overrides, *COMMON, *args.extra]
+        flags = ["--config-dir", config_dir] if config_dir else []
+        wall, rows, command = advise(cwd, flags + chosen, scratch / "advise")
+        candidates, options = grid(cwd, config_dir, chosen)
+        ran = advised(scratch / "advise")
+        missing = ran - {c.label for c in candidates}
+        if missing:  # the grid here is not advise's: the comparison would mean nothing
+            raise SystemExit(f"advise ran candidates not in the grid composed here: {missing}")
+        swept = candidates if args.exhaustive else [c for c in candidates if c.label in ran]
+        print(f"{name}: sweeping {len(swept)} of {len(candidates)} candidates", flush=True)
+        sweep_wall, counts = sweep(cwd, command, swept, args.sweep_steps,
+                                   options.warmup_steps + options.steps, scratch)
+        report.judge(swept, options.rtol)
+        compare(name, rows, candidates, swept, counts, wall, sweep_wall, args.sweep_steps,
+                args.exhaustive)
 
 
 if __name__ == "__main__":

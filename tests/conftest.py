@@ -16,7 +16,8 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
-from parallab.testing import REPO, read_metrics, run_entry  # noqa: F401,E402 - shared
+from parallab.testing import (  # noqa: F401,E402 - shared
+    REPO, losses, read_metrics, run_entry, scalars)
 
 # small, quick settings for end-to-end runs on a 2-core CPU
 FAST = ["data=synthetic", "data.train_size=2048", "data.eval_size=512", "trainer.epochs=1",
@@ -44,23 +45,6 @@ def assert_ok(result: subprocess.CompletedProcess) -> None:
     assert result.returncode == 0, output(result)[-4000:]
 
 
-def scalars(run_dir: Path, tag: str) -> list[tuple[int, float]]:
-    """(step, value) of one TensorBoard scalar in step order, read back with tensorboard's
-    own reader file by file, a resumed run's file after the one it continues: a directory
-    read sorts files by name, and a writer's per-process counter in the name (…9 before
-    …10) can put a later file of the same second first."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    runs = []
-    for path in Path(run_dir).glob("events.out.tfevents.*"):
-        events = EventAccumulator(str(path), size_guidance={"scalars": 0})
-        events.Reload()
-        if tag in events.Tags()["scalars"]:
-            runs.append((events.FirstEventTimestamp(), events.Scalars(tag)))
-    points = {e.step: e.value for _, run in sorted(runs, key=lambda r: r[0]) for e in run}
-    return sorted(points.items())
-
-
 def typed(*overrides: str, config_dir: Path | None = None):
     """The real conf/ composed with `overrides` (and a project's config dir), as the
     Config train.py checks (model, data and loss still as composed: plain dicts)."""
@@ -76,11 +60,6 @@ def checked(*overrides: str, config_dir: Path | None = None):
     from parallab import validate
 
     return validate.prepare(typed(*overrides, config_dir=config_dir), in_place=None)
-
-
-def losses(run_dir: Path) -> list[float]:
-    """The logged train/loss values of a run, in step order."""
-    return [value for _, value in scalars(run_dir, "train/loss")]
 
 
 @pytest.fixture

@@ -99,25 +99,59 @@ def apply(model: nn.Module, mode: str, names: list[str] | None = None) -> nn.Mod
     return model
 
 
-@contextlib.contextmanager
-def saved_for_backward(model: nn.Module) -> Iterator[Callable[[], int]]:
-    """While active, every storage autograd saves for backward (parameters left out) is
-    kept by identity (its StorageImpl, which fake tensors have too); the function yielded
-    gives their bytes as of the call: made when a step is over, a parameter gather FSDP has
-    freed again counts 0. A figure that does not depend on the device. A checkpointed stage
-    saves only its inputs; a selective one also the outputs it keeps (routed through the
-    hooks, below)."""
-    params = {p.untyped_storage()._cdata for p in model.parameters()}
-    saved: dict[int, torch.UntypedStorage] = {}
+class Saved:
+    """The storages autograd saved for backward while counting, by identity (a StorageImpl,
+    which fake tensors have too), parameters left out; their bytes as of the call: counted
+    when a step is over, a parameter gather FSDP has freed again counts 0.
 
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
+    Two kinds, because they add up differently over a pipeline's micro-batches:
+    `casts()`, copies of the model's parameters (autocast's low-precision casts of weights),
+    which autocast caches for its whole context, so the micro-batches of one pipeline step
+    share one copy that lives to the step's end; `per_pass()`, the rest (activations),
+    which each forward pass saves anew and its backward frees. Calling it gives both."""
+
+    def __init__(self, model: nn.Module):
+        self.params = {id(p) for p in model.parameters()}
+        self.storages = {p.untyped_storage()._cdata for p in model.parameters()}
+        self.saved: dict[int, torch.UntypedStorage] = {}
+        self.cast_ids: set[int] = set()
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
-        if storage._cdata not in params:
-            saved[storage._cdata] = storage
+        if storage._cdata not in self.storages:
+            self.saved[storage._cdata] = storage
+            if self._is_cast(tensor):
+                self.cast_ids.add(storage._cdata)
         return tensor
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        yield lambda: sum(s.nbytes() for s in saved.values())
+    def _is_cast(self, tensor: torch.Tensor) -> bool:
+        """A parameter's copy (or a view of one, as linear saves the weight transposed):
+        made by _to_copy straight from the parameter's gradient accumulator."""
+        base = tensor if tensor._base is None else tensor._base
+        node = base.grad_fn
+        if node is None or node.name() != "ToCopyBackward0":
+            return False
+        source = node.next_functions[0][0]
+        return id(getattr(source, "variable", None)) in self.params
+
+    def casts(self) -> int:
+        return sum(s.nbytes() for k, s in self.saved.items() if k in self.cast_ids)
+
+    def per_pass(self) -> int:
+        return sum(s.nbytes() for k, s in self.saved.items() if k not in self.cast_ids)
+
+    def __call__(self) -> int:
+        return sum(s.nbytes() for s in self.saved.values())
+
+
+@contextlib.contextmanager
+def saved_for_backward(model: nn.Module) -> Iterator[Saved]:
+    """While active, what autograd saves for backward is counted (Saved); a figure that
+    does not depend on the device. A checkpointed stage saves only its inputs; a selective
+    one also the outputs it keeps (routed through the hooks, in apply)."""
+    saved = Saved(model)
+    with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda tensor: tensor):
+        yield saved
 
 
 def saved_bytes(model: nn.Module, forward: Callable[[], torch.Tensor]) -> int:

@@ -41,6 +41,28 @@ def read_metrics(run_dir: Path) -> dict[str, Any]:
     return json.loads((Path(run_dir) / "metrics.json").read_text())
 
 
+def scalars(run_dir: Path, tag: str) -> list[tuple[int, float]]:
+    """(step, value) of one TensorBoard scalar in step order, read back with tensorboard's
+    own reader file by file, a resumed run's file after the one it continues: a directory
+    read sorts files by name, and a writer's per-process counter in the name (…9 before
+    …10) can put a later file of the same second first."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    runs = []
+    for path in Path(run_dir).glob("events.out.tfevents.*"):
+        events = EventAccumulator(str(path), size_guidance={"scalars": 0})
+        events.Reload()
+        if tag in events.Tags()["scalars"]:
+            runs.append((events.FirstEventTimestamp(), events.Scalars(tag)))
+    points = {e.step: e.value for _, run in sorted(runs, key=lambda r: r[0]) for e in run}
+    return sorted(points.items())
+
+
+def losses(run_dir: Path) -> list[float]:
+    """The logged train/loss values of a run, in step order."""
+    return [value for _, value in scalars(run_dir, "train/loss")]
+
+
 def train_metrics(args: list[str], run_dir: Path, **kwargs: Any) -> dict[str, Any]:
     """`python train.py ARGS` in a fresh process; its metrics.json (RuntimeError if it fails)."""
     run_entry("train.py", args, run_dir, check=True, **kwargs)

@@ -151,11 +151,13 @@ class Trainer:
         if self.step != self.first_step + 1 or self.cfg.compile:
             return self.train_step(batches)
         saved = (activations.saved_for_backward(self.model) if self.count_activations
-                 else contextlib.nullcontext(lambda: 0))
-        with CommCounter() as counter, saved as saved_now:
+                 else contextlib.nullcontext())
+        with CommCounter() as counter, saved as counted:
             loss = self.train_step(batches)
-            # per micro-batch, times the share of them a rank holds at once (pipelines)
-            self.activation_bytes = saved_now() / len(batches) * self.strategy.activation_share
+            if counted is not None:  # per batch: the share of its micro-batches' activations
+                # a rank holds at once (1F1B: not all), autocast's parameter casts once (Saved)
+                self.activation_bytes = (counted.per_pass() * self.strategy.activation_share
+                                         + counted.casts()) / len(batches)
         self.comm = counter.figures()
         self.logger.scalars({"comm/" + k.removeprefix("comm_"): v for k, v in self.comm.items()}, self.step + 1)
         return loss

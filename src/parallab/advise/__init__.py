@@ -97,13 +97,15 @@ def measuring(options, global_batch: int) -> list[str]:
             "trainer.profile=false", "trainer.resume=null", "trainer.quantize=null"]
 
 
-def plan(cfg, overrides: list[str], configure: Callable[[list[str]], Any]
-         ) -> tuple[list[Candidate], int, list[str]]:
-    """The candidates, checked, predicted and pruned; the global batch; the user's
-    overrides advise keeps. ConfigError / NothingFits where nothing can be compared."""
-    options = cfg.advise
-    device_type = "cuda" if cfg.device.value == "cuda" or (
+def _device_type(cfg) -> str:
+    return "cuda" if cfg.device.value == "cuda" or (
         cfg.device.value == "auto" and torch.cuda.is_available()) else "cpu"
+
+
+def full_grid(cfg, overrides: list[str]) -> tuple[list[Candidate], list[int]]:
+    """Every candidate advise considers for `cfg` (its advise.* keys filled in), none yet
+    checked or pruned, and the world sizes they use. ConfigError for a bad advise key."""
+    options, device_type = cfg.advise, _device_type(cfg)
     options.precisions = options.precisions or (
         ["fp32", "bf16", "amp"] if device_type == "cuda" else ["fp32", "bf16"])
     found = problem(options, device_type)
@@ -111,12 +113,20 @@ def plan(cfg, overrides: list[str], configure: Callable[[list[str]], Any]
         raise ConfigError(found)
     world = _world_size(cfg, overrides, device_type)
     sizes = options.world_sizes or [d for d in range(1, world + 1) if world % d == 0]
+    return grid.enumerate_grid(options, sizes, device_type), sizes
+
+
+def plan(cfg, overrides: list[str], configure: Callable[[list[str]], Any]
+         ) -> tuple[list[Candidate], int, list[str]]:
+    """The candidates, checked, predicted and pruned; the global batch; the user's
+    overrides advise keeps. ConfigError / NothingFits where nothing can be compared."""
+    options = cfg.advise
+    candidates, sizes = full_grid(cfg, overrides)
     global_batch = cfg.data.get("global_batch_size") or cfg.data["batch_size"]
     user = grid.user_overrides(overrides)
     base = user + measuring(options, global_batch)
-    candidates = grid.enumerate_grid(options, sizes, device_type)
     grid.settle(candidates, lambda extra: configure(base + extra),
-                _budget(options, cfg, device_type), options.only_needed)
+                _budget(options, cfg, _device_type(cfg)), options.only_needed)
     checked = [c for c in candidates if c.cfg is not None]
     if not checked:
         splits = [c for c in candidates if "does not split" in (c.reason or "")]

@@ -93,8 +93,9 @@ def _predict_part(cfg, strategy, model: nn.Module, inputs, targets, precision
                   ) -> tuple[float, float]:
     """A pipeline rank: its part of the model (as the strategy keeps it), the optimizer
     over it, and its part's activations for one micro-batch, times the micro-batches it
-    holds at once. The stage-to-stage exchange needs real shapes, which the fake group does
-    not pass on, so the earlier parts run here to give this part its input."""
+    holds at once, plus one copy of its parameters' autocast casts. The stage-to-stage
+    exchange needs real shapes, which the fake group does not pass on, so the earlier parts
+    run here to give this part its input."""
     from parallab.parallel import stages as stages_of
     from parallab.parallel.pipeline import keep_only
     from parallab.parallel.split import part_ranges
@@ -116,6 +117,8 @@ def _predict_part(cfg, strategy, model: nn.Module, inputs, targets, precision
             last = keep.stop == len(stages)
             out = strategy.loss(out, targets) if last else out.float().sum()
         out.backward()
-        activations = saved() * p.microbatches * strategy.activation_share
+    # a run's micro-batches of one step share autocast's parameter casts (activations.Saved)
+    held = p.microbatches * strategy.activation_share
+    activations = saved.per_pass() * held + saved.casts()
     optimizer.step()
     return held_state_mb(model, optimizer), activations / MB
