@@ -76,6 +76,11 @@ def textbook(layout: str, params: float, batch: int) -> dict[str, float]:
     context, width, vocab = 256, 256, 256
     activation, logits = batch * context * width * 4, batch * context * vocab * 4
     tp2 = {"all_reduce": (4 * 4 + 2) * activation, "all_gather": logits / 2}  # tp 2
+    # sequence parallel: each block's 4 all-reduces become 4 all-gathers and 4
+    # reduce-scatters of half an activation (the same bytes); the head gathers its input
+    # and scatters its gradient; the embedding all-reduces, its gradient is gathered
+    sp2 = {"all_reduce": activation, "all_gather": logits / 2 + (4 * 4 + 2) * activation / 2,
+           "reduce_scatter": (4 * 4 + 1) * activation / 2}
     return {
         "ddp 4": {"all_reduce": 2 * 3 / 4 * params},
         "fsdp 4": {"all_gather": 2 * 3 / 4 * params, "reduce_scatter": 3 / 4 * params},
@@ -83,6 +88,7 @@ def textbook(layout: str, params: float, batch: int) -> dict[str, float]:
         "hsdp 2x2": {"all_gather": params, "reduce_scatter": params / 2,
                      "all_reduce": params / 2},  # the replicas: a half-size shard
         "tp 2": tp2,
+        "tp 2 sequence parallel": sp2,
     }.get(layout, {})
 
 
@@ -92,9 +98,13 @@ LAYOUTS = {  # name -> (overrides, sequences per rank); a global batch of 8 each
     "fsdp 2": (["parallel=fsdp", "parallel.world_size=2"], 4),
     "hsdp 2x2": (["parallel=hsdp", "parallel.world_size=4"], 2),
     "tp 2": (["parallel=tp", "parallel.world_size=2"], 8),
+    "tp 2 sequence parallel": (["parallel=tp", "parallel.world_size=2",
+                                "parallel.sequence_parallel=true"], 8),
     "fsdp_tp 2x2": (["parallel=fsdp_tp", "parallel.world_size=4"], 4),
     "pipeline 2": (["parallel=pipeline", "parallel.world_size=2"], 8),
     "pipeline 2 x dp 2": (["parallel=pipeline", "parallel.world_size=4", "parallel.pp=2"], 4),
+    "pipeline 2 x tp 2": (["parallel=pipeline", "parallel.world_size=4", "parallel.pp=2",
+                           "parallel.tp=2"], 8),
 }
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
 
