@@ -105,6 +105,8 @@ LAYOUTS = {  # name -> (overrides, sequences per rank); a global batch of 8 each
     "pipeline 2 x dp 2": (["parallel=pipeline", "parallel.world_size=4", "parallel.pp=2"], 4),
     "pipeline 2 x tp 2": (["parallel=pipeline", "parallel.world_size=4", "parallel.pp=2",
                            "parallel.tp=2"], 8),
+    "pipeline 2 x fsdp 2": (["parallel=pipeline", "parallel.world_size=4", "parallel.pp=2",
+                             "parallel.dp_shard=2", "parallel.dp_replicate=1"], 4),
 }
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
 

@@ -102,6 +102,25 @@ def test_a_losing_layout_is_judged_differs_with_its_worst_step():
     assert report.best([reference, same, wrong]) is same  # fast but wrong is never picked
 
 
+def test_the_recommended_command_keeps_where_the_config_came_from():
+    """A user's project (`parallab advise --config-dir conf ...`) gets a command that
+    composes the same config: the flags kept, the user's overrides, the candidate's."""
+    from parallab.advise import report
+    from parallab.advise.candidates import Candidate
+    from parallab.cli import config_flags
+
+    argv = ["advise", "--config-dir", "conf", "experiment=waves", "-cn=mine",
+            "data.global_batch_size=64"]
+    assert config_flags(argv) == ["--config-dir", "conf", "-cn=mine"]
+    chosen = Candidate(2, "ddp", ["parallel.world_size=2"], "fp32", "none", 1)
+    line = report.command(["parallab train", *config_flags(argv)],
+                          ["experiment=waves", "data.global_batch_size=64"], chosen, 64)
+    assert line == ("parallab train --config-dir conf -cn=mine experiment=waves "
+                    "data.global_batch_size=64 parallel=ddp parallel.world_size=2 "
+                    "precision=fp32 trainer.activation_checkpointing=none "
+                    "trainer.accumulate_grad_batches=1")
+
+
 @pytest.mark.parametrize("overrides, says", [
     (["advise.layouts=[ddp,nope]"], "advise.layouts names nope"),
     (["advise.world_sizes=[2]", "advise.layouts=[ddp,fsdp]", "data.global_batch_size=7",

@@ -134,10 +134,12 @@ def test_auto_values_resolve_for_cpu():
     (["parallel=pipeline", "parallel.world_size=1"], "needs at least 2 parts"),
     (["parallel=pipeline", "parallel.world_size=4"], "is 4 parts, more than the 3 stages"),
     (["parallel=pipeline", "parallel.world_size=4", "parallel.pp=3"],
-     "parallel.dp_replicate=null, parallel.pp=3, parallel.tp=1 multiply to 3 x ?, but "
+     "parallel.dp_replicate=null, parallel.dp_shard=1, parallel.pp=3, parallel.tp=1 multiply "
+     "to 3 x ?, but "
      "parallel.world_size=4"),
     (["parallel=pipeline", "parallel.world_size=4", "parallel.dp_replicate=3"],
-     "parallel.dp_replicate=3, parallel.pp=null, parallel.tp=1 multiply to 3 x ?"),
+     "parallel.dp_replicate=3, parallel.dp_shard=1, parallel.pp=null, parallel.tp=1 multiply "
+     "to 3 x ?"),
     (["parallel=pipeline", "parallel.world_size=4", "parallel.dp_replicate=4"],
      "parallel.world_size=4 / parallel.dp_replicate=4: parallel=pipeline needs at least 2"),
     (["parallel=model", "parallel.split=[1,2]"], "parallel.split=[1, 2] gives 3 parts"),
@@ -146,7 +148,8 @@ def test_auto_values_resolve_for_cpu():
     (["parallel=pipeline", "parallel.world_size=4", "parallel.tp=2"],
      "parallel.tp=2: MnistCNN declares no tensor-parallel plan"),
     (["parallel=pipeline", "parallel.world_size=4", "parallel.pp=3", "parallel.tp=2"],
-     "parallel.dp_replicate=null, parallel.pp=3, parallel.tp=2 multiply to 6 x ?"),
+     "parallel.dp_replicate=null, parallel.dp_shard=1, parallel.pp=3, parallel.tp=2 multiply "
+     "to 6 x ?"),
     (["parallel=pipeline", "parallel.microbatches=1"], "parallel.microbatches=1"),
     (["parallel=pipeline", "parallel.schedule=zb"], "parallel.schedule=zb"),
     (["parallel=pipeline", "precision=fp16"], "precision=fp16 with parallel=pipeline"),

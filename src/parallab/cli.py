@@ -132,6 +132,13 @@ def _train_job(dict_cfg: DictConfig) -> float | None:
 CONFIG_FLAGS = ("--config-dir", "-cd", "--config-path", "-cp", "--config-name", "-cn")
 
 
+def config_flags(argv: list[str]) -> list[str]:
+    """The Hydra config flags in `argv` (a command line less its program), with their
+    values: `--config-dir conf` and `--config-dir=conf` alike."""
+    return [arg for i, arg in enumerate(argv) if arg in CONFIG_FLAGS or (
+        i and argv[i - 1] in CONFIG_FLAGS) or arg.startswith(tuple(f"{f}=" for f in CONFIG_FLAGS))]
+
+
 def _advise(dict_cfg: DictConfig, overrides: list[str], run_dir: str, compose_with
             ) -> dict[str, Any]:
     """advise.run=true: parallab advise (advise/) in `run_dir`; `compose_with(overrides)`
@@ -142,12 +149,11 @@ def _advise(dict_cfg: DictConfig, overrides: list[str], run_dir: str, compose_wi
         return validate.prepare(typed_config(compose_with(extra), extra), None)
 
     entry = "parallab train" if Path(sys.argv[0]).name == "parallab" else "python train.py"
-    flags = [arg for i, arg in enumerate(sys.argv[1:], 1) if arg in CONFIG_FLAGS or (
-        sys.argv[i - 1] in CONFIG_FLAGS) or arg.startswith(tuple(f"{f}=" for f in CONFIG_FLAGS))]
     try:
         cfg = typed_config(dict_cfg, overrides)
         with _claimed(run_dir, cfg, None):
-            return advise.advise(cfg, overrides, run_dir, configure, [entry, *flags])
+            return advise.advise(cfg, overrides, run_dir, configure,
+                                 [entry, *config_flags(sys.argv[1:])])
     except validate.ConfigError as error:
         raise JobFailed(str(error), 2) from None
     except advise.NothingFits as error:

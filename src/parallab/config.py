@@ -160,6 +160,7 @@ class PipelineConfig(ParallelConfig):
     schedule: str = "1f1b"  # gpipe | 1f1b
     # pipelines side by side (pp x dp), each reading its own shard; null = world_size / (pp x tp)
     dp_replicate: Optional[int] = None
+    dp_shard: int = 1  # > 1: each part sharded by FSDP2 over this many pipelines
     pp: Optional[int] = None  # parts of one pipeline; null = world_size / (dp_replicate x tp)
     tp: int = 1  # ranks each part is split over by the model's tensor-parallel plan
 

@@ -36,27 +36,8 @@ class FSDPStrategy(ShardedStrategy):
         return self.shard(self.on_device(model), mesh)
 
     def shard(self, model: nn.Module, mesh) -> nn.Module:
-        """fully_shard each stage, then the root, over `mesh` (2-D: replicate x shard, HSDP)."""
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        # compute in the precision group's dtype, reduce gradients in float32
-        policy = MixedPrecisionPolicy(param_dtype=self.precision.dtype, reduce_dtype=torch.float32)
-        stages = stages_of.find(model, self.cfg.stages)
-        if stages is None and self.dist.is_main:
-            log.info("parallel=%s: the model declares no stages, so it is sharded as one "
-                     "unit (every parameter gathered at once); set parallel.stages to shard "
-                     "its blocks one by one", self.cfg.name)
-        shared = {pid for pid, held in stages_of.holders(stages or []).items() if len(held) > 1}
-        for stage in stages or []:
-            # a stage sharing a parameter with another (tied embeddings) is left to the
-            # root: FSDP2 shards each parameter in one unit only
-            if any(p.requires_grad for p in stage.parameters()) and not (
-                    shared & {id(p) for p in stage.parameters()}):
-                fully_shard(stage, mesh=mesh, mp_policy=policy,
-                            reshard_after_forward=self.cfg.reshard_after_forward)
-        # the root: whatever the stages leave; kept gathered, it is used again at once
-        fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
-        return model
+        return shard(model, mesh, self.cfg, self.precision.dtype, self.dist.is_main,
+                     self.cfg.reshard_after_forward)
 
     @contextlib.contextmanager
     def no_sync(self, model: nn.Module) -> Iterator[None]:
@@ -68,6 +49,32 @@ class FSDPStrategy(ShardedStrategy):
 
     def grad_norm(self, model: nn.Module) -> torch.Tensor:
         return norm_squares(model, self.dist.device).sqrt()
+
+
+def shard(model: nn.Module, mesh, cfg, dtype: torch.dtype, is_main: bool,
+          reshard_after_forward: bool) -> nn.Module:
+    """fully_shard each stage (parallel.stages), then the root, over `mesh` (2-D: replicate
+    x shard, HSDP)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    # compute in the precision group's dtype, reduce gradients in float32
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    stages = stages_of.find(model, cfg.stages)
+    if stages is None and is_main:
+        log.info("parallel=%s: the model declares no stages, so it is sharded as one unit "
+                 "(every parameter gathered at once); set parallel.stages to shard its "
+                 "blocks one by one", cfg.name)
+    shared = {pid for pid, held in stages_of.holders(stages or []).items() if len(held) > 1}
+    for stage in stages or []:
+        # a stage sharing a parameter with another (tied embeddings) is left to the root:
+        # FSDP2 shards each parameter in one unit only
+        if any(p.requires_grad for p in stage.parameters()) and not (
+                shared & {id(p) for p in stage.parameters()}):
+            fully_shard(stage, mesh=mesh, mp_policy=policy,
+                        reshard_after_forward=reshard_after_forward)
+    # the root: whatever the stages leave; kept gathered, it is used again at once
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+    return model
 
 
 def norm_squares(model: nn.Module, device: torch.device) -> torch.Tensor:

@@ -8,11 +8,13 @@ cut into parallel.microbatches micro-batches that flow through the parts by the 
 the last scores them. A stage's buffers have fixed shapes, so training drops a short last
 batch and evaluation pads its last batch.
 
-pp x dp x tp, one mesh (dp_replicate, pp, tp), tp innermost as torchtitan orders it:
-parallel.dp_replicate pipelines side by side, each reading its own shard of every epoch; the
-ranks holding the same stage average their gradients once per optimizer step. With
-parallel.tp > 1 each part is split by the model's tensor-parallel plan over tp neighbouring
-ranks (a node's GPUs), which read the same batches and form tp pipelines of their own.
+dp x pp x tp, one mesh (dp_replicate, dp_shard, pp, tp), tp innermost as torchtitan orders
+it: dp_replicate x dp_shard pipelines side by side, each reading its own shard of every
+epoch. With dp_shard = 1 the ranks holding the same stage average their gradients once per
+optimizer step; with dp_shard > 1 each part is sharded by FSDP2 over them (HSDP with
+replicas too), which reduces the gradients itself. With parallel.tp > 1 each part is split
+by the model's tensor-parallel plan over tp neighbouring ranks (a node's GPUs), which read
+the same batches and form tp pipelines of their own.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from parallab.errors import ConfigError
 from parallab.loss import from_model
 from parallab.parallel import stages as stages_of
 from parallab.parallel.base import ShardedStrategy
-from parallab.parallel.fsdp import norm_squares
+from parallab.parallel.fsdp import norm_squares, shard
 from parallab.parallel.mesh import resolve_degrees, tp_problem
 from parallab.parallel.model import refuse_finder
 from parallab.parallel.split import check_parts, part_ranges
@@ -53,11 +55,11 @@ def keep_only(model: nn.Module, stages: list[nn.Module], keep: range) -> None:
 
 
 def resolve_pipelines(p) -> None:
-    """parallel.dp_replicate x parallel.pp x parallel.tp = parallel.world_size, one of them
-    inferred (dp_replicate and pp both null: one pipeline over every rank)."""
+    """dp_replicate x dp_shard x pp x tp = parallel.world_size, one of them inferred
+    (dp_replicate and pp both null: one pipeline over every rank)."""
     if p.pp is None and p.dp_replicate is None:
         p.dp_replicate = 1
-    resolve_degrees(p, ("dp_replicate", "pp", "tp"))
+    resolve_degrees(p, ("dp_replicate", "dp_shard", "pp", "tp"))
 
 
 def part_plan(model: nn.Module, plan: dict) -> dict:
@@ -117,7 +119,7 @@ class PipelineStrategy(ShardedStrategy):
     @classmethod
     def data_parallel_ranks(cls, cfg) -> int:
         resolve_pipelines(cfg.parallel)
-        return cfg.parallel.dp_replicate
+        return cfg.parallel.dp_replicate * cfg.parallel.dp_shard
 
     @property
     def pp(self) -> int:
@@ -146,11 +148,11 @@ class PipelineStrategy(ShardedStrategy):
     def data_dist(self) -> Dist:
         """The ranks of a pipeline read the same batches; pipelines read their own shards."""
         return dataclasses.replace(self.dist, rank=self.dist.rank // (self.pp * self.cfg.tp),
-                                   world_size=self.cfg.dp_replicate)
+                                   world_size=self.cfg.dp_replicate * self.cfg.dp_shard)
 
     @property
     def loss_ranks(self) -> int:
-        return self.cfg.dp_replicate * self.cfg.tp  # each pipeline's last part, per tp rank
+        return self.data_dist.world_size * self.cfg.tp  # each pipeline's last part, per tp rank
 
     @property
     def seed_rank(self) -> int:
@@ -194,17 +196,19 @@ class PipelineStrategy(ShardedStrategy):
         from torch.distributed.device_mesh import init_device_mesh
 
         p = self.cfg
-        mesh = init_device_mesh(self.dist.device.type, (p.dp_replicate, self.pp, p.tp),
-                                mesh_dim_names=("dp", "pp", "tp"))
-        self.pp_group, self.dp_group = mesh["pp"].get_group(), mesh["dp"].get_group()
+        self.mesh = mesh = init_device_mesh(
+            self.dist.device.type, (p.dp_replicate, p.dp_shard, self.pp, p.tp),
+            mesh_dim_names=("dp_replicate", "dp_shard", "pp", "tp"))
+        self.pp_group, self.dp_group = (mesh["pp"].get_group(),
+                                        mesh["dp_replicate"].get_group())
         stages = stages_of.find(model, p.stages)
         parts = part_ranges(stages, self.pp, p.split)
         keep_only(model, stages, parts[self.stage_index])
         if self.dist.is_main:
             log.info("parallel=pipeline (%s, %d micro-batches): stages %s on a pipeline's "
-                     "ranks 0-%d, %d pipeline(s), tp %d", p.schedule, p.microbatches,
-                     [f"{p.start}-{p.stop - 1}" for p in parts], len(parts) - 1,
-                     p.dp_replicate, p.tp)
+                     "ranks 0-%d, %d x %d pipeline(s) (replicas x shards), tp %d", p.schedule,
+                     p.microbatches, [f"{p.start}-{p.stop - 1}" for p in parts],
+                     len(parts) - 1, p.dp_replicate, p.dp_shard, p.tp)
         model = self.on_device(model)
         if p.tp > 1:
             from torch.distributed.tensor.parallel import parallelize_module
@@ -213,6 +217,11 @@ class PipelineStrategy(ShardedStrategy):
         return model
 
     def wrap(self, model: nn.Module) -> nn.Module:
+        p = self.cfg
+        if p.dp_shard > 1:  # gathered once per step, not once per micro-batch (torchtitan)
+            dp = (self.mesh["dp_replicate", "dp_shard"] if p.dp_replicate > 1
+                  else self.mesh["dp_shard"])
+            model = shard(model, dp, p, self.precision.dtype, self.dist.is_main, False)
         self.syncing = True
         self.model = model
         self.accumulation = 1  # batches per optimizer step (trainer.accumulate_grad_batches)
@@ -253,8 +262,8 @@ class PipelineStrategy(ShardedStrategy):
             self.dry_run(step)
             losses.clear()
         step()
-        if self.cfg.dp_replicate > 1 and self.syncing:
-            self.average_gradients()
+        if self.cfg.dp_replicate > 1 and self.cfg.dp_shard == 1 and self.syncing:
+            self.average_gradients()  # (FSDP2 reduces its own)
         if not self.is_last:  # its share of the logged loss: nothing
             return torch.zeros((), device=self.dist.device)
         return torch.stack(losses).detach().sum()  # this batch's mean loss / scale
@@ -292,5 +301,5 @@ class PipelineStrategy(ShardedStrategy):
         """The norm over every part's gradients (each rank holds one part's)."""
         squares = norm_squares(model, self.dist.device)  # this part's, whole on its tp ranks
         self.dist.all_reduce_sum(squares)
-        # each part counted once: not once per replica and tp rank holding it
-        return (squares / (self.cfg.dp_replicate * self.cfg.tp)).sqrt()
+        # each part counted once: not once per replica, shard group and tp rank holding it
+        return (squares / (self.data_dist.world_size * self.cfg.tp)).sqrt()
