@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import csv
 import shlex
+import statistics
 import time
 from pathlib import Path
 
@@ -148,14 +149,28 @@ def compare(name: str, rows: list[dict], candidates: list, swept: list, counts: 
     if errors:
         print(f"memory predictions: {sum(e <= 0.15 for e in errors)} of {len(errors)} within "
               f"15%, worst error {max(errors):.1%} (target: all)")
-    print("| layout | advise samples/s | sweep samples/s | sweep verdict | memory error |")
-    print("|---|---|---|---|---|")
+    # the step-time model's check here: world size n predicted from world size 1
+    here = [(float(r["predicted_step_ms_here"]), float(r["step_time_ms"])) for r in rows
+            if r.get("predicted_step_ms_here")]
+    if here:
+        ratios = sorted(measured / predicted for predicted, measured in here)
+        print(f"step time here from world size 1: median error "
+              f"{statistics.median(abs(r - 1) for r in ratios):.0%} over {len(here)} layouts, "
+              f"measured / predicted {ratios[0]:.2f} to {ratios[-1]:.2f}")
+    print("| layout | advise samples/s | sweep samples/s | sweep verdict | memory error | "
+          "advise step ms | predicted here ms |")
+    print("|---|---|---|---|---|---|---|")
     for c in sorted(swept, key=lambda c: -speed.get(c.label, -1.0)):
         row = by_label.get(c.label, {})
         advise_speed, error = row.get("samples_per_sec"), row.get("memory_error")
         print(f"| {c.label} | {f'{float(advise_speed):.1f}' if advise_speed else '-'} | "
               f"{speed.get(c.label, NAN):.1f} | {c.verdict or _outcome(c)} | "
-              f"{f'{float(error):+.1%}' if error else '-'} |")
+              f"{f'{float(error):+.1%}' if error else '-'} | "
+              f"{_ms(row.get('step_time_ms'))} | {_ms(row.get('predicted_step_ms_here'))} |")
+
+
+def _ms(value: str | None) -> str:
+    return f"{float(value):.1f}" if value else "-"
 
 
 def main() -> None:

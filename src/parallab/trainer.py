@@ -159,7 +159,8 @@ class Trainer:
                 self.activation_bytes = (counted.per_pass() * self.strategy.activation_share
                                          + counted.casts()) / len(batches)
         self.comm = counter.figures()
-        self.logger.scalars({"comm/" + k.removeprefix("comm_"): v for k, v in self.comm.items()}, self.step + 1)
+        self.logger.scalars({"comm/" + k.removeprefix("comm_"): v
+                             for k, v in self.comm.items()}, self.step + 1)
         return loss
 
     def fit(self) -> dict[str, Any]:

@@ -30,9 +30,10 @@ class NothingFits(Exception):
     """No candidate fits the memory budget: the table of reasons (exit status 1)."""
 
 
-def problem(options, device_type: str) -> str | None:
+def problem(options) -> str | None:
     """None if the advise keys can be used, else one line naming the key."""
     from parallab import activations, precision
+    from parallab.config import PrecisionConfig
     from parallab.parallel import STRATEGIES
 
     for key, low in (("steps", 1), ("warmup_steps", 0), ("max_accumulation", 1),
@@ -47,7 +48,7 @@ def problem(options, device_type: str) -> str | None:
         return (f"advise.layouts names {', '.join(unknown)}: use parallel options "
                 f"({', '.join(STRATEGIES)})")
     for name in options.precisions or []:
-        found = precision.problem(type("P", (), {"name": name})())
+        found = precision.problem(PrecisionConfig(name=name))
         if found:
             return f"advise.precisions: {found}"
     for mode in options.activation_checkpointing:
@@ -94,7 +95,9 @@ def measuring(options, global_batch: int) -> list[str]:
             "trainer.log_every_n_steps=1", "trainer.checkpoint_every_n_steps=null",
             "trainer.save_best=false", "trainer.early_stop_patience=null",
             "trainer.auto_batch_size=false", "trainer.progress_bar=false",
-            "trainer.profile=false", "trainer.resume=null", "trainer.quantize=null"]
+            "trainer.profile=false", "trainer.resume=null", "trainer.quantize=null",
+            # the counted step's dispatch modes (comm, saved activations) skip compiled runs
+            "trainer.compile=false"]
 
 
 def _device_type(cfg) -> str:
@@ -108,7 +111,7 @@ def full_grid(cfg, overrides: list[str]) -> tuple[list[Candidate], list[int]]:
     options, device_type = cfg.advise, _device_type(cfg)
     options.precisions = options.precisions or (
         ["fp32", "bf16", "amp"] if device_type == "cuda" else ["fp32", "bf16"])
-    found = problem(options, device_type)
+    found = problem(options)
     if found:
         raise ConfigError(found)
     world = _world_size(cfg, overrides, device_type)

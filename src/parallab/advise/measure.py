@@ -83,7 +83,6 @@ def measure_all(jobs: list[tuple[Any, str, list[str]]], dist: distributed.Dist
     with the first line of its error and the next one runs."""
     results = []
     for cfg, run_dir, overrides in jobs:  # their dirs made by the controller
-        started = time.perf_counter()
         try:
             figures = measure(cfg, run_dir, dist, overrides)
         except Exception as error:  # noqa: BLE001 - a candidate's failure is its result
@@ -91,7 +90,6 @@ def measure_all(jobs: list[tuple[Any, str, list[str]]], dist: distributed.Dist
                 raise  # the job itself is broken: no further candidate can run
             log.warning("candidate %s failed: %s", run_dir, first_line(error))
             figures = {"error": first_line(error)}
-        figures["wall_s"] = time.perf_counter() - started
         results.append(figures)
     return results
 

@@ -89,6 +89,19 @@ def sp_problem(model: nn.Module, data, tp: int) -> str | None:
     return None
 
 
+def refuse_tp(cfg, tp: int, sequence_parallel: bool = False) -> None:
+    """ConfigError where tp > 1 and the model (built on meta) has no plan that splits over
+    `tp` ranks, or no sequence-parallel one where asked."""
+    if tp == 1:
+        return
+    from parallab.trial import model_on_meta
+
+    model = model_on_meta(cfg)
+    problem = tp_problem(model, tp) or sequence_parallel and sp_problem(model, cfg.data, tp)
+    if problem:
+        raise ConfigError(problem)
+
+
 class MeshStrategy(FSDPStrategy):
     @classmethod
     def node_local_kinds(cls, cfg) -> tuple[str, ...]:
@@ -117,14 +130,7 @@ class MeshStrategy(FSDPStrategy):
             raise ConfigError("parallel.sequence_parallel=true cuts a tensor-parallel "
                               "group's activations: it needs parallel.tp > 1 (or set it "
                               "false)")
-        if p.tp > 1:
-            from parallab.trial import model_on_meta
-
-            model = model_on_meta(cfg)
-            problem = (tp_problem(model, p.tp) or
-                       p.sequence_parallel and sp_problem(model, cfg.data, p.tp))
-            if problem:
-                raise ConfigError(problem)
+        refuse_tp(cfg, p.tp, p.sequence_parallel)
 
     @classmethod
     def data_parallel_ranks(cls, cfg) -> int:

@@ -34,7 +34,7 @@ from parallab.loss import from_model
 from parallab.parallel import stages as stages_of
 from parallab.parallel.base import ShardedStrategy
 from parallab.parallel.fsdp import norm_squares, shard
-from parallab.parallel.mesh import resolve_degrees, tp_problem
+from parallab.parallel.mesh import refuse_tp, resolve_degrees
 from parallab.parallel.model import refuse_finder
 from parallab.parallel.split import check_parts, part_ranges
 from parallab.precision import Precision
@@ -88,12 +88,7 @@ class PipelineStrategy(ShardedStrategy):
         resolve_pipelines(p)
         check_parts(cfg, stages, p.pp)
         refuse_finder(cfg)
-        if p.tp > 1:
-            from parallab.trial import model_on_meta
-
-            problem = tp_problem(model_on_meta(cfg), p.tp)
-            if problem:
-                raise ConfigError(problem)
+        refuse_tp(cfg, p.tp)
         if p.schedule not in SCHEDULES:
             raise ConfigError(f"parallel.schedule={p.schedule} is unknown: use "
                               f"parallel.schedule={' or '.join(SCHEDULES)}")
