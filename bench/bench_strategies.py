@@ -87,6 +87,8 @@ def textbook(layout: str, params: float, batch: int) -> dict[str, float]:
         "fsdp 2": {"all_gather": params, "reduce_scatter": params / 2},
         "hsdp 2x2": {"all_gather": params, "reduce_scatter": params / 2,
                      "all_reduce": params / 2},  # the replicas: a half-size shard
+        "ddp 2 x fsdp 2": {"all_gather": params, "reduce_scatter": params / 2,
+                           "all_reduce": params / 2},  # hsdp 2x2 from the ddp preset
         "tp 2": tp2,
         "tp 2 sequence parallel": sp2,
     }.get(layout, {})
@@ -105,6 +107,10 @@ LAYOUTS = {  # name -> (overrides, sequences per rank); a global batch of 8 each
     "pipeline 2 x dp 2": (["parallel=pipeline", "parallel.world_size=4", "parallel.pp=2"], 4),
     "pipeline 2 x tp 2": (["parallel=pipeline", "parallel.world_size=4", "parallel.pp=2",
                            "parallel.tp=2"], 8),
+    "pipeline 2 x tp 2 sequence parallel": (["parallel=pipeline", "parallel.world_size=4",
+                                             "parallel.pp=2", "parallel.tp=2",
+                                             "parallel.sequence_parallel=true"], 8),
+    "ddp 2 x fsdp 2": (["parallel=ddp", "parallel.world_size=4", "parallel.dp_shard=2"], 2),
     "pipeline 2 x fsdp 2": (["parallel=pipeline", "parallel.world_size=4", "parallel.pp=2",
                              "parallel.dp_shard=2", "parallel.dp_replicate=1"], 4),
 }

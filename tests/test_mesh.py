@@ -82,11 +82,12 @@ def final_weights(run_dir, model: torch.nn.Module) -> dict[str, torch.Tensor]:
     ("gpt", ["parallel=fsdp_tp", "parallel.world_size=4"], 2),  # 2 shards x tp 2
     ("gpt", ["parallel=pipeline", "parallel.world_size=4", "parallel.pp=2"], 2),  # pp2 x dp2
     ("gpt", ["parallel=pipeline", "parallel.world_size=4", "parallel.pp=2",
-             "parallel.tp=2"], 1),  # each part split by the plan: the plan's names per part
+             "parallel.tp=2", "parallel.sequence_parallel=true"],
+     1),  # each part split by the plan's entries for it; slices of sequences between parts
     ("gpt", ["parallel=pipeline", "parallel.world_size=4", "parallel.pp=2",
              "parallel.dp_shard=2", "parallel.dp_replicate=1"], 2),  # each part FSDP2-sharded
 ], ids=["tp2-gpt", "tp2-mlp", "hsdp2x2-gpt", "fsdp_tp2x2-gpt", "pp2xdp2-gpt",
-        "pp2xtp2-gpt", "pp2xfsdp2-gpt"])  # mlp's plan under tp; hsdp and pp x dp: model-blind
+        "pp2xtp2sp-gpt", "pp2xfsdp2-gpt"])  # mlp's plan under tp; hsdp and pp x dp: model-blind
 def test_each_layout_trains_as_one_device_does(train_here, one_device, model, layout,
                                                data_ranks):
     run = GPT_RUN if model == "gpt" else MLP_RUN

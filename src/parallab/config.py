@@ -108,40 +108,29 @@ class ParallelConfig:
 
 
 @dataclass
-class DDPConfig(ParallelConfig):
-    name: str = "ddp"
-    world_size: Optional[int] = None
-    bucket_cap_mb: float = 25.0
-    find_unused_parameters: bool = False
-    gradient_as_bucket_view: bool = True
-
-
-@dataclass
 class DPConfig(ParallelConfig):
     name: str = "dp"
     world_size: Optional[int] = None
 
 
 @dataclass
-class FSDPConfig(ParallelConfig):
-    name: str = "fsdp"
-    world_size: Optional[int] = None
-    reshard_after_forward: bool = True  # free gathered parameters after forward (ZeRO-3)
-
-
-@dataclass
 class MeshConfig(ParallelConfig):
-    """One device mesh: dp_replicate x dp_shard x tp = world_size (parallel/mesh.py)."""
+    """One device mesh: dp_replicate x dp_shard x tp = world_size (parallel/mesh.py); the
+    presets ddp (replicas), fsdp (shards), hsdp, tp and fsdp_tp set its degrees."""
 
-    name: str = "hsdp"
+    name: str = "ddp"
     world_size: Optional[int] = None
-    dp_replicate: Optional[int] = 1  # model replicas; gradients all-reduced across them
-    dp_shard: Optional[int] = None  # ranks each replica is sharded over (FSDP); null = inferred
+    dp_replicate: Optional[int] = None  # model replicas; gradients all-reduced across them
+    dp_shard: Optional[int] = 1  # ranks each replica is sharded over (FSDP2)
     tp: Optional[int] = 1  # ranks each layer is split over (tensor parallel)
     # tp > 1: the activations between the split layers cut along the sequence too (the
     # model's tp_plan(sequence_parallel=True); gpt has one)
     sequence_parallel: bool = False
     reshard_after_forward: bool = True  # free gathered parameters after forward (ZeRO-3)
+    # replicas only (dp_shard = tp = 1): DistributedDataParallel's settings
+    bucket_cap_mb: float = 25.0
+    find_unused_parameters: bool = False
+    gradient_as_bucket_view: bool = True
 
 
 @dataclass
@@ -163,6 +152,7 @@ class PipelineConfig(ParallelConfig):
     dp_shard: int = 1  # > 1: each part sharded by FSDP2 over this many pipelines
     pp: Optional[int] = None  # parts of one pipeline; null = world_size / (dp_replicate x tp)
     tp: int = 1  # ranks each part is split over by the model's tensor-parallel plan
+    sequence_parallel: bool = False  # tp > 1: activations cut along the sequence too
 
 
 # --- precision, backend, optim, trainer -------------------------------------------------
@@ -324,8 +314,8 @@ class EvalConfig(Config):
 
 
 SCHEMAS: dict[str, dict[str, type]] = {
-    "parallel": {"none": ParallelConfig, "ddp": DDPConfig, "dp": DPConfig, "fsdp": FSDPConfig,
-                 "model": ModelParallelConfig, "pipeline": PipelineConfig, "mesh": MeshConfig},
+    "parallel": {"none": ParallelConfig, "dp": DPConfig, "mesh": MeshConfig,
+                 "model": ModelParallelConfig, "pipeline": PipelineConfig},
     "precision": {"default": PrecisionConfig},
     "backend": {"default": BackendConfig},
     "optim": {"sgd": SGDConfig, "adam": AdamConfig, "adamw": AdamWConfig},

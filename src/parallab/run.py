@@ -190,7 +190,7 @@ def build_trainer(cfg: Config, dist: distributed.Dist, logger: RunLogger,
     if checkpoints is not None:
         config = OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
         checkpointer = Checkpointer(checkpoints, dist, config, cfg.trainer.keep_last_k,
-                                    sharded=strategy.sharded_checkpoint)
+                                    sharded=strategy.sharded_checkpoint(cfg.parallel))
     trainer = Trainer(cfg.trainer, model, strategy, optimizer, precision, data, dist, logger,
                       checkpointer, preemption, cfg.metrics, cfg.scheduler)
     return trainer, lr

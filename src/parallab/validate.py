@@ -239,7 +239,7 @@ def check_resume(cfg: Config, run_dir: str | None) -> None:
              f"{config.model_name(cfg.model)} here: resume with the same model config")
     saved_parallel = checkpoint.saved_parallel(meta)
     sharded = checkpoint.is_sharded(resume)
-    _require(sharded == STRATEGIES[cfg.parallel.name].sharded_checkpoint,
+    _require(sharded == STRATEGIES[cfg.parallel.name].sharded_checkpoint(cfg.parallel),
              f"trainer.resume={resume} was saved by parallel={saved_parallel} "
              f"({'sharded' if sharded else 'one file'}), which parallel={cfg.parallel.name} "
              f"cannot continue: resume with parallel={saved_parallel}")

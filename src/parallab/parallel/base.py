@@ -20,7 +20,6 @@ class Strategy:
 
     launches_workers = False  # True: one process per rank, started by the launcher
     uses_process_group = False
-    sharded_checkpoint = False  # True: every rank saves its part (torch.distributed.checkpoint)
     splits_model = False  # True: the model's stages are cut into parallel.world_size parts
     fixed_batch_shape = False  # True: a short last training batch is dropped
     shards_data = False  # True: each of parallel.world_size ranks/devices reads its own samples
@@ -42,6 +41,12 @@ class Strategy:
             raise ConfigError(f"parallel.world_size={p.world_size} needs several workers, but "
                               f"parallel={p.name} runs one: use parallel=ddp (processes) or "
                               "parallel=dp (GPUs of one process)")
+
+    @classmethod
+    def sharded_checkpoint(cls, p) -> bool:
+        """Whether every rank saves its part (torch.distributed.checkpoint) under the
+        parallel config `p` (degrees resolved), rather than rank 0 one file."""
+        return False
 
     @classmethod
     def layouts(cls, world_size: int, device_type: str, options) -> list[list[str]]:
@@ -172,17 +177,22 @@ class Strategy:
 
 
 class ShardedStrategy(Strategy):
-    """Ranks hold parts of the model (fsdp: shards, pipeline: stages). State goes through
-    torch.distributed.checkpoint's get/set_state_dict: keyed by full parameter names, with
-    the optimizer state flattened per parameter, so parts held by different ranks never
-    share a key (param_groups.0 would)."""
+    """Ranks hold parts of the model (fsdp: shards, tp: slices, pipeline: stages). State goes
+    through torch.distributed.checkpoint's get/set_state_dict: keyed by full parameter names,
+    with the optimizer state flattened per parameter, so parts held by different ranks never
+    share a key (param_groups.0 would). A layout whose ranks each hold the whole model
+    (sharded_checkpoint false: the mesh's replicas only) keeps the one-file checkpoint."""
 
-    sharded_checkpoint = True
+    @classmethod
+    def sharded_checkpoint(cls, p) -> bool:
+        return True
 
     @classmethod
     def check(cls, cfg) -> None:
         super().check(cfg)
         p, t = cfg.parallel, cfg.trainer
+        if not cls.sharded_checkpoint(p):
+            return
         if compute_dtype(cfg.precision.name, cfg.device.value) == torch.float16:
             raise ConfigError(f"precision={cfg.precision.name} with parallel={p.name}: it "
                               "computes in float16 here, with a GradScaler, and each rank holds "
@@ -195,12 +205,16 @@ class ShardedStrategy(Strategy):
     def state_dict(self, model, optimizer):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
+        if not self.sharded_checkpoint(self.cfg):
+            return super().state_dict(model, optimizer)
         return get_state_dict(model, optimizer,
                               options=StateDictOptions(flatten_optimizer_state_dict=True))
 
     def load_state_dict(self, model, optimizer, model_state, optimizer_state) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
+        if not self.sharded_checkpoint(self.cfg):
+            return super().load_state_dict(model, optimizer, model_state, optimizer_state)
         set_state_dict(model, optimizer, model_state_dict=model_state,
                        optim_state_dict=optimizer_state,
                        options=StateDictOptions(flatten_optimizer_state_dict=True))

@@ -1,5 +1,6 @@
-"""FSDP2 (fully_shard): every stage with trainable parameters, then the root (which takes
-what is left, a frozen backbone included), sharded over the ranks.
+"""FSDP2 (fully_shard), used by the mesh layouts (fsdp, hsdp, fsdp_tp) and the pipeline's
+parts: every stage with trainable parameters, then the root (which takes what is left, a
+frozen backbone included), sharded over the ranks.
 
 Parameters, gradients and optimizer state are split across ranks (each holds 1/world of
 them); a stage's parameters are all-gathered for its forward and backward and freed after,
@@ -8,47 +9,14 @@ unless parallel.reshard_after_forward=false keeps them gathered until backward.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from typing import Iterator
 
 import torch
 from torch import nn
 
 from parallab.parallel import stages as stages_of
-from parallab.parallel.base import ShardedStrategy
 
 log = logging.getLogger(__name__)
-
-
-class FSDPStrategy(ShardedStrategy):
-    launches_workers = True
-    uses_process_group = True
-    shards_data = True
-    uses_stages = True
-
-    def wrap(self, model: nn.Module) -> nn.Module:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        # a mesh of the device in use: the default prefers CUDA, which breaks a gloo group on
-        # CPU (pytorch#132471)
-        mesh = init_device_mesh(self.dist.device.type, (self.dist.world_size,))
-        return self.shard(self.on_device(model), mesh)
-
-    def shard(self, model: nn.Module, mesh) -> nn.Module:
-        return shard(model, mesh, self.cfg, self.precision.dtype, self.dist.is_main,
-                     self.cfg.reshard_after_forward)
-
-    @contextlib.contextmanager
-    def no_sync(self, model: nn.Module) -> Iterator[None]:
-        model.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            model.set_requires_gradient_sync(True)
-
-    def grad_norm(self, model: nn.Module) -> torch.Tensor:
-        return norm_squares(model, self.dist.device).sqrt()
 
 
 def shard(model: nn.Module, mesh, cfg, dtype: torch.dtype, is_main: bool,

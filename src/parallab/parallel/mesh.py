@@ -1,27 +1,34 @@
 """Layouts from one device mesh: dp_replicate x dp_shard x tp ranks (torchtitan's order,
-tp innermost so a tensor-parallel group sits on neighbouring ranks: one node's GPUs).
+tp innermost so a tensor-parallel group sits on neighbouring ranks: one node's GPUs); the
+pipeline adds pp before tp (parallel/pipeline.py).
 
 The model is first split by tensor parallelism over the `tp` dimension
 (torch.distributed.tensor.parallel.parallelize_module with the plan the model declares in
 tp_plan()), then sharded with FSDP2 over the data-parallel dimensions: over dp_shard
 alone, or replicate x shard (HSDP: sharded within a group, gradients all-reduced across the
-groups). Presets: hsdp (replicate x shard), tp (tensor parallel only), fsdp_tp (2-D).
+groups). Replicas alone (dp_shard = tp = 1) are DistributedDataParallel's, whose bucketed
+all-reduce overlaps the backward (torchtitan does the same). Presets, each a setting of the
+degrees: ddp (replicas), fsdp (shards), hsdp (replicas x shards), tp, fsdp_tp (2-D).
 Ranks of one tp group read the same batch; the data-parallel rank (replicate x shard)
 picks the shard of each epoch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import logging
 import math
+from typing import Iterator
 
+import torch
 from torch import nn
 
 from parallab.distributed import Dist
 from parallab.errors import ConfigError
-from parallab.parallel.fsdp import FSDPStrategy
+from parallab.parallel.base import ShardedStrategy
+from parallab.parallel.fsdp import norm_squares, shard
 
 log = logging.getLogger(__name__)
 DEGREES = ("dp_replicate", "dp_shard", "tp")
@@ -102,7 +109,28 @@ def refuse_tp(cfg, tp: int, sequence_parallel: bool = False) -> None:
         raise ConfigError(problem)
 
 
-class MeshStrategy(FSDPStrategy):
+class MeshStrategy(ShardedStrategy):
+    """One device mesh of the degrees `dims`, each a key of the parallel config."""
+
+    launches_workers = True
+    uses_process_group = True
+    shards_data = True
+    uses_stages = True
+    dims: tuple[str, ...] = DEGREES
+
+    @classmethod
+    def resolve(cls, p) -> None:
+        resolve_degrees(p, cls.dims)
+
+    @classmethod
+    def replicas_only(cls, p) -> bool:
+        """Every rank holds the whole model (DDP): nothing sharded or split."""
+        return p.dp_shard == 1 and p.tp == 1
+
+    @classmethod
+    def sharded_checkpoint(cls, p) -> bool:
+        return not cls.replicas_only(p)
+
     @classmethod
     def node_local_kinds(cls, cfg) -> tuple[str, ...]:
         """With replicas, the shard groups' all-gather and reduce-scatter stay in a node;
@@ -110,22 +138,27 @@ class MeshStrategy(FSDPStrategy):
         return ("all_gather", "reduce_scatter") if cfg.parallel.dp_replicate > 1 else ()
 
     @classmethod
-    def degrees(cls, n: int) -> list[tuple[int, int, int]]:
+    def degrees(cls, n: int) -> list[tuple[int, int, int]] | None:
         """The preset's (dp_replicate, dp_shard, tp) settings for n ranks (advise's
-        candidates)."""
-        return []
+        candidates); None: the preset's own degrees, from the world size alone."""
+        return None
 
     @classmethod
     def layouts(cls, world_size: int, device_type: str, options) -> list[list[str]]:
-        return [[f"parallel.world_size={world_size}", *(f"parallel.{k}={v}" for k, v in
-                                                        zip(DEGREES, d))]
-                for d in cls.degrees(world_size)]
+        degrees = cls.degrees(world_size)
+        if degrees is None:
+            return super().layouts(world_size, device_type, options)
+        return [[f"parallel.world_size={world_size}",
+                 *(f"parallel.{k}={v}" for k, v in zip(DEGREES, d))] for d in degrees]
 
     @classmethod
     def check(cls, cfg) -> None:
-        super().check(cfg)
         p = cfg.parallel
-        resolve_degrees(p)
+        cls.resolve(p)
+        super().check(cfg)  # sharded layouts' refusals (ShardedStrategy) after the degrees
+        if cls.replicas_only(p) and not p.bucket_cap_mb > 0:
+            raise ConfigError(f"parallel.bucket_cap_mb={p.bucket_cap_mb} is out of range: it "
+                              "must be > 0 (DDP's default is 25)")
         if p.sequence_parallel and p.tp == 1:
             raise ConfigError("parallel.sequence_parallel=true cuts a tensor-parallel "
                               "group's activations: it needs parallel.tp > 1 (or set it "
@@ -134,48 +167,91 @@ class MeshStrategy(FSDPStrategy):
 
     @classmethod
     def data_parallel_ranks(cls, cfg) -> int:
-        resolve_degrees(cfg.parallel)
-        return cfg.parallel.world_size // cfg.parallel.tp
+        cls.resolve(cfg.parallel)
+        return cfg.parallel.dp_replicate * cfg.parallel.dp_shard
 
     @property
     def data_dist(self) -> Dist:
-        """Ranks of one tp group are one data-parallel rank: they read the same batch."""
-        tp = self.cfg.tp
-        return dataclasses.replace(self.dist, rank=self.dist.rank // tp,
-                                   world_size=self.dist.world_size // tp)
+        """The ranks of a tp group (and of a pipeline) are one data-parallel rank: they read
+        the same batch."""
+        data_ranks = self.cfg.dp_replicate * self.cfg.dp_shard
+        return dataclasses.replace(self.dist, world_size=data_ranks,
+                                   rank=self.dist.rank // (self.dist.world_size // data_ranks))
 
     @property
     def loss_ranks(self) -> int:
-        return self.dist.world_size  # each rank of a tp group holds its group's loss
+        return self.data_dist.world_size * self.cfg.tp  # each rank of a tp group holds its loss
 
     @property
     def seed_rank(self) -> int:
-        return self.data_dist.rank  # a tp group draws one dropout mask for its batch
+        return self.dist.rank // self.cfg.tp  # a tp group draws one dropout mask for its batch
 
     def split(self, model: nn.Module) -> nn.Module:
         """Tensor parallel, first of all (torchtitan's order): activation checkpointing and
         compile then wrap the split blocks, and the plan's module names stay as declared."""
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor.parallel import parallelize_module
 
         p = self.cfg
-        self.mesh = init_device_mesh(self.dist.device.type, (p.dp_replicate, p.dp_shard, p.tp),
-                                     mesh_dim_names=DEGREES)
-        model = self.on_device(model)
+        self.mesh = None if self.replicas_only(p) else init_device_mesh(
+            self.dist.device.type, tuple(getattr(p, d) for d in self.dims),
+            mesh_dim_names=self.dims)
+        model = self.on_device(self.part(model))
         if p.tp > 1:  # a plan without sequence parallelism need not know the argument
+            from torch.distributed.tensor.parallel import parallelize_module
+
             plan = (model.tp_plan(sequence_parallel=True) if p.sequence_parallel
                     else model.tp_plan())
-            parallelize_module(model, self.mesh["tp"], plan)
+            parallelize_module(model, self.mesh["tp"], self.part_plan(model, plan))
         if self.dist.is_main:
-            log.info("parallel=%s: mesh dp_replicate=%d x dp_shard=%d x tp=%d%s", p.name,
-                     p.dp_replicate, p.dp_shard, p.tp,
-                     " (sequence parallel)" if p.sequence_parallel else "")
+            log.info("parallel=%s: mesh %s%s", p.name,
+                     " x ".join(f"{d}={getattr(p, d)}" for d in self.dims),
+                     " (sequence parallel)" if p.sequence_parallel else
+                     " (replicas only: DistributedDataParallel)" if self.mesh is None else "")
         return model
 
+    def part(self, model: nn.Module) -> nn.Module:
+        """What of the model this rank holds before tensor parallelism (all of it)."""
+        return model
+
+    def part_plan(self, model: nn.Module, plan: dict) -> dict:
+        return plan
+
+    def data_parallel_mesh(self):
+        """The mesh FSDP2 shards over: dp_shard, or replicate x shard (HSDP)."""
+        names = ("dp_replicate", "dp_shard") if self.cfg.dp_replicate > 1 else ("dp_shard",)
+        return self.mesh[names]
+
     def wrap(self, model: nn.Module) -> nn.Module:
-        mesh, p = self.mesh, self.cfg
-        dp = mesh["dp_replicate", "dp_shard"] if p.dp_replicate > 1 else mesh["dp_shard"]
-        return self.shard(model, dp)
+        p = self.cfg
+        if self.replicas_only(p):
+            from torch.nn.parallel import DistributedDataParallel
+
+            model = self.on_device(model)
+            device_ids = [self.dist.device] if self.dist.device.type == "cuda" else None
+            return DistributedDataParallel(
+                model, device_ids=device_ids, bucket_cap_mb=p.bucket_cap_mb,
+                find_unused_parameters=p.find_unused_parameters,
+                gradient_as_bucket_view=p.gradient_as_bucket_view)
+        return shard(model, self.data_parallel_mesh(), p, self.precision.dtype,
+                     self.dist.is_main, p.reshard_after_forward)
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model.module if self.replicas_only(self.cfg) else model
+
+    @contextlib.contextmanager
+    def no_sync(self, model: nn.Module) -> Iterator[None]:
+        if self.replicas_only(self.cfg):
+            with model.no_sync():
+                yield
+            return
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+
+    def grad_norm(self, model: nn.Module) -> torch.Tensor:
+        return norm_squares(model, self.dist.device).sqrt()
 
 
 def _inner_divisors(n: int) -> list[int]:

@@ -20,7 +20,6 @@ the same batches and form tp pipelines of their own.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import math
 from typing import Iterator
@@ -28,13 +27,11 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from parallab.distributed import Dist
 from parallab.errors import ConfigError
 from parallab.loss import from_model
 from parallab.parallel import stages as stages_of
-from parallab.parallel.base import ShardedStrategy
 from parallab.parallel.fsdp import norm_squares, shard
-from parallab.parallel.mesh import refuse_tp, resolve_degrees
+from parallab.parallel.mesh import MeshStrategy, resolve_degrees
 from parallab.parallel.model import refuse_finder
 from parallab.parallel.split import check_parts, part_ranges
 from parallab.precision import Precision
@@ -62,20 +59,21 @@ def resolve_pipelines(p) -> None:
     resolve_degrees(p, ("dp_replicate", "dp_shard", "pp", "tp"))
 
 
-def part_plan(model: nn.Module, plan: dict) -> dict:
-    """The entries of a tensor-parallel plan for modules this part holds (the others are
-    nn.Identity, or gone with the stage they belonged to)."""
-    kept = {name for name, module in model.named_modules()
-            if not isinstance(module, nn.Identity)}
-    return {name: style for name, style in plan.items() if name in kept}
+class PipelineStrategy(MeshStrategy):
+    """The mesh with a pp degree: the model's parts on the pp dimension's ranks."""
 
-
-class PipelineStrategy(ShardedStrategy):
-    launches_workers = True
-    uses_process_group = True
+    shards_data = False  # the ranks of a pipeline read the same batches (data_dist)
     splits_model = True
     fixed_batch_shape = True
-    uses_stages = True
+    dims = ("dp_replicate", "dp_shard", "pp", "tp")
+
+    @classmethod
+    def resolve(cls, p) -> None:
+        resolve_pipelines(p)
+
+    @classmethod
+    def replicas_only(cls, p) -> bool:
+        return False  # its ranks hold parts
 
     @classmethod
     def check(cls, cfg, stages=None) -> None:
@@ -83,12 +81,10 @@ class PipelineStrategy(ShardedStrategy):
             raise ConfigError("loss=model with parallel=pipeline: the last stage computes the "
                               "loss from the output, which a model returning its own loss does "
                               "not give: use a loss of output and targets")
-        super().check(cfg)
+        super().check(cfg)  # the degrees, the tp plan
         p = cfg.parallel
-        resolve_pipelines(p)
         check_parts(cfg, stages, p.pp)
         refuse_finder(cfg)
-        refuse_tp(cfg, p.tp)
         if p.schedule not in SCHEDULES:
             raise ConfigError(f"parallel.schedule={p.schedule} is unknown: use "
                               f"parallel.schedule={' or '.join(SCHEDULES)}")
@@ -110,11 +106,6 @@ class PipelineStrategy(ShardedStrategy):
                  f"parallel.microbatches={micro}"]
                 for pp in range(2, n + 1) if n % pp == 0
                 for schedule in options.schedules for micro in options.microbatches]
-
-    @classmethod
-    def data_parallel_ranks(cls, cfg) -> int:
-        resolve_pipelines(cfg.parallel)
-        return cfg.parallel.dp_replicate * cfg.parallel.dp_shard
 
     @property
     def pp(self) -> int:
@@ -140,18 +131,8 @@ class PipelineStrategy(ShardedStrategy):
         return 1 + (p.pp - 1) / p.microbatches
 
     @property
-    def data_dist(self) -> Dist:
-        """The ranks of a pipeline read the same batches; pipelines read their own shards."""
-        return dataclasses.replace(self.dist, rank=self.dist.rank // (self.pp * self.cfg.tp),
-                                   world_size=self.cfg.dp_replicate * self.cfg.dp_shard)
-
-    @property
     def loss_ranks(self) -> int:
         return self.data_dist.world_size * self.cfg.tp  # each pipeline's last part, per tp rank
-
-    @property
-    def seed_rank(self) -> int:
-        return self.dist.rank // self.cfg.tp  # a tp group draws one dropout mask
 
     @property
     def is_first(self) -> bool:
@@ -169,6 +150,17 @@ class PipelineStrategy(ShardedStrategy):
         finally:
             self.syncing = True
 
+    def sum_partial_gradients(self) -> None:
+        """Sequence parallelism leaves the norms' gradients partial on the tp ranks (each
+        rank's share from its slice of the sequence): summed over them once per optimizer
+        step, as the parameters they update are whole on every tp rank."""
+        from torch.distributed.tensor import DTensor
+
+        for param in self.model.parameters():
+            grad = param.grad
+            if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
+                param.grad = grad.redistribute(placements=param.placements)
+
     def average_gradients(self) -> None:
         """One all-reduce of this stage's gradients over its replicas (pp x dp)."""
         import torch.distributed as torch_dist
@@ -185,38 +177,32 @@ class PipelineStrategy(ShardedStrategy):
         for grad, averaged in zip(grads, _unflatten_dense_tensors(flat, grads)):
             grad.copy_(averaged)
 
-    def split(self, model: nn.Module) -> nn.Module:
-        """This rank's part, split by tensor parallelism with tp > 1: before activation
-        checkpointing and compile, as the mesh layouts (the plan's names stay as declared)."""
-        from torch.distributed.device_mesh import init_device_mesh
-
+    def part(self, model: nn.Module) -> nn.Module:
+        """This rank's stages (the others nn.Identity), before tensor parallelism."""
         p = self.cfg
-        self.mesh = mesh = init_device_mesh(
-            self.dist.device.type, (p.dp_replicate, p.dp_shard, self.pp, p.tp),
-            mesh_dim_names=("dp_replicate", "dp_shard", "pp", "tp"))
-        self.pp_group, self.dp_group = (mesh["pp"].get_group(),
-                                        mesh["dp_replicate"].get_group())
+        self.pp_group, self.dp_group = (self.mesh["pp"].get_group(),
+                                        self.mesh["dp_replicate"].get_group())
         stages = stages_of.find(model, p.stages)
         parts = part_ranges(stages, self.pp, p.split)
         keep_only(model, stages, parts[self.stage_index])
         if self.dist.is_main:
             log.info("parallel=pipeline (%s, %d micro-batches): stages %s on a pipeline's "
-                     "ranks 0-%d, %d x %d pipeline(s) (replicas x shards), tp %d", p.schedule,
-                     p.microbatches, [f"{p.start}-{p.stop - 1}" for p in parts],
-                     len(parts) - 1, p.dp_replicate, p.dp_shard, p.tp)
-        model = self.on_device(model)
-        if p.tp > 1:
-            from torch.distributed.tensor.parallel import parallelize_module
-
-            parallelize_module(model, mesh["tp"], part_plan(model, model.tp_plan()))
+                     "ranks 0-%d", p.schedule, p.microbatches,
+                     [f"{p.start}-{p.stop - 1}" for p in parts], len(parts) - 1)
         return model
+
+    def part_plan(self, model: nn.Module, plan: dict) -> dict:
+        """The entries of the tensor-parallel plan for modules this part holds (the others
+        are nn.Identity, or gone with the stage they belonged to)."""
+        kept = {name for name, module in model.named_modules()
+                if not isinstance(module, nn.Identity)}
+        return {name: style for name, style in plan.items() if name in kept}
 
     def wrap(self, model: nn.Module) -> nn.Module:
         p = self.cfg
         if p.dp_shard > 1:  # gathered once per step, not once per micro-batch (torchtitan)
-            dp = (self.mesh["dp_replicate", "dp_shard"] if p.dp_replicate > 1
-                  else self.mesh["dp_shard"])
-            model = shard(model, dp, p, self.precision.dtype, self.dist.is_main, False)
+            model = shard(model, self.data_parallel_mesh(), p, self.precision.dtype,
+                          self.dist.is_main, False)
         self.syncing = True
         self.model = model
         self.accumulation = 1  # batches per optimizer step (trainer.accumulate_grad_batches)
@@ -257,8 +243,10 @@ class PipelineStrategy(ShardedStrategy):
             self.dry_run(step)
             losses.clear()
         step()
-        if self.cfg.dp_replicate > 1 and self.cfg.dp_shard == 1 and self.syncing:
-            self.average_gradients()  # (FSDP2 reduces its own)
+        if self.cfg.dp_shard == 1 and self.syncing:  # (FSDP2 reduces its own)
+            self.sum_partial_gradients()
+            if self.cfg.dp_replicate > 1:
+                self.average_gradients()
         if not self.is_last:  # its share of the logged loss: nothing
             return torch.zeros((), device=self.dist.device)
         return torch.stack(losses).detach().sum()  # this batch's mean loss / scale
