@@ -179,11 +179,19 @@ def test_a_tp_checkpoint_resumes_under_another_layout(train_here, one_device):
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_the_batch_size_finder_agrees_across_a_tp_group(train_here):
-    metrics, run_dir = train_here(*GPT_RUN, "trainer.max_steps=3", "parallel=tp",
-                                  "parallel.world_size=2", "data.batch_size=32",
-                                  "trainer.auto_batch_size=true", "trainer.max_memory_mb=4000")
+@pytest.mark.parametrize("layout", ["tp", "pipeline"])
+def test_the_batch_size_finder_agrees_across_a_tp_group_and_a_pipeline(train_here, layout):
+    """The ranks of a tp group, or of a pipeline (trials run its whole schedule), read one
+    batch and agree on each trial; the pipeline's trials leave nothing behind: its run
+    trains as one started at the chosen size does."""
+    run = [*GPT_RUN, "trainer.max_steps=3", f"parallel={layout}", "parallel.world_size=2",
+           "trainer.log_every_n_steps=1"]
+    metrics, run_dir = train_here(*run, "data.batch_size=32", "trainer.auto_batch_size=true",
+                                  "trainer.max_memory_mb=4000")
     chosen = metrics["global_batch_size"]  # one data-parallel rank: the per-rank batch
     assert chosen >= 32 and chosen & (chosen - 1) == 0  # kept or grown by doublings
     log = (run_dir / "train.log").read_text()
     assert "batch-size finder chose" in log and "| 64 |" in log  # a doubling was tried
+    if layout == "pipeline":
+        _, plain = train_here(*run, f"data.batch_size={chosen}", name="plain")
+        assert losses(run_dir) == pytest.approx(losses(plain), rel=1e-5)

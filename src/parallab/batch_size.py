@@ -1,12 +1,13 @@
 """Batch-size finder (seed 001 §4): grow the per-rank batch until just under the limit.
 
 Doubles data.batch_size while the trial fits (no out-of-memory, under trainer.max_memory_mb)
-and samples/s still improves by 5%. Trials run the unwrapped module on each rank's own shard:
-under ddp that is the plain module, with no collective inside a trial, so an out-of-memory
-on one rank cannot leave the others waiting in an all-reduce; under fsdp it is the sharded
-module itself (its real memory), whose steps do gather across ranks. After each trial the
-ranks agree on its outcome (all-reduce of the fit flag), so every rank takes the same
-decisions and the same final size.
+and samples/s still improves by 5%. Trials run the strategy's trial step (Strategy.trial_step)
+on each rank's own shard: under ddp the plain module, with no collective inside a trial, so
+an out-of-memory on one rank cannot leave the others waiting in an all-reduce; under the
+sharded layouts the module itself (its real memory), whose steps do gather across ranks;
+under a pipeline the whole schedule, micro-batches and all. After each trial the ranks agree
+on its outcome (all-reduce of the fit flag), so every rank takes the same decisions and the
+same final size.
 """
 
 from __future__ import annotations
@@ -15,19 +16,19 @@ import copy
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from parallab.data.loaders import ShardLoader
 from parallab.distributed import Dist
-from parallab.precision import Precision
-from parallab.loss import CrossEntropy, Objective
 from parallab.memory import peak_memory_mb, reset_peak_memory
 
 log = logging.getLogger(__name__)
 GAIN = 1.05  # a larger batch must be this much faster to be worth it
 TIMED_STEPS = 3
+Step = Callable[[Any, torch.Tensor], None]  # forward and backward of one batch
 
 
 @dataclass
@@ -39,39 +40,34 @@ class Trial:
     verdict: str = ""
 
 
-def _measure(module: nn.Module, optimizer: torch.optim.Optimizer, precision: Precision,
-             loader: ShardLoader, dist: Dist, loss_of: Objective) -> tuple[float, float]:
+def _measure(step: Step, optimizer: torch.optim.Optimizer, loader: ShardLoader,
+             dist: Dist) -> tuple[float, float]:
     """Local samples/s and peak memory of a few steps at this loader's batch size."""
     reset_peak_memory(dist.device)  # this trial's own peak (the CPU budget uses it too)
     batches = iter(loader)
     samples, start = 0, 0.0
-    for step in range(1 + TIMED_STEPS):  # the first step warms up
-        if step == 1:
+    for index in range(1 + TIMED_STEPS):  # the first step warms up
+        if index == 1:
             start = time.perf_counter()
         inputs, targets = next(batches)
-        with precision.autocast():
-            loss = loss_of(module(inputs, targets) if loss_of.from_model else module(inputs),
-                           targets)
-        loss.backward()
+        step(inputs, targets)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        samples += len(targets) * (step > 0)
+        samples += len(targets) * (index > 0)
     if dist.device.type == "cuda":
         torch.cuda.synchronize(dist.device)
     return samples / (time.perf_counter() - start), peak_memory_mb(dist.device)
 
 
-def _trial(batch_size: int, module: nn.Module, optimizer: torch.optim.Optimizer,
-           precision: Precision, loader: ShardLoader, dist: Dist,
-           max_memory_mb: float | None, loss: Objective) -> Trial:
+def _trial(batch_size: int, step: Step, optimizer: torch.optim.Optimizer,
+           loader: ShardLoader, dist: Dist, max_memory_mb: float | None, readers: int) -> Trial:
     verdict, speed, memory = "", 0.0, 0.0
     shard = len(loader.sampler) if hasattr(loader, "sampler") else loader.per_rank
     if shard is not None and shard < batch_size * (1 + TIMED_STEPS):
         verdict = "shard too small"
     else:
         try:
-            speed, memory = _measure(module, optimizer, precision, loader.resized(batch_size),
-                                     dist, loss)
+            speed, memory = _measure(step, optimizer, loader.resized(batch_size), dist)
             if max_memory_mb is not None and memory > max_memory_mb:
                 verdict = f"over trainer.max_memory_mb={max_memory_mb:g}"
         except torch.OutOfMemoryError:
@@ -83,25 +79,26 @@ def _trial(batch_size: int, module: nn.Module, optimizer: torch.optim.Optimizer,
     outcome = torch.tensor([float(verdict == ""), speed, memory], dtype=torch.float64,
                            device=dist.device)
     fits = bool(dist.all_reduce_min(outcome[:1]).item())
-    total_speed = dist.all_reduce_sum(outcome[1:2]).item()
+    total_speed = dist.all_reduce_sum(outcome[1:2]).item() / readers
     worst_memory = dist.all_reduce_max(outcome[2:]).item()
     if not fits and not verdict:
         verdict = "does not fit on another rank"
     return Trial(batch_size, fits, total_speed, worst_memory, verdict)
 
 
-def find_batch_size(module: nn.Module, optimizer: torch.optim.Optimizer, precision: Precision,
+def find_batch_size(module: nn.Module, optimizer: torch.optim.Optimizer, step: Step,
                     loader: ShardLoader, dist: Dist, max_memory_mb: float | None,
-                    loss: Objective | None = None) -> tuple[int, list[Trial]]:
-    """The best per-rank batch size from loader.batch_size upward, and the trials run.
-    Model and optimizer are left as they were."""
+                    readers: int = 1) -> tuple[int, list[Trial]]:
+    """The best per-rank batch size from loader.batch_size upward, and the trials run
+    (`step`: a batch's forward and backward through `module`, whose parameters `optimizer`
+    steps; `readers`: ranks that read each batch, a tp group's or a pipeline's, so that
+    samples/s counts a sample once). Model and optimizer are left as they were."""
     saved = copy.deepcopy(module.state_dict()), copy.deepcopy(optimizer.state_dict())
     trials: list[Trial] = []
     best: Trial | None = None
     size = loader.batch_size
     while True:
-        trial = _trial(size, module, optimizer, precision, loader, dist, max_memory_mb,
-                       loss or CrossEntropy())
+        trial = _trial(size, step, optimizer, loader, dist, max_memory_mb, readers)
         trials.append(trial)
         if not trial.fits:
             break

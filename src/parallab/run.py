@@ -106,11 +106,15 @@ def use_scaled_lr(cfg: Config, optimizer, global_batch_size: int, main: bool) ->
     return lr
 
 
-def tune_batch_size(module, optimizer, precision, data, dist, cfg: TrainerConfig,
-                    logger: RunLogger, loss):
+def tune_batch_size(model, strategy, optimizer, precision, data, dist, cfg: TrainerConfig,
+                    logger: RunLogger):
     """trainer.auto_batch_size: the training loader at the size the finder chose."""
-    size, trials = batch_size.find_batch_size(module, optimizer, precision, data.train, dist,
-                                              cfg.max_memory_mb, loss)
+    def step(inputs, targets) -> None:
+        strategy.trial_step(model, inputs, targets, precision)
+
+    readers = dist.world_size // strategy.data_dist.world_size
+    size, trials = batch_size.find_batch_size(strategy.unwrap(model), optimizer, step,
+                                              data.train, dist, cfg.max_memory_mb, readers)
     report = batch_size.table(trials, size)
     logger.text("batch_size_finder", report)
     if dist.is_main:
@@ -182,8 +186,8 @@ def build_trainer(cfg: Config, dist: distributed.Dist, logger: RunLogger,
     data.train.drop_last = strategy.fixed_batch_shape
     optimizer = build_optimizer(cfg.optim, model)
     if cfg.trainer.auto_batch_size:
-        data.train = tune_batch_size(strategy.unwrap(model), optimizer, precision, data,
-                                     dist, cfg.trainer, logger, strategy.loss)
+        data.train = tune_batch_size(model, strategy, optimizer, precision, data, dist,
+                                     cfg.trainer, logger)
     lr = use_scaled_lr(cfg, optimizer, global_batch_size(data.train, cfg.trainer, strategy),
                        dist.is_main)
     checkpointer = None

@@ -150,6 +150,14 @@ class Strategy:
         precision.backward(loss)
         return loss.detach()
 
+    def trial_step(self, model: nn.Module, inputs, targets: torch.Tensor,
+                   precision: Precision) -> None:
+        """Forward and backward of a batch-size finder trial (batch_size.py): the unwrapped
+        module, so that no collective of the wrapper runs inside a trial."""
+        with precision.autocast():
+            loss = self.output_and_loss(self.unwrap(model), inputs, targets)[1]
+        loss.backward()
+
     def eval_forward(self, model: nn.Module, inputs: torch.Tensor) -> torch.Tensor | None:
         """Evaluation outputs on the rank that scores them (None on the others)."""
         return model(inputs)

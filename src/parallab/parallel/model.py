@@ -35,7 +35,8 @@ def _move_output(device: torch.device):
 def refuse_finder(cfg) -> None:
     if cfg.trainer.auto_batch_size:
         raise ConfigError(f"trainer.auto_batch_size=true with parallel={cfg.parallel.name}: "
-                          "the finder runs whole-model steps: use parallel=none, ddp or fsdp")
+                          "the finder does not try its parts across devices: use parallel=none, "
+                          "ddp, fsdp, a mesh layout or pipeline")
 
 
 class ModelParallelStrategy(Strategy):

@@ -32,7 +32,6 @@ from parallab.loss import from_model
 from parallab.parallel import stages as stages_of
 from parallab.parallel.fsdp import norm_squares, shard
 from parallab.parallel.mesh import MeshStrategy, resolve_degrees
-from parallab.parallel.model import refuse_finder
 from parallab.parallel.split import check_parts, part_ranges
 from parallab.precision import Precision
 
@@ -84,7 +83,6 @@ class PipelineStrategy(MeshStrategy):
         super().check(cfg)  # the degrees, the tp plan
         p = cfg.parallel
         check_parts(cfg, stages, p.pp)
-        refuse_finder(cfg)
         if p.schedule not in SCHEDULES:
             raise ConfigError(f"parallel.schedule={p.schedule} is unknown: use "
                               f"parallel.schedule={' or '.join(SCHEDULES)}")
@@ -206,8 +204,8 @@ class PipelineStrategy(MeshStrategy):
         self.syncing = True
         self.model = model
         self.accumulation = 1  # batches per optimizer step (trainer.accumulate_grad_batches)
-        self.train_schedule = self._schedule(self.cfg.schedule, self._loss)
-        self.shapes_known = False  # see dry_run
+        self.train_schedule = None  # built for each batch shape (the finder tries several)
+        self.train_rows = 0
         self.eval_schedule = None  # built at the first evaluation, for its batch shape
         self.eval_rows = 0
         return self.model
@@ -239,7 +237,9 @@ class PipelineStrategy(MeshStrategy):
                                          target=targets if self.is_last else None,
                                          losses=losses, return_outputs=False)
 
-        if not self.shapes_known:
+        if len(targets) != self.train_rows:  # its stages infer their shapes at the first step
+            self.train_schedule = self._schedule(self.cfg.schedule, self._loss)
+            self.train_rows = len(targets)
             self.dry_run(step)
             losses.clear()
         step()
@@ -250,6 +250,11 @@ class PipelineStrategy(MeshStrategy):
         if not self.is_last:  # its share of the logged loss: nothing
             return torch.zeros((), device=self.dist.device)
         return torch.stack(losses).detach().sum()  # this batch's mean loss / scale
+
+    def trial_step(self, model: nn.Module, inputs, targets: torch.Tensor,
+                   precision: Precision) -> None:
+        """The whole schedule: a part alone has no loss to run backward from."""
+        self.forward_backward(model, inputs, targets, precision, 1)
 
     def dry_run(self, step) -> None:
         """Run the first step once and undo it: its shape inference feeds each stage
@@ -266,7 +271,6 @@ class PipelineStrategy(MeshStrategy):
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
         self.model.zero_grad(set_to_none=True)
-        self.shapes_known = True
 
     def eval_forward(self, model: nn.Module, inputs: torch.Tensor) -> torch.Tensor | None:
         rows = len(inputs)
