@@ -54,6 +54,9 @@ MLP_RUN = [*FAST, "model=mlp", "model.hidden=[64,64,32]", "data.shape=[1,8,8]"]
 STEPS = ["trainer.max_steps=20", "trainer.log_every_n_steps=1", "optim.lr=0.05",
          "trainer.checkpoint_every_n_steps=null", "trainer.save_best=false"]
 BATCH = {"gpt": 16, "mlp": 64}  # global, the same for every layout
+# the same global batch in two micro-batches, each step's gradient norm cut to 0.1 (a
+# norm over tp slices, shards and pipeline parts)
+ACCUMULATE_AND_CLIP = ["trainer.accumulate_grad_batches=2", "trainer.clip_grad_norm=0.1"]
 
 
 @pytest.fixture(scope="module")
@@ -63,9 +66,11 @@ def one_device(tmp_path_factory):
     from parallab.cli import train_in_process
 
     runs = {}
-    for name, run in (("gpt", GPT_RUN), ("mlp", MLP_RUN)):
+    for name, run in (("gpt", GPT_RUN), ("mlp", MLP_RUN), ("gpt-clip", GPT_RUN)):
         runs[name] = tmp_path_factory.mktemp(name) / "run"
-        train_in_process([*run, *STEPS, f"data.batch_size={BATCH[name]}"], runs[name])
+        extra = ACCUMULATE_AND_CLIP if name.endswith("clip") else []
+        batch = BATCH[name.split("-")[0]] // (2 if extra else 1)
+        train_in_process([*run, *STEPS, f"data.batch_size={batch}", *extra], runs[name])
     return runs
 
 
@@ -79,21 +84,25 @@ def final_weights(run_dir, model: torch.nn.Module) -> dict[str, torch.Tensor]:
     ("gpt", ["parallel=tp", "parallel.world_size=2"], 1),
     ("mlp", ["parallel=tp", "parallel.world_size=2"], 1),
     ("gpt", ["parallel=hsdp", "parallel.world_size=4"], 4),  # 2 replicas x 2 shards
-    ("gpt", ["parallel=fsdp_tp", "parallel.world_size=4"], 2),  # 2 shards x tp 2
+    ("gpt", ["parallel=fsdp_tp", "parallel.world_size=4", *ACCUMULATE_AND_CLIP],
+     2),  # 2 shards x tp 2
     ("gpt", ["parallel=pipeline", "parallel.world_size=4", "parallel.pp=2"], 2),  # pp2 x dp2
     ("gpt", ["parallel=pipeline", "parallel.world_size=4", "parallel.pp=2",
-             "parallel.tp=2", "parallel.sequence_parallel=true"],
+             "parallel.tp=2", "parallel.sequence_parallel=true", *ACCUMULATE_AND_CLIP],
      1),  # each part split by the plan's entries for it; slices of sequences between parts
     ("gpt", ["parallel=pipeline", "parallel.world_size=4", "parallel.pp=2",
              "parallel.dp_shard=2", "parallel.dp_replicate=1"], 2),  # each part FSDP2-sharded
-], ids=["tp2-gpt", "tp2-mlp", "hsdp2x2-gpt", "fsdp_tp2x2-gpt", "pp2xdp2-gpt",
-        "pp2xtp2sp-gpt", "pp2xfsdp2-gpt"])  # mlp's plan under tp; hsdp and pp x dp: model-blind
+], ids=["tp2-gpt", "tp2-mlp", "hsdp2x2-gpt", "fsdp_tp2x2-gpt-accumulate-clip",
+        "pp2xdp2-gpt", "pp2xtp2sp-gpt-accumulate-clip", "pp2xfsdp2-gpt"])  # mlp's plan under tp; hsdp and pp x dp: model-blind
 def test_each_layout_trains_as_one_device_does(train_here, one_device, model, layout,
                                                data_ranks):
     run = GPT_RUN if model == "gpt" else MLP_RUN
-    metrics, run_dir = train_here(*run, *STEPS, *layout,
-                                  f"data.batch_size={BATCH[model] // data_ranks}")
-    reference = one_device[model]
+    clip = ACCUMULATE_AND_CLIP[0] in layout
+    batch = BATCH[model] // data_ranks // (2 if clip else 1)
+    metrics, run_dir = train_here(*run, *STEPS, *layout, f"data.batch_size={batch}")
+    reference = one_device[f"{model}-clip" if clip else model]
+    if clip:  # the clipping changes the run
+        assert losses(reference)[-1] != pytest.approx(losses(one_device[model])[-1], rel=1e-3)
     assert metrics["global_batch_size"] == BATCH[model]
     assert losses(run_dir) == pytest.approx(losses(reference), rel=1e-4, abs=1e-5)
     build = (lambda: GPT(layers=2, heads=4, width=32, context=32)) if model == "gpt" else (
@@ -104,7 +113,7 @@ def test_each_layout_trains_as_one_device_does(train_here, one_device, model, la
     assert read_metrics(run_dir)["eval_loss"] == pytest.approx(
         read_metrics(reference)["eval_loss"], rel=1e-4)
     if model == "gpt":
-        assert_textbook_volume(metrics, layout[0].split("=")[1], BATCH[model] // data_ranks)
+        assert_textbook_volume(metrics, layout[0].split("=")[1], batch)
 
 
 MB = 2**20

@@ -166,8 +166,9 @@ class Strategy:
         """Clip to `max_norm` (None: only measure, leaving the gradients untouched); the norm
         of all gradients of the model (grad_norm)."""
         norm = self.grad_norm(model)
-        if max_norm is not None:
-            nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, norm)
+        if max_norm is not None:  # one call per mesh: a multi-tensor kernel takes one
+            for params in params_by_mesh(model).values():
+                nn.utils.clip_grads_with_norm_(params, max_norm, norm)
         return norm
 
     def grad_norm(self, model: nn.Module) -> torch.Tensor:
@@ -182,6 +183,19 @@ class Strategy:
                         model_state: dict[str, Any], optimizer_state: dict[str, Any]) -> None:
         self.unwrap(model).load_state_dict(model_state)
         optimizer.load_state_dict(optimizer_state)
+
+
+def params_by_mesh(model: nn.Module) -> dict[object, list[nn.Parameter]]:
+    """The parameters with gradients by the device mesh their gradients live on (None: plain
+    tensors); under 2-D layouts tp-split and FSDP-only parameters are on different ones."""
+    from torch.distributed.tensor import DTensor
+
+    groups: dict[object, list[nn.Parameter]] = {}
+    for param in model.parameters():
+        if param.grad is not None:
+            key = param.grad.device_mesh if isinstance(param.grad, DTensor) else None
+            groups.setdefault(key, []).append(param)
+    return groups
 
 
 class ShardedStrategy(Strategy):

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from parallab.parallel import stages as stages_of
+from parallab.parallel.base import params_by_mesh
 
 log = logging.getLogger(__name__)
 
@@ -51,14 +52,9 @@ def norm_squares(model: nn.Module, device: torch.device) -> torch.Tensor:
     are on different ones); plain tensors count as this rank holds them."""
     from torch.distributed.tensor import DTensor
 
-    by_mesh: dict[object, list[torch.Tensor]] = {}
-    for param in model.parameters():
-        if param.grad is not None:
-            key = param.grad.device_mesh if isinstance(param.grad, DTensor) else None
-            by_mesh.setdefault(key, []).append(param.grad)
     squares = torch.zeros((), device=device)
-    for grads in by_mesh.values():
-        norm = nn.utils.get_total_norm(grads)
+    for params in params_by_mesh(model).values():
+        norm = nn.utils.get_total_norm([p.grad for p in params])
         norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
         squares = squares + norm.float() ** 2
     return squares
