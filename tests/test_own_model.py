@@ -78,17 +78,34 @@ def test_evaluate_reads_the_projects_checkpoint(project, one_device):
 @pytest.mark.slow
 @pytest.mark.distributed
 @ON_ONE_WORKER
-def test_a_sweep_over_batch_and_world_size_writes_its_summary(project):
+def test_a_sweep_over_batch_and_world_size_is_compared_in_its_summary_and_tensorboard(project):
+    """A user's 2 x 2 sweep: parallab's summary, and the real TensorBoard server over the
+    multirun dir (read through its HTTP API) showing the four runs side by side."""
+    from parallab.board import serve
+
     sweep = project / "outputs" / "sweep"
     result = parallab(project, "train", "-m", "--config-dir", "conf", "experiment=waves",
                       "parallel=ddp", "parallel.world_size=1,2", "data.batch_size=16,32",
-                      "trainer.max_steps=4", "device=cpu", f"hydra.sweep.dir={sweep}",
-                      timeout=400)
+                      "trainer.max_steps=4", "trainer.warmup_steps=1", "device=cpu",
+                      f"hydra.sweep.dir={sweep}", timeout=400)
     assert_ok(result)
     rows = (sweep / "summary.csv").read_text().splitlines()
     assert len(rows) == 5 and all(",completed," in row for row in rows[1:]), rows
     assert (sweep / "summary.png").stat().st_size > 0
     assert "eval_loss" in (sweep / "summary.md").read_text()
+    jobs = sorted(p.parent.name for p in sweep.glob("*/metrics.json"))
+    assert len(jobs) == 4
+    with serve(sweep, runs=4) as board:
+        assert sorted(board.get("/data/runs")) == jobs  # run names read like the sweep
+        tags = board.get("/data/plugin/scalars/tags")
+        for job in jobs:
+            assert {"train/loss", "train/samples_per_sec", "eval/loss"} <= set(tags[job])
+        experiment = board.post("/data/plugin/hparams/experiment", {"experimentName": ""})
+        hparams = {h["name"] for h in experiment["hparamInfos"]}
+        assert {"parallel.world_size", "data.batch_size", "world_size", "global_batch_size",
+                "precision_dtype"} <= hparams
+        metrics = {m["name"]["tag"] for m in experiment["metricInfos"]}
+        assert {"final/samples_per_sec", "final/eval_loss", "final/wall_time_s"} <= metrics
 
 
 def test_bad_project_input_is_one_line_before_any_worker(project):

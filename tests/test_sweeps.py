@@ -106,31 +106,6 @@ def test_strategies_preset_trains_every_strategy_at_one_global_batch(tmp_path):
 
 
 @pytest.mark.distributed
-def test_the_tensorboard_server_shows_a_2x2_sweep_side_by_side(tmp_path):
-    """The real server over the multirun dir, read through its HTTP API."""
-    from parallab.board import serve
-
-    sweep_dir = tmp_path / "sweep"
-    result = sweep(sweep_dir, "parallel=ddp", "parallel.world_size=1,2", "data.batch_size=32,64",
-                   "trainer.warmup_steps=1")
-    assert result.returncode == 0, output(result)
-    jobs = sorted(p.parent.name for p in sweep_dir.glob("*/metrics.json"))
-    assert len(jobs) == 4
-    with serve(sweep_dir, runs=4) as board:
-        assert sorted(board.get("/data/runs")) == jobs  # run names read like the sweep
-        tags = board.get("/data/plugin/scalars/tags")
-        for job in jobs:
-            assert {"train/loss", "train/samples_per_sec", "eval/accuracy"} <= set(tags[job])
-        experiment = board.post("/data/plugin/hparams/experiment", {"experimentName": ""})
-        hparams = {h["name"] for h in experiment["hparamInfos"]}
-        assert {"parallel.world_size", "data.batch_size", "world_size", "global_batch_size",
-                "precision_dtype"} <= hparams
-        metrics = {m["name"]["tag"] for m in experiment["metricInfos"]}
-        assert {"final/samples_per_sec", "final/eval_accuracy", "final/eval_loss",
-                "final/wall_time_s"} <= metrics
-
-
-@pytest.mark.distributed
 def test_every_rank_of_an_optuna_ddp_trial_trains_with_that_trials_parameters(tmp_path):
     import re
 
