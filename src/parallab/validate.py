@@ -239,10 +239,13 @@ def check_resume(cfg: Config, run_dir: str | None) -> None:
              f"{config.model_name(cfg.model)} here: resume with the same model config")
     saved_parallel = checkpoint.saved_parallel(meta)
     sharded = checkpoint.is_sharded(resume)
-    _require(sharded == STRATEGIES[cfg.parallel.name].sharded_checkpoint(cfg.parallel),
+    here = "sharded" if STRATEGIES[cfg.parallel.name].sharded_checkpoint(cfg.parallel) else (
+        "one file")  # by the degrees: the mesh's replicas alone save one file
+    _require(sharded == (here == "sharded"),
              f"trainer.resume={resume} was saved by parallel={saved_parallel} "
              f"({'sharded' if sharded else 'one file'}), which parallel={cfg.parallel.name} "
-             f"cannot continue: resume with parallel={saved_parallel}")
+             f"with these degrees cannot continue ({here}): resume with the layout that saved "
+             "it (a ddp/fsdp/mesh run shards where dp_shard > 1 or tp > 1)")
 
 
 def prepare(cfg: Config, in_place: InPlace | None, run_dir: str | None = None) -> Config:

@@ -153,7 +153,8 @@ class Strategy:
     def trial_step(self, model: nn.Module, inputs, targets: torch.Tensor,
                    precision: Precision) -> None:
         """Forward and backward of a batch-size finder trial (batch_size.py): the unwrapped
-        module, so that no collective of the wrapper runs inside a trial."""
+        module, so that DDP's all-reduce does not run inside a trial (a sharded module
+        still gathers: it is its own unwrapped form)."""
         with precision.autocast():
             loss = self.output_and_loss(self.unwrap(model), inputs, targets)[1]
         loss.backward()
@@ -222,7 +223,8 @@ class ShardedStrategy(Strategy):
                               "one rank only: use precision=bf16")
         if t.quantize is not None:
             raise ConfigError(f"trainer.quantize={t.quantize} with parallel={p.name}: quantize "
-                              "needs the whole model in one process: use parallel=none or ddp")
+                              "needs the whole model in one process: use parallel=none or ddp (dp_shard=1, "
+                              "tp=1)")
 
     def state_dict(self, model, optimizer):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict

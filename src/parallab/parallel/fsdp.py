@@ -2,8 +2,8 @@
 parts: every stage with trainable parameters, then the root (which takes what is left, a
 frozen backbone included), sharded over the ranks.
 
-Parameters, gradients and optimizer state are split across ranks (each holds 1/world of
-them); a stage's parameters are all-gathered for its forward and backward and freed after,
+Parameters, gradients and optimizer state are split across the shard group's ranks (each
+holds 1/dp_shard of them); a stage's parameters are all-gathered for its forward and backward and freed after,
 unless parallel.reshard_after_forward=false keeps them gathered until backward.
 """
 

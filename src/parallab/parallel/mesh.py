@@ -180,7 +180,8 @@ class MeshStrategy(ShardedStrategy):
 
     @property
     def loss_ranks(self) -> int:
-        return self.data_dist.world_size * self.cfg.tp  # each rank of a tp group holds its loss
+        # each rank of a tp group holds its loss (under a pipeline, those of its last part)
+        return self.data_dist.world_size * self.cfg.tp
 
     @property
     def seed_rank(self) -> int:
@@ -251,6 +252,8 @@ class MeshStrategy(ShardedStrategy):
             model.set_requires_gradient_sync(True)
 
     def grad_norm(self, model: nn.Module) -> torch.Tensor:
+        if self.replicas_only(self.cfg):  # whole gradients: the plain norm, as ddp had
+            return super().grad_norm(model)
         return norm_squares(model, self.dist.device).sqrt()
 
 

@@ -129,10 +129,6 @@ class PipelineStrategy(MeshStrategy):
         return 1 + (p.pp - 1) / p.microbatches
 
     @property
-    def loss_ranks(self) -> int:
-        return self.data_dist.world_size * self.cfg.tp  # each pipeline's last part, per tp rank
-
-    @property
     def is_first(self) -> bool:
         return self.stage_index == 0
 
@@ -186,7 +182,7 @@ class PipelineStrategy(MeshStrategy):
         if self.dist.is_main:
             log.info("parallel=pipeline (%s, %d micro-batches): stages %s on a pipeline's "
                      "ranks 0-%d", p.schedule, p.microbatches,
-                     [f"{p.start}-{p.stop - 1}" for p in parts], len(parts) - 1)
+                     [f"{part.start}-{part.stop - 1}" for part in parts], len(parts) - 1)
         return model
 
     def part_plan(self, model: nn.Module, plan: dict) -> dict:
