@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from parallab.testing import scratch_dir, train_metrics
+from parallab.testing import scratch_dir, textbook_volume, train_metrics
 
 GPT = ["model=gpt", "data=bytes", "optim=adamw", "device=cpu", "trainer.epochs=1",
        "trainer.checkpoint_every_n_steps=null", "trainer.progress_bar=false"]
@@ -74,24 +74,17 @@ def textbook(layout: str, params: float, batch: int) -> dict[str, float]:
     """Bytes per rank and step by kind for the default gpt (4 layers, width 256, context
     256, vocabulary 256), parameters of `params` bytes, `batch` sequences per rank."""
     context, width, vocab = 256, 256, 256
-    activation, logits = batch * context * width * 4, batch * context * vocab * 4
-    tp2 = {"all_reduce": (4 * 4 + 2) * activation, "all_gather": logits / 2}  # tp 2
-    # sequence parallel: each block's 4 all-reduces become 4 all-gathers and 4
-    # reduce-scatters of half an activation (the same bytes); the head gathers its input
-    # and scatters its gradient; the embedding all-reduces, its gradient is gathered
-    sp2 = {"all_reduce": activation, "all_gather": logits / 2 + (4 * 4 + 2) * activation / 2,
-           "reduce_scatter": (4 * 4 + 1) * activation / 2}
+    tp = dict(tp=2, layers=4, activation=batch * context * width * 4,
+              logits=batch * context * vocab * 4)
     return {
-        "ddp 4": {"all_reduce": 2 * 3 / 4 * params},
-        "fsdp 4": {"all_gather": 2 * 3 / 4 * params, "reduce_scatter": 3 / 4 * params},
-        "fsdp 2": {"all_gather": params, "reduce_scatter": params / 2},
-        "hsdp 2x2": {"all_gather": params, "reduce_scatter": params / 2,
-                     "all_reduce": params / 2},  # the replicas: a half-size shard
-        "ddp 2 x fsdp 2": {"all_gather": params, "reduce_scatter": params / 2,
-                           "all_reduce": params / 2},  # hsdp 2x2 from the ddp preset
-        "tp 2": tp2,
-        "tp 2 sequence parallel": sp2,
-    }.get(layout, {})
+        "ddp 4": lambda: textbook_volume(params, replicas=4),
+        "fsdp 4": lambda: textbook_volume(params, shards=4),
+        "fsdp 2": lambda: textbook_volume(params, shards=2),
+        "hsdp 2x2": lambda: textbook_volume(params, replicas=2, shards=2),
+        "ddp 2 x fsdp 2": lambda: textbook_volume(params, replicas=2, shards=2),
+        "tp 2": lambda: textbook_volume(params, **tp),
+        "tp 2 sequence parallel": lambda: textbook_volume(params, **tp, sequence_parallel=True),
+    }.get(layout, dict)()
 
 
 LAYOUTS = {  # name -> (overrides, sequences per rank); a global batch of 8 each

@@ -131,6 +131,7 @@ def test_the_recommended_command_keeps_where_the_config_came_from():
     (["advise.world_sizes=[1]", "advise.activation_checkpointing=[none]",
       "advise.max_accumulation=1"], "only one candidate"),
     (["advise.steps=0"], "advise.steps=0 is out of range"),
+    (["advise.device=RTX-2080"], "advise.device=RTX-2080 is not in mfu.py's table"),
 ])
 def test_bad_advice_requests_end_in_one_line(tmp_path, overrides, says):
     with pytest.raises(JobFailed) as raised:

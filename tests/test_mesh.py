@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from conftest import FAST, losses, read_metrics
+from parallab.testing import textbook_volume
 from parallab import checkpoint
 from parallab.errors import ConfigError
 from parallab.models.gpt import GPT
@@ -130,16 +131,10 @@ def assert_textbook_volume(metrics, layout: str, batch: int) -> None:
     sent = {k: metrics.get(f"comm_{k}_mb", 0.0) * MB for k in ("all_reduce", "all_gather",
                                                                  "reduce_scatter")}
     near = lambda expected: pytest.approx(expected, rel=0.01, abs=64)  # noqa: E731 - a loss
-    activation = batch * 32 * 32 * 4  # (B, T, C) float32
-    expected = {
-        # 2 layers x 4 all-reduces (attention and MLP, forward and backward) + the embedding's
-        # forward + the head's input gradient; the logits gathered once
-        "tp": {"all_reduce": (4 * 2 + 2) * activation, "all_gather": batch * 32 * 256 * 4 / 2,
-               "reduce_scatter": 0},
-        # shard group of 2: two gathers and a scatter of the parameters; the replicas
-        # all-reduce one half-size gradient shard
-        "hsdp": {"all_reduce": GPT_BYTES / 2, "all_gather": GPT_BYTES,
-                 "reduce_scatter": GPT_BYTES / 2},
+    expected = {  # 2 ranks each: tp 2 of 2 layers; hsdp 2 replicas x 2 shards
+        "tp": textbook_volume(GPT_BYTES, tp=2, layers=2, activation=batch * 32 * 32 * 4,
+                              logits=batch * 32 * 256 * 4),
+        "hsdp": textbook_volume(GPT_BYTES, replicas=2, shards=2),
     }.get(layout)
     if layout == "pipeline":  # activations sent, and each stage's gradients reduced
         assert metrics["comm_p2p_mb"] > 0 and sent["all_reduce"] + sent["reduce_scatter"] > 0

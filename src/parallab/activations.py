@@ -143,6 +143,11 @@ class Saved:
     def __call__(self) -> int:
         return sum(s.nbytes() for s in self.saved.values())
 
+    def held(self, passes: float) -> float:
+        """Bytes held at once over `passes` forward passes of what was counted (one): the
+        activations of each, autocast's parameter casts once (shared by a step's passes)."""
+        return self.per_pass() * passes + self.casts()
+
 
 @contextlib.contextmanager
 def saved_for_backward(model: nn.Module) -> Iterator[Saved]:

@@ -45,7 +45,7 @@ class Monitor:
         self.best: float | None = None
         self.best_step: int | None = None
         self.stale = 0  # evaluations since the last improvement
-        self.stopped = False  # the run ended here, before its length (set by the trainer)
+        self.stopped_early = False  # the run ended here, before its length (set by the trainer)
 
     def update(self, figures: dict[str, float], step: int) -> bool:
         """Record an evaluation at `step`; True if it is the best so far."""
@@ -66,7 +66,7 @@ class Monitor:
 
     def summary(self) -> dict[str, Any]:
         return {f"best_{self.name}": self.best, "best_step": self.best_step,
-                "stopped_early": self.stopped}
+                "stopped_early": self.stopped_early}
 
     def state_dict(self) -> dict[str, Any]:
         return {"best": self.best, "best_step": self.best_step, "stale": self.stale}

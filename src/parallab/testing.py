@@ -75,3 +75,35 @@ def scratch_dir(prefix: str) -> Path:
     path = Path(tempfile.mkdtemp(prefix=prefix))
     atexit.register(shutil.rmtree, path, True)
     return path
+
+
+def textbook_volume(param_bytes: float, replicas: int = 1, shards: int = 1, tp: int = 1,
+                    layers: int = 0, activation: float = 0.0, logits: float = 0.0,
+                    sequence_parallel: bool = False) -> dict[str, float]:
+    """Bytes one rank sends per step by collective kind, as ring algorithms send them
+    (all-reduce 2(n-1)/n x the tensor, all-gather (n-1)/n x the whole, reduce-scatter
+    (n-1)/n x the input), for the layouts whose volume a textbook gives: data parallel over
+    `replicas` x `shards` (FSDP gathers the parameters twice and scatters the gradients
+    once within a shard group; the replicas all-reduce one gradient shard), or tensor
+    parallel alone over `tp` ranks on gpt (`layers` blocks of 4 all-reduces of an
+    `activation` of (B, T, C) bytes, forward and backward of attention and MLP, 2 more for
+    the embedding and the head's input gradient, the `logits` gathered; with sequence
+    parallelism each block all-reduce becomes an all-gather and a reduce-scatter, the head
+    gathers its input and scatters its gradient, the embedding still all-reduces)."""
+    ring = lambda n: (n - 1) / n  # noqa: E731 - the ring's share
+    volume = {"all_reduce": 0.0, "all_gather": 0.0, "reduce_scatter": 0.0}
+    if shards > 1:
+        volume["all_gather"] += 2 * ring(shards) * param_bytes
+        volume["reduce_scatter"] += ring(shards) * param_bytes
+    if replicas > 1:
+        volume["all_reduce"] += 2 * ring(replicas) * param_bytes / shards
+    if tp > 1:
+        volume["all_gather"] += ring(tp) * logits
+        split = (4 * layers + 2) * activation  # the tensors tp all-reduces without SP
+        if sequence_parallel:
+            volume["all_reduce"] += 2 * ring(tp) * activation
+            volume["all_gather"] += ring(tp) * split
+            volume["reduce_scatter"] += ring(tp) * (split - activation)
+        else:
+            volume["all_reduce"] += 2 * ring(tp) * split
+    return volume

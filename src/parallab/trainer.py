@@ -87,7 +87,7 @@ class Trainer:
         self.monitor = Monitor(cfg.monitor, cfg.monitor_mode, cfg.early_stop_patience)
         self.first_step = 0  # where this process's training starts (after a resume: later)
         self.comm: dict[str, float] = {}  # bytes sent in one step, by kind (counted_step)
-        # saved for backward by one micro-batch in the step comm is counted on (advise.py);
+        # saved for backward by one micro-batch in the step comm is counted on (advise/measure.py);
         # off in a training run: it keeps that step's activations until the step ends
         self.count_activations = False
         self.activation_bytes = 0.0
@@ -155,9 +155,9 @@ class Trainer:
         with CommCounter() as counter, saved as counted:
             loss = self.train_step(batches)
             if counted is not None:  # per batch: the share of its micro-batches' activations
-                # a rank holds at once (1F1B: not all), autocast's parameter casts once (Saved)
-                self.activation_bytes = (counted.per_pass() * self.strategy.activation_share
-                                         + counted.casts()) / len(batches)
+                # a rank holds at once (1F1B: not all)
+                self.activation_bytes = (counted.held(self.strategy.activation_share)
+                                         / len(batches))
         self.comm = counter.figures()
         self.logger.scalars({"comm/" + k.removeprefix("comm_"): v
                              for k, v in self.comm.items()}, self.step + 1)
@@ -268,7 +268,7 @@ class Trainer:
             self.checkpointer.save(self.state_dict(), name or checkpoint.periodic_name(self.step))
 
     def stop_early(self) -> None:
-        self.monitor.stopped = True
+        self.monitor.stopped_early = True
         if self.dist.is_main:
             m = self.monitor
             log.info("early stop: %s has not improved for %d evaluations (best %.6g at step %s)",

@@ -239,13 +239,14 @@ def check_resume(cfg: Config, run_dir: str | None) -> None:
              f"{config.model_name(cfg.model)} here: resume with the same model config")
     saved_parallel = checkpoint.saved_parallel(meta)
     sharded = checkpoint.is_sharded(resume)
-    here = "sharded" if STRATEGIES[cfg.parallel.name].sharded_checkpoint(cfg.parallel) else (
-        "one file")  # by the degrees: the mesh's replicas alone save one file
-    _require(sharded == (here == "sharded"),
+    # by the degrees, not the preset: the mesh's replicas alone save one file
+    here = STRATEGIES[cfg.parallel.name].sharded_checkpoint(cfg.parallel)
+    kind = {True: "sharded", False: "one file"}
+    _require(sharded == here,
              f"trainer.resume={resume} was saved by parallel={saved_parallel} "
-             f"({'sharded' if sharded else 'one file'}), which parallel={cfg.parallel.name} "
-             f"with these degrees cannot continue ({here}): resume with the layout that saved "
-             "it (a ddp/fsdp/mesh run shards where dp_shard > 1 or tp > 1)")
+             f"({kind[sharded]}), which parallel={cfg.parallel.name} with these degrees "
+             f"cannot continue ({kind[here]}): resume with the layout that saved it (a "
+             "ddp/fsdp/mesh run shards where dp_shard > 1 or tp > 1)")
 
 
 def prepare(cfg: Config, in_place: InPlace | None, run_dir: str | None = None) -> Config:

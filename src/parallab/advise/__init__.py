@@ -32,7 +32,7 @@ class NothingFits(Exception):
 
 def problem(options) -> str | None:
     """None if the advise keys can be used, else one line naming the key."""
-    from parallab import activations, precision
+    from parallab import activations, mfu, precision
     from parallab.config import PrecisionConfig
     from parallab.parallel import STRATEGIES
 
@@ -57,8 +57,6 @@ def problem(options) -> str | None:
             return f"advise.activation_checkpointing: {found}"
     if options.target_world_size is not None and options.target_world_size < 1:
         return f"advise.target_world_size={options.target_world_size}: it must be >= 1"
-    from parallab import mfu
-
     if mfu.peak_flops(options.device, torch.float32) is None:
         return (f"advise.device={options.device} is not in mfu.py's table of peak FLOP/s: "
                 "name a GPU it lists (H100, A100, ...)")

@@ -117,8 +117,6 @@ def _predict_part(cfg, strategy, model: nn.Module, inputs, targets, precision
             last = keep.stop == len(stages)
             out = strategy.loss(out, targets) if last else out.float().sum()
         out.backward()
-    # a run's micro-batches of one step share autocast's parameter casts (activations.Saved)
-    held = p.microbatches * strategy.activation_share
-    activations = saved.per_pass() * held + saved.casts()
+    activations = saved.held(p.microbatches * strategy.activation_share)
     optimizer.step()
     return held_state_mb(model, optimizer), activations / MB

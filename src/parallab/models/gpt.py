@@ -120,30 +120,25 @@ class GPT(Model):
         from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleOutput,
                                                        RowwiseParallel, SequenceParallel)
 
+        seq = Shard(1) if sequence_parallel else Replicate()  # the residual stream's layout
+        # with sequence parallelism the split layers take the sequence's slices and gather
+        # them (backward: a reduce-scatter of the input's gradient, where a gather before the
+        # module would all-reduce it and slice)
         plan = {"embed.tokens": RowwiseParallel(input_layouts=Replicate()),
-                "head.out": ColwiseParallel(output_layouts=Replicate())}
-        out = Shard(1) if sequence_parallel else Replicate()  # the residual stream's layout
+                "head.out": ColwiseParallel(input_layouts=seq, output_layouts=Replicate())}
         for i in range(self.cfg.layers):
-            plan.update({f"blocks.{i}.attn.qkv": ColwiseParallel(),
-                         f"blocks.{i}.attn.proj": RowwiseParallel(output_layouts=out),
-                         f"blocks.{i}.mlp.0": ColwiseParallel(),
-                         f"blocks.{i}.mlp.2": RowwiseParallel(output_layouts=out)})
-        if not sequence_parallel:
-            return plan
-        # the split layers take the sequence's slices and gather them (backward: a
-        # reduce-scatter of the input's gradient, where a gather before the module would
-        # all-reduce it and slice)
-        plan.update({"embed": PrepareModuleOutput(output_layouts=Replicate(),
-                                                  desired_output_layouts=Shard(1),
-                                                  use_local_output=True),
-                     "head.ln": SequenceParallel(),
-                     "head.out": ColwiseParallel(input_layouts=Shard(1),
-                                                 output_layouts=Replicate())})
-        for i in range(self.cfg.layers):
-            plan.update({f"blocks.{i}.ln1": SequenceParallel(),
-                         f"blocks.{i}.attn.qkv": ColwiseParallel(input_layouts=Shard(1)),
-                         f"blocks.{i}.ln2": SequenceParallel(),
-                         f"blocks.{i}.mlp.0": ColwiseParallel(input_layouts=Shard(1))})
+            plan.update({f"blocks.{i}.attn.qkv": ColwiseParallel(input_layouts=seq),
+                         f"blocks.{i}.attn.proj": RowwiseParallel(output_layouts=seq),
+                         f"blocks.{i}.mlp.0": ColwiseParallel(input_layouts=seq),
+                         f"blocks.{i}.mlp.2": RowwiseParallel(output_layouts=seq)})
+            if sequence_parallel:
+                plan.update({f"blocks.{i}.ln1": SequenceParallel(),
+                             f"blocks.{i}.ln2": SequenceParallel()})
+        if sequence_parallel:
+            plan.update({"embed": PrepareModuleOutput(output_layouts=Replicate(),
+                                                      desired_output_layouts=Shard(1),
+                                                      use_local_output=True),
+                         "head.ln": SequenceParallel()})
         return plan
 
     def tp_problem(self, tp: int) -> str | None:

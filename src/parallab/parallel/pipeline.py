@@ -31,7 +31,7 @@ from parallab.errors import ConfigError
 from parallab.loss import from_model
 from parallab.parallel import stages as stages_of
 from parallab.parallel.fsdp import norm_squares, shard
-from parallab.parallel.mesh import MeshStrategy, resolve_degrees
+from parallab.parallel.mesh import MeshStrategy
 from parallab.parallel.split import check_parts, part_ranges
 from parallab.precision import Precision
 
@@ -50,14 +50,6 @@ def keep_only(model: nn.Module, stages: list[nn.Module], keep: range) -> None:
             model.get_submodule(parent).register_module(child, nn.Identity())
 
 
-def resolve_pipelines(p) -> None:
-    """dp_replicate x dp_shard x pp x tp = parallel.world_size, one of them inferred
-    (dp_replicate and pp both null: one pipeline over every rank)."""
-    if p.pp is None and p.dp_replicate is None:
-        p.dp_replicate = 1
-    resolve_degrees(p, ("dp_replicate", "dp_shard", "pp", "tp"))
-
-
 class PipelineStrategy(MeshStrategy):
     """The mesh with a pp degree: the model's parts on the pp dimension's ranks."""
 
@@ -68,7 +60,10 @@ class PipelineStrategy(MeshStrategy):
 
     @classmethod
     def resolve(cls, p) -> None:
-        resolve_pipelines(p)
+        """dp_replicate and pp both null: one pipeline over every rank."""
+        if p.pp is None and p.dp_replicate is None:
+            p.dp_replicate = 1
+        super().resolve(p)
 
     @classmethod
     def replicas_only(cls, p) -> bool:
@@ -240,7 +235,8 @@ class PipelineStrategy(MeshStrategy):
             losses.clear()
         step()
         if self.cfg.dp_shard == 1 and self.syncing:  # (FSDP2 reduces its own)
-            self.sum_partial_gradients()
+            if self.cfg.sequence_parallel:
+                self.sum_partial_gradients()
             if self.cfg.dp_replicate > 1:
                 self.average_gradients()
         if not self.is_last:  # its share of the logged loss: nothing

@@ -54,9 +54,11 @@ def check_parts(cfg, stages: list[nn.Module] | None, parts: int | None = None) -
                           "this model declares none: set parallel.stages to its submodules in "
                           "forward order (e.g. parallel.stages='[embed,\"blocks.*\",head]'), "
                           "or give it a stages() method")
-    # the key that sets the number of parts, as the user wrote it
+    # the keys that set the number of parts: the world size over the other degrees
+    others = [f"parallel.{k}={getattr(p, k)}" for k in ("dp_replicate", "dp_shard", "tp")
+              if (getattr(p, k, None) or 1) > 1]
     said = f"parallel.world_size={p.world_size}" + (
-        f" / parallel.dp_replicate={p.world_size // parts}" if parts != p.world_size else "")
+        f" / {' x '.join(others)}" if parts != p.world_size and others else "")
     if parts < 2:
         raise ConfigError(f"{said}: parallel={p.name} needs at least 2 parts; use "
                           "parallel=none (or ddp) for one")
