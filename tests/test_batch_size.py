@@ -25,7 +25,8 @@ def test_trials_leave_model_and_optimizer_as_they_were():
     train = Synthetic(train_size=1024, eval_size=8).make(seed=0)[0]
     loader = MemoryLoader(train, CPU_RANK, 16, shuffle=True, seed=0)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    def step(inputs, targets):
+    def step(batch):
+        inputs, targets = batch
         torch.nn.functional.nll_loss(model(inputs), targets).backward()
 
     size, trials = find_batch_size(model, optimizer, step, loader, CPU_RANK, max_memory_mb=None)

@@ -1,4 +1,4 @@
-"""Batch-size finder (seed 001 §4): grow the per-rank batch until just under the limit.
+"""Batch-size finder: grow the per-rank batch until just under the limit.
 
 Doubles data.batch_size while the trial fits (no out-of-memory, under trainer.max_memory_mb)
 and samples/s still improves by 5%. Trials run the strategy's trial step (Strategy.trial_step)
@@ -21,6 +21,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from parallab.batch import rows
 from parallab.data.loaders import ShardLoader
 from parallab.distributed import Dist
 from parallab.memory import peak_memory_mb, reset_peak_memory
@@ -28,7 +29,7 @@ from parallab.memory import peak_memory_mb, reset_peak_memory
 log = logging.getLogger(__name__)
 GAIN = 1.05  # a larger batch must be this much faster to be worth it
 TIMED_STEPS = 3
-Step = Callable[[Any, torch.Tensor], None]  # forward and backward of one batch
+Step = Callable[[Any], None]  # forward and backward of one batch
 
 
 @dataclass
@@ -49,11 +50,11 @@ def _measure(step: Step, optimizer: torch.optim.Optimizer, loader: ShardLoader,
     for index in range(1 + TIMED_STEPS):  # the first step warms up
         if index == 1:
             start = time.perf_counter()
-        inputs, targets = next(batches)
-        step(inputs, targets)
+        batch = next(batches)
+        step(batch)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        samples += len(targets) * (index > 0)
+        samples += rows(batch) * (index > 0)
     if dist.device.type == "cuda":
         torch.cuda.synchronize(dist.device)
     return samples / (time.perf_counter() - start), peak_memory_mb(dist.device)

@@ -284,7 +284,7 @@ def _evaluate_app(dict_cfg: DictConfig) -> float:
         _fail(f"ckpt={cfg.ckpt} does not fit model {cfg.model['_target_']}: "
               f"{(str(error).splitlines() + [''])[1].strip()}", 2)
     data = build_data(cfg.data, dist, cfg.seed)
-    loss = build_loss(cfg.loss)
+    loss = build_loss(cfg.loss).bind(model)
     figures = evaluate(model.to(dist.device), data.eval, dist,
                        Precision(cfg.precision, dist.device), loss, cfg.metrics)
     result = {"ckpt": str(Path(cfg.ckpt).resolve()), "model": cfg.model["_target_"],

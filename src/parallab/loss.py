@@ -1,37 +1,79 @@
 """The objective (the `loss` group): what a step minimises and how evaluation scores it.
 
-Built in: cross_entropy (class scores against class indices, or per-position scores against
-next tokens: every target position counts once), mse, bce_with_logits, and `model`, for a
-model whose forward(inputs, targets) returns the loss itself (as Hugging Face models do).
-Any other callable `(output, targets) -> scalar loss` comes by `_target_`: a class (built
-with the YAML's arguments, e.g. torch.nn.HuberLoss) or a function (its YAML arguments bound
-as keywords, e.g. torch.nn.functional.smooth_l1_loss with beta).
+Built in: auto (the default: the model's own loss where a dict batch's labels give it one,
+else cross_entropy), cross_entropy (class scores against class indices, or per-position
+scores against next tokens: every target position counts once, but ignored ones, -100),
+mse, bce_with_logits, and `model`, for a model whose forward takes the targets and returns
+the loss (nanoGPT's (logits, loss), a transformers output's .loss). The built-in losses read
+the logits of any output (.logits, ["logits"], a tuple's first element). Any other callable
+`(output, targets) -> scalar loss` comes by `_target_`: a class (built with the YAML's
+arguments, e.g. torch.nn.HuberLoss) or a function (its YAML arguments bound as keywords,
+e.g. torch.nn.functional.smooth_l1_loss with beta); it gets the output as the model returns
+it.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Mapping
 from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
+from parallab import batch as batches
 from parallab import targets
 
 
 class Objective:
-    """A loss: called with the model's output and the targets, returns a scalar tensor."""
+    """A loss: called with the model's output and the targets, returns a scalar tensor (the
+    mean of its terms). A step's loss is token-correct: each micro-batch adds the sum of its
+    terms divided by `items`, the terms of the whole global batch (all micro-batches, all
+    data-parallel ranks) over the data-parallel ranks, so that the gradients every rank
+    averages are those of the global batch's mean, however it is cut (step_loss)."""
 
     classifies = False  # targets are class indices: evaluation reports eval_accuracy
-    from_model = False  # the model's forward(inputs, targets) returns the loss
+    from_model = False  # the forward gets the targets and returns the loss
 
     def __call__(self, output: Any, targets: torch.Tensor) -> torch.Tensor:
         raise TypeError(f"{type(self).__name__} does not say how to compute its loss")
 
-    def weight(self, targets: torch.Tensor) -> int:
-        """How many terms a batch's mean loss averages (evaluation sums loss x weight)."""
-        return targets.numel()
+    def bind(self, model: nn.Module) -> Objective:
+        """Learn what the model says of its own loss (FromModel); returns self."""
+        return self
+
+    def count(self, targets: torch.Tensor | None) -> torch.Tensor | int:
+        """How many terms the loss of a batch with these targets averages: one per sample."""
+        return len(targets)
+
+    def total(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The sum of the batch's terms."""
+        return self(output, targets) * self.count(targets)
+
+    def scored(self, output: Any) -> Any:
+        """What the loss reads of the model's output: its logits."""
+        return scores(output)
+
+    def step_loss(self, model: nn.Module, batch: Any, items) -> tuple[Any, torch.Tensor]:
+        """The model's output on `batch` and the batch's share of the step's loss: the sum
+        of its terms / `items` (in evaluation, the batch's own count: its mean)."""
+        output = batches.call(model, batch, with_targets=False)
+        return output, self.total(self.scored(output), batches.labels_of(batch)) / items
+
+
+class OutputError(TypeError):
+    """The model's output does not carry what the loss reads: one line naming its type."""
+
+
+def scores(output: Any) -> torch.Tensor:
+    """The logits of an output; OutputError naming its type where it carries none."""
+    logits = batches.logits_in(output)
+    if logits is None:
+        raise OutputError(f"the model returns {batches.describe(output)}: no logits to score "
+                        "(a tensor, .logits, [\"logits\"] or a tuple's first element)")
+    return logits
 
 
 class CrossEntropy(Objective):
@@ -41,9 +83,20 @@ class CrossEntropy(Objective):
         self.label_smoothing = label_smoothing
 
     def __call__(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        # (B, C) vs (B,), or (B, T, V) vs (B, T): every target position counts once
+        return self._loss(output, targets, "mean")
+
+    def _loss(self, output: torch.Tensor, targets: torch.Tensor, reduction: str) -> torch.Tensor:
+        # (B, C) vs (B,), or (B, T, V) vs (B, T): every target position counts once, but the
+        # ignored ones (-100)
         return F.cross_entropy(output.flatten(0, -2).float(), targets.flatten(),
-                               label_smoothing=self.label_smoothing)
+                               label_smoothing=self.label_smoothing, reduction=reduction,
+                               ignore_index=batches.IGNORE_INDEX)
+
+    def count(self, targets: torch.Tensor) -> torch.Tensor:
+        return batches.valid(targets).sum()
+
+    def total(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self._loss(output, targets, "sum")
 
 
 def _same_shape(name: str, output: torch.Tensor, targets: torch.Tensor) -> None:
@@ -55,8 +108,14 @@ def _same_shape(name: str, output: torch.Tensor, targets: torch.Tensor) -> None:
 
 class MSE(Objective):
     def __call__(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.total(output, targets) / targets.numel()
+
+    def count(self, targets: torch.Tensor) -> int:
+        return targets.numel()  # the mean is over every element
+
+    def total(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         _same_shape("mse", output, targets)
-        return F.mse_loss(output.float(), targets.float())
+        return F.mse_loss(output.float(), targets.float(), reduction="sum")
 
 
 class BCEWithLogits(Objective):
@@ -64,33 +123,98 @@ class BCEWithLogits(Objective):
         self.pos_weight = pos_weight
 
     def __call__(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.total(output, targets) / targets.numel()
+
+    def count(self, targets: torch.Tensor) -> int:
+        return targets.numel()
+
+    def total(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         _same_shape("bce_with_logits", output, targets)
         weight = None if self.pos_weight is None else torch.tensor(self.pos_weight,
                                                                    device=output.device)
         return F.binary_cross_entropy_with_logits(output.float(), targets.float(),
-                                                  pos_weight=weight)
+                                                  pos_weight=weight, reduction="sum")
 
 
 class FromModel(Objective):
-    """loss=model: the output is the loss (or has it as .loss, like a transformers output)."""
+    """The model's own loss: the forward gets the targets (a dict batch's labels, or a
+    pair's second element) and returns the loss, or an output carrying it (`.loss`,
+    `["loss"]`, the one scalar of a tuple). A forward that takes num_items_in_batch (a
+    transformers model) gets the step's count, so that its loss is already the sum over its
+    valid labels divided by it; any other's mean is weighted by its batch's count."""
 
     from_model = True
+    takes_items = False  # the forward takes num_items_in_batch
+    shifts = False  # the loss compares position t's output with label t + 1 (a causal LM)
 
-    def __call__(self, output: Any, targets: torch.Tensor) -> torch.Tensor:
-        return getattr(output, "loss", output)
+    def bind(self, model: nn.Module) -> FromModel:
+        from parallab.models import hf
 
-    def weight(self, targets: torch.Tensor) -> int:
-        return len(targets)
+        self.takes_items = batches.takes_items(model)
+        self.shifts = hf.shifts_labels(batches.inner(model))
+        return self
+
+    def __call__(self, output: Any, targets: torch.Tensor | None = None) -> torch.Tensor:
+        loss = batches.loss_in(output)
+        if loss is None:
+            raise OutputError(f"loss=model: the model returns {batches.describe(output)}, with "
+                            "no loss in it (.loss, [\"loss\"], or the one scalar of a tuple): "
+                            "give the forward the targets and return the loss, or use a loss "
+                            "of the output, e.g. loss=cross_entropy")
+        return loss
+
+    def count(self, targets: torch.Tensor | None) -> torch.Tensor | int:
+        if targets is None:
+            return 1
+        if targets.is_floating_point() or targets.dim() < 2:  # one term per sample
+            return len(targets)
+        return batches.valid(targets[..., 1:] if self.shifts else targets).sum()
+
+    def step_loss(self, model: nn.Module, batch: Any, items) -> tuple[Any, torch.Tensor]:
+        if self.takes_items:
+            output = batches.call(model, batch, with_targets=True, num_items_in_batch=items)
+            return output, self(output)
+        output = batches.call(model, batch, with_targets=True)
+        return output, self(output) * self.count(batches.labels_of(batch)) / items
 
 
 class Wrapped(Objective):
-    """A user's callable `(output, targets) -> loss`."""
+    """A user's callable `(output, targets) -> loss`, a mean over the batch's samples."""
 
     def __init__(self, fn: Callable[[Any, torch.Tensor], torch.Tensor]):
         self.fn = fn
 
     def __call__(self, output: Any, targets: torch.Tensor) -> torch.Tensor:
         return self.fn(output, targets)
+
+    def scored(self, output: Any) -> Any:
+        return output  # as the model returns it: the user's function reads what it needs
+
+
+class Auto(CrossEntropy):
+    """loss=auto (the default): the model's own loss where the batch is a dict carrying
+    labels and the forward returns a loss with them (as transformers' Trainer takes it),
+    else cross_entropy. The controller decides on one batch (resolve) before any worker
+    starts; built unresolved (no trial: parallab's own parts), it is cross_entropy."""
+
+
+AUTO = "parallab.loss.Auto"
+CROSS_ENTROPY = "parallab.loss.CrossEntropy"
+FROM_MODEL = "parallab.loss.FromModel"
+
+
+def resolve(spec: dict[str, Any], model: nn.Module | None, batch: Any) -> dict[str, Any]:
+    """loss=auto as the loss it is for this model and data (`model` None: parallab's own
+    model, which returns scores); any other spec as it is."""
+    if spec.get(targets.TARGET) != AUTO:
+        return spec
+    labelled = isinstance(batch, Mapping) and batches.LABELS in batch
+    if model is None or not labelled:
+        return {targets.TARGET: CROSS_ENTROPY}
+    with torch.no_grad():
+        output = batches.call(model, batch, with_targets=True)
+    return {targets.TARGET: FROM_MODEL if batches.loss_in(output) is not None
+            else CROSS_ENTROPY}
 
 
 def check(spec: dict[str, Any]) -> None:

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import math
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
 
+from parallab import batch as batches
 from parallab import targets
 from parallab.errors import ConfigError
 
@@ -66,12 +68,13 @@ class Metrics:
         self.sums = torch.zeros(len(self.metrics) + 1, dtype=torch.float64, device=device)
 
     def update(self, output: torch.Tensor, labels: torch.Tensor) -> None:
+        weight = batches.weight(labels)  # samples, or a language model's valid tokens
         for index, metric in enumerate(self.metrics.values()):
             if hasattr(metric, "update") and hasattr(metric, "compute"):
                 metric.update(output, labels)
-            else:  # a plain function: its value weighted by the batch's samples
-                self.sums[index] += float(metric(output, labels)) * len(labels)
-        self.sums[-1] += len(labels)
+            else:  # a plain function: its value weighted by the batch's samples or tokens
+                self.sums[index] += metric(output, labels) * weight
+        self.sums[-1] += weight
 
     def compute(self, dist) -> dict[str, float]:
         dist.all_reduce_sum(self.sums)
@@ -88,50 +91,55 @@ class Metrics:
 @torch.no_grad()
 def evaluate(model: nn.Module, loader: ShardLoader, dist: Dist, precision: Precision | None,
              loss: Objective, metric_specs: dict[str, Any] | None = None,
-             forward: Callable[[nn.Module, Any], torch.Tensor | None] | None = None
-             ) -> dict[str, float]:
+             forward: Callable[[nn.Module, Any], Any] | None = None) -> dict[str, float]:
     """eval_loss (and eval_accuracy where the loss classifies, and the configured metrics)
-    over the whole split: each sample counted once, summed over ranks. `forward` (a
-    strategy's eval_forward) returns None on ranks that do not score."""
+    over the whole split: the sum of every term (each valid label of each sample, counted
+    once) over their number, summed over ranks, so the batch size never changes them.
+    `forward` (a strategy's eval_forward) returns None on ranks that do not score."""
     was_training = model.training
     model.eval()
     extra = Metrics(metric_specs or {}, dist.device)
     totals = torch.zeros(3, dtype=torch.float64, device=dist.device)  # loss, correct, count
     remaining = loader.num_valid  # the rest of this rank's shard is sampler padding
-    for inputs, labels in loader:
-        n = min(len(labels), remaining)
+    for batch in loader:
+        rows = batches.rows(batch)
+        n = min(rows, remaining)
         remaining -= n
         with precision.autocast() if precision else contextlib.nullcontext():
             if loss.from_model:  # the model scores itself, on this rank's real rows only
                 if n:
-                    inputs, labels = _rows(inputs, n), labels[:n]
-                    totals[0] += loss(model(inputs, labels), labels).double() * loss.weight(labels)
-                    totals[2] += loss.weight(labels)
+                    _score_own(model, loss, batches.take(batch, n) if n < rows else batch,
+                               totals)
                 continue
-            output = forward(model, inputs) if forward else model(inputs)
+            output = forward(model, batch) if forward else batches.call(model, batch, False)
         if output is None or n == 0:
             continue
-        output, labels = output[:n], labels[:n]
-        totals[0] += loss(output, labels).double() * loss.weight(labels)
-        totals[2] += loss.weight(labels)
+        scored = loss.scored(output)
+        labels = batches.labels_of(batch)
+        if n < rows:
+            scored, labels = batches.take(scored, n), labels[:n]
+        count = loss.count(labels)
+        totals[0] += loss.total(scored, labels).double()
+        totals[2] += count
         if loss.classifies:
-            totals[1] += (output.argmax(dim=-1) == labels).sum()
-        extra.update(output, labels)
+            totals[1] += ((scored.argmax(dim=-1) == labels) & batches.valid(labels)).sum()
+        extra.update(scored, labels)
     dist.all_reduce_sum(totals)
     model.train(was_training)
     total_loss, correct, count = totals.tolist()
-    figures = {LOSS: total_loss / count}
+    figures = {LOSS: total_loss / count if count else math.nan}
     if loss.classifies:
-        figures[ACCURACY] = correct / count
+        figures[ACCURACY] = correct / count if count else math.nan
     return {**figures, **extra.compute(dist)}
 
 
-def _rows(batch: Any, n: int) -> Any:
-    """The first n rows of a batch: a tensor, or tensors in a tuple, list or dict."""
-    if isinstance(batch, torch.Tensor):
-        return batch[:n]
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(_rows(b, n) for b in batch)
-    if isinstance(batch, dict):
-        return {k: _rows(v, n) for k, v in batch.items()}
-    return batch
+def _score_own(model: nn.Module, loss: Objective, batch: Any, totals: torch.Tensor) -> None:
+    """A model that computes its own loss: its sum over the batch's valid labels."""
+    count = loss.count(batches.labels_of(batch))
+    items = count.clamp(min=1) if isinstance(count, torch.Tensor) else max(count, 1)
+    mean = loss.step_loss(model, batch, items)[1]
+    if isinstance(count, torch.Tensor):  # labels all ignored: nothing added (its mean is 0/0)
+        totals[0] += torch.where(count > 0, mean.double() * items, 0.0)
+    else:
+        totals[0] += mean.double() * items
+    totals[2] += count

@@ -73,3 +73,26 @@ def peak_flops(device_name: str, dtype: torch.dtype, tf32: bool = False) -> floa
 def peak_flops_of(device: torch.device, precision) -> float | None:
     """The peak of a CUDA device in the precision's compute dtype (precision.py)."""
     return peak_flops(torch.cuda.get_device_name(device), precision.dtype, precision.tf32)
+
+
+def flops_per_token(model: torch.nn.Module, seq_len: int | None) -> float:
+    """Training FLOPs (forward + backward) per token of `seq_len`-token sequences: the
+    model's own flops_per_token where it has one (gpt), else the PaLM estimate nanoGPT uses:
+    6 per weight a token is multiplied by (embedding look-ups are not; a head tied to them
+    is), plus 12·layers·seq_len·width for attention where the model's config gives its
+    shape (a transformers model); 0 for a model whose weights say nothing (no parameters)."""
+    own = getattr(model, "flops_per_token", None)
+    if callable(own):
+        return float(own(seq_len))
+    from parallab.models import hf
+
+    looked_up = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    multiplied = {id(m.weight) for m in model.modules()
+                  if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D"}
+    weights = sum(p.numel() for p in model.parameters()
+                  if id(p) not in looked_up or id(p) in multiplied)
+    flops = 6.0 * weights
+    shape = hf.shape(model)
+    if shape and seq_len:
+        flops += 12.0 * shape["layers"] * seq_len * shape["width"]
+    return flops

@@ -109,8 +109,8 @@ def use_scaled_lr(cfg: Config, optimizer, global_batch_size: int, main: bool) ->
 def tune_batch_size(model, strategy, optimizer, precision, data, dist, cfg: TrainerConfig,
                     logger: RunLogger):
     """trainer.auto_batch_size: the training loader at the size the finder chose."""
-    def step(inputs, targets) -> None:
-        strategy.trial_step(model, inputs, targets, precision)
+    def step(batch) -> None:
+        strategy.trial_step(model, batch, precision)
 
     readers = dist.world_size // strategy.data_dist.world_size
     size, trials = batch_size.find_batch_size(strategy.unwrap(model), optimizer, step,
@@ -178,7 +178,7 @@ def build_trainer(cfg: Config, dist: distributed.Dist, logger: RunLogger,
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model)  # identical initial weights on every rank
     precision = Precision(cfg.precision, dist.device)
-    strategy = strategy_cls(cfg.parallel, dist, precision, build_loss(cfg.loss))
+    strategy = strategy_cls(cfg.parallel, dist, precision, build_loss(cfg.loss).bind(model))
     torch.manual_seed(cfg.seed + strategy.seed_rank)  # dropout masks differ between ranks
     model = strategy.wrap(speed_up(strategy.split(model), cfg.trainer, cfg.parallel.stages))
     data = build_data(cfg.data, strategy.data_dist, cfg.seed,

@@ -24,9 +24,28 @@ def locate(path: Any, key: str) -> Any:
     try:
         return get_object(path)
     except Exception as error:  # noqa: BLE001 - whatever stops the import: one line
+        missing = _missing_extra(error)
+        if missing:
+            raise ConfigError(f"{key}={path} needs {missing}, which is not installed: "
+                              f'pip install "parallab[{EXTRAS[missing]}]"') from None
         raise ConfigError(f"{key}={path} does not import ({first_line(error)}): check the "
                           "dotted path, and that its package is installed or its directory "
                           "is on PYTHONPATH") from None
+
+
+# packages a `_target_` may name that parallab's extras install
+EXTRAS = {"transformers": "hf", "datasets": "hf", "safetensors": "hf", "tokenizers": "hf",
+          "torchao": "quantize"}
+
+
+def _missing_extra(error: BaseException) -> str | None:
+    """The extra's package whose absence stopped an import, if it is one of parallab's."""
+    while error is not None:
+        if isinstance(error, ModuleNotFoundError) and error.name:
+            top = error.name.partition(".")[0]
+            return top if top in EXTRAS else None
+        error = error.__cause__ or error.__context__
+    return None
 
 
 def qualname(obj: Any) -> str:

@@ -58,6 +58,14 @@ def scalars(run_dir: Path, tag: str) -> list[tuple[int, float]]:
     return sorted(points.items())
 
 
+def as_logged(value: float) -> float:
+    """A figure as TensorBoard stores it (float32): metrics.json keeps float64, so a figure
+    read back from the event file equals this, not the figure itself."""
+    import numpy as np
+
+    return float(np.float32(value))
+
+
 def losses(run_dir: Path) -> list[float]:
     """The logged train/loss values of a run, in step order."""
     return [value for _, value in scalars(run_dir, "train/loss")]

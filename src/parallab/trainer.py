@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from parallab import activations, checkpoint, metrics, mfu, schedule
+from parallab import batch as batch_of
 from parallab.checkpoint import Checkpointer
 from parallab.comm import CommCounter
 from parallab.config import TrainerConfig
@@ -38,7 +39,7 @@ class Diverged(RuntimeError):
     """The train loss went NaN or inf under trainer.on_nan=stop."""
 
 
-Batch = tuple[torch.Tensor, torch.Tensor]
+Batch = Any  # as the data gives it (batch.py): an (inputs, targets) pair, a dict, ...
 SKIP_HORIZON = 20  # on_nan=skip stops when it drops over half of this many recent steps
 
 
@@ -92,13 +93,15 @@ class Trainer:
         self.count_activations = False
         self.activation_bytes = 0.0
         self.profiler = None  # fit()'s torch.profiler.profile where trainer.profile is on
-        # target positions per sample: > 1 for language models
-        self.tokens_per_sample = tokens = data.train.targets_per_sample()
-        count_flops = getattr(strategy.unwrap(model), "flops_per_token", None)
-        # for MFU: the training FLOPs of one sample, 0 where the model cannot say
-        self.flops_per_sample = count_flops(tokens) * tokens if count_flops and tokens > 1 else 0.0
+        # a language model's batches (set at the first step): tokens counted per step
+        self.counts_tokens: bool | None = None
+        self.window_tokens: list[torch.Tensor | int] = []
+        self.tokens_per_sample = 0.0  # over the logged windows: tokens / samples
+        self.flops_per_token = 0.0  # for MFU; 0 where the model cannot say
         self.peak_flops = (mfu.peak_flops_of(dist.device, precision) if dist.device.type == "cuda"
                            else None)
+        # ranks reading each batch (a tp group's, a pipeline's): counts over the world / this
+        self.readers = dist.world_size // self.data_world
 
         self.steps_per_epoch, self.total_steps = run_length(cfg, data.train)
         # the learning rate of each step: over this run's steps (a continued run's new horizon)
@@ -110,16 +113,20 @@ class Trainer:
 
     def train_step(self, batches: list[Batch]) -> torch.Tensor:
         """One optimizer step over `batches` (gradient accumulation when more than one);
-        returns the mean loss, detached."""
+        returns this rank's share of the step's loss, detached: the sum of its terms over
+        the count of the global batch's terms (all micro-batches, all data-parallel ranks),
+        times the data-parallel ranks, which average it."""
+        items = self.items(batches)
+        if items is None:
+            return self.skip_empty()
         total = None
-        for index, (inputs, targets) in enumerate(batches):
-            if self.cfg.channels_last and inputs.dim() == 4:
-                inputs = inputs.contiguous(memory_format=torch.channels_last)
+        for index, batch in enumerate(batches):
+            if self.cfg.channels_last:
+                batch = to_channels_last(batch)
             last = index == len(batches) - 1
             # reduce gradients across ranks once per step, on its last micro-batch
             with contextlib.nullcontext() if last else self.strategy.no_sync(self.model):
-                loss = self.strategy.forward_backward(self.model, inputs, targets,
-                                                      self.precision, len(batches))
+                loss = self.strategy.forward_backward(self.model, batch, self.precision, items)
             total = loss if total is None else total + loss
         skip = self.cfg.on_nan == "skip"
         if self.cfg.clip_grad_norm is not None or skip:
@@ -142,6 +149,32 @@ class Trainer:
         if self.scheduler is not None:
             self.scheduler.step()
         return total
+
+    def items(self, batches: list[Batch]):
+        """The global batch's loss terms (valid labels) per data-parallel rank: what each
+        micro-batch's sum is divided by. None where there are none (the step is skipped)."""
+        loss = self.strategy.loss
+        counts = [loss.count(batch_of.labels_of(b)) for b in batches]
+        n = counts[0] if len(counts) == 1 else sum(counts)
+        if self.data_world > 1:  # one all-reduce of a scalar; tp/pipeline ranks count alike
+            n = self.dist.all_reduce_sum(torch.as_tensor(n, dtype=torch.float64,
+                                                         device=self.dist.device))
+            n = n / self.readers
+        if isinstance(n, torch.Tensor) and n.device.type == "cpu":
+            n = n.item()  # free on the CPU: an exact skip of an empty step, a plain divisor
+        if isinstance(n, torch.Tensor):  # on a GPU: no sync; an empty step's gradients are 0
+            return n.clamp(min=1).float() / self.data_world
+        return n / self.data_world if n else None
+
+    def skip_empty(self) -> torch.Tensor:
+        """A global batch whose labels are all ignored (-100): nothing to learn; the
+        optimizer does not step."""
+        self.skipped_steps += 1
+        self.window_skipped += 1
+        if self.dist.is_main:
+            log.warning("step %d: no label of its global batch counts (all are -100): the "
+                        "step is skipped", self.step + 1)
+        return torch.zeros((), device=self.dist.device)
 
     def counted_step(self, batches: list[Batch]) -> torch.Tensor:
         """train_step; this process's second step (the first may set things up) also counts
@@ -211,7 +244,11 @@ class Trainer:
             self.step_times.append(now - tick)
             tick = now
             if self.step > self.cfg.warmup_steps:
-                self.measured_samples += sum(len(targets) for _, targets in batches) * world
+                self.measured_samples += sum(batch_of.rows(b) for b in batches) * world
+            if self.counts_tokens is None:
+                self.first_batch(batches[0])
+            if self.counts_tokens:  # summed at the log step (a sum per step costs more)
+                self.window_tokens.extend(batch_of.tokens(b) for b in batches)
             if self.profiler is not None:
                 self.profiler.step()
             progress.update()
@@ -233,13 +270,24 @@ class Trainer:
         self.last_train_loss = self.epoch_loss / max(self.epoch_steps, 1)
         return finished or self.epoch_step == self.steps_per_epoch
 
-    def throughput(self, samples_per_sec: float) -> dict[str, float]:
-        """Tokens/s of a language model, and MFU where the device's peak is known."""
-        figures = {}
-        if self.tokens_per_sample > 1:
-            figures["tokens_per_sec"] = samples_per_sec * self.tokens_per_sample
-        if self.peak_flops and self.flops_per_sample:
-            figures["mfu"] = (samples_per_sec * self.flops_per_sample
+    def first_batch(self, batch: Batch) -> None:
+        """A language model's batch: its tokens are counted, and its FLOPs per token
+        (for MFU) known from the model and the sequence length."""
+        self.counts_tokens = batch_of.is_sequence(batch)
+        if self.counts_tokens:
+            self.flops_per_token = mfu.flops_per_token(self.strategy.unwrap(self.model),
+                                                       batch_of.seq_len(batch))
+
+    def throughput(self, samples_per_sec: float, tokens_per_sample: float | None = None
+                   ) -> dict[str, float]:
+        """Tokens/s of a language model (counted: padding and ignored labels left out), and
+        MFU where the device's peak is known."""
+        tokens = self.tokens_per_sample if tokens_per_sample is None else tokens_per_sample
+        if not tokens:
+            return {}
+        figures = {"tokens_per_sec": samples_per_sec * tokens}
+        if self.peak_flops and self.flops_per_token:
+            figures["mfu"] = (figures["tokens_per_sec"] * self.flops_per_token
                               / (self.peak_flops * self.strategy.world_size))
         return figures
 
@@ -294,14 +342,19 @@ class Trainer:
             return torch.zeros((), device=self.dist.device)
         return torch.stack(self.window_losses).float().sum()
 
+
     def log_window(self, progress: Progress | None) -> None:
         """Train loss averaged over the steps since the last log and over all ranks; the
         same all-reduce shares any stop request."""
         steps = len(self.window_losses)
+        tokens = sum(self.window_tokens) if self.window_tokens else 0
         shared = torch.stack([self.window_loss(),
                               torch.tensor(float(self.preemption.requested),
-                                           device=self.dist.device)])
-        loss_sum, stops = self.dist.all_reduce_sum(shared).tolist()
+                                           device=self.dist.device),
+                              torch.as_tensor(tokens, dtype=torch.float32,
+                                              device=self.dist.device)])
+        loss_sum, stops, tokens = self.dist.all_reduce_sum(shared).tolist()
+        self.window_tokens.clear()
         self.stop_agreed = self.stop_agreed or stops > 0
         counted = (steps - self.window_skipped) * self.strategy.loss_ranks
         loss = loss_sum / counted if counted else math.nan
@@ -309,6 +362,10 @@ class Trainer:
             self.diverged(loss)
         step_time = sum(self.step_times[-steps:]) / steps
         samples_per_sec = self.global_batch_size / step_time
+        window_tokens = None
+        if tokens:  # per sample, over the window's global batches (each counted once)
+            window_tokens = tokens / self.readers / (self.global_batch_size * steps)
+            self.tokens_per_sample = window_tokens
         self.logger.scalars({
             "train/loss": loss,
             "train/lr": self.optimizer.param_groups[0]["lr"],
@@ -317,7 +374,8 @@ class Trainer:
             "train/peak_memory_mb": peak_memory_mb(self.dist.device),
             "train/epoch": self.epoch,
             "train/skipped_steps": self.skipped_steps,
-            **{f"train/{k}": v for k, v in self.throughput(samples_per_sec).items()},
+            **{f"train/{k}": v for k, v in self.throughput(samples_per_sec,
+                                                             window_tokens).items()},
         }, self.step)
         if progress is not None:
             progress.line(f"epoch {self.epoch + 1} step {self.step}/{self.total_steps} "
@@ -406,3 +464,10 @@ class Trainer:
             log.warning("the checkpoint holds RNG states for %d ranks, this run has %d: "
                         "dropout draws will differ from the original run", len(rng),
                         self.dist.world_size)
+
+
+def to_channels_last(batch: Batch) -> Batch:
+    """trainer.channels_last: a pair's image inputs (N, C, H, W) in NHWC memory format."""
+    if batch_of.is_pair(batch) and isinstance(batch[0], torch.Tensor) and batch[0].dim() == 4:
+        return batch[0].contiguous(memory_format=torch.channels_last), batch[1]
+    return batch

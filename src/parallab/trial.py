@@ -1,5 +1,6 @@
 """One small batch tried in the controller, before any worker starts: does the data fit the
-model, is the loss a scalar, and do the stages in order compute the model's forward?
+model, does its output carry what the loss reads, is the loss a scalar, and do the stages in
+order compute the model's forward?
 
 parallab's own models, data sets and losses state what they take (check_data, input_shape),
 so a run made only of them needs no trial; a user's model, data or loss gets one, as does
@@ -15,13 +16,14 @@ import torch
 from torch import nn
 from torch.utils.data import IterableDataset
 
+from parallab import batch as batches
+from parallab import loss as loss_of
 from parallab import targets
 from parallab.errors import ConfigError, first_line
-from parallab.loss import Objective, build_loss
+from parallab.loss import AUTO, CROSS_ENTROPY, Objective
 from parallab.parallel import stages as stages_of
 
 OURS = "parallab."
-CROSS_ENTROPY = "parallab.loss.CrossEntropy"
 
 
 def needed(cfg) -> bool:
@@ -29,7 +31,8 @@ def needed(cfg) -> bool:
     and data set is checked for), or stages named in the config."""
     return not (str(cfg.model.get(targets.TARGET, "")).startswith(OURS)
                 and cfg.data._target_.startswith(OURS) and cfg.data.tensors
-                and cfg.loss.get(targets.TARGET) == CROSS_ENTROPY) or bool(cfg.parallel.stages)
+                and cfg.loss.get(targets.TARGET) in (CROSS_ENTROPY, AUTO)) \
+        or bool(cfg.parallel.stages)
 
 
 def find_stages(model: nn.Module, cfg) -> list[nn.Module] | None:
@@ -54,7 +57,7 @@ def stages_on_meta(cfg) -> list[nn.Module] | None:
     return find_stages(model_on_meta(cfg), cfg)
 
 
-def one_batch(cfg, size: int = 2) -> tuple[Any, torch.Tensor]:
+def one_batch(cfg, size: int = 2) -> Any:
     """`size` training samples collated as the DataLoader would (data.collate_fn too)."""
     from torch.utils.data import default_collate
 
@@ -72,31 +75,70 @@ def one_batch(cfg, size: int = 2) -> tuple[Any, torch.Tensor]:
         dataset = _dataset(train, train=False)
         samples = [dataset[i] for i in range(min(size, len(dataset)))]
     join = collate(cfg.data.collate_fn) if cfg.data.collate_fn is not None else default_collate
-    return tuple(join(samples))
+    batch = join(samples)
+    return tuple(batch) if isinstance(batch, list) else batch
 
 
-def run(cfg, strategy) -> list[nn.Module] | None:
+class Probe:
+    """The user's model and one batch of their data, built once in the controller for the
+    checks that need them (loss=auto's choice, the trial); None where parallab's own parts
+    need no trial."""
+
+    def __init__(self, cfg):
+        self.model: nn.Module | None = None
+        self.batch: Any = None
+        if not needed(cfg):
+            return
+        torch.manual_seed(cfg.seed)
+        model = targets.build_checked(cfg.model, "model")
+        if not isinstance(model, nn.Module):
+            raise ConfigError(f"model._target_={cfg.model[targets.TARGET]} returned "
+                              f"{type(model).__name__}, not a torch.nn.Module: return the "
+                              "Module")
+        self.model, self.batch = model.eval(), one_batch(cfg)
+        refuse_keys(model, self.batch)
+
+
+def refuse_keys(model: nn.Module, batch: Any) -> None:
+    """A dict batch whose keys the forward does not take: ConfigError naming both."""
+    if not isinstance(batch, dict):
+        return
+    names, open_ended = batches.parameters(model)
+    unknown = [k for k in batch if k not in names]
+    if unknown and not open_ended:
+        raise ConfigError(f"data: a batch holds {', '.join(map(repr, batch))}, and the model's "
+                          f"forward takes {', '.join(names) or 'nothing'}, not "
+                          f"{', '.join(map(repr, unknown))}: make the Dataset's keys the "
+                          "forward's parameters (a dict batch is passed as model(**batch))")
+
+
+def resolve_loss(cfg, probe: Probe) -> None:
+    """loss=auto: the model's own loss or cross_entropy, decided on the probe's batch."""
+    try:
+        cfg.loss = loss_of.resolve(cfg.loss, probe.model, probe.batch)
+    except Exception as error:  # noqa: BLE001 - a user's forward may raise anything
+        raise ConfigError(f"model: its forward fails on a batch of the data "
+                          f"({first_line(error)}): make data samples and the model's input "
+                          "agree") from None
+
+
+def run(cfg, strategy, probe: Probe | None = None) -> list[nn.Module] | None:
     """Try one batch (when needed); returns the model's stages where the strategy uses them.
     ConfigError naming the key at fault."""
-    if not needed(cfg):
+    probe = probe or Probe(cfg)
+    if probe.model is None:
         return stages_on_meta(cfg) if strategy.uses_stages else None
-    torch.manual_seed(cfg.seed)
-    model = targets.build_checked(cfg.model, "model")
-    if not isinstance(model, nn.Module):
-        raise ConfigError(f"model._target_={cfg.model[targets.TARGET]} returned "
-                          f"{type(model).__name__}, not a torch.nn.Module: return the Module")
-    inputs, labels = one_batch(cfg)
-    loss = build_loss(cfg.loss)
-    model.eval()
+    model, batch = probe.model, probe.batch
+    loss = loss_of.build_loss(cfg.loss).bind(model)
     with torch.no_grad():
-        value = _loss_of(model, loss, inputs, labels)
+        value = _loss_of(model, loss, batch)
     if not isinstance(value, torch.Tensor) or value.dim() != 0:
         shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
         raise ConfigError(f"loss._target_={cfg.loss[targets.TARGET]} returns {shape}, not a "
                           "scalar: reduce it (mean over the batch)")
     stages = find_stages(model, cfg) if strategy.uses_stages else None
     if strategy.splits_model and stages is not None and not loss.from_model:
-        differs = stages_of.chain_differs(model, stages, inputs)
+        differs = stages_of.chain_differs(model, stages, batches.inputs_of(batch))
         if differs:
             raise ConfigError(f"parallel={cfg.parallel.name} runs the model as its stages in "
                               f"order ({stages_of.source(model, cfg.parallel.stages)}), but "
@@ -105,14 +147,22 @@ def run(cfg, strategy) -> list[nn.Module] | None:
     return stages
 
 
-def _loss_of(model: nn.Module, loss: Objective, inputs: Any, labels: torch.Tensor):
+def _loss_of(model: nn.Module, loss: Objective, batch: Any):
+    """The batch's mean loss; ConfigError naming the part at fault."""
+    labels = batches.labels_of(batch)
+    count = loss.count(labels) if labels is not None or loss.from_model else 1
+    count = count.clamp(min=1) if isinstance(count, torch.Tensor) else max(count, 1)
     try:
-        output = model(inputs, labels) if loss.from_model else model(inputs)
+        output = batches.call(model, batch, with_targets=loss.from_model)
     except Exception as error:  # noqa: BLE001 - a user's forward may raise anything
         raise ConfigError(f"model: its forward fails on a batch of the data ({first_line(error)}"
                           "): make data samples and the model's input agree") from None
     try:
-        return loss(output, labels)
+        if loss.from_model:
+            return loss(output)
+        return loss.total(loss.scored(output), labels) / count
+    except loss_of.OutputError as error:  # the output's type and keys, and the fix
+        raise ConfigError(str(error)) from None
     except Exception as error:  # noqa: BLE001
         raise ConfigError(f"loss: {first_line(error)} on a batch of the model's output: use a "
                           "loss that fits the model and the data's targets") from None

@@ -183,13 +183,13 @@ def resolve_global_batch(cfg: Config) -> None:
     d.batch_size = d.global_batch_size // per_step
 
 
-def check_strategy(cfg: Config) -> None:
+def check_strategy(cfg: Config, probe: trial.Probe) -> None:
     """One batch tried where a user's part is in play, then the strategy's own checks (with
     the model's stages where it cuts the model into parts)."""
     from parallab.parallel import STRATEGIES
 
     strategy = STRATEGIES[cfg.parallel.name]
-    stages = trial.run(cfg, strategy)
+    stages = trial.run(cfg, strategy, probe)
     if strategy.splits_model:
         strategy.check(cfg, stages)
     else:
@@ -254,11 +254,13 @@ def prepare(cfg: Config, in_place: InPlace | None, run_dir: str | None = None) -
     check_values(cfg)
     check_data(cfg)
     cfg.model = models.check(cfg.model, cfg.data)
+    probe = trial.Probe(cfg)  # the user's model and a batch, where a trial is needed
+    trial.resolve_loss(cfg, probe)
     check_objective(cfg)
     resolve_device(cfg)
     resolve_parallel(cfg, in_place)
     resolve_global_batch(cfg)
-    check_strategy(cfg)
+    check_strategy(cfg, probe)
     resolve_backend(cfg)
     check_resume(cfg, run_dir)
     return cfg

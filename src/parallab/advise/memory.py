@@ -18,6 +18,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from parallab import batch as batches
 from parallab import run
 from parallab.activations import saved_for_backward
 from parallab.comm import MB
@@ -37,7 +38,7 @@ def fake_group(rank: int, world_size: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def predict(cfg, batch: tuple[Any, torch.Tensor], rank: int) -> tuple[float, float]:
+def predict(cfg, batch: Any, rank: int) -> tuple[float, float]:
     """(state MB, activation MB) rank `rank` of the candidate `cfg` (checked, resolved)
     would hold, from fake tensors: `batch` is one real micro-batch of the data."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -54,22 +55,20 @@ def predict(cfg, batch: tuple[Any, torch.Tensor], rank: int) -> tuple[float, flo
     with fake_group(rank, world):
         dist = Dist(rank, rank, world, world, device, "fake")
         precision = Precision(cfg.precision, device)
-        strategy = STRATEGIES[cfg.parallel.name](cfg.parallel, dist, precision,
-                                                 build_loss(cfg.loss))
         with fake:  # the mesh and the wrappers are built outside: they read real tensors
             model = build_model(cfg.model)
+        strategy = STRATEGIES[cfg.parallel.name](cfg.parallel, dist, precision,
+                                                 build_loss(cfg.loss).bind(model))
         # cloned: a batch sliced from a data set held in memory is a view of all of it
-        inputs, targets = (fake.from_tensor(t.clone()) if torch.is_tensor(t) else t
-                           for t in batch)
+        batch = batches.apply(batch, lambda t: fake.from_tensor(t.clone()))
         if strategy.splits_model:
-            return _predict_part(cfg, strategy, model, inputs, targets, precision)
+            return _predict_part(cfg, strategy, model, batch, precision)
         model = strategy.wrap(run.speed_up(strategy.split(model), cfg.trainer,
                                            cfg.parallel.stages))
         _reduce_locally(model)
         optimizer = build_optimizer(cfg.optim, model)
         with saved_for_backward(model) as saved:
-            strategy.forward_backward(model, inputs, targets, precision,
-                                      cfg.trainer.accumulate_grad_batches)
+            strategy.forward_backward(model, batch, precision, 1)  # (the loss's scale)
             activations = saved()
         optimizer.step()  # its state, laid out like the parameters
         return held_state_mb(model, optimizer), activations / MB
@@ -89,7 +88,7 @@ def _reduce_locally(model: nn.Module) -> None:
         model.register_comm_hook(None, local)
 
 
-def _predict_part(cfg, strategy, model: nn.Module, inputs, targets, precision
+def _predict_part(cfg, strategy, model: nn.Module, batch: Any, precision
                   ) -> tuple[float, float]:
     """A pipeline rank: its part of the model (as the strategy keeps it), the optimizer
     over it, and its part's activations for one micro-batch, times the micro-batches it
@@ -103,8 +102,8 @@ def _predict_part(cfg, strategy, model: nn.Module, inputs, targets, precision
     p = cfg.parallel
     stages = stages_of.find(model, p.stages)
     keep = part_ranges(stages, strategy.pp, p.split)[strategy.stage_index]
-    rows = len(targets) // p.microbatches
-    x, targets = inputs[:rows], targets[:rows]
+    rows = batches.rows(batch) // p.microbatches
+    x, targets = batches.inputs_of(batch)[:rows], batches.labels_of(batch)[:rows]
     with torch.no_grad(), precision.autocast():
         for stage in stages[:keep.start]:
             x = stage(x)
@@ -115,7 +114,8 @@ def _predict_part(cfg, strategy, model: nn.Module, inputs, targets, precision
         with precision.autocast():
             out = model(x)
             last = keep.stop == len(stages)
-            out = strategy.loss(out, targets) if last else out.float().sum()
+            out = strategy.loss(strategy.loss.scored(out), targets) if last else \
+                out.float().sum()
         out.backward()
     activations = saved.held(p.microbatches * strategy.activation_share)
     optimizer.step()

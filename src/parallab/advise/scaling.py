@@ -49,21 +49,20 @@ def comm_seconds(figures: dict[str, Any], cfg, n: int, gpus_per_node: int,
 def step_flops(cfg, batch) -> float:
     """Training FLOPs of one optimizer step at the candidate's global batch: one micro-batch's
     forward and backward on fake tensors, times the micro-batches of a step."""
-    import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
 
+    from parallab import batch as batches
     from parallab.loss import build_loss
     from parallab.models import build_model
 
-    loss = build_loss(cfg.loss)
     with FakeTensorMode(allow_non_fake_inputs=True) as fake:
         model = build_model(cfg.model)
-        inputs, targets = (fake.from_tensor(t) if torch.is_tensor(t) else t for t in batch)
+        loss = build_loss(cfg.loss).bind(model)
+        batch = batches.apply(batch, fake.from_tensor)
         with FlopCounterMode(display=False) as counter:
-            out = model(inputs, targets) if loss.from_model else model(inputs)
-            loss(out, targets).backward()
-    micro = len(targets)
+            loss.step_loss(model, batch, 1)[1].backward()
+    micro = batches.rows(batch)
     return counter.get_total_flops() * (cfg.data.global_batch_size / micro)
 
 

@@ -5,7 +5,9 @@
     eval: {_target_: mypkg.data.Waves, size: 1024, seed: 1}
     batch_size: 32
 
-Each sample is (inputs, targets). A map-style Dataset goes through the DataLoader path with
+A sample is an (inputs, targets) pair, a dict (transformers' `{"input_ids", "labels"}`:
+the batch calls model(**batch)), or any structure torch's collate (or data.collate_fn)
+joins. A map-style Dataset goes through the DataLoader path with
 everything the built-in sets get: a disjoint shard per rank, a reshuffle per epoch, exact
 mid-epoch resume, seeded workers, data.collate_fn. An IterableDataset is read in turn by
 the ranks (sample i goes to rank i % world size), each taking the same number of batches.
@@ -20,6 +22,7 @@ from typing import Any, ClassVar
 import torch
 from torch.utils.data import Dataset, IterableDataset
 
+from parallab import batch as batches
 from parallab import targets
 from parallab.config import DataConfig
 from parallab.errors import ConfigError, first_line
@@ -64,7 +67,7 @@ class Datasets(DataConfig):
 
     @property
     def input_shape(self) -> list[int] | None:
-        inputs = first_sample(self, "train")[0]
+        inputs = batches.inputs_of(first_sample(self, "train"))
         return list(inputs.shape) if isinstance(inputs, torch.Tensor) else None
 
     def sized(self) -> bool:
@@ -74,19 +77,19 @@ class Datasets(DataConfig):
         return targets.build(self._spec("train")), targets.build(self._spec("eval"))
 
 
-_SAMPLES: dict[str, tuple[Any, Any]] = {}  # spec -> first sample: each Dataset built once
+_SAMPLES: dict[str, Any] = {}  # spec -> first sample: each Dataset built once
 _LENGTHS: dict[str, bool] = {}  # spec -> whether the Dataset has a length
 
 
-def first_sample(cfg: Datasets, split: str) -> tuple[Any, Any]:
-    """(inputs, targets) of the split's first sample (checked: a pair, from a non-empty set)."""
+def first_sample(cfg: Datasets, split: str) -> Any:
+    """The split's first sample (checked: from a non-empty set)."""
     key = repr(cfg._spec(split))
     if key not in _SAMPLES:
         _SAMPLES[key] = _read_first_sample(cfg._spec(split), split)
     return _SAMPLES[key]
 
 
-def _read_first_sample(spec: dict[str, Any], split: str) -> tuple[Any, Any]:
+def _read_first_sample(spec: dict[str, Any], split: str) -> Any:
     dataset = targets.build_checked(spec, f"data.{split}")
     streams, sized = isinstance(dataset, IterableDataset), hasattr(dataset, "__len__")
     if not streams and not sized:
@@ -100,10 +103,7 @@ def _read_first_sample(spec: dict[str, Any], split: str) -> tuple[Any, Any]:
     except Exception as error:  # noqa: BLE001 - a user's __getitem__ may raise anything
         raise ConfigError(f"data.{split}: reading its first sample raised {first_line(error)}:"
                           " fix the Dataset") from None
-    if not isinstance(sample, (tuple, list)) or len(sample) != 2:
-        raise ConfigError(f"data.{split}: a sample is {type(sample).__name__}, not an "
-                          "(inputs, targets) pair: make __getitem__ return (inputs, targets)")
-    return sample[0], sample[1]
+    return sample
 
 
 def collate(spec: Any) -> Any:

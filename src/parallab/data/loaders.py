@@ -1,7 +1,8 @@
 """Batches for one rank: DistributedSampler shards, on the in-memory or the DataLoader path.
 
 A loader reads a source: a Split (tensors in memory, data/split.py) or any map-style torch
-Dataset of (inputs, targets) samples (a user's, data/datasets.py).
+Dataset (a user's, data/datasets.py) whose samples the DataLoader collates into batches of
+any structure (batch.py): (inputs, targets) pairs, dicts, ...
 
 Both paths shard as torch's DistributedSampler does: a permutation seeded by seed + epoch,
 padded with its head to a multiple of the world size, every rank taking every world_size-th
@@ -19,6 +20,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from parallab import batch as batches
 from parallab.config import DataConfig
 from parallab.data.split import Split
 from parallab.distributed import Dist
@@ -55,20 +57,6 @@ class ShardSampler(Sampler[int]):
         return self.per_rank - self.offset
 
 
-def to_device(batch: Any, device: torch.device) -> Any:
-    """Tensors, and tensors in tuples, lists and dicts, moved to `device`; a CPU run's
-    batches as they are (where a loader's batches already are: no walk over them per step)."""
-    if device.type == "cpu":
-        return batch
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(to_device(b, device) for b in batch)
-    if isinstance(batch, dict):
-        return {k: to_device(v, device) for k, v in batch.items()}
-    return batch
-
-
 class ShardLoader:
     drop_last = False  # True: every batch full (a pipeline's stages have fixed shapes)
 
@@ -80,12 +68,6 @@ class ShardLoader:
         self.device = dist.device
         self.sampler = ShardSampler(len(source), dist.rank, dist.world_size, shuffle, seed)
         self.num_valid = len(range(dist.rank, len(source), dist.world_size))
-
-    def targets_per_sample(self) -> int:
-        """Target positions in one sample: > 1 for a language model's next tokens."""
-        if isinstance(self.source, Split):
-            return self.source.targets[0].numel()
-        return torch.as_tensor(self.source[0][1]).numel()
 
     def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
         """Shuffle for `epoch`; start after its first `skip_batches` batches (resuming)."""
@@ -160,7 +142,7 @@ class DataLoaderLoader(ShardLoader):
         super().__init__(source, dist, batch_size, shuffle, seed)
         self.cfg = cfg
         # a Split's uint8 pixels or token ids become model input on the device, as in memory
-        self.prepare = source.prepare if isinstance(source, Split) else (lambda x: x)
+        self.prepare = source.prepare if isinstance(source, Split) else None
         dataset = _dataset(source, train=shuffle)  # the training split is the shuffled one
         # torch seeds each worker's torch, random and numpy from this generator, reseeded per
         # epoch from (seed, rank, epoch): the same config augments the same way every run
@@ -183,11 +165,19 @@ class DataLoaderLoader(ShardLoader):
         return DataLoaderLoader(self.source, self.dist, batch_size, self.shuffle, self.seed,
                                 self.cfg)
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        for inputs, targets in self.loader:
-            if self.drop_last and len(targets) < self.batch_size:
+    def __iter__(self) -> Iterator[Any]:
+        for batch in self.loader:
+            if self.drop_last and batches.rows(batch) < self.batch_size:
                 return
-            yield self.prepare(to_device(inputs, self.device)), to_device(targets, self.device)
+            yield prepared(batches.to_device(batch, self.device), self.prepare)
+
+
+def prepared(batch: Any, prepare) -> Any:
+    """A pair's inputs made model input (a Split's uint8 pixels or token ids); any other
+    batch as it is."""
+    if prepare is None or not batches.is_pair(batch):
+        return batch
+    return prepare(batch[0]), batch[1]
 
 
 def ignore_stop_signals(worker_id: int) -> None:

@@ -20,7 +20,8 @@ from typing import Any, Iterator
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from parallab.data.loaders import _collate, ignore_stop_signals, to_device
+from parallab import batch as batches
+from parallab.data.loaders import _collate, ignore_stop_signals
 from parallab.distributed import Dist
 from parallab.errors import ConfigError
 
@@ -84,17 +85,14 @@ class StreamLoader:
     def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
         self.epoch, self.skip = epoch, skip_batches
 
-    def __iter__(self) -> Iterator[tuple[Any, torch.Tensor]]:
+    def __iter__(self) -> Iterator[Any]:
         if callable(getattr(self.source, "set_epoch", None)):
             self.source.set_epoch(self.epoch)
-        for index, (inputs, targets) in enumerate(self.loader):
-            if self.drop_last and len(targets) < self.batch_size:
+        for index, batch in enumerate(self.loader):
+            if self.drop_last and batches.rows(batch) < self.batch_size:
                 return
             if index >= self.skip:
-                yield to_device(inputs, self.device), to_device(targets, self.device)
-
-    def targets_per_sample(self) -> int:
-        return torch.as_tensor(next(iter(self.source))[1]).numel()
+                yield batches.to_device(batch, self.device)
 
     def resized(self, batch_size: int) -> StreamLoader:
         return StreamLoader(self.source, self.dist, batch_size, self.seed, self.cfg)

@@ -47,9 +47,11 @@ def in_range(cfg: dict[str, Any], low: dict[str, float], below_one: tuple[str, .
 def fits_classes(cfg: dict[str, Any], data) -> str | None:
     """The common check for a classifier's head: enough outputs for the data's classes."""
     classes = getattr(data, "num_classes", None)
-    if classes is None:
-        return (f"model.num_classes={cfg['num_classes']}: data={data.name} does not say how "
-                "many classes it has: set model.num_classes")
+    if classes is None:  # a user's Dataset: the model's own setting stands
+        if cfg["num_classes"] is not None:
+            return None
+        return (f"model.num_classes=null: data={data.name} does not say how many classes it "
+                "has: set model.num_classes")
     if cfg["num_classes"] is None:
         cfg["num_classes"] = classes
     if cfg["num_classes"] < classes:

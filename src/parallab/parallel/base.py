@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from parallab import batch as batches
 from parallab.distributed import Dist
 from parallab.errors import ConfigError
 from parallab.loss import Objective
@@ -63,14 +64,6 @@ class Strategy:
     def data_parallel_ranks(cls, cfg) -> int:
         """Ranks (or devices) that read different samples each step."""
         return cfg.parallel.world_size if cls.shards_data else 1
-
-    def output_and_loss(self, model: nn.Module, inputs, targets: torch.Tensor
-                        ) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """The model's output (None where the model computes its own loss) and the loss."""
-        if self.loss.from_model:
-            return None, self.loss(model(inputs, targets), targets)
-        output = model(inputs)
-        return output, self.loss(output, targets)
 
     @property
     def devices_per_process(self) -> int:
@@ -140,28 +133,26 @@ class Strategy:
         """Where gradients are reduced across ranks: skip it for an accumulation micro-step."""
         return contextlib.nullcontext()
 
-    def forward_backward(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
-                         precision: Precision, scale: int) -> torch.Tensor:
-        """Loss of one (micro-)batch divided by `scale`, gradients accumulated; detached."""
+    def forward_backward(self, model: nn.Module, batch: Any, precision: Precision,
+                         items) -> torch.Tensor:
+        """One (micro-)batch's share of the step's loss (the sum of its terms / `items`, the
+        step's terms per data-parallel rank), gradients accumulated; detached."""
         with precision.autocast():
-            loss = self.output_and_loss(model, inputs, targets)[1]
-        if scale > 1:  # no extra autograd node for the usual single micro-batch
-            loss = loss / scale
+            loss = self.loss.step_loss(model, batch, items)[1]
         precision.backward(loss)
         return loss.detach()
 
-    def trial_step(self, model: nn.Module, inputs, targets: torch.Tensor,
-                   precision: Precision) -> None:
+    def trial_step(self, model: nn.Module, batch: Any, precision: Precision) -> None:
         """Forward and backward of a batch-size finder trial (batch_size.py): the unwrapped
         module, so that DDP's all-reduce does not run inside a trial (a sharded module
         still gathers: it is its own unwrapped form)."""
         with precision.autocast():
-            loss = self.output_and_loss(self.unwrap(model), inputs, targets)[1]
+            loss = self.loss.step_loss(self.unwrap(model), batch, 1)[1]
         loss.backward()
 
-    def eval_forward(self, model: nn.Module, inputs: torch.Tensor) -> torch.Tensor | None:
+    def eval_forward(self, model: nn.Module, batch: Any) -> Any:
         """Evaluation outputs on the rank that scores them (None on the others)."""
-        return model(inputs)
+        return batches.call(model, batch, with_targets=False)
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float | None) -> torch.Tensor:
         """Clip to `max_norm` (None: only measure, leaving the gradients untouched); the norm

@@ -22,11 +22,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from typing import Iterator
+from collections.abc import Mapping
+from typing import Any, Iterator
 
 import torch
 from torch import nn
 
+from parallab import batch as batches
 from parallab.errors import ConfigError
 from parallab.loss import from_model
 from parallab.parallel import stages as stages_of
@@ -194,17 +196,17 @@ class PipelineStrategy(MeshStrategy):
                           self.dist.is_main, False)
         self.syncing = True
         self.model = model
-        self.accumulation = 1  # batches per optimizer step (trainer.accumulate_grad_batches)
+        self.items = 1  # the step's terms per data-parallel rank (Objective.step_loss)
         self.train_schedule = None  # built for each batch shape (the finder tries several)
         self.train_rows = 0
         self.eval_schedule = None  # built at the first evaluation, for its batch shape
         self.eval_rows = 0
         return self.model
 
-    def _loss(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """A micro-batch's share of the step's loss: its gradients then add up to the
-        gradient of the mean over every micro-batch of every accumulated batch."""
-        return self.loss(output, targets) / (self.cfg.microbatches * self.accumulation)
+    def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """A micro-batch's share of the step's loss: its terms' sum / the step's count, so
+        its gradients add up to those of the mean over every micro-batch of the step."""
+        return self.loss.total(self.loss.scored(output), target) / self.items
 
     def _schedule(self, name: str, loss):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
@@ -217,20 +219,23 @@ class PipelineStrategy(MeshStrategy):
         return schedule(stage, n_microbatches=self.cfg.microbatches, loss_fn=loss,
                         scale_grads=False)
 
-    def forward_backward(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
-                         precision: Precision, scale: int) -> torch.Tensor:
-        self.accumulation = scale
+    def forward_backward(self, model: nn.Module, batch: Any, precision: Precision,
+                         items) -> torch.Tensor:
+        inputs, targets = batches.inputs_of(batch), batches.labels_of(batch)
         losses: list[torch.Tensor] = []
+        self.items = items  # what _loss divides by, this step
 
         def step() -> None:
             with precision.autocast():
-                self.train_schedule.step(*((inputs,) if self.is_first else ()),
+                self.train_schedule.step(*self.first_args(inputs),
+                                         **self.first_kwargs(inputs),
                                          target=targets if self.is_last else None,
                                          losses=losses, return_outputs=False)
 
-        if len(targets) != self.train_rows:  # its stages infer their shapes at the first step
+        rows = batches.rows(batch)
+        if rows != self.train_rows:  # its stages infer their shapes at the first step
             self.train_schedule = self._schedule(self.cfg.schedule, self._loss)
-            self.train_rows = len(targets)
+            self.train_rows = rows
             self.dry_run(step)
             losses.clear()
         step()
@@ -241,12 +246,21 @@ class PipelineStrategy(MeshStrategy):
                 self.average_gradients()
         if not self.is_last:  # its share of the logged loss: nothing
             return torch.zeros((), device=self.dist.device)
-        return torch.stack(losses).detach().sum()  # this batch's mean loss / scale
+        return torch.stack(losses).detach().sum()  # this batch's share of the step's loss
 
-    def trial_step(self, model: nn.Module, inputs, targets: torch.Tensor,
-                   precision: Precision) -> None:
+    def first_args(self, inputs: Any) -> tuple:
+        """What the first stage's forward takes positionally (the schedule cuts every tensor
+        of it into micro-batches); the other stages get their predecessor's output."""
+        if not self.is_first or isinstance(inputs, Mapping):
+            return ()
+        return (inputs,)
+
+    def first_kwargs(self, inputs: Any) -> dict:
+        return dict(inputs) if self.is_first and isinstance(inputs, Mapping) else {}
+
+    def trial_step(self, model: nn.Module, batch: Any, precision: Precision) -> None:
         """The whole schedule: a part alone has no loss to run backward from."""
-        self.forward_backward(model, inputs, targets, precision, 1)
+        self.forward_backward(model, batch, precision, 1)
 
     def dry_run(self, step) -> None:
         """Run the first step once and undo it: its shape inference feeds each stage
@@ -264,16 +278,16 @@ class PipelineStrategy(MeshStrategy):
             torch.cuda.set_rng_state_all(cuda_rng)
         self.model.zero_grad(set_to_none=True)
 
-    def eval_forward(self, model: nn.Module, inputs: torch.Tensor) -> torch.Tensor | None:
-        rows = len(inputs)
+    def eval_forward(self, model: nn.Module, batch: Any) -> Any:
+        inputs = batches.inputs_of(batch)
+        rows = batches.rows(batch)
         if self.eval_schedule is None:  # every evaluation batch takes the first one's shape
             micro = self.cfg.microbatches
             self.eval_rows = math.ceil(rows / micro) * micro
             self.eval_schedule = self._schedule("gpipe", None)
-        if rows < self.eval_rows:  # pad with copies of the first sample, dropped below
-            inputs = torch.cat([inputs, inputs[:1].expand(self.eval_rows - rows,
-                                                          *inputs.shape[1:])])
-        output = self.eval_schedule.eval(*((inputs,) if self.is_first else ()))
+        # pad with copies of the first sample, dropped below
+        inputs = batches.pad_rows(inputs, self.eval_rows)
+        output = self.eval_schedule.eval(*self.first_args(inputs), **self.first_kwargs(inputs))
         return output[:rows] if self.is_last else None
 
     def grad_norm(self, model: nn.Module) -> torch.Tensor:
