@@ -52,3 +52,89 @@ class WaveStream(torch.utils.data.IterableDataset):
 class SizedWaveStream(WaveStream):
     def __len__(self) -> int:
         return len(self.samples)
+
+
+class NextTokenModel(nn.Module):
+    """A language model written as nanoGPT writes its model: forward(idx, targets=None)
+    returns (logits, loss), its loss computed only when given the targets (ignore_index -1),
+    and only the last position's logits without them."""
+
+    def __init__(self, vocab_size: int = 256, width: int = 32):
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, width)
+        self.mix = nn.Linear(width, width)
+        self.head = nn.Linear(width, vocab_size)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        logits = self.head(torch.tanh(self.mix(self.embed(idx))))
+        if targets is None:
+            return logits[:, [-1], :], None
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1),
+                               ignore_index=-1)
+        return logits, loss
+
+
+class DictScorer(nn.Module):
+    """A model whose forward takes named inputs (a dict batch's keys) and returns a dict."""
+
+    def __init__(self, in_features: int = 8):
+        super().__init__()
+        self.net = nn.Linear(in_features, 1)
+
+    def forward(self, features: torch.Tensor, labels: torch.Tensor | None = None):
+        prediction = self.net(features)
+        out = {"prediction": prediction}
+        if labels is not None:
+            out["loss"] = F.mse_loss(prediction, labels)
+        return out
+
+
+class DictWaves(torch.utils.data.Dataset):
+    """The example's regression samples as dicts: {"features", "labels"}."""
+
+    def __init__(self, size: int = 512, seed: int = 0):
+        from own_model.data import Waves
+
+        self.samples = Waves(size, seed=seed)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        features, target = self.samples[index]
+        return {"features": features, "labels": target}
+
+
+class HalfIgnored(torch.utils.data.Dataset):
+    """Verses (the transformers example's dict samples) whose even samples have every label
+    ignored (-100): a batch of one such sample has nothing to learn from."""
+
+    def __init__(self, size: int = 16, seq_len: int = 32):
+        from hf_llama.data import Verses
+
+        self.verses = Verses(seq_len=seq_len, size=size)
+
+    def __len__(self) -> int:
+        return len(self.verses)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        sample = dict(self.verses[index])
+        if index % 2 == 0:
+            sample["labels"] = torch.full_like(sample["labels"], -100)
+        return sample
+
+
+def prediction_mse(output: dict, targets: torch.Tensor) -> torch.Tensor:
+    """A user's loss that reads the model's output as the model returns it (a dict)."""
+    return F.mse_loss(output["prediction"], targets)
+
+
+class TakesTargetsReturnsScores(nn.Module):
+    """A forward that takes the targets but returns no loss with them."""
+
+    def __init__(self, in_features: int = 8):
+        super().__init__()
+        self.net = nn.Linear(in_features, 1)
+
+    def forward(self, inputs: torch.Tensor, targets: torch.Tensor | None = None):
+        return self.net(inputs)

@@ -8,7 +8,7 @@ rest (norms, activations, dropout, adds). Each stage is wrapped with torch's
 checkpoint_wrapper, whose state_dict hooks keep the parameter names of checkpoints as they
 are, before compile and before any parallel wrapper (fsdp shards the wrapped stage).
 The stages: parallel.stages where given, else the model's checkpoint_stages() (gpt: its
-transformer blocks, as torchtitan), else its stages.
+transformer blocks, as torchtitan), else its stages, else a transformers model's blocks.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def units(model: nn.Module, names: list[str] | None) -> list[nn.Module] | None:
     own = getattr(model, "checkpoint_stages", None)
     if not names and callable(own):
         return list(own())
-    return stages_of.find(model, names)
+    return stages_of.units(model, names)
 
 
 def stages_problem(cfg) -> str | None:

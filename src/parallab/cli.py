@@ -101,7 +101,7 @@ def typed_config(dict_cfg: DictConfig, overrides: list[str]):
                     raise validate.ConfigError(f"{override}: {where} has no key {part!r} ({hint})"
                                                ": a + override adds a key only where the config "
                                                "takes any (model, data, loss, metrics)")
-            if not isinstance(node, DictConfig) or part not in node:
+            if not isinstance(node, DictConfig) or node._is_none() or part not in node:
                 break
             node = node[part]
     return OmegaConf.to_object(dict_cfg)

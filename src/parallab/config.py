@@ -123,6 +123,11 @@ class MeshConfig(ParallelConfig):
     dp_replicate: Optional[int] = None  # model replicas; gradients all-reduced across them
     dp_shard: Optional[int] = 1  # ranks each replica is sharded over (FSDP2)
     tp: Optional[int] = 1  # ranks each layer is split over (tensor parallel)
+    # module pattern -> colwise | rowwise | ... (`*`: one name of a path, e.g.
+    # model.layers.*.mlp.up_proj); null = the model's own plan (gpt's tp_plan(), a
+    # transformers config's base_model_tp_plan). Any: a mapping given whole on the command
+    # line (Hydra merges into an Optional dict that is null only with ++)
+    tp_plan: Any = None
     # tp > 1: the activations between the split layers cut along the sequence too (the
     # model's tp_plan(sequence_parallel=True); gpt has one)
     sequence_parallel: bool = False
@@ -152,6 +157,7 @@ class PipelineConfig(ParallelConfig):
     dp_shard: int = 1  # > 1: each part sharded by FSDP2 over this many pipelines
     pp: Optional[int] = None  # parts of one pipeline; null = world_size / (dp_replicate x tp)
     tp: int = 1  # ranks each part is split over by the model's tensor-parallel plan
+    tp_plan: Any = None  # as the mesh's: null = the model's own
     sequence_parallel: bool = False  # tp > 1: activations cut along the sequence too
 
 

@@ -80,6 +80,7 @@ class Trainer:
         # each step's loss since the last log, summed there (an add per step costs more)
         self.window_losses: list[torch.Tensor] = []
         self.window_skipped = 0
+        self.window_empty = 0  # of those, steps whose labels were all ignored
         self.epoch_loss = 0.0
         self.epoch_steps = 0
         self.last_train_loss = math.nan
@@ -171,6 +172,7 @@ class Trainer:
         optimizer does not step."""
         self.skipped_steps += 1
         self.window_skipped += 1
+        self.window_empty += 1
         if self.dist.is_main:
             log.warning("step %d: no label of its global batch counts (all are -100): the "
                         "step is skipped", self.step + 1)
@@ -356,10 +358,7 @@ class Trainer:
         loss_sum, stops, tokens = self.dist.all_reduce_sum(shared).tolist()
         self.window_tokens.clear()
         self.stop_agreed = self.stop_agreed or stops > 0
-        counted = (steps - self.window_skipped) * self.strategy.loss_ranks
-        loss = loss_sum / counted if counted else math.nan
-        if not math.isfinite(loss) and self.cfg.on_nan == "stop":
-            self.diverged(loss)
+        loss = self.window_mean(loss_sum, steps)
         step_time = sum(self.step_times[-steps:]) / steps
         samples_per_sec = self.global_batch_size / step_time
         window_tokens = None
@@ -367,7 +366,7 @@ class Trainer:
             window_tokens = tokens / self.readers / (self.global_batch_size * steps)
             self.tokens_per_sample = window_tokens
         self.logger.scalars({
-            "train/loss": loss,
+            **({"train/loss": loss} if loss is not None else {}),
             "train/lr": self.optimizer.param_groups[0]["lr"],
             "train/samples_per_sec": samples_per_sec,
             "train/step_time_ms": step_time * 1e3,
@@ -378,14 +377,27 @@ class Trainer:
                                                              window_tokens).items()},
         }, self.step)
         if progress is not None:
+            shown = "-" if loss is None else f"{loss:.4f}"
             progress.line(f"epoch {self.epoch + 1} step {self.step}/{self.total_steps} "
-                      f"loss {loss:.4f} {samples_per_sec:,.0f} samples/s",
-                      loss=f"{loss:.4f}", epoch=str(self.epoch + 1))
-        if math.isfinite(loss):
+                          f"loss {shown} {samples_per_sec:,.0f} samples/s",
+                          loss=shown, epoch=str(self.epoch + 1))
+        if loss is not None and math.isfinite(loss):
             self.epoch_loss += loss * (steps - self.window_skipped)
             self.epoch_steps += steps - self.window_skipped
         self.window_losses.clear()
-        self.window_skipped = 0
+        self.window_skipped = self.window_empty = 0
+
+    def window_mean(self, loss_sum: float, steps: int) -> float | None:
+        """The mean train loss of the window's trained steps over all ranks; None where
+        every step had nothing to learn from (all labels ignored); Diverged where it is not
+        finite under on_nan=stop."""
+        counted = (steps - self.window_skipped) * self.strategy.loss_ranks
+        if not counted and self.window_empty == steps:
+            return None
+        loss = loss_sum / counted if counted else math.nan
+        if not math.isfinite(loss) and self.cfg.on_nan == "stop":
+            self.diverged(loss)
+        return loss
 
     @property
     def global_batch_size(self) -> int:

@@ -95,7 +95,12 @@ class Probe:
             raise ConfigError(f"model._target_={cfg.model[targets.TARGET]} returned "
                               f"{type(model).__name__}, not a torch.nn.Module: return the "
                               "Module")
-        self.model, self.batch = model.eval(), one_batch(cfg)
+        from parallab.models import hf
+
+        problem = hf.vocab_problem(model, cfg.data)
+        if problem:
+            raise ConfigError(problem)
+        self.model, self.batch = hf.for_training(model).eval(), one_batch(cfg)
         refuse_keys(model, self.batch)
 
 
@@ -150,6 +155,12 @@ def run(cfg, strategy, probe: Probe | None = None) -> list[nn.Module] | None:
 def _loss_of(model: nn.Module, loss: Objective, batch: Any):
     """The batch's mean loss; ConfigError naming the part at fault."""
     labels = batches.labels_of(batch)
+    if loss.from_model and batches.is_pair(batch) and not batches.takes_targets(model):
+        names = ", ".join(batches.parameters(model)[0]) or "nothing"
+        raise ConfigError(f"loss=model gives the forward the targets, but "
+                          f"{type(model).__name__}.forward takes {names} alone: use a loss of "
+                          "its output (loss=cross_entropy, mse, ...), or let the forward take "
+                          "the targets and return its loss")
     count = loss.count(labels) if labels is not None or loss.from_model else 1
     count = count.clamp(min=1) if isinstance(count, torch.Tensor) else max(count, 1)
     try:

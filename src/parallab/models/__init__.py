@@ -20,11 +20,13 @@ KEY = "model"
 
 
 def build_model(spec: dict[str, Any]) -> nn.Module:
+    from parallab.models import hf
+
     model = targets.build(spec)
     if not isinstance(model, nn.Module):
         raise TypeError(f"model._target_={spec.get(targets.TARGET)} returned "
                         f"{type(model).__name__}, not a torch.nn.Module")
-    return model
+    return hf.for_training(model)
 
 
 def check(spec: dict[str, Any], data) -> dict[str, Any]:

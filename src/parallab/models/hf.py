@@ -24,6 +24,15 @@ def is_transformers(model: nn.Module) -> bool:
     return isinstance(model, PreTrainedModel)
 
 
+def for_training(model: nn.Module) -> nn.Module:
+    """A transformers model as a training run uses it: no key-value cache (a forward would
+    build one it never reads again, and activation checkpointing's recompute would append
+    to it a second time, as transformers' own gradient checkpointing also turns it off)."""
+    if is_transformers(model) and getattr(model.config, "use_cache", False):
+        model.config.use_cache = False
+    return model
+
+
 def shifts_labels(model: nn.Module) -> bool:
     """Its loss compares the output at position t with the label at t + 1 (a decoder-only
     causal LM), so position 0's label is never a term: transformers' Trainer counts the same."""
@@ -31,8 +40,11 @@ def shifts_labels(model: nn.Module) -> bool:
         return False
     from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
 
-    causal = LOSS_MAPPING.get(getattr(model, "loss_type", None)) is ForCausalLMLoss
-    return causal and not getattr(model.config, "is_encoder_decoder", False)
+    # the loss transformers uses: its class's kind, or a causal LM's where it names none
+    # (GPT2LMHeadModel), as PreTrainedModel.loss_function picks it
+    kind = getattr(model, "loss_type", None)
+    loss = LOSS_MAPPING[kind] if kind in LOSS_MAPPING else ForCausalLMLoss
+    return loss is ForCausalLMLoss and not getattr(model.config, "is_encoder_decoder", False)
 
 
 def blocks(model: nn.Module) -> list[nn.Module] | None:
@@ -65,6 +77,16 @@ def heads_problem(model: nn.Module, tp: int) -> str | None:
         if isinstance(heads, int) and heads % tp:
             return (f"parallel.tp={tp} does not divide the model's {key}={heads}: each rank "
                     "computes whole heads; pick a tp that divides it")
+    return None
+
+
+def vocab_problem(model: nn.Module, data) -> str | None:
+    """A transformers model whose vocabulary is smaller than the data's tokenizer's."""
+    config = getattr(model, "config", None)
+    have, need = getattr(config, "vocab_size", None), getattr(data, "vocab_size", None)
+    if isinstance(have, int) and isinstance(need, int) and have < need:
+        return (f"model.config.vocab_size={have} is smaller than the {need} tokens of "
+                f"data={data.name}'s tokenizer: set model.config.vocab_size={need}")
     return None
 
 

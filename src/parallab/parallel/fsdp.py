@@ -1,5 +1,5 @@
 """FSDP2 (fully_shard), used by the mesh layouts (fsdp, hsdp, fsdp_tp) and the pipeline's
-parts: every stage with trainable parameters, then the root (which takes what is left, a
+parts: every stage with trainable parameters (or a transformers model's blocks), then the root (which takes what is left, a
 frozen backbone included), sharded over the ranks.
 
 Parameters, gradients and optimizer state are split across the shard group's ranks (each
@@ -10,6 +10,7 @@ unless parallel.reshard_after_forward=false keeps them gathered until backward.
 from __future__ import annotations
 
 import logging
+import warnings
 
 import torch
 from torch import nn
@@ -26,9 +27,14 @@ def shard(model: nn.Module, mesh, cfg, dtype: torch.dtype, is_main: bool,
     x shard, HSDP)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    # FSDP2 warns at every forward whose output is a view (transformers' logits are a slice
+    # of the head's output) that an in-place op on it would skip its hook: parallab reads
+    # outputs out of place only
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+
     # compute in the precision group's dtype, reduce gradients in float32
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-    stages = stages_of.find(model, cfg.stages)
+    stages = stages_of.units(model, cfg.stages)
     if stages is None and is_main:
         log.info("parallel=%s: the model declares no stages, so it is sharded as one unit "
                  "(every parameter gathered at once); set parallel.stages to shard its "

@@ -3,8 +3,8 @@ tp innermost so a tensor-parallel group sits on neighbouring ranks: one node's G
 pipeline adds pp before tp (parallel/pipeline.py).
 
 The model is first split by tensor parallelism over the `tp` dimension
-(torch.distributed.tensor.parallel.parallelize_module with the plan the model declares in
-tp_plan()), then sharded with FSDP2 over the data-parallel dimensions: over dp_shard
+(torch.distributed.tensor.parallel.parallelize_module with its plan: parallel.tp_plan, the
+model's tp_plan(), or a transformers model's own; plans.py), then sharded with FSDP2 over the data-parallel dimensions: over dp_shard
 alone, or replicate x shard (HSDP: sharded within a group, gradients all-reduced across the
 groups). Replicas alone (dp_shard = tp = 1) are DistributedDataParallel's, whose bucketed
 all-reduce overlaps the backward (torchtitan does the same). Presets, each a setting of the
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import inspect
 import logging
 import math
 from typing import Iterator
@@ -27,6 +26,8 @@ from torch import nn
 
 from parallab.distributed import Dist
 from parallab.errors import ConfigError
+from parallab.models import hf
+from parallab.parallel import plans
 from parallab.parallel.base import ShardedStrategy
 from parallab.parallel.fsdp import norm_squares, shard
 
@@ -56,21 +57,25 @@ def resolve_degrees(p, keys: tuple[str, ...] = DEGREES) -> None:
                           "size")
 
 
-def tp_problem(model: nn.Module, tp: int) -> str | None:
-    """None if `model` (built on meta) declares a tensor-parallel plan whose split sizes
-    divide by `tp`, else one line."""
+def tp_problem(model: nn.Module, tp: int, given: dict[str, str] | None = None) -> str | None:
+    """None if `model` (built on meta) has a tensor-parallel plan (plans.py) whose split
+    sizes and attention heads divide by `tp`, else one line."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    plan_of = getattr(model, "tp_plan", None)
-    if not callable(plan_of):
+    if plans.source(model, given) is None:
         return (f"parallel.tp={tp}: {type(model).__name__} declares no tensor-parallel plan "
-                "(a tp_plan() method, as gpt and mlp have): use parallel.tp=1, or "
-                "parallel=fsdp or ddp")
+                "(a tp_plan() method as gpt and mlp have, or a transformers config's "
+                "base_model_tp_plan): give one as parallel.tp_plan='{q_proj: colwise, "
+                "o_proj: rowwise}', use parallel.tp=1, or parallel=fsdp or ddp")
     own = getattr(model, "tp_problem", None)
-    problem = own(tp) if callable(own) else None
+    problem = (own(tp) if callable(own) else None) or hf.heads_problem(model, tp)
     if problem:
         return problem
-    for name, style in plan_of().items():
+    try:
+        plan = plans.plan_of(model, given)
+    except plans.PlanError as error:
+        return str(error)
+    for name, style in plan.items():
         module = model.get_submodule(name)
         dim = {ColwiseParallel: "out_features", RowwiseParallel: "in_features"}.get(type(style))
         if isinstance(module, nn.Embedding):
@@ -79,15 +84,20 @@ def tp_problem(model: nn.Module, tp: int) -> str | None:
         if size is not None and size % tp:
             return (f"parallel.tp={tp} does not divide {name}.{dim}={size}: pick a tp that "
                     "divides the model's widths")
+        if dim and not isinstance(module, (nn.Linear, nn.Embedding)):
+            return (f"the tensor-parallel plan splits {name}, a {type(module).__name__}: only "
+                    "nn.Linear and nn.Embedding split by columns or rows; leave it out of "
+                    "parallel.tp_plan")
     return None
 
 
-def sp_problem(model: nn.Module, data, tp: int) -> str | None:
+def sp_problem(model: nn.Module, data, tp: int, given: dict[str, str] | None = None
+               ) -> str | None:
     """None if `model` has a sequence-parallel plan and data's sequences split over `tp`."""
-    plan_of = model.tp_plan
-    if "sequence_parallel" not in inspect.signature(plan_of).parameters:
-        return (f"parallel.sequence_parallel=true: {type(model).__name__}.tp_plan() takes no "
-                "sequence_parallel argument (gpt's does): set it false, or give the plan one")
+    if not plans.takes_sequence_parallel(model, given):
+        return (f"parallel.sequence_parallel=true: the plan of {type(model).__name__} "
+                f"({plans.source(model, given)}) takes no sequence_parallel argument (gpt's "
+                "tp_plan() does): set it false")
     seq_len = getattr(data, "seq_len", None)
     if seq_len is not None and seq_len % tp:
         return (f"parallel.sequence_parallel=true cuts each sequence over parallel.tp={tp} "
@@ -99,12 +109,17 @@ def sp_problem(model: nn.Module, data, tp: int) -> str | None:
 def refuse_tp(cfg, tp: int, sequence_parallel: bool = False) -> None:
     """ConfigError where tp > 1 and the model (built on meta) has no plan that splits over
     `tp` ranks, or no sequence-parallel one where asked."""
+    given = getattr(cfg.parallel, "tp_plan", None) or None
     if tp == 1:
+        if given:
+            raise ConfigError(f"parallel.tp_plan is set but parallel.tp=1 splits nothing: "
+                              "set parallel.tp > 1 (or drop the plan)")
         return
     from parallab.trial import model_on_meta
 
     model = model_on_meta(cfg)
-    problem = tp_problem(model, tp) or sequence_parallel and sp_problem(model, cfg.data, tp)
+    problem = tp_problem(model, tp, given) or sequence_parallel and sp_problem(
+        model, cfg.data, tp, given)
     if problem:
         raise ConfigError(problem)
 
@@ -197,11 +212,10 @@ class MeshStrategy(ShardedStrategy):
             self.dist.device.type, tuple(getattr(p, d) for d in self.dims),
             mesh_dim_names=self.dims)
         model = self.on_device(self.part(model))
-        if p.tp > 1:  # a plan without sequence parallelism need not know the argument
+        if p.tp > 1:
             from torch.distributed.tensor.parallel import parallelize_module
 
-            plan = (model.tp_plan(sequence_parallel=True) if p.sequence_parallel
-                    else model.tp_plan())
+            plan = plans.plan_of(model, p.tp_plan or None, p.sequence_parallel)
             parallelize_module(model, self.mesh["tp"], self.part_plan(model, plan))
         if self.dist.is_main:
             log.info("parallel=%s: mesh %s%s", p.name,

@@ -73,13 +73,13 @@ class PipelineStrategy(MeshStrategy):
 
     @classmethod
     def check(cls, cfg, stages=None) -> None:
+        super().check(cfg)  # the degrees, the tp plan
+        p = cfg.parallel
+        check_parts(cfg, stages, p.pp)
         if from_model(cfg.loss):
             raise ConfigError("loss=model with parallel=pipeline: the last stage computes the "
                               "loss from the output, which a model returning its own loss does "
                               "not give: use a loss of output and targets")
-        super().check(cfg)  # the degrees, the tp plan
-        p = cfg.parallel
-        check_parts(cfg, stages, p.pp)
         if p.schedule not in SCHEDULES:
             raise ConfigError(f"parallel.schedule={p.schedule} is unknown: use "
                               f"parallel.schedule={' or '.join(SCHEDULES)}")

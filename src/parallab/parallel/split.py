@@ -53,7 +53,8 @@ def check_parts(cfg, stages: list[nn.Module] | None, parts: int | None = None) -
         raise ConfigError(f"parallel={p.name} cuts the model into parts at its stages, and "
                           "this model declares none: set parallel.stages to its submodules in "
                           "forward order (e.g. parallel.stages='[embed,\"blocks.*\",head]'), "
-                          "or give it a stages() method")
+                          "give it a stages() method, or use parallel=ddp, fsdp, tp or "
+                          "fsdp_tp, which need no cut")
     # the keys that set the number of parts: the world size over the other degrees
     others = [f"parallel.{k}={getattr(p, k)}" for k in ("dp_replicate", "dp_shard", "tp")
               if (getattr(p, k, None) or 1) > 1]

@@ -44,6 +44,15 @@ def find(model: nn.Module, names: list[str] | None = None) -> list[nn.Module] | 
     return None
 
 
+def units(model: nn.Module, names: list[str] | None = None) -> list[nn.Module] | None:
+    """The modules fsdp shards and activation checkpointing wraps one by one: the stages,
+    else a transformers model's blocks (the classes its _no_split_modules names), which need
+    not chain into the forward."""
+    from parallab.models import hf
+
+    return find(model, names) or hf.blocks(model)
+
+
 def source(model: nn.Module, names: list[str] | None) -> str:
     """Where find() takes the stages from, for messages."""
     if names:

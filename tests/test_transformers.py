@@ -1,0 +1,194 @@
+"""Transformers models as they are written, tiny and built from their config (nothing is
+downloaded): the example project's Llama (4 heads, 2 key-value heads) and GPT-2 (tied
+embeddings) on dict samples with padded labels, under the layouts against one device; their
+own plans read (blocks, tensor-parallel plan, FLOPs); text files through the datasets
+library with a tokenizer trained here. The example from the installed wheel: test_install."""
+
+from __future__ import annotations
+
+import re
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO, losses
+from parallab.cli import train_in_process
+from parallab.errors import ConfigError
+
+LLAMA = REPO / "examples" / "hf_llama"
+CONF = LLAMA / "conf"
+BASE = ["experiment=llama", "device=cpu", "trainer.max_steps=20", "trainer.log_every_n_steps=1"]
+RUN = [*BASE, "data.train.size=320", "data.eval.size=64"]
+
+
+@pytest.fixture(autouse=True)
+def project_on_path(monkeypatch):
+    monkeypatch.syspath_prepend(str(LLAMA))
+
+
+def train(run_dir, *overrides: str, base: list[str] = RUN) -> dict:
+    return train_in_process([*base, *overrides], run_dir, CONF)
+
+
+def built(name: str):
+    """The example's model `name` (my_llama, my_gpt2), built as a run builds it."""
+    from parallab.cli import compose
+    from parallab.models import build_model
+
+    from omegaconf import OmegaConf
+
+    cfg = compose([*RUN, f"model={name}"], CONF)
+    return build_model(OmegaConf.to_container(cfg.model))
+
+
+LAYOUTS = {
+    # ranks read padded verses of different lengths: the mean over the step's valid labels
+    "llama-ddp2": ["parallel=ddp", "parallel.world_size=2", "data.batch_size=8"],
+    # its own plan (base_model_tp_plan) inside FSDP2, its decoder layers recomputed
+    "llama-fsdp_tp2x2-ac_full": ["parallel=fsdp_tp", "parallel.world_size=4", "parallel.tp=2",
+                                 "data.batch_size=8", "trainer.activation_checkpointing=full"],
+    # GPT2Block units; the tied embedding and head stay in the root's unit
+    "gpt2-fsdp2-ac_selective": ["model=my_gpt2", "parallel=fsdp", "parallel.world_size=2",
+                                "data.batch_size=8",
+                                "trainer.activation_checkpointing=selective"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", LAYOUTS)
+def test_a_transformers_model_trains_under_a_layout_as_on_one_device(case, tmp_path):
+    layout = LAYOUTS[case]
+    model = [o for o in layout if o.startswith("model=")]
+    one = train(tmp_path / "one", *model, "data.batch_size=16")
+    many = train(tmp_path / "many", *layout)
+    assert losses(tmp_path / "many") == pytest.approx(losses(tmp_path / "one"), abs=1e-3)
+    assert len(losses(tmp_path / "one")) == 20
+    assert many["eval_loss"] == pytest.approx(one["eval_loss"], abs=1e-3)
+    assert many["tokens_per_sec"] > 0 and "eval_accuracy" not in many
+
+
+def test_its_own_plans_are_read():
+    from parallab.models import hf
+    from parallab.parallel import plans
+
+    llama, gpt2 = built("my_llama"), built("my_gpt2")
+    assert [type(b).__name__ for b in hf.blocks(llama)] == ["LlamaDecoderLayer"] * 2
+    assert hf.shifts_labels(llama) and hf.shifts_labels(gpt2)
+    assert not llama.config.use_cache  # built for training
+    plan = plans.plan_of(llama, None)
+    assert {n for n in plan if n.startswith("model.layers.1.")} == {
+        f"model.layers.1.{m}" for m in ("self_attn.q_proj", "self_attn.k_proj",
+                                        "self_attn.v_proj", "self_attn.o_proj",
+                                        "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
+    assert "lm_head" in plan and "model.embed_tokens" in plan
+    given = plans.plan_of(llama, {"model.layers.*.mlp.up_proj": "colwise",
+                                  "model.layers.*.mlp.down_proj": "rowwise"})
+    assert sorted(given) == ["model.layers.0.mlp.down_proj", "model.layers.0.mlp.up_proj",
+                             "model.layers.1.mlp.down_proj", "model.layers.1.mlp.up_proj"]
+    with pytest.raises(plans.PlanError, match="names layers.*.mlp.nope, which matches no"):
+        plans.plan_of(llama, {"layers.*.mlp.nope": "colwise"})
+    with pytest.raises(plans.PlanError, match="is not a style parallab splits by"):
+        plans.plan_of(llama, {"lm_head": "diagonal"})
+    assert plans.source(gpt2, None) is None
+
+
+def test_flops_per_token_follow_the_config():
+    from parallab import mfu
+
+    llama = built("my_llama")
+    c = llama.config
+    embedding = c.vocab_size * c.hidden_size  # looked up, not multiplied (untied head)
+    weights = sum(p.numel() for p in llama.parameters()) - embedding
+    expected = 6 * weights + 12 * c.num_hidden_layers * 64 * c.hidden_size
+    assert mfu.flops_per_token(llama, 64) == expected
+    gpt2 = built("my_gpt2")  # tied: the shared matrix is multiplied by the head
+    positions = gpt2.config.n_positions * gpt2.config.n_embd
+    assert mfu.flops_per_token(gpt2, 64) == 6 * (sum(
+        p.numel() for p in gpt2.parameters()) - positions) + 12 * 2 * 64 * 64
+
+
+BAD = [
+    (["parallel=tp", "parallel.world_size=2", "model=my_gpt2"],
+     "parallel.tp=2: GPT2LMHeadModel declares no tensor-parallel plan"),
+    (["parallel=tp", "parallel.world_size=3"],
+     "parallel.tp=3 does not divide the model's num_attention_heads=4"),
+    (["parallel=tp", "parallel.world_size=2", "parallel.tp_plan={model.layers.*.nope: colwise}"],
+     "parallel.tp_plan names model.layers.*.nope, which matches no module"),
+    (["parallel=tp", "parallel.world_size=2", "model=my_gpt2",
+      "parallel.tp_plan={transformer.h.*.mlp.c_fc: colwise}"],
+     "the tensor-parallel plan splits transformer.h.0.mlp.c_fc, a Conv1D"),
+    (["parallel=tp", "parallel.world_size=2", "parallel.sequence_parallel=true"],
+     "parallel.sequence_parallel=true: the plan of LlamaForCausalLM"),
+    (["parallel=pipeline", "parallel.world_size=2"],
+     "parallel=pipeline cuts the model into parts at its stages, and this model declares none"),
+    (["model.config.vocab_size=100"], "model: its forward fails on a batch of the data"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", BAD, ids=[" ".join(o) for o, _ in BAD])
+def test_bad_input_for_a_transformers_model_is_one_line(overrides, message, tmp_path):
+    with pytest.raises(ConfigError) as error:
+        train(tmp_path, *overrides)
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_transformers_model_without_transformers_names_the_extra(monkeypatch, tmp_path):
+    for name in [m for m in sys.modules if m == "transformers" or m.startswith("transformers.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "transformers", None)  # as if not installed
+    with pytest.raises(ConfigError, match=r'needs transformers, which is not installed: pip '
+                                          r'install "parallab\[hf\]"'):
+        train(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    """A byte-level BPE tokenizer of 512 tokens trained here on the shipped text (offline),
+    saved as a folder AutoTokenizer reads."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from parallab.data.bytetext import DEFAULT_TEXT
+
+    text = DEFAULT_TEXT.read_text(encoding="utf-8")[:200_000]
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator([text], trainers.BpeTrainer(
+        vocab_size=512, special_tokens=["<unk>", "<eos>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    folder = tmp_path_factory.mktemp("tokenizer")
+    PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="<unk>",
+                            eos_token="<eos>").save_pretrained(folder)
+    corpus = folder / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text(text[:60_000], encoding="utf-8")
+    (corpus / "b.txt").write_text(text[60_000:120_000], encoding="utf-8")
+    return folder
+
+
+def test_text_files_are_tokenized_and_packed(tokenizer, tmp_path):
+    from parallab.data.hf_text import HFText
+
+    data = HFText(files=str(tokenizer / "corpus" / "*.txt"), tokenizer=str(tokenizer),
+                  seq_len=64)
+    assert data.problem() is None and data.vocab_size == 512
+    train_set, eval_set = data.make(0)
+    sample = train_set[0]
+    assert set(sample) == {"input_ids", "labels"} and sample["input_ids"].shape == (64,)
+    assert torch.equal(sample["labels"], sample["input_ids"])
+    assert 0.03 < len(eval_set) / (len(train_set) + len(eval_set)) < 0.07  # eval_fraction
+    text = ["data=hf_text", f"data.files={tokenizer}/corpus/*.txt", f"data.tokenizer={tokenizer}",
+            "data.seq_len=64"]
+    metrics = train(tmp_path, *text, "model.config.vocab_size=512", "trainer.max_steps=8",
+                    base=BASE)
+    assert metrics["steps"] == 8 and metrics["tokens_per_sec"] > 0
+    for overrides, message in (
+            ([f"data.tokenizer={tokenizer}/nope"], "is not a folder"),
+            (["data.files=/nowhere/*.txt"], "data.files=/nowhere/*.txt: no file matches"),
+            (["model.config.vocab_size=256"], "model.config.vocab_size=256 is smaller than "
+                                              "the 512 tokens")):
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            train(tmp_path / "bad", *text, "model.config.vocab_size=512", *overrides, base=BASE)
