@@ -12,6 +12,13 @@ Prints seconds per epoch, eval accuracy, and the ratios c/b and a/c. This machin
 and noisy (the same epoch varies by 10% from run to run), so c/b is also given as the median
 over back-to-back (b, c) pairs, run in alternating order, which cancels slow drifts.
 
+Those three run in separate processes, whose speed on this shared machine differs by more
+than the framework's cost. So the per-step figure that decides is measured in one process:
+  (b') hand and (c') parallab's Trainer (built as train.py builds it, running its own epoch
+       loop with every per-step check, counter and log) take turns on the same in-memory
+       split: after each of the Trainer's log windows (50 steps), 50 steps of the hand loop;
+       3 epochs, the median of the turns' ratios is c'/b'.
+
 Then the same for a user's model given by _target_ (examples/own_model: ResMLP on its Waves
 Dataset, Adam, MSE, batch 32, 1,024 steps):
   (d) hand:      the loop its user would write: DataLoader(Waves, shuffle=True), Adam, MSE
@@ -203,6 +210,72 @@ def own_model(repeats: int, work: Path) -> None:
               f"{step[name] / step['hand']:.3f} per step (median) (target <= 1.02)")
 
 
+TURN = 50  # steps per turn: one log window of the default trainer.log_every_n_steps
+
+
+def interleaved(epochs: int = 3, probe: bool = False) -> None:
+    """(b') vs (c') in this process: the Trainer's own epochs, and after each of its log
+    windows (TURN steps) TURN steps of the hand loop, each turn timed. `probe`: both on a
+    model with next to no compute (one Linear layer), so that the difference per step is
+    the trainer's own cost in microseconds."""
+    import torch
+    import torch.nn.functional as F
+
+    from parallab import distributed, validate
+    from parallab.cli import compose, typed_config
+    from parallab.logger import RunLogger
+    from parallab.models import build_model
+    from parallab.preemption import Preemption
+    from parallab.progress import Progress
+    from parallab.run import build_trainer
+
+    overrides = ["device=cpu", f"trainer.epochs={epochs}",
+                 *(["model=mlp", "model.hidden=[]"] if probe else [])]
+    cfg = validate.prepare(typed_config(compose(overrides), overrides), None)
+    dist = distributed.setup("cpu", None, 60.0, None)
+    trainer, _ = build_trainer(cfg, dist, RunLogger(str(scratch_dir("parallab-bench-in-")),
+                                                    active=True), None, Preemption())
+    loader = trainer.data.train
+    images, labels = loader.source.prepare(loader.inputs), loader.targets  # normalised once
+    torch.manual_seed(42)
+    model = build_model(cfg.model) if probe else seed_net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.5)
+    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(42)).split(64)
+    turns: list[tuple[float, float]] = []  # (parallab, hand) ms/step
+    mark = {"time": time.perf_counter(), "step": 0, "turn": 0}
+    log_window = trainer.log_window
+
+    def hand_after(progress) -> None:  # the trainer's log step, then a turn of the hand loop
+        log_window(progress)
+        start = time.perf_counter()
+        parallab = (start - mark["time"]) / (trainer.step - mark["step"]) * 1e3
+        for batch in order[mark["turn"] * TURN % (len(order) - TURN):][:TURN]:
+            optimizer.zero_grad()
+            F.cross_entropy(model(images[batch]), labels[batch]).backward()
+            optimizer.step()
+        mark.update(time=time.perf_counter(), step=trainer.step, turn=mark["turn"] + 1)
+        turns.append((parallab, (mark["time"] - start) / TURN * 1e3))
+
+    trainer.log_window = hand_after
+    with Progress(trainer.total_steps, True, False) as progress:
+        for trainer.epoch in range(epochs):  # fit()'s epochs, without its evaluations
+            trainer.epoch_step = 0
+            mark.update(time=time.perf_counter(), step=trainer.step)
+            trainer.train_epoch(progress)
+    turns = turns[2:]  # warm-up
+    hand, parallab = (statistics.median(t[i] for t in turns) for i in (1, 0))
+    if probe:
+        extra = statistics.median(p - h for p, h in turns) * 1e3
+        print(f"probe (one Linear layer), {len(turns)} turns: hand {hand * 1e3:.0f} us/step, "
+              f"parallab {parallab * 1e3:.0f} us/step (medians): the trainer's own cost "
+              f"{extra:.0f} us/step (median of the turns' differences)")
+        return
+    ratio = statistics.median(p / h for p, h in turns)
+    print(f"\nin one process, {len(turns)} turns: hand {hand:.3f} ms/step, parallab "
+          f"{parallab:.3f} ms/step (medians); c'/b' = {ratio:.3f} (median of the turns' "
+          "ratios) (target <= 1.02)")
+
+
 def in_subprocess(variant: str, arg: str) -> dict:
     result = subprocess.run([sys.executable, __file__, "--variant", variant, "--arg", arg],
                             check=True, capture_output=True, text=True)
@@ -222,6 +295,8 @@ def main() -> None:
         return
     if args.only != "own":
         seed_cnn(args.repeats)
+        interleaved()
+        interleaved(probe=True)
     if args.only != "seed":
         own_model(args.repeats, scratch_dir("parallab-bench-own-"))
 

@@ -58,9 +58,13 @@ class Objective:
 
     def step_loss(self, model: nn.Module, batch: Any, items) -> tuple[Any, torch.Tensor]:
         """The model's output on `batch` and the batch's share of the step's loss: the sum
-        of its terms / `items` (in evaluation, the batch's own count: its mean)."""
+        of its terms / `items` (in evaluation, the batch's own count: its mean); items None:
+        the batch's own mean."""
         output = batches.call(model, batch, with_targets=False)
-        return output, self.total(self.scored(output), batches.labels_of(batch)) / items
+        scored, labels = self.scored(output), batches.labels_of(batch)
+        if items is None:
+            return output, self(scored, labels)
+        return output, self.total(scored, labels) / items
 
 
 class OutputError(TypeError):
@@ -171,10 +175,12 @@ class FromModel(Objective):
         return batches.valid(targets[..., 1:] if self.shifts else targets).sum()
 
     def step_loss(self, model: nn.Module, batch: Any, items) -> tuple[Any, torch.Tensor]:
-        if self.takes_items:
+        if self.takes_items and items is not None:
             output = batches.call(model, batch, with_targets=True, num_items_in_batch=items)
             return output, self(output)
         output = batches.call(model, batch, with_targets=True)
+        if items is None:
+            return output, self(output)
         return output, self(output) * self.count(batches.labels_of(batch)) / items
 
 

@@ -118,7 +118,7 @@ class Trainer:
         the count of the global batch's terms (all micro-batches, all data-parallel ranks),
         times the data-parallel ranks, which average it."""
         items = self.items(batches)
-        if items is None:
+        if isinstance(items, float) and not items:  # (a tensor on a GPU: no host check)
             return self.skip_empty()
         total = None
         for index, batch in enumerate(batches):
@@ -153,7 +153,11 @@ class Trainer:
 
     def items(self, batches: list[Batch]):
         """The global batch's loss terms (valid labels) per data-parallel rank: what each
-        micro-batch's sum is divided by. None where there are none (the step is skipped)."""
+        micro-batch's sum is divided by; 0 where there are none (the step is skipped); None
+        where the one batch of a one-rank step holds every label (its own mean is the
+        step's: no counting, as a hand-written loop)."""
+        if len(batches) == 1 and self.data_world == 1 and self.data.train.all_valid:
+            return None
         loss = self.strategy.loss
         counts = [loss.count(batch_of.labels_of(b)) for b in batches]
         n = counts[0] if len(counts) == 1 else sum(counts)
@@ -165,7 +169,7 @@ class Trainer:
             n = n.item()  # free on the CPU: an exact skip of an empty step, a plain divisor
         if isinstance(n, torch.Tensor):  # on a GPU: no sync; an empty step's gradients are 0
             return n.clamp(min=1).float() / self.data_world
-        return n / self.data_world if n else None
+        return n / self.data_world
 
     def skip_empty(self) -> torch.Tensor:
         """A global batch whose labels are all ignored (-100): nothing to learn; the

@@ -59,6 +59,7 @@ class ShardSampler(Sampler[int]):
 
 class ShardLoader:
     drop_last = False  # True: every batch full (a pipeline's stages have fixed shapes)
+    all_valid = False  # True: no label is ignored (-100), so counts follow from shapes
 
     def __init__(self, source: Split | Dataset, dist: Dist, batch_size: int, shuffle: bool,
                  seed: int):
@@ -87,6 +88,7 @@ class ShardLoader:
         return type(self)(self.source, self.dist, batch_size, self.shuffle, self.seed)
 
 
+
 class MemoryLoader(ShardLoader):
     """The whole split kept as one tensor on the device; a batch is one gather by index."""
 
@@ -94,6 +96,8 @@ class MemoryLoader(ShardLoader):
         super().__init__(split, dist, batch_size, shuffle, seed)
         self.inputs = split.inputs.to(self.device)
         self.targets = split.targets.to(self.device)
+        # looked at once: parallab's own sets ignore no label, and a step need not count them
+        self.all_valid = bool(batches.valid(split.targets).all())
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         order = self.sampler.indices().to(self.device)

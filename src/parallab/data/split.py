@@ -22,8 +22,16 @@ class Split:
         if inputs.dtype != torch.uint8:
             return inputs
         # one fused pass: -mean/std + x / (255 std), the uint8 promoted to float32 on the way
-        shift = torch.tensor(-self.mean / self.std, device=inputs.device)
-        return torch.add(shift, inputs, alpha=1.0 / (255.0 * self.std))
+        return torch.add(self._shift(inputs.device), inputs, alpha=1.0 / (255.0 * self.std))
+
+    def _shift(self, device: torch.device) -> torch.Tensor:
+        """-mean/std as a 0-dim float32 tensor on `device`, made once (a new tensor per
+        batch cost as much as the add itself)."""
+        cached = self.__dict__.get("_shifts", {})
+        if device not in cached:
+            cached[device] = torch.tensor(-self.mean / self.std, device=device)
+            self.__dict__["_shifts"] = cached
+        return cached[device]
 
 
 class TokenSplit(Split):

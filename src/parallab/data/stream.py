@@ -58,6 +58,7 @@ class StreamLoader:
     """The trainer's loader interface over a stream (see the module's docstring)."""
 
     drop_last = False  # True: every batch full (a pipeline's stages have fixed shapes)
+    all_valid = False  # labels are not looked at before a step: each step counts them
     num_valid = math.inf  # no sampler padding to leave out of evaluation
 
     def __init__(self, stream: IterableDataset, dist: Dist, batch_size: int, seed: int, cfg):

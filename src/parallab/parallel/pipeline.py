@@ -223,7 +223,8 @@ class PipelineStrategy(MeshStrategy):
                          items) -> torch.Tensor:
         inputs, targets = batches.inputs_of(batch), batches.labels_of(batch)
         losses: list[torch.Tensor] = []
-        self.items = items  # what _loss divides by, this step
+        # what _loss divides by, this step (the batch's own count where the trainer left it)
+        self.items = self.loss.count(targets) if items is None else items
 
         def step() -> None:
             with precision.autocast():
