@@ -16,7 +16,8 @@ GROUPS = ["model", "data", "parallel", "precision", "backend", "optim", "trainer
 NEEDS_MORE_THAN_THIS_MACHINE = {("backend", "nccl"): "backend=nccl",  # CUDA
                                 ("backend", "mpi"): "backend=mpi",  # a PyTorch built with MPI
                                 ("data", "cifar10"): "data.root",  # CIFAR-10 is not shipped
-                                ("data", "imagefolder"): "data.path"}  # nor is a default folder
+                                ("data", "imagefolder"): "data.path",  # nor is a default folder
+                                ("data", "hf_text"): "data.files"}  # nor a tokenizer
 
 
 def options(group: str) -> list[str]:
@@ -120,7 +121,7 @@ def test_auto_values_resolve_for_cpu():
                                           "tensor-parallel group's activations: it needs "
                                           "parallel.tp > 1"),
     (["model=mlp", "data=synthetic", "parallel=tp", "parallel.world_size=2",
-      "parallel.sequence_parallel=true"], "MLP.tp_plan() takes no sequence_parallel argument"),
+      "parallel.sequence_parallel=true"], "the plan of MLP (MLP.tp_plan()) takes no sequence_parallel argument"),
     (["model=gpt", "data=bytes", "data.seq_len=33", "model.context=64", "parallel=tp",
       "parallel.world_size=2", "parallel.sequence_parallel=true"],
      "parallel.tp=2 ranks, which data.seq_len=33 does not divide by"),

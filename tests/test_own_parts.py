@@ -60,7 +60,7 @@ BAD = [
      "trainer.activation_checkpointing=full: the model declares no stages"),
     (["loss=model", "model._target_=own_parts.SelfScoring", "~model.out_features",
       "~model.width", "~model.depth", "~model.expansion", "parallel=pipeline",
-      "parallel.stages=null"],
+      "parallel.stages=[net.0,net.1,net.2]"],
      "loss=model with parallel=pipeline"),
 ]
 

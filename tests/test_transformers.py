@@ -192,3 +192,24 @@ def test_text_files_are_tokenized_and_packed(tokenizer, tmp_path):
                                               "the 512 tokens")):
         with pytest.raises(ConfigError, match=re.escape(message)):
             train(tmp_path / "bad", *text, "model.config.vocab_size=512", *overrides, base=BASE)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_advise_ranks_a_transformers_models_layouts_tp_by_its_plan(tmp_path):
+    import csv
+
+    from parallab.cli import advise_in_process
+
+    answer = advise_in_process([*RUN, "parallel.world_size=2", "advise.layouts=[ddp,tp]",
+                                "advise.precisions=[fp32]", "advise.steps=3",
+                                "advise.warmup_steps=1", "advise.activation_checkpointing=[none]",
+                                "advise.max_accumulation=1", "data.global_batch_size=8"],
+                               tmp_path / "advise", CONF)
+    rows = {r["layout"]: r for r in csv.DictReader(open(tmp_path / "advise" / "advise.csv"))}
+    assert set(rows) == {"none(n=1) fp32 ac=none accum=1", "ddp(n=2) fp32 ac=none accum=1",
+                         "tp(n=2,dp_replicate=1,dp_shard=1,tp=2) fp32 ac=none accum=1"}
+    for row in rows.values():  # each trained, matched one device, memory as predicted
+        assert row["verdict"] in ("reference", "matches"), row
+        assert abs(float(row["memory_error"])) <= 0.05, row
+    assert answer["recommended"] in rows
