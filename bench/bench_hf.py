@@ -25,7 +25,6 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
 from parallab.testing import REPO, scratch_dir
 

@@ -121,7 +121,8 @@ def test_auto_values_resolve_for_cpu():
                                           "tensor-parallel group's activations: it needs "
                                           "parallel.tp > 1"),
     (["model=mlp", "data=synthetic", "parallel=tp", "parallel.world_size=2",
-      "parallel.sequence_parallel=true"], "the plan of MLP (MLP.tp_plan()) takes no sequence_parallel argument"),
+      "parallel.sequence_parallel=true"],
+     "the plan of MLP (MLP.tp_plan()) takes no sequence_parallel argument"),
     (["model=gpt", "data=bytes", "data.seq_len=33", "model.context=64", "parallel=tp",
       "parallel.world_size=2", "parallel.sequence_parallel=true"],
      "parallel.tp=2 ranks, which data.seq_len=33 does not divide by"),

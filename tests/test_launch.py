@@ -98,3 +98,70 @@ def test_the_launcher_listens_on_loopback_only(monkeypatch):
     cfg = typed("parallel=ddp", "parallel.world_size=2")
     addresses = launch.elastic(listening_addresses, (), 2, 0, launch.worker_env(cfg))
     assert addresses == ["127.0.0.1"]
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes under `pid` (Linux /proc): its fork server and the ranks it forked."""
+    parents = {}
+    for stat in os.listdir("/proc"):
+        if stat.isdigit():
+            try:
+                with open(f"/proc/{stat}/stat") as f:
+                    parents[int(stat)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError):
+                continue
+    found, frontier = [], [pid]
+    while frontier:
+        children = [p for p, parent in parents.items() if parent in frontier]
+        found += children
+        frontier = children
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_ranks_end_with_a_controller_killed_alone(tmp_path):
+    """SIGKILL to the controller alone (it cannot pass that on): its ranks end with it, and
+    write nothing more into the run dir."""
+    import signal
+    import time
+
+    run_dir = tmp_path / "run"
+    under: list[int] = []
+    controller = subprocess.Popen(
+        [sys.executable, str(REPO / "train.py"), *FAST, "parallel=tp", "model=mlp",
+         "data.shape=[1,8,8]", "parallel.world_size=2", "trainer.epochs=1000",
+         "trainer.log_every_n_steps=1", f"hydra.run.dir={run_dir}"], cwd=REPO,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while "step 5/" not in ((run_dir / "train.log").read_text()
+                                if (run_dir / "train.log").exists() else ""):
+            assert time.monotonic() < deadline and controller.poll() is None
+            time.sleep(0.2)
+        under += descendants(controller.pid)
+        assert len(under) >= 3  # the fork server and two ranks (and its helpers)
+        controller.kill()
+        controller.wait()
+        deadline = time.monotonic() + 10
+        while any(map(alive, under)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [p for p in under if alive(p)]
+        written = (run_dir / "train.log").stat().st_mtime
+        time.sleep(1)
+        assert (run_dir / "train.log").stat().st_mtime == written
+        assert not (run_dir / "metrics.json").exists()
+    finally:  # nothing left behind, whatever happened
+        for pid in [controller.pid, *under, *descendants(controller.pid)]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

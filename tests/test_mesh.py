@@ -188,12 +188,17 @@ def test_a_tp_checkpoint_resumes_under_another_layout(train_here, one_device):
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("layout", ["tp", "pipeline"])
-def test_the_batch_size_finder_agrees_across_a_tp_group_and_a_pipeline(train_here, layout):
+def test_the_batch_size_finder_agrees_across_a_tp_group_and_a_pipeline(train_here, layout,
+                                                                       tmp_path):
     """The ranks of a tp group, or of a pipeline (trials run its whole schedule), read one
     batch and agree on each trial; the pipeline's trials leave nothing behind: its run
     trains as one started at the chosen size does."""
+    from parallab.data.bytetext import DEFAULT_TEXT
+
+    text = tmp_path / "text.txt"  # 1,700 windows: the doubling ends by 256 (shard too small)
+    text.write_bytes(DEFAULT_TEXT.read_bytes()[:64_000])
     run = [*GPT_RUN, "trainer.max_steps=3", f"parallel={layout}", "parallel.world_size=2",
-           "trainer.log_every_n_steps=1"]
+           "trainer.log_every_n_steps=1", f"data.path={text}", "data.eval_fraction=0.1"]
     metrics, run_dir = train_here(*run, "data.batch_size=32", "trainer.auto_batch_size=true",
                                   "trainer.max_memory_mb=4000")
     chosen = metrics["global_batch_size"]  # one data-parallel rank: the per-rank batch

@@ -353,32 +353,22 @@ def test_missing_image_data_stops_before_any_worker(tmp_path):
 SMOKE = ["trainer.max_steps=2", "trainer.warmup_steps=0", "data.train_size=64",
          "data.eval_size=32", "data.batch_size=8", "data.eval_batch_size=32",
          "trainer.checkpoint_every_n_steps=null"]
-SWEEPS = {  # models that share a data setting run in one sweep (one Hydra start-up)
-    "mnist_cnn,mlp": [],
-    "resnet18": ["data.shape=[3,32,32]"],
-    "lstm": ["data.vocab_size=100", "data.seq_len=12"],
-}
+DATA_FOR = {"mnist_cnn": [], "mlp": [], "resnet18": ["data.shape=[3,32,32]"],
+            "lstm": ["data.vocab_size=100", "data.seq_len=12"]}
+# (layout, precision) each model runs under: one device in both, 2 ranks in the lower one
+RUNS = [("none", "fp32"), ("none", "amp"), ("ddp", "amp")]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("models", list(SWEEPS))
-def test_every_model_runs_under_none_and_ddp_in_fp32_and_amp(tmp_path, models):
-    """Each model x {parallel=none, ddp with 2 workers} x {fp32, amp}: a few steps each."""
-    import yaml
-
-    sweep = tmp_path / "sweep"
-    args = [*FAST, *SMOKE, f"model={models}", *SWEEPS[models], "parallel=none,ddp",
-            "precision=fp32,amp", f"hydra.sweep.dir={sweep}", "hydra.sweep.subdir=${hydra.job.num}"]
-    result = run_entry("train.py", ["-m", *args], timeout=300)
-    assert result.returncode == 0, output(result)[-3000:]
-    option_of = {model_spec(m)["_target_"]: m for m in models.split(",")}
-    runs = {}
-    for job in filter(Path.is_dir, sweep.iterdir()):
-        metrics = read_metrics(job)
-        target = yaml.safe_load((job / ".hydra" / "config.yaml").read_text())["model"]["_target_"]
-        model = option_of[target]
-        runs[model, metrics["parallel"], metrics["precision_dtype"]] = metrics
-        assert metrics["world_size"] == (2 if metrics["parallel"] == "ddp" else 1)
+@pytest.mark.parametrize("model", list(DATA_FOR))
+def test_every_model_runs_under_none_and_ddp_in_fp32_and_amp(train_here, model):
+    """Each model a few steps under none in fp32 and amp (bfloat16 here), and under ddp with
+    2 workers in amp."""
+    for parallel, precision in RUNS:
+        metrics, _ = train_here(*FAST, *SMOKE, f"model={model}", *DATA_FOR[model],
+                                f"parallel={parallel}", "parallel.world_size=" + (
+                                    "2" if parallel == "ddp" else "1"),
+                                f"precision={precision}", name=f"{parallel}-{precision}")
+        assert metrics["world_size"] == (2 if parallel == "ddp" else 1)
+        assert metrics["precision_dtype"] == ("float32" if precision == "fp32" else "bfloat16")
         assert np.isfinite(metrics["train_loss"]) and 0 <= metrics["eval_accuracy"] <= 1
-    assert set(runs) == {(m, p, d) for m in models.split(",") for p in ("none", "ddp")
-                         for d in ("float32", "bfloat16")}

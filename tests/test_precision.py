@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import FAST, assert_ok, read_metrics, run_entry, scalars
+from conftest import FAST, read_metrics, scalars
 from parallab import checkpoint
 from parallab.config import PrecisionConfig
 from parallab.models.mnist_cnn import MnistCNN
@@ -127,18 +127,14 @@ def test_channels_last_trains_the_same_model(train_here):
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_compile_works_on_cpu_under_ddp_and_fsdp(tmp_path):
-    sweep = tmp_path / "sweep"
-    result = run_entry("train.py", ["-m", *FAST, "trainer.compile=true", "parallel=ddp,fsdp",
-                                    "parallel.world_size=2", "trainer.max_steps=8",
-                                    f"hydra.sweep.dir={sweep}",
-                                    "hydra.sweep.subdir=${parallel.name}"], timeout=600)
-    assert_ok(result)
-    for parallel in ("ddp", "fsdp"):
-        assert read_metrics(sweep / parallel)["steps"] == 8
-        # no _orig_mod. prefix: the weights load into a plain model
-        ckpt = checkpoint.latest(sweep / parallel / "checkpoints")
-        checkpoint.model_from(ckpt, MnistCNN())
+def test_compile_works_on_cpu_under_fsdp(train_here):
+    """Compiled stages sharded by FSDP2 (compile before the wrapper, as torchtitan orders
+    them; a single device compiles in test_recipe's checkpointing case)."""
+    metrics, run_dir = train_here(*FAST, "trainer.compile=true", "parallel=fsdp",
+                                  "parallel.world_size=2", "trainer.max_steps=8")
+    assert metrics["steps"] == 8
+    # no _orig_mod. prefix: the weights load into a plain model
+    checkpoint.model_from(checkpoint.latest(run_dir / "checkpoints"), MnistCNN())
 
 
 @pytest.mark.slow

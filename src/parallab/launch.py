@@ -228,28 +228,40 @@ def _forkserver_ready() -> bool:
             and threading.current_thread() is threading.main_thread())
 
 
+_server_environment: dict[str, str] | None = None  # what the running fork server started with
+# imported once by the fork server, not by each worker: parallab's worker code, and what
+# DDP, FSDP2, tensor parallelism and DCP import lazily (torch._dynamo alone: 1 s of CPU)
+PRELOAD = ["parallab.run", "torch._dynamo", "torch.distributed.fsdp",
+           "torch.distributed.tensor.parallel", "torch.distributed.checkpoint"]
+
+
 @contextlib.contextmanager
 def _forkserver() -> Iterator[None]:
-    """A fork server for this launch alone: started now, it holds this launch's environment
-    (the workers inherit the server's, not the controller's), and stopped after it. It
-    ignores SIGTERM (the disposition survives exec) as it ignores SIGINT: `timeout` or a
-    `kill` of the process group would else end it, and the agent would read every worker's
-    exit status as 255 and fail a job that is saving; workers restore it (run.worker_main)."""
+    """The fork server the workers are forked from: kept between launches (importing torch
+    and parallab in a new one took half of a small job's launch) while the environment
+    stays the same, since the workers inherit the server's environment, not the
+    controller's; started anew when it differs. It ignores SIGTERM (the disposition survives
+    exec) as it ignores SIGINT: `timeout` or a `kill` of the process group would else end
+    it, and the agent would read every worker's exit status as 255 and fail a job that is
+    saving; workers restore it (run.worker_main). It ends with this process."""
+    global _server_environment
     if not _forkserver_ready():
         yield
         return
     from multiprocessing import forkserver
 
-    forkserver.set_forkserver_preload(["parallab.run"])
+    server = forkserver._forkserver
+    environment = dict(os.environ)
+    if server._forkserver_pid is not None and environment != _server_environment:
+        server._stop()
+    forkserver.set_forkserver_preload(PRELOAD)
     previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         forkserver.ensure_running()
     finally:
         signal.signal(signal.SIGTERM, previous)
-    try:
-        yield
-    finally:
-        forkserver._forkserver._stop()
+    _server_environment = environment
+    yield
 
 
 def _workers() -> list[int]:

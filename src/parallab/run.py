@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import select
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +43,7 @@ class RunSpec:
     run_dir: str
     overrides: list[str] = field(default_factory=list)  # what the command line changed
     started: float = field(default_factory=time.time)
+    controller: int = field(default_factory=os.getpid)  # the process the workers end with
 
 
 def hparams(spec: RunSpec, metrics: dict[str, Any]) -> dict[str, Any]:
@@ -249,9 +254,40 @@ def _log_to_files(run_dir: str) -> None:
         root.addHandler(handler)
 
 
+def end_with(controller: int) -> None:
+    """This worker ends when the controller (process `controller`) does: a controller killed
+    alone (SIGKILL, which it cannot pass on) so takes its ranks with it, rather than leaving
+    them training on, unsupervised, into a run dir it no longer locks. The workers' parent
+    is the fork server, which lives while any worker does, so the parent's death says
+    nothing: a thread waits on the controller itself (a pidfd; polling where there is none)."""
+    def wait() -> None:
+        try:
+            with contextlib.closing(os.pidfd_open(controller)) as fd:  # Linux 5.3
+                select.select([fd], [], [])  # readable once the process has ended
+        except (AttributeError, OSError):
+            while _alive(controller):
+                time.sleep(1)
+        log.error("the controller (pid %d) has ended: this rank stops", controller)
+        logging.shutdown()
+        os._exit(1)
+
+    threading.Thread(target=wait, name="parallab-controller-watch", daemon=True).start()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process now holds the number: ours has ended
+        return False
+    return True
+
+
 def worker_main(spec: RunSpec) -> dict[str, Any]:
     """Entry point of a worker started by the elastic launcher (a fresh process); the agent
     records its traceback for the controlling process to show."""
+    end_with(spec.controller)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the fork server's SIG_IGN (launch.py)
     _log_to_files(spec.run_dir)
     try:

@@ -17,7 +17,6 @@ import itertools
 import math
 from typing import Any, Iterator
 
-import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from parallab import batch as batches

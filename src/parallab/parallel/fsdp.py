@@ -1,6 +1,6 @@
 """FSDP2 (fully_shard), used by the mesh layouts (fsdp, hsdp, fsdp_tp) and the pipeline's
-parts: every stage with trainable parameters (or a transformers model's blocks), then the root (which takes what is left, a
-frozen backbone included), sharded over the ranks.
+parts: every stage with trainable parameters (or a transformers model's blocks), then the
+root (which takes what is left, a frozen backbone included), sharded over the ranks.
 
 Parameters, gradients and optimizer state are split across the shard group's ranks (each
 holds 1/dp_shard of them); a stage's parameters are all-gathered for its forward and backward and freed after,

@@ -4,10 +4,11 @@ pipeline adds pp before tp (parallel/pipeline.py).
 
 The model is first split by tensor parallelism over the `tp` dimension
 (torch.distributed.tensor.parallel.parallelize_module with its plan: parallel.tp_plan, the
-model's tp_plan(), or a transformers model's own; plans.py), then sharded with FSDP2 over the data-parallel dimensions: over dp_shard
-alone, or replicate x shard (HSDP: sharded within a group, gradients all-reduced across the
-groups). Replicas alone (dp_shard = tp = 1) are DistributedDataParallel's, whose bucketed
-all-reduce overlaps the backward (torchtitan does the same). Presets, each a setting of the
+model's tp_plan(), or a transformers model's own; plans.py), then sharded with FSDP2 over
+the data-parallel dimensions: over dp_shard alone, or replicate x shard (HSDP: sharded
+within a group, gradients all-reduced across the groups). Replicas alone (dp_shard = tp =
+1) are DistributedDataParallel's, whose bucketed all-reduce overlaps the backward
+(torchtitan does the same). Presets, each a setting of the
 degrees: ddp (replicas), fsdp (shards), hsdp (replicas x shards), tp, fsdp_tp (2-D).
 Ranks of one tp group read the same batch; the data-parallel rank (replicate x shard)
 picks the shard of each epoch.
@@ -112,7 +113,7 @@ def refuse_tp(cfg, tp: int, sequence_parallel: bool = False) -> None:
     given = getattr(cfg.parallel, "tp_plan", None) or None
     if tp == 1:
         if given:
-            raise ConfigError(f"parallel.tp_plan is set but parallel.tp=1 splits nothing: "
+            raise ConfigError("parallel.tp_plan is set but parallel.tp=1 splits nothing: "
                               "set parallel.tp > 1 (or drop the plan)")
         return
     from parallab.trial import model_on_meta
