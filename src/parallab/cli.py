@@ -151,20 +151,23 @@ def _advise(dict_cfg: DictConfig, overrides: list[str], run_dir: str, compose_wi
     entry = "parallab train" if Path(sys.argv[0]).name == "parallab" else "python train.py"
     try:
         cfg = typed_config(dict_cfg, overrides)
-        with _claimed(run_dir, cfg, None):
+        with _claimed(run_dir, cfg, None, command="parallab advise"):
             return advise.advise(cfg, overrides, run_dir, configure,
                                  [entry, *config_flags(sys.argv[1:])])
     except validate.ConfigError as error:
+        _restore_earlier_run()
         raise JobFailed(str(error), 2) from None
     except advise.NothingFits as error:
         raise JobFailed(str(error), 1) from None
 
 
 @contextlib.contextmanager
-def _claimed(run_dir: str, cfg, in_place: launch.InPlace | None) -> Iterator[None]:
+def _claimed(run_dir: str, cfg, in_place: launch.InPlace | None,
+             command: str | None = None) -> Iterator[None]:
     """The run dir for this run alone: a fresh run does not start over an earlier one's
     checkpoints or metrics (trainer.resume=auto continues it), and a second run started in
-    the same dir while this one runs is refused at once (a lock file)."""
+    the same dir while this one runs is refused at once (a lock file). `command`: one that
+    is not training (advise, evaluate) starts only in a dir holding no run at all."""
     from parallab import rundir
 
     from parallab.distributed import restart_count
@@ -175,7 +178,10 @@ def _claimed(run_dir: str, cfg, in_place: launch.InPlace | None) -> Iterator[Non
     try:
         lock = rundir.lock(Path(run_dir)) if main else contextlib.nullcontext()
         with lock:  # taken first: a refused run touches nothing of a running one
-            rundir.check_fresh(Path(run_dir), resume, cfg.trainer.overwrite, delete=main)
+            if command is not None:
+                rundir.check_unused(Path(run_dir), command)
+            else:
+                rundir.check_fresh(Path(run_dir), resume, cfg.trainer.overwrite, delete=main)
             yield
     except validate.ConfigError as error:
         _restore_earlier_run()
@@ -265,16 +271,22 @@ def _evaluate_app(dict_cfg: DictConfig) -> float:
         _fail("ckpt is not set: give the checkpoint to evaluate, python evaluate.py "
               "ckpt=outputs/DATE/TIME/checkpoints/last.pt", 2)
     overrides = list(HydraConfig.get().overrides.task)
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
+        from parallab import rundir
+
+        rundir.check_unused(run_dir, "evaluate.py")
         state = checkpoint.load_meta(dict_cfg.ckpt)
         _refuse_model_overrides(overrides, dict_cfg.ckpt)
-        # the checkpoint's model, before anything resolves: data keys that follow the model
-        # (data=bytes: seq_len from model.context) follow the trained one
+        # the checkpoint's model and data, before anything resolves: data keys that follow
+        # the model (data=bytes: seq_len from model.context) follow the trained one
         with open_dict(dict_cfg):
             dict_cfg.model = _trained_model_config(state, dict_cfg.ckpt)
+            dict_cfg.data = _trained_data_config(state, dict_cfg, overrides)
         cfg = typed_config(dict_cfg, overrides)
         validate.prepare(cfg, in_place=None)
     except (validate.ConfigError, checkpoint.CheckpointError) as error:
+        _restore_earlier_run()
         _fail(str(error), 2)
     dist = distributed.setup(cfg.device.value, None, cfg.backend.timeout_s,
                              cfg.parallel.threads_per_worker)
@@ -289,7 +301,7 @@ def _evaluate_app(dict_cfg: DictConfig) -> float:
                        Precision(cfg.precision, dist.device), loss, cfg.metrics)
     result = {"ckpt": str(Path(cfg.ckpt).resolve()), "model": cfg.model["_target_"],
               "data": cfg.data.name, "step": state.get("step"), **figures}
-    out = Path(HydraConfig.get().runtime.output_dir) / "metrics.json"
+    out = run_dir / "metrics.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     log.info("%s (%s)", ", ".join(f"{k} {v:.4f}" for k, v in figures.items()), out)
     return figures[metrics.objective(cfg, loss)]
@@ -308,6 +320,32 @@ def _refuse_model_overrides(overrides: list[str], ckpt: str) -> None:
             log.info("%s: evaluate.py uses the model ckpt=%s records", override, ckpt)
 
 
+def _trained_data_config(meta: dict[str, Any], dict_cfg: DictConfig, overrides: list[str]):
+    """The data evaluate.py scores: the checkpoint's, with the command line's data.KEY
+    values; a data= choice that differs from it is used, and said."""
+    from parallab import checkpoint
+
+    saved = checkpoint.saved_config(meta).get("data")
+    chosen = any(o.lstrip("+~").partition("=")[0] == "data" for o in overrides)
+    if not isinstance(saved, dict) or targets_of(saved) is None:
+        return dict_cfg.data  # a checkpoint that records no data: as composed
+    if chosen:
+        if targets_of(saved) != dict_cfg.data.get("_target_"):
+            log.info("evaluate.py scores ckpt=%s, trained on data %s, on data %s, as asked",
+                     dict_cfg.ckpt, targets_of(saved), dict_cfg.data.get("_target_"))
+        return dict_cfg.data
+    data = OmegaConf.create(saved)
+    for override in overrides:  # the command line's data.KEY=VALUE, as Hydra parsed them
+        key = override.lstrip("+~").partition("=")[0]
+        if key.startswith("data."):
+            OmegaConf.update(data, key[5:], OmegaConf.select(dict_cfg, key), force_add=True)
+    return data
+
+
+def targets_of(spec: dict[str, Any]) -> str | None:
+    return spec.get("_target_") if isinstance(spec, dict) else None
+
+
 def _trained_model_config(meta: dict[str, Any], path) -> dict[str, Any]:
     """The model spec a checkpoint was trained with; a pretrained-weights file it named is
     not needed again (the checkpoint holds the weights)."""
@@ -321,6 +359,7 @@ def _trained_model_config(meta: dict[str, Any], path) -> dict[str, Any]:
 
 def evaluate() -> None:
     """`python evaluate.py ckpt=PATH [overrides]`."""
+    _remember_earlier_run(sys.argv[1:])
     launch.register_resolvers()
     help.register_resolver()
     register_configs()

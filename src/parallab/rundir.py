@@ -14,13 +14,22 @@ from parallab.errors import ConfigError
 
 
 def held_run(run_dir: Path) -> list[str]:
-    """What of an earlier run the dir holds: metrics.json, and checkpoints/ if not empty."""
-    held = []
-    if (run_dir / "metrics.json").exists():
-        held.append("metrics.json")
+    """What of an earlier run the dir holds: metrics.json, checkpoints/ if not empty, and
+    advise's answer."""
+    held = [name for name in ("metrics.json", "advise.md") if (run_dir / name).exists()]
     if any((run_dir / "checkpoints").glob("*")):
         held.append("checkpoints/")
     return held
+
+
+def check_unused(run_dir: Path, command: str) -> None:
+    """`command` (evaluate, advise), which writes its own record into the run dir, starts
+    only in a dir holding none: never over a training run's or an earlier answer."""
+    held = held_run(run_dir)
+    if held:
+        raise ConfigError(f"hydra.run.dir={run_dir} holds a run ({', '.join(held)}), which "
+                          f"{command} would write over: give {command} a new hydra.run.dir "
+                          "(or leave it out: each run gets its own)")
 
 
 def check_fresh(run_dir: Path, resume: str | None, overwrite: bool, delete: bool) -> None:

@@ -1,0 +1,47 @@
+"""A run dir holds one run's record: no command writes over another's (evaluate.py and
+parallab advise refuse a dir holding a run, and leave its files as they were)."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import FAST, output, read_metrics, run_entry
+
+TINY = [*FAST, "model=mlp", "data.shape=[1,8,8]", "trainer.max_steps=4"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", ["evaluate", "advise", "advise-resume"])
+def test_no_command_writes_over_a_training_run(train_here, command):
+    _, run_dir = train_here(*TINY)
+    (run_dir / ".hydra").mkdir()  # as train.py leaves it
+    (run_dir / ".hydra" / "config.yaml").write_text("the training run's\n")
+    files = {p: p.read_bytes() for p in (run_dir / "metrics.json",
+                                         run_dir / ".hydra" / "config.yaml")}
+    if command == "evaluate":
+        result = run_entry("evaluate.py", [f"ckpt={run_dir}/checkpoints/last.pt", "device=cpu"],
+                           run_dir)
+    else:
+        result = run_entry("train.py", ["advise.run=true", *TINY, *(
+            ["trainer.resume=auto"] if command == "advise-resume" else [])], run_dir)
+    assert result.returncode == 2, output(result)[-2000:]
+    errors = [line for line in output(result).splitlines() if "ERROR" in line]
+    assert len(errors) == 1 and "holds a run (metrics.json" in errors[0], errors
+    assert "Traceback" not in output(result)
+    for path, content in files.items():  # every file of the training run as it was
+        assert path.read_bytes() == content, path
+    assert not (run_dir / "advise.md").exists()
+
+
+@pytest.mark.slow
+def test_evaluate_scores_the_data_the_checkpoint_was_trained_on(train_here, tmp_path):
+    """No data= given: the checkpoint's (here synthetic, not the default MNIST), with the
+    command line's data keys; data= given: used, and said."""
+    metrics, run_dir = train_here(*TINY, "data.num_classes=4")
+    ckpt = f"ckpt={run_dir}/checkpoints/last.pt"
+    result = run_entry("evaluate.py", [ckpt, "device=cpu", "data.eval_batch_size=7"],
+                       tmp_path / "eval")
+    assert result.returncode == 0, output(result)[-2000:]
+    scored = read_metrics(tmp_path / "eval")
+    assert scored["data"] == "synthetic"
+    assert scored["eval_loss"] == pytest.approx(metrics["eval_loss"], rel=1e-5)
