@@ -131,6 +131,20 @@ def test_early_stopping_agrees_across_ranks_and_resumes(train_here):
     assert as_logged(metrics["best_eval_loss"]) == dict(scalars(run_dir, "eval/loss"))[8]
 
 
+def test_early_stopping_resumed_after_a_max_steps_stop_ends_where_it_would_have(train_here):
+    """A run stopped by max_steps mid-epoch evaluates its last weights; that evaluation is
+    off the schedule (every epoch), so the resumed run does not count it toward patience."""
+    run = ["model=mlp", *FAST, "data.train_size=640", "trainer.epochs=10",
+           "trainer.monitor=eval_accuracy", "trainer.monitor_mode=min",
+           "trainer.early_stop_patience=2", "optim.lr=0.05"]
+    whole, _ = train_here(*run, name="whole")
+    train_here(*run, "trainer.max_steps=15", name="cut")
+    resumed, _ = train_here(*run, "trainer.resume=auto", name="cut")
+    assert whole["stopped_early"] and resumed["stopped_early"]
+    assert resumed["steps"] == whole["steps"] == 30
+    assert resumed["eval_loss"] == pytest.approx(whole["eval_loss"], rel=1e-6)
+
+
 def test_adamw_decays_weight_matrices_only():
     from parallab.config import AdamWConfig, SGDConfig
     from parallab.optim import build_optimizer

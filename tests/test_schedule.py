@@ -40,13 +40,13 @@ def test_each_schedule_has_its_shape():
 
 def test_train_lr_shows_the_schedule(train_here):
     """32 steps of cosine after a 4-step warmup, as TensorBoard's train/lr reads them (the
-    rate the next step will use), against the formula written out here."""
+    rate each step used), against the formula written out here."""
     _, run_dir = train_here(*FAST, "scheduler=cosine", "scheduler.warmup_steps=4",
                             "scheduler.min_lr_ratio=0.1", "trainer.log_every_n_steps=1")
     lr, total, warmup = 0.01, 32, 4
     expected = [lr * (k + 1) / (warmup + 1) if k < warmup else
                 lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (k - warmup) / (total - warmup))))
-                for k in range(1, total + 1)]
+                for k in range(total)]
     logged = scalars(run_dir, "train/lr")
     assert [step for step, _ in logged] == list(range(1, total + 1))
     assert [value for _, value in logged] == pytest.approx(expected, rel=1e-6)
@@ -70,3 +70,4 @@ def test_the_learning_rate_follows_the_global_batch(train_here, scale, args, lr)
                                   "trainer.log_every_n_steps=1", "trainer.max_steps=3")
     assert metrics["lr"] == pytest.approx(lr)
     assert [value for _, value in scalars(run_dir, "train/lr")] == pytest.approx([lr] * 3)
+

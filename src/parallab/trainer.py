@@ -87,6 +87,8 @@ class Trainer:
         self.eval_metrics: dict[str, float] = {}
         self.eval_step = -1  # the step eval_metrics were measured at
         self.monitor = Monitor(cfg.monitor, cfg.monitor_mode, cfg.early_stop_patience)
+        self.resume_monitor: dict[str, Any] | None = None  # set by an unscheduled evaluation
+        self.step_lr: float | None = None  # the rate the last step used, before its schedule moved
         self.first_step = 0  # where this process's training starts (after a resume: later)
         self.comm: dict[str, float] = {}  # bytes sent in one step, by kind (counted_step)
         # saved for backward by one micro-batch in the step comm is counted on (advise/measure.py);
@@ -148,6 +150,7 @@ class Trainer:
         self.precision.step(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         if self.scheduler is not None:
+            self.step_lr = self.optimizer.param_groups[0]["lr"]  # the rate this step used
             self.scheduler.step()
         return total
 
@@ -224,6 +227,9 @@ class Trainer:
                 if not self.done():  # the last one is `last`, saved by the caller
                     self.save_checkpoint()
         if self.eval_step != self.step or not self.eval_metrics:  # final weights unscored
+            # off the evaluation schedule: a run resumed from here continues with the
+            # monitor as it was, as the uninterrupted run never made this evaluation
+            self.resume_monitor = self.monitor.state_dict()
             self.run_eval()
         summary = self.summary()
         if self.cfg.quantize:
@@ -371,7 +377,7 @@ class Trainer:
             self.tokens_per_sample = window_tokens
         self.logger.scalars({
             **({"train/loss": loss} if loss is not None else {}),
-            "train/lr": self.optimizer.param_groups[0]["lr"],
+            "train/lr": self.step_lr or self.optimizer.param_groups[0]["lr"],
             "train/samples_per_sec": samples_per_sec,
             "train/step_time_ms": step_time * 1e3,
             "train/peak_memory_mb": peak_memory_mb(self.dist.device),
@@ -460,7 +466,8 @@ class Trainer:
                 "grad_scaler": self.precision.state_dict(), "step": self.step,
                 "epoch": self.epoch, "epoch_step": self.epoch_step,
                 "epoch_loss": self.epoch_loss, "epoch_steps": self.epoch_steps,
-                "skipped_steps": self.skipped_steps, "monitor": self.monitor.state_dict(),
+                "skipped_steps": self.skipped_steps,
+                "monitor": self.resume_monitor or self.monitor.state_dict(),
                 "scheduler": self.scheduler.state_dict() if self.scheduler else None}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
