@@ -190,6 +190,13 @@ def test_auto_values_resolve_for_cpu():
     (["data=synthetic", "data.shape=[1,0,28]"], "data.shape=[1, 0, 28] must be sizes >= 1"),
     (["data.prefetch_factor=2"], "data.prefetch_factor=2 applies to DataLoader workers"),
     (["data.persistent_workers=true"], "data.persistent_workers=True applies to DataLoader"),
+    (["data.global_batch_size=8", "trainer.auto_batch_size=true"],
+     "data.global_batch_size=8 fixes the samples of each step, which "
+     "trainer.auto_batch_size=true would change: drop one of them"),
+    (["parallel=pipeline", "parallel.world_size=2", "model=gpt", "data=bytes",
+      "data.global_batch_size=30"],
+     "data.global_batch_size=30 (30 per rank) does not split into parallel.microbatches=4 "
+     "equal micro-batches: use a multiple of 4"),
 ])
 def test_bad_values_fail_naming_the_key(overrides, message):
     """Checked in-process, as validate.prepare runs in the controller."""

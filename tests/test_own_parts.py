@@ -156,6 +156,30 @@ def test_a_stream_without_length_needs_max_steps():
                 config_dir=CONF)
 
 
+@pytest.mark.slow
+def test_a_stream_shorter_than_one_step_is_refused(tmp_path):
+    """512 samples in batches of 32 are 16 batches an epoch: a step of 40 would be short."""
+    from parallab.cli import JobFailed
+
+    with pytest.raises(JobFailed) as failed:
+        train(tmp_path, *STREAM, "+data.train.sized=false", "trainer.max_steps=4",
+              "trainer.accumulate_grad_batches=40", "data.global_batch_size=null",
+              "data.batch_size=32")
+    assert failed.value.status == 2 and str(failed.value) == (
+        "trainer.accumulate_grad_batches=40 is more than the 16 batches an epoch of the data "
+        "gives each rank: set it to at most 16, or lower data.batch_size")
+
+
+def test_a_classifier_keeps_its_own_class_count_on_a_users_dataset():
+    """A user's Dataset says no class count: the built-in classifiers take model.num_classes
+    as set, and ask for it only where it is null."""
+    from parallab.models.base import fits_classes
+
+    cfg = checked(*WAVES, config_dir=CONF)
+    assert fits_classes({"num_classes": 4}, cfg.data) is None
+    assert "model.num_classes=null" in fits_classes({"num_classes": None}, cfg.data)
+
+
 def test_dataloader_workers_read_a_stream_in_whole_batches():
     """Workers take whole batches of a rank's share in turn: the batches are those of one
     process reading alone, every one full but the last."""

@@ -66,6 +66,14 @@ class DataConfig:
         """False for a stream of unknown length: then trainer.max_steps must bound the run."""
         return True
 
+    def batch_said(self) -> str:
+        """The per-rank batch size as the user set it, for messages: data.batch_size, or
+        data.global_batch_size where that set it."""
+        if self.global_batch_size is not None:
+            return (f"data.global_batch_size={self.global_batch_size} ({self.batch_size} per "
+                    "rank)")
+        return f"data.batch_size={self.batch_size}"
+
     def make(self, seed: int) -> tuple[Any, Any]:
         """(train, eval): Splits (data/split.py) or torch Datasets."""
         raise TypeError(f"{type(self).__name__} does not say how to make its data")

@@ -22,6 +22,7 @@ from parallab.data import Data
 from parallab.data.stream import run_length
 from parallab.data.loaders import micro_batches
 from parallab.distributed import Dist
+from parallab.errors import ConfigError
 from parallab.logger import RunLogger
 from parallab.memory import held_state_mb, peak_memory_mb
 from parallab.metrics import evaluate
@@ -248,6 +249,8 @@ class Trainer:
         start = tick = time.perf_counter()
         finished = False
         for batches in micro_batches(loader, self.cfg.accumulate_grad_batches):
+            if self.epoch_step == 0 and len(batches) < self.cfg.accumulate_grad_batches:
+                self.refuse_partial_epoch(len(batches))
             self.window_losses.append(self.counted_step(batches))
             self.step += 1
             self.epoch_step += 1
@@ -281,6 +284,15 @@ class Trainer:
         self.epoch_times.append(time.perf_counter() - start)
         self.last_train_loss = self.epoch_loss / max(self.epoch_steps, 1)
         return finished or self.epoch_step == self.steps_per_epoch
+
+    def refuse_partial_epoch(self, batches: int) -> None:
+        """A stream of unknown length whose epoch gives each rank fewer batches than one step
+        accumulates (a sized one is refused before: run_length): every step would be short
+        of the samples asked for."""
+        raise ConfigError(
+            f"trainer.accumulate_grad_batches={self.cfg.accumulate_grad_batches} is more than "
+            f"the {batches} batches an epoch of the data gives each rank: set it to at most "
+            f"{batches}, or lower data.batch_size")
 
     def first_batch(self, batch: Batch) -> None:
         """A language model's batch: its tokens are counted, and its FLOPs per token

@@ -174,6 +174,9 @@ def resolve_global_batch(cfg: Config) -> None:
     d = cfg.data
     if d.global_batch_size is None:
         return
+    _require(not cfg.trainer.auto_batch_size, f"data.global_batch_size={d.global_batch_size} "
+             "fixes the samples of each step, which trainer.auto_batch_size=true would change: "
+             "drop one of them")
     ranks = STRATEGIES[cfg.parallel.name].data_parallel_ranks(cfg)
     per_step = ranks * cfg.trainer.accumulate_grad_batches
     _require(d.global_batch_size % per_step == 0 and d.global_batch_size > 0,

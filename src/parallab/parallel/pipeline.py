@@ -88,9 +88,12 @@ class PipelineStrategy(MeshStrategy):
             raise ConfigError(f"parallel.microbatches={p.microbatches} is out of range: it "
                               f"must be >= {least}")
         if cfg.data.batch_size % p.microbatches:
-            raise ConfigError(f"data.batch_size={cfg.data.batch_size} does not split into "
+            d = cfg.data  # the key the user set: a global batch is per rank x the rest
+            unit = p.microbatches * (d.global_batch_size // d.batch_size
+                                     if d.global_batch_size else 1)
+            raise ConfigError(f"{d.batch_said()} does not split into "
                               f"parallel.microbatches={p.microbatches} equal micro-batches: "
-                              f"use a multiple of {p.microbatches}")
+                              f"use a multiple of {unit}")
 
     @classmethod
     def layouts(cls, world_size: int, device_type: str, options) -> list[list[str]]:
