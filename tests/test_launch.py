@@ -165,3 +165,19 @@ def test_ranks_end_with_a_controller_killed_alone(tmp_path):
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def test_the_resume_command_is_the_one_the_user_ran():
+    """After a stop, the command printed to continue: the entry the user ran, its config
+    dir, the overrides less the run dir and resume, then those two."""
+    from parallab.cli import entry_command
+    from parallab.run import RunSpec
+
+    argv = ["/venv/bin/parallab", "--config-dir", "conf", "experiment=waves", "x=1"]
+    assert entry_command(argv) == ["parallab", "train", "--config-dir", "conf"]
+    assert entry_command(["train.py", "-cd=conf", "a=1"]) == ["python", "train.py", "-cd=conf"]
+    spec = RunSpec(None, "outputs/my run", ["experiment=waves", "trainer.resume=null",
+                                            "hydra.run.dir=elsewhere"],
+                   command=entry_command(argv))
+    assert spec.resume_command() == ("parallab train --config-dir conf experiment=waves "
+                                     "'hydra.run.dir=outputs/my run' trainer.resume=auto")

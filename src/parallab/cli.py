@@ -123,13 +123,22 @@ def _train_job(dict_cfg: DictConfig) -> float | None:
     except validate.ConfigError as error:
         _restore_earlier_run()
         raise JobFailed(str(error), 2) from None
-    spec = run.RunSpec(cfg, hydra_cfg.runtime.output_dir, list(hydra_cfg.overrides.task))
+    spec = run.RunSpec(cfg, hydra_cfg.runtime.output_dir, list(hydra_cfg.overrides.task),
+                       command=entry_command(sys.argv))
     with _claimed(spec.run_dir, cfg, in_place):
         return _train_and_report(spec, in_place).get(objective(cfg))
 
 
 # Hydra's flags that say where the config comes from: a recommended command keeps them
 CONFIG_FLAGS = ("--config-dir", "-cd", "--config-path", "-cp", "--config-name", "-cn")
+
+
+def entry_command(argv: list[str]) -> list[str]:
+    """How this command was started, less its overrides: `parallab train` or `python
+    train.py`, and the Hydra config flags (a project's --config-dir)."""
+    entry = ["parallab", "train"] if Path(argv[0]).name == "parallab" else ["python",
+                                                                            "train.py"]
+    return [*entry, *config_flags(argv[1:])]
 
 
 def config_flags(argv: list[str]) -> list[str]:
@@ -148,7 +157,7 @@ def _advise(dict_cfg: DictConfig, overrides: list[str], run_dir: str, compose_wi
     def configure(extra: list[str]):
         return validate.prepare(typed_config(compose_with(extra), extra), None)
 
-    entry = "parallab train" if Path(sys.argv[0]).name == "parallab" else "python train.py"
+    entry = " ".join(entry_command(sys.argv)[:2])
     try:
         cfg = typed_config(dict_cfg, overrides)
         with _claimed(run_dir, cfg, None, command="parallab advise"):
@@ -461,5 +470,7 @@ def train_in_process(overrides: list[str], run_dir: str | Path,
     cfg = validate.prepare(typed_config(compose(overrides, config_dir), overrides), in_place,
                            str(run_dir))
     Path(run_dir).mkdir(parents=True, exist_ok=True)
+    command = ["python", "train.py", *(["--config-dir", str(config_dir)] if config_dir else [])]
     with _claimed(str(run_dir), cfg, in_place):
-        return _train_and_report(run.RunSpec(cfg, str(run_dir), list(overrides)), in_place)
+        return _train_and_report(run.RunSpec(cfg, str(run_dir), list(overrides),
+                                             command=command), in_place)

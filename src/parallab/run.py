@@ -44,6 +44,17 @@ class RunSpec:
     overrides: list[str] = field(default_factory=list)  # what the command line changed
     started: float = field(default_factory=time.time)
     controller: int = field(default_factory=os.getpid)  # the process the workers end with
+    # how the user started it (the entry and Hydra's config flags), for the resume command
+    command: list[str] = field(default_factory=lambda: ["python", "train.py"])
+
+    def resume_command(self) -> str:
+        """The command that continues this run, as the user started it."""
+        import shlex
+
+        kept = [o for o in self.overrides
+                if not o.startswith(("hydra.run.dir=", "trainer.resume="))]
+        return shlex.join([*self.command, *kept, f"hydra.run.dir={self.run_dir}",
+                           "trainer.resume=auto"])
 
 
 def hparams(spec: RunSpec, metrics: dict[str, Any]) -> dict[str, Any]:
@@ -221,11 +232,9 @@ def _fit(spec: RunSpec, dist: distributed.Dist, logger: RunLogger,
         metrics = trainer.fit()
     if trainer.stopped:
         if dist.is_main:
-            log.warning("stopped by %s at step %d, checkpoint saved; resume with: python "
-                        "train.py %s hydra.run.dir=%s trainer.resume=auto",
+            log.warning("stopped by %s at step %d, checkpoint saved; resume with: %s",
                         signal.Signals(preemption.signum or signal.SIGTERM).name,
-                        trainer.step, " ".join(o for o in spec.overrides if not o.startswith(
-                            ("hydra.run.dir=", "trainer.resume="))), spec.run_dir)
+                        trainer.step, spec.resume_command())
         return {}
     metrics.update(lr=lr, wall_time_s=time.time() - spec.started,
                    world_size=trainer.strategy.world_size,
