@@ -138,3 +138,25 @@ class TakesTargetsReturnsScores(nn.Module):
 
     def forward(self, inputs: torch.Tensor, targets: torch.Tensor | None = None):
         return self.net(inputs)
+
+
+def text_metric(output: torch.Tensor, targets: torch.Tensor) -> str:
+    """A metric that returns no number."""
+    return "good"
+
+
+class MisplannedRegressor(nn.Module):
+    """A regressor whose tensor-parallel plan names a module it does not have."""
+
+    def __init__(self, in_features: int = 8):
+        super().__init__()
+        self.up = nn.Linear(in_features, 32)
+        self.down = nn.Linear(32, 1)
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(inputs)))
+
+    def tp_plan(self) -> dict:
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        return {"up": ColwiseParallel(), "middle": RowwiseParallel()}

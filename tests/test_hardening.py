@@ -204,7 +204,7 @@ def test_a_sharded_checkpoint_missing_or_truncating_a_shard_is_refused_before_la
     exported = subprocess.run([str(Path(sys.executable).parent / "parallab"), "export",
                                str(missing), str(tmp_path / "out.pt")], capture_output=True,
                               text=True)
-    assert exported.returncode != 0 and "is missing its shard" in exported.stderr
+    assert exported.returncode == 2 and "is missing its shard" in exported.stderr
     assert "Traceback" not in exported.stderr
 
 

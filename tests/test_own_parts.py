@@ -51,6 +51,14 @@ BAD = [
     (["loss._target_=own_model.losses.nope"], "loss._target_=own_model.losses.nope does not"),
     (["+loss.sharpness=2"], "loss.sharpness is not an argument of parallab.loss.MSE"),
     (["+metrics.mae._target_=torchmetrics.Nope"], "metrics.mae._target_=torchmetrics.Nope"),
+    (["model._target_=own_parts.MisplannedRegressor", "~model.out_features", "~model.width",
+      "~model.depth", "~model.expansion", "parallel.stages=null", "parallel=tp",
+      "parallel.world_size=2"],
+     "the tensor-parallel plan (MisplannedRegressor.tp_plan()) names middle, which is not a "
+     "module of MisplannedRegressor"),
+    (["+metrics.s._target_=own_parts.text_metric", "+metrics.s._partial_=true"],
+     "metrics.s: ValueError: could not convert string to float: 'good' on a batch of the "
+     "model's output: make it return a number"),
     (["objective=eval_accuracy"], "objective=eval_accuracy is not a figure this run reports"),
     (["trainer.monitor=eval_accuracy"], "trainer.monitor=eval_accuracy is not a figure this "
                                         "run reports (eval_loss"),

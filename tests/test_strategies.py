@@ -133,7 +133,22 @@ def test_sharded_checkpoint_evaluates_and_exports_on_one_device(tmp_path, train_
     assert read_metrics(tmp_path / "eval_full")["eval_accuracy"] == pytest.approx(accuracy)
     again = subprocess.run([str(BIN / "parallab"), "export", str(ckpt), str(full)],
                            capture_output=True, text=True)
-    assert again.returncode != 0 and "exists" in again.stderr  # nothing overwritten
+    assert again.returncode == 2 and "exists" in again.stderr  # nothing overwritten
+    assert again.stderr.count("\n") == 1
+
+
+def test_export_of_a_project_that_does_not_import_is_one_line(tmp_path):
+    from parallab import checkpoint
+    from parallab.cli import _export
+    from parallab.errors import ConfigError
+
+    ckpt = tmp_path / "last.pt"
+    checkpoint.save(ckpt, {"model": {}, "step": 3, "config": {
+        "model": {"_target_": "gone_project.model.Net"}}})
+    with pytest.raises(ConfigError, match="model._target_=gone_project.model.Net does not "
+                                          "import"):
+        _export(ckpt, tmp_path / "out.pt")
+    assert not (tmp_path / "out.pt").exists()
 
 
 def test_a_sharded_index_naming_other_code_is_refused(tmp_path):

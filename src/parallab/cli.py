@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from parallab import help, launch, metrics, run, summary, validate
 from parallab.checkpoint import CheckpointError
+from parallab.errors import first_line
 from parallab.config import register_configs
 
 log = logging.getLogger("parallab")
@@ -376,17 +377,24 @@ def evaluate() -> None:
 
 
 def _export(ckpt: Path, out: Path) -> None:
-    """A sharded (.dcp) checkpoint as one full state-dict file evaluate.py and torch read."""
-    from parallab import checkpoint
+    """A sharded (.dcp) checkpoint as one full state-dict file evaluate.py and torch read;
+    ConfigError or CheckpointError, one line, where it cannot."""
+    from parallab import checkpoint, targets
     from parallab.models import build_model
 
     if out.exists():
-        raise SystemExit(f"parallab export: {out} exists; give a new file name")
+        raise validate.ConfigError(f"{out} exists: give a new file name")
     if not out.parent.is_dir():
-        raise SystemExit(f"parallab export: {out.parent} is not a directory: create it, or "
-                         "give a file in an existing one")
+        raise validate.ConfigError(f"{out.parent} is not a directory: create it, or give a "
+                                   "file in an existing one")
     meta = checkpoint.load_meta(ckpt)
-    model = checkpoint.model_from(ckpt, build_model(_trained_model_config(meta, ckpt)))
+    spec = _trained_model_config(meta, ckpt)
+    targets.locate(spec.get("_target_"), "model._target_")  # the project must import
+    try:
+        model = checkpoint.model_from(ckpt, build_model(spec))
+    except RuntimeError as error:
+        raise checkpoint.CheckpointError(f"ckpt={ckpt} does not fit model {spec['_target_']}: "
+                                         f"{first_line(error)}") from None
     checkpoint.save(out, {"model": model.state_dict(), "step": meta["step"],
                           "config": meta["config"]})
     print(f"{out}: the full model state of {ckpt} (step {meta['step']})")
@@ -431,8 +439,9 @@ def parallab() -> None:
     if args.command == "export":
         try:
             _export(args.ckpt, args.out)
-        except (CheckpointError, KeyError) as error:
-            raise SystemExit(f"parallab export: {error}") from None
+        except (CheckpointError, validate.ConfigError, KeyError) as error:
+            print(f"parallab export: {error}", file=sys.stderr)  # one line, as every refusal
+            raise SystemExit(2) from None
         return
     if not any(args.sweep_dir.glob("*/.hydra/overrides.yaml")):
         parser.error(f"{args.sweep_dir} holds no multirun jobs (no */.hydra/overrides.yaml)")

@@ -56,6 +56,26 @@ def check(specs: dict[str, Any]) -> None:
         targets.check_arguments(target, targets.arguments(spec), f"metrics.{name}", at_call)
 
 
+def check_on(specs: dict[str, Any], output: Any, labels: torch.Tensor) -> None:
+    """Each metric scores a batch (the trial's) to a number; ConfigError naming the one that
+    does not, before any worker starts rather than after all training."""
+    for name, spec in specs.items():
+        try:
+            metric = targets.build(spec)
+            if hasattr(metric, "update") and hasattr(metric, "compute"):
+                metric.update(output, labels)
+                value = metric.compute()
+            else:
+                value = metric(output, labels)
+            float(value)
+        except Exception as error:  # noqa: BLE001 - a user's metric may raise anything
+            from parallab.errors import first_line
+
+            raise ConfigError(f"metrics.{name}: {first_line(error)} on a batch of the model's "
+                              "output: make it return a number (a scalar tensor or a "
+                              "float)") from None
+
+
 class Metrics:
     """The user's metrics for one evaluation pass."""
 

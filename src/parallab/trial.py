@@ -27,12 +27,13 @@ OURS = "parallab."
 
 
 def needed(cfg) -> bool:
-    """A user's part is in play, a loss other than cross-entropy (which every built-in model
-    and data set is checked for), or stages named in the config."""
+    """A user's part is in play (a model, data, a loss other than cross-entropy, which every
+    built-in model and data set is checked for, or a metric), or stages named in the
+    config."""
     return not (str(cfg.model.get(targets.TARGET, "")).startswith(OURS)
                 and cfg.data._target_.startswith(OURS) and cfg.data.tensors
                 and cfg.loss.get(targets.TARGET) in (CROSS_ENTROPY, AUTO)) \
-        or bool(cfg.parallel.stages)
+        or bool(cfg.parallel.stages) or bool(cfg.metrics)
 
 
 def find_stages(model: nn.Module, cfg) -> list[nn.Module] | None:
@@ -141,6 +142,12 @@ def run(cfg, strategy, probe: Probe | None = None) -> list[nn.Module] | None:
         shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
         raise ConfigError(f"loss._target_={cfg.loss[targets.TARGET]} returns {shape}, not a "
                           "scalar: reduce it (mean over the batch)")
+    if cfg.metrics:
+        from parallab import metrics
+
+        with torch.no_grad():
+            output = batches.call(model, batch, with_targets=False)
+        metrics.check_on(cfg.metrics, loss.scored(output), batches.labels_of(batch))
     stages = find_stages(model, cfg) if strategy.uses_stages else None
     if strategy.splits_model and stages is not None and not loss.from_model:
         differs = stages_of.chain_differs(model, stages, batches.inputs_of(batch))

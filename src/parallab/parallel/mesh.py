@@ -77,7 +77,11 @@ def tp_problem(model: nn.Module, tp: int, given: dict[str, str] | None = None) -
     except plans.PlanError as error:
         return str(error)
     for name, style in plan.items():
-        module = model.get_submodule(name)
+        try:
+            module = model.get_submodule(name)
+        except AttributeError:
+            return (f"the tensor-parallel plan ({plans.source(model, given)}) names {name}, "
+                    f"which is not a module of {type(model).__name__}: name its modules")
         dim = {ColwiseParallel: "out_features", RowwiseParallel: "in_features"}.get(type(style))
         if isinstance(module, nn.Embedding):
             dim = "num_embeddings"
