@@ -132,6 +132,10 @@ def test_the_recommended_command_keeps_where_the_config_came_from():
       "advise.max_accumulation=1"], "only one candidate"),
     (["advise.steps=0"], "advise.steps=0 is out of range"),
     (["advise.device=RTX-2080"], "advise.device=RTX-2080 is not in mfu.py's table"),
+    (["advise.mfu=5"], "advise.mfu=5.0 is out of range: it is a share of the peak, in (0, 1]"),
+    (["advise.budget_mb=-100"], "advise.budget_mb=-100.0 is out of range: it must be > 0"),
+    (["advise.world_sizes=[0]"], "advise.world_sizes=[0] holds 0: give world sizes >= 1"),
+    (["advise.world_sizes=[2,-1]"], "advise.world_sizes=[2, -1] holds -1"),
 ])
 def test_bad_advice_requests_end_in_one_line(tmp_path, overrides, says):
     with pytest.raises(JobFailed) as raised:

@@ -134,6 +134,11 @@ def test_auto_values_resolve_for_cpu():
     (["trainer.checkpoint_every_n_steps=0"], "trainer.checkpoint_every_n_steps=0"),
     (["parallel=dp", "backend=nccl"], "backend=nccl needs CUDA"),
     (["parallel=pipeline", "parallel.world_size=1"], "needs at least 2 parts"),
+    (["parallel=pipeline", "parallel.world_size=2", "parallel.pp=1"],
+     "parallel.pp=1 (parallel.world_size=2 over parallel.dp_replicate=2): parallel=pipeline "
+     "needs at least 2 parts"),
+    (["trainer.overwrite=true", "trainer.resume=auto"], "trainer.overwrite=true starts "
+     "afresh, deleting the run dir's checkpoints, and trainer.resume=auto continues from them"),
     (["parallel=pipeline", "parallel.world_size=4"], "is 4 parts, more than the 3 stages"),
     (["parallel=pipeline", "parallel.world_size=4", "parallel.pp=3"],
      "parallel.dp_replicate=null, parallel.dp_shard=1, parallel.pp=3, parallel.tp=1 multiply "
@@ -143,7 +148,8 @@ def test_auto_values_resolve_for_cpu():
      "parallel.dp_replicate=3, parallel.dp_shard=1, parallel.pp=null, parallel.tp=1 multiply "
      "to 3 x ?"),
     (["parallel=pipeline", "parallel.world_size=4", "parallel.dp_replicate=4"],
-     "parallel.world_size=4 / parallel.dp_replicate=4: parallel=pipeline needs at least 2"),
+     "parallel.pp=1 (parallel.world_size=4 over parallel.dp_replicate=4): parallel=pipeline "
+     "needs at least 2"),
     (["parallel=model", "parallel.split=[1,2]"], "parallel.split=[1, 2] gives 3 parts"),
     (["parallel=model", "parallel.split=[3]"], "parallel.split=[3] must be increasing"),
     (["parallel=pipeline", "parallel.microbatches=3"], "parallel.microbatches=3"),

@@ -58,6 +58,9 @@ def check_values(cfg: Config) -> None:
     _at_least("parallel.threads_per_worker", p.threads_per_worker, 1, optional=True)
     _at_least("parallel.max_restarts", p.max_restarts, 0)
     _at_least("trainer.accumulate_grad_batches", t.accumulate_grad_batches, 1)
+    _require(not (t.overwrite and t.resume is not None), f"trainer.overwrite=true starts "
+             f"afresh, deleting the run dir's checkpoints, and trainer.resume={t.resume} "
+             "continues from them: drop one")
     _require(t.clip_grad_norm is None or t.clip_grad_norm > 0,
              f"trainer.clip_grad_norm={t.clip_grad_norm} is out of range: it must be > 0 (or "
              "null for no clipping)")

@@ -43,6 +43,16 @@ def problem(options) -> str | None:
     for key in ("rtol", "intra_node_gbps", "inter_node_gbps", "mfu"):
         if not getattr(options, key) > 0:
             return f"advise.{key}={getattr(options, key)} is out of range: it must be > 0"
+    if not options.mfu <= 1:
+        return (f"advise.mfu={options.mfu} is out of range: it is a share of the peak, in "
+                "(0, 1] (0.4 = 40%)")
+    if options.budget_mb is not None and not options.budget_mb > 0:
+        return (f"advise.budget_mb={options.budget_mb} is out of range: it must be > 0 (or "
+                "null for the device's memory)")
+    bad = [n for n in options.world_sizes or [] if n < 1]
+    if bad:
+        return (f"advise.world_sizes={list(options.world_sizes)} holds {bad[0]}: give world "
+                "sizes >= 1 (or null for 1 and each divisor of parallel.world_size)")
     unknown = [n for n in options.layouts or [] if n not in STRATEGIES]
     if unknown:
         return (f"advise.layouts names {', '.join(unknown)}: use parallel options "

@@ -55,11 +55,12 @@ def check_parts(cfg, stages: list[nn.Module] | None, parts: int | None = None) -
                           "forward order (e.g. parallel.stages='[embed,\"blocks.*\",head]'), "
                           "give it a stages() method, or use parallel=ddp, fsdp, tp or "
                           "fsdp_tp, which need no cut")
-    # the keys that set the number of parts: the world size over the other degrees
+    # the key that sets the number of parts: parallel.pp, where it is not the world size
     others = [f"parallel.{k}={getattr(p, k)}" for k in ("dp_replicate", "dp_shard", "tp")
               if (getattr(p, k, None) or 1) > 1]
-    said = f"parallel.world_size={p.world_size}" + (
-        f" / {' x '.join(others)}" if parts != p.world_size and others else "")
+    said = (f"parallel.pp={parts} (parallel.world_size={p.world_size} over "
+            f"{' x '.join(others)})" if parts != p.world_size and others
+            else f"parallel.world_size={p.world_size}")
     if parts < 2:
         raise ConfigError(f"{said}: parallel={p.name} needs at least 2 parts; use "
                           "parallel=none (or ddp) for one")
