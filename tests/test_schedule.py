@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from conftest import FAST, scalars
+from conftest import FAST, scalars, typed
 from parallab.cli import JobFailed
 from parallab.config import SchedulerConfig
 from parallab.schedule import multiplier
@@ -71,3 +71,28 @@ def test_the_learning_rate_follows_the_global_batch(train_here, scale, args, lr)
     assert metrics["lr"] == pytest.approx(lr)
     assert [value for _, value in scalars(run_dir, "train/lr")] == pytest.approx([lr] * 3)
 
+
+
+def test_a_resume_goes_on_at_the_rate_and_schedule_its_checkpoint_holds(train_here, caplog):
+    """What the optimizer state holds wins on resume: a changed optim or scheduler key is
+    refused in one line, a scaled rate at another global batch is the checkpoint's (and
+    reported so), a new run length is said with the rate's jump."""
+    from parallab.errors import ConfigError
+
+    run = [*FAST, "optim.scale_lr=linear", "data.batch_size=128", "trainer.log_every_n_steps=1",
+           "scheduler=cosine"]
+    train_here(*run, "trainer.max_steps=6", name="run")
+    for change, says in ((["optim.lr=0.001"], "optim.lr=0.001 differs from its 0.01"),
+                         (["scheduler=linear"], "scheduler.name=linear differs from its cosine")):
+        with pytest.raises(ConfigError, match=says):
+            train_here(*run, "trainer.resume=auto", "trainer.max_steps=6", *change, name="run")
+    resumed, run_dir = train_here(*[o for o in run if o != "data.batch_size=128"],
+                                  "data.batch_size=64", "trainer.resume=auto",
+                                  "trainer.max_steps=12", name="run")
+    assert resumed["lr"] == pytest.approx(0.02)  # 0.01 x 128/64, as saved; not 0.01 x 64/64
+    assert "resumed at the checkpoint's learning rate 0.02" in caplog.text
+    assert "the run is 12 steps long now, 6 when saved" in caplog.text
+    rates = [lr for _, lr in scalars(run_dir, "train/lr")]
+    # steps 7-12: the cosine from 0.02 over the new 12 steps (not from 0.01, nor the old 6)
+    factor = multiplier(typed(*run).scheduler, 12)
+    assert rates[6:] == pytest.approx([0.02 * factor(k) for k in range(6, 12)], rel=1e-5)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import select
 import signal
@@ -151,6 +152,18 @@ def resume_path(resume: str | None, run_dir: str) -> Path | None:
     return found
 
 
+def resumed_rate(trainer: Trainer, lr: float, cfg: Config, main: bool) -> float:
+    """The rate a resumed run goes on at: its checkpoint's (the optimizer state holds it;
+    validate refused a changed optim key), said where optim.scale_lr at this run's global
+    batch would give another."""
+    used = trainer.base_rate()
+    if main and not math.isclose(used, lr, rel_tol=1e-9):
+        log.warning("resumed at the checkpoint's learning rate %g: optim.scale_lr=%s would "
+                    "give %g at this run's global batch of %d, but the optimizer state goes on "
+                    "at its own", used, cfg.optim.scale_lr, lr, trainer.global_batch_size)
+    return used
+
+
 def read_checkpoint(path: Path, strategy, model, optimizer) -> dict[str, Any]:
     """A checkpoint's whole state; a sharded one read into this rank's part of the model."""
     if not checkpoint.is_sharded(path):
@@ -228,6 +241,7 @@ def _fit(spec: RunSpec, dist: distributed.Dist, logger: RunLogger,
             trainer.load_state_dict(read_checkpoint(resume_from, trainer.strategy,
                                                     trainer.model, trainer.optimizer))
             log.info("resumed from %s at step %d", resume_from, trainer.step)
+            lr = resumed_rate(trainer, lr, cfg, dist.is_main)
         logger.config(cfg)
         metrics = trainer.fit()
     if trainer.stopped:

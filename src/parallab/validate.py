@@ -244,6 +244,7 @@ def check_resume(cfg: Config, run_dir: str | None) -> None:
              f"trainer.resume={resume} was saved from another model config than model "
              f"{config.model_name(cfg.model)} here: resume with the same model config")
     saved_parallel = checkpoint.saved_parallel(meta)
+    _refuse(changed_recipe(cfg, checkpoint.saved_config(meta), resume))
     sharded = checkpoint.is_sharded(resume)
     # by the degrees, not the preset: the mesh's replicas alone save one file
     here = STRATEGIES[cfg.parallel.name].sharded_checkpoint(cfg.parallel)
@@ -253,6 +254,25 @@ def check_resume(cfg: Config, run_dir: str | None) -> None:
              f"({kind[sharded]}), which parallel={cfg.parallel.name} with these degrees "
              f"cannot continue ({kind[here]}): resume with the layout that saved it (a "
              "ddp/fsdp/mesh run shards where dp_shard > 1 or tp > 1)")
+
+
+def changed_recipe(cfg: Config, saved: dict, resume: str) -> str | None:
+    """A resumed run continues the optimizer and schedule its checkpoint holds (their state
+    and rates): an optim or scheduler key set otherwise here would be ignored without a
+    word, so the first one that differs is named."""
+    from omegaconf import OmegaConf
+
+    for group in ("optim", "scheduler"):
+        here = OmegaConf.to_container(OmegaConf.structured(getattr(cfg, group)))
+        before = saved.get(group)
+        if not isinstance(before, dict):
+            continue  # a checkpoint that records none: nothing to compare
+        for key, value in here.items():
+            if key in before and before[key] != value:
+                return (f"trainer.resume={resume} continues the optimizer and schedule it "
+                        f"holds, and {group}.{key}={value} differs from its {before[key]}: "
+                        f"drop the change (or start a new run)")
+    return None
 
 
 def prepare(cfg: Config, in_place: InPlace | None, run_dir: str | None = None) -> Config:
