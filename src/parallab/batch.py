@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -211,22 +210,23 @@ def describe(output: Any) -> str:
     return name
 
 
+def _field(output: Any, name: str) -> torch.Tensor | None:
+    """`output.name` or `output[name]` (transformers' ModelOutput, a dict), if a tensor."""
+    value = output.get(name) if isinstance(output, Mapping) else getattr(output, name, None)
+    return value if isinstance(value, torch.Tensor) else None
+
+
 def loss_in(output: Any) -> torch.Tensor | None:
-    """The loss an output carries: `.loss` / `["loss"]` (transformers' ModelOutput, a dict),
-    the one scalar tensor of a tuple ((logits, loss), as nanoGPT returns), or the output
-    itself when it is a scalar; None where there is none."""
+    """The loss an output carries: `.loss` / `["loss"]`, the one scalar tensor of a tuple
+    ((logits, loss), as nanoGPT returns), or the output itself when it is a scalar; None
+    where there is none."""
     if isinstance(output, torch.Tensor):
         return output if output.dim() == 0 else None
-    if isinstance(output, Mapping):
-        value = output.get("loss")
-        return value if isinstance(value, torch.Tensor) else None
-    value = getattr(output, "loss", None)
-    if isinstance(value, torch.Tensor):
-        return value
-    if isinstance(output, (tuple, list)):
+    found = _field(output, "loss")
+    if found is None and isinstance(output, (tuple, list)):
         scalars = [o for o in output if isinstance(o, torch.Tensor) and o.dim() == 0]
         return scalars[0] if len(scalars) == 1 else None
-    return None
+    return found
 
 
 def logits_in(output: Any) -> torch.Tensor | None:
@@ -234,23 +234,11 @@ def logits_in(output: Any) -> torch.Tensor | None:
     tuple's first tensor."""
     if isinstance(output, torch.Tensor):
         return output
-    if isinstance(output, Mapping):
-        value = output.get("logits")
-        return value if isinstance(value, torch.Tensor) else None
-    value = getattr(output, "logits", None)
-    if isinstance(value, torch.Tensor):
-        return value
-    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
-        return output[0] if output[0].dim() else None
-    return None
-
-
-def chunks(batch: Any, n: int) -> list[Any]:
-    """`batch` cut into n parts along the first dimension of every tensor (a pipeline's
-    micro-batches)."""
-    size = math.ceil(rows(batch) / n)
-    return [apply(batch, lambda t, i=i: t[i * size:(i + 1) * size] if t.dim() else t)
-            for i in range(n)]
+    found = _field(output, "logits")
+    if found is None and isinstance(output, (tuple, list)) and output:
+        first = output[0]
+        return first if isinstance(first, torch.Tensor) and first.dim() else None
+    return found
 
 
 def weight(labels: torch.Tensor) -> torch.Tensor | int:
