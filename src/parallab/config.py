@@ -48,7 +48,8 @@ class DataConfig:
     eval_batch_size: int = 1000  # per rank
     loader: Loader = Loader.auto
     num_workers: int = 0
-    pin_memory: bool = False
+    # page-locked host batches, so the copy to a GPU overlaps compute; null = on CUDA
+    pin_memory: Optional[bool] = None
     persistent_workers: bool = False
     prefetch_factor: Optional[int] = None  # batches each worker loads ahead; null = torch's 2
     collate_fn: Any = None  # a function's dotted path, or a _target_ spec; null = torch's

@@ -169,7 +169,7 @@ class DataLoaderLoader(ShardLoader):
         self.loader = DataLoader(
             dataset, batch_size=batch_size, sampler=self.sampler, generator=self.generator,
             collate_fn=_collate(cfg.collate_fn), worker_init_fn=ignore_stop_signals,
-            num_workers=cfg.num_workers, pin_memory=cfg.pin_memory and self.device.type == "cuda",
+            num_workers=cfg.num_workers, pin_memory=pinned(cfg, self.device),
             persistent_workers=cfg.persistent_workers and workers,
             prefetch_factor=cfg.prefetch_factor if workers else None)
 
@@ -194,6 +194,11 @@ def prepared(batch: Any, prepare) -> Any:
     if prepare is None or not batches.is_pair(batch):
         return batch
     return prepare(batch[0]), batch[1]
+
+
+def pinned(cfg: DataConfig, device: torch.device) -> bool:
+    """data.pin_memory: page-locked batches where they go to a GPU (null: there, always)."""
+    return device.type == "cuda" and cfg.pin_memory is not False
 
 
 def ignore_stop_signals(worker_id: int) -> None:

@@ -20,7 +20,7 @@ from typing import Any, Iterator
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from parallab import batch as batches
-from parallab.data.loaders import _collate, ignore_stop_signals
+from parallab.data.loaders import _collate, ignore_stop_signals, pinned
 from parallab.distributed import Dist
 from parallab.errors import ConfigError
 
@@ -73,7 +73,7 @@ class StreamLoader:
             RankShare(stream, dist.rank, dist.world_size, batch_size), batch_size=batch_size,
             collate_fn=_collate(cfg.collate_fn), worker_init_fn=ignore_stop_signals,
             num_workers=cfg.num_workers,
-            pin_memory=cfg.pin_memory and self.device.type == "cuda",
+            pin_memory=pinned(cfg, self.device),
             prefetch_factor=cfg.prefetch_factor if workers else None)
 
     def __len__(self) -> int:
