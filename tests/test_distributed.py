@@ -35,23 +35,20 @@ def assert_ddp_run(run_dir, world_size: int, batch_size: int) -> None:
     assert len(list(run_dir.glob("events.out.tfevents*"))) == 1  # rank 0 alone writes
 
 
-def test_ddp_trains_a_whole_epoch_in_equal_steps_per_rank(train):
-    result, run_dir = train(*FAST, "parallel=ddp", "parallel.world_size=3")
-    assert_ok(result)
+def test_ddp_trains_a_whole_epoch_in_equal_steps_per_rank(train_here):
+    _, run_dir = train_here(*FAST, "parallel=ddp", "parallel.world_size=3")
     assert_ddp_run(run_dir, 3, 64)
     assert read_metrics(run_dir)["steps"] == math.ceil(math.ceil(2048 / 3) / 64)
 
 
-def test_ddp_matches_one_process_with_the_global_batch(train):
+def test_ddp_matches_one_process_with_the_global_batch(train_here):
     """The reference: ddp with one worker at the global batch (4 data-parallel ranks against
     one device: test_mesh's hsdp 2x2, whose ranks shard the data the same way)."""
     common = [*FAST, "model.dropout=0", "trainer.max_steps=20", "trainer.log_every_n_steps=1"]
-    single, single_dir = train(*common, "parallel=ddp", "parallel.world_size=1",
+    _, single_dir = train_here(*common, "parallel=ddp", "parallel.world_size=1",
                                "data.batch_size=32", name="single")
-    ddp, ddp_dir = train(*common, "data.batch_size=16", "parallel=ddp",
-                         "parallel.world_size=2", name="ddp")
-    assert_ok(single)
-    assert_ok(ddp)
+    _, ddp_dir = train_here(*common, "data.batch_size=16", "parallel=ddp",
+                            "parallel.world_size=2", name="ddp")
     assert_ddp_run(ddp_dir, 2, 16)
     assert_ddp_run(single_dir, 1, 32)
     expected, got = scalars(single_dir, "train/loss"), scalars(ddp_dir, "train/loss")
@@ -60,15 +57,12 @@ def test_ddp_matches_one_process_with_the_global_batch(train):
         assert b == pytest.approx(a, rel=1e-4, abs=1e-5)
 
 
-def test_eval_counts_every_sample_once_over_uneven_shards(train):
+def test_eval_counts_every_sample_once_over_uneven_shards(train_here):
     # one step too small to move a float32 weight: both score the same (initial) model
     common = [*FAST, "trainer.max_steps=1", "optim.lr=1e-12", "data.eval_size=1001",
               "data.eval_batch_size=64"]
-    single, single_dir = train(*common, name="single")
-    ddp, ddp_dir = train(*common, "parallel=ddp", "parallel.world_size=3", name="ddp")
-    assert_ok(single)
-    assert_ok(ddp)
-    one, three = read_metrics(single_dir), read_metrics(ddp_dir)
+    one, _ = train_here(*common, name="single")
+    three, _ = train_here(*common, "parallel=ddp", "parallel.world_size=3", name="ddp")
     assert three["eval_accuracy"] == one["eval_accuracy"]  # same correct count out of 1001
     assert three["eval_loss"] == pytest.approx(one["eval_loss"], rel=1e-6)
 

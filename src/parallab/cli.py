@@ -118,6 +118,7 @@ def _train_job(dict_cfg: DictConfig) -> float | None:
                 lambda extra: hydra_compose(hydra_cfg.job.config_name, overrides=extra))
         return None
     in_place = launch.prepare_in_place()  # again for launchers that call the app (submitit)
+    launch.warm_up(dict_cfg.parallel.name, in_place)
     try:
         cfg = validate.prepare(typed_config(dict_cfg, list(hydra_cfg.overrides.task)),
                                in_place, hydra_cfg.runtime.output_dir)

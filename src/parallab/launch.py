@@ -163,12 +163,18 @@ AGENT_SIGNALS = "SIGHUP,SIGQUIT"  # the signals torch's agent handles itself
 
 def worker_env(cfg) -> dict[str, str]:
     """The environment of the workers a job of `cfg` starts: their threads, and gloo on
-    loopback for one node."""
+    loopback (the built-in launcher starts one node)."""
     from parallab.distributed import threads_for
 
     p = cfg.parallel
-    env = {"OMP_NUM_THREADS": str(threads_for(p.world_size // p.nnodes, p.threads_per_worker))}
-    if p.nnodes == 1 and "GLOO_SOCKET_IFNAME" not in os.environ:
+    threads = threads_for(p.world_size // p.nnodes, p.threads_per_worker)
+    return {"OMP_NUM_THREADS": str(threads), **_server_env()}
+
+
+def _server_env() -> dict[str, str]:
+    """What a launch adds to the environment its fork server starts with."""
+    env = {"TORCHELASTIC_SIGNALS_TO_HANDLE": AGENT_SIGNALS}  # older torch
+    if "GLOO_SOCKET_IFNAME" not in os.environ:
         env["GLOO_SOCKET_IFNAME"] = "lo"  # gloo picks its interface from the hostname otherwise
     return env
 
@@ -201,7 +207,6 @@ def elastic(entrypoint: Callable, args: tuple, world_size: int, max_restarts: in
         **({"signals_to_handle": AGENT_SIGNALS}
            if "signals_to_handle" in LaunchConfig.__dataclass_fields__ else {}),
     )
-    worker_env = {**worker_env, "TORCHELASTIC_SIGNALS_TO_HANDLE": AGENT_SIGNALS}  # older torch
     saved = {key: os.environ.get(key) for key in worker_env}
     os.environ.update(worker_env)  # the agent hands its own environment to the workers
     # the controlling process reports a failure once, with the root cause's traceback
@@ -244,24 +249,52 @@ def _forkserver() -> Iterator[None]:
     exec) as it ignores SIGINT: `timeout` or a `kill` of the process group would else end
     it, and the agent would read every worker's exit status as 255 and fail a job that is
     saving; workers restore it (run.worker_main). It ends with this process."""
+    if _forkserver_ready():
+        start_fork_server()
+    yield
+
+
+def warm_up(layout: str, in_place: InPlace | None) -> None:
+    """A job that will start workers: its fork server now, not once the config is checked."""
+    from parallab.parallel import STRATEGIES
+
+    strategy = STRATEGIES.get(layout)
+    if in_place is None and strategy is not None and strategy.launches_workers \
+            and _forkserver_ready():
+        start_fork_server()
+
+
+def _environment() -> dict[str, str]:
+    # the workers' threads come from the agent (OMP_NUM_THREADS) and distributed.setup
+    return {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+
+
+def start_fork_server() -> None:
+    """The fork server, started (or kept) for this environment: called early, while the
+    controller checks the config, its imports run beside those checks on another core."""
     global _server_environment
-    if not _forkserver_ready():
-        yield
-        return
     from multiprocessing import forkserver
 
     server = forkserver._forkserver
-    environment = dict(os.environ)
-    if server._forkserver_pid is not None and environment != _server_environment:
-        server._stop()
-    forkserver.set_forkserver_preload(PRELOAD)
-    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    saved = {key: os.environ.get(key) for key in _server_env()}
+    os.environ.update(_server_env())
     try:
-        forkserver.ensure_running()
+        environment = _environment()
+        if server._forkserver_pid is not None and environment != _server_environment:
+            server._stop()
+        forkserver.set_forkserver_preload(PRELOAD)
+        previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        try:
+            forkserver.ensure_running()
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+        _server_environment = environment
     finally:
-        signal.signal(signal.SIGTERM, previous)
-    _server_environment = environment
-    yield
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def _workers() -> list[int]:
