@@ -196,6 +196,13 @@ def test_auto_values_resolve_for_cpu():
     (["data=synthetic", "data.shape=[1,0,28]"], "data.shape=[1, 0, 28] must be sizes >= 1"),
     (["data.prefetch_factor=2"], "data.prefetch_factor=2 applies to DataLoader workers"),
     (["data.persistent_workers=true"], "data.persistent_workers=True applies to DataLoader"),
+    (["parallel=ddp", "parallel.world_size=2", "data=synthetic", "data.train_size=256",
+      "trainer.accumulate_grad_batches=3"],
+     "trainer.accumulate_grad_batches=3 is more than the 2 batches an epoch gives each rank"),
+    (["parallel=tp", "parallel.world_size=2", "model=mlp", "data=synthetic",
+      "data.train_size=256", "trainer.epochs=1", "scheduler=cosine",
+      "scheduler.warmup_steps=4"],
+     "scheduler.warmup_steps=4.0 is 4 steps, the whole run of 4: leaves none to decay over"),
     (["data.global_batch_size=8", "trainer.auto_batch_size=true"],
      "data.global_batch_size=8 fixes the samples of each step, which "
      "trainer.auto_batch_size=true would change: drop one of them"),

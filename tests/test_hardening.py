@@ -72,14 +72,6 @@ def test_a_run_stopped_by_max_steps_continues_as_if_uninterrupted(train_here):
 
 
 
-def test_accumulating_more_batches_than_an_epoch_holds_is_one_line(train_here):
-    """256 samples in batches of 64 are 4 batches: 5 micro-batches a step cannot be."""
-    with pytest.raises(JobFailed) as failed:
-        train_here(*FAST, "data.train_size=256", "trainer.accumulate_grad_batches=5")
-    assert failed.value.status == 2 and "\n" not in str(failed.value)
-    assert str(failed.value).startswith("trainer.accumulate_grad_batches=5 is more than the 4 "
-                                        "batches an epoch gives each rank")
-
 @pytest.mark.slow
 def test_a_fresh_run_in_a_used_dir_is_refused_and_leaves_it_as_it_was(tmp_path):
     run_dir = tmp_path / "a run with spaces"

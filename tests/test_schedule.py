@@ -8,7 +8,6 @@ import math
 import pytest
 
 from conftest import FAST, scalars, typed
-from parallab.cli import JobFailed
 from parallab.config import SchedulerConfig
 from parallab.schedule import multiplier
 
@@ -50,14 +49,6 @@ def test_train_lr_shows_the_schedule(train_here):
     logged = scalars(run_dir, "train/lr")
     assert [step for step, _ in logged] == list(range(1, total + 1))
     assert [value for _, value in logged] == pytest.approx(expected, rel=1e-6)
-
-
-def test_a_warmup_as_long_as_the_run_is_one_line(train_here):
-    with pytest.raises(JobFailed) as failed:
-        train_here(*FAST, "data.train_size=256", "scheduler=cosine", "scheduler.warmup_steps=4")
-    assert failed.value.status == 2
-    assert str(failed.value) == ("scheduler.warmup_steps=4.0 is 4 steps, the whole run of 4: "
-                                 "leaves none to decay over; lower it")
 
 
 @pytest.mark.parametrize("scale,args,lr", [

@@ -67,6 +67,11 @@ class DataConfig:
         """False for a stream of unknown length: then trainer.max_steps must bound the run."""
         return True
 
+    def train_length(self) -> int | None:
+        """Training samples, where known without building the data (the run's length is
+        then checked before any worker starts); None: the workers check it."""
+        return None
+
     def batch_said(self) -> str:
         """The per-rank batch size as the user set it, for messages: data.batch_size, or
         data.global_batch_size where that set it."""

@@ -189,6 +189,27 @@ def resolve_global_batch(cfg: Config) -> None:
     d.batch_size = d.global_batch_size // per_step
 
 
+def check_run_length(cfg: Config) -> None:
+    """Where the training set's length is known here, the run's steps as the workers will
+    count them (data.stream.run_length over each rank's batches): accumulation beyond an
+    epoch's batches, or a warmup as long as the run, refused now rather than in the
+    workers. Not with the batch-size finder, whose batch is chosen in the workers."""
+    import math
+
+    from parallab.data.stream import run_length
+    from parallab.parallel import STRATEGIES
+
+    samples = cfg.data.train_length()
+    if samples is None or cfg.trainer.auto_batch_size:
+        return
+    strategy = STRATEGIES[cfg.parallel.name]
+    per_rank = math.ceil(samples / strategy.data_parallel_ranks(cfg))
+    rounding = math.floor if strategy.fixed_batch_shape else math.ceil  # drop_last
+    batches = rounding(per_rank / cfg.data.batch_size)
+    _, total = run_length(cfg.trainer, range(batches))  # an epoch's batches, by their number
+    schedule.multiplier(cfg.scheduler, total)  # ConfigError for a warmup or decay too long
+
+
 def check_strategy(cfg: Config, probe: trial.Probe) -> None:
     """One batch tried where a user's part is in play, then the strategy's own checks (with
     the model's stages where it cuts the model into parts)."""
@@ -287,6 +308,7 @@ def prepare(cfg: Config, in_place: InPlace | None, run_dir: str | None = None) -
     resolve_parallel(cfg, in_place)
     resolve_global_batch(cfg)
     check_strategy(cfg, probe)
+    check_run_length(cfg)
     resolve_backend(cfg)
     check_resume(cfg, run_dir)
     return cfg

@@ -85,6 +85,12 @@ class Bytes(DataConfig):
     def problem(self) -> str | None:
         return problem(self)
 
+    def train_length(self) -> int:
+        """The training text's windows, as make() cuts them."""
+        size = sum(f.stat().st_size for f in text_files(self.path))
+        cut = size - int(size * self.eval_fraction)
+        return max(0, (cut - 1) // self.seq_len)
+
     def make(self, seed: int) -> tuple[TokenSplit, TokenSplit]:
         data = read_text(self.path)
         cut = len(data) - int(len(data) * self.eval_fraction)

@@ -71,14 +71,20 @@ class Datasets(DataConfig):
         return list(inputs.shape) if isinstance(inputs, torch.Tensor) else None
 
     def sized(self) -> bool:
-        return _LENGTHS.get(repr(self._spec("train")), True)
+        return _LENGTHS.get(repr(self._spec("train"))) is not False
+
+    def train_length(self) -> int | None:
+        """A map-style training Dataset's length (known from its first sample's reading)."""
+        length = _LENGTHS.get(repr(self._spec("train")))
+        return length if isinstance(length, int) and not isinstance(length, bool) else None
 
     def make(self, seed: int) -> tuple[Any, Any]:
         return targets.build(self._spec("train")), targets.build(self._spec("eval"))
 
 
 _SAMPLES: dict[str, Any] = {}  # spec -> first sample: each Dataset built once
-_LENGTHS: dict[str, bool] = {}  # spec -> whether the Dataset has a length
+# spec -> a map-style Dataset's length; a stream's: False without one, True with one
+_LENGTHS: dict[str, int | bool] = {}
 
 
 def first_sample(cfg: Datasets, split: str) -> Any:
@@ -95,7 +101,7 @@ def _read_first_sample(spec: dict[str, Any], split: str) -> Any:
     if not streams and not sized:
         raise ConfigError(f"data.{split}: {type(dataset).__name__} has no __len__: give a "
                           "map-style Dataset a length, or make it an IterableDataset")
-    _LENGTHS[repr(spec)] = sized
+    _LENGTHS[repr(spec)] = len(dataset) if sized and not streams else sized
     if not streams and not len(dataset):
         raise ConfigError(f"data.{split} is empty: give it samples")
     try:

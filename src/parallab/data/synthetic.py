@@ -37,6 +37,9 @@ class Synthetic(DataConfig):
         item = 8 if self.vocab_size else 4  # int64 ids, float32 values
         return (self.train_size + self.eval_size) * math.prod(self.input_shape) * item
 
+    def train_length(self) -> int:
+        return self.train_size
+
     def problem(self) -> str | None:
         for key, low in (("train_size", 1), ("eval_size", 1), ("num_classes", 2),
                          ("noise", 0.0), ("seq_len", 1)):
