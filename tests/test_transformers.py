@@ -119,6 +119,10 @@ BAD = [
     (["parallel=tp", "parallel.world_size=2", "model=my_gpt2",
       "parallel.tp_plan={transformer.h.*.mlp.c_fc: colwise}"],
      "the tensor-parallel plan splits transformer.h.0.mlp.c_fc, a Conv1D"),
+    (["parallel=tp", "parallel.world_size=2", "parallel.tp_plan={model.layers.*.mlp.gate_proj: "
+      "colwise, model.layers.*.mlp.up_proj: colwise, model.layers.*.mlp.down_proj: colwise}"],
+     "the tensor-parallel plan does not compose at parallel.tp=2: split as planned, the forward "
+     "fails in model.layers.0.mlp.down_proj (RuntimeError: mat1 and mat2 shapes"),
     (["parallel=tp", "parallel.world_size=2", "parallel.sequence_parallel=true"],
      "parallel.sequence_parallel=true: the plan of LlamaForCausalLM"),
     (["parallel=pipeline", "parallel.world_size=2"],

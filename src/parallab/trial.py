@@ -159,6 +159,21 @@ def run(cfg, strategy, probe: Probe | None = None) -> list[nn.Module] | None:
     return stages
 
 
+def tp_split_problem(cfg, probe: Probe) -> str | None:
+    """Where a user's model is split by a plan: does the plan compose (plans.split_problem,
+    on the probe's model and batch)?"""
+    p = cfg.parallel
+    if probe.model is None or getattr(p, "tp", 1) == 1 or getattr(p, "sequence_parallel", False):
+        return None
+    from parallab.parallel import plans
+
+    model, batch = probe.model, probe.batch
+    from_model = loss_of.build_loss(cfg.loss).from_model
+    with torch.no_grad():
+        return plans.split_problem(model, plans.plan_of(model, p.tp_plan or None), p.tp,
+                                   lambda m: batches.call(m, batch, with_targets=from_model))
+
+
 def _loss_of(model: nn.Module, loss: Objective, batch: Any):
     """The batch's mean loss; ConfigError naming the part at fault."""
     labels = batches.labels_of(batch)

@@ -221,6 +221,7 @@ def check_strategy(cfg: Config, probe: trial.Probe) -> None:
         strategy.check(cfg, stages)
     else:
         strategy.check(cfg)
+    _refuse(trial.tp_split_problem(cfg, probe))  # after the strategy's: the plan divides
     _refuse(activations.stages_problem(cfg))
 
 

@@ -14,10 +14,11 @@ rowwise_split_input, sequence_parallel.
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Callable, Iterator
 
 from torch import nn
 
+from parallab.errors import first_line
 from parallab.models import hf
 
 
@@ -96,3 +97,62 @@ def expand(model: nn.Module, patterns: dict[str, str], where: str | None) -> dic
                             "names or patterns with * for a layer index")
         plan.update({name: styles[style]() for name in matched})
     return plan
+
+
+
+def split_problem(model: nn.Module, plan: dict[str, Any], tp: int,
+                  forward: Callable[[nn.Module], Any]) -> str | None:
+    """None if the plan's pieces compose: `forward(model)` run with each split layer holding
+    a tp rank's local shapes (then given its own weights back), else one line naming the
+    layer the forward failed in. A plan with styles other than columns and rows (sequence
+    parallel, prepared inputs) is not judged."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    if any(type(style) not in (ColwiseParallel, RowwiseParallel) for style in plan.values()):
+        return None
+    held = [(module, name, param) for module, dim in _local_dims(model, plan)
+            for name, param in list(module.named_parameters(recurse=False))
+            if _cut(module, name, param, dim, tp)]
+    entered: list[str] = []
+    hooks = [m.register_forward_pre_hook(lambda *_, n=n: entered.append(n))
+             for n, m in model.named_modules() if n]
+    try:
+        forward(model)
+    except Exception as error:  # noqa: BLE001 - whatever the user's forward raises
+        where = f" in {entered[-1]}" if entered else ""
+        return (f"the tensor-parallel plan does not compose at parallel.tp={tp}: split as "
+                f"planned, the forward fails{where} ({first_line(error)}): follow each "
+                "colwise layer by the rowwise one that takes its output (or gather its output "
+                "with colwise_gather_output)")
+    finally:
+        for hook in hooks:
+            hook.remove()
+        for module, name, param in held:
+            setattr(module, name, param)
+    return None
+
+
+def _local_dims(model: nn.Module, plan: dict[str, Any]) -> Iterator[tuple[nn.Module, int]]:
+    """Each planned module whose local weights differ from its whole ones, and the weight
+    dim a rank holds a slice of."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    for name, style in plan.items():
+        module = model.get_submodule(name)
+        table = isinstance(module, nn.Embedding)  # its weight is (rows, width), a Linear's
+        if isinstance(style, ColwiseParallel):    # (out, in)
+            if style.use_local_output and style.output_layouts[0] == Shard(-1):
+                yield module, 1 if table else 0  # each rank's output keeps its columns
+        elif style.input_layouts[0] == Shard(-1):
+            yield module, 0 if table else 1  # takes a column-cut input, sums to whole
+
+
+def _cut(module: nn.Module, name: str, param: nn.Parameter, dim: int, tp: int) -> bool:
+    """`param` replaced by a rank's slice along `dim` (zeros that take no memory)."""
+    if param.dim() <= dim:  # a row-cut layer's bias is whole
+        return False
+    shape = list(param.shape)
+    shape[dim] //= tp
+    setattr(module, name, nn.Parameter(param.new_zeros(()).expand(shape), requires_grad=False))
+    return True
