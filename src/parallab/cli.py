@@ -259,6 +259,45 @@ def _restore_earlier_run() -> None:
         path.write_bytes(content)
 
 
+def hydra_line(error: Exception) -> str:
+    """Hydra's refusal (an unknown key or option, a value of the wrong type), which Hydra
+    prints over several lines, as one: its sentences, and a group's options on one line."""
+    text = str(error)
+    if error.__cause__ is not None and "full_key" in str(error.__cause__):  # OmegaConf's why
+        text += "\n" + str(error.__cause__)
+    text, _, options = text.partition("Available options in")
+    said = [line.strip().rstrip(".") for line in text.splitlines() if line.strip() and not
+            line.strip().startswith(("full_key:", "object_type=", "reference_type="))]
+    override = getattr(error, "override", None)  # a parse error names the text, not the key
+    line = "; ".join([*([override] if override else []), *said])
+    if options:
+        group, _, names = options.partition(":")
+        names = [n.strip() for n in names.splitlines() if n.startswith("\t")
+                 and not n.strip().startswith("provider=")]
+        line += f" (options in{group}: {', '.join(names)})"
+    return line
+
+
+def _run_app(app) -> None:
+    """A Hydra app whose own refusals end as parallab's do: one line, exit status 2 (Hydra
+    prints them itself, over several lines, and exits 1, unless HYDRA_FULL_ERROR asks it to
+    raise them)."""
+    from hydra.errors import CompactHydraException
+
+    if os.environ.get("HYDRA_FULL_ERROR"):  # the user asked for Hydra's whole story
+        app()
+        return
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        app()
+    except CompactHydraException as error:
+        _restore_earlier_run()
+        print(hydra_line(error), file=sys.stderr)
+        raise SystemExit(2) from None
+    finally:
+        os.environ.pop("HYDRA_FULL_ERROR", None)
+
+
 def train() -> None:
     """`python train.py [overrides]`."""
     _remember_earlier_run(sys.argv[1:])
@@ -266,7 +305,7 @@ def train() -> None:
     launch.register_resolvers()
     help.register_resolver()
     register_configs()
-    _train_app()
+    _run_app(_train_app)
 
 
 @hydra.main(version_base=None, config_path="conf", config_name="evaluate")
@@ -374,7 +413,7 @@ def evaluate() -> None:
     launch.register_resolvers()
     help.register_resolver()
     register_configs()
-    _evaluate_app()
+    _run_app(_evaluate_app)
 
 
 def _export(ckpt: Path, out: Path) -> None:
