@@ -130,6 +130,8 @@ def test_the_recommended_command_keeps_where_the_config_came_from():
      "data.global_batch_size=7 does not split over any layout"),
     (["advise.world_sizes=[1]", "advise.activation_checkpointing=[none]",
       "advise.max_accumulation=1"], "only one candidate"),
+    (["parallel.world_size=1"], "only one candidate (none(n=1) fp32 ac=none accum=1) at world "
+                                "sizes [1]; the others are savers it does not need"),
     (["advise.steps=0"], "advise.steps=0 is out of range"),
     (["advise.device=RTX-2080"], "advise.device=RTX-2080 is not in mfu.py's table"),
     (["advise.mfu=5"], "advise.mfu=5.0 is out of range: it is a share of the peak, in (0, 1]"),

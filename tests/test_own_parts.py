@@ -164,6 +164,17 @@ def test_a_stream_without_length_needs_max_steps():
                 config_dir=CONF)
 
 
+def test_advise_on_a_stream_without_length_asks_for_the_run_length(tmp_path):
+    """Its candidates are measured for advise.steps, but the command it recommends trains."""
+    from parallab.cli import JobFailed, advise_in_process
+
+    with pytest.raises(JobFailed) as raised:
+        advise_in_process([*WAVES, *STREAM, "+data.train.sized=false", "trainer.max_steps=null",
+                           "advise.steps=2", "advise.precisions=[fp32]"], tmp_path, CONF)
+    assert raised.value.status == 2 and "streams samples with no known length, so the " \
+        "command advise recommends needs a run length: set trainer.max_steps" in str(raised.value)
+
+
 @pytest.mark.slow
 def test_a_stream_shorter_than_one_step_is_refused(tmp_path):
     """512 samples in batches of 32 are 16 batches an epoch: a step of 40 would be short."""

@@ -147,10 +147,17 @@ def plan(cfg, overrides: list[str], configure: Callable[[list[str]], Any]
                               f"{math.lcm(*sizes) * options.max_accumulation}")
         raise ConfigError(candidates[0].reason if candidates else
                           f"no layout uses world sizes {sizes}: set parallel.world_size")
-    if len(checked) + sum("not needed" in (c.reason or "") for c in candidates) == 1:
-        raise ConfigError(f"only one candidate ({checked[0].label}) at world sizes {sizes}: "
-                          "nothing to compare; give parallel.world_size > 1, or more "
-                          "advise.precisions / advise.activation_checkpointing")
+    if not checked[0].cfg.data.sized() and cfg.trainer.max_steps is None:
+        raise ConfigError(f"data={checked[0].cfg.data.name} streams samples with no known "
+                          "length, so the command advise recommends needs a run length: set "
+                          "trainer.max_steps (advise measures advise.steps either way)")
+    kept = [c for c in candidates if c.reason is None]
+    if len(kept) == 1 and all(c.reason is None or "not needed" in c.reason for c in candidates):
+        others = "; the others are savers it does not need (advise.only_needed=false " \
+                 "measures them)" if len(candidates) > 1 else ""
+        raise ConfigError(f"only one candidate ({kept[0].label}) at world sizes {sizes}"
+                          f"{others}: nothing to compare; give parallel.world_size > 1, or "
+                          "more advise.precisions")
     if not any(c.reason is None for c in candidates):
         least = min((c for c in candidates if c.predicted_mb), key=lambda c: c.predicted_mb)
         table = "\n".join(f"  {c.label}: {c.reason}" for c in candidates)
