@@ -10,7 +10,7 @@ import torch
 
 from conftest import FAST, losses, read_metrics
 from parallab.testing import textbook_volume
-from parallab import checkpoint
+from parallab import checkpoint, weights
 from parallab.errors import ConfigError
 from parallab.models.gpt import GPT
 from parallab.models.mlp import MLP
@@ -76,7 +76,7 @@ def one_device(tmp_path_factory):
 
 
 def final_weights(run_dir, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return checkpoint.model_from(checkpoint.latest(run_dir / "checkpoints"), model).state_dict()
+    return weights.model_from(checkpoint.latest(run_dir / "checkpoints"), model).state_dict()
 
 
 @pytest.mark.slow
@@ -170,18 +170,32 @@ def test_sequence_parallel_splits_the_blocks_under_activation_checkpointing(trai
     assert metrics["comm_reduce_scatter_mb"] > 0
 
 
+# (layout, data-parallel ranks) for the first 10 steps, then for the next 10
+RESUMES = {
+    # DCP reshards; sequence parallelism makes the norms replicated DTensors
+    "tp 2 to fsdp_tp 2x2 sp": ((["parallel=tp", "parallel.world_size=2"], 1),
+                               (["parallel=fsdp_tp", "parallel.world_size=4",
+                                 "parallel.sequence_parallel=true"], 2)),
+    "fsdp 2 to none": ((["parallel=fsdp", "parallel.world_size=2"], 2), (["parallel=none"], 1)),
+    "none to tp 2": ((["parallel=none"], 1), (["parallel=tp", "parallel.world_size=2"], 1)),
+    "pipeline 2 to ddp 2": ((["parallel=pipeline", "parallel.world_size=2"], 1),
+                            (["parallel=ddp", "parallel.world_size=2"], 2)),
+}
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_a_tp_checkpoint_resumes_under_another_layout(train_here, one_device):
-    """DCP reshards: 10 steps under tp 2, the next 10 under fsdp_tp 2x2 with sequence
-    parallelism (its norms become replicated DTensors) at the same global batch, equal the
-    one-device run's 20."""
+@pytest.mark.parametrize("first,then", RESUMES.values(), ids=RESUMES)
+def test_a_checkpoint_resumes_under_any_layout(train_here, one_device, first, then):
+    """10 steps under one layout, the next 10 under another (a sharded checkpoint into a
+    whole model, a one-file one cut into tp slices, pipeline parts into replicas) at the
+    same global batch, equal the one-device run's 20: weights, optimizer moments, schedule
+    and data position all carried."""
     run = [*GPT_RUN, *STEPS]
-    train_here(*run, "trainer.max_steps=10", "parallel=tp", "parallel.world_size=2",
-               f"data.batch_size={BATCH['gpt']}")
-    _, run_dir = train_here(*run, "parallel=fsdp_tp", "parallel.world_size=4",
-                            f"data.batch_size={BATCH['gpt'] // 2}", "trainer.resume=auto",
-                            "parallel.sequence_parallel=true")
+    (layout, ranks), (again, more_ranks) = first, then
+    train_here(*run, "trainer.max_steps=10", *layout, f"data.batch_size={BATCH['gpt'] // ranks}")
+    _, run_dir = train_here(*run, *again, f"data.batch_size={BATCH['gpt'] // more_ranks}",
+                            "trainer.resume=auto")
     assert losses(run_dir) == pytest.approx(losses(one_device["gpt"]), rel=1e-4, abs=1e-5)
 
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from conftest import FAST, read_metrics, scalars
-from parallab import checkpoint
+from parallab import checkpoint, weights
 from parallab.config import PrecisionConfig
 from parallab.models.mnist_cnn import MnistCNN
 from parallab.precision import Precision, compute_dtype
@@ -134,7 +134,7 @@ def test_compile_works_on_cpu_under_fsdp(train_here):
                                   "parallel.world_size=2", "trainer.max_steps=8")
     assert metrics["steps"] == 8
     # no _orig_mod. prefix: the weights load into a plain model
-    checkpoint.model_from(checkpoint.latest(run_dir / "checkpoints"), MnistCNN())
+    weights.model_from(checkpoint.latest(run_dir / "checkpoints"), MnistCNN())
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import FAST, assert_ok, read_metrics, run_entry, scalars
-from parallab import checkpoint
+from parallab import checkpoint, weights
 from parallab.cli import train_in_process
 from parallab.models.mlp import MLP
 from parallab.parallel.split import even_cuts, part_ranges
@@ -52,7 +52,7 @@ def final_weights(run_dir) -> dict[str, torch.Tensor]:
     """The run's last checkpoint read into a plain single-device model."""
     ckpt = checkpoint.latest(run_dir / "checkpoints")
     model = MLP(input_dim=64, hidden=[64, 64, 32])
-    return checkpoint.model_from(ckpt, model).state_dict()
+    return weights.model_from(ckpt, model).state_dict()
 
 
 # trainer.accumulate_grad_batches and clip_grad_norm: the same global batch in two

@@ -72,7 +72,9 @@ def periodic_name(step: int) -> str:
 
 
 def is_sharded(path: str | Path) -> bool:
-    return Path(path).is_dir()
+    """A DCP directory (not a folder of exported weights)."""
+    path = Path(path)
+    return path.is_dir() and (path.suffix == ".dcp" or (path / ".metadata").exists())
 
 
 def load_meta(path: str | Path) -> dict[str, Any]:
@@ -168,13 +170,28 @@ def load_sharded(path: Path, template: dict[str, Any]) -> dict[str, Any]:
     return {**meta, **template}
 
 
-def model_from(path: str | Path, model: torch.nn.Module) -> torch.nn.Module:
-    """`model` with the weights of any checkpoint: a file, or a .dcp read by one process."""
-    if is_sharded(path):
-        load_sharded(Path(path), {"model": model.state_dict()})  # fills the tensors in place
-    else:
-        model.load_state_dict(load(path)["model"])
-    return model
+def held_as(template: dict[str, Any], full: dict[str, Any], path: str | Path
+            ) -> dict[str, Any]:
+    """`full` (whole tensors, as a one-file checkpoint holds them) shaped as `template`, a
+    rank's own state under its layout: a DTensor's part cut here from the whole tensor (no
+    communication: every rank read the file), plain tensors moved to its device; keys this
+    rank does not hold (other pipeline parts') left out. CheckpointError naming missing keys."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    missing = [key for key in template if key not in full]
+    if missing:
+        raise CheckpointError(f"{path} lacks {len(missing)} entries this model holds "
+                              f"({', '.join(missing[:5])}): resume a checkpoint of this model")
+    held: dict[str, Any] = {}
+    for key, mine in template.items():
+        value = full[key]
+        if isinstance(mine, DTensor):
+            value = distribute_tensor(value.to(mine.device, mine.dtype), mine.device_mesh,
+                                      mine.placements, src_data_rank=None)
+        elif isinstance(mine, torch.Tensor):
+            value = value.to(mine.device)
+        held[key] = value
+    return held
 
 
 def saved_config(meta: dict[str, Any]) -> dict[str, Any]:
@@ -202,6 +219,12 @@ def saved_parallel(meta: dict[str, Any]) -> str | None:
 def same_model(meta: dict[str, Any], spec: dict[str, Any]) -> bool:
     """The checkpoint was trained with this model spec (_target_ and every argument)."""
     return saved_config(meta).get("model") == spec
+
+
+def by_name(path: str | Path, meta: dict[str, Any]) -> bool:
+    """The optimizer state is keyed by parameter name (any layout reads it), not by index."""
+    return is_sharded(path) or not isinstance(meta.get("optimizer", {}).get("param_groups"),
+                                              list)
 
 
 def resumable(path: str | Path, meta: dict[str, Any]) -> bool:

@@ -22,7 +22,6 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from parallab import help, launch, metrics, run, summary, validate
 from parallab.checkpoint import CheckpointError
-from parallab.errors import first_line
 from parallab.config import register_configs
 
 log = logging.getLogger("parallab")
@@ -310,7 +309,7 @@ def train() -> None:
 
 @hydra.main(version_base=None, config_path="conf", config_name="evaluate")
 def _evaluate_app(dict_cfg: DictConfig) -> float:
-    from parallab import checkpoint, distributed
+    from parallab import checkpoint, distributed, weights
     from parallab.data import build_data
     from parallab.loss import build_loss
     from parallab.models import build_model
@@ -326,7 +325,7 @@ def _evaluate_app(dict_cfg: DictConfig) -> float:
         from parallab import rundir
 
         rundir.check_unused(run_dir, "evaluate.py")
-        state = checkpoint.load_meta(dict_cfg.ckpt)
+        state = weights.record(dict_cfg.ckpt)
         _refuse_model_overrides(overrides, dict_cfg.ckpt)
         # the checkpoint's model and data, before anything resolves: data keys that follow
         # the model (data=bytes: seq_len from model.context) follow the trained one
@@ -341,10 +340,9 @@ def _evaluate_app(dict_cfg: DictConfig) -> float:
     dist = distributed.setup(cfg.device.value, None, cfg.backend.timeout_s,
                              cfg.parallel.threads_per_worker)
     try:
-        model = checkpoint.model_from(cfg.ckpt, build_model(cfg.model))
-    except RuntimeError as error:
-        _fail(f"ckpt={cfg.ckpt} does not fit model {cfg.model['_target_']}: "
-              f"{(str(error).splitlines() + [''])[1].strip()}", 2)
+        model = weights.model_from(cfg.ckpt, build_model(cfg.model))
+    except validate.ConfigError as error:
+        _fail(f"ckpt={cfg.ckpt} does not fit model {cfg.model['_target_']}: {error}", 2)
     data = build_data(cfg.data, dist, cfg.seed)
     loss = build_loss(cfg.loss).bind(model)
     figures = evaluate(model.to(dist.device), data.eval, dist,
@@ -416,28 +414,25 @@ def evaluate() -> None:
     _run_app(_evaluate_app)
 
 
-def _export(ckpt: Path, out: Path) -> None:
-    """A sharded (.dcp) checkpoint as one full state-dict file evaluate.py and torch read;
-    ConfigError or CheckpointError, one line, where it cannot."""
-    from parallab import checkpoint, targets
+def _export(ckpt: Path, out: Path, force: bool = False) -> None:
+    """A checkpoint's model (a .pt file, or a sharded .dcp read by this one process) as
+    weights.FORMATS; ConfigError or CheckpointError, one line, where it cannot."""
+    from parallab import checkpoint, targets, weights
     from parallab.models import build_model
 
-    if out.exists():
-        raise validate.ConfigError(f"{out} exists: give a new file name")
     if not out.parent.is_dir():
         raise validate.ConfigError(f"{out.parent} is not a directory: create it, or give a "
-                                   "file in an existing one")
-    meta = checkpoint.load_meta(ckpt)
+                                   "path in an existing one")
+    meta = weights.record(ckpt)
     spec = _trained_model_config(meta, ckpt)
     targets.locate(spec.get("_target_"), "model._target_")  # the project must import
     try:
-        model = checkpoint.model_from(ckpt, build_model(spec))
-    except RuntimeError as error:
+        model = weights.model_from(ckpt, build_model(spec))
+    except validate.ConfigError as error:
         raise checkpoint.CheckpointError(f"ckpt={ckpt} does not fit model {spec['_target_']}: "
-                                         f"{first_line(error)}") from None
-    checkpoint.save(out, {"model": model.state_dict(), "step": meta["step"],
-                          "config": meta["config"]})
-    print(f"{out}: the full model state of {ckpt} (step {meta['step']})")
+                                         f"{error}") from None
+    what = weights.export(model, {"step": meta["step"], "config": meta["config"]}, out, force)
+    print(f"{out}: {what}, of {ckpt} (step {meta['step']})")
 
 
 def advise() -> None:
@@ -471,14 +466,16 @@ def parallab() -> None:
                         "(advise.md/.csv/.png in the run dir)")
     summarize = commands.add_parser("summary", help="summary.csv/.md/.png of a multirun dir")
     summarize.add_argument("sweep_dir", type=Path)
-    export = commands.add_parser("export", help="a checkpoint (.pt or sharded .dcp) as one "
-                                 "full state-dict file")
+    export = commands.add_parser("export", help="a checkpoint's model (.pt or sharded .dcp) "
+                                 "as OUT.pt, OUT.safetensors, or a folder OUT (a transformers "
+                                 "model's save_pretrained folder)")
     export.add_argument("ckpt", type=Path)
     export.add_argument("out", type=Path)
+    export.add_argument("--force", action="store_true", help="replace OUT if it exists")
     args = parser.parse_args()
     if args.command == "export":
         try:
-            _export(args.ckpt, args.out)
+            _export(args.ckpt, args.out, args.force)
         except (CheckpointError, validate.ConfigError, KeyError) as error:
             print(f"parallab export: {error}", file=sys.stderr)  # one line, as every refusal
             raise SystemExit(2) from None

@@ -260,6 +260,8 @@ class TrainerConfig:
     keep_last_k: int = 3  # periodic checkpoints kept (last.pt / last.dcp always is)
     resume: Optional[str] = None  # auto (newest in the run dir) or a checkpoint path
     overwrite: bool = False  # a fresh run in a dir holding one: delete its checkpoints first
+    init_from: Optional[str] = None  # start from these weights (.pt, .dcp, .safetensors, folder)
+    init_strict: bool = True  # every weight named and shaped as the model's; false: what matches
     on_nan: str = "stop"  # stop | skip: what a NaN/inf loss or gradient does
     # none | full | selective: recompute activations in backward, per stage (activations.py)
     activation_checkpointing: str = "none"

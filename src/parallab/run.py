@@ -52,8 +52,9 @@ class RunSpec:
         """The command that continues this run, as the user started it."""
         import shlex
 
-        kept = [o for o in self.overrides
-                if not o.startswith(("hydra.run.dir=", "trainer.resume="))]
+        # the weights it started from are in its checkpoints now
+        kept = [o for o in self.overrides if not o.startswith(
+            ("hydra.run.dir=", "trainer.resume=", "trainer.init_from="))]
         return shlex.join([*self.command, *kept, f"hydra.run.dir={self.run_dir}",
                            "trainer.resume=auto"])
 
@@ -165,11 +166,17 @@ def resumed_rate(trainer: Trainer, lr: float, cfg: Config, main: bool) -> float:
 
 
 def read_checkpoint(path: Path, strategy, model, optimizer) -> dict[str, Any]:
-    """A checkpoint's whole state; a sharded one read into this rank's part of the model."""
-    if not checkpoint.is_sharded(path):
-        return checkpoint.load(path)
+    """A checkpoint's whole state shaped as this rank holds the model under this layout,
+    whichever layout and world size wrote it: a sharded one resharded by DCP, a one-file one
+    cut to this rank's part (checkpoint.held_as)."""
     model_state, optimizer_state = strategy.state_dict(model, optimizer)
-    return checkpoint.load_sharded(path, {"model": model_state, "optimizer": optimizer_state})
+    if checkpoint.is_sharded(path):
+        return checkpoint.load_sharded(path, {"model": model_state, "optimizer": optimizer_state})
+    state = checkpoint.load(path)
+    if isinstance(state["optimizer"].get("param_groups"), list):
+        return state  # by an earlier parallab, for the layout that wrote it (validate)
+    return {**state, "model": checkpoint.held_as(model_state, state["model"], path),
+            "optimizer": checkpoint.held_as(optimizer_state, state["optimizer"], path)}
 
 
 def train(spec: RunSpec, store=None) -> dict[str, Any]:
@@ -199,13 +206,27 @@ def train(spec: RunSpec, store=None) -> dict[str, Any]:
     return metrics
 
 
+def start_from(model, path: str, strict: bool, main: bool) -> None:
+    """trainer.init_from: the weights at `path` in the whole model, said once."""
+    from parallab import weights
+
+    left = weights.load_into(model, path, strict)
+    if main:
+        log.info("started from the weights in %s%s", path, f"; left at their initial values: "
+                 f"{', '.join(left)}" if left else "")
+
+
 def build_trainer(cfg: Config, dist: distributed.Dist, logger: RunLogger,
-                  checkpoints: Path | None, preemption: Preemption) -> tuple[Trainer, float]:
+                  checkpoints: Path | None, preemption: Preemption,
+                  init_from: str | None = None) -> tuple[Trainer, float]:
     """Model, strategy, data, optimizer and trainer on this rank (a checkpointer saving
-    into `checkpoints`, if given); the trainer and the learning rate it uses."""
+    into `checkpoints`, if given; the weights at `init_from`, if given); the trainer and the
+    learning rate it uses."""
     strategy_cls = STRATEGIES[cfg.parallel.name]
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model)  # identical initial weights on every rank
+    if init_from is not None:  # before any layout cuts it: every layout starts alike
+        start_from(model, init_from, cfg.trainer.init_strict, dist.is_main)
     precision = Precision(cfg.precision, dist.device)
     strategy = strategy_cls(cfg.parallel, dist, precision, build_loss(cfg.loss).bind(model))
     torch.manual_seed(cfg.seed + strategy.seed_rank)  # dropout masks differ between ranks
@@ -234,9 +255,10 @@ def _fit(spec: RunSpec, dist: distributed.Dist, logger: RunLogger,
     """Build model, data, optimizer and trainer on this rank, resume if asked, train, save."""
     cfg = spec.cfg
     with Preemption() as preemption:
-        trainer, lr = build_trainer(cfg, dist, logger, Path(spec.run_dir) / "checkpoints",
-                                    preemption)
+        # a resumed run has its weights (its start's included) from its checkpoint
         resume_from = resume_path(cfg.trainer.resume, spec.run_dir)
+        trainer, lr = build_trainer(cfg, dist, logger, Path(spec.run_dir) / "checkpoints",
+                                    preemption, None if resume_from else cfg.trainer.init_from)
         if resume_from is not None:
             trainer.load_state_dict(read_checkpoint(resume_from, trainer.strategy,
                                                     trainer.model, trainer.optimizer))

@@ -265,17 +265,38 @@ def check_resume(cfg: Config, run_dir: str | None) -> None:
     _require(checkpoint.same_model(meta, cfg.model),
              f"trainer.resume={resume} was saved from another model config than model "
              f"{config.model_name(cfg.model)} here: resume with the same model config")
-    saved_parallel = checkpoint.saved_parallel(meta)
     _refuse(changed_recipe(cfg, checkpoint.saved_config(meta), resume))
-    sharded = checkpoint.is_sharded(resume)
-    # by the degrees, not the preset: the mesh's replicas alone save one file
+    # any layout continues any other's checkpoint, except a one-file one by an earlier
+    # parallab, whose optimizer state is by parameter index: only a whole model reads it
     here = STRATEGIES[cfg.parallel.name].sharded_checkpoint(cfg.parallel)
-    kind = {True: "sharded", False: "one file"}
-    _require(sharded == here,
-             f"trainer.resume={resume} was saved by parallel={saved_parallel} "
-             f"({kind[sharded]}), which parallel={cfg.parallel.name} with these degrees "
-             f"cannot continue ({kind[here]}): resume with the layout that saved it (a "
-             "ddp/fsdp/mesh run shards where dp_shard > 1 or tp > 1)")
+    _require(not here or checkpoint.by_name(resume, meta),
+             f"trainer.resume={resume} was saved by parallel={checkpoint.saved_parallel(meta)} "
+             f"of an earlier parallab, whose optimizer state only a whole model reads, not "
+             f"parallel={cfg.parallel.name} with these degrees: resume it under that layout "
+             "once (its next checkpoint is read by any)")
+
+
+def check_init(cfg: Config, probe: trial.Probe) -> None:
+    """trainer.init_from names weights that fit the model (names and shapes; some, with
+    trainer.init_strict=false), read without their tensors."""
+    from pathlib import Path
+
+    from parallab import weights
+
+    path = cfg.trainer.init_from
+    if path is None:
+        return
+    _require(cfg.trainer.resume is None, f"trainer.init_from={path} starts a new run from "
+             f"weights, and trainer.resume={cfg.trainer.resume} continues one from its "
+             "checkpoint (which holds the weights it started from): drop one of them")
+    _require(Path(path).exists(), f"trainer.init_from={path} does not exist: give a .pt, "
+             ".dcp or .safetensors checkpoint, or a folder parallab export or save_pretrained "
+             "wrote")
+    model = probe.model if probe.model is not None else trial.model_on_meta(cfg)
+    try:
+        _refuse(weights.fit_problem(model, path, "trainer.init_from", cfg.trainer.init_strict))
+    except checkpoint.CheckpointError as error:
+        raise ConfigError(f"trainer.init_from: {error}") from None
 
 
 def changed_recipe(cfg: Config, saved: dict, resume: str) -> str | None:
@@ -312,4 +333,5 @@ def prepare(cfg: Config, in_place: InPlace | None, run_dir: str | None = None) -
     check_run_length(cfg)
     resolve_backend(cfg)
     check_resume(cfg, run_dir)
+    check_init(cfg, probe)
     return cfg

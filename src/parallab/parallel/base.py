@@ -169,12 +169,28 @@ class Strategy:
 
     def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer
                    ) -> tuple[dict[str, Any], dict[str, Any]]:
-        return self.unwrap(model).state_dict(), optimizer.state_dict()
+        """The model's and optimizer's state as torch.distributed.checkpoint's get_state_dict
+        gives it under every layout: keyed by parameter name (wrappers' prefixes dropped),
+        the optimizer's state flattened per parameter, so that no key depends on how the
+        model is held (param_groups.0 would) and any layout reads what another wrote. Plain
+        tensors here; DTensors under a sharded layout."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        return get_state_dict(self.unwrap(model), optimizer,
+                              options=StateDictOptions(flatten_optimizer_state_dict=True))
 
     def load_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                         model_state: dict[str, Any], optimizer_state: dict[str, Any]) -> None:
-        self.unwrap(model).load_state_dict(model_state)
-        optimizer.load_state_dict(optimizer_state)
+        """`state_dict`'s form, shaped as this rank holds it (run.read_checkpoint)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        if isinstance(optimizer_state.get("param_groups"), list):  # a one-file checkpoint
+            self.unwrap(model).load_state_dict(model_state)  # by an earlier parallab: its
+            optimizer.load_state_dict(optimizer_state)  # optimizer state by parameter index
+            return
+        set_state_dict(self.unwrap(model), optimizer, model_state_dict=model_state,
+                       optim_state_dict=optimizer_state,
+                       options=StateDictOptions(flatten_optimizer_state_dict=True))
 
 
 def params_by_mesh(model: nn.Module) -> dict[object, list[nn.Parameter]]:
@@ -191,10 +207,8 @@ def params_by_mesh(model: nn.Module) -> dict[object, list[nn.Parameter]]:
 
 
 class ShardedStrategy(Strategy):
-    """Ranks hold parts of the model (fsdp: shards, tp: slices, pipeline: stages). State goes
-    through torch.distributed.checkpoint's get/set_state_dict: keyed by full parameter names,
-    with the optimizer state flattened per parameter, so parts held by different ranks never
-    share a key (param_groups.0 would). A layout whose ranks each hold the whole model
+    """Ranks hold parts of the model (fsdp: shards, tp: slices, pipeline: stages): every rank
+    writes its part of a .dcp checkpoint. A layout whose ranks each hold the whole model
     (sharded_checkpoint false: the mesh's replicas only) keeps the one-file checkpoint."""
 
     @classmethod
@@ -217,19 +231,3 @@ class ShardedStrategy(Strategy):
                               "needs the whole model in one process: use parallel=none or ddp (dp_shard=1, "
                               "tp=1)")
 
-    def state_dict(self, model, optimizer):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-        if not self.sharded_checkpoint(self.cfg):
-            return super().state_dict(model, optimizer)
-        return get_state_dict(model, optimizer,
-                              options=StateDictOptions(flatten_optimizer_state_dict=True))
-
-    def load_state_dict(self, model, optimizer, model_state, optimizer_state) -> None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-
-        if not self.sharded_checkpoint(self.cfg):
-            return super().load_state_dict(model, optimizer, model_state, optimizer_state)
-        set_state_dict(model, optimizer, model_state_dict=model_state,
-                       optim_state_dict=optimizer_state,
-                       options=StateDictOptions(flatten_optimizer_state_dict=True))

@@ -1,0 +1,236 @@
+"""Weights in and out: a checkpoint's model exported as a torch file, one safetensors file or
+a folder (a transformers model's save_pretrained folder; for any other model,
+model.safetensors), each with the run's config beside it; and weights read back from any of
+these and from parallab's checkpoints (.pt, sharded .dcp), for evaluate.py, `parallab export`
+and trainer.init_from.
+
+Keys are the model's parameter names: the prefixes wrappers add (DDP's `module.`, compile's
+`_orig_mod.`, activation checkpointing's `_checkpoint_wrapped_module.`) never matter. Tied
+weights are written once, as safetensors requires, and restored from the tensor they share.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from parallab import checkpoint
+from parallab.errors import ConfigError, first_line
+
+log = logging.getLogger("parallab")
+RUN_CONFIG = "parallab.yaml"  # the run's config beside exported weights
+WEIGHTS = "model.safetensors"
+# a wrapper's name where a path's part starts (at the start, or after a dot)
+_WRAPPERS = re.compile(r"(?<![^.])(?:module|_orig_mod|_checkpoint_wrapped_module)\.")
+FORMATS = ".pt (a torch file), .safetensors, or a folder"
+
+
+def _safetensors():
+    try:
+        import safetensors.torch
+    except ImportError:
+        raise ConfigError('safetensors is not installed: pip install "parallab[hf]" (or '
+                          'pip install safetensors)') from None
+    return safetensors.torch
+
+
+def plain_name(key: str) -> str:
+    """`key` without the prefixes wrappers add."""
+    return _WRAPPERS.sub("", key)
+
+
+def is_weights(path: str | Path) -> bool:
+    """An exported file or folder, not one of parallab's checkpoints."""
+    path = Path(path)
+    return path.suffix == ".safetensors" or path.is_dir() and not checkpoint.is_sharded(path)
+
+
+def _files(path: Path) -> list[Path]:
+    """A folder's safetensors files (one, or a transformers index's shards)."""
+    if path.suffix == ".safetensors":
+        return [path]
+    index = path / f"{WEIGHTS}.index.json"
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / name for name in names]
+    if not (path / WEIGHTS).exists():
+        raise checkpoint.CheckpointError(f"{path} holds no {WEIGHTS}: give a folder that "
+                                         "parallab export or save_pretrained wrote")
+    return [path / WEIGHTS]
+
+
+def record(path: str | Path) -> dict[str, Any]:
+    """What a checkpoint or an export records besides weights: {"step", "config", ...}
+    (an export's config: the run's, where parallab wrote it)."""
+    path = Path(path)
+    if not is_weights(path):
+        return checkpoint.load_meta(path)
+    shapes(path)  # readable, or one line
+    if path.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        with safe_open(str(path), "pt") as reader:
+            record = reader.metadata() or {}
+        return {"step": int(record.get("step", 0)),
+                "config": json.loads(record.get("parallab_config", "{}"))}
+    from omegaconf import OmegaConf
+
+    config = path / RUN_CONFIG
+    return {"step": 0, "config": OmegaConf.to_container(OmegaConf.load(config))
+            if config.exists() else {}}
+
+
+def shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
+    """Each saved weight's shape, by plain name, reading no tensor data; CheckpointError
+    for a file that cannot be read (truncated, not what its name says)."""
+    try:
+        return _shapes(Path(path))
+    except (checkpoint.CheckpointError, ConfigError):
+        raise
+    except Exception as error:  # noqa: BLE001 - each reader fails its own way
+        raise checkpoint.CheckpointError(f"{path} cannot be read as weights "
+                                         f"({first_line(error)}): give a checkpoint, or what "
+                                         "parallab export or save_pretrained wrote") from None
+
+
+def _shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    if checkpoint.is_sharded(path):
+        from torch.distributed.checkpoint import FileSystemReader
+
+        entries = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        return {plain_name(k[len("model."):]): tuple(v.size) for k, v in entries.items()
+                if k.startswith("model.") and hasattr(v, "size")}
+    if is_weights(path):
+        from safetensors import safe_open
+
+        found = {}
+        for file in _files(path):
+            with safe_open(str(file), "pt") as reader:
+                found.update({plain_name(k): tuple(reader.get_slice(k).get_shape())
+                              for k in reader.keys()})
+        return found
+    state = checkpoint.load(path, mmap=True)
+    weights = state.get("model", state) if isinstance(state, dict) else {}
+    return {plain_name(k): tuple(v.shape) for k, v in weights.items()
+            if isinstance(v, torch.Tensor)}
+
+
+def read(path: str | Path, model: nn.Module) -> dict[str, torch.Tensor]:
+    """The saved weights by plain name, whole tensors on the CPU (`model`, whole: the
+    template a sharded checkpoint is read into)."""
+    path = Path(path)
+    if checkpoint.is_sharded(path):
+        template = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        template = {k: v for k, v in template.items() if plain_name(k) in shapes(path)}
+        checkpoint.load_sharded(path, {"model": template})
+        return {plain_name(k): v for k, v in template.items()}
+    if is_weights(path):
+        loaded: dict[str, torch.Tensor] = {}
+        for file in _files(path):
+            loaded.update(_safetensors().load_file(str(file)))
+        return {plain_name(k): v for k, v in loaded.items()}
+    state = checkpoint.load(path)
+    weights = state.get("model", state)
+    return {plain_name(k): v for k, v in weights.items() if isinstance(v, torch.Tensor)}
+
+
+def _aliases(model: nn.Module) -> dict[str, str]:
+    """Each tied parameter's other names -> the first name it has."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        aliases.update({name: first[id(param)]} if id(param) in first else {})
+        first.setdefault(id(param), name)
+    return aliases
+
+
+def fit(model: nn.Module, saved: dict[str, tuple[int, ...]]) -> tuple[list, list, list]:
+    """(missing, unexpected, mis-shaped) names between `model` (meta will do) and saved
+    shapes; a tied weight saved under any of its names is present."""
+    aliases = _aliases(model)
+    own = {plain_name(k): tuple(v.shape) for k, v in model.state_dict().items()}
+    present = set(saved) | {alias for alias, first in aliases.items() if first in saved} | {
+        first for alias, first in aliases.items() if alias in saved}
+    missing = [k for k in own if k not in present]
+    unexpected = [k for k in saved if k not in own]
+    wrong = [f"{k} {list(saved[k])} vs {list(own[k])}" for k in own
+             if k in saved and saved[k] != own[k]]
+    return missing, unexpected, wrong
+
+
+def fit_problem(model: nn.Module, path: str | Path, key: str, strict: bool) -> str | None:
+    """One line where the weights at `path` do not fit `model` (strict: every name and
+    shape; else: some weight must match)."""
+    missing, unexpected, wrong = fit(model, shapes(path))
+    said = [f"{len(found)} {what} ({', '.join(found[:5])})" for what, found in
+            (("missing", missing), ("unexpected", unexpected), ("mis-shaped", wrong)) if found]
+    if not said or not strict and len(missing) + len(wrong) < len(model.state_dict()):
+        return None
+    fix = ("trainer.init_strict=false loads those that match" if strict else
+           "give weights of this model")
+    return (f"{key}={path} does not fit {type(model).__name__}: {'; '.join(said)}: {fix}")
+
+
+def model_from(path: str | Path, model: nn.Module) -> nn.Module:
+    """`model` with every weight saved at `path` (a checkpoint or an export)."""
+    load_into(model, path)
+    return model
+
+
+def load_into(model: nn.Module, path: str | Path, strict: bool = True) -> list[str]:
+    """`model` (whole, on the CPU) given the weights at `path`; returns the names left at
+    their initial values (strict=False), after fit_problem said they may be."""
+    saved = read(path, model)
+    aliases = _aliases(model)
+    for alias, first in aliases.items():  # a tied weight written under one of its names
+        if first not in saved and alias in saved:
+            saved[first] = saved[alias]
+    own = {plain_name(k): k for k in model.state_dict()}
+    state = model.state_dict()
+    kept = {own[k]: v for k, v in saved.items()
+            if k in own and tuple(v.shape) == tuple(state[own[k]].shape)}
+    left = [k for k in own if own[k] not in kept and k not in aliases]
+    if strict and left:
+        raise ConfigError(f"{path} leaves {', '.join(left[:5])} unset: give weights of this "
+                          "model, or trainer.init_strict=false")
+    model.load_state_dict({**state, **kept})
+    return left
+
+
+def export(model: nn.Module, record: dict[str, Any], out: Path, force: bool) -> str:
+    """`model`'s weights written to `out` (FORMATS) with the run's `record` (step, config);
+    what was written, in words."""
+    from parallab.models import hf
+
+    if out.exists() or out.is_symlink():
+        if not force:
+            raise ConfigError(f"{out} exists: give a new name, or --force to replace it")
+        shutil.rmtree(out) if out.is_dir() else out.unlink()
+    if out.suffix == ".pt":
+        checkpoint.save(out, {"model": model.state_dict(), **record})
+        return "the full model state as one torch file"
+    config = json.dumps(record.get("config", {}))
+    if out.suffix == ".safetensors":
+        _safetensors().save_model(model, str(out), metadata={
+            "format": "pt", "step": str(record.get("step", 0)), "parallab_config": config})
+        return "the model's weights as one safetensors file (the run's config in its metadata)"
+    if out.suffix:
+        raise ConfigError(f"{out}: export writes {FORMATS} (no other suffix)")
+    out.mkdir(parents=True)
+    if hf.is_transformers(model):
+        model.save_pretrained(str(out))
+        what = "a transformers folder (config.json, model.safetensors) from_pretrained reads"
+    else:
+        _safetensors().save_model(model, str(out / WEIGHTS), metadata={"format": "pt"})
+        what = f"a folder ({WEIGHTS}) evaluate.py and trainer.init_from read"
+    from omegaconf import OmegaConf
+
+    OmegaConf.save(OmegaConf.create(record.get("config", {})), out / RUN_CONFIG)
+    return f"{what}, with the run's config in {RUN_CONFIG}"

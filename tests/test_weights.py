@@ -1,0 +1,176 @@
+"""Weights in and out: a checkpoint exported as a torch file, one safetensors file or a folder
+(a transformers model's from_pretrained folder) and each read back; runs started from weights
+(trainer.init_from) under any layout, strict about what fits; a transformers model built by
+from_pretrained from a local folder."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import FAST, REPO, assert_ok, losses, read_metrics, run_entry
+from parallab import checkpoint, weights
+from parallab.cli import _export, train_in_process
+from parallab.errors import ConfigError
+
+MLP = [*FAST, "model=mlp", "model.hidden=[64,32]", "data.shape=[1,8,8]", "optim.lr=0.05",
+       "trainer.log_every_n_steps=1", "trainer.checkpoint_every_n_steps=null",
+       "trainer.save_best=false"]
+LLAMA = REPO / "examples" / "hf_llama"
+HF_RUN = ["experiment=llama", "device=cpu", "trainer.log_every_n_steps=1",
+          "data.train.size=160", "data.eval.size=64", "trainer.save_best=false"]
+
+
+def same_weights(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    for name, tensor in model.state_dict().items():
+        torch.testing.assert_close(tensor, state[name], rtol=0, atol=0)
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(tmp_path_factory):
+    """An mlp trained 4 steps under fsdp on 2 ranks: a sharded .dcp checkpoint."""
+    run_dir = tmp_path_factory.mktemp("weights") / "fsdp"
+    train_in_process([*MLP, "trainer.max_steps=4", "parallel=fsdp", "parallel.world_size=2",
+                      "data.batch_size=32"], run_dir)
+    return run_dir
+
+
+@pytest.mark.distributed
+def test_export_writes_each_format_and_each_reads_back(fsdp_run, tmp_path):
+    """From the sharded checkpoint, in this one process: .pt, .safetensors and a folder,
+    each holding the checkpoint's weights and its run's config; OUT is never replaced
+    without --force."""
+    from parallab.models import build_model
+
+    ckpt = fsdp_run / "checkpoints" / "last.dcp"
+    spec = checkpoint.saved_model(checkpoint.load_meta(ckpt), ckpt)
+    whole = weights.model_from(ckpt, build_model(spec)).state_dict()
+    for out in (tmp_path / "m.pt", tmp_path / "m.safetensors", tmp_path / "folder"):
+        _export(ckpt, out)
+        same_weights(weights.model_from(out, build_model(spec)), whole)
+        assert weights.record(out)["config"]["model"] == spec
+        with pytest.raises(ConfigError, match="exists: give a new name, or --force"):
+            _export(ckpt, out)
+    (tmp_path / "m.safetensors").write_bytes(b"mine")
+    _export(ckpt, tmp_path / "m.safetensors", force=True)
+    same_weights(weights.model_from(tmp_path / "m.safetensors", build_model(spec)), whole)
+    with pytest.raises(ConfigError, match="export writes .pt"):
+        _export(ckpt, tmp_path / "m.bin")
+    # as a user reads it back: evaluate.py scores the folder as the run scored its weights
+    assert_ok(run_entry("evaluate.py", [f"ckpt={tmp_path / 'folder'}"], tmp_path / "eval"))
+    assert read_metrics(tmp_path / "eval")["eval_loss"] == pytest.approx(
+        read_metrics(fsdp_run)["eval_loss"], rel=1e-5)
+
+
+@pytest.mark.distributed
+def test_init_from_starts_every_layout_from_the_same_weights(fsdp_run, tmp_path):
+    """The fsdp run's .dcp under none, and its export (a folder) under ddp: the same losses,
+    from trained weights (below the fresh start's first loss)."""
+    _export(fsdp_run / "checkpoints" / "last.dcp", tmp_path / "folder")
+    run = [*MLP, "trainer.max_steps=6"]
+    none_dir, ddp_dir = tmp_path / "none", tmp_path / "ddp"
+    train_in_process([*run, f"trainer.init_from={fsdp_run / 'checkpoints' / 'last.dcp'}"],
+                     none_dir)
+    train_in_process([*run, f"trainer.init_from={tmp_path / 'folder'}", "parallel=ddp",
+                      "parallel.world_size=2", "data.batch_size=32"], ddp_dir)
+    assert losses(ddp_dir) == pytest.approx(losses(none_dir), rel=1e-4, abs=1e-5)
+    assert losses(none_dir)[0] < losses(fsdp_run)[0] - 0.01  # the same first batch
+    assert "started from the weights in" in (ddp_dir / "train.log").read_text()  # a worker's
+
+
+def test_init_from_is_strict_in_one_line_and_loads_what_matches_when_told(tmp_path):
+    from conftest import checked
+    from parallab.models.mlp import MLP as Net
+
+    source = tmp_path / "wide.pt"  # by a wrapped model: the prefixes never matter
+    torch.manual_seed(0)
+    net = Net(input_dim=64, hidden=[64, 32], num_classes=10)
+    checkpoint.save(source, {"model": {f"module._orig_mod.{k}": v
+                                       for k, v in net.state_dict().items()}})
+    base = [*MLP, f"trainer.init_from={source}"]
+    checked(*base)  # fits
+    with pytest.raises(ConfigError) as error:
+        checked(*base, "model.hidden=[64]")
+    assert str(error.value).startswith(
+        f"trainer.init_from={source} does not fit MLP: 2 unexpected (layers.1.1.weight, "
+        "layers.1.1.bias); 1 mis-shaped (head.1.weight [10, 32] vs [10, 64])")
+    assert "trainer.init_strict=false loads those that match" in str(error.value)
+    assert "\n" not in str(error.value)
+    checked(*base, "model.hidden=[64]", "trainer.init_strict=false")
+    small = Net(input_dim=64, hidden=[64], num_classes=10)
+    assert weights.load_into(small, source, strict=False) == ["head.1.weight"]
+    torch.testing.assert_close(small.state_dict()["layers.0.1.weight"],
+                               net.state_dict()["layers.0.1.weight"])
+    bad = {"trainer.init_from=/nope.pt": "trainer.init_from=/nope.pt does not exist",
+           "trainer.resume=auto": "and trainer.resume=auto continues one from its checkpoint"}
+    truncated = tmp_path / "cut.safetensors"
+    import safetensors.torch
+
+    safetensors.torch.save_model(net, str(truncated))
+    truncated.write_bytes(truncated.read_bytes()[:100])
+    bad[f"trainer.init_from={truncated}"] = f"{truncated} cannot be read as weights"
+    for override, says in bad.items():
+        with pytest.raises(ConfigError) as error:
+            checked(*base, override)
+        assert says in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.fixture
+def llama_on_path(monkeypatch):
+    monkeypatch.syspath_prepend(str(LLAMA))
+
+
+def test_a_transformers_export_is_what_from_pretrained_reads(llama_on_path, tmp_path):
+    """GPT-2, whose head is its token embedding: written once, tied again on load; the
+    folder from_pretrained loads scores the eval set as the run's own evaluation did."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_llama.data import Verses
+    from parallab.models import build_model
+
+    run_dir = tmp_path / "gpt2"
+    metrics = train_in_process([*HF_RUN, "model=my_gpt2", "trainer.max_steps=4"], run_dir,
+                               LLAMA / "conf")
+    ckpt = run_dir / "checkpoints" / "last.pt"
+    _export(ckpt, tmp_path / "gpt2.safetensors")
+    _export(ckpt, tmp_path / "folder")
+    assert {"config.json", "model.safetensors", "parallab.yaml"} <= {
+        p.name for p in (tmp_path / "folder").iterdir()}
+    saved = weights.shapes(tmp_path / "gpt2.safetensors")
+    assert ("lm_head.weight" in saved) != ("transformer.wte.weight" in saved)  # once
+    spec = checkpoint.saved_model(checkpoint.load_meta(ckpt), ckpt)
+    model = weights.model_from(tmp_path / "gpt2.safetensors", build_model(spec))
+    assert model.lm_head.weight is model.transformer.wte.weight
+    same_weights(model, checkpoint.load(ckpt)["model"])
+
+    pretrained = AutoModelForCausalLM.from_pretrained(tmp_path / "folder").eval()
+    verses = Verses(seq_len=64, size=64, offset=30000)
+    with torch.no_grad():
+        loss = pretrained(input_ids=verses.input_ids, attention_mask=verses.attention_mask,
+                          labels=verses.labels).loss  # one batch: the mean over every token
+    assert loss.item() == pytest.approx(metrics["eval_loss"], rel=1e-5)
+
+
+@pytest.mark.distributed
+def test_a_from_pretrained_folder_trains_and_starts_any_layout(llama_on_path, tmp_path):
+    """A Llama folder (save_pretrained) as the model (_target_ from_pretrained, under none)
+    and as the start of the example's own Llama (trainer.init_from, under fsdp): the same
+    losses, from those weights."""
+    from parallab.cli import compose
+    from parallab.models import build_model
+    from omegaconf import OmegaConf
+
+    cfg = compose([*HF_RUN], LLAMA / "conf")
+    torch.manual_seed(123)  # not the run's seed: the runs start from these weights
+    build_model(OmegaConf.to_container(cfg.model)).save_pretrained(tmp_path / "llama")
+    run = [*HF_RUN, "trainer.max_steps=6"]
+    pretrained = train_in_process([*run, "~model.config", "model._target_=transformers."
+                                   "AutoModelForCausalLM.from_pretrained",
+                                   f"+model.pretrained_model_name_or_path={tmp_path / 'llama'}"],
+                                  tmp_path / "pretrained", LLAMA / "conf")
+    started = train_in_process([*run, f"trainer.init_from={tmp_path / 'llama'}",
+                                "parallel=fsdp", "parallel.world_size=2", "data.batch_size=8"],
+                               tmp_path / "started", LLAMA / "conf")
+    assert losses(tmp_path / "started") == pytest.approx(losses(tmp_path / "pretrained"),
+                                                         rel=1e-4, abs=1e-4)
+    assert started["eval_loss"] == pytest.approx(pretrained["eval_loss"], rel=1e-4)
