@@ -202,7 +202,12 @@ def test_auto_values_resolve_for_cpu():
     (["parallel=tp", "parallel.world_size=2", "model=mlp", "data=synthetic",
       "data.train_size=256", "trainer.epochs=1", "scheduler=cosine",
       "scheduler.warmup_steps=4"],
-     "scheduler.warmup_steps=4.0 is 4 steps, the whole run of 4: leaves none to decay over"),
+     "scheduler.warmup_steps=4.0 is 4 steps, the whole run of 4: leaves no step past the "
+     "warmup"),
+    (["parallel=ddp", "parallel.world_size=2", "model=mlp", "data=synthetic",
+      "data.train_size=640", "trainer.epochs=2", "scheduler=constant",
+      "scheduler.warmup_steps=12"],  # the rate it reports would never be reached
+     "scheduler.warmup_steps=12.0 is 12 steps, the whole run of 10"),
     (["data.global_batch_size=8", "trainer.auto_batch_size=true"],
      "data.global_batch_size=8 fixes the samples of each step, which "
      "trainer.auto_batch_size=true would change: drop one of them"),

@@ -181,3 +181,13 @@ def test_the_resume_command_is_the_one_the_user_ran():
                    command=entry_command(argv))
     assert spec.resume_command() == ("parallab train --config-dir conf experiment=waves "
                                      "'hydra.run.dir=outputs/my run' trainer.resume=auto")
+    # a sweep job's dir holds what Hydra's grammar parses: quoted, it reads back as it is
+    import shlex
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    job = "sweep/0_data.shape=[1,8,8],optim.lr=0.01"
+    line = RunSpec(None, job, ["optim.lr=0.01", "trainer.init_from=w.pt"]).resume_command()
+    args = shlex.split(line)[2:]
+    assert args[0] == "optim.lr=0.01" and len(args) == 3  # the weights are in its checkpoint
+    assert OverridesParser.create().parse_override(args[1]).value() == job

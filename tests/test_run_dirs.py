@@ -33,11 +33,26 @@ def test_no_command_writes_over_a_training_run(train_here, command):
     assert not (run_dir / "advise.md").exists()
 
 
+def test_evaluate_refuses_a_dir_holding_a_killed_runs_record(tmp_path):
+    """A run killed before its first checkpoint leaves .hydra/ alone: evaluate.py refuses
+    the dir (it would write over that record) and puts the files back."""
+    from parallab import checkpoint
+
+    ckpt = tmp_path / "ckpt.pt"
+    checkpoint.save(ckpt, {"model": {}, "step": 0, "config": {}})
+    killed = tmp_path / "killed"
+    (killed / ".hydra").mkdir(parents=True)
+    (killed / ".hydra" / "config.yaml").write_text("the killed run's\n")
+    result = run_entry("evaluate.py", [f"ckpt={ckpt}", "device=cpu"], killed)
+    assert result.returncode == 2 and "holds a run (.hydra/)" in output(result)
+    assert (killed / ".hydra" / "config.yaml").read_text() == "the killed run's\n"
+
+
 @pytest.mark.slow
 def test_evaluate_scores_the_data_the_checkpoint_was_trained_on(train_here, tmp_path):
-    """No data= given: the checkpoint's (here synthetic, not the default MNIST), with the
-    command line's data keys; data= given: used, and said."""
-    metrics, run_dir = train_here(*TINY, "data.num_classes=4")
+    """No data= given: the checkpoint's (here synthetic, not the default MNIST, drawn with the
+    run's seed), with the command line's data keys; data= given: used, and said."""
+    metrics, run_dir = train_here(*TINY, "data.num_classes=4", "seed=7")
     ckpt = f"ckpt={run_dir}/checkpoints/last.pt"
     result = run_entry("evaluate.py", [ckpt, "device=cpu", "data.eval_batch_size=7"],
                        tmp_path / "eval")

@@ -73,7 +73,8 @@ def test_a_resume_goes_on_at_the_rate_and_schedule_its_checkpoint_holds(train_he
     run = [*FAST, "optim.scale_lr=linear", "data.batch_size=128", "trainer.log_every_n_steps=1",
            "scheduler=cosine"]
     train_here(*run, "trainer.max_steps=6", name="run")
-    for change, says in ((["optim.lr=0.001"], "optim.lr=0.001 differs from its 0.01"),
+    for change, says in ((["optim.lr=0.001"], "optim.lr=0.001 differs from its 0.01: give "
+                                           "optim.lr=0.01 as when it was saved"),
                          (["scheduler=linear"], "scheduler.name=linear differs from its cosine")):
         with pytest.raises(ConfigError, match=says):
             train_here(*run, "trainer.resume=auto", "trainer.max_steps=6", *change, name="run")

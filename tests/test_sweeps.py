@@ -39,17 +39,45 @@ def test_a_failing_job_is_reported_and_the_others_still_run(tmp_path):
     assert "| failed |" in result.stdout  # the table is printed too
 
 
-def test_rerun_skips_completed_jobs_and_runs_the_rest(tmp_path):
+# sitecustomize for the sweep's process: SIGTERM to itself at the first job's 2nd step
+STOP_FIRST_JOB = """
+import os, signal
+import parallab.trainer as trainer
+
+step = trainer.Trainer.train_step
+
+def train_step(self, batches):
+    if self.step == 2 and not os.environ.get("STOPPED"):
+        os.environ["STOPPED"] = "1"
+        os.kill(os.getpid(), signal.SIGTERM)
+    return step(self, batches)
+
+trainer.Trainer.train_step = train_step
+"""
+
+
+def test_a_stopped_sweep_stops_and_its_printed_command_finishes_it(tmp_path):
+    """SIGTERM in job 0 (the node is reclaimed): job 0 saves, job 1 is not started, the
+    sweep exits 0 printing the command that continues it; that command resumes job 0 and
+    runs job 1, leaving nothing finished run twice."""
+    import shlex
+
     sweep_dir = tmp_path / "sweep"
-    assert sweep(sweep_dir, "data.batch_size=16,32").returncode == 0
-    jobs = sorted(p for p in sweep_dir.iterdir() if p.is_dir())
-    kept = (jobs[0] / "metrics.json").read_text()
-    (jobs[1] / "metrics.json").unlink()  # as if the sweep had been interrupted there
-    result = sweep(sweep_dir, "data.batch_size=16,32", "sweep.skip_completed=true")
+    (tmp_path / "inject").mkdir()
+    (tmp_path / "inject" / "sitecustomize.py").write_text(STOP_FIRST_JOB)
+    stopped = run_entry("train.py", ["-m", *QUICK, "trainer.checkpoint_every_n_steps=null",
+                                     "data.batch_size=16,32", f"hydra.sweep.dir={sweep_dir}"],
+                        env={"PYTHONPATH": str(tmp_path / "inject")})
+    assert stopped.returncode == 0, output(stopped)
+    assert [r["status"] for r in summary_rows(sweep_dir)] == ["incomplete", "stopped"]
+    line = next(x for x in output(stopped).splitlines() if "the sweep stops here" in x)
+    command = shlex.split(line.split("continue it with: ", 1)[1])
+    assert command[:2] == ["python", "train.py"] and "sweep.skip_completed=true" in command
+    result = run_entry("train.py", command[2:])
     assert result.returncode == 0, output(result)
-    assert [r["status"] for r in summary_rows(sweep_dir)] == ["skipped", "completed"]
-    assert (jobs[0] / "metrics.json").read_text() == kept
-    assert (jobs[1] / "metrics.json").exists()
+    rows = summary_rows(sweep_dir)
+    assert [r["status"] for r in rows] == ["completed", "completed"]
+    assert "resumed from" in (sweep_dir / rows[0]["job"] / "train.log").read_text()
 
 
 def test_parallab_summary_rebuilds_a_finished_sweep(tmp_path):

@@ -189,7 +189,7 @@ def _claimed(run_dir: str, cfg, in_place: launch.InPlace | None,
         lock = rundir.lock(Path(run_dir)) if main else contextlib.nullcontext()
         with lock:  # taken first: a refused run touches nothing of a running one
             if command is not None:
-                rundir.check_unused(Path(run_dir), command)
+                rundir.check_unused(Path(run_dir), command, _held_before())
             else:
                 rundir.check_fresh(Path(run_dir), resume, cfg.trainer.overwrite, delete=main)
             yield
@@ -204,11 +204,19 @@ def objective(cfg) -> str:
     return metrics.objective(cfg, build_loss(cfg.loss))
 
 
+_stopped_sweep: list[str] = []  # the command that continues a multirun a signal stopped
+
+
 def _sweep_job(dict_cfg: DictConfig, run_dir: Path) -> float | None:
     """One job of a multirun: a failure is recorded for the summary and ends no other job;
-    with sweep.skip_completed, a job whose dir holds complete metrics is not run again."""
+    with sweep.skip_completed, a job whose dir holds complete metrics is not run again. A job
+    stopped by a signal (saved, as a single run is) stops the sweep: the node is going."""
     status_file = run_dir / summary.STATUS_FILE
     status_file.unlink(missing_ok=True)
+    if _stopped_sweep:
+        status_file.write_text(json.dumps({"status": "stopped"}) + "\n")
+        log.info("not run: the sweep was stopped; continue it with: %s", _stopped_sweep[0])
+        return None
     done = summary.read_metrics(run_dir) if dict_cfg.sweep.skip_completed else None
     if done is not None:
         status_file.write_text(json.dumps({"status": "skipped"}) + "\n")
@@ -217,7 +225,7 @@ def _sweep_job(dict_cfg: DictConfig, run_dir: Path) -> float | None:
     if dict_cfg.sweep.skip_completed and dict_cfg.trainer.resume is None:
         dict_cfg.trainer.resume = "auto"  # a job that did not finish continues (or starts)
     try:
-        return _train_job(dict_cfg)
+        result = _train_job(dict_cfg)
     except Exception as error:  # noqa: BLE001 - any failure of one job is that job's result
         line = error.line if isinstance(error, JobFailed) else (
             f"{type(error).__name__}: {error}".splitlines()[0])
@@ -225,6 +233,22 @@ def _sweep_job(dict_cfg: DictConfig, run_dir: Path) -> float | None:
                   exc_info=not isinstance(error, JobFailed))
         status_file.write_text(json.dumps({"status": "failed", "error": line}) + "\n")
         return None
+    if result is None and not (run_dir / "metrics.json").exists():  # stopped, and saved
+        _stopped_sweep.append(_continue_sweep(run_dir.parent))
+        log.warning("the sweep stops here, its later jobs not run; continue it with: %s",
+                    _stopped_sweep[0])
+    return result
+
+
+def _continue_sweep(sweep_dir: Path) -> str:
+    """The multirun command as the user ran it, in its dir, finished jobs kept."""
+    import shlex
+
+    args = [a for a in sys.argv[1:] if not a.startswith(("hydra.sweep.dir=",
+                                                         "sweep.skip_completed="))]
+    return shlex.join([*entry_command(sys.argv)[:2], *args,
+                       f"hydra.sweep.dir={run.hydra_value(str(sweep_dir))}",
+                       "sweep.skip_completed=true"])
 
 
 @hydra.main(version_base=None, config_path="conf", config_name="config")
@@ -244,12 +268,18 @@ _earlier_run: dict[Path, bytes] = {}  # .hydra files of the run dir named on the
 def _remember_earlier_run(argv: list[str]) -> None:
     """Hydra writes .hydra/ into the run dir before the config can be checked; when
     hydra.run.dir names an earlier run (to resume it), keep its files to put back."""
+    _earlier_run.clear()
     for arg in argv:
         if arg.startswith("hydra.run.dir="):  # the value may be quoted (a path with spaces)
             hydra_dir = Path(arg.partition("=")[2].strip("'\"")) / ".hydra"
             if hydra_dir.is_dir():
                 _earlier_run.update({p: p.read_bytes() for p in hydra_dir.iterdir()
                                      if p.is_file()})
+
+
+def _held_before() -> list[str]:
+    """The earlier run's record in the dir named on the command line, if it held one."""
+    return [".hydra/"] if _earlier_run else []
 
 
 def _restore_earlier_run() -> None:
@@ -324,7 +354,7 @@ def _evaluate_app(dict_cfg: DictConfig) -> float:
     try:
         from parallab import rundir
 
-        rundir.check_unused(run_dir, "evaluate.py")
+        rundir.check_unused(run_dir, "evaluate.py", _held_before())
         state = weights.record(dict_cfg.ckpt)
         _refuse_model_overrides(overrides, dict_cfg.ckpt)
         # the checkpoint's model and data, before anything resolves: data keys that follow
@@ -332,6 +362,10 @@ def _evaluate_app(dict_cfg: DictConfig) -> float:
         with open_dict(dict_cfg):
             dict_cfg.model = _trained_model_config(state, dict_cfg.ckpt)
             dict_cfg.data = _trained_data_config(state, dict_cfg, overrides)
+            # generated data (data=synthetic) is drawn from the run's seed
+            saved_seed = checkpoint.saved_config(state).get("seed")
+            if saved_seed is not None and not any(o.startswith("seed=") for o in overrides):
+                dict_cfg.seed = saved_seed
         cfg = typed_config(dict_cfg, overrides)
         validate.prepare(cfg, in_place=None)
     except (validate.ConfigError, checkpoint.CheckpointError) as error:

@@ -6,6 +6,7 @@ import contextlib
 import logging
 import math
 import os
+import re
 import select
 import signal
 import sys
@@ -55,8 +56,16 @@ class RunSpec:
         # the weights it started from are in its checkpoints now
         kept = [o for o in self.overrides if not o.startswith(
             ("hydra.run.dir=", "trainer.resume=", "trainer.init_from="))]
-        return shlex.join([*self.command, *kept, f"hydra.run.dir={self.run_dir}",
+        return shlex.join([*self.command, *kept, f"hydra.run.dir={hydra_value(self.run_dir)}",
                            "trainer.resume=auto"])
+
+
+def hydra_value(text: str) -> str:
+    """`text` as an override's value Hydra reads back as it is: quoted where it holds what
+    its grammar parses (a sweep job's dir: `0_data.shape=[1,8,8],optim.lr=0.01`)."""
+    if re.fullmatch(r"[\w/.\-+:@~% ]*", text):
+        return text
+    return "'" + text.replace("'", "\\'") + "'"  # Hydra unescapes quotes only
 
 
 def hparams(spec: RunSpec, metrics: dict[str, Any]) -> dict[str, Any]:

@@ -22,10 +22,11 @@ def held_run(run_dir: Path) -> list[str]:
     return held
 
 
-def check_unused(run_dir: Path, command: str) -> None:
+def check_unused(run_dir: Path, command: str, earlier: list[str] = ()) -> None:
     """`command` (evaluate, advise), which writes its own record into the run dir, starts
-    only in a dir holding none: never over a training run's or an earlier answer."""
-    held = held_run(run_dir)
+    only in a dir holding none: never over a training run's or an earlier answer, nor over
+    `earlier`, what the dir held before this command (a killed run's .hydra/)."""
+    held = [*held_run(run_dir), *earlier]
     if held:
         raise ConfigError(f"hydra.run.dir={run_dir} holds a run ({', '.join(held)}), which "
                           f"{command} would write over: give {command} a new hydra.run.dir "

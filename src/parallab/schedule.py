@@ -51,9 +51,9 @@ def steps_of(value: float, total: int) -> int:
 def multiplier(cfg, total: int) -> Callable[[int], float]:
     """The factor on optim.lr at step s (0 = the first optimizer step) of `total`."""
     warmup = steps_of(cfg.warmup_steps, total)
-    if cfg.name != "constant" and warmup >= total:
+    if warmup >= total:  # a constant rate would never be reached, a decay never start
         raise ConfigError(f"scheduler.warmup_steps={cfg.warmup_steps} is {warmup} steps, the "
-                          f"whole run of {total}: leaves none to decay over; lower it")
+                          f"whole run of {total}: leaves no step past the warmup; lower it")
     decay = steps_of(cfg.decay_steps, total) if cfg.name == "wsd" else total - warmup
     if decay > total - warmup:
         raise ConfigError(f"scheduler.decay_steps={cfg.decay_steps} is {decay} steps, more than "

@@ -314,7 +314,8 @@ def changed_recipe(cfg: Config, saved: dict, resume: str) -> str | None:
             if key in before and before[key] != value:
                 return (f"trainer.resume={resume} continues the optimizer and schedule it "
                         f"holds, and {group}.{key}={value} differs from its {before[key]}: "
-                        f"drop the change (or start a new run)")
+                        f"give {group}.{key}={before[key]} as when it was saved (or start a "
+                        "new run)")
     return None
 
 

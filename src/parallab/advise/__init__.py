@@ -155,9 +155,11 @@ def plan(cfg, overrides: list[str], configure: Callable[[list[str]], Any]
     if len(kept) == 1 and all(c.reason is None or "not needed" in c.reason for c in candidates):
         others = "; the others are savers it does not need (advise.only_needed=false " \
                  "measures them)" if len(candidates) > 1 else ""
+        sizes_key = ("more advise.world_sizes" if options.world_sizes else
+                     "parallel.world_size > 1")
         raise ConfigError(f"only one candidate ({kept[0].label}) at world sizes {sizes}"
-                          f"{others}: nothing to compare; give parallel.world_size > 1, or "
-                          "more advise.precisions")
+                          f"{others}: nothing to compare; give {sizes_key}, or more "
+                          "advise.precisions or advise.layouts")
     if not any(c.reason is None for c in candidates):
         least = min((c for c in candidates if c.predicted_mb), key=lambda c: c.predicted_mb)
         table = "\n".join(f"  {c.label}: {c.reason}" for c in candidates)
