@@ -13,6 +13,7 @@ measures the same two figures on its real second step (Trainer.count_activations
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Any, Iterator
 
 import torch
@@ -32,9 +33,13 @@ def fake_group(rank: int, world_size: int) -> Iterator[None]:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    layouts = logging.getLogger("parallab.parallel")  # their start-up lines tell of real runs
+    level = layouts.level
+    layouts.setLevel(logging.WARNING)
     try:
         yield
     finally:
+        layouts.setLevel(level)
         dist.destroy_process_group()
 
 
