@@ -64,18 +64,28 @@ def test_export_writes_each_format_and_each_reads_back(fsdp_run, tmp_path):
 
 @pytest.mark.distributed
 def test_init_from_starts_every_layout_from_the_same_weights(fsdp_run, tmp_path):
-    """The fsdp run's .dcp under none, and its export (a folder) under ddp: the same losses,
-    from trained weights (below the fresh start's first loss)."""
-    _export(fsdp_run / "checkpoints" / "last.dcp", tmp_path / "folder")
+    """The fsdp run's .dcp under none (the whole model given them), under fsdp from each
+    format and under tp (laid out on meta first, each rank reading its part), and its
+    folder under ddp:
+    the same losses, from trained weights (below the fresh start's first loss)."""
+    ckpt = fsdp_run / "checkpoints" / "last.dcp"
+    for out in ("w.pt", "w.safetensors", "folder"):
+        _export(ckpt, tmp_path / out)
     run = [*MLP, "trainer.max_steps=6"]
-    none_dir, ddp_dir = tmp_path / "none", tmp_path / "ddp"
-    train_in_process([*run, f"trainer.init_from={fsdp_run / 'checkpoints' / 'last.dcp'}"],
-                     none_dir)
-    train_in_process([*run, f"trainer.init_from={tmp_path / 'folder'}", "parallel=ddp",
-                      "parallel.world_size=2", "data.batch_size=32"], ddp_dir)
-    assert losses(ddp_dir) == pytest.approx(losses(none_dir), rel=1e-4, abs=1e-5)
-    assert losses(none_dir)[0] < losses(fsdp_run)[0] - 0.01  # the same first batch
-    assert "started from the weights in" in (ddp_dir / "train.log").read_text()  # a worker's
+    train_in_process([*run, f"trainer.init_from={ckpt}"], tmp_path / "none")
+    reference = losses(tmp_path / "none")
+    assert reference[0] < losses(fsdp_run)[0] - 0.01  # the same first batch, trained weights
+    starts = {"fsdp_dcp": (ckpt, "fsdp"), "fsdp_pt": (tmp_path / "w.pt", "fsdp"),
+              "fsdp_safetensors": (tmp_path / "w.safetensors", "fsdp"),
+              "tp_safetensors": (tmp_path / "w.safetensors", "tp"),
+              "ddp_folder": (tmp_path / "folder", "ddp")}
+    for name, (weights_at, layout) in starts.items():
+        batch = 64 if layout == "tp" else 32  # a tp group is one data-parallel rank
+        train_in_process([*run, f"trainer.init_from={weights_at}", f"parallel={layout}",
+                          "parallel.world_size=2", f"data.batch_size={batch}"], tmp_path / name)
+        assert losses(tmp_path / name) == pytest.approx(reference, rel=1e-4, abs=1e-5), name
+    assert "each rank reading its part" in (tmp_path / "fsdp_pt" / "train.log").read_text()
+    assert "started from the weights in" in (tmp_path / "ddp_folder" / "train.log").read_text()
 
 
 def test_init_from_is_strict_in_one_line_and_loads_what_matches_when_told(tmp_path):
@@ -153,9 +163,10 @@ def test_a_transformers_export_is_what_from_pretrained_reads(llama_on_path, tmp_
 
 @pytest.mark.distributed
 def test_a_from_pretrained_folder_trains_and_starts_any_layout(llama_on_path, tmp_path):
-    """A Llama folder (save_pretrained) as the model (_target_ from_pretrained, under none)
-    and as the start of the example's own Llama (trainer.init_from, under fsdp): the same
-    losses, from those weights."""
+    """A Llama folder (save_pretrained) as the model (_target_ from_pretrained, under tp: its
+    plan read from the loaded model, which from_pretrained will not build on meta) and as
+    the start of the example's own Llama (trainer.init_from, under fsdp): the same losses,
+    from those weights."""
     from parallab.cli import compose
     from parallab.models import build_model
     from omegaconf import OmegaConf
@@ -166,7 +177,8 @@ def test_a_from_pretrained_folder_trains_and_starts_any_layout(llama_on_path, tm
     run = [*HF_RUN, "trainer.max_steps=6"]
     pretrained = train_in_process([*run, "~model.config", "model._target_=transformers."
                                    "AutoModelForCausalLM.from_pretrained",
-                                   f"+model.pretrained_model_name_or_path={tmp_path / 'llama'}"],
+                                   f"+model.pretrained_model_name_or_path={tmp_path / 'llama'}",
+                                   "parallel=tp", "parallel.world_size=2"],
                                   tmp_path / "pretrained", LLAMA / "conf")
     started = train_in_process([*run, f"trainer.init_from={tmp_path / 'llama'}",
                                 "parallel=fsdp", "parallel.world_size=2", "data.batch_size=8"],

@@ -25,7 +25,7 @@ from parallab.config import Config, TrainerConfig, model_name
 from parallab.data import build_data
 from parallab.logger import RunLogger
 from parallab.loss import build_loss
-from parallab.memory import reset_peak_memory
+from parallab.memory import peak_memory_mb, reset_peak_memory
 from parallab.models import build_model
 from parallab.optim import build_optimizer, scaled_lr
 from parallab.parallel import STRATEGIES
@@ -215,14 +215,28 @@ def train(spec: RunSpec, store=None) -> dict[str, Any]:
     return metrics
 
 
-def start_from(model, path: str, strict: bool, main: bool) -> None:
-    """trainer.init_from: the weights at `path` in the whole model, said once."""
+def start_model(cfg: Config, dist: distributed.Dist, strategy_cls, init_from: str | None
+                ) -> tuple[torch.nn.Module, bool]:
+    """The model this rank starts from, and whether it is on meta, to be given its part of
+    the weights at `init_from` once laid out (a sharding layout, every tensor saved); else
+    whole, with those weights (before any layout cuts it: every layout starts alike)."""
     from parallab import weights
 
-    left = weights.load_into(model, path, strict)
-    if main:
-        log.info("started from the weights in %s%s", path, f"; left at their initial values: "
-                 f"{', '.join(left)}" if left else "")
+    if init_from is not None and strategy_cls.sharded_checkpoint(cfg.parallel):
+        from parallab.trial import model_on_meta
+
+        model = model_on_meta(cfg)
+        on_meta = all(p.is_meta for p in model.parameters())
+        if on_meta and weights.loads_in_place(model, cfg.trainer.init_strict):
+            return model, True
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg.model)  # identical initial weights on every rank
+    if init_from is not None:
+        left = weights.load_into(model, init_from, cfg.trainer.init_strict)
+        if dist.is_main:
+            log.info("started from the weights in %s%s", init_from, "; left at their initial "
+                     f"values: {', '.join(left)}" if left else "")
+    return model, False
 
 
 def build_trainer(cfg: Config, dist: distributed.Dist, logger: RunLogger,
@@ -232,14 +246,17 @@ def build_trainer(cfg: Config, dist: distributed.Dist, logger: RunLogger,
     into `checkpoints`, if given; the weights at `init_from`, if given); the trainer and the
     learning rate it uses."""
     strategy_cls = STRATEGIES[cfg.parallel.name]
-    torch.manual_seed(cfg.seed)
-    model = build_model(cfg.model)  # identical initial weights on every rank
-    if init_from is not None:  # before any layout cuts it: every layout starts alike
-        start_from(model, init_from, cfg.trainer.init_strict, dist.is_main)
+    model, held_only = start_model(cfg, dist, strategy_cls, init_from)
     precision = Precision(cfg.precision, dist.device)
     strategy = strategy_cls(cfg.parallel, dist, precision, build_loss(cfg.loss).bind(model))
     torch.manual_seed(cfg.seed + strategy.seed_rank)  # dropout masks differ between ranks
     model = strategy.wrap(speed_up(strategy.split(model), cfg.trainer, cfg.parallel.stages))
+    if held_only:
+        from parallab import weights
+
+        weights.load_held(strategy.unwrap(model), init_from, dist.device)
+        if dist.is_main:
+            log.info("started from the weights in %s, each rank reading its part", init_from)
     data = build_data(cfg.data, strategy.data_dist, cfg.seed,
                       batch_scale=strategy.devices_per_process)
     data.train.drop_last = strategy.fixed_batch_shape
@@ -273,6 +290,7 @@ def _fit(spec: RunSpec, dist: distributed.Dist, logger: RunLogger,
                                                     trainer.model, trainer.optimizer))
             log.info("resumed from %s at step %d", resume_from, trainer.step)
             lr = resumed_rate(trainer, lr, cfg, dist.is_main)
+        start_mb = peak_memory_mb(dist.device)  # built (and loaded): before the first step
         logger.config(cfg)
         metrics = trainer.fit()
     if trainer.stopped:
@@ -281,7 +299,7 @@ def _fit(spec: RunSpec, dist: distributed.Dist, logger: RunLogger,
                         signal.Signals(preemption.signum or signal.SIGTERM).name,
                         trainer.step, spec.resume_command())
         return {}
-    metrics.update(lr=lr, wall_time_s=time.time() - spec.started,
+    metrics.update(lr=lr, wall_time_s=time.time() - spec.started, start_memory_mb=start_mb,
                    world_size=trainer.strategy.world_size,
                    precision_dtype=trainer.precision.dtype_name, backend=backend or "none",
                    parallel=cfg.parallel.name)

@@ -47,10 +47,14 @@ def find_stages(model: nn.Module, cfg) -> list[nn.Module] | None:
 
 
 def model_on_meta(cfg) -> nn.Module:
-    """The model, built without allocating its weights."""
+    """The model, built without allocating its weights where it can be (transformers'
+    from_pretrained refuses meta: it is built as the probe builds it)."""
     from parallab.models import build_model
 
-    with torch.device("meta"):
+    try:
+        with torch.device("meta"):
+            return build_model(cfg.model)
+    except Exception:  # noqa: BLE001 - Hydra wraps the model's own refusal of meta
         return build_model(cfg.model)
 
 

@@ -15,6 +15,7 @@ import json
 import logging
 import re
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -176,6 +177,84 @@ def fit_problem(model: nn.Module, path: str | Path, key: str, strict: bool) -> s
     fix = ("trainer.init_strict=false loads those that match" if strict else
            "give weights of this model")
     return (f"{key}={path} does not fit {type(model).__name__}: {'; '.join(said)}: {fix}")
+
+
+class _Lazy(Mapping):
+    """A file's weights by plain name, each read when asked for (a .pt memory-mapped, a
+    safetensors file tensor by tensor): a rank that keeps only its part of each never
+    holds the whole model."""
+
+    def __init__(self, path: Path, aliases: dict[str, str]):
+        self.path, self.aliases = path, aliases
+        if is_weights(path):
+            from safetensors import safe_open
+
+            self.where = {}
+            for file in _files(path):
+                with safe_open(str(file), "pt") as reader:
+                    self.where.update({plain_name(k): (file, k) for k in reader.keys()})
+        else:
+            state = checkpoint.load(path, mmap=True)
+            self.mapped = {plain_name(k): v for k, v in state.get("model", state).items()}
+            self.where = dict.fromkeys(self.mapped)
+        for alias, first in aliases.items():  # a tied weight, saved under one of its names
+            if alias not in self.where and first in self.where:
+                self.where[alias] = self.where[first]
+            elif first not in self.where and alias in self.where:
+                self.where[first] = self.where[alias]
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if not is_weights(self.path):
+            return self.mapped[key if key in self.mapped else self.aliases.get(key, key)]
+        from safetensors import safe_open
+
+        file, name = self.where[key]
+        with safe_open(str(file), "pt") as reader:
+            return reader.get_tensor(name)
+
+    def __iter__(self):
+        return iter(self.where)
+
+    def __len__(self) -> int:
+        return len(self.where)
+
+
+def loads_in_place(model: nn.Module, strict: bool) -> bool:
+    """Whether `model` (built on meta) can be laid out first and given only its weights
+    from a file: every tensor of it saved (a buffer its state dict leaves out, like a
+    rotary table, is computed only where the model is built whole)."""
+    saved = {name for name, _ in model.state_dict().items()}
+    return strict and all(name in saved for name, _ in model.named_buffers())
+
+
+def load_held(model: nn.Module, path: str | Path, device: torch.device) -> None:
+    """`model`, laid out on meta by its layout, given storage on `device` and each rank's
+    part of the weights at `path` (torchtitan's order: no rank holds the whole model): a
+    .dcp read shard by shard, a file tensor by tensor, each cut here and copied straight
+    into the rank's own part."""
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
+                                                         set_model_state_dict)
+
+    path = Path(path)
+    model.to_empty(device=device)
+    if checkpoint.is_sharded(path):
+        held = get_model_state_dict(model)
+        checkpoint.load_sharded(path, {"model": held})
+        set_model_state_dict(model, held)
+        return
+    saved = _Lazy(path, _aliases(model))
+    with torch.no_grad():
+        for key, mine in model.state_dict().items():  # views of the parameters themselves
+            name = plain_name(key)
+            part = checkpoint.held_as({name: mine}, saved, path)[name]
+            _local(mine).copy_(_local(part))
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of `tensor`."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def model_from(path: str | Path, model: nn.Module) -> nn.Module:

@@ -120,7 +120,8 @@ class Strategy:
         """`model` on this rank's device; one already there is left as it is (advise.py
         lays out fake-tensor models, which cannot be moved, to predict their memory)."""
         tensors = itertools.chain(model.parameters(), model.buffers())
-        if all(t.device == self.dist.device for t in tensors):
+        # on meta: laid out first, given storage where its weights are loaded (weights.py)
+        if all(t.device == self.dist.device or t.is_meta for t in tensors):
             return model
         return model.to(self.dist.device)
 
