@@ -170,32 +170,32 @@ def test_sequence_parallel_splits_the_blocks_under_activation_checkpointing(trai
     assert metrics["comm_reduce_scatter_mb"] > 0
 
 
-# (layout, data-parallel ranks) for the first 10 steps, then for the next 10
+# each leg: (layout, data-parallel ranks, the step it runs to)
 RESUMES = {
     # DCP reshards; sequence parallelism makes the norms replicated DTensors
-    "tp 2 to fsdp_tp 2x2 sp": ((["parallel=tp", "parallel.world_size=2"], 1),
+    "tp 2 to fsdp_tp 2x2 sp": [(["parallel=tp", "parallel.world_size=2"], 1, 10),
                                (["parallel=fsdp_tp", "parallel.world_size=4",
-                                 "parallel.sequence_parallel=true"], 2)),
-    "fsdp 2 to none": ((["parallel=fsdp", "parallel.world_size=2"], 2), (["parallel=none"], 1)),
-    "none to tp 2": ((["parallel=none"], 1), (["parallel=tp", "parallel.world_size=2"], 1)),
-    "pipeline 2 to ddp 2": ((["parallel=pipeline", "parallel.world_size=2"], 1),
-                            (["parallel=ddp", "parallel.world_size=2"], 2)),
+                                 "parallel.sequence_parallel=true"], 2, 20)],
+    # a sharded checkpoint into a whole model, then a one-file one cut into tp slices
+    "fsdp 2 to none to tp 2": [(["parallel=fsdp", "parallel.world_size=2"], 2, 10),
+                               (["parallel=none"], 1, 15),
+                               (["parallel=tp", "parallel.world_size=2"], 1, 20)],
+    "pipeline 2 to ddp 2": [(["parallel=pipeline", "parallel.world_size=2"], 1, 10),
+                            (["parallel=ddp", "parallel.world_size=2"], 2, 20)],
 }
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("first,then", RESUMES.values(), ids=RESUMES)
-def test_a_checkpoint_resumes_under_any_layout(train_here, one_device, first, then):
-    """10 steps under one layout, the next 10 under another (a sharded checkpoint into a
-    whole model, a one-file one cut into tp slices, pipeline parts into replicas) at the
-    same global batch, equal the one-device run's 20: weights, optimizer moments, schedule
-    and data position all carried."""
+@pytest.mark.parametrize("legs", RESUMES.values(), ids=RESUMES)
+def test_a_checkpoint_resumes_under_any_layout(train_here, one_device, legs):
+    """A run continued under other layouts at the same global batch equals the one-device
+    run's 20 steps: weights, optimizer moments, schedule and data position all carried."""
     run = [*GPT_RUN, *STEPS]
-    (layout, ranks), (again, more_ranks) = first, then
-    train_here(*run, "trainer.max_steps=10", *layout, f"data.batch_size={BATCH['gpt'] // ranks}")
-    _, run_dir = train_here(*run, *again, f"data.batch_size={BATCH['gpt'] // more_ranks}",
-                            "trainer.resume=auto")
+    for leg, (layout, ranks, until) in enumerate(legs):
+        _, run_dir = train_here(*run, *layout, f"data.batch_size={BATCH['gpt'] // ranks}",
+                                f"trainer.max_steps={until}",
+                                *(["trainer.resume=auto"] if leg else []))
     assert losses(run_dir) == pytest.approx(losses(one_device["gpt"]), rel=1e-4, abs=1e-5)
 
 

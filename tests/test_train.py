@@ -13,7 +13,7 @@ METRIC_KEYS = {"train_loss", "eval_loss", "eval_accuracy", "samples_per_sec", "s
                "epoch_time_s", "wall_time_s", "world_size", "global_batch_size",
                "precision_dtype", "backend", "parallel", "peak_memory_mb", "steps",
                "state_memory_mb", "lr", "best_eval_loss", "best_step", "stopped_early",
-               "comm_mb_per_step"}
+               "comm_mb_per_step", "start_memory_mb"}
 
 
 # under xdist a module fixture runs once per worker: its tests share one worker

@@ -186,3 +186,5 @@ def test_a_from_pretrained_folder_trains_and_starts_any_layout(llama_on_path, tm
     assert losses(tmp_path / "started") == pytest.approx(losses(tmp_path / "pretrained"),
                                                          rel=1e-4, abs=1e-4)
     assert started["eval_loss"] == pytest.approx(pretrained["eval_loss"], rel=1e-4)
+    # its parameters built on meta, its rotary table for real: no rank held the whole model
+    assert "each rank reading its part" in (tmp_path / "started" / "train.log").read_text()

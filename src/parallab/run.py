@@ -217,18 +217,19 @@ def train(spec: RunSpec, store=None) -> dict[str, Any]:
 
 def start_model(cfg: Config, dist: distributed.Dist, strategy_cls, init_from: str | None
                 ) -> tuple[torch.nn.Module, bool]:
-    """The model this rank starts from, and whether it is on meta, to be given its part of
-    the weights at `init_from` once laid out (a sharding layout, every tensor saved); else
-    whole, with those weights (before any layout cuts it: every layout starts alike)."""
+    """The model this rank starts from, and whether its parameters are on meta, to be given
+    their part of the weights at `init_from` once laid out (a layout that cuts the model,
+    every weight required); else whole, with those weights (before any layout cuts it:
+    every layout starts alike)."""
     from parallab import weights
 
-    if init_from is not None and strategy_cls.sharded_checkpoint(cfg.parallel):
-        from parallab.trial import model_on_meta
-
-        model = model_on_meta(cfg)
-        on_meta = all(p.is_meta for p in model.parameters())
-        if on_meta and weights.loads_in_place(model, cfg.trainer.init_strict):
-            return model, True
+    if init_from is not None and cfg.trainer.init_strict and \
+            strategy_cls.sharded_checkpoint(cfg.parallel):
+        try:
+            with weights.parameters_on_meta():
+                return build_model(cfg.model), True
+        except Exception:  # noqa: BLE001 - a model that must be built whole (from_pretrained)
+            pass
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model)  # identical initial weights on every rank
     if init_from is not None:

@@ -11,11 +11,12 @@ weights are written once, as safetensors requires, and restored from the tensor 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import re
 import shutil
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -219,16 +220,29 @@ class _Lazy(Mapping):
         return len(self.where)
 
 
-def loads_in_place(model: nn.Module, strict: bool) -> bool:
-    """Whether `model` (built on meta) can be laid out first and given only its weights
-    from a file: every tensor of it saved (a buffer its state dict leaves out, like a
-    rotary table, is computed only where the model is built whole)."""
-    saved = {name for name, _ in model.state_dict().items()}
-    return strict and all(name in saved for name, _ in model.named_buffers())
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Modules built inside hold their parameters on meta, their buffers for real (a rotary
+    table computed in __init__): the weights take no memory until the model is laid out
+    (accelerate's init_empty_weights(include_buffers=False)). Each parameter is made, then
+    let go, one at a time; one assigned again (a tied head) stays the same object."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and not param.is_meta:
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
 
 
 def load_held(model: nn.Module, path: str | Path, device: torch.device) -> None:
-    """`model`, laid out on meta by its layout, given storage on `device` and each rank's
+    """`model`, laid out with its parameters on meta (parameters_on_meta), given storage on
+    `device`, its buffers as built, and each rank's
     part of the weights at `path` (torchtitan's order: no rank holds the whole model): a
     .dcp read shard by shard, a file tensor by tensor, each cut here and copied straight
     into the rank's own part."""
@@ -236,7 +250,11 @@ def load_held(model: nn.Module, path: str | Path, device: torch.device) -> None:
                                                          set_model_state_dict)
 
     path = Path(path)
+    buffers = {name: b for name, b in model.named_buffers() if not b.is_meta}
     model.to_empty(device=device)
+    with torch.no_grad():  # buffers were built for real: computed ones (a rotary table) kept
+        for name, value in buffers.items():
+            model.get_buffer(name).copy_(value)
     if checkpoint.is_sharded(path):
         held = get_model_state_dict(model)
         checkpoint.load_sharded(path, {"model": held})

@@ -123,6 +123,8 @@ class Strategy:
         # on meta: laid out first, given storage where its weights are loaded (weights.py)
         if all(t.device == self.dist.device or t.is_meta for t in tensors):
             return model
+        if any(p.is_meta for p in model.parameters()):  # its buffers alone go over
+            return model._apply(lambda t: t if t.is_meta else t.to(self.dist.device))
         return model.to(self.dist.device)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
