@@ -213,6 +213,22 @@ class _Lazy(Mapping):
         with safe_open(str(file), "pt") as reader:
             return reader.get_tensor(name)
 
+    def release(self, key: str) -> None:
+        """A memory-mapped tensor's pages let go once its part is copied: read, they stay in
+        the rank's resident set until the whole file is unmapped (the kernel reads them
+        again from the file if touched; nothing is written to them)."""
+        if is_weights(self.path):
+            return
+        import ctypes
+        import os
+
+        tensor = self.mapped[key if key in self.mapped else self.aliases.get(key, key)]
+        page = os.sysconf("SC_PAGE_SIZE")
+        start = tensor.data_ptr() // page * page
+        madvise = ctypes.CDLL(None).madvise
+        madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        madvise(start, tensor.data_ptr() + tensor.nbytes - start, 4)  # MADV_DONTNEED
+
     def __iter__(self):
         return iter(self.where)
 
@@ -266,6 +282,7 @@ def load_held(model: nn.Module, path: str | Path, device: torch.device) -> None:
             name = plain_name(key)
             part = checkpoint.held_as({name: mine}, saved, path)[name]
             _local(mine).copy_(_local(part))
+            saved.release(name)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
