@@ -138,6 +138,7 @@ def test_the_recommended_command_keeps_where_the_config_came_from():
     (["advise.budget_mb=-100"], "advise.budget_mb=-100.0 is out of range: it must be > 0"),
     (["advise.world_sizes=[0]"], "advise.world_sizes=[0] holds 0: give world sizes >= 1"),
     (["advise.world_sizes=[2,-1]"], "advise.world_sizes=[2, -1] holds -1"),
+    (["advise.world_sizes=[]"], "advise.world_sizes=[] holds no world size"),
 ])
 def test_bad_advice_requests_end_in_one_line(tmp_path, overrides, says):
     with pytest.raises(JobFailed) as raised:

@@ -208,6 +208,8 @@ def test_auto_values_resolve_for_cpu():
       "data.train_size=640", "trainer.epochs=2", "scheduler=constant",
       "scheduler.warmup_steps=12"],  # the rate it reports would never be reached
      "scheduler.warmup_steps=12.0 is 12 steps, the whole run of 10"),
+    (["data.global_batch_size=0"], "data.global_batch_size=0 is out of range: it is the "
+                                   "samples of each step, >= 1"),
     (["data.global_batch_size=8", "trainer.auto_batch_size=true"],
      "data.global_batch_size=8 fixes the samples of each step, which "
      "trainer.auto_batch_size=true would change: drop one of them"),

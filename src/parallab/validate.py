@@ -180,12 +180,14 @@ def resolve_global_batch(cfg: Config) -> None:
     _require(not cfg.trainer.auto_batch_size, f"data.global_batch_size={d.global_batch_size} "
              "fixes the samples of each step, which trainer.auto_batch_size=true would change: "
              "drop one of them")
+    _require(d.global_batch_size > 0, f"data.global_batch_size={d.global_batch_size} is out "
+             "of range: it is the samples of each step, >= 1")
     ranks = STRATEGIES[cfg.parallel.name].data_parallel_ranks(cfg)
     per_step = ranks * cfg.trainer.accumulate_grad_batches
-    _require(d.global_batch_size % per_step == 0 and d.global_batch_size > 0,
+    _require(d.global_batch_size % per_step == 0,
              f"data.global_batch_size={d.global_batch_size} does not split over {ranks} "
              f"data-parallel ranks x trainer.accumulate_grad_batches="
-             f"{cfg.trainer.accumulate_grad_batches}: use a positive multiple of {per_step}")
+             f"{cfg.trainer.accumulate_grad_batches}: use a multiple of {per_step}")
     d.batch_size = d.global_batch_size // per_step
 
 

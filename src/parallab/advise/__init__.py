@@ -49,6 +49,9 @@ def problem(options) -> str | None:
     if options.budget_mb is not None and not options.budget_mb > 0:
         return (f"advise.budget_mb={options.budget_mb} is out of range: it must be > 0 (or "
                 "null for the device's memory)")
+    if options.world_sizes is not None and not options.world_sizes:
+        return ("advise.world_sizes=[] holds no world size: give some, or leave it out (null: "
+                "1 and each divisor of parallel.world_size)")
     bad = [n for n in options.world_sizes or [] if n < 1]
     if bad:
         return (f"advise.world_sizes={list(options.world_sizes)} holds {bad[0]}: give world "
