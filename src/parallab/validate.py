@@ -157,7 +157,7 @@ def resolve_parallel(cfg: Config, in_place: InPlace | None) -> None:
              f"evenly over parallel.nnodes={p.nnodes}: use a multiple of {p.nnodes}")
     _require(in_place is not None or p.nnodes == 1,
              f"parallel.nnodes={p.nnodes}: start one agent per node with torchrun, SLURM or "
-             "mpirun (README: multi-node); the built-in launcher starts one node")
+             "mpirun (docs/parallel.md: several nodes); the built-in launcher starts one node")
     per_node = p.world_size // p.nnodes
     cores = cpu_cores()
     if p.threads_per_worker is not None and p.threads_per_worker * per_node > cores:

@@ -229,6 +229,9 @@ class _Lazy(Mapping):
         madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         madvise(start, tensor.data_ptr() + tensor.nbytes - start, 4)  # MADV_DONTNEED
 
+    def __contains__(self, key: object) -> bool:  # Mapping's would read the tensor
+        return key in self.where
+
     def __iter__(self):
         return iter(self.where)
 

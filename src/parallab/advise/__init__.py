@@ -237,7 +237,7 @@ def _predict_times(candidates: list[Candidate], options, bandwidth: dict[int, fl
         notes.append(f"predicted_step_ms: a prediction for {options.target_world_size} x "
                      f"{options.device} ({options.gpus_per_node} per node, "
                      f"{options.intra_node_gbps:g}/{options.inter_node_gbps:g} Gbit/s, "
-                     f"{options.mfu:.0%} of peak), README: advise.")
+                     f"{options.mfu:.0%} of peak), docs/parallel.md: advise.")
     for n, gbps in bandwidth.items():
         notes.append(f"Loopback all-reduce bandwidth at world size {n}: {gbps:.2f} Gbit/s.")
     if errors:
