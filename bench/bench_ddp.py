@@ -3,7 +3,7 @@
     python bench/bench_ddp.py [--world-sizes 1 2 4] [--repeats 2]
 
 One MNIST epoch at each world size, one thread per rank, interleaved in one sitting:
-  hand:     bench/hand_ddp.py (seed 000's DDP recipe on in-memory data) under torchrun
+  hand:     bench/hand_ddp.py (the DDP recipe's loop on in-memory data) under torchrun
   parallab: python train.py parallel=ddp (its elastic launch, metrics.json samples_per_sec)
 Then the seconds from `python train.py parallel=ddp parallel.world_size=2
 trainer.max_steps=1` to exit, against two concurrent `python -c "import torch, torchvision"`.

@@ -1,4 +1,4 @@
-"""Faults a new user meets (issue 14): diverging runs, reused and shared run dirs, runs
+"""Faults a new user meets: diverging runs, reused and shared run dirs, runs
 continued past max_steps, sweep bookkeeping on bad files; each ends in one line or is
 survived, and nothing a user wrote is overwritten."""
 

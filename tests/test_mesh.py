@@ -1,4 +1,4 @@
-"""Layouts from one device mesh (issue 16): degrees, tensor parallel plans, pp x dp, pp x tp,
+"""Layouts from one device mesh: degrees, tensor parallel plans, pp x dp, pp x tp,
 and each layout training as one device does (real gloo processes)."""
 
 from __future__ import annotations

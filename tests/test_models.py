@@ -1,4 +1,4 @@
-"""The seeds' models and data: LSTM text classifier (seed 002), ResNet-18 fine-tuning (seed 004),
+"""The recipes' models and data: the LSTM text classifier, ResNet-18 fine-tuning,
 CIFAR-10 and image folders, the shipped text set, and every model x strategy x precision."""
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def write_tsv(folder: Path, rows: list[tuple[object, str]]) -> Path:
     return folder
 
 
-# --- LSTM (seed 002) -------------------------------------------------------------------------
+# --- LSTM recipe -----------------------------------------------------------------------------
 def seed_002_training(seed: int) -> list[int]:
     """Seed 002 as it runs: its vocabulary, sizes, Adam 1e-3, batch 2 shuffled, 10 epochs."""
     vocab = {"<PAD>": 0, "<UNK>": 1, "I": 2, "love": 3, "this": 4, "movie": 5, "is": 6,
@@ -147,7 +147,7 @@ def test_synthetic_token_sequences_with_labels():
     assert "data.vocab_size=N" in LSTMClassifier.check_data(model_args("lstm"), Synthetic())
 
 
-# --- ResNet-18 (seed 004) --------------------------------------------------------------------
+# --- ResNet-18 recipe ------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def weights(tmp_path_factory) -> tuple[Path, dict[str, torch.Tensor]]:
     """A resnet18 state_dict in torchvision's format, 1000-class fc included."""

@@ -1,4 +1,4 @@
-"""What a real training run needs (issue 15): activation checkpointing under every layout,
+"""What a real training run needs: activation checkpointing under every layout,
 the best checkpoint and early stopping (also across ranks and a resume). Schedules and the
 batch-aware learning rate are test_schedule's."""
 

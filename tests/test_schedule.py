@@ -1,4 +1,4 @@
-"""Learning-rate schedules (issue 15): each one's shape, what TensorBoard shows, bad values.
+"""Learning-rate schedules: each one's shape, what TensorBoard shows, bad values.
 Resuming to the uninterrupted run's rates bit for bit is test_resume's (its runs use cosine)."""
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Manual model parallelism (seed 000): one process, the model's parts on successive devices.
+"""Manual model parallelism (the DataParallel-and-model-parallel recipe): one process, the
+model's parts on successive devices.
 
 Each part's stages live on its device; a pre-hook moves the activation into the part, and
 the output comes back to the first device where the targets are. The module itself is not
