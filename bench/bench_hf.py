@@ -78,7 +78,7 @@ def hand(steps: int):
 def parallab(steps: int):
     from parallab import distributed, validate
     from parallab.cli import compose, typed_config
-    from parallab.logger import RunLogger
+    from parallab.loggers import RunLogger
     from parallab.preemption import Preemption
     from parallab.progress import Progress
     from parallab.run import build_trainer

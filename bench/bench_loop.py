@@ -223,7 +223,7 @@ def interleaved(epochs: int = 3, probe: bool = False) -> None:
 
     from parallab import distributed, validate
     from parallab.cli import compose, typed_config
-    from parallab.logger import RunLogger
+    from parallab.loggers import RunLogger
     from parallab.models import build_model
     from parallab.preemption import Preemption
     from parallab.progress import Progress

@@ -48,7 +48,7 @@ def memory(work: Path) -> None:
         held = {}
         for parallel in ("ddp", "fsdp"):
             metrics = run([f"parallel={parallel}", f"parallel.world_size={world}",
-                           "data.batch_size=2", "trainer.max_steps=3", "trainer.warmup_steps=0",
+                           "data.batch_size=2", "trainer.max_steps=3", "trainer.timing_skip_steps=0",
                            "data.eval_fraction=0.002"], work / f"{parallel}{world}")
             held[parallel] = metrics["state_memory_mb"]
         ratio = held["fsdp"] / held["ddp"]
@@ -62,7 +62,7 @@ def throughput(work: Path, steps: int) -> None:
     print("|---|---|---|---|---|---|")
     base = None
     for name, overrides in STRATEGIES.items():
-        metrics = run([*SMALL, *overrides, f"trainer.max_steps={steps}", "trainer.warmup_steps=2",
+        metrics = run([*SMALL, *overrides, f"trainer.max_steps={steps}", "trainer.timing_skip_steps=2",
                        "data.eval_fraction=0.005"], work / name.replace(" ", "_"))
         speed = metrics["samples_per_sec"]
         base = base or speed
@@ -121,7 +121,7 @@ def layouts(work: Path) -> None:
     ddp = None
     for name, (overrides, batch) in LAYOUTS.items():
         m = run([*overrides, f"data.batch_size={batch}", "trainer.max_steps=2",
-                 "trainer.warmup_steps=0", "trainer.log_every_n_steps=10",
+                 "trainer.timing_skip_steps=0", "trainer.log_every_n_steps=10",
                  "data.eval_fraction=0.002"], work / name.replace(" ", "_"))
         ddp = ddp or m["state_memory_mb"]
         expected = sum(textbook(name, params, batch).values()) / 2**20

@@ -11,7 +11,7 @@ from conftest import REPO, output, run_entry, typed
 from parallab import validate
 from parallab.config import data_config, model_name
 
-GROUPS = ["model", "data", "parallel", "precision", "backend", "optim", "trainer"]
+GROUPS = ["model", "data", "parallel", "precision", "backend", "optim", "trainer", "logger"]
 # what this machine lacks for an option, and the key the refusal names
 NEEDS_MORE_THAN_THIS_MACHINE = {("backend", "nccl"): "backend=nccl",  # CUDA
                                 ("backend", "mpi"): "backend=mpi",  # a PyTorch built with MPI
@@ -46,6 +46,8 @@ def test_every_option_composes_and_validates(group, option):
         assert model_name(cfg.model) == MODEL_CLASSES[option]
     elif group == "data":  # a plain dict until typed by its data set's class
         assert data_config(cfg.data).name == option
+    elif group == "logger":  # name -> _target_ spec, one per chosen option
+        assert list(cfg.logger) == [option]
     else:
         assert getattr(cfg, group).name == option
     if (group, option) in NEEDS_MORE_THAN_THIS_MACHINE:
@@ -130,6 +132,15 @@ def test_auto_values_resolve_for_cpu():
      "parallel=pipeline puts stages 0 and 5 on different parts, but they share a parameter"),
     (["precision.name=fp8"], "precision.name=fp8"),
     (["trainer.on_nan=ignore"], "trainer.on_nan=ignore"),
+    (["trainer.warmup_steps=0.1"], "trainer.warmup_steps=0.1 is renamed: "
+                                   "trainer.timing_skip_steps leaves the first steps out of "
+                                   "throughput figures, scheduler.warmup_steps warms the "
+                                   "learning rate up"),
+    (["trainer.eval_every_n_steps=0"], "trainer.eval_every_n_steps=0 is out of range"),
+    (["+logger.mine._target_=nowhere.Logger"], "logger.mine._target_=nowhere.Logger does not "
+                                               "import"),
+    (["logger=csv", "+logger.csv.rows=3"], "logger.csv.rows is not an argument of "
+                                           "parallab.loggers.csv_file.CSVLogger"),
     (["trainer.keep_last_k=0"], "trainer.keep_last_k=0"),
     (["trainer.checkpoint_every_n_steps=0"], "trainer.checkpoint_every_n_steps=0"),
     (["parallel=dp", "backend=nccl"], "backend=nccl needs CUDA"),

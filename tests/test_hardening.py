@@ -19,7 +19,7 @@ import torch
 from conftest import FAST, REPO, assert_ok, losses, output, read_metrics, run_entry
 from parallab import summary
 from parallab.cli import JobFailed
-from parallab.logger import RunLogger
+from parallab.loggers import RunLogger
 
 DIVERGE = [*FAST, "optim.lr=1e6", "trainer.log_every_n_steps=10",
            "trainer.checkpoint_every_n_steps=5"]

@@ -350,7 +350,7 @@ def test_missing_image_data_stops_before_any_worker(tmp_path):
     assert "launching" not in output(result) and "Traceback" not in output(result)
 
 
-SMOKE = ["trainer.max_steps=2", "trainer.warmup_steps=0", "data.train_size=64",
+SMOKE = ["trainer.max_steps=2", "trainer.timing_skip_steps=0", "data.train_size=64",
          "data.eval_size=32", "data.batch_size=8", "data.eval_batch_size=32",
          "trainer.checkpoint_every_n_steps=null"]
 DATA_FOR = {"mnist_cnn": [], "mlp": [], "resnet18": ["data.shape=[3,32,32]"],

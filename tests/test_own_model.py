@@ -86,7 +86,7 @@ def test_a_sweep_over_batch_and_world_size_is_compared_in_its_summary_and_tensor
     sweep = project / "outputs" / "sweep"
     result = parallab(project, "train", "-m", "--config-dir", "conf", "experiment=waves",
                       "parallel=ddp", "parallel.world_size=1,2", "data.batch_size=16,32",
-                      "trainer.max_steps=4", "trainer.warmup_steps=1", "device=cpu",
+                      "trainer.max_steps=4", "trainer.timing_skip_steps=1", "device=cpu",
                       f"hydra.sweep.dir={sweep}", timeout=400)
     assert_ok(result)
     rows = (sweep / "summary.csv").read_text().splitlines()

@@ -117,6 +117,20 @@ def test_a_run_ending_at_its_length_with_stale_evaluations_did_not_stop_early(tr
     assert metrics["steps"] == 3 * 8 and metrics["stopped_early"] is False
 
 
+def test_evaluations_by_step_pick_the_best_and_stop_early_across_a_resume(train_here):
+    """Every 3 steps, mid-epoch: 3 best, 6 and 9 not better -> stopped at 9; a run cut at
+    step 5 and resumed stops there too, its best the same."""
+    run = [*EPOCHS, *NEVER_BETTER, "trainer.eval_every_n_steps=3"]
+    whole, run_dir = train_here(*run, name="whole")
+    assert [s for s, _ in scalars(run_dir, "eval/loss")] == [3, 6, 9]
+    assert whole["stopped_early"] and (whole["steps"], whole["best_step"]) == (9, 3)
+    assert torch.load(run_dir / "checkpoints" / "best.pt", weights_only=True)["step"] == 3
+    train_here(*run, "trainer.max_steps=5", name="cut")
+    resumed, _ = train_here(*run, "trainer.resume=auto", name="cut")
+    assert resumed["stopped_early"] and (resumed["steps"], resumed["best_step"]) == (9, 3)
+    assert resumed["eval_loss"] == pytest.approx(whole["eval_loss"], rel=1e-6)
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_early_stopping_agrees_across_ranks_and_resumes(train_here):

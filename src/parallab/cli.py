@@ -124,8 +124,11 @@ def _train_job(dict_cfg: DictConfig) -> float | None:
     except validate.ConfigError as error:
         _restore_earlier_run()
         raise JobFailed(str(error), 2) from None
+    from hydra.types import RunMode
+
+    sweep = hydra_cfg.sweep.dir if hydra_cfg.mode == RunMode.MULTIRUN else None
     spec = run.RunSpec(cfg, hydra_cfg.runtime.output_dir, list(hydra_cfg.overrides.task),
-                       command=entry_command(sys.argv))
+                       command=entry_command(sys.argv), sweep=sweep)
     with _claimed(spec.run_dir, cfg, in_place):
         return _train_and_report(spec, in_place).get(objective(cfg))
 

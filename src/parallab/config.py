@@ -245,7 +245,11 @@ class TrainerConfig:
     max_steps: Optional[int] = None  # stop after this many optimizer steps
     log_every_n_steps: int = 50  # train/* scalars; ranks also agree a stop request here
     eval_every_n_epochs: int = 1  # and once at the end on the final weights
-    warmup_steps: int = 5  # steps left out of throughput figures
+    # set: evaluate every this many optimizer steps instead of by epoch (and at the end)
+    eval_every_n_steps: Optional[int] = None
+    timing_skip_steps: int = 5  # first steps left out of throughput and step-time figures
+    # renamed: trainer.timing_skip_steps (timing), scheduler.warmup_steps (learning rate)
+    warmup_steps: Any = None
     progress_bar: Optional[bool] = None  # null = only on an interactive terminal
     accumulate_grad_batches: int = 1  # micro-batches per optimizer step
     clip_grad_norm: Optional[float] = None  # max global gradient norm
@@ -318,6 +322,8 @@ class Config:
     optim: Any = MISSING
     scheduler: Any = MISSING
     trainer: Any = MISSING
+    # name -> _target_ spec of each logger (the logger group: tensorboard, csv, mlflow, wandb)
+    logger: Any = field(default_factory=dict)
     # further evaluation metrics, name -> _target_ spec (e.g. a torchmetrics class):
     # reported as eval_<name>
     metrics: dict[str, Any] = field(default_factory=dict)

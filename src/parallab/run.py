@@ -19,11 +19,11 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from parallab import activations, batch_size, checkpoint, distributed, launch
+from parallab import activations, batch_size, checkpoint, distributed, launch, loggers
 from parallab.checkpoint import Checkpointer
 from parallab.config import Config, TrainerConfig, model_name
 from parallab.data import build_data
-from parallab.logger import RunLogger
+from parallab.loggers import RunLogger
 from parallab.loss import build_loss
 from parallab.memory import peak_memory_mb, reset_peak_memory
 from parallab.models import build_model
@@ -48,6 +48,7 @@ class RunSpec:
     controller: int = field(default_factory=os.getpid)  # the process the workers end with
     # how the user started it (the entry and Hydra's config flags), for the resume command
     command: list[str] = field(default_factory=lambda: ["python", "train.py"])
+    sweep: str | None = None  # a multirun job's sweep dir (loggers group the sweep's runs)
 
     def resume_command(self) -> str:
         """The command that continues this run, as the user started it."""
@@ -197,7 +198,9 @@ def train(spec: RunSpec, store=None) -> dict[str, Any]:
     dist = distributed.setup(cfg.device.value, backend, cfg.backend.timeout_s,
                              cfg.parallel.threads_per_worker, store=store or hosted)
     reset_peak_memory(dist.device)  # this run's own peak, not an earlier job's in the process
-    logger = RunLogger(spec.run_dir, active=dist.is_main)
+    logger = RunLogger(spec.run_dir, dist.is_main, cfg.logger)
+    logger.start(loggers.run_info(cfg, spec.run_dir, spec.overrides, spec.sweep,
+                                  dist.world_size))
     log.info("rank %d/%d on %s, %d threads, optim.lr=%g, data.batch_size=%d", dist.rank,
              dist.world_size, dist.device, torch.get_num_threads(), cfg.optim.lr,
              cfg.data.batch_size)
@@ -206,9 +209,9 @@ def train(spec: RunSpec, store=None) -> dict[str, Any]:
     except BaseException:
         # no destroy_process_group here: with a peer gone it can block for good, and the
         # process is ending anyway
-        logger.close()
+        logger.close("failed")
         raise
-    logger.close()
+    logger.close("finished" if metrics else "stopped")
     distributed.teardown()
     if hosted is not None:
         distributed.leave_together(hosted, dist)
@@ -292,7 +295,6 @@ def _fit(spec: RunSpec, dist: distributed.Dist, logger: RunLogger,
             log.info("resumed from %s at step %d", resume_from, trainer.step)
             lr = resumed_rate(trainer, lr, cfg, dist.is_main)
         start_mb = peak_memory_mb(dist.device)  # built (and loaded): before the first step
-        logger.config(cfg)
         metrics = trainer.fit()
     if trainer.stopped:
         if dist.is_main:

@@ -35,7 +35,7 @@ def locate(path: Any, key: str) -> Any:
 
 # packages a `_target_` may name that parallab's extras install
 EXTRAS = {"transformers": "hf", "datasets": "hf", "safetensors": "hf", "tokenizers": "hf",
-          "torchao": "quantize"}
+          "torchao": "quantize", "mlflow": "mlflow", "wandb": "wandb"}
 
 
 def _missing_extra(error: BaseException) -> str | None:

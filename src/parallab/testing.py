@@ -5,6 +5,7 @@ process, its output dir pinned, its metrics.json read back."""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import shutil
@@ -12,7 +13,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 REPO = Path(__file__).resolve().parents[2]  # the checkout, where this runs from one
 
@@ -115,3 +116,33 @@ def textbook_volume(param_bytes: float, replicas: int = 1, shards: int = 1, tp: 
         else:
             volume["all_reduce"] += 2 * ring(tp) * split
     return volume
+
+
+@contextlib.contextmanager
+def mlflow_server(store: Path, port: int, ready_s: float = 90) -> Iterator[str]:
+    """A real `mlflow server` on 127.0.0.1:`port` (sqlite store and artifacts in `store`),
+    its URI once it answers; stopped at the end."""
+    import time
+    import urllib.request
+
+    uri = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen(
+        [str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1",
+         "--port", str(port), "--workers", "1",
+         "--backend-store-uri", f"sqlite:///{store / 'mlflow.db'}",
+         "--artifacts-destination", str(store / "artifacts")],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + ready_s
+        while True:
+            try:
+                urllib.request.urlopen(f"{uri}/health", timeout=2)
+                break
+            except OSError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"mlflow server did not answer at {uri}") from None
+                time.sleep(0.5)
+        yield uri
+    finally:
+        server.terminate()
+        server.wait(timeout=30)

@@ -23,7 +23,7 @@ from parallab.data.stream import run_length
 from parallab.data.loaders import micro_batches
 from parallab.distributed import Dist
 from parallab.errors import ConfigError
-from parallab.logger import RunLogger
+from parallab.loggers import RunLogger
 from parallab.memory import held_state_mb, peak_memory_mb
 from parallab.metrics import evaluate
 from parallab.monitor import Monitor
@@ -215,16 +215,13 @@ class Trainer:
                 finished = self.train_epoch(progress)
                 if self.stopped:
                     return {}
-                if not finished:  # trainer.max_steps ended it: resuming goes on from here
-                    break
+                if not finished or self.monitor.stopped_early:  # trainer.max_steps or
+                    break  # early stopping ended it: resuming goes on from here
                 self.epoch += 1
                 self.epoch_step = 0
-                if self.epoch % self.cfg.eval_every_n_epochs == 0:
-                    self.run_eval()
-                    # every rank holds the same eval figures; at the run's end it just ends
-                    if self.monitor.exhausted and not self.done():
-                        self.stop_early()
-                        break
+                if self.cfg.eval_every_n_steps is None and \
+                        self.epoch % self.cfg.eval_every_n_epochs == 0 and self.evaluate():
+                    break
                 if not self.done():  # the last one is `last`, saved by the caller
                     self.save_checkpoint()
         if self.eval_step != self.step or not self.eval_metrics:  # final weights unscored
@@ -258,7 +255,7 @@ class Trainer:
             now = time.perf_counter()
             self.step_times.append(now - tick)
             tick = now
-            if self.step > self.cfg.warmup_steps:
+            if self.step > self.cfg.timing_skip_steps:
                 self.measured_samples += sum(batch_of.rows(b) for b in batches) * world
             if self.counts_tokens is None:
                 self.first_batch(batches[0])
@@ -272,6 +269,9 @@ class Trainer:
             if self.stop_requested():  # before the periodic save: it saves this step once
                 self.stop()
                 return False
+            every = self.cfg.eval_every_n_steps
+            if every and self.step % every == 0 and self.evaluate():
+                break  # early stopping: fit() ends the run
             every = self.cfg.checkpoint_every_n_steps
             if every and self.step % every == 0 and not self.done():
                 self.save_checkpoint()
@@ -436,12 +436,22 @@ class Trainer:
         self.logger.scalars({"eval/" + k.removeprefix(metrics.PREFIX): v
                              for k, v in self.eval_metrics.items()}, self.step)
         if self.dist.is_main:
-            log.info("epoch %d: %s", self.epoch, ", ".join(
+            when = f"step {self.step}" if self.cfg.eval_every_n_steps else f"epoch {self.epoch}"
+            log.info("%s: %s", when, ", ".join(
                 f"{k} {v:.4f}" for k, v in self.eval_metrics.items()))
+
+    def evaluate(self) -> bool:
+        """A scheduled evaluation; True where early stopping ends the run here (every rank
+        holds the same figures; at the run's end it just ends)."""
+        self.run_eval()
+        if self.monitor.exhausted and not self.done():
+            self.stop_early()
+            return True
+        return False
 
     def summary(self) -> dict[str, Any]:
         """The final figures; None where the run was too short to measure one."""
-        measured = self.step_times[self.cfg.warmup_steps:]
+        measured = self.step_times[self.cfg.timing_skip_steps:]
         samples_per_sec = self.measured_samples / sum(measured) if measured else None
         return {
             "train_loss": None if math.isnan(self.last_train_loss) else self.last_train_loss,

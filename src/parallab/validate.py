@@ -13,8 +13,8 @@ import logging
 import math
 import os
 
-from parallab import (activations, checkpoint, config, models, monitor, optim, precision,
-                      schedule, trial)
+from parallab import (activations, checkpoint, config, loggers, models, monitor, optim,
+                      precision, schedule, trial)
 from parallab.config import Config, Device
 from parallab.distributed import cpu_cores
 from parallab.errors import ConfigError
@@ -51,8 +51,12 @@ def check_values(cfg: Config) -> None:
              "(to score a saved model without training, run evaluate.py ckpt=<checkpoint>)")
     _at_least("trainer.max_steps", t.max_steps, 1, optional=True)
     _at_least("trainer.log_every_n_steps", t.log_every_n_steps, 1)
+    _require(t.warmup_steps is None, f"trainer.warmup_steps={t.warmup_steps} is renamed: "
+             "trainer.timing_skip_steps leaves the first steps out of throughput figures, "
+             "scheduler.warmup_steps warms the learning rate up; set the one you mean")
     _at_least("trainer.eval_every_n_epochs", t.eval_every_n_epochs, 1)
-    _at_least("trainer.warmup_steps", t.warmup_steps, 0)
+    _at_least("trainer.eval_every_n_steps", t.eval_every_n_steps, 1, optional=True)
+    _at_least("trainer.timing_skip_steps", t.timing_skip_steps, 0)
     _at_least("parallel.world_size", p.world_size, 1, optional=True)
     _at_least("parallel.nnodes", p.nnodes, 1)
     _at_least("parallel.threads_per_worker", p.threads_per_worker, 1, optional=True)
@@ -81,6 +85,7 @@ def check_values(cfg: Config) -> None:
     _refuse(activations.problem(t.activation_checkpointing))
     _refuse(optim.problem(cfg.optim))
     _refuse(schedule.problem(cfg.scheduler))
+    _refuse(loggers.problem(cfg.logger))
     timeout = cfg.backend.timeout_s
     _require(math.isfinite(timeout) and MIN_TIMEOUT_S <= timeout <= MAX_TIMEOUT_S,
              f"backend.timeout_s={timeout} is out of range: a collective may wait between "

@@ -102,7 +102,7 @@ def measuring(options, global_batch: int) -> list[str]:
     """What every candidate's run adds: its length, a loss logged each step, nothing saved."""
     return [f"data.global_batch_size={global_batch}", "advise.run=false",
             f"trainer.max_steps={options.warmup_steps + options.steps}",
-            f"trainer.warmup_steps={options.warmup_steps}", "trainer.epochs=1000000",
+            f"trainer.timing_skip_steps={options.warmup_steps}", "trainer.epochs=1000000",
             "trainer.log_every_n_steps=1", "trainer.checkpoint_every_n_steps=null",
             "trainer.save_best=false", "trainer.early_stop_patience=null",
             "trainer.auto_batch_size=false", "trainer.progress_bar=false",

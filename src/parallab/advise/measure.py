@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
-from parallab import distributed, run
+from parallab import distributed, loggers, run
 from parallab.comm import MB
 from parallab.errors import first_line
-from parallab.logger import RunLogger
+from parallab.loggers import RunLogger
 from parallab.memory import reset_peak_memory
 from parallab.preemption import Preemption
 from parallab.progress import Progress
@@ -54,8 +54,8 @@ def measure(cfg, run_dir: str, dist: distributed.Dist, overrides: list[str]) -> 
     reset_peak_memory(dist.device)
     try:
         with Preemption() as preemption:
+            logger.start(loggers.run_info(cfg, run_dir, overrides, None, dist.world_size))
             trainer, lr = run.build_trainer(cfg, dist, logger, None, preemption)
-            logger.config(cfg)
             trainer.count_activations = True
             progress = Progress(trainer.total_steps, False, False)
             while not trainer.done():

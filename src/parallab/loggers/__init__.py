@@ -1,0 +1,122 @@
+"""Rank 0's record of a run: metrics.json in the run dir, and the loggers the `logger`
+group names (TensorBoard by default; CSV, MLflow, W&B, or a user's own by `_target_`), each
+given the same figures at the same steps."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from parallab import targets
+from parallab.errors import first_line
+from parallab.loggers.base import Logger, RunInfo
+
+log = logging.getLogger(__name__)
+
+DEFAULT = {"tensorboard": {targets.TARGET: "parallab.loggers.tensorboard.TensorBoardLogger"}}
+
+
+def config_yaml(cfg: Any) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def problem(loggers: Any) -> str | None:
+    """None if every logger the config names can be built, else one line naming it."""
+    if not isinstance(loggers, dict):
+        return f"logger={loggers!r} is not a set of loggers: choose with logger=[tensorboard,csv]"
+    for name, spec in loggers.items():
+        key = f"logger.{name}"
+        if not isinstance(spec, dict) or targets.TARGET not in spec:
+            return (f"{key} has no _target_: choose a logger (logger=[tensorboard,mlflow]) "
+                    f"or give your own as +{key}._target_=mypkg.MyLogger")
+        cls = targets.locate(spec[targets.TARGET], f"{key}._target_")
+        args = targets.arguments(spec)
+        targets.check_arguments(cls, args, key)
+        targets.check_types(cls, args, key)
+        needs = getattr(cls, "requires", None)
+        if needs and importlib.util.find_spec(needs) is None:
+            return (f"logger={name} needs {needs}, which is not installed: "
+                    f'pip install "parallab[{needs}]"')
+    return None
+
+
+def flatten(node: Any, prefix: str = "") -> dict[str, Any]:
+    """A config as `a.b.c` -> value; lists and empty mappings as their text."""
+    if isinstance(node, dict) and node:
+        return {k: v for key, value in node.items()
+                for k, v in flatten(value, f"{prefix}{key}.").items()}
+    return {prefix.rstrip("."): node if isinstance(node, (int, float, str, bool)) or node is None
+            else str(node)}
+
+
+def run_info(cfg: Any, run_dir: str | Path, overrides: list[str], sweep: str | None,
+             world_size: int) -> RunInfo:
+    run_dir = Path(run_dir)
+    config = OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
+    return RunInfo(
+        run_dir=run_dir, name=run_dir.name if sweep else f"{run_dir.parent.name}/{run_dir.name}",
+        sweep=sweep, params=flatten(config), config_yaml=config_yaml(cfg),
+        overrides=list(overrides), tags={"parallel": cfg.parallel.name,
+                                         "world_size": str(world_size),
+                                         "precision": cfg.precision.name})
+
+
+class RunLogger:
+    """Writes only where `active` (rank 0); every rank may call it alike. `specs`: the
+    `logger` group's name -> _target_ spec (None: TensorBoard alone)."""
+
+    def __init__(self, run_dir: str | Path, active: bool, specs: dict[str, Any] | None = None):
+        self.run_dir = Path(run_dir)
+        self.active = active
+        self.loggers: dict[str, Logger] = {}
+        if active:
+            for name, spec in (DEFAULT if specs is None else specs).items():
+                try:
+                    self.loggers[name] = targets.build(spec)
+                except Exception as error:  # noqa: BLE001 - a user's constructor: said once
+                    log.warning("logger.%s could not be made (%s): the run goes on without "
+                                "it", name, first_line(error))
+
+    def each(self, call: str, *args: Any) -> None:
+        """`call` on every logger; one that raises is said in one line and left out from
+        then on (a tracker that is down): the run and the others go on."""
+        for name, logger in list(self.loggers.items()):
+            try:
+                getattr(logger, call)(*args)
+            except Exception as error:  # noqa: BLE001 - whatever a tracker raises
+                log.warning("logger.%s failed in %s (%s): the run goes on without it", name,
+                            call, first_line(error))
+                del self.loggers[name]
+
+    def start(self, run: RunInfo) -> None:
+        self.each("start", run)
+
+    def scalars(self, values: dict[str, float], step: int) -> None:
+        if self.loggers:
+            self.each("scalars", values, step)
+
+    def text(self, tag: str, markdown: str) -> None:
+        self.each("text", tag, markdown)
+
+    def finish(self, metrics: dict[str, Any], hparams: dict[str, Any], step: int) -> None:
+        """metrics.json, and the final figures and hparams to every logger."""
+        if not self.active:
+            return
+        # JSON has no NaN: a figure that is not finite is null
+        finite = {k: None if isinstance(v, float) and not math.isfinite(v) else v
+                  for k, v in metrics.items()}
+        (self.run_dir / "metrics.json").write_text(
+            json.dumps(finite, indent=2, allow_nan=False) + "\n")
+        final = {f"final/{k}": v for k, v in metrics.items()
+                 if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        self.each("finish", final, hparams, step)
+
+    def close(self, status: str = "finished") -> None:
+        self.each("close", status)
+        self.loggers.clear()

@@ -1,0 +1,156 @@
+"""MLflow, through its own client: a run per parallab run, its config as params, figures as
+metric histories by step, a sweep's jobs as child runs of one parent run."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from parallab.errors import first_line
+from parallab.loggers.base import Logger, RunInfo
+
+log = logging.getLogger(__name__)
+
+PARAM_LENGTH = 6000  # MLflow's limit on a param's value
+BATCH = 100  # params per request (MLflow's limit)
+METRICS_BATCH = 1000  # metrics per request (MLflow's limit)
+STATUS = {"finished": "FINISHED", "stopped": "KILLED", "failed": "FAILED"}
+
+
+class MLflowLogger(Logger):
+    requires = "mlflow"
+
+    def __init__(self, tracking_uri: str | None = None, experiment_name: str = "parallab",
+                 run_name: str | None = None, send_every_s: float = 5.0) -> None:
+        self.send_every_s = send_every_s
+        self.tracking_uri = tracking_uri
+        self.experiment_name = experiment_name
+        self.run_name = run_name
+        self.client = None
+        self.run_id: str | None = None
+        self.params: set[str] = set()
+        # requests go out on a thread of their own: a step never waits on the tracker
+        self.sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlflow")
+        self.failed: str | None = None
+        self.pending: list[tuple[dict[str, float], int, int]] = []  # (figures, time, step)
+        self.sent = 0.0  # when the last figures went to the sender
+
+    def uri(self) -> str:
+        """The tracking URI: as set, else a local store in the outputs dir."""
+        if self.tracking_uri:
+            return self.tracking_uri
+        return f"sqlite:///{Path('outputs').resolve() / 'mlflow.db'}"
+
+    def start(self, run: RunInfo) -> None:
+        uri = self.uri()
+        answering(uri)
+        # a tracker that stops answering costs a few seconds, not MLflow's two minutes of
+        # retries per request (the user's own settings win)
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+        if uri.startswith("sqlite:"):
+            Path(uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+        from mlflow import MlflowClient
+
+        self.client = MlflowClient(uri)
+        found = self.client.get_experiment_by_name(self.experiment_name)
+        experiment = found.experiment_id if found else self.client.create_experiment(
+            self.experiment_name)
+        tags = {**run.tags, "parallab.run_dir": str(run.run_dir),
+                "parallab.overrides": " ".join(run.overrides)}
+        if run.sweep is not None:
+            tags["parallab.sweep"] = run.sweep
+            tags["mlflow.parentRunId"] = self.parent(experiment, run.sweep)
+        self.run_id = self.client.create_run(experiment, run_name=self.run_name or run.name,
+                                             tags=tags).info.run_id
+        self.log_params(run.params)
+        self.client.log_text(self.run_id, run.config_yaml, "config.yaml")
+        log.info("mlflow: run %s in experiment %r at %s", self.run_id, self.experiment_name, uri)
+
+    def parent(self, experiment: str, sweep: str) -> str:
+        """The sweep's parent run, made by its first job: one view of the sweep's jobs."""
+        quoted = sweep.replace("'", "\\'")
+        found = self.client.search_runs(
+            [experiment], f"tags.`parallab.sweep` = '{quoted}' and tags.`parallab.parent` = "
+            "'true'", max_results=1)
+        if found:
+            return found[0].info.run_id
+        parent = self.client.create_run(experiment, run_name=sweep, tags={
+            "parallab.sweep": sweep, "parallab.parent": "true"}).info.run_id
+        self.client.set_terminated(parent)
+        return parent
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        from mlflow.entities import Param
+
+        # MLflow refuses a param logged twice with another value: new names only
+        new = [Param(k, str(v)[:PARAM_LENGTH]) for k, v in params.items() if k not in self.params]
+        self.params.update(params)
+        for i in range(0, len(new), BATCH):
+            self.client.log_batch(self.run_id, params=new[i:i + BATCH])
+
+    def scalars(self, values: dict[str, float], step: int) -> None:
+        if self.failed is not None:
+            return
+        now = time.time()
+        self.pending.append((values, int(now * 1000), step))
+        if now - self.sent >= self.send_every_s:
+            self.flush(now)
+
+    def flush(self, now: float) -> None:
+        """The figures held so far, in one request on the sender's thread: a request per
+        log step costs the training loop the GIL and the tracker its CPU."""
+        if self.pending:
+            self.sender.submit(self.send, self.pending)
+            self.pending, self.sent = [], now
+
+    def send(self, pending: list[tuple[dict[str, float], int, int]]) -> None:
+        from mlflow.entities import Metric
+
+        if self.failed is not None:
+            return
+        metrics = [Metric(k, float(v), stamp, step) for values, stamp, step in pending
+                   for k, v in values.items()]
+        try:
+            for i in range(0, len(metrics), METRICS_BATCH):
+                self.client.log_batch(self.run_id, metrics=metrics[i:i + METRICS_BATCH])
+        except Exception as error:  # noqa: BLE001 - a tracker that went down: said once
+            self.failed = first_line(error)
+            log.warning("logger.mlflow: %s stopped answering (%s): the run goes on; its "
+                        "figures are in the run dir", self.uri(), self.failed)
+
+    def text(self, tag: str, markdown: str) -> None:
+        self.client.log_text(self.run_id, markdown, f"{tag}.md")
+
+    def finish(self, final: dict[str, float], hparams: dict[str, Any], step: int) -> None:
+        self.scalars(final, step)
+        self.flush(time.time())
+        self.sender.shutdown(wait=True)  # every figure sent before the run is closed
+        self.log_params(hparams)
+
+    def close(self, status: str) -> None:
+        self.flush(time.time())
+        self.sender.shutdown(wait=True)
+        if self.run_id is not None and self.failed is None:
+            self.client.set_terminated(self.run_id, STATUS.get(status, "FAILED"))
+
+
+def answering(uri: str, timeout_s: float = 3.0) -> None:
+    """An http(s) tracker's health check answers, or ConnectionError within `timeout_s`
+    (MLflow's own client would retry for minutes)."""
+    if not uri.startswith(("http://", "https://")):
+        return
+    try:
+        with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout_s):
+            return
+    except urllib.error.HTTPError:
+        return  # something answers (a proxy's own page): MLflow's client will tell
+    except (OSError, ValueError) as error:
+        raise ConnectionError(f"no MLflow server answers at {uri} "
+                              f"({getattr(error, 'reason', error)})") from None

@@ -1,0 +1,146 @@
+"""Where runs are compared: CSV, MLflow (a real `mlflow server`) and W&B (offline files) each
+get the run's hyperparameters, train figures, evaluations by step and final figures."""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import struct
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import FAST, assert_ok, free_port, read_metrics, run_entry, scalars
+from parallab import testing, validate
+
+EVAL = ["trainer.max_steps=12", "trainer.eval_every_n_steps=4", "trainer.log_every_n_steps=3"]
+
+
+def test_csv_and_wandb_get_the_same_figures_at_the_same_steps(train_here, tmp_path,
+                                                              monkeypatch):
+    # nothing set up for W&B here (no key, no `wandb login`): it writes offline files
+    for name in ("WANDB_MODE", "WANDB_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    metrics, run_dir = train_here(*FAST, *EVAL, "logger=[tensorboard,csv,wandb]",
+                                  "optim.lr=0.02")
+    rows = list(csv.DictReader(open(run_dir / "metrics.csv")))
+    steps = [int(r["step"]) for r in rows]
+    assert steps == sorted(set(steps))  # one row per logged step
+    evals = [(int(r["step"]), float(r["eval/loss"])) for r in rows if r["eval/loss"]]
+    assert [s for s, _ in evals] == [4, 8, 12]  # every 4 optimizer steps
+    assert evals[-1][1] == pytest.approx(metrics["eval_loss"])
+    assert float(rows[-1]["final/samples_per_sec"]) == pytest.approx(metrics["samples_per_sec"])
+    # TensorBoard got the same evaluations
+    assert [s for s, _ in scalars(run_dir, "eval/loss")] == [4, 8, 12]
+
+    (log,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
+    records = list(wandb_records(log))
+    run = next(r.run for r in records if r.WhichOneof("record_type") == "run")
+    config = {u.key: json.loads(u.value_json) for u in run.config.update}
+    assert config["optim.lr"] == 0.02 and config["parallel.name"] == "none"
+    assert set(run.tags) >= {"parallel=none", "world_size=1", "precision=fp32"}
+    history = [{i.nested_key[0] if i.nested_key else i.key: json.loads(i.value_json)
+                for i in r.history.item} for r in records
+               if r.WhichOneof("record_type") == "history"]
+    assert [h["_step"] for h in history if "eval/loss" in h] == [4, 8, 12]
+    assert [h["train/loss"] for h in history if "train/loss" in h] == pytest.approx(
+        [float(r["train/loss"]) for r in rows if r["train/loss"]])
+    assert any(h.get("final/eval_loss") == pytest.approx(metrics["eval_loss"]) for h in history)
+    assert records[-1].WhichOneof("record_type") == "exit" and records[-1].exit.exit_code == 0
+
+
+def wandb_records(path: Path):
+    """The records of a W&B run file (its transaction log: 32 KiB blocks of checksummed
+    chunks, each record one or several chunks), as W&B's protobuf Records."""
+    from wandb.proto import wandb_internal_pb2
+
+    data, block = path.read_bytes(), 32768
+    assert data[:4] == b":W&B"
+    pos, parts = 7, b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if kind == 0 and length == 0:
+            pos += block - pos % block
+            continue
+        parts += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # a whole record, or a record's last chunk
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(parts)
+            parts = b""
+            yield record
+
+
+@pytest.fixture
+def mlflow_server(tmp_path):
+    with testing.mlflow_server(tmp_path, free_port()) as uri:
+        yield uri
+
+
+@pytest.mark.slow
+def test_a_sweep_is_one_view_in_an_mlflow_server(mlflow_server, tmp_path):
+    from mlflow import MlflowClient
+
+    sweep_dir = tmp_path / "sweep"
+    result = run_entry("train.py", [
+        "-m", *FAST, *EVAL, "logger=[tensorboard,mlflow]", "optim.lr=0.01,0.03",
+        f"logger.mlflow.tracking_uri={mlflow_server}", "logger.mlflow.experiment_name=sweeps",
+        f"hydra.sweep.dir={sweep_dir}"], timeout=240)
+    assert_ok(result)
+    client = MlflowClient(mlflow_server)
+    experiment = client.get_experiment_by_name("sweeps").experiment_id
+    runs = client.search_runs([experiment])
+    (parent,) = [r for r in runs if r.data.tags.get("parallab.parent") == "true"]
+    jobs = sorted((r for r in runs if r is not parent), key=lambda r: r.data.params["optim.lr"])
+    assert [r.data.params["optim.lr"] for r in jobs] == ["0.01", "0.03"]
+    for job, job_dir in zip(jobs, sorted(sweep_dir.glob("[0-9]_*"))):
+        assert job.info.status == "FINISHED"
+        assert job.data.tags["mlflow.parentRunId"] == parent.info.run_id
+        assert job.info.run_name == job_dir.name
+        assert (job.data.tags["parallel"], job.data.tags["world_size"],
+                job.data.tags["precision"]) == ("none", "1", "fp32")
+        assert job.data.params["data.batch_size"] == "64"
+        history = client.get_metric_history(job.info.run_id, "eval/loss")
+        assert sorted(m.step for m in history) == [4, 8, 12]
+        metrics = read_metrics(job_dir)
+        assert job.data.metrics["final/eval_loss"] == pytest.approx(metrics["eval_loss"])
+        train = sorted((m.step, m.value) for m in
+                       client.get_metric_history(job.info.run_id, "train/loss"))
+        board = scalars(job_dir, "train/loss")  # TensorBoard: the same figures, float32
+        assert [s for s, _ in train] == [s for s, _ in board] == [3, 6, 9, 12]
+        assert [v for _, v in train] == pytest.approx([v for _, v in board], rel=1e-6)
+
+
+def test_a_tracker_that_is_down_is_one_warning_and_the_run_goes_on(train_here, caplog):
+    uri = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    started = time.monotonic()
+    with caplog.at_level(logging.WARNING):
+        metrics, run_dir = train_here(*FAST, "trainer.max_steps=4",
+                                      "logger=[tensorboard,mlflow]",
+                                      f"logger.mlflow.tracking_uri={uri}")
+    assert time.monotonic() - started < 60
+    warned = [r.getMessage() for r in caplog.records if r.name.startswith("parallab.loggers")]
+    assert len(warned) == 1 and f"no MLflow server answers at {uri}" in warned[0]
+    assert "\n" not in warned[0]
+    assert metrics["steps"] == 4 and (run_dir / "metrics.json").exists()
+    assert [s for s, _ in scalars(run_dir, "eval/loss")] == [4]
+
+
+def test_a_logger_not_installed_is_one_line_naming_the_extra(monkeypatch):
+    import importlib.util
+
+    found = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "wandb" else found(name, *a))
+    from conftest import typed
+
+    with pytest.raises(validate.ConfigError,
+                       match=r'logger=wandb needs wandb, which is not installed: '
+                             r'pip install "parallab\[wandb\]"'):
+        validate.prepare(typed("logger=wandb", "device=cpu"), in_place=None)
