@@ -58,6 +58,33 @@ def test_every_option_composes_and_validates(group, option):
         validate.prepare(cfg, in_place=None)
 
 
+def test_the_key_reference_in_the_docs_is_the_dataclasses():
+    from parallab import help
+
+    assert help.keys_markdown() in (REPO / "docs" / "config.md").read_text(), (
+        "docs/config.md's keys are stale: python -m parallab.help")
+
+
+@pytest.mark.parametrize("group", ["parallel", "precision", "backend", "optim", "scheduler",
+                                   "trainer"])
+def test_an_option_sets_only_what_differs_from_its_schema(group):
+    """The dataclasses are the defaults: an option's YAML repeating one would be a second
+    place to change it."""
+    import yaml
+
+    from parallab.config import SCHEMAS
+    from parallab.help import schema_of
+
+    for option in options(group):
+        cls = schema_of(group, option)
+        assert cls in SCHEMAS[group].values(), option
+        defaults = OmegaConf.to_container(OmegaConf.structured(cls), enum_to_str=True)
+        text = yaml.safe_load((REPO / "conf" / group / f"{option}.yaml").read_text())
+        same = [k for k, v in text.items() if k != "defaults" and defaults.get(k, v) == v
+                and k in defaults]
+        assert not same, f"conf/{group}/{option}.yaml repeats its schema's {same}"
+
+
 def test_defaults_are_the_seed_recipe():
     cfg = validate.prepare(typed("device=cpu"), in_place=None)
     assert (model_name(cfg.model), cfg.data.name, cfg.parallel.name) == ("MnistCNN", "mnist",

@@ -46,11 +46,13 @@ class DataConfig:
     # set: batch_size = this / (data-parallel ranks x trainer.accumulate_grad_batches)
     global_batch_size: Optional[int] = None
     eval_batch_size: int = 1000  # per rank
+    # auto | memory (the whole split as tensors held in memory) | dataloader; auto = memory
+    # where the set is tensors that fit and need no per-sample augmentation
     loader: Loader = Loader.auto
-    num_workers: int = 0
+    num_workers: int = 0  # DataLoader worker processes per rank
     # page-locked host batches, so the copy to a GPU overlaps compute; null = on CUDA
     pin_memory: Optional[bool] = None
-    persistent_workers: bool = False
+    persistent_workers: bool = False  # keep the DataLoader's workers between epochs
     prefetch_factor: Optional[int] = None  # batches each worker loads ahead; null = torch's 2
     collate_fn: Any = None  # a function's dotted path, or a _target_ spec; null = torch's
 
@@ -83,6 +85,16 @@ class DataConfig:
     def make(self, seed: int) -> tuple[Any, Any]:
         """(train, eval): Splits (data/split.py) or torch Datasets."""
         raise TypeError(f"{type(self).__name__} does not say how to make its data")
+
+
+def data_defaults() -> dict[str, Any]:
+    """The keys parallab owns in every data set's config, as the composed config's `data`
+    starts with them (a plain mapping: each data option adds its own keys, and validate
+    types the whole node by its data set's class)."""
+    import dataclasses
+
+    return {f.name: getattr(f.default, "value", f.default) for f in dataclasses.fields(DataConfig)
+            if f.default is not MISSING}
 
 
 def data_config(node: dict[str, Any]) -> DataConfig:
@@ -163,7 +175,8 @@ class ModelParallelConfig(ParallelConfig):
 class PipelineConfig(ParallelConfig):
     name: str = "pipeline"
     world_size: Optional[int] = None  # ranks: pp parts x dp_replicate pipelines x tp
-    split: Optional[list[int]] = None  # null = parts even by parameter count
+    # null = parts even by parameter count; [i] = the second part starts at stage i
+    split: Optional[list[int]] = None
     microbatches: int = 4  # per step: data.batch_size must divide by it
     schedule: str = "1f1b"  # gpipe | 1f1b
     # pipelines side by side (pp x dp), each reading its own shard; null = world_size / (pp x tp)
@@ -245,39 +258,55 @@ class TrainerConfig:
     max_steps: Optional[int] = None  # stop after this many optimizer steps
     log_every_n_steps: int = 50  # train/* scalars; ranks also agree a stop request here
     eval_every_n_epochs: int = 1  # and once at the end on the final weights
-    # set: evaluate every this many optimizer steps instead of by epoch (and at the end)
+    # set: evaluate every this many optimizer steps instead of by epoch
     eval_every_n_steps: Optional[int] = None
     timing_skip_steps: int = 5  # first steps left out of throughput and step-time figures
     # renamed: trainer.timing_skip_steps (timing), scheduler.warmup_steps (learning rate)
     warmup_steps: Any = None
     progress_bar: Optional[bool] = None  # null = only on an interactive terminal
-    accumulate_grad_batches: int = 1  # micro-batches per optimizer step
-    clip_grad_norm: Optional[float] = None  # max global gradient norm
+    # micro-batches per optimizer step (DDP reduces once per step)
+    accumulate_grad_batches: int = 1
+    clip_grad_norm: Optional[float] = None  # max global gradient norm; null = no clipping
     channels_last: bool = False  # NHWC memory format for conv models
-    compile: bool = False  # torch.compile the model
-    compile_mode: Optional[str] = None  # default | reduce-overhead | max-autotune...
-    profile: bool = False  # torch.profiler trace of a few steps into the run dir
-    quantize: Optional[str] = None  # dynamic_int8: quantize Linear layers after training
-    auto_batch_size: bool = False  # double data.batch_size while it fits and pays
-    max_memory_mb: Optional[float] = None  # the finder's memory budget per rank
-    checkpoint_every_n_steps: Optional[int] = 500  # and at each epoch end; null = epochs only
-    keep_last_k: int = 3  # periodic checkpoints kept (last.pt / last.dcp always is)
-    resume: Optional[str] = None  # auto (newest in the run dir) or a checkpoint path
+    compile: bool = False  # torch.compile the model (before the parallel wrapper)
+    # null = torch's default; reduce-overhead, max-autotune, ...
+    compile_mode: Optional[str] = None
+    profile: bool = False  # torch.profiler trace of steps 3-5 into <run dir>/profiler/
+    # dynamic_int8: int8 Linear layers after training (torchao), evaluated too
+    quantize: Optional[str] = None
+    # double data.batch_size until out of memory, over budget, or <5% faster
+    auto_batch_size: bool = False
+    # the finder's memory budget per rank (CPU: peak RSS; CUDA: peak allocated)
+    max_memory_mb: Optional[float] = None
+    # atomic checkpoints/step_*.pt (.dcp), and one at each epoch end; null = epochs only
+    checkpoint_every_n_steps: Optional[int] = 500
+    # periodic checkpoints kept; checkpoints/last.pt (last.dcp) is written at the end
+    keep_last_k: int = 3
+    # auto: continue from the newest checkpoint in the run dir; or a checkpoint path
+    resume: Optional[str] = None
     overwrite: bool = False  # a fresh run in a dir holding one: delete its checkpoints first
-    init_from: Optional[str] = None  # start from these weights (.pt, .dcp, .safetensors, folder)
-    init_strict: bool = True  # every weight named and shaped as the model's; false: what matches
-    on_nan: str = "stop"  # stop | skip: what a NaN/inf loss or gradient does
+    # weights only, from a .pt, .dcp, .safetensors or a (transformers) folder
+    init_from: Optional[str] = None
+    # every weight named and shaped as the model's; false: load those that match, keep the
+    # others' initial values
+    init_strict: bool = True
+    # stop: end with a clear message, the last good checkpoint kept | skip: drop the step
+    on_nan: str = "stop"
     # none | full | selective: recompute activations in backward, per stage (activations.py)
     activation_checkpointing: str = "none"
-    monitor: str = "eval_loss"  # the eval figure that picks best.pt and early stopping
+    # the eval figure that picks best.pt and early stopping: eval_loss, eval_accuracy, or any
+    # eval_<metric> the run reports
+    monitor: str = "eval_loss"
     monitor_mode: Optional[str] = None  # min | max; null = min for eval_loss, max for eval_accuracy
     save_best: bool = True  # checkpoints/best.pt (best.dcp) whenever the monitored figure improves
-    early_stop_patience: Optional[int] = None  # end after this many evaluations not improving
+    # end the run after this many evaluations without improvement
+    early_stop_patience: Optional[int] = None
 
 
 @dataclass
 class SweepConfig:
-    skip_completed: bool = False  # re-running a sweep: keep jobs that already finished
+    # re-running a sweep: jobs whose dir holds a complete metrics.json are not rerun
+    skip_completed: bool = False
 
 
 @dataclass
@@ -288,14 +317,16 @@ class AdviseConfig:
     run: bool = False  # true (experiment=advise, parallab advise): advise instead of training
     steps: int = 10  # optimizer steps measured per candidate, after warmup_steps
     warmup_steps: int = 3  # steps per candidate left out of its figures
-    world_sizes: Optional[list[int]] = None  # null = 1 and each divisor of parallel.world_size
-    layouts: Optional[list[str]] = None  # parallel options to try; null = all that fit
+    # null = 1 and each divisor of parallel.world_size (CPU: 2 if unset)
+    world_sizes: Optional[list[int]] = None
+    # parallel options to try, e.g. [ddp,fsdp]; null = every one that fits
+    layouts: Optional[list[str]] = None
     precisions: Optional[list[str]] = None  # null = fp32 and bf16 (CPU); fp32, bf16, amp (CUDA)
     activation_checkpointing: list[str] = field(
         default_factory=lambda: ["none", "selective", "full"])
     max_accumulation: int = 4  # gradient accumulation tried: 1, 2, 4 ... up to this
-    microbatches: list[int] = field(default_factory=lambda: [2, 4])  # pipeline candidates
-    schedules: list[str] = field(default_factory=lambda: ["gpipe", "1f1b"])  # pipeline
+    microbatches: list[int] = field(default_factory=lambda: [2, 4])  # pipeline candidates'
+    schedules: list[str] = field(default_factory=lambda: ["gpipe", "1f1b"])  # pipeline's
     # true: a memory saver (activation checkpointing, accumulation) is measured only where
     # the candidate without it is predicted not to fit; false: the whole grid
     only_needed: bool = True
@@ -314,7 +345,8 @@ class AdviseConfig:
 @dataclass
 class Config:
     model: Any = MISSING  # a _target_ spec: the model's class (or factory) and its arguments
-    data: Any = MISSING  # a DataConfig once validate.prepare has typed it
+    # the data set's config: a mapping until validate.prepare types it as its DataConfig
+    data: Any = field(default_factory=data_defaults)
     loss: Any = MISSING  # a _target_ spec (loss.py)
     parallel: Any = MISSING
     precision: Any = MISSING
@@ -331,8 +363,10 @@ class Config:
     # classifies, else eval_loss
     objective: Optional[str] = None
     seed: int = 42  # weights, data order and dropout; each rank adds its rank
-    device: Device = Device.auto
-    sweep: SweepConfig = field(default_factory=SweepConfig)
+    device: Device = Device.auto  # auto | cpu | cuda
+    sweep: SweepConfig = field(default_factory=SweepConfig)  # multirun settings
+    # parallab advise (= experiment=advise): which layout trains this model fastest
+    # (docs/parallel.md)
     advise: AdviseConfig = field(default_factory=AdviseConfig)
 
 

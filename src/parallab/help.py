@@ -83,11 +83,8 @@ def describe(section: str, node: Any, choices: dict[str, Any]) -> dict[str, str]
     words = option_comments(section, choices.get(section))
     # the keys config.yaml gives every option of the group (data's), then the class's own
     words.update({k: v for k, v in comments(block(section)).items() if k not in words})
-    kinds = {**{g: next(iter(o.values())) for g, o in config.SCHEMAS.items()},
-             **{g: o.get(str(choices.get(f"schema/{g}"))) for g, o in config.SCHEMAS.items()
-                if f"schema/{g}" in choices}}
     field = config.Config.__dataclass_fields__.get(section)
-    cls = kinds.get(section, getattr(field, "default_factory", None))
+    cls = schema_of(section, choices.get(section)) or getattr(field, "default_factory", None)
     if isinstance(node, DictConfig) and targets.TARGET in node:
         try:
             cls = targets.locate(node[targets.TARGET], f"{section}._target_")
@@ -96,6 +93,17 @@ def describe(section: str, node: Any, choices: dict[str, Any]) -> dict[str, str]
     if isinstance(cls, type):
         words.update({k: v for k, v in class_comments(cls).items() if k not in words})
     return words
+
+
+def schema_of(group: str, choice: str | None) -> type | None:
+    """The schema dataclass an option of one of parallab's own groups starts from (its
+    defaults list's `/schema/<group>/<name>`): the keys' defaults and their words."""
+    from parallab import config
+
+    path = CONF_DIR / group / f"{choice}.yaml"
+    found = re.search(rf"/schema/{group}/(\w+)@", path.read_text()) if choice and \
+        path.is_file() else None
+    return config.SCHEMAS.get(group, {}).get(found.group(1)) if found else None
 
 
 def _value(value: Any) -> str:
@@ -146,3 +154,62 @@ def help_text(*, _root_: DictConfig) -> str:
 
 def register_resolver() -> None:
     OmegaConf.register_new_resolver("parallab_help", help_text, replace=True)
+
+
+# docs/config.md's key reference: written from the dataclasses (`python -m parallab.help`),
+# between these lines; a test fails when the file is stale
+BEGIN = "<!-- keys: written by `python -m parallab.help` from src/parallab/config.py -->"
+END = "<!-- end of keys -->"
+
+
+def _cell(value: Any) -> str:
+    return str(value).replace("|", "\\|")
+
+
+def key_table(cls: type, prefix: str) -> list[str]:
+    """One schema's keys as a markdown table: key, default, what it means."""
+    import dataclasses
+
+    from omegaconf import MISSING
+
+    words = class_comments(cls)
+    rows = ["| key | default | |", "|---|---|---|"]
+    for f in dataclasses.fields(cls):
+        if f.default is MISSING or dataclasses.is_dataclass(f.default_factory):
+            continue  # a group of its own, or set by an option
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING \
+            else f.default
+        default = getattr(default, "value", default)  # an enum's
+        rows.append(f"| `{prefix}{f.name}` | `{_value(default)}` | "
+                    f"{_cell(words.get(f.name, ''))} |")
+    return rows
+
+
+def keys_markdown() -> str:
+    from parallab import config
+
+    sections = [("Top level", config.Config, ""), ("trainer", config.TrainerConfig, "trainer."),
+                ("data: the keys every data set has", config.DataConfig, "data.")]
+    for group, options in config.SCHEMAS.items():
+        if group == "trainer":
+            continue
+        for name, cls in options.items():
+            title = group if len(options) == 1 else f"{group} ({cls.__name__})"
+            sections.append((title, cls, f"{group}."))
+    sections += [("advise", config.AdviseConfig, "advise."),
+                 ("sweep", config.SweepConfig, "sweep.")]
+    lines = [BEGIN, ""]
+    for title, cls, prefix in sections:
+        lines += [f"#### {title}", "", *key_table(cls, prefix), ""]
+    return "\n".join([*lines, END])
+
+
+def write_keys(path: Path) -> None:
+    """The key reference in `path` replaced by the one the dataclasses give now."""
+    text = path.read_text()
+    start, end = text.index(BEGIN), text.index(END) + len(END)
+    path.write_text(text[:start] + keys_markdown() + text[end:])
+
+
+if __name__ == "__main__":
+    write_keys(Path(__file__).resolve().parents[2] / "docs" / "config.md")
