@@ -23,6 +23,12 @@ from parallab.testing import (  # noqa: F401,E402 - shared
 FAST = ["data=synthetic", "data.train_size=2048", "data.eval_size=512", "trainer.epochs=1",
         "trainer.log_every_n_steps=5", "device=cpu"]
 
+# a small gpt with dropout, every step logged: recomputation must redraw the same masks
+GPT_RUN = ["data=bytes", "data.eval_fraction=0.002", "model=gpt", "model.layers=2",
+           "model.heads=2", "model.width=32", "model.context=32", "model.dropout=0.1",
+           "data.batch_size=8", "trainer.max_steps=20", "trainer.log_every_n_steps=1",
+           "trainer.checkpoint_every_n_steps=null", "device=cpu"]
+
 
 def free_port() -> int:
     with socket.socket() as s:

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from conftest import output, read_metrics, typed
+from conftest import GPT_RUN, losses, output, read_metrics, typed
 from parallab import validate
 from parallab.config import data_config
 from parallab.data import bytetext
@@ -159,3 +159,35 @@ def test_missing_text_fails_before_training_naming_data_path(train, tmp_path):
     errors = [line for line in text.splitlines() if "data.path=" in line]
     assert len(errors) == 1 and "give a text file" in errors[0]
     assert not (run_dir / "metrics.json").exists()
+
+
+def test_adamw_decays_weight_matrices_only():
+    from parallab.config import AdamWConfig, SGDConfig
+    from parallab.optim import build_optimizer
+
+    model = GPT(layers=1, width=16, heads=2, context=8, vocab_size=32)
+    optimizer = build_optimizer(AdamWConfig(lr=0.1, weight_decay=0.5), model)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)  # the step is the decay alone
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    optimizer.step()
+    for name, p in model.named_parameters():
+        matrix = p.ndim == 2 and "embed" not in name
+        expected = before[name] * (1 - 0.1 * 0.5) if matrix else before[name]
+        torch.testing.assert_close(p.detach(), expected, msg=name)
+    assert len(build_optimizer(SGDConfig(weight_decay=0.5), model).param_groups) == 1  # decay_all
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_tied_embeddings_share_the_head_and_train_under_fsdp(train_here):
+    tied = GPT(layers=1, width=32, heads=2, context=32, tie_embeddings=True)
+    untied = GPT(layers=1, width=32, heads=2, context=32)
+    count = lambda model: sum(p.numel() for p in model.parameters())  # noqa: E731
+    assert count(untied) - count(tied) == 256 * 32  # vocab x width
+    assert tied.head.out.weight is tied.embed.tokens.weight
+    run = [*GPT_RUN, "model.tie_embeddings=true", "model.dropout=0.0", "data.batch_size=16"]
+    _, one = train_here(*run, name="one")
+    _, fsdp = train_here(*run, "parallel=fsdp", "parallel.world_size=2", "data.batch_size=8",
+                         name="fsdp")
+    assert losses(fsdp) == pytest.approx(losses(one), rel=1e-4, abs=1e-5)

@@ -57,7 +57,7 @@ def test_the_wheel_trains_a_users_project(venv, tmp_path):
     project = tmp_path / "own_model"
     shutil.copytree(REPO / "examples" / "own_model", project,
                     ignore=shutil.ignore_patterns("__pycache__", "outputs"))
-    # one process: the layouts on the project are test_own_model's; here, the wheel's part
+    # one process: the layouts on the project are test_example_project's; here, the wheel's part
     run(venv / "bin" / "parallab", "train", "--config-dir", "conf", "experiment=waves",
         "trainer.max_steps=10", "device=cpu", "hydra.run.dir=run", cwd=project)
     metrics = read_metrics(project / "run")

@@ -127,7 +127,7 @@ GPT_BYTES = 4 * sum(p.numel() for p in GPT(layers=2, heads=4, width=32, context=
 
 def assert_textbook_volume(metrics, layout: str, batch: int) -> None:
     """comm_*_mb of the run against the volumes a textbook gives (ring algorithms; ddp's
-    and fsdp's are test_recipe's)."""
+    and fsdp's are test_activations')."""
     sent = {k: metrics.get(f"comm_{k}_mb", 0.0) * MB for k in ("all_reduce", "all_gather",
                                                                  "reduce_scatter")}
     near = lambda expected: pytest.approx(expected, rel=0.01, abs=64)  # noqa: E731 - a loss

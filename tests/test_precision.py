@@ -129,7 +129,7 @@ def test_channels_last_trains_the_same_model(train_here):
 @pytest.mark.distributed
 def test_compile_works_on_cpu_under_fsdp(train_here):
     """Compiled stages sharded by FSDP2 (compile before the wrapper, as torchtitan orders
-    them; a single device compiles in test_recipe's checkpointing case)."""
+    them; a single device compiles in test_activations' compile case)."""
     metrics, run_dir = train_here(*FAST, "trainer.compile=true", "parallel=fsdp",
                                   "parallel.world_size=2", "trainer.max_steps=8")
     assert metrics["steps"] == 8

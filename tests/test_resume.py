@@ -146,7 +146,7 @@ def test_a_diverging_run_stops_with_a_clear_message(train):
 
 def test_on_nan_skip_drops_the_bad_steps_and_finishes(train, tmp_path):
     """One poisoned batch (its gradients NaN) is dropped and the run goes on to a finite
-    end; a run that drops most steps stops instead (test_hardening)."""
+    end; a run that drops most steps stops instead (test_faults)."""
     poison = "batches = [(inputs * float('nan'), targets) for inputs, targets in batches]"
     result, run_dir = train(*RUN, "trainer.on_nan=skip", env=inject(tmp_path, 5, poison))
     assert_ok(result)

@@ -1,0 +1,81 @@
+"""Activation checkpointing: fewer activations kept, each block wrapped before any parallel
+wrapper, the same losses with and without it under every layout (compile included), and
+the weights' names unchanged."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import GPT_RUN, losses
+from parallab import activations
+from parallab.models.gpt import GPT
+from parallab.testing import textbook_volume
+
+
+def test_checkpointing_keeps_fewer_activations():
+    """full keeps each block's input only; selective also its matmul outputs."""
+    kept = {}
+    for mode in activations.MODES:
+        torch.manual_seed(0)
+        model = activations.apply(GPT(layers=2, width=64, heads=2, context=64), mode)
+        tokens = torch.randint(0, 256, (4, 64))
+        kept[mode] = activations.saved_bytes(model, lambda: model(tokens).sum())
+    assert kept["full"] < 0.4 * kept["none"]
+    assert kept["full"] < kept["selective"] < kept["none"]
+
+
+def test_a_run_checkpoints_each_block_before_any_parallel_wrapper():
+    """run.speed_up (what every worker applies) wraps gpt's blocks, so the layouts'
+    equal-loss runs below do checkpoint."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    from parallab.config import TrainerConfig
+    from parallab.run import speed_up
+
+    for mode, wrapped in (("none", 0), ("full", 3), ("selective", 3)):
+        model = speed_up(GPT(layers=3, width=32, heads=2, context=16),
+                         TrainerConfig(activation_checkpointing=mode))
+        assert sum(isinstance(m, CheckpointWrapper) for m in model.modules()) == wrapped
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout,modes", [
+    ([], ["full", "selective"]),
+    (["parallel=ddp", "parallel.world_size=2"], ["selective"]),
+    (["parallel=fsdp", "parallel.world_size=2"], ["full"]),
+    (["parallel=pipeline", "parallel.world_size=2"], ["full"]),
+    (["trainer.compile=true", "model.layers=1"], ["selective"]),
+], ids=["none", "ddp", "fsdp", "pipeline", "compile"])
+def test_checkpointing_changes_no_loss(train_here, layout, modes):
+    """The first 20 losses with and without it, under each layout (dropout on)."""
+    runs = {mode: train_here(*GPT_RUN, *layout, f"trainer.activation_checkpointing={mode}",
+                             name=mode) for mode in ["none", *modes]}
+    metrics, run_dir = runs.pop("none")
+    reference = losses(run_dir)
+    assert len(reference) == 20
+    for mode, (_, got) in runs.items():
+        assert losses(got) == pytest.approx(reference, abs=1e-5), mode
+    if layout[:1] in (["parallel=ddp"], ["parallel=fsdp"]):  # the run without it, on 2 ranks
+        assert_textbook_volume(metrics, layout[0].removeprefix("parallel="))
+
+
+def assert_textbook_volume(metrics, layout: str) -> None:
+    """Bytes sent per step (comm.py) against the textbook: DDP all-reduces the gradients,
+    2 (n-1)/n x P; FSDP gathers the parameters twice (forward, backward) and scatters the
+    gradients once, 3 x P x (n-1)/n; n = 2 ranks."""
+    params = 4 * sum(p.numel() for p in GPT(layers=2, heads=2, width=32, context=32,
+                                            dropout=0.1).parameters())
+    expected = {"ddp": textbook_volume(params, replicas=2),
+                "fsdp": textbook_volume(params, shards=2)}[layout]
+    for kind, volume in expected.items():
+        if volume:  # the kinds the layout sends
+            assert metrics[f"comm_{kind}_mb"] * 2**20 == pytest.approx(volume, rel=0.01), kind
+    assert metrics["comm_mb_per_step"] * 2**20 == pytest.approx(sum(expected.values()), rel=0.01)
+
+
+def test_checkpointed_weights_keep_their_names(train_here):
+    metrics, run_dir = train_here(*GPT_RUN, "trainer.max_steps=3",
+                                  "trainer.activation_checkpointing=full")
+    state = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["model"]
+    assert state.keys() == GPT(layers=2, heads=2, width=32, context=32).state_dict().keys()
