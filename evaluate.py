@@ -1,6 +1,6 @@
 """Evaluate a checkpoint: `python evaluate.py ckpt=PATH [group=option ...]`."""
 
-from parallab.cli import evaluate
+from parallab.commands import evaluate
 
 if __name__ == "__main__":
     evaluate()

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 from pathlib import Path
@@ -24,13 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 from parallab.cli import train_in_process  # noqa: E402
-from parallab.testing import mlflow_server, scratch_dir  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from parallab.testing import free_port, mlflow_server, scratch_dir  # noqa: E402
 
 
 def main() -> None:

@@ -10,14 +10,13 @@ import os
 # every run this process starts inherits it)
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import socket  # noqa: E402
 import subprocess  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
 from parallab.testing import (  # noqa: F401,E402 - shared
-    REPO, losses, read_metrics, run_entry, scalars)
+    REPO, free_port, losses, read_metrics, run_entry, scalars)
 
 # small, quick settings for end-to-end runs on a 2-core CPU
 FAST = ["data=synthetic", "data.train_size=2048", "data.eval_size=512", "trainer.epochs=1",
@@ -28,12 +27,6 @@ GPT_RUN = ["data=bytes", "data.eval_fraction=0.002", "model=gpt", "model.layers=
            "model.heads=2", "model.width=32", "model.context=32", "model.dropout=0.1",
            "data.batch_size=8", "trainer.max_steps=20", "trainer.log_every_n_steps=1",
            "trainer.checkpoint_every_n_steps=null", "device=cpu"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def only_run_dir(root: Path) -> Path:

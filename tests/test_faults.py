@@ -144,11 +144,15 @@ def test_evaluate_without_ckpt_is_one_line():
 
 
 def test_peak_memory_is_the_runs_own_not_an_earlier_jobs(train_here):
-    """A sweep's jobs share a process: a 1.2 GB job before must not be this run's peak."""
+    """A sweep's jobs share a process: a 1.2 GB job before must not be this run's peak
+    (a short run adds far less than 600 MB to what the process already holds)."""
+    import psutil
+
+    held = psutil.Process().memory_info().rss / 2**20
     big = torch.ones(300_000_000)  # 1.2 GB resident
     del big
     metrics, _ = train_here(*FAST, "trainer.max_steps=3")
-    assert 0 < metrics["peak_memory_mb"] < 1100, metrics["peak_memory_mb"]
+    assert 0 < metrics["peak_memory_mb"] < held + 600, (metrics["peak_memory_mb"], held)
 
 
 def test_swept_keys_reach_the_hparams_as_numbers():

@@ -139,7 +139,7 @@ def test_sharded_checkpoint_evaluates_and_exports_on_one_device(tmp_path, train_
 
 def test_export_of_a_project_that_does_not_import_is_one_line(tmp_path):
     from parallab import checkpoint
-    from parallab.cli import _export
+    from parallab.commands import _export
     from parallab.errors import ConfigError
 
     ckpt = tmp_path / "last.pt"

@@ -10,7 +10,8 @@ import torch
 
 from conftest import FAST, REPO, assert_ok, losses, read_metrics, run_entry
 from parallab import checkpoint, weights
-from parallab.cli import _export, train_in_process
+from parallab.cli import train_in_process
+from parallab.commands import _export
 from parallab.errors import ConfigError
 
 MLP = [*FAST, "model=mlp", "model.hidden=[64,32]", "data.shape=[1,8,8]", "optim.lr=0.05",

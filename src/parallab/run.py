@@ -245,7 +245,7 @@ def start_model(cfg: Config, dist: distributed.Dist, strategy_cls, init_from: st
 
 def build_trainer(cfg: Config, dist: distributed.Dist, logger: RunLogger,
                   checkpoints: Path | None, preemption: Preemption,
-                  init_from: str | None = None) -> tuple[Trainer, float]:
+                  init_from: str | None = None, probe: Any = None) -> tuple[Trainer, float]:
     """Model, strategy, data, optimizer and trainer on this rank (a checkpointer saving
     into `checkpoints`, if given; the weights at `init_from`, if given); the trainer and the
     learning rate it uses."""
@@ -276,7 +276,7 @@ def build_trainer(cfg: Config, dist: distributed.Dist, logger: RunLogger,
         checkpointer = Checkpointer(checkpoints, dist, config, cfg.trainer.keep_last_k,
                                     sharded=strategy.sharded_checkpoint(cfg.parallel))
     trainer = Trainer(cfg.trainer, model, strategy, optimizer, precision, data, dist, logger,
-                      checkpointer, preemption, cfg.metrics, cfg.scheduler)
+                      checkpointer, preemption, cfg.metrics, cfg.scheduler, probe)
     return trainer, lr
 
 

@@ -38,6 +38,15 @@ def run_entry(script: str, args: list[str], run_dir: Path | None = None, timeout
     return result
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def read_metrics(run_dir: Path) -> dict[str, Any]:
     return json.loads((Path(run_dir) / "metrics.json").read_text())
 

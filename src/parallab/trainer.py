@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from parallab import activations, checkpoint, metrics, mfu, schedule
+from parallab import checkpoint, metrics, mfu, schedule
 from parallab import batch as batch_of
 from parallab.checkpoint import Checkpointer
 from parallab.comm import CommCounter
@@ -54,7 +54,8 @@ class Trainer:
                  optimizer: torch.optim.Optimizer, precision: Precision, data: Data,
                  dist: Dist, logger: RunLogger, checkpointer: Checkpointer | None = None,
                  preemption: Preemption | None = None,
-                 metric_specs: dict[str, Any] | None = None, scheduler_cfg: Any = None):
+                 metric_specs: dict[str, Any] | None = None, scheduler_cfg: Any = None,
+                 probe: Any = None):
         self.cfg = cfg
         self.metric_specs = metric_specs or {}
         self.checkpointer = checkpointer
@@ -92,10 +93,9 @@ class Trainer:
         self.step_lr: float | None = None  # the rate the last step used, before its schedule moved
         self.first_step = 0  # where this process's training starts (after a resume: later)
         self.comm: dict[str, float] = {}  # bytes sent in one step, by kind (counted_step)
-        # saved for backward by one micro-batch in the step comm is counted on (advise/measure.py);
-        # off in a training run: it keeps that step's activations until the step ends
-        self.count_activations = False
-        self.activation_bytes = 0.0
+        # entered around the counted step beside the comm count (advise measures the
+        # activations a micro-batch keeps there): probe.counted_step(trainer, batches)
+        self.probe = probe
         self.profiler = None  # fit()'s torch.profiler.profile where trainer.profile is on
         # a language model's batches (set at the first step): tokens counted per step
         self.counts_tokens: bool | None = None
@@ -188,19 +188,14 @@ class Trainer:
 
     def counted_step(self, batches: list[Batch]) -> torch.Tensor:
         """train_step; this process's second step (the first may set things up) also counts
-        the bytes it sends (comm.py) and, with count_activations, the bytes one micro-batch
-        keeps for backward (activation_bytes); not under compile: a dispatch mode would trip
-        its guards into recompiling."""
+        the bytes it sends (comm.py), and runs inside the probe's counted_step, if any; not
+        under compile: a dispatch mode would trip its guards into recompiling."""
         if self.step != self.first_step + 1 or self.cfg.compile:
             return self.train_step(batches)
-        saved = (activations.saved_for_backward(self.model) if self.count_activations
+        probe = (self.probe.counted_step(self, batches) if self.probe is not None
                  else contextlib.nullcontext())
-        with CommCounter() as counter, saved as counted:
+        with CommCounter() as counter, probe:
             loss = self.train_step(batches)
-            if counted is not None:  # per batch: the share of its micro-batches' activations
-                # a rank holds at once (1F1B: not all)
-                self.activation_bytes = (counted.held(self.strategy.activation_share)
-                                         / len(batches))
         self.comm = counter.figures()
         self.logger.scalars({"comm/" + k.removeprefix("comm_"): v
                              for k, v in self.comm.items()}, self.step + 1)
@@ -270,8 +265,11 @@ class Trainer:
                 self.stop()
                 return False
             every = self.cfg.eval_every_n_steps
-            if every and self.step % every == 0 and self.evaluate():
-                break  # early stopping: fit() ends the run
+            if every and self.step % every == 0:
+                stop = self.evaluate()
+                tick = time.perf_counter()  # an evaluation is no step's time
+                if stop:
+                    break  # early stopping: fit() ends the run
             every = self.cfg.checkpoint_every_n_steps
             if every and self.step % every == 0 and not self.done():
                 self.save_checkpoint()

@@ -105,6 +105,7 @@ def measuring(options, global_batch: int) -> list[str]:
             f"trainer.timing_skip_steps={options.warmup_steps}", "trainer.epochs=1000000",
             "trainer.log_every_n_steps=1", "trainer.checkpoint_every_n_steps=null",
             "trainer.save_best=false", "trainer.early_stop_patience=null",
+            "trainer.eval_every_n_steps=null",
             "trainer.auto_batch_size=false", "trainer.progress_bar=false",
             "trainer.profile=false", "trainer.resume=null", "trainer.quantize=null",
             # the counted step's dispatch modes (comm, saved activations) skip compiled runs

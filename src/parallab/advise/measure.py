@@ -9,16 +9,17 @@ TensorBoard run with its hparams into its own dir.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
-from parallab import distributed, loggers, run
+from parallab import activations, distributed, loggers, run
 from parallab.comm import MB
 from parallab.errors import first_line
 from parallab.loggers import RunLogger
@@ -42,6 +43,21 @@ class LossRecorder(RunLogger):
         super().scalars(values, step)
 
 
+class ActivationProbe:
+    """Counts, on the trainer's counted step, the bytes one micro-batch keeps for backward:
+    the share of its micro-batches' activations a rank holds at once (1F1B: not all). Off in
+    a training run: it keeps that step's activations until the step ends."""
+
+    def __init__(self) -> None:
+        self.bytes = 0.0
+
+    @contextlib.contextmanager
+    def counted_step(self, trainer, batches: list) -> Iterator[None]:
+        with activations.saved_for_backward(trainer.model) as counted:
+            yield
+            self.bytes = counted.held(trainer.strategy.activation_share) / len(batches)
+
+
 def _max_over_ranks(dist: distributed.Dist, value: float) -> float:
     return dist.all_reduce_max(torch.tensor([value], dtype=torch.float64,
                                             device=dist.device)).item()
@@ -55,15 +71,15 @@ def measure(cfg, run_dir: str, dist: distributed.Dist, overrides: list[str]) -> 
     try:
         with Preemption() as preemption:
             logger.start(loggers.run_info(cfg, run_dir, overrides, None, dist.world_size))
-            trainer, lr = run.build_trainer(cfg, dist, logger, None, preemption)
-            trainer.count_activations = True
+            probe = ActivationProbe()
+            trainer, lr = run.build_trainer(cfg, dist, logger, None, preemption, probe=probe)
             progress = Progress(trainer.total_steps, False, False)
             while not trainer.done():
                 trainer.train_epoch(progress)
                 trainer.epoch, trainer.epoch_step = trainer.epoch + 1, 0
             figures = trainer.summary()
         state = _max_over_ranks(dist, figures["state_memory_mb"] or 0.0)
-        act = _max_over_ranks(dist, trainer.activation_bytes / MB)
+        act = _max_over_ranks(dist, probe.bytes / MB)
         figures.update(losses=logger.losses, state_mb=state, activation_mb=act,
                        measured_memory_mb=state + act, lr=lr, world_size=dist.world_size,
                        precision_dtype=trainer.precision.dtype_name,

@@ -1,0 +1,197 @@
+"""The commands beside training: `python evaluate.py` (a Hydra app: a checkpoint scored
+on one device), `parallab export` and `parallab summary`, and the `parallab` command that
+dispatches to them and to the training apps (cli.py)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from parallab import help, launch, metrics, summary, validate
+from parallab.checkpoint import CheckpointError
+from parallab.cli import Invocation, _fail, advise, hydra_app, run_app, train, typed_config
+from parallab.config import register_configs
+
+log = logging.getLogger("parallab")
+
+
+def _evaluate_task(dict_cfg: DictConfig, call: Invocation) -> float:
+    from parallab import checkpoint, distributed, weights
+    from parallab.data import build_data
+    from parallab.loss import build_loss
+    from parallab.models import build_model
+    from parallab.precision import Precision
+    from parallab.metrics import evaluate
+
+    if OmegaConf.is_missing(dict_cfg, "ckpt"):
+        _fail("ckpt is not set: give the checkpoint to evaluate, python evaluate.py "
+              "ckpt=outputs/DATE/TIME/checkpoints/last.pt", 2)
+    overrides = list(HydraConfig.get().overrides.task)
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    try:
+        from parallab import rundir
+
+        rundir.check_unused(run_dir, "evaluate.py", call.held_before())
+        state = weights.record(dict_cfg.ckpt)
+        _refuse_model_overrides(overrides, dict_cfg.ckpt)
+        # the checkpoint's model and data, before anything resolves: data keys that follow
+        # the model (data=bytes: seq_len from model.context) follow the trained one
+        with open_dict(dict_cfg):
+            dict_cfg.model = _trained_model_config(state, dict_cfg.ckpt)
+            dict_cfg.data = _trained_data_config(state, dict_cfg, overrides)
+            # generated data (data=synthetic) is drawn from the run's seed
+            saved_seed = checkpoint.saved_config(state).get("seed")
+            if saved_seed is not None and not any(o.startswith("seed=") for o in overrides):
+                dict_cfg.seed = saved_seed
+        cfg = typed_config(dict_cfg, overrides)
+        validate.prepare(cfg, in_place=None)
+    except (validate.ConfigError, checkpoint.CheckpointError) as error:
+        call.restore()
+        _fail(str(error), 2)
+    dist = distributed.setup(cfg.device.value, None, cfg.backend.timeout_s,
+                             cfg.parallel.threads_per_worker)
+    try:
+        model = weights.model_from(cfg.ckpt, build_model(cfg.model))
+    except validate.ConfigError as error:
+        _fail(f"ckpt={cfg.ckpt} does not fit model {cfg.model['_target_']}: {error}", 2)
+    data = build_data(cfg.data, dist, cfg.seed)
+    loss = build_loss(cfg.loss).bind(model)
+    figures = evaluate(model.to(dist.device), data.eval, dist,
+                       Precision(cfg.precision, dist.device), loss, cfg.metrics)
+    result = {"ckpt": str(Path(cfg.ckpt).resolve()), "model": cfg.model["_target_"],
+              "data": cfg.data.name, "step": state.get("step"), **figures}
+    out = run_dir / "metrics.json"
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    log.info("%s (%s)", ", ".join(f"{k} {v:.4f}" for k, v in figures.items()), out)
+    return figures[metrics.objective(cfg, loss)]
+
+
+def _refuse_model_overrides(overrides: list[str], ckpt: str) -> None:
+    """evaluate.py builds the model the checkpoint records: a model override would be
+    ignored, so it is refused rather than dropped without a word."""
+    for override in overrides:
+        key = override.lstrip("+~").split("=")[0]
+        if key.startswith("model."):
+            raise validate.ConfigError(
+                f"{override}: evaluate.py builds the model ckpt={ckpt} was trained with (its "
+                "_target_ and arguments come from the checkpoint): drop the model override")
+        if key == "model":  # a group choice, harmless: said, not silently dropped
+            log.info("%s: evaluate.py uses the model ckpt=%s records", override, ckpt)
+
+
+def _trained_data_config(meta: dict[str, Any], dict_cfg: DictConfig, overrides: list[str]):
+    """The data evaluate.py scores: the checkpoint's, with the command line's data.KEY
+    values; a data= choice that differs from it is used, and said."""
+    from parallab import checkpoint
+
+    saved = checkpoint.saved_config(meta).get("data")
+    chosen = any(o.lstrip("+~").partition("=")[0] == "data" for o in overrides)
+    if not isinstance(saved, dict) or targets_of(saved) is None:
+        return dict_cfg.data  # a checkpoint that records no data: as composed
+    if chosen:
+        if targets_of(saved) != dict_cfg.data.get("_target_"):
+            log.info("evaluate.py scores ckpt=%s, trained on data %s, on data %s, as asked",
+                     dict_cfg.ckpt, targets_of(saved), dict_cfg.data.get("_target_"))
+        return dict_cfg.data
+    data = OmegaConf.create(saved)
+    for override in overrides:  # the command line's data.KEY=VALUE, as Hydra parsed them
+        key = override.lstrip("+~").partition("=")[0]
+        if key.startswith("data."):
+            OmegaConf.update(data, key[5:], OmegaConf.select(dict_cfg, key), force_add=True)
+    return data
+
+
+def targets_of(spec: dict[str, Any]) -> str | None:
+    return spec.get("_target_") if isinstance(spec, dict) else None
+
+
+def _trained_model_config(meta: dict[str, Any], path) -> dict[str, Any]:
+    """The model spec a checkpoint was trained with; a pretrained-weights file it named is
+    not needed again (the checkpoint holds the weights)."""
+    from parallab import checkpoint
+
+    spec = checkpoint.saved_model(meta, path)
+    if spec.get("weights"):
+        spec["weights"] = None
+    return spec
+
+
+def evaluate() -> None:
+    """`python evaluate.py ckpt=PATH [overrides]`."""
+    call = Invocation.read(sys.argv)
+    launch.register_resolvers()
+    help.register_resolver()
+    register_configs()
+    run_app(hydra_app("evaluate", _evaluate_task, call), call)
+
+
+def _export(ckpt: Path, out: Path, force: bool = False) -> None:
+    """A checkpoint's model (a .pt file, or a sharded .dcp read by this one process) as
+    weights.FORMATS; ConfigError or CheckpointError, one line, where it cannot."""
+    from parallab import checkpoint, targets, weights
+    from parallab.models import build_model
+
+    if not out.parent.is_dir():
+        raise validate.ConfigError(f"{out.parent} is not a directory: create it, or give a "
+                                   "path in an existing one")
+    meta = weights.record(ckpt)
+    spec = _trained_model_config(meta, ckpt)
+    targets.locate(spec.get("_target_"), "model._target_")  # the project must import
+    try:
+        model = weights.model_from(ckpt, build_model(spec))
+    except validate.ConfigError as error:
+        raise checkpoint.CheckpointError(f"ckpt={ckpt} does not fit model {spec['_target_']}: "
+                                         f"{error}") from None
+    what = weights.export(model, {"step": meta["step"], "config": meta["config"]}, out, force)
+    print(f"{out}: {what}, of {ckpt} (step {meta['step']})")
+
+
+APPS = {"train": train, "evaluate": evaluate, "advise": advise}  # Hydra apps: argv is theirs
+
+
+def parallab() -> None:
+    """`parallab train [overrides]` = python train.py; `parallab evaluate ckpt=PATH` =
+    python evaluate.py; `parallab summary DIR`: rebuild a finished multirun's summary;
+    `parallab export CKPT OUT`: a checkpoint's full model state as one file."""
+    import argparse
+
+    if len(sys.argv) > 1 and sys.argv[1] in APPS:
+        app = APPS[sys.argv.pop(1)]
+        # as `python -m` does: a project's own modules (its model, its data) import from where
+        # it is run; launched workers inherit the path
+        sys.path.insert(0, os.getcwd())
+        app()
+        return
+    parser = argparse.ArgumentParser(prog="parallab")
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("train", help="train: [group=option ...] [key=value ...] (Hydra's "
+                        "overrides and flags, as python train.py takes them)")
+    commands.add_parser("evaluate", help="evaluate a checkpoint: ckpt=PATH [overrides]")
+    commands.add_parser("advise", help="which layout trains this model fastest: [overrides] "
+                        "(advise.md/.csv/.png in the run dir)")
+    summarize = commands.add_parser("summary", help="summary.csv/.md/.png of a multirun dir")
+    summarize.add_argument("sweep_dir", type=Path)
+    export = commands.add_parser("export", help="a checkpoint's model (.pt or sharded .dcp) "
+                                 "as OUT.pt, OUT.safetensors, or a folder OUT (a transformers "
+                                 "model's save_pretrained folder)")
+    export.add_argument("ckpt", type=Path)
+    export.add_argument("out", type=Path)
+    export.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    args = parser.parse_args()
+    if args.command == "export":
+        try:
+            _export(args.ckpt, args.out, args.force)
+        except (CheckpointError, validate.ConfigError, KeyError) as error:
+            print(f"parallab export: {error}", file=sys.stderr)  # one line, as every refusal
+            raise SystemExit(2) from None
+        return
+    if not any(args.sweep_dir.glob("*/.hydra/overrides.yaml")):
+        parser.error(f"{args.sweep_dir} holds no multirun jobs (no */.hydra/overrides.yaml)")
+    print(summary.markdown(summary.write(args.sweep_dir)))
