@@ -78,9 +78,9 @@ def hand(steps: int):
 def parallab(steps: int):
     from parallab import distributed, validate
     from parallab.cli import compose, typed_config
-    from parallab.loggers import RunLogger
+    from parallab.observe.loggers import RunLogger
+    from parallab.observe.progress import Progress
     from parallab.preemption import Preemption
-    from parallab.progress import Progress
     from parallab.run import build_trainer
 
     overrides = ["experiment=llama", "model=my_gpt2", "device=cpu", "trainer.epochs=1000",

@@ -223,10 +223,10 @@ def interleaved(epochs: int = 3, probe: bool = False) -> None:
 
     from parallab import distributed, validate
     from parallab.cli import compose, typed_config
-    from parallab.loggers import RunLogger
     from parallab.models import build_model
+    from parallab.observe.loggers import RunLogger
+    from parallab.observe.progress import Progress
     from parallab.preemption import Preemption
-    from parallab.progress import Progress
     from parallab.run import build_trainer
 
     overrides = ["device=cpu", f"trainer.epochs={epochs}",

@@ -16,7 +16,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
-from parallab.board import serve  # noqa: E402
+from parallab.observe.board import serve  # noqa: E402
 
 SWEEP = ["-m", "parallel=ddp", "parallel.world_size=1,2", "data.batch_size=32,64",
          "data=synthetic", "trainer.epochs=2", "device=cpu"]

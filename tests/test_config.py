@@ -5,9 +5,9 @@ from __future__ import annotations
 import re
 
 import pytest
+from conftest import REPO, output, run_entry, typed
 from omegaconf import OmegaConf
 
-from conftest import REPO, output, run_entry, typed
 from parallab import validate
 from parallab.config import data_config, model_name
 
@@ -167,7 +167,7 @@ def test_auto_values_resolve_for_cpu():
     (["+logger.mine._target_=nowhere.Logger"], "logger.mine._target_=nowhere.Logger does not "
                                                "import"),
     (["logger=csv", "+logger.csv.rows=3"], "logger.csv.rows is not an argument of "
-                                           "parallab.loggers.csv_file.CSVLogger"),
+                                           "parallab.observe.loggers.csv_file.CSVLogger"),
     (["trainer.keep_last_k=0"], "trainer.keep_last_k=0"),
     (["trainer.checkpoint_every_n_steps=0"], "trainer.checkpoint_every_n_steps=0"),
     (["parallel=dp", "backend=nccl"], "backend=nccl needs CUDA"),

@@ -7,7 +7,6 @@ from __future__ import annotations
 import shutil
 
 import pytest
-
 from conftest import REPO, assert_ok, losses, output, read_metrics, run_entry
 
 EXAMPLE = REPO / "examples" / "own_model"
@@ -81,7 +80,7 @@ def test_evaluate_reads_the_projects_checkpoint(project, one_device):
 def test_a_sweep_over_batch_and_world_size_is_compared_in_its_summary_and_tensorboard(project):
     """A user's 2 x 2 sweep: parallab's summary, and the real TensorBoard server over the
     multirun dir (read through its HTTP API) showing the four runs side by side."""
-    from parallab.board import serve
+    from parallab.observe.board import serve
 
     sweep = project / "outputs" / "sweep"
     result = parallab(project, "train", "-m", "--config-dir", "conf", "experiment=waves",

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import math
+import re
 import subprocess
 import sys
 import time
@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import FAST, REPO, assert_ok, losses, output, read_metrics, run_entry
-from parallab import summary
+
 from parallab.cli import JobFailed
-from parallab.loggers import RunLogger
+from parallab.observe import summary
+from parallab.observe.loggers import RunLogger
 
 DIVERGE = [*FAST, "optim.lr=1e6", "trainer.log_every_n_steps=10",
            "trainer.checkpoint_every_n_steps=5"]
@@ -157,6 +157,7 @@ def test_peak_memory_is_the_runs_own_not_an_earlier_jobs(train_here):
 
 def test_swept_keys_reach_the_hparams_as_numbers():
     from conftest import checked
+
     from parallab.run import RunSpec, hparams
 
     spec = RunSpec(checked(*FAST), "unused", ["data.batch_size=32", "optim.lr=0.1",
@@ -177,6 +178,7 @@ def test_a_sharded_checkpoint_missing_or_truncating_a_shard_is_refused_before_la
     import shutil
 
     from conftest import checked
+
     from parallab import validate
 
     _, run_dir = train_here(*FAST, "parallel=fsdp", "parallel.world_size=2",

@@ -7,14 +7,14 @@ import math
 
 import pytest
 import torch
-
 from conftest import GPT_RUN, losses, output, read_metrics, typed
+
 from parallab import validate
 from parallab.config import data_config
 from parallab.data import bytetext
 from parallab.data.bytetext import Bytes
-from parallab.mfu import peak_flops
 from parallab.models.gpt import GPT, GptConfig, flops_per_token
+from parallab.observe.mfu import peak_flops
 
 SMALL = dict(layers=2, heads=2, width=32, context=16)
 

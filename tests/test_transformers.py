@@ -11,8 +11,8 @@ import sys
 
 import pytest
 import torch
-
 from conftest import REPO, losses
+
 from parallab.cli import train_in_process
 from parallab.errors import ConfigError
 
@@ -33,10 +33,10 @@ def train(run_dir, *overrides: str, base: list[str] = RUN) -> dict:
 
 def built(name: str):
     """The example's model `name` (my_llama, my_gpt2), built as a run builds it."""
+    from omegaconf import OmegaConf
+
     from parallab.cli import compose
     from parallab.models import build_model
-
-    from omegaconf import OmegaConf
 
     cfg = compose([*RUN, f"model={name}"], CONF)
     return build_model(OmegaConf.to_container(cfg.model))
@@ -95,7 +95,7 @@ def test_its_own_plans_are_read():
 
 
 def test_flops_per_token_follow_the_config():
-    from parallab import mfu
+    from parallab.observe import mfu
 
     llama = built("my_llama")
     c = llama.config

@@ -24,7 +24,7 @@ from torch import nn
 from parallab.batch import rows
 from parallab.data.loaders import ShardLoader
 from parallab.distributed import Dist
-from parallab.memory import peak_memory_mb, reset_peak_memory
+from parallab.observe.memory import peak_memory_mb, reset_peak_memory
 
 log = logging.getLogger(__name__)
 GAIN = 1.05  # a larger batch must be this much faster to be worth it

@@ -21,9 +21,10 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from parallab import help, launch, metrics, run, summary, validate
+from parallab import help, launch, metrics, run, validate
 from parallab.checkpoint import CheckpointError
 from parallab.config import register_configs
+from parallab.observe import summary
 
 log = logging.getLogger("parallab")
 # conf/ ships inside the package; Hydra finds it as pkg://parallab/conf (a user project adds
@@ -40,7 +41,6 @@ def _train_and_report(spec: run.RunSpec, in_place: launch.InPlace | None) -> dic
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     from parallab.parallel import STRATEGIES
-
     from parallab.trainer import Diverged
 
     p = spec.cfg.parallel
@@ -217,7 +217,6 @@ def _claimed(run_dir: str, cfg, in_place: launch.InPlace | None, call: Invocatio
     the same dir while this one runs is refused at once (a lock file). `command`: one that
     is not training (advise, evaluate) starts only in a dir holding no run at all."""
     from parallab import rundir
-
     from parallab.distributed import restart_count
 
     main = in_place is None or in_place.rank == 0
@@ -363,7 +362,8 @@ def compose(overrides: list[str], config_dir: str | Path | None = None,
             config_name: str = "config") -> DictConfig:
     """conf/ composed with `overrides` as train.py composes it, a project's config dir's
     groups added (as --config-dir adds them)."""
-    from hydra import compose as hydra_compose, initialize_config_dir
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
 
     launch.register_resolvers()
     register_configs()

@@ -14,10 +14,19 @@ from typing import Any
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from parallab import help, launch, metrics, summary, validate
+from parallab import help, launch, metrics, validate
 from parallab.checkpoint import CheckpointError
-from parallab.cli import Invocation, _fail, advise, hydra_app, run_app, train, typed_config
+from parallab.cli import (
+    Invocation,
+    _fail,
+    advise,
+    hydra_app,
+    run_app,
+    train,
+    typed_config,
+)
 from parallab.config import register_configs
+from parallab.observe import summary
 
 log = logging.getLogger("parallab")
 
@@ -26,9 +35,9 @@ def _evaluate_task(dict_cfg: DictConfig, call: Invocation) -> float:
     from parallab import checkpoint, distributed, weights
     from parallab.data import build_data
     from parallab.loss import build_loss
+    from parallab.metrics import evaluate
     from parallab.models import build_model
     from parallab.precision import Precision
-    from parallab.metrics import evaluate
 
     if OmegaConf.is_missing(dict_cfg, "ckpt"):
         _fail("ckpt is not set: give the checkpoint to evaluate, python evaluate.py "

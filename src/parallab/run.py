@@ -19,14 +19,15 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from parallab import activations, batch_size, checkpoint, distributed, launch, loggers
+from parallab import activations, batch_size, checkpoint, distributed, launch
 from parallab.checkpoint import Checkpointer
 from parallab.config import Config, TrainerConfig, model_name
 from parallab.data import build_data
-from parallab.loggers import RunLogger
 from parallab.loss import build_loss
-from parallab.memory import peak_memory_mb, reset_peak_memory
 from parallab.models import build_model
+from parallab.observe import loggers
+from parallab.observe.loggers import RunLogger
+from parallab.observe.memory import peak_memory_mb, reset_peak_memory
 from parallab.optim import build_optimizer, scaled_lr
 from parallab.parallel import STRATEGIES
 from parallab.precision import Precision

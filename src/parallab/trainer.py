@@ -13,25 +13,26 @@ from typing import Any
 import torch
 from torch import nn
 
-from parallab import checkpoint, metrics, mfu, schedule
 from parallab import batch as batch_of
+from parallab import checkpoint, metrics, schedule
 from parallab.checkpoint import Checkpointer
-from parallab.comm import CommCounter
 from parallab.config import TrainerConfig
 from parallab.data import Data
-from parallab.data.stream import run_length
 from parallab.data.loaders import micro_batches
+from parallab.data.stream import run_length
 from parallab.distributed import Dist
 from parallab.errors import ConfigError
-from parallab.loggers import RunLogger
-from parallab.memory import held_state_mb, peak_memory_mb
 from parallab.metrics import evaluate
 from parallab.monitor import Monitor
+from parallab.observe import mfu
+from parallab.observe.comm import CommCounter
+from parallab.observe.loggers import RunLogger
+from parallab.observe.memory import held_state_mb, peak_memory_mb
+from parallab.observe.profiling import profiled
+from parallab.observe.progress import Progress
 from parallab.parallel.base import Strategy
-from parallab.preemption import Preemption
 from parallab.precision import Precision
-from parallab.profiling import profiled
-from parallab.progress import Progress
+from parallab.preemption import Preemption
 
 log = logging.getLogger(__name__)
 

@@ -13,12 +13,22 @@ import logging
 import math
 import os
 
-from parallab import (activations, checkpoint, config, loggers, models, monitor, optim,
-                      precision, schedule, trial)
+from parallab import (
+    activations,
+    checkpoint,
+    config,
+    models,
+    monitor,
+    optim,
+    precision,
+    schedule,
+    trial,
+)
 from parallab.config import Config, Device
 from parallab.distributed import cpu_cores
 from parallab.errors import ConfigError
 from parallab.launch import InPlace
+from parallab.observe import loggers
 
 __all__ = ["ConfigError", "prepare"]
 log = logging.getLogger(__name__)

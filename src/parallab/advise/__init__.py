@@ -19,7 +19,8 @@ from typing import Any, Callable
 import torch
 import yaml
 
-from parallab.advise import candidates as grid, report, scaling
+from parallab.advise import candidates as grid
+from parallab.advise import report, scaling
 from parallab.advise.candidates import Candidate
 from parallab.errors import ConfigError
 
@@ -32,8 +33,9 @@ class NothingFits(Exception):
 
 def problem(options) -> str | None:
     """None if the advise keys can be used, else one line naming the key."""
-    from parallab import activations, mfu, precision
+    from parallab import activations, precision
     from parallab.config import PrecisionConfig
+    from parallab.observe import mfu
     from parallab.parallel import STRATEGIES
 
     for key, low in (("steps", 1), ("warmup_steps", 0), ("max_accumulation", 1),
@@ -212,7 +214,8 @@ def _dirname(candidate: Candidate) -> str:
 def _predict_times(candidates: list[Candidate], options, bandwidth: dict[int, float]) -> list[str]:
     """Each measured candidate's step time at advise.target_world_size, and here at its
     own world size from world size 1 (the model's check); notes for advise.md."""
-    from parallab import mfu, precision, trial
+    from parallab import precision, trial
+    from parallab.observe import mfu
 
     ran = [c for c in candidates if c.measured]
     devices = torch.cuda.device_count() or 1 if ran and ran[0].cfg.device.value == "cuda" else 1

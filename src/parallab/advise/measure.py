@@ -19,13 +19,14 @@ from typing import Any, Iterator
 
 import torch
 
-from parallab import activations, distributed, loggers, run
-from parallab.comm import MB
+from parallab import activations, distributed, run
 from parallab.errors import first_line
-from parallab.loggers import RunLogger
-from parallab.memory import reset_peak_memory
+from parallab.observe import loggers
+from parallab.observe.comm import MB
+from parallab.observe.loggers import RunLogger
+from parallab.observe.memory import reset_peak_memory
+from parallab.observe.progress import Progress
 from parallab.preemption import Preemption
-from parallab.progress import Progress
 
 log = logging.getLogger(__name__)
 

@@ -22,9 +22,10 @@ from torch import nn
 from parallab import batch as batches
 from parallab import run
 from parallab.activations import saved_for_backward
-from parallab.comm import MB
-from parallab.memory import held_state_mb
+from parallab.observe.comm import MB
+from parallab.observe.memory import held_state_mb
 from parallab.optim import build_optimizer
+
 
 @contextlib.contextmanager
 def fake_group(rank: int, world_size: int) -> Iterator[None]:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from parallab.comm import KINDS, MB
+from parallab.observe.comm import KINDS, MB
 from parallab.parallel import STRATEGIES
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from parallab.errors import first_line
-from parallab.loggers.base import Logger, RunInfo
+from parallab.observe.loggers.base import Logger, RunInfo
 
 log = logging.getLogger(__name__)
 

@@ -15,11 +15,11 @@ from omegaconf import OmegaConf
 
 from parallab import targets
 from parallab.errors import first_line
-from parallab.loggers.base import Logger, RunInfo
+from parallab.observe.loggers.base import Logger, RunInfo
 
 log = logging.getLogger(__name__)
 
-DEFAULT = {"tensorboard": {targets.TARGET: "parallab.loggers.tensorboard.TensorBoardLogger"}}
+DEFAULT = {"tensorboard": {targets.TARGET: "parallab.observe.loggers.tensorboard.TensorBoardLogger"}}
 
 
 def config_yaml(cfg: Any) -> str:

@@ -7,7 +7,7 @@ import csv
 from pathlib import Path
 from typing import Any
 
-from parallab.loggers.base import Logger, RunInfo
+from parallab.observe.loggers.base import Logger, RunInfo
 
 
 class CSVLogger(Logger):

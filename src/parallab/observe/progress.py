@@ -17,7 +17,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 class Progress(contextlib.ExitStack):
     def __init__(self, total_steps: int, active: bool, bar: bool | None):
         super().__init__()
-        self.lines = logging.getLogger("parallab.progress")
+        self.lines = logging.getLogger("parallab.observe.progress")
         self.bar = None
         show_bar = active and (sys.stderr.isatty() if bar is None else bar)
         self.lines.propagate = not show_bar

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from parallab.errors import first_line
-from parallab.loggers.base import Logger, RunInfo
+from parallab.observe.loggers.base import Logger, RunInfo
 
 log = logging.getLogger(__name__)
 

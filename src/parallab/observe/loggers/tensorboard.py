@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from parallab.loggers.base import Logger, RunInfo
+from parallab.observe.loggers.base import Logger, RunInfo
 
 
 class TensorBoardLogger(Logger):
