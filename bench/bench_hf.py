@@ -78,7 +78,7 @@ def hand(steps: int):
 def parallab(steps: int):
     from parallab import distributed, validate
     from parallab.cli import compose, typed_config
-    from parallab.observe.loggers import RunLogger
+    from parallab.observe import loggers
     from parallab.observe.progress import Progress
     from parallab.preemption import Preemption
     from parallab.run import build_trainer
@@ -87,7 +87,7 @@ def parallab(steps: int):
                  "data.train.size=8192", f"data.batch_size={BATCH}", f"optim.lr={LR}"]
     cfg = validate.prepare(typed_config(compose(overrides, EXAMPLE / "conf"), overrides), None)
     dist = distributed.setup("cpu", None, 60.0, None)
-    trainer, _ = build_trainer(cfg, dist, RunLogger(str(scratch_dir("bench-hf-")), True),
+    trainer, _ = build_trainer(cfg, dist, loggers.started(cfg, scratch_dir("bench-hf-"), True),
                                None, Preemption())
     with Progress(10**9, True, False) as progress:
         while True:

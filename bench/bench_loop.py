@@ -224,7 +224,7 @@ def interleaved(epochs: int = 3, probe: bool = False) -> None:
     from parallab import distributed, validate
     from parallab.cli import compose, typed_config
     from parallab.models import build_model
-    from parallab.observe.loggers import RunLogger
+    from parallab.observe import loggers
     from parallab.observe.progress import Progress
     from parallab.preemption import Preemption
     from parallab.run import build_trainer
@@ -233,8 +233,8 @@ def interleaved(epochs: int = 3, probe: bool = False) -> None:
                  *(["model=mlp", "model.hidden=[]"] if probe else [])]
     cfg = validate.prepare(typed_config(compose(overrides), overrides), None)
     dist = distributed.setup("cpu", None, 60.0, None)
-    trainer, _ = build_trainer(cfg, dist, RunLogger(str(scratch_dir("parallab-bench-in-")),
-                                                    active=True), None, Preemption())
+    logger = loggers.started(cfg, scratch_dir("parallab-bench-in-"), True)
+    trainer, _ = build_trainer(cfg, dist, logger, None, Preemption())
     loader = trainer.data.train
     images, labels = loader.source.prepare(loader.inputs), loader.targets  # normalised once
     torch.manual_seed(42)

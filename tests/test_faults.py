@@ -52,7 +52,7 @@ def test_a_diverging_ddp_run_ends_in_one_line(train):
 def test_skipping_most_steps_stops_and_metrics_never_hold_nan(train_here, tmp_path):
     with pytest.raises(JobFailed, match="trainer.on_nan=skip dropped"):
         train_here(*DIVERGE, "trainer.on_nan=skip")
-    logger = RunLogger(tmp_path, active=True)
+    logger = RunLogger(tmp_path, True, {})  # metrics.json alone
     logger.finish({"eval_loss": math.nan, "train_loss": math.inf, "steps": 3}, {"a": 1}, 3)
     logger.close()
     assert json.loads((tmp_path / "metrics.json").read_text()) == {

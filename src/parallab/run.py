@@ -199,9 +199,8 @@ def train(spec: RunSpec, store=None) -> dict[str, Any]:
     dist = distributed.setup(cfg.device.value, backend, cfg.backend.timeout_s,
                              cfg.parallel.threads_per_worker, store=store or hosted)
     reset_peak_memory(dist.device)  # this run's own peak, not an earlier job's in the process
-    logger = RunLogger(spec.run_dir, dist.is_main, cfg.logger)
-    logger.start(loggers.run_info(cfg, spec.run_dir, spec.overrides, spec.sweep,
-                                  dist.world_size))
+    logger = loggers.started(cfg, spec.run_dir, dist.is_main, spec.overrides, spec.sweep,
+                             dist.world_size)
     log.info("rank %d/%d on %s, %d threads, optim.lr=%g, data.batch_size=%d", dist.rank,
              dist.world_size, dist.device, torch.get_num_threads(), cfg.optim.lr,
              cfg.data.batch_size)

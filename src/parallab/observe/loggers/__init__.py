@@ -120,3 +120,12 @@ class RunLogger:
     def close(self, status: str = "finished") -> None:
         self.each("close", status)
         self.loggers.clear()
+
+
+def started(cfg: Any, run_dir: str | Path, active: bool, overrides: list[str] = (),
+            sweep: str | None = None, world_size: int = 1) -> RunLogger:
+    """The run's logger of the loggers its config names, started on its run (rank 0 only
+    writes; every rank may call it alike)."""
+    logger = RunLogger(run_dir, active, cfg.logger)
+    logger.start(run_info(cfg, run_dir, list(overrides), sweep, world_size))
+    return logger
