@@ -51,7 +51,7 @@ def write_tsv(folder: Path, rows: list[tuple[object, str]]) -> Path:
 
 # --- LSTM recipe -----------------------------------------------------------------------------
 def seed_002_training(seed: int) -> list[int]:
-    """Seed 002 as it runs: its vocabulary, sizes, Adam 1e-3, batch 2 shuffled, 10 epochs."""
+    """The LSTM recipe as it runs: its vocabulary, sizes, Adam 1e-3, batch 2 shuffled, 10 epochs."""
     vocab = {"<PAD>": 0, "<UNK>": 1, "I": 2, "love": 3, "this": 4, "movie": 5, "is": 6,
              "terrible": 7}
     ids = [torch.tensor([vocab.get(w, 1) for w in t.split()]) for t in SEED_TEXTS]
@@ -324,7 +324,7 @@ def test_loader_auto_picks_memory_when_the_set_fits():
 
 # --- end to end ------------------------------------------------------------------------------
 def test_seed_002_end_to_end_and_evaluate_rebuilds_the_vocabulary(tmp_path, train_here):
-    """Seed 002's two sentences through train.py's training as the seed runs them, then
+    """The LSTM recipe's two sentences through train.py's training as the seed runs them, then
     evaluate.py (a fresh process: it rebuilds the vocabulary from data.path alone)."""
     data = write_tsv(tmp_path / "seed", list(zip(SEED_LABELS, SEED_TEXTS)))
     setting = ["model=lstm", "data=text", f"data.path={data}", "data.min_freq=1",

@@ -216,7 +216,7 @@ class Trainer:
                 self.epoch += 1
                 self.epoch_step = 0
                 if self.cfg.eval_every_n_steps is None and \
-                        self.epoch % self.cfg.eval_every_n_epochs == 0 and self.evaluate():
+                        self.epoch % self.cfg.eval_every_n_epochs == 0 and self.scheduled_eval():
                     break
                 if not self.done():  # the last one is `last`, saved by the caller
                     self.save_checkpoint()
@@ -267,7 +267,7 @@ class Trainer:
                 return False
             every = self.cfg.eval_every_n_steps
             if every and self.step % every == 0:
-                stop = self.evaluate()
+                stop = self.scheduled_eval()
                 tick = time.perf_counter()  # an evaluation is no step's time
                 if stop:
                     break  # early stopping: fit() ends the run
@@ -439,7 +439,7 @@ class Trainer:
             log.info("%s: %s", when, ", ".join(
                 f"{k} {v:.4f}" for k, v in self.eval_metrics.items()))
 
-    def evaluate(self) -> bool:
+    def scheduled_eval(self) -> bool:
         """A scheduled evaluation; True where early stopping ends the run here (every rank
         holds the same figures; at the run's end it just ends)."""
         self.run_eval()

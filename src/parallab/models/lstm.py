@@ -1,4 +1,4 @@
-"""Seed 002's text classifier: embedding -> LSTM -> linear over the last hidden state.
+"""The LSTM recipe's text classifier: embedding -> LSTM -> linear over the last hidden state.
 
 Inputs are (B, T) token ids right-padded with 0 (<PAD>). The LSTM runs on packed sequences,
 so padding changes nothing. A stage passes one tensor, so the embedding stage appends the

@@ -1,4 +1,4 @@
-"""Seed 004's fine-tuning: torchvision's ResNet-18, its fc replaced for model.num_classes.
+"""The ResNet-18 fine-tuning recipe: torchvision's ResNet-18, its fc replaced for model.num_classes.
 
 model.weights is a state_dict file (torchvision's keys; any fc is dropped) or a torchvision
 weights name (IMAGENET1K_V1, DEFAULT), fetched into torch's hub cache by the controlling

@@ -22,10 +22,6 @@ log = logging.getLogger(__name__)
 DEFAULT = {"tensorboard": {targets.TARGET: "parallab.observe.loggers.tensorboard.TensorBoardLogger"}}
 
 
-def config_yaml(cfg: Any) -> str:
-    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
-
-
 def problem(loggers: Any) -> str | None:
     """None if every logger the config names can be built, else one line naming it."""
     if not isinstance(loggers, dict):
@@ -61,7 +57,7 @@ def run_info(cfg: Any, run_dir: str | Path, overrides: list[str], sweep: str | N
     config = OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
     return RunInfo(
         run_dir=run_dir, name=run_dir.name if sweep else f"{run_dir.parent.name}/{run_dir.name}",
-        sweep=sweep, params=flatten(config), config_yaml=config_yaml(cfg),
+        sweep=sweep, params=flatten(config), config_yaml=OmegaConf.to_yaml(config),
         overrides=list(overrides), tags={"parallel": cfg.parallel.name,
                                          "world_size": str(world_size),
                                          "precision": cfg.precision.name})
