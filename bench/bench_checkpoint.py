@@ -22,14 +22,13 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
-from parallab.checkpoint import Checkpointer  # noqa: E402
-from parallab.config import TrainerConfig  # noqa: E402
+from parallab.config.schema import TrainerConfig  # noqa: E402
 from parallab.data.bytetext import Bytes  # noqa: E402
-from parallab.distributed import Dist  # noqa: E402
+from parallab.launching.distributed import Dist  # noqa: E402
 from parallab.models.gpt import GPT  # noqa: E402
 from parallab.models.mnist_cnn import MnistCNN  # noqa: E402
-
 from parallab.testing import scratch_dir, train_metrics
+from parallab.training.checkpoint import Checkpointer  # noqa: E402
 
 
 def mnist_cnn() -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.Tensor, int]:

@@ -76,12 +76,13 @@ def hand(steps: int):
 
 
 def parallab(steps: int):
-    from parallab import distributed, validate
     from parallab.cli import compose, typed_config
+    from parallab.config import validate
+    from parallab.launching import distributed
+    from parallab.launching.preemption import Preemption
     from parallab.observe import loggers
     from parallab.observe.progress import Progress
-    from parallab.preemption import Preemption
-    from parallab.run import build_trainer
+    from parallab.training.run import build_trainer
 
     overrides = ["experiment=llama", "model=my_gpt2", "device=cpu", "trainer.epochs=1000",
                  "data.train.size=8192", f"data.batch_size={BATCH}", f"optim.lr={LR}"]

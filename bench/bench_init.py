@@ -21,9 +21,9 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
-from parallab import checkpoint  # noqa: E402
 from parallab.models.gpt import GPT  # noqa: E402
 from parallab.testing import scratch_dir, train_metrics  # noqa: E402
+from parallab.training import checkpoint  # noqa: E402
 
 
 def main() -> None:

@@ -221,13 +221,14 @@ def interleaved(epochs: int = 3, probe: bool = False) -> None:
     import torch
     import torch.nn.functional as F
 
-    from parallab import distributed, validate
     from parallab.cli import compose, typed_config
+    from parallab.config import validate
+    from parallab.launching import distributed
+    from parallab.launching.preemption import Preemption
     from parallab.models import build_model
     from parallab.observe import loggers
     from parallab.observe.progress import Progress
-    from parallab.preemption import Preemption
-    from parallab.run import build_trainer
+    from parallab.training.run import build_trainer
 
     overrides = ["device=cpu", f"trainer.epochs={epochs}",
                  *(["model=mlp", "model.hidden=[]"] if probe else [])]

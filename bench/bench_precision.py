@@ -17,7 +17,6 @@ from pathlib import Path
 from parallab.testing import scratch_dir, train_metrics
 
 
-
 def run(run_dir: Path, overrides: list[str]) -> dict:
     return train_metrics(["trainer.epochs=1", *overrides], run_dir, timeout=None)
 

@@ -18,6 +18,7 @@ import sys
 import time
 from datetime import datetime
 from pathlib import Path
+
 from parallab.testing import scratch_dir
 
 REPO = Path(__file__).resolve().parents[1]

@@ -17,6 +17,7 @@ from torch.utils.data import DistributedSampler
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from bench_loop import seed_net  # noqa: E402
+
 from parallab.data import mnist  # noqa: E402 (the IDX reader only)
 
 WARMUP = 5

@@ -15,8 +15,7 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
-from parallab.testing import (  # noqa: F401,E402 - shared
-    REPO, free_port, losses, read_metrics, run_entry, scalars)
+from parallab.testing import REPO, free_port, losses, read_metrics, run_entry, scalars  # noqa: F401,E402 - shared
 
 # small, quick settings for end-to-end runs on a 2-core CPU
 FAST = ["data=synthetic", "data.train_size=2048", "data.eval_size=512", "trainer.epochs=1",
@@ -56,7 +55,7 @@ def typed(*overrides: str, config_dir: Path | None = None):
 
 def checked(*overrides: str, config_dir: Path | None = None):
     """typed(), then validate.prepare: the config every worker gets (ConfigError if bad)."""
-    from parallab import validate
+    from parallab.config import validate
 
     return validate.prepare(typed(*overrides, config_dir=config_dir), in_place=None)
 

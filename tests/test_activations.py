@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import GPT_RUN, losses
+
 from parallab import activations
 from parallab.models.gpt import GPT
 from parallab.testing import textbook_volume
@@ -28,10 +28,12 @@ def test_checkpointing_keeps_fewer_activations():
 def test_a_run_checkpoints_each_block_before_any_parallel_wrapper():
     """run.speed_up (what every worker applies) wraps gpt's blocks, so the layouts'
     equal-loss runs below do checkpoint."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointWrapper,
+    )
 
-    from parallab.config import TrainerConfig
-    from parallab.run import speed_up
+    from parallab.config.schema import TrainerConfig
+    from parallab.training.run import speed_up
 
     for mode, wrapped in (("none", 0), ("full", 3), ("selective", 3)):
         model = speed_up(GPT(layers=3, width=32, heads=2, context=16),

@@ -159,7 +159,7 @@ def test_a_budget_too_small_for_every_candidate_names_the_smallest_need(tmp_path
 
 def test_the_grid_comes_from_each_strategy():
     from parallab.advise.candidates import enumerate_grid
-    from parallab.config import AdviseConfig
+    from parallab.config.schema import AdviseConfig
 
     options = AdviseConfig(precisions=["fp32"], activation_checkpointing=["none"],
                            max_accumulation=1, schedules=["1f1b"], microbatches=[4])
@@ -177,7 +177,7 @@ def test_only_needed_measures_the_cheapest_saver_that_fits():
     from conftest import checked
 
     from parallab.advise import candidates as grid
-    from parallab.config import AdviseConfig
+    from parallab.config.schema import AdviseConfig
 
     options = AdviseConfig(precisions=["fp32"], layouts=["none"], max_accumulation=2)
     found = grid.enumerate_grid(options, [1], "cpu")

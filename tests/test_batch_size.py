@@ -7,13 +7,13 @@ import textwrap
 
 import pytest
 import torch
-
 from conftest import FAST, read_metrics
-from parallab.batch_size import find_batch_size
-from parallab.data.synthetic import Synthetic
+
 from parallab.data.loaders import MemoryLoader
-from parallab.distributed import Dist
+from parallab.data.synthetic import Synthetic
+from parallab.launching.distributed import Dist
 from parallab.models.mnist_cnn import MnistCNN
+from parallab.training.batch_size import find_batch_size
 
 CPU_RANK = Dist(0, 0, 1, 1, torch.device("cpu"), None)
 

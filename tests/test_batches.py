@@ -9,11 +9,11 @@ import math
 
 import pytest
 import torch
-
 from conftest import REPO, losses, scalars
+
 from parallab import batch as batches
 from parallab.cli import train_in_process
-from parallab.errors import ConfigError
+from parallab.config.errors import ConfigError
 
 OWN = REPO / "examples" / "own_model"
 LLAMA = REPO / "examples" / "hf_llama"

@@ -8,8 +8,8 @@ import pytest
 from conftest import REPO, output, run_entry, typed
 from omegaconf import OmegaConf
 
-from parallab import validate
-from parallab.config import data_config, model_name
+from parallab.config import validate
+from parallab.config.schema import data_config, model_name
 
 GROUPS = ["model", "data", "parallel", "precision", "backend", "optim", "trainer", "logger"]
 # what this machine lacks for an option, and the key the refusal names
@@ -59,10 +59,10 @@ def test_every_option_composes_and_validates(group, option):
 
 
 def test_the_key_reference_in_the_docs_is_the_dataclasses():
-    from parallab import help
+    from parallab.config import help
 
     assert help.keys_markdown() in (REPO / "docs" / "config.md").read_text(), (
-        "docs/config.md's keys are stale: python -m parallab.help")
+        "docs/config.md's keys are stale: python -m parallab.config.help")
 
 
 @pytest.mark.parametrize("group", ["parallel", "precision", "backend", "optim", "scheduler",
@@ -72,8 +72,8 @@ def test_an_option_sets_only_what_differs_from_its_schema(group):
     place to change it."""
     import yaml
 
-    from parallab.config import SCHEMAS
-    from parallab.help import schema_of
+    from parallab.config.help import schema_of
+    from parallab.config.schema import SCHEMAS
 
     for option in options(group):
         cls = schema_of(group, option)
@@ -380,7 +380,7 @@ def test_a_plus_key_the_schema_lacks_is_refused_not_dropped(override, message):
 
 
 def test_amp_is_fp16_on_cuda_and_refused_where_ranks_hold_part_of_the_gradients():
-    from parallab.config import Device
+    from parallab.config.schema import Device
     from parallab.parallel import STRATEGIES
 
     cfg = typed("parallel=fsdp", "precision=amp", "parallel.world_size=2")

@@ -7,15 +7,14 @@ import shutil
 
 import pytest
 import torch
-
-from parallab.config import Loader
-from parallab.data import build_data, mnist
-from parallab.data.mnist import MNIST
-from parallab.data.synthetic import Synthetic
 from torch.utils.data import DistributedSampler
 
+from parallab.config.schema import Loader
+from parallab.data import build_data, mnist
 from parallab.data.loaders import DataLoaderLoader, MemoryLoader, ShardSampler
-from parallab.distributed import Dist
+from parallab.data.mnist import MNIST
+from parallab.data.synthetic import Synthetic
+from parallab.launching.distributed import Dist
 
 ROOT = MNIST().folder  # data.root=null: the copy parallab ships
 

@@ -14,9 +14,17 @@ import uuid
 from pathlib import Path
 
 import pytest
-
-from conftest import (FAST, REPO, assert_ok, free_port, only_run_dir, output, read_metrics,
-                      run_entry, scalars)
+from conftest import (
+    FAST,
+    REPO,
+    assert_ok,
+    free_port,
+    only_run_dir,
+    output,
+    read_metrics,
+    run_entry,
+    scalars,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 BIN = Path(sys.executable).parent
@@ -121,7 +129,7 @@ def test_mpirun_runs_the_entrypoint_in_place(tmp_path):
 # after the interpreter starts, so the rank is checked when the step runs.
 INJECT = """
 import os
-import parallab.trainer as trainer
+import parallab.training.trainer as trainer
 
 step = trainer.Trainer.train_step
 

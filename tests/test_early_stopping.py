@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import FAST, read_metrics, scalars
-from parallab import checkpoint
-from parallab.testing import as_logged
 
+from parallab.testing import as_logged
+from parallab.training import checkpoint
 
 # eval each epoch of 8 steps; monitoring the falling eval loss as if higher were better
 # makes every evaluation after the first a non-improvement: early stopping fires for sure

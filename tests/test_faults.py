@@ -158,7 +158,7 @@ def test_peak_memory_is_the_runs_own_not_an_earlier_jobs(train_here):
 def test_swept_keys_reach_the_hparams_as_numbers():
     from conftest import checked
 
-    from parallab.run import RunSpec, hparams
+    from parallab.training.run import RunSpec, hparams
 
     spec = RunSpec(checked(*FAST), "unused", ["data.batch_size=32", "optim.lr=0.1",
                                               "trainer.compile=false", "+metrics.x=abc"])
@@ -179,7 +179,7 @@ def test_a_sharded_checkpoint_missing_or_truncating_a_shard_is_refused_before_la
 
     from conftest import checked
 
-    from parallab import validate
+    from parallab.config import validate
 
     _, run_dir = train_here(*FAST, "parallel=fsdp", "parallel.world_size=2",
                             "trainer.max_steps=4", "model=mlp")
@@ -233,7 +233,7 @@ def test_a_full_disk_ends_in_one_line_and_keeps_the_earlier_checkpoints(small_di
     kept = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     assert not [name for name in kept if name.endswith(".tmp")], kept  # nothing half-written
     assert kept and all(name.startswith("step_") for name in kept), kept
-    from parallab import checkpoint
+    from parallab.training import checkpoint
 
     newest = checkpoint.latest(run_dir / "checkpoints")
     assert checkpoint.load_meta(newest)["step"] == 5 * len(kept)  # readable, in order

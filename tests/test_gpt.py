@@ -9,8 +9,8 @@ import pytest
 import torch
 from conftest import GPT_RUN, losses, output, read_metrics, typed
 
-from parallab import validate
-from parallab.config import data_config
+from parallab.config import validate
+from parallab.config.schema import data_config
 from parallab.data import bytetext
 from parallab.data.bytetext import Bytes
 from parallab.models.gpt import GPT, GptConfig, flops_per_token
@@ -162,7 +162,7 @@ def test_missing_text_fails_before_training_naming_data_path(train, tmp_path):
 
 
 def test_adamw_decays_weight_matrices_only():
-    from parallab.config import AdamWConfig, SGDConfig
+    from parallab.config.schema import AdamWConfig, SGDConfig
     from parallab.optim import build_optimizer
 
     model = GPT(layers=1, width=16, heads=2, context=8, vocab_size=32)

@@ -9,7 +9,6 @@ import sys
 import sysconfig
 
 import pytest
-
 from conftest import REPO, read_metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("wheel")]

@@ -7,9 +7,9 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import FAST, REPO, free_port, only_run_dir, read_metrics
-from parallab import launch
+
+from parallab.launching import launch
 
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_NTASKS",
                  "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NNODES", "SLURM_NTASKS_PER_NODE",
@@ -171,7 +171,7 @@ def test_the_resume_command_is_the_one_the_user_ran():
     """After a stop, the command printed to continue: the entry the user ran, its config
     dir, the overrides less the run dir and resume, then those two."""
     from parallab.cli import entry_command
-    from parallab.run import RunSpec
+    from parallab.training.run import RunSpec
 
     argv = ["/venv/bin/parallab", "--config-dir", "conf", "experiment=waves", "x=1"]
     assert entry_command(argv) == ["parallab", "train", "--config-dir", "conf"]

@@ -7,14 +7,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from conftest import FAST, losses, read_metrics
-from parallab.testing import textbook_volume
-from parallab import checkpoint, weights
-from parallab.errors import ConfigError
+
+from parallab.config.errors import ConfigError
 from parallab.models.gpt import GPT
 from parallab.models.mlp import MLP
 from parallab.parallel.mesh import resolve_degrees, tp_problem
+from parallab.testing import textbook_volume
+from parallab.training import checkpoint, weights
 
 
 def degrees(world_size, dp_replicate=1, dp_shard=None, tp=1):

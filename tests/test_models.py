@@ -10,20 +10,20 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import FAST, assert_ok, output, read_metrics, run_entry
 from omegaconf import OmegaConf
 from torch import nn
 
-from conftest import FAST, assert_ok, output, read_metrics, run_entry
-from parallab import targets
 from parallab.cli import CONF_DIR
-from parallab.config import Loader
+from parallab.config import targets
+from parallab.config.schema import Loader
 from parallab.data import build_data, images, resolve_loader, text
 from parallab.data.images import Cifar10, ImageFolder
+from parallab.data.loaders import DataLoaderLoader, MemoryLoader
 from parallab.data.mnist import MNIST
 from parallab.data.synthetic import Synthetic
 from parallab.data.text import Text
-from parallab.data.loaders import DataLoaderLoader, MemoryLoader
-from parallab.distributed import Dist
+from parallab.launching.distributed import Dist
 from parallab.models.lstm import LSTMClassifier
 from parallab.models.resnet import ResNet18
 

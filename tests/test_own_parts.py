@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import REPO, checked, losses
+
 from parallab.cli import train_in_process
-from parallab.errors import ConfigError
+from parallab.config.errors import ConfigError
 from parallab.parallel import stages
 
 CONF = REPO / "examples" / "own_model" / "conf"
@@ -202,9 +202,9 @@ def test_a_classifier_keeps_its_own_class_count_on_a_users_dataset():
 def test_dataloader_workers_read_a_stream_in_whole_batches():
     """Workers take whole batches of a rank's share in turn: the batches are those of one
     process reading alone, every one full but the last."""
+    from own_parts import WaveStream
     from torch.utils.data import DataLoader
 
-    from own_parts import WaveStream
     from parallab.data.stream import RankShare
 
     def batches(workers: int) -> list[list[float]]:

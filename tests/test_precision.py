@@ -7,13 +7,13 @@ import logging
 
 import pytest
 import torch
+from conftest import FAST, read_metrics, scalars
 from torch import nn
 
-from conftest import FAST, read_metrics, scalars
-from parallab import checkpoint, weights
-from parallab.config import PrecisionConfig
+from parallab.config.schema import PrecisionConfig
 from parallab.models.mnist_cnn import MnistCNN
 from parallab.precision import Precision, compute_dtype
+from parallab.training import checkpoint, weights
 
 CPU = torch.device("cpu")
 

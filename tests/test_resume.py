@@ -12,8 +12,8 @@ import time
 
 import pytest
 import torch
-
 from conftest import FAST, assert_ok, output, read_metrics, run_entry, scalars
+
 from parallab.cli import train_in_process
 
 pytestmark = pytest.mark.slow
@@ -24,7 +24,7 @@ RUN = [*FAST, "trainer.epochs=3", "trainer.max_steps=40", "trainer.log_every_n_s
 # sitecustomize for the run's processes: act once the trainer has done `step` steps
 INJECT = """
 import os, signal
-import parallab.trainer as trainer
+import parallab.training.trainer as trainer
 
 step = trainer.Trainer.train_step
 
@@ -181,7 +181,7 @@ def test_a_full_disk_is_a_clear_error_and_the_previous_checkpoint_survives(tmp_p
 
 WAIT_AFTER_SIGTERM = """
 import os, signal, sys, time
-from parallab.preemption import MIN_STUCK_S, Preemption
+from parallab.launching.preemption import MIN_STUCK_S, Preemption
 
 with Preemption() as preemption:
     preemption.step_done()

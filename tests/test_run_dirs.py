@@ -4,7 +4,6 @@ parallab advise refuse a dir holding a run, and leave its files as they were).""
 from __future__ import annotations
 
 import pytest
-
 from conftest import FAST, output, read_metrics, run_entry
 
 TINY = [*FAST, "model=mlp", "data.shape=[1,8,8]", "trainer.max_steps=4"]
@@ -36,7 +35,7 @@ def test_no_command_writes_over_a_training_run(train_here, command):
 def test_evaluate_refuses_a_dir_holding_a_killed_runs_record(tmp_path):
     """A run killed before its first checkpoint leaves .hydra/ alone: evaluate.py refuses
     the dir (it would write over that record) and puts the files back."""
-    from parallab import checkpoint
+    from parallab.training import checkpoint
 
     ckpt = tmp_path / "ckpt.pt"
     checkpoint.save(ckpt, {"model": {}, "step": 0, "config": {}})

@@ -6,9 +6,9 @@ from __future__ import annotations
 import math
 
 import pytest
-
 from conftest import FAST, scalars, typed
-from parallab.config import SchedulerConfig
+
+from parallab.config.schema import SchedulerConfig
 from parallab.schedule import multiplier
 
 
@@ -68,7 +68,7 @@ def test_a_resume_goes_on_at_the_rate_and_schedule_its_checkpoint_holds(train_he
     """What the optimizer state holds wins on resume: a changed optim or scheduler key is
     refused in one line, a scaled rate at another global batch is the checkpoint's (and
     reported so), a new run length is said with the rate's jump."""
-    from parallab.errors import ConfigError
+    from parallab.config.errors import ConfigError
 
     run = [*FAST, "optim.scale_lr=linear", "data.batch_size=128", "trainer.log_every_n_steps=1",
            "scheduler=cosine"]

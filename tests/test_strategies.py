@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import FAST, assert_ok, read_metrics, run_entry, scalars
-from parallab import checkpoint, weights
+
 from parallab.cli import train_in_process
 from parallab.models.mlp import MLP
 from parallab.parallel.split import even_cuts, part_ranges
+from parallab.training import checkpoint, weights
 
 BIN = Path(sys.executable).parent
 # the setting: mlp on synthetic data, no dropout, every step logged
@@ -138,9 +138,9 @@ def test_sharded_checkpoint_evaluates_and_exports_on_one_device(tmp_path, train_
 
 
 def test_export_of_a_project_that_does_not_import_is_one_line(tmp_path):
-    from parallab import checkpoint
     from parallab.commands import _export
-    from parallab.errors import ConfigError
+    from parallab.config.errors import ConfigError
+    from parallab.training import checkpoint
 
     ckpt = tmp_path / "last.pt"
     checkpoint.save(ckpt, {"model": {}, "step": 3, "config": {

@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, output, run_entry
 
 pytestmark = pytest.mark.slow
@@ -42,7 +41,7 @@ def test_a_failing_job_is_reported_and_the_others_still_run(tmp_path):
 # sitecustomize for the sweep's process: SIGTERM to itself at the first job's 2nd step
 STOP_FIRST_JOB = """
 import os, signal
-import parallab.trainer as trainer
+import parallab.training.trainer as trainer
 
 step = trainer.Trainer.train_step
 
@@ -172,7 +171,7 @@ def test_a_failed_ddp_job_is_summarised_by_its_root_cause(tmp_path):
     (tmp_path / "inject").mkdir()
     (tmp_path / "inject" / "sitecustomize.py").write_text(
         "import os\n"
-        "import parallab.trainer as trainer\n"
+        "import parallab.training.trainer as trainer\n"
         "step = trainer.Trainer.train_step\n"
         "def failing(self, batches):\n"
         "    if self.step == 2 and os.environ.get('RANK') == '1':\n"

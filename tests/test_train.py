@@ -6,7 +6,6 @@ import logging
 
 import pytest
 import torch
-
 from conftest import FAST, assert_ok, output, read_metrics, run_entry, scalars
 
 METRIC_KEYS = {"train_loss", "eval_loss", "eval_accuracy", "samples_per_sec", "step_time_ms",
@@ -133,7 +132,7 @@ def test_optimizer_implementations_take_the_same_steps(name):
     """optim.implementation picks torch's kernels, not the update: auto is foreach on CPU."""
     from torch import nn
 
-    from parallab.config import SCHEMAS
+    from parallab.config.schema import SCHEMAS
     from parallab.optim import IMPLEMENTATIONS, build_optimizer
 
     inputs = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))

@@ -14,7 +14,7 @@ import torch
 from conftest import REPO, losses
 
 from parallab.cli import train_in_process
-from parallab.errors import ConfigError
+from parallab.config.errors import ConfigError
 
 LLAMA = REPO / "examples" / "hf_llama"
 CONF = LLAMA / "conf"

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import FAST, REPO, assert_ok, losses, read_metrics, run_entry
-from parallab import checkpoint, weights
+
 from parallab.cli import train_in_process
 from parallab.commands import _export
-from parallab.errors import ConfigError
+from parallab.config.errors import ConfigError
+from parallab.training import checkpoint, weights
 
 MLP = [*FAST, "model=mlp", "model.hidden=[64,32]", "data.shape=[1,8,8]", "optim.lr=0.05",
        "trainer.log_every_n_steps=1", "trainer.checkpoint_every_n_steps=null",
@@ -91,6 +91,7 @@ def test_init_from_starts_every_layout_from_the_same_weights(fsdp_run, tmp_path)
 
 def test_init_from_is_strict_in_one_line_and_loads_what_matches_when_told(tmp_path):
     from conftest import checked
+
     from parallab.models.mlp import MLP as Net
 
     source = tmp_path / "wide.pt"  # by a wrapped model: the prefixes never matter
@@ -134,9 +135,9 @@ def llama_on_path(monkeypatch):
 def test_a_transformers_export_is_what_from_pretrained_reads(llama_on_path, tmp_path):
     """GPT-2, whose head is its token embedding: written once, tied again on load; the
     folder from_pretrained loads scores the eval set as the run's own evaluation did."""
+    from hf_llama.data import Verses
     from transformers import AutoModelForCausalLM
 
-    from hf_llama.data import Verses
     from parallab.models import build_model
 
     run_dir = tmp_path / "gpt2"
@@ -168,9 +169,10 @@ def test_a_from_pretrained_folder_trains_and_starts_any_layout(llama_on_path, tm
     plan read from the loaded model, which from_pretrained will not build on meta) and as
     the start of the example's own Llama (trainer.init_from, under fsdp): the same losses,
     from those weights."""
+    from omegaconf import OmegaConf
+
     from parallab.cli import compose
     from parallab.models import build_model
-    from omegaconf import OmegaConf
 
     cfg = compose([*HF_RUN], LLAMA / "conf")
     torch.manual_seed(123)  # not the run's seed: the runs start from these weights

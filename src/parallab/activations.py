@@ -18,8 +18,13 @@ from typing import Callable, Iterator
 
 import torch
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    checkpoint_wrapper,
+)
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    create_selective_checkpoint_contexts,
+)
 
 from parallab.parallel import stages as stages_of
 
@@ -63,13 +68,13 @@ def stages_problem(cfg) -> str | None:
     mode = cfg.trainer.activation_checkpointing
     if mode == "none":
         return None
-    from parallab import trial
+    from parallab.models import build_on_meta
 
-    model = trial.model_on_meta(cfg)
+    model = build_on_meta(cfg.model)
     try:
         found = units(model, cfg.parallel.stages)
     except KeyError:
-        found = trial.find_stages(model, cfg)  # raises its one-line ConfigError
+        found = stages_of.configured(model, cfg.parallel.stages)  # raises its one-line ConfigError
     if found:
         return None
     return (f"trainer.activation_checkpointing={mode}: the model declares no stages to "

@@ -21,10 +21,13 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from parallab import help, launch, metrics, run, validate
-from parallab.checkpoint import CheckpointError
-from parallab.config import register_configs
+from parallab import metrics
+from parallab.config import help, validate
+from parallab.config.schema import register_configs
+from parallab.launching import launch
 from parallab.observe import summary
+from parallab.training import run
+from parallab.training.checkpoint import CheckpointError
 
 log = logging.getLogger("parallab")
 # conf/ ships inside the package; Hydra finds it as pkg://parallab/conf (a user project adds
@@ -41,7 +44,7 @@ def _train_and_report(spec: run.RunSpec, in_place: launch.InPlace | None) -> dic
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     from parallab.parallel import STRATEGIES
-    from parallab.trainer import Diverged
+    from parallab.training.trainer import Diverged
 
     p = spec.cfg.parallel
     if in_place is not None or not STRATEGIES[p.name].launches_workers:
@@ -216,8 +219,8 @@ def _claimed(run_dir: str, cfg, in_place: launch.InPlace | None, call: Invocatio
     checkpoints or metrics (trainer.resume=auto continues it), and a second run started in
     the same dir while this one runs is refused at once (a lock file). `command`: one that
     is not training (advise, evaluate) starts only in a dir holding no run at all."""
-    from parallab import rundir
-    from parallab.distributed import restart_count
+    from parallab.launching.distributed import restart_count
+    from parallab.training import rundir
 
     main = in_place is None or in_place.rank == 0
     # a launcher's restart of this job continues it (run.resume_path), deleting nothing

@@ -14,8 +14,7 @@ from typing import Any
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from parallab import help, launch, metrics, validate
-from parallab.checkpoint import CheckpointError
+from parallab import metrics
 from parallab.cli import (
     Invocation,
     _fail,
@@ -25,19 +24,23 @@ from parallab.cli import (
     train,
     typed_config,
 )
-from parallab.config import register_configs
+from parallab.config import help, validate
+from parallab.config.schema import register_configs
+from parallab.launching import launch
 from parallab.observe import summary
+from parallab.training.checkpoint import CheckpointError
 
 log = logging.getLogger("parallab")
 
 
 def _evaluate_task(dict_cfg: DictConfig, call: Invocation) -> float:
-    from parallab import checkpoint, distributed, weights
     from parallab.data import build_data
+    from parallab.launching import distributed
     from parallab.loss import build_loss
     from parallab.metrics import evaluate
     from parallab.models import build_model
     from parallab.precision import Precision
+    from parallab.training import checkpoint, weights
 
     if OmegaConf.is_missing(dict_cfg, "ckpt"):
         _fail("ckpt is not set: give the checkpoint to evaluate, python evaluate.py "
@@ -45,7 +48,7 @@ def _evaluate_task(dict_cfg: DictConfig, call: Invocation) -> float:
     overrides = list(HydraConfig.get().overrides.task)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
-        from parallab import rundir
+        from parallab.training import rundir
 
         rundir.check_unused(run_dir, "evaluate.py", call.held_before())
         state = weights.record(dict_cfg.ckpt)
@@ -98,7 +101,7 @@ def _refuse_model_overrides(overrides: list[str], ckpt: str) -> None:
 def _trained_data_config(meta: dict[str, Any], dict_cfg: DictConfig, overrides: list[str]):
     """The data evaluate.py scores: the checkpoint's, with the command line's data.KEY
     values; a data= choice that differs from it is used, and said."""
-    from parallab import checkpoint
+    from parallab.training import checkpoint
 
     saved = checkpoint.saved_config(meta).get("data")
     chosen = any(o.lstrip("+~").partition("=")[0] == "data" for o in overrides)
@@ -124,7 +127,7 @@ def targets_of(spec: dict[str, Any]) -> str | None:
 def _trained_model_config(meta: dict[str, Any], path) -> dict[str, Any]:
     """The model spec a checkpoint was trained with; a pretrained-weights file it named is
     not needed again (the checkpoint holds the weights)."""
-    from parallab import checkpoint
+    from parallab.training import checkpoint
 
     spec = checkpoint.saved_model(meta, path)
     if spec.get("weights"):
@@ -144,8 +147,9 @@ def evaluate() -> None:
 def _export(ckpt: Path, out: Path, force: bool = False) -> None:
     """A checkpoint's model (a .pt file, or a sharded .dcp read by this one process) as
     weights.FORMATS; ConfigError or CheckpointError, one line, where it cannot."""
-    from parallab import checkpoint, targets, weights
+    from parallab.config import targets
     from parallab.models import build_model
+    from parallab.training import checkpoint, weights
 
     if not out.parent.is_dir():
         raise validate.ConfigError(f"{out.parent} is not a directory: create it, or give a "

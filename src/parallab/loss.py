@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from parallab import batch as batches
-from parallab import targets
+from parallab.config import targets
 
 
 class Objective:

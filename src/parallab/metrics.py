@@ -18,12 +18,12 @@ import torch
 from torch import nn
 
 from parallab import batch as batches
-from parallab import targets
-from parallab.errors import ConfigError
+from parallab.config import targets
+from parallab.config.errors import ConfigError
 
 if TYPE_CHECKING:
     from parallab.data.loaders import ShardLoader
-    from parallab.distributed import Dist
+    from parallab.launching.distributed import Dist
     from parallab.loss import Objective
     from parallab.precision import Precision
 
@@ -69,7 +69,7 @@ def check_on(specs: dict[str, Any], output: Any, labels: torch.Tensor) -> None:
                 value = metric(output, labels)
             float(value)
         except Exception as error:  # noqa: BLE001 - a user's metric may raise anything
-            from parallab.errors import first_line
+            from parallab.config.errors import first_line
 
             raise ConfigError(f"metrics.{name}: {first_line(error)} on a batch of the model's "
                               "output: make it return a number (a scalar tensor or a "

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import math
+
 import torch
 from torch import nn
-
 
 IMPLEMENTATIONS = ("auto", "foreach", "fused", "for_loop")
 SCALINGS = {"none": 0.0, "linear": 1.0, "sqrt": 0.5}  # the power of global / base batch

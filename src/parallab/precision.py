@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from parallab.config import PrecisionConfig
+from parallab.config.schema import PrecisionConfig
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from parallab.errors import ConfigError
+from parallab.config.errors import ConfigError
 
 NAMES = ("constant", "cosine", "linear", "step", "wsd")
 

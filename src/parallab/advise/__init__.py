@@ -22,7 +22,7 @@ import yaml
 from parallab.advise import candidates as grid
 from parallab.advise import report, scaling
 from parallab.advise.candidates import Candidate
-from parallab.errors import ConfigError
+from parallab.config.errors import ConfigError
 
 log = logging.getLogger("parallab")
 
@@ -34,7 +34,7 @@ class NothingFits(Exception):
 def problem(options) -> str | None:
     """None if the advise keys can be used, else one line naming the key."""
     from parallab import activations, precision
-    from parallab.config import PrecisionConfig
+    from parallab.config.schema import PrecisionConfig
     from parallab.observe import mfu
     from parallab.parallel import STRATEGIES
 
@@ -177,8 +177,8 @@ def plan(cfg, overrides: list[str], configure: Callable[[list[str]], Any]
 def _measure(candidates: list[Candidate], run_dir: Path) -> dict[int, float]:
     """Every candidate left, one job per world size (world size 1: in this process);
     the loopback bandwidth each launched job measured, by world size."""
-    from parallab import distributed, launch
     from parallab.advise import measure
+    from parallab.launching import distributed, launch
 
     todo = [c for c in candidates if c.reason is None]
     bandwidth: dict[int, float] = {}
@@ -214,7 +214,8 @@ def _dirname(candidate: Candidate) -> str:
 def _predict_times(candidates: list[Candidate], options, bandwidth: dict[int, float]) -> list[str]:
     """Each measured candidate's step time at advise.target_world_size, and here at its
     own world size from world size 1 (the model's check); notes for advise.md."""
-    from parallab import precision, trial
+    from parallab import precision
+    from parallab.config import trial
     from parallab.observe import mfu
 
     ran = [c for c in candidates if c.measured]

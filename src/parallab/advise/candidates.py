@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from parallab.errors import ConfigError, first_line
+from parallab.config.errors import ConfigError, first_line
 
 log = logging.getLogger(__name__)
 # the cost order of the memory savers: each next one trades more time for memory
@@ -116,8 +116,8 @@ def settle(candidates: list[Candidate], configure: Callable[[list[str]], Any],
 def _predict(candidate: Candidate, budget_mb: float, batches: dict[int, Any]) -> None:
     """Memory per rank from fake tensors (memory.predict); the largest rank's where ranks
     differ (pipeline parts). `batches`: one real micro-batch by size, shared."""
-    from parallab import trial
     from parallab.advise import memory
+    from parallab.config import trial
     from parallab.parallel import STRATEGIES
 
     cfg = candidate.cfg

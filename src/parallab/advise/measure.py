@@ -19,14 +19,16 @@ from typing import Any, Iterator
 
 import torch
 
-from parallab import activations, distributed, run
-from parallab.errors import first_line
+from parallab import activations
+from parallab.config.errors import first_line
+from parallab.launching import distributed
+from parallab.launching.preemption import Preemption
 from parallab.observe import loggers
 from parallab.observe.comm import MB
 from parallab.observe.loggers import RunLogger
 from parallab.observe.memory import reset_peak_memory
 from parallab.observe.progress import Progress
-from parallab.preemption import Preemption
+from parallab.training import run
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +146,7 @@ class Job:
 def worker(job: Job) -> dict[str, Any]:
     """A launched worker: join the group once, measure every candidate, then the group's
     bandwidth (for the step-time prediction)."""
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the fork server's SIG_IGN (launch.py)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the fork server's SIG_IGN (launching/launch.py)
     logging.basicConfig(level=logging.WARNING)
     dist = distributed.setup(job.device, job.backend, job.timeout_s, job.threads_per_worker,
                              store=distributed.attempt_store(job.timeout_s))

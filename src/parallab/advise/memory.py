@@ -20,11 +20,11 @@ import torch
 from torch import nn
 
 from parallab import batch as batches
-from parallab import run
 from parallab.activations import saved_for_backward
 from parallab.observe.comm import MB
 from parallab.observe.memory import held_state_mb
 from parallab.optim import build_optimizer
+from parallab.training import run
 
 
 @contextlib.contextmanager
@@ -49,7 +49,7 @@ def predict(cfg, batch: Any, rank: int) -> tuple[float, float]:
     would hold, from fake tensors: `batch` is one real micro-batch of the data."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from parallab.distributed import Dist
+    from parallab.launching.distributed import Dist
     from parallab.loss import build_loss
     from parallab.models import build_model
     from parallab.parallel import STRATEGIES

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 
 from torch.utils.data import IterableDataset
 
-from parallab.config import DataConfig, Loader
+from parallab.config.schema import DataConfig, Loader
 from parallab.data.loaders import DataLoaderLoader, MemoryLoader, ShardLoader
 from parallab.data.stream import StreamLoader
-from parallab.distributed import Dist
+from parallab.launching.distributed import Dist
 
 MEMORY_LIMIT_BYTES = 1 << 30  # data.loader=auto: a set this size or smaller is held in memory
 

@@ -13,7 +13,7 @@ from typing import ClassVar, Optional
 
 import torch
 
-from parallab.config import DataConfig, Loader
+from parallab.config.schema import DataConfig, Loader
 from parallab.data.split import TokenSplit
 
 DEFAULT_TEXT = Path(__file__).resolve().parent / "files" / "text" / "kjv.txt"  # shipped

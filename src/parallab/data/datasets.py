@@ -23,9 +23,9 @@ import torch
 from torch.utils.data import Dataset, IterableDataset
 
 from parallab import batch as batches
-from parallab import targets
-from parallab.config import DataConfig
-from parallab.errors import ConfigError, first_line
+from parallab.config import targets
+from parallab.config.errors import ConfigError, first_line
+from parallab.config.schema import DataConfig
 
 
 @dataclass

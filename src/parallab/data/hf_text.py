@@ -23,7 +23,7 @@ from typing import Any, ClassVar, Optional
 import torch
 from torch.utils.data import Dataset
 
-from parallab.config import DataConfig
+from parallab.config.schema import DataConfig
 
 # file suffix -> the datasets library's builder for it
 BUILDERS = {".txt": "text", ".text": "text", ".md": "text", ".json": "json",

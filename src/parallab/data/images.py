@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from parallab.config import DataConfig, Loader
+from parallab.config.schema import DataConfig, Loader
 from parallab.data.split import Split
 
 log = logging.getLogger(__name__)

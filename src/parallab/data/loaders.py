@@ -21,9 +21,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from parallab import batch as batches
-from parallab.config import DataConfig
+from parallab.config.schema import DataConfig
 from parallab.data.split import Split
-from parallab.distributed import Dist
+from parallab.launching.distributed import Dist
 
 
 class ShardSampler(Sampler[int]):

@@ -13,9 +13,9 @@ from typing import ClassVar, Optional
 
 import torch
 
-from parallab.config import DataConfig
+from parallab.config.errors import first_line
+from parallab.config.schema import DataConfig
 from parallab.data.split import Split
-from parallab.errors import first_line
 
 MEAN, STD = 0.1307, 0.3081  # of the training pixels scaled to [0, 1]
 FILES = {

@@ -20,9 +20,9 @@ from typing import Any, Iterator
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from parallab import batch as batches
+from parallab.config.errors import ConfigError
 from parallab.data.loaders import _collate, ignore_stop_signals, pinned
-from parallab.distributed import Dist
-from parallab.errors import ConfigError
+from parallab.launching.distributed import Dist
 
 
 class RankShare(IterableDataset):

@@ -9,7 +9,7 @@ from typing import ClassVar, Optional
 
 import torch
 
-from parallab.config import DataConfig
+from parallab.config.schema import DataConfig
 from parallab.data.split import Split, TokenSplit
 
 FAVOURED = 8  # tokens each class favours

@@ -19,7 +19,7 @@ from typing import ClassVar, Optional
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from parallab.config import DataConfig
+from parallab.config.schema import DataConfig
 from parallab.data.split import TokenSplit
 
 DEFAULT_PATH = Path(__file__).resolve().parent / "files" / "text_cls"  # shipped

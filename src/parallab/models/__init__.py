@@ -11,10 +11,11 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+import torch
 from torch import nn
 
-from parallab import targets
-from parallab.errors import ConfigError
+from parallab.config import targets
+from parallab.config.errors import ConfigError
 
 KEY = "model"
 
@@ -27,6 +28,16 @@ def build_model(spec: dict[str, Any]) -> nn.Module:
         raise TypeError(f"model._target_={spec.get(targets.TARGET)} returned "
                         f"{type(model).__name__}, not a torch.nn.Module")
     return hf.for_training(model)
+
+
+def build_on_meta(spec: dict[str, Any]) -> nn.Module:
+    """The model, built without allocating its weights where it can be (transformers'
+    from_pretrained refuses meta: it is built whole then)."""
+    try:
+        with torch.device("meta"):
+            return build_model(spec)
+    except Exception:  # noqa: BLE001 - Hydra wraps the model's own refusal of meta
+        return build_model(spec)
 
 
 def check(spec: dict[str, Any], data) -> dict[str, Any]:

@@ -117,8 +117,12 @@ class GPT(Model):
         once per rank. The embedding stays whole (positions are added to the full sequence)
         and is cut after, a local slice."""
         from torch.distributed.tensor import Replicate, Shard
-        from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleOutput,
-                                                       RowwiseParallel, SequenceParallel)
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            PrepareModuleOutput,
+            RowwiseParallel,
+            SequenceParallel,
+        )
 
         seq = Shard(1) if sequence_parallel else Replicate()  # the residual stream's layout
         # with sequence parallelism the split layers take the sequence's slices and gather

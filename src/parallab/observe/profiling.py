@@ -21,7 +21,12 @@ def profiled(enabled: bool, device: torch.device, run_dir: Path, rank: int,
     if not enabled:
         yield None
         return
-    from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
+    from torch.profiler import (
+        ProfilerActivity,
+        profile,
+        schedule,
+        tensorboard_trace_handler,
+    )
 
     activities = [ProfilerActivity.CPU]
     if device.type == "cuda":

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from parallab.parallel.base import Strategy
 from parallab.parallel.dp import DataParallelStrategy
-from parallab.parallel.mesh import FSDPTPStrategy, HSDPStrategy, MeshStrategy, TPStrategy
+from parallab.parallel.mesh import (
+    FSDPTPStrategy,
+    HSDPStrategy,
+    MeshStrategy,
+    TPStrategy,
+)
 from parallab.parallel.model import ModelParallelStrategy
 from parallab.parallel.pipeline import PipelineStrategy
 

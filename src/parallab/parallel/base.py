@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from parallab import batch as batches
-from parallab.distributed import Dist
-from parallab.errors import ConfigError
+from parallab.config.errors import ConfigError
+from parallab.launching.distributed import Dist
 from parallab.loss import Objective
 from parallab.precision import Precision, compute_dtype
 
@@ -120,7 +120,7 @@ class Strategy:
         """`model` on this rank's device; one already there is left as it is (advise.py
         lays out fake-tensor models, which cannot be moved, to predict their memory)."""
         tensors = itertools.chain(model.parameters(), model.buffers())
-        # on meta: laid out first, given storage where its weights are loaded (weights.py)
+        # on meta: laid out first, given storage where its weights are loaded (training/weights.py)
         if all(t.device == self.dist.device or t.is_meta for t in tensors):
             return model
         if any(p.is_meta for p in model.parameters()):  # its buffers alone go over
@@ -146,7 +146,7 @@ class Strategy:
         return loss.detach()
 
     def trial_step(self, model: nn.Module, batch: Any, precision: Precision) -> None:
-        """Forward and backward of a batch-size finder trial (batch_size.py): the unwrapped
+        """Forward and backward of a batch-size finder trial (training/batch_size.py): the unwrapped
         module, so that DDP's all-reduce does not run inside a trial (a sharded module
         still gathers: it is its own unwrapped form)."""
         with precision.autocast():
@@ -177,7 +177,10 @@ class Strategy:
         the optimizer's state flattened per parameter, so that no key depends on how the
         model is held (param_groups.0 would) and any layout reads what another wrote. Plain
         tensors here; DTensors under a sharded layout."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_state_dict,
+        )
 
         return get_state_dict(self.unwrap(model), optimizer,
                               options=StateDictOptions(flatten_optimizer_state_dict=True))
@@ -185,7 +188,10 @@ class Strategy:
     def load_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                         model_state: dict[str, Any], optimizer_state: dict[str, Any]) -> None:
         """`state_dict`'s form, shaped as this rank holds it (run.read_checkpoint)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_state_dict,
+        )
 
         if isinstance(optimizer_state.get("param_groups"), list):  # a one-file checkpoint
             self.unwrap(model).load_state_dict(model_state)  # by an earlier parallab: its

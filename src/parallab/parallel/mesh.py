@@ -25,8 +25,8 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from parallab.distributed import Dist
-from parallab.errors import ConfigError
+from parallab.config.errors import ConfigError
+from parallab.launching.distributed import Dist
 from parallab.models import hf
 from parallab.parallel import plans
 from parallab.parallel.base import ShardedStrategy
@@ -120,9 +120,9 @@ def refuse_tp(cfg, tp: int, sequence_parallel: bool = False) -> None:
             raise ConfigError("parallel.tp_plan is set but parallel.tp=1 splits nothing: "
                               "set parallel.tp > 1 (or drop the plan)")
         return
-    from parallab.trial import model_on_meta
+    from parallab.models import build_on_meta
 
-    model = model_on_meta(cfg)
+    model = build_on_meta(cfg.model)
     problem = tp_problem(model, tp, given) or sequence_parallel and sp_problem(
         model, cfg.data, tp, given)
     if problem:

@@ -13,7 +13,7 @@ import logging
 import torch
 from torch import nn
 
-from parallab.errors import ConfigError
+from parallab.config.errors import ConfigError
 from parallab.parallel import stages as stages_of
 from parallab.parallel.base import Strategy
 from parallab.parallel.split import check_parts, part_ranges

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from parallab import batch as batches
-from parallab.errors import ConfigError
+from parallab.config.errors import ConfigError
 from parallab.loss import from_model
 from parallab.parallel import stages as stages_of
 from parallab.parallel.fsdp import norm_squares, shard
@@ -212,7 +212,11 @@ class PipelineStrategy(MeshStrategy):
         return self.loss.total(self.loss.scored(output), target) / self.items
 
     def _schedule(self, name: str, loss):
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+        from torch.distributed.pipelining import (
+            PipelineStage,
+            Schedule1F1B,
+            ScheduleGPipe,
+        )
 
         stage = PipelineStage(self.model, self.stage_index, self.pp, self.dist.device,
                               group=self.pp_group)

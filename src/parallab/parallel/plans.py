@@ -18,14 +18,17 @@ from typing import Any, Callable, Iterator
 
 from torch import nn
 
-from parallab.errors import first_line
+from parallab.config.errors import first_line
 from parallab.models import hf
 
 
 def _styles() -> dict[str, Any]:
     from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                   SequenceParallel)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+    )
 
     return {
         "colwise": ColwiseParallel,

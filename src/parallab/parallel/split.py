@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from parallab.errors import ConfigError
+from parallab.config.errors import ConfigError
 from parallab.parallel import stages as stages_of
 
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from parallab.config.errors import ConfigError
+
 
 def named(model: nn.Module, names: list[str]) -> list[nn.Module]:
     """The submodules `names` lists, `*` expanded; KeyError naming the first one missing."""
@@ -31,6 +33,17 @@ def _submodule(model: nn.Module, name: str) -> nn.Module:
         return model.get_submodule(name)
     except AttributeError:
         raise KeyError(name) from None
+
+
+def configured(model: nn.Module, names: list[str] | None) -> list[nn.Module] | None:
+    """`find`, with a name in parallel.stages that is no submodule one line (ConfigError)."""
+    try:
+        return find(model, names)
+    except KeyError as missing:
+        children = [name for name, _ in model.named_children()]
+        raise ConfigError(f"parallel.stages names {missing}, which is not a submodule of the "
+                          f"model (its top-level modules: {', '.join(children)}): give module "
+                          "names in forward order") from None
 
 
 def find(model: nn.Module, names: list[str] | None = None) -> list[nn.Module] | None:

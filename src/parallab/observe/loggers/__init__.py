@@ -13,8 +13,8 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from parallab import targets
-from parallab.errors import first_line
+from parallab.config import targets
+from parallab.config.errors import first_line
 from parallab.observe.loggers.base import Logger, RunInfo
 
 log = logging.getLogger(__name__)

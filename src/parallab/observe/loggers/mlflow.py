@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from parallab.errors import first_line
+from parallab.config.errors import first_line
 from parallab.observe.loggers.base import Logger, RunInfo
 
 log = logging.getLogger(__name__)

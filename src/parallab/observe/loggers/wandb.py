@@ -9,7 +9,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from parallab.errors import first_line
+from parallab.config.errors import first_line
 from parallab.observe.loggers.base import Logger, RunInfo
 
 log = logging.getLogger(__name__)

@@ -14,16 +14,15 @@ import torch
 from torch import nn
 
 from parallab import batch as batch_of
-from parallab import checkpoint, metrics, schedule
-from parallab.checkpoint import Checkpointer
-from parallab.config import TrainerConfig
+from parallab import metrics, schedule
+from parallab.config.errors import ConfigError
+from parallab.config.schema import TrainerConfig
 from parallab.data import Data
 from parallab.data.loaders import micro_batches
 from parallab.data.stream import run_length
-from parallab.distributed import Dist
-from parallab.errors import ConfigError
+from parallab.launching.distributed import Dist
+from parallab.launching.preemption import Preemption
 from parallab.metrics import evaluate
-from parallab.monitor import Monitor
 from parallab.observe import mfu
 from parallab.observe.comm import CommCounter
 from parallab.observe.loggers import RunLogger
@@ -32,7 +31,9 @@ from parallab.observe.profiling import profiled
 from parallab.observe.progress import Progress
 from parallab.parallel.base import Strategy
 from parallab.precision import Precision
-from parallab.preemption import Preemption
+from parallab.training import checkpoint
+from parallab.training.checkpoint import Checkpointer
+from parallab.training.monitor import Monitor
 
 log = logging.getLogger(__name__)
 

@@ -18,9 +18,10 @@ from torch.utils.data import IterableDataset
 
 from parallab import batch as batches
 from parallab import loss as loss_of
-from parallab import targets
-from parallab.errors import ConfigError, first_line
+from parallab.config import targets
+from parallab.config.errors import ConfigError, first_line
 from parallab.loss import AUTO, CROSS_ENTROPY, Objective
+from parallab.models import build_on_meta
 from parallab.parallel import stages as stages_of
 
 OURS = "parallab."
@@ -36,30 +37,8 @@ def needed(cfg) -> bool:
         or bool(cfg.parallel.stages) or bool(cfg.metrics)
 
 
-def find_stages(model: nn.Module, cfg) -> list[nn.Module] | None:
-    try:
-        return stages_of.find(model, cfg.parallel.stages)
-    except KeyError as missing:
-        names = [name for name, _ in model.named_children()]
-        raise ConfigError(f"parallel.stages names {missing}, which is not a submodule of the "
-                          f"model (its top-level modules: {', '.join(names)}): give module "
-                          "names in forward order") from None
-
-
-def model_on_meta(cfg) -> nn.Module:
-    """The model, built without allocating its weights where it can be (transformers'
-    from_pretrained refuses meta: it is built as the probe builds it)."""
-    from parallab.models import build_model
-
-    try:
-        with torch.device("meta"):
-            return build_model(cfg.model)
-    except Exception:  # noqa: BLE001 - Hydra wraps the model's own refusal of meta
-        return build_model(cfg.model)
-
-
 def stages_on_meta(cfg) -> list[nn.Module] | None:
-    return find_stages(model_on_meta(cfg), cfg)
+    return stages_of.configured(build_on_meta(cfg.model), cfg.parallel.stages)
 
 
 def one_batch(cfg, size: int = 2) -> Any:
@@ -152,7 +131,7 @@ def run(cfg, strategy, probe: Probe | None = None) -> list[nn.Module] | None:
         with torch.no_grad():
             output = batches.call(model, batch, with_targets=False)
         metrics.check_on(cfg.metrics, loss.scored(output), batches.labels_of(batch))
-    stages = find_stages(model, cfg) if strategy.uses_stages else None
+    stages = stages_of.configured(model, cfg.parallel.stages) if strategy.uses_stages else None
     if strategy.splits_model and stages is not None and not loss.from_model:
         differs = stages_of.chain_differs(model, stages, batches.inputs_of(batch))
         if differs:

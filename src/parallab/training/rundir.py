@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 from typing import Iterator
 
-from parallab.errors import ConfigError
+from parallab.config.errors import ConfigError
 
 
 def held_run(run_dir: Path) -> list[str]:

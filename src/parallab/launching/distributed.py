@@ -14,7 +14,6 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-
 # how a peer's end shows on the ranks still running (gloo raises a plain RuntimeError)
 PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
 PEER_FAILURE_GRACE_S = 1.0  # ten of the launcher agent's monitor intervals

@@ -23,8 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from parallab import checkpoint
-from parallab.errors import ConfigError, first_line
+from parallab.config.errors import ConfigError, first_line
+from parallab.training import checkpoint
 
 log = logging.getLogger("parallab")
 RUN_CONFIG = "parallab.yaml"  # the run's config beside exported weights
@@ -265,8 +265,10 @@ def load_held(model: nn.Module, path: str | Path, device: torch.device) -> None:
     part of the weights at `path` (torchtitan's order: no rank holds the whole model): a
     .dcp read shard by shard, a file tensor by tensor, each cut here and copied straight
     into the rank's own part."""
-    from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
-                                                         set_model_state_dict)
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        set_model_state_dict,
+    )
 
     path = Path(path)
     buffers = {name: b for name, b in model.named_buffers() if not b.is_meta}

@@ -164,7 +164,7 @@ AGENT_SIGNALS = "SIGHUP,SIGQUIT"  # the signals torch's agent handles itself
 def worker_env(cfg) -> dict[str, str]:
     """The environment of the workers a job of `cfg` starts: their threads, and gloo on
     loopback (the built-in launcher starts one node)."""
-    from parallab.distributed import threads_for
+    from parallab.launching.distributed import threads_for
 
     p = cfg.parallel
     threads = threads_for(p.world_size // p.nnodes, p.threads_per_worker)
@@ -187,7 +187,7 @@ def elastic(entrypoint: Callable, args: tuple, world_size: int, max_restarts: in
     """
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from parallab import rendezvous
+    from parallab.launching import rendezvous
 
     port = os.environ.get("MASTER_PORT") or 0  # 0: a free port per job
     config = LaunchConfig(
@@ -236,7 +236,7 @@ def _forkserver_ready() -> bool:
 _server_environment: dict[str, str] | None = None  # what the running fork server started with
 # imported once by the fork server, not by each worker: parallab's worker code, and what
 # DDP, FSDP2, tensor parallelism and DCP import lazily (torch._dynamo alone: 1 s of CPU)
-PRELOAD = ["parallab.run", "torch._dynamo", "torch.distributed.fsdp",
+PRELOAD = ["parallab.training.run", "torch._dynamo", "torch.distributed.fsdp",
            "torch.distributed.tensor.parallel", "torch.distributed.checkpoint"]
 
 

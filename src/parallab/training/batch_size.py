@@ -23,7 +23,7 @@ from torch import nn
 
 from parallab.batch import rows
 from parallab.data.loaders import ShardLoader
-from parallab.distributed import Dist
+from parallab.launching.distributed import Dist
 from parallab.observe.memory import peak_memory_mb, reset_peak_memory
 
 log = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ import inspect
 import typing
 from typing import Any
 
-from parallab.errors import ConfigError, first_line
+from parallab.config.errors import ConfigError, first_line
 
 TARGET = "_target_"
 

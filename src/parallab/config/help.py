@@ -19,7 +19,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 
 HIDDEN_GROUPS = ("hydra", "schema")
-CONF_DIR = Path(__file__).parent / "conf"
+CONF_DIR = Path(__file__).parents[1] / "conf"
 _KEY = re.compile(r"^(\s*)([A-Za-z_]\w*):(?:\s*(?:[^#\n]*?))?(?:\s+#\s*(.*))?$")
 
 
@@ -78,7 +78,8 @@ def block(section: str) -> list[str]:
 
 
 def describe(section: str, node: Any, choices: dict[str, Any]) -> dict[str, str]:
-    from parallab import config, targets
+    from parallab.config import schema as config
+    from parallab.config import targets
 
     words = option_comments(section, choices.get(section))
     # the keys config.yaml gives every option of the group (data's), then the class's own
@@ -98,7 +99,7 @@ def describe(section: str, node: Any, choices: dict[str, Any]) -> dict[str, str]
 def schema_of(group: str, choice: str | None) -> type | None:
     """The schema dataclass an option of one of parallab's own groups starts from (its
     defaults list's `/schema/<group>/<name>`): the keys' defaults and their words."""
-    from parallab import config
+    from parallab.config import schema as config
 
     path = CONF_DIR / group / f"{choice}.yaml"
     found = re.search(rf"/schema/{group}/(\w+)@", path.read_text()) if choice and \
@@ -113,7 +114,7 @@ def _value(value: Any) -> str:
 
 
 def config_text(cfg: DictConfig) -> list[str]:
-    from parallab import config
+    from parallab.config import schema as config
 
     choices = dict(cfg.hydra.runtime.choices) if "hydra" in cfg else {}
     schema = config.EvalConfig if "ckpt" in cfg.keys() else config.Config  # ??? is not "in"
@@ -156,9 +157,9 @@ def register_resolver() -> None:
     OmegaConf.register_new_resolver("parallab_help", help_text, replace=True)
 
 
-# docs/config.md's key reference: written from the dataclasses (`python -m parallab.help`),
+# docs/config.md's key reference: written from the dataclasses (`python -m parallab.config.help`),
 # between these lines; a test fails when the file is stale
-BEGIN = "<!-- keys: written by `python -m parallab.help` from src/parallab/config.py -->"
+BEGIN = "<!-- keys: written by `python -m parallab.config.help` from src/parallab/config/schema.py -->"
 END = "<!-- end of keys -->"
 
 
@@ -186,7 +187,7 @@ def key_table(cls: type, prefix: str) -> list[str]:
 
 
 def keys_markdown() -> str:
-    from parallab import config
+    from parallab.config import schema as config
 
     sections = [("Top level", config.Config, ""), ("trainer", config.TrainerConfig, "trainer."),
                 ("data: the keys every data set has", config.DataConfig, "data.")]
@@ -212,4 +213,4 @@ def write_keys(path: Path) -> None:
 
 
 if __name__ == "__main__":
-    write_keys(Path(__file__).resolve().parents[2] / "docs" / "config.md")
+    write_keys(Path(__file__).resolve().parents[3] / "docs" / "config.md")

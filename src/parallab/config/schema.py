@@ -19,8 +19,8 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from parallab import targets
-from parallab.errors import ConfigError
+from parallab.config import targets
+from parallab.config.errors import ConfigError
 
 
 class Device(enum.Enum):
@@ -107,7 +107,7 @@ def data_config(node: dict[str, Any]) -> DataConfig:
     if not (inspect.isclass(cls) and issubclass(cls, DataConfig)):
         raise ConfigError(
             f"data._target_={node.get(targets.TARGET)} is not a data set config (a "
-            "parallab.config.DataConfig dataclass): give your torch Datasets as "
+            "parallab.config.schema.DataConfig dataclass): give your torch Datasets as "
             "data.train._target_ and data.eval._target_ instead")
     try:
         return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls), node))

@@ -13,22 +13,15 @@ import logging
 import math
 import os
 
-from parallab import (
-    activations,
-    checkpoint,
-    config,
-    models,
-    monitor,
-    optim,
-    precision,
-    schedule,
-    trial,
-)
-from parallab.config import Config, Device
-from parallab.distributed import cpu_cores
-from parallab.errors import ConfigError
-from parallab.launch import InPlace
+from parallab import activations, models, optim, precision, schedule
+from parallab.config import schema as config
+from parallab.config import trial
+from parallab.config.errors import ConfigError
+from parallab.config.schema import Config, Device
+from parallab.launching.distributed import cpu_cores
+from parallab.launching.launch import InPlace
 from parallab.observe import loggers
+from parallab.training import checkpoint, monitor
 
 __all__ = ["ConfigError", "prepare"]
 log = logging.getLogger(__name__)
@@ -298,7 +291,7 @@ def check_init(cfg: Config, probe: trial.Probe) -> None:
     trainer.init_strict=false), read without their tensors."""
     from pathlib import Path
 
-    from parallab import weights
+    from parallab.training import weights
 
     path = cfg.trainer.init_from
     if path is None:
@@ -309,7 +302,7 @@ def check_init(cfg: Config, probe: trial.Probe) -> None:
     _require(Path(path).exists(), f"trainer.init_from={path} does not exist: give a .pt, "
              ".dcp or .safetensors checkpoint, or a folder parallab export or save_pretrained "
              "wrote")
-    model = probe.model if probe.model is not None else trial.model_on_meta(cfg)
+    model = probe.model if probe.model is not None else models.build_on_meta(cfg.model)
     try:
         _refuse(weights.fit_problem(model, path, "trainer.init_from", cfg.trainer.init_strict))
     except checkpoint.CheckpointError as error:

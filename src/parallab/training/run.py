@@ -19,10 +19,11 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from parallab import activations, batch_size, checkpoint, distributed, launch
-from parallab.checkpoint import Checkpointer
-from parallab.config import Config, TrainerConfig, model_name
+from parallab import activations
+from parallab.config.schema import Config, TrainerConfig, model_name
 from parallab.data import build_data
+from parallab.launching import distributed, launch
+from parallab.launching.preemption import Preemption
 from parallab.loss import build_loss
 from parallab.models import build_model
 from parallab.observe import loggers
@@ -31,8 +32,9 @@ from parallab.observe.memory import peak_memory_mb, reset_peak_memory
 from parallab.optim import build_optimizer, scaled_lr
 from parallab.parallel import STRATEGIES
 from parallab.precision import Precision
-from parallab.preemption import Preemption
-from parallab.trainer import Trainer, global_batch_size
+from parallab.training import batch_size, checkpoint
+from parallab.training.checkpoint import Checkpointer
+from parallab.training.trainer import Trainer, global_batch_size
 
 log = logging.getLogger(__name__)
 LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"  # Hydra's
@@ -224,7 +226,7 @@ def start_model(cfg: Config, dist: distributed.Dist, strategy_cls, init_from: st
     their part of the weights at `init_from` once laid out (a layout that cuts the model,
     every weight required); else whole, with those weights (before any layout cuts it:
     every layout starts alike)."""
-    from parallab import weights
+    from parallab.training import weights
 
     if init_from is not None and cfg.trainer.init_strict and \
             strategy_cls.sharded_checkpoint(cfg.parallel):
@@ -256,7 +258,7 @@ def build_trainer(cfg: Config, dist: distributed.Dist, logger: RunLogger,
     torch.manual_seed(cfg.seed + strategy.seed_rank)  # dropout masks differ between ranks
     model = strategy.wrap(speed_up(strategy.split(model), cfg.trainer, cfg.parallel.stages))
     if held_only:
-        from parallab import weights
+        from parallab.training import weights
 
         weights.load_held(strategy.unwrap(model), init_from, dist.device)
         if dist.is_main:
@@ -363,7 +365,7 @@ def worker_main(spec: RunSpec) -> dict[str, Any]:
     """Entry point of a worker started by the elastic launcher (a fresh process); the agent
     records its traceback for the controlling process to show."""
     end_with(spec.controller)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the fork server's SIG_IGN (launch.py)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the fork server's SIG_IGN (launching/launch.py)
     _log_to_files(spec.run_dir)
     try:
         return train(spec, store=distributed.attempt_store(spec.cfg.backend.timeout_s))
