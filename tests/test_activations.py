@@ -26,14 +26,14 @@ def test_checkpointing_keeps_fewer_activations():
 
 
 def test_a_run_checkpoints_each_block_before_any_parallel_wrapper():
-    """run.speed_up (what every worker applies) wraps gpt's blocks, so the layouts'
+    """parallelize.speed_up (what every worker applies) wraps gpt's blocks, so the layouts'
     equal-loss runs below do checkpoint."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
         CheckpointWrapper,
     )
 
     from parallab.config.schema import TrainerConfig
-    from parallab.training.run import speed_up
+    from parallab.parallel.parallelize import speed_up
 
     for mode, wrapped in (("none", 0), ("full", 3), ("selective", 3)):
         model = speed_up(GPT(layers=3, width=32, heads=2, context=16),

@@ -7,12 +7,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import FAST, losses, read_metrics
+from conftest import FAST, checked, losses, read_metrics
 
 from parallab.config.errors import ConfigError
 from parallab.models.gpt import GPT
 from parallab.models.mlp import MLP
-from parallab.parallel.mesh import resolve_degrees, tp_problem
+from parallab.parallel.layout import resolve_degrees
+from parallab.parallel.mesh import tp_problem
 from parallab.testing import textbook_volume
 from parallab.training import checkpoint, weights
 
@@ -38,6 +39,33 @@ def test_one_null_degree_is_inferred_and_a_mismatch_is_one_line():
     ]:
         with pytest.raises(ConfigError, match=message.replace("?", r"\?")):
             degrees(**bad)
+
+
+@pytest.mark.parametrize("overrides, shape, dp, properties", [
+    (["parallel=none"], (), 1, set()),
+    (["parallel=ddp", "parallel.world_size=4"], (4, 1, 1), 4, {"replicas_only"}),
+    (["parallel=fsdp", "parallel.world_size=4"], (1, 4, 1), 4, {"sharded"}),
+    (["parallel=hsdp", "parallel.world_size=4"], (2, 2, 1), 4, {"sharded"}),
+    (["parallel=fsdp_tp", "parallel.world_size=4", "model=mlp"], (1, 2, 2), 2, {"sharded"}),
+    (["parallel=pipeline", "parallel.world_size=4", "parallel.pp=2", "model=mlp",
+      "model.hidden=[64,64,64]", "parallel.microbatches=2"], (2, 1, 2, 1), 2,
+     {"sharded", "cuts_model", "pipelined"}),
+    (["parallel=model", "parallel.world_size=2", "model=mlp"], (2,), 1, {"cuts_model"}),
+])
+def test_a_layout_is_resolved_once_and_says_what_its_degrees_imply(overrides, shape, dp,
+                                                                     properties):
+    """The controller resolves each preset's null degree into the config the workers read;
+    the Layout the workers rebuild from it says what each part of parallab asks of it."""
+    from parallab.parallel import STRATEGIES
+
+    cfg = checked(*overrides)
+    strategy = STRATEGIES[cfg.parallel.name]
+    layout = strategy.layout_of(cfg.parallel)
+    assert layout.shape == shape and layout.dp == strategy.data_parallel_ranks(cfg) == dp
+    assert layout.processes == (cfg.parallel.name not in ("none", "model"))
+    said = {"replicas_only", "sharded", "cuts_model", "pipelined"}
+    assert {name for name in said if getattr(layout, name)} == properties
+    assert layout.uses_stages == (layout.processes or layout.cuts_model)
 
 
 def test_a_plan_is_checked_against_the_widths():

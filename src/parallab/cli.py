@@ -47,7 +47,7 @@ def _train_and_report(spec: run.RunSpec, in_place: launch.InPlace | None) -> dic
     from parallab.training.trainer import Diverged
 
     p = spec.cfg.parallel
-    if in_place is not None or not STRATEGIES[p.name].launches_workers:
+    if in_place is not None or not STRATEGIES[p.name].processes:
         try:
             return run.train(spec)
         except (Diverged, CheckpointError) as error:  # the whole story in one line

@@ -124,7 +124,7 @@ def _predict(candidate: Candidate, budget_mb: float, batches: dict[int, Any]) ->
     size = cfg.data.batch_size
     if size not in batches:
         batches[size] = trial.one_batch(cfg, size)
-    differ = STRATEGIES[cfg.parallel.name].splits_model
+    differ = STRATEGIES[cfg.parallel.name].layout_of(cfg.parallel).cuts_model
     ranks = range(cfg.parallel.world_size) if differ else [0]
     try:
         per_rank = [memory.predict(cfg, batches[size], rank) for rank in ranks]

@@ -24,7 +24,7 @@ from parallab.activations import saved_for_backward
 from parallab.observe.comm import MB
 from parallab.observe.memory import held_state_mb
 from parallab.optim import build_optimizer
-from parallab.training import run
+from parallab.parallel.parallelize import parallelize, speed_up
 
 
 @contextlib.contextmanager
@@ -67,10 +67,9 @@ def predict(cfg, batch: Any, rank: int) -> tuple[float, float]:
                                                  build_loss(cfg.loss).bind(model))
         # cloned: a batch sliced from a data set held in memory is a view of all of it
         batch = batches.apply(batch, lambda t: fake.from_tensor(t.clone()))
-        if strategy.splits_model:
+        if strategy.layout.cuts_model:
             return _predict_part(cfg, strategy, model, batch, precision)
-        model = strategy.wrap(run.speed_up(strategy.split(model), cfg.trainer,
-                                           cfg.parallel.stages))
+        model = parallelize(model, strategy, cfg.trainer, cfg.parallel.stages)
         _reduce_locally(model)
         optimizer = build_optimizer(cfg.optim, model)
         with saved_for_backward(model) as saved:
@@ -114,7 +113,7 @@ def _predict_part(cfg, strategy, model: nn.Module, batch: Any, precision
         for stage in stages[:keep.start]:
             x = stage(x)
     keep_only(model, stages, keep)
-    model = run.speed_up(model, cfg.trainer, p.stages)
+    model = speed_up(model, cfg.trainer, p.stages)
     optimizer = build_optimizer(cfg.optim, model)
     with saved_for_backward(model) as saved:
         with precision.autocast():

@@ -111,12 +111,12 @@ def resolve_loss(cfg, probe: Probe) -> None:
                           "agree") from None
 
 
-def run(cfg, strategy, probe: Probe | None = None) -> list[nn.Module] | None:
-    """Try one batch (when needed); returns the model's stages where the strategy uses them.
+def run(cfg, layout, probe: Probe | None = None) -> list[nn.Module] | None:
+    """Try one batch (when needed); returns the model's stages where the layout uses them.
     ConfigError naming the key at fault."""
     probe = probe or Probe(cfg)
     if probe.model is None:
-        return stages_on_meta(cfg) if strategy.uses_stages else None
+        return stages_on_meta(cfg) if layout.uses_stages else None
     model, batch = probe.model, probe.batch
     loss = loss_of.build_loss(cfg.loss).bind(model)
     with torch.no_grad():
@@ -131,8 +131,8 @@ def run(cfg, strategy, probe: Probe | None = None) -> list[nn.Module] | None:
         with torch.no_grad():
             output = batches.call(model, batch, with_targets=False)
         metrics.check_on(cfg.metrics, loss.scored(output), batches.labels_of(batch))
-    stages = stages_of.configured(model, cfg.parallel.stages) if strategy.uses_stages else None
-    if strategy.splits_model and stages is not None and not loss.from_model:
+    stages = stages_of.configured(model, cfg.parallel.stages) if layout.uses_stages else None
+    if layout.cuts_model and stages is not None and not loss.from_model:
         differs = stages_of.chain_differs(model, stages, batches.inputs_of(batch))
         if differs:
             raise ConfigError(f"parallel={cfg.parallel.name} runs the model as its stages in "

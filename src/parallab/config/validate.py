@@ -153,13 +153,13 @@ def resolve_parallel(cfg: Config, in_place: InPlace | None) -> None:
     strategy = STRATEGIES[p.name]
     gpus = torch.cuda.device_count() if cfg.device is Device.cuda else 0
     if in_place is not None:
-        launching = [name for name, kind in STRATEGIES.items() if kind.launches_workers]
-        _require(strategy.launches_workers or in_place.world_size == 1, f"parallel={p.name} "
+        launching = [name for name, kind in STRATEGIES.items() if kind.processes]
+        _require(strategy.processes or in_place.world_size == 1, f"parallel={p.name} "
                  f"runs one process, but {in_place.launcher} started {in_place.world_size}: "
                  f"use parallel={' or '.join(launching)}, or launch one process")
         p.world_size, p.nnodes = in_place.world_size, in_place.nnodes
     elif p.world_size is None:
-        several = strategy.launches_workers or strategy.splits_model
+        several = strategy.processes or "pp" in strategy.dims  # cuts the model into parts
         p.world_size = gpus or (2 if several else 1)
     _require(p.world_size % p.nnodes == 0, f"parallel.world_size={p.world_size} does not split "
              f"evenly over parallel.nnodes={p.nnodes}: use a multiple of {p.nnodes}")
@@ -175,6 +175,7 @@ def resolve_parallel(cfg: Config, in_place: InPlace | None) -> None:
     if gpus:
         _require(per_node <= gpus, f"parallel.world_size={p.world_size} needs {per_node} GPUs "
                  f"per node but {gpus} are visible: set parallel.world_size<={gpus * p.nnodes}")
+    strategy.layout_of(p)  # its degrees, a null one resolved, checked against the world size
 
 
 def resolve_global_batch(cfg: Config) -> None:
@@ -214,7 +215,7 @@ def check_run_length(cfg: Config) -> None:
         return
     strategy = STRATEGIES[cfg.parallel.name]
     per_rank = math.ceil(samples / strategy.data_parallel_ranks(cfg))
-    rounding = math.floor if strategy.fixed_batch_shape else math.ceil  # drop_last
+    rounding = math.floor if strategy.layout_of(cfg.parallel).pipelined else math.ceil  # drop_last
     batches = rounding(per_rank / cfg.data.batch_size)
     _, total = run_length(cfg.trainer, range(batches))  # an epoch's batches, by their number
     schedule.multiplier(cfg.scheduler, total)  # ConfigError for a warmup or decay too long
@@ -226,8 +227,9 @@ def check_strategy(cfg: Config, probe: trial.Probe) -> None:
     from parallab.parallel import STRATEGIES
 
     strategy = STRATEGIES[cfg.parallel.name]
-    stages = trial.run(cfg, strategy, probe)
-    if strategy.splits_model:
+    layout = strategy.layout_of(cfg.parallel)
+    stages = trial.run(cfg, layout, probe)
+    if layout.cuts_model:
         strategy.check(cfg, stages)
     else:
         strategy.check(cfg)
@@ -278,7 +280,7 @@ def check_resume(cfg: Config, run_dir: str | None) -> None:
     _refuse(changed_recipe(cfg, checkpoint.saved_config(meta), resume))
     # any layout continues any other's checkpoint, except a one-file one by an earlier
     # parallab, whose optimizer state is by parameter index: only a whole model reads it
-    here = STRATEGIES[cfg.parallel.name].sharded_checkpoint(cfg.parallel)
+    here = STRATEGIES[cfg.parallel.name].layout_of(cfg.parallel).sharded
     _require(not here or checkpoint.by_name(resume, meta),
              f"trainer.resume={resume} was saved by parallel={checkpoint.saved_parallel(meta)} "
              f"of an earlier parallab, whose optimizer state only a whole model reads, not "

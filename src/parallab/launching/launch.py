@@ -259,7 +259,7 @@ def warm_up(layout: str, in_place: InPlace | None) -> None:
     from parallab.parallel import STRATEGIES
 
     strategy = STRATEGIES.get(layout)
-    if in_place is None and strategy is not None and strategy.launches_workers \
+    if in_place is None and strategy is not None and strategy.processes \
             and _forkserver_ready():
         start_fork_server()
 

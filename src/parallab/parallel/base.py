@@ -13,49 +13,47 @@ from parallab import batch as batches
 from parallab.config.errors import ConfigError
 from parallab.launching.distributed import Dist
 from parallab.loss import Objective
-from parallab.precision import Precision, compute_dtype
+from parallab.parallel.layout import Layout
+from parallab.precision import Precision
 
 
 class Strategy:
     """Single device: the model on this rank's device, unwrapped."""
 
-    launches_workers = False  # True: one process per rank, started by the launcher
-    uses_process_group = False
-    splits_model = False  # True: the model's stages are cut into parallel.world_size parts
-    fixed_batch_shape = False  # True: a short last training batch is dropped
-    shards_data = False  # True: each of parallel.world_size ranks/devices reads its own samples
-    uses_stages = False  # True: wrap() works on the model's stages (parallel/stages.py)
+    dims: tuple[str, ...] = ()  # the degrees its ranks are arranged by (Layout.dims)
+    processes = False  # a process per rank, started by the launcher, in a process group
 
     def __init__(self, cfg, dist: Dist, precision: Precision, loss: Objective):
         self.cfg = cfg
         self.dist = dist
         self.precision = precision
         self.loss = loss
+        self.layout = type(self).layout_of(cfg)
+
+    @classmethod
+    def layout_of(cls, p) -> Layout:
+        """The Layout of the parallel config `p` (parallel.world_size resolved); a null
+        degree is resolved into `p`, so that the workers read it as the controller did.
+        ConfigError where the degrees do not fit the world size."""
+        if p.world_size != 1:
+            raise ConfigError(f"parallel.world_size={p.world_size} needs several workers, but "
+                              f"parallel={p.name} runs one: use parallel=ddp (processes) or "
+                              "parallel=dp (GPUs of one process)")
+        return Layout()
 
     @classmethod
     def check(cls, cfg) -> None:
         """This strategy's own checks of the whole config (parallel.world_size resolved),
         before any worker starts; ConfigError on the first problem."""
-        p = cfg.parallel
-        one_device = not (cls.launches_workers or cls.shards_data or cls.splits_model)
-        if one_device and p.world_size != 1:
-            raise ConfigError(f"parallel.world_size={p.world_size} needs several workers, but "
-                              f"parallel={p.name} runs one: use parallel=ddp (processes) or "
-                              "parallel=dp (GPUs of one process)")
-
-    @classmethod
-    def sharded_checkpoint(cls, p) -> bool:
-        """Whether every rank saves its part (torch.distributed.checkpoint) under the
-        parallel config `p` (degrees resolved), rather than rank 0 one file."""
-        return False
+        cls.layout_of(cfg.parallel)
 
     @classmethod
     def layouts(cls, world_size: int, device_type: str, options) -> list[list[str]]:
         """This strategy's settings (overrides after parallel=NAME) that use `world_size`
         ranks or devices: the candidates `parallab advise` tries (`options`: its config)."""
-        if cls.launches_workers:
+        if cls.processes:
             return [[f"parallel.world_size={world_size}"]] if world_size > 1 else []
-        if cls.shards_data or cls.splits_model:  # devices of one process: GPUs
+        if cls.dims:  # devices of one process: GPUs
             several = device_type == "cuda" and world_size > 1
             return [[f"parallel.world_size={world_size}"]] if several else []
         return [["parallel.world_size=1"]] if world_size == 1 else []
@@ -63,7 +61,7 @@ class Strategy:
     @classmethod
     def data_parallel_ranks(cls, cfg) -> int:
         """Ranks (or devices) that read different samples each step."""
-        return cfg.parallel.world_size if cls.shards_data else 1
+        return cls.layout_of(cfg.parallel).dp
 
     @property
     def devices_per_process(self) -> int:
@@ -213,30 +211,3 @@ def params_by_mesh(model: nn.Module) -> dict[object, list[nn.Parameter]]:
             key = param.grad.device_mesh if isinstance(param.grad, DTensor) else None
             groups.setdefault(key, []).append(param)
     return groups
-
-
-class ShardedStrategy(Strategy):
-    """Ranks hold parts of the model (fsdp: shards, tp: slices, pipeline: stages): every rank
-    writes its part of a .dcp checkpoint. A layout whose ranks each hold the whole model
-    (sharded_checkpoint false: the mesh's replicas only) keeps the one-file checkpoint."""
-
-    @classmethod
-    def sharded_checkpoint(cls, p) -> bool:
-        return True
-
-    @classmethod
-    def check(cls, cfg) -> None:
-        super().check(cfg)
-        p, t = cfg.parallel, cfg.trainer
-        if not cls.sharded_checkpoint(p):
-            return
-        if compute_dtype(cfg.precision.name, cfg.device.value) == torch.float16:
-            raise ConfigError(f"precision={cfg.precision.name} with parallel={p.name}: it "
-                              "computes in float16 here, with a GradScaler, and each rank holds "
-                              "part of the gradients: a scaler per rank could skip the step on "
-                              "one rank only: use precision=bf16")
-        if t.quantize is not None:
-            raise ConfigError(f"trainer.quantize={t.quantize} with parallel={p.name}: quantize "
-                              "needs the whole model in one process: use parallel=none or ddp (dp_shard=1, "
-                              "tp=1)")
-

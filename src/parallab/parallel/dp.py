@@ -7,16 +7,21 @@ import logging
 from torch import nn
 
 from parallab.parallel.base import Strategy
+from parallab.parallel.layout import Layout
 
 log = logging.getLogger(__name__)
 
 
 class DataParallelStrategy(Strategy):
-    shards_data = True  # over its GPUs (on CPU it runs one device)
+    dims = ("dp_replicate",)  # one process, a replica on each of world_size GPUs
+
+    @classmethod
+    def layout_of(cls, p) -> Layout:
+        return Layout(p.world_size, cls.dims, dp_replicate=p.world_size)
 
     @classmethod
     def data_parallel_ranks(cls, cfg) -> int:
-        return cfg.parallel.world_size if cfg.device.value == "cuda" else 1
+        return cfg.parallel.world_size if cfg.device.value == "cuda" else 1  # CPU: one device
 
     @property
     def devices_per_process(self) -> int:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import math
 from typing import Iterator
 
 import torch
@@ -29,33 +28,12 @@ from parallab.config.errors import ConfigError
 from parallab.launching.distributed import Dist
 from parallab.models import hf
 from parallab.parallel import plans
-from parallab.parallel.base import ShardedStrategy
+from parallab.parallel.base import Strategy
 from parallab.parallel.fsdp import norm_squares, shard
+from parallab.parallel.layout import DEGREES, Layout, resolve_degrees
+from parallab.precision import compute_dtype
 
 log = logging.getLogger(__name__)
-DEGREES = ("dp_replicate", "dp_shard", "tp")
-
-
-def resolve_degrees(p, keys: tuple[str, ...] = DEGREES) -> None:
-    """Fill the one degree (of `keys`) left null so that their product is
-    parallel.world_size; ConfigError naming the degrees and the world size where they do
-    not fit."""
-    given = {k: getattr(p, k) for k in keys}
-    said = ", ".join(f"parallel.{k}={v if v is not None else 'null'}" for k, v in given.items())
-    for key, value in given.items():
-        if value is not None and value < 1:
-            raise ConfigError(f"parallel.{key}={value} is out of range: a degree is >= 1 (or "
-                              "null: inferred from the world size)")
-    unknown = [k for k, v in given.items() if v is None]
-    if len(unknown) > 1:
-        raise ConfigError(f"{said}: at most one degree may be null (inferred): set all but one")
-    known = math.prod(v for v in given.values() if v is not None)
-    if unknown and p.world_size % known == 0:
-        setattr(p, unknown[0], p.world_size // known)
-    elif math.prod(getattr(p, k) or 0 for k in keys) != p.world_size:
-        raise ConfigError(f"{said} multiply to {known}{' x ?' if unknown else ''}, but "
-                          f"parallel.world_size={p.world_size}: make their product the world "
-                          "size")
 
 
 def tp_problem(model: nn.Module, tp: int, given: dict[str, str] | None = None) -> str | None:
@@ -129,27 +107,17 @@ def refuse_tp(cfg, tp: int, sequence_parallel: bool = False) -> None:
         raise ConfigError(problem)
 
 
-class MeshStrategy(ShardedStrategy):
+class MeshStrategy(Strategy):
     """One device mesh of the degrees `dims`, each a key of the parallel config."""
 
-    launches_workers = True
-    uses_process_group = True
-    shards_data = True
-    uses_stages = True
     dims: tuple[str, ...] = DEGREES
+    processes = True
 
     @classmethod
-    def resolve(cls, p) -> None:
+    def layout_of(cls, p) -> Layout:
         resolve_degrees(p, cls.dims)
-
-    @classmethod
-    def replicas_only(cls, p) -> bool:
-        """Every rank holds the whole model (DDP): nothing sharded or split."""
-        return p.dp_shard == 1 and p.tp == 1
-
-    @classmethod
-    def sharded_checkpoint(cls, p) -> bool:
-        return not cls.replicas_only(p)
+        return Layout(p.world_size, cls.dims, True,
+                      **{dim: getattr(p, dim) for dim in cls.dims})
 
     @classmethod
     def node_local_kinds(cls, cfg) -> tuple[str, ...]:
@@ -174,38 +142,49 @@ class MeshStrategy(ShardedStrategy):
     @classmethod
     def check(cls, cfg) -> None:
         p = cfg.parallel
-        cls.resolve(p)
-        super().check(cfg)  # sharded layouts' refusals (ShardedStrategy) after the degrees
-        if cls.replicas_only(p) and not p.bucket_cap_mb > 0:
+        layout = cls.layout_of(p)
+        if layout.replicas_only and not p.bucket_cap_mb > 0:
             raise ConfigError(f"parallel.bucket_cap_mb={p.bucket_cap_mb} is out of range: it "
                               "must be > 0 (DDP's default is 25)")
+        if layout.sharded:
+            cls.refuse_sharded(cfg)
         if p.sequence_parallel and p.tp == 1:
             raise ConfigError("parallel.sequence_parallel=true cuts a tensor-parallel "
                               "group's activations: it needs parallel.tp > 1 (or set it "
                               "false)")
         refuse_tp(cfg, p.tp, p.sequence_parallel)
 
-    @classmethod
-    def data_parallel_ranks(cls, cfg) -> int:
-        cls.resolve(cfg.parallel)
-        return cfg.parallel.dp_replicate * cfg.parallel.dp_shard
+    @staticmethod
+    def refuse_sharded(cfg) -> None:
+        """What needs every rank to hold the whole model: one float16 GradScaler per rank
+        (each could skip the step alone), post-training quantization."""
+        p, t = cfg.parallel, cfg.trainer
+        if compute_dtype(cfg.precision.name, cfg.device.value) == torch.float16:
+            raise ConfigError(f"precision={cfg.precision.name} with parallel={p.name}: it "
+                              "computes in float16 here, with a GradScaler, and each rank holds "
+                              "part of the gradients: a scaler per rank could skip the step on "
+                              "one rank only: use precision=bf16")
+        if t.quantize is not None:
+            raise ConfigError(f"trainer.quantize={t.quantize} with parallel={p.name}: quantize "
+                              "needs the whole model in one process: use parallel=none or ddp "
+                              "(dp_shard=1, tp=1)")
 
     @property
     def data_dist(self) -> Dist:
         """The ranks of a tp group (and of a pipeline) are one data-parallel rank: they read
         the same batch."""
-        data_ranks = self.cfg.dp_replicate * self.cfg.dp_shard
+        data_ranks = self.layout.dp
         return dataclasses.replace(self.dist, world_size=data_ranks,
                                    rank=self.dist.rank // (self.dist.world_size // data_ranks))
 
     @property
     def loss_ranks(self) -> int:
         # each rank of a tp group holds its loss (under a pipeline, those of its last part)
-        return self.data_dist.world_size * self.cfg.tp
+        return self.data_dist.world_size * self.layout.tp
 
     @property
     def seed_rank(self) -> int:
-        return self.dist.rank // self.cfg.tp  # a tp group draws one dropout mask for its batch
+        return self.dist.rank // self.layout.tp  # a tp group draws one dropout mask for its batch
 
     def split(self, model: nn.Module) -> nn.Module:
         """Tensor parallel, first of all (torchtitan's order): activation checkpointing and
@@ -213,9 +192,8 @@ class MeshStrategy(ShardedStrategy):
         from torch.distributed.device_mesh import init_device_mesh
 
         p = self.cfg
-        self.mesh = None if self.replicas_only(p) else init_device_mesh(
-            self.dist.device.type, tuple(getattr(p, d) for d in self.dims),
-            mesh_dim_names=self.dims)
+        self.mesh = None if self.layout.replicas_only else init_device_mesh(
+            self.dist.device.type, self.layout.shape, mesh_dim_names=self.layout.dims)
         model = self.on_device(self.part(model))
         if p.tp > 1:
             from torch.distributed.tensor.parallel import parallelize_module
@@ -243,7 +221,7 @@ class MeshStrategy(ShardedStrategy):
 
     def wrap(self, model: nn.Module) -> nn.Module:
         p = self.cfg
-        if self.replicas_only(p):
+        if self.layout.replicas_only:
             from torch.nn.parallel import DistributedDataParallel
 
             model = self.on_device(model)
@@ -256,11 +234,11 @@ class MeshStrategy(ShardedStrategy):
                      self.dist.is_main, p.reshard_after_forward)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
-        return model.module if self.replicas_only(self.cfg) else model
+        return model.module if self.layout.replicas_only else model
 
     @contextlib.contextmanager
     def no_sync(self, model: nn.Module) -> Iterator[None]:
-        if self.replicas_only(self.cfg):
+        if self.layout.replicas_only:
             with model.no_sync():
                 yield
             return
@@ -271,7 +249,7 @@ class MeshStrategy(ShardedStrategy):
             model.set_requires_gradient_sync(True)
 
     def grad_norm(self, model: nn.Module) -> torch.Tensor:
-        if self.replicas_only(self.cfg):  # whole gradients: the plain norm, as ddp had
+        if self.layout.replicas_only:  # whole gradients: the plain norm, as ddp had
             return super().grad_norm(model)
         return norm_squares(model, self.dist.device).sqrt()
 

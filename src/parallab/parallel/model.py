@@ -16,6 +16,7 @@ from torch import nn
 from parallab.config.errors import ConfigError
 from parallab.parallel import stages as stages_of
 from parallab.parallel.base import Strategy
+from parallab.parallel.layout import Layout
 from parallab.parallel.split import check_parts, part_ranges
 
 log = logging.getLogger(__name__)
@@ -41,8 +42,11 @@ def refuse_finder(cfg) -> None:
 
 
 class ModelParallelStrategy(Strategy):
-    splits_model = True
-    uses_stages = True
+    dims = ("pp",)  # one process, the model's parts on world_size devices
+
+    @classmethod
+    def layout_of(cls, p) -> Layout:
+        return Layout(p.world_size, cls.dims, pp=p.world_size)
 
     @classmethod
     def check(cls, cfg, stages=None) -> None:

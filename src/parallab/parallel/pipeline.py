@@ -33,6 +33,7 @@ from parallab.config.errors import ConfigError
 from parallab.loss import from_model
 from parallab.parallel import stages as stages_of
 from parallab.parallel.fsdp import norm_squares, shard
+from parallab.parallel.layout import Layout
 from parallab.parallel.mesh import MeshStrategy
 from parallab.parallel.split import check_parts, part_ranges
 from parallab.precision import Precision
@@ -55,21 +56,14 @@ def keep_only(model: nn.Module, stages: list[nn.Module], keep: range) -> None:
 class PipelineStrategy(MeshStrategy):
     """The mesh with a pp degree: the model's parts on the pp dimension's ranks."""
 
-    shards_data = False  # the ranks of a pipeline read the same batches (data_dist)
-    splits_model = True
-    fixed_batch_shape = True
     dims = ("dp_replicate", "dp_shard", "pp", "tp")
 
     @classmethod
-    def resolve(cls, p) -> None:
+    def layout_of(cls, p) -> Layout:
         """dp_replicate and pp both null: one pipeline over every rank."""
         if p.pp is None and p.dp_replicate is None:
             p.dp_replicate = 1
-        super().resolve(p)
-
-    @classmethod
-    def replicas_only(cls, p) -> bool:
-        return False  # its ranks hold parts
+        return super().layout_of(p)
 
     @classmethod
     def check(cls, cfg, stages=None) -> None:
@@ -108,11 +102,11 @@ class PipelineStrategy(MeshStrategy):
     @property
     def pp(self) -> int:
         """Ranks of one pipeline: its number of parts."""
-        return self.cfg.pp
+        return self.layout.pp
 
     @property
     def stage_index(self) -> int:
-        return self.dist.rank // self.cfg.tp % self.pp
+        return self.dist.rank // self.layout.tp % self.pp
 
     @property
     def activation_share(self) -> float:
@@ -167,7 +161,7 @@ class PipelineStrategy(MeshStrategy):
             return
         flat = _flatten_dense_tensors(grads)
         torch_dist.all_reduce(flat, group=self.dp_group)
-        flat /= self.cfg.dp_replicate
+        flat /= self.layout.dp_replicate
         for grad, averaged in zip(grads, _unflatten_dense_tensors(flat, grads)):
             grad.copy_(averaged)
 
@@ -194,7 +188,7 @@ class PipelineStrategy(MeshStrategy):
 
     def wrap(self, model: nn.Module) -> nn.Module:
         p = self.cfg
-        if p.dp_shard > 1:  # gathered once per step, not once per micro-batch (torchtitan)
+        if self.layout.dp_shard > 1:  # gathered once per step, not once per micro-batch (torchtitan)
             model = shard(model, self.data_parallel_mesh(), p, self.precision.dtype,
                           self.dist.is_main, False)
         self.syncing = True
@@ -247,10 +241,10 @@ class PipelineStrategy(MeshStrategy):
             self.dry_run(step)
             losses.clear()
         step()
-        if self.cfg.dp_shard == 1 and self.syncing:  # (FSDP2 reduces its own)
+        if self.layout.dp_shard == 1 and self.syncing:  # (FSDP2 reduces its own)
             if self.cfg.sequence_parallel:
                 self.sum_partial_gradients()
-            if self.cfg.dp_replicate > 1:
+            if self.layout.dp_replicate > 1:
                 self.average_gradients()
         if not self.is_last:  # its share of the logged loss: nothing
             return torch.zeros((), device=self.dist.device)
@@ -303,4 +297,4 @@ class PipelineStrategy(MeshStrategy):
         squares = norm_squares(model, self.dist.device)  # this part's, whole on its tp ranks
         self.dist.all_reduce_sum(squares)
         # each part counted once: not once per replica, shard group and tp rank holding it
-        return (squares / (self.data_dist.world_size * self.cfg.tp)).sqrt()
+        return (squares / (self.data_dist.world_size * self.layout.tp)).sqrt()

@@ -19,7 +19,6 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from parallab import activations
 from parallab.config.schema import Config, TrainerConfig, model_name
 from parallab.data import build_data
 from parallab.launching import distributed, launch
@@ -31,6 +30,7 @@ from parallab.observe.loggers import RunLogger
 from parallab.observe.memory import peak_memory_mb, reset_peak_memory
 from parallab.optim import build_optimizer, scaled_lr
 from parallab.parallel import STRATEGIES
+from parallab.parallel.parallelize import parallelize
 from parallab.precision import Precision
 from parallab.training import batch_size, checkpoint
 from parallab.training.checkpoint import Checkpointer
@@ -110,19 +110,6 @@ def _scalar(text: str) -> Any:
     return value if isinstance(value, (int, float, bool)) else text
 
 
-def speed_up(model: torch.nn.Module, cfg: TrainerConfig,
-             stages: list[str] | None = None) -> torch.nn.Module:
-    """Memory format, activation checkpointing, then compilation, before any parallel
-    wrapper (as torchtitan orders them); Module.compile keeps the state_dict keys
-    unprefixed, so checkpoints load anywhere."""
-    if cfg.channels_last:
-        model = model.to(memory_format=torch.channels_last)
-    model = activations.apply(model, cfg.activation_checkpointing, stages)
-    if cfg.compile:
-        model.compile(mode=cfg.compile_mode)
-    return model
-
-
 def use_scaled_lr(cfg: Config, optimizer, global_batch_size: int, main: bool) -> float:
     """optim.scale_lr: the optimizer's rate scaled to the run's global batch (known only
     here, after the batch-size finder); the rate the run uses."""
@@ -195,8 +182,7 @@ def read_checkpoint(path: Path, strategy, model, optimizer) -> dict[str, Any]:
 def train(spec: RunSpec, store=None) -> dict[str, Any]:
     """Train on this rank; returns the run's final metrics (every rank gets the same)."""
     cfg = spec.cfg
-    strategy_cls = STRATEGIES[cfg.parallel.name]
-    backend = cfg.backend.name if strategy_cls.uses_process_group else None
+    backend = cfg.backend.name if STRATEGIES[cfg.parallel.name].processes else None
     hosted = launch.take_store()  # under SLURM/mpirun: the store rank 0 hosts
     dist = distributed.setup(cfg.device.value, backend, cfg.backend.timeout_s,
                              cfg.parallel.threads_per_worker, store=store or hosted)
@@ -229,7 +215,7 @@ def start_model(cfg: Config, dist: distributed.Dist, strategy_cls, init_from: st
     from parallab.training import weights
 
     if init_from is not None and cfg.trainer.init_strict and \
-            strategy_cls.sharded_checkpoint(cfg.parallel):
+            strategy_cls.layout_of(cfg.parallel).sharded:
         try:
             with weights.parameters_on_meta():
                 return build_model(cfg.model), True
@@ -256,7 +242,7 @@ def build_trainer(cfg: Config, dist: distributed.Dist, logger: RunLogger,
     precision = Precision(cfg.precision, dist.device)
     strategy = strategy_cls(cfg.parallel, dist, precision, build_loss(cfg.loss).bind(model))
     torch.manual_seed(cfg.seed + strategy.seed_rank)  # dropout masks differ between ranks
-    model = strategy.wrap(speed_up(strategy.split(model), cfg.trainer, cfg.parallel.stages))
+    model = parallelize(model, strategy, cfg.trainer, cfg.parallel.stages)
     if held_only:
         from parallab.training import weights
 
@@ -265,7 +251,7 @@ def build_trainer(cfg: Config, dist: distributed.Dist, logger: RunLogger,
             log.info("started from the weights in %s, each rank reading its part", init_from)
     data = build_data(cfg.data, strategy.data_dist, cfg.seed,
                       batch_scale=strategy.devices_per_process)
-    data.train.drop_last = strategy.fixed_batch_shape
+    data.train.drop_last = strategy.layout.pipelined
     optimizer = build_optimizer(cfg.optim, model)
     if cfg.trainer.auto_batch_size:
         data.train = tune_batch_size(model, strategy, optimizer, precision, data, dist,
@@ -276,7 +262,7 @@ def build_trainer(cfg: Config, dist: distributed.Dist, logger: RunLogger,
     if checkpoints is not None:
         config = OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
         checkpointer = Checkpointer(checkpoints, dist, config, cfg.trainer.keep_last_k,
-                                    sharded=strategy.sharded_checkpoint(cfg.parallel))
+                                    sharded=strategy.layout.sharded)
     trainer = Trainer(cfg.trainer, model, strategy, optimizer, precision, data, dist, logger,
                       checkpointer, preemption, cfg.metrics, cfg.scheduler, probe)
     return trainer, lr

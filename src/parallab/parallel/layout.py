@@ -1,0 +1,100 @@
+"""A run's layout: how many ranks, how they are arranged, and what follows from that for
+the rest of parallab (torchtitan's ParallelDims). Made once per config by its strategy
+(Strategy.layout), which resolves a null degree from the world size.
+
+The mesh's degrees, outermost first: dp_replicate (replicas, gradients all-reduced),
+dp_shard (FSDP2 shards), pp (pipeline parts), tp (tensor-parallel slices, innermost so
+that a tp group sits on one node's GPUs). Their product is the world size. The layouts of
+one process (dp's GPUs, model parallelism's devices) have degrees too, but no process
+group: one process drives every device.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from parallab.config.errors import ConfigError
+
+DEGREES = ("dp_replicate", "dp_shard", "tp")  # the mesh layouts' (the pipeline adds pp)
+
+
+def resolve_degrees(p, keys: tuple[str, ...] = DEGREES) -> None:
+    """Fill the one degree (of `keys`) left null in the parallel config `p` so that their
+    product is parallel.world_size; ConfigError naming the degrees and the world size where
+    they do not fit."""
+    given = {k: getattr(p, k) for k in keys}
+    said = ", ".join(f"parallel.{k}={v if v is not None else 'null'}" for k, v in given.items())
+    for key, value in given.items():
+        if value is not None and value < 1:
+            raise ConfigError(f"parallel.{key}={value} is out of range: a degree is >= 1 (or "
+                              "null: inferred from the world size)")
+    unknown = [k for k, v in given.items() if v is None]
+    if len(unknown) > 1:
+        raise ConfigError(f"{said}: at most one degree may be null (inferred): set all but one")
+    known = math.prod(v for v in given.values() if v is not None)
+    if unknown and p.world_size % known == 0:
+        setattr(p, unknown[0], p.world_size // known)
+    elif math.prod(getattr(p, k) or 0 for k in keys) != p.world_size:
+        raise ConfigError(f"{said} multiply to {known}{' x ?' if unknown else ''}, but "
+                          f"parallel.world_size={p.world_size}: make their product the world "
+                          "size")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The degrees of a run's ranks and what they imply; checked here once more (a bug, not
+    a user's error, if they do not fit: Strategy.layout refused those with one line)."""
+
+    world_size: int = 1
+    dims: tuple[str, ...] = ()  # the degrees the ranks are arranged by, outermost first
+    processes: bool = False  # a process per rank (launched, in a process group); else one
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    pp: int = 1
+    tp: int = 1
+
+    def __post_init__(self) -> None:
+        for dim in ("dp_replicate", "dp_shard", "pp", "tp"):
+            if getattr(self, dim) < 1 or dim not in self.dims and getattr(self, dim) != 1:
+                raise ValueError(f"{dim}={getattr(self, dim)} in a layout of {self.dims}")
+        if math.prod(self.shape) != self.world_size:
+            raise ValueError(f"degrees {self.shape} of {self.dims} do not multiply to "
+                             f"world_size={self.world_size}")
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The device mesh's shape, by `dims`."""
+        return tuple(getattr(self, dim) for dim in self.dims)
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel ranks: those reading different samples each step."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def cuts_model(self) -> bool:
+        """The model's stages are cut into pp parts (a pipeline; model parallelism)."""
+        return "pp" in self.dims
+
+    @property
+    def pipelined(self) -> bool:
+        """Parts on ranks of their own, fed micro-batches by a schedule whose stages have
+        fixed shapes: a short last training batch is dropped."""
+        return self.processes and self.cuts_model
+
+    @property
+    def replicas_only(self) -> bool:
+        """Every rank holds the whole model and reads its own batch: DDP's replicas."""
+        return self.processes and not self.cuts_model and self.dp_shard == self.tp == 1
+
+    @property
+    def sharded(self) -> bool:
+        """Ranks hold parts of the model (shards, slices, stages): each writes its part of a
+        .dcp checkpoint, rather than rank 0 one file."""
+        return self.processes and not self.replicas_only
+
+    @property
+    def uses_stages(self) -> bool:
+        """The model's stages matter: each is an FSDP2 unit, or the model is cut at them."""
+        return self.processes or self.cuts_model

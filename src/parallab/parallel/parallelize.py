@@ -1,0 +1,32 @@
+"""The one step that lays a model out on this rank, in torchtitan's order: the layout's cut
+(tensor parallel over the mesh's tp ranks; a pipeline keeps its part first), then
+activation checkpointing and compile around the cut blocks, then the data-parallel wrapper
+(FSDP2 over dp_shard, HSDP, or DDP over replicas; the one-process layouts' own)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from parallab import activations
+
+
+def parallelize(model: nn.Module, strategy, trainer, stages: list[str] | None = None
+                ) -> nn.Module:
+    """`model` as this rank runs it under `strategy` (trainer: the trainer config; stages:
+    parallel.stages, the units activation checkpointing wraps)."""
+    model = strategy.split(model)
+    model = speed_up(model, trainer, stages)
+    return strategy.wrap(model)
+
+
+def speed_up(model: nn.Module, trainer, stages: list[str] | None = None) -> nn.Module:
+    """Memory format, activation checkpointing, then compilation, inside any parallel
+    wrapper (FSDP2 and DDP then see the compiled blocks); Module.compile keeps the
+    state_dict keys unprefixed, so checkpoints load anywhere."""
+    if trainer.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    model = activations.apply(model, trainer.activation_checkpointing, stages)
+    if trainer.compile:
+        model.compile(mode=trainer.compile_mode)
+    return model
