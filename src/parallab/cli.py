@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any, Iterator, NoReturn
 
@@ -23,11 +24,11 @@ from omegaconf import DictConfig, OmegaConf
 
 from parallab import metrics
 from parallab.config import help, validate
+from parallab.config.errors import OneLineError
 from parallab.config.schema import register_configs
 from parallab.launching import launch
 from parallab.observe import summary
 from parallab.training import run
-from parallab.training.checkpoint import CheckpointError
 
 log = logging.getLogger("parallab")
 # conf/ ships inside the package; Hydra finds it as pkg://parallab/conf (a user project adds
@@ -44,32 +45,39 @@ def _train_and_report(spec: run.RunSpec, in_place: launch.InPlace | None) -> dic
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     from parallab.parallel import STRATEGIES
-    from parallab.training.trainer import Diverged
 
     p = spec.cfg.parallel
     if in_place is not None or not STRATEGIES[p.name].processes:
         try:
             return run.train(spec)
-        except (Diverged, CheckpointError) as error:  # the whole story in one line
-            raise JobFailed(str(error), 1) from None
-        except validate.ConfigError as error:  # a value found wrong only once data is built
-            raise JobFailed(str(error), 2) from None
+        except OneLineError as error:  # the whole story in one line (a value found wrong
+            raise JobFailed(str(error), error.status) from None  # once data is built, ...)
     log.info("launching %d workers (parallel=%s, backend=%s) in %s", p.world_size, p.name,
              spec.cfg.backend.name, spec.run_dir)
-    try:
-        return launch.elastic(run.worker_main, (spec,), p.world_size, p.max_restarts,
-                              launch.worker_env(spec.cfg))
-    except ChildFailedError as error:
-        rank, failure = error.get_first_failure()
-        reason = failure.message  # the error file's record, or a line about a signal
-        reason = reason.get("message", "") if isinstance(reason, dict) else str(reason)
-        reason = reason.strip().splitlines()[-1] if reason.strip() else (
-            f"exit code {failure.exitcode}")
-        for known, status in ((Diverged, 1), (CheckpointError, 1), (validate.ConfigError, 2)):
-            if reason.startswith(f"{known.__name__}: "):  # the error record: "Type: message"
-                raise JobFailed(f"rank {rank}: {reason.split(': ', 1)[1]}", status) from None
-        raise JobFailed(f"a worker failed, so the job was stopped:\n{error}", 1,
-                        f"rank {rank}: {reason}")
+    with tempfile.TemporaryDirectory(prefix="parallab-failures-") as failures:
+        try:
+            return launch.elastic(run.worker_main,
+                                  (dataclasses.replace(spec, failures=failures),),
+                                  p.world_size, p.max_restarts, launch.worker_env(spec.cfg))
+        except ChildFailedError as error:
+            raise worker_failure(error, Path(failures)) from None
+
+
+def worker_failure(error, failures: Path) -> JobFailed:
+    """How a launched job ends, as its first failing rank tells it: the one line of an
+    error whose type says it is the whole story (OneLineError: the worker left it in
+    `failures`), else the root cause's traceback."""
+    rank, failure = error.get_first_failure()
+    left = failures / f"rank{rank}.json"
+    if left.is_file():
+        said = json.loads(left.read_text())
+        return JobFailed(f"rank {rank}: {said['message']}", said["status"])
+    reason = failure.message  # the error file's record, or a line about a signal
+    reason = reason.get("message", "") if isinstance(reason, dict) else str(reason)
+    reason = reason.strip().splitlines()[-1] if reason.strip() else (
+        f"exit code {failure.exitcode}")
+    return JobFailed(f"a worker failed, so the job was stopped:\n{error}", 1,
+                     f"rank {rank}: {reason}")
 
 
 @dataclasses.dataclass

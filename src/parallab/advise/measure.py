@@ -27,7 +27,6 @@ from parallab.observe import loggers
 from parallab.observe.comm import MB
 from parallab.observe.loggers import RunLogger
 from parallab.observe.memory import reset_peak_memory
-from parallab.observe.progress import Progress
 from parallab.training import run
 
 log = logging.getLogger(__name__)
@@ -76,11 +75,9 @@ def measure(cfg, run_dir: str, dist: distributed.Dist, overrides: list[str]) -> 
             logger.start(loggers.run_info(cfg, run_dir, overrides, None, dist.world_size))
             probe = ActivationProbe()
             trainer, lr = run.build_trainer(cfg, dist, logger, None, preemption, probe=probe)
-            progress = Progress(trainer.total_steps, False, False)
-            while not trainer.done():
-                trainer.train_epoch(progress)
-                trainer.epoch, trainer.epoch_step = trainer.epoch + 1, 0
-            figures = trainer.summary()
+            figures = trainer.fit(evaluate=False, report=False)  # the run's own steps
+        if trainer.stopped:
+            raise RuntimeError("stopped by a signal")
         state = _max_over_ranks(dist, figures["state_memory_mb"] or 0.0)
         act = _max_over_ranks(dist, probe.bytes / MB)
         figures.update(losses=logger.losses, state_mb=state, activation_mb=act,

@@ -1,8 +1,17 @@
 """The error every check raises for bad input: one line that names the key and the fix."""
 
 
-class ConfigError(ValueError):
+class OneLineError(Exception):
+    """An error whose message is the whole story: the job ends with that line and exit
+    status `status`, no traceback, whether the controller or a worker raised it."""
+
+    status = 1
+
+
+class ConfigError(OneLineError, ValueError):
     """Bad input, stated in one line that names the key and the fix."""
+
+    status = 2
 
 
 def first_line(error: BaseException) -> str:

@@ -18,10 +18,12 @@ from typing import Any
 
 import torch
 
+from parallab.config.errors import OneLineError
+
 log = logging.getLogger(__name__)
 
 
-class CheckpointError(ValueError):
+class CheckpointError(OneLineError, ValueError):
     """A checkpoint that is missing, truncated or asks to run code on load."""
 
 

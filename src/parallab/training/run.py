@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 import os
@@ -19,6 +20,7 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
+from parallab.config.errors import OneLineError
 from parallab.config.schema import Config, TrainerConfig, model_name
 from parallab.data import build_data
 from parallab.launching import distributed, launch
@@ -52,6 +54,8 @@ class RunSpec:
     # how the user started it (the entry and Hydra's config flags), for the resume command
     command: list[str] = field(default_factory=lambda: ["python", "train.py"])
     sweep: str | None = None  # a multirun job's sweep dir (loggers group the sweep's runs)
+    # a launched job's dir where a worker leaves its one-line error for the controller
+    failures: str | None = None
 
     def resume_command(self) -> str:
         """The command that continues this run, as the user started it."""
@@ -353,8 +357,16 @@ def worker_main(spec: RunSpec) -> dict[str, Any]:
     end_with(spec.controller)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the fork server's SIG_IGN (launching/launch.py)
     _log_to_files(spec.run_dir)
+    failure = Path(spec.failures, f"rank{distributed.rank_from_env()}.json") \
+        if spec.failures else None
+    if failure is not None:
+        failure.unlink(missing_ok=True)  # an earlier attempt's, before an elastic restart
     try:
         return train(spec, store=distributed.attempt_store(spec.cfg.backend.timeout_s))
+    except OneLineError as error:
+        if failure is not None:  # told by its type: the controller ends with this line
+            failure.write_text(json.dumps({"status": error.status, "message": str(error)}))
+        raise
     except Exception as error:
         if distributed.lost_a_peer(error):
             # the agent names the first exit it sees as the root cause: leave that to the

@@ -15,7 +15,7 @@ from torch import nn
 
 from parallab import batch as batch_of
 from parallab import metrics, schedule
-from parallab.config.errors import ConfigError
+from parallab.config.errors import ConfigError, OneLineError
 from parallab.config.schema import TrainerConfig
 from parallab.data import Data
 from parallab.data.loaders import micro_batches
@@ -38,7 +38,7 @@ from parallab.training.monitor import Monitor
 log = logging.getLogger(__name__)
 
 
-class Diverged(RuntimeError):
+class Diverged(OneLineError, RuntimeError):
     """The train loss went NaN or inf under trainer.on_nan=stop."""
 
 
@@ -203,9 +203,13 @@ class Trainer:
                              for k, v in self.comm.items()}, self.step + 1)
         return loss
 
-    def fit(self) -> dict[str, Any]:
+    def fit(self, evaluate: bool = True, report: bool = True) -> dict[str, Any]:
+        """Train to the end of the run; its final figures ({} if a signal stopped it).
+        evaluate=False trains only (no evaluation by epoch or at the end, nothing
+        quantized); report=False shows no progress (advise's candidates)."""
         self.first_step = self.step
-        with Progress(self.total_steps, self.dist.is_main, self.cfg.progress_bar) as progress, \
+        with Progress(self.total_steps, self.dist.is_main and report,
+                      self.cfg.progress_bar) as progress, \
                 profiled(self.cfg.profile, self.dist.device, self.logger.run_dir, self.dist.rank,
                          self.dist.is_main) as self.profiler:
             while self.epoch < self.cfg.epochs and not self.done():
@@ -216,11 +220,13 @@ class Trainer:
                     break  # early stopping ended it: resuming goes on from here
                 self.epoch += 1
                 self.epoch_step = 0
-                if self.cfg.eval_every_n_steps is None and \
+                if evaluate and self.cfg.eval_every_n_steps is None and \
                         self.epoch % self.cfg.eval_every_n_epochs == 0 and self.scheduled_eval():
                     break
                 if not self.done():  # the last one is `last`, saved by the caller
                     self.save_checkpoint()
+        if not evaluate:
+            return self.summary()
         if self.eval_step != self.step or not self.eval_metrics:  # final weights unscored
             # off the evaluation schedule: a run resumed from here continues with the
             # monitor as it was, as the uninterrupted run never made this evaluation
