@@ -17,7 +17,6 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator, NoReturn
 
-import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
@@ -307,12 +306,31 @@ def _train_task(dict_cfg: DictConfig, call: Invocation) -> float | None:
 
 
 def hydra_app(config_name: str, task, call: Invocation):
-    """`task(cfg, call)` as a Hydra app of conf/`config_name`: Hydra calls the app once per
-    job (a multirun's jobs in turn), each with this command's invocation."""
-    def app(dict_cfg: DictConfig):
+    """`task(cfg, call)` as a Hydra app of conf/`config_name` over the command line
+    `call.argv`, run as hydra.main runs one: once per job (a multirun's jobs in turn), each
+    with this command's invocation. hydra.main would parse sys.argv, which holds `parallab
+    train` where Hydra must see only what follows: its own steps take the argv given, and
+    sys.argv stays as the user typed it."""
+    from hydra import version
+    from hydra._internal.utils import _run_hydra, get_args_parser
+    from hydra.core.utils import _flush_loggers
+    from hydra.main import _get_rerun_conf
+
+    def job(dict_cfg: DictConfig):
         return task(dict_cfg, call)
 
-    return hydra.main(version_base=None, config_path="conf", config_name=config_name)(app)
+    def app() -> None:
+        version.setbase(None)
+        parser = get_args_parser()
+        args = parser.parse_args(call.argv[1:])
+        if args.experimental_rerun is not None:
+            job(_get_rerun_conf(args.experimental_rerun, args.overrides))
+            _flush_loggers()
+            return
+        _run_hydra(args=args, args_parser=parser, task_function=job, config_path="conf",
+                   config_name=config_name)
+
+    return app
 
 
 def hydra_line(error: Exception) -> str:
@@ -354,9 +372,10 @@ def run_app(app, call: Invocation) -> None:
         os.environ.pop("HYDRA_FULL_ERROR", None)
 
 
-def train(advising: bool = False) -> None:
-    """`python train.py [overrides]` (`parallab advise [overrides]`: advising)."""
-    call = Invocation.read(sys.argv, advising)
+def train(argv: list[str] | None = None, advising: bool = False) -> None:
+    """`python train.py [overrides]` (`parallab advise [overrides]`: advising); `argv`: the
+    command line, its program first (sys.argv)."""
+    call = Invocation.read(argv or sys.argv, advising)
     launch.prepare_in_place()
     launch.register_resolvers()
     help.register_resolver()
@@ -364,9 +383,9 @@ def train(advising: bool = False) -> None:
     run_app(hydra_app("config", _train_task, call), call)
 
 
-def advise() -> None:
+def advise(argv: list[str] | None = None) -> None:
     """`parallab advise [overrides]`: as `parallab train advise.run=true [overrides]`."""
-    train(advising=True)
+    train(argv, advising=True)
 
 
 def compose(overrides: list[str], config_dir: str | Path | None = None,

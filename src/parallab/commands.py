@@ -135,9 +135,9 @@ def _trained_model_config(meta: dict[str, Any], path) -> dict[str, Any]:
     return spec
 
 
-def evaluate() -> None:
-    """`python evaluate.py ckpt=PATH [overrides]`."""
-    call = Invocation.read(sys.argv)
+def evaluate(argv: list[str] | None = None) -> None:
+    """`python evaluate.py ckpt=PATH [overrides]`; `argv`: the command line (sys.argv)."""
+    call = Invocation.read(argv or sys.argv)
     launch.register_resolvers()
     help.register_resolver()
     register_configs()
@@ -176,11 +176,10 @@ def parallab() -> None:
     import argparse
 
     if len(sys.argv) > 1 and sys.argv[1] in APPS:
-        app = APPS[sys.argv.pop(1)]
         # as `python -m` does: a project's own modules (its model, its data) import from where
         # it is run; launched workers inherit the path
         sys.path.insert(0, os.getcwd())
-        app()
+        APPS[sys.argv[1]]([sys.argv[0], *sys.argv[2:]])  # the app's command line: no `train`
         return
     parser = argparse.ArgumentParser(prog="parallab")
     commands = parser.add_subparsers(dest="command", required=True)
