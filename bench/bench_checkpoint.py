@@ -2,7 +2,7 @@
 
     python bench/bench_checkpoint.py [--saves 20]
 
-For the seed CNN (SGD) and the default gpt (AdamW), saves the full training state (model,
+For the MNIST recipe's CNN (SGD) and the default gpt (AdamW), saves the full training state (model,
 optimizer, scaler, position, RNG) the way a run does (temporary file, fsync, rename) into a
 fresh dir, and relates the median save to the step time of `python train.py` measured in
 the same sitting: an epoch holds a save every trainer.checkpoint_every_n_steps plus one at

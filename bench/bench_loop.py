@@ -1,10 +1,10 @@
-"""Per-step cost of the framework: the seed recipe vs a hand-written loop vs train.py.
+"""Per-step cost of the framework: the MNIST recipe vs a hand-written loop vs train.py.
 
     python bench/bench_loop.py [--repeats 3]
 
-One MNIST epoch each, same model (the seed CNN), batch 64, SGD lr 0.01 momentum 0.5, seed 42,
+One MNIST epoch each, same model (the MNIST recipe's CNN), batch 64, SGD lr 0.01 momentum 0.5, seed 42,
 each variant in a fresh process, interleaved so machine noise hits all alike:
-  (a) seed:      the seed recipe as written: torchvision MNIST, ToTensor+Normalize per
+  (a) recipe:    the MNIST recipe as written: torchvision MNIST, ToTensor+Normalize per
                  sample, DataLoader(batch_size=64, shuffle=True)
   (b) hand:      a minimal loop over the split held in memory as one normalised tensor
   (c) parallab:  python train.py trainer.epochs=1 (its own epoch timer, metrics.json)
@@ -46,12 +46,12 @@ REPO = Path(__file__).resolve().parents[1]
 SHIPPED = REPO / "src" / "parallab" / "data" / "files"  # parallab.data.mnist.SHIPPED: MNIST/raw/
 
 
-def seed_net():
+def recipe_net():
     import torch
     import torch.nn.functional as F
     from torch import nn
 
-    class Net(nn.Module):  # the seed's CNN, dropout p=0.5 as the seed meant
+    class Net(nn.Module):  # the MNIST recipe's CNN, dropout p=0.5 as the recipe meant
         def __init__(self):
             super().__init__()
             self.conv1 = nn.Conv2d(1, 10, kernel_size=5)
@@ -81,7 +81,7 @@ def accuracy(model, images, labels) -> float:
     return correct / len(labels)
 
 
-def run_seed(root: str) -> dict:
+def run_recipe(root: str) -> dict:
     import torch
     from torch.utils.data import DataLoader
     from torchvision import datasets, transforms
@@ -89,7 +89,7 @@ def run_seed(root: str) -> dict:
     transform = transforms.Compose([transforms.ToTensor(), transforms.Normalize((0.1307,), (0.3081,))])
     trainset = datasets.MNIST(root, train=True, download=False, transform=transform)
     testset = datasets.MNIST(root, train=False, download=False, transform=transform)
-    model = seed_net()
+    model = recipe_net()
     loader = DataLoader(trainset, batch_size=64, shuffle=True)
     criterion = torch.nn.CrossEntropyLoss()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.5)
@@ -115,7 +115,7 @@ def run_hand(root: str) -> dict:
 
     images, labels = normalised(mnist.load(root, "train"))
     test_images, test_labels = normalised(mnist.load(root, "test"))
-    model = seed_net()
+    model = recipe_net()
     torch.manual_seed(42)  # dropout masks drawn as train.py draws them, for equal accuracy
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.5)
     start = tick = time.perf_counter()
@@ -239,7 +239,7 @@ def interleaved(epochs: int = 3, probe: bool = False) -> None:
     loader = trainer.data.train
     images, labels = loader.source.prepare(loader.inputs), loader.targets  # normalised once
     torch.manual_seed(42)
-    model = build_model(cfg.model) if probe else seed_net()
+    model = build_model(cfg.model) if probe else recipe_net()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.5)
     order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(42)).split(64)
     turns: list[tuple[float, float]] = []  # (parallab, hand) ms/step
@@ -288,46 +288,46 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--variant")
     parser.add_argument("--arg")
-    parser.add_argument("--only", choices=["seed", "own"], help="one of the two comparisons")
+    parser.add_argument("--only", choices=["recipe", "own"], help="one of the two comparisons")
     args = parser.parse_args()
     if args.variant:  # a child process running one variant
-        run = {"seed": run_seed, "hand": run_hand, "own_hand": run_own_hand}[args.variant]
+        run = {"recipe": run_recipe, "hand": run_hand, "own_hand": run_own_hand}[args.variant]
         print(json.dumps(run(args.arg)))
         return
     if args.only != "own":
-        seed_cnn(args.repeats)
+        recipe_cnn(args.repeats)
         interleaved()
         interleaved(probe=True)
-    if args.only != "seed":
+    if args.only != "recipe":
         own_model(args.repeats, scratch_dir("parallab-bench-own-"))
 
 
-def seed_cnn(repeats: int) -> None:
-    """(a), (b), (c): the seed recipe, a hand-written loop and train.py on the seed CNN."""
+def recipe_cnn(repeats: int) -> None:
+    """(a), (b), (c): the MNIST recipe, a hand-written loop and train.py on the MNIST recipe's CNN."""
     work = scratch_dir("parallab-bench-")
     raw = work / "MNIST" / "raw"  # torchvision's MNIST wants the files extracted
     raw.mkdir(parents=True)
     for gz in (SHIPPED / "MNIST" / "raw").glob("*.gz"):
         with gzip.open(gz) as src, open(raw / gz.stem, "wb") as dst:
             shutil.copyfileobj(src, dst)
-    results: dict[str, list[dict]] = {"seed": [], "hand": [], "parallab": []}
+    results: dict[str, list[dict]] = {"recipe": [], "hand": [], "parallab": []}
     for repeat in range(repeats):
         pair = [lambda: results["hand"].append(in_subprocess("hand", str(SHIPPED))),
                 lambda: results["parallab"].append(run_parallab(work / f"run{repeat}"))]
         for run in pair if repeat % 2 == 0 else reversed(pair):  # no side always goes first
             run()
-        results["seed"].append(in_subprocess("seed", str(work)))
+        results["recipe"].append(in_subprocess("recipe", str(work)))
         print(f"repeat {repeat + 1}: " + ", ".join(
             f"{k} {v[-1]['epoch_s']:.2f}s" for k, v in results.items()), flush=True)
 
     # the machine is shared: the fastest of the repeats is the cost with the least noise in it
     best = {k: min(r["epoch_s"] for r in v) for k, v in results.items()}
     median = {k: statistics.median(r["epoch_s"] for r in v) for k, v in results.items()}
-    step = {k: statistics.median(r["step_ms"] for r in v) for k, v in results.items() if k != "seed"}
+    step = {k: statistics.median(r["step_ms"] for r in v) for k, v in results.items() if k != "recipe"}
     acc = {k: statistics.median(r["accuracy"] for r in v) for k, v in results.items()}
     print("\n| variant | s/epoch (best) | s/epoch (median) | ms/step (median) | eval accuracy |")
     print("|---|---|---|---|---|")
-    for name, label in (("seed", "(a) seed recipe, DataLoader + ToTensor"),
+    for name, label in (("recipe", "(a) the MNIST recipe, DataLoader + ToTensor"),
                         ("hand", "(b) hand-written loop, in-memory tensors"),
                         ("parallab", "(c) python train.py")):
         step_ms = f"{step[name]:.2f}" if name in step else "-"

@@ -1,4 +1,4 @@
-"""The seed's DDP recipe on in-memory MNIST, as a user writes it by hand (for bench_ddp.py).
+"""The DDP recipe on in-memory MNIST, as a user writes it by hand (for bench_ddp.py).
 
     torchrun --standalone --nproc-per-node=W bench/hand_ddp.py OUT.json
 """

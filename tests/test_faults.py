@@ -240,7 +240,7 @@ def test_a_sharded_checkpoint_missing_or_truncating_a_shard_is_refused_before_la
 
 @pytest.fixture
 def small_disk(tmp_path):
-    """A 450 KB tmpfs: room for two checkpoints of the seed CNN (~180 KB each), not three."""
+    """A 450 KB tmpfs: room for two checkpoints of the MNIST recipe's CNN (~180 KB each), not three."""
     disk = tmp_path / "disk"
     disk.mkdir()
     mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=450k", "tmpfs", str(disk)],

@@ -324,7 +324,7 @@ def test_loader_auto_picks_memory_when_the_set_fits():
 
 # --- end to end ------------------------------------------------------------------------------
 def test_seed_002_end_to_end_and_evaluate_rebuilds_the_vocabulary(tmp_path, train_here):
-    """The LSTM recipe's two sentences through train.py's training as the seed runs them, then
+    """The LSTM recipe's two sentences through train.py's training as the recipe runs them, then
     evaluate.py (a fresh process: it rebuilds the vocabulary from data.path alone)."""
     data = write_tsv(tmp_path / "seed", list(zip(SEED_LABELS, SEED_TEXTS)))
     setting = ["model=lstm", "data=text", f"data.path={data}", "data.min_freq=1",

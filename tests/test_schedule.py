@@ -18,7 +18,7 @@ def factors(total: int, **keys) -> list[float]:
 
 
 def test_each_schedule_has_its_shape():
-    assert factors(10) == [1.0] * 10  # constant: the seed recipe
+    assert factors(10) == [1.0] * 10  # constant: the MNIST recipe
     assert factors(8, warmup_steps=3)[:4] == [0.25, 0.5, 0.75, 1.0]  # k / (W + 1)
 
     cosine = factors(100, name="cosine", warmup_steps=10, min_lr_ratio=0.1)

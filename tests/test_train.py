@@ -21,7 +21,7 @@ ON_THE_EPOCHS_WORKER = pytest.mark.xdist_group("mnist_epoch")
 
 @pytest.fixture(scope="module")
 def mnist_epoch(tmp_path_factory):
-    """One epoch of the default experiment (seed recipe on real MNIST)."""
+    """One epoch of the default experiment (the MNIST recipe on real MNIST)."""
     run_dir = tmp_path_factory.mktemp("mnist") / "run"
     result = run_entry("train.py", ["trainer.epochs=1"], run_dir, timeout=300)
     assert_ok(result)

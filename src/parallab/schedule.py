@@ -1,6 +1,6 @@
 """Learning-rate schedules (the `scheduler` group), as torch's LambdaLR over the run's steps.
 
-    constant  optim.lr throughout (the seed recipe), after the warmup if one is set
+    constant  optim.lr throughout (the MNIST recipe), after the warmup if one is set
     cosine    linear warmup, then cosine decay to scheduler.min_lr_ratio x optim.lr
     linear    linear warmup, then linear decay to min_lr_ratio x optim.lr
     step      StepLR's schedule: x scheduler.gamma every scheduler.step_size steps
@@ -77,7 +77,7 @@ def multiplier(cfg, total: int) -> Callable[[int], float]:
 
 def build(cfg, optimizer: torch.optim.Optimizer, total_steps: int
           ) -> torch.optim.lr_scheduler.LambdaLR | None:
-    """The run's scheduler; None for a constant rate without warmup (the seed's loop, and no
+    """The run's scheduler; None for a constant rate without warmup (the MNIST recipe's loop, and no
     scheduler step's cost: about 10 us a step)."""
     if cfg.name == "constant" and steps_of(cfg.warmup_steps, total_steps) == 0:
         return None

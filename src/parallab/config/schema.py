@@ -213,7 +213,7 @@ class OptimConfig:
     # none | linear | sqrt: optim.lr is for a global batch of base_batch_size; the rate used
     # is scaled to the run's (Goyal et al.'s linear rule, or the square root's)
     scale_lr: str = "none"
-    base_batch_size: int = 64  # the seed's
+    base_batch_size: int = 64  # the MNIST recipe's
     # true: weight decay on every parameter; false: on weight matrices only (no biases,
     # norm gains or embeddings), adamw's default
     decay_all: bool = True

@@ -1,4 +1,4 @@
-"""The seed recipe's MNIST CNN, with the dropout probabilities it meant to set.
+"""The MNIST recipe's CNN, with the dropout probabilities it meant to set.
 
 Three stages (what model and pipeline parallelism cut, fsdp shards and activation
 checkpointing wraps), each one module call: pooling, ReLU, dropout and log-softmax run as
@@ -37,7 +37,7 @@ class Head(nn.Module):
         super().__init__()
         self.hidden = nn.Linear(320, 50)
         self.out = nn.Linear(50, num_classes)
-        self.dropout = dropout  # the seed's torch.dropout had no p
+        self.dropout = dropout  # the recipe's torch.dropout had no p
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = F.dropout(F.relu(self.hidden(x.flatten(1))), self.dropout, self.training)
