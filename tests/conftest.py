@@ -44,13 +44,11 @@ def assert_ok(result: subprocess.CompletedProcess) -> None:
 
 
 def typed(*overrides: str, config_dir: Path | None = None):
-    """The real conf/ composed with `overrides` (and a project's config dir), as the
-    Config train.py checks (model, data and loss still as composed: plain dicts)."""
-    from omegaconf import OmegaConf
+    """The real conf/ composed with `overrides` (and a project's config dir), typed as the
+    Config train.py checks (model and loss still as composed: plain dicts)."""
+    from parallab.cli import compose, typed_config
 
-    from parallab.cli import compose
-
-    return OmegaConf.to_object(compose(list(overrides), config_dir))
+    return typed_config(compose(list(overrides), config_dir), list(overrides))
 
 
 def checked(*overrides: str, config_dir: Path | None = None):

@@ -9,7 +9,7 @@ from conftest import REPO, output, run_entry, typed
 from omegaconf import OmegaConf
 
 from parallab.config import validate
-from parallab.config.schema import data_config, model_name
+from parallab.config.schema import DataConfig, model_name
 
 GROUPS = ["model", "data", "parallel", "precision", "backend", "optim", "trainer", "logger"]
 # what this machine lacks for an option, and the key the refusal names
@@ -44,8 +44,8 @@ def test_every_option_composes_and_validates(group, option):
         assert type(cfg.trainer).__name__ == "TrainerConfig"
     elif group == "model":  # a _target_ spec: named by its class
         assert model_name(cfg.model) == MODEL_CLASSES[option]
-    elif group == "data":  # a plain dict until typed by its data set's class
-        assert data_config(cfg.data).name == option
+    elif group == "data":  # typed by its data set's own class
+        assert isinstance(cfg.data, DataConfig) and cfg.data.name == option
     elif group == "logger":  # name -> _target_ spec, one per chosen option
         assert list(cfg.logger) == [option]
     else:

@@ -10,7 +10,6 @@ import torch
 from conftest import GPT_RUN, losses, output, read_metrics, typed
 
 from parallab.config import validate
-from parallab.config.schema import data_config
 from parallab.data import bytetext
 from parallab.data.bytetext import Bytes
 from parallab.models.gpt import GPT, GptConfig, flops_per_token
@@ -99,7 +98,7 @@ def test_shipped_text_is_public_domain_english_within_5_mb():
 
 def test_seq_len_follows_model_context():
     cfg = typed("device=cpu", "model=gpt", "data=bytes", "model.context=64")
-    data = data_config(cfg.data)
+    data = cfg.data  # typed by its data set's own class
     assert isinstance(data, Bytes) and data.seq_len == 64 and data.input_shape == [64]
     assert validate.prepare(cfg, in_place=None).data.num_classes == 256
 

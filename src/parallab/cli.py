@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from parallab import metrics
 from parallab.config import help, validate
 from parallab.config.errors import OneLineError
-from parallab.config.schema import register_configs
+from parallab.config.schema import register_configs, typed
 from parallab.launching import launch
 from parallab.observe import summary
 from parallab.training import run
@@ -151,7 +151,7 @@ def typed_config(dict_cfg: DictConfig, overrides: list[str]):
             if not isinstance(node, DictConfig) or node._is_none() or part not in node:
                 break
             node = node[part]
-    return OmegaConf.to_object(dict_cfg)
+    return typed(dict_cfg)
 
 
 def _train_job(dict_cfg: DictConfig, call: Invocation) -> float | None:

@@ -139,7 +139,7 @@ def plan(cfg, overrides: list[str], configure: Callable[[list[str]], Any]
     overrides advise keeps. ConfigError / NothingFits where nothing can be compared."""
     options = cfg.advise
     candidates, sizes = full_grid(cfg, overrides)
-    global_batch = cfg.data.get("global_batch_size") or cfg.data["batch_size"]
+    global_batch = cfg.data.global_batch_size or cfg.data.batch_size
     user = grid.user_overrides(overrides)
     base = user + measuring(options, global_batch)
     grid.settle(candidates, lambda extra: configure(base + extra),

@@ -97,6 +97,16 @@ def data_defaults() -> dict[str, Any]:
             if f.default is not MISSING}
 
 
+def typed(dict_cfg) -> "Config":
+    """The composed config as the typed Config every check and every rank reads: each group
+    by its schema, `data` by its data set's own config class (ConfigError where a data key
+    does not fit it). model, loss and metrics stay `_target_` specs."""
+    cfg = OmegaConf.to_object(dict_cfg)
+    if not isinstance(cfg.data, DataConfig):  # a user's data node, typed by its _target_
+        cfg.data = data_config(cfg.data)
+    return cfg
+
+
 def data_config(node: dict[str, Any]) -> DataConfig:
     """The composed `data` node as its typed config: the class its _target_ names, or for
     a node with data.train / data.eval (Dataset specs) the generic Datasets."""

@@ -103,8 +103,6 @@ def check_data(cfg: Config) -> None:
     """The data set's own keys and files (fetched here if asked), and the loader keys."""
     from parallab.data import loader_problem, resolve_loader
 
-    if isinstance(cfg.data, dict):  # as composed: typed by its data set's class
-        cfg.data = config.data_config(cfg.data)
     _refuse(loader_problem(cfg.data) or cfg.data.problem())
     _require(cfg.data.sized() or cfg.trainer.max_steps is not None, f"data={cfg.data.name} "
              "streams samples with no known length (an IterableDataset without __len__), so "
