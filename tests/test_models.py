@@ -28,7 +28,7 @@ from parallab.models.lstm import LSTMClassifier
 from parallab.models.resnet import ResNet18
 
 CPU = Dist(0, 0, 1, 1, torch.device("cpu"), None)
-SEED_TEXTS, SEED_LABELS = ["I love this movie", "This movie is terrible"], [1, 0]
+RECIPE_TEXTS, RECIPE_LABELS = ["I love this movie", "This movie is terrible"], [1, 0]
 
 
 def model_spec(option: str) -> dict:
@@ -50,18 +50,18 @@ def write_tsv(folder: Path, rows: list[tuple[object, str]]) -> Path:
 
 
 # --- LSTM recipe -----------------------------------------------------------------------------
-def seed_002_training(seed: int) -> list[int]:
+def lstm_recipe_training(seed: int) -> list[int]:
     """The LSTM recipe as it runs: its vocabulary, sizes, Adam 1e-3, batch 2 shuffled, 10 epochs."""
     vocab = {"<PAD>": 0, "<UNK>": 1, "I": 2, "love": 3, "this": 4, "movie": 5, "is": 6,
              "terrible": 7}
-    ids = [torch.tensor([vocab.get(w, 1) for w in t.split()]) for t in SEED_TEXTS]
+    ids = [torch.tensor([vocab.get(w, 1) for w in t.split()]) for t in RECIPE_TEXTS]
     torch.manual_seed(seed)
     model = LSTMClassifier(vocab_size=8, embedding_dim=50, hidden_dim=50, num_classes=2)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.001)
     for _ in range(10):
         order = torch.randperm(2).tolist()
         inputs = nn.utils.rnn.pad_sequence([ids[i] for i in order], batch_first=True)
-        loss = F.cross_entropy(model(inputs), torch.tensor([SEED_LABELS[i] for i in order]))
+        loss = F.cross_entropy(model(inputs), torch.tensor([RECIPE_LABELS[i] for i in order]))
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -70,12 +70,12 @@ def seed_002_training(seed: int) -> list[int]:
         return model(nn.utils.rnn.pad_sequence(ids, batch_first=True)).argmax(1).tolist()
 
 
-def test_seed_002_sentences_come_out_right():
+def test_the_lstm_recipes_sentences_come_out_right():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a model this small only waits on a second thread
     try:
         for seed in range(5):
-            assert seed_002_training(seed) == SEED_LABELS, seed
+            assert lstm_recipe_training(seed) == RECIPE_LABELS, seed
     finally:
         torch.set_num_threads(threads)
 
@@ -323,10 +323,10 @@ def test_loader_auto_picks_memory_when_the_set_fits():
 
 
 # --- end to end ------------------------------------------------------------------------------
-def test_seed_002_end_to_end_and_evaluate_rebuilds_the_vocabulary(tmp_path, train_here):
+def test_the_lstm_recipe_end_to_end_and_evaluate_rebuilds_the_vocabulary(tmp_path, train_here):
     """The LSTM recipe's two sentences through train.py's training as the recipe runs them, then
     evaluate.py (a fresh process: it rebuilds the vocabulary from data.path alone)."""
-    data = write_tsv(tmp_path / "seed", list(zip(SEED_LABELS, SEED_TEXTS)))
+    data = write_tsv(tmp_path / "recipe", list(zip(RECIPE_LABELS, RECIPE_TEXTS)))
     setting = ["model=lstm", "data=text", f"data.path={data}", "data.min_freq=1",
                "data.lowercase=false", "device=cpu"]
     _, run_dir = train_here(*setting, "model.embedding_dim=50", "model.hidden_dim=50",
