@@ -207,20 +207,27 @@ def elastic(entrypoint: Callable, args: tuple, world_size: int, max_restarts: in
         **({"signals_to_handle": AGENT_SIGNALS}
            if "signals_to_handle" in LaunchConfig.__dataclass_fields__ else {}),
     )
-    saved = {key: os.environ.get(key) for key in worker_env}
-    os.environ.update(worker_env)  # the agent hands its own environment to the workers
     # the controlling process reports a failure once, with the root cause's traceback
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    # the agent hands its own environment to the workers
+    with _environment_set(worker_env), _forwarding_stop_signals(), _forkserver():
+        results = elastic_launch(config, entrypoint)(*args)
+    return results[0]
+
+
+@contextlib.contextmanager
+def _environment_set(values: dict[str, str]) -> Iterator[None]:
+    """os.environ with `values` set, put back as it was after."""
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
     try:
-        with _forwarding_stop_signals(), _forkserver():
-            results = elastic_launch(config, entrypoint)(*args)
+        yield
     finally:
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-    return results[0]
 
 
 def _forkserver_ready() -> bool:
@@ -276,9 +283,7 @@ def start_fork_server() -> None:
     from multiprocessing import forkserver
 
     server = forkserver._forkserver
-    saved = {key: os.environ.get(key) for key in _server_env()}
-    os.environ.update(_server_env())
-    try:
+    with _environment_set(_server_env()):
         environment = _environment()
         if server._forkserver_pid is not None and environment != _server_environment:
             server._stop()
@@ -289,12 +294,6 @@ def start_fork_server() -> None:
         finally:
             signal.signal(signal.SIGTERM, previous)
         _server_environment = environment
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def _workers() -> list[int]:
