@@ -19,9 +19,9 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from parallab import activations
 from parallab.cli import compose
 from parallab.models import build_model
+from parallab.parallel import activations
 from parallab.testing import scratch_dir, train_metrics
 
 RUN = ["model=gpt", "data=bytes", "device=cpu", "trainer.log_every_n_steps=10",

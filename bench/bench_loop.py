@@ -221,8 +221,8 @@ def interleaved(epochs: int = 3, probe: bool = False) -> None:
     import torch
     import torch.nn.functional as F
 
+    from parallab.checks import validate
     from parallab.cli import compose, typed_config
-    from parallab.config import validate
     from parallab.launching import distributed
     from parallab.launching.preemption import Preemption
     from parallab.models import build_model

@@ -53,7 +53,7 @@ def typed(*overrides: str, config_dir: Path | None = None):
 
 def checked(*overrides: str, config_dir: Path | None = None):
     """typed(), then validate.prepare: the config every worker gets (ConfigError if bad)."""
-    from parallab.config import validate
+    from parallab.checks import validate
 
     return validate.prepare(typed(*overrides, config_dir=config_dir), in_place=None)
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 from conftest import GPT_RUN, losses
 
-from parallab import activations
 from parallab.models.gpt import GPT
+from parallab.parallel import activations
 from parallab.testing import textbook_volume
 
 

@@ -69,7 +69,7 @@ def test_autocast_casts_are_counted_apart_from_each_passs_activations():
     import torch
     from torch import nn
 
-    from parallab import activations
+    from parallab.parallel import activations
 
     model = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8))
     x = torch.randn(4, 8)

@@ -8,7 +8,7 @@ import pytest
 from conftest import REPO, output, run_entry, typed
 from omegaconf import OmegaConf
 
-from parallab.config import validate
+from parallab.checks import validate
 from parallab.config.schema import DataConfig, model_name
 
 GROUPS = ["model", "data", "parallel", "precision", "backend", "optim", "trainer", "logger"]

@@ -211,7 +211,7 @@ def test_a_sharded_checkpoint_missing_or_truncating_a_shard_is_refused_before_la
 
     from conftest import checked
 
-    from parallab.config import validate
+    from parallab.checks import validate
 
     _, run_dir = train_here(*FAST, "parallel=fsdp", "parallel.world_size=2",
                             "trainer.max_steps=4", "model=mlp")

@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import GPT_RUN, losses, output, read_metrics, typed
 
-from parallab.config import validate
+from parallab.checks import validate
 from parallab.data import bytetext
 from parallab.data.bytetext import Bytes
 from parallab.models.gpt import GPT, GptConfig, flops_per_token

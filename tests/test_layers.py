@@ -11,13 +11,13 @@ import parallab.cli
 SRC = Path(parallab.cli.__file__).resolve().parent
 # bottom first; a module's layer is its longest matching prefix
 LAYERS = [
-    ("config.errors", "config.targets", "config.schema"),   # the config
+    ("config",),                                            # the config and its words
     ("launching.distributed", "models", "data", "batch", "loss", "precision", "schedule",
-     "optim", "quantize", "metrics", "parallel", "activations"),  # the pieces a rank runs
+     "optim", "quantize", "metrics", "parallel"),  # the pieces a rank runs
     ("observe",),                                           # what a run reports
     ("launching",),                                         # processes and signals
     ("training",),                                          # a rank's run
-    ("config", "advise"),                                   # the controller's checks
+    ("checks", "advise"),                                   # the controller's checks
     ("cli", "commands", "testing"),                         # the commands
 ]
 

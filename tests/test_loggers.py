@@ -14,7 +14,7 @@ import pytest
 from conftest import FAST, assert_ok, free_port, read_metrics, run_entry, scalars
 
 from parallab import testing
-from parallab.config import validate
+from parallab.checks import validate
 
 EVAL = ["trainer.max_steps=12", "trainer.eval_every_n_steps=4", "trainer.log_every_n_steps=3"]
 

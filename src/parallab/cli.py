@@ -22,11 +22,13 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from parallab import metrics
-from parallab.config import help, validate
+from parallab.checks import validate
+from parallab.config import help
 from parallab.config.errors import OneLineError
 from parallab.config.schema import register_configs, typed
 from parallab.launching import launch
 from parallab.observe import summary
+from parallab.parallel import STRATEGIES
 from parallab.training import run
 
 log = logging.getLogger("parallab")
@@ -42,8 +44,6 @@ def _fail(message: str, status: int) -> NoReturn:
 
 def _train_and_report(spec: run.RunSpec, in_place: launch.InPlace | None) -> dict[str, Any]:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
-    from parallab.parallel import STRATEGIES
 
     p = spec.cfg.parallel
     if in_place is not None or not STRATEGIES[p.name].processes:
@@ -164,7 +164,8 @@ def _train_job(dict_cfg: DictConfig, call: Invocation) -> float | None:
                 lambda extra: hydra_compose(hydra_cfg.job.config_name, overrides=extra), call)
         return None
     in_place = launch.prepare_in_place()  # again for launchers that call the app (submitit)
-    launch.warm_up(dict_cfg.parallel.name, in_place)
+    layout = STRATEGIES.get(dict_cfg.parallel.name)  # an unknown one is validate's to refuse
+    launch.warm_up(layout is not None and layout.processes, in_place)
     try:
         cfg = validate.prepare(typed_config(dict_cfg, list(hydra_cfg.overrides.task)),
                                in_place, hydra_cfg.runtime.output_dir)

@@ -15,6 +15,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from parallab import metrics
+from parallab.checks import validate
 from parallab.cli import (
     Invocation,
     _fail,
@@ -24,7 +25,7 @@ from parallab.cli import (
     train,
     typed_config,
 )
-from parallab.config import help, validate
+from parallab.config import help
 from parallab.config.schema import register_configs
 from parallab.launching import launch
 from parallab.observe import summary

@@ -33,10 +33,10 @@ class NothingFits(Exception):
 
 def problem(options) -> str | None:
     """None if the advise keys can be used, else one line naming the key."""
-    from parallab import activations, precision
+    from parallab import precision
     from parallab.config.schema import PrecisionConfig
     from parallab.observe import mfu
-    from parallab.parallel import STRATEGIES
+    from parallab.parallel import STRATEGIES, activations
 
     for key, low in (("steps", 1), ("warmup_steps", 0), ("max_accumulation", 1),
                      ("gpus_per_node", 1)):
@@ -215,7 +215,7 @@ def _predict_times(candidates: list[Candidate], options, bandwidth: dict[int, fl
     """Each measured candidate's step time at advise.target_world_size, and here at its
     own world size from world size 1 (the model's check); notes for advise.md."""
     from parallab import precision
-    from parallab.config import trial
+    from parallab.checks import trial
     from parallab.observe import mfu
 
     ran = [c for c in candidates if c.measured]

@@ -117,7 +117,7 @@ def _predict(candidate: Candidate, budget_mb: float, batches: dict[int, Any]) ->
     """Memory per rank from fake tensors (memory.predict); the largest rank's where ranks
     differ (pipeline parts). `batches`: one real micro-batch by size, shared."""
     from parallab.advise import memory
-    from parallab.config import trial
+    from parallab.checks import trial
     from parallab.parallel import STRATEGIES
 
     cfg = candidate.cfg

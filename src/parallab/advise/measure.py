@@ -19,7 +19,6 @@ from typing import Any, Iterator
 
 import torch
 
-from parallab import activations
 from parallab.config.errors import first_line
 from parallab.launching import distributed
 from parallab.launching.preemption import Preemption
@@ -27,6 +26,7 @@ from parallab.observe import loggers
 from parallab.observe.comm import MB
 from parallab.observe.loggers import RunLogger
 from parallab.observe.memory import reset_peak_memory
+from parallab.parallel import activations
 from parallab.training import run
 
 log = logging.getLogger(__name__)

@@ -20,10 +20,10 @@ import torch
 from torch import nn
 
 from parallab import batch as batches
-from parallab.activations import saved_for_backward
 from parallab.observe.comm import MB
 from parallab.observe.memory import held_state_mb
 from parallab.optim import build_optimizer
+from parallab.parallel.activations import saved_for_backward
 from parallab.parallel.parallelize import parallelize, speed_up
 
 

@@ -1,6 +1,4 @@
-"""A run's configuration and the checks made on it before any worker starts.
-
-schema (the dataclasses: keys, defaults and their words), errors (the one-line refusal),
-targets (a `_target_`'s checks) are the bottom layer every other part imports; validate,
-trial and help are the controller's, above everything they check.
-"""
+"""A run's configuration: schema (the dataclasses: keys, defaults and their words), errors
+(the one-line refusal), targets (a `_target_` checked against what it names), help (the
+words of --help and docs/config.md, from the schema). The ground every other part stands on;
+the checks that read the whole config are the controller's (parallab.checks)."""

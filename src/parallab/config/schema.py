@@ -302,7 +302,7 @@ class TrainerConfig:
     init_strict: bool = True
     # stop: end with a clear message, the last good checkpoint kept | skip: drop the step
     on_nan: str = "stop"
-    # none | full | selective: recompute activations in backward, per stage (activations.py)
+    # none | full | selective: recompute activations in backward, per stage (parallel/activations.py)
     activation_checkpointing: str = "none"
     # the eval figure that picks best.pt and early stopping: eval_loss, eval_accuracy, or any
     # eval_<metric> the run reports

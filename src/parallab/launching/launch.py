@@ -261,13 +261,9 @@ def _forkserver() -> Iterator[None]:
     yield
 
 
-def warm_up(layout: str, in_place: InPlace | None) -> None:
+def warm_up(starts_workers: bool, in_place: InPlace | None) -> None:
     """A job that will start workers: its fork server now, not once the config is checked."""
-    from parallab.parallel import STRATEGIES
-
-    strategy = STRATEGIES.get(layout)
-    if in_place is None and strategy is not None and strategy.processes \
-            and _forkserver_ready():
+    if in_place is None and starts_workers and _forkserver_ready():
         start_fork_server()
 
 

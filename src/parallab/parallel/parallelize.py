@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from parallab import activations
+from parallab.parallel import activations
 
 
 def parallelize(model: nn.Module, strategy, trainer, stages: list[str] | None = None

@@ -13,14 +13,15 @@ import logging
 import math
 import os
 
-from parallab import activations, models, optim, precision, schedule
+from parallab import models, optim, precision, schedule
+from parallab.checks import trial
 from parallab.config import schema as config
-from parallab.config import trial
 from parallab.config.errors import ConfigError
 from parallab.config.schema import Config, Device
 from parallab.launching.distributed import cpu_cores
 from parallab.launching.launch import InPlace
 from parallab.observe import loggers
+from parallab.parallel import activations
 from parallab.training import checkpoint, monitor
 
 __all__ = ["ConfigError", "prepare"]

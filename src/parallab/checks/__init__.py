@@ -1,0 +1,3 @@
+"""What the controller checks before any worker starts: every part's own checks run in
+order with `auto` values resolved (validate), and one batch of a user's model, data and
+loss tried (trial)."""
