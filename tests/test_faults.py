@@ -49,36 +49,38 @@ def test_a_diverging_ddp_run_ends_in_one_line(train):
     assert all(finite_checkpoints(run_dir))
 
 
-FAIL_ON_RANK_1 = """
-import os
-from parallab.config.errors import ConfigError
-import parallab.training.trainer as trainer
-step = trainer.Trainer.train_step
-def failing(self, batches):
-    if self.step == 2 and os.environ.get("RANK") == "1":
-        raise {error}
-    return step(self, batches)
-trainer.Trainer.train_step = failing
-"""
+def worker_failed(tmp_path, record: str):
+    """The elastic agent's report of rank 1 failing with the error record `record` (what
+    torch's error handler writes: "Type: message" and the traceback)."""
+    from torch.distributed.elastic.multiprocessing.errors import (
+        ChildFailedError,
+        ProcessFailure,
+    )
+
+    error_file = tmp_path / "error.json"
+    error_file.write_text(json.dumps({"message": {"message": record, "extraInfo": {
+        "py_callstack": f"Traceback (most recent call last):\n  ...\n{record}\n",
+        "timestamp": "0"}}}))
+    return ChildFailedError("worker_main", {1: ProcessFailure(1, 4242, 1, str(error_file))})
 
 
-@pytest.mark.distributed
-@pytest.mark.parametrize("error, status, line", [
-    ("ConfigError('data.x=1 is wrong here: use data.x=2')", 2,
-     "rank 1: data.x=1 is wrong here: use data.x=2"),
-    ("RuntimeError('a wrapped failure:\\nConfigError: only its text says so')", 1,
-     "ConfigError: only its text says so"),
-], ids=["a ConfigError", "its text alone"])
-def test_a_workers_failure_is_told_apart_by_its_type(train, tmp_path, error, status, line):
-    """A worker's error whose type says it is the whole story ends the job in its one line
-    and status; any other keeps its traceback, whatever its text says."""
-    (tmp_path / "inject").mkdir()
-    (tmp_path / "inject" / "sitecustomize.py").write_text(FAIL_ON_RANK_1.format(error=error))
-    result, _ = train(*FAST, "parallel=ddp", "parallel.world_size=2",
-                      env={"PYTHONPATH": str(tmp_path / "inject")})
-    assert result.returncode == status, output(result)
-    assert line in output(result)
-    assert ("Traceback" in output(result)) == (status == 1), output(result)
+def test_a_workers_failure_is_told_apart_by_its_type(tmp_path):
+    """The line a worker left for an error whose type says it is the whole story ends the
+    job with that error's status; an error whose text only reads like one keeps its
+    traceback (the worker side: test_a_diverging_ddp_run_ends_in_one_line)."""
+    from parallab.cli import worker_failure
+
+    failures = tmp_path / "failures"
+    failures.mkdir()
+    error = worker_failed(tmp_path, "RuntimeError: a wrapped failure:\n"
+                                    "ConfigError: only its text says so")
+    kept = worker_failure(error, failures)
+    assert kept.status == 1 and "Traceback" in str(kept)
+    assert kept.line == "rank 1: ConfigError: only its text says so"
+    (failures / "rank1.json").write_text(json.dumps(
+        {"status": 2, "message": "data.x=1 is wrong here: use data.x=2"}))
+    told = worker_failure(error, failures)
+    assert (told.status, str(told)) == (2, "rank 1: data.x=1 is wrong here: use data.x=2")
 
 
 def test_skipping_most_steps_stops_and_metrics_never_hold_nan(train_here, tmp_path):
