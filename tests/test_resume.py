@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import FAST, assert_ok, output, read_metrics, run_entry, scalars
 
-from parallab.cli import train_in_process
+from parallab.cli import JobFailed, train_in_process
 
 pytestmark = pytest.mark.slow
 # a cosine schedule: every resume must also land on the uninterrupted run's learning rates
@@ -128,28 +128,34 @@ def test_elastic_restart_after_a_killed_worker_ends_as_if_uninterrupted(tmp_path
         assert got[key] == expected[key], key
 
 
-def test_periodic_checkpoints_are_pruned_to_keep_last_k(train):
-    result, run_dir = train(*RUN, "trainer.checkpoint_every_n_steps=5", "trainer.keep_last_k=2")
-    assert_ok(result)
+def test_periodic_checkpoints_are_pruned_to_keep_last_k(train_here):
+    _, run_dir = train_here(*RUN, "trainer.checkpoint_every_n_steps=5", "trainer.keep_last_k=2")
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [
         "best.pt", "last.pt", "step_00000032.pt", "step_00000035.pt"]  # 32: epoch 1's end
     state = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
     assert {"model", "optimizer", "grad_scaler", "rng", "config", "epoch_step"} <= set(state)
 
 
-def test_a_diverging_run_stops_with_a_clear_message(train):
-    result, run_dir = train(*RUN, "optim.lr=1e6")
-    assert result.returncode != 0
-    assert "train loss is nan" in output(result) or "train loss is inf" in output(result)
-    assert "trainer.on_nan=skip" in output(result)
+def test_a_diverging_run_stops_with_a_clear_message(train_here):
+    with pytest.raises(JobFailed, match=r"train loss is (nan|inf)") as failed:
+        train_here(*RUN, "optim.lr=1e6")
+    assert failed.value.status == 1 and "trainer.on_nan=skip" in str(failed.value)
 
 
-def test_on_nan_skip_drops_the_bad_steps_and_finishes(train, tmp_path):
+def test_on_nan_skip_drops_the_bad_steps_and_finishes(train_here, monkeypatch):
     """One poisoned batch (its gradients NaN) is dropped and the run goes on to a finite
     end; a run that drops most steps stops instead (test_faults)."""
-    poison = "batches = [(inputs * float('nan'), targets) for inputs, targets in batches]"
-    result, run_dir = train(*RUN, "trainer.on_nan=skip", env=inject(tmp_path, 5, poison))
-    assert_ok(result)
+    from parallab.training.trainer import Trainer
+
+    step = Trainer.train_step
+
+    def poisoned(self, batches):
+        if self.step == 5:
+            batches = [(inputs * float("nan"), targets) for inputs, targets in batches]
+        return step(self, batches)
+
+    monkeypatch.setattr(Trainer, "train_step", poisoned)
+    _, run_dir = train_here(*RUN, "trainer.on_nan=skip")
     assert scalars(run_dir, "train/skipped_steps")[-1][1] == 1
     metrics = read_metrics(run_dir)
     assert metrics["steps"] == 40 and math.isfinite(metrics["eval_loss"])
