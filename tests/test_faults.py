@@ -256,14 +256,15 @@ def small_disk(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["none", "fsdp"])
 def test_a_full_disk_ends_in_one_line_and_keeps_the_earlier_checkpoints(small_disk, strategy):
+    from parallab.cli import train_in_process
+
     run_dir = small_disk / "run"
-    result = run_entry("train.py", [*FAST, f"parallel={strategy}", "trainer.max_steps=30",
-                                    "trainer.checkpoint_every_n_steps=5",
-                                    "trainer.keep_last_k=5"], run_dir)
-    assert result.returncode == 1, output(result)
-    assert "Traceback" not in output(result)
-    assert "could not write checkpoint" in output(result)
-    assert "the previous checkpoints are intact" in output(result)
+    with pytest.raises(JobFailed) as failed:
+        train_in_process([*FAST, f"parallel={strategy}", "trainer.max_steps=30",
+                          "trainer.checkpoint_every_n_steps=5", "trainer.keep_last_k=5"], run_dir)
+    said = str(failed.value)
+    assert failed.value.status == 1 and "\n" not in said, said  # one line, no traceback
+    assert "could not write checkpoint" in said and "the previous checkpoints are intact" in said
     kept = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     assert not [name for name in kept if name.endswith(".tmp")], kept  # nothing half-written
     assert kept and all(name.startswith("step_") for name in kept), kept
