@@ -161,26 +161,24 @@ def test_on_nan_skip_drops_the_bad_steps_and_finishes(train_here, monkeypatch):
     assert metrics["steps"] == 40 and math.isfinite(metrics["eval_loss"])
 
 
-def test_a_full_disk_is_a_clear_error_and_the_previous_checkpoint_survives(tmp_path):
-    env = inject(tmp_path, 0, "pass")  # only to have a sitecustomize folder
-    (tmp_path / "inject" / "sitecustomize.py").write_text(textwrap.dedent("""
-        import errno
-        import torch
-        save, calls = torch.save, []
+def test_a_full_disk_is_a_clear_error_and_the_previous_checkpoint_survives(
+        train_here, tmp_path, monkeypatch):
+    import errno
 
-        def save_on_a_small_disk(obj, f, *args, **kwargs):
-            calls.append(f)
-            if len(calls) == 2:
-                raise OSError(errno.ENOSPC, "No space left on device")
-            return save(obj, f, *args, **kwargs)
+    save, calls = torch.save, []
 
-        torch.save = save_on_a_small_disk
-    """))
+    def save_on_a_small_disk(obj, f, *args, **kwargs):
+        calls.append(f)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", save_on_a_small_disk)
+    with pytest.raises(JobFailed) as failed:
+        train_here(*RUN, name="run")
+    assert "could not write checkpoint" in str(failed.value)
+    assert "No space left on device" in str(failed.value)
     run_dir = tmp_path / "run"
-    result = run_entry("train.py", RUN, run_dir, env=env)
-    assert result.returncode != 0
-    assert "could not write checkpoint" in output(result)
-    assert "No space left on device" in output(result)
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_00000010.pt"]
     assert torch.load(run_dir / "checkpoints" / "step_00000010.pt", weights_only=True)["step"] == 10
 
