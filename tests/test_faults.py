@@ -282,8 +282,9 @@ def test_evaluate_follows_the_checkpoints_model_and_refuses_model_overrides(trai
            "model.heads=2", "trainer.max_steps=3", "device=cpu"]
     _, run_dir = train_here(*gpt)
     ckpt = f"ckpt={run_dir / 'checkpoints' / 'last.pt'}"
-    scored = run_entry("evaluate.py", [ckpt, "data=bytes", "device=cpu"], tmp_path / "eval")
-    assert_ok(scored)
+    from parallab.commands import evaluate_in_process
+
+    evaluate_in_process([ckpt, "data=bytes", "device=cpu"], tmp_path / "eval")
     assert read_metrics(tmp_path / "eval")["step"] == 3
     refused = run_entry("evaluate.py", [ckpt, "data=bytes", "model=gpt", "model.context=32"],
                         tmp_path / "eval2")

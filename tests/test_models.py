@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import FAST, assert_ok, output, read_metrics, run_entry
+from conftest import FAST, output, read_metrics, run_entry
 from omegaconf import OmegaConf
 from torch import nn
 
@@ -334,9 +334,9 @@ def test_the_lstm_recipe_end_to_end_and_evaluate_rebuilds_the_vocabulary(tmp_pat
                             "trainer.epochs=10")
     metrics = read_metrics(run_dir)
     assert metrics["eval_accuracy"] == 1.0 and metrics["steps"] == 10
-    evaluated = run_entry("evaluate.py", [*setting, f"ckpt={run_dir}/checkpoints/last.pt"],
-                          tmp_path / "eval")
-    assert_ok(evaluated)
+    from parallab.commands import evaluate_in_process
+
+    evaluate_in_process([*setting, f"ckpt={run_dir}/checkpoints/last.pt"], tmp_path / "eval")
     again = read_metrics(tmp_path / "eval")
     assert again["eval_accuracy"] == 1.0
     assert again["eval_loss"] == pytest.approx(metrics["eval_loss"], rel=1e-5)

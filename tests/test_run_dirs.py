@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 from conftest import FAST, output, read_metrics, run_entry
 
+from parallab.commands import evaluate_in_process
+
 TINY = [*FAST, "model=mlp", "data.shape=[1,8,8]", "trainer.max_steps=4"]
 
 
@@ -53,9 +55,7 @@ def test_evaluate_scores_the_data_the_checkpoint_was_trained_on(train_here, tmp_
     run's seed), with the command line's data keys; data= given: used, and said."""
     metrics, run_dir = train_here(*TINY, "data.num_classes=4", "seed=7")
     ckpt = f"ckpt={run_dir}/checkpoints/last.pt"
-    result = run_entry("evaluate.py", [ckpt, "device=cpu", "data.eval_batch_size=7"],
-                       tmp_path / "eval")
-    assert result.returncode == 0, output(result)[-2000:]
+    evaluate_in_process([ckpt, "device=cpu", "data.eval_batch_size=7"], tmp_path / "eval")
     scored = read_metrics(tmp_path / "eval")
     assert scored["data"] == "synthetic"
     assert scored["eval_loss"] == pytest.approx(metrics["eval_loss"], rel=1e-5)

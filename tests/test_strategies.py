@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FAST, assert_ok, read_metrics, run_entry, scalars
+from conftest import FAST, read_metrics, scalars
 
 from parallab.cli import train_in_process
+from parallab.commands import _export, evaluate_in_process
 from parallab.models.mlp import MLP
 from parallab.parallel.split import even_cuts, part_ranges
 from parallab.training import checkpoint, weights
@@ -118,18 +119,16 @@ def test_sharded_checkpoint_evaluates_and_exports_on_one_device(tmp_path, train_
     assert len(list(ckpt.glob("*.distcp"))) == 2  # each rank wrote its own part
     accuracy = read_metrics(run_dir)["eval_accuracy"]
     data = EQUIVALENCE[:3] + ["data.shape=[1,8,8]"]
-    assert_ok(run_entry("evaluate.py", [f"ckpt={ckpt}", *data], tmp_path / "eval"))
+    evaluate_in_process([f"ckpt={ckpt}", *data], tmp_path / "eval")
     assert read_metrics(tmp_path / "eval")["eval_accuracy"] == pytest.approx(accuracy)
 
     full = tmp_path / "full.pt"
-    exported = subprocess.run([str(BIN / "parallab"), "export", str(ckpt), str(full)],
-                              capture_output=True, text=True)
-    assert exported.returncode == 0, exported.stderr
+    _export(ckpt, full)
     state = torch.load(full, weights_only=True)
     assert state["step"] == 10
     for name, tensor in final_weights(run_dir).items():
         torch.testing.assert_close(state["model"][name], tensor)
-    assert_ok(run_entry("evaluate.py", [f"ckpt={full}", *data], tmp_path / "eval_full"))
+    evaluate_in_process([f"ckpt={full}", *data], tmp_path / "eval_full")
     assert read_metrics(tmp_path / "eval_full")["eval_accuracy"] == pytest.approx(accuracy)
     again = subprocess.run([str(BIN / "parallab"), "export", str(ckpt), str(full)],
                            capture_output=True, text=True)

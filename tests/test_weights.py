@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import FAST, REPO, assert_ok, losses, read_metrics, run_entry
+from conftest import FAST, REPO, losses, read_metrics
 
 from parallab.cli import train_in_process
-from parallab.commands import _export
+from parallab.commands import _export, evaluate_in_process
 from parallab.config.errors import ConfigError
 from parallab.training import checkpoint, weights
 
@@ -58,7 +58,7 @@ def test_export_writes_each_format_and_each_reads_back(fsdp_run, tmp_path):
     with pytest.raises(ConfigError, match="export writes .pt"):
         _export(ckpt, tmp_path / "m.bin")
     # as a user reads it back: evaluate.py scores the folder as the run scored its weights
-    assert_ok(run_entry("evaluate.py", [f"ckpt={tmp_path / 'folder'}"], tmp_path / "eval"))
+    evaluate_in_process([f"ckpt={tmp_path / 'folder'}"], tmp_path / "eval")
     assert read_metrics(tmp_path / "eval")["eval_loss"] == pytest.approx(
         read_metrics(fsdp_run)["eval_loss"], rel=1e-5)
 

@@ -20,6 +20,7 @@ from parallab.cli import (
     Invocation,
     _fail,
     advise,
+    compose,
     hydra_app,
     run_app,
     train,
@@ -35,13 +36,7 @@ log = logging.getLogger("parallab")
 
 
 def _evaluate_task(dict_cfg: DictConfig, call: Invocation) -> float:
-    from parallab.data import build_data
-    from parallab.launching import distributed
-    from parallab.loss import build_loss
-    from parallab.metrics import evaluate
-    from parallab.models import build_model
-    from parallab.precision import Precision
-    from parallab.training import checkpoint, weights
+    from parallab.training import rundir
 
     if OmegaConf.is_missing(dict_cfg, "ckpt"):
         _fail("ckpt is not set: give the checkpoint to evaluate, python evaluate.py "
@@ -49,31 +44,64 @@ def _evaluate_task(dict_cfg: DictConfig, call: Invocation) -> float:
     overrides = list(HydraConfig.get().overrides.task)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
-        from parallab.training import rundir
-
         rundir.check_unused(run_dir, "evaluate.py", call.held_before())
-        state = weights.record(dict_cfg.ckpt)
-        _refuse_model_overrides(overrides, dict_cfg.ckpt)
-        # the checkpoint's model and data, before anything resolves: data keys that follow
-        # the model (data=bytes: seq_len from model.context) follow the trained one
-        with open_dict(dict_cfg):
-            dict_cfg.model = _trained_model_config(state, dict_cfg.ckpt)
-            dict_cfg.data = _trained_data_config(state, dict_cfg, overrides)
-            # generated data (data=synthetic) is drawn from the run's seed
-            saved_seed = checkpoint.saved_config(state).get("seed")
-            if saved_seed is not None and not any(o.startswith("seed=") for o in overrides):
-                dict_cfg.seed = saved_seed
-        cfg = typed_config(dict_cfg, overrides)
-        validate.prepare(cfg, in_place=None)
-    except (validate.ConfigError, checkpoint.CheckpointError) as error:
+        cfg, state = _checked(dict_cfg, overrides)
+    except (validate.ConfigError, CheckpointError) as error:
         call.restore()
         _fail(str(error), 2)
+    try:
+        figures, objective = _scored(cfg, state, run_dir)
+    except validate.ConfigError as error:
+        _fail(str(error), 2)
+    return figures[objective]
+
+
+def evaluate_in_process(overrides: list[str], run_dir: str | Path) -> dict[str, float]:
+    """What `python evaluate.py OVERRIDES hydra.run.dir=RUN_DIR` does, in this process
+    (tests, notebooks): the figures it writes to RUN_DIR/metrics.json; raises ConfigError
+    or CheckpointError where evaluate.py would end in one line."""
+    cfg, state = _checked(compose(list(overrides), config_name="evaluate"), list(overrides))
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    return _scored(cfg, state, Path(run_dir))[0]
+
+
+def _checked(dict_cfg: DictConfig, overrides: list[str]):
+    """The config evaluate.py runs: the checkpoint's model and data (data keys that follow
+    the model, such as data=bytes' seq_len from model.context, follow the trained one), and
+    the run's seed for generated data, checked; with the checkpoint's record."""
+    from parallab.training import checkpoint, weights
+
+    state = weights.record(dict_cfg.ckpt)
+    _refuse_model_overrides(overrides, dict_cfg.ckpt)
+    with open_dict(dict_cfg):
+        dict_cfg.model = _trained_model_config(state, dict_cfg.ckpt)
+        dict_cfg.data = _trained_data_config(state, dict_cfg, overrides)
+        saved_seed = checkpoint.saved_config(state).get("seed")
+        if saved_seed is not None and not any(o.startswith("seed=") for o in overrides):
+            dict_cfg.seed = saved_seed
+    cfg = typed_config(dict_cfg, overrides)
+    validate.prepare(cfg, in_place=None)
+    return cfg, state
+
+
+def _scored(cfg, state: dict, run_dir: Path) -> tuple[dict[str, float], str]:
+    """The checkpoint's model scored on the eval set, written to run_dir/metrics.json; its
+    figures and the objective's name. ConfigError where the weights do not fit the model."""
+    from parallab.data import build_data
+    from parallab.launching import distributed
+    from parallab.loss import build_loss
+    from parallab.metrics import evaluate
+    from parallab.models import build_model
+    from parallab.precision import Precision
+    from parallab.training import weights
+
     dist = distributed.setup(cfg.device.value, None, cfg.backend.timeout_s,
                              cfg.parallel.threads_per_worker)
     try:
         model = weights.model_from(cfg.ckpt, build_model(cfg.model))
     except validate.ConfigError as error:
-        _fail(f"ckpt={cfg.ckpt} does not fit model {cfg.model['_target_']}: {error}", 2)
+        raise validate.ConfigError(f"ckpt={cfg.ckpt} does not fit model "
+                                   f"{cfg.model['_target_']}: {error}") from None
     data = build_data(cfg.data, dist, cfg.seed)
     loss = build_loss(cfg.loss).bind(model)
     figures = evaluate(model.to(dist.device), data.eval, dist,
@@ -83,7 +111,7 @@ def _evaluate_task(dict_cfg: DictConfig, call: Invocation) -> float:
     out = run_dir / "metrics.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     log.info("%s (%s)", ", ".join(f"{k} {v:.4f}" for k, v in figures.items()), out)
-    return figures[metrics.objective(cfg, loss)]
+    return figures, metrics.objective(cfg, loss)
 
 
 def _refuse_model_overrides(overrides: list[str], ckpt: str) -> None:
