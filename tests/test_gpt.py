@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from conftest import GPT_RUN, losses, output, read_metrics, typed
+from conftest import GPT_RUN, losses, read_metrics, typed
 
 from parallab.checks import validate
 from parallab.data import bytetext
@@ -150,14 +150,12 @@ def test_gpt_learns_bytes_in_30_steps(train_here):
     assert "mfu" not in metrics  # no known peak on a CPU: no figure rather than a wrong one
 
 
-def test_missing_text_fails_before_training_naming_data_path(train, tmp_path):
-    result, run_dir = train("model=gpt", "data=bytes", f"data.path={tmp_path}/none.txt",
-                            "device=cpu")
-    text = output(result)
-    assert result.returncode != 0 and "Traceback" not in text
-    errors = [line for line in text.splitlines() if "data.path=" in line]
-    assert len(errors) == 1 and "give a text file" in errors[0]
-    assert not (run_dir / "metrics.json").exists()
+def test_missing_text_fails_before_training_naming_data_path(train_here, tmp_path):
+    with pytest.raises(validate.ConfigError) as refused:
+        train_here("model=gpt", "data=bytes", f"data.path={tmp_path}/none.txt", "device=cpu")
+    said = str(refused.value)
+    assert said.startswith(f"data.path={tmp_path}/none.txt") and "give a text file" in said
+    assert "\n" not in said and not (tmp_path / "run" / "metrics.json").exists()
 
 
 def test_adamw_decays_weight_matrices_only():

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import FAST, output, read_metrics, run_entry
+from conftest import FAST, read_metrics
 from omegaconf import OmegaConf
 from torch import nn
 
@@ -342,12 +342,15 @@ def test_the_lstm_recipe_end_to_end_and_evaluate_rebuilds_the_vocabulary(tmp_pat
     assert again["eval_loss"] == pytest.approx(metrics["eval_loss"], rel=1e-5)
 
 
-def test_missing_image_data_stops_before_any_worker(tmp_path):
-    result = run_entry("train.py", ["model=resnet18", "data=cifar10", f"data.root={tmp_path}",
-                                    "parallel=ddp", "device=cpu"], tmp_path / "run")
-    assert result.returncode == 2
-    assert f"data.root={tmp_path} has no CIFAR-10 files" in output(result)
-    assert "launching" not in output(result) and "Traceback" not in output(result)
+def test_missing_image_data_stops_before_any_worker(train_here, tmp_path):
+    from parallab.config.errors import ConfigError
+
+    with pytest.raises(ConfigError) as refused:  # in the controller, before the launch
+        train_here("model=resnet18", "data=cifar10", f"data.root={tmp_path}", "parallel=ddp",
+                   "device=cpu")
+    said = str(refused.value)
+    assert f"data.root={tmp_path} has no CIFAR-10 files" in said and "\n" not in said
+    assert not (tmp_path / "run").exists()
 
 
 SMOKE = ["trainer.max_steps=2", "trainer.timing_skip_steps=0", "data.train_size=64",
