@@ -111,6 +111,16 @@ class Invocation:
         for path, content in self.earlier.items():
             path.write_bytes(content)
 
+    @contextlib.contextmanager
+    def refusing(self) -> Iterator[None]:
+        """A ConfigError inside ends the job as a refusal: its one line, exit status 2,
+        and an earlier run's record put back."""
+        try:
+            yield
+        except validate.ConfigError as error:
+            self.restore()
+            raise JobFailed(str(error), 2) from None
+
     def entry(self) -> list[str]:
         return entry_command(self.argv)
 
@@ -166,12 +176,9 @@ def _train_job(dict_cfg: DictConfig, call: Invocation) -> float | None:
     in_place = launch.prepare_in_place()  # again for launchers that call the app (submitit)
     layout = STRATEGIES.get(dict_cfg.parallel.name)  # an unknown one is validate's to refuse
     launch.warm_up(layout is not None and layout.processes, in_place)
-    try:
+    with call.refusing():
         cfg = validate.prepare(typed_config(dict_cfg, list(hydra_cfg.overrides.task)),
                                in_place, hydra_cfg.runtime.output_dir)
-    except validate.ConfigError as error:
-        call.restore()
-        raise JobFailed(str(error), 2) from None
     sweep = hydra_cfg.sweep.dir if hydra_cfg.mode == RunMode.MULTIRUN else None
     spec = run.RunSpec(cfg, hydra_cfg.runtime.output_dir, list(hydra_cfg.overrides.task),
                        command=call.entry(), sweep=sweep)
@@ -209,13 +216,11 @@ def _advise(dict_cfg: DictConfig, overrides: list[str], run_dir: str, compose_wi
 
     entry = " ".join(call.entry()[:2])
     try:
-        cfg = typed_config(dict_cfg, overrides)
-        with _claimed(run_dir, cfg, None, call, command="parallab advise"):
-            return advise.advise(cfg, overrides, run_dir, configure,
-                                 [entry, *config_flags(call.argv[1:])])
-    except validate.ConfigError as error:
-        call.restore()
-        raise JobFailed(str(error), 2) from None
+        with call.refusing():
+            cfg = typed_config(dict_cfg, overrides)
+            with _claimed(run_dir, cfg, None, call, command="parallab advise"):
+                return advise.advise(cfg, overrides, run_dir, configure,
+                                     [entry, *config_flags(call.argv[1:])])
     except advise.NothingFits as error:
         raise JobFailed(str(error), 1) from None
 
@@ -233,17 +238,14 @@ def _claimed(run_dir: str, cfg, in_place: launch.InPlace | None, call: Invocatio
     main = in_place is None or in_place.rank == 0
     # a launcher's restart of this job continues it (run.resume_path), deleting nothing
     resume = "auto" if restart_count() > 0 else cfg.trainer.resume
-    try:
-        lock = rundir.lock(Path(run_dir)) if main else contextlib.nullcontext()
-        with lock:  # taken first: a refused run touches nothing of a running one
-            if command is not None:
-                rundir.check_unused(Path(run_dir), command, call.held_before())
-            else:
-                rundir.check_fresh(Path(run_dir), resume, cfg.trainer.overwrite, delete=main)
-            yield
-    except validate.ConfigError as error:
-        call.restore()
-        raise JobFailed(str(error), 2) from None
+    lock = rundir.lock(Path(run_dir)) if main else contextlib.nullcontext()
+    # the lock taken first: a refused run touches nothing of a running one
+    with call.refusing(), lock:
+        if command is not None:
+            rundir.check_unused(Path(run_dir), command, call.held_before())
+        else:
+            rundir.check_fresh(Path(run_dir), resume, cfg.trainer.overwrite, delete=main)
+        yield
 
 
 def objective(cfg) -> str:

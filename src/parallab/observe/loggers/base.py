@@ -8,9 +8,15 @@ and tags), scalars (train figures at each log step, evaluations, comm volume), t
 
 from __future__ import annotations
 
+import logging
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
+
+from parallab.config.errors import first_line
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -48,3 +54,34 @@ class Logger:
 
     def close(self, status: str) -> None:
         """The run ended: `finished`, `stopped` (a signal; resumable) or `failed`."""
+
+
+class Sender:
+    """A tracker's requests, in order, on a thread of their own, so that a step never waits
+    on the tracker; the first that raises is said once (`where`: the tracker, if it is
+    somewhere to be named) and every later one is dropped: the run goes on."""
+
+    def __init__(self, name: str, where: str | None = None) -> None:
+        self.name, self.where = name, where
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self.failed: str | None = None
+
+    def submit(self, call: Callable[..., Any], *args: Any) -> None:
+        if self.failed is None:
+            self.pool.submit(self._run, call, *args)
+
+    def _run(self, call: Callable[..., Any], *args: Any) -> None:
+        if self.failed is not None:
+            return
+        try:
+            call(*args)
+        except Exception as error:  # noqa: BLE001 - whatever a tracker raises: said once
+            self.failed = first_line(error)
+            said = f"{self.where} stopped answering ({self.failed})" if self.where \
+                else self.failed
+            log.warning("logger.%s: %s: the run goes on; its figures are in the run dir",
+                        self.name, said)
+
+    def close(self) -> None:
+        """Every request sent (or dropped) before this returns."""
+        self.pool.shutdown(wait=True)

@@ -8,12 +8,10 @@ import os
 import time
 import urllib.error
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from parallab.config.errors import first_line
-from parallab.observe.loggers.base import Logger, RunInfo
+from parallab.observe.loggers.base import Logger, RunInfo, Sender
 
 log = logging.getLogger(__name__)
 
@@ -35,9 +33,7 @@ class MLflowLogger(Logger):
         self.client = None
         self.run_id: str | None = None
         self.params: set[str] = set()
-        # requests go out on a thread of their own: a step never waits on the tracker
-        self.sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlflow")
-        self.failed: str | None = None
+        self.sender = Sender("mlflow", self.uri())
         self.pending: list[tuple[dict[str, float], int, int]] = []  # (figures, time, step)
         self.sent = 0.0  # when the last figures went to the sender
 
@@ -96,7 +92,7 @@ class MLflowLogger(Logger):
             self.client.log_batch(self.run_id, params=new[i:i + BATCH])
 
     def scalars(self, values: dict[str, float], step: int) -> None:
-        if self.failed is not None:
+        if self.sender.failed is not None:
             return
         now = time.time()
         self.pending.append((values, int(now * 1000), step))
@@ -113,17 +109,10 @@ class MLflowLogger(Logger):
     def send(self, pending: list[tuple[dict[str, float], int, int]]) -> None:
         from mlflow.entities import Metric
 
-        if self.failed is not None:
-            return
         metrics = [Metric(k, float(v), stamp, step) for values, stamp, step in pending
                    for k, v in values.items()]
-        try:
-            for i in range(0, len(metrics), METRICS_BATCH):
-                self.client.log_batch(self.run_id, metrics=metrics[i:i + METRICS_BATCH])
-        except Exception as error:  # noqa: BLE001 - a tracker that went down: said once
-            self.failed = first_line(error)
-            log.warning("logger.mlflow: %s stopped answering (%s): the run goes on; its "
-                        "figures are in the run dir", self.uri(), self.failed)
+        for i in range(0, len(metrics), METRICS_BATCH):
+            self.client.log_batch(self.run_id, metrics=metrics[i:i + METRICS_BATCH])
 
     def text(self, tag: str, markdown: str) -> None:
         self.client.log_text(self.run_id, markdown, f"{tag}.md")
@@ -131,13 +120,13 @@ class MLflowLogger(Logger):
     def finish(self, final: dict[str, float], hparams: dict[str, Any], step: int) -> None:
         self.scalars(final, step)
         self.flush(time.time())
-        self.sender.shutdown(wait=True)  # every figure sent before the run is closed
+        self.sender.close()  # every figure sent before the run is closed
         self.log_params(hparams)
 
     def close(self, status: str) -> None:
         self.flush(time.time())
-        self.sender.shutdown(wait=True)
-        if self.run_id is not None and self.failed is None:
+        self.sender.close()
+        if self.run_id is not None and self.sender.failed is None:
             self.client.set_terminated(self.run_id, STATUS.get(status, "FAILED"))
 
 

@@ -3,16 +3,11 @@ offline (files in the run dir, `wandb sync` later) unless the user has set W&B u
 
 from __future__ import annotations
 
-import logging
 import netrc
 import os
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from parallab.config.errors import first_line
-from parallab.observe.loggers.base import Logger, RunInfo
-
-log = logging.getLogger(__name__)
+from parallab.observe.loggers.base import Logger, RunInfo, Sender
 
 
 class WandbLogger(Logger):
@@ -27,8 +22,7 @@ class WandbLogger(Logger):
         self.run = None
         # run.log takes about a millisecond (it encodes and hands the record to W&B's own
         # process): on a thread of its own, in order, the step does not wait for it
-        self.sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wandb")
-        self.failed: str | None = None
+        self.sender = Sender("wandb")
 
     def start(self, run: RunInfo) -> None:
         import wandb
@@ -41,29 +35,20 @@ class WandbLogger(Logger):
         self.run.config.update({"overrides": " ".join(run.overrides)})
 
     def scalars(self, values: dict[str, float], step: int) -> None:
-        if self.failed is None:
-            self.sender.submit(self.send, values, step)
-
-    def send(self, values: dict[str, float], step: int) -> None:
-        try:
-            self.run.log(values, step=step)
-        except Exception as error:  # noqa: BLE001 - W&B's process gone: said once
-            self.failed = first_line(error)
-            log.warning("logger.wandb: %s: the run goes on; its figures are in the run dir",
-                        self.failed)
+        self.sender.submit(lambda: self.run.log(values, step=step))
 
     def text(self, tag: str, markdown: str) -> None:
         self.run.summary[tag] = markdown
 
     def finish(self, final: dict[str, float], hparams: dict[str, Any], step: int) -> None:
         self.scalars(final, step)
-        self.sender.shutdown(wait=True)
+        self.sender.close()
         self.run.summary.update(final)
         self.run.config.update({k: v for k, v in hparams.items() if k not in self.run.config},
                                allow_val_change=True)
 
     def close(self, status: str) -> None:
-        self.sender.shutdown(wait=True)
+        self.sender.close()
         if self.run is not None:
             if status == "stopped":
                 self.run.mark_preempting()
