@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 
 import pytest
@@ -113,6 +114,9 @@ def test_same_seed_gives_the_same_loss_curve_bit_for_bit(train, train_here):
     assert scalars(dir1, "train/loss") == scalars(dir2, "train/loss")
     _, dir3 = train_here(*args, "seed=7", name="c")
     assert scalars(dir1, "train/loss") != scalars(dir3, "train/loss")
+    # the heap a run leaves out of garbage collection while it trains is put back after:
+    # a process that goes on (this one, a notebook) still collects it
+    assert gc.get_freeze_count() == 0
 
 
 @pytest.mark.slow
