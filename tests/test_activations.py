@@ -71,8 +71,9 @@ def assert_textbook_volume(metrics, layout: str) -> None:
     expected = {"ddp": textbook_volume(params, replicas=2),
                 "fsdp": textbook_volume(params, shards=2)}[layout]
     for kind, volume in expected.items():
-        if volume:  # the kinds the layout sends
-            assert metrics[f"comm_{kind}_mb"] * 2**20 == pytest.approx(volume, rel=0.01), kind
+        if volume:  # the kinds the layout sends: the gradients alone (parallab's data say
+            # each rank's count of loss terms by their shapes: no collective of their own)
+            assert metrics[f"comm_{kind}_mb"] * 2**20 == pytest.approx(volume, rel=1e-6), kind
     assert metrics["comm_mb_per_step"] * 2**20 == pytest.approx(sum(expected.values()), rel=0.01)
 
 

@@ -167,7 +167,9 @@ class Trainer:
         loss = self.strategy.loss
         counts = [loss.count(batch_of.labels_of(b)) for b in batches]
         n = counts[0] if len(counts) == 1 else sum(counts)
-        if self.data_world > 1:  # one all-reduce of a scalar; tp/pipeline ranks count alike
+        if self.data.train.all_valid:  # every rank's shard of one split batched alike:
+            n = n * self.data_world  # the global count follows from this rank's shapes
+        elif self.data_world > 1:  # one all-reduce of a scalar; tp/pipeline ranks count alike
             n = self.dist.all_reduce_sum(torch.as_tensor(n, dtype=torch.float64,
                                                          device=self.dist.device))
             n = n / self.readers
