@@ -100,6 +100,36 @@ def test_the_launcher_listens_on_loopback_only(monkeypatch):
     assert addresses == ["127.0.0.1"]
 
 
+def seen_by_a_rank(name: str) -> str | None:
+    return os.environ.get(name)
+
+
+@pytest.mark.distributed
+def test_launches_share_a_fork_server_while_the_environment_stays(monkeypatch):
+    """The ranks are forked from a server that imported torch and parallab once: kept from
+    one launch to the next (pytest's name of the running test aside, which changes with
+    every test), started anew when a variable changes, which the ranks then see."""
+    from multiprocessing import forkserver
+
+    from conftest import typed
+
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    monkeypatch.delenv("PARALLAB_LAUNCH_MARK", raising=False)
+    env = launch.worker_env(typed("parallel=ddp", "parallel.world_size=2"))
+
+    def launched() -> tuple[str | None, int]:
+        seen = launch.elastic(seen_by_a_rank, ("PARALLAB_LAUNCH_MARK",), 2, 0, env)
+        return seen, forkserver._forkserver._forkserver_pid
+
+    seen, server = launched()
+    assert seen is None
+    monkeypatch.setenv("PYTEST_CURRENT_TEST", "another test (call)")
+    assert launched() == (None, server)
+    monkeypatch.setenv("PARALLAB_LAUNCH_MARK", "1")
+    seen, restarted = launched()
+    assert seen == "1" and restarted != server
+
+
 def descendants(pid: int) -> list[int]:
     """The processes under `pid` (Linux /proc): its fork server and the ranks it forked."""
     parents = {}

@@ -267,9 +267,15 @@ def warm_up(starts_workers: bool, in_place: InPlace | None) -> None:
         start_fork_server()
 
 
+# left out when the fork server's environment is compared: the workers' threads (set by
+# the agent and distributed.setup), and pytest's name of the running test, which differs
+# for every test of a suite that runs parallab in its process (each launch would start a
+# new server: 3 s of imports instead of 0.5 s)
+PER_CALL = ("OMP_NUM_THREADS", "PYTEST_CURRENT_TEST")
+
+
 def _environment() -> dict[str, str]:
-    # the workers' threads come from the agent (OMP_NUM_THREADS) and distributed.setup
-    return {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    return {k: v for k, v in os.environ.items() if k not in PER_CALL}
 
 
 def start_fork_server() -> None:
