@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FAST, REPO, assert_ok, losses, output, read_metrics, run_entry
+from conftest import FAST, REPO, losses, output, read_metrics, run_entry
 
 from parallab.cli import JobFailed
 from parallab.observe import summary
@@ -107,9 +107,9 @@ def test_a_run_stopped_by_max_steps_continues_as_if_uninterrupted(train_here):
 
 
 @pytest.mark.slow
-def test_a_fresh_run_in_a_used_dir_is_refused_and_leaves_it_as_it_was(tmp_path):
-    run_dir = tmp_path / "a run with spaces"
-    assert_ok(run_entry("train.py", [*FAST, "trainer.max_steps=3"], run_dir))
+def test_a_fresh_run_in_a_used_dir_is_refused_and_leaves_it_as_it_was(train_here):
+    # the refusal from the command line (the dir quoted there); the runs around it in-process
+    _, run_dir = train_here(*FAST, "trainer.max_steps=3", name="a run with spaces")
     record = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file() and p.name != "train.log"}
     for quoted in (f"hydra.run.dir='{run_dir}'",):  # quoted: a path with spaces
         result = run_entry("train.py", [*FAST, "trainer.max_steps=5", quoted])
@@ -117,10 +117,9 @@ def test_a_fresh_run_in_a_used_dir_is_refused_and_leaves_it_as_it_was(tmp_path):
         assert "already holds a run (metrics.json, checkpoints/): continue it with " \
                "trainer.resume=auto" in output(result) and "Traceback" not in output(result)
         assert {p: p.read_bytes() for p in record} == record
-    replaced = run_entry("train.py", [*FAST, "trainer.max_steps=5", "trainer.overwrite=true"],
-                         run_dir)
-    assert_ok(replaced)
-    assert read_metrics(run_dir)["steps"] == 5
+    replaced, _ = train_here(*FAST, "trainer.max_steps=5", "trainer.overwrite=true",
+                             name="a run with spaces")
+    assert replaced["steps"] == read_metrics(run_dir)["steps"] == 5
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["best.pt", "last.pt"]
 
 

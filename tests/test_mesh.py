@@ -111,10 +111,8 @@ def final_weights(run_dir, model: torch.nn.Module) -> dict[str, torch.Tensor]:
 @pytest.mark.distributed
 @pytest.mark.parametrize("model,layout,data_ranks", [
     ("gpt", ["parallel=tp", "parallel.world_size=2"], 1),
-    ("mlp", ["parallel=tp", "parallel.world_size=2"], 1),
     ("gpt", ["parallel=hsdp", "parallel.world_size=4"], 4),  # 2 replicas x 2 shards
-    ("mlp", ["parallel=hsdp", "parallel.world_size=4"], 4),
-    ("mlp", ["parallel=fsdp_tp", "parallel.world_size=4"], 2),
+    ("mlp", ["parallel=fsdp_tp", "parallel.world_size=4"], 2),  # mlp's own plan, sharded
     ("mlp", ["parallel=pipeline", "parallel.world_size=4", "parallel.pp=2"], 2),
     ("gpt", ["parallel=fsdp_tp", "parallel.world_size=4", *ACCUMULATE_AND_CLIP],
      2),  # 2 shards x tp 2
@@ -124,7 +122,7 @@ def final_weights(run_dir, model: torch.nn.Module) -> dict[str, torch.Tensor]:
      1),  # each part split by the plan's entries for it; slices of sequences between parts
     ("gpt", ["parallel=pipeline", "parallel.world_size=4", "parallel.pp=2",
              "parallel.dp_shard=2", "parallel.dp_replicate=1"], 2),  # each part FSDP2-sharded
-], ids=["tp2-gpt", "tp2-mlp", "hsdp2x2-gpt", "hsdp2x2-mlp", "fsdp_tp2x2-mlp", "pp2xdp2-mlp",
+], ids=["tp2-gpt", "hsdp2x2-gpt", "fsdp_tp2x2-mlp", "pp2xdp2-mlp",
         "fsdp_tp2x2-gpt-accumulate-clip",
         "pp2xdp2-gpt", "pp2xtp2sp-gpt-accumulate-clip", "pp2xfsdp2-gpt"])
 def test_each_layout_trains_as_one_device_does(train_here, one_device, model, layout,
