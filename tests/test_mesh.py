@@ -80,7 +80,7 @@ def test_a_plan_is_checked_against_the_widths():
 GPT_RUN = ["data=bytes", "data.eval_fraction=0.002", "model=gpt", "model.layers=2",
            "model.heads=4", "model.width=32", "model.context=32"]
 MLP_RUN = [*FAST, "model=mlp", "model.hidden=[64,64,32]", "data.shape=[1,8,8]"]
-STEPS = ["trainer.max_steps=20", "trainer.log_every_n_steps=1", "optim.lr=0.05",
+STEPS = ["trainer.max_steps=10", "trainer.log_every_n_steps=1", "optim.lr=0.05",
          "trainer.checkpoint_every_n_steps=null", "trainer.save_best=false"]
 BATCH = {"gpt": 16, "mlp": 64}  # global, the same for every layout
 # the same global batch in two micro-batches, each step's gradient norm cut to 0.1 (a
@@ -199,15 +199,15 @@ def test_sequence_parallel_splits_the_blocks_under_activation_checkpointing(trai
 # each leg: (layout, data-parallel ranks, the step it runs to)
 RESUMES = {
     # DCP reshards; sequence parallelism makes the norms replicated DTensors
-    "tp 2 to fsdp_tp 2x2 sp": [(["parallel=tp", "parallel.world_size=2"], 1, 10),
+    "tp 2 to fsdp_tp 2x2 sp": [(["parallel=tp", "parallel.world_size=2"], 1, 5),
                                (["parallel=fsdp_tp", "parallel.world_size=4",
-                                 "parallel.sequence_parallel=true"], 2, 20)],
+                                 "parallel.sequence_parallel=true"], 2, 10)],
     # a sharded checkpoint into a whole model, then a one-file one cut into tp slices
-    "fsdp 2 to none to tp 2": [(["parallel=fsdp", "parallel.world_size=2"], 2, 10),
-                               (["parallel=none"], 1, 15),
-                               (["parallel=tp", "parallel.world_size=2"], 1, 20)],
-    "pipeline 2 to ddp 2": [(["parallel=pipeline", "parallel.world_size=2"], 1, 10),
-                            (["parallel=ddp", "parallel.world_size=2"], 2, 20)],
+    "fsdp 2 to none to tp 2": [(["parallel=fsdp", "parallel.world_size=2"], 2, 4),
+                               (["parallel=none"], 1, 7),
+                               (["parallel=tp", "parallel.world_size=2"], 1, 10)],
+    "pipeline 2 to ddp 2": [(["parallel=pipeline", "parallel.world_size=2"], 1, 5),
+                            (["parallel=ddp", "parallel.world_size=2"], 2, 10)],
 }
 
 
@@ -216,7 +216,7 @@ RESUMES = {
 @pytest.mark.parametrize("legs", RESUMES.values(), ids=RESUMES)
 def test_a_checkpoint_resumes_under_any_layout(train_here, one_device, legs):
     """A run continued under other layouts at the same global batch equals the one-device
-    run's 20 steps: weights, optimizer moments, schedule and data position all carried."""
+    run's 10 steps: weights, optimizer moments, schedule and data position all carried."""
     run = [*GPT_RUN, *STEPS]
     for leg, (layout, ranks, until) in enumerate(legs):
         _, run_dir = train_here(*run, *layout, f"data.batch_size={BATCH['gpt'] // ranks}",

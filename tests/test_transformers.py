@@ -18,7 +18,7 @@ from parallab.config.errors import ConfigError
 
 LLAMA = REPO / "examples" / "hf_llama"
 CONF = LLAMA / "conf"
-BASE = ["experiment=llama", "device=cpu", "trainer.max_steps=20", "trainer.log_every_n_steps=1"]
+BASE = ["experiment=llama", "device=cpu", "trainer.max_steps=10", "trainer.log_every_n_steps=1"]
 RUN = [*BASE, "data.train.size=320", "data.eval.size=64"]
 
 
@@ -64,7 +64,7 @@ def test_a_transformers_model_trains_under_a_layout_as_on_one_device(case, tmp_p
     one = train(tmp_path / "one", *model, "data.batch_size=16")
     many = train(tmp_path / "many", *layout)
     assert losses(tmp_path / "many") == pytest.approx(losses(tmp_path / "one"), abs=1e-3)
-    assert len(losses(tmp_path / "one")) == 20
+    assert len(losses(tmp_path / "one")) == 10
     assert many["eval_loss"] == pytest.approx(one["eval_loss"], abs=1e-3)
     assert many["tokens_per_sec"] > 0 and "eval_accuracy" not in many
 
