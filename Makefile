@@ -11,9 +11,11 @@ setup: $(INSTALLED)
 $(INSTALLED): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-compile -e '.[dev]'
-	@# the bytecode pip would compile file by file, compiled on every core (-j 0): 20 s of a 2-minute set-up;
-	@# -qq: a few packages ship files that are not Python 3.11 (templates), which pip skips too
-	$(PY) -m compileall -qq -j 0 $(VENV)/lib || true
+	@# the bytecode pip would compile file by file, compiled on every core (-j 0): 20 s of a
+	@# 2-minute set-up; and parallab's own (the editable install's src/, which pip leaves),
+	@# so that no process compiles it at its start where Python writes no bytecode itself
+	@# (PYTHONDONTWRITEBYTECODE); -qq: some packages ship templates that are not Python 3.11
+	$(PY) -m compileall -qq -j 0 $(VENV)/lib src || true
 	touch $@
 
 train: $(INSTALLED)
