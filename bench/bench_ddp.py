@@ -74,10 +74,11 @@ def main() -> None:
               f"{h / (base_hand * world / rows[0][0]):.2f} | {p / (base_ours * world / rows[0][0]):.2f} |")
 
     imports = [[sys.executable, "-c", "import torch, torchvision"]] * 2
-    launch = [[sys.executable, str(REPO / "train.py"), "parallel=ddp", "parallel.world_size=2",
-               "trainer.max_steps=1", "device=cpu", f"hydra.run.dir={work / 'launch'}"]]
+    launches = [[[sys.executable, str(REPO / "train.py"), "parallel=ddp",
+                  "parallel.world_size=2", "trainer.max_steps=1", "device=cpu",
+                  f"hydra.run.dir={work / f'launch{n}'}"]] for n in range(3)]  # a dir each
     import_s = statistics.median(timed(imports) for _ in range(3))
-    launch_s = statistics.median(timed(launch) for _ in range(3))
+    launch_s = statistics.median(timed(launch) for launch in launches)
     print(f"\nlaunch: train.py parallel=ddp world_size=2 max_steps=1 exits in {launch_s:.1f}s; "
           f"two concurrent `import torch, torchvision` take {import_s:.1f}s")
 

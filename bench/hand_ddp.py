@@ -16,7 +16,7 @@ from torch.utils.data import DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from bench_loop import seed_net  # noqa: E402
+from bench_loop import recipe_net  # noqa: E402
 
 from parallab.data import mnist  # noqa: E402 (the IDX reader only)
 
@@ -29,7 +29,7 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     train = mnist.load(mnist.SHIPPED, "train")  # the copy parallab ships
     images, labels = (train.inputs.float() / 255 - 0.1307) / 0.3081, train.targets
-    model = DDP(seed_net())
+    model = DDP(recipe_net())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.5)
     sampler = DistributedSampler(range(len(labels)), world, rank, shuffle=True, seed=42)
     sampler.set_epoch(0)
