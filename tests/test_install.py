@@ -72,14 +72,14 @@ def test_the_wheel_trains_a_transformers_project_under_none_and_tp(venv, tmp_pat
     project = tmp_path / "hf_llama"
     shutil.copytree(REPO / "examples" / "hf_llama", project,
                     ignore=shutil.ignore_patterns("__pycache__", "outputs"))
-    common = ["--config-dir", "conf", "experiment=llama", "trainer.max_steps=20",
+    common = ["--config-dir", "conf", "experiment=llama", "trainer.max_steps=10",
               "trainer.log_every_n_steps=1", "data.train.size=320", "device=cpu"]
     for name, layout in (("none", []), ("tp", ["parallel=tp", "parallel.world_size=2"])):
         result = run(venv / "bin" / "parallab", "train", *common, *layout,
                      f"hydra.run.dir={name}", cwd=project)
         assert "UserWarning" not in result.stdout + result.stderr, name  # none per step
     one = losses(project / "none")
-    assert len(one) == 20 and one[-1] < one[0]
+    assert len(one) == 10 and one[-1] < one[0]
     assert losses(project / "tp") == pytest.approx(one, abs=1e-3)
     assert read_metrics(project / "tp")["eval_loss"] == pytest.approx(
         read_metrics(project / "none")["eval_loss"], abs=1e-3)
