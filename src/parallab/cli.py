@@ -30,8 +30,8 @@ from parallab.launching import launch
 from parallab.observe import summary
 
 # torch and what needs it (the checks, the strategies, the run) are imported once a job is
-# to be checked: Hydra's refusals, --help, --cfg and shell completion answer without them
-# (1.3 s sooner)
+# to be checked: Hydra's refusals, --cfg and shell completion answer without them (1.3 s
+# sooner; --help reads the model's class, which needs torch)
 if TYPE_CHECKING:
     from parallab.training import run
 

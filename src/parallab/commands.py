@@ -14,8 +14,6 @@ from typing import Any
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from parallab import metrics
-from parallab.checks import validate
 from parallab.cli import (
     Invocation,
     _fail,
@@ -27,16 +25,17 @@ from parallab.cli import (
     typed_config,
 )
 from parallab.config import help
+from parallab.config.errors import ConfigError
 from parallab.config.schema import register_configs
 from parallab.launching import launch
 from parallab.observe import summary
-from parallab.training.checkpoint import CheckpointError
 
 log = logging.getLogger("parallab")
 
 
 def _evaluate_task(dict_cfg: DictConfig, call: Invocation) -> float:
     from parallab.training import rundir
+    from parallab.training.checkpoint import CheckpointError
 
     if OmegaConf.is_missing(dict_cfg, "ckpt"):
         _fail("ckpt is not set: give the checkpoint to evaluate, python evaluate.py "
@@ -46,12 +45,12 @@ def _evaluate_task(dict_cfg: DictConfig, call: Invocation) -> float:
     try:
         rundir.check_unused(run_dir, "evaluate.py", call.held_before())
         cfg, state = _checked(dict_cfg, overrides)
-    except (validate.ConfigError, CheckpointError) as error:
+    except (ConfigError, CheckpointError) as error:
         call.restore()
         _fail(str(error), 2)
     try:
         figures, objective = _scored(cfg, state, run_dir)
-    except validate.ConfigError as error:
+    except ConfigError as error:
         _fail(str(error), 2)
     return figures[objective]
 
@@ -69,6 +68,7 @@ def _checked(dict_cfg: DictConfig, overrides: list[str]):
     """The config evaluate.py runs: the checkpoint's model and data (data keys that follow
     the model, such as data=bytes' seq_len from model.context, follow the trained one), and
     the run's seed for generated data, checked; with the checkpoint's record."""
+    from parallab.checks import validate
     from parallab.training import checkpoint, weights
 
     state = weights.record(dict_cfg.ckpt)
@@ -87,6 +87,7 @@ def _checked(dict_cfg: DictConfig, overrides: list[str]):
 def _scored(cfg, state: dict, run_dir: Path) -> tuple[dict[str, float], str]:
     """The checkpoint's model scored on the eval set, written to run_dir/metrics.json; its
     figures and the objective's name. ConfigError where the weights do not fit the model."""
+    from parallab import metrics
     from parallab.data import build_data
     from parallab.launching import distributed
     from parallab.loss import build_loss
@@ -99,8 +100,8 @@ def _scored(cfg, state: dict, run_dir: Path) -> tuple[dict[str, float], str]:
                              cfg.parallel.threads_per_worker)
     try:
         model = weights.model_from(cfg.ckpt, build_model(cfg.model))
-    except validate.ConfigError as error:
-        raise validate.ConfigError(f"ckpt={cfg.ckpt} does not fit model "
+    except ConfigError as error:
+        raise ConfigError(f"ckpt={cfg.ckpt} does not fit model "
                                    f"{cfg.model['_target_']}: {error}") from None
     data = build_data(cfg.data, dist, cfg.seed)
     loss = build_loss(cfg.loss).bind(model)
@@ -120,7 +121,7 @@ def _refuse_model_overrides(overrides: list[str], ckpt: str) -> None:
     for override in overrides:
         key = override.lstrip("+~").split("=")[0]
         if key.startswith("model."):
-            raise validate.ConfigError(
+            raise ConfigError(
                 f"{override}: evaluate.py builds the model ckpt={ckpt} was trained with (its "
                 "_target_ and arguments come from the checkpoint): drop the model override")
         if key == "model":  # a group choice, harmless: said, not silently dropped
@@ -181,14 +182,14 @@ def _export(ckpt: Path, out: Path, force: bool = False) -> None:
     from parallab.training import checkpoint, weights
 
     if not out.parent.is_dir():
-        raise validate.ConfigError(f"{out.parent} is not a directory: create it, or give a "
+        raise ConfigError(f"{out.parent} is not a directory: create it, or give a "
                                    "path in an existing one")
     meta = weights.record(ckpt)
     spec = _trained_model_config(meta, ckpt)
     targets.locate(spec.get("_target_"), "model._target_")  # the project must import
     try:
         model = weights.model_from(ckpt, build_model(spec))
-    except validate.ConfigError as error:
+    except ConfigError as error:
         raise checkpoint.CheckpointError(f"ckpt={ckpt} does not fit model {spec['_target_']}: "
                                          f"{error}") from None
     what = weights.export(model, {"step": meta["step"], "config": meta["config"]}, out, force)
@@ -227,9 +228,11 @@ def parallab() -> None:
     export.add_argument("--force", action="store_true", help="replace OUT if it exists")
     args = parser.parse_args()
     if args.command == "export":
+        from parallab.training.checkpoint import CheckpointError
+
         try:
             _export(args.ckpt, args.out, args.force)
-        except (CheckpointError, validate.ConfigError, KeyError) as error:
+        except (CheckpointError, ConfigError, KeyError) as error:
             print(f"parallab export: {error}", file=sys.stderr)  # one line, as every refusal
             raise SystemExit(2) from None
         return
