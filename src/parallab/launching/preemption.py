@@ -39,9 +39,17 @@ class Preemption:
         self._previous_fd = -1
         self._sockets: tuple[socket.socket, socket.socket] | None = None
         self._since = 0.0  # when the first signal came
+        self._lock = threading.Lock()
 
     @property
     def requested(self) -> bool:
+        if self.signum is None and self._sockets is not None:
+            # a signal the listener has not read yet (its thread waits for a core on a busy
+            # machine): the C handler wrote it before kill() returned, so read it here
+            try:
+                self._read(self._sockets[0].recv(64, socket.MSG_DONTWAIT))
+            except OSError:  # nothing waiting (BlockingIOError), or closed
+                pass
         return self.signum is not None
 
     def step_done(self) -> None:
@@ -65,6 +73,10 @@ class Preemption:
         """Installed so the signal does not kill the process; the listener does the work."""
 
     def _on_signal(self, signum: int) -> None:
+        with self._lock:  # the listener and the main thread (requested) both read signals
+            self._count(signum)
+
+    def _count(self, signum: int) -> None:
         if self.signum is not None:
             if time.monotonic() - self._since < SAME_REQUEST_S:
                 return
@@ -89,9 +101,12 @@ class Preemption:
                 return
             if not data:
                 return
-            for signum in data:
-                if signum in SIGNALS and not self._closed.is_set():
-                    self._on_signal(signum)
+            self._read(data)
+
+    def _read(self, data: bytes) -> None:
+        for signum in data:
+            if signum in SIGNALS and not self._closed.is_set():
+                self._on_signal(signum)
 
     def __enter__(self) -> Preemption:
         if threading.current_thread() is not threading.main_thread():
