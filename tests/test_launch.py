@@ -100,6 +100,24 @@ def test_the_launcher_listens_on_loopback_only(monkeypatch):
     assert addresses == ["127.0.0.1"]
 
 
+def test_the_launch_config_sets_only_the_fields_this_torch_has():
+    """torch 2.11's LaunchConfig has no shutdown_timeout nor signals_to_handle: a launch
+    there gives them to the agent where the class takes them, and leaves them out else."""
+    import dataclasses
+
+    from torch.distributed.launcher.api import LaunchConfig
+
+    newer = ("shutdown_timeout", "signals_to_handle")
+    older = dataclasses.make_dataclass("LaunchConfig", [
+        (f.name, f.type, dataclasses.field(default=None))
+        for f in dataclasses.fields(LaunchConfig) if f.name not in newer])
+    config = launch.launch_config(older, 2, 0)
+    assert config.nproc_per_node == 2 and not any(hasattr(config, name) for name in newer)
+    current = launch.launch_config(LaunchConfig, 2, 0)
+    if "shutdown_timeout" in LaunchConfig.__dataclass_fields__:
+        assert current.shutdown_timeout == 30
+
+
 def seen_by_a_rank(name: str) -> str | None:
     return os.environ.get(name)
 

@@ -179,18 +179,21 @@ def _server_env() -> dict[str, str]:
     return env
 
 
-def elastic(entrypoint: Callable, args: tuple, world_size: int, max_restarts: int,
-            worker_env: dict[str, str]) -> Any:
-    """Run `entrypoint(*args)` in world_size workers on this machine; rank 0's result.
-
-    The rendezvous listens on loopback only (more nodes go through torchrun/SLURM/mpirun).
-    """
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
+def launch_config(config_class, world_size: int, max_restarts: int):
+    """torch's LaunchConfig for world_size workers on this machine. Fields newer torch
+    releases added (the shutdown's grace, the signals the agent handles) are set where
+    `config_class` has them: torch 2.11's takes neither."""
     from parallab.launching import rendezvous
 
     port = os.environ.get("MASTER_PORT") or 0  # 0: a free port per job
-    config = LaunchConfig(
+    newer = {
+        "shutdown_timeout": 30,  # a stopping worker's time to save before SIGKILL
+        # not SIGINT/SIGTERM: torch's agent would turn them into an exception that stops
+        # the workers before they save; _forwarding_stop_signals passes them on instead
+        "signals_to_handle": AGENT_SIGNALS,
+    }
+    fields = config_class.__dataclass_fields__
+    return config_class(
         min_nodes=1,
         max_nodes=1,
         nproc_per_node=world_size,
@@ -201,12 +204,19 @@ def elastic(entrypoint: Callable, args: tuple, world_size: int, max_restarts: in
         max_restarts=max_restarts,
         monitor_interval=0.1,
         start_method="forkserver" if _forkserver_ready() else "spawn",
-        shutdown_timeout=30,  # a stopping worker's time to save before SIGKILL
-        # not SIGINT/SIGTERM: torch's agent would turn them into an exception that stops
-        # the workers before they save; _forwarding_stop_signals passes them on instead
-        **({"signals_to_handle": AGENT_SIGNALS}
-           if "signals_to_handle" in LaunchConfig.__dataclass_fields__ else {}),
+        **{key: value for key, value in newer.items() if key in fields},
     )
+
+
+def elastic(entrypoint: Callable, args: tuple, world_size: int, max_restarts: int,
+            worker_env: dict[str, str]) -> Any:
+    """Run `entrypoint(*args)` in world_size workers on this machine; rank 0's result.
+
+    The rendezvous listens on loopback only (more nodes go through torchrun/SLURM/mpirun).
+    """
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = launch_config(LaunchConfig, world_size, max_restarts)
     # the controlling process reports a failure once, with the root cause's traceback
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     # the agent hands its own environment to the workers
