@@ -15,6 +15,7 @@ GROUPS = ["model", "data", "parallel", "precision", "backend", "optim", "trainer
 # what this machine lacks for an option, and the key the refusal names
 NEEDS_MORE_THAN_THIS_MACHINE = {("backend", "nccl"): "backend=nccl",  # CUDA
                                 ("backend", "mpi"): "backend=mpi",  # a PyTorch built with MPI
+                                ("precision", "fp8"): "precision=fp8",  # an H100-class GPU
                                 ("data", "cifar10"): "data.root",  # CIFAR-10 is not shipped
                                 ("data", "imagefolder"): "data.path",  # nor is a default folder
                                 ("data", "hf_text"): "data.files"}  # nor a tokenizer
@@ -157,7 +158,10 @@ def test_auto_values_resolve_for_cpu():
      "parallel.tp=2 ranks, which data.seq_len=33 does not divide by"),
     (["model=gpt", "data=bytes", "model.tie_embeddings=true", "parallel=pipeline"],
      "parallel=pipeline puts stages 0 and 5 on different parts, but they share a parameter"),
-    (["precision.name=fp8"], "precision.name=fp8"),
+    (["precision.name=fp4"], "precision.name=fp4 is unknown"),
+    (["precision=fp8"], "precision=fp8 trains the Linear layers in float8 on a CUDA GPU"),
+    (["trainer.memory_snapshot=true"], "trainer.memory_snapshot=true records CUDA's caching "
+                                       "allocator, and device=cpu has none"),
     (["trainer.on_nan=ignore"], "trainer.on_nan=ignore"),
     (["trainer.warmup_steps=0.1"], "trainer.warmup_steps=0.1 is renamed: "
                                    "trainer.timing_skip_steps leaves the first steps out of "
@@ -199,7 +203,6 @@ def test_auto_values_resolve_for_cpu():
     (["parallel=pipeline", "parallel.microbatches=1"], "parallel.microbatches=1"),
     (["parallel=pipeline", "parallel.schedule=zb"], "parallel.schedule=zb"),
     (["parallel=pipeline", "precision=fp16"], "precision=fp16 with parallel=pipeline"),
-    (["parallel=fsdp", "precision=fp16"], "precision=fp16 with parallel=fsdp"),
     (["parallel=model", "trainer.auto_batch_size=true"], "trainer.auto_batch_size=true"),
     (["model=mlp", "model.input_dim=100"], "model.input_dim=100"),
     (["model=mlp", "model.hidden=[64,0]"], "model.hidden=[64, 0] holds a width < 1"),
@@ -379,13 +382,24 @@ def test_a_plus_key_the_schema_lacks_is_refused_not_dropped(override, message):
     typed_config(compose(["+model.extra=1"]), ["+model.extra=1"])  # a model argument: its check
 
 
-def test_amp_is_fp16_on_cuda_and_refused_where_ranks_hold_part_of_the_gradients():
+def test_amp_is_fp16_on_cuda_and_refused_where_a_pipeline_runs_the_backward():
+    """float16's scaled loss is the trainer's backward; a pipeline's schedule runs its own.
+    The sharded layouts take it (ShardedGradScaler)."""
     from parallab.config.schema import Device
     from parallab.parallel import STRATEGIES
 
-    cfg = typed("parallel=fsdp", "precision=amp", "parallel.world_size=2")
-    cfg.device = Device.cuda  # resolved, as on a GPU machine
-    with pytest.raises(validate.ConfigError, match="precision=amp with parallel=fsdp: it computes in float16"):
-        STRATEGIES["fsdp"].check(cfg)
+    for name, refused in (("pipeline", True), ("fsdp", False)):
+        cfg = typed(f"parallel={name}", "precision=amp", "parallel.world_size=2")
+        strategy = STRATEGIES[name]
+        layout = strategy.layout_of(cfg.parallel)
+        cfg.device = Device.cpu  # amp is bfloat16 there: allowed
+        strategy.refuse_sharded(cfg, layout)
+        cfg.device = Device.cuda  # resolved, as on a GPU machine
+        if refused:
+            with pytest.raises(validate.ConfigError, match=f"precision=amp with parallel={name}"
+                                                           ": it computes in float16"):
+                strategy.refuse_sharded(cfg, layout)
+        else:
+            strategy.refuse_sharded(cfg, layout)
     cfg.device = Device.cpu  # amp is bfloat16 there: allowed
     STRATEGIES["fsdp"].check(cfg)

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 import torch
-from conftest import FAST, read_metrics, scalars
+from conftest import FAST, losses, read_metrics, scalars
 from torch import nn
 
 from parallab.config.schema import PrecisionConfig
@@ -28,7 +28,7 @@ def test_each_mode_computes_in_its_dtype(name, device, dtype):
 
 
 @pytest.mark.parametrize("name,scaled", [("fp32", False), ("bf16", False), ("amp", False),
-                                         ("fp16", True)])
+                                         ("fp16", True), ("fp8", False)])
 def test_a_grad_scaler_runs_exactly_where_the_dtype_is_float16(name, scaled):
     precision = Precision(PrecisionConfig(name=name), CPU)
     assert precision.scaler.is_enabled() == scaled
@@ -60,6 +60,75 @@ def test_an_inf_gradient_skips_the_step_lowers_the_scale_and_training_goes_on():
     step(poison=False)
     assert not torch.equal(model.weight, before)  # the next one trains
     assert precision.state_dict()["scale"] == precision.scaler.get_scale()
+
+
+def overflow_on_one_rank() -> tuple[bool, float, float]:
+    """On each of 2 ranks: an FSDP2-sharded Linear in float16 whose gradient shard is inf on
+    rank 1 only; rank 0's (skipped, scale before, scale after) its scaler's step."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    dist.init_process_group("gloo")
+    try:
+        torch.manual_seed(0)
+        model = fully_shard(nn.Linear(8, 8), mp_policy=MixedPrecisionPolicy(
+            param_dtype=torch.float16, reduce_dtype=torch.float32))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        precision = Precision(PrecisionConfig(name="fp16"), CPU, sharded=True)
+        with precision.autocast():
+            loss = model(torch.randn(4, 8)).float().square().mean()
+        precision.backward(loss)
+        if dist.get_rank() == 1:
+            model.weight.grad.to_local().view(-1)[0] = float("inf")
+        before, scale = model.weight.to_local().clone(), precision.scaler.get_scale()
+        precision.step(optimizer)
+        return (torch.equal(model.weight.to_local(), before), scale,
+                precision.scaler.get_scale())
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+def test_an_overflow_on_one_shard_skips_the_step_on_every_rank():
+    """Sharded gradients: rank 0's own shard is finite, yet it skips the step and lowers its
+    scale with rank 1 (ShardedGradScaler's all-reduce), so the ranks stay one model."""
+    from parallab.launching import launch
+
+    skipped, scale, after = launch.elastic(overflow_on_one_rank, (), 2, 0,
+                                           {"OMP_NUM_THREADS": "1"})
+    assert skipped and after == scale / 2
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_fp16_under_fsdp_trains_as_one_process_does(train_here):
+    """float16 with loss scaling over 2 shards (ShardedGradScaler) follows one process's
+    float16 run on the same global batch, to float16's rounding."""
+    common = [*FAST, "precision=fp16", "model.dropout=0", "trainer.max_steps=10",
+              "trainer.log_every_n_steps=1"]
+    _, single_dir = train_here(*common, "data.batch_size=64", name="single")
+    metrics, fsdp_dir = train_here(*common, "data.batch_size=32", "parallel=fsdp",
+                                   "parallel.world_size=2", name="fsdp")
+    assert metrics["precision_dtype"] == "float16"
+    single, sharded = losses(single_dir), losses(fsdp_dir)
+    assert len(sharded) == 10 and sharded == pytest.approx(single, rel=2e-3)
+
+
+def test_fp8_turns_the_linear_layers_but_the_output_into_float8():
+    """torchao's module swap runs anywhere (its matmuls need an H100-class GPU): every
+    Linear of gpt's blocks becomes a Float8Linear; the head's output layer and a width
+    float8 matmuls cannot take (not a multiple of 16) stay as they were."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    from parallab.models.gpt import GPT
+
+    model = GPT(vocab_size=256, context=32, layers=2, heads=2, width=32)
+    model.blocks[0].mlp[0] = nn.Linear(32, 40)  # 40 % 16 != 0
+    Precision(PrecisionConfig(name="fp8"), CPU).convert(model)
+    kinds = {name: type(m).__name__ for name, m in model.named_modules()
+             if isinstance(m, nn.Linear)}
+    assert kinds.pop("head.out") == kinds.pop("blocks.0.mlp.0") == "Linear"
+    assert kinds and all(kind == Float8Linear.__name__ for kind in kinds.values())
 
 
 @pytest.mark.slow
@@ -170,3 +239,20 @@ def test_dynamic_int8_quantization_reports_sizes_and_accuracies(train_here):
     for tag in ("quantize/model_size_mb", "quantize/quantized_size_mb",
                 "quantize/quantized_eval_accuracy", "quantize/quantized_eval_loss"):
         assert scalars(run_dir, tag), tag
+
+
+def test_the_memory_snapshot_is_written_once_while_recording(monkeypatch, tmp_path):
+    """The allocator's calls stood in for (they need CUDA; the GPU set runs the real ones):
+    the snapshot is dumped after the third step, with recording on, and not again at the
+    end of a longer run (a dump after recording stopped holds no trace)."""
+    from parallab.observe import memory
+
+    calls = []
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history",
+                        lambda enabled="all", **kw: calls.append(("record", enabled)))
+    monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot",
+                        lambda path: calls.append(("dump", calls[-1][1])))
+    with memory.snapshot(True, tmp_path, 0, True) as recorder:
+        for _ in range(5):
+            recorder.step()
+    assert calls == [("record", "all"), ("dump", "all"), ("record", None)]

@@ -5,12 +5,20 @@
     fp16  float16 autocast + GradScaler, on any device (slow on CPU: warned)
     amp   automatic: fp16 + GradScaler on CUDA, bf16 on CPU, where float16 autocast measured
           20.4 ms per MNIST-CNN step against 4.7 ms in fp32 and 4.2 ms in bf16
+    fp8   bf16 autocast, the Linear layers' matmuls in float8 (torchao's Float8Linear,
+          dynamic tensorwise scales) on a CUDA GPU with float8 tensor cores (compute
+          capability 8.9: Ada, Hopper and later); the output layer stays in bf16
+
+Under a sharded layout (fsdp, hsdp, tp) each rank holds part of the gradients, so float16's
+scaler is torch's ShardedGradScaler: the ranks agree on an overflow (one all-reduce) and
+skip the step together.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import warnings
 from typing import Any
 
 import torch
@@ -20,7 +28,8 @@ from parallab.config.schema import PrecisionConfig
 log = logging.getLogger(__name__)
 
 
-MODES = ("fp32", "amp", "bf16", "fp16")
+MODES = ("fp32", "amp", "bf16", "fp16", "fp8")
+FP8_CAPABILITY = (8, 9)  # torch._scaled_mm's float8 tensor cores: Ada, Hopper and later
 
 
 def problem(cfg: PrecisionConfig) -> str | None:
@@ -30,14 +39,41 @@ def problem(cfg: PrecisionConfig) -> str | None:
     return None
 
 
+def device_problem(cfg: PrecisionConfig, device_type: str, tp: int = 1) -> str | None:
+    """What the resolved device and layout rule out of cfg (fp8's needs); None if nothing."""
+    if cfg.name != "fp8":
+        return None
+    if device_type != "cuda":
+        return ("precision=fp8 trains the Linear layers in float8 on a CUDA GPU of compute "
+                f"capability {'.'.join(map(str, FP8_CAPABILITY))} or later (H100, L4, L40S); "
+                f"device={device_type} has no float8 matmul: use precision=bf16")
+    import torch
+
+    found = torch.cuda.get_device_capability()
+    if found < FP8_CAPABILITY:
+        return (f"precision=fp8 needs float8 tensor cores (compute capability "
+                f"{'.'.join(map(str, FP8_CAPABILITY))} or later: H100, L4, L40S); "
+                f"{torch.cuda.get_device_name()} has {found[0]}.{found[1]}: use precision=bf16")
+    try:
+        import torchao.float8  # noqa: F401
+    except ImportError:
+        return "precision=fp8 needs torchao: pip install 'parallab[quantize]'"
+    if tp > 1:
+        return (f"precision=fp8 with parallel.tp={tp}: float8 Linear layers take no "
+                "tensor-parallel plan here: use parallel=fsdp or ddp (tp=1), or precision=bf16")
+    return None
+
+
 def compute_dtype(name: str, device_type: str) -> torch.dtype:
     if name == "amp":
         return torch.float16 if device_type == "cuda" else torch.bfloat16
-    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+            "fp8": torch.bfloat16}[name]  # fp8: what Float8Linear leaves (and its output)
 
 
 class Precision:
-    def __init__(self, cfg: PrecisionConfig, device: torch.device):
+    def __init__(self, cfg: PrecisionConfig, device: torch.device, sharded: bool = False):
+        self.name = cfg.name
         self.device_type = device.type
         self.tf32 = cfg.tf32 and device.type == "cuda"
         self.dtype = compute_dtype(cfg.name, device.type)
@@ -46,7 +82,16 @@ class Precision:
                         "here; precision=bf16 (or amp) is the fast one on CPU", cfg.name)
         # scaled loss keeps small float16 gradients from flushing to zero; a step whose
         # gradients overflowed is skipped and the scale lowered
-        self.scaler = torch.amp.GradScaler(device.type, enabled=self.dtype == torch.float16)
+        scaled = self.dtype == torch.float16
+        if sharded and scaled:
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            # its found-inf flag (shape (1,)) meets DTensor gradients, which DTensor
+            # replicates, as meant, warning each time
+            warnings.filterwarnings("ignore", message="Found a non-scalar tensor with numel=1")
+            self.scaler = ShardedGradScaler(device.type)
+        else:
+            self.scaler = torch.amp.GradScaler(device.type, enabled=scaled)
         if device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
             torch.backends.cudnn.allow_tf32 = cfg.tf32
@@ -54,6 +99,23 @@ class Precision:
     @property
     def dtype_name(self) -> str:
         return str(self.dtype).removeprefix("torch.")
+
+    def convert(self, model: torch.nn.Module) -> torch.nn.Module:
+        """fp8: the model's Linear layers as torchao's Float8Linear (before tensor parallel,
+        compile and sharding, as torchtitan converts them), but the output layer (its
+        logits feed the loss, torchtitan keeps it too) and any whose widths float8 matmuls
+        cannot take (multiples of 16); the model as it is otherwise."""
+        if self.name != "fp8":
+            return model
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        linears = [name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+        output = linears[-1] if linears else None
+        convert_to_float8_training(
+            model, config=Float8LinearConfig.from_recipe_name("tensorwise"),
+            module_filter_fn=lambda m, name: name != output and m.in_features % 16 == 0
+            and m.out_features % 16 == 0)
+        return model
 
     def autocast(self) -> contextlib.AbstractContextManager:
         if self.dtype == torch.float32:

@@ -20,7 +20,7 @@ from parallab.config.errors import ConfigError
 from parallab.config.schema import Config, Device
 from parallab.launching.distributed import cpu_cores
 from parallab.launching.launch import InPlace
-from parallab.observe import loggers
+from parallab.observe import loggers, memory
 from parallab.parallel import activations
 from parallab.training import checkpoint, monitor
 
@@ -131,8 +131,10 @@ def resolve_device(cfg: Config) -> None:
     import torch
 
     if cfg.parallel.devices is not None:
-        # before the first CUDA call, so this process sees the same GPUs as its workers
-        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in cfg.parallel.devices)
+        # before the first CUDA call, so this process sees the same GPUs as its workers;
+        # each once (CUDA stops at a repeated id): a one-process layout may name one twice
+        visible = dict.fromkeys(cfg.parallel.devices)
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in visible)
     has_cuda = torch.cuda.is_available()
     if cfg.device is Device.auto:
         cfg.device = Device.cuda if has_cuda else Device.cpu
@@ -151,6 +153,12 @@ def resolve_parallel(cfg: Config, in_place: InPlace | None) -> None:
     p = cfg.parallel
     strategy = STRATEGIES[p.name]
     gpus = torch.cuda.device_count() if cfg.device is Device.cuda else 0
+    if p.devices is not None and gpus:
+        _require(not strategy.processes or len(set(p.devices)) == len(p.devices),
+                 f"parallel.devices={p.devices} names a GPU twice, and parallel={p.name} runs "
+                 "a process per GPU (NCCL takes one rank per GPU): name each once (parallel=dp "
+                 "and model may share one)")
+        gpus = len(p.devices)  # the devices a one-process layout places its parts on
     if in_place is not None:
         launching = [name for name, kind in STRATEGIES.items() if kind.processes]
         _require(strategy.processes or in_place.world_size == 1, f"parallel={p.name} "
@@ -340,6 +348,9 @@ def prepare(cfg: Config, in_place: InPlace | None, run_dir: str | None = None) -
     check_objective(cfg)
     resolve_device(cfg)
     resolve_parallel(cfg, in_place)
+    _refuse(precision.device_problem(cfg.precision, cfg.device.value,
+                                     getattr(cfg.parallel, "tp", 1)))
+    _refuse(memory.snapshot_problem(cfg.trainer.memory_snapshot, cfg.device.value))
     resolve_global_batch(cfg)
     check_strategy(cfg, probe)
     check_run_length(cfg)

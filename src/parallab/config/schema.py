@@ -137,7 +137,9 @@ class ParallelConfig:
     nnodes: int = 1  # hosts of a job started by the built-in launcher (torchrun/SLURM say theirs)
     threads_per_worker: Optional[int] = None  # null = cores / local workers
     max_restarts: int = 0  # elastic restarts of the worker group after a worker dies
-    devices: Optional[list[int]] = None  # GPU ids made visible to the workers
+    # GPU ids made visible to the workers; dp and model may name one twice ([0,0]: two
+    # replicas or parts on one GPU, to try the layout there)
+    devices: Optional[list[int]] = None
     # the model's stages by module name in forward order ("blocks.*": a ModuleList's
     # children); null = the model's stages(), or an nn.Sequential's children
     stages: Optional[list[str]] = None
@@ -201,7 +203,7 @@ class PipelineConfig(ParallelConfig):
 # --- precision, backend, optim, trainer -------------------------------------------------
 @dataclass
 class PrecisionConfig:
-    name: str = "fp32"  # fp32 | amp | bf16 | fp16
+    name: str = "fp32"  # fp32 | amp | bf16 | fp16 | fp8 (float8 Linear layers, CUDA)
     tf32: bool = False  # TF32 matmul/cuDNN on CUDA (Tensor Cores for fp32 models)
 
 
@@ -282,6 +284,9 @@ class TrainerConfig:
     # null = torch's default; reduce-overhead, max-autotune, ...
     compile_mode: Optional[str] = None
     profile: bool = False  # torch.profiler trace of steps 3-5 into <run dir>/profiler/
+    # CUDA: the allocator's history over the first 3 steps into
+    # <run dir>/memory_snapshot/rank<r>.pickle, for pytorch.org/memory_viz
+    memory_snapshot: bool = False
     # dynamic_int8: int8 Linear layers after training (torchao), evaluated too
     quantize: Optional[str] = None
     # double data.batch_size until out of memory, over budget, or <5% faster

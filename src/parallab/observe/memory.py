@@ -4,11 +4,17 @@ and the training state a rank holds."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import resource
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from torch import nn
+
+log = logging.getLogger(__name__)
+SNAPSHOT_STEPS = 3  # the steps a memory snapshot records: set-up, the first update, a steady one
+SNAPSHOT_ENTRIES = 100_000  # allocation events kept (torch's ring buffer)
 
 
 def reset_peak_memory(device: torch.device) -> None:
@@ -43,3 +49,56 @@ def held_state_mb(model: nn.Module, optimizer: torch.optim.Optimizer) -> float:
         v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
     local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
     return sum(t.numel() * t.element_size() for t in local) / 2**20
+
+
+def snapshot_problem(enabled: bool, device_type: str) -> str | None:
+    if enabled and device_type != "cuda":
+        return (f"trainer.memory_snapshot=true records CUDA's caching allocator, and "
+                f"device={device_type} has none: use device=cuda, or trainer.max_memory_mb and "
+                "the peak_memory_mb figure on CPU")
+    return None
+
+
+class MemorySnapshot:
+    """Records every CUDA allocation (with its Python stack) from the first step; after
+    SNAPSHOT_STEPS steps writes <run dir>/memory_snapshot/rank<r>.pickle, which
+    pytorch.org/memory_viz draws, and stops recording (its stacks cost host time)."""
+
+    def __init__(self, run_dir: Path, rank: int, is_main: bool):
+        self.path = Path(run_dir) / "memory_snapshot" / f"rank{rank}.pickle"
+        self.is_main = is_main
+        self.steps = 0
+        self.written = False
+        torch.cuda.memory._record_memory_history(max_entries=SNAPSHOT_ENTRIES)
+
+    def step(self) -> None:
+        self.steps += 1
+        if self.steps == SNAPSHOT_STEPS:
+            self.close()
+
+    def close(self) -> None:
+        """Write the snapshot and stop recording, once (a later dump would hold no trace)."""
+        if self.written:
+            return
+        self.written = True
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        torch.cuda.memory._dump_snapshot(str(self.path))
+        torch.cuda.memory._record_memory_history(enabled=None)
+        if self.is_main:
+            log.info("memory snapshot of the first %d steps written to %s (open it in "
+                     "pytorch.org/memory_viz)", self.steps, self.path)
+
+
+@contextlib.contextmanager
+def snapshot(enabled: bool, run_dir: Path, rank: int, is_main: bool
+             ) -> Iterator[MemorySnapshot | None]:
+    """trainer.memory_snapshot: the recorder to step once per training step (it writes
+    after SNAPSHOT_STEPS, or at the end of a shorter run), or None."""
+    if not enabled:
+        yield None
+        return
+    recorder = MemorySnapshot(run_dir, rank, is_main)
+    try:
+        yield recorder
+    finally:
+        recorder.close()

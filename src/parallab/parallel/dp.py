@@ -35,7 +35,7 @@ class DataParallelStrategy(Strategy):
             return model
         log.info("parallel=dp over %d GPUs; parallel=ddp is faster (one process per GPU, "
                  "no per-step scatter/gather)", self.cfg.world_size)
-        return nn.DataParallel(model, device_ids=list(range(self.cfg.world_size)))
+        return nn.DataParallel(model, device_ids=self.gpus())
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model.module if isinstance(model, nn.DataParallel) else model

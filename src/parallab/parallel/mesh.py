@@ -147,7 +147,7 @@ class MeshStrategy(Strategy):
             raise ConfigError(f"parallel.bucket_cap_mb={p.bucket_cap_mb} is out of range: it "
                               "must be > 0 (DDP's default is 25)")
         if layout.sharded:
-            cls.refuse_sharded(cfg)
+            cls.refuse_sharded(cfg, layout)
         if p.sequence_parallel and p.tp == 1:
             raise ConfigError("parallel.sequence_parallel=true cuts a tensor-parallel "
                               "group's activations: it needs parallel.tp > 1 (or set it "
@@ -155,15 +155,16 @@ class MeshStrategy(Strategy):
         refuse_tp(cfg, p.tp, p.sequence_parallel)
 
     @staticmethod
-    def refuse_sharded(cfg) -> None:
-        """What needs every rank to hold the whole model: one float16 GradScaler per rank
-        (each could skip the step alone), post-training quantization."""
+    def refuse_sharded(cfg, layout: Layout) -> None:
+        """What needs every rank to hold the whole model: post-training quantization; and
+        float16's loss scaling where a pipeline's schedule runs the backward (the sharded
+        layouts scale it with ShardedGradScaler: precision.py)."""
         p, t = cfg.parallel, cfg.trainer
-        if compute_dtype(cfg.precision.name, cfg.device.value) == torch.float16:
+        if layout.cuts_model and compute_dtype(cfg.precision.name, cfg.device.value) == \
+                torch.float16:
             raise ConfigError(f"precision={cfg.precision.name} with parallel={p.name}: it "
-                              "computes in float16 here, with a GradScaler, and each rank holds "
-                              "part of the gradients: a scaler per rank could skip the step on "
-                              "one rank only: use precision=bf16")
+                              "computes in float16 here, with a GradScaler, whose scaled loss "
+                              "the pipeline's schedule does not take: use precision=bf16")
         if t.quantize is not None:
             raise ConfigError(f"trainer.quantize={t.quantize} with parallel={p.name}: quantize "
                               "needs the whole model in one process: use parallel=none or ddp "

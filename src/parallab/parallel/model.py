@@ -60,7 +60,7 @@ class ModelParallelStrategy(Strategy):
 
     def devices(self) -> list[torch.device]:
         if self.dist.device.type == "cuda":
-            return [torch.device("cuda", i) for i in range(self.cfg.world_size)]
+            return [torch.device("cuda", i) for i in self.gpus()]
         return [self.dist.device] * self.cfg.world_size  # every part on the CPU: same code path
 
     def wrap(self, model: nn.Module) -> nn.Module:

@@ -15,6 +15,7 @@ def parallelize(model: nn.Module, strategy, trainer, stages: list[str] | None = 
                 ) -> nn.Module:
     """`model` as this rank runs it under `strategy` (trainer: the trainer config; stages:
     parallel.stages, the units activation checkpointing wraps)."""
+    model = strategy.precision.convert(model)  # fp8's Float8Linear, before any split
     model = strategy.split(model)
     model = speed_up(model, trainer, stages)
     return strategy.wrap(model)

@@ -261,7 +261,8 @@ def build_trainer(cfg: Config, dist: distributed.Dist, logger: RunLogger,
     learning rate it uses."""
     strategy_cls = STRATEGIES[cfg.parallel.name]
     model, held_only = start_model(cfg, dist, strategy_cls, init_from)
-    precision = Precision(cfg.precision, dist.device)
+    precision = Precision(cfg.precision, dist.device,
+                          sharded=strategy_cls.layout_of(cfg.parallel).sharded)
     strategy = strategy_cls(cfg.parallel, dist, precision, build_loss(cfg.loss).bind(model))
     torch.manual_seed(cfg.seed + strategy.seed_rank)  # dropout masks differ between ranks
     model = parallelize(model, strategy, cfg.trainer, cfg.parallel.stages)

@@ -23,7 +23,7 @@ from parallab.data.stream import run_length
 from parallab.launching.distributed import Dist
 from parallab.launching.preemption import Preemption
 from parallab.metrics import evaluate
-from parallab.observe import mfu
+from parallab.observe import memory, mfu
 from parallab.observe.comm import CommCounter
 from parallab.observe.loggers import RunLogger
 from parallab.observe.memory import held_state_mb, peak_memory_mb
@@ -99,6 +99,7 @@ class Trainer:
         # activations a micro-batch keeps there): probe.counted_step(trainer, batches)
         self.probe = probe
         self.profiler = None  # fit()'s torch.profiler.profile where trainer.profile is on
+        self.snapshot = None  # fit()'s memory.MemorySnapshot where trainer.memory_snapshot is on
         # a language model's batches (set at the first step): tokens counted per step
         self.counts_tokens: bool | None = None
         self.window_tokens: list[torch.Tensor | int] = []
@@ -213,7 +214,9 @@ class Trainer:
         with Progress(self.total_steps, self.dist.is_main and report,
                       self.cfg.progress_bar) as progress, \
                 profiled(self.cfg.profile, self.dist.device, self.logger.run_dir, self.dist.rank,
-                         self.dist.is_main) as self.profiler:
+                         self.dist.is_main) as self.profiler, \
+                memory.snapshot(self.cfg.memory_snapshot, self.logger.run_dir, self.dist.rank,
+                                self.dist.is_main) as self.snapshot:
             while self.epoch < self.cfg.epochs and not self.done():
                 finished = self.train_epoch(progress)
                 if self.stopped:
@@ -257,6 +260,10 @@ class Trainer:
             self.step += 1
             self.epoch_step += 1
             self.preemption.step_done()
+            if self.dist.device.type == "cuda" and self.done():
+                # steps are timed as the host queues them: the last one's kernels must end
+                # inside the timed span (each log step's loss read waits for its own)
+                torch.cuda.synchronize(self.dist.device)
             now = time.perf_counter()
             self.step_times.append(now - tick)
             tick = now
@@ -268,6 +275,8 @@ class Trainer:
                 self.window_tokens.extend(batch_of.tokens(b) for b in batches)
             if self.profiler is not None:
                 self.profiler.step()
+            if self.snapshot is not None:
+                self.snapshot.step()
             progress.update()
             if self.step % self.cfg.log_every_n_steps == 0 or self.done():
                 self.log_window(progress)
