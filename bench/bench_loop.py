@@ -81,7 +81,8 @@ def accuracy(model, images, labels) -> float:
     return correct / len(labels)
 
 
-def run_recipe(root: str) -> dict:
+def run_recipe(root: str, device: str = "cpu") -> dict:
+    """The recipe as written; on a GPU its model.cuda() and inputs.cuda() per batch."""
     import torch
     from torch.utils.data import DataLoader
     from torchvision import datasets, transforms
@@ -89,19 +90,22 @@ def run_recipe(root: str) -> dict:
     transform = transforms.Compose([transforms.ToTensor(), transforms.Normalize((0.1307,), (0.3081,))])
     trainset = datasets.MNIST(root, train=True, download=False, transform=transform)
     testset = datasets.MNIST(root, train=False, download=False, transform=transform)
-    model = recipe_net()
+    model = recipe_net().to(device)
     loader = DataLoader(trainset, batch_size=64, shuffle=True)
     criterion = torch.nn.CrossEntropyLoss()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.5)
     start = time.perf_counter()
     for inputs, labels in loader:
+        inputs, labels = inputs.to(device), labels.to(device)
         optimizer.zero_grad()
         loss = criterion(model(inputs), labels)
         loss.backward()
         optimizer.step()
+    if device != "cpu":
+        torch.cuda.synchronize()
     epoch = time.perf_counter() - start
-    test = next(iter(DataLoader(testset, batch_size=len(testset))))
-    return {"epoch_s": epoch, "accuracy": accuracy(model, *test)}
+    images, labels = next(iter(DataLoader(testset, batch_size=len(testset))))
+    return {"epoch_s": epoch, "accuracy": accuracy(model, images.to(device), labels.to(device))}
 
 
 def run_hand(root: str) -> dict:
@@ -302,14 +306,20 @@ def main() -> None:
         own_model(args.repeats, scratch_dir("parallab-bench-own-"))
 
 
-def recipe_cnn(repeats: int) -> None:
-    """(a), (b), (c): the MNIST recipe, a hand-written loop and train.py on the MNIST recipe's CNN."""
+def extracted_mnist() -> Path:
+    """A scratch dir holding MNIST/raw/ as torchvision's MNIST reads it (extracted)."""
     work = scratch_dir("parallab-bench-")
-    raw = work / "MNIST" / "raw"  # torchvision's MNIST wants the files extracted
+    raw = work / "MNIST" / "raw"
     raw.mkdir(parents=True)
     for gz in (SHIPPED / "MNIST" / "raw").glob("*.gz"):
         with gzip.open(gz) as src, open(raw / gz.stem, "wb") as dst:
             shutil.copyfileobj(src, dst)
+    return work
+
+
+def recipe_cnn(repeats: int) -> None:
+    """(a), (b), (c): the MNIST recipe, a hand-written loop and train.py on the MNIST recipe's CNN."""
+    work = extracted_mnist()
     results: dict[str, list[dict]] = {"recipe": [], "hand": [], "parallab": []}
     for repeat in range(repeats):
         pair = [lambda: results["hand"].append(in_subprocess("hand", str(SHIPPED))),

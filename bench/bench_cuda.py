@@ -1,0 +1,195 @@
+"""Throughput on one CUDA GPU, side by side in one sitting: a GPT-2-small-shaped gpt per
+precision, eager and compiled; a transformers GPT-2 of the same shape; the MNIST recipe as
+written against `train.py` for one epoch.
+
+    python bench/bench_cuda.py [--steps 200] [--parts gpt mnist hf profile] [--batch N] [--json F]
+
+gpt: 12 layers, 12 heads, width 768, context 1024 (byte tokens: vocab 256), AdamW (fused on
+CUDA), data=bytes. The per-rank batch is the batch-size finder's pick in bf16 (one run with
+trainer.auto_batch_size=true from 8 up) unless --batch is given. Each configuration is
+`python train.py ... precision=P trainer.compile=C` in a fresh process; tokens/s and MFU
+leave the first 10 steps out (compilation), eval loss is on the final weights. fp8 runs
+only where the GPU has float8 tensor cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from parallab.testing import REPO, scratch_dir, train_metrics
+
+SHAPE = ["model.layers=12", "model.heads=12", "model.width=768", "model.context=1024"]
+GPT = ["model=gpt", "data=bytes", "data.eval_fraction=0.01", "data.eval_batch_size=16",
+       *SHAPE, "optim=adamw", "optim.lr=6e-4", "device=cuda", "trainer.timing_skip_steps=10",
+       "trainer.log_every_n_steps=50", "trainer.checkpoint_every_n_steps=null"]
+HF = ["--config-dir", str(REPO / "examples" / "hf_llama" / "conf"), "model=my_gpt2",
+      "model.config.n_embd=768", "model.config.n_layer=12", "model.config.n_head=12",
+      "model.config.n_positions=1024", "data=bytes", "data.seq_len=1024",
+      "data.eval_fraction=0.01", "data.eval_batch_size=16", "optim=adamw", "optim.lr=6e-4",
+      "device=cuda", "trainer.timing_skip_steps=10", "trainer.log_every_n_steps=50",
+      "trainer.checkpoint_every_n_steps=null"]
+# precision:eager|compile[:steps]; fp32 is slow, a few steps time it (default: --steps)
+CONFIGS = ["fp32:eager:20", "bf16:eager:60", "bf16:compile", "fp8:compile"]
+
+
+def has_fp8() -> bool:
+    import torch
+
+    from parallab.precision import FP8_CAPABILITY
+
+    return torch.cuda.get_device_capability() >= FP8_CAPABILITY
+
+
+def run(work: Path, name: str, overrides: list[str]) -> dict:
+    start = time.perf_counter()
+    try:
+        metrics = train_metrics(overrides, work / name, timeout=600)
+    except RuntimeError as error:  # a failing configuration is a row, not the end
+        print(f"{name}: FAILED\n{str(error)[-3000:]}", flush=True)
+        return {"name": name, "failed": True}
+    metrics = {"name": name, "wall_s": time.perf_counter() - start, **metrics}
+    print(f"{name}: {metrics.get('tokens_per_sec', 0):,.0f} tokens/s, mfu "
+          f"{metrics.get('mfu') or 0:.3f}, eval_loss {metrics['eval_loss']:.4f}, "
+          f"wall {metrics['wall_s']:.0f} s", flush=True)
+    return metrics
+
+
+def trace_summary(run_dir: Path, top: int = 12) -> str:
+    """Where the profiled steps' time went (trainer.profile=true: steps 3-5): the GPU's busy
+    share of the span its kernels cover, host-device synchronisations, the top kernels."""
+    import gzip
+
+    path = next((run_dir / "profiler").glob("*.json*"))
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    busy, end = 0.0, 0.0
+    for e in kernels:  # the union of kernel intervals: streams may overlap
+        start, stop = max(e["ts"], end), e["ts"] + e["dur"]
+        busy += max(0.0, stop - start)
+        end = max(end, stop)
+    span = end - kernels[0]["ts"]
+    syncs = [e for e in events if e.get("cat") == "cuda_runtime" and
+             ("Synchronize" in e["name"] or e["name"].startswith("cudaMemcpy"))]
+    by_name: dict[str, float] = {}
+    for e in kernels:
+        by_name[e["name"][:70]] = by_name.get(e["name"][:70], 0.0) + e["dur"]
+    lines = [f"profiled steps: GPU busy {busy / 1e3:.1f} of {span / 1e3:.1f} ms "
+             f"({100 * busy / span:.1f}%), {len(kernels)} kernels, {len(syncs)} host-device "
+             f"syncs or copies ({sum(e['dur'] for e in syncs) / 1e3:.2f} ms)"]
+    lines += [f"  {100 * t / busy:5.1f}%  {name}" for name, t in
+              sorted(by_name.items(), key=lambda kv: -kv[1])[:top]]
+    return "\n".join(lines)
+
+
+def profiled(work: Path, batch: int) -> str:
+    """bf16 + compile with trainer.profile=true, and its trace summarised."""
+    metrics = run(work, "gpt-bf16-compile-profiled", [
+        *GPT, "precision=bf16", "trainer.compile=true", f"data.batch_size={batch}",
+        "trainer.max_steps=8", "trainer.profile=true"])
+    return trace_summary(work / metrics["name"]) if not metrics.get("failed") else "failed"
+
+
+def finder_batch(work: Path) -> int:
+    metrics = run(work, "finder", [*GPT, "precision=bf16", "data.batch_size=8",
+                                   "trainer.auto_batch_size=true", "trainer.max_steps=12"])
+    return metrics["global_batch_size"]
+
+
+def gpt_table(work: Path, batch: int, steps: int, configs: list[str]) -> list[dict]:
+    rows = []
+    for config in configs:
+        precision, mode, *short = config.split(":")
+        compiled = mode == "compile"
+        if precision == "fp8" and not has_fp8():
+            continue
+        rows.append({"precision": precision, "compile": compiled, **run(
+            work, f"gpt-{precision}-{mode}",
+            [*GPT, f"precision={precision}", f"trainer.compile={str(compiled).lower()}",
+             f"data.batch_size={batch}", f"trainer.max_steps={short[0] if short else steps}"])})
+    return rows
+
+
+def mnist(work: Path) -> dict:
+    """One epoch of the MNIST recipe as written (model.cuda(), a DataLoader of ToTensor
+    samples) against `train.py trainer.epochs=1 device=cuda`."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from bench_loop import extracted_mnist, run_recipe
+
+    recipe = run_recipe(str(extracted_mnist()), "cuda")
+    parallab = run(work, "mnist-parallab", ["trainer.epochs=1", "device=cuda"])
+    return {"recipe_epoch_s": recipe["epoch_s"], "recipe_accuracy": recipe["accuracy"],
+            "parallab_epoch_s": parallab.get("epoch_time_s"),
+            "parallab_accuracy": parallab.get("eval_accuracy")}
+
+
+def report(device: dict, rows: list[dict], extra: dict) -> None:
+    print(f"\n{device['name']}, torch {device['torch']}, CUDA {device['cuda']}\n")
+    if rows:
+        base = next((r for r in rows if r["precision"] == "fp32" and not r["compile"]
+                     and not r.get("failed")), None)
+        print("| model | precision | compile | batch | tokens/s | vs fp32 eager | MFU | "
+              "eval loss | steps |\n|---|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            if r.get("failed"):
+                print(f"| {r['name']} | failed |")
+                continue
+            ratio = r["tokens_per_sec"] / base["tokens_per_sec"] if base else float("nan")
+            print(f"| {r.get('model', 'gpt')} | {r['precision']} | {r['compile']} | "
+                  f"{r['global_batch_size']} | {r['tokens_per_sec']:,.0f} | {ratio:.2f} | "
+                  f"{100 * (r.get('mfu') or 0):.1f}% | {r['eval_loss']:.4f} | {r['steps']} |")
+    if "mnist" in extra:
+        m = extra["mnist"]
+        print(f"\nMNIST, one epoch: recipe {m['recipe_epoch_s']:.2f} s (accuracy "
+              f"{m['recipe_accuracy']:.4f}), parallab {m['parallab_epoch_s']:.2f} s (accuracy "
+              f"{m['parallab_accuracy']:.4f}): {m['recipe_epoch_s'] / m['parallab_epoch_s']:.2f}x")
+
+
+def main() -> None:
+    import torch
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--batch", type=int, default=None)
+    parser.add_argument("--parts", nargs="+", default=["gpt", "mnist", "hf", "profile"],
+                        help="gpt, mnist, hf, profile (a bf16 compiled run's trace, read)")
+    parser.add_argument("--configs", nargs="+", default=CONFIGS,
+                        help="gpt runs as precision:eager|compile[:steps]")
+    parser.add_argument("--json", type=Path, default=None, help="write every figure here")
+    args = parser.parse_args()
+    device = {"name": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "cuda": torch.version.cuda}
+    work = scratch_dir("parallab-bench-cuda-")
+    batch = args.batch or (finder_batch(work) if {"gpt", "hf", "profile"} & set(args.parts)
+                           else 0)
+    rows, extra = [], {}
+
+    def save() -> None:  # after each part: a run stopped by its time limit keeps the rest
+        if args.json:
+            args.json.write_text(json.dumps({"device": device, "batch": batch, "rows": rows,
+                                             **extra}, indent=1, default=str))
+
+    for part in args.parts:
+        if part == "gpt":
+            rows += gpt_table(work, batch, args.steps, args.configs)
+        elif part == "hf":
+            rows.append({"model": "transformers GPT-2", "precision": "bf16", "compile": True,
+                         **run(work, "hf-gpt2-bf16-compile", [
+                             *HF, "precision=bf16", "trainer.compile=true",
+                             f"data.batch_size={batch}", f"trainer.max_steps={args.steps}"])})
+        elif part == "mnist":
+            extra["mnist"] = mnist(work)
+        elif part == "profile":
+            extra["profile"] = profiled(work, batch)
+            print(extra["profile"], flush=True)
+        save()
+        report(device, rows, extra)
+
+
+if __name__ == "__main__":
+    main()
