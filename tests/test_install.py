@@ -83,3 +83,20 @@ def test_the_wheel_trains_a_transformers_project_under_none_and_tp(venv, tmp_pat
     assert losses(project / "tp") == pytest.approx(one, abs=1e-3)
     assert read_metrics(project / "tp")["eval_loss"] == pytest.approx(
         read_metrics(project / "none")["eval_loss"], abs=1e-3)
+
+
+def test_make_setup_hands_pips_configuration_to_uv():
+    """`make setup` installs with uv, which reads no pip configuration: the indexes, wheel
+    folders and constraints pip would use reach it as options, each once."""
+    sys.path.insert(0, str(REPO / "tools"))
+    from pip_to_uv import uv_options
+
+    listed = ("global.cert='/etc/ssl/certs/ca.crt'\n"
+              "global.extra-index-url='file:///mirror/simple file:///more/simple'\n"
+              "global.find-links='/wheels'\n:env:.find-links='/wheels'\n"
+              "global.constraint='/etc/pip/caps.txt'\n")
+    assert uv_options(listed) == [
+        "--index-strategy", "unsafe-best-match",
+        "--extra-index-url", "file:///mirror/simple", "--extra-index-url", "file:///more/simple",
+        "--find-links", "/wheels", "--constraint", "/etc/pip/caps.txt"]
+    assert uv_options("") == ["--index-strategy", "unsafe-best-match"]
