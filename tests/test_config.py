@@ -159,7 +159,10 @@ def test_auto_values_resolve_for_cpu():
     (["model=gpt", "data=bytes", "model.tie_embeddings=true", "parallel=pipeline"],
      "parallel=pipeline puts stages 0 and 5 on different parts, but they share a parameter"),
     (["precision.name=fp4"], "precision.name=fp4 is unknown"),
-    (["precision=fp8"], "precision=fp8 trains the Linear layers in float8 on a CUDA GPU"),
+    (["precision=fp8"], "precision=fp8 trains the Linear layers in float8, which pays on a "
+                        "CUDA GPU"),
+    (["precision=fp8", "trainer.quantize=dynamic_int8"], "trainer.quantize=dynamic_int8 with "
+                                                         "precision=fp8"),
     (["trainer.memory_snapshot=true"], "trainer.memory_snapshot=true records CUDA's caching "
                                        "allocator, and device=cpu has none"),
     (["trainer.on_nan=ignore"], "trainer.on_nan=ignore"),
@@ -403,3 +406,28 @@ def test_amp_is_fp16_on_cuda_and_refused_where_a_pipeline_runs_the_backward():
             strategy.refuse_sharded(cfg, layout)
     cfg.device = Device.cpu  # amp is bfloat16 there: allowed
     STRATEGIES["fsdp"].check(cfg)
+
+
+@pytest.mark.parametrize("layout,devices,found,expected", [
+    ("dp", [0, 0], 1, 2), ("model", [1, 0], 2, 2), ("ddp", [0, 1], 2, 2),
+    ("dp", [0, 5], 1, "names 2 GPUs, but 1 of them are visible"),
+    ("ddp", [0, 0], 1, "names a GPU twice, and parallel=ddp runs a process per GPU"),
+])
+def test_parallel_devices_are_gpus_this_machine_has(monkeypatch, layout, devices, found,
+                                                    expected):
+    """The GPU count stood in for (this machine has none): a one-process layout may name
+    one GPU twice; an id CUDA does not have, or a repeat under a process per GPU, is
+    refused before launch."""
+    import torch
+
+    from parallab.config.schema import Device
+    from parallab.parallel import STRATEGIES
+
+    cfg = typed(f"parallel={layout}", f"parallel.devices=[{','.join(map(str, devices))}]")
+    cfg.device = Device.cuda
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: found)
+    if isinstance(expected, int):
+        assert validate.visible_gpus(cfg, STRATEGIES[layout]) == expected
+    else:
+        with pytest.raises(validate.ConfigError, match=expected):
+            validate.visible_gpus(cfg, STRATEGIES[layout])

@@ -77,14 +77,17 @@ def test_nccl_at_world_size_one(train_here, layout):
     assert metrics["backend"] == "nccl" and falls(run_dir)
 
 
-def test_fp16_under_fsdp_on_cuda(train_here):
-    metrics, run_dir = train_here(*GPU, "parallel=fsdp", "parallel.world_size=1",
+def test_fp16_under_ddp_with_nccl(train_here):
+    """float16's scaler in a launched rank (fsdp at one rank is ddp: its sharded scaler
+    needs two GPUs; two CPU ranks test it)."""
+    metrics, run_dir = train_here(*GPU, "parallel=ddp", "parallel.world_size=1",
                                   "backend=nccl", "precision=fp16")
     assert metrics["precision_dtype"] == "float16" and falls(run_dir)
 
 
 @pytest.mark.parametrize("layout", ["dp", "model"])
-def test_one_process_layouts_on_one_gpu_named_twice(train_here, layout):
+def test_one_process_layouts_on_one_gpu_named_twice(train_here, monkeypatch, layout):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)  # the run sets it: put back
     metrics, run_dir = train_here(*GPU, f"parallel={layout}", "parallel.world_size=2",
                                   "parallel.devices=[0,0]")
     assert metrics["world_size"] == 2 and falls(run_dir)

@@ -91,7 +91,8 @@ def overflow_on_one_rank() -> tuple[bool, float, float]:
 @pytest.mark.distributed
 def test_an_overflow_on_one_shard_skips_the_step_on_every_rank():
     """Sharded gradients: rank 0's own shard is finite, yet it skips the step and lowers its
-    scale with rank 1 (ShardedGradScaler's all-reduce), so the ranks stay one model."""
+    scale with rank 1, so the ranks stay one model (ShardedGradScaler all-reduces the flag;
+    on torch 2.14 DTensor's own check of the sharded gradients would agree too)."""
     from parallab.launching import launch
 
     skipped, scale, after = launch.elastic(overflow_on_one_rank, (), 2, 0,

@@ -158,3 +158,20 @@ def test_a_sharded_index_naming_other_code_is_refused(tmp_path):
     (ckpt / ".metadata").write_bytes(pickle.dumps(print))  # a global outside the allow-list
     with pytest.raises(checkpoint.CheckpointError, match="builtins.print"):
         checkpoint.load_sharded(ckpt, {"model": {}})
+
+
+def test_one_process_layouts_place_their_parts_by_the_devices_named():
+    """parallel.devices as CUDA ordinals among the GPUs validate made visible (each id
+    once, in order): a repeated id is the same GPU again, at most world_size of them."""
+    from types import SimpleNamespace
+
+    from parallab.parallel.base import Strategy
+
+    def gpus(devices, world_size):
+        return Strategy.gpus(SimpleNamespace(cfg=SimpleNamespace(devices=devices,
+                                                                 world_size=world_size)))
+
+    assert gpus(None, 3) == [0, 1, 2]
+    assert gpus([0, 0], 2) == [0, 0]
+    assert gpus([3, 1, 3], 3) == [0, 1, 0]
+    assert gpus([2, 3, 4], 2) == [0, 1]

@@ -44,9 +44,10 @@ def device_problem(cfg: PrecisionConfig, device_type: str, tp: int = 1) -> str |
     if cfg.name != "fp8":
         return None
     if device_type != "cuda":
-        return ("precision=fp8 trains the Linear layers in float8 on a CUDA GPU of compute "
-                f"capability {'.'.join(map(str, FP8_CAPABILITY))} or later (H100, L4, L40S); "
-                f"device={device_type} has no float8 matmul: use precision=bf16")
+        return ("precision=fp8 trains the Linear layers in float8, which pays on a CUDA GPU "
+                f"of compute capability {'.'.join(map(str, FP8_CAPABILITY))} or later (H100, "
+                f"L4, L40S) only; device={device_type} has no float8 tensor cores: use "
+                "precision=bf16")
     import torch
 
     found = torch.cuda.get_device_capability()
@@ -69,6 +70,17 @@ def compute_dtype(name: str, device_type: str) -> torch.dtype:
         return torch.float16 if device_type == "cuda" else torch.bfloat16
     return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
             "fp8": torch.bfloat16}[name]  # fp8: what Float8Linear leaves (and its output)
+
+
+def output_layer(model: torch.nn.Module) -> str | None:
+    """The name of the Linear layer that gives the model's output: a transformers model's
+    output embeddings, else the last Linear registered (gpt's head.out, a classifier's
+    last layer)."""
+    names = {m: name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    if head in names:
+        return names[head]
+    return list(names.values())[-1] if names else None
 
 
 class Precision:
@@ -109,8 +121,9 @@ class Precision:
             return model
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-        linears = [name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
-        output = linears[-1] if linears else None
+        output = output_layer(model)
+        if output is not None:
+            log.info("precision=fp8: %s (the output layer) stays in bf16", output)
         convert_to_float8_training(
             model, config=Float8LinearConfig.from_recipe_name("tensorwise"),
             module_filter_fn=lambda m, name: name != output and m.in_features % 16 == 0

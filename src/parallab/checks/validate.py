@@ -86,6 +86,9 @@ def check_values(cfg: Config) -> None:
                  f"use one of {', '.join(quantize.METHODS)} (or null)")
         _require(quantize.available(), f"trainer.quantize={t.quantize} needs torchao: "
                  "pip install 'parallab[quantize]'")
+        _require(cfg.precision.name != "fp8", f"trainer.quantize={t.quantize} with "
+                 "precision=fp8: the trained Linear layers are float8 ones, which int8 "
+                 "quantization does not take: use precision=bf16")
     _refuse(activations.problem(t.activation_checkpointing))
     _refuse(optim.problem(cfg.optim))
     _refuse(schedule.problem(cfg.scheduler))
@@ -132,7 +135,7 @@ def resolve_device(cfg: Config) -> None:
 
     if cfg.parallel.devices is not None:
         # before the first CUDA call, so this process sees the same GPUs as its workers;
-        # each once (CUDA stops at a repeated id): a one-process layout may name one twice
+        # each once (CUDA sees none where one is named twice): dp and model may repeat one
         visible = dict.fromkeys(cfg.parallel.devices)
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in visible)
     has_cuda = torch.cuda.is_available()
@@ -145,20 +148,34 @@ def resolve_device(cfg: Config) -> None:
              "drop parallel.devices or run on CUDA")
 
 
-def resolve_parallel(cfg: Config, in_place: InPlace | None) -> None:
+def visible_gpus(cfg: Config, strategy) -> int:
+    """The GPUs the run places ranks, replicas or parts on (0 on CPU): those of
+    parallel.devices, each of which must exist, a repeated one counted again (dp and model
+    may put two on one GPU; a process per GPU may not: NCCL takes one rank per GPU)."""
     import torch
 
+    if cfg.device is not Device.cuda:
+        return 0
+    p, found = cfg.parallel, torch.cuda.device_count()
+    if p.devices is None:
+        return found
+    named = list(dict.fromkeys(p.devices))
+    _require(len(named) <= found, f"parallel.devices={p.devices} names {len(named)} GPUs, but "
+             f"{found} of them are visible here (CUDA counts ids up to the first one it does "
+             "not have): name GPUs this machine has (nvidia-smi -L)")
+    _require(not strategy.processes or len(named) == len(p.devices),
+             f"parallel.devices={p.devices} names a GPU twice, and parallel={p.name} runs a "
+             "process per GPU (NCCL takes one rank per GPU): name each once (parallel=dp and "
+             "model may share one)")
+    return len(p.devices)
+
+
+def resolve_parallel(cfg: Config, in_place: InPlace | None) -> None:
     from parallab.parallel import STRATEGIES
 
     p = cfg.parallel
     strategy = STRATEGIES[p.name]
-    gpus = torch.cuda.device_count() if cfg.device is Device.cuda else 0
-    if p.devices is not None and gpus:
-        _require(not strategy.processes or len(set(p.devices)) == len(p.devices),
-                 f"parallel.devices={p.devices} names a GPU twice, and parallel={p.name} runs "
-                 "a process per GPU (NCCL takes one rank per GPU): name each once (parallel=dp "
-                 "and model may share one)")
-        gpus = len(p.devices)  # the devices a one-process layout places its parts on
+    gpus = visible_gpus(cfg, strategy)
     if in_place is not None:
         launching = [name for name, kind in STRATEGIES.items() if kind.processes]
         _require(strategy.processes or in_place.world_size == 1, f"parallel={p.name} "

@@ -69,7 +69,8 @@ class MemorySnapshot:
         self.is_main = is_main
         self.steps = 0
         self.written = False
-        torch.cuda.memory._record_memory_history(max_entries=SNAPSHOT_ENTRIES)
+        # Python stacks only: C++ frames cost far more host time and memory_viz shows these
+        torch.cuda.memory._record_memory_history(stacks="python", max_entries=SNAPSHOT_ENTRIES)
 
     def step(self) -> None:
         self.steps += 1

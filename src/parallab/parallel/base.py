@@ -108,13 +108,13 @@ class Strategy:
 
     def gpus(self) -> list[int]:
         """The CUDA ordinals a one-process layout places its replicas or parts on: those of
-        parallel.devices among the visible GPUs (named twice: the same one twice), else
-        the first world_size."""
+        parallel.devices among the visible GPUs (named twice: the same one twice), the
+        first world_size of them."""
         ids = getattr(self.cfg, "devices", None)
         if ids is None:
             return list(range(self.cfg.world_size))
         visible = list(dict.fromkeys(ids))  # as validate made them visible, in this order
-        return [visible.index(i) for i in ids]
+        return [visible.index(i) for i in ids][:self.cfg.world_size]
 
     def split(self, model: nn.Module) -> nn.Module:
         """What the layout does to the model before activation checkpointing and compile

@@ -95,11 +95,9 @@ class Trainer:
         self.step_lr: float | None = None  # the rate the last step used, before its schedule moved
         self.first_step = 0  # where this process's training starts (after a resume: later)
         self.comm: dict[str, float] = {}  # bytes sent in one step, by kind (counted_step)
-        # entered around the counted step beside the comm count (advise measures the
-        # activations a micro-batch keeps there): probe.counted_step(trainer, batches)
-        self.probe = probe
-        self.profiler = None  # fit()'s torch.profiler.profile where trainer.profile is on
-        self.snapshot = None  # fit()'s memory.MemorySnapshot where trainer.memory_snapshot is on
+        self.probe = probe  # its counted_step(trainer, batches) wraps the counted step (advise)
+        # fit()'s torch.profiler.profile and memory.MemorySnapshot, where they are on
+        self.profiler = self.snapshot = None
         # a language model's batches (set at the first step): tokens counted per step
         self.counts_tokens: bool | None = None
         self.window_tokens: list[torch.Tensor | int] = []
