@@ -13,14 +13,12 @@ $(INSTALLED): pyproject.toml
 	@# uv installs what pip would, from pip's own indexes and constraints (which
 	@# tools/pip_to_uv.py hands over), unpacking in parallel and compiling the bytecode on
 	@# every core: the whole set-up took 41 s against pip's 99 s here (a CUDA build of torch
-	@# is 5 GB unpacked). Where uv cannot be had, pip installs, then compileall (-j 0).
-	if $(PY) -m pip install --quiet --disable-pip-version-check uv; then \
-	  $(VENV)/bin/uv pip install --python $(PY) --quiet --compile-bytecode \
-	    $$($(PY) tools/pip_to_uv.py) -e '.[dev]'; \
-	else \
-	  $(PY) -m pip install --quiet --disable-pip-version-check --no-compile -e '.[dev]' && \
-	  { $(PY) -m compileall -qq -j 0 $(VENV)/lib || true; }; \
-	fi
+	@# is 5 GB unpacked). Where uv cannot be had or fails, pip installs, then compileall.
+	($(PY) -m pip install --quiet --disable-pip-version-check uv && \
+	  $(PY) tools/pip_to_uv.py $(VENV)/bin/uv --python $(PY) --quiet --compile-bytecode \
+	    -e '.[dev]') || \
+	($(PY) -m pip install --quiet --disable-pip-version-check --no-compile -e '.[dev]' && \
+	  { $(PY) -m compileall -qq -j 0 $(VENV)/lib || true; })
 	@# parallab's own (the editable install's src/), so that no process compiles it at its
 	@# start where Python writes no bytecode itself (PYTHONDONTWRITEBYTECODE); -qq: quiet
 	$(PY) -m compileall -qq -j 0 src

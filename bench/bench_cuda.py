@@ -1,4 +1,4 @@
-"""Throughput on one CUDA GPU, side by side in one sitting: a GPT-2-small-shaped gpt per
+"""Throughput on one CUDA GPU, side by side: a GPT-2-small-shaped gpt per
 precision, eager and compiled; a transformers GPT-2 of the same shape; the MNIST recipe as
 written against `train.py` for one epoch.
 
@@ -98,6 +98,8 @@ def profiled(work: Path, batch: int) -> str:
 def finder_batch(work: Path) -> int:
     metrics = run(work, "finder", [*GPT, "precision=bf16", "data.batch_size=8",
                                    "trainer.auto_batch_size=true", "trainer.max_steps=12"])
+    if metrics.get("failed"):
+        sys.exit("the batch-size finder's run failed (above): give --batch")
     return metrics["global_batch_size"]
 
 

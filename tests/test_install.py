@@ -85,18 +85,21 @@ def test_the_wheel_trains_a_transformers_project_under_none_and_tp(venv, tmp_pat
         read_metrics(project / "none")["eval_loss"], abs=1e-3)
 
 
-def test_make_setup_hands_pips_configuration_to_uv():
-    """`make setup` installs with uv, which reads no pip configuration: the indexes, wheel
-    folders and constraints pip would use reach it as options, each once."""
-    sys.path.insert(0, str(REPO / "tools"))
-    from pip_to_uv import uv_options
+def test_make_setup_hands_pips_configuration_to_uv(monkeypatch):
+    """`make setup` installs with uv, which reads no pip configuration: what pip would use
+    (as `pip config list` prints it) reaches uv as options, a PIP_* variable over a file's
+    value as for pip, a list written over several lines split into its items."""
+    monkeypatch.syspath_prepend(str(REPO / "tools"))
+    from pip_to_uv import settings, uv_options
 
     listed = ("global.cert='/etc/ssl/certs/ca.crt'\n"
-              "global.extra-index-url='file:///mirror/simple file:///more/simple'\n"
-              "global.find-links='/wheels'\n:env:.find-links='/wheels'\n"
+              "global.extra-index-url='\\nfile:///mirror/simple\\nfile:///more/simple'\n"
+              "global.find-links='/wheels'\n:env:.find-links='/env-wheels'\n"
               "global.constraint='/etc/pip/caps.txt'\n")
     assert uv_options(listed) == [
         "--index-strategy", "unsafe-best-match",
         "--extra-index-url", "file:///mirror/simple", "--extra-index-url", "file:///more/simple",
-        "--find-links", "/wheels", "--constraint", "/etc/pip/caps.txt"]
-    assert uv_options("") == ["--index-strategy", "unsafe-best-match"]
+        "--find-links", "/env-wheels", "--constraint", "/etc/pip/caps.txt"]
+    assert settings(listed)["cert"] == "/etc/ssl/certs/ca.crt"  # handed on as SSL_CERT_FILE
+    assert uv_options("global.no-index='true'") == ["--index-strategy", "unsafe-best-match",
+                                                    "--no-index"]
