@@ -22,26 +22,24 @@ from pathlib import Path
 
 from parallab.testing import REPO, scratch_dir, train_metrics
 
-SHAPE = ["model.layers=12", "model.heads=12", "model.width=768", "model.context=1024"]
-GPT = ["model=gpt", "data=bytes", "data.eval_fraction=0.01", "data.eval_batch_size=16",
-       *SHAPE, "optim=adamw", "optim.lr=6e-4", "device=cuda", "trainer.timing_skip_steps=10",
+# the data, optimizer and timing every model here runs with
+RUN = ["data=bytes", "data.eval_fraction=0.01", "data.eval_batch_size=16", "optim=adamw",
+       "optim.lr=6e-4", "device=cuda", "trainer.timing_skip_steps=10",
        "trainer.log_every_n_steps=50", "trainer.checkpoint_every_n_steps=null"]
+GPT = ["model=gpt", "model.layers=12", "model.heads=12", "model.width=768",
+       "model.context=1024", *RUN]
 HF = ["--config-dir", str(REPO / "examples" / "hf_llama" / "conf"), "model=my_gpt2",
       "model.config.n_embd=768", "model.config.n_layer=12", "model.config.n_head=12",
-      "model.config.n_positions=1024", "data=bytes", "data.seq_len=1024",
-      "data.eval_fraction=0.01", "data.eval_batch_size=16", "optim=adamw", "optim.lr=6e-4",
-      "device=cuda", "trainer.timing_skip_steps=10", "trainer.log_every_n_steps=50",
-      "trainer.checkpoint_every_n_steps=null"]
+      "model.config.n_positions=1024", "data.seq_len=1024", *RUN]
 # precision:eager|compile[:steps]; fp32 is slow, a few steps time it (default: --steps)
 CONFIGS = ["fp32:eager:20", "bf16:eager:60", "bf16:compile", "fp8:compile"]
 
 
 def has_fp8() -> bool:
-    import torch
+    from parallab.config.schema import PrecisionConfig
+    from parallab.precision import device_problem
 
-    from parallab.precision import FP8_CAPABILITY
-
-    return torch.cuda.get_device_capability() >= FP8_CAPABILITY
+    return device_problem(PrecisionConfig(name="fp8"), "cuda") is None
 
 
 def run(work: Path, name: str, overrides: list[str]) -> dict:

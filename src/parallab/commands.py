@@ -102,7 +102,7 @@ def _scored(cfg, state: dict, run_dir: Path) -> tuple[dict[str, float], str]:
         model = weights.model_from(cfg.ckpt, build_model(cfg.model))
     except ConfigError as error:
         raise ConfigError(f"ckpt={cfg.ckpt} does not fit model "
-                                   f"{cfg.model['_target_']}: {error}") from None
+                          f"{cfg.model['_target_']}: {error}") from None
     data = build_data(cfg.data, dist, cfg.seed)
     loss = build_loss(cfg.loss).bind(model)
     figures = evaluate(model.to(dist.device), data.eval, dist,
@@ -183,7 +183,7 @@ def _export(ckpt: Path, out: Path, force: bool = False) -> None:
 
     if not out.parent.is_dir():
         raise ConfigError(f"{out.parent} is not a directory: create it, or give a "
-                                   "path in an existing one")
+                          "path in an existing one")
     meta = weights.record(ckpt)
     spec = _trained_model_config(meta, ckpt)
     targets.locate(spec.get("_target_"), "model._target_")  # the project must import

@@ -43,21 +43,19 @@ def device_problem(cfg: PrecisionConfig, device_type: str, tp: int = 1) -> str |
     """What the resolved device and layout rule out of cfg (fp8's needs); None if nothing."""
     if cfg.name != "fp8":
         return None
+    from parallab import quantize
+
+    least = ".".join(map(str, FP8_CAPABILITY))
     if device_type != "cuda":
         return ("precision=fp8 trains the Linear layers in float8, which pays on a CUDA GPU "
-                f"of compute capability {'.'.join(map(str, FP8_CAPABILITY))} or later (H100, "
-                f"L4, L40S) only; device={device_type} has no float8 tensor cores: use "
-                "precision=bf16")
-    import torch
-
+                f"of compute capability {least} or later (H100, L4, L40S) only; "
+                f"device={device_type} has no float8 tensor cores: use precision=bf16")
     found = torch.cuda.get_device_capability()
     if found < FP8_CAPABILITY:
-        return (f"precision=fp8 needs float8 tensor cores (compute capability "
-                f"{'.'.join(map(str, FP8_CAPABILITY))} or later: H100, L4, L40S); "
-                f"{torch.cuda.get_device_name()} has {found[0]}.{found[1]}: use precision=bf16")
-    try:
-        import torchao.float8  # noqa: F401
-    except ImportError:
+        return (f"precision=fp8 needs float8 tensor cores (compute capability {least} or "
+                f"later: H100, L4, L40S); {torch.cuda.get_device_name()} has "
+                f"{found[0]}.{found[1]}: use precision=bf16")
+    if not quantize.available():  # torchao, whose float8 training this is
         return "precision=fp8 needs torchao: pip install 'parallab[quantize]'"
     if tp > 1:
         return (f"precision=fp8 with parallel.tp={tp}: float8 Linear layers take no "

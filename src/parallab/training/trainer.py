@@ -96,8 +96,8 @@ class Trainer:
         self.first_step = 0  # where this process's training starts (after a resume: later)
         self.comm: dict[str, float] = {}  # bytes sent in one step, by kind (counted_step)
         self.probe = probe  # its counted_step(trainer, batches) wraps the counted step (advise)
-        # fit()'s torch.profiler.profile and memory.MemorySnapshot, where they are on
-        self.profiler = self.snapshot = None
+        # fit()'s recorders stepped after each step (torch.profiler, the memory snapshot)
+        self.recorders: list[Any] = []
         # a language model's batches (set at the first step): tokens counted per step
         self.counts_tokens: bool | None = None
         self.window_tokens: list[torch.Tensor | int] = []
@@ -212,9 +212,10 @@ class Trainer:
         with Progress(self.total_steps, self.dist.is_main and report,
                       self.cfg.progress_bar) as progress, \
                 profiled(self.cfg.profile, self.dist.device, self.logger.run_dir, self.dist.rank,
-                         self.dist.is_main) as self.profiler, \
+                         self.dist.is_main) as profiler, \
                 memory.snapshot(self.cfg.memory_snapshot, self.logger.run_dir, self.dist.rank,
-                                self.dist.is_main) as self.snapshot:
+                                self.dist.is_main) as snapshot:
+            self.recorders = [r for r in (profiler, snapshot) if r is not None]
             while self.epoch < self.cfg.epochs and not self.done():
                 finished = self.train_epoch(progress)
                 if self.stopped:
@@ -271,10 +272,8 @@ class Trainer:
                 self.first_batch(batches[0])
             if self.counts_tokens:  # summed at the log step (a sum per step costs more)
                 self.window_tokens.extend(batch_of.tokens(b) for b in batches)
-            if self.profiler is not None:
-                self.profiler.step()
-            if self.snapshot is not None:
-                self.snapshot.step()
+            for recorder in self.recorders:
+                recorder.step()
             progress.update()
             if self.step % self.cfg.log_every_n_steps == 0 or self.done():
                 self.log_window(progress)
