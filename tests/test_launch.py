@@ -9,10 +9,14 @@ import sys
 import pytest
 from conftest import FAST, REPO, free_port, only_run_dir, read_metrics
 
-from parallab.launching import launch
+from parallab.launching import launch, slurm
 
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_NTASKS",
                  "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NNODES", "SLURM_NTASKS_PER_NODE",
+                 "SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_STEPID", "SLURM_NODEID",
+                 "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_STEP_NUM_NODES",
+                 "SLURM_JOB_NODELIST", "SLURM_STEP_NODELIST", "SLURM_RESTART_COUNT",
+                 "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID",
                  "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK",
                  "OMPI_COMM_WORLD_LOCAL_SIZE", "PMI_SIZE", "PMI_RANK")
 
@@ -28,9 +32,17 @@ def clean_env(monkeypatch):
     ({}, None),
     ({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"},
      ("torchrun", 3, 1, 4, 2)),
-    ({"SLURM_NTASKS": "8", "SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NNODES": "2"},
+    ({"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "8", "SLURM_PROCID": "5",
+      "SLURM_LOCALID": "1", "SLURM_NODEID": "1", "SLURM_STEP_TASKS_PER_NODE": "4(x2)"},
      ("slurm", 5, 1, 8, 4)),
-    ({"SLURM_NTASKS": "1", "SLURM_PROCID": "0"}, None),  # an interactive allocation
+    ({"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "4", "SLURM_PROCID": "3",
+      "SLURM_LOCALID": "0", "SLURM_NODEID": "1", "SLURM_STEP_TASKS_PER_NODE": "3,1"},
+     ("slurm", 3, 0, 4, 1)),  # nodes holding unequal counts
+    ({"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "1", "SLURM_PROCID": "0"},
+     None),  # one task
+    # the batch script itself: SLURM_NTASKS is the job's, but this is one process
+    ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4", "SLURM_PROCID": "0", "SLURM_LOCALID": "0"},
+     None),
     ({"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "1",
       "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"},
      ("mpirun", 1, 1, 2, 2)),
@@ -44,32 +56,15 @@ def test_detects_the_launcher_from_its_variables(clean_env, env, expected):
                        found.local_world_size)) == expected
 
 
-@pytest.mark.parametrize("nodelist,host", [
-    ("gpu[003-005,010],cpu1", "gpu003"), ("node7", "node7"), ("a[1,4]", "a1"),
-    ("n[10-11]", "n10"),
+@pytest.mark.parametrize("nodelist,hosts", [
+    ("gpu[01-03,07],cpu5", ["gpu01", "gpu02", "gpu03", "gpu07", "cpu5"]),
+    ("node7", ["node7"]), ("a[1,4]", ["a1", "a4"]), ("n[10-11]", ["n10", "n11"]),
+    ("gpu[003-005,010],cpu1", ["gpu003", "gpu004", "gpu005", "gpu010", "cpu1"]),
+    ("rack[1-2]-n[08-09]", ["rack1-n08", "rack1-n09", "rack2-n08", "rack2-n09"]),
+    ("a-b,c[9-10]", ["a-b", "c9", "c10"]),
 ])
-def test_slurm_master_is_the_first_host_of_the_nodelist(nodelist, host):
-    assert launch.first_slurm_host(nodelist) == host
-
-
-@pytest.mark.slow
-@pytest.mark.distributed
-def test_slurm_tasks_run_in_place_and_share_one_run_dir(tmp_path):
-    """Two processes started as srun starts them: only SLURM's variables tell them apart."""
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
-    env.update(SLURM_NTASKS="2", SLURM_NNODES="1", SLURM_JOB_ID="4242",
-               SLURM_JOB_NODELIST="localhost", MASTER_PORT=str(free_port()),
-               GLOO_SOCKET_IFNAME="lo")
-    tasks = [subprocess.Popen([sys.executable, str(REPO / "train.py"), *FAST, "parallel=ddp"],
-                              cwd=tmp_path, env={**env, "SLURM_PROCID": str(r),
-                                                 "SLURM_LOCALID": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(2)]
-    outputs = [task.communicate(timeout=300)[0] for task in tasks]
-    assert [task.returncode for task in tasks] == [0, 0], outputs
-    run_dir = only_run_dir(tmp_path)
-    assert read_metrics(run_dir)["world_size"] == 2
-    assert (run_dir / "train_rank1.log").exists()
+def test_slurm_host_lists_expand_as_scontrol_show_hostnames_does(nodelist, hosts):
+    assert slurm.hostnames(nodelist) == hosts
 
 
 def listening_addresses() -> list[str]:

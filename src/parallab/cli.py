@@ -26,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from parallab.config import help
 from parallab.config.errors import ConfigError, OneLineError
 from parallab.config.schema import register_configs, typed
-from parallab.launching import launch
+from parallab.launching import launch, slurm
 from parallab.observe import summary
 
 # torch and what needs it (the checks, the strategies, the run) are imported once a job is
@@ -59,18 +59,39 @@ def _train_and_report(spec: run.RunSpec, in_place: launch.InPlace | None) -> dic
     p = spec.cfg.parallel
     if in_place is not None or not STRATEGIES[p.name].processes:
         try:
-            return run.train(spec)
+            return _requeued_if_asked(run.train(spec), spec, in_place)
         except OneLineError as error:  # the whole story in one line (a value found wrong
             raise JobFailed(str(error), error.status) from None  # once data is built, ...)
     log.info("launching %d workers (parallel=%s, backend=%s) in %s", p.world_size, p.name,
              spec.cfg.backend.name, spec.run_dir)
     with tempfile.TemporaryDirectory(prefix="parallab-failures-") as failures:
         try:
-            return launch.elastic(run.worker_main,
-                                  (dataclasses.replace(spec, failures=failures),),
-                                  p.world_size, p.max_restarts, launch.worker_env(spec.cfg))
+            metrics = launch.elastic(run.worker_main,
+                                     (dataclasses.replace(spec, failures=failures),),
+                                     p.world_size, p.max_restarts, launch.worker_env(spec.cfg),
+                                     slurm.requeue_signals(spec.cfg.trainer.requeue_signal))
         except ChildFailedError as error:
             raise worker_failure(error, Path(failures)) from None
+    return _requeued_if_asked(metrics, spec, in_place)
+
+
+def _requeued_if_asked(metrics: dict[str, Any], spec: run.RunSpec,
+                       in_place: launch.InPlace | None) -> dict[str, Any]:
+    """A run that SLURM's time-limit warning stopped (every rank saved): the process SLURM
+    started as the job's first task requeues the job, and every task ends here with exit
+    status 0 and no result (the submitit launcher waits for the requeued job's). Where
+    SLURM refuses, one line with the command that continues the run."""
+    if metrics or slurm.asked() is None:
+        return metrics
+    if in_place is None or in_place.rank == 0:
+        refused = slurm.requeue()
+        if refused is not None:
+            raise JobFailed(f"SLURM did not requeue job {slurm.job_name()} ({refused}); its "
+                            f"checkpoint is kept: continue the run with: "
+                            f"{spec.resume_command()}", 1)
+        log.warning("requeued SLURM job %s: it continues this run from its checkpoint when "
+                    "it starts again", slurm.job_name())
+    raise SystemExit(0)
 
 
 def worker_failure(error, failures: Path) -> JobFailed:
@@ -248,12 +269,12 @@ def _claimed(run_dir: str, cfg, in_place: launch.InPlace | None, call: Invocatio
     checkpoints or metrics (trainer.resume=auto continues it), and a second run started in
     the same dir while this one runs is refused at once (a lock file). `command`: one that
     is not training (advise, evaluate) starts only in a dir holding no run at all."""
-    from parallab.launching.distributed import restart_count
     from parallab.training import rundir
 
     main = in_place is None or in_place.rank == 0
-    # a launcher's restart of this job continues it (run.resume_path), deleting nothing
-    resume = "auto" if restart_count() > 0 else cfg.trainer.resume
+    # a launcher's restart or SLURM's requeue of this job continues it (run.resume_path),
+    # deleting nothing
+    resume = "auto" if launch.restarted() else cfg.trainer.resume
     lock = rundir.lock(Path(run_dir)) if main else contextlib.nullcontext()
     # the lock taken first: a refused run touches nothing of a running one
     with call.refusing(), lock:
@@ -283,12 +304,14 @@ def _sweep_job(dict_cfg: DictConfig, run_dir: Path, call: Invocation) -> float |
         status_file.write_text(json.dumps({"status": "stopped"}) + "\n")
         log.info("not run: the sweep was stopped; continue it with: %s", call.stopped_sweep)
         return None
-    done = summary.read_metrics(run_dir) if dict_cfg.sweep.skip_completed else None
+    # a sweep SLURM requeued goes on where it stopped
+    skip_completed = dict_cfg.sweep.skip_completed or slurm.restart_count() > 0
+    done = summary.read_metrics(run_dir) if skip_completed else None
     if done is not None:
         status_file.write_text(json.dumps({"status": "skipped"}) + "\n")
         log.info("skipped: %s already holds complete metrics", run_dir)
         return metrics.objective_of(done, dict_cfg.objective)
-    if dict_cfg.sweep.skip_completed and dict_cfg.trainer.resume is None:
+    if skip_completed and dict_cfg.trainer.resume is None:
         dict_cfg.trainer.resume = "auto"  # a job that did not finish continues (or starts)
     try:
         result = _train_job(dict_cfg, call)
@@ -327,6 +350,16 @@ def _train_task(dict_cfg: DictConfig, call: Invocation) -> float | None:
         return _train_job(dict_cfg, call)
     except JobFailed as error:
         _fail(str(error), error.status)
+
+
+def _register_configs() -> None:
+    """parallab's schemas, and its submitit_slurm launcher where the plugin is installed."""
+    register_configs()
+    try:
+        from parallab.launching import allocation
+    except ImportError:  # no hydra-submitit-launcher (the slurm extra): Hydra says so
+        return
+    allocation.register()
 
 
 def hydra_app(config_name: str, task, call: Invocation):
@@ -392,6 +425,10 @@ def run_app(app, call: Invocation) -> None:
         call.restore()
         print(hydra_line(error), file=sys.stderr)
         raise SystemExit(2) from None
+    except ConfigError as error:  # a launcher's refusal (launching/submitit.py), before any job
+        call.restore()
+        print(error, file=sys.stderr)
+        raise SystemExit(2) from None
     finally:
         os.environ.pop("HYDRA_FULL_ERROR", None)
 
@@ -403,7 +440,7 @@ def train(argv: list[str] | None = None, advising: bool = False) -> None:
     launch.prepare_in_place()
     launch.register_resolvers()
     help.register_resolver()
-    register_configs()
+    _register_configs()
     run_app(hydra_app("config", _train_task, call), call)
 
 
@@ -420,7 +457,7 @@ def compose(overrides: list[str], config_dir: str | Path | None = None,
     from hydra import initialize_config_dir
 
     launch.register_resolvers()
-    register_configs()
+    _register_configs()
     extra = [f"hydra.searchpath=[file://{Path(config_dir).resolve()}]"] if config_dir else []
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
         return hydra_compose(config_name, overrides=[*overrides, *extra])

@@ -19,6 +19,7 @@ from parallab.config import schema as config
 from parallab.config.errors import ConfigError
 from parallab.config.schema import Config, Device
 from parallab.launching.distributed import cpu_cores
+from parallab.launching import slurm
 from parallab.launching.launch import InPlace
 from parallab.observe import loggers, memory
 from parallab.parallel import activations
@@ -65,6 +66,9 @@ def check_values(cfg: Config) -> None:
     _at_least("parallel.nnodes", p.nnodes, 1)
     _at_least("parallel.threads_per_worker", p.threads_per_worker, 1, optional=True)
     _at_least("parallel.max_restarts", p.max_restarts, 0)
+    _require(p.rendezvous_timeout > 0, f"parallel.rendezvous_timeout={p.rendezvous_timeout} "
+             "is out of range: it must be > 0 (seconds a rank waits to reach rank 0)")
+    slurm.parse_signal(t.requeue_signal)
     _at_least("trainer.accumulate_grad_batches", t.accumulate_grad_batches, 1)
     _require(not (t.overwrite and t.resume is not None), f"trainer.overwrite=true starts "
              f"afresh, deleting the run dir's checkpoints, and trainer.resume={t.resume} "
@@ -181,6 +185,10 @@ def resolve_parallel(cfg: Config, in_place: InPlace | None) -> None:
         _require(strategy.processes or in_place.world_size == 1, f"parallel={p.name} "
                  f"runs one process, but {in_place.launcher} started {in_place.world_size}: "
                  f"use parallel={' or '.join(launching)}, or launch one process")
+        _require(p.world_size in (None, in_place.world_size), f"parallel.world_size="
+                 f"{p.world_size}, but {in_place.launcher} started {in_place.world_size} "
+                 f"tasks: drop parallel.world_size (each task is a rank) or start "
+                 f"{p.world_size} tasks")
         p.world_size, p.nnodes = in_place.world_size, in_place.nnodes
     elif p.world_size is None:
         several = strategy.processes or "pp" in strategy.dims  # cuts the model into parts
@@ -196,7 +204,7 @@ def resolve_parallel(cfg: Config, in_place: InPlace | None) -> None:
         log.warning("parallel.threads_per_worker=%d x %d workers per node is more threads than "
                     "the %d cores here: they will contend (null gives each its share)",
                     p.threads_per_worker, per_node, cores)
-    if gpus:
+    if gpus and not (in_place is not None and gpus == 1):  # in place: one GPU per task will do
         _require(per_node <= gpus, f"parallel.world_size={p.world_size} needs {per_node} GPUs "
                  f"per node but {gpus} are visible: set parallel.world_size<={gpus * p.nnodes}")
     strategy.layout_of(p)  # its degrees, a null one resolved, checked against the world size

@@ -137,6 +137,8 @@ class ParallelConfig:
     nnodes: int = 1  # hosts of a job started by the built-in launcher (torchrun/SLURM say theirs)
     threads_per_worker: Optional[int] = None  # null = cores / local workers
     max_restarts: int = 0  # elastic restarts of the worker group after a worker dies
+    # in place (SLURM): seconds each rank waits to reach rank 0, and rank 0 for every rank
+    rendezvous_timeout: float = 60.0
     # GPU ids made visible to the workers; dp and model may name one twice ([0,0]: two
     # replicas or parts on one GPU, to try the layout there)
     devices: Optional[list[int]] = None
@@ -300,6 +302,9 @@ class TrainerConfig:
     # auto: continue from the newest checkpoint in the run dir; or a checkpoint path
     resume: Optional[str] = None
     overwrite: bool = False  # a fresh run in a dir holding one: delete its checkpoints first
+    # under SLURM: the time-limit warning (sbatch --signal=USR1@90): every rank saves, the job
+    # requeues itself and continues its run; null = the signal's default (the job ends)
+    requeue_signal: Optional[str] = "USR1"
     # weights only, from a .pt, .dcp, .safetensors or a (transformers) folder
     init_from: Optional[str] = None
     # every weight named and shaped as the model's; false: load those that match, keep the

@@ -14,6 +14,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from parallab.launching.slurm import gpu_index
+
 # how a peer's end shows on the ranks still running (gloo raises a plain RuntimeError)
 PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
 PEER_FAILURE_GRACE_S = 1.0  # ten of the launcher agent's monitor intervals
@@ -85,8 +87,9 @@ def setup(device_type: str, backend: str | None, timeout_s: float,
     local_rank = int(env.get("LOCAL_RANK", 0))
     local_world_size = int(env.get("LOCAL_WORLD_SIZE", 1))
 
-    if device_type == "cuda":
-        device = torch.device("cuda", local_rank)
+    if device_type == "cuda":  # the rank's own GPU among those its launcher left visible
+        device = torch.device("cuda", gpu_index(local_rank, local_world_size,
+                                                torch.cuda.device_count()))
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")

@@ -22,11 +22,15 @@ from typing import Any, Callable, Iterator
 
 from omegaconf import OmegaConf
 
+from parallab.config.errors import ConfigError, OneLineError
+from parallab.launching import slurm
+
 log = logging.getLogger(__name__)
 
 RUN_TIME_ENV = "PARALLAB_RUN_TIME"
 _RUN_TIME_KEY = "parallab/run_time"
-_store = None  # the TCPStore opened before Hydra under SLURM/mpirun, reused by the process group
+_store = None  # the TCPStore opened before Hydra under mpirun, reused by the process group
+_prepared: InPlace | None = None  # what prepare_in_place found in this process
 
 
 @dataclass(frozen=True)
@@ -38,10 +42,11 @@ class InPlace:
     local_rank: int
     world_size: int
     local_world_size: int
+    nodes: int | None = None  # where the launcher says (SLURM: nodes may hold unequal counts)
 
     @property
     def nnodes(self) -> int:
-        return max(1, self.world_size // self.local_world_size)
+        return self.nodes or max(1, self.world_size // self.local_world_size)
 
 
 def _int(name: str, default: int | None = None) -> int | None:
@@ -55,11 +60,14 @@ def detect() -> InPlace | None:
         world = _int("WORLD_SIZE")
         return InPlace("torchrun", _int("RANK"), _int("LOCAL_RANK"), world,
                        _int("LOCAL_WORLD_SIZE", world))
-    if (_int("SLURM_NTASKS") or 1) > 1 and "SLURM_PROCID" in os.environ:
+    if slurm.in_step() and (_int("SLURM_NTASKS") or 1) > 1:
+        node = _int("SLURM_NODEID", 0)
+        counts = slurm.tasks_per_node(os.environ.get("SLURM_STEP_TASKS_PER_NODE")
+                                      or os.environ.get("SLURM_TASKS_PER_NODE", ""))
         world = _int("SLURM_NTASKS")
-        per_node = os.environ.get("SLURM_NTASKS_PER_NODE", "")  # e.g. "4", or "4(x2)"
-        per_node = int(per_node) if per_node.isdigit() else world // (_int("SLURM_NNODES") or 1)
-        return InPlace("slurm", _int("SLURM_PROCID"), _int("SLURM_LOCALID", 0), world, per_node)
+        return InPlace("slurm", _int("SLURM_PROCID"), _int("SLURM_LOCALID", 0), world,
+                       counts[node] if node < len(counts) else world,
+                       _int("SLURM_STEP_NUM_NODES") or len(counts) or 1)
     if (_int("SUBMITIT_LOCAL_NTASKS") or 1) > 1:  # hydra/launcher=submitit_local, tasks > 1
         world = _int("SUBMITIT_LOCAL_NTASKS")
         return InPlace("submitit", _int("SUBMITIT_LOCAL_GLOBALID"),
@@ -76,19 +84,12 @@ def detect() -> InPlace | None:
     return None
 
 
-def first_slurm_host(nodelist: str) -> str:
-    """'gpu[003-005,010],cpu1' -> 'gpu003' (what `scontrol show hostnames` lists first)."""
-    match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist)
-    prefix, ranges = match.group(1), match.group(2)
-    return prefix + ranges.split(",")[0].split("-")[0] if ranges else prefix
-
-
 def _export_torch_env(ctx: InPlace) -> None:
     env = os.environ
     env.update(RANK=str(ctx.rank), LOCAL_RANK=str(ctx.local_rank),
                WORLD_SIZE=str(ctx.world_size), LOCAL_WORLD_SIZE=str(ctx.local_world_size))
     if ctx.launcher == "slurm":
-        env.setdefault("MASTER_ADDR", first_slurm_host(env.get("SLURM_JOB_NODELIST", "127.0.0.1")))
+        env.setdefault("MASTER_ADDR", slurm.master_host()[0])
         env.setdefault("MASTER_PORT", str(15000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
     if ctx.launcher == "submitit":  # one job id per job: a port per job
         env.setdefault("MASTER_PORT", str(15000 + int(env["SUBMITIT_LOCAL_JOB_ID"]) % 20000))
@@ -107,12 +108,18 @@ def _open_store(ctx: InPlace):
 
 
 def prepare_in_place() -> InPlace | None:
-    """Under an external launcher: torch's env variables, and one run time for all ranks."""
-    global _store
+    """Under an external launcher: torch's env variables, and one run time for all ranks
+    (under SLURM the run dir is named by the job instead: slurm.run_name)."""
+    global _store, _prepared
+    if _prepared is not None:  # once per process (the exported variables read as torchrun's)
+        return _prepared
     ctx = detect()
     if ctx is None or RUN_TIME_ENV in os.environ:
         return ctx
     _export_torch_env(ctx)
+    _prepared = ctx
+    if ctx.launcher == "slurm":
+        return ctx
     store = _open_store(ctx)
     if ctx.rank == 0 and not store.check([_RUN_TIME_KEY]):  # kept across elastic restarts
         store.set(_RUN_TIME_KEY, datetime.now().isoformat())
@@ -122,11 +129,54 @@ def prepare_in_place() -> InPlace | None:
     return ctx
 
 
-def take_store():
-    """The store opened by prepare_in_place, for the process group (once)."""
+def take_store(rendezvous_timeout_s: float):
+    """The store the process group meets at, hosted by rank 0, for a job started in place
+    (None under torchrun, whose agent hosts one): the one prepare_in_place opened, or one
+    opened now under SLURM, where every rank reaches rank 0 within `rendezvous_timeout_s`
+    or ends with one line that says why."""
     global _store
     store, _store = _store, None
+    ctx = _prepared
+    if store is None and ctx is not None and ctx.launcher == "slurm":
+        store = meet(ctx, rendezvous_timeout_s, slurm.master_host()[1])
     return store
+
+
+def meet(ctx: InPlace, timeout_s: float, source: str):
+    """The TCPStore at MASTER_ADDR:MASTER_PORT, rank 0 hosting it until every rank has
+    joined: a host that does not resolve ends the rank at once, a master not reached (or
+    ranks that never come) within `timeout_s` ends it then, each in one line naming the host
+    and what to set; `source`: where MASTER_ADDR came from."""
+    import socket
+
+    from torch.distributed import DistError, TCPStore
+
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    named = f"the master {host}" + ("" if source == "MASTER_ADDR" else
+                                    f" (the first host of {source}={os.environ[source]})")
+    try:
+        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as error:
+        raise ConfigError(f"rank {ctx.rank}: {named} does not resolve on this node "
+                          f"({error.strerror}): make the nodes' names resolve, or set "
+                          "MASTER_ADDR to rank 0's address") from None
+    try:
+        return TCPStore(host, port, ctx.world_size, is_master=ctx.rank == 0,
+                        timeout=timedelta(seconds=timeout_s), wait_for_workers=True)
+    except DistError as error:
+        waited = (f"not every rank reached it ({str(error).strip().splitlines()[0]})"
+                  if ctx.rank == 0 else "it could not be reached")
+        raise OneLineError(f"rank {ctx.rank}: {named}, port {port}: {waited} within "
+                           f"parallel.rendezvous_timeout={timeout_s:g} s: check that every "
+                           "rank started and that the port is open between the nodes (or "
+                           "set MASTER_PORT)") from None
+
+
+def restarted() -> bool:
+    """This run was started again: the elastic agent restarted its workers, or SLURM
+    requeued its job. It continues from its checkpoint (trainer.resume=auto)."""
+    elastic_restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+    return elastic_restarts > 0 or slurm.restart_count() > 0
 
 
 def _run_time(pattern: str) -> str:
@@ -151,9 +201,17 @@ def _rank_zero(value: Any, otherwise: Any = None) -> Any:
     return value if _rank() == 0 else otherwise
 
 
+def _run_name() -> str:
+    """The default run dir's name: by the SLURM job (stable across a requeue) inside one,
+    else by the date and time the run started."""
+    return slurm.run_name() if slurm.in_job() else _run_time("%Y-%m-%d/%H-%M-%S")
+
+
 def register_resolvers() -> None:
-    """Resolvers conf/config.yaml uses so that every rank shares one run dir and log names."""
+    """Resolvers conf/config.yaml uses so that every rank shares one run dir and log names
+    (cached: the submitit launcher's jobs reuse the sweep dir their submitter resolved)."""
     OmegaConf.register_new_resolver("run_time", _run_time, use_cache=True, replace=True)
+    OmegaConf.register_new_resolver("run_name", _run_name, use_cache=True, replace=True)
     OmegaConf.register_new_resolver("rank_suffix", _rank_suffix, replace=True)
     OmegaConf.register_new_resolver("rank_zero", _rank_zero, replace=True)
 
@@ -209,8 +267,9 @@ def launch_config(config_class, world_size: int, max_restarts: int):
 
 
 def elastic(entrypoint: Callable, args: tuple, world_size: int, max_restarts: int,
-            worker_env: dict[str, str]) -> Any:
+            worker_env: dict[str, str], requeue: tuple[int, ...] = ()) -> Any:
     """Run `entrypoint(*args)` in world_size workers on this machine; rank 0's result.
+    `requeue`: the signals that stop them to requeue a SLURM job.
 
     The rendezvous listens on loopback only (more nodes go through torchrun/SLURM/mpirun).
     """
@@ -220,7 +279,7 @@ def elastic(entrypoint: Callable, args: tuple, world_size: int, max_restarts: in
     # the controlling process reports a failure once, with the root cause's traceback
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     # the agent hands its own environment to the workers
-    with _environment_set(worker_env), _forwarding_stop_signals(), _forkserver():
+    with _environment_set(worker_env), _forwarding_stop_signals(requeue), _forkserver():
         results = elastic_launch(config, entrypoint)(*args)
     return results[0]
 
@@ -323,25 +382,29 @@ def _workers() -> list[int]:
 
 
 @contextlib.contextmanager
-def _forwarding_stop_signals() -> Iterator[None]:
+def _forwarding_stop_signals(requeue: tuple[int, ...] = ()) -> Iterator[None]:
     """While the workers run, a SIGINT or SIGTERM to this process is passed on to them: they
     save at the next step the ranks agree on and end normally, and the job ends with them.
     Ctrl-C signals the whole group, so the workers see it twice, at once, and count it once
     (preemption.SAME_REQUEST_S); a scheduler that signals this process alone reaches them
-    too. A later signal reaches them again and stops them at once."""
+    too. A later signal reaches them again and stops them at once. `requeue`: SLURM's
+    time-limit warning, passed on alike and noted, so that this process requeues the job
+    once the workers have saved."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def forward(signum: int, frame: object) -> None:
+        if signum in requeue:
+            slurm.note(signum)
         for pid in _workers():  # the fork server and the resource tracker ignore both
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signum)
 
     # torch's agent installs its own SIGHUP/SIGQUIT handlers and leaves them: put ours back
     previous = {signum: signal.getsignal(signum) for signum in (signal.SIGHUP, signal.SIGQUIT)}
-    previous.update({signum: signal.signal(signum, forward) for signum in (signal.SIGINT,
-                                                                           signal.SIGTERM)})
+    previous.update({signum: signal.signal(signum, forward) for signum in (
+        signal.SIGINT, signal.SIGTERM, *requeue)})
     try:
         yield
     finally:

@@ -1,5 +1,9 @@
 """SIGTERM / SIGINT (a cluster pre-empting the job, Ctrl-C): save, then stop cleanly.
 
+Under SLURM the time-limit warning (trainer.requeue_signal, USR1; the submitit launcher's
+USR2) stops the run the same way, and is noted so that the job requeues itself once every
+rank has saved (launching/slurm.py).
+
 The first signal only sets a flag; the training loop sees it at a step boundary, saves a
 checkpoint and stops. A process whose main thread is stuck in C++ (a collective whose peer
 died) cannot run Python signal handlers, so the signal is also read in a helper thread from
@@ -21,6 +25,8 @@ import threading
 import time
 from types import FrameType
 
+from parallab.launching import slurm
+
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 STUCK_STEPS = 5  # no step finished for this many slowest steps after a signal: stuck
 MIN_STUCK_S = 3.0
@@ -29,7 +35,9 @@ SAME_REQUEST_S = 2.0  # a repeat this soon after the first signal is the same re
 
 
 class Preemption:
-    def __init__(self) -> None:
+    def __init__(self, requeue: tuple[int, ...] = ()) -> None:
+        self.signals = (*SIGNALS, *requeue)
+        self.requeue = requeue  # signals that also ask the job to requeue itself
         self.signum: int | None = None
         self._busy = 0  # evaluating or saving: long, but not stuck
         self._last_step: float | None = None  # when the last step ended
@@ -82,6 +90,8 @@ class Preemption:
                 return
             os._exit(128 + signum)
         self.signum, self._since = signum, time.monotonic()
+        if signum in self.requeue:
+            slurm.note(signum)
         threading.Thread(target=self._watch, args=(time.monotonic(),), daemon=True).start()
 
     def _watch(self, since: float) -> None:
@@ -105,7 +115,7 @@ class Preemption:
 
     def _read(self, data: bytes) -> None:
         for signum in data:
-            if signum in SIGNALS and not self._closed.is_set():
+            if signum in self.signals and not self._closed.is_set():
                 self._on_signal(signum)
 
     def __enter__(self) -> Preemption:
@@ -115,7 +125,7 @@ class Preemption:
         writer.setblocking(False)
         self._sockets = (reader, writer)
         self._previous_fd = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
-        for signum in SIGNALS:
+        for signum in self.signals:
             self._previous[signum] = signal.signal(signum, self._python_handler)
         threading.Thread(target=self._listen, args=(reader,), daemon=True).start()
         return self

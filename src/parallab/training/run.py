@@ -24,7 +24,7 @@ from omegaconf import OmegaConf
 from parallab.config.errors import OneLineError
 from parallab.config.schema import Config, TrainerConfig, model_name
 from parallab.data import build_data
-from parallab.launching import distributed, launch
+from parallab.launching import distributed, launch, slurm
 from parallab.launching.preemption import Preemption
 from parallab.loss import build_loss
 from parallab.models import build_model
@@ -147,8 +147,8 @@ def tune_batch_size(model, strategy, optimizer, precision, data, dist, cfg: Trai
 
 def resume_path(resume: str | None, run_dir: str) -> Path | None:
     """trainer.resume as a file: `auto` is the newest checkpoint in the run dir, if any; a
-    worker the elastic agent restarted resumes that way too."""
-    if resume is None and distributed.restart_count() > 0:
+    worker the elastic agent restarted, or a job SLURM requeued, resumes that way too."""
+    if resume is None and launch.restarted():
         resume = "auto"
     if resume != "auto":
         return Path(resume) if resume else None
@@ -205,7 +205,7 @@ def train(spec: RunSpec, store=None) -> dict[str, Any]:
     """Train on this rank; returns the run's final metrics (every rank gets the same)."""
     cfg = spec.cfg
     backend = cfg.backend.name if STRATEGIES[cfg.parallel.name].processes else None
-    hosted = launch.take_store()  # under SLURM/mpirun: the store rank 0 hosts
+    hosted = launch.take_store(cfg.parallel.rendezvous_timeout)  # in place: rank 0 hosts it
     dist = distributed.setup(cfg.device.value, backend, cfg.backend.timeout_s,
                              cfg.parallel.threads_per_worker, store=store or hosted)
     reset_peak_memory(dist.device)  # this run's own peak, not an earlier job's in the process
@@ -295,7 +295,7 @@ def _fit(spec: RunSpec, dist: distributed.Dist, logger: RunLogger,
          backend: str | None) -> dict[str, Any]:
     """Build model, data, optimizer and trainer on this rank, resume if asked, train, save."""
     cfg = spec.cfg
-    with Preemption() as preemption:
+    with Preemption(slurm.requeue_signals(cfg.trainer.requeue_signal)) as preemption:
         # a resumed run has its weights (its start's included) from its checkpoint
         resume_from = resume_path(cfg.trainer.resume, spec.run_dir)
         trainer, lr = build_trainer(cfg, dist, logger, Path(spec.run_dir) / "checkpoints",
@@ -303,15 +303,23 @@ def _fit(spec: RunSpec, dist: distributed.Dist, logger: RunLogger,
         if resume_from is not None:
             trainer.load_state_dict(read_checkpoint(resume_from, trainer.strategy,
                                                     trainer.model, trainer.optimizer))
-            log.info("resumed from %s at step %d", resume_from, trainer.step)
+            log.info("resumed from %s at step %d%s", resume_from, trainer.step,
+                     f" (SLURM job {slurm.job_name()}, restart {slurm.restart_count()})"
+                     if slurm.restart_count() else "")
             lr = resumed_rate(trainer, lr, cfg, dist.is_main)
         start_mb = peak_memory_mb(dist.device)  # built (and loaded): before the first step
         metrics = trainer.fit()
     if trainer.stopped:
         if dist.is_main:
-            log.warning("stopped by %s at step %d, checkpoint saved; resume with: %s",
-                        signal.Signals(preemption.signum or signal.SIGTERM).name,
-                        trainer.step, spec.resume_command())
+            said = signal.Signals(preemption.signum or signal.SIGTERM).name
+            if preemption.signum in preemption.requeue:
+                log.warning("stopped by %s (SLURM's warning before the time limit) at step %d, "
+                            "checkpoint saved: the job requeues itself and continues from "
+                            "here", said, trainer.step)
+            else:
+                log.warning("stopped by %s at step %d, checkpoint saved; %sresume with: %s",
+                            said, trainer.step, "a requeue of this SLURM job continues it, or "
+                            if slurm.in_job() else "", spec.resume_command())
         return {}
     metrics.update(lr=lr, wall_time_s=time.time() - spec.started, start_memory_mb=start_mb,
                    world_size=trainer.strategy.world_size,

@@ -1,0 +1,327 @@
+"""parallab on SLURM: in place under srun across nodes, sweeps through the submitit launcher
+with each job's own allocation, requeued and time-limited jobs that continue their run.
+
+The cluster tests run against a real SLURM started for the session (slurm_cluster.py: munged,
+slurmctld and two slurmd of 2 CPUs each on this machine); where its daemons cannot be had,
+they skip with one line saying why. The rest check the pieces with SLURM's variables as
+SLURM sets them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import checked, free_port, losses, output, read_metrics, typed
+
+import slurm_cluster
+from parallab.config.errors import ConfigError
+from parallab.launching import allocation, launch, slurm
+from parallab.launching.launch import InPlace
+
+PARALLAB = str(Path(sys.executable).parent / "parallab")
+# two ranks of the MNIST recipe's CNN, long enough to be signalled mid-run (~50 ms a step)
+RUN = ["parallel=ddp", "data=synthetic", "data.train_size=6400", "data.eval_size=256",
+       "data.batch_size=32", "trainer.epochs=1", "trainer.log_every_n_steps=5",
+       "trainer.checkpoint_every_n_steps=null", "device=cpu"]
+SLURM_VARS = [name for name in os.environ if name.startswith(("SLURM_", "SUBMITIT_"))]
+
+
+@pytest.fixture
+def no_slurm(monkeypatch):
+    for name in [*SLURM_VARS, "RANK", "WORLD_SIZE", "LOCAL_RANK", "CUDA_VISIBLE_DEVICES"]:
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+def test_a_world_size_the_tasks_contradict_is_refused():
+    cfg = typed("parallel=ddp", "parallel.world_size=4", "device=cpu")
+    with pytest.raises(ConfigError, match=r"parallel.world_size=4, but slurm started 2 tasks"):
+        from parallab.checks import validate
+
+        validate.prepare(cfg, InPlace("slurm", 0, 0, 2, 1, 2))
+
+
+@pytest.mark.parametrize("name,accepted", [
+    ("USR1", True), ("SIGUSR2", True), ("12", True), ("null", True),
+    ("KILL", False), ("STOP", False), ("TERM", False), ("SIGWHATEVER", False)])
+def test_the_requeue_signal_is_one_slurm_can_send_and_the_run_can_catch(name, accepted):
+    if accepted:
+        checked(f"trainer.requeue_signal={name}", "device=cpu")
+        return
+    with pytest.raises(ConfigError, match=rf"trainer.requeue_signal={name}"):
+        checked(f"trainer.requeue_signal={name}", "device=cpu")
+
+
+def test_outside_slurm_the_requeue_signal_keeps_its_meaning(no_slurm):
+    assert slurm.requeue_signals("USR1") == ()
+    no_slurm.setenv("SLURM_JOB_ID", "77")
+    assert slurm.requeue_signals("USR1") == (10,)
+    assert slurm.requeue_signals(None) == ()
+    no_slurm.setenv("SUBMITIT_EXECUTOR", "slurm")  # a job the submitit launcher submitted
+    assert slurm.requeue_signals("USR1") == (10, 12)
+
+
+@pytest.mark.parametrize("visible,local_rank,ranks_here,device", [
+    ("0,1,2,3", 2, 4, 2),  # --gpus-per-node=4 --ntasks-per-node=4: every task sees the four
+    ("2", 2, 4, 0),  # --gpus-per-task=1: each task sees its own, as device 0
+    ("4,5", 1, 2, 1),  # the node's other GPUs belong to another job
+    ("0,1", 3, 4, None),  # two GPUs for four ranks: refused
+])
+def test_each_rank_takes_the_gpu_slurm_gives_it(no_slurm, visible, local_rank, ranks_here,
+                                                device):
+    no_slurm.setenv("CUDA_VISIBLE_DEVICES", visible)
+    count = len(os.environ["CUDA_VISIBLE_DEVICES"].split(","))
+    if device is None:
+        with pytest.raises(ConfigError, match="see 2 GPUs"):
+            slurm.gpu_index(local_rank, ranks_here, count)
+    else:
+        assert slurm.gpu_index(local_rank, ranks_here, count) == device
+
+
+@pytest.mark.parametrize("env,name", [
+    ({"SLURM_JOB_ID": "77"}, "slurm/77"),
+    ({"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0"}, "slurm/77"),
+    ({"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "3"}, "slurm/77.3"),
+    ({"SLURM_JOB_ID": "81", "SLURM_ARRAY_JOB_ID": "77", "SLURM_ARRAY_TASK_ID": "4"},
+     "slurm/77_4"),
+])
+def test_under_slurm_the_run_dir_is_named_by_the_job(no_slurm, env, name):
+    for key, value in env.items():
+        no_slurm.setenv(key, value)
+    assert launch._run_name() == name
+    no_slurm.setenv("SLURM_RESTART_COUNT", "1")  # a requeue: the same name, and it resumes
+    assert launch._run_name() == name and launch.restarted()
+
+
+GPU_NODES = allocation.Partition("gpu", cpus=64, gpus=8, nodes=4)
+CPU_NODES = allocation.Partition("debug", cpus=2, gpus=0, nodes=2)
+
+
+@pytest.mark.parametrize("overrides,partition,keys,expected", [
+    (["parallel=ddp", "parallel.world_size=1"], CPU_NODES, {}, (1, 1, None)),
+    (["parallel=ddp", "parallel.world_size=2"], CPU_NODES, {}, (1, 2, None)),
+    (["parallel=ddp", "parallel.world_size=4"], CPU_NODES, {}, (2, 2, None)),
+    (["parallel=fsdp", "parallel.world_size=16"], GPU_NODES, {}, (2, 8, 8)),
+    (["parallel=ddp", "parallel.world_size=6"], GPU_NODES, {}, (1, 6, 6)),
+    (["parallel=ddp", "parallel.world_size=12"], GPU_NODES, {}, (2, 6, 6)),
+    (["parallel=ddp", "parallel.world_size=8"], GPU_NODES, {"tasks_per_node": 4}, (2, 4, 4)),
+    (["parallel=ddp", "parallel.world_size=8"], GPU_NODES, {"nodes": 4}, (4, 2, 2)),
+    (["parallel=dp", "parallel.world_size=4"], GPU_NODES, {}, (1, 1, 4)),  # one process
+    (["parallel=ddp", "parallel.world_size=8", "device=cpu"], GPU_NODES, {}, (1, 8, None)),
+])
+def test_each_job_gets_the_allocation_its_layout_needs(overrides, partition, keys, expected):
+    from parallab.cli import compose
+
+    needed = allocation.allocation(compose(overrides), keys, partition, "job #0")
+    assert (needed.nodes, needed.tasks_per_node, needed.gpus_per_node) == expected
+
+
+@pytest.mark.parametrize("overrides,partition,keys,refusal", [
+    (["parallel=ddp", "parallel.world_size=8"], CPU_NODES, {}, "needs 4 node"),
+    (["parallel=ddp", "parallel.world_size=40"], GPU_NODES, {}, "needs 5 node"),
+    (["parallel=dp", "parallel.world_size=16"], GPU_NODES, {}, "16 GPUs each"),
+    (["parallel=ddp", "parallel.world_size=8"], GPU_NODES, {"nodes": 2, "tasks_per_node": 2},
+     "start 4 tasks"),
+    (["parallel=ddp", "parallel.world_size=5"], GPU_NODES, {"tasks_per_node": 4},
+     "does not split evenly"),
+    (["parallel=ddp", "parallel.world_size=4"], CPU_NODES, {"tasks_per_node": 4},
+     "tasks_per_node=4 is more ranks"),
+])
+def test_a_job_no_partition_holds_is_refused_in_one_line(overrides, partition, keys, refusal):
+    from parallab.cli import compose
+
+    with pytest.raises(ConfigError, match=refusal):
+        allocation.allocation(compose(overrides), keys, partition, "job #0")
+
+
+def _as_slurm_task(rank: int, world: int, nodelist: str, timeout_s: float,
+                   cwd: Path) -> subprocess.Popen:
+    """One rank started with the variables srun gives a task, and nothing else of SLURM."""
+    env = {k: v for k, v in os.environ.items() if k not in SLURM_VARS}
+    env.update(SLURM_JOB_ID="4242", SLURM_STEP_ID="0", SLURM_NTASKS=str(world),
+               SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_NODEID="0",
+               SLURM_STEP_TASKS_PER_NODE=str(world), SLURM_JOB_NODELIST=nodelist,
+               SLURM_STEP_NODELIST=nodelist, MASTER_PORT=str(free_port()))
+    return subprocess.Popen([PARALLAB, "train", *RUN, f"parallel.rendezvous_timeout={timeout_s}"],
+                            cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+
+
+@pytest.mark.slow
+def test_a_master_that_does_not_resolve_or_answer_ends_the_rank_in_one_line(tmp_path):
+    started = time.monotonic()
+    tasks = {"unresolved": _as_slurm_task(1, 2, "nowhere-[1-2]", 30, tmp_path),
+             "alone": _as_slurm_task(0, 2, "localhost", 3, tmp_path),  # rank 1 never comes
+             "unanswered": _as_slurm_task(1, 2, "localhost", 3, tmp_path)}  # nor rank 0
+    said = {name: task.communicate(timeout=120)[0] for name, task in tasks.items()}
+    assert time.monotonic() - started < 60
+    for name, task in tasks.items():
+        assert task.returncode != 0 and "Traceback" not in said[name], said[name]
+    assert tasks["unresolved"].returncode == 2
+    assert re.search(r"rank 1: the master nowhere-1 \(the first host of SLURM_STEP_NODELIST="
+                     r"nowhere-\[1-2\]\) does not resolve .*set MASTER_ADDR", said["unresolved"])
+    assert re.search(r"rank 0: the master localhost .*not every rank reached it .*within "
+                     r"parallel.rendezvous_timeout=3 s", said["alone"])
+    assert re.search(r"rank 1: the master localhost .*it could not be reached within "
+                     r"parallel.rendezvous_timeout=3 s", said["unanswered"])
+
+
+# -- against a real SLURM ------------------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory):
+    why = slurm_cluster.missing()
+    if why is not None:
+        pytest.skip(f"no SLURM cluster for these tests: {why}")
+    running = slurm_cluster.Cluster(tmp_path_factory.mktemp("slurm"))
+    try:
+        running.start()
+        yield running
+    finally:
+        running.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """RUN as the built-in launcher trains it (two workers), uninterrupted."""
+    from parallab.cli import train_in_process
+
+    run_dir = tmp_path_factory.mktemp("reference")
+    return train_in_process([*RUN, "parallel.world_size=2"], run_dir), run_dir
+
+
+def sbatch(cluster, workdir: Path, script: str, *options: str) -> str:
+    path = workdir / "job.sh"
+    path.write_text("#!/bin/bash\n" + script + "\n")
+    return cluster.run("sbatch", "--parsable", f"--chdir={workdir}",
+                       f"--output={workdir}/slurm-%j.out", "--open-mode=append",
+                       *options, str(path)).stdout.strip()
+
+
+def logged_step(run_dir: Path, at_least: int) -> bool:
+    log = run_dir / "train.log"
+    steps = re.findall(r"step (\d+)/", log.read_text()) if log.exists() else []
+    return bool(steps) and int(steps[-1]) >= at_least
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.xdist_group("slurm")
+def test_srun_trains_in_place_across_two_nodes_to_the_builtin_launchers_losses(
+        cluster, reference, tmp_path):
+    done = cluster.run("srun", "--nodes=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
+                       PARALLAB, "train", *RUN, cwd=tmp_path, timeout=120, check=False)
+    assert done.returncode == 0, output(done)[-3000:]
+    [run_dir] = (tmp_path / "outputs" / "slurm").iterdir()  # named by the job
+    log = (run_dir / "train.log").read_text()
+    assert "rank 0/2" in log and "launching" not in log  # the tasks are the ranks
+    assert "rank 1/2" in (run_dir / "train_rank1.log").read_text()
+    assert losses(run_dir) == pytest.approx(losses(reference[1]), rel=1e-5)
+    assert read_metrics(run_dir)["eval_loss"] == pytest.approx(reference[0]["eval_loss"],
+                                                               rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.xdist_group("slurm")
+def test_a_requeued_job_continues_its_run_after_the_time_limit_warning_and_a_requeue(
+        cluster, reference, tmp_path):
+    """The first start gets the time-limit warning (USR1, delivered by SLURM to every task as
+    `sbatch --signal=USR1@90` does): it saves and requeues itself. The second is requeued
+    from outside (`scontrol requeue`: SIGTERM, as preemption): it saves. The third ends the
+    run, which ends as the uninterrupted one does."""
+    job = sbatch(cluster, tmp_path, f"srun --kill-on-bad-exit=1 {PARALLAB} train {' '.join(RUN)}",
+                 "--nodes=2", "--ntasks-per-node=1")
+    run_dir = tmp_path / "outputs" / "slurm" / job
+    cluster.wait_for(lambda: logged_step(run_dir, 10), 60, "the first start's step 10")
+    cluster.run("scancel", "--signal=USR1", job)
+    cluster.release_requeued(job, restarts=1)
+    cluster.wait_for(lambda: "restart 1" in (run_dir / "train.log").read_text(), 60,
+                     "the second start")
+    first_stop = int(re.search(r"stopped by SIGUSR1 .* at step (\d+)",
+                               (run_dir / "train.log").read_text())[1])
+    cluster.wait_for(lambda: logged_step(run_dir, first_stop + 10), 60, "the second start's steps")
+    cluster.run("scontrol", "requeue", job)
+    cluster.release_requeued(job, restarts=2)
+    cluster.wait_for(lambda: cluster.job(job).get("JobState") == "COMPLETED", 90,
+                     "the job to complete")
+    log = (run_dir / "train.log").read_text()
+    assert f"requeued SLURM job {job}" in log
+    second_stop = int(re.search(r"stopped by SIGTERM at step (\d+)", log)[1])
+    assert f"at step {first_stop} (SLURM job {job}, restart 1)" in log
+    assert f"at step {second_stop} (SLURM job {job}, restart 2)" in log
+    assert 0 < first_stop < second_stop < 100
+    metrics = read_metrics(run_dir)
+    assert metrics["steps"] == reference[0]["steps"]
+    for key in ("eval_loss", "train_loss"):
+        assert metrics[key] == pytest.approx(reference[0][key], rel=1e-5)
+    assert losses(run_dir)[-1] == pytest.approx(losses(reference[1])[-1], rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("slurm")
+def test_a_job_slurm_will_not_requeue_keeps_its_checkpoint_and_says_how_to_continue(
+        cluster, tmp_path):
+    job = sbatch(cluster, tmp_path, f"srun {PARALLAB} train {' '.join(RUN)} parallel=none",
+                 "--ntasks=1", "--no-requeue")
+    run_dir = tmp_path / "outputs" / "slurm" / job
+    cluster.wait_for(lambda: logged_step(run_dir, 10), 60, "step 10")
+    cluster.run("scancel", "--signal=USR1", job)
+    cluster.wait_for(lambda: cluster.job(job).get("JobState") in ("FAILED", "COMPLETED"), 60,
+                     "the job to end")
+    said = (tmp_path / f"slurm-{job}.out").read_text()
+    assert cluster.job(job)["JobState"] == "FAILED" and "Traceback" not in said
+    line = re.search(rf"SLURM did not requeue job {job} \(.*\); its checkpoint is kept: "
+                     r"continue the run with: (.*)", said)
+    assert line and f"hydra.run.dir={run_dir.relative_to(tmp_path)} trainer.resume=auto" in line[1]
+    assert list((run_dir / "checkpoints").glob("step_*.pt"))
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.xdist_group("slurm")
+def test_a_sweep_over_world_size_gets_each_job_its_own_allocation(cluster, tmp_path):
+    sweep_dir = tmp_path / "sweep"
+    command = [PARALLAB, "train", "-m", "hydra/launcher=submitit_slurm", *RUN,
+               "data.train_size=512", "parallel.world_size=1,4", f"hydra.sweep.dir={sweep_dir}"]
+    done = cluster.run(*command, cwd=tmp_path, timeout=150, check=False)
+    assert done.returncode == 0, output(done)[-3000:]
+    said = output(done)
+    assert re.search(r"submitting jobs #0 on 1 node\(s\) x 1 task\(s\) each", said)
+    assert re.search(r"submitting jobs #1 on 2 node\(s\) x 2 task\(s\) each", said)
+    jobs = sorted(p for p in sweep_dir.iterdir() if (p / ".hydra").is_dir())
+    assert [read_metrics(job)["world_size"] for job in jobs] == [1, 4]
+    assert (jobs[1] / "train_rank3.log").exists()  # four tasks, the ranks, in place
+    assert "launching" not in (jobs[1] / "train.log").read_text()
+    assert all(list(job.glob("events.out.tfevents.*")) for job in jobs)
+    summary = (sweep_dir / "summary.md").read_text()
+    assert summary.count("| completed |") == 2
+    # the same sweep again, skipping what is done: nothing is submitted
+    again = cluster.run(*command, "sweep.skip_completed=true", cwd=tmp_path, timeout=120,
+                        check=False)
+    assert again.returncode == 0, output(again)[-3000:]
+    assert "submitting" not in output(again)
+    assert (sweep_dir / "summary.md").read_text().count("| skipped |") == 2
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("slurm")
+def test_a_sweep_job_no_partition_holds_is_refused_before_anything_is_submitted(
+        cluster, tmp_path):
+    done = cluster.run(PARALLAB, "train", "-m", "hydra/launcher=submitit_slurm", *RUN,
+                       "parallel.world_size=2,8", f"hydra.sweep.dir={tmp_path / 'sweep'}",
+                       cwd=tmp_path, check=False)
+    assert done.returncode == 2
+    [line] = done.stderr.strip().splitlines()
+    assert re.fullmatch(r"job #1 \(.*parallel.world_size=8.*\) needs 4 node\(s\) x 2 task\(s\), "
+                        r"but a node of partition debug holds 2 CPUs and 0 GPUs, and it has 2 "
+                        r"node\(s\): lower parallel.world_size, or choose "
+                        r"hydra.launcher.partition", line), line
+    assert not (tmp_path / "sweep" / ".submitit").exists()
+    assert cluster.run("squeue", "-h").stdout.strip() == ""
