@@ -187,15 +187,6 @@ def cluster(tmp_path_factory):
         running.stop()
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """RUN as the built-in launcher trains it (two workers), uninterrupted."""
-    from parallab.cli import train_in_process
-
-    run_dir = tmp_path_factory.mktemp("reference")
-    return train_in_process([*RUN, "parallel.world_size=2"], run_dir), run_dir
-
-
 def sbatch(cluster, workdir: Path, script: str, *options: str) -> str:
     path = workdir / "job.sh"
     path.write_text("#!/bin/bash\n" + script + "\n")
@@ -210,77 +201,63 @@ def logged_step(run_dir: Path, at_least: int) -> bool:
     return bool(steps) and int(steps[-1]) >= at_least
 
 
-@pytest.mark.slow
-@pytest.mark.distributed
-@pytest.mark.xdist_group("slurm")
-def test_srun_trains_in_place_across_two_nodes_to_the_builtin_launchers_losses(
-        cluster, reference, tmp_path):
-    done = cluster.run("srun", "--nodes=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
-                       PARALLAB, "train", *RUN, cwd=tmp_path, timeout=120, check=False)
-    assert done.returncode == 0, output(done)[-3000:]
-    [run_dir] = (tmp_path / "outputs" / "slurm").iterdir()  # named by the job
-    log = (run_dir / "train.log").read_text()
-    assert "rank 0/2" in log and "launching" not in log  # the tasks are the ranks
-    assert "rank 1/2" in (run_dir / "train_rank1.log").read_text()
-    assert losses(run_dir) == pytest.approx(losses(reference[1]), rel=1e-5)
-    assert read_metrics(run_dir)["eval_loss"] == pytest.approx(reference[0]["eval_loss"],
-                                                               rel=1e-5)
+def stopped_at(run_dir: Path, signal_name: str) -> int:
+    return int(re.search(rf"stopped by {signal_name}\b.* at step (\d+)",
+                         (run_dir / "train.log").read_text())[1])
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.xdist_group("slurm")
-def test_a_requeued_job_continues_its_run_after_the_time_limit_warning_and_a_requeue(
-        cluster, reference, tmp_path):
-    """The first start gets the time-limit warning (USR1, delivered by SLURM to every task as
-    `sbatch --signal=USR1@90` does): it saves and requeues itself. The second is requeued
-    from outside (`scontrol requeue`: SIGTERM, as preemption): it saves. The third ends the
-    run, which ends as the uninterrupted one does."""
+def test_a_job_across_two_nodes_goes_on_through_the_time_limit_warning_and_a_requeue(
+        cluster, tmp_path):
+    """sbatch, then srun over two nodes, a task a rank, in place. The first start gets the
+    time-limit warning (USR1, which SLURM delivers to every task, as `sbatch
+    --signal=USR1@90` has it do): it saves and requeues itself. The second is requeued from
+    outside (`scontrol requeue`: SIGTERM, as preemption): it saves. The third ends the run,
+    with the losses of the built-in launcher's uninterrupted run, step by step. Beside it, a
+    job that SLURM will not requeue keeps its checkpoint and says how to continue."""
+    reference = tmp_path / "reference"  # the built-in launcher's, while the jobs run
+    built_in = subprocess.Popen([PARALLAB, "train", *RUN, "parallel.world_size=2",
+                                 f"hydra.run.dir={reference}"], cwd=tmp_path,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    (tmp_path / "kept").mkdir()
     job = sbatch(cluster, tmp_path, f"srun --kill-on-bad-exit=1 {PARALLAB} train {' '.join(RUN)}",
                  "--nodes=2", "--ntasks-per-node=1")
-    run_dir = tmp_path / "outputs" / "slurm" / job
-    cluster.wait_for(lambda: logged_step(run_dir, 10), 60, "the first start's step 10")
-    cluster.run("scancel", "--signal=USR1", job)
+    kept = sbatch(cluster, tmp_path / "kept", f"srun {PARALLAB} train {' '.join(RUN)} "
+                  "parallel=none", "--ntasks=1", "--no-requeue")
+    run_dir, kept_dir = (tmp_path / "outputs" / "slurm" / job,
+                         tmp_path / "kept" / "outputs" / "slurm" / kept)
+    for directory, name in ((run_dir, job), (kept_dir, kept)):
+        cluster.wait_for(lambda: logged_step(directory, 10), 60, f"job {name}'s step 10")
+        cluster.run("scancel", "--signal=USR1", name)
     cluster.release_requeued(job, restarts=1)
     cluster.wait_for(lambda: "restart 1" in (run_dir / "train.log").read_text(), 60,
                      "the second start")
-    first_stop = int(re.search(r"stopped by SIGUSR1 .* at step (\d+)",
-                               (run_dir / "train.log").read_text())[1])
+    first_stop = stopped_at(run_dir, "SIGUSR1")
     cluster.wait_for(lambda: logged_step(run_dir, first_stop + 10), 60, "the second start's steps")
     cluster.run("scontrol", "requeue", job)
     cluster.release_requeued(job, restarts=2)
     cluster.wait_for(lambda: cluster.job(job).get("JobState") == "COMPLETED", 90,
                      "the job to complete")
     log = (run_dir / "train.log").read_text()
-    assert f"requeued SLURM job {job}" in log
-    second_stop = int(re.search(r"stopped by SIGTERM at step (\d+)", log)[1])
+    assert f"requeued SLURM job {job}" in log and "launching" not in log  # tasks are ranks
+    assert "rank 1/2" in (run_dir / "train_rank1.log").read_text()
+    second_stop = stopped_at(run_dir, "SIGTERM")
     assert f"at step {first_stop} (SLURM job {job}, restart 1)" in log
     assert f"at step {second_stop} (SLURM job {job}, restart 2)" in log
     assert 0 < first_stop < second_stop < 100
-    metrics = read_metrics(run_dir)
-    assert metrics["steps"] == reference[0]["steps"]
-    for key in ("eval_loss", "train_loss"):
-        assert metrics[key] == pytest.approx(reference[0][key], rel=1e-5)
-    assert losses(run_dir)[-1] == pytest.approx(losses(reference[1])[-1], rel=1e-5)
+    assert built_in.wait(timeout=120) == 0, built_in.stdout.read()[-3000:]
+    assert read_metrics(run_dir)["eval_loss"] == pytest.approx(
+        read_metrics(reference)["eval_loss"], rel=1e-5)
+    assert losses(run_dir) == pytest.approx(losses(reference), rel=1e-5)
 
-
-@pytest.mark.slow
-@pytest.mark.xdist_group("slurm")
-def test_a_job_slurm_will_not_requeue_keeps_its_checkpoint_and_says_how_to_continue(
-        cluster, tmp_path):
-    job = sbatch(cluster, tmp_path, f"srun {PARALLAB} train {' '.join(RUN)} parallel=none",
-                 "--ntasks=1", "--no-requeue")
-    run_dir = tmp_path / "outputs" / "slurm" / job
-    cluster.wait_for(lambda: logged_step(run_dir, 10), 60, "step 10")
-    cluster.run("scancel", "--signal=USR1", job)
-    cluster.wait_for(lambda: cluster.job(job).get("JobState") in ("FAILED", "COMPLETED"), 60,
-                     "the job to end")
-    said = (tmp_path / f"slurm-{job}.out").read_text()
-    assert cluster.job(job)["JobState"] == "FAILED" and "Traceback" not in said
-    line = re.search(rf"SLURM did not requeue job {job} \(.*\); its checkpoint is kept: "
+    assert cluster.job(kept)["JobState"] == "FAILED"
+    said = (tmp_path / "kept" / f"slurm-{kept}.out").read_text()
+    line = re.search(rf"SLURM did not requeue job {kept} \(.*\); its checkpoint is kept: "
                      r"continue the run with: (.*)", said)
-    assert line and f"hydra.run.dir={run_dir.relative_to(tmp_path)} trainer.resume=auto" in line[1]
-    assert list((run_dir / "checkpoints").glob("step_*.pt"))
+    assert line and f"hydra.run.dir={kept_dir} trainer.resume=auto" in line[1], said[-2000:]
+    assert "Traceback" not in said and list((kept_dir / "checkpoints").glob("step_*.pt"))
 
 
 @pytest.mark.slow
@@ -288,16 +265,18 @@ def test_a_job_slurm_will_not_requeue_keeps_its_checkpoint_and_says_how_to_conti
 @pytest.mark.xdist_group("slurm")
 def test_a_sweep_over_world_size_gets_each_job_its_own_allocation(cluster, tmp_path):
     sweep_dir = tmp_path / "sweep"
+    # a rank per node, as the key set says: the second job spans both nodes, beside the first
     command = [PARALLAB, "train", "-m", "hydra/launcher=submitit_slurm", *RUN,
-               "data.train_size=512", "parallel.world_size=1,4", f"hydra.sweep.dir={sweep_dir}"]
+               "data.train_size=512", "parallel.world_size=1,2",
+               "hydra.launcher.tasks_per_node=1", f"hydra.sweep.dir={sweep_dir}"]
     done = cluster.run(*command, cwd=tmp_path, timeout=150, check=False)
     assert done.returncode == 0, output(done)[-3000:]
     said = output(done)
     assert re.search(r"submitting jobs #0 on 1 node\(s\) x 1 task\(s\) each", said)
-    assert re.search(r"submitting jobs #1 on 2 node\(s\) x 2 task\(s\) each", said)
+    assert re.search(r"submitting jobs #1 on 2 node\(s\) x 1 task\(s\) each", said)
     jobs = sorted(p for p in sweep_dir.iterdir() if (p / ".hydra").is_dir())
-    assert [read_metrics(job)["world_size"] for job in jobs] == [1, 4]
-    assert (jobs[1] / "train_rank3.log").exists()  # four tasks, the ranks, in place
+    assert [read_metrics(job)["world_size"] for job in jobs] == [1, 2]
+    assert (jobs[1] / "train_rank1.log").exists()  # two tasks, the ranks, in place
     assert "launching" not in (jobs[1] / "train.log").read_text()
     assert all(list(job.glob("events.out.tfevents.*")) for job in jobs)
     summary = (sweep_dir / "summary.md").read_text()
