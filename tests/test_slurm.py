@@ -21,7 +21,7 @@ from conftest import checked, free_port, losses, output, read_metrics, typed
 
 import slurm_cluster
 from parallab.config.errors import ConfigError
-from parallab.launching import allocation, launch, slurm
+from parallab.launching import allocation, distributed, launch, slurm
 from parallab.launching.launch import InPlace
 
 PARALLAB = str(Path(sys.executable).parent / "parallab")
@@ -79,9 +79,9 @@ def test_each_rank_takes_the_gpu_slurm_gives_it(no_slurm, visible, local_rank, r
     count = len(os.environ["CUDA_VISIBLE_DEVICES"].split(","))
     if device is None:
         with pytest.raises(ConfigError, match="see 2 GPUs"):
-            slurm.gpu_index(local_rank, ranks_here, count)
+            distributed.gpu_index(local_rank, ranks_here, count)
     else:
-        assert slurm.gpu_index(local_rank, ranks_here, count) == device
+        assert distributed.gpu_index(local_rank, ranks_here, count) == device
 
 
 @pytest.mark.parametrize("env,name", [

@@ -14,7 +14,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from parallab.launching.slurm import gpu_index
+from parallab.config.errors import ConfigError
 
 # how a peer's end shows on the ranks still running (gloo raises a plain RuntimeError)
 PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
@@ -63,6 +63,21 @@ def rank_from_env() -> int:
 def restart_count() -> int:
     """How many times the elastic agent has restarted this worker group."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+
+
+def gpu_index(local_rank: int, local_world_size: int, visible: int) -> int:
+    """The CUDA device a rank takes among the `visible` ones its launcher left it. Under
+    SLURM with --gpus-per-node every task of a node sees all of the node's GPUs and takes
+    its own by its local rank; with --gpus-per-task=1 (or --gpu-bind) each sees only its
+    own, device 0."""
+    if visible >= local_world_size:
+        return local_rank
+    if visible == 1:
+        return 0
+    raise ConfigError(f"{local_world_size} ranks on this node see {visible} GPUs "
+                      f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '')}): "
+                      "give each rank one GPU (srun --gpus-per-task=1) or the node's GPUs to "
+                      "all (--gpus-per-node=N with --ntasks-per-node=N)")
 
 
 def cpu_cores() -> int:

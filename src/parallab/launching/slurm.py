@@ -101,20 +101,6 @@ def master_host() -> tuple[str, str]:
     return "127.0.0.1", "MASTER_ADDR"
 
 
-def gpu_index(local_rank: int, local_world_size: int, visible: int) -> int:
-    """The CUDA device a rank takes among the `visible` ones SLURM left it: with
-    --gpus-per-node every task of a node sees all of the node's GPUs and takes its own by
-    its local rank; with --gpus-per-task=1 (or --gpu-bind) each sees only its own, device 0."""
-    if visible >= local_world_size:
-        return local_rank
-    if visible == 1:
-        return 0
-    raise ConfigError(f"{local_world_size} ranks on this node see {visible} GPUs "
-                      f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '')}): "
-                      "give each rank one GPU (srun --gpus-per-task=1) or the node's GPUs to "
-                      "all (--gpus-per-node=N with --ntasks-per-node=N)")
-
-
 def parse_signal(name: str | int | None, key: str = "trainer.requeue_signal") -> int | None:
     """`USR1`, `SIGUSR1` or a number as a signal SLURM can send and this process can catch;
     ConfigError naming `key` otherwise."""
