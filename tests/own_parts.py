@@ -74,6 +74,14 @@ class NextTokenModel(nn.Module):
         return logits, loss
 
 
+class MeanLossModel(NextTokenModel):
+    """Written as most hand-written models are: forward(idx, labels=None, **kwargs) returns
+    the mean of its own loss; the **kwargs take whatever else a caller passes."""
+
+    def forward(self, idx: torch.Tensor, labels: torch.Tensor | None = None, **kwargs):
+        return super().forward(idx, labels)
+
+
 class DictScorer(nn.Module):
     """A model whose forward takes named inputs (a dict batch's keys) and returns a dict."""
 
@@ -121,6 +129,15 @@ class HalfIgnored(torch.utils.data.Dataset):
         sample = dict(self.verses[index])
         if index % 2 == 0:
             sample["labels"] = torch.full_like(sample["labels"], -100)
+        return sample
+
+
+class AllIgnored(HalfIgnored):
+    """Every label of every sample ignored: nothing to learn from."""
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        sample = dict(self.verses[index])
+        sample["labels"] = torch.full_like(sample["labels"], -100)
         return sample
 
 

@@ -6,6 +6,7 @@ accumulation; across ranks and layouts: test_transformers.py)."""
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
@@ -93,11 +94,20 @@ def test_a_batch_with_no_label_to_learn_from_is_skipped_not_nan(tmp_path, caplog
     assert len(said) == 8
 
 
+def test_a_training_set_with_no_label_to_learn_from_is_refused_before_launch(tmp_path):
+    with pytest.raises(ConfigError, match=r"every label of the first \d+ training samples is "
+                                          r"-100 \(ignored\), so the run would train on nothing"):
+        llama(tmp_path, "data.train._target_=own_parts.AllIgnored", "~data.train.seq_len",
+              "~data.train.size", "trainer.max_steps=2")
+
+
 @pytest.mark.slow
-def test_a_model_written_as_nanogpt_trains_with_its_own_loss(tmp_path):
+@pytest.mark.parametrize("model", ["NextTokenModel", "MeanLossModel"])
+def test_a_model_written_as_nanogpt_trains_with_its_own_loss(tmp_path, model):
     """forward(idx, targets) -> (logits, loss), as written: its own loss, whose mean over a
-    micro-batch is weighted by the micro-batch's labels (2 x 4 = 8)."""
-    run = ["model=gpt", "data=bytes", "data.seq_len=32", "model._target_=own_parts.NextTokenModel",
+    micro-batch is weighted by the micro-batch's labels (2 x 4 = 8); so too a forward(idx,
+    labels, **kwargs) returning its mean, which is given no num_items_in_batch."""
+    run = ["model=gpt", "data=bytes", "data.seq_len=32", f"model._target_=own_parts.{model}",
            "~model.context", "~model.layers", "~model.heads", "~model.width", "~model.dropout",
            "~model.tie_embeddings", "trainer.max_steps=20", "trainer.log_every_n_steps=1",
            "device=cpu", "optim=adam", "optim.lr=0.01", "loss=model"]
@@ -107,6 +117,24 @@ def test_a_model_written_as_nanogpt_trains_with_its_own_loss(tmp_path):
     assert losses(tmp_path / "halves") == pytest.approx(losses(tmp_path / "whole"), rel=1e-5)
     assert losses(tmp_path / "whole")[-1] < losses(tmp_path / "whole")[0] - 0.5
     assert math.isfinite(whole["eval_loss"]) and "eval_accuracy" not in whole
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_rank_whose_eval_batch_is_only_padding_runs_the_sharded_forward_too(tmp_path):
+    """Three eval windows on two fsdp ranks, one a batch: rank 1's second batch is sampler
+    padding, and its forward's all-gather is the one rank 0 waits in (before: a deadlock until
+    backend.timeout_s). The eval loss counts the three real windows once each."""
+    run = ["model=gpt", "data=bytes", "data.seq_len=32", "model._target_=own_parts.NextTokenModel",
+           "~model.context", "~model.layers", "~model.heads", "~model.width", "~model.dropout",
+           "~model.tie_embeddings", "trainer.max_steps=2", "device=cpu", "loss=model",
+           "data.eval_fraction=2.56e-05", "data.eval_batch_size=1", "backend.timeout_s=60"]
+    started = time.monotonic()
+    sharded = train_in_process([*run, "parallel=fsdp", "parallel.world_size=2",
+                                "data.batch_size=4"], tmp_path / "fsdp")
+    assert time.monotonic() - started < 50
+    one = train_in_process([*run, "data.batch_size=8"], tmp_path / "one")
+    assert sharded["eval_loss"] == pytest.approx(one["eval_loss"], rel=1e-5)
 
 
 @pytest.mark.slow

@@ -168,12 +168,19 @@ def takes_targets(model: torch.nn.Module) -> bool:
 
 def takes_items(model: torch.nn.Module) -> bool:
     """The forward takes num_items_in_batch (transformers' loss kwargs): its loss is then the
-    sum over the batch's valid labels divided by that number."""
-    flag = getattr(inner(model), "accepts_loss_kwargs", None)  # transformers' own say
-    if flag is not None:
-        return bool(flag)
+    sum over the batch's valid labels divided by that number. A forward that names it; or a
+    transformers model whose loss reads it (its own `accepts_loss_kwargs`, else **kwargs, as
+    transformers' Trainer decides). Any other forward's **kwargs say nothing of its loss: a
+    hand-written model that returns its own mean is weighted by its batch's count instead."""
+    from parallab.models import hf
+
     names, open_ended = parameters(model)
-    return "num_items_in_batch" in names or (open_ended and LABELS in names)
+    if "num_items_in_batch" in names:
+        return True
+    if not hf.is_transformers(inner(model)):
+        return False
+    flag = getattr(inner(model), "accepts_loss_kwargs", None)
+    return bool(flag) if flag is not None else open_ended
 
 
 def call(model: torch.nn.Module, batch: Any, with_targets: bool, **extra: Any) -> Any:

@@ -130,6 +130,8 @@ def evaluate(model: nn.Module, loader: ShardLoader, dist: Dist, precision: Preci
                 if n:
                     _score_own(model, loss, batches.take(batch, n) if n < rows else batch,
                                totals)
+                else:  # sampler padding only, but run all the same: a sharded layout's
+                    loss.step_loss(model, batch, None)  # forward gathers with every rank
                 continue
             output = forward(model, batch) if forward else batches.call(model, batch, False)
         if output is None or n == 0:

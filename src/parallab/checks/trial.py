@@ -118,6 +118,12 @@ def run(cfg, layout, probe: Probe | None = None) -> list[nn.Module] | None:
     if probe.model is None:
         return stages_on_meta(cfg) if layout.uses_stages else None
     model, batch = probe.model, probe.batch
+    labels = batches.labels_of(batch)
+    if isinstance(labels, torch.Tensor) and not labels.is_floating_point() and \
+            labels.numel() and not batches.valid(labels).any():
+        raise ConfigError(f"data: every label of the first {batches.rows(batch)} training "
+                          "samples is -100 (ignored), so the run would train on nothing: give "
+                          "labels to learn from (-100 marks only the tokens to leave out)")
     loss = loss_of.build_loss(cfg.loss).bind(model)
     with torch.no_grad():
         value = _loss_of(model, loss, batch)

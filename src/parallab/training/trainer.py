@@ -296,7 +296,9 @@ class Trainer:
         if self.window_losses:
             self.log_window(progress)
         self.epoch_times.append(time.perf_counter() - start)
-        self.last_train_loss = self.epoch_loss / max(self.epoch_steps, 1)
+        # a loss only where a step computed one: none where every label was ignored
+        self.last_train_loss = (self.epoch_loss / self.epoch_steps if self.epoch_steps
+                                else math.nan)
         return finished or self.epoch_step == self.steps_per_epoch
 
     def refuse_partial_epoch(self, batches: int) -> None:
