@@ -150,6 +150,26 @@ def test_export_of_a_project_that_does_not_import_is_one_line(tmp_path):
     assert not (tmp_path / "out.pt").exists()
 
 
+@pytest.mark.slow
+def test_export_from_a_projects_directory_imports_the_projects_model(tmp_path):
+    """As train and evaluate do, `parallab export` imports a project's modules from where it
+    is run."""
+    (tmp_path / "tiny_project.py").write_text(
+        "import torch\nclass Net(torch.nn.Module):\n    def __init__(self):\n"
+        "        super().__init__()\n        self.fc = torch.nn.Linear(2, 2)\n")
+    checkpoint.save(tmp_path / "last.pt", {"model": {"fc.weight": torch.ones(2, 2),
+                                                     "fc.bias": torch.zeros(2)},
+                                           "step": 3, "config": {"model": {
+                                               "_target_": "tiny_project.Net"}}})
+    done = subprocess.run([str(Path(sys.executable).parent / "parallab"), "export", "last.pt",
+                           "out.safetensors"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    from safetensors.torch import load_file
+
+    assert torch.equal(load_file(tmp_path / "out.safetensors")["fc.weight"], torch.ones(2, 2))
+
+
 def test_a_sharded_index_naming_other_code_is_refused(tmp_path):
     """torch's own reader unpickles .metadata whole; ours admits checkpoint metadata only."""
     ckpt = tmp_path / "evil.dcp"

@@ -64,6 +64,40 @@ def test_export_writes_each_format_and_each_reads_back(fsdp_run, tmp_path):
 
 
 @pytest.mark.distributed
+def test_export_replaces_only_what_it_writes_and_never_the_checkpoint(fsdp_run, tmp_path):
+    """--force: everything checked before anything is written; a folder's other files
+    kept; the checkpoint itself, inside it or around it refused; a symlink to a folder is
+    the folder."""
+    ckpt = fsdp_run / "checkpoints" / "last.dcp"
+    before = {p: p.stat().st_size for p in ckpt.iterdir()}
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    with pytest.raises(ConfigError, match="no other suffix"):
+        _export(ckpt, notes, force=True)
+    assert notes.read_text() == "mine"
+    version = tmp_path / "v1.0"  # a folder, whatever its name
+    version.mkdir()
+    (version / "README").write_text("mine")
+    (tmp_path / "link").symlink_to(version)
+    _export(ckpt, version, force=True)
+    _export(ckpt, tmp_path / "link", force=True)
+    assert (version / "README").read_text() == "mine"
+    assert sorted(p.name for p in version.iterdir()) == sorted(["README", weights.RUN_CONFIG,
+                                                                weights.WEIGHTS])
+    for out, said in ((ckpt, "is the checkpoint"), (ckpt / "x.pt", "inside the checkpoint"),
+                      (fsdp_run / "checkpoints", "a folder holding the checkpoint")):
+        with pytest.raises(ConfigError, match=said):
+            _export(ckpt, out, force=True)
+    assert {p: p.stat().st_size for p in ckpt.iterdir()} == before
+    _export(ckpt, tmp_path / "m.pt")
+    kept = (tmp_path / "m.pt").read_bytes()
+    with pytest.raises(ConfigError, match="is the checkpoint"):  # a .pt onto itself
+        _export(tmp_path / "m.pt", tmp_path / "m.pt", force=True)
+    assert (tmp_path / "m.pt").read_bytes() == kept
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no scratch left
+
+
+@pytest.mark.distributed
 def test_init_from_starts_every_layout_from_the_same_weights(fsdp_run, tmp_path):
     """The fsdp run's .dcp under none (the whole model given them), under fsdp from each
     format and under tp (laid out on meta first, each rank reading its part), and its

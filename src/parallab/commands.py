@@ -181,9 +181,7 @@ def _export(ckpt: Path, out: Path, force: bool = False) -> None:
     from parallab.models import build_model
     from parallab.training import checkpoint, weights
 
-    if not out.parent.is_dir():
-        raise ConfigError(f"{out.parent} is not a directory: create it, or give a "
-                          "path in an existing one")
+    kind = weights.export_kind(ckpt, out, force)  # before anything is read or written
     meta = weights.record(ckpt)
     spec = _trained_model_config(meta, ckpt)
     targets.locate(spec.get("_target_"), "model._target_")  # the project must import
@@ -192,7 +190,7 @@ def _export(ckpt: Path, out: Path, force: bool = False) -> None:
     except ConfigError as error:
         raise checkpoint.CheckpointError(f"ckpt={ckpt} does not fit model {spec['_target_']}: "
                                          f"{error}") from None
-    what = weights.export(model, {"step": meta["step"], "config": meta["config"]}, out, force)
+    what = weights.export(model, {"step": meta["step"], "config": meta["config"]}, out, kind)
     print(f"{out}: {what}, of {ckpt} (step {meta['step']})")
 
 
@@ -205,10 +203,11 @@ def parallab() -> None:
     `parallab export CKPT OUT`: a checkpoint's full model state as one file."""
     import argparse
 
+    # as `python -m` does: a project's own modules (its model, its data) import from where
+    # it is run, for every command (export rebuilds the project's model); launched workers
+    # inherit the path
+    sys.path.insert(0, os.getcwd())
     if len(sys.argv) > 1 and sys.argv[1] in APPS:
-        # as `python -m` does: a project's own modules (its model, its data) import from where
-        # it is run; launched workers inherit the path
-        sys.path.insert(0, os.getcwd())
         APPS[sys.argv[1]]([sys.argv[0], *sys.argv[2:]])  # the app's command line: no `train`
         return
     parser = argparse.ArgumentParser(prog="parallab")
@@ -225,7 +224,8 @@ def parallab() -> None:
                                  "model's save_pretrained folder)")
     export.add_argument("ckpt", type=Path)
     export.add_argument("out", type=Path)
-    export.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    export.add_argument("--force", action="store_true", help="replace what export writes at "
+                        "OUT if it exists (a folder's other files are kept)")
     args = parser.parse_args()
     if args.command == "export":
         from parallab.training.checkpoint import CheckpointError

@@ -14,8 +14,10 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import re
 import shutil
+import tempfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -323,33 +325,75 @@ def load_into(model: nn.Module, path: str | Path, strict: bool = True) -> list[s
     return left
 
 
-def export(model: nn.Module, record: dict[str, Any], out: Path, force: bool) -> str:
-    """`model`'s weights written to `out` (FORMATS) with the run's `record` (step, config);
-    what was written, in words."""
+def export_kind(ckpt: Path, out: Path, force: bool) -> str:
+    """What export writes at `out` (`.pt`, `.safetensors`, or `folder`: an existing folder
+    whatever its name, or a name with no suffix), checked before anything is read or
+    written: never the checkpoint itself, inside it or around it, and an existing OUT only
+    with --force. ConfigError in one line otherwise."""
+    kind = ("folder" if out.is_dir() or not out.suffix else
+            out.suffix if out.suffix in (".pt", ".safetensors") else None)
+    if kind is None:
+        raise ConfigError(f"{out}: export writes {FORMATS} (no other suffix)")
+    if not out.parent.is_dir():
+        raise ConfigError(f"{out.parent} is not a directory: create it, or give a "
+                          "path in an existing one")
+    source, target = ckpt.resolve(), out.resolve()
+    clash = ("the checkpoint" if target == source else "inside the checkpoint"
+             if source in target.parents else "a folder holding the checkpoint"
+             if target in source.parents else None)
+    if clash is not None:
+        raise ConfigError(f"{out} is {clash} {ckpt}: export to another path (the checkpoint "
+                          "is kept as it is)")
+    if (out.exists() or out.is_symlink()) and not force:
+        raise ConfigError(f"{out} exists: give a new name, or --force to replace what export "
+                          "writes there")
+    if out.exists() and kind != "folder" and not out.is_file():
+        raise ConfigError(f"{out} is not a file: export writes a {kind} file there only in "
+                          "place of one")
+    return kind
+
+
+def export(model: nn.Module, record: dict[str, Any], out: Path, kind: str) -> str:
+    """`model`'s weights written as `kind` (export_kind) at `out` with the run's `record`
+    (step, config); what was written, in words. Written under a temporary name beside OUT and
+    moved into place last: an export that fails leaves OUT as it was, and one into an
+    existing folder replaces only the files it writes."""
     from parallab.models import hf
 
-    if out.exists() or out.is_symlink():
-        if not force:
-            raise ConfigError(f"{out} exists: give a new name, or --force to replace it")
-        shutil.rmtree(out) if out.is_dir() else out.unlink()
-    if out.suffix == ".pt":
-        checkpoint.save(out, {"model": model.state_dict(), **record})
-        return "the full model state as one torch file"
-    config = json.dumps(record.get("config", {}))
-    if out.suffix == ".safetensors":
-        _safetensors().save_model(model, str(out), metadata={
-            "format": "pt", "step": str(record.get("step", 0)), "parallab_config": config})
-        return "the model's weights as one safetensors file (the run's config in its metadata)"
-    if out.suffix:
-        raise ConfigError(f"{out}: export writes {FORMATS} (no other suffix)")
-    out.mkdir(parents=True)
-    if hf.is_transformers(model):
-        model.save_pretrained(str(out))
-        what = "a transformers folder (config.json, model.safetensors) from_pretrained reads"
-    else:
-        _safetensors().save_model(model, str(out / WEIGHTS), metadata={"format": "pt"})
-        what = f"a folder ({WEIGHTS}) evaluate.py and trainer.init_from read"
+    scratch = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        if kind == ".pt":
+            checkpoint.save(scratch / out.name, {"model": model.state_dict(), **record})
+            what = "the full model state as one torch file"
+        elif kind == ".safetensors":
+            _safetensors().save_model(model, str(scratch / out.name), metadata={
+                "format": "pt", "step": str(record.get("step", 0)),
+                "parallab_config": json.dumps(record.get("config", {}))})
+            what = "the model's weights as one safetensors file (the run's config in its metadata)"
+        else:
+            what = _write_folder(model, record, scratch / "folder", hf.is_transformers(model))
+        if kind != "folder":
+            os.replace(scratch / out.name, out)
+        elif not out.is_dir():
+            os.replace(scratch / "folder", out)
+        else:
+            for written in (scratch / "folder").iterdir():
+                os.replace(written, out / written.name)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return what
+
+
+def _write_folder(model: nn.Module, record: dict[str, Any], folder: Path,
+                  transformers: bool) -> str:
     from omegaconf import OmegaConf
 
-    OmegaConf.save(OmegaConf.create(record.get("config", {})), out / RUN_CONFIG)
+    folder.mkdir()
+    if transformers:
+        model.save_pretrained(str(folder))
+        what = "a transformers folder (config.json, model.safetensors) from_pretrained reads"
+    else:
+        _safetensors().save_model(model, str(folder / WEIGHTS), metadata={"format": "pt"})
+        what = f"a folder ({WEIGHTS}) evaluate.py and trainer.init_from read"
+    OmegaConf.save(OmegaConf.create(record.get("config", {})), folder / RUN_CONFIG)
     return f"{what}, with the run's config in {RUN_CONFIG}"
