@@ -261,6 +261,12 @@ def test_auto_values_resolve_for_cpu():
       "data.global_batch_size=30"],
      "data.global_batch_size=30 (30 per rank) does not split into parallel.microbatches=4 "
      "equal micro-batches: use a multiple of 4"),
+    (["parallel=tp", "parallel.world_size=2", "model=gpt", "data=bytes", "parallel.tp_plan={}"],
+     "parallel.tp_plan={} is not a plan"),  # not the model's own plan without a word
+    (["parallel=tp", "parallel.world_size=2", "model=gpt", "data=bytes",
+      "parallel.tp_plan=colwise"], "parallel.tp_plan=colwise is not a plan"),
+    (["parallel=tp", "parallel.world_size=2", "model=gpt", "data=bytes",
+      "parallel.tp_plan=[colwise,rowwise]"], "parallel.tp_plan=[colwise, rowwise] is not a plan"),
 ])
 def test_bad_values_fail_naming_the_key(overrides, message):
     """Checked in-process, as validate.prepare runs in the controller."""
@@ -277,6 +283,7 @@ def test_bad_values_fail_naming_the_key(overrides, message):
     (["parallel=fsdp_typo"], "parallel"),  # unknown group option
     (["device=gpu"], "device"),  # not one of the enum's values
     (["data.batch_size=[1"], "data.batch_size=[1"),  # Hydra cannot parse it
+    (["precision=null"], "precision=null: the precision group takes one of its options"),
 ])
 def test_bad_input_exits_with_one_line_naming_the_key(args, key, tmp_path):
     """Hydra's own refusals (type, key, option, value, grammar), as parallab's: one line,

@@ -34,6 +34,19 @@ def test_no_command_writes_over_a_training_run(train_here, command):
     assert not (run_dir / "advise.md").exists()
 
 
+@pytest.mark.slow
+def test_a_refused_evaluate_leaves_no_record_and_the_corrected_one_runs_there(train_here,
+                                                                             tmp_path):
+    _, run_dir = train_here(*TINY)
+    mistyped = run_entry("evaluate.py", [f"ckpt={run_dir}/checkpoints/lost.pt", "device=cpu"],
+                         tmp_path / "eval")
+    assert mistyped.returncode == 2 and not (tmp_path / "eval" / ".hydra").exists()
+    corrected = run_entry("evaluate.py", [f"ckpt={run_dir}/checkpoints/last.pt", "device=cpu"],
+                          tmp_path / "eval")
+    assert corrected.returncode == 0, output(corrected)[-2000:]
+    assert read_metrics(tmp_path / "eval")["eval_loss"] > 0
+
+
 def test_evaluate_refuses_a_dir_holding_a_killed_runs_record(tmp_path):
     """A run killed before its first checkpoint leaves .hydra/ alone: evaluate.py refuses
     the dir (it would write over that record) and puts the files back."""

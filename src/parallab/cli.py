@@ -14,6 +14,7 @@ import gc
 import json
 import logging
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -122,26 +123,32 @@ class Invocation:
     earlier: dict[Path, bytes] = dataclasses.field(default_factory=dict)
     advising: bool = False  # parallab advise: every job advises
     stopped_sweep: str | None = None
+    fresh: Path | None = None  # the .hydra/ this command writes in a dir that held none
 
     @classmethod
     def read(cls, argv: list[str], advising: bool = False) -> "Invocation":
-        earlier = {}
+        earlier, fresh = {}, None
         for arg in argv[1:]:
             if arg.startswith("hydra.run.dir="):  # the value may be quoted (spaces)
                 hydra_dir = Path(arg.partition("=")[2].strip("'\"")) / ".hydra"
                 if hydra_dir.is_dir():
                     earlier.update({p: p.read_bytes() for p in hydra_dir.iterdir()
                                     if p.is_file()})
-        return cls(list(argv), earlier, advising)
+                else:
+                    fresh = hydra_dir
+        return cls(list(argv), earlier, advising, fresh=fresh)
 
     def held_before(self) -> list[str]:
         """The earlier run's record in the dir named on the command line, if it held one."""
         return [".hydra/"] if self.earlier else []
 
     def restore(self) -> None:
-        """A refused command leaves an earlier run's record as it was."""
+        """A refused command leaves an earlier run's record as it was, and no record of its
+        own where the dir held none (the corrected command may use the same dir)."""
         for path, content in self.earlier.items():
             path.write_bytes(content)
+        if self.fresh is not None:
+            shutil.rmtree(self.fresh, ignore_errors=True)
 
     @contextlib.contextmanager
     def refusing(self) -> Iterator[None]:
@@ -409,6 +416,17 @@ def hydra_line(error: Exception) -> str:
     return line
 
 
+def null_group_line(argv: list[str]) -> str:
+    """The one line for `GROUP=null` on the command line: a group takes one of its options."""
+    for arg in argv:
+        group, _, value = arg.lstrip("+").partition("=")
+        options = sorted(p.stem for p in (Path(CONF_DIR) / group).glob("*.yaml"))
+        if value in ("null", "None") and options:
+            return (f"{arg}: the {group} group takes one of its options ({', '.join(options)}), "
+                    f"not null: choose one, or leave {group} out for its default")
+    return "a config group was given null: choose one of its options"
+
+
 def run_app(app, call: Invocation) -> None:
     """A Hydra app whose own refusals end as parallab's do: one line, exit status 2 (Hydra
     prints them itself, over several lines, and exits 1, unless HYDRA_FULL_ERROR asks it to
@@ -425,9 +443,15 @@ def run_app(app, call: Invocation) -> None:
         call.restore()
         print(hydra_line(error), file=sys.stderr)
         raise SystemExit(2) from None
-    except ConfigError as error:  # a launcher's refusal (launching/submitit.py), before any job
+    except ConfigError as error:  # a launcher's refusal (launching/allocation.py), before any job
         call.restore()
         print(error, file=sys.stderr)
+        raise SystemExit(2) from None
+    except ValueError as error:  # Hydra's own, for `group=null`: a traceback otherwise
+        if "Config group override must be" not in str(error):
+            raise
+        call.restore()
+        print(null_group_line(call.argv[1:]), file=sys.stderr)
         raise SystemExit(2) from None
     finally:
         os.environ.pop("HYDRA_FULL_ERROR", None)

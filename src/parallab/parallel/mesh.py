@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+from collections.abc import Mapping
 from typing import Iterator
 
 import torch
@@ -92,7 +93,11 @@ def sp_problem(model: nn.Module, data, tp: int, given: dict[str, str] | None = N
 def refuse_tp(cfg, tp: int, sequence_parallel: bool = False) -> None:
     """ConfigError where tp > 1 and the model (built on meta) has no plan that splits over
     `tp` ranks, or no sequence-parallel one where asked."""
-    given = getattr(cfg.parallel, "tp_plan", None) or None
+    given = getattr(cfg.parallel, "tp_plan", None)
+    if given is not None and (not isinstance(given, Mapping) or not given):
+        raise ConfigError(f"parallel.tp_plan={_shown(given)} is not a plan: give module "
+                          "patterns and their styles, e.g. parallel.tp_plan='{q_proj: colwise, "
+                          "o_proj: rowwise}', or null for the model's own plan")
     if tp == 1:
         if given:
             raise ConfigError("parallel.tp_plan is set but parallel.tp=1 splits nothing: "
@@ -105,6 +110,15 @@ def refuse_tp(cfg, tp: int, sequence_parallel: bool = False) -> None:
         model, cfg.data, tp, given)
     if problem:
         raise ConfigError(problem)
+
+
+def _shown(value) -> str:
+    """A config value as the command line writes it ({} for an empty mapping)."""
+    from omegaconf import OmegaConf
+
+    if OmegaConf.is_config(value):
+        value = OmegaConf.to_container(value)
+    return "{}" if value == {} else str(value).replace("'", "")
 
 
 class MeshStrategy(Strategy):
