@@ -34,4 +34,4 @@ bench: $(INSTALLED)
 	$(PY) bench/bench_loop.py $(ARGS)
 
 clean:
-	rm -rf $(VENV) outputs/2* multirun
+	rm -rf $(VENV) outputs/2* outputs/multirun outputs/eval outputs/slurm multirun mlruns

@@ -379,6 +379,23 @@ def test_resume_refuses_missing_truncated_and_foreign_checkpoints(tmp_path):
     validate.prepare(typed(f"trainer.resume={good}", "device=cpu"), in_place=None)
 
 
+@pytest.mark.parametrize("kept_kb", [5, 20, 50])
+def test_a_checkpoint_cut_short_is_one_line_wherever_it_is_cut(tmp_path, kept_kb):
+    """Cut in the middle of its zip's records, torch's reader raised an OSError (Errno 22)."""
+    import torch
+
+    from parallab.training import checkpoint
+
+    whole = tmp_path / "whole.pt"
+    torch.save({"model": {"w": torch.zeros(64, 1024)}, "step": 1}, whole)  # 256 KB
+    cut = tmp_path / "cut.pt"
+    cut.write_bytes(whole.read_bytes()[:kept_kb * 1024])
+    with pytest.raises(checkpoint.CheckpointError, match=r"is not a readable checkpoint, "
+                                                         r"truncated or corrupt") as error:
+        checkpoint.load(cut)
+    assert "\n" not in str(error.value)
+
+
 @pytest.mark.parametrize("override,message", [
     ("+trainer.max_step=5", "trainer has no key 'max_step' (did you mean trainer.max_steps?)"),
     ("+seedx=1", "the config has no key 'seedx' (did you mean seed?)"),

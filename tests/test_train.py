@@ -189,3 +189,14 @@ def test_progress_bar_replaces_console_lines_but_not_the_log_file(train):
     assert "20/20" in result.stderr and "step/s" in result.stderr  # tqdm's bar
     assert "epoch 1 step 20/20" not in output(result)
     assert "epoch 1 step 20/20" in (run_dir / "train.log").read_text()
+
+
+def test_a_run_cut_by_max_steps_numbers_its_evaluation_by_step_and_says_why_timing_is_null(
+        train_here, caplog):
+    caplog.set_level(logging.INFO)
+    metrics, _ = train_here(*FAST, "trainer.max_steps=3")
+    assert metrics["samples_per_sec"] is None and metrics["step_time_ms"] is None
+    said = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith("step 3: eval_loss") for m in said), said
+    assert not any(m.startswith("epoch 0:") for m in said)
+    assert any("all within trainer.timing_skip_steps=5" in m for m in said)

@@ -225,3 +225,15 @@ def test_a_from_pretrained_folder_trains_and_starts_any_layout(llama_on_path, tm
     assert started["eval_loss"] == pytest.approx(pretrained["eval_loss"], rel=1e-4)
     # its parameters built on meta, its rotary table for real: no rank held the whole model
     assert "each rank reading its part" in (tmp_path / "started" / "train.log").read_text()
+
+
+def test_export_of_a_model_whose_pretrained_folder_is_gone_says_so_in_one_line(tmp_path):
+    ckpt = tmp_path / "last.pt"
+    checkpoint.save(ckpt, {"model": {}, "step": 3, "config": {"model": {
+        "_target_": "transformers.AutoModelForCausalLM.from_pretrained",
+        "pretrained_model_name_or_path": str(tmp_path / "llama")}}})
+    with pytest.raises(ConfigError, match=r"its model transformers.AutoModelForCausalLM."
+                                          r"from_pretrained cannot be built \(.*\): it reads "
+                                          r"pretrained_model_name_or_path=.*llama, which is gone"):
+        _export(ckpt, tmp_path / "out.pt")
+    assert not (tmp_path / "out.pt").exists()

@@ -186,12 +186,31 @@ def _export(ckpt: Path, out: Path, force: bool = False) -> None:
     spec = _trained_model_config(meta, ckpt)
     targets.locate(spec.get("_target_"), "model._target_")  # the project must import
     try:
-        model = weights.model_from(ckpt, build_model(spec))
+        built = build_model(spec)
+    except Exception as error:  # noqa: BLE001 - a user's or a library's constructor
+        raise ConfigError(_unbuildable(ckpt, spec, error)) from None
+    try:
+        model = weights.model_from(ckpt, built)
     except ConfigError as error:
         raise checkpoint.CheckpointError(f"ckpt={ckpt} does not fit model {spec['_target_']}: "
                                          f"{error}") from None
     what = weights.export(model, {"step": meta["step"], "config": meta["config"]}, out, kind)
     print(f"{out}: {what}, of {ckpt} (step {meta['step']})")
+
+
+def _unbuildable(ckpt: Path, spec: dict[str, Any], error: Exception) -> str:
+    """Why the model a checkpoint was trained with cannot be built again, in one line: most
+    often what its constructor read is gone (a from_pretrained folder)."""
+    from parallab.config.errors import first_line
+
+    gone = [f"{key}={value}" for key, value in spec.items() if isinstance(value, str)
+            and not key.startswith("_") and ("/" in value or value.startswith("."))
+            and not Path(value).exists()]
+    cause = first_line(error.__cause__ or error)
+    need = (f"it reads {', '.join(gone)}, which is gone: put it back (the checkpoint holds "
+            "the weights; the architecture comes from there)" if gone else
+            "make the model's class and what it reads importable here")
+    return f"ckpt={ckpt}: its model {spec.get('_target_')} cannot be built ({cause}): {need}"
 
 
 APPS = {"train": train, "evaluate": evaluate, "advise": advise}  # Hydra apps: argv is theirs

@@ -59,8 +59,9 @@ def load(path: str | Path, mmap: bool = False) -> dict[str, Any]:
                        if "Unsupported global" in line), "an object that is not plain data")
         raise CheckpointError(f"ckpt={path} holds more than tensors and plain containers "
                               f"({reason}); refusing to load it") from None
-    except (RuntimeError, EOFError) as error:
+    except (RuntimeError, EOFError, OSError) as error:
         # torch's first sentence says what failed; the rest is advice on torch.load's flags
+        # (a zip cut short in its middle: OSError, "Invalid argument", from the reader)
         reason = (str(error).splitlines() or [""])[0].split(". ")[0].rstrip(".")
         raise CheckpointError(f"ckpt={path} is not a readable checkpoint, truncated or corrupt "
                               f"({reason})") from None

@@ -452,7 +452,10 @@ class Trainer:
         self.logger.scalars({"eval/" + k.removeprefix(metrics.PREFIX): v
                              for k, v in self.eval_metrics.items()}, self.step)
         if self.dist.is_main:
-            when = f"step {self.step}" if self.cfg.eval_every_n_steps else f"epoch {self.epoch}"
+            # by step where evaluation is by step, or the run ended inside an epoch
+            # (trainer.max_steps): the progress lines' numbering, not the epochs completed
+            by_step = self.cfg.eval_every_n_steps or self.epoch_step
+            when = f"step {self.step}" if by_step else f"epoch {self.epoch}"
             log.info("%s: %s", when, ", ".join(
                 f"{k} {v:.4f}" for k, v in self.eval_metrics.items()))
 
@@ -469,6 +472,10 @@ class Trainer:
         """The final figures; None where the run was too short to measure one."""
         measured = self.step_times[self.cfg.timing_skip_steps:]
         samples_per_sec = self.measured_samples / sum(measured) if measured else None
+        if not measured and self.dist.is_main:
+            log.info("samples_per_sec and step_time_ms are null: this run's %d steps are all "
+                     "within trainer.timing_skip_steps=%d, left out of timing (lower it, or "
+                     "train longer)", len(self.step_times), self.cfg.timing_skip_steps)
         return {
             "train_loss": None if math.isnan(self.last_train_loss) else self.last_train_loss,
             **self.eval_metrics,
