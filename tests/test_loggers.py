@@ -157,3 +157,32 @@ def test_a_logger_not_installed_is_one_line_naming_the_extra(monkeypatch):
                        match=r'logger=wandb needs wandb, which is not installed: '
                              r'pip install "parallab\[wandb\]"'):
         validate.prepare(typed("logger=wandb", "device=cpu"), in_place=None)
+
+
+@pytest.mark.parametrize("filename,refusal", [
+    ("metrics.json", "which is the run's own metrics.json"),
+    ("train.log", "which is the run's own train.log"),
+    ("train_rank1.log", "which is the run's own train_rank1.log"),
+    ("checkpoints/rows.csv", "which is the run's own checkpoints"),
+    ("../rows.csv", "outside the run dir"),
+    ("/tmp/rows.csv", "outside the run dir"),
+])
+def test_a_csv_file_on_the_runs_own_files_or_outside_its_dir_is_refused_before_launch(
+        filename, refusal):
+    from conftest import checked
+
+    from parallab.config.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=f"logger csv writes {filename}, {refusal}"):
+        checked("logger=csv", f"logger.csv.filename={filename}", "device=cpu")
+
+
+def test_overwrite_replaces_the_earlier_runs_rows_and_events_and_a_subfolder_is_made(
+        train_here, tmp_path):
+    run = [*FAST, "data.train_size=512", "logger=[tensorboard,csv]",
+           "logger.csv.filename=tables/rows.csv"]
+    _, run_dir = train_here(*run, "trainer.log_every_n_steps=1")  # 8 steps, a row each
+    train_here(*run, "trainer.overwrite=true", "trainer.log_every_n_steps=8")
+    with open(run_dir / "tables" / "rows.csv", newline="") as file:  # none of the first's
+        assert [row["step"] for row in csv.DictReader(file)] == ["2", "8"]  # comm/*, the end
+    assert len(list(run_dir.glob("events.out.tfevents.*"))) == 1

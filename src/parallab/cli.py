@@ -276,6 +276,7 @@ def _claimed(run_dir: str, cfg, in_place: launch.InPlace | None, call: Invocatio
     checkpoints or metrics (trainer.resume=auto continues it), and a second run started in
     the same dir while this one runs is refused at once (a lock file). `command`: one that
     is not training (advise, evaluate) starts only in a dir holding no run at all."""
+    from parallab.observe import loggers
     from parallab.training import rundir
 
     main = in_place is None or in_place.rank == 0
@@ -288,7 +289,9 @@ def _claimed(run_dir: str, cfg, in_place: launch.InPlace | None, call: Invocatio
         if command is not None:
             rundir.check_unused(Path(run_dir), command, call.held_before())
         else:
-            rundir.check_fresh(Path(run_dir), resume, cfg.trainer.overwrite, delete=main)
+            logged = loggers.files(cfg.logger) if cfg.trainer.overwrite else []
+            rundir.check_fresh(Path(run_dir), resume, cfg.trainer.overwrite, delete=main,
+                               logged=logged)
         yield
 
 

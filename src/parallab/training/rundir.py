@@ -33,10 +33,11 @@ def check_unused(run_dir: Path, command: str, earlier: list[str] = ()) -> None:
                           "(or leave it out: each run gets its own)")
 
 
-def check_fresh(run_dir: Path, resume: str | None, overwrite: bool, delete: bool) -> None:
+def check_fresh(run_dir: Path, resume: str | None, overwrite: bool, delete: bool,
+                logged: list[str] = ()) -> None:
     """A run that does not resume starts only in a dir holding no run; with
-    trainer.overwrite=true the earlier run's checkpoints and metrics are deleted (by the
-    main process, `delete`) first."""
+    trainer.overwrite=true the earlier run's checkpoints, metrics and the files its loggers
+    wrote (`logged`: glob patterns) are deleted (by the main process, `delete`) first."""
     held = held_run(run_dir)
     if resume is not None or not held:
         return
@@ -47,6 +48,10 @@ def check_fresh(run_dir: Path, resume: str | None, overwrite: bool, delete: bool
     if delete:
         shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
         (run_dir / "metrics.json").unlink(missing_ok=True)
+        for pattern in logged:  # a CSV's rows, TensorBoard's events: the new run's alone
+            for path in run_dir.glob(pattern):
+                if path.is_file():
+                    path.unlink()
 
 
 @contextlib.contextmanager

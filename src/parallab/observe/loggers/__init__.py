@@ -39,7 +39,39 @@ def problem(loggers: Any) -> str | None:
         if needs and importlib.util.find_spec(needs) is None:
             return (f"logger={name} needs {needs}, which is not installed: "
                     f'pip install "parallab[{needs}]"')
+        clash = _clash(name, getattr(cls, "writes", lambda **_: [])(**args))
+        if clash:
+            return clash
     return None
+
+
+# what a run writes into its dir beside its loggers' files (Hydra's record, the logs, the
+# checkpoints, what advise, the profiler and a sweep's summary leave)
+RUN_FILES = ("metrics.json", ".hydra", "train.log", "train_rank*.log", "checkpoints",
+             "status.json", "advise.md", "advise.csv", "advise.png", "profiler",
+             "memory_snapshot")
+
+
+def _clash(name: str, files: list[str]) -> str | None:
+    """A logger's file that would land outside the run dir or on a file the run writes."""
+    for written in files:
+        path = Path(written)
+        if path.is_absolute() or ".." in path.parts:
+            return (f"logger {name} writes {written}, outside the run dir: give a path inside "
+                    "it (a name, or a subfolder's)")
+        if any(path.parts[0] == own or Path(path.parts[0]).match(own) for own in RUN_FILES):
+            return (f"logger {name} writes {written}, which is the run's own {path.parts[0]}: "
+                    "give the logger's file another name")
+    return None
+
+
+def files(loggers: dict[str, Any] | None) -> list[str]:
+    """The files the configured loggers write into the run dir (glob patterns)."""
+    found = []
+    for name, spec in (loggers or DEFAULT).items():
+        cls = targets.locate(spec[targets.TARGET], f"logger.{name}._target_")
+        found += getattr(cls, "writes", lambda **_: [])(**targets.arguments(spec))
+    return found
 
 
 def flatten(node: Any, prefix: str = "") -> dict[str, Any]:

@@ -39,6 +39,12 @@ class Logger:
     # the package it needs beyond parallab's own (an extra: pip install "parallab[NAME]")
     requires: ClassVar[str | None] = None
 
+    @classmethod
+    def writes(cls, **config: Any) -> list[str]:
+        """The files it writes into the run dir given its config (glob patterns): checked
+        against the run's own before launch, and removed by trainer.overwrite=true."""
+        return []
+
     def start(self, run: RunInfo) -> None:
         """Before the first step: connect, record the hyperparameters and tags."""
 

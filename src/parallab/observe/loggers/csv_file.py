@@ -21,8 +21,13 @@ class CSVLogger(Logger):
         self.file = None
         self.writer: csv.DictWriter | None = None
 
+    @classmethod
+    def writes(cls, filename: str = "metrics.csv", **config: Any) -> list[str]:
+        return [filename]
+
     def start(self, run: RunInfo) -> None:
         self.path = run.run_dir / self.filename
+        self.path.parent.mkdir(parents=True, exist_ok=True)  # a subfolder of the run dir
         if self.path.exists():  # a resumed run's: its rows are kept, up to where it goes on
             with open(self.path, newline="") as file:
                 reader = csv.DictReader(file)

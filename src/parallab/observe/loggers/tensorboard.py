@@ -12,6 +12,10 @@ class TensorBoardLogger(Logger):
     def __init__(self) -> None:
         self.writer = None
 
+    @classmethod
+    def writes(cls, **config: Any) -> list[str]:
+        return ["events.out.tfevents.*"]
+
     def start(self, run: RunInfo) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
