@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import FAST, REPO, free_port, only_run_dir, read_metrics
+from conftest import FAST, REPO
 
 from parallab.launching import launch, slurm
 
