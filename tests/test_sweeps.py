@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +23,26 @@ def sweep(sweep_dir: Path, *args: str) -> subprocess.CompletedProcess:
 def summary_rows(sweep_dir: Path) -> list[dict]:
     with open(sweep_dir / "summary.csv") as f:
         return list(csv.DictReader(f))
+
+
+def test_a_job_whose_overrides_outgrow_a_file_name_gets_a_readable_stable_dir(tmp_path):
+    """20 overrides: the job's dir name is cut to 255 bytes and ends with a hash of them all;
+    its .hydra/ keeps every one, and the summary reads it."""
+    many = ["trainer.timing_skip_steps=5", "trainer.keep_last_k=3", "trainer.on_nan=stop",
+            "trainer.activation_checkpointing=none", "trainer.monitor=eval_loss",
+            "trainer.save_best=true", "trainer.init_strict=true", "trainer.overwrite=false",
+            "trainer.channels_last=false", "trainer.compile=false", "trainer.profile=false",
+            "trainer.auto_batch_size=false", "trainer.accumulate_grad_batches=1",
+            "trainer.eval_every_n_epochs=1", "trainer.log_every_n_steps=50",
+            "parallel.max_restarts=0", "parallel.rendezvous_timeout=60", "precision.tf32=false",
+            "optim.scale_lr=none", "data.eval_batch_size=1000"]
+    result = sweep(tmp_path / "sweep", *many)
+    assert result.returncode == 0, output(result)[-3000:]
+    [job] = [p for p in (tmp_path / "sweep").iterdir() if (p / ".hydra").is_dir()]
+    assert len(job.name.encode()) <= 255 and job.name.startswith("0_data.eval_batch_size=1000,")
+    assert re.fullmatch(r".*_[0-9a-f]{10}", job.name)
+    assert len((job / ".hydra" / "overrides.yaml").read_text().splitlines()) == 20 + len(QUICK)
+    assert [row["status"] for row in summary_rows(tmp_path / "sweep")] == ["completed"]
 
 
 def test_a_failing_job_is_reported_and_the_others_still_run(tmp_path):

@@ -9,6 +9,7 @@ them resolve the same Hydra run dir (`${run_time:...}` in conf/config.yaml).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import signal
@@ -206,11 +207,27 @@ def _run_name() -> str:
     return slurm.run_name() if slurm.in_job() else _run_time("%Y-%m-%d/%H-%M-%S")
 
 
+NAME_MAX = 255  # bytes of one file name on Linux's file systems
+
+
+def _job_dir(num: int, overrides: str) -> str:
+    """A sweep job's dir: its number and what it changed, readable; where that is longer
+    than a file name may be, cut and ended with a hash of the whole (stable: a rerun finds
+    the same dir; the job's .hydra/overrides.yaml keeps every override)."""
+    name = f"{num}_{overrides}"
+    if len(name.encode()) <= NAME_MAX:
+        return name
+    digest = hashlib.sha1(overrides.encode()).hexdigest()[:10]
+    kept = name.encode()[:NAME_MAX - len(digest) - 1].decode("utf-8", "ignore")
+    return f"{kept}_{digest}"
+
+
 def register_resolvers() -> None:
     """Resolvers conf/config.yaml uses so that every rank shares one run dir and log names
     (cached: the submitit launcher's jobs reuse the sweep dir their submitter resolved)."""
     OmegaConf.register_new_resolver("run_time", _run_time, use_cache=True, replace=True)
     OmegaConf.register_new_resolver("run_name", _run_name, use_cache=True, replace=True)
+    OmegaConf.register_new_resolver("job_dir", _job_dir, replace=True)
     OmegaConf.register_new_resolver("rank_suffix", _rank_suffix, replace=True)
     OmegaConf.register_new_resolver("rank_zero", _rank_zero, replace=True)
 
