@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import logging
 import struct
 import time
@@ -186,3 +187,22 @@ def test_overwrite_replaces_the_earlier_runs_rows_and_events_and_a_subfolder_is_
     with open(run_dir / "tables" / "rows.csv", newline="") as file:  # none of the first's
         assert [row["step"] for row in csv.DictReader(file)] == ["2", "8"]  # comm/*, the end
     assert len(list(run_dir.glob("events.out.tfevents.*"))) == 1
+
+
+@pytest.mark.parametrize("overrides,refusal", [
+    (["logger=mlflow", "logger.mlflow.tracking_uri=not-a-uri::://x"],
+     "MLflow takes no 'not-a-uri' URI"),
+    (["logger=mlflow", "logger.mlflow.tracking_uri=postgresql://u@h/db"],
+     "needs the psycopg2 driver"),
+    (["logger=mlflow", "logger.mlflow.experiment_name=''"], "experiment_name='' is empty"),
+    (["logger=wandb", "logger.wandb.mode=loud"], "logger.wandb.mode=loud is not one of W&B's"),
+    (["logger=wandb", "logger.wandb.project=a/b"], "is a name W&B refuses (it holds /)"),
+    (["+logger.mine._target_=collections.OrderedDict"], "is not a logger"),
+])
+def test_values_a_tracker_would_refuse_are_refused_before_launch(overrides, refusal):
+    from conftest import checked
+
+    from parallab.config.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=re.escape(refusal)):
+        checked(*overrides, "device=cpu")

@@ -32,6 +32,9 @@ def problem(loggers: Any) -> str | None:
             return (f"{key} has no _target_: choose a logger (logger=[tensorboard,mlflow]) "
                     f"or give your own as +{key}._target_=mypkg.MyLogger")
         cls = targets.locate(spec[targets.TARGET], f"{key}._target_")
+        if not (isinstance(cls, type) and issubclass(cls, Logger)):
+            return (f"{key}._target_={spec[targets.TARGET]} is not a logger: give a subclass of "
+                    "parallab.observe.loggers.base.Logger")
         args = targets.arguments(spec)
         targets.check_arguments(cls, args, key)
         targets.check_types(cls, args, key)
@@ -39,9 +42,9 @@ def problem(loggers: Any) -> str | None:
         if needs and importlib.util.find_spec(needs) is None:
             return (f"logger={name} needs {needs}, which is not installed: "
                     f'pip install "parallab[{needs}]"')
-        clash = _clash(name, getattr(cls, "writes", lambda **_: [])(**args))
-        if clash:
-            return clash
+        said = cls.check(**args) or _clash(name, cls.writes(**args))
+        if said:
+            return said
     return None
 
 
@@ -70,7 +73,7 @@ def files(loggers: dict[str, Any] | None) -> list[str]:
     found = []
     for name, spec in (loggers or DEFAULT).items():
         cls = targets.locate(spec[targets.TARGET], f"logger.{name}._target_")
-        found += getattr(cls, "writes", lambda **_: [])(**targets.arguments(spec))
+        found += cls.writes(**targets.arguments(spec))
     return found
 
 

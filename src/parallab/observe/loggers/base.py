@@ -40,6 +40,12 @@ class Logger:
     requires: ClassVar[str | None] = None
 
     @classmethod
+    def check(cls, **config: Any) -> str | None:
+        """Its config as its tracker would take it, before launch: None, or one line naming
+        the key (a tracker that refuses a value would otherwise drop out after training)."""
+        return None
+
+    @classmethod
     def writes(cls, **config: Any) -> list[str]:
         """The files it writes into the run dir given its config (glob patterns): checked
         against the run's own before launch, and removed by trainer.overwrite=true."""

@@ -3,12 +3,14 @@ metric histories by step, a sweep's jobs as child runs of one parent run."""
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from urllib.parse import urlparse
 from typing import Any
 
 from parallab.observe.loggers.base import Logger, RunInfo, Sender
@@ -19,6 +21,14 @@ PARAM_LENGTH = 6000  # MLflow's limit on a param's value
 BATCH = 100  # params per request (MLflow's limit)
 METRICS_BATCH = 1000  # metrics per request (MLflow's limit)
 STATUS = {"finished": "FINISHED", "stopped": "KILLED", "failed": "FAILED"}
+
+
+# the stores MLflow's client opens by URI scheme ('' : a local path), and the database
+# drivers SQLAlchemy needs for them (a driver named after `+` in the scheme wins)
+URI_SCHEMES = ("", "file", "http", "https", "sqlite", "postgresql", "mysql", "mssql",
+               "databricks", "databricks-uc", "uc")
+DRIVERS = {"postgresql": "psycopg2", "psycopg2": "psycopg2", "mysql": "pymysql",
+           "pymysql": "pymysql", "mssql": "pyodbc", "pyodbc": "pyodbc"}
 
 
 class MLflowLogger(Logger):
@@ -36,6 +46,26 @@ class MLflowLogger(Logger):
         self.sender = Sender("mlflow", self.uri())
         self.pending: list[tuple[dict[str, float], int, int]] = []  # (figures, time, step)
         self.sent = 0.0  # when the last figures went to the sender
+
+    @classmethod
+    def check(cls, tracking_uri: str | None = None, experiment_name: str = "parallab",
+              **config: Any) -> str | None:
+        if not experiment_name or len(experiment_name) > 256:
+            return (f"logger.mlflow.experiment_name={experiment_name!r} is "
+                    f"{'empty' if not experiment_name else 'longer than MLflow keeps (256)'}:"
+                    " give a name")
+        if not tracking_uri:
+            return None
+        scheme, _, driver = urlparse(tracking_uri).scheme.partition("+")
+        if scheme not in URI_SCHEMES:
+            return (f"logger.mlflow.tracking_uri={tracking_uri}: MLflow takes no {scheme!r} "
+                    f"URI: use http(s)://HOST:PORT (a server), sqlite:///FILE, a database's "
+                    "URI (postgresql://, mysql://, mssql://), or a local path")
+        module = DRIVERS.get(driver or scheme)
+        if module and importlib.util.find_spec(module) is None:
+            return (f"logger.mlflow.tracking_uri={tracking_uri} needs the {module} driver, "
+                    f"which is not installed: pip install {module}")
+        return None
 
     def uri(self) -> str:
         """The tracking URI: as set, else a local store in the outputs dir."""

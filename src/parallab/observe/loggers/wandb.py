@@ -10,6 +10,10 @@ from typing import Any
 from parallab.observe.loggers.base import Logger, RunInfo, Sender
 
 
+MODES = ("online", "offline", "disabled", "shared")  # what wandb.init takes as its mode
+PROJECT_REFUSES = ("/", "\\", "#", "?", "%", ":")  # characters W&B refuses in a project name
+
+
 class WandbLogger(Logger):
     requires = "wandb"
 
@@ -23,6 +27,20 @@ class WandbLogger(Logger):
         # run.log takes about a millisecond (it encodes and hands the record to W&B's own
         # process): on a thread of its own, in order, the step does not wait for it
         self.sender = Sender("wandb")
+
+    @classmethod
+    def check(cls, project: str = "parallab", mode: str | None = None,
+              **config: Any) -> str | None:
+        if mode is not None and mode not in MODES:
+            return (f"logger.wandb.mode={mode} is not one of W&B's modes: "
+                    f"{', '.join(MODES)} (or null: offline unless W&B is set up)")
+        refused = [c for c in PROJECT_REFUSES if c in project]
+        if not project or len(project) > 128 or refused:
+            why = (f"it holds {' '.join(refused)}" if refused else "it is empty" if not project
+                   else f"it is {len(project)} characters, W&B takes 128")
+            return (f"logger.wandb.project={project!r} is a name W&B refuses ({why}): give "
+                    "another")
+        return None
 
     def start(self, run: RunInfo) -> None:
         import wandb
