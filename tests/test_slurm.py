@@ -1,7 +1,7 @@
 """parallab on SLURM: in place under srun across nodes, sweeps through the submitit launcher
 with each job's own allocation, requeued and time-limited jobs that continue their run.
 
-The cluster tests run against a real SLURM started for the session (slurm_cluster.py: munged,
+The cluster tests run against a real SLURM started once per test run (slurm_cluster.py: munged,
 slurmctld and two slurmd of 2 CPUs each on this machine); where its daemons cannot be had,
 they skip with one line saying why. The rest check the pieces with SLURM's variables as
 SLURM sets them.
