@@ -40,10 +40,10 @@ def no_slurm(monkeypatch):
 
 
 def test_a_world_size_the_tasks_contradict_is_refused():
+    from parallab.checks import validate
+
     cfg = typed("parallel=ddp", "parallel.world_size=4", "device=cpu")
     with pytest.raises(ConfigError, match=r"parallel.world_size=4, but slurm started 2 tasks"):
-        from parallab.checks import validate
-
         validate.prepare(cfg, InPlace("slurm", 0, 0, 2, 1, 2))
 
 
@@ -174,7 +174,7 @@ def test_a_master_that_does_not_resolve_or_answer_ends_the_rank_in_one_line(tmp_
 
 # -- against a real SLURM ------------------------------------------------------------------
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")  # every cluster test is here, on one worker (xdist_group)
 def cluster(tmp_path_factory):
     why = slurm_cluster.missing()
     if why is not None:

@@ -1,0 +1,51 @@
+"""What a command costs from start to exit: a short launched fsdp run, and commands refused
+before any worker starts (by parallab's checks, by Hydra's), each timed as a whole process.
+
+    python bench/bench_start.py [--repeats 5]
+
+The commands take turns, `repeats` rounds; each figure is the median wall time of its runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+from parallab.testing import scratch_dir  # noqa: E402
+
+COMMANDS = {
+    "fsdp, 4 ranks, 8 steps": ["parallel=fsdp", "parallel.world_size=4", "data=synthetic",
+                              "data.train_size=2048", "data.eval_size=512",
+                              "trainer.max_steps=8", "device=cpu"],
+    "refused by parallab's checks (data.batch_size=0)": ["data.batch_size=0"],
+    "refused by Hydra (data.batch_sze=3)": ["data.batch_sze=3"],
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    scratch = scratch_dir("bench-start-")
+    times: dict[str, list[float]] = {name: [] for name in COMMANDS}
+    for round_ in range(args.repeats):
+        for i, (name, overrides) in enumerate(COMMANDS.items()):
+            run_dir = scratch / f"{round_}_{i}"
+            start = time.perf_counter()
+            subprocess.run([sys.executable, str(REPO / "train.py"), *overrides,
+                            f"hydra.run.dir={run_dir}"], cwd=scratch, capture_output=True)
+            times[name].append(time.perf_counter() - start)
+    print(f"| command | median wall s (of {args.repeats}) | min | max |\n|---|---|---|---|")
+    for name, values in times.items():
+        print(f"| {name} | {statistics.median(values):.2f} | {min(values):.2f} | "
+              f"{max(values):.2f} |")
+
+
+if __name__ == "__main__":
+    main()
