@@ -241,7 +241,7 @@ def test_a_job_across_two_nodes_goes_on_through_the_time_limit_warning_and_a_req
     cluster.wait_for(lambda: cluster.job(job).get("JobState") == "COMPLETED", 90,
                      "the job to complete")
     log = (run_dir / "train.log").read_text()
-    assert f"requeued SLURM job {job}" in log and "launching" not in log  # tasks are ranks
+    assert f"asking SLURM to requeue job {job}" in log and "launching" not in log  # tasks are ranks
     assert "rank 1/2" in (run_dir / "train_rank1.log").read_text()
     second_stop = stopped_at(run_dir, "SIGTERM")
     assert f"at step {first_stop} (SLURM job {job}, restart 1)" in log

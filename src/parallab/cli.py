@@ -85,13 +85,15 @@ def _requeued_if_asked(metrics: dict[str, Any], spec: run.RunSpec,
     if metrics or slurm.asked() is None:
         return metrics
     if in_place is None or in_place.rank == 0:
+        # said before asking: once SLURM takes the requeue it stops this job's tasks, this one
+        # with them, and a line logged after scontrol returns may never be written
+        log.warning("asking SLURM to requeue job %s: it continues this run from its "
+                    "checkpoint when it starts again", slurm.job_name())
         refused = slurm.requeue()
         if refused is not None:
             raise JobFailed(f"SLURM did not requeue job {slurm.job_name()} ({refused}); its "
                             f"checkpoint is kept: continue the run with: "
                             f"{spec.resume_command()}", 1)
-        log.warning("requeued SLURM job %s: it continues this run from its checkpoint when "
-                    "it starts again", slurm.job_name())
     raise SystemExit(0)
 
 
