@@ -20,6 +20,7 @@ log = logging.getLogger(__name__)
 PARAM_LENGTH = 6000  # MLflow's limit on a param's value
 BATCH = 100  # params per request (MLflow's limit)
 METRICS_BATCH = 1000  # metrics per request (MLflow's limit)
+NAME_LENGTH = 256  # an experiment's name column in MLflow's SQL stores
 STATUS = {"finished": "FINISHED", "stopped": "KILLED", "failed": "FAILED"}
 
 
@@ -50,10 +51,12 @@ class MLflowLogger(Logger):
     @classmethod
     def check(cls, tracking_uri: str | None = None, experiment_name: str = "parallab",
               **config: Any) -> str | None:
-        if not experiment_name or len(experiment_name) > 256:
-            return (f"logger.mlflow.experiment_name={experiment_name!r} is "
-                    f"{'empty' if not experiment_name else 'longer than MLflow keeps (256)'}:"
-                    " give a name")
+        if not experiment_name:
+            return "logger.mlflow.experiment_name='' is empty: give a name"
+        if len(experiment_name) > NAME_LENGTH:
+            return (f"logger.mlflow.experiment_name={experiment_name[:40]}... is "
+                    f"{len(experiment_name)} characters, longer than MLflow's database stores "
+                    f"keep ({NAME_LENGTH}): give a shorter name")
         if not tracking_uri:
             return None
         scheme, _, driver = urlparse(tracking_uri).scheme.partition("+")
@@ -61,6 +64,10 @@ class MLflowLogger(Logger):
             return (f"logger.mlflow.tracking_uri={tracking_uri}: MLflow takes no {scheme!r} "
                     f"URI: use http(s)://HOST:PORT (a server), sqlite:///FILE, a database's "
                     "URI (postgresql://, mysql://, mssql://), or a local path")
+        if scheme in ("", "file") and file_store_refused():
+            return (f"logger.mlflow.tracking_uri={tracking_uri} is a file store, which the "
+                    "installed MLflow refuses unless MLFLOW_ALLOW_FILE_STORE=true is set: use "
+                    "sqlite:///PATH/mlflow.db, or set that variable")
         module = DRIVERS.get(driver or scheme)
         if module and importlib.util.find_spec(module) is None:
             return (f"logger.mlflow.tracking_uri={tracking_uri} needs the {module} driver, "
@@ -158,6 +165,15 @@ class MLflowLogger(Logger):
         self.sender.close()
         if self.run_id is not None and self.sender.failed is None:
             self.client.set_terminated(self.run_id, STATUS.get(status, "FAILED"))
+
+
+def file_store_refused() -> bool:
+    """Whether the installed MLflow refuses a file store (`./mlruns`, `file:`): it does since
+    it has MLFLOW_ALLOW_FILE_STORE, unless that is set to true."""
+    from mlflow import environment_variables
+
+    allowed = getattr(environment_variables, "MLFLOW_ALLOW_FILE_STORE", None)
+    return allowed is not None and not allowed.get()
 
 
 def answering(uri: str, timeout_s: float = 3.0) -> None:
