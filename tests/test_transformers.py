@@ -14,6 +14,7 @@ import torch
 from conftest import REPO, losses
 
 from parallab.cli import train_in_process
+from parallab.training import checkpoint
 from parallab.config.errors import ConfigError
 
 LLAMA = REPO / "examples" / "hf_llama"
@@ -33,13 +34,12 @@ def train(run_dir, *overrides: str, base: list[str] = RUN) -> dict:
 
 def built(name: str):
     """The example's model `name` (my_llama, my_gpt2), built as a run builds it."""
-    from omegaconf import OmegaConf
+    from conftest import typed
 
-    from parallab.cli import compose
-    from parallab.models import build_model
+    from parallab import models
 
-    cfg = compose([*RUN, f"model={name}"], CONF)
-    return build_model(OmegaConf.to_container(cfg.model))
+    cfg = typed(*RUN, f"model={name}", config_dir=CONF)
+    return models.build_model(models.check(cfg.model, cfg.data))
 
 
 LAYOUTS = {
@@ -127,7 +127,10 @@ BAD = [
      "parallel.sequence_parallel=true: the plan of LlamaForCausalLM"),
     (["parallel=pipeline", "parallel.world_size=2"],
      "parallel=pipeline cuts the model into parts at its stages, and this model declares none"),
-    (["model.config.vocab_size=100"], "model: its forward fails on a batch of the data"),
+    (["model.config.vocab_size=100"], "model.config.vocab_size=100 is smaller than the 256 "
+                                      "tokens of data=datasets's vocabulary"),
+    (["model.config.vocab_size=100", "~data.vocab_size"],  # nothing says: the forward tells
+     "model: its forward fails on a batch of the data"),
 ]
 
 
@@ -186,16 +189,22 @@ def test_text_files_are_tokenized_and_packed(tokenizer, tmp_path):
     assert 0.03 < len(eval_set) / (len(train_set) + len(eval_set)) < 0.07  # eval_fraction
     text = ["data=hf_text", f"data.files={tokenizer}/corpus/*.txt", f"data.tokenizer={tokenizer}",
             "data.seq_len=64"]
-    metrics = train(tmp_path, *text, "model.config.vocab_size=512", "trainer.max_steps=8",
-                    base=BASE)
+    # the example's model leaves its vocabulary to the data: the tokenizer's 512 tokens
+    metrics = train(tmp_path, *text, "trainer.max_steps=8", base=BASE)
     assert metrics["steps"] == 8 and metrics["tokens_per_sec"] > 0
+    ckpt = tmp_path / "checkpoints" / "last.pt"
+    assert checkpoint.saved_model(checkpoint.load_meta(ckpt), ckpt)["config"]["vocab_size"] == 512
     for overrides, message in (
             ([f"data.tokenizer={tokenizer}/nope"], "is not a folder"),
             (["data.files=/nowhere/*.txt"], "data.files=/nowhere/*.txt: no file matches"),
             (["model.config.vocab_size=256"], "model.config.vocab_size=256 is smaller than "
-                                              "the 512 tokens")):
+                                              "the 512 tokens of data=hf_text's vocabulary")):
         with pytest.raises(ConfigError, match=re.escape(message)):
-            train(tmp_path / "bad", *text, "model.config.vocab_size=512", *overrides, base=BASE)
+            train(tmp_path / "bad", *text, *overrides, base=BASE)
+    with pytest.raises(ConfigError, match=re.escape(  # own data that states no vocabulary
+            "model.config.vocab_size=null takes the data's vocabulary, which data=datasets "
+            "does not state")):
+        train(tmp_path / "unstated", "~data.vocab_size", base=BASE)
 
 
 @pytest.mark.slow

@@ -203,14 +203,13 @@ def test_a_from_pretrained_folder_trains_and_starts_any_layout(llama_on_path, tm
     plan read from the loaded model, which from_pretrained will not build on meta) and as
     the start of the example's own Llama (trainer.init_from, under fsdp): the same losses,
     from those weights."""
-    from omegaconf import OmegaConf
+    from conftest import typed
 
-    from parallab.cli import compose
-    from parallab.models import build_model
+    from parallab import models
 
-    cfg = compose([*HF_RUN], LLAMA / "conf")
+    cfg = typed(*HF_RUN, config_dir=LLAMA / "conf")
     torch.manual_seed(123)  # not the run's seed: the runs start from these weights
-    build_model(OmegaConf.to_container(cfg.model)).save_pretrained(tmp_path / "llama")
+    models.build_model(models.check(cfg.model, cfg.data)).save_pretrained(tmp_path / "llama")
     run = [*HF_RUN, "trainer.max_steps=6"]
     pretrained = train_in_process([*run, "~model.config", "model._target_=transformers."
                                    "AutoModelForCausalLM.from_pretrained",

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Optional
 
 import torch
 from torch.utils.data import Dataset, IterableDataset
@@ -33,6 +33,7 @@ class Datasets(DataConfig):
     _target_: str = "parallab.data.datasets.Datasets"
     train: Any = None  # _target_ spec of the training Dataset
     eval: Any = None  # _target_ spec of the evaluation Dataset
+    vocab_size: Optional[int] = None  # token ids' vocabulary, where samples hold token ids
 
     name: ClassVar[str] = "datasets"
     tensors: ClassVar[bool] = False
@@ -48,6 +49,8 @@ class Datasets(DataConfig):
     def problem(self) -> str | None:
         """Both specs import, take their arguments, build a Dataset with a first sample;
         data.collate_fn imports."""
+        if self.vocab_size is not None and self.vocab_size < 2:
+            return f"data.vocab_size={self.vocab_size} is out of range: it must be >= 2"
         try:
             for split in ("train", "eval"):
                 spec = self._spec(split)

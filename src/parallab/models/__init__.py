@@ -51,6 +51,7 @@ def check(spec: dict[str, Any], data) -> dict[str, Any]:
     if not callable(target):
         raise ConfigError(f"model._target_={spec[targets.TARGET]} is not callable: name a "
                           "Module class, or a function that returns a Module")
+    spec = data_vocabulary(spec, data)
     kwargs = targets.arguments(spec)
     # a spec's _args_ fill the first parameters
     targets.check_arguments(target, kwargs, KEY, at_call=len(spec.get("_args_") or []))
@@ -67,3 +68,18 @@ def check(spec: dict[str, Any], data) -> dict[str, Any]:
     targets.check_types(target, kwargs, KEY)
     hydra_keys = {k: v for k, v in spec.items() if k in targets.HYDRA_KEYS}  # _target_, ...
     return {**hydra_keys, **kwargs}
+
+
+def data_vocabulary(spec: dict[str, Any], data) -> dict[str, Any]:
+    """A model built from a config whose vocab_size is null takes the data's vocabulary (a
+    tokenizer's under data=hf_text, 256 bytes under data=bytes), as parallab's own models'
+    null vocab_size does: the same model YAML then trains on any tokenizer."""
+    config = spec.get("config")
+    if not isinstance(config, dict) or config.get("vocab_size", 0) is not None:
+        return spec
+    vocab = getattr(data, "vocab_size", None)
+    if not isinstance(vocab, int):
+        raise ConfigError(f"model.config.vocab_size=null takes the data's vocabulary, which "
+                          f"data={data.name} does not state: set model.config.vocab_size, or "
+                          "data.vocab_size")
+    return {**spec, "config": {**config, "vocab_size": vocab}}

@@ -86,7 +86,7 @@ def vocab_problem(model: nn.Module, data) -> str | None:
     have, need = getattr(config, "vocab_size", None), getattr(data, "vocab_size", None)
     if isinstance(have, int) and isinstance(need, int) and have < need:
         return (f"model.config.vocab_size={have} is smaller than the {need} tokens of "
-                f"data={data.name}'s tokenizer: set model.config.vocab_size={need}")
+                f"data={data.name}'s vocabulary: set model.config.vocab_size={need}")
     return None
 
 
