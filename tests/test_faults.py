@@ -282,13 +282,16 @@ def test_evaluate_follows_the_checkpoints_model_and_refuses_model_overrides(trai
     _, run_dir = train_here(*gpt)
     ckpt = f"ckpt={run_dir / 'checkpoints' / 'last.pt'}"
     from parallab.commands import evaluate_in_process
+    from parallab.config.errors import ConfigError
 
     evaluate_in_process([ckpt, "data=bytes", "device=cpu"], tmp_path / "eval")
     assert read_metrics(tmp_path / "eval")["step"] == 3
-    refused = run_entry("evaluate.py", [ckpt, "data=bytes", "model=gpt", "model.context=32"],
+    refused = run_entry("evaluate.py", [ckpt, "data=bytes", "model.context=32"],
                         tmp_path / "eval2")
     assert refused.returncode == 2 and "Traceback" not in output(refused)
     assert "model.context=32: evaluate.py builds the model" in output(refused)
+    with pytest.raises(ConfigError, match="model=gpt: evaluate.py builds the model"):
+        evaluate_in_process([ckpt, "data=bytes", "model=gpt", "device=cpu"], tmp_path / "eval3")
 
 
 def test_an_image_folder_of_one_class_is_refused(tmp_path):

@@ -59,6 +59,7 @@ def evaluate_in_process(overrides: list[str], run_dir: str | Path) -> dict[str, 
     """What `python evaluate.py OVERRIDES hydra.run.dir=RUN_DIR` does, in this process
     (tests, notebooks): the figures it writes to RUN_DIR/metrics.json; raises ConfigError
     or CheckpointError where evaluate.py would end in one line."""
+    _refuse_model_overrides(list(overrides))
     cfg, state = _checked(compose(list(overrides), config_name="evaluate"), list(overrides))
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     return _scored(cfg, state, Path(run_dir))[0]
@@ -72,7 +73,6 @@ def _checked(dict_cfg: DictConfig, overrides: list[str]):
     from parallab.training import checkpoint, weights
 
     state = weights.record(dict_cfg.ckpt)
-    _refuse_model_overrides(overrides, dict_cfg.ckpt)
     with open_dict(dict_cfg):
         dict_cfg.model = _trained_model_config(state, dict_cfg.ckpt)
         dict_cfg.data = _trained_data_config(state, dict_cfg, overrides)
@@ -115,17 +115,17 @@ def _scored(cfg, state: dict, run_dir: Path) -> tuple[dict[str, float], str]:
     return figures, metrics.objective(cfg, loss)
 
 
-def _refuse_model_overrides(overrides: list[str], ckpt: str) -> None:
+def _refuse_model_overrides(overrides: list[str]) -> None:
     """evaluate.py builds the model the checkpoint records: a model override would be
-    ignored, so it is refused rather than dropped without a word."""
+    ignored, so it is refused rather than dropped without a word (before Hydra composes
+    them: a key of the model the checkpoint records may be no key of the default one)."""
+    ckpt = next((o.partition("=")[2] for o in overrides if o.startswith("ckpt=")), "CKPT")
     for override in overrides:
         key = override.lstrip("+~").split("=")[0]
-        if key.startswith("model."):
+        if key == "model" or key.startswith("model."):  # a group choice as much as a key
             raise ConfigError(
                 f"{override}: evaluate.py builds the model ckpt={ckpt} was trained with (its "
                 "_target_ and arguments come from the checkpoint): drop the model override")
-        if key == "model":  # a group choice, harmless: said, not silently dropped
-            log.info("%s: evaluate.py uses the model ckpt=%s records", override, ckpt)
 
 
 def _trained_data_config(meta: dict[str, Any], dict_cfg: DictConfig, overrides: list[str]):
@@ -168,6 +168,11 @@ def _trained_model_config(meta: dict[str, Any], path) -> dict[str, Any]:
 def evaluate(argv: list[str] | None = None) -> None:
     """`python evaluate.py ckpt=PATH [overrides]`; `argv`: the command line (sys.argv)."""
     call = Invocation.read(argv or sys.argv)
+    try:
+        _refuse_model_overrides([a for a in call.argv[1:] if not a.startswith("-")])
+    except ConfigError as error:
+        print(error, file=sys.stderr)
+        raise SystemExit(2) from None
     launch.register_resolvers()
     help.register_resolver()
     register_configs()
