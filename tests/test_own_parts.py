@@ -3,6 +3,8 @@ every bad one refused in one line before any worker starts."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from conftest import REPO, checked, losses
@@ -74,10 +76,12 @@ BAD = [
 
 
 @pytest.mark.parametrize("overrides,message", BAD, ids=[" ".join(o) for o, _ in BAD])
-def test_bad_own_parts_are_one_line(overrides, message):
-    with pytest.raises(ConfigError) as error:
+def test_bad_own_parts_are_one_line(overrides, message, caplog):
+    with caplog.at_level(logging.INFO), pytest.raises(ConfigError) as error:
         checked(*WAVES, *overrides, config_dir=CONF)
     assert message in str(error.value) and "\n" not in str(error.value)
+    # the one line is the whole story: no library's own error logged before it
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
 
 
 def test_stages_come_from_the_config_a_method_or_a_sequential():

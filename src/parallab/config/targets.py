@@ -19,10 +19,10 @@ def locate(path: Any, key: str) -> Any:
     if not isinstance(path, str) or not path.strip():
         raise ConfigError(f"{key}={path!r} names nothing: give the dotted path of a class or "
                           "function, e.g. mypkg.model.MyNet")
-    from hydra.utils import get_object
+    import pkgutil
 
-    try:
-        return get_object(path)
+    try:  # as Hydra's get_object finds it, without that logging its own three-line error
+        return pkgutil.resolve_name(path)
     except Exception as error:  # noqa: BLE001 - whatever stops the import: one line
         missing = _missing_extra(error)
         if missing:
