@@ -45,6 +45,7 @@ def test_advise_measures_predicts_and_recommends_a_matching_layout(tmp_path):
     # each candidate a TensorBoard run with its metrics and what it was
     dirs = sorted((run_dir / "candidates").iterdir())
     assert len(dirs) == 12 and all(any(d.glob("events.out.tfevents.*")) for d in dirs)
+    assert [d.name[:3] for d in dirs] == [f"{i:02d}_" for i in range(12)]  # one numbering
     record = yaml.safe_load((dirs[-1] / "overrides.yaml").read_text())
     assert record["layout"] in by_layout and (dirs[-1] / "metrics.json").exists()
 

@@ -181,11 +181,13 @@ def _measure(candidates: list[Candidate], run_dir: Path) -> dict[int, float]:
     from parallab.launching import distributed, launch
 
     todo = [c for c in candidates if c.reason is None]
+    todo.sort(key=lambda c: c.world_size)  # measured by world size: numbered in that order
+    number = {id(c): i for i, c in enumerate(todo)}  # one numbering over every world size
     bandwidth: dict[int, float] = {}
     for n in sorted({c.world_size for c in todo}):
         group = [c for c in todo if c.world_size == n]
-        jobs = [(c.cfg, str(run_dir / "candidates" / f"{i:02d}_{_dirname(c)}"), c.overrides)
-                for i, c in enumerate(group)]
+        jobs = [(c.cfg, str(run_dir / "candidates" / f"{number[id(c)]:02d}_{_dirname(c)}"),
+                 c.overrides) for c in group]
         for (_, path, overrides), c in zip(jobs, group):  # what the candidate was, to rerun
             Path(path).mkdir(parents=True, exist_ok=True)
             (Path(path) / "overrides.yaml").write_text(
