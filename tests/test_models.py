@@ -4,6 +4,7 @@ CIFAR-10 and image folders, the shipped text set, and every model x strategy x p
 from __future__ import annotations
 
 import pickle
+import re
 from pathlib import Path
 
 import numpy as np
@@ -357,6 +358,7 @@ SMOKE = ["trainer.max_steps=2", "trainer.timing_skip_steps=0", "data.train_size=
          "data.eval_size=32", "data.batch_size=8", "data.eval_batch_size=32",
          "trainer.checkpoint_every_n_steps=null"]
 DATA_FOR = {"mnist_cnn": [], "mlp": [], "resnet18": ["data.shape=[3,32,32]"],
+            "convnet": ["data.shape=[3,20,20]"],  # any image size: its last pool is global
             "lstm": ["data.vocab_size=100", "data.seq_len=12"]}
 # (layout, precision) each model runs under: one device in both, 2 ranks in the lower one
 RUNS = [("none", "fp32"), ("none", "amp"), ("ddp", "amp")]
@@ -375,3 +377,28 @@ def test_every_model_runs_under_none_and_ddp_in_fp32_and_amp(train_here, model):
         assert metrics["world_size"] == (2 if parallel == "ddp" else 1)
         assert metrics["precision_dtype"] == ("float32" if precision == "fp32" else "bfloat16")
         assert np.isfinite(metrics["train_loss"]) and 0 <= metrics["eval_accuracy"] <= 1
+
+
+@pytest.mark.slow
+def test_the_fast_mnist_preset_reaches_the_recipes_accuracy_in_one_epoch(train_here):
+    """experiment=mnist_fast: the MNIST recipe's ten-epoch accuracy (98.4%) in one epoch
+    (bench/bench_speedrun.py times it against the recipe, over five seeds)."""
+    metrics, run_dir = train_here("experiment=mnist_fast", "device=cpu")
+    assert metrics["eval_accuracy"] >= 0.984, metrics
+    assert metrics["steps"] == 469 and metrics["global_batch_size"] == 128
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["last.pt"]
+
+
+@pytest.mark.parametrize("overrides,refusal", [
+    (["data.vocab_size=100", "data.seq_len=12"], "model=convnet takes images (channels, height,"),
+    (["model.in_channels=3"], "model.in_channels=3 does not match the 1 channels"),
+    (["model.channels=[]"], "model.channels=[] is not a list of block widths"),
+    (["data.shape=[1,4,4]", "model.channels=[8,8,8,8]"], "each halving the 4x4 images"),
+])
+def test_the_convnet_refuses_data_it_cannot_take_in_one_line(overrides, refusal):
+    from conftest import checked
+
+    from parallab.config.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=re.escape(refusal)):
+        checked("model=convnet", "data=synthetic", *overrides, "device=cpu")

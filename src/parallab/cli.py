@@ -17,6 +17,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, NoReturn
 
@@ -112,6 +113,17 @@ def worker_failure(error, failures: Path) -> JobFailed:
         f"exit code {failure.exitcode}")
     return JobFailed(f"a worker failed, so the job was stopped:\n{error}", 1,
                      f"rank {rank}: {reason}")
+
+
+def process_started() -> float:
+    """When this process started, as time.time() tells time (Linux's /proc: its start in
+    clock ticks since boot, against the uptime); elsewhere, now."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return time.time()
 
 
 @dataclasses.dataclass
@@ -227,6 +239,8 @@ def _train_job(dict_cfg: DictConfig, call: Invocation) -> float | None:
     sweep = hydra_cfg.sweep.dir if hydra_cfg.mode == RunMode.MULTIRUN else None
     spec = run.RunSpec(cfg, hydra_cfg.runtime.output_dir, list(hydra_cfg.overrides.task),
                        command=call.entry(), sweep=sweep)
+    if sweep is None:  # a run's wall time is the command's, from its process's start
+        spec.started = process_started()
     with _claimed(spec.run_dir, cfg, in_place, call):
         return _train_and_report(spec, in_place).get(objective(cfg))
 
