@@ -1,7 +1,8 @@
 """`parallab advise` against the exhaustive sweep it replaces, run as a user runs both.
 
-    python bench/bench_advise.py [--sweep-steps 100] [--only gpt|own_model] [--exhaustive]
+    python bench/bench_advise.py [--sweep-steps 100] [--only gpt|own_model|cnn] [--exhaustive]
                                  [advise overrides, e.g. 'advise.layouts=[none,ddp]']
+    python bench/bench_advise.py --step-time [--only gpt|cnn]
 
 For a small gpt (data=bytes) and for examples/own_model (a user's ResMLP with its stages),
 at world size 2 on this CPU: `parallab advise` once (timed), then a sweep: candidates of
@@ -36,7 +37,12 @@ CASES = {
                          "model.width=128", "model.context=64", "data.global_batch_size=16"]),
     "own_model": (REPO / "examples" / "own_model", "conf",
                   ["experiment=waves", "data.global_batch_size=64"]),
+    "cnn": (REPO, None, ["model=mnist_cnn", "data=mnist", "data.global_batch_size=64"]),
 }
+# --step-time: each layout's step at world sizes 2 and 4 against its prediction from world
+# size 1; one precision, no memory savers, so that the grid is the layouts
+STEP_TIME = ["advise.precisions=[fp32]", "advise.activation_checkpointing=[none]",
+             "advise.max_accumulation=1", "advise.only_needed=false"]
 COMMON = ["parallel.world_size=2", "device=cpu"]
 NAN = float("nan")  # a figure a candidate has not
 
@@ -169,6 +175,34 @@ def compare(name: str, rows: list[dict], candidates: list, swept: list, counts: 
               f"{_ms(row.get('step_time_ms'))} | {_ms(row.get('predicted_step_ms_here'))} |")
 
 
+def step_time(names: list[str], extra: list[str]) -> None:
+    """advise's step-time model against its own measurements: each candidate's step at
+    world sizes 2 and 4 predicted from world size 1 (compute shared by the devices, each
+    collective's calls x the measured latency plus its bytes over the measured bandwidth)."""
+    ratios = []
+    print("| model | world size | layout | measured ms | predicted ms | measured / predicted |")
+    print("|---|---|---|---|---|---|")
+    for name in names:
+        cwd, config_dir, overrides = CASES[name]
+        flags = ["--config-dir", config_dir] if config_dir else []
+        for n in (2, 4):
+            scratch = scratch_dir(f"bench_advise_{name}_{n}_")
+            args = [*flags, *overrides, f"parallel.world_size={n}", "device=cpu", *STEP_TIME,
+                    *extra]
+            _, rows, _ = advise(cwd, args, scratch / "advise")
+            for row in rows:
+                if row.get("predicted_step_ms_here") and row.get("step_time_ms"):
+                    measured, predicted = (float(row[k]) for k in ("step_time_ms",
+                                                                   "predicted_step_ms_here"))
+                    ratios.append(measured / predicted)
+                    print(f"| {name} | {n} | {row['layout']} | {measured:.1f} | "
+                          f"{predicted:.1f} | {ratios[-1]:.2f} |", flush=True)
+    errors = [abs(r - 1) for r in ratios]
+    print(f"\nmedian |error| {statistics.median(errors):.1%} over {len(ratios)} candidates; "
+          f"measured / predicted {min(ratios):.2f} to {max(ratios):.2f} (goal: median <= 10%, "
+          "every one within 1.3x)")
+
+
 def _ms(value: str | None) -> str:
     return f"{float(value):.1f}" if value else "-"
 
@@ -181,7 +215,12 @@ def main() -> None:
                         help="sweep every candidate of advise's grid, not only those it measured")
     parser.add_argument("extra", nargs="*", help="more overrides for advise and its grid, "
                         "e.g. 'advise.layouts=[none,ddp]' 'advise.precisions=[fp32]'")
+    parser.add_argument("--step-time", action="store_true",
+                        help="the step-time model alone, at world sizes 2 and 4 (gpt, cnn)")
     args = parser.parse_args()
+    if args.step_time:
+        step_time([args.only] if args.only else ["gpt", "cnn"], args.extra)
+        return
     from parallab.advise import report
 
     for name, (cwd, config_dir, overrides) in CASES.items():

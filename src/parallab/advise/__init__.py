@@ -174,16 +174,17 @@ def plan(cfg, overrides: list[str], configure: Callable[[list[str]], Any]
     return candidates, global_batch, user
 
 
-def _measure(candidates: list[Candidate], run_dir: Path) -> dict[int, float]:
-    """Every candidate left, one job per world size (world size 1: in this process);
-    the loopback bandwidth each launched job measured, by world size."""
+def _measure(candidates: list[Candidate], run_dir: Path) -> dict[int, tuple[float, float]]:
+    """Every candidate left, one job per world size (world size 1: in this process); the
+    loopback bandwidth (Gbit/s) and per-collective latency (s) each launched job measured,
+    by world size."""
     from parallab.advise import measure
     from parallab.launching import distributed, launch
 
     todo = [c for c in candidates if c.reason is None]
     todo.sort(key=lambda c: c.world_size)  # measured by world size: numbered in that order
     number = {id(c): i for i, c in enumerate(todo)}  # one numbering over every world size
-    bandwidth: dict[int, float] = {}
+    bandwidth: dict[int, tuple[float, float]] = {}
     for n in sorted({c.world_size for c in todo}):
         group = [c for c in todo if c.world_size == n]
         jobs = [(c.cfg, str(run_dir / "candidates" / f"{number[id(c)]:02d}_{_dirname(c)}"),
@@ -202,7 +203,8 @@ def _measure(candidates: list[Candidate], run_dir: Path) -> dict[int, float]:
             job = measure.Job(jobs, cfg.device.value, cfg.backend.name, cfg.backend.timeout_s,
                               cfg.parallel.threads_per_worker)
             answer = launch.elastic(measure.worker, (job,), n, 0, launch.worker_env(cfg))
-            results, bandwidth[n] = answer["results"], answer["bandwidth_gbps"]
+            results = answer["results"]
+            bandwidth[n] = (answer["bandwidth_gbps"], answer["latency_s"])
         for candidate, figures in zip(group, results):
             candidate.figures = figures
             candidate.reason = figures.get("error")
@@ -213,7 +215,8 @@ def _dirname(candidate: Candidate) -> str:
     return "".join(ch if ch.isalnum() or ch in "=.-" else "_" for ch in candidate.label)
 
 
-def _predict_times(candidates: list[Candidate], options, bandwidth: dict[int, float]) -> list[str]:
+def _predict_times(candidates: list[Candidate], options,
+                   bandwidth: dict[int, tuple[float, float]]) -> list[str]:
     """Each measured candidate's step time at advise.target_world_size, and here at its
     own world size from world size 1 (the model's check); notes for advise.md."""
     from parallab import precision
@@ -236,8 +239,9 @@ def _predict_times(candidates: list[Candidate], options, bandwidth: dict[int, fl
                 c.figures, c.cfg, work, options, peak)
         one = report.reference_of(candidates, c.precision)
         if c.world_size in bandwidth and one is not None and one.world_size == 1:
+            gbps, latency = bandwidth[c.world_size]
             here = 1e3 * scaling.validate(one.figures["step_time_ms"] / 1e3, c.figures, c.cfg,
-                                          bandwidth[c.world_size], devices)
+                                          gbps, devices, latency)
             c.figures["predicted_step_ms_here"] = here
             errors.append(abs(here / c.figures["step_time_ms"] - 1))
     if flops is not None:
@@ -245,8 +249,9 @@ def _predict_times(candidates: list[Candidate], options, bandwidth: dict[int, fl
                      f"{options.device} ({options.gpus_per_node} per node, "
                      f"{options.intra_node_gbps:g}/{options.inter_node_gbps:g} Gbit/s, "
                      f"{options.mfu:.0%} of peak), docs/parallel.md: advise.")
-    for n, gbps in bandwidth.items():
-        notes.append(f"Loopback all-reduce bandwidth at world size {n}: {gbps:.2f} Gbit/s.")
+    for n, (gbps, latency) in bandwidth.items():
+        notes.append(f"Loopback all-reduce at world size {n}: {gbps:.2f} Gbit/s, "
+                     f"{latency * 1e6:.0f} us a call.")
     if errors:
         notes.append(f"Step time here predicted from world size 1: median error "
                      f"{statistics.median(errors):.0%} over {len(errors)} layouts.")

@@ -129,6 +129,23 @@ def loopback_gbps(dist: distributed.Dist, megabytes: int = 16, repeats: int = 5)
     return sent * 8 / statistics.median(times[1:]) / 1e9
 
 
+def loopback_latency_s(dist: distributed.Dist, repeats: int = 30) -> float:
+    """The fixed cost of one collective in this job, whatever it carries: the median time
+    of an all-reduce of one number (gloo's and NCCL's per-call overhead and the ranks'
+    wake-up, which dominate a small model's many small collectives)."""
+    import statistics
+
+    import torch.distributed as torch_dist
+
+    tensor = torch.ones(1, device=dist.device)
+    times = []
+    for _ in range(repeats + 3):
+        start = time.perf_counter()
+        torch_dist.all_reduce(tensor)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[3:])
+
+
 @dataclass
 class Job:
     """The candidates of one world size, for a launched job's workers."""
@@ -142,12 +159,12 @@ class Job:
 
 def worker(job: Job) -> dict[str, Any]:
     """A launched worker: join the group once, measure every candidate, then the group's
-    bandwidth (for the step-time prediction)."""
+    bandwidth and per-collective latency (for the step-time prediction)."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the fork server's SIG_IGN (launching/launch.py)
     logging.basicConfig(level=logging.WARNING)
     dist = distributed.setup(job.device, job.backend, job.timeout_s, job.threads_per_worker,
                              store=distributed.attempt_store(job.timeout_s))
     results = measure_all(job.jobs, dist)
-    bandwidth = loopback_gbps(dist)
+    bandwidth, latency = loopback_gbps(dist), loopback_latency_s(dist)
     distributed.teardown()
-    return {"results": results, "bandwidth_gbps": bandwidth}
+    return {"results": results, "bandwidth_gbps": bandwidth, "latency_s": latency}

@@ -1,6 +1,7 @@
 """Step time beyond this machine: a first-order model from what advise measured.
 
-    t(n) = compute(n) + sum over collective kinds of bytes_kind(n) / bandwidth_kind
+    t(n) = compute(n) + sum over collective kinds of
+           calls_kind x latency + bytes_kind(n) / bandwidth_kind
 
 compute(n): the step's training FLOPs (counted on fake tensors with torch's
 FlopCounterMode) shared by the n ranks, at the target GPU's peak (mfu.py's table) times an
@@ -10,8 +11,11 @@ advise ran, rescaled by the ring factor (g - 1) / g of the data-parallel group s
 (the payload, a gradient or parameter shard, stays the same). bandwidth_kind: the
 intra-node link while the group fits in one node (advise.gpus_per_node), else the
 inter-node one, except for the kinds the layout keeps in a node (Strategy.node_local_kinds:
-hsdp's shard collectives; its replicas' all-reduce crosses nodes). Every figure it gives is
-labelled a prediction.
+hsdp's shard collectives; its replicas' all-reduce crosses nodes). calls_kind: the
+collectives of that kind a rank called in the measured step (fsdp's gathers per unit, tp's
+all-reduces per block, the pipeline's sends per micro-batch), each costing the fixed latency
+measured on this machine (an all-reduce of one number); for a target cluster, none is
+measured and the term is left out. Every figure it gives is labelled a prediction.
 
 On this machine the same model, with compute measured instead of counted, predicts the
 launched world size from world size 1 and the measured loopback bandwidth (validate()).
@@ -30,8 +34,9 @@ def ring(g: int) -> float:
 
 
 def comm_seconds(figures: dict[str, Any], cfg, n: int, gpus_per_node: int,
-                 intra_gbps: float, inter_gbps: float) -> float:
-    """The step's communication time at world size n (see the module's formula)."""
+                 intra_gbps: float, inter_gbps: float, latency_s: float = 0.0) -> float:
+    """The step's communication time at world size n (see the module's formula): each
+    collective's fixed `latency_s`, and its bytes over the link's bandwidth."""
     strategy = STRATEGIES[cfg.parallel.name]
     d_now = strategy.data_parallel_ranks(cfg)
     d_then = max(1, d_now * n // cfg.parallel.world_size)
@@ -43,6 +48,7 @@ def comm_seconds(figures: dict[str, Any], cfg, n: int, gpus_per_node: int,
         gbps = inter_gbps if n > gpus_per_node and kind not in local else intra_gbps
         factor = scale if kind != "p2p" else 1.0
         seconds += megabytes * factor * MB * 8 / (gbps * 1e9)
+        seconds += (figures.get(f"comm_{kind}_calls") or 0) * latency_s
     return seconds
 
 
@@ -75,10 +81,12 @@ def predict_target(figures: dict[str, Any], cfg, flops: float, options, peak: fl
 
 
 def validate(one_rank_step_s: float, figures: dict[str, Any], cfg, bandwidth_gbps: float,
-             devices: int) -> float:
+             devices: int, latency_s: float = 0.0) -> float:
     """This machine's step time at the candidate's world size n, predicted from world
     size 1 (its compute shared by min(n, devices) devices: CPU ranks share one set of
-    cores) and the loopback bandwidth measured in the launched job."""
+    cores), the loopback bandwidth and the per-collective latency measured in the launched
+    job, and the collectives the candidate called in a step."""
     n = cfg.parallel.world_size
     compute = one_rank_step_s / min(n, devices) * STRATEGIES[cfg.parallel.name].bubble(cfg)
-    return compute + comm_seconds(figures, cfg, n, n, bandwidth_gbps, bandwidth_gbps)
+    return compute + comm_seconds(figures, cfg, n, n, bandwidth_gbps, bandwidth_gbps,
+                                  latency_s)

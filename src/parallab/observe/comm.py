@@ -67,11 +67,12 @@ _OPS = {
 
 
 class CommCounter(TorchDispatchMode):
-    """While active: bytes this rank sends, by kind (KINDS)."""
+    """While active: bytes this rank sends, and the collectives it calls, by kind (KINDS)."""
 
     def __init__(self):
         super().__init__()
         self.sent: collections.Counter[str] = collections.Counter()
+        self.calls: collections.Counter[str] = collections.Counter()  # each costs a latency
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -81,9 +82,13 @@ class CommCounter(TorchDispatchMode):
             n = _group_size(args, kwargs)
             if n > 1:
                 self.sent[kind] += int(_nbytes(args[index]) * factor(n))
+                self.calls[kind] += 1
         return func(*args, **kwargs)
 
     def figures(self) -> dict[str, float]:
-        """comm_mb_per_step (all kinds) and comm_<kind>_mb for each kind that ran."""
+        """comm_mb_per_step (all kinds), and comm_<kind>_mb and comm_<kind>_calls for each
+        kind that ran."""
+        ran = [kind for kind in KINDS if self.calls[kind]]
         return {"comm_mb_per_step": sum(self.sent.values()) / MB,
-                **{f"comm_{kind}_mb": self.sent[kind] / MB for kind in KINDS if self.sent[kind]}}
+                **{f"comm_{kind}_mb": self.sent[kind] / MB for kind in ran},
+                **{f"comm_{kind}_calls": self.calls[kind] for kind in ran}}
