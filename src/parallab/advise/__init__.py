@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import statistics
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -174,7 +175,17 @@ def plan(cfg, overrides: list[str], configure: Callable[[list[str]], Any]
     return candidates, global_batch, user
 
 
-def _measure(candidates: list[Candidate], run_dir: Path) -> dict[int, tuple[float, float]]:
+@dataclass
+class Link:
+    """What a launched job measured besides its candidates, for the step-time model."""
+
+    gbps: float  # all-reduce bus bandwidth
+    latency_s: float  # one collective's fixed cost
+    compute_s: float  # a rank's share of a step's compute, the ranks computing at once
+    precision: str  # the precision that share was measured in (the job's first candidate's)
+
+
+def _measure(candidates: list[Candidate], run_dir: Path) -> dict[int, Link]:
     """Every candidate left, one job per world size (world size 1: in this process); the
     loopback bandwidth (Gbit/s) and per-collective latency (s) each launched job measured,
     by world size."""
@@ -184,7 +195,7 @@ def _measure(candidates: list[Candidate], run_dir: Path) -> dict[int, tuple[floa
     todo = [c for c in candidates if c.reason is None]
     todo.sort(key=lambda c: c.world_size)  # measured by world size: numbered in that order
     number = {id(c): i for i, c in enumerate(todo)}  # one numbering over every world size
-    bandwidth: dict[int, tuple[float, float]] = {}
+    bandwidth: dict[int, Link] = {}
     for n in sorted({c.world_size for c in todo}):
         group = [c for c in todo if c.world_size == n]
         jobs = [(c.cfg, str(run_dir / "candidates" / f"{number[id(c)]:02d}_{_dirname(c)}"),
@@ -204,7 +215,8 @@ def _measure(candidates: list[Candidate], run_dir: Path) -> dict[int, tuple[floa
                               cfg.parallel.threads_per_worker)
             answer = launch.elastic(measure.worker, (job,), n, 0, launch.worker_env(cfg))
             results = answer["results"]
-            bandwidth[n] = (answer["bandwidth_gbps"], answer["latency_s"])
+            bandwidth[n] = Link(answer["bandwidth_gbps"], answer["latency_s"],
+                                answer["compute_s"], group[0].precision)
         for candidate, figures in zip(group, results):
             candidate.figures = figures
             candidate.reason = figures.get("error")
@@ -216,7 +228,7 @@ def _dirname(candidate: Candidate) -> str:
 
 
 def _predict_times(candidates: list[Candidate], options,
-                   bandwidth: dict[int, tuple[float, float]]) -> list[str]:
+                   bandwidth: dict[int, Link]) -> list[str]:
     """Each measured candidate's step time at advise.target_world_size, and here at its
     own world size from world size 1 (the model's check); notes for advise.md."""
     from parallab import precision
@@ -239,9 +251,14 @@ def _predict_times(candidates: list[Candidate], options,
                 c.figures, c.cfg, work, options, peak)
         one = report.reference_of(candidates, c.precision)
         if c.world_size in bandwidth and one is not None and one.world_size == 1:
-            gbps, latency = bandwidth[c.world_size]
+            link = bandwidth[c.world_size]
+            # the job measured its compute share in the precision of its first candidate
+            measured_in = report.reference_of(candidates, link.precision)
+            scale = (one.figures["step_time_ms"] / measured_in.figures["step_time_ms"]
+                     if measured_in is not None else 1.0)
             here = 1e3 * scaling.validate(one.figures["step_time_ms"] / 1e3, c.figures, c.cfg,
-                                          gbps, devices, latency)
+                                          link.gbps, devices, link.latency_s,
+                                          link.compute_s * scale)
             c.figures["predicted_step_ms_here"] = here
             errors.append(abs(here / c.figures["step_time_ms"] - 1))
     if flops is not None:
@@ -249,9 +266,10 @@ def _predict_times(candidates: list[Candidate], options,
                      f"{options.device} ({options.gpus_per_node} per node, "
                      f"{options.intra_node_gbps:g}/{options.inter_node_gbps:g} Gbit/s, "
                      f"{options.mfu:.0%} of peak), docs/parallel.md: advise.")
-    for n, (gbps, latency) in bandwidth.items():
-        notes.append(f"Loopback all-reduce at world size {n}: {gbps:.2f} Gbit/s, "
-                     f"{latency * 1e6:.0f} us a call.")
+    for n, link in bandwidth.items():
+        notes.append(f"At world size {n}: a rank's share of the compute {link.compute_s * 1e3:.1f}"
+                     f" ms a step; loopback all-reduce {link.gbps:.2f} Gbit/s, "
+                     f"{link.latency_s * 1e6:.0f} us a call.")
     if errors:
         notes.append(f"Step time here predicted from world size 1: median error "
                      f"{statistics.median(errors):.0%} over {len(errors)} layouts.")

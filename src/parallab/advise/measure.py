@@ -129,10 +129,41 @@ def loopback_gbps(dist: distributed.Dist, megabytes: int = 16, repeats: int = 5)
     return sent * 8 / statistics.median(times[1:]) / 1e9
 
 
+def local_compute_s(cfg, dist: distributed.Dist, steps: int = 6) -> float:
+    """One rank's share of a step's compute at this world size, as the ranks run it at once
+    on cores they share: the world-size-1 model of `cfg` on global batch / n rows, forward,
+    backward and the optimizer, nothing communicated; the median of `steps` steps, the
+    slowest rank's. The step-time model's compute term (scaling.validate): on a CPU the
+    ranks' threads, not the FLOPs, decide it."""
+    import statistics
+
+    from parallab import batch as batches
+    from parallab.checks import trial
+    from parallab.loss import build_loss
+    from parallab.models import build_model
+    from parallab.optim import build_optimizer
+
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg.model).to(dist.device)
+    loss = build_loss(cfg.loss).bind(model)
+    optimizer = build_optimizer(cfg.optim, model)
+    rows = max(1, cfg.data.global_batch_size // dist.world_size)
+    batch = batches.apply(trial.one_batch(cfg, rows), lambda t: t.to(dist.device))
+    times = []
+    for _ in range(steps + 2):  # the first two: allocation and kernel choice
+        start = time.perf_counter()
+        loss.step_loss(model, batch, None)[1].backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - start)
+    return _max_over_ranks(dist, statistics.median(times[2:]))
+
+
 def loopback_latency_s(dist: distributed.Dist, repeats: int = 30) -> float:
     """The fixed cost of one collective in this job, whatever it carries: the median time
-    of an all-reduce of one number (gloo's and NCCL's per-call overhead and the ranks'
-    wake-up, which dominate a small model's many small collectives)."""
+    of an all-reduce of one number, the slowest rank's. (Timed between bits of compute
+    instead, where a waiting rank gives up its core, it measured ten times more here, and
+    predicted fsdp and tp no better and pipelines worse: bench/bench_advise.py --step-time.)"""
     import statistics
 
     import torch.distributed as torch_dist
@@ -143,7 +174,7 @@ def loopback_latency_s(dist: distributed.Dist, repeats: int = 30) -> float:
         start = time.perf_counter()
         torch_dist.all_reduce(tensor)
         times.append(time.perf_counter() - start)
-    return statistics.median(times[3:])
+    return _max_over_ranks(dist, statistics.median(times[3:]))
 
 
 @dataclass
@@ -159,12 +190,15 @@ class Job:
 
 def worker(job: Job) -> dict[str, Any]:
     """A launched worker: join the group once, measure every candidate, then the group's
-    bandwidth and per-collective latency (for the step-time prediction)."""
+    bandwidth, per-collective latency and a rank's share of the compute (for the step-time
+    prediction)."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the fork server's SIG_IGN (launching/launch.py)
     logging.basicConfig(level=logging.WARNING)
     dist = distributed.setup(job.device, job.backend, job.timeout_s, job.threads_per_worker,
                              store=distributed.attempt_store(job.timeout_s))
     results = measure_all(job.jobs, dist)
     bandwidth, latency = loopback_gbps(dist), loopback_latency_s(dist)
+    compute = local_compute_s(job.jobs[0][0], dist)
     distributed.teardown()
-    return {"results": results, "bandwidth_gbps": bandwidth, "latency_s": latency}
+    return {"results": results, "bandwidth_gbps": bandwidth, "latency_s": latency,
+            "compute_s": compute}

@@ -81,12 +81,16 @@ def predict_target(figures: dict[str, Any], cfg, flops: float, options, peak: fl
 
 
 def validate(one_rank_step_s: float, figures: dict[str, Any], cfg, bandwidth_gbps: float,
-             devices: int, latency_s: float = 0.0) -> float:
-    """This machine's step time at the candidate's world size n, predicted from world
-    size 1 (its compute shared by min(n, devices) devices: CPU ranks share one set of
-    cores), the loopback bandwidth and the per-collective latency measured in the launched
-    job, and the collectives the candidate called in a step."""
+             devices: int, latency_s: float = 0.0, share_s: float | None = None) -> float:
+    """This machine's step time at the candidate's world size n: the compute, plus the
+    collectives the candidate called in a step at the latency and bandwidth measured in the
+    launched job. The compute of a layout with a process per rank is `share_s`, a rank's
+    share measured with every rank computing at once (a pipeline adds its bubble); of one
+    process driving n devices, and where no share was measured, world size 1's step shared
+    by min(n, devices) devices (CPU ranks share one set of cores)."""
     n = cfg.parallel.world_size
-    compute = one_rank_step_s / min(n, devices) * STRATEGIES[cfg.parallel.name].bubble(cfg)
+    strategy = STRATEGIES[cfg.parallel.name]
+    compute = (share_s if share_s is not None and strategy.processes
+               else one_rank_step_s / min(n, devices)) * strategy.bubble(cfg)
     return compute + comm_seconds(figures, cfg, n, n, bandwidth_gbps, bandwidth_gbps,
                                   latency_s)
