@@ -223,3 +223,15 @@ def test_step_time_model_follows_links_ring_factor_and_bubble():
                        "parallel.microbatches=4")
     assert STRATEGIES["pipeline"].bubble(pipeline) == 1 + 1 / 4
     assert STRATEGIES["ddp"].bubble(ddp) == 1.0
+    # each collective's calls cost the measured latency besides their bytes
+    called = {"comm_all_reduce_mb": 1.0, "comm_all_reduce_calls": 3}
+    assert scaling.comm_seconds(called, ddp, 2, 8, 100.0, 10.0, latency_s=0.002) == \
+        pytest.approx(gbit / 100 + 3 * 0.002)
+    # here, a layout with a process per rank computes the share its launched job measured;
+    # one process driving the devices, world size 1's step
+    assert scaling.validate(0.4, called, ddp, 100.0, 1, 0.002, share_s=0.1) == pytest.approx(
+        0.1 + gbit / 100 + 0.006)
+    assert scaling.validate(0.4, {}, pipeline, 100.0, 1, 0.0, share_s=0.1) == pytest.approx(
+        0.1 * (1 + 1 / 4))
+    model = checked(*TINY, "parallel=model", "parallel.world_size=2")
+    assert scaling.validate(0.4, {}, model, 100.0, 1, 0.0, share_s=0.1) == pytest.approx(0.4)
