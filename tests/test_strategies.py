@@ -19,7 +19,7 @@ from parallab.parallel.split import even_cuts, part_ranges
 from parallab.training import checkpoint, weights
 
 BIN = Path(sys.executable).parent
-# the setting: mlp on synthetic data, no dropout, every step logged
+# the equivalence setting: mlp on synthetic data, no dropout, every step logged
 EQUIVALENCE = [*FAST, "model=mlp", "model.hidden=[64,64,32]", "data.shape=[1,8,8]",
                "trainer.max_steps=20", "trainer.log_every_n_steps=1", "optim.lr=0.05"]
 
