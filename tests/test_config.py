@@ -27,7 +27,7 @@ def options(group: str) -> list[str]:
 
 # the class each model option builds (model._target_'s last part)
 MODEL_CLASSES = {"gpt": "GPT", "lstm": "LSTMClassifier", "mlp": "MLP", "mnist_cnn": "MnistCNN",
-                 "resnet18": "ResNet18"}
+                 "resnet18": "ResNet18", "convnet": "ConvNet"}
 
 # options that only make sense with a partner from another group
 PARTNERS = {("model", "gpt"): ["data=bytes"], ("data", "bytes"): ["model=gpt"],
