@@ -224,7 +224,10 @@ def test_a_job_across_two_nodes_goes_on_through_the_time_limit_warning_and_a_req
     (tmp_path / "kept").mkdir()
     job = sbatch(cluster, tmp_path, f"srun --kill-on-bad-exit=1 {PARALLAB} train {' '.join(RUN)}",
                  "--nodes=2", "--ntasks-per-node=1")
-    kept = sbatch(cluster, tmp_path / "kept", f"srun {PARALLAB} train {' '.join(RUN)} "
+    # ten times as long: one task starts sooner than two nodes' ranks meet, and it must
+    # still be training when it is signalled after the first job's step 10
+    longer = [a.replace("data.train_size=6400", "data.train_size=64000") for a in RUN]
+    kept = sbatch(cluster, tmp_path / "kept", f"srun {PARALLAB} train {' '.join(longer)} "
                   "parallel=none", "--ntasks=1", "--no-requeue")
     run_dir, kept_dir = (tmp_path / "outputs" / "slurm" / job,
                          tmp_path / "kept" / "outputs" / "slurm" / kept)
