@@ -1,6 +1,6 @@
 """Per-step cost of the framework: the MNIST recipe vs a hand-written loop vs train.py.
 
-    python bench/bench_loop.py [--repeats 3]
+    python bench/bench_loop.py [--repeats 3] [--only recipe|own|gpt]
 
 One MNIST epoch each, same model (the MNIST recipe's CNN), batch 64, SGD lr 0.01 momentum 0.5, seed 42,
 each variant in a fresh process, interleaved so machine noise hits all alike:
@@ -17,7 +17,8 @@ than the framework's cost. So the per-step figure that decides is measured in on
   (b') hand and (c') parallab's Trainer (built as train.py builds it, running its own epoch
        loop with every per-step check, counter and log) take turns on the same in-memory
        split: after each of the Trainer's log windows (50 steps), 50 steps of the hand loop;
-       3 epochs, the median of the turns' ratios is c'/b'.
+       3 epochs, the median of the turns' ratios is c'/b'. The same turns on parallab's gpt in
+       nanoGPT's CPU shape against a minimal loop (`--only gpt`: 1,000 steps).
 
 Then the same for a user's model given by _target_ (examples/own_model: ResMLP on its Waves
 Dataset, Adam, MSE, batch 32, 1,024 steps):

@@ -187,15 +187,15 @@ class Link:
 
 def _measure(candidates: list[Candidate], run_dir: Path) -> dict[int, Link]:
     """Every candidate left, one job per world size (world size 1: in this process); the
-    loopback bandwidth (Gbit/s) and per-collective latency (s) each launched job measured,
-    by world size."""
+    links each launched job measured (bandwidth, latency, a rank's compute share), by world
+    size."""
     from parallab.advise import measure
     from parallab.launching import distributed, launch
 
     todo = [c for c in candidates if c.reason is None]
     todo.sort(key=lambda c: c.world_size)  # measured by world size: numbered in that order
     number = {id(c): i for i, c in enumerate(todo)}  # one numbering over every world size
-    bandwidth: dict[int, Link] = {}
+    links: dict[int, Link] = {}
     for n in sorted({c.world_size for c in todo}):
         group = [c for c in todo if c.world_size == n]
         jobs = [(c.cfg, str(run_dir / "candidates" / f"{number[id(c)]:02d}_{_dirname(c)}"),
@@ -215,12 +215,12 @@ def _measure(candidates: list[Candidate], run_dir: Path) -> dict[int, Link]:
                               cfg.parallel.threads_per_worker)
             answer = launch.elastic(measure.worker, (job,), n, 0, launch.worker_env(cfg))
             results = answer["results"]
-            bandwidth[n] = Link(answer["bandwidth_gbps"], answer["latency_s"],
-                                answer["compute_s"], group[0].precision)
+            links[n] = Link(answer["bandwidth_gbps"], answer["latency_s"],
+                            answer["compute_s"], group[0].precision)
         for candidate, figures in zip(group, results):
             candidate.figures = figures
             candidate.reason = figures.get("error")
-    return bandwidth
+    return links
 
 
 def _dirname(candidate: Candidate) -> str:
@@ -228,7 +228,7 @@ def _dirname(candidate: Candidate) -> str:
 
 
 def _predict_times(candidates: list[Candidate], options,
-                   bandwidth: dict[int, Link]) -> list[str]:
+                   links: dict[int, Link]) -> list[str]:
     """Each measured candidate's step time at advise.target_world_size, and here at its
     own world size from world size 1 (the model's check); notes for advise.md."""
     from parallab import precision
@@ -250,8 +250,8 @@ def _predict_times(candidates: list[Candidate], options,
             c.figures["predicted_step_ms"] = 1e3 * scaling.predict_target(
                 c.figures, c.cfg, work, options, peak)
         one = report.reference_of(candidates, c.precision)
-        if c.world_size in bandwidth and one is not None and one.world_size == 1:
-            link = bandwidth[c.world_size]
+        if c.world_size in links and one is not None and one.world_size == 1:
+            link = links[c.world_size]
             # the job measured its compute share in the precision of its first candidate
             measured_in = report.reference_of(candidates, link.precision)
             scale = (one.figures["step_time_ms"] / measured_in.figures["step_time_ms"]
@@ -266,7 +266,7 @@ def _predict_times(candidates: list[Candidate], options,
                      f"{options.device} ({options.gpus_per_node} per node, "
                      f"{options.intra_node_gbps:g}/{options.inter_node_gbps:g} Gbit/s, "
                      f"{options.mfu:.0%} of peak), docs/parallel.md: advise.")
-    for n, link in bandwidth.items():
+    for n, link in links.items():
         notes.append(f"At world size {n}: a rank's share of the compute {link.compute_s * 1e3:.1f}"
                      f" ms a step; loopback all-reduce {link.gbps:.2f} Gbit/s, "
                      f"{link.latency_s * 1e6:.0f} us a call.")
@@ -283,9 +283,9 @@ def advise(cfg, overrides: list[str], run_dir: str, configure: Callable[[list[st
     out = Path(run_dir)
     out.mkdir(parents=True, exist_ok=True)
     candidates, global_batch, user = plan(cfg, overrides, configure)
-    bandwidth = _measure(candidates, out)
+    links = _measure(candidates, out)
     report.judge(candidates, cfg.advise.rtol)
-    notes = _predict_times(candidates, cfg.advise, bandwidth)
+    notes = _predict_times(candidates, cfg.advise, links)
     top = report.best(candidates)
     command = report.command(entry or ["python train.py"], user, top,
                              global_batch) if top else None

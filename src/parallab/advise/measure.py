@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,8 +114,6 @@ def measure_all(jobs: list[tuple[Any, str, list[str]]], dist: distributed.Dist
 def loopback_gbps(dist: distributed.Dist, megabytes: int = 16, repeats: int = 5) -> float:
     """The job's all-reduce bus bandwidth in gigabits/s: 2(n-1)/n x the tensor per rank,
     as comm.py counts it, over the median time of `repeats` all-reduces."""
-    import statistics
-
     import torch.distributed as torch_dist
 
     tensor = torch.ones(megabytes * MB // 4, device=dist.device)
@@ -135,8 +134,6 @@ def local_compute_s(cfg, dist: distributed.Dist, steps: int = 6) -> float:
     backward and the optimizer, nothing communicated; the median of `steps` steps, the
     slowest rank's. The step-time model's compute term (scaling.validate): on a CPU the
     ranks' threads, not the FLOPs, decide it."""
-    import statistics
-
     from parallab import batch as batches
     from parallab.checks import trial
     from parallab.loss import build_loss
@@ -164,8 +161,6 @@ def loopback_latency_s(dist: distributed.Dist, repeats: int = 30) -> float:
     of an all-reduce of one number, the slowest rank's. (Timed between bits of compute
     instead, where a waiting rank gives up its core, it measured ten times more here, and
     predicted fsdp and tp no better and pipelines worse: bench/bench_advise.py --step-time.)"""
-    import statistics
-
     import torch.distributed as torch_dist
 
     tensor = torch.ones(1, device=dist.device)

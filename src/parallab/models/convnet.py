@@ -16,7 +16,7 @@ from parallab.models.base import Model, fits_classes, in_range
 
 class ConvBlock(nn.Module):
     """conv 3x3 -> 2x2 max-pool (the last block: a global one) -> BatchNorm -> ReLU. Pooling
-    first leaves a quarter of the values to normalize: the block costs 30% less on a CPU."""
+    first leaves a quarter of the values to normalize (docs/benchmarks.md: time to accuracy)."""
 
     def __init__(self, in_channels: int, out_channels: int, last: bool = False):
         super().__init__()

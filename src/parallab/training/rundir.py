@@ -34,7 +34,7 @@ def check_unused(run_dir: Path, command: str, earlier: list[str] = ()) -> None:
 
 
 def check_fresh(run_dir: Path, resume: str | None, overwrite: bool, delete: bool,
-                logged: list[str] = ()) -> None:
+                logged: tuple[str, ...] | list[str] = ()) -> None:
     """A run that does not resume starts only in a dir holding no run; with
     trainer.overwrite=true the earlier run's checkpoints, metrics and the files its loggers
     wrote (`logged`: glob patterns) are deleted (by the main process, `delete`) first."""

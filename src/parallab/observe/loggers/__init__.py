@@ -62,7 +62,7 @@ def _clash(name: str, files: list[str]) -> str | None:
         if path.is_absolute() or ".." in path.parts:
             return (f"logger {name} writes {written}, outside the run dir: give a path inside "
                     "it (a name, or a subfolder's)")
-        if any(path.parts[0] == own or Path(path.parts[0]).match(own) for own in RUN_FILES):
+        if any(Path(path.parts[0]).match(own) for own in RUN_FILES):  # a name or a glob
             return (f"logger {name} writes {written}, which is the run's own {path.parts[0]}: "
                     "give the logger's file another name")
     return None
