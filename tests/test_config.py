@@ -66,8 +66,8 @@ def test_the_key_reference_in_the_docs_is_the_dataclasses():
         "docs/config.md's keys are stale: python -m parallab.config.help")
 
 
-@pytest.mark.parametrize("group", ["parallel", "precision", "backend", "optim", "scheduler",
-                                   "trainer"])
+@pytest.mark.parametrize("group", ["parallel", "adapter", "precision", "backend", "optim",
+                                   "scheduler", "trainer"])
 def test_an_option_sets_only_what_differs_from_its_schema(group):
     """The dataclasses are the defaults: an option's YAML repeating one would be a second
     place to change it."""

@@ -76,6 +76,8 @@ def _checked(dict_cfg: DictConfig, overrides: list[str]):
     with open_dict(dict_cfg):
         dict_cfg.model = _trained_model_config(state, dict_cfg.ckpt)
         dict_cfg.data = _trained_data_config(state, dict_cfg, overrides)
+        if weights.holds_adapters(dict_cfg.ckpt):  # the model as trained: adapters on
+            dict_cfg.adapter = checkpoint.saved_config(state)["adapter"]
         saved_seed = checkpoint.saved_config(state).get("seed")
         if saved_seed is not None and not any(o.startswith("seed=") for o in overrides):
             dict_cfg.seed = saved_seed
@@ -92,14 +94,15 @@ def _scored(cfg, state: dict, run_dir: Path) -> tuple[dict[str, float], str]:
     from parallab.launching import distributed
     from parallab.loss import build_loss
     from parallab.metrics import evaluate
-    from parallab.models import build_model
+    from parallab.models import adapters, build_model
     from parallab.precision import Precision
     from parallab.training import weights
 
     dist = distributed.setup(cfg.device.value, None, cfg.backend.timeout_s,
                              cfg.parallel.threads_per_worker)
     try:
-        model = weights.model_from(cfg.ckpt, build_model(cfg.model))
+        model = weights.model_from(cfg.ckpt, adapters.apply(build_model(cfg.model),
+                                                            cfg.adapter))
     except ConfigError as error:
         raise ConfigError(f"ckpt={cfg.ckpt} does not fit model "
                           f"{cfg.model['_target_']}: {error}") from None
@@ -179,28 +182,49 @@ def evaluate(argv: list[str] | None = None) -> None:
     run_app(hydra_app("evaluate", _evaluate_task, call), call)
 
 
-def _export(ckpt: Path, out: Path, force: bool = False) -> None:
+def _export(ckpt: Path, out: Path, force: bool = False, merged: bool = False) -> None:
     """A checkpoint's model (a .pt file, or a sharded .dcp read by this one process) as
-    weights.FORMATS; ConfigError or CheckpointError, one line, where it cannot."""
+    weights.FORMATS; one with adapters as a peft adapter folder, or with `merged` as its
+    base with the adapters folded in. ConfigError or CheckpointError, one line, where it
+    cannot."""
     from parallab.config import targets
-    from parallab.models import build_model
+    from parallab.models import adapters, build_model
     from parallab.training import checkpoint, weights
 
     kind = weights.export_kind(ckpt, out, force)  # before anything is read or written
     meta = weights.record(ckpt)
     spec = _trained_model_config(meta, ckpt)
+    adapter = checkpoint.saved_config(meta).get("adapter") if weights.holds_adapters(ckpt) \
+        else None
+    _require_adapters(ckpt, out, kind, adapter, merged)
     targets.locate(spec.get("_target_"), "model._target_")  # the project must import
     try:
         built = build_model(spec)
     except Exception as error:  # noqa: BLE001 - a user's or a library's constructor
         raise ConfigError(_unbuildable(ckpt, spec, error)) from None
-    try:
-        model = weights.model_from(ckpt, built)
+    peft_model = adapters.with_adapters(built, adapter) if adapter else None
+    try:  # a PeftModel's inner model has the names the run's model had
+        weights.load_into(peft_model.base_model.model if adapter else built, ckpt)
     except ConfigError as error:
         raise checkpoint.CheckpointError(f"ckpt={ckpt} does not fit model {spec['_target_']}: "
                                          f"{error}") from None
-    what = weights.export(model, {"step": meta["step"], "config": meta["config"]}, out, kind)
+    record = {"step": meta["step"], "config": meta["config"]}
+    if merged:  # what is written is a plain model again
+        record["config"] = {**meta["config"], "adapter": {"name": "none"}}
+    model = peft_model.merge_and_unload() if merged else peft_model or built
+    what = weights.export(model, record, out, kind)
     print(f"{out}: {what}, of {ckpt} (step {meta['step']})")
+
+
+def _require_adapters(ckpt: Path, out: Path, kind: str, adapter: Any, merged: bool) -> None:
+    """--merged only of a checkpoint with adapters; adapters alone only as a folder."""
+    if merged and not adapter:
+        raise ConfigError(f"--merged: ckpt={ckpt} holds no adapters (its run had adapter=none):"
+                          " export it without --merged")
+    if adapter and not merged and kind != "folder":
+        raise ConfigError(f"{out}: ckpt={ckpt} holds LoRA adapters, which export as a peft "
+                          "adapter folder (give OUT without a suffix), or with --merged, the "
+                          "base with the adapters folded in, as .pt or .safetensors")
 
 
 def _unbuildable(ckpt: Path, spec: dict[str, Any], error: Exception) -> str:
@@ -250,12 +274,15 @@ def parallab() -> None:
     export.add_argument("out", type=Path)
     export.add_argument("--force", action="store_true", help="replace what export writes at "
                         "OUT if it exists (a folder's other files are kept)")
+    export.add_argument("--merged", action="store_true", help="a checkpoint with LoRA adapters: "
+                        "the base with the adapters folded in, in any format (without: a peft "
+                        "adapter folder PeftModel.from_pretrained reads)")
     args = parser.parse_args()
     if args.command == "export":
         from parallab.training.checkpoint import CheckpointError
 
         try:
-            _export(args.ckpt, args.out, args.force)
+            _export(args.ckpt, args.out, args.force, args.merged)
         except (CheckpointError, ConfigError, KeyError) as error:
             print(f"parallab export: {error}", file=sys.stderr)  # one line, as every refusal
             raise SystemExit(2) from None

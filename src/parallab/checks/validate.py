@@ -14,6 +14,7 @@ import math
 import os
 
 from parallab import models, optim, precision, schedule
+from parallab.models import adapters
 from parallab.checks import trial
 from parallab.config import schema as config
 from parallab.config.errors import ConfigError
@@ -269,6 +270,23 @@ def check_strategy(cfg: Config, probe: trial.Probe) -> None:
     _refuse(activations.stages_problem(cfg))
 
 
+def check_adapter(cfg: Config) -> None:
+    """adapter=lora: a layout that keeps every layer whole, peft installed, and target
+    modules that match layers LoRA wraps (tried on the model built on meta)."""
+    from parallab.parallel import STRATEGIES
+
+    if not adapters.enabled(cfg.adapter):
+        return
+    layout = STRATEGIES[cfg.parallel.name].layout_of(cfg.parallel)
+    _require(not layout.cuts_model and layout.tp == 1,
+             f"adapter=lora with parallel={cfg.parallel.name}: peft's adapter layers are not "
+             "cut by a tensor-parallel plan or into pipeline stages: use a data-parallel "
+             "layout (none, dp, ddp, fsdp, hsdp)")
+    _require(cfg.precision.name != "fp8", "adapter=lora with precision=fp8: float8 training "
+             "swaps the Linear layers the adapters wrap: use precision=bf16")
+    _refuse(adapters.problem(cfg.adapter, models.build_on_meta(cfg.model)))
+
+
 def resolve_backend(cfg: Config) -> None:
     import torch.distributed as dist
 
@@ -336,29 +354,39 @@ def check_init(cfg: Config, probe: trial.Probe) -> None:
     _require(Path(path).exists(), f"trainer.init_from={path} does not exist: give a .pt, "
              ".dcp or .safetensors checkpoint, or a folder parallab export or save_pretrained "
              "wrote")
-    model = probe.model if probe.model is not None else models.build_on_meta(cfg.model)
+    if adapters.is_folder(path):
+        _refuse(adapters.folder_problem(cfg.adapter, path))
+        return
     try:
+        adapted = weights.holds_adapters(path)
+        _require(not adapted or adapters.enabled(cfg.adapter),
+                 f"trainer.init_from={path} holds a model with LoRA adapters: add adapter=lora "
+                 "with the adapter keys it was trained with")
+        model = probe.model if probe.model is not None and not adapted else \
+            models.build_on_meta(cfg.model)
+        if adapted:  # its names are those of the model with its adapters on
+            adapters.apply(model, cfg.adapter)
         _refuse(weights.fit_problem(model, path, "trainer.init_from", cfg.trainer.init_strict))
     except checkpoint.CheckpointError as error:
         raise ConfigError(f"trainer.init_from: {error}") from None
 
 
 def changed_recipe(cfg: Config, saved: dict, resume: str) -> str | None:
-    """A resumed run continues the optimizer and schedule its checkpoint holds (their state
-    and rates): an optim or scheduler key set otherwise here would be ignored without a
+    """A resumed run continues the adapters, optimizer and schedule its checkpoint holds
+    (their shape, state and rates): an adapter, optim or scheduler key set otherwise here would be ignored without a
     word, so the first one that differs is named."""
     from omegaconf import OmegaConf
 
-    for group in ("optim", "scheduler"):
+    for group in ("adapter", "optim", "scheduler"):
         here = OmegaConf.to_container(OmegaConf.structured(getattr(cfg, group)))
         before = saved.get(group)
         if not isinstance(before, dict):
             continue  # a checkpoint that records none: nothing to compare
         for key, value in here.items():
             if key in before and before[key] != value:
-                return (f"trainer.resume={resume} continues the optimizer and schedule it "
-                        f"holds, and {group}.{key}={value} differs from its {before[key]}: "
-                        f"give {group}.{key}={before[key]} as when it was saved (or start a "
+                return (f"trainer.resume={resume} continues the adapters, optimizer and "
+                        f"schedule it holds, and {group}.{key}={value} differs from its "
+                        f"{before[key]}: give {group}.{key}={before[key]} as when it was saved (or start a "
                         "new run)")
     return None
 
@@ -378,6 +406,7 @@ def prepare(cfg: Config, in_place: InPlace | None, run_dir: str | None = None) -
     _refuse(memory.snapshot_problem(cfg.trainer.memory_snapshot, cfg.device.value))
     resolve_global_batch(cfg)
     check_strategy(cfg, probe)
+    check_adapter(cfg)
     check_run_length(cfg)
     resolve_backend(cfg)
     check_resume(cfg, run_dir)

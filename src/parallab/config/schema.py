@@ -202,7 +202,24 @@ class PipelineConfig(ParallelConfig):
     sequence_parallel: bool = False  # tp > 1: activations cut along the sequence too
 
 
-# --- precision, backend, optim, trainer -------------------------------------------------
+# --- adapter, precision, backend, optim, trainer ----------------------------------------
+@dataclass
+class AdapterConfig:
+    name: str = "none"  # none | lora (low-rank adapters through peft; models/adapters.py)
+
+
+@dataclass
+class LoraConfig(AdapterConfig):
+    name: str = "lora"
+    r: int = 8  # the adapters' rank
+    alpha: float = 16.0  # their output is scaled by alpha / r
+    dropout: float = 0.0  # on the adapters' input
+    # module name patterns (peft's: a name's last parts, or a regular expression); null =
+    # the model's own: peft's table for a transformers model, lora_target_modules on the
+    # model's class (parallab's gpt: its attention's qkv)
+    target_modules: Optional[list[str]] = None
+
+
 @dataclass
 class PrecisionConfig:
     name: str = "fp32"  # fp32 | amp | bf16 | fp16 | fp8 (float8 Linear layers, CUDA)
@@ -369,6 +386,7 @@ class Config:
     data: Any = field(default_factory=data_defaults)
     loss: Any = MISSING  # a _target_ spec (loss.py)
     parallel: Any = MISSING
+    adapter: Any = MISSING  # none, or lora: only low-rank adapters train (models/adapters.py)
     precision: Any = MISSING
     backend: Any = MISSING
     optim: Any = MISSING
@@ -398,6 +416,7 @@ class EvalConfig(Config):
 SCHEMAS: dict[str, dict[str, type]] = {
     "parallel": {"none": ParallelConfig, "dp": DPConfig, "mesh": MeshConfig,
                  "model": ModelParallelConfig, "pipeline": PipelineConfig},
+    "adapter": {"none": AdapterConfig, "lora": LoraConfig},
     "precision": {"default": PrecisionConfig},
     "backend": {"default": BackendConfig},
     "optim": {"sgd": SGDConfig, "adam": AdamConfig, "adamw": AdamWConfig},

@@ -84,6 +84,10 @@ class Head(nn.Module):
 
 
 class GPT(Model):
+    # adapter=lora's default layers: the fused query-key-value projection, as peft's table
+    # gives GPT-2 its c_attn
+    lora_target_modules = ("qkv",)
+
     def __init__(self, vocab_size: int = 256, context: int = 256, layers: int = 4,
                  heads: int = 4, width: int = 256, dropout: float = 0.0,
                  tie_embeddings: bool = False):

@@ -42,8 +42,9 @@ def shard(model: nn.Module, mesh, cfg, dtype: torch.dtype, is_main: bool,
     shared = {pid for pid, held in stages_of.holders(stages or []).items() if len(held) > 1}
     for stage in stages or []:
         # a stage sharing a parameter with another (tied embeddings) is left to the root:
-        # FSDP2 shards each parameter in one unit only
-        if any(p.requires_grad for p in stage.parameters()) and not (
+        # FSDP2 shards each parameter in one unit only. A frozen stage (the base beside
+        # adapters) is a unit too: gathered only while it computes, as the trained ones
+        if any(True for _ in stage.parameters()) and not (
                 shared & {id(p) for p in stage.parameters()}):
             fully_shard(stage, mesh=mesh, mp_policy=policy,
                         reshard_after_forward=reshard_after_forward)

@@ -27,7 +27,7 @@ from parallab.data import build_data
 from parallab.launching import distributed, launch, slurm
 from parallab.launching.preemption import Preemption
 from parallab.loss import build_loss
-from parallab.models import build_model
+from parallab.models import adapters, build_model
 from parallab.observe import loggers
 from parallab.observe.loggers import RunLogger
 from parallab.observe.memory import peak_memory_mb, reset_peak_memory
@@ -233,23 +233,31 @@ def start_model(cfg: Config, dist: distributed.Dist, strategy_cls, init_from: st
     """The model this rank starts from, and whether its parameters are on meta, to be given
     their part of the weights at `init_from` once laid out (a layout that cuts the model,
     every weight required); else whole, with those weights (before any layout cuts it:
-    every layout starts alike)."""
+    every layout starts alike) and its adapters (adapter=lora: the base's weights load
+    before them, a checkpoint or peft folder with adapters after)."""
     from parallab.training import weights
 
-    if init_from is not None and cfg.trainer.init_strict and \
-            strategy_cls.layout_of(cfg.parallel).sharded:
+    if init_from is not None and cfg.trainer.init_strict and not \
+            adapters.enabled(cfg.adapter) and strategy_cls.layout_of(cfg.parallel).sharded:
         try:
             with weights.parameters_on_meta():
                 return build_model(cfg.model), True
         except Exception:  # noqa: BLE001 - a model that must be built whole (from_pretrained)
             pass
     torch.manual_seed(cfg.seed)
-    model = build_model(cfg.model)  # identical initial weights on every rank
-    if init_from is not None:
+    model = build_model(cfg.model)  # identical initial weights (and adapters) on every rank
+    adapted = init_from is not None and weights.holds_adapters(init_from)
+    left = []
+    if init_from is not None and not adapted:
         left = weights.load_into(model, init_from, cfg.trainer.init_strict)
-        if dist.is_main:
-            log.info("started from the weights in %s%s", init_from, "; left at their initial "
-                     f"values: {', '.join(left)}" if left else "")
+    model = adapters.apply(model, cfg.adapter, dist.is_main)
+    if adapted and adapters.is_folder(init_from):
+        adapters.load_folder(model, init_from)
+    elif adapted:
+        left = weights.load_into(model, init_from, cfg.trainer.init_strict)
+    if init_from is not None and dist.is_main:
+        log.info("started from the weights in %s%s", init_from, "; left at their initial "
+                 f"values: {', '.join(left)}" if left else "")
     return model, False
 
 

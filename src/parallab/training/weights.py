@@ -56,6 +56,14 @@ def is_weights(path: str | Path) -> bool:
     return path.suffix == ".safetensors" or path.is_dir() and not checkpoint.is_sharded(path)
 
 
+def holds_adapters(path: str | Path) -> bool:
+    """A peft adapter folder, or weights of a model with LoRA adapters (a checkpoint of an
+    adapter=lora run): loaded into a model once its adapters are on."""
+    from parallab.models import adapters
+
+    return adapters.is_folder(path) or any(".lora_" in key for key in shapes(path))
+
+
 def _files(path: Path) -> list[Path]:
     """A folder's safetensors files (one, or a transformers index's shards)."""
     if path.suffix == ".safetensors":
@@ -388,8 +396,14 @@ def _write_folder(model: nn.Module, record: dict[str, Any], folder: Path,
                   transformers: bool) -> str:
     from omegaconf import OmegaConf
 
+    from parallab.models import adapters
+
     folder.mkdir()
-    if transformers:
+    if adapters.is_peft_model(model):
+        model.save_pretrained(str(folder))
+        what = ("a peft adapter folder (adapter_config.json, adapter_model.safetensors) "
+                "PeftModel.from_pretrained and trainer.init_from read")
+    elif transformers:
         model.save_pretrained(str(folder))
         what = "a transformers folder (config.json, model.safetensors) from_pretrained reads"
     else:

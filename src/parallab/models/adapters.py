@@ -1,0 +1,190 @@
+"""Low-rank adapters (LoRA) through peft: `adapter=lora` puts trainable adapters beside the
+model's matching layers and freezes everything else, after the model is built (and given
+trainer.init_from's base weights) and before it is laid out, so that every data-parallel
+layout, activation checkpointing and compile see one model whose only trainable parameters
+are the adapters: no gradients and no optimizer state for the base.
+
+The adapters are injected in place (peft's inject_adapter_in_model): the model keeps its
+class, so what parallab reads of it (a transformers model's blocks and loss, the gpt's
+stages) is unchanged; its state_dict names the base's weights `<layer>.base_layer.weight`
+and the adapters' `<layer>.lora_A.default.weight`, the names peft's own LoraModel gives
+them, so that a checkpoint loads into peft's PeftModel for export (a peft adapter folder,
+or the base with the adapters merged). Nothing here imports peft unless an adapter is asked.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from parallab.config.errors import ConfigError, first_line
+
+log = logging.getLogger("parallab")
+INSTALL = 'pip install "parallab[hf]"'
+FOLDER_CONFIG = "adapter_config.json"  # what marks a peft adapter folder
+# the module types peft's LoRA wraps (a target matching another is refused before launch)
+WRAPPABLE = ("Linear", "Embedding", "Conv1d", "Conv2d", "Conv3d", "Conv1D", "MultiheadAttention")
+
+
+def enabled(cfg: Any) -> bool:
+    """An adapter config (typed, or a checkpoint's dict) that asks for adapters."""
+    name = cfg.get("name") if isinstance(cfg, dict) else getattr(cfg, "name", None)
+    return name not in (None, "none")
+
+
+def _peft():
+    try:
+        # peft imports torchao, whose enums' registration this torch warns of at import,
+        # twice, in every process: nothing a user of adapters can act on
+        pytree = logging.getLogger("torch.utils._pytree")
+        level, _ = pytree.level, pytree.setLevel(logging.ERROR)
+        try:
+            import peft
+        finally:
+            pytree.setLevel(level)
+    except ImportError:
+        raise ConfigError(f"adapter=lora needs the peft library, which is not installed: "
+                          f"{INSTALL} (or pip install peft)") from None
+    return peft
+
+
+def _value(cfg: Any, key: str) -> Any:
+    return cfg.get(key) if isinstance(cfg, dict) else getattr(cfg, key)
+
+
+def targets(cfg: Any, model: nn.Module) -> list[str] | None:
+    """adapter.target_modules, or the model's own: lora_target_modules on its class
+    (parallab's gpt), else None, for peft's table of transformers models."""
+    chosen = _value(cfg, "target_modules") or getattr(model, "lora_target_modules", None)
+    return list(chosen) if chosen else None
+
+
+def peft_config(cfg: Any, model: nn.Module):
+    """peft's LoraConfig for adapter config `cfg` on `model`."""
+    return _peft().LoraConfig(r=_value(cfg, "r"), lora_alpha=_value(cfg, "alpha"),
+                              lora_dropout=_value(cfg, "dropout"),
+                              target_modules=targets(cfg, model))
+
+
+def apply(model: nn.Module, cfg: Any, is_main: bool = False) -> nn.Module:
+    """`model` with adapters per `cfg` (in place; unchanged for adapter=none), the base
+    frozen; with is_main, the log says how many parameters train."""
+    if not enabled(cfg):
+        return model
+    _peft().inject_adapter_in_model(peft_config(cfg, model), model)
+    if is_main:
+        log.info("adapter=lora: %s", trainable(model))
+    return model
+
+
+def trainable(model: nn.Module) -> str:
+    """How many parameters train out of how many, in words."""
+    params = {id(p): p for p in model.parameters()}.values()
+    total = sum(p.numel() for p in params)
+    train = sum(p.numel() for p in params if p.requires_grad)
+    return f"{train:,} of {total:,} parameters train ({100 * train / max(total, 1):.2f}%)"
+
+
+def problem(cfg: Any, model: nn.Module) -> str | None:
+    """Why adapters per `cfg` cannot be put on `model` (built on meta will do), in one line;
+    None where they can (or none are asked). Tried on the model itself, which it changes."""
+    if not enabled(cfg):
+        return None
+    peft = _peft()
+    if _value(cfg, "r") < 1:
+        return f"adapter.r={_value(cfg, 'r')} is out of range: the adapters' rank must be >= 1"
+    if not 0 <= _value(cfg, "dropout") < 1:
+        return f"adapter.dropout={_value(cfg, 'dropout')} is out of range: it must be in [0, 1)"
+    config = peft_config(cfg, model)
+    if config.target_modules is None and not _in_peft_table(model):
+        return (f"model {type(model).__name__} names no layers for adapters (no "
+                "lora_target_modules on its class, no entry in peft's table): set "
+                f"adapter.target_modules, such as {_layer_names(model)}")
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    said = f"adapter.target_modules={targets(cfg, model)}"
+    unwrappable = [f"{name} ({type(module).__name__})" for name, module in
+                   model.named_modules() if type(module).__name__ not in WRAPPABLE and
+                   config.target_modules and check_target_module_exists(config, name)]
+    if unwrappable:
+        return (f"{said} matches {', '.join(unwrappable[:3])}, which peft's LoRA cannot wrap: "
+                f"name layers of its kinds ({', '.join(WRAPPABLE)}), such as "
+                f"{_layer_names(model)}")
+    try:
+        peft.inject_adapter_in_model(config, model)
+    except ValueError as error:
+        cause = "" if "not found" in str(error) else f" ({first_line(error)})"
+        return (f"{said} matches no layer of model {type(model).__name__}{cause}: name some "
+                f"of its layers, such as {_layer_names(model)}")
+    return None
+
+
+def _in_peft_table(model: nn.Module) -> bool:
+    """A transformers model whose kind peft's table gives default target modules."""
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as table
+
+    return getattr(getattr(model, "config", None), "model_type", None) in table
+
+
+def _layer_names(model: nn.Module, few: int = 6) -> str:
+    """A few of the model's layer names peft's LoRA can wrap: each one's last part, or its
+    full name where that is an index."""
+    names: list[str] = []
+    for name, module in model.named_modules():
+        last = name.rpartition(".")[2]
+        short = name if last.isdigit() else last
+        if type(module).__name__ in WRAPPABLE and short and short not in names:
+            names.append(short)
+    return ", ".join(names[:few]) or "none: it has no Linear, Embedding or Conv layer"
+
+
+# --- peft adapter folders: what export writes and trainer.init_from reads ---------------
+def is_folder(path: str | Path) -> bool:
+    return (Path(path) / FOLDER_CONFIG).is_file()
+
+
+def folder_problem(cfg: Any, path: str | Path) -> str | None:
+    """trainer.init_from=`path`, a peft adapter folder, against this run's adapter config:
+    adapters of the same shape and scale, or one line naming the key to set."""
+    if not enabled(cfg):
+        return (f"trainer.init_from={path} is a peft adapter folder: add adapter=lora (its "
+                "base is this run's model)")
+    saved = json.loads((Path(path) / FOLDER_CONFIG).read_text())
+    for key, theirs in (("r", "r"), ("alpha", "lora_alpha"), ("target_modules", None)):
+        here, there = _value(cfg, key), saved.get(theirs or key)
+        if key == "target_modules":
+            here, there = here and sorted(here), there and sorted(there)
+            if here is None:  # the model's own: whatever the folder's were
+                continue
+        if there is not None and here != there:
+            return (f"trainer.init_from={path} holds adapters of {key}={there}, and "
+                    f"adapter.{key}={here} here: set adapter.{key}={there}")
+    return None
+
+
+def load_folder(model: nn.Module, path: str | Path) -> None:
+    """The adapter weights of peft adapter folder `path` into `model`, which has adapters."""
+    peft = _peft()
+    result = peft.set_peft_model_state_dict(model, peft.load_peft_weights(str(path)))
+    if result.unexpected_keys:
+        raise ConfigError(f"trainer.init_from={path}: its adapters "
+                          f"{', '.join(result.unexpected_keys[:3])} fit no layer of this "
+                          "model: give an adapter folder of this model")
+
+
+def is_peft_model(model: nn.Module) -> bool:
+    """peft's PeftModel (what with_adapters gives), checked without importing peft."""
+    if "peft" not in sys.modules:
+        return False
+    return isinstance(model, sys.modules["peft"].PeftModel)
+
+
+def with_adapters(model: nn.Module, cfg: Any):
+    """peft's PeftModel around `model` with adapters per `cfg`: its inner model has this
+    run's names, and it saves an adapter folder or merges the adapters into the base."""
+    return _peft().get_peft_model(model, peft_config(cfg, model))

@@ -1,0 +1,246 @@
+"""adapter=lora through peft: only the adapters train (the base stays as it started, the
+optimizer holds state for the adapters alone), every data-parallel layout gives one device's
+losses, checkpoints resume under another layout, export writes what peft and transformers
+read, and bad input ends in one line before any rank starts."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import GPT_RUN, REPO, checked, losses, read_metrics
+
+from parallab.cli import train_in_process
+from parallab.commands import _export
+from parallab.config.errors import ConfigError
+from parallab.training import checkpoint, weights
+
+BIN = Path(sys.executable).parent
+LLAMA = REPO / "examples" / "hf_llama"
+# the gpt without dropout (ranks would draw different masks than one device), AdamW on
+# the adapters alone
+RUN = [*GPT_RUN, "model.dropout=0", "optim=adamw", "optim.lr=0.01", "trainer.max_steps=10",
+       "data.batch_size=16"]
+LORA = [*RUN, "adapter=lora", "adapter.r=4"]
+
+
+@pytest.fixture(scope="module")
+def one_device(tmp_path_factory):
+    """The LoRA run on one device, checkpointed at step 5 (and its full fine-tuning twin)."""
+    runs = {name: tmp_path_factory.mktemp(name) / "run" for name in ("lora", "full")}
+    said, root = [], logging.getLogger()
+    handler, level = logging.Handler(), root.level  # as caplog.at_level, for the module
+    handler.emit = lambda record: said.append(record.getMessage())
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    try:
+        train_in_process([*LORA, "trainer.checkpoint_every_n_steps=5"], runs["lora"])
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
+    train_in_process(RUN, runs["full"])
+    return {**runs, "said": said}
+
+
+def saved_model(run_dir: Path) -> dict[str, torch.Tensor]:
+    """The run's last weights (sharded or not), by name, with its adapters."""
+    from conftest import typed
+
+    from parallab.models import adapters, build_model
+
+    cfg = typed(*LORA)
+    model = adapters.apply(build_model(cfg.model), cfg.adapter)
+    return weights.model_from(checkpoint.latest(run_dir / "checkpoints"), model).state_dict()
+
+
+@pytest.mark.xdist_group("lora_one_device")
+def test_only_the_adapters_train_and_hold_state(one_device):
+    from conftest import typed
+
+    from parallab.models import build_model
+
+    torch.manual_seed(typed(*LORA).seed)
+    start = build_model(typed(*LORA).model).state_dict()  # the base as the run built it
+    trained = saved_model(one_device["lora"])
+    base = {k.replace(".base_layer", ""): v for k, v in trained.items() if ".lora_" not in k}
+    assert base.keys() == start.keys()
+    for name, tensor in base.items():  # frozen: bit for bit as it started
+        assert torch.equal(tensor, start[name]), name
+    assert any(".lora_B." in k and v.abs().sum() > 0 for k, v in trained.items())  # trained
+    state = checkpoint.load(one_device["lora"] / "checkpoints" / "last.pt")["optimizer"]
+    moments = {k: v for k, v in state.items() if k.endswith((".exp_avg", ".exp_avg_sq"))}
+    assert moments and all(".lora_" in k for k in moments)  # flat, by parameter name
+    adapters = sum(v.numel() for k, v in trained.items() if ".lora_" in k)
+    assert sum(v.numel() for v in moments.values()) == 2 * adapters  # of the adapters only
+    log = "\n".join(one_device["said"])
+    assert f"adapter=lora: {adapters:,} of {sum(v.numel() for v in trained.values()):,} " \
+           "parameters train" in log
+    lora, full = read_metrics(one_device["lora"]), read_metrics(one_device["full"])
+    assert lora["state_memory_mb"] <= 0.3 * full["state_memory_mb"]
+
+
+LAYOUTS = {
+    "ddp2-ac_full": ["parallel=ddp", "parallel.world_size=2", "data.batch_size=8",
+                     "trainer.activation_checkpointing=full"],
+    # the embedding and head stages frozen whole: units of their own all the same
+    "fsdp2-compile": ["parallel=fsdp", "parallel.world_size=2", "data.batch_size=8",
+                      "trainer.compile=true"],
+    "hsdp2x2": ["parallel=hsdp", "parallel.world_size=4", "parallel.dp_shard=2",
+                "data.batch_size=4"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.xdist_group("lora_one_device")
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_data_parallel_layout_trains_the_adapters_as_one_device(one_device, tmp_path,
+                                                                     layout):
+    metrics = train_in_process([*LORA, *LAYOUTS[layout]], tmp_path / "run")
+    reference = one_device["lora"]
+    assert losses(tmp_path / "run") == pytest.approx(losses(reference), rel=1e-4, abs=1e-5)
+    assert metrics["eval_loss"] == pytest.approx(read_metrics(reference)["eval_loss"],
+                                                 rel=1e-5)
+    expected, got = saved_model(reference), saved_model(tmp_path / "run")
+    for name in (k for k in expected if ".lora_" in k):
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.xdist_group("lora_one_device")
+def test_a_lora_checkpoint_resumes_exactly_under_another_layout(one_device, tmp_path):
+    step5 = next(p for p in (one_device["lora"] / "checkpoints").iterdir()
+                 if checkpoint.load_meta(p)["step"] == 5)
+    train_in_process([*LORA, f"trainer.resume={step5}", "parallel=fsdp",
+                      "parallel.world_size=2", "data.batch_size=8"], tmp_path / "resumed")
+    expected = losses(one_device["lora"])
+    assert losses(tmp_path / "resumed") == pytest.approx(expected[5:], rel=1e-4, abs=1e-5)
+    assert read_metrics(tmp_path / "resumed")["eval_loss"] == pytest.approx(
+        read_metrics(one_device["lora"])["eval_loss"], rel=1e-5)
+
+
+@pytest.mark.xdist_group("lora_one_device")
+def test_export_writes_an_adapter_folder_and_a_merged_model(one_device, tmp_path):
+    from peft import PeftModel
+
+    from parallab.commands import evaluate_in_process
+    from parallab.models import build_model
+
+    ckpt = one_device["lora"] / "checkpoints" / "last.pt"
+    eval_loss = read_metrics(one_device["lora"])["eval_loss"]
+    _export(ckpt, tmp_path / "adapter")
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {
+        p.name for p in (tmp_path / "adapter").iterdir()}
+    from conftest import typed
+
+    torch.manual_seed(typed(*LORA).seed)
+    base = build_model(typed(*LORA).model)  # the base the run started from
+    peft_model = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    inner = peft_model.base_model.model
+    for name, tensor in saved_model(one_device["lora"]).items():
+        torch.testing.assert_close(inner.state_dict()[name], tensor)
+    for merged in ("merged.pt", "merged.safetensors", "merged"):
+        _export(ckpt, tmp_path / merged, merged=True)
+        evaluate_in_process([f"ckpt={tmp_path / merged}"], tmp_path / f"eval_{merged}")
+        assert read_metrics(tmp_path / f"eval_{merged}")["eval_loss"] == pytest.approx(
+            eval_loss, rel=1e-5)
+    assert not any(".lora_" in k for k in weights.shapes(tmp_path / "merged.pt"))
+    evaluate_in_process([f"ckpt={ckpt}"], tmp_path / "eval_ckpt")  # with its adapters on
+    assert read_metrics(tmp_path / "eval_ckpt")["eval_loss"] == pytest.approx(eval_loss)
+
+    # the adapter folder as the start of a new run: its first loss continues the last one
+    train_in_process([*LORA, f"trainer.init_from={tmp_path / 'adapter'}", "adapter.dropout=0",
+                      "trainer.max_steps=1", "optim.lr=1e-9"], tmp_path / "again")
+    assert losses(tmp_path / "again")[0] < losses(one_device["lora"])[0] - 0.05
+
+
+def test_export_refuses_what_it_cannot_write_in_one_line(one_device, tmp_path):
+    for ckpt, args, says in [
+            (one_device["full"], ["--merged"], "holds no adapters"),
+            (one_device["lora"], [], "export as a peft adapter folder")]:
+        done = subprocess.run([str(BIN / "parallab"), "export",
+                               str(ckpt / "checkpoints" / "last.pt"), str(tmp_path / "x.pt"),
+                               *args], capture_output=True, text=True)
+        assert done.returncode == 2 and says in done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1 and not (tmp_path / "x.pt").exists()
+
+
+@pytest.mark.parametrize("overrides, says", [
+    (["adapter.target_modules=[nope]"], "matches no layer of model GPT: name some of its "
+     "layers, such as tokens, positions, qkv, proj"),
+    (["NO_GPT", "model=mlp", "data=synthetic"], "model MLP names no layers for adapters"),
+    (["adapter.target_modules=[ln1]"], "matches blocks.0.ln1 (LayerNorm), blocks.1.ln1 "
+     "(LayerNorm), which peft's LoRA "
+     "cannot wrap"),
+    (["parallel=tp", "parallel.world_size=2"], "adapter=lora with parallel=tp"),
+    (["parallel=pipeline", "parallel.world_size=2", "data.batch_size=16"],
+     "adapter=lora with parallel=pipeline"),
+    (["adapter.r=0"], "adapter.r=0 is out of range"),
+    (["NO_ADAPTER", "trainer.init_from=LORA_CKPT"], "holds a model with LoRA adapters: add "
+     "adapter=lora"),
+])
+def test_bad_adapter_input_is_one_line(one_device, overrides, says):
+    overrides = [o.replace("LORA_CKPT", str(one_device["lora"] / "checkpoints" / "last.pt"))
+                 for o in overrides]
+    base = ["device=cpu", "adapter=lora"] if "NO_GPT" in overrides else \
+        RUN if "NO_ADAPTER" in overrides else LORA
+    with pytest.raises(ConfigError) as error:
+        checked(*base, *(o for o in overrides if not o.startswith("NO_")))
+    assert says in str(error.value) and "\n" not in str(error.value)
+
+
+def test_adapter_lora_without_peft_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "peft", None)  # import peft raises ImportError
+    with pytest.raises(ConfigError, match=r'pip install "parallab\[hf\]"'):
+        checked(*LORA)
+
+
+@pytest.fixture
+def llama_on_path(monkeypatch):
+    monkeypatch.syspath_prepend(str(LLAMA))
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_pretrained_llama_fine_tunes_under_fsdp_and_exports_as_peft_and_transformers_read(
+        llama_on_path, tmp_path):
+    """The example's Llama saved as a pretrained folder, fine-tuned with peft's default
+    targets for Llama (q_proj, v_proj) under fsdp: the adapter folder on that base in
+    PeftModel, and the merged folder in from_pretrained, score the run's eval loss."""
+    from conftest import typed
+    from hf_llama.data import Verses
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from parallab import models
+
+    cfg = typed("experiment=llama", config_dir=LLAMA / "conf")
+    torch.manual_seed(123)
+    models.build_model(models.check(cfg.model, cfg.data)).save_pretrained(tmp_path / "llama")
+    metrics = train_in_process([
+        "experiment=llama", "device=cpu", "trainer.max_steps=6", "data.train.size=192",
+        "data.eval.size=64", "~model.config", "adapter=lora", "optim.lr=0.01",
+        "model._target_=transformers.AutoModelForCausalLM.from_pretrained",
+        f"+model.pretrained_model_name_or_path={tmp_path / 'llama'}", "parallel=fsdp",
+        "parallel.world_size=2", "data.batch_size=8"], tmp_path / "run", LLAMA / "conf")
+    ckpt = checkpoint.latest(tmp_path / "run" / "checkpoints")
+    _export(ckpt, tmp_path / "adapter")
+    _export(ckpt, tmp_path / "merged", merged=True)
+    verses = Verses(seq_len=64, size=64, offset=30000)
+
+    def scored(model) -> float:
+        with torch.no_grad():
+            return model.eval()(input_ids=verses.input_ids, labels=verses.labels,
+                                attention_mask=verses.attention_mask).loss.item()
+
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "llama")
+    assert scored(base) > metrics["eval_loss"] + 1e-3  # the adapters changed something
+    tuned = PeftModel.from_pretrained(base, tmp_path / "adapter")
+    assert scored(tuned) == pytest.approx(metrics["eval_loss"], rel=1e-5)
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    assert scored(merged) == pytest.approx(metrics["eval_loss"], rel=1e-5)
