@@ -244,3 +244,50 @@ def test_a_pretrained_llama_fine_tunes_under_fsdp_and_exports_as_peft_and_transf
     assert scored(tuned) == pytest.approx(metrics["eval_loss"], rel=1e-5)
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
     assert scored(merged) == pytest.approx(metrics["eval_loss"], rel=1e-5)
+
+
+def test_advise_counts_the_frozen_base_without_gradients_or_optimizer_state():
+    """The memory prediction (fake tensors) holds no gradient or AdamW moment for the base,
+    and the step's counted FLOPs leave out the base's weight gradients (MFU's too)."""
+    from conftest import typed
+
+    from parallab.advise import memory, scaling
+    from parallab.checks import trial
+    from parallab.models import adapters, build_model
+    from parallab.observe import mfu
+
+    full, lora = (checked(*run, "data.global_batch_size=16") for run in (RUN, LORA))
+    batch = trial.one_batch(full, size=16)
+    full_state, lora_state = (memory.predict(cfg, batch, 0)[0] for cfg in (full, lora))
+    params_mb = sum(p.numel() for p in build_model(full.model).parameters()) * 4 / 2**20
+    assert full_state == pytest.approx(4 * params_mb, rel=0.01)  # weights, grads, 2 moments
+    assert lora_state == pytest.approx(params_mb, rel=0.1) and lora_state <= 0.3 * full_state
+    ratio = scaling.step_flops(lora, batch) / scaling.step_flops(full, batch)
+    assert 0.6 < ratio < 0.8  # the base's weight gradients (a third of its FLOPs) go
+    plain = build_model(typed(*RUN).model)
+    adapted = adapters.apply(build_model(typed(*RUN).model), lora.adapter)
+    linear = sum(m.weight.numel() for m in plain.modules() if isinstance(m, torch.nn.Linear))
+    assert mfu.flops_per_token(adapted, 32) == mfu.flops_per_token(plain, 32) - 2 * linear
+
+
+@pytest.mark.distributed
+def test_advise_with_adapters_measures_the_data_parallel_layouts_and_refuses_the_rest(
+        tmp_path):
+    import csv
+
+    from parallab.cli import advise_in_process
+
+    advise_in_process([*LORA, "advise.steps=3", "advise.warmup_steps=1",
+                       "advise.precisions=[fp32]", "parallel.world_size=2",
+                       "advise.activation_checkpointing=[none]", "advise.max_accumulation=1",
+                       "advise.layouts=[none,ddp,fsdp,tp,pipeline]"], tmp_path / "advise")
+    rows = {r["layout"].partition("(")[0]: r for r in
+            csv.DictReader(open(tmp_path / "advise" / "advise.csv"))}
+    for layout in ("tp", "pipeline"):
+        assert rows[layout]["reason"].startswith(f"adapter=lora with parallel={layout}")
+    for layout in ("none", "ddp", "fsdp"):
+        assert rows[layout]["verdict"] in ("reference", "matches"), rows[layout]
+    adapters = 2 * (4 * 32 + 96 * 4)  # two blocks' qkv: A (4 x 32) and B (96 x 4)
+    # ddp all-reduces the adapters' gradients (and a few numbers of the step's figures)
+    assert float(rows["ddp"]["comm_mb_per_step"]) == pytest.approx(adapters * 4 / 2**20,
+                                                                   rel=0.01)

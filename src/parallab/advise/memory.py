@@ -44,6 +44,21 @@ def fake_group(rank: int, world_size: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
+def fake_model(cfg, fake, device: torch.device) -> nn.Module:
+    """The candidate's model (with its adapters) on fake tensors of `fake`, a FakeTensorMode;
+    the wrappers and the mesh, built outside it, read real tensors."""
+    from parallab.models import adapters, build_model, build_on_meta
+
+    if not adapters.enabled(cfg.adapter):
+        with fake:
+            return build_model(cfg.model)
+    # peft moves each adapter to its layer's device, which a fake parameter refuses: the
+    # adapters go on the model on meta, given fake storage after
+    model = adapters.apply(build_on_meta(cfg.model), cfg.adapter)
+    with fake:
+        return model.to_empty(device=device)
+
+
 def predict(cfg, batch: Any, rank: int) -> tuple[float, float]:
     """(state MB, activation MB) rank `rank` of the candidate `cfg` (checked, resolved)
     would hold, from fake tensors: `batch` is one real micro-batch of the data."""
@@ -51,7 +66,6 @@ def predict(cfg, batch: Any, rank: int) -> tuple[float, float]:
 
     from parallab.launching.distributed import Dist
     from parallab.loss import build_loss
-    from parallab.models import build_model
     from parallab.parallel import STRATEGIES
     from parallab.precision import Precision
 
@@ -61,8 +75,7 @@ def predict(cfg, batch: Any, rank: int) -> tuple[float, float]:
     with fake_group(rank, world):
         dist = Dist(rank, rank, world, world, device, "fake")
         precision = Precision(cfg.precision, device)
-        with fake:  # the mesh and the wrappers are built outside: they read real tensors
-            model = build_model(cfg.model)
+        model = fake_model(cfg, fake, device)  # the mesh and wrappers are built outside
         strategy = STRATEGIES[cfg.parallel.name](cfg.parallel, dist, precision,
                                                  build_loss(cfg.loss).bind(model))
         # cloned: a batch sliced from a data set held in memory is a view of all of it

@@ -54,16 +54,20 @@ def comm_seconds(figures: dict[str, Any], cfg, n: int, gpus_per_node: int,
 
 def step_flops(cfg, batch) -> float:
     """Training FLOPs of one optimizer step at the candidate's global batch: one micro-batch's
-    forward and backward on fake tensors, times the micro-batches of a step."""
+    forward and backward on fake tensors (its adapters on), times the micro-batches of a
+    step."""
+    import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
 
     from parallab import batch as batches
+    from parallab.advise.memory import fake_model
     from parallab.loss import build_loss
-    from parallab.models import build_model
 
-    with FakeTensorMode(allow_non_fake_inputs=True) as fake:
-        model = build_model(cfg.model)
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    # with adapters, the frozen base's weight gradients are not computed, nor counted
+    model = fake_model(cfg, fake, torch.device("cpu"))
+    with fake:
         loss = build_loss(cfg.loss).bind(model)
         batch = batches.apply(batch, fake.from_tensor)
         with FlopCounterMode(display=False) as counter:

@@ -80,10 +80,15 @@ def flops_per_token(model: torch.nn.Module, seq_len: int | None) -> float:
     model's own flops_per_token where it has one (gpt), else the PaLM estimate nanoGPT uses:
     6 per weight a token is multiplied by (embedding look-ups are not; a head tied to them
     is), plus 12·layers·seq_len·width for attention where the model's config gives its
-    shape (a transformers model); 0 for a model whose weights say nothing (no parameters)."""
+    shape (a transformers model); 0 for a model whose weights say nothing (no parameters).
+    A frozen weight of a Linear layer (the base beside adapters) costs 4, not 6: its
+    backward computes its input's gradient, not its own."""
+    frozen = sum(m.weight.numel() for m in model.modules() if (
+        isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D") and
+        isinstance(getattr(m, "weight", None), torch.Tensor) and not m.weight.requires_grad)
     own = getattr(model, "flops_per_token", None)
     if callable(own):
-        return float(own(seq_len))
+        return float(own(seq_len)) - 2.0 * frozen
     from parallab.models import hf
 
     looked_up = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
@@ -91,7 +96,7 @@ def flops_per_token(model: torch.nn.Module, seq_len: int | None) -> float:
                   if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D"}
     weights = sum(p.numel() for p in model.parameters()
                   if id(p) not in looked_up or id(p) in multiplied)
-    flops = 6.0 * weights
+    flops = 6.0 * weights - 2.0 * frozen
     shape = hf.shape(model)
     if shape and seq_len:
         flops += 12.0 * shape["layers"] * seq_len * shape["width"]
