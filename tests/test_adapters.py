@@ -209,9 +209,10 @@ def llama_on_path(monkeypatch):
 @pytest.mark.distributed
 def test_a_pretrained_llama_fine_tunes_under_fsdp_and_exports_as_peft_and_transformers_read(
         llama_on_path, tmp_path):
-    """The example's Llama saved as a pretrained folder, fine-tuned with peft's default
-    targets for Llama (q_proj, v_proj) under fsdp: the adapter folder on that base in
-    PeftModel, and the merged folder in from_pretrained, score the run's eval loss."""
+    """The example's LoRA experiment on its Llama, started from a pretrained folder (the
+    base's weights load before the adapters go on; peft's default targets for Llama,
+    q_proj and v_proj) under fsdp: the adapter folder on that base in PeftModel, and the
+    merged folder in from_pretrained, score the run's eval loss."""
     from conftest import typed
     from hf_llama.data import Verses
     from peft import PeftModel
@@ -220,13 +221,11 @@ def test_a_pretrained_llama_fine_tunes_under_fsdp_and_exports_as_peft_and_transf
     from parallab import models
 
     cfg = typed("experiment=llama", config_dir=LLAMA / "conf")
-    torch.manual_seed(123)
+    torch.manual_seed(123)  # not the run's seed: the run starts from these weights
     models.build_model(models.check(cfg.model, cfg.data)).save_pretrained(tmp_path / "llama")
     metrics = train_in_process([
-        "experiment=llama", "device=cpu", "trainer.max_steps=6", "data.train.size=192",
-        "data.eval.size=64", "~model.config", "adapter=lora", "optim.lr=0.01",
-        "model._target_=transformers.AutoModelForCausalLM.from_pretrained",
-        f"+model.pretrained_model_name_or_path={tmp_path / 'llama'}", "parallel=fsdp",
+        "experiment=llama_lora", f"trainer.init_from={tmp_path / 'llama'}", "device=cpu",
+        "trainer.max_steps=6", "data.train.size=192", "data.eval.size=64", "parallel=fsdp",
         "parallel.world_size=2", "data.batch_size=8"], tmp_path / "run", LLAMA / "conf")
     ckpt = checkpoint.latest(tmp_path / "run" / "checkpoints")
     _export(ckpt, tmp_path / "adapter")

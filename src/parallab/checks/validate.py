@@ -373,8 +373,8 @@ def check_init(cfg: Config, probe: trial.Probe) -> None:
 
 def changed_recipe(cfg: Config, saved: dict, resume: str) -> str | None:
     """A resumed run continues the adapters, optimizer and schedule its checkpoint holds
-    (their shape, state and rates): an adapter, optim or scheduler key set otherwise here would be ignored without a
-    word, so the first one that differs is named."""
+    (their shape, state and rates): an adapter, optim or scheduler key set otherwise here
+    would be ignored without a word, so the first one that differs is named."""
     from omegaconf import OmegaConf
 
     for group in ("adapter", "optim", "scheduler"):
@@ -386,8 +386,8 @@ def changed_recipe(cfg: Config, saved: dict, resume: str) -> str | None:
             if key in before and before[key] != value:
                 return (f"trainer.resume={resume} continues the adapters, optimizer and "
                         f"schedule it holds, and {group}.{key}={value} differs from its "
-                        f"{before[key]}: give {group}.{key}={before[key]} as when it was saved (or start a "
-                        "new run)")
+                        f"{before[key]}: give {group}.{key}={before[key]} as when it was "
+                        "saved (or start a new run)")
     return None
 
 
