@@ -12,7 +12,7 @@ from conftest import FAST, REPO, losses, read_metrics
 from parallab.cli import train_in_process
 from parallab.commands import _export, evaluate_in_process
 from parallab.config.errors import ConfigError
-from parallab.training import checkpoint, weights
+from parallab.training import checkpoint, formats, weights
 
 MLP = [*FAST, "model=mlp", "model.hidden=[64,32]", "data.shape=[1,8,8]", "optim.lr=0.05",
        "trainer.log_every_n_steps=1", "trainer.checkpoint_every_n_steps=null",
@@ -83,7 +83,7 @@ def test_export_replaces_only_what_it_writes_and_never_the_checkpoint(fsdp_run, 
     _export(ckpt, tmp_path / "link", force=True)
     assert (version / "README").read_text() == "mine"
     assert sorted(p.name for p in version.iterdir()) == sorted(["README", weights.RUN_CONFIG,
-                                                                weights.WEIGHTS])
+                                                                formats.WEIGHTS])
     for out, said in ((ckpt, "is the checkpoint"), (ckpt / "x.pt", "inside the checkpoint"),
                       (fsdp_run / "checkpoints", "a folder holding the checkpoint")):
         with pytest.raises(ConfigError, match=said):
@@ -159,6 +159,27 @@ def test_init_from_is_strict_in_one_line_and_loads_what_matches_when_told(tmp_pa
         with pytest.raises(ConfigError) as error:
             checked(*base, override)
         assert says in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.distributed
+def test_a_new_weight_format_is_one_class_and_one_registry_line(fsdp_run, tmp_path,
+                                                                 monkeypatch):
+    """A format registered in formats.FORMATS is chosen from the path for reading, export
+    writes it by its suffix, and the messages that list formats name it."""
+    class Pth(formats.TorchFile):
+        said, suffix = ".pth (torch's other suffix)", ".pth"
+
+        @staticmethod
+        def holds(path):
+            return path.suffix == ".pth"
+
+    monkeypatch.setattr(formats, "FORMATS", [Pth, *formats.FORMATS])
+    ckpt = fsdp_run / "checkpoints" / "last.dcp"
+    _export(ckpt, tmp_path / "m.pth")
+    assert isinstance(formats.format_of(tmp_path / "m.pth"), Pth)
+    assert weights.shapes(tmp_path / "m.pth") == weights.shapes(ckpt)
+    with pytest.raises(ConfigError, match=r"\.pth \(torch's other suffix\) \(no other"):
+        _export(ckpt, tmp_path / "m.bin")
 
 
 @pytest.fixture

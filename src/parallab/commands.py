@@ -184,7 +184,7 @@ def evaluate(argv: list[str] | None = None) -> None:
 
 def _export(ckpt: Path, out: Path, force: bool = False, merged: bool = False) -> None:
     """A checkpoint's model (a .pt file, or a sharded .dcp read by this one process) as
-    weights.FORMATS; one with adapters as a peft adapter folder, or with `merged` as its
+    formats.FORMATS writes; one with adapters as a peft adapter folder, or with `merged` as its
     base with the adapters folded in. ConfigError or CheckpointError, one line, where it
     cannot."""
     from parallab.config import targets
@@ -216,12 +216,14 @@ def _export(ckpt: Path, out: Path, force: bool = False, merged: bool = False) ->
     print(f"{out}: {what}, of {ckpt} (step {meta['step']})")
 
 
-def _require_adapters(ckpt: Path, out: Path, kind: str, adapter: Any, merged: bool) -> None:
+def _require_adapters(ckpt: Path, out: Path, kind, adapter: Any, merged: bool) -> None:
     """--merged only of a checkpoint with adapters; adapters alone only as a folder."""
+    from parallab.training import formats
+
     if merged and not adapter:
         raise ConfigError(f"--merged: ckpt={ckpt} holds no adapters (its run had adapter=none):"
                           " export it without --merged")
-    if adapter and not merged and kind != "folder":
+    if adapter and not merged and kind is not formats.WeightsFolder:
         raise ConfigError(f"{out}: ckpt={ckpt} holds LoRA adapters, which export as a peft "
                           "adapter folder (give OUT without a suffix), or with --merged, the "
                           "base with the adapters folded in, as .pt or .safetensors")

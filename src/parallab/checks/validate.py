@@ -343,7 +343,7 @@ def check_init(cfg: Config, probe: trial.Probe) -> None:
     trainer.init_strict=false), read without their tensors."""
     from pathlib import Path
 
-    from parallab.training import weights
+    from parallab.training import formats, weights
 
     path = cfg.trainer.init_from
     if path is None:
@@ -351,10 +351,9 @@ def check_init(cfg: Config, probe: trial.Probe) -> None:
     _require(cfg.trainer.resume is None, f"trainer.init_from={path} starts a new run from "
              f"weights, and trainer.resume={cfg.trainer.resume} continues one from its "
              "checkpoint (which holds the weights it started from): drop one of them")
-    _require(Path(path).exists(), f"trainer.init_from={path} does not exist: give a .pt, "
-             ".dcp or .safetensors checkpoint, or a folder parallab export or save_pretrained "
-             "wrote")
-    if adapters.is_folder(path):
+    _require(Path(path).exists(), f"trainer.init_from={path} does not exist: give weights "
+             f"as {formats.read()}")
+    if isinstance(formats.format_of(path), formats.AdapterFolder):
         _refuse(adapters.folder_problem(cfg.adapter, path))
         return
     try:

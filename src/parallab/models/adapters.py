@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -146,6 +147,13 @@ def _layer_names(model: nn.Module, few: int = 6) -> str:
 # --- peft adapter folders: what export writes and trainer.init_from reads ---------------
 def is_folder(path: str | Path) -> bool:
     return (Path(path) / FOLDER_CONFIG).is_file()
+
+
+def injected_name(peft_name: str) -> str:
+    """A weight's name in peft's adapter file (`base_model.model.<layer>.lora_A.weight`) as
+    a model with its adapters on names it (`<layer>.lora_A.default.weight`)."""
+    name = peft_name.removeprefix("base_model.model.")
+    return re.sub(r"\.(lora_[AB]|lora_embedding_[AB])\.", r".\1.default.", name)
 
 
 def folder_problem(cfg: Any, path: str | Path) -> str | None:

@@ -235,7 +235,7 @@ def start_model(cfg: Config, dist: distributed.Dist, strategy_cls, init_from: st
     every weight required); else whole, with those weights (before any layout cuts it:
     every layout starts alike) and its adapters (adapter=lora: the base's weights load
     before them, a checkpoint or peft folder with adapters after)."""
-    from parallab.training import weights
+    from parallab.training import formats, weights
 
     if init_from is not None and cfg.trainer.init_strict and not \
             adapters.enabled(cfg.adapter) and strategy_cls.layout_of(cfg.parallel).sharded:
@@ -251,7 +251,7 @@ def start_model(cfg: Config, dist: distributed.Dist, strategy_cls, init_from: st
     if init_from is not None and not adapted:
         left = weights.load_into(model, init_from, cfg.trainer.init_strict)
     model = adapters.apply(model, cfg.adapter, dist.is_main)
-    if adapted and adapters.is_folder(init_from):
+    if adapted and isinstance(formats.format_of(init_from), formats.AdapterFolder):
         adapters.load_folder(model, init_from)
     elif adapted:
         left = weights.load_into(model, init_from, cfg.trainer.init_strict)
