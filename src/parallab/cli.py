@@ -395,23 +395,22 @@ def hydra_app(config_name: str, task, call: Invocation):
     train` where Hydra must see only what follows: its own steps take the argv given, and
     sys.argv stays as the user typed it."""
     from hydra import version
-    from hydra._internal.utils import _run_hydra, get_args_parser
-    from hydra.core.utils import _flush_loggers
-    from hydra.main import _get_rerun_conf
+
+    from parallab.config import hydra_internals as hydra
 
     def job(dict_cfg: DictConfig):
         return task(dict_cfg, call)
 
     def app() -> None:
         version.setbase(None)
-        parser = get_args_parser()
+        parser = hydra.get_args_parser()
         args = parser.parse_args(call.argv[1:])
         if args.experimental_rerun is not None:
-            job(_get_rerun_conf(args.experimental_rerun, args.overrides))
-            _flush_loggers()
+            job(hydra.rerun_conf(args.experimental_rerun, args.overrides))
+            hydra.flush_loggers()
             return
-        _run_hydra(args=args, args_parser=parser, task_function=job, config_path="conf",
-                   config_name=config_name)
+        hydra.run_hydra(args=args, args_parser=parser, task_function=job, config_path="conf",
+                        config_name=config_name)
 
     return app
 

@@ -1,0 +1,12 @@
+"""Every Hydra internal parallab uses, in one place. Hydra's public entry, hydra.main, reads
+sys.argv, where `parallab train ...` holds the subcommand Hydra must not see; running an app
+over another argv takes these steps of hydra.main itself. pyproject pins hydra-core to the
+releases tested (>=1.3.2,<1.4), and tests/test_config.py fails where the installed Hydra
+lacks any of them."""
+
+from hydra._internal.utils import _run_hydra as run_hydra
+from hydra._internal.utils import get_args_parser
+from hydra.core.utils import _flush_loggers as flush_loggers
+from hydra.main import _get_rerun_conf as rerun_conf
+
+__all__ = ["flush_loggers", "get_args_parser", "rerun_conf", "run_hydra"]
