@@ -25,10 +25,10 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from parallab.config import help
+from parallab.config import help, naming
 from parallab.config.errors import ConfigError, OneLineError
 from parallab.config.schema import register_configs, typed
-from parallab.launching import launch, slurm
+from parallab.launching import launch, slurm, worker
 from parallab.observe import summary
 
 # torch and what needs it (the checks, the strategies, the run) are imported once a job is
@@ -68,8 +68,8 @@ def _train_and_report(spec: run.RunSpec, in_place: launch.InPlace | None) -> dic
              spec.cfg.backend.name, spec.run_dir)
     with tempfile.TemporaryDirectory(prefix="parallab-failures-") as failures:
         try:
-            metrics = launch.elastic(run.worker_main,
-                                     (dataclasses.replace(spec, failures=failures),),
+            metrics = launch.elastic(worker.main,
+                                     (run.train, dataclasses.replace(spec, failures=failures)),
                                      p.world_size, p.max_restarts, launch.worker_env(spec.cfg),
                                      slurm.requeue_signals(spec.cfg.trainer.requeue_signal))
         except ChildFailedError as error:
@@ -364,7 +364,7 @@ def _continue_sweep(sweep_dir: Path, call: Invocation) -> str:
     args = [a for a in call.argv[1:] if not a.startswith(("hydra.sweep.dir=",
                                                           "sweep.skip_completed="))]
     return shlex.join([*call.entry()[:2], *args,
-                       f"hydra.sweep.dir={run.hydra_value(str(sweep_dir))}",
+                       f"hydra.sweep.dir={naming.hydra_value(str(sweep_dir))}",
                        "sweep.skip_completed=true"])
 
 

@@ -9,7 +9,6 @@ them resolve the same Hydra run dir (`${run_time:...}` in conf/config.yaml).
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import os
 import signal
@@ -22,6 +21,7 @@ from typing import Any, Callable, Iterator
 
 from omegaconf import OmegaConf
 
+from parallab.config import naming
 from parallab.config.errors import ConfigError, OneLineError
 from parallab.launching import slurm
 
@@ -193,8 +193,7 @@ def _rank() -> int:
 
 
 def _rank_suffix() -> str:
-    rank = _rank()
-    return "" if rank == 0 else f"_rank{rank}"
+    return naming.rank_suffix(_rank())
 
 
 def _rank_zero(value: Any, otherwise: Any = None) -> Any:
@@ -207,27 +206,12 @@ def _run_name() -> str:
     return slurm.run_name() if slurm.in_job() else _run_time("%Y-%m-%d/%H-%M-%S")
 
 
-NAME_MAX = 255  # bytes of one file name on Linux's file systems
-
-
-def _job_dir(num: int, overrides: str) -> str:
-    """A sweep job's dir: its number and what it changed, readable; where that is longer
-    than a file name may be, cut and ended with a hash of the whole (stable: a rerun finds
-    the same dir; the job's .hydra/overrides.yaml keeps every override)."""
-    name = f"{num}_{overrides}"
-    if len(name.encode()) <= NAME_MAX:
-        return name
-    digest = hashlib.sha1(overrides.encode()).hexdigest()[:10]
-    kept = name.encode()[:NAME_MAX - len(digest) - 1].decode("utf-8", "ignore")
-    return f"{kept}_{digest}"
-
-
 def register_resolvers() -> None:
     """Resolvers conf/config.yaml uses so that every rank shares one run dir and log names
     (cached: the submitit launcher's jobs reuse the sweep dir their submitter resolved)."""
     OmegaConf.register_new_resolver("run_time", _run_time, use_cache=True, replace=True)
     OmegaConf.register_new_resolver("run_name", _run_name, use_cache=True, replace=True)
-    OmegaConf.register_new_resolver("job_dir", _job_dir, replace=True)
+    OmegaConf.register_new_resolver("job_dir", naming.job_dir, replace=True)
     OmegaConf.register_new_resolver("rank_suffix", _rank_suffix, replace=True)
     OmegaConf.register_new_resolver("rank_zero", _rank_zero, replace=True)
 
@@ -340,7 +324,7 @@ def _forkserver() -> Iterator[None]:
     controller's; started anew when it differs. It ignores SIGTERM (the disposition survives
     exec) as it ignores SIGINT: `timeout` or a `kill` of the process group would else end
     it, and the agent would read every worker's exit status as 255 and fail a job that is
-    saving; workers restore it (run.worker_main). It ends with this process."""
+    saving; workers restore it (launching/worker.py). It ends with this process."""
     if _forkserver_ready():
         start_fork_server()
     yield

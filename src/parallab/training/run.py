@@ -4,15 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import json
 import logging
 import math
 import os
-import re
-import select
 import signal
-import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +16,7 @@ from typing import Any, Iterator
 import torch
 from omegaconf import OmegaConf
 
-from parallab.config.errors import OneLineError
+from parallab.config import naming
 from parallab.config.schema import Config, TrainerConfig, model_name
 from parallab.data import build_data
 from parallab.launching import distributed, launch, slurm
@@ -40,7 +35,6 @@ from parallab.training.checkpoint import Checkpointer
 from parallab.training.trainer import Trainer, global_batch_size
 
 log = logging.getLogger(__name__)
-LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"  # Hydra's
 
 
 @dataclass
@@ -65,16 +59,8 @@ class RunSpec:
         # the weights it started from are in its checkpoints now
         kept = [o for o in self.overrides if not o.startswith(
             ("hydra.run.dir=", "trainer.resume=", "trainer.init_from="))]
-        return shlex.join([*self.command, *kept, f"hydra.run.dir={hydra_value(self.run_dir)}",
+        return shlex.join([*self.command, *kept, f"hydra.run.dir={naming.hydra_value(self.run_dir)}",
                            "trainer.resume=auto"])
-
-
-def hydra_value(text: str) -> str:
-    """`text` as an override's value Hydra reads back as it is: quoted where it holds what
-    its grammar parses (a sweep job's dir: `0_data.shape=[1,8,8],optim.lr=0.01`)."""
-    if re.fullmatch(r"[\w/.\-+:@~% ]*", text):
-        return text
-    return "'" + text.replace("'", "\\'") + "'"  # Hydra unescapes quotes only
 
 
 def hparams(spec: RunSpec, metrics: dict[str, Any]) -> dict[str, Any]:
@@ -339,72 +325,3 @@ def _fit(spec: RunSpec, dist: distributed.Dist, logger: RunLogger,
         log.info("metrics: %s", {k: round(v, 4) if isinstance(v, float) else v
                                  for k, v in metrics.items()})
     return metrics
-
-
-def _log_to_files(run_dir: str) -> None:
-    """Rank 0 appends to the run's log (train.log); rank k writes train_rank{k}.log."""
-    rank = distributed.rank_from_env()
-    name = "train.log" if rank == 0 else f"train_rank{rank}.log"
-    formatter = logging.Formatter(LOG_FORMAT)
-    file_handler = logging.FileHandler(Path(run_dir) / name)
-    console = logging.StreamHandler(sys.stdout)
-    console.setLevel(logging.INFO if rank == 0 else logging.WARNING)
-    root = logging.getLogger()
-    root.setLevel(logging.INFO)
-    for handler in (file_handler, console):
-        handler.setFormatter(formatter)
-        root.addHandler(handler)
-
-
-def end_with(controller: int) -> None:
-    """This worker ends when the controller (process `controller`) does: a controller killed
-    alone (SIGKILL, which it cannot pass on) so takes its ranks with it, rather than leaving
-    them training on, unsupervised, into a run dir it no longer locks. The workers' parent
-    is the fork server, which lives while any worker does, so the parent's death says
-    nothing: a thread waits on the controller itself (a pidfd; polling where there is none)."""
-    def wait() -> None:
-        try:
-            with contextlib.closing(os.pidfd_open(controller)) as fd:  # Linux 5.3
-                select.select([fd], [], [])  # readable once the process has ended
-        except (AttributeError, OSError):
-            while _alive(controller):
-                time.sleep(1)
-        log.error("the controller (pid %d) has ended: this rank stops", controller)
-        logging.shutdown()
-        os._exit(1)
-
-    threading.Thread(target=wait, name="parallab-controller-watch", daemon=True).start()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process now holds the number: ours has ended
-        return False
-    return True
-
-
-def worker_main(spec: RunSpec) -> dict[str, Any]:
-    """Entry point of a worker started by the elastic launcher (a fresh process); the agent
-    records its traceback for the controlling process to show."""
-    end_with(spec.controller)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the fork server's SIG_IGN (launching/launch.py)
-    _log_to_files(spec.run_dir)
-    failure = Path(spec.failures, f"rank{distributed.rank_from_env()}.json") \
-        if spec.failures else None
-    if failure is not None:
-        failure.unlink(missing_ok=True)  # an earlier attempt's, before an elastic restart
-    try:
-        return train(spec, store=distributed.attempt_store(spec.cfg.backend.timeout_s))
-    except OneLineError as error:
-        if failure is not None:  # told by its type: the controller ends with this line
-            failure.write_text(json.dumps({"status": error.status, "message": str(error)}))
-        raise
-    except Exception as error:
-        if distributed.lost_a_peer(error):
-            # the agent names the first exit it sees as the root cause: leave that to the
-            # rank that failed (or was killed) first, whose end broke this one's connection
-            time.sleep(distributed.PEER_FAILURE_GRACE_S)
-        raise

@@ -1,0 +1,40 @@
+"""Names that conf/config.yaml (through the resolvers launching/launch.py registers) and the
+code both use, written once: a rank's log file, a sweep job's dir, and an override's value
+quoted so that Hydra reads it back as it is."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+
+NAME_MAX = 255  # bytes of one file name on Linux's file systems
+
+
+def rank_suffix(rank: int) -> str:
+    """What a rank's files add to their name: nothing for rank 0 (train.log), `_rank{k}`."""
+    return "" if rank == 0 else f"_rank{rank}"
+
+
+def log_file(rank: int, job: str = "train") -> str:
+    """A rank's log file in the run dir: rank 0's train.log, rank k's train_rank{k}.log."""
+    return f"{job}{rank_suffix(rank)}.log"
+
+
+def job_dir(num: int, overrides: str) -> str:
+    """A sweep job's dir: its number and what it changed, readable; where that is longer
+    than a file name may be, cut and ended with a hash of the whole (stable: a rerun finds
+    the same dir; the job's .hydra/overrides.yaml keeps every override)."""
+    name = f"{num}_{overrides}"
+    if len(name.encode()) <= NAME_MAX:
+        return name
+    digest = hashlib.sha1(overrides.encode()).hexdigest()[:10]
+    kept = name.encode()[:NAME_MAX - len(digest) - 1].decode("utf-8", "ignore")
+    return f"{kept}_{digest}"
+
+
+def hydra_value(text: str) -> str:
+    """`text` as an override's value Hydra reads back as it is: quoted where it holds what
+    its grammar parses (a sweep job's dir: `0_data.shape=[1,8,8],optim.lr=0.01`)."""
+    if re.fullmatch(r"[\w/.\-+:@~% ]*", text):
+        return text
+    return "'" + text.replace("'", "\\'") + "'"  # Hydra unescapes quotes only

@@ -1,0 +1,92 @@
+"""A launched worker's life around its training: its log files, its end with the controller,
+and the one-line error it leaves the controller. Started by the elastic agent in a fresh
+process (launch.elastic), it runs the training function it is given on its run spec."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import select
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from parallab.config import naming
+from parallab.config.errors import OneLineError
+from parallab.launching import distributed
+
+log = logging.getLogger(__name__)
+LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"  # Hydra's
+
+
+def main(train: Callable[..., dict[str, Any]], spec) -> dict[str, Any]:
+    """Entry point of a worker: `train(spec, store=...)` on this rank (spec: the run's
+    training.run.RunSpec); the agent records its traceback for the controlling process."""
+    end_with(spec.controller)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the fork server's SIG_IGN (launch.py)
+    log_to_files(spec.run_dir)
+    failure = Path(spec.failures, f"rank{distributed.rank_from_env()}.json") \
+        if spec.failures else None
+    if failure is not None:
+        failure.unlink(missing_ok=True)  # an earlier attempt's, before an elastic restart
+    try:
+        return train(spec, store=distributed.attempt_store(spec.cfg.backend.timeout_s))
+    except OneLineError as error:
+        if failure is not None:  # told by its type: the controller ends with this line
+            failure.write_text(json.dumps({"status": error.status, "message": str(error)}))
+        raise
+    except Exception as error:
+        if distributed.lost_a_peer(error):
+            # the agent names the first exit it sees as the root cause: leave that to the
+            # rank that failed (or was killed) first, whose end broke this one's connection
+            time.sleep(distributed.PEER_FAILURE_GRACE_S)
+        raise
+
+
+def log_to_files(run_dir: str) -> None:
+    """Rank 0 appends to the run's log (train.log); rank k writes train_rank{k}.log."""
+    rank = distributed.rank_from_env()
+    formatter = logging.Formatter(LOG_FORMAT)
+    file_handler = logging.FileHandler(Path(run_dir) / naming.log_file(rank))
+    console = logging.StreamHandler(sys.stdout)
+    console.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    root = logging.getLogger()
+    root.setLevel(logging.INFO)
+    for handler in (file_handler, console):
+        handler.setFormatter(formatter)
+        root.addHandler(handler)
+
+
+def end_with(controller: int) -> None:
+    """This worker ends when the controller (process `controller`) does: a controller killed
+    alone (SIGKILL, which it cannot pass on) so takes its ranks with it, rather than leaving
+    them training on, unsupervised, into a run dir it no longer locks. The workers' parent
+    is the fork server, which lives while any worker does, so the parent's death says
+    nothing: a thread waits on the controller itself (a pidfd; polling where there is none)."""
+    def wait() -> None:
+        try:
+            with contextlib.closing(os.pidfd_open(controller)) as fd:  # Linux 5.3
+                select.select([fd], [], [])  # readable once the process has ended
+        except (AttributeError, OSError):
+            while _alive(controller):
+                time.sleep(1)
+        log.error("the controller (pid %d) has ended: this rank stops", controller)
+        logging.shutdown()
+        os._exit(1)
+
+    threading.Thread(target=wait, name="parallab-controller-watch", daemon=True).start()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process now holds the number: ours has ended
+        return False
+    return True
