@@ -93,10 +93,10 @@ def parallab(steps: int):
     with Progress(10**9, True, False) as progress:
         while True:
             trainer.total_steps = trainer.step + steps
-            done = len(trainer.step_times)
+            done = len(trainer.meter.step_times)
             if trainer.train_epoch(progress):  # an epoch ended: fit() goes on to the next
                 trainer.epoch, trainer.epoch_step = trainer.epoch + 1, 0
-            yield trainer.step_times[done:]
+            yield trainer.meter.step_times[done:]
 
 
 def transformers_trainer(steps: int):

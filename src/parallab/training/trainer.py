@@ -5,8 +5,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import statistics
-import time
 from collections import deque
 from typing import Any
 
@@ -23,10 +21,9 @@ from parallab.data.stream import run_length
 from parallab.launching.distributed import Dist
 from parallab.launching.preemption import Preemption
 from parallab.metrics import evaluate
-from parallab.observe import memory, mfu
-from parallab.observe.comm import CommCounter
+from parallab.observe import memory
+from parallab.observe.meter import Meter
 from parallab.observe.loggers import RunLogger
-from parallab.observe.memory import held_state_mb, peak_memory_mb
 from parallab.observe.profiling import profiled
 from parallab.observe.progress import Progress
 from parallab.parallel.base import Strategy
@@ -78,9 +75,7 @@ class Trainer:
         self.stop_agreed = False  # every rank has seen the stop request
         self.skipped_steps = 0  # trainer.on_nan=skip: steps dropped for non-finite gradients
         self.recent_skips: deque[bool] = deque(maxlen=SKIP_HORIZON)  # dropped or not, per step
-        self.step_times: list[float] = []  # seconds per step, data loading included
-        self.measured_samples = 0  # global samples in steps after warm-up
-        self.epoch_times: list[float] = []
+        self.meter = Meter(cfg, dist, precision, strategy.world_size, self.data_world, logger)
         # each step's loss since the last log, summed there (an add per step costs more)
         self.window_losses: list[torch.Tensor] = []
         self.window_skipped = 0
@@ -94,19 +89,9 @@ class Trainer:
         self.resume_monitor: dict[str, Any] | None = None  # set by an unscheduled evaluation
         self.step_lr: float | None = None  # the rate the last step used, before its schedule moved
         self.first_step = 0  # where this process's training starts (after a resume: later)
-        self.comm: dict[str, float] = {}  # bytes sent in one step, by kind (counted_step)
         self.probe = probe  # its counted_step(trainer, batches) wraps the counted step (advise)
         # fit()'s recorders stepped after each step (torch.profiler, the memory snapshot)
         self.recorders: list[Any] = []
-        # a language model's batches (set at the first step): tokens counted per step
-        self.counts_tokens: bool | None = None
-        self.window_tokens: list[torch.Tensor | int] = []
-        self.tokens_per_sample = 0.0  # over the logged windows: tokens / samples
-        self.flops_per_token = 0.0  # for MFU; 0 where the model cannot say
-        self.peak_flops = (mfu.peak_flops_of(dist.device, precision) if dist.device.type == "cuda"
-                           else None)
-        # ranks reading each batch (a tp group's, a pipeline's): counts over the world / this
-        self.readers = dist.world_size // self.data_world
 
         self.steps_per_epoch, self.total_steps = run_length(cfg, data.train)
         # the learning rate of each step: over this run's steps (a continued run's new horizon)
@@ -197,12 +182,8 @@ class Trainer:
             return self.train_step(batches)
         probe = (self.probe.counted_step(self, batches) if self.probe is not None
                  else contextlib.nullcontext())
-        with CommCounter() as counter, probe:
-            loss = self.train_step(batches)
-        self.comm = counter.figures()
-        self.logger.scalars({"comm/" + k.removeprefix("comm_"): v
-                             for k, v in self.comm.items()}, self.step + 1)
-        return loss
+        with self.meter.counting(self.step + 1), probe:
+            return self.train_step(batches)
 
     def fit(self, evaluate: bool = True, report: bool = True) -> dict[str, Any]:
         """Train to the end of the run; its final figures ({} if a signal stopped it).
@@ -238,7 +219,10 @@ class Trainer:
             self.run_eval()
         summary = self.summary()
         if self.cfg.quantize:
-            summary.update(self.quantized_summary())
+            # metrics.evaluate: `evaluate` here is fit's own flag
+            summary.update(self.meter.quantized(self.eval_model, lambda model: metrics.evaluate(
+                model, self.data.eval, self.dist, None, self.strategy.loss),
+                self.eval_metrics[metrics.LOSS], self.step))
         return summary
 
     def train_epoch(self, progress: Progress) -> bool:
@@ -249,8 +233,7 @@ class Trainer:
         self.model.train()
         if self.epoch_step == 0:  # else resumed mid-epoch with these restored
             self.epoch_loss, self.epoch_steps = 0.0, 0
-        world = self.data_world
-        start = tick = time.perf_counter()
+        self.meter.epoch_started()
         finished = False
         for batches in micro_batches(loader, self.cfg.accumulate_grad_batches):
             if self.epoch_step == 0 and len(batches) < self.cfg.accumulate_grad_batches:
@@ -259,19 +242,7 @@ class Trainer:
             self.step += 1
             self.epoch_step += 1
             self.preemption.step_done()
-            if self.dist.device.type == "cuda" and self.done():
-                # steps are timed as the host queues them: the last one's kernels must end
-                # inside the timed span (each log step's loss read waits for its own)
-                torch.cuda.synchronize(self.dist.device)
-            now = time.perf_counter()
-            self.step_times.append(now - tick)
-            tick = now
-            if self.step > self.cfg.timing_skip_steps:
-                self.measured_samples += sum(batch_of.rows(b) for b in batches) * world
-            if self.counts_tokens is None:
-                self.first_batch(batches[0])
-            if self.counts_tokens:  # summed at the log step (a sum per step costs more)
-                self.window_tokens.extend(batch_of.tokens(b) for b in batches)
+            self.meter.step_done(self.step, batches, self.eval_model, self.done())
             for recorder in self.recorders:
                 recorder.step()
             progress.update()
@@ -283,7 +254,7 @@ class Trainer:
             every = self.cfg.eval_every_n_steps
             if every and self.step % every == 0:
                 stop = self.scheduled_eval()
-                tick = time.perf_counter()  # an evaluation is no step's time
+                self.meter.resume_clock()  # an evaluation is no step's time
                 if stop:
                     break  # early stopping: fit() ends the run
             every = self.cfg.checkpoint_every_n_steps
@@ -295,7 +266,7 @@ class Trainer:
             finished = True
         if self.window_losses:
             self.log_window(progress)
-        self.epoch_times.append(time.perf_counter() - start)
+        self.meter.epoch_done()
         # a loss only where a step computed one: none where every label was ignored
         self.last_train_loss = (self.epoch_loss / self.epoch_steps if self.epoch_steps
                                 else math.nan)
@@ -309,27 +280,6 @@ class Trainer:
             f"trainer.accumulate_grad_batches={self.cfg.accumulate_grad_batches} is more than "
             f"the {batches} batches an epoch of the data gives each rank: set it to at most "
             f"{batches}, or lower data.batch_size")
-
-    def first_batch(self, batch: Batch) -> None:
-        """A language model's batch: its tokens are counted, and its FLOPs per token
-        (for MFU) known from the model and the sequence length."""
-        self.counts_tokens = batch_of.is_sequence(batch)
-        if self.counts_tokens:
-            self.flops_per_token = mfu.flops_per_token(self.strategy.unwrap(self.model),
-                                                       batch_of.seq_len(batch))
-
-    def throughput(self, samples_per_sec: float, tokens_per_sample: float | None = None
-                   ) -> dict[str, float]:
-        """Tokens/s of a language model (counted: padding and ignored labels left out), and
-        MFU where the device's peak is known."""
-        tokens = self.tokens_per_sample if tokens_per_sample is None else tokens_per_sample
-        if not tokens:
-            return {}
-        figures = {"tokens_per_sec": samples_per_sec * tokens}
-        if self.peak_flops and self.flops_per_token:
-            figures["mfu"] = (figures["tokens_per_sec"] * self.flops_per_token
-                              / (self.peak_flops * self.strategy.world_size))
-        return figures
 
     def stop_requested(self) -> bool:
         """One process stops as soon as it is signalled; several stop together, when the
@@ -385,39 +335,28 @@ class Trainer:
 
     def log_window(self, progress: Progress | None) -> None:
         """Train loss averaged over the steps since the last log and over all ranks; the
-        same all-reduce shares any stop request."""
+        same all-reduce shares any stop request and a language model's token count."""
         steps = len(self.window_losses)
-        tokens = sum(self.window_tokens) if self.window_tokens else 0
         shared = torch.stack([self.window_loss(),
                               torch.tensor(float(self.preemption.requested),
                                            device=self.dist.device),
-                              torch.as_tensor(tokens, dtype=torch.float32,
-                                              device=self.dist.device)])
+                              torch.as_tensor(self.meter.take_window_tokens(),
+                                              dtype=torch.float32, device=self.dist.device)])
         loss_sum, stops, tokens = self.dist.all_reduce_sum(shared).tolist()
-        self.window_tokens.clear()
         self.stop_agreed = self.stop_agreed or stops > 0
         loss = self.window_mean(loss_sum, steps)
-        step_time = sum(self.step_times[-steps:]) / steps
-        samples_per_sec = self.global_batch_size / step_time
-        window_tokens = None
-        if tokens:  # per sample, over the window's global batches (each counted once)
-            window_tokens = tokens / self.readers / (self.global_batch_size * steps)
-            self.tokens_per_sample = window_tokens
+        figures = self.meter.window(steps, tokens, self.global_batch_size)
         self.logger.scalars({
             **({"train/loss": loss} if loss is not None else {}),
             "train/lr": self.step_lr or self.optimizer.param_groups[0]["lr"],
-            "train/samples_per_sec": samples_per_sec,
-            "train/step_time_ms": step_time * 1e3,
-            "train/peak_memory_mb": peak_memory_mb(self.dist.device),
+            **{f"train/{k}": v for k, v in figures.items()},
             "train/epoch": self.epoch,
             "train/skipped_steps": self.skipped_steps,
-            **{f"train/{k}": v for k, v in self.throughput(samples_per_sec,
-                                                             window_tokens).items()},
         }, self.step)
         if progress is not None:
             shown = "-" if loss is None else f"{loss:.4f}"
             progress.line(f"epoch {self.epoch + 1} step {self.step}/{self.total_steps} "
-                          f"loss {shown} {samples_per_sec:,.0f} samples/s",
+                          f"loss {shown} {figures['samples_per_sec']:,.0f} samples/s",
                           loss=shown, epoch=str(self.epoch + 1))
         if loss is not None and math.isfinite(loss):
             self.epoch_loss += loss * (steps - self.window_skipped)
@@ -470,39 +409,14 @@ class Trainer:
 
     def summary(self) -> dict[str, Any]:
         """The final figures; None where the run was too short to measure one."""
-        measured = self.step_times[self.cfg.timing_skip_steps:]
-        samples_per_sec = self.measured_samples / sum(measured) if measured else None
-        if not measured and self.dist.is_main:
-            log.info("samples_per_sec and step_time_ms are null: this run's %d steps are all "
-                     "within trainer.timing_skip_steps=%d, left out of timing (lower it, or "
-                     "train longer)", len(self.step_times), self.cfg.timing_skip_steps)
         return {
             "train_loss": None if math.isnan(self.last_train_loss) else self.last_train_loss,
             **self.eval_metrics,
-            "samples_per_sec": samples_per_sec,
-            **(self.throughput(samples_per_sec) if samples_per_sec else {}),
-            "step_time_ms": statistics.median(measured) * 1e3 if measured else None,
-            "epoch_time_s": statistics.median(self.epoch_times) if self.epoch_times else None,
-            "steps": self.step,
-            "global_batch_size": self.global_batch_size,
-            "peak_memory_mb": peak_memory_mb(self.dist.device),
-            "state_memory_mb": held_state_mb(self.model, self.optimizer) if self.step else None,
+            **self.meter.summary(self.step, self.global_batch_size, self.model,
+                                 self.optimizer),
             **self.monitor.summary(),
-            **self.comm,
+            **self.meter.comm,
         }
-
-    def quantized_summary(self) -> dict[str, float]:
-        """trainer.quantize: sizes and eval figures of the model before and after."""
-        from parallab import quantize
-
-        summary = quantize.compare(self.eval_model, lambda model: evaluate(
-            model, self.data.eval, self.dist, None, self.strategy.loss))
-        self.logger.scalars({f"quantize/{k}": v for k, v in summary.items()}, self.step)
-        if self.dist.is_main:
-            log.info("%s: %.3f MB -> %.3f MB, eval loss %.4f -> %.4f", self.cfg.quantize,
-                     summary["model_size_mb"], summary["quantized_size_mb"],
-                     self.eval_metrics[metrics.LOSS], summary["quantized_eval_loss"])
-        return summary
 
     def base_rate(self) -> float:
         """The learning rate the optimizer's schedule starts from: after a resume, the

@@ -1,0 +1,147 @@
+"""What a run counts and reports beside its losses, in one place the Trainer calls at fixed
+points (as torchtitan's trainer calls its MetricsProcessor): each step's time and samples, a
+language model's tokens and MFU, the bytes its counted step sends, the figures of a log
+window and of the run's summary, and the quantization report."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import statistics
+import time
+from typing import Any, Iterator
+
+import torch
+
+from parallab import batch as batch_of
+from parallab.observe import mfu
+from parallab.observe.comm import CommCounter
+from parallab.observe.memory import held_state_mb, peak_memory_mb
+
+log = logging.getLogger("parallab.training.trainer")  # its lines read as the loop's
+
+
+class Meter:
+    """Timing, throughput and memory of one rank's run (cfg: the trainer config;
+    world_size: the devices the run computes on, for MFU; data_world: the ranks reading
+    different samples)."""
+
+    def __init__(self, cfg, dist, precision, world_size: int, data_world: int, logger):
+        self.cfg, self.dist, self.logger = cfg, dist, logger
+        self.world_size, self.data_world = world_size, data_world
+        # ranks reading each batch (a tp group's, a pipeline's): counts over the world / this
+        self.readers = dist.world_size // data_world
+        self.step_times: list[float] = []  # seconds per step, data loading included
+        self.measured_samples = 0  # global samples in steps after warm-up
+        self.epoch_times: list[float] = []
+        self.comm: dict[str, float] = {}  # bytes sent in one step, by kind (counting)
+        # a language model's batches (set at the first step): tokens counted per step
+        self.counts_tokens: bool | None = None
+        self.window_tokens: list[torch.Tensor | int] = []
+        self.tokens_per_sample = 0.0  # over the logged windows: tokens / samples
+        self.flops_per_token = 0.0  # for MFU; 0 where the model cannot say
+        self.peak_flops = (mfu.peak_flops_of(dist.device, precision)
+                           if dist.device.type == "cuda" else None)
+        self.started = self.tick = time.perf_counter()
+
+    def epoch_started(self) -> None:
+        self.started = self.tick = time.perf_counter()
+
+    def resume_clock(self) -> None:
+        """After an evaluation: it is no step's time."""
+        self.tick = time.perf_counter()
+
+    def step_done(self, step: int, batches: list, model, last: bool) -> None:
+        """A step over `batches` (this rank's micro-batches) ended (`last`: the run's)."""
+        if self.dist.device.type == "cuda" and last:
+            # steps are timed as the host queues them: the last one's kernels must end
+            # inside the timed span (each log step's loss read waits for its own)
+            torch.cuda.synchronize(self.dist.device)
+        now = time.perf_counter()
+        self.step_times.append(now - self.tick)
+        self.tick = now
+        if step > self.cfg.timing_skip_steps:
+            self.measured_samples += sum(batch_of.rows(b) for b in batches) * self.data_world
+        if self.counts_tokens is None:  # a language model's: tokens counted, FLOPs known
+            self.counts_tokens = batch_of.is_sequence(batches[0])
+            if self.counts_tokens:
+                self.flops_per_token = mfu.flops_per_token(model, batch_of.seq_len(batches[0]))
+        if self.counts_tokens:  # summed at the log step (a sum per step costs more)
+            self.window_tokens.extend(batch_of.tokens(b) for b in batches)
+
+    def epoch_done(self) -> None:
+        self.epoch_times.append(time.perf_counter() - self.started)
+
+    @contextlib.contextmanager
+    def counting(self, step: int) -> Iterator[None]:
+        """The counted step: the bytes it sends, by kind (comm.py), logged at `step`."""
+        with CommCounter() as counter:
+            yield
+        self.comm = counter.figures()
+        self.logger.scalars({"comm/" + k.removeprefix("comm_"): v
+                             for k, v in self.comm.items()}, step)
+
+    def take_window_tokens(self) -> float:
+        """This rank's tokens since the last log window (for its all-reduce)."""
+        tokens = sum(self.window_tokens) if self.window_tokens else 0
+        self.window_tokens.clear()
+        return tokens
+
+    def window(self, steps: int, tokens: float, global_batch: int) -> dict[str, float]:
+        """A log window's figures over its `steps`: step time, samples/s, memory, and a
+        language model's tokens/s and MFU (`tokens`: over every rank)."""
+        step_time = sum(self.step_times[-steps:]) / steps
+        samples_per_sec = global_batch / step_time
+        window_tokens = None
+        if tokens:  # per sample, over the window's global batches (each counted once)
+            window_tokens = tokens / self.readers / (global_batch * steps)
+            self.tokens_per_sample = window_tokens
+        return {"samples_per_sec": samples_per_sec, "step_time_ms": step_time * 1e3,
+                "peak_memory_mb": peak_memory_mb(self.dist.device),
+                **self.throughput(samples_per_sec, window_tokens)}
+
+    def throughput(self, samples_per_sec: float, tokens_per_sample: float | None = None
+                   ) -> dict[str, float]:
+        """Tokens/s of a language model (counted: padding and ignored labels left out), and
+        MFU where the device's peak is known."""
+        tokens = self.tokens_per_sample if tokens_per_sample is None else tokens_per_sample
+        if not tokens:
+            return {}
+        figures = {"tokens_per_sec": samples_per_sec * tokens}
+        if self.peak_flops and self.flops_per_token:
+            figures["mfu"] = (figures["tokens_per_sec"] * self.flops_per_token
+                              / (self.peak_flops * self.world_size))
+        return figures
+
+    def summary(self, steps: int, global_batch: int, model, optimizer) -> dict[str, Any]:
+        """The run's timing, throughput, memory and comm figures; None where the run was
+        too short to measure one."""
+        measured = self.step_times[self.cfg.timing_skip_steps:]
+        samples_per_sec = self.measured_samples / sum(measured) if measured else None
+        if not measured and self.dist.is_main:
+            log.info("samples_per_sec and step_time_ms are null: this run's %d steps are all "
+                     "within trainer.timing_skip_steps=%d, left out of timing (lower it, or "
+                     "train longer)", len(self.step_times), self.cfg.timing_skip_steps)
+        return {
+            "samples_per_sec": samples_per_sec,
+            **(self.throughput(samples_per_sec) if samples_per_sec else {}),
+            "step_time_ms": statistics.median(measured) * 1e3 if measured else None,
+            "epoch_time_s": statistics.median(self.epoch_times) if self.epoch_times else None,
+            "steps": steps,
+            "global_batch_size": global_batch,
+            "peak_memory_mb": peak_memory_mb(self.dist.device),
+            "state_memory_mb": held_state_mb(model, optimizer) if steps else None,
+        }
+
+    def quantized(self, model, score, eval_loss: float, step: int) -> dict[str, float]:
+        """trainer.quantize: sizes and eval figures of `model` before and after (`score`:
+        a model's eval figures)."""
+        from parallab import quantize
+
+        summary = quantize.compare(model, score)
+        self.logger.scalars({f"quantize/{k}": v for k, v in summary.items()}, step)
+        if self.dist.is_main:
+            log.info("%s: %.3f MB -> %.3f MB, eval loss %.4f -> %.4f", self.cfg.quantize,
+                     summary["model_size_mb"], summary["quantized_size_mb"], eval_loss,
+                     summary["quantized_eval_loss"])
+        return summary
