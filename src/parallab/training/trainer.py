@@ -63,6 +63,8 @@ class Trainer:
         self.strategy = strategy
         self.eval_model = strategy.unwrap(model)  # same weights, fewest collectives
         self.data_world = strategy.data_dist.world_size  # ranks reading different samples
+        # ranks reading each batch (a tp group's, a pipeline's): counts over the world / this
+        self.readers = dist.world_size // self.data_world
         self.optimizer = optimizer
         self.precision = precision
         self.data = data
