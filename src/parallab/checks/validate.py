@@ -261,11 +261,7 @@ def check_strategy(cfg: Config, probe: trial.Probe) -> None:
 
     strategy = STRATEGIES[cfg.parallel.name]
     layout = strategy.layout_of(cfg.parallel)
-    stages = trial.run(cfg, layout, probe)
-    if layout.cuts_model:
-        strategy.check(cfg, stages)
-    else:
-        strategy.check(cfg)
+    strategy.check(cfg, trial.run(cfg, layout, probe))
     _refuse(trial.tp_split_problem(cfg, probe))  # after the strategy's: the plan divides
     _refuse(activations.stages_problem(cfg))
 

@@ -42,9 +42,10 @@ class Strategy:
         return Layout()
 
     @classmethod
-    def check(cls, cfg) -> None:
+    def check(cls, cfg, stages: list[nn.Module] | None = None) -> None:
         """This strategy's own checks of the whole config (parallel.world_size resolved),
-        before any worker starts; ConfigError on the first problem."""
+        before any worker starts, with the model's stages where the trial found them (a
+        layout that cuts the model checks its parts); ConfigError on the first problem."""
         cls.layout_of(cfg.parallel)
 
     @classmethod

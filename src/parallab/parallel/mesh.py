@@ -154,7 +154,7 @@ class MeshStrategy(Strategy):
                  *(f"parallel.{k}={v}" for k, v in zip(DEGREES, d))] for d in degrees]
 
     @classmethod
-    def check(cls, cfg) -> None:
+    def check(cls, cfg, stages=None) -> None:
         p = cfg.parallel
         layout = cls.layout_of(p)
         if layout.replicas_only and not p.bucket_cap_mb > 0:
