@@ -14,6 +14,7 @@ resumes to the same rates bit for bit (the multipliers are recomputed from it).
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Callable
 
@@ -21,6 +22,7 @@ import torch
 
 from parallab.config.errors import ConfigError
 
+log = logging.getLogger(__name__)
 NAMES = ("constant", "cosine", "linear", "step", "wsd")
 
 
@@ -82,3 +84,21 @@ def build(cfg, optimizer: torch.optim.Optimizer, total_steps: int
     if cfg.name == "constant" and steps_of(cfg.warmup_steps, total_steps) == 0:
         return None
     return torch.optim.lr_scheduler.LambdaLR(optimizer, multiplier(cfg, total_steps))
+
+
+def resume(scheduler, optimizer: torch.optim.Optimizer, state: dict, saved_total: int | None,
+           total: int, step: int, say: bool) -> None:
+    """A schedule continued at optimizer step `step` from its checkpoint's `state` in a run
+    of `total` steps (it was `saved_total` long): each group's rate is the next step's by
+    this run's schedule. A new length moves the rates, which can jump: said (where `say`),
+    with both rates."""
+    scheduler.load_state_dict(state)
+    factor = scheduler.lr_lambdas[0](scheduler.last_epoch)
+    if say and saved_total not in (None, total):
+        log.warning("the run is %d steps long now, %d when saved: the schedule's rate at step "
+                    "%d goes from %g to %g (its rates follow the new length)", total,
+                    saved_total, step + 1, optimizer.param_groups[0]["lr"],
+                    scheduler.base_lrs[0] * factor)
+    for group, base, rate in zip(optimizer.param_groups, scheduler.base_lrs,
+                                 scheduler.lr_lambdas):
+        group["lr"] = base * rate(scheduler.last_epoch)

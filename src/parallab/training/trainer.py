@@ -426,17 +426,6 @@ class Trainer:
         group = self.optimizer.param_groups[0]
         return group.get("initial_lr", group["lr"])
 
-    def say_new_horizon(self, saved_total: int | None) -> None:
-        """A run resumed with another length (trainer.max_steps, epochs): the schedule's
-        rates follow the new length from here, which can jump; said, with both rates."""
-        if saved_total in (None, self.total_steps) or not self.dist.is_main:
-            return
-        factor = self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)
-        log.warning("the run is %d steps long now, %d when saved: the schedule's rate at step "
-                    "%d goes from %g to %g (its rates follow the new length)", self.total_steps,
-                    saved_total, self.step + 1, self.optimizer.param_groups[0]["lr"],
-                    self.scheduler.base_lrs[0] * factor)
-
     def state_dict(self) -> dict[str, Any]:
         """All a run needs to continue exactly: weights, optimizer, scaler, position."""
         model_state, optimizer_state = self.strategy.state_dict(self.model, self.optimizer)
@@ -458,12 +447,9 @@ class Trainer:
         self.skipped_steps = state["skipped_steps"]
         self.monitor.load_state_dict(state.get("monitor"))
         if self.scheduler is not None and state.get("scheduler"):  # its step count
-            self.scheduler.load_state_dict(state["scheduler"])
-            self.say_new_horizon(state.get("total_steps"))
-            # the rate of the next step, by this run's schedule (a new length moves it)
-            for group, base, factor in zip(self.optimizer.param_groups, self.scheduler.base_lrs,
-                                           self.scheduler.lr_lambdas):
-                group["lr"] = base * factor(self.scheduler.last_epoch)
+            schedule.resume(self.scheduler, self.optimizer, state["scheduler"],
+                            state.get("total_steps"), self.total_steps, self.step,
+                            self.dist.is_main)
         rng = state.get("rng", [])
         if len(rng) == self.dist.world_size:
             torch.set_rng_state(rng[self.dist.rank])
