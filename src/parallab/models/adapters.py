@@ -43,7 +43,8 @@ def _peft():
         # peft imports torchao, whose enums' registration this torch warns of at import,
         # twice, in every process: nothing a user of adapters can act on
         pytree = logging.getLogger("torch.utils._pytree")
-        level, _ = pytree.level, pytree.setLevel(logging.ERROR)
+        level = pytree.level
+        pytree.setLevel(logging.ERROR)
         try:
             import peft
         finally:

@@ -24,13 +24,13 @@ log = logging.getLogger("parallab.training.trainer")  # its lines read as the lo
 class Meter:
     """Timing, throughput and memory of one rank's run (cfg: the trainer config;
     world_size: the devices the run computes on, for MFU; data_world: the ranks reading
-    different samples)."""
+    different samples; readers: the ranks reading each batch, a tp group's or a
+    pipeline's)."""
 
-    def __init__(self, cfg, dist, precision, world_size: int, data_world: int, logger):
+    def __init__(self, cfg, dist, precision, world_size: int, data_world: int, readers: int,
+                 logger):
         self.cfg, self.dist, self.logger = cfg, dist, logger
-        self.world_size, self.data_world = world_size, data_world
-        # ranks reading each batch (a tp group's, a pipeline's): counts over the world / this
-        self.readers = dist.world_size // data_world
+        self.world_size, self.data_world, self.readers = world_size, data_world, readers
         self.step_times: list[float] = []  # seconds per step, data loading included
         self.measured_samples = 0  # global samples in steps after warm-up
         self.epoch_times: list[float] = []

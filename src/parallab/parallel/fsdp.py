@@ -44,7 +44,7 @@ def shard(model: nn.Module, mesh, cfg, dtype: torch.dtype, is_main: bool,
         # a stage sharing a parameter with another (tied embeddings) is left to the root:
         # FSDP2 shards each parameter in one unit only. A frozen stage (the base beside
         # adapters) is a unit too: gathered only while it computes, as the trained ones
-        if any(True for _ in stage.parameters()) and not (
+        if next(stage.parameters(), None) is not None and not (
                 shared & {id(p) for p in stage.parameters()}):
             fully_shard(stage, mesh=mesh, mp_policy=policy,
                         reshard_after_forward=reshard_after_forward)

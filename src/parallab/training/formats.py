@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar
@@ -75,9 +76,10 @@ class Lazy(Mapping):
         return len(self.where)
 
 
-class Format:
+class Format(ABC):
     """One weight format at `path`: its shapes (no tensor data read), its weights, what it
-    records besides (step, the run's config), and, where export writes it, the writer."""
+    records besides (step, the run's config), and, where export writes it (`suffix` set),
+    the writer: a static write(model, record, target) -> what was written, in words."""
 
     said: ClassVar[str]  # in messages
     suffix: ClassVar[str | None] = None  # what export's OUT ends with to be written so
@@ -86,8 +88,9 @@ class Format:
         self.path = Path(path)
 
     @staticmethod
+    @abstractmethod
     def holds(path: Path) -> bool:
-        raise NotImplementedError
+        """`path` is in this format (the first of FORMATS that holds it reads it)."""
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         """Each saved weight's shape, by plain name, reading no tensor data; CheckpointError
@@ -101,22 +104,28 @@ class Format:
                 f"{self.path} cannot be read as weights ({first_line(error)}): give a "
                 "checkpoint, or what parallab export or save_pretrained wrote") from None
 
+    @abstractmethod
     def _shapes(self) -> dict[str, tuple[int, ...]]:
-        raise NotImplementedError
+        """shapes(), any reader's error left to it."""
 
+    @abstractmethod
     def read(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """Whole tensors on the CPU (`model`: the template a sharded checkpoint needs)."""
-        return dict(self.lazy())
-
-    def lazy(self) -> Lazy:
-        raise NotImplementedError
 
     def record(self) -> dict[str, Any]:
         return checkpoint.load_meta(self.path)
 
-    @staticmethod
-    def write(model: nn.Module, record: dict[str, Any], target: Path) -> str:
-        raise ConfigError("export does not write this format")
+
+class FileFormat(Format):
+    """Weights in files read a tensor at a time: a rank keeping its part of each reads
+    them through lazy() and never holds them all."""
+
+    @abstractmethod
+    def lazy(self) -> Lazy:
+        """The weights by plain name, each read when asked for."""
+
+    def read(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        return dict(self.lazy())
 
 
 class Sharded(Format):
@@ -141,7 +150,7 @@ class Sharded(Format):
         return {plain_name(k): v for k, v in template.items()}
 
 
-class TorchFile(Format):
+class TorchFile(FileFormat):
     said = ".pt (a torch file)"
     suffix = ".pt"
 
@@ -184,7 +193,7 @@ def _let_go(tensor: torch.Tensor) -> None:
     madvise(start, tensor.data_ptr() + tensor.nbytes - start, 4)  # MADV_DONTNEED
 
 
-class SafetensorsFile(Format):
+class SafetensorsFile(FileFormat):
     said = ".safetensors"
     suffix = ".safetensors"
 

@@ -77,7 +77,8 @@ class Trainer:
         self.stop_agreed = False  # every rank has seen the stop request
         self.skipped_steps = 0  # trainer.on_nan=skip: steps dropped for non-finite gradients
         self.recent_skips: deque[bool] = deque(maxlen=SKIP_HORIZON)  # dropped or not, per step
-        self.meter = Meter(cfg, dist, precision, strategy.world_size, self.data_world, logger)
+        self.meter = Meter(cfg, dist, precision, strategy.world_size, self.data_world,
+                           self.readers, logger)
         # each step's loss since the last log, summed there (an add per step costs more)
         self.window_losses: list[torch.Tensor] = []
         self.window_skipped = 0
