@@ -2,7 +2,8 @@
 precision, eager and compiled; a transformers GPT-2 of the same shape; the MNIST recipe as
 written against `train.py` for one epoch.
 
-    python bench/bench_cuda.py [--steps 200] [--parts gpt mnist hf profile] [--batch N] [--json F]
+    python bench/bench_cuda.py [--steps 200] [--parts gpt mnist hf profile levers wide]
+                               [--batch N] [--json F]
 
 gpt: 12 layers, 12 heads, width 768, context 1024 (byte tokens: vocab 256), AdamW (fused on
 CUDA), data=bytes. The per-rank batch is the batch-size finder's pick in bf16 (one run with
@@ -10,12 +11,20 @@ trainer.auto_batch_size=true from 8 up) unless --batch is given. Each configurat
 `python train.py ... precision=P trainer.compile=C` in a fresh process; tokens/s and MFU
 leave the first 10 steps out (compilation), eval loss is on the final weights. fp8 runs
 only where the GPU has float8 tensor cores.
+
+levers: the bf16 compiled gpt at each of --batches, in torch.compile's default mode and
+with CUDA graphs (compile_mode=reduce-overhead), and transformers' GPT-2 beside it, each
+profiled (steps 3-5, inside the steps timing leaves out) for the GPU's busy share. wide:
+float8 where its matmuls are large, a gpt of width 2048 (--wide-layers deep) in bf16 and
+in fp8 with tensorwise and rowwise scales, compiled, the same steps and batch.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -42,13 +51,28 @@ def has_fp8() -> bool:
     return device_problem(PrecisionConfig(name="fp8"), "cuda") is None
 
 
+DEADLINE = float("inf")  # --deadline: no run starts past it, none runs beyond it
+KEEP: Path | None = None  # --keep: each run's log files are copied here
+
+
+def keep_logs(run_dir: Path, name: str) -> None:
+    for log in sorted(run_dir.glob("*.log")) if KEEP else []:
+        shutil.copy(log, KEEP / f"{name}-{log.name}")
+
+
 def run(work: Path, name: str, overrides: list[str]) -> dict:
     start = time.perf_counter()
-    try:
-        metrics = train_metrics(overrides, work / name, timeout=600)
-    except RuntimeError as error:  # a failing configuration is a row, not the end
-        print(f"{name}: FAILED\n{str(error)[-3000:]}", flush=True)
+    left = min(600.0, DEADLINE - time.monotonic())
+    if left < 30:
+        print(f"{name}: skipped, {left:.0f} s left of --deadline", flush=True)
         return {"name": name, "failed": True}
+    try:
+        metrics = train_metrics(overrides, work / name, timeout=left)
+    except (RuntimeError, subprocess.TimeoutExpired) as error:  # a row, not the end
+        print(f"{name}: FAILED\n{str(error)[-3000:]}", flush=True)
+        keep_logs(work / name, name)
+        return {"name": name, "failed": True}
+    keep_logs(work / name, name)
     metrics = {"name": name, "wall_s": time.perf_counter() - start, **metrics}
     print(f"{name}: {metrics.get('tokens_per_sec', 0):,.0f} tokens/s, mfu "
           f"{metrics.get('mfu') or 0:.3f}, eval_loss {metrics['eval_loss']:.4f}, "
@@ -56,7 +80,7 @@ def run(work: Path, name: str, overrides: list[str]) -> dict:
     return metrics
 
 
-def trace_summary(run_dir: Path, top: int = 12) -> str:
+def trace_summary(run_dir: Path, top: int = 12) -> tuple[float, str]:
     """Where the profiled steps' time went (trainer.profile=true: steps 3-5): the GPU's busy
     share of the span its kernels cover, host-device synchronisations, the top kernels."""
     import gzip
@@ -66,6 +90,8 @@ def trace_summary(run_dir: Path, top: int = 12) -> str:
     with opener(path, "rt") as f:
         events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
     kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    if not kernels:  # a CPU run's trace
+        return float("nan"), "profiled steps: no GPU kernels in the trace"
     busy, end = 0.0, 0.0
     for e in kernels:  # the union of kernel intervals: streams may overlap
         start, stop = max(e["ts"], end), e["ts"] + e["dur"]
@@ -82,7 +108,51 @@ def trace_summary(run_dir: Path, top: int = 12) -> str:
              f"syncs or copies ({sum(e['dur'] for e in syncs) / 1e3:.2f} ms)"]
     lines += [f"  {100 * t / busy:5.1f}%  {name}" for name, t in
               sorted(by_name.items(), key=lambda kv: -kv[1])[:top]]
-    return "\n".join(lines)
+    return busy / span, "\n".join(lines)
+
+
+def run_profiled(work: Path, name: str, overrides: list[str]) -> dict:
+    """`run` with trainer.profile=true (steps 3-5, which timing leaves out): the metrics
+    and the GPU's busy share of the profiled steps, their summary printed."""
+    metrics = run(work, name, [*overrides, "trainer.profile=true"])
+    if not metrics.get("failed"):
+        metrics["gpu_busy"], text = trace_summary(work / name)
+        print(text, flush=True)
+    return metrics
+
+
+def levers(work: Path, batches: list[int], steps: int) -> list[dict]:
+    """bf16 + compile per batch, torch.compile's default mode against CUDA graphs, and
+    transformers' GPT-2 in the default mode, each profiled."""
+    rows = []
+    for batch in batches:
+        for mode in ("default", "reduce-overhead"):
+            rows.append({"precision": "bf16", "compile": mode, **run_profiled(
+                work, f"gpt-bf16-{mode}-b{batch}",
+                [*GPT, "precision=bf16", "trainer.compile=true", f"trainer.compile_mode={mode}",
+                 f"data.batch_size={batch}", f"trainer.max_steps={steps}"])})
+        rows.append({"model": "transformers GPT-2", "precision": "bf16", "compile": "default",
+                     **run_profiled(work, f"hf-gpt2-bf16-b{batch}", [
+                         *HF, "precision=bf16", "trainer.compile=true",
+                         f"data.batch_size={batch}", f"trainer.max_steps={steps}"])})
+    return rows
+
+
+def wide(work: Path, layers: int, batch: int, steps: int) -> list[dict]:
+    """float8 against bf16 at width 2048, compiled, the same steps, batch and data."""
+    shape = ["model=gpt", f"model.layers={layers}", "model.heads=16", "model.width=2048",
+             "model.context=1024", *RUN, f"data.batch_size={batch}",
+             f"trainer.max_steps={steps}", "trainer.compile=true"]
+    rows = []
+    for precision, recipe in (("bf16", None), ("fp8", "tensorwise"), ("fp8", "rowwise")):
+        if precision == "fp8" and not has_fp8():
+            continue
+        extra = [f"precision.fp8_recipe={recipe}"] if recipe else []
+        rows.append({"model": f"gpt width 2048 x {layers}", "compile": True,
+                     "precision": f"{precision} {recipe or ''}".strip(), **run(
+                         work, f"wide-{precision}-{recipe or ''}".rstrip("-"), [*shape, f"precision={precision}",
+                                                              *extra])})
+    return rows
 
 
 def profiled(work: Path, batch: int) -> str:
@@ -90,7 +160,7 @@ def profiled(work: Path, batch: int) -> str:
     metrics = run(work, "gpt-bf16-compile-profiled", [
         *GPT, "precision=bf16", "trainer.compile=true", f"data.batch_size={batch}",
         "trainer.max_steps=8", "trainer.profile=true"])
-    return trace_summary(work / metrics["name"]) if not metrics.get("failed") else "failed"
+    return trace_summary(work / metrics["name"])[1] if not metrics.get("failed") else "failed"
 
 
 def finder_batch(work: Path) -> int:
@@ -134,7 +204,7 @@ def report(device: dict, rows: list[dict], extra: dict) -> None:
         base = next((r for r in rows if r["precision"] == "fp32" and not r["compile"]
                      and not r.get("failed")), None)
         print("| model | precision | compile | batch | tokens/s | vs fp32 eager | MFU | "
-              "eval loss | steps |\n|---|---|---|---|---|---|---|---|---|")
+              "eval loss | steps | GPU busy | wall s |\n|---|---|---|---|---|---|---|---|---|---|---|")
         for r in rows:
             if r.get("failed"):
                 print(f"| {r['name']} | failed |")
@@ -142,7 +212,8 @@ def report(device: dict, rows: list[dict], extra: dict) -> None:
             ratio = r["tokens_per_sec"] / base["tokens_per_sec"] if base else float("nan")
             print(f"| {r.get('model', 'gpt')} | {r['precision']} | {r['compile']} | "
                   f"{r['global_batch_size']} | {r['tokens_per_sec']:,.0f} | {ratio:.2f} | "
-                  f"{100 * (r.get('mfu') or 0):.1f}% | {r['eval_loss']:.4f} | {r['steps']} |")
+                  f"{100 * (r.get('mfu') or 0):.1f}% | {r['eval_loss']:.4f} | {r['steps']} | "
+                  f"{100 * r.get('gpu_busy', float('nan')):.1f}% | {r['wall_s']:.0f} |")
     if "mnist" in extra:
         m = extra["mnist"]
         print(f"\nMNIST, one epoch: recipe {m['recipe_epoch_s']:.2f} s (accuracy "
@@ -157,11 +228,25 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--batch", type=int, default=None)
     parser.add_argument("--parts", nargs="+", default=["gpt", "mnist", "hf", "profile"],
-                        help="gpt, mnist, hf, profile (a bf16 compiled run's trace, read)")
+                        help="gpt, mnist, hf, profile (a bf16 compiled run's trace, read), "
+                             "levers, wide")
+    parser.add_argument("--batches", type=int, nargs="+", default=[32, 64],
+                        help="levers: the per-rank batches")
+    parser.add_argument("--wide-layers", type=int, default=8)
+    parser.add_argument("--wide-batch", type=int, default=8)
     parser.add_argument("--configs", nargs="+", default=CONFIGS,
                         help="gpt runs as precision:eager|compile[:steps]")
     parser.add_argument("--json", type=Path, default=None, help="write every figure here")
+    parser.add_argument("--keep", type=Path, default=None, help="copy each run's logs here")
+    parser.add_argument("--deadline", type=float, default=None,
+                        help="seconds from now after which no run starts or goes on")
     args = parser.parse_args()
+    global DEADLINE, KEEP
+    if args.deadline:
+        DEADLINE = time.monotonic() + args.deadline
+    if args.keep:
+        KEEP = args.keep
+        KEEP.mkdir(parents=True, exist_ok=True)
     device = {"name": torch.cuda.get_device_name(), "torch": torch.__version__,
               "cuda": torch.version.cuda}
     work = scratch_dir("parallab-bench-cuda-")
@@ -182,6 +267,10 @@ def main() -> None:
                          **run(work, "hf-gpt2-bf16-compile", [
                              *HF, "precision=bf16", "trainer.compile=true",
                              f"data.batch_size={batch}", f"trainer.max_steps={args.steps}"])})
+        elif part == "levers":
+            rows += levers(work, args.batches, args.steps)
+        elif part == "wide":
+            rows += wide(work, args.wide_layers, args.wide_batch, args.steps)
         elif part == "mnist":
             extra["mnist"] = mnist(work)
         elif part == "profile":

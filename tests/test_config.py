@@ -163,6 +163,13 @@ def test_auto_values_resolve_for_cpu():
                         "CUDA GPU"),
     (["precision=fp8", "trainer.quantize=dynamic_int8"], "trainer.quantize=dynamic_int8 with "
                                                          "precision=fp8"),
+    (["precision=fp8", "precision.fp8_recipe=blockwise"], "precision.fp8_recipe=blockwise is "
+                                                          "not one of torchao's float8 recipes"),
+    (["precision=bf16", "precision.fp8_all_gather=true"], "precision.fp8_all_gather=true with "
+                                                          "precision=bf16"),
+    (["precision=fp8", "precision.fp8_recipe=rowwise", "precision.fp8_all_gather=true"],
+     "FSDP2 gathers float8 weights with tensorwise scales only"),
+    (["precision=fp8", "precision.fp8_all_gather=true"], "this layout shards over no ranks"),
     (["trainer.memory_snapshot=true"], "trainer.memory_snapshot=true records CUDA's caching "
                                        "allocator, and device=cpu has none"),
     (["trainer.on_nan=ignore"], "trainer.on_nan=ignore"),

@@ -148,3 +148,67 @@ def test_fp8_trains_near_bf16(train_here):
     fp8, fp8_dir = train_here(*GPT, "precision=fp8", "trainer.max_steps=60", name="fp8")
     assert fp8["precision_dtype"] == "bfloat16" and falls(fp8_dir)
     assert fp8["eval_loss"] == pytest.approx(bf16["eval_loss"], rel=0.05)
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and
+                    torch.cuda.get_device_capability() < FP8_CAPABILITY,
+                    reason="float8 needs compute capability 8.9")
+def test_fp8_rowwise_trains_near_bf16(train_here):
+    bf16, _ = train_here(*GPT, "precision=bf16", "trainer.max_steps=60", name="bf16")
+    fp8, fp8_dir = train_here(*GPT, "precision=fp8", "precision.fp8_recipe=rowwise",
+                              "trainer.max_steps=60", name="fp8")
+    assert falls(fp8_dir) and fp8["eval_loss"] == pytest.approx(bf16["eval_loss"], rel=0.05)
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and
+                    torch.cuda.get_device_capability() < FP8_CAPABILITY,
+                    reason="float8 needs compute capability 8.9")
+def test_fsdp_gathers_float8_weights_and_trains_as_with_bf16_gathers(monkeypatch):
+    """precision.fp8_all_gather through parallab's own sharding, on one rank (one GPU's
+    NCCL takes no second rank; FSDP2 gathers over a mesh of one all the same): the
+    sharded weights are torchao's float8-casting tensors, and the losses are those of
+    bf16 gathers (the same tensorwise scales, taken before or after the gather)."""
+    from types import SimpleNamespace
+
+    import torch.distributed as torch_dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from parallab.models.gpt import GPT as Model
+    from parallab.parallel import fsdp
+    from parallab.testing import free_port
+
+    for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+                       "RANK": "0", "WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(key, value)
+    torch_dist.init_process_group("nccl", device_id=torch.device("cuda", 0))
+    try:
+        mesh = init_device_mesh("cuda", (1,))
+        tokens = torch.randint(0, 256, (8, 65), device="cuda",
+                               generator=torch.Generator("cuda").manual_seed(0))
+        runs = {}
+        for gather in (False, True):
+            torch.manual_seed(0)
+            model = Model(vocab_size=256, context=64, layers=2, heads=4, width=256).cuda()
+            precision = Precision(PrecisionConfig(name="fp8", fp8_all_gather=gather),
+                                  torch.device("cuda"))
+            model = fsdp.shard(precision.convert(model), mesh,
+                               SimpleNamespace(stages=None, name="fsdp"), torch.bfloat16,
+                               True, True)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            runs[gather] = []
+            for _ in range(10):
+                with precision.autocast():
+                    logits = model(tokens[:, :-1])
+                loss = nn.functional.cross_entropy(logits.flatten(0, 1).float(),
+                                                   tokens[:, 1:].flatten())
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                runs[gather].append(loss.item())
+            kinds = {type(p.to_local()).__name__ for name, p in model.named_parameters()
+                     if name.endswith("weight") and p.ndim == 2 and "blocks" in name}
+            assert ("WeightWithDynamicFloat8CastTensor" in kinds) == gather, kinds
+        assert runs[True][-1] < runs[True][0]
+        assert runs[True] == pytest.approx(runs[False], rel=1e-2)
+    finally:
+        torch_dist.destroy_process_group()

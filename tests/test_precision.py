@@ -132,6 +132,26 @@ def test_fp8_turns_the_linear_layers_but_the_output_into_float8():
     assert kinds and all(kind == Float8Linear.__name__ for kind in kinds.values())
 
 
+@pytest.mark.parametrize("recipe,gather,granularity", [("tensorwise", True, "TENSORWISE"),
+                                                       ("rowwise", False, "AXISWISE")])
+def test_fp8_takes_the_recipe_and_float8_all_gather_asked_for(recipe, gather, granularity):
+    """precision.fp8_recipe picks torchao's scales (one per tensor, or per row);
+    precision.fp8_all_gather has FSDP2 gather the weights in float8 (their class says so)."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    from parallab.models.gpt import GPT
+
+    model = GPT(vocab_size=256, context=32, layers=1, heads=2, width=32)
+    Precision(PrecisionConfig(name="fp8", fp8_recipe=recipe, fp8_all_gather=gather),
+              CPU).convert(model)
+    layers = [m for m in model.modules() if isinstance(m, Float8Linear)]
+    assert layers and all(m.config.cast_config_weight.scaling_granularity.name == granularity
+                          and m.config.enable_fsdp_float8_all_gather == gather
+                          for m in layers)
+    gathered = {type(m.weight).__name__ != "Parameter" for m in layers}
+    assert gathered == {gather}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode,dtype", [("amp", "bfloat16"), ("bf16", "bfloat16"),
                                         ("fp16", "float16")])

@@ -6,8 +6,10 @@
     amp   automatic: fp16 + GradScaler on CUDA, bf16 on CPU, where float16 autocast measured
           20.4 ms per MNIST-CNN step against 4.7 ms in fp32 and 4.2 ms in bf16
     fp8   bf16 autocast, the Linear layers' matmuls in float8 (torchao's Float8Linear,
-          dynamic tensorwise scales) on a CUDA GPU with float8 tensor cores (compute
-          capability 8.9: Ada, Hopper and later); the output layer stays in bf16
+          dynamic scales per tensor or, precision.fp8_recipe=rowwise, per row) on a CUDA GPU
+          with float8 tensor cores (compute capability 8.9: Ada, Hopper and later); the
+          output layer stays in bf16. precision.fp8_all_gather: FSDP2 gathers the weights
+          in float8
 
 Under a sharded layout (fsdp, hsdp, tp) each rank holds part of the gradients, so float16's
 scaler is torch's ShardedGradScaler: the ranks agree on an overflow (one all-reduce) and
@@ -17,6 +19,7 @@ skip the step together.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import warnings
 from typing import Any
@@ -29,6 +32,7 @@ log = logging.getLogger(__name__)
 
 
 MODES = ("fp32", "amp", "bf16", "fp16", "fp8")
+FP8_RECIPES = ("tensorwise", "rowwise")  # torchao's Float8LinearConfig.from_recipe_name
 FP8_CAPABILITY = (8, 9)  # torch._scaled_mm's float8 tensor cores: Ada, Hopper and later
 
 
@@ -36,11 +40,27 @@ def problem(cfg: PrecisionConfig) -> str | None:
     if cfg.name not in MODES:
         return (f"precision.name={cfg.name} is unknown: use precision="
                 f"{', '.join(MODES[:-1])} or {MODES[-1]}")
+    if cfg.fp8_recipe not in FP8_RECIPES:
+        return (f"precision.fp8_recipe={cfg.fp8_recipe} is not one of torchao's float8 "
+                f"recipes: use {' or '.join(FP8_RECIPES)}")
+    if cfg.fp8_all_gather and cfg.name != "fp8":
+        return (f"precision.fp8_all_gather=true with precision={cfg.name}: it gathers float8 "
+                "weights, so it needs precision=fp8 (or drop it)")
+    if cfg.fp8_all_gather and cfg.fp8_recipe != "tensorwise":
+        return (f"precision.fp8_all_gather=true with precision.fp8_recipe={cfg.fp8_recipe}: "
+                "FSDP2 gathers float8 weights with tensorwise scales only: use "
+                "precision.fp8_recipe=tensorwise")
     return None
 
 
-def device_problem(cfg: PrecisionConfig, device_type: str, tp: int = 1) -> str | None:
-    """What the resolved device and layout rule out of cfg (fp8's needs); None if nothing."""
+def device_problem(cfg: PrecisionConfig, device_type: str, tp: int = 1,
+                   dp_shard: int = 1) -> str | None:
+    """What the resolved device and layout rule out of cfg (fp8's needs; dp_shard: the
+    ranks FSDP2 shards over); None if nothing."""
+    if cfg.fp8_all_gather and dp_shard < 2:
+        return ("precision.fp8_all_gather=true gathers FSDP2's sharded weights, and this "
+                "layout shards over no ranks: use parallel=fsdp or hsdp with 2 or more "
+                "ranks, or drop it")
     if cfg.name != "fp8":
         return None
     from parallab import quantize
@@ -84,6 +104,7 @@ def output_layer(model: torch.nn.Module) -> str | None:
 class Precision:
     def __init__(self, cfg: PrecisionConfig, device: torch.device, sharded: bool = False):
         self.name = cfg.name
+        self.fp8_recipe, self.fp8_all_gather = cfg.fp8_recipe, cfg.fp8_all_gather
         self.device_type = device.type
         self.tf32 = cfg.tf32 and device.type == "cuda"
         self.dtype = compute_dtype(cfg.name, device.type)
@@ -122,8 +143,10 @@ class Precision:
         output = output_layer(model)
         if output is not None:
             log.info("precision=fp8: %s (the output layer) stays in bf16", output)
+        config = dataclasses.replace(Float8LinearConfig.from_recipe_name(self.fp8_recipe),
+                                     enable_fsdp_float8_all_gather=self.fp8_all_gather)
         convert_to_float8_training(
-            model, config=Float8LinearConfig.from_recipe_name("tensorwise"),
+            model, config=config,
             module_filter_fn=lambda m, name: name != output and m.in_features % 16 == 0
             and m.out_features % 16 == 0)
         return model

@@ -397,7 +397,8 @@ def prepare(cfg: Config, in_place: InPlace | None, run_dir: str | None = None) -
     resolve_device(cfg)
     resolve_parallel(cfg, in_place)
     _refuse(precision.device_problem(cfg.precision, cfg.device.value,
-                                     getattr(cfg.parallel, "tp", 1)))
+                                     getattr(cfg.parallel, "tp", 1),
+                                     getattr(cfg.parallel, "dp_shard", 1)))
     _refuse(memory.snapshot_problem(cfg.trainer.memory_snapshot, cfg.device.value))
     resolve_global_batch(cfg)
     check_strategy(cfg, probe)

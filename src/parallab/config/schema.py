@@ -224,6 +224,12 @@ class LoraConfig(AdapterConfig):
 class PrecisionConfig:
     name: str = "fp32"  # fp32 | amp | bf16 | fp16 | fp8 (float8 Linear layers, CUDA)
     tf32: bool = False  # TF32 matmul/cuDNN on CUDA (Tensor Cores for fp32 models)
+    # fp8's scales (torchao's recipes): tensorwise = one per tensor, the fastest; rowwise =
+    # one per row, closer to bf16's accuracy, at some speed
+    fp8_recipe: str = "tensorwise"
+    # fp8 under fsdp/hsdp: FSDP2 all-gathers the weights in float8 (half bf16's bytes);
+    # tensorwise scales only
+    fp8_all_gather: bool = False
 
 
 @dataclass
