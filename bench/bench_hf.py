@@ -86,10 +86,11 @@ def parallab(steps: int):
 
     overrides = ["experiment=llama", "model=my_gpt2", "device=cpu", "trainer.epochs=1000",
                  "data.train.size=8192", f"data.batch_size={BATCH}", f"optim.lr={LR}"]
-    cfg = validate.prepare(typed_config(compose(overrides, EXAMPLE / "conf"), overrides), None)
+    cfg, layout = validate.prepare(typed_config(compose(overrides, EXAMPLE / "conf"), overrides),
+                                   None)
     dist = distributed.setup("cpu", None, 60.0, None)
-    trainer, _ = build_trainer(cfg, dist, loggers.started(cfg, scratch_dir("bench-hf-"), True),
-                               None, Preemption())
+    logger = loggers.started(cfg, scratch_dir("bench-hf-"), True)
+    trainer, _ = build_trainer(cfg, layout, dist, logger, None, Preemption())
     with Progress(10**9, True, False) as progress:
         while True:
             trainer.total_steps = trainer.step + steps

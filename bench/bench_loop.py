@@ -244,10 +244,10 @@ def interleaved(epochs: int = 3, probe: bool = False, gpt: bool = False) -> None
 
     overrides = ["device=cpu", f"trainer.epochs={epochs}",
                  *(["model=mlp", "model.hidden=[]"] if probe else []), *(GPT if gpt else [])]
-    cfg = validate.prepare(typed_config(compose(overrides), overrides), None)
+    cfg, layout = validate.prepare(typed_config(compose(overrides), overrides), None)
     dist = distributed.setup("cpu", None, 60.0, None)
     logger = loggers.started(cfg, scratch_dir("parallab-bench-in-"), True)
-    trainer, _ = build_trainer(cfg, dist, logger, None, Preemption())
+    trainer, _ = build_trainer(cfg, layout, dist, logger, None, Preemption())
     loader = trainer.data.train
     inputs, targets = loader.source.prepare(loader.inputs), loader.targets  # prepared once
     torch.manual_seed(42)

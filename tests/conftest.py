@@ -52,7 +52,8 @@ def typed(*overrides: str, config_dir: Path | None = None):
 
 
 def checked(*overrides: str, config_dir: Path | None = None):
-    """typed(), then validate.prepare: the config every worker gets (ConfigError if bad)."""
+    """typed(), then validate.prepare: the config and layout every worker gets
+    (ConfigError if bad)."""
     from parallab.checks import validate
 
     return validate.prepare(typed(*overrides, config_dir=config_dir), in_place=None)

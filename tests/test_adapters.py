@@ -255,9 +255,11 @@ def test_advise_counts_the_frozen_base_without_gradients_or_optimizer_state():
     from parallab.models import adapters, build_model
     from parallab.observe import mfu
 
-    full, lora = (checked(*run, "data.global_batch_size=16") for run in (RUN, LORA))
+    (full, full_layout), (lora, lora_layout) = (
+        checked(*run, "data.global_batch_size=16") for run in (RUN, LORA))
     batch = trial.one_batch(full, size=16)
-    full_state, lora_state = (memory.predict(cfg, batch, 0)[0] for cfg in (full, lora))
+    full_state, lora_state = (memory.predict(cfg, layout, batch, 0)[0]
+                              for cfg, layout in ((full, full_layout), (lora, lora_layout)))
     params_mb = sum(p.numel() for p in build_model(full.model).parameters()) * 4 / 2**20
     assert full_state == pytest.approx(4 * params_mb, rel=0.01)  # weights, grads, 2 moments
     assert lora_state == pytest.approx(params_mb, rel=0.1) and lora_state <= 0.3 * full_state

@@ -208,30 +208,31 @@ def test_step_time_model_follows_links_ring_factor_and_bubble():
     from parallab.parallel import STRATEGIES
 
     gbit = 2**20 * 8 / 1e9  # seconds to send one MB at 1 Gbit/s
-    ddp = checked(*TINY, "parallel=ddp", "parallel.world_size=2")
+    ddp = checked(*TINY, "parallel=ddp", "parallel.world_size=2")  # (config, layout)
     figures = {"comm_all_reduce_mb": 1.0}
     # 2 ranks -> 16: the ring factor goes from 1/2 to 15/16; 16 ranks span 2 nodes of 8
-    assert scaling.comm_seconds(figures, ddp, 16, 8, 100.0, 10.0) == pytest.approx(
+    assert scaling.comm_seconds(figures, *ddp, 16, 8, 100.0, 10.0) == pytest.approx(
         gbit / 10 * (15 / 16) / (1 / 2))
-    assert scaling.comm_seconds(figures, ddp, 8, 8, 100.0, 10.0) == pytest.approx(
+    assert scaling.comm_seconds(figures, *ddp, 8, 8, 100.0, 10.0) == pytest.approx(
         gbit / 100 * (7 / 8) / (1 / 2))
     hsdp = checked(*TINY, "parallel=hsdp", "parallel.world_size=4", "parallel.dp_replicate=2")
     gather = {"comm_all_gather_mb": 1.0}
-    assert scaling.comm_seconds(gather, hsdp, 16, 8, 100.0, 10.0) == pytest.approx(
+    assert scaling.comm_seconds(gather, *hsdp, 16, 8, 100.0, 10.0) == pytest.approx(
         gbit / 100 * (15 / 16) / (3 / 4))  # the shard group's traffic stays in the node
     pipeline = checked(*TINY, "parallel=pipeline", "parallel.world_size=2",
                        "parallel.microbatches=4")
-    assert STRATEGIES["pipeline"].bubble(pipeline) == 1 + 1 / 4
-    assert STRATEGIES["ddp"].bubble(ddp) == 1.0
+    assert pipeline[1].strategy is STRATEGIES["pipeline"] and ddp[1].strategy is STRATEGIES["ddp"]
+    assert pipeline[1].strategy.bubble(pipeline[0]) == 1 + 1 / 4
+    assert ddp[1].strategy.bubble(ddp[0]) == 1.0
     # each collective's calls cost the measured latency besides their bytes
     called = {"comm_all_reduce_mb": 1.0, "comm_all_reduce_calls": 3}
-    assert scaling.comm_seconds(called, ddp, 2, 8, 100.0, 10.0, latency_s=0.002) == \
+    assert scaling.comm_seconds(called, *ddp, 2, 8, 100.0, 10.0, latency_s=0.002) == \
         pytest.approx(gbit / 100 + 3 * 0.002)
     # here, a layout with a process per rank computes the share its launched job measured;
     # one process driving the devices, world size 1's step
-    assert scaling.validate(0.4, called, ddp, 100.0, 1, 0.002, share_s=0.1) == pytest.approx(
+    assert scaling.validate(0.4, called, *ddp, 100.0, 1, 0.002, share_s=0.1) == pytest.approx(
         0.1 + gbit / 100 + 0.006)
-    assert scaling.validate(0.4, {}, pipeline, 100.0, 1, 0.0, share_s=0.1) == pytest.approx(
+    assert scaling.validate(0.4, {}, *pipeline, 100.0, 1, 0.0, share_s=0.1) == pytest.approx(
         0.1 * (1 + 1 / 4))
     model = checked(*TINY, "parallel=model", "parallel.world_size=2")
-    assert scaling.validate(0.4, {}, model, 100.0, 1, 0.0, share_s=0.1) == pytest.approx(0.4)
+    assert scaling.validate(0.4, {}, *model, 100.0, 1, 0.0, share_s=0.1) == pytest.approx(0.4)

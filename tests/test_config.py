@@ -87,7 +87,7 @@ def test_an_option_sets_only_what_differs_from_its_schema(group):
 
 
 def test_defaults_are_the_seed_recipe():
-    cfg = validate.prepare(typed("device=cpu"), in_place=None)
+    cfg, _ = validate.prepare(typed("device=cpu"), in_place=None)
     assert (model_name(cfg.model), cfg.data.name, cfg.parallel.name) == ("MnistCNN", "mnist",
                                                                           "none")
     assert cfg.model == {"_target_": "parallab.models.mnist_cnn.MnistCNN", "num_classes": 10,
@@ -98,7 +98,7 @@ def test_defaults_are_the_seed_recipe():
 
 
 def test_auto_values_resolve_for_cpu():
-    cfg = validate.prepare(typed("parallel=ddp"), in_place=None)
+    cfg, _ = validate.prepare(typed("parallel=ddp"), in_place=None)
     assert cfg.device.value == "cpu" and cfg.backend.name == "gloo"
     assert cfg.parallel.world_size == 2  # null = one per GPU, or 2 on CPU
 
@@ -436,7 +436,7 @@ def test_amp_is_fp16_on_cuda_and_refused_where_a_pipeline_runs_the_backward():
         else:
             strategy.refuse_sharded(cfg, layout)
     cfg.device = Device.cpu  # amp is bfloat16 there: allowed
-    STRATEGIES["fsdp"].check(cfg)
+    STRATEGIES["fsdp"].check(cfg, layout)
 
 
 @pytest.mark.parametrize("layout,devices,found,expected", [

@@ -193,7 +193,7 @@ def test_swept_keys_reach_the_hparams_as_numbers():
 
     from parallab.training.run import RunSpec, hparams
 
-    spec = RunSpec(checked(*FAST), "unused", ["data.batch_size=32", "optim.lr=0.1",
+    spec = RunSpec(*checked(*FAST), "unused", ["data.batch_size=32", "optim.lr=0.1",
                                               "trainer.compile=false", "+metrics.x=abc"])
     figures = {"world_size": 1, "global_batch_size": 32, "precision_dtype": "float32", "lr": 0.01}
     values = hparams(spec, figures)

@@ -100,7 +100,7 @@ def test_seq_len_follows_model_context():
     cfg = typed("device=cpu", "model=gpt", "data=bytes", "model.context=64")
     data = cfg.data  # typed by its data set's own class
     assert isinstance(data, Bytes) and data.seq_len == 64 and data.input_shape == [64]
-    assert validate.prepare(cfg, in_place=None).data.num_classes == 256
+    assert validate.prepare(cfg, in_place=None)[0].data.num_classes == 256
 
 
 @pytest.mark.parametrize("overrides,message", [

@@ -219,8 +219,8 @@ def test_the_resume_command_is_the_one_the_user_ran():
     argv = ["/venv/bin/parallab", "--config-dir", "conf", "experiment=waves", "x=1"]
     assert entry_command(argv) == ["parallab", "train", "--config-dir", "conf"]
     assert entry_command(["train.py", "-cd=conf", "a=1"]) == ["python", "train.py", "-cd=conf"]
-    spec = RunSpec(None, "outputs/my run", ["experiment=waves", "trainer.resume=null",
-                                            "hydra.run.dir=elsewhere"],
+    spec = RunSpec(None, None, "outputs/my run", ["experiment=waves", "trainer.resume=null",
+                                                  "hydra.run.dir=elsewhere"],
                    command=entry_command(argv))
     assert spec.resume_command() == ("parallab train --config-dir conf experiment=waves "
                                      "'hydra.run.dir=outputs/my run' trainer.resume=auto")
@@ -230,7 +230,7 @@ def test_the_resume_command_is_the_one_the_user_ran():
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     job = "sweep/0_data.shape=[1,8,8],optim.lr=0.01"
-    line = RunSpec(None, job, ["optim.lr=0.01", "trainer.init_from=w.pt"]).resume_command()
+    line = RunSpec(None, None, job, ["optim.lr=0.01", "trainer.init_from=w.pt"]).resume_command()
     args = shlex.split(line)[2:]
     assert args[0] == "optim.lr=0.01" and len(args) == 3  # the weights are in its checkpoint
     assert OverridesParser.create().parse_override(args[1]).value() == job

@@ -58,10 +58,9 @@ def test_a_layout_is_resolved_once_and_says_what_its_degrees_imply(overrides, sh
     the Layout the workers rebuild from it says what each part of parallab asks of it."""
     from parallab.parallel import STRATEGIES
 
-    cfg = checked(*overrides)
-    strategy = STRATEGIES[cfg.parallel.name]
-    layout = strategy.layout_of(cfg.parallel)
-    assert layout.shape == shape and layout.dp == strategy.data_parallel_ranks(cfg) == dp
+    cfg, layout = checked(*overrides)
+    assert layout.strategy is STRATEGIES[cfg.parallel.name]
+    assert layout.shape == shape and layout.dp == dp
     assert layout.processes == (cfg.parallel.name not in ("none", "model"))
     said = {"replicas_only", "sharded", "cuts_model", "pipelined"}
     assert {name for name in said if getattr(layout, name)} == properties

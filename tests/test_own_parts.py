@@ -198,7 +198,7 @@ def test_a_classifier_keeps_its_own_class_count_on_a_users_dataset():
     as set, and ask for it only where it is null."""
     from parallab.models.base import fits_classes
 
-    cfg = checked(*WAVES, config_dir=CONF)
+    cfg, _ = checked(*WAVES, config_dir=CONF)
     assert fits_classes({"num_classes": 4}, cfg.data) is None
     assert "model.num_classes=null" in fits_classes({"num_classes": None}, cfg.data)
 

@@ -55,11 +55,10 @@ def _fail(message: str, status: int) -> NoReturn:
 def _train_and_report(spec: run.RunSpec, in_place: launch.InPlace | None) -> dict[str, Any]:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from parallab.parallel import STRATEGIES
     from parallab.training import run
 
     p = spec.cfg.parallel
-    if in_place is not None or not STRATEGIES[p.name].processes:
+    if in_place is not None or not spec.layout.processes:
         try:
             return _requeued_if_asked(run.train(spec), spec, in_place)
         except OneLineError as error:  # the whole story in one line (a value found wrong
@@ -231,13 +230,13 @@ def _train_job(dict_cfg: DictConfig, call: Invocation) -> float | None:
                 lambda extra: hydra_compose(hydra_cfg.job.config_name, overrides=extra), call)
         return None
     in_place = launch.prepare_in_place()  # again for launchers that call the app (submitit)
-    layout = STRATEGIES.get(dict_cfg.parallel.name)  # an unknown one is validate's to refuse
-    launch.warm_up(layout is not None and layout.processes, in_place)
+    strategy = STRATEGIES.get(dict_cfg.parallel.name)  # an unknown one is validate's to refuse
+    launch.warm_up(strategy is not None and strategy.processes, in_place)
     with call.refusing():
-        cfg = validate.prepare(typed_config(dict_cfg, list(hydra_cfg.overrides.task)),
-                               in_place, hydra_cfg.runtime.output_dir)
+        cfg, layout = validate.prepare(typed_config(dict_cfg, list(hydra_cfg.overrides.task)),
+                                       in_place, hydra_cfg.runtime.output_dir)
     sweep = hydra_cfg.sweep.dir if hydra_cfg.mode == RunMode.MULTIRUN else None
-    spec = run.RunSpec(cfg, hydra_cfg.runtime.output_dir, list(hydra_cfg.overrides.task),
+    spec = run.RunSpec(cfg, layout, hydra_cfg.runtime.output_dir, list(hydra_cfg.overrides.task),
                        command=call.entry(), sweep=sweep)
     if sweep is None:  # a run's wall time is the command's, from its process's start
         spec.started = process_started()
@@ -523,10 +522,10 @@ def train_in_process(overrides: list[str], run_dir: str | Path,
     from parallab.training import run
 
     in_place = launch.prepare_in_place()
-    cfg = validate.prepare(typed_config(compose(overrides, config_dir), overrides), in_place,
-                           str(run_dir))
+    cfg, layout = validate.prepare(typed_config(compose(overrides, config_dir), overrides),
+                                   in_place, str(run_dir))
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     command = ["python", "train.py", *(["--config-dir", str(config_dir)] if config_dir else [])]
     with _claimed(str(run_dir), cfg, in_place, Invocation()):
-        return _train_and_report(run.RunSpec(cfg, str(run_dir), list(overrides),
+        return _train_and_report(run.RunSpec(cfg, layout, str(run_dir), list(overrides),
                                              command=command), in_place)

@@ -191,6 +191,7 @@ def _measure(candidates: list[Candidate], run_dir: Path) -> dict[int, Link]:
     size."""
     from parallab.advise import measure
     from parallab.launching import distributed, launch
+    from parallab.training import run
 
     todo = [c for c in candidates if c.reason is None]
     todo.sort(key=lambda c: c.world_size)  # measured by world size: numbered in that order
@@ -198,12 +199,13 @@ def _measure(candidates: list[Candidate], run_dir: Path) -> dict[int, Link]:
     links: dict[int, Link] = {}
     for n in sorted({c.world_size for c in todo}):
         group = [c for c in todo if c.world_size == n]
-        jobs = [(c.cfg, str(run_dir / "candidates" / f"{number[id(c)]:02d}_{_dirname(c)}"),
-                 c.overrides) for c in group]
-        for (_, path, overrides), c in zip(jobs, group):  # what the candidate was, to rerun
-            Path(path).mkdir(parents=True, exist_ok=True)
-            (Path(path) / "overrides.yaml").write_text(
-                yaml.safe_dump({"layout": c.label, "overrides": overrides}))
+        jobs = [run.RunSpec(c.cfg, c.layout, str(run_dir / "candidates" /
+                                                 f"{number[id(c)]:02d}_{_dirname(c)}"),
+                            c.overrides) for c in group]
+        for spec, c in zip(jobs, group):  # what the candidate was, to rerun
+            Path(spec.run_dir).mkdir(parents=True, exist_ok=True)
+            (Path(spec.run_dir) / "overrides.yaml").write_text(
+                yaml.safe_dump({"layout": c.label, "overrides": spec.overrides}))
         cfg = group[0].cfg
         log.info("advise: measuring %d candidate(s) at world size %d", len(group), n)
         if n == 1:
@@ -248,7 +250,7 @@ def _predict_times(candidates: list[Candidate], options,
         if peak:
             work = flops * (4 / 3 if c.activation_checkpointing == "full" else 1)
             c.figures["predicted_step_ms"] = 1e3 * scaling.predict_target(
-                c.figures, c.cfg, work, options, peak)
+                c.figures, c.cfg, c.layout, work, options, peak)
         one = report.reference_of(candidates, c.precision)
         if c.world_size in links and one is not None and one.world_size == 1:
             link = links[c.world_size]
@@ -257,7 +259,7 @@ def _predict_times(candidates: list[Candidate], options,
             scale = (one.figures["step_time_ms"] / measured_in.figures["step_time_ms"]
                      if measured_in is not None else 1.0)
             here = 1e3 * scaling.validate(one.figures["step_time_ms"] / 1e3, c.figures, c.cfg,
-                                          link.gbps, devices, link.latency_s,
+                                          c.layout, link.gbps, devices, link.latency_s,
                                           link.compute_s * scale)
             c.figures["predicted_step_ms_here"] = here
             errors.append(abs(here / c.figures["step_time_ms"] - 1))

@@ -30,6 +30,7 @@ class Candidate:
     activation_checkpointing: str
     accumulation: int
     cfg: Any = None  # the checked Config
+    layout: Any = None  # and the Layout the checks resolved from it
     predicted_state_mb: float | None = None
     predicted_activation_mb: float | None = None
     reason: str | None = None  # why it was pruned or failed
@@ -104,7 +105,7 @@ def settle(candidates: list[Candidate], configure: Callable[[list[str]], Any],
                                     "false measures it)")
                 continue
             try:
-                candidate.cfg = configure(candidate.overrides)
+                candidate.cfg, candidate.layout = configure(candidate.overrides)
             except ConfigError as error:
                 candidate.reason = str(error)
                 continue
@@ -118,16 +119,15 @@ def _predict(candidate: Candidate, budget_mb: float, batches: dict[int, Any]) ->
     differ (pipeline parts). `batches`: one real micro-batch by size, shared."""
     from parallab.advise import memory
     from parallab.checks import trial
-    from parallab.parallel import STRATEGIES
 
     cfg = candidate.cfg
     size = cfg.data.batch_size
     if size not in batches:
         batches[size] = trial.one_batch(cfg, size)
-    differ = STRATEGIES[cfg.parallel.name].layout_of(cfg.parallel).cuts_model
-    ranks = range(cfg.parallel.world_size) if differ else [0]
+    ranks = range(cfg.parallel.world_size) if candidate.layout.cuts_model else [0]
     try:
-        per_rank = [memory.predict(cfg, batches[size], rank) for rank in ranks]
+        per_rank = [memory.predict(cfg, candidate.layout, batches[size], rank)
+                    for rank in ranks]
     except Exception as error:  # noqa: BLE001 - a layout fake tensors cannot trace
         log.warning("%s: memory not predicted (%s)", candidate.label, first_line(error))
         return

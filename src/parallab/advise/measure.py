@@ -66,16 +66,18 @@ def _max_over_ranks(dist: distributed.Dist, value: float) -> float:
                                             device=dist.device)).item()
 
 
-def measure(cfg, run_dir: str, dist: distributed.Dist, overrides: list[str]) -> dict[str, Any]:
-    """Train candidate `cfg` for its trainer.max_steps on the job's group; its figures:
+def measure(spec: run.RunSpec, dist: distributed.Dist) -> dict[str, Any]:
+    """Train the candidate `spec` for its trainer.max_steps on the job's group; its figures:
     losses, step time, samples/s, state and activation memory (the largest rank's), comm."""
+    cfg, run_dir, overrides = spec.cfg, spec.run_dir, spec.overrides
     logger = LossRecorder(run_dir, active=dist.is_main)
     reset_peak_memory(dist.device)
     try:
         with Preemption() as preemption:
             logger.start(loggers.run_info(cfg, run_dir, overrides, None, dist.world_size))
             probe = ActivationProbe()
-            trainer, lr = run.build_trainer(cfg, dist, logger, None, preemption, probe=probe)
+            trainer, lr = run.build_trainer(cfg, spec.layout, dist, logger, None, preemption,
+                                            probe=probe)
             figures = trainer.fit(evaluate=False, report=False)  # the run's own steps
         if trainer.stopped:
             raise RuntimeError("stopped by a signal")
@@ -87,25 +89,24 @@ def measure(cfg, run_dir: str, dist: distributed.Dist, overrides: list[str]) -> 
                        peak_memory_mb=_max_over_ranks(dist, figures["peak_memory_mb"]))
         if dist.is_main:
             scalars = {k: v for k, v in figures.items() if k != "losses"}
-            logger.finish(scalars, run.hparams(run.RunSpec(cfg, run_dir, overrides), figures),
+            logger.finish(scalars, run.hparams(spec, figures),
                           trainer.step)
         return figures
     finally:
         logger.close()
 
 
-def measure_all(jobs: list[tuple[Any, str, list[str]]], dist: distributed.Dist
-                ) -> list[dict[str, Any]]:
-    """Each (cfg, run dir, overrides) measured in turn; a candidate that fails is recorded
-    with the first line of its error and the next one runs."""
+def measure_all(jobs: list[run.RunSpec], dist: distributed.Dist) -> list[dict[str, Any]]:
+    """Each candidate's run measured in turn; a candidate that fails is recorded with the
+    first line of its error and the next one runs."""
     results = []
-    for cfg, run_dir, overrides in jobs:  # their dirs made by the controller
+    for spec in jobs:  # their dirs made by the controller
         try:
-            figures = measure(cfg, run_dir, dist, overrides)
+            figures = measure(spec, dist)
         except Exception as error:  # noqa: BLE001 - a candidate's failure is its result
             if distributed.lost_a_peer(error):
                 raise  # the job itself is broken: no further candidate can run
-            log.warning("candidate %s failed: %s", run_dir, first_line(error))
+            log.warning("candidate %s failed: %s", spec.run_dir, first_line(error))
             figures = {"error": first_line(error)}
         results.append(figures)
     return results
@@ -176,7 +177,7 @@ def loopback_latency_s(dist: distributed.Dist, repeats: int = 30) -> float:
 class Job:
     """The candidates of one world size, for a launched job's workers."""
 
-    jobs: list[tuple[Any, str, list[str]]]
+    jobs: list[run.RunSpec]
     device: str
     backend: str
     timeout_s: float
@@ -193,7 +194,7 @@ def worker(job: Job) -> dict[str, Any]:
                              store=distributed.attempt_store(job.timeout_s))
     results = measure_all(job.jobs, dist)
     bandwidth, latency = loopback_gbps(dist), loopback_latency_s(dist)
-    compute = local_compute_s(job.jobs[0][0], dist)
+    compute = local_compute_s(job.jobs[0].cfg, dist)
     distributed.teardown()
     return {"results": results, "bandwidth_gbps": bandwidth, "latency_s": latency,
             "compute_s": compute}

@@ -59,14 +59,13 @@ def fake_model(cfg, fake, device: torch.device) -> nn.Module:
         return model.to_empty(device=device)
 
 
-def predict(cfg, batch: Any, rank: int) -> tuple[float, float]:
+def predict(cfg, layout, batch: Any, rank: int) -> tuple[float, float]:
     """(state MB, activation MB) rank `rank` of the candidate `cfg` (checked, resolved)
     would hold, from fake tensors: `batch` is one real micro-batch of the data."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from parallab.launching.distributed import Dist
     from parallab.loss import build_loss
-    from parallab.parallel import STRATEGIES
     from parallab.precision import Precision
 
     world = cfg.parallel.world_size
@@ -76,8 +75,8 @@ def predict(cfg, batch: Any, rank: int) -> tuple[float, float]:
         dist = Dist(rank, rank, world, world, device, "fake")
         precision = Precision(cfg.precision, device)
         model = fake_model(cfg, fake, device)  # the mesh and wrappers are built outside
-        strategy = STRATEGIES[cfg.parallel.name](cfg.parallel, dist, precision,
-                                                 build_loss(cfg.loss).bind(model))
+        strategy = layout.strategy(cfg.parallel, layout, dist, precision,
+                                   build_loss(cfg.loss).bind(model))
         # cloned: a batch sliced from a data set held in memory is a view of all of it
         batch = batches.apply(batch, lambda t: fake.from_tensor(t.clone()))
         if strategy.layout.cuts_model:

@@ -26,22 +26,20 @@ from __future__ import annotations
 from typing import Any
 
 from parallab.observe.comm import KINDS, MB
-from parallab.parallel import STRATEGIES
 
 
 def ring(g: int) -> float:
     return (g - 1) / g if g > 1 else 0.0
 
 
-def comm_seconds(figures: dict[str, Any], cfg, n: int, gpus_per_node: int,
+def comm_seconds(figures: dict[str, Any], cfg, layout, n: int, gpus_per_node: int,
                  intra_gbps: float, inter_gbps: float, latency_s: float = 0.0) -> float:
     """The step's communication time at world size n (see the module's formula): each
     collective's fixed `latency_s`, and its bytes over the link's bandwidth."""
-    strategy = STRATEGIES[cfg.parallel.name]
-    d_now = strategy.data_parallel_ranks(cfg)
+    d_now = layout.dp
     d_then = max(1, d_now * n // cfg.parallel.world_size)
     scale = ring(d_then) / ring(d_now) if ring(d_now) else 1.0
-    local = strategy.node_local_kinds(cfg)
+    local = layout.strategy.node_local_kinds(cfg)
     seconds = 0.0
     for kind in KINDS:
         megabytes = figures.get(f"comm_{kind}_mb") or 0.0
@@ -76,15 +74,17 @@ def step_flops(cfg, batch) -> float:
     return counter.get_total_flops() * (cfg.data.global_batch_size / micro)
 
 
-def predict_target(figures: dict[str, Any], cfg, flops: float, options, peak: float) -> float:
+def predict_target(figures: dict[str, Any], cfg, layout, flops: float, options,
+                   peak: float) -> float:
     """Predicted step time (s) at advise.target_world_size on the target GPUs."""
     n = options.target_world_size
-    compute = flops / n / (peak * options.mfu) * STRATEGIES[cfg.parallel.name].bubble(cfg)
-    return compute + comm_seconds(figures, cfg, n, options.gpus_per_node,
+    compute = flops / n / (peak * options.mfu) * layout.strategy.bubble(cfg)
+    return compute + comm_seconds(figures, cfg, layout, n, options.gpus_per_node,
                                   options.intra_node_gbps, options.inter_node_gbps)
 
 
-def validate(one_rank_step_s: float, figures: dict[str, Any], cfg, bandwidth_gbps: float,
+def validate(one_rank_step_s: float, figures: dict[str, Any], cfg, layout,
+             bandwidth_gbps: float,
              devices: int, latency_s: float = 0.0, share_s: float | None = None) -> float:
     """This machine's step time at the candidate's world size n: the compute, plus the
     collectives the candidate called in a step at the latency and bandwidth measured in the
@@ -93,8 +93,7 @@ def validate(one_rank_step_s: float, figures: dict[str, Any], cfg, bandwidth_gbp
     process driving n devices, and where no share was measured, world size 1's step shared
     by min(n, devices) devices (CPU ranks share one set of cores)."""
     n = cfg.parallel.world_size
-    strategy = STRATEGIES[cfg.parallel.name]
-    compute = (share_s if share_s is not None and strategy.processes
-               else one_rank_step_s / min(n, devices)) * strategy.bubble(cfg)
-    return compute + comm_seconds(figures, cfg, n, n, bandwidth_gbps, bandwidth_gbps,
+    compute = (share_s if share_s is not None and layout.processes
+               else one_rank_step_s / min(n, devices)) * layout.strategy.bubble(cfg)
+    return compute + comm_seconds(figures, cfg, layout, n, n, bandwidth_gbps, bandwidth_gbps,
                                   latency_s)

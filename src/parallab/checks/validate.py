@@ -24,6 +24,7 @@ from parallab.launching import slurm
 from parallab.launching.launch import InPlace
 from parallab.observe import loggers, memory
 from parallab.parallel import activations
+from parallab.parallel.layout import Layout
 from parallab.training import checkpoint, monitor
 
 __all__ = ["ConfigError", "prepare"]
@@ -175,7 +176,9 @@ def visible_gpus(cfg: Config, strategy) -> int:
     return len(p.devices)
 
 
-def resolve_parallel(cfg: Config, in_place: InPlace | None) -> None:
+def resolve_parallel(cfg: Config, in_place: InPlace | None) -> Layout:
+    """The run's layout, resolved here once (the world size, the degrees, the strategy, the
+    GPUs) and carried to every rank."""
     from parallab.parallel import STRATEGIES
 
     p = cfg.parallel
@@ -208,14 +211,12 @@ def resolve_parallel(cfg: Config, in_place: InPlace | None) -> None:
     if gpus and not (in_place is not None and gpus == 1):  # in place: one GPU per task will do
         _require(per_node <= gpus, f"parallel.world_size={p.world_size} needs {per_node} GPUs "
                  f"per node but {gpus} are visible: set parallel.world_size<={gpus * p.nnodes}")
-    strategy.layout_of(p)  # its degrees, a null one resolved, checked against the world size
+    return strategy.resolve(p, cfg.device.value)  # a null degree resolved, checked
 
 
-def resolve_global_batch(cfg: Config) -> None:
+def resolve_global_batch(cfg: Config, layout: Layout) -> None:
     """data.global_batch_size: the per-rank data.batch_size that gives it, so strategies
     compare at equal samples per optimizer step."""
-    from parallab.parallel import STRATEGIES
-
     d = cfg.data
     if d.global_batch_size is None:
         return
@@ -224,7 +225,7 @@ def resolve_global_batch(cfg: Config) -> None:
              "drop one of them")
     _require(d.global_batch_size > 0, f"data.global_batch_size={d.global_batch_size} is out "
              "of range: it is the samples of each step, >= 1")
-    ranks = STRATEGIES[cfg.parallel.name].data_parallel_ranks(cfg)
+    ranks = layout.dp
     per_step = ranks * cfg.trainer.accumulate_grad_batches
     _require(d.global_batch_size % per_step == 0,
              f"data.global_batch_size={d.global_batch_size} does not split over {ranks} "
@@ -233,7 +234,7 @@ def resolve_global_batch(cfg: Config) -> None:
     d.batch_size = d.global_batch_size // per_step
 
 
-def check_run_length(cfg: Config) -> None:
+def check_run_length(cfg: Config, layout: Layout) -> None:
     """Where the training set's length is known here, the run's steps as the workers will
     count them (data.stream.run_length over each rank's batches): accumulation beyond an
     epoch's batches, or a warmup as long as the run, refused now rather than in the
@@ -241,39 +242,30 @@ def check_run_length(cfg: Config) -> None:
     import math
 
     from parallab.data.stream import run_length
-    from parallab.parallel import STRATEGIES
 
     samples = cfg.data.train_length()
     if samples is None or cfg.trainer.auto_batch_size:
         return
-    strategy = STRATEGIES[cfg.parallel.name]
-    per_rank = math.ceil(samples / strategy.data_parallel_ranks(cfg))
-    rounding = math.floor if strategy.layout_of(cfg.parallel).pipelined else math.ceil  # drop_last
+    per_rank = math.ceil(samples / layout.dp)
+    rounding = math.floor if layout.pipelined else math.ceil  # drop_last
     batches = rounding(per_rank / cfg.data.batch_size)
     _, total = run_length(cfg.trainer, range(batches))  # an epoch's batches, by their number
     schedule.multiplier(cfg.scheduler, total)  # ConfigError for a warmup or decay too long
 
 
-def check_strategy(cfg: Config, probe: trial.Probe) -> None:
+def check_strategy(cfg: Config, layout: Layout, probe: trial.Probe) -> None:
     """One batch tried where a user's part is in play, then the strategy's own checks (with
     the model's stages where it cuts the model into parts)."""
-    from parallab.parallel import STRATEGIES
-
-    strategy = STRATEGIES[cfg.parallel.name]
-    layout = strategy.layout_of(cfg.parallel)
-    strategy.check(cfg, trial.run(cfg, layout, probe))
+    layout.strategy.check(cfg, layout, trial.run(cfg, layout, probe))
     _refuse(trial.tp_split_problem(cfg, probe))  # after the strategy's: the plan divides
     _refuse(activations.stages_problem(cfg))
 
 
-def check_adapter(cfg: Config) -> None:
+def check_adapter(cfg: Config, layout: Layout) -> None:
     """adapter=lora: a layout that keeps every layer whole, peft installed, and target
     modules that match layers LoRA wraps (tried on the model built on meta)."""
-    from parallab.parallel import STRATEGIES
-
     if not adapters.enabled(cfg.adapter):
         return
-    layout = STRATEGIES[cfg.parallel.name].layout_of(cfg.parallel)
     _require(not layout.cuts_model and layout.tp == 1,
              f"adapter=lora with parallel={cfg.parallel.name}: peft's adapter layers are not "
              "cut by a tensor-parallel plan or into pipeline stages: use a data-parallel "
@@ -298,11 +290,9 @@ def resolve_backend(cfg: Config) -> None:
              "from source with MPI, or run under mpirun with backend=gloo or backend=nccl")
 
 
-def check_resume(cfg: Config, run_dir: str | None) -> None:
+def check_resume(cfg: Config, layout: Layout, run_dir: str | None) -> None:
     """trainer.resume names a readable parallab checkpoint of this model (auto: if any)."""
     from pathlib import Path
-
-    from parallab.parallel import STRATEGIES
 
     resume = cfg.trainer.resume
     if resume is None:
@@ -326,8 +316,7 @@ def check_resume(cfg: Config, run_dir: str | None) -> None:
     _refuse(changed_recipe(cfg, checkpoint.saved_config(meta), resume))
     # any layout continues any other's checkpoint, except a one-file one by an earlier
     # parallab, whose optimizer state is by parameter index: only a whole model reads it
-    here = STRATEGIES[cfg.parallel.name].layout_of(cfg.parallel).sharded
-    _require(not here or checkpoint.by_name(resume, meta),
+    _require(not layout.sharded or checkpoint.by_name(resume, meta),
              f"trainer.resume={resume} was saved by parallel={checkpoint.saved_parallel(meta)} "
              f"of an earlier parallab, whose optimizer state only a whole model reads, not "
              f"parallel={cfg.parallel.name} with these degrees: resume it under that layout "
@@ -386,8 +375,10 @@ def changed_recipe(cfg: Config, saved: dict, resume: str) -> str | None:
     return None
 
 
-def prepare(cfg: Config, in_place: InPlace | None, run_dir: str | None = None) -> Config:
-    """Check `cfg` and fill in its `auto` values; raises ConfigError on the first problem."""
+def prepare(cfg: Config, in_place: InPlace | None, run_dir: str | None = None
+            ) -> tuple[Config, Layout]:
+    """Check `cfg` and fill in its `auto` values; the config, and the layout resolved from
+    it once; raises ConfigError on the first problem."""
     check_values(cfg)
     check_data(cfg)
     cfg.model = models.check(cfg.model, cfg.data)
@@ -395,16 +386,15 @@ def prepare(cfg: Config, in_place: InPlace | None, run_dir: str | None = None) -
     trial.resolve_loss(cfg, probe)
     check_objective(cfg)
     resolve_device(cfg)
-    resolve_parallel(cfg, in_place)
-    _refuse(precision.device_problem(cfg.precision, cfg.device.value,
-                                     getattr(cfg.parallel, "tp", 1),
-                                     getattr(cfg.parallel, "dp_shard", 1)))
+    layout = resolve_parallel(cfg, in_place)
+    _refuse(precision.device_problem(cfg.precision, cfg.device.value, layout.tp,
+                                     layout.dp_shard))
     _refuse(memory.snapshot_problem(cfg.trainer.memory_snapshot, cfg.device.value))
-    resolve_global_batch(cfg)
-    check_strategy(cfg, probe)
-    check_adapter(cfg)
-    check_run_length(cfg)
+    resolve_global_batch(cfg, layout)
+    check_strategy(cfg, layout, probe)
+    check_adapter(cfg, layout)
+    check_run_length(cfg, layout)
     resolve_backend(cfg)
-    check_resume(cfg, run_dir)
+    check_resume(cfg, layout, run_dir)
     check_init(cfg, probe)
-    return cfg
+    return cfg, layout

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 from typing import Any
 
@@ -23,12 +24,19 @@ class Strategy:
     dims: tuple[str, ...] = ()  # the degrees its ranks are arranged by (Layout.dims)
     processes = False  # a process per rank, started by the launcher, in a process group
 
-    def __init__(self, cfg, dist: Dist, precision: Precision, loss: Objective):
+    def __init__(self, cfg, layout: Layout, dist: Dist, precision: Precision, loss: Objective):
+        """cfg: the parallel config; layout: the one the checks resolved (Strategy.resolve)."""
         self.cfg = cfg
+        self.layout = layout
         self.dist = dist
         self.precision = precision
         self.loss = loss
-        self.layout = type(self).layout_of(cfg)
+
+    @classmethod
+    def resolve(cls, p, device_type: str) -> Layout:
+        """The run's layout, made once by the checks: the degrees (a null one resolved into
+        the parallel config `p`), this class, and the GPUs a one-process layout uses."""
+        return dataclasses.replace(cls.layout_of(p), strategy=cls, gpus=cls.gpus_of(p))
 
     @classmethod
     def layout_of(cls, p) -> Layout:
@@ -42,11 +50,10 @@ class Strategy:
         return Layout()
 
     @classmethod
-    def check(cls, cfg, stages: list[nn.Module] | None = None) -> None:
-        """This strategy's own checks of the whole config (parallel.world_size resolved),
-        before any worker starts, with the model's stages where the trial found them (a
-        layout that cuts the model checks its parts); ConfigError on the first problem."""
-        cls.layout_of(cfg.parallel)
+    def check(cls, cfg, layout: Layout, stages: list[nn.Module] | None = None) -> None:
+        """This strategy's own checks of the whole config and its resolved layout, before
+        any worker starts, with the model's stages where the trial found them (a layout
+        that cuts the model checks its parts); ConfigError on the first problem."""
 
     @classmethod
     def layouts(cls, world_size: int, device_type: str, options) -> list[list[str]]:
@@ -58,11 +65,6 @@ class Strategy:
             several = device_type == "cuda" and world_size > 1
             return [[f"parallel.world_size={world_size}"]] if several else []
         return [["parallel.world_size=1"]] if world_size == 1 else []
-
-    @classmethod
-    def data_parallel_ranks(cls, cfg) -> int:
-        """Ranks (or devices) that read different samples each step."""
-        return cls.layout_of(cfg.parallel).dp
 
     @property
     def devices_per_process(self) -> int:
@@ -107,15 +109,19 @@ class Strategy:
         together draw alike."""
         return self.dist.rank
 
-    def gpus(self) -> list[int]:
+    @staticmethod
+    def gpus_of(p) -> tuple[int, ...]:
         """The CUDA ordinals a one-process layout places its replicas or parts on: those of
         parallel.devices among the visible GPUs (named twice: the same one twice), the
         first world_size of them."""
-        ids = getattr(self.cfg, "devices", None)
+        ids = getattr(p, "devices", None)
         if ids is None:
-            return list(range(self.cfg.world_size))
+            return tuple(range(p.world_size))
         visible = list(dict.fromkeys(ids))  # as validate made them visible, in this order
-        return [visible.index(i) for i in ids][:self.cfg.world_size]
+        return tuple(visible.index(i) for i in ids)[:p.world_size]
+
+    def gpus(self) -> list[int]:
+        return list(self.layout.gpus)
 
     def split(self, model: nn.Module) -> nn.Module:
         """What the layout does to the model before activation checkpointing and compile

@@ -20,8 +20,10 @@ class DataParallelStrategy(Strategy):
         return Layout(p.world_size, cls.dims, dp_replicate=p.world_size)
 
     @classmethod
-    def data_parallel_ranks(cls, cfg) -> int:
-        return cfg.parallel.world_size if cfg.device.value == "cuda" else 1  # CPU: one device
+    def resolve(cls, p, device_type: str) -> Layout:
+        layout = super().resolve(p, device_type)
+        # DataParallel splits batches over GPUs only: on a CPU one device reads them
+        return layout if device_type == "cuda" else Layout(strategy=cls, dims=cls.dims)
 
     @property
     def devices_per_process(self) -> int:

@@ -12,7 +12,8 @@ group: one process drives every device.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from parallab.config.errors import ConfigError
 
@@ -53,6 +54,11 @@ class Layout:
     dp_shard: int = 1
     pp: int = 1
     tp: int = 1
+    # set once by the checks (Strategy.resolve) and carried to every rank: the strategy
+    # class that runs this layout, and the CUDA ordinals a one-process layout puts its
+    # replicas or parts on
+    strategy: Any = field(default=None, compare=False)
+    gpus: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for dim in ("dp_replicate", "dp_shard", "pp", "tp"):

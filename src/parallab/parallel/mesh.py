@@ -154,9 +154,8 @@ class MeshStrategy(Strategy):
                  *(f"parallel.{k}={v}" for k, v in zip(DEGREES, d))] for d in degrees]
 
     @classmethod
-    def check(cls, cfg, stages=None) -> None:
+    def check(cls, cfg, layout: Layout, stages=None) -> None:
         p = cfg.parallel
-        layout = cls.layout_of(p)
         if layout.replicas_only and not p.bucket_cap_mb > 0:
             raise ConfigError(f"parallel.bucket_cap_mb={p.bucket_cap_mb} is out of range: it "
                               "must be > 0 (DDP's default is 25)")

@@ -49,8 +49,8 @@ class ModelParallelStrategy(Strategy):
         return Layout(p.world_size, cls.dims, pp=p.world_size)
 
     @classmethod
-    def check(cls, cfg, stages=None) -> None:
-        super().check(cfg)
+    def check(cls, cfg, layout: Layout, stages=None) -> None:
+        super().check(cfg, layout)
         check_parts(cfg, stages)
         refuse_finder(cfg)
 

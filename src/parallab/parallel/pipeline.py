@@ -66,8 +66,8 @@ class PipelineStrategy(MeshStrategy):
         return super().layout_of(p)
 
     @classmethod
-    def check(cls, cfg, stages=None) -> None:
-        super().check(cfg)  # the degrees, the tp plan
+    def check(cls, cfg, layout: Layout, stages=None) -> None:
+        super().check(cfg, layout)  # the tp plan
         p = cfg.parallel
         check_parts(cfg, stages, p.pp)
         if from_model(cfg.loss):

@@ -27,7 +27,7 @@ from parallab.observe import loggers
 from parallab.observe.loggers import RunLogger
 from parallab.observe.memory import peak_memory_mb, reset_peak_memory
 from parallab.optim import build_optimizer, scaled_lr
-from parallab.parallel import STRATEGIES
+from parallab.parallel.layout import Layout
 from parallab.parallel.parallelize import parallelize
 from parallab.precision import Precision
 from parallab.training import batch_size, checkpoint
@@ -42,6 +42,7 @@ class RunSpec:
     """Everything a worker needs, resolved and checked by the controlling process."""
 
     cfg: Config
+    layout: Layout  # resolved once by the checks: degrees, strategy, GPUs
     run_dir: str
     overrides: list[str] = field(default_factory=list)  # what the command line changed
     started: float = field(default_factory=time.time)
@@ -190,7 +191,7 @@ def heap_frozen() -> Iterator[None]:
 def train(spec: RunSpec, store=None) -> dict[str, Any]:
     """Train on this rank; returns the run's final metrics (every rank gets the same)."""
     cfg = spec.cfg
-    backend = cfg.backend.name if STRATEGIES[cfg.parallel.name].processes else None
+    backend = cfg.backend.name if spec.layout.processes else None
     hosted = launch.take_store(cfg.parallel.rendezvous_timeout)  # in place: rank 0 hosts it
     dist = distributed.setup(cfg.device.value, backend, cfg.backend.timeout_s,
                              cfg.parallel.threads_per_worker, store=store or hosted)
@@ -214,7 +215,7 @@ def train(spec: RunSpec, store=None) -> dict[str, Any]:
     return metrics
 
 
-def start_model(cfg: Config, dist: distributed.Dist, strategy_cls, init_from: str | None
+def start_model(cfg: Config, dist: distributed.Dist, layout: Layout, init_from: str | None
                 ) -> tuple[torch.nn.Module, bool]:
     """The model this rank starts from, and whether its parameters are on meta, to be given
     their part of the weights at `init_from` once laid out (a layout that cuts the model,
@@ -224,7 +225,7 @@ def start_model(cfg: Config, dist: distributed.Dist, strategy_cls, init_from: st
     from parallab.training import formats, weights
 
     if init_from is not None and cfg.trainer.init_strict and not \
-            adapters.enabled(cfg.adapter) and strategy_cls.layout_of(cfg.parallel).sharded:
+            adapters.enabled(cfg.adapter) and layout.sharded:
         try:
             with weights.parameters_on_meta():
                 return build_model(cfg.model), True
@@ -247,17 +248,16 @@ def start_model(cfg: Config, dist: distributed.Dist, strategy_cls, init_from: st
     return model, False
 
 
-def build_trainer(cfg: Config, dist: distributed.Dist, logger: RunLogger,
+def build_trainer(cfg: Config, layout: Layout, dist: distributed.Dist, logger: RunLogger,
                   checkpoints: Path | None, preemption: Preemption,
                   init_from: str | None = None, probe: Any = None) -> tuple[Trainer, float]:
     """Model, strategy, data, optimizer and trainer on this rank (a checkpointer saving
     into `checkpoints`, if given; the weights at `init_from`, if given); the trainer and the
     learning rate it uses."""
-    strategy_cls = STRATEGIES[cfg.parallel.name]
-    model, held_only = start_model(cfg, dist, strategy_cls, init_from)
-    precision = Precision(cfg.precision, dist.device,
-                          sharded=strategy_cls.layout_of(cfg.parallel).sharded)
-    strategy = strategy_cls(cfg.parallel, dist, precision, build_loss(cfg.loss).bind(model))
+    model, held_only = start_model(cfg, dist, layout, init_from)
+    precision = Precision(cfg.precision, dist.device, sharded=layout.sharded)
+    strategy = layout.strategy(cfg.parallel, layout, dist, precision,
+                               build_loss(cfg.loss).bind(model))
     torch.manual_seed(cfg.seed + strategy.seed_rank)  # dropout masks differ between ranks
     model = parallelize(model, strategy, cfg.trainer, cfg.parallel.stages)
     if held_only:
@@ -292,8 +292,8 @@ def _fit(spec: RunSpec, dist: distributed.Dist, logger: RunLogger,
     with Preemption(slurm.requeue_signals(cfg.trainer.requeue_signal)) as preemption:
         # a resumed run has its weights (its start's included) from its checkpoint
         resume_from = resume_path(cfg.trainer.resume, spec.run_dir)
-        trainer, lr = build_trainer(cfg, dist, logger, Path(spec.run_dir) / "checkpoints",
-                                    preemption, None if resume_from else cfg.trainer.init_from)
+        trainer, lr = build_trainer(cfg, spec.layout, dist, logger,
+                                    Path(spec.run_dir) / "checkpoints", preemption, None if resume_from else cfg.trainer.init_from)
         if resume_from is not None:
             trainer.load_state_dict(read_checkpoint(resume_from, trainer.strategy,
                                                     trainer.model, trainer.optimizer))
