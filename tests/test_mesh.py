@@ -54,8 +54,8 @@ def test_one_null_degree_is_inferred_and_a_mismatch_is_one_line():
 ])
 def test_a_layout_is_resolved_once_and_says_what_its_degrees_imply(overrides, shape, dp,
                                                                      properties):
-    """The controller resolves each preset's null degree into the config the workers read;
-    the Layout the workers rebuild from it says what each part of parallab asks of it."""
+    """The controller resolves each preset's null degree; the Layout it carries to the
+    workers says what each part of parallab asks of it."""
     from parallab.parallel import STRATEGIES
 
     cfg, layout = checked(*overrides)
@@ -65,6 +65,30 @@ def test_a_layout_is_resolved_once_and_says_what_its_degrees_imply(overrides, sh
     said = {"replicas_only", "sharded", "cuts_model", "pipelined"}
     assert {name for name in said if getattr(layout, name)} == properties
     assert layout.uses_stages == (layout.processes or layout.cuts_model)
+
+
+def test_a_run_resolves_its_layout_once_and_trains_with_that_one(train_here, monkeypatch):
+    """The checks resolve the layout (degrees, strategy, GPUs) once; the run builds its
+    strategy from that value, with no second lookup by parallel.name nor resolution."""
+    from parallab.parallel.model import ModelParallelStrategy
+
+    resolved, given = [], []
+    layout_of, init = ModelParallelStrategy.layout_of.__func__, ModelParallelStrategy.__init__
+
+    def counted(cls, p):
+        resolved.append(layout_of(cls, p))
+        return resolved[-1]
+
+    def kept(self, cfg, layout, *args):
+        given.append(layout)
+        init(self, cfg, layout, *args)
+
+    monkeypatch.setattr(ModelParallelStrategy, "layout_of", classmethod(counted))
+    monkeypatch.setattr(ModelParallelStrategy, "__init__", kept)
+    train_here(*FAST, "parallel=model", "parallel.world_size=2", "model=mlp",
+               "trainer.max_steps=2")
+    assert len(resolved) == 1 and len(given) == 1
+    assert given[0].strategy is ModelParallelStrategy and given[0].shape == (2,)
 
 
 def test_a_plan_is_checked_against_the_widths():
