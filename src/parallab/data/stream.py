@@ -98,6 +98,16 @@ class StreamLoader:
         return StreamLoader(self.source, self.dist, batch_size, self.seed, self.cfg)
 
 
+def refuse_partial_epoch(accumulate: int, batches: int) -> None:
+    """A stream of unknown length whose epoch gives each rank fewer batches (`batches`)
+    than one step accumulates (a sized one is refused before: run_length): every step would
+    be short of the samples asked for."""
+    raise ConfigError(
+        f"trainer.accumulate_grad_batches={accumulate} is more than the {batches} batches an "
+        f"epoch of the data gives each rank: set it to at most {batches}, or lower "
+        "data.batch_size")
+
+
 def run_length(cfg, loader) -> tuple[int | None, int | None]:
     """Optimizer steps per epoch and in the run (`cfg`: the trainer's keys) over `loader`;
     None per epoch for a stream without __len__, which trainer.max_steps bounds."""

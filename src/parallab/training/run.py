@@ -149,7 +149,9 @@ def resumed_rate(trainer: Trainer, lr: float, cfg: Config, main: bool) -> float:
     """The rate a resumed run goes on at: its checkpoint's (the optimizer state holds it;
     validate refused a changed optim key), said where optim.scale_lr at this run's global
     batch would give another."""
-    used = trainer.base_rate()
+    # the rate the optimizer's schedule starts from: after a resume, the checkpoint's
+    group = trainer.optimizer.param_groups[0]
+    used = group.get("initial_lr", group["lr"])
     if main and not math.isclose(used, lr, rel_tol=1e-9):
         log.warning("resumed at the checkpoint's learning rate %g: optim.scale_lr=%s would "
                     "give %g at this run's global batch of %d, but the optimizer state goes on "
