@@ -205,7 +205,7 @@ def test_step_time_model_follows_links_ring_factor_and_bubble():
     from conftest import checked
 
     from parallab.advise import scaling
-    from parallab.parallel import STRATEGIES
+    from parallab.parallel import PLANS
 
     gbit = 2**20 * 8 / 1e9  # seconds to send one MB at 1 Gbit/s
     ddp = checked(*TINY, "parallel=ddp", "parallel.world_size=2")  # (config, layout)
@@ -221,9 +221,9 @@ def test_step_time_model_follows_links_ring_factor_and_bubble():
         gbit / 100 * (15 / 16) / (3 / 4))  # the shard group's traffic stays in the node
     pipeline = checked(*TINY, "parallel=pipeline", "parallel.world_size=2",
                        "parallel.microbatches=4")
-    assert pipeline[1].strategy is STRATEGIES["pipeline"] and ddp[1].strategy is STRATEGIES["ddp"]
-    assert pipeline[1].strategy.bubble(pipeline[0]) == 1 + 1 / 4
-    assert ddp[1].strategy.bubble(ddp[0]) == 1.0
+    assert pipeline[1].plan is PLANS["pipeline"] and ddp[1].plan is PLANS["ddp"]
+    assert pipeline[1].plan.bubble(pipeline[0]) == 1 + 1 / 4
+    assert ddp[1].plan.bubble(ddp[0]) == 1.0
     # each collective's calls cost the measured latency besides their bytes
     called = {"comm_all_reduce_mb": 1.0, "comm_all_reduce_calls": 3}
     assert scaling.comm_seconds(called, *ddp, 2, 8, 100.0, 10.0, latency_s=0.002) == \

@@ -420,23 +420,23 @@ def test_amp_is_fp16_on_cuda_and_refused_where_a_pipeline_runs_the_backward():
     """float16's scaled loss is the trainer's backward; a pipeline's schedule runs its own.
     The sharded layouts take it (ShardedGradScaler)."""
     from parallab.config.schema import Device
-    from parallab.parallel import STRATEGIES
+    from parallab.parallel import PLANS
 
     for name, refused in (("pipeline", True), ("fsdp", False)):
         cfg = typed(f"parallel={name}", "precision=amp", "parallel.world_size=2")
-        strategy = STRATEGIES[name]
-        layout = strategy.layout_of(cfg.parallel)
+        plan = PLANS[name]
+        layout = plan.layout_of(cfg.parallel)
         cfg.device = Device.cpu  # amp is bfloat16 there: allowed
-        strategy.refuse_sharded(cfg, layout)
+        plan.refuse_sharded(cfg, layout)
         cfg.device = Device.cuda  # resolved, as on a GPU machine
         if refused:
             with pytest.raises(validate.ConfigError, match=f"precision=amp with parallel={name}"
                                                            ": it computes in float16"):
-                strategy.refuse_sharded(cfg, layout)
+                plan.refuse_sharded(cfg, layout)
         else:
-            strategy.refuse_sharded(cfg, layout)
+            plan.refuse_sharded(cfg, layout)
     cfg.device = Device.cpu  # amp is bfloat16 there: allowed
-    STRATEGIES["fsdp"].check(cfg, layout)
+    PLANS["fsdp"].check(cfg, layout)
 
 
 @pytest.mark.parametrize("layout,devices,found,expected", [
@@ -452,16 +452,16 @@ def test_parallel_devices_are_gpus_this_machine_has(monkeypatch, layout, devices
     import torch
 
     from parallab.config.schema import Device
-    from parallab.parallel import STRATEGIES
+    from parallab.parallel import PLANS
 
     cfg = typed(f"parallel={layout}", f"parallel.devices=[{','.join(map(str, devices))}]")
     cfg.device = Device.cuda
     monkeypatch.setattr(torch.cuda, "device_count", lambda: found)
     if isinstance(expected, int):
-        assert validate.visible_gpus(cfg, STRATEGIES[layout]) == expected
+        assert validate.visible_gpus(cfg, PLANS[layout]) == expected
     else:
         with pytest.raises(validate.ConfigError, match=expected):
-            validate.visible_gpus(cfg, STRATEGIES[layout])
+            validate.visible_gpus(cfg, PLANS[layout])
 
 
 def test_the_hydra_internals_parallab_uses_are_in_the_installed_hydra_and_nowhere_else():

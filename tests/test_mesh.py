@@ -56,10 +56,10 @@ def test_a_layout_is_resolved_once_and_says_what_its_degrees_imply(overrides, sh
                                                                      properties):
     """The controller resolves each preset's null degree; the Layout it carries to the
     workers says what each part of parallab asks of it."""
-    from parallab.parallel import STRATEGIES
+    from parallab.parallel import PLANS
 
     cfg, layout = checked(*overrides)
-    assert layout.strategy is STRATEGIES[cfg.parallel.name]
+    assert layout.plan is PLANS[cfg.parallel.name]
     assert layout.shape == shape and layout.dp == dp
     assert layout.processes == (cfg.parallel.name not in ("none", "model"))
     said = {"replicas_only", "sharded", "cuts_model", "pipelined"}
@@ -68,27 +68,28 @@ def test_a_layout_is_resolved_once_and_says_what_its_degrees_imply(overrides, sh
 
 
 def test_a_run_resolves_its_layout_once_and_trains_with_that_one(train_here, monkeypatch):
-    """The checks resolve the layout (degrees, strategy, GPUs) once; the run builds its
-    strategy from that value, with no second lookup by parallel.name nor resolution."""
-    from parallab.parallel.model import ModelParallelStrategy
+    """The checks resolve the layout (degrees, plan, GPUs) once; the run builds its
+    runtime strategy from that value, with no second lookup by parallel.name nor
+    resolution."""
+    from parallab.parallel.model import ModelParallelPlan, ModelParallelStrategy
 
     resolved, given = [], []
-    layout_of, init = ModelParallelStrategy.layout_of.__func__, ModelParallelStrategy.__init__
+    layout_of, init = ModelParallelPlan.layout_of.__func__, ModelParallelStrategy.__init__
 
     def counted(cls, p):
         resolved.append(layout_of(cls, p))
         return resolved[-1]
 
-    def kept(self, cfg, layout, *args):
+    def kept(self, p, layout, *args):
         given.append(layout)
-        init(self, cfg, layout, *args)
+        init(self, p, layout, *args)
 
-    monkeypatch.setattr(ModelParallelStrategy, "layout_of", classmethod(counted))
+    monkeypatch.setattr(ModelParallelPlan, "layout_of", classmethod(counted))
     monkeypatch.setattr(ModelParallelStrategy, "__init__", kept)
     train_here(*FAST, "parallel=model", "parallel.world_size=2", "model=mlp",
                "trainer.max_steps=2")
     assert len(resolved) == 1 and len(given) == 1
-    assert given[0].strategy is ModelParallelStrategy and given[0].shape == (2,)
+    assert given[0].plan is ModelParallelPlan and given[0].shape == (2,)
 
 
 def test_a_plan_is_checked_against_the_widths():

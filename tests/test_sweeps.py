@@ -134,11 +134,11 @@ def test_every_experiment_preset_runs(tmp_path):
 def test_strategies_preset_trains_every_strategy_at_one_global_batch(tmp_path):
     from omegaconf import OmegaConf
 
-    from parallab.parallel import STRATEGIES
+    from parallab.parallel import PLANS
 
     preset = OmegaConf.load(REPO / "experiments" / "strategies.yaml")
     swept = preset.hydra.sweeper.params.parallel.split(",")
-    assert sorted(swept) == sorted(set(STRATEGIES) - {"dp"})  # dp needs GPUs to differ
+    assert sorted(swept) == sorted(set(PLANS) - {"dp"})  # dp needs GPUs to differ
     sweep_dir = tmp_path / "sweep"
     # the preset's mechanics on three of them; each one's equivalence is test_strategies'
     result = run_entry("train.py", ["-m", "experiment=strategies", "trainer.max_steps=3",

@@ -218,7 +218,7 @@ def typed_config(dict_cfg: DictConfig, overrides: list[str]):
 
 def _train_job(dict_cfg: DictConfig, call: Invocation) -> float | None:
     from parallab.checks import validate
-    from parallab.parallel import STRATEGIES
+    from parallab.parallel import PLANS
     from parallab.training import run
 
     hydra_cfg = HydraConfig.get()
@@ -230,8 +230,8 @@ def _train_job(dict_cfg: DictConfig, call: Invocation) -> float | None:
                 lambda extra: hydra_compose(hydra_cfg.job.config_name, overrides=extra), call)
         return None
     in_place = launch.prepare_in_place()  # again for launchers that call the app (submitit)
-    strategy = STRATEGIES.get(dict_cfg.parallel.name)  # an unknown one is validate's to refuse
-    launch.warm_up(strategy is not None and strategy.processes, in_place)
+    plan = PLANS.get(dict_cfg.parallel.name)  # an unknown one is validate's to refuse
+    launch.warm_up(plan is not None and plan.processes, in_place)
     with call.refusing():
         cfg, layout = validate.prepare(typed_config(dict_cfg, list(hydra_cfg.overrides.task)),
                                        in_place, hydra_cfg.runtime.output_dir)

@@ -37,7 +37,7 @@ def problem(options) -> str | None:
     from parallab import precision
     from parallab.config.schema import PrecisionConfig
     from parallab.observe import mfu
-    from parallab.parallel import STRATEGIES, activations
+    from parallab.parallel import PLANS, activations
 
     for key, low in (("steps", 1), ("warmup_steps", 0), ("max_accumulation", 1),
                      ("gpus_per_node", 1)):
@@ -59,10 +59,10 @@ def problem(options) -> str | None:
     if bad:
         return (f"advise.world_sizes={list(options.world_sizes)} holds {bad[0]}: give world "
                 "sizes >= 1 (or null for 1 and each divisor of parallel.world_size)")
-    unknown = [n for n in options.layouts or [] if n not in STRATEGIES]
+    unknown = [n for n in options.layouts or [] if n not in PLANS]
     if unknown:
         return (f"advise.layouts names {', '.join(unknown)}: use parallel options "
-                f"({', '.join(STRATEGIES)})")
+                f"({', '.join(PLANS)})")
     for name in options.precisions or []:
         found = precision.problem(PrecisionConfig(name=name))
         if found:

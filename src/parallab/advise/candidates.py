@@ -1,5 +1,5 @@
 """The grid `parallab advise` searches: every layout the strategies offer for each world
-size (Strategy.layouts), x precision x activation checkpointing x gradient accumulation,
+size (Plan.layouts), x precision x activation checkpointing x gradient accumulation,
 each checked as `python train.py` would check it, its memory predicted, and pruned with a
 reason where it cannot run or is not needed."""
 
@@ -73,13 +73,13 @@ def user_overrides(overrides: list[str]) -> list[str]:
 
 
 def enumerate_grid(options, world_sizes: list[int], device_type: str) -> list[Candidate]:
-    from parallab.parallel import STRATEGIES
+    from parallab.parallel import PLANS
 
-    names = options.layouts or list(STRATEGIES)
+    names = options.layouts or list(PLANS)
     accumulations = [2**k for k in range(int(math.log2(options.max_accumulation)) + 1)]
     return [Candidate(n, name, settings, precision, ac, accumulation)
             for n in world_sizes for name in names
-            for settings in STRATEGIES[name].layouts(n, device_type, options)
+            for settings in PLANS[name].layouts(n, device_type, options)
             for precision in options.precisions for ac in options.activation_checkpointing
             for accumulation in accumulations]
 

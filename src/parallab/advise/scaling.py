@@ -39,7 +39,7 @@ def comm_seconds(figures: dict[str, Any], cfg, layout, n: int, gpus_per_node: in
     d_now = layout.dp
     d_then = max(1, d_now * n // cfg.parallel.world_size)
     scale = ring(d_then) / ring(d_now) if ring(d_now) else 1.0
-    local = layout.strategy.node_local_kinds(cfg)
+    local = layout.plan.node_local_kinds(cfg)
     seconds = 0.0
     for kind in KINDS:
         megabytes = figures.get(f"comm_{kind}_mb") or 0.0
@@ -78,7 +78,7 @@ def predict_target(figures: dict[str, Any], cfg, layout, flops: float, options,
                    peak: float) -> float:
     """Predicted step time (s) at advise.target_world_size on the target GPUs."""
     n = options.target_world_size
-    compute = flops / n / (peak * options.mfu) * layout.strategy.bubble(cfg)
+    compute = flops / n / (peak * options.mfu) * layout.plan.bubble(cfg)
     return compute + comm_seconds(figures, cfg, layout, n, options.gpus_per_node,
                                   options.intra_node_gbps, options.inter_node_gbps)
 
@@ -94,6 +94,6 @@ def validate(one_rank_step_s: float, figures: dict[str, Any], cfg, layout,
     by min(n, devices) devices (CPU ranks share one set of cores)."""
     n = cfg.parallel.world_size
     compute = (share_s if share_s is not None and layout.processes
-               else one_rank_step_s / min(n, devices)) * layout.strategy.bubble(cfg)
+               else one_rank_step_s / min(n, devices)) * layout.plan.bubble(cfg)
     return compute + comm_seconds(figures, cfg, layout, n, n, bandwidth_gbps, bandwidth_gbps,
                                   latency_s)

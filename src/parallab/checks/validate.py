@@ -154,7 +154,7 @@ def resolve_device(cfg: Config) -> None:
              "drop parallel.devices or run on CUDA")
 
 
-def visible_gpus(cfg: Config, strategy) -> int:
+def visible_gpus(cfg: Config, plan) -> int:
     """The GPUs the run places ranks, replicas or parts on (0 on CPU): those of
     parallel.devices, each of which must exist, a repeated one counted again (dp and model
     may put two on one GPU; a process per GPU may not: NCCL takes one rank per GPU)."""
@@ -169,7 +169,7 @@ def visible_gpus(cfg: Config, strategy) -> int:
     _require(len(named) <= found, f"parallel.devices={p.devices} names {len(named)} GPUs, but "
              f"{found} of them are visible here (CUDA counts ids up to the first one it does "
              "not have): name GPUs this machine has (nvidia-smi -L)")
-    _require(not strategy.processes or len(named) == len(p.devices),
+    _require(not plan.processes or len(named) == len(p.devices),
              f"parallel.devices={p.devices} names a GPU twice, and parallel={p.name} runs a "
              "process per GPU (NCCL takes one rank per GPU): name each once (parallel=dp and "
              "model may share one)")
@@ -177,16 +177,16 @@ def visible_gpus(cfg: Config, strategy) -> int:
 
 
 def resolve_parallel(cfg: Config, in_place: InPlace | None) -> Layout:
-    """The run's layout, resolved here once (the world size, the degrees, the strategy, the
+    """The run's layout, resolved here once (the world size, the degrees, the plan, the
     GPUs) and carried to every rank."""
-    from parallab.parallel import STRATEGIES
+    from parallab.parallel import PLANS
 
     p = cfg.parallel
-    strategy = STRATEGIES[p.name]
-    gpus = visible_gpus(cfg, strategy)
+    plan = PLANS[p.name]
+    gpus = visible_gpus(cfg, plan)
     if in_place is not None:
-        launching = [name for name, kind in STRATEGIES.items() if kind.processes]
-        _require(strategy.processes or in_place.world_size == 1, f"parallel={p.name} "
+        launching = [name for name, kind in PLANS.items() if kind.processes]
+        _require(plan.processes or in_place.world_size == 1, f"parallel={p.name} "
                  f"runs one process, but {in_place.launcher} started {in_place.world_size}: "
                  f"use parallel={' or '.join(launching)}, or launch one process")
         _require(p.world_size in (None, in_place.world_size), f"parallel.world_size="
@@ -195,7 +195,7 @@ def resolve_parallel(cfg: Config, in_place: InPlace | None) -> Layout:
                  f"{p.world_size} tasks")
         p.world_size, p.nnodes = in_place.world_size, in_place.nnodes
     elif p.world_size is None:
-        several = strategy.processes or "pp" in strategy.dims  # cuts the model into parts
+        several = plan.processes or "pp" in plan.dims  # cuts the model into parts
         p.world_size = gpus or (2 if several else 1)
     _require(p.world_size % p.nnodes == 0, f"parallel.world_size={p.world_size} does not split "
              f"evenly over parallel.nnodes={p.nnodes}: use a multiple of {p.nnodes}")
@@ -211,7 +211,7 @@ def resolve_parallel(cfg: Config, in_place: InPlace | None) -> Layout:
     if gpus and not (in_place is not None and gpus == 1):  # in place: one GPU per task will do
         _require(per_node <= gpus, f"parallel.world_size={p.world_size} needs {per_node} GPUs "
                  f"per node but {gpus} are visible: set parallel.world_size<={gpus * p.nnodes}")
-    return strategy.resolve(p, cfg.device.value)  # a null degree resolved, checked
+    return plan.resolve(p, cfg.device.value)  # a null degree resolved, checked
 
 
 def resolve_global_batch(cfg: Config, layout: Layout) -> None:
@@ -256,7 +256,7 @@ def check_run_length(cfg: Config, layout: Layout) -> None:
 def check_strategy(cfg: Config, layout: Layout, probe: trial.Probe) -> None:
     """One batch tried where a user's part is in play, then the strategy's own checks (with
     the model's stages where it cuts the model into parts)."""
-    layout.strategy.check(cfg, layout, trial.run(cfg, layout, probe))
+    layout.plan.check(cfg, layout, trial.run(cfg, layout, probe))
     _refuse(trial.tp_split_problem(cfg, probe))  # after the strategy's: the plan divides
     _refuse(activations.stages_problem(cfg))
 

@@ -104,20 +104,20 @@ def allocation(cfg: DictConfig, launcher: dict[str, Any], partition: Partition,
     """The allocation job `cfg` needs: a task per rank for the layouts that run processes
     (in place, across nodes where one node cannot hold them), one task with every device for
     the others; ConfigError where the keys set contradict it or the partition cannot hold it."""
-    from parallab.parallel import STRATEGIES
+    from parallab.parallel import PLANS
 
     p = cfg.parallel
-    strategy = STRATEGIES.get(p.name)
-    if strategy is None:
+    plan = PLANS.get(p.name)
+    if plan is None:
         raise ConfigError(f"{job}: parallel={p.name} is unknown: use one of "
-                          f"{', '.join(STRATEGIES)}")
+                          f"{', '.join(PLANS)}")
     device = getattr(cfg.device, "value", cfg.device)  # the Device enum, or its name
     cuda = device == "cuda" or (device == "auto" and partition.gpus > 0)
     held = partition.gpus if cuda else partition.cpus // (launcher.get("cpus_per_task") or 1)
-    world = p.world_size or (held if cuda and strategy.processes else
-                             2 if strategy.processes or "pp" in strategy.dims else 1)
+    world = p.world_size or (held if cuda and plan.processes else
+                             2 if plan.processes or "pp" in plan.dims else 1)
     gpus = launcher.get("gpus_per_node")
-    if not strategy.processes:  # one process drives every device
+    if not plan.processes:  # one process drives every device
         needed = Allocation(1, 1, gpus or (world if cuda else None))
     else:
         needed = _spread(world, launcher.get("nodes"), launcher.get("tasks_per_node"), held, job)
@@ -128,7 +128,7 @@ def allocation(cfg: DictConfig, launcher: dict[str, Any], partition: Partition,
                           f"{partition.name} holds {partition.cpus} CPUs and {partition.gpus} "
                           f"GPUs, and it has {partition.nodes} node(s): lower "
                           "parallel.world_size, or choose hydra.launcher.partition")
-    if needed.tasks_per_node > held and strategy.processes:
+    if needed.tasks_per_node > held and plan.processes:
         raise ConfigError(f"{job}: hydra.launcher.tasks_per_node={needed.tasks_per_node} is "
                           f"more ranks than a node of partition {partition.name} holds "
                           f"({held}): set at most {held}, or leave it out")

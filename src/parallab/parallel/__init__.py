@@ -1,26 +1,22 @@
-"""Parallel strategies by name: each wraps a model for its way of splitting the work."""
+"""Parallel layouts by name (parallel=NAME): each a Plan (pure: degrees, checks, advise's
+candidates) whose runtime Strategy lays a model out for its way of splitting the work."""
 
 from __future__ import annotations
 
-from parallab.parallel.base import Strategy
-from parallab.parallel.dp import DataParallelStrategy
-from parallab.parallel.mesh import (
-    FSDPTPStrategy,
-    HSDPStrategy,
-    MeshStrategy,
-    TPStrategy,
-)
-from parallab.parallel.model import ModelParallelStrategy
-from parallab.parallel.pipeline import PipelineStrategy
+from parallab.parallel.base import Plan
+from parallab.parallel.dp import DataParallelPlan
+from parallab.parallel.mesh import FSDPTPPlan, HSDPPlan, MeshPlan, TPPlan
+from parallab.parallel.model import ModelParallelPlan
+from parallab.parallel.pipeline import PipelinePlan
 
-STRATEGIES: dict[str, type[Strategy]] = {
-    "none": Strategy,
-    "dp": DataParallelStrategy,
-    "ddp": MeshStrategy,  # the mesh's presets: ddp and fsdp set dp_replicate or dp_shard
-    "fsdp": MeshStrategy,
-    "model": ModelParallelStrategy,
-    "pipeline": PipelineStrategy,
-    "hsdp": HSDPStrategy,
-    "tp": TPStrategy,
-    "fsdp_tp": FSDPTPStrategy,
+PLANS: dict[str, type[Plan]] = {
+    "none": Plan,
+    "dp": DataParallelPlan,
+    "ddp": MeshPlan,  # the mesh's presets: ddp and fsdp set dp_replicate or dp_shard
+    "fsdp": MeshPlan,
+    "model": ModelParallelPlan,
+    "pipeline": PipelinePlan,
+    "hsdp": HSDPPlan,
+    "tp": TPPlan,
+    "fsdp_tp": FSDPTPPlan,
 }

@@ -1,4 +1,7 @@
-"""What every parallel strategy provides to the trainer, and the single-device default."""
+"""A layout's two halves, and the single device's: its Plan (pure: the degrees resolved
+from the parallel config, its checks, the candidates advise enumerates, its compute and
+communication model) and its Strategy (the runtime, built on a rank with the resolved
+layout: it lays the model out, runs the step, gives and takes checkpoint state)."""
 
 from __future__ import annotations
 
@@ -21,50 +24,13 @@ from parallab.precision import Precision
 class Strategy:
     """Single device: the model on this rank's device, unwrapped."""
 
-    dims: tuple[str, ...] = ()  # the degrees its ranks are arranged by (Layout.dims)
-    processes = False  # a process per rank, started by the launcher, in a process group
-
-    def __init__(self, cfg, layout: Layout, dist: Dist, precision: Precision, loss: Objective):
-        """cfg: the parallel config; layout: the one the checks resolved (Strategy.resolve)."""
-        self.cfg = cfg
+    def __init__(self, p, layout: Layout, dist: Dist, precision: Precision, loss: Objective):
+        """p: the parallel config; layout: the one the checks resolved (Plan.resolve)."""
+        self.p = p
         self.layout = layout
         self.dist = dist
         self.precision = precision
         self.loss = loss
-
-    @classmethod
-    def resolve(cls, p, device_type: str) -> Layout:
-        """The run's layout, made once by the checks: the degrees (a null one resolved into
-        the parallel config `p`), this class, and the GPUs a one-process layout uses."""
-        return dataclasses.replace(cls.layout_of(p), strategy=cls, gpus=cls.gpus_of(p))
-
-    @classmethod
-    def layout_of(cls, p) -> Layout:
-        """The Layout of the parallel config `p` (parallel.world_size resolved); a null
-        degree is resolved into `p`, so that the workers read it as the controller did.
-        ConfigError where the degrees do not fit the world size."""
-        if p.world_size != 1:
-            raise ConfigError(f"parallel.world_size={p.world_size} needs several workers, but "
-                              f"parallel={p.name} runs one: use parallel=ddp (processes) or "
-                              "parallel=dp (GPUs of one process)")
-        return Layout()
-
-    @classmethod
-    def check(cls, cfg, layout: Layout, stages: list[nn.Module] | None = None) -> None:
-        """This strategy's own checks of the whole config and its resolved layout, before
-        any worker starts, with the model's stages where the trial found them (a layout
-        that cuts the model checks its parts); ConfigError on the first problem."""
-
-    @classmethod
-    def layouts(cls, world_size: int, device_type: str, options) -> list[list[str]]:
-        """This strategy's settings (overrides after parallel=NAME) that use `world_size`
-        ranks or devices: the candidates `parallab advise` tries (`options`: its config)."""
-        if cls.processes:
-            return [[f"parallel.world_size={world_size}"]] if world_size > 1 else []
-        if cls.dims:  # devices of one process: GPUs
-            several = device_type == "cuda" and world_size > 1
-            return [[f"parallel.world_size={world_size}"]] if several else []
-        return [["parallel.world_size=1"]] if world_size == 1 else []
 
     @property
     def devices_per_process(self) -> int:
@@ -87,17 +53,6 @@ class Strategy:
         pipeline's 1F1B stage holds fewer than all)."""
         return 1.0
 
-    @classmethod
-    def bubble(cls, cfg) -> float:
-        """Compute time relative to a step without idle ranks (a pipeline's fill and drain)."""
-        return 1.0
-
-    @classmethod
-    def node_local_kinds(cls, cfg) -> tuple[str, ...]:
-        """Collective kinds (comm.KINDS) whose groups stay within one node however many
-        nodes the job spans (hsdp's shard groups)."""
-        return ()
-
     @property
     def loss_ranks(self) -> int:
         """Ranks that hold a loss each step (their sum over all ranks / this = the mean)."""
@@ -108,17 +63,6 @@ class Strategy:
         """Added to the seed for this rank's dropout draws: ranks that compute one batch
         together draw alike."""
         return self.dist.rank
-
-    @staticmethod
-    def gpus_of(p) -> tuple[int, ...]:
-        """The CUDA ordinals a one-process layout places its replicas or parts on: those of
-        parallel.devices among the visible GPUs (named twice: the same one twice), the
-        first world_size of them."""
-        ids = getattr(p, "devices", None)
-        if ids is None:
-            return tuple(range(p.world_size))
-        visible = list(dict.fromkeys(ids))  # as validate made them visible, in this order
-        return tuple(visible.index(i) for i in ids)[:p.world_size]
 
     def gpus(self) -> list[int]:
         return list(self.layout.gpus)
@@ -215,6 +159,71 @@ class Strategy:
         set_state_dict(self.unwrap(model), optimizer, model_state_dict=model_state,
                        optim_state_dict=optimizer_state,
                        options=StateDictOptions(flatten_optimizer_state_dict=True))
+
+
+class Plan:
+    """Single device. A plan's class methods see the whole config (`cfg`) or the parallel
+    node (`p`), never the one under the other's name; `runtime` is its Strategy."""
+
+    dims: tuple[str, ...] = ()  # the degrees its ranks are arranged by (Layout.dims)
+    processes = False  # a process per rank, started by the launcher, in a process group
+    runtime = Strategy
+
+    @classmethod
+    def resolve(cls, p, device_type: str) -> Layout:
+        """The run's layout, made once by the checks: the degrees (a null one resolved into
+        the parallel config `p`), this plan, and the GPUs a one-process layout uses."""
+        return dataclasses.replace(cls.layout_of(p), plan=cls, gpus=cls.gpus_of(p))
+
+    @classmethod
+    def layout_of(cls, p) -> Layout:
+        """The Layout of the parallel config `p` (parallel.world_size resolved); a null
+        degree is resolved into `p`, so that the workers read it as the controller did.
+        ConfigError where the degrees do not fit the world size."""
+        if p.world_size != 1:
+            raise ConfigError(f"parallel.world_size={p.world_size} needs several workers, but "
+                              f"parallel={p.name} runs one: use parallel=ddp (processes) or "
+                              "parallel=dp (GPUs of one process)")
+        return Layout()
+
+    @staticmethod
+    def gpus_of(p) -> tuple[int, ...]:
+        """The CUDA ordinals a one-process layout places its replicas or parts on: those of
+        parallel.devices among the visible GPUs (named twice: the same one twice), the
+        first world_size of them."""
+        ids = getattr(p, "devices", None)
+        if ids is None:
+            return tuple(range(p.world_size))
+        visible = list(dict.fromkeys(ids))  # as validate made them visible, in this order
+        return tuple(visible.index(i) for i in ids)[:p.world_size]
+
+    @classmethod
+    def check(cls, cfg, layout: Layout, stages: list[nn.Module] | None = None) -> None:
+        """This layout's own checks of the whole config and its resolved layout, before
+        any worker starts, with the model's stages where the trial found them (a layout
+        that cuts the model checks its parts); ConfigError on the first problem."""
+
+    @classmethod
+    def layouts(cls, world_size: int, device_type: str, options) -> list[list[str]]:
+        """This layout's settings (overrides after parallel=NAME) that use `world_size`
+        ranks or devices: the candidates `parallab advise` tries (`options`: its config)."""
+        if cls.processes:
+            return [[f"parallel.world_size={world_size}"]] if world_size > 1 else []
+        if cls.dims:  # devices of one process: GPUs
+            several = device_type == "cuda" and world_size > 1
+            return [[f"parallel.world_size={world_size}"]] if several else []
+        return [["parallel.world_size=1"]] if world_size == 1 else []
+
+    @classmethod
+    def bubble(cls, cfg) -> float:
+        """Compute time relative to a step without idle ranks (a pipeline's fill and drain)."""
+        return 1.0
+
+    @classmethod
+    def node_local_kinds(cls, cfg) -> tuple[str, ...]:
+        """Collective kinds (comm.KINDS) whose groups stay within one node however many
+        nodes the job spans (hsdp's shard groups)."""
+        return ()
 
 
 def params_by_mesh(model: nn.Module) -> dict[object, list[nn.Parameter]]:

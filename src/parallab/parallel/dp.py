@@ -6,14 +6,36 @@ import logging
 
 from torch import nn
 
-from parallab.parallel.base import Strategy
+from parallab.parallel.base import Plan, Strategy
 from parallab.parallel.layout import Layout
 
 log = logging.getLogger(__name__)
 
 
 class DataParallelStrategy(Strategy):
+    """One process, a replica on each of the layout's GPUs."""
+
+    @property
+    def devices_per_process(self) -> int:
+        return self.p.world_size if self.dist.device.type == "cuda" else 1
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        model = self.on_device(model)
+        if self.dist.device.type != "cuda":
+            log.warning("parallel=dp on CPU runs on one device: DataParallel splits batches "
+                        "over GPUs only")
+            return model
+        log.info("parallel=dp over %d GPUs; parallel=ddp is faster (one process per GPU, "
+                 "no per-step scatter/gather)", self.p.world_size)
+        return nn.DataParallel(model, device_ids=self.gpus())
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model.module if isinstance(model, nn.DataParallel) else model
+
+
+class DataParallelPlan(Plan):
     dims = ("dp_replicate",)  # one process, a replica on each of world_size GPUs
+    runtime = DataParallelStrategy
 
     @classmethod
     def layout_of(cls, p) -> Layout:
@@ -23,21 +45,4 @@ class DataParallelStrategy(Strategy):
     def resolve(cls, p, device_type: str) -> Layout:
         layout = super().resolve(p, device_type)
         # DataParallel splits batches over GPUs only: on a CPU one device reads them
-        return layout if device_type == "cuda" else Layout(strategy=cls, dims=cls.dims)
-
-    @property
-    def devices_per_process(self) -> int:
-        return self.cfg.world_size if self.dist.device.type == "cuda" else 1
-
-    def wrap(self, model: nn.Module) -> nn.Module:
-        model = self.on_device(model)
-        if self.dist.device.type != "cuda":
-            log.warning("parallel=dp on CPU runs on one device: DataParallel splits batches "
-                        "over GPUs only")
-            return model
-        log.info("parallel=dp over %d GPUs; parallel=ddp is faster (one process per GPU, "
-                 "no per-step scatter/gather)", self.cfg.world_size)
-        return nn.DataParallel(model, device_ids=self.gpus())
-
-    def unwrap(self, model: nn.Module) -> nn.Module:
-        return model.module if isinstance(model, nn.DataParallel) else model
+        return layout if device_type == "cuda" else Layout(plan=cls, dims=cls.dims)

@@ -1,6 +1,6 @@
 """A run's layout: how many ranks, how they are arranged, and what follows from that for
 the rest of parallab (torchtitan's ParallelDims). Made once per config by its strategy
-(Strategy.layout), which resolves a null degree from the world size.
+(Plan.layout_of), which resolves a null degree from the world size.
 
 The mesh's degrees, outermost first: dp_replicate (replicas, gradients all-reduced),
 dp_shard (FSDP2 shards), pp (pipeline parts), tp (tensor-parallel slices, innermost so
@@ -54,10 +54,10 @@ class Layout:
     dp_shard: int = 1
     pp: int = 1
     tp: int = 1
-    # set once by the checks (Strategy.resolve) and carried to every rank: the strategy
-    # class that runs this layout, and the CUDA ordinals a one-process layout puts its
-    # replicas or parts on
-    strategy: Any = field(default=None, compare=False)
+    # set once by the checks (Plan.resolve) and carried to every rank: the plan, whose
+    # runtime Strategy runs this layout, and the CUDA ordinals a one-process layout puts
+    # its replicas or parts on
+    plan: Any = field(default=None, compare=False)
     gpus: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:

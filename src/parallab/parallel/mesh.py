@@ -29,7 +29,7 @@ from parallab.config.errors import ConfigError
 from parallab.launching.distributed import Dist
 from parallab.models import hf
 from parallab.parallel import plans
-from parallab.parallel.base import Strategy
+from parallab.parallel.base import Plan, Strategy
 from parallab.parallel.fsdp import norm_squares, shard
 from parallab.parallel.layout import DEGREES, Layout, resolve_degrees
 from parallab.precision import compute_dtype
@@ -122,10 +122,104 @@ def _shown(value) -> str:
 
 
 class MeshStrategy(Strategy):
+    """One device mesh of the layout's degrees, made with the strategy: tensor parallel
+    over its tp dimension, FSDP2 over dp_shard (HSDP with replicas), or DDP where every
+    rank holds the whole model."""
+
+    def __init__(self, p, layout: Layout, dist: Dist, precision, loss):
+        super().__init__(p, layout, dist, precision, loss)
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self.mesh = None if layout.replicas_only else init_device_mesh(
+            dist.device.type, layout.shape, mesh_dim_names=layout.dims)
+
+    @property
+    def data_dist(self) -> Dist:
+        """The ranks of a tp group (and of a pipeline) are one data-parallel rank: they read
+        the same batch."""
+        data_ranks = self.layout.dp
+        return dataclasses.replace(self.dist, world_size=data_ranks,
+                                   rank=self.dist.rank // (self.dist.world_size // data_ranks))
+
+    @property
+    def loss_ranks(self) -> int:
+        # each rank of a tp group holds its loss (under a pipeline, those of its last part)
+        return self.data_dist.world_size * self.layout.tp
+
+    @property
+    def seed_rank(self) -> int:
+        return self.dist.rank // self.layout.tp  # a tp group draws one dropout mask for its batch
+
+    def split(self, model: nn.Module) -> nn.Module:
+        """Tensor parallel, first of all (torchtitan's order): activation checkpointing and
+        compile then wrap the split blocks, and the plan's module names stay as declared."""
+        p = self.p
+        model = self.on_device(self.part(model))
+        if p.tp > 1:
+            from torch.distributed.tensor.parallel import parallelize_module
+
+            plan = plans.plan_of(model, p.tp_plan or None, p.sequence_parallel)
+            parallelize_module(model, self.mesh["tp"], self.part_plan(model, plan))
+        if self.dist.is_main:
+            log.info("parallel=%s: mesh %s%s", p.name,
+                     " x ".join(f"{d}={getattr(p, d)}" for d in self.layout.dims),
+                     " (sequence parallel)" if p.sequence_parallel else
+                     " (replicas only: DistributedDataParallel)" if self.mesh is None else "")
+        return model
+
+    def part(self, model: nn.Module) -> nn.Module:
+        """What of the model this rank holds before tensor parallelism (all of it)."""
+        return model
+
+    def part_plan(self, model: nn.Module, plan: dict) -> dict:
+        return plan
+
+    def data_parallel_mesh(self):
+        """The mesh FSDP2 shards over: dp_shard, or replicate x shard (HSDP)."""
+        names = ("dp_replicate", "dp_shard") if self.p.dp_replicate > 1 else ("dp_shard",)
+        return self.mesh[names]
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        p = self.p
+        if self.layout.replicas_only:
+            from torch.nn.parallel import DistributedDataParallel
+
+            model = self.on_device(model)
+            device_ids = [self.dist.device] if self.dist.device.type == "cuda" else None
+            return DistributedDataParallel(
+                model, device_ids=device_ids, bucket_cap_mb=p.bucket_cap_mb,
+                find_unused_parameters=p.find_unused_parameters,
+                gradient_as_bucket_view=p.gradient_as_bucket_view)
+        return shard(model, self.data_parallel_mesh(), p, self.precision.dtype,
+                     self.dist.is_main, p.reshard_after_forward)
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model.module if self.layout.replicas_only else model
+
+    @contextlib.contextmanager
+    def no_sync(self, model: nn.Module) -> Iterator[None]:
+        if self.layout.replicas_only:
+            with model.no_sync():
+                yield
+            return
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+
+    def grad_norm(self, model: nn.Module) -> torch.Tensor:
+        if self.layout.replicas_only:  # whole gradients: the plain norm, as ddp had
+            return super().grad_norm(model)
+        return norm_squares(model, self.dist.device).sqrt()
+
+
+class MeshPlan(Plan):
     """One device mesh of the degrees `dims`, each a key of the parallel config."""
 
     dims: tuple[str, ...] = DEGREES
     processes = True
+    runtime = MeshStrategy
 
     @classmethod
     def layout_of(cls, p) -> Layout:
@@ -183,109 +277,25 @@ class MeshStrategy(Strategy):
                               "needs the whole model in one process: use parallel=none or ddp "
                               "(dp_shard=1, tp=1)")
 
-    @property
-    def data_dist(self) -> Dist:
-        """The ranks of a tp group (and of a pipeline) are one data-parallel rank: they read
-        the same batch."""
-        data_ranks = self.layout.dp
-        return dataclasses.replace(self.dist, world_size=data_ranks,
-                                   rank=self.dist.rank // (self.dist.world_size // data_ranks))
-
-    @property
-    def loss_ranks(self) -> int:
-        # each rank of a tp group holds its loss (under a pipeline, those of its last part)
-        return self.data_dist.world_size * self.layout.tp
-
-    @property
-    def seed_rank(self) -> int:
-        return self.dist.rank // self.layout.tp  # a tp group draws one dropout mask for its batch
-
-    def split(self, model: nn.Module) -> nn.Module:
-        """Tensor parallel, first of all (torchtitan's order): activation checkpointing and
-        compile then wrap the split blocks, and the plan's module names stay as declared."""
-        from torch.distributed.device_mesh import init_device_mesh
-
-        p = self.cfg
-        self.mesh = None if self.layout.replicas_only else init_device_mesh(
-            self.dist.device.type, self.layout.shape, mesh_dim_names=self.layout.dims)
-        model = self.on_device(self.part(model))
-        if p.tp > 1:
-            from torch.distributed.tensor.parallel import parallelize_module
-
-            plan = plans.plan_of(model, p.tp_plan or None, p.sequence_parallel)
-            parallelize_module(model, self.mesh["tp"], self.part_plan(model, plan))
-        if self.dist.is_main:
-            log.info("parallel=%s: mesh %s%s", p.name,
-                     " x ".join(f"{d}={getattr(p, d)}" for d in self.dims),
-                     " (sequence parallel)" if p.sequence_parallel else
-                     " (replicas only: DistributedDataParallel)" if self.mesh is None else "")
-        return model
-
-    def part(self, model: nn.Module) -> nn.Module:
-        """What of the model this rank holds before tensor parallelism (all of it)."""
-        return model
-
-    def part_plan(self, model: nn.Module, plan: dict) -> dict:
-        return plan
-
-    def data_parallel_mesh(self):
-        """The mesh FSDP2 shards over: dp_shard, or replicate x shard (HSDP)."""
-        names = ("dp_replicate", "dp_shard") if self.cfg.dp_replicate > 1 else ("dp_shard",)
-        return self.mesh[names]
-
-    def wrap(self, model: nn.Module) -> nn.Module:
-        p = self.cfg
-        if self.layout.replicas_only:
-            from torch.nn.parallel import DistributedDataParallel
-
-            model = self.on_device(model)
-            device_ids = [self.dist.device] if self.dist.device.type == "cuda" else None
-            return DistributedDataParallel(
-                model, device_ids=device_ids, bucket_cap_mb=p.bucket_cap_mb,
-                find_unused_parameters=p.find_unused_parameters,
-                gradient_as_bucket_view=p.gradient_as_bucket_view)
-        return shard(model, self.data_parallel_mesh(), p, self.precision.dtype,
-                     self.dist.is_main, p.reshard_after_forward)
-
-    def unwrap(self, model: nn.Module) -> nn.Module:
-        return model.module if self.layout.replicas_only else model
-
-    @contextlib.contextmanager
-    def no_sync(self, model: nn.Module) -> Iterator[None]:
-        if self.layout.replicas_only:
-            with model.no_sync():
-                yield
-            return
-        model.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            model.set_requires_gradient_sync(True)
-
-    def grad_norm(self, model: nn.Module) -> torch.Tensor:
-        if self.layout.replicas_only:  # whole gradients: the plain norm, as ddp had
-            return super().grad_norm(model)
-        return norm_squares(model, self.dist.device).sqrt()
-
 
 def _inner_divisors(n: int) -> list[int]:
     return [d for d in range(2, n) if n % d == 0]
 
 
-class HSDPStrategy(MeshStrategy):
+class HSDPPlan(MeshPlan):
     @classmethod
     def degrees(cls, n: int) -> list[tuple[int, int, int]]:
         """replicas x shards, both > 1 (1 x n is fsdp, n x 1 ddp)."""
         return [(r, n // r, 1) for r in _inner_divisors(n)]
 
 
-class TPStrategy(MeshStrategy):
+class TPPlan(MeshPlan):
     @classmethod
     def degrees(cls, n: int) -> list[tuple[int, int, int]]:
         return [(1, 1, n)] if n > 1 else []
 
 
-class FSDPTPStrategy(MeshStrategy):
+class FSDPTPPlan(MeshPlan):
     @classmethod
     def degrees(cls, n: int) -> list[tuple[int, int, int]]:
         """shards x tp, both > 1 (its 1-D cases are fsdp and tp)."""

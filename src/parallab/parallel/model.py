@@ -15,7 +15,7 @@ from torch import nn
 
 from parallab.config.errors import ConfigError
 from parallab.parallel import stages as stages_of
-from parallab.parallel.base import Strategy
+from parallab.parallel.base import Plan, Strategy
 from parallab.parallel.layout import Layout
 from parallab.parallel.split import check_parts, part_ranges
 
@@ -42,7 +42,33 @@ def refuse_finder(cfg) -> None:
 
 
 class ModelParallelStrategy(Strategy):
+    """One process, the model's parts on world_size devices."""
+
+    @property
+    def world_size(self) -> int:
+        return self.p.world_size
+
+    def devices(self) -> list[torch.device]:
+        if self.dist.device.type == "cuda":
+            return [torch.device("cuda", i) for i in self.gpus()]
+        return [self.dist.device] * self.p.world_size  # every part on the CPU: same code path
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        stages = stages_of.find(model, self.p.stages)
+        parts = part_ranges(stages, self.p.world_size, self.p.split)
+        for device, part in zip(self.devices(), parts):
+            for index in part:
+                stages[index].to(device)
+            stages[part[0]].register_forward_pre_hook(_move_inputs(device))
+        stages[-1].register_forward_hook(_move_output(self.dist.device))
+        log.info("parallel=model: stages %s on %s", [f"{p.start}-{p.stop - 1}" for p in parts],
+                 [str(d) for d in self.devices()])
+        return model
+
+
+class ModelParallelPlan(Plan):
     dims = ("pp",)  # one process, the model's parts on world_size devices
+    runtime = ModelParallelStrategy
 
     @classmethod
     def layout_of(cls, p) -> Layout:
@@ -53,24 +79,3 @@ class ModelParallelStrategy(Strategy):
         super().check(cfg, layout)
         check_parts(cfg, stages)
         refuse_finder(cfg)
-
-    @property
-    def world_size(self) -> int:
-        return self.cfg.world_size
-
-    def devices(self) -> list[torch.device]:
-        if self.dist.device.type == "cuda":
-            return [torch.device("cuda", i) for i in self.gpus()]
-        return [self.dist.device] * self.cfg.world_size  # every part on the CPU: same code path
-
-    def wrap(self, model: nn.Module) -> nn.Module:
-        stages = stages_of.find(model, self.cfg.stages)
-        parts = part_ranges(stages, self.cfg.world_size, self.cfg.split)
-        for device, part in zip(self.devices(), parts):
-            for index in part:
-                stages[index].to(device)
-            stages[part[0]].register_forward_pre_hook(_move_inputs(device))
-        stages[-1].register_forward_hook(_move_output(self.dist.device))
-        log.info("parallel=model: stages %s on %s", [f"{p.start}-{p.stop - 1}" for p in parts],
-                 [str(d) for d in self.devices()])
-        return model

@@ -34,7 +34,7 @@ from parallab.loss import from_model
 from parallab.parallel import stages as stages_of
 from parallab.parallel.fsdp import norm_squares, shard
 from parallab.parallel.layout import Layout
-from parallab.parallel.mesh import MeshStrategy
+from parallab.parallel.mesh import MeshPlan, MeshStrategy
 from parallab.parallel.split import check_parts, part_ranges
 from parallab.precision import Precision
 
@@ -56,49 +56,6 @@ def keep_only(model: nn.Module, stages: list[nn.Module], keep: range) -> None:
 class PipelineStrategy(MeshStrategy):
     """The mesh with a pp degree: the model's parts on the pp dimension's ranks."""
 
-    dims = ("dp_replicate", "dp_shard", "pp", "tp")
-
-    @classmethod
-    def layout_of(cls, p) -> Layout:
-        """dp_replicate and pp both null: one pipeline over every rank."""
-        if p.pp is None and p.dp_replicate is None:
-            p.dp_replicate = 1
-        return super().layout_of(p)
-
-    @classmethod
-    def check(cls, cfg, layout: Layout, stages=None) -> None:
-        super().check(cfg, layout)  # the tp plan
-        p = cfg.parallel
-        check_parts(cfg, stages, p.pp)
-        if from_model(cfg.loss):
-            raise ConfigError("loss=model with parallel=pipeline: the last stage computes the "
-                              "loss from the output, which a model returning its own loss does "
-                              "not give: use a loss of output and targets")
-        if p.schedule not in SCHEDULES:
-            raise ConfigError(f"parallel.schedule={p.schedule} is unknown: use "
-                              f"parallel.schedule={' or '.join(SCHEDULES)}")
-        least = p.pp if p.schedule == "1f1b" else 1
-        if p.microbatches < least:
-            raise ConfigError(f"parallel.microbatches={p.microbatches} is out of range: it "
-                              f"must be >= {least}")
-        if cfg.data.batch_size % p.microbatches:
-            d = cfg.data  # the key the user set: a global batch is per rank x the rest
-            unit = p.microbatches * (d.global_batch_size // d.batch_size
-                                     if d.global_batch_size else 1)
-            raise ConfigError(f"{d.batch_said()} does not split into "
-                              f"parallel.microbatches={p.microbatches} equal micro-batches: "
-                              f"use a multiple of {unit}")
-
-    @classmethod
-    def layouts(cls, world_size: int, device_type: str, options) -> list[list[str]]:
-        """pp x dp for every pp > 1 dividing the world size, by schedule and micro-batches."""
-        n = world_size
-        return [[f"parallel.world_size={n}", f"parallel.pp={pp}",
-                 f"parallel.dp_replicate={n // pp}", f"parallel.schedule={schedule}",
-                 f"parallel.microbatches={micro}"]
-                for pp in range(2, n + 1) if n % pp == 0
-                for schedule in options.schedules for micro in options.microbatches]
-
     @property
     def pp(self) -> int:
         """Ranks of one pipeline: its number of parts."""
@@ -112,15 +69,10 @@ class PipelineStrategy(MeshStrategy):
     def activation_share(self) -> float:
         """GPipe holds every micro-batch's activations before the first backward; a 1F1B
         stage at most (stages to the pipeline's end) of them."""
-        micro = self.cfg.microbatches
-        if self.cfg.schedule != "1f1b":
+        micro = self.p.microbatches
+        if self.p.schedule != "1f1b":
             return 1.0
         return min(self.pp - self.stage_index, micro) / micro
-
-    @classmethod
-    def bubble(cls, cfg) -> float:
-        p = cfg.parallel
-        return 1 + (p.pp - 1) / p.microbatches
 
     @property
     def is_first(self) -> bool:
@@ -167,7 +119,7 @@ class PipelineStrategy(MeshStrategy):
 
     def part(self, model: nn.Module) -> nn.Module:
         """This rank's stages (the others nn.Identity), before tensor parallelism."""
-        p = self.cfg
+        p = self.p
         self.pp_group, self.dp_group = (self.mesh["pp"].get_group(),
                                         self.mesh["dp_replicate"].get_group())
         stages = stages_of.find(model, p.stages)
@@ -187,7 +139,7 @@ class PipelineStrategy(MeshStrategy):
         return {name: style for name, style in plan.items() if name in kept}
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        p = self.cfg
+        p = self.p
         if self.layout.dp_shard > 1:  # gathered once per step, not once per micro-batch (torchtitan)
             model = shard(model, self.data_parallel_mesh(), p, self.precision.dtype,
                           self.dist.is_main, False)
@@ -217,7 +169,7 @@ class PipelineStrategy(MeshStrategy):
         schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[name]
         # not scale_grads: it divides all gradients held, those of earlier accumulated
         # batches too; _loss scales each micro-batch's instead
-        return schedule(stage, n_microbatches=self.cfg.microbatches, loss_fn=loss,
+        return schedule(stage, n_microbatches=self.p.microbatches, loss_fn=loss,
                         scale_grads=False)
 
     def forward_backward(self, model: nn.Module, batch: Any, precision: Precision,
@@ -236,13 +188,13 @@ class PipelineStrategy(MeshStrategy):
 
         rows = batches.rows(batch)
         if rows != self.train_rows:  # its stages infer their shapes at the first step
-            self.train_schedule = self._schedule(self.cfg.schedule, self._loss)
+            self.train_schedule = self._schedule(self.p.schedule, self._loss)
             self.train_rows = rows
             self.dry_run(step)
             losses.clear()
         step()
         if self.layout.dp_shard == 1 and self.syncing:  # (FSDP2 reduces its own)
-            if self.cfg.sequence_parallel:
+            if self.p.sequence_parallel:
                 self.sum_partial_gradients()
             if self.layout.dp_replicate > 1:
                 self.average_gradients()
@@ -284,7 +236,7 @@ class PipelineStrategy(MeshStrategy):
         inputs = batches.inputs_of(batch)
         rows = batches.rows(batch)
         if self.eval_schedule is None:  # every evaluation batch takes the first one's shape
-            micro = self.cfg.microbatches
+            micro = self.p.microbatches
             self.eval_rows = math.ceil(rows / micro) * micro
             self.eval_schedule = self._schedule("gpipe", None)
         # pad with copies of the first sample, dropped below
@@ -298,3 +250,56 @@ class PipelineStrategy(MeshStrategy):
         self.dist.all_reduce_sum(squares)
         # each part counted once: not once per replica, shard group and tp rank holding it
         return (squares / (self.data_dist.world_size * self.layout.tp)).sqrt()
+
+
+class PipelinePlan(MeshPlan):
+    """The mesh with a pp degree: one pipeline, or pipelines over replicas and shards."""
+
+    dims = ("dp_replicate", "dp_shard", "pp", "tp")
+    runtime = PipelineStrategy
+
+    @classmethod
+    def layout_of(cls, p) -> Layout:
+        """dp_replicate and pp both null: one pipeline over every rank."""
+        if p.pp is None and p.dp_replicate is None:
+            p.dp_replicate = 1
+        return super().layout_of(p)
+
+    @classmethod
+    def check(cls, cfg, layout: Layout, stages=None) -> None:
+        super().check(cfg, layout)  # the tp plan
+        p = cfg.parallel
+        check_parts(cfg, stages, p.pp)
+        if from_model(cfg.loss):
+            raise ConfigError("loss=model with parallel=pipeline: the last stage computes the "
+                              "loss from the output, which a model returning its own loss does "
+                              "not give: use a loss of output and targets")
+        if p.schedule not in SCHEDULES:
+            raise ConfigError(f"parallel.schedule={p.schedule} is unknown: use "
+                              f"parallel.schedule={' or '.join(SCHEDULES)}")
+        least = p.pp if p.schedule == "1f1b" else 1
+        if p.microbatches < least:
+            raise ConfigError(f"parallel.microbatches={p.microbatches} is out of range: it "
+                              f"must be >= {least}")
+        if cfg.data.batch_size % p.microbatches:
+            d = cfg.data  # the key the user set: a global batch is per rank x the rest
+            unit = p.microbatches * (d.global_batch_size // d.batch_size
+                                     if d.global_batch_size else 1)
+            raise ConfigError(f"{d.batch_said()} does not split into "
+                              f"parallel.microbatches={p.microbatches} equal micro-batches: "
+                              f"use a multiple of {unit}")
+
+    @classmethod
+    def layouts(cls, world_size: int, device_type: str, options) -> list[list[str]]:
+        """pp x dp for every pp > 1 dividing the world size, by schedule and micro-batches."""
+        n = world_size
+        return [[f"parallel.world_size={n}", f"parallel.pp={pp}",
+                 f"parallel.dp_replicate={n // pp}", f"parallel.schedule={schedule}",
+                 f"parallel.microbatches={micro}"]
+                for pp in range(2, n + 1) if n % pp == 0
+                for schedule in options.schedules for micro in options.microbatches]
+
+    @classmethod
+    def bubble(cls, cfg) -> float:
+        p = cfg.parallel
+        return 1 + (p.pp - 1) / p.microbatches

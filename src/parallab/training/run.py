@@ -258,7 +258,7 @@ def build_trainer(cfg: Config, layout: Layout, dist: distributed.Dist, logger: R
     learning rate it uses."""
     model, held_only = start_model(cfg, dist, layout, init_from)
     precision = Precision(cfg.precision, dist.device, sharded=layout.sharded)
-    strategy = layout.strategy(cfg.parallel, layout, dist, precision,
+    strategy = layout.plan.runtime(cfg.parallel, layout, dist, precision,
                                build_loss(cfg.loss).bind(model))
     torch.manual_seed(cfg.seed + strategy.seed_rank)  # dropout masks differ between ranks
     model = parallelize(model, strategy, cfg.trainer, cfg.parallel.stages)
