@@ -1,4 +1,6 @@
-"""The training loop: steps, periodic logging, evaluation, and the run's final figures."""
+"""The training loop: epochs, log steps, checkpoints, stopping and the run's final
+figures; each optimizer step is step.py's, each evaluation evaluation.py's, and what the
+loop counts and reports observe/meter.py's."""
 
 from __future__ import annotations
 
