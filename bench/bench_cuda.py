@@ -116,8 +116,8 @@ def run_profiled(work: Path, name: str, overrides: list[str]) -> dict:
     and the GPU's busy share of the profiled steps, their summary printed."""
     metrics = run(work, name, [*overrides, "trainer.profile=true"])
     if not metrics.get("failed"):
-        metrics["gpu_busy"], text = trace_summary(work / name)
-        print(text, flush=True)
+        metrics["gpu_busy"], metrics["profile"] = trace_summary(work / name)
+        print(metrics["profile"], flush=True)
     return metrics
 
 
@@ -157,10 +157,10 @@ def wide(work: Path, layers: int, batch: int, steps: int) -> list[dict]:
 
 def profiled(work: Path, batch: int) -> str:
     """bf16 + compile with trainer.profile=true, and its trace summarised."""
-    metrics = run(work, "gpt-bf16-compile-profiled", [
+    metrics = run_profiled(work, "gpt-bf16-compile-profiled", [
         *GPT, "precision=bf16", "trainer.compile=true", f"data.batch_size={batch}",
-        "trainer.max_steps=8", "trainer.profile=true"])
-    return trace_summary(work / metrics["name"])[1] if not metrics.get("failed") else "failed"
+        "trainer.max_steps=8"])
+    return metrics.get("profile", "failed")
 
 
 def finder_batch(work: Path) -> int:
@@ -275,7 +275,6 @@ def main() -> None:
             extra["mnist"] = mnist(work)
         elif part == "profile":
             extra["profile"] = profiled(work, batch)
-            print(extra["profile"], flush=True)
         save()
         report(device, rows, extra)
 

@@ -467,10 +467,8 @@ def test_parallel_devices_are_gpus_this_machine_has(monkeypatch, layout, devices
 def test_the_hydra_internals_parallab_uses_are_in_the_installed_hydra_and_nowhere_else():
     """One module holds every private Hydra name parallab calls: importing it fails where
     the installed Hydra lacks one, and no other module reaches into Hydra's internals."""
-    from parallab.config import hydra_internals
+    from parallab.config import hydra_internals  # noqa: F401 - fails without one of them
 
-    for name in hydra_internals.__all__:
-        assert callable(getattr(hydra_internals, name)), name
     src = REPO / "src" / "parallab"
     reaching = [p.relative_to(src) for p in src.rglob("*.py") if p.name != "hydra_internals.py"
                 and re.search(r"hydra\._internal|from hydra\.\S+ import _|hydra\.main import",

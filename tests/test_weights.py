@@ -82,7 +82,7 @@ def test_export_replaces_only_what_it_writes_and_never_the_checkpoint(fsdp_run, 
     _export(ckpt, version, force=True)
     _export(ckpt, tmp_path / "link", force=True)
     assert (version / "README").read_text() == "mine"
-    assert sorted(p.name for p in version.iterdir()) == sorted(["README", weights.RUN_CONFIG,
+    assert sorted(p.name for p in version.iterdir()) == sorted(["README", formats.RUN_CONFIG,
                                                                 formats.WEIGHTS])
     for out, said in ((ckpt, "is the checkpoint"), (ckpt / "x.pt", "inside the checkpoint"),
                       (fsdp_run / "checkpoints", "a folder holding the checkpoint")):

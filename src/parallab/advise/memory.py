@@ -76,7 +76,7 @@ def predict(cfg, layout, batch: Any, rank: int) -> tuple[float, float]:
         precision = Precision(cfg.precision, device)
         model = fake_model(cfg, fake, device)  # the mesh and wrappers are built outside
         strategy = layout.plan.runtime(cfg.parallel, layout, dist, precision,
-                                   build_loss(cfg.loss).bind(model))
+                                       build_loss(cfg.loss).bind(model))
         # cloned: a batch sliced from a data set held in memory is a view of all of it
         batch = batches.apply(batch, lambda t: fake.from_tensor(t.clone()))
         if strategy.layout.cuts_model:

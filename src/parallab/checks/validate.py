@@ -338,7 +338,7 @@ def check_init(cfg: Config, probe: trial.Probe) -> None:
              "checkpoint (which holds the weights it started from): drop one of them")
     _require(Path(path).exists(), f"trainer.init_from={path} does not exist: give weights "
              f"as {formats.read()}")
-    if isinstance(formats.format_of(path), formats.AdapterFolder):
+    if adapters.is_folder(path):
         _refuse(adapters.folder_problem(cfg.adapter, path))
         return
     try:

@@ -15,9 +15,9 @@ def rank_suffix(rank: int) -> str:
     return "" if rank == 0 else f"_rank{rank}"
 
 
-def log_file(rank: int, job: str = "train") -> str:
+def log_file(rank: int) -> str:
     """A rank's log file in the run dir: rank 0's train.log, rank k's train_rank{k}.log."""
-    return f"{job}{rank_suffix(rank)}.log"
+    return f"train{rank_suffix(rank)}.log"
 
 
 def job_dir(num: int, overrides: str) -> str:

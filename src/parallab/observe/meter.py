@@ -76,15 +76,15 @@ class LossWindow:
 
 
 class Meter:
-    """Timing, throughput and memory of one rank's run (cfg: the trainer config;
-    world_size: the devices the run computes on, for MFU; data_world: the ranks reading
-    different samples; readers: the ranks reading each batch, a tp group's or a
-    pipeline's)."""
+    """Timing, throughput and memory of one rank's run (cfg: the trainer config; strategy:
+    the run's layout at run time, whose devices MFU counts, whose data-parallel ranks read
+    different samples and whose readers read each batch; model: the unwrapped model, whose
+    shape gives a language model's FLOPs)."""
 
-    def __init__(self, cfg, dist, precision, world_size: int, data_world: int, readers: int,
-                 logger):
-        self.cfg, self.dist, self.logger = cfg, dist, logger
-        self.world_size, self.data_world, self.readers = world_size, data_world, readers
+    def __init__(self, cfg, dist, precision, strategy, model, logger):
+        self.cfg, self.dist, self.model, self.logger = cfg, dist, model, logger
+        self.world_size, self.readers = strategy.world_size, strategy.readers
+        self.data_world = strategy.data_dist.world_size
         self.step_times: list[float] = []  # seconds per step, data loading included
         self.measured_samples = 0  # global samples in steps after warm-up
         self.epoch_times: list[float] = []
@@ -105,7 +105,7 @@ class Meter:
         """After an evaluation: it is no step's time."""
         self.tick = time.perf_counter()
 
-    def step_done(self, step: int, batches: list, model, last: bool) -> None:
+    def step_done(self, step: int, batches: list, last: bool) -> None:
         """A step over `batches` (this rank's micro-batches) ended (`last`: the run's)."""
         if self.dist.device.type == "cuda" and last:
             # steps are timed as the host queues them: the last one's kernels must end
@@ -119,7 +119,8 @@ class Meter:
         if self.counts_tokens is None:  # a language model's: tokens counted, FLOPs known
             self.counts_tokens = batch_of.is_sequence(batches[0])
             if self.counts_tokens:
-                self.flops_per_token = mfu.flops_per_token(model, batch_of.seq_len(batches[0]))
+                self.flops_per_token = mfu.flops_per_token(self.model,
+                                                           batch_of.seq_len(batches[0]))
         if self.counts_tokens:  # summed at the log step (a sum per step costs more)
             self.window_tokens.extend(batch_of.tokens(b) for b in batches)
 

@@ -54,6 +54,12 @@ class Strategy:
         return 1.0
 
     @property
+    def readers(self) -> int:
+        """Ranks that read each batch (a tp group's, a pipeline's): a count over all ranks
+        over this counts each sample once."""
+        return self.dist.world_size // self.data_dist.world_size
+
+    @property
     def loss_ranks(self) -> int:
         """Ranks that hold a loss each step (their sum over all ranks / this = the mean)."""
         return self.data_dist.world_size

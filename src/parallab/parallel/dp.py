@@ -17,7 +17,7 @@ class DataParallelStrategy(Strategy):
 
     @property
     def devices_per_process(self) -> int:
-        return self.p.world_size if self.dist.device.type == "cuda" else 1
+        return self.layout.world_size  # on a CPU the layout is one device
 
     def wrap(self, model: nn.Module) -> nn.Module:
         model = self.on_device(model)
@@ -26,7 +26,7 @@ class DataParallelStrategy(Strategy):
                         "over GPUs only")
             return model
         log.info("parallel=dp over %d GPUs; parallel=ddp is faster (one process per GPU, "
-                 "no per-step scatter/gather)", self.p.world_size)
+                 "no per-step scatter/gather)", self.layout.world_size)
         return nn.DataParallel(model, device_ids=self.gpus())
 
     def unwrap(self, model: nn.Module) -> nn.Module:

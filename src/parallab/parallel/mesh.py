@@ -162,7 +162,7 @@ class MeshStrategy(Strategy):
             parallelize_module(model, self.mesh["tp"], self.part_plan(model, plan))
         if self.dist.is_main:
             log.info("parallel=%s: mesh %s%s", p.name,
-                     " x ".join(f"{d}={getattr(p, d)}" for d in self.layout.dims),
+                     " x ".join(f"{d}={n}" for d, n in zip(self.layout.dims, self.layout.shape)),
                      " (sequence parallel)" if p.sequence_parallel else
                      " (replicas only: DistributedDataParallel)" if self.mesh is None else "")
         return model
@@ -176,7 +176,7 @@ class MeshStrategy(Strategy):
 
     def data_parallel_mesh(self):
         """The mesh FSDP2 shards over: dp_shard, or replicate x shard (HSDP)."""
-        names = ("dp_replicate", "dp_shard") if self.p.dp_replicate > 1 else ("dp_shard",)
+        names = ("dp_replicate", "dp_shard") if self.layout.dp_replicate > 1 else ("dp_shard",)
         return self.mesh[names]
 
     def wrap(self, model: nn.Module) -> nn.Module:

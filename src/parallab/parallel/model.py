@@ -46,16 +46,16 @@ class ModelParallelStrategy(Strategy):
 
     @property
     def world_size(self) -> int:
-        return self.p.world_size
+        return self.layout.pp
 
     def devices(self) -> list[torch.device]:
         if self.dist.device.type == "cuda":
             return [torch.device("cuda", i) for i in self.gpus()]
-        return [self.dist.device] * self.p.world_size  # every part on the CPU: same code path
+        return [self.dist.device] * self.layout.pp  # every part on the CPU: same code path
 
     def wrap(self, model: nn.Module) -> nn.Module:
         stages = stages_of.find(model, self.p.stages)
-        parts = part_ranges(stages, self.p.world_size, self.p.split)
+        parts = part_ranges(stages, self.layout.pp, self.p.split)
         for device, part in zip(self.devices(), parts):
             for index in part:
                 stages[index].to(device)

@@ -70,3 +70,6 @@ class Evaluation:
 
     def state_dict(self) -> dict[str, Any]:
         return self.resume_monitor or self.monitor.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        self.monitor.load_state_dict(state)

@@ -44,6 +44,14 @@ def safetensors_torch():
     return safetensors.torch
 
 
+def _opened(file: Path):
+    """safetensors' reader of `file` (one line where safetensors is not installed)."""
+    safetensors_torch()
+    from safetensors import safe_open
+
+    return safe_open(str(file), "pt")
+
+
 def _folder_record(folder: Path) -> dict[str, Any]:
     from omegaconf import OmegaConf
 
@@ -95,8 +103,12 @@ class Format(ABC):
     def shapes(self) -> dict[str, tuple[int, ...]]:
         """Each saved weight's shape, by plain name, reading no tensor data; CheckpointError
         for a file that cannot be read (truncated, not what its name says)."""
+        return self._readable(self._shapes)
+
+    def _readable(self, read: Any) -> Any:
+        """read(), a reader's own error as one CheckpointError naming the path."""
         try:
-            return self._shapes()
+            return read()
         except (checkpoint.CheckpointError, ConfigError):
             raise
         except Exception as error:  # noqa: BLE001 - each reader fails its own way
@@ -123,9 +135,6 @@ class FileFormat(Format):
     @abstractmethod
     def lazy(self) -> Lazy:
         """The weights by plain name, each read when asked for."""
-
-    def read(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        return dict(self.lazy())
 
 
 class Sharded(Format):
@@ -204,36 +213,43 @@ class SafetensorsFile(FileFormat):
     def files(self) -> list[Path]:
         return [self.path]
 
-    def _shapes(self) -> dict[str, tuple[int, ...]]:
-        from safetensors import safe_open
+    @staticmethod
+    def name(key: str) -> str:
+        """A saved weight's name as a model's state_dict has it."""
+        return plain_name(key)
 
+    def _shapes(self) -> dict[str, tuple[int, ...]]:
         found = {}
         for file in self.files():
-            with safe_open(str(file), "pt") as reader:
-                found.update({plain_name(k): tuple(reader.get_slice(k).get_shape())
+            with _opened(file) as reader:
+                found.update({self.name(k): tuple(reader.get_slice(k).get_shape())
                               for k in reader.keys()})
         return found
 
-    def lazy(self) -> Lazy:
-        from safetensors import safe_open
+    def read(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        loaded = {}
+        for file in self.files():  # each file read once, whole
+            loaded.update(safetensors_torch().load_file(str(file)))
+        return {self.name(k): v for k, v in loaded.items()}
 
+    def lazy(self) -> Lazy:
         where = {}
         for file in self.files():
-            with safe_open(str(file), "pt") as reader:
-                where.update({plain_name(k): (file, k) for k in reader.keys()})
+            with _opened(file) as reader:
+                where.update({self.name(k): (file, k) for k in reader.keys()})
 
         def get(at: tuple[Path, str]) -> torch.Tensor:
-            with safe_open(str(at[0]), "pt") as reader:
+            with _opened(at[0]) as reader:
                 return reader.get_tensor(at[1])
 
         return Lazy(where, get)
 
     def record(self) -> dict[str, Any]:
-        from safetensors import safe_open
+        def metadata() -> dict[str, str]:
+            with _opened(self.path) as reader:
+                return reader.metadata() or {}
 
-        self.shapes()  # readable, or one line
-        with safe_open(str(self.path), "pt") as reader:
-            saved = reader.metadata() or {}
+        saved = self._readable(metadata)  # readable, or one line
         return {"step": int(saved.get("step", 0)),
                 "config": json.loads(saved.get("parallab_config", "{}"))}
 
@@ -307,17 +323,11 @@ class AdapterFolder(SafetensorsFile):
     def files(self) -> list[Path]:
         return [self.path / "adapter_model.safetensors"]
 
-    def _shapes(self) -> dict[str, tuple[int, ...]]:
+    @staticmethod
+    def name(key: str) -> str:
         from parallab.models import adapters
 
-        return {adapters.injected_name(k): v for k, v in super()._shapes().items()}
-
-    def lazy(self) -> Lazy:
-        from parallab.models import adapters
-
-        lazy = super().lazy()
-        lazy.where = {adapters.injected_name(k): at for k, at in lazy.where.items()}
-        return lazy
+        return adapters.injected_name(key)
 
     def record(self) -> dict[str, Any]:
         return _folder_record(self.path)

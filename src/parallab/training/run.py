@@ -122,9 +122,9 @@ def tune_batch_size(model, strategy, optimizer, precision, data, dist, cfg: Trai
     def step(batch) -> None:
         strategy.trial_step(model, batch, precision)
 
-    readers = dist.world_size // strategy.data_dist.world_size
     size, trials = batch_size.find_batch_size(strategy.unwrap(model), optimizer, step,
-                                              data.train, dist, cfg.max_memory_mb, readers)
+                                              data.train, dist, cfg.max_memory_mb,
+                                              strategy.readers)
     report = batch_size.table(trials, size)
     logger.text("batch_size_finder", report)
     if dist.is_main:
@@ -224,7 +224,7 @@ def start_model(cfg: Config, dist: distributed.Dist, layout: Layout, init_from: 
     every weight required); else whole, with those weights (before any layout cuts it:
     every layout starts alike) and its adapters (adapter=lora: the base's weights load
     before them, a checkpoint or peft folder with adapters after)."""
-    from parallab.training import formats, weights
+    from parallab.training import weights
 
     if init_from is not None and cfg.trainer.init_strict and not \
             adapters.enabled(cfg.adapter) and layout.sharded:
@@ -240,7 +240,7 @@ def start_model(cfg: Config, dist: distributed.Dist, layout: Layout, init_from: 
     if init_from is not None and not adapted:
         left = weights.load_into(model, init_from, cfg.trainer.init_strict)
     model = adapters.apply(model, cfg.adapter, dist.is_main)
-    if adapted and isinstance(formats.format_of(init_from), formats.AdapterFolder):
+    if adapted and adapters.is_folder(init_from):
         adapters.load_folder(model, init_from)
     elif adapted:
         left = weights.load_into(model, init_from, cfg.trainer.init_strict)

@@ -20,7 +20,7 @@ from parallab.observe.meter import LossWindow
 from parallab.parallel.base import Strategy
 from parallab.precision import Precision
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("parallab.training.trainer")  # its lines read as the loop's
 
 Batch = Any  # as the data gives it (batch.py): an (inputs, targets) pair, a dict, ...
 SKIP_HORIZON = 20  # on_nan=skip stops when it drops over half of this many recent steps
@@ -48,8 +48,6 @@ class Step:
         self.optimizer, self.precision, self.dist = optimizer, precision, dist
         self.all_valid, self.window, self.scheduler = all_valid, window, scheduler
         self.data_world = strategy.data_dist.world_size  # ranks reading different samples
-        # ranks reading each batch (a tp group's, a pipeline's): counts over the world / this
-        self.readers = dist.world_size // self.data_world
         self.skipped = 0  # steps dropped: non-finite gradients (on_nan=skip), or no label
         self.recent_skips: deque[bool] = deque(maxlen=SKIP_HORIZON)  # dropped or not, per step
         self.lr: float | None = None  # the rate the last step used, before its schedule moved
@@ -108,7 +106,7 @@ class Step:
         elif self.data_world > 1:  # one all-reduce of a scalar; tp/pipeline ranks count alike
             n = self.dist.all_reduce_sum(torch.as_tensor(n, dtype=torch.float64,
                                                          device=self.dist.device))
-            n = n / self.readers
+            n = n / self.strategy.readers
         if isinstance(n, torch.Tensor) and n.device.type == "cpu":
             n = n.item()  # free on the CPU: an exact skip of an empty step, a plain divisor
         if isinstance(n, torch.Tensor):  # on a GPU: no sync; an empty step's gradients are 0

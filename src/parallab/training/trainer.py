@@ -77,8 +77,7 @@ class Trainer:
                           if scheduler_cfg is not None else None)
         self.stepper = Step(cfg, model, strategy, optimizer, precision, dist,
                             data.train.all_valid, self.window, self.scheduler)
-        self.meter = Meter(cfg, dist, precision, strategy.world_size, self.stepper.data_world,
-                           self.stepper.readers, logger)
+        self.meter = Meter(cfg, dist, precision, strategy, self.eval_model, logger)
 
     def done(self) -> bool:
         return self.step >= self.total_steps
@@ -153,7 +152,7 @@ class Trainer:
             self.step += 1
             self.epoch_step += 1
             self.preemption.step_done()
-            self.meter.step_done(self.step, batches, self.eval_model, self.done())
+            self.meter.step_done(self.step, batches, self.done())
             for recorder in self.recorders:
                 recorder.step()
             progress.update()
@@ -283,7 +282,7 @@ class Trainer:
         self.step, self.epoch, self.epoch_step = state["step"], state["epoch"], state["epoch_step"]
         self.window.epoch_loss, self.window.epoch_steps = state["epoch_loss"], state["epoch_steps"]
         self.stepper.skipped = state["skipped_steps"]
-        self.evaluation.monitor.load_state_dict(state.get("monitor"))
+        self.evaluation.load_state_dict(state.get("monitor"))
         if self.scheduler is not None and state.get("scheduler"):  # its step count
             schedule.resume(self.scheduler, self.optimizer, state["scheduler"],
                             state.get("total_steps"), self.total_steps, self.step,

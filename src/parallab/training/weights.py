@@ -23,16 +23,17 @@ from torch import nn
 
 from parallab.config.errors import ConfigError
 from parallab.training import checkpoint, formats
+from parallab.training.formats import plain_name
 
 log = logging.getLogger("parallab")
-RUN_CONFIG = formats.RUN_CONFIG
-plain_name = formats.plain_name
 
 
 def holds_adapters(path: str | Path) -> bool:
     """A peft adapter folder, or weights of a model with LoRA adapters (a checkpoint of an
     adapter=lora run): loaded into a model once its adapters are on."""
-    return any(".lora_" in key for key in shapes(path))
+    from parallab.models import adapters
+
+    return adapters.is_folder(path) or any(".lora_" in key for key in shapes(path))
 
 
 def record(path: str | Path) -> dict[str, Any]:
