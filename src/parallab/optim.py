@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 from torch import nn
@@ -49,9 +50,9 @@ def kernels(implementation: str, params: list[torch.nn.Parameter]) -> dict[str, 
     """torch's foreach/fused arguments for optim.implementation. A multi-tensor kernel
     takes DTensors or plain tensors, not both: parameters that mix them (a pipeline part
     split by tensor parallelism, its norms left whole) step one by one."""
-    from torch.distributed.tensor import DTensor
-
-    if len({isinstance(p, DTensor) for p in params}) > 1:
+    # no parameter is a DTensor unless its module was loaded (importing it: 1 s of CPU)
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor and len({isinstance(p, dtensor.DTensor) for p in params}) > 1:
         implementation = "for_loop"
     if implementation == "auto":
         on_cuda = bool(params) and all(p.device.type == "cuda" for p in params)
