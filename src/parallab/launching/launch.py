@@ -311,11 +311,12 @@ def _forkserver_ready() -> bool:
 
 _server_environment: dict[str, str] | None = None  # what the running fork server started with
 # imported once by the fork server, not by each worker: parallab's worker code, and what
-# DDP, FSDP2, tensor parallelism and DCP import lazily (torch._dynamo alone: 1 s of CPU);
-# and the server's quick exit (fork_server.py)
+# DDP, FSDP2, tensor parallelism, DCP and rank 0's TensorBoard writer import lazily
+# (torch._dynamo alone: 1 s of CPU; the writer 0.6 s a job); and the server's quick exit
+# (fork_server.py)
 PRELOAD = ["parallab.training.run", "torch._dynamo", "torch.distributed.fsdp",
            "torch.distributed.tensor.parallel", "torch.distributed.checkpoint",
-           "parallab.launching.fork_server"]
+           "torch.utils.tensorboard", "parallab.launching.fork_server"]
 
 
 @contextlib.contextmanager
