@@ -194,6 +194,8 @@ def assert_textbook_volume(metrics, layout: str, batch: int) -> None:
         return
     for kind, volume in expected.items():
         assert sent[kind] == near(volume), kind
+    # each kind counted on the group it ran on: hsdp's 4 ranks reduce and gather in pairs
+    assert {metrics[f"comm_{kind}_ranks"] for kind in expected if sent[kind]} == {2}
 
 
 @pytest.mark.slow

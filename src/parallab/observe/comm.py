@@ -73,6 +73,7 @@ class CommCounter(TorchDispatchMode):
         super().__init__()
         self.sent: collections.Counter[str] = collections.Counter()
         self.calls: collections.Counter[str] = collections.Counter()  # each costs a latency
+        self.ranks: collections.Counter[str] = collections.Counter()  # the largest group
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -83,12 +84,14 @@ class CommCounter(TorchDispatchMode):
             if n > 1:
                 self.sent[kind] += int(_nbytes(args[index]) * factor(n))
                 self.calls[kind] += 1
+                self.ranks[kind] = max(self.ranks[kind], n)
         return func(*args, **kwargs)
 
     def figures(self) -> dict[str, float]:
-        """comm_mb_per_step (all kinds), and comm_<kind>_mb and comm_<kind>_calls for each
-        kind that ran."""
+        """comm_mb_per_step (all kinds), and comm_<kind>_mb, comm_<kind>_calls and
+        comm_<kind>_ranks (its largest group) for each kind that ran."""
         ran = [kind for kind in KINDS if self.calls[kind]]
         return {"comm_mb_per_step": sum(self.sent.values()) / MB,
                 **{f"comm_{kind}_mb": self.sent[kind] / MB for kind in ran},
-                **{f"comm_{kind}_calls": self.calls[kind] for kind in ran}}
+                **{f"comm_{kind}_calls": self.calls[kind] for kind in ran},
+                **{f"comm_{kind}_ranks": self.ranks[kind] for kind in ran}}
