@@ -39,8 +39,8 @@ CASES = {
                   ["experiment=waves", "data.global_batch_size=64"]),
     "cnn": (REPO, None, ["model=mnist_cnn", "data=mnist", "data.global_batch_size=64"]),
 }
-# --step-time: each layout's step at world sizes 2 and 4 against its prediction from world
-# size 1; one precision, no memory savers, so that the grid is the layouts
+# --step-time: each layout's step at world sizes 2 and 4 against its prediction from the
+# parts its job measured; one precision, no memory savers, so that the grid is the layouts
 STEP_TIME = ["advise.precisions=[fp32]", "advise.activation_checkpointing=[none]",
              "advise.max_accumulation=1", "advise.only_needed=false"]
 COMMON = ["parallel.world_size=2", "device=cpu"]
@@ -155,12 +155,12 @@ def compare(name: str, rows: list[dict], candidates: list, swept: list, counts: 
     if errors:
         print(f"memory predictions: {sum(e <= 0.15 for e in errors)} of {len(errors)} within "
               f"15%, worst error {max(errors):.1%} (target: all)")
-    # the step-time model's check here: world size n predicted from world size 1
+    # the step-time model's check here: each step predicted from its measured parts
     here = [(float(r["predicted_step_ms_here"]), float(r["step_time_ms"])) for r in rows
             if r.get("predicted_step_ms_here")]
     if here:
         ratios = sorted(measured / predicted for predicted, measured in here)
-        print(f"step time here from world size 1: median error "
+        print(f"step time here from its parts: median error "
               f"{statistics.median(abs(r - 1) for r in ratios):.0%} over {len(here)} layouts, "
               f"measured / predicted {ratios[0]:.2f} to {ratios[-1]:.2f}")
     print("| layout | advise samples/s | sweep samples/s | sweep verdict | memory error | "
@@ -177,8 +177,9 @@ def compare(name: str, rows: list[dict], candidates: list, swept: list, counts: 
 
 def step_time(names: list[str], extra: list[str]) -> None:
     """advise's step-time model against its own measurements: each candidate's step at
-    world sizes 2 and 4 predicted from world size 1 (compute shared by the devices, each
-    collective's calls x the measured latency plus its bytes over the measured bandwidth)."""
+    world sizes 2 and 4 predicted from the parts its launched job measured (its compute
+    share over a one-rank group, what its collectives add to a replay of its step, a
+    pipeline's parts through its schedule: docs/parallel.md, advise)."""
     ratios = []
     print("| model | world size | layout | measured ms | predicted ms | measured / predicted |")
     print("|---|---|---|---|---|---|")

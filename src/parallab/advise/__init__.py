@@ -180,15 +180,15 @@ class Link:
     """What a launched job measured besides its candidates, for the step-time model."""
 
     gbps: float  # all-reduce bus bandwidth
-    latency_s: float  # one collective's fixed cost
-    compute_s: float  # a rank's share of a step's compute, the ranks computing at once
-    precision: str  # the precision that share was measured in (the job's first candidate's)
+    latency_s: float  # one collective's fixed cost, timed back to back
+    cores: int | None  # the cores its ranks share (None: a device per rank)
+    threads: int  # a rank's intra-op threads
 
 
 def _measure(candidates: list[Candidate], run_dir: Path) -> dict[int, Link]:
-    """Every candidate left, one job per world size (world size 1: in this process); the
-    links each launched job measured (bandwidth, latency, a rank's compute share), by world
-    size."""
+    """Every candidate left, one job per world size (world size 1: in this process), each
+    launched one with its step's parts (advise/parts.py); the links each launched job
+    measured (bandwidth, latency, cores), by world size."""
     from parallab.advise import measure
     from parallab.launching import distributed, launch
     from parallab.training import run
@@ -217,8 +217,8 @@ def _measure(candidates: list[Candidate], run_dir: Path) -> dict[int, Link]:
                               cfg.parallel.threads_per_worker)
             answer = launch.elastic(measure.worker, (job,), n, 0, launch.worker_env(cfg))
             results = answer["results"]
-            links[n] = Link(answer["bandwidth_gbps"], answer["latency_s"],
-                            answer["compute_s"], group[0].precision)
+            links[n] = Link(answer["bandwidth_gbps"], answer["latency_s"], answer["cores"],
+                            answer["threads"])
         for candidate, figures in zip(group, results):
             candidate.figures = figures
             candidate.reason = figures.get("error")
@@ -232,7 +232,8 @@ def _dirname(candidate: Candidate) -> str:
 def _predict_times(candidates: list[Candidate], options,
                    links: dict[int, Link]) -> list[str]:
     """Each measured candidate's step time at advise.target_world_size, and here at its
-    own world size from world size 1 (the model's check); notes for advise.md."""
+    own world size from the parts its job measured (the model's check); notes for
+    advise.md."""
     from parallab import precision
     from parallab.checks import trial
     from parallab.observe import mfu
@@ -252,28 +253,22 @@ def _predict_times(candidates: list[Candidate], options,
             c.figures["predicted_step_ms"] = 1e3 * scaling.predict_target(
                 c.figures, c.cfg, c.layout, work, options, peak)
         one = report.reference_of(candidates, c.precision)
-        if c.world_size in links and one is not None and one.world_size == 1:
-            link = links[c.world_size]
-            # the job measured its compute share in the precision of its first candidate
-            measured_in = report.reference_of(candidates, link.precision)
-            scale = (one.figures["step_time_ms"] / measured_in.figures["step_time_ms"]
-                     if measured_in is not None else 1.0)
-            here = 1e3 * scaling.validate(one.figures["step_time_ms"] / 1e3, c.figures, c.cfg,
-                                          c.layout, link.gbps, devices, link.latency_s,
-                                          link.compute_s * scale)
-            c.figures["predicted_step_ms_here"] = here
-            errors.append(abs(here / c.figures["step_time_ms"] - 1))
+        alone = one.figures["step_time_ms"] / 1e3 if one and one.world_size == 1 else None
+        here = c.world_size in links and scaling.validate(c.figures, c.cfg, c.layout,
+                                                          links[c.world_size], alone, devices)
+        if here:
+            c.figures["predicted_step_ms_here"] = 1e3 * here
+            errors.append(abs(1e3 * here / c.figures["step_time_ms"] - 1))
     if flops is not None:
         notes.append(f"predicted_step_ms: a prediction for {options.target_world_size} x "
                      f"{options.device} ({options.gpus_per_node} per node, "
                      f"{options.intra_node_gbps:g}/{options.inter_node_gbps:g} Gbit/s, "
                      f"{options.mfu:.0%} of peak), docs/parallel.md: advise.")
     for n, link in links.items():
-        notes.append(f"At world size {n}: a rank's share of the compute {link.compute_s * 1e3:.1f}"
-                     f" ms a step; loopback all-reduce {link.gbps:.2f} Gbit/s, "
-                     f"{link.latency_s * 1e6:.0f} us a call.")
+        notes.append(f"At world size {n}: loopback all-reduce {link.gbps:.2f} Gbit/s, "
+                     f"{link.latency_s * 1e6:.0f} us a call back to back.")
     if errors:
-        notes.append(f"Step time here predicted from world size 1: median error "
+        notes.append(f"Step time here predicted from its measured parts: median error "
                      f"{statistics.median(errors):.0%} over {len(errors)} layouts.")
     return notes
 

@@ -12,14 +12,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
-import statistics
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
 import torch
 
+from parallab.advise import parts
+from parallab.advise.parts import max_over_ranks
 from parallab.config.errors import first_line
 from parallab.launching import distributed
 from parallab.launching.preemption import Preemption
@@ -61,11 +61,6 @@ class ActivationProbe:
             self.bytes = counted.held(trainer.strategy.activation_share) / len(batches)
 
 
-def _max_over_ranks(dist: distributed.Dist, value: float) -> float:
-    return dist.all_reduce_max(torch.tensor([value], dtype=torch.float64,
-                                            device=dist.device)).item()
-
-
 def measure(spec: run.RunSpec, dist: distributed.Dist) -> dict[str, Any]:
     """Train the candidate `spec` for its trainer.max_steps on the job's group; its figures:
     losses, step time, samples/s, state and activation memory (the largest rank's), comm."""
@@ -81,12 +76,12 @@ def measure(spec: run.RunSpec, dist: distributed.Dist) -> dict[str, Any]:
             figures = trainer.fit(evaluate=False, report=False)  # the run's own steps
         if trainer.stopped:
             raise RuntimeError("stopped by a signal")
-        state = _max_over_ranks(dist, figures["state_memory_mb"] or 0.0)
-        act = _max_over_ranks(dist, probe.bytes / MB)
+        state = max_over_ranks(dist, figures["state_memory_mb"] or 0.0)
+        act = max_over_ranks(dist, probe.bytes / MB)
         figures.update(losses=logger.losses, state_mb=state, activation_mb=act,
                        measured_memory_mb=state + act, lr=lr, world_size=dist.world_size,
                        precision_dtype=trainer.precision.dtype_name,
-                       peak_memory_mb=_max_over_ranks(dist, figures["peak_memory_mb"]))
+                       peak_memory_mb=max_over_ranks(dist, figures["peak_memory_mb"]))
         if dist.is_main:
             scalars = {k: v for k, v in figures.items() if k != "losses"}
             logger.finish(scalars, run.hparams(spec, figures),
@@ -112,67 +107,6 @@ def measure_all(jobs: list[run.RunSpec], dist: distributed.Dist) -> list[dict[st
     return results
 
 
-def loopback_gbps(dist: distributed.Dist, megabytes: int = 16, repeats: int = 5) -> float:
-    """The job's all-reduce bus bandwidth in gigabits/s: 2(n-1)/n x the tensor per rank,
-    as comm.py counts it, over the median time of `repeats` all-reduces."""
-    import torch.distributed as torch_dist
-
-    tensor = torch.ones(megabytes * MB // 4, device=dist.device)
-    times = []
-    for _ in range(repeats + 1):
-        torch_dist.barrier()
-        start = time.perf_counter()
-        torch_dist.all_reduce(tensor)
-        times.append(time.perf_counter() - start)
-    n = dist.world_size
-    sent = 2 * (n - 1) / n * tensor.numel() * 4
-    return sent * 8 / statistics.median(times[1:]) / 1e9
-
-
-def local_compute_s(cfg, dist: distributed.Dist, steps: int = 6) -> float:
-    """One rank's share of a step's compute at this world size, as the ranks run it at once
-    on cores they share: the world-size-1 model of `cfg` on global batch / n rows, forward,
-    backward and the optimizer, nothing communicated; the median of `steps` steps, the
-    slowest rank's. The step-time model's compute term (scaling.validate): on a CPU the
-    ranks' threads, not the FLOPs, decide it."""
-    from parallab import batch as batches
-    from parallab.checks import trial
-    from parallab.loss import build_loss
-    from parallab.models import build_model
-    from parallab.optim import build_optimizer
-
-    torch.manual_seed(cfg.seed)
-    model = build_model(cfg.model).to(dist.device)
-    loss = build_loss(cfg.loss).bind(model)
-    optimizer = build_optimizer(cfg.optim, model)
-    rows = max(1, cfg.data.global_batch_size // dist.world_size)
-    batch = batches.apply(trial.one_batch(cfg, rows), lambda t: t.to(dist.device))
-    times = []
-    for _ in range(steps + 2):  # the first two: allocation and kernel choice
-        start = time.perf_counter()
-        loss.step_loss(model, batch, None)[1].backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - start)
-    return _max_over_ranks(dist, statistics.median(times[2:]))
-
-
-def loopback_latency_s(dist: distributed.Dist, repeats: int = 30) -> float:
-    """The fixed cost of one collective in this job, whatever it carries: the median time
-    of an all-reduce of one number, the slowest rank's. (Timed between bits of compute
-    instead, where a waiting rank gives up its core, it measured ten times more here, and
-    predicted fsdp and tp no better and pipelines worse: bench/bench_advise.py --step-time.)"""
-    import torch.distributed as torch_dist
-
-    tensor = torch.ones(1, device=dist.device)
-    times = []
-    for _ in range(repeats + 3):
-        start = time.perf_counter()
-        torch_dist.all_reduce(tensor)
-        times.append(time.perf_counter() - start)
-    return _max_over_ranks(dist, statistics.median(times[3:]))
-
-
 @dataclass
 class Job:
     """The candidates of one world size, for a launched job's workers."""
@@ -185,16 +119,28 @@ class Job:
 
 
 def worker(job: Job) -> dict[str, Any]:
-    """A launched worker: join the group once, measure every candidate, then the group's
-    bandwidth, per-collective latency and a rank's share of the compute (for the step-time
-    prediction)."""
+    """A launched worker: join the group once, measure every candidate and, right after
+    each (the same machine load), the parts of its step for the step-time check (its
+    compute share, what its collectives add: advise/parts.py); then the group's bandwidth,
+    one collective's latency and the cores its ranks share."""
+    import torch.distributed as torch_dist
+
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the fork server's SIG_IGN (launching/launch.py)
     logging.basicConfig(level=logging.WARNING)
     dist = distributed.setup(job.device, job.backend, job.timeout_s, job.threads_per_worker,
                              store=distributed.attempt_store(job.timeout_s))
-    results = measure_all(job.jobs, dist)
-    bandwidth, latency = loopback_gbps(dist), loopback_latency_s(dist)
-    compute = local_compute_s(job.jobs[0].cfg, dist)
+    groups = {dist.world_size: None, 1: torch_dist.new_subgroups(group_size=1)[0]}
+    results = []
+    for spec in job.jobs:
+        figures = measure_all([spec], dist)[0]
+        if "error" not in figures:
+            figures["share_s"] = share = parts.share_s(spec, dist, groups[1])
+            figures["collectives_s"] = parts.collectives_s(
+                dist, figures, max(share) if isinstance(share, list) else share, groups)
+        results.append(figures)
+    bandwidth, latency = parts.loopback_gbps(dist), parts.loopback_latency_s(dist)
+    threads = torch.get_num_threads()
     distributed.teardown()
     return {"results": results, "bandwidth_gbps": bandwidth, "latency_s": latency,
-            "compute_s": compute}
+            "cores": distributed.cpu_cores() if dist.device.type == "cpu" else None,
+            "threads": threads}

@@ -10,7 +10,7 @@ from typing import Any
 
 from parallab.advise.candidates import Candidate
 
-# the measured step time beside its prediction from world size 1 (the model's check here)
+# the measured step time beside its prediction from its measured parts (the model's check)
 COLUMNS = ["layout", "world_size", "predicted_memory_mb", "measured_memory_mb",
            "memory_error", "samples_per_sec", "ratio_to_best", "step_time_ms",
            "predicted_step_ms_here", "comm_mb_per_step", "verdict", "predicted_step_ms",

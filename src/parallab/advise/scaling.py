@@ -17,13 +17,16 @@ all-reduces per block, the pipeline's sends per micro-batch), each costing the f
 measured on this machine (an all-reduce of one number); for a target cluster, none is
 measured and the term is left out. Every figure it gives is labelled a prediction.
 
-On this machine the same model, with compute measured instead of counted, predicts the
-launched world size from world size 1 and the measured loopback bandwidth (validate()).
+On this machine, validate() predicts each candidate's step at its launched world size
+from two parts its job measured apart, every rank at once: its compute share (its layout's
+own work over a one-rank group) and what its collectives add to a replay of its step
+(advise/measure.py); a pipeline's share runs through its schedule, where ranks that share
+cores lend them in the bubble.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from parallab.observe.comm import KINDS, MB
 
@@ -83,17 +86,44 @@ def predict_target(figures: dict[str, Any], cfg, layout, flops: float, options,
                                   options.intra_node_gbps, options.inter_node_gbps)
 
 
-def validate(one_rank_step_s: float, figures: dict[str, Any], cfg, layout,
-             bandwidth_gbps: float,
-             devices: int, latency_s: float = 0.0, share_s: float | None = None) -> float:
-    """This machine's step time at the candidate's world size n: the compute, plus the
-    collectives the candidate called in a step at the latency and bandwidth measured in the
-    launched job. The compute of a layout with a process per rank is `share_s`, a rank's
-    share measured with every rank computing at once (a pipeline adds its bubble); of one
-    process driving n devices, and where no share was measured, world size 1's step shared
-    by min(n, devices) devices (CPU ranks share one set of cores)."""
+def pipeline_s(parts_s: list[float], ranks: int, micro: int,
+               rate: Callable[[int], float]) -> float:
+    """A pipeline's compute from each part's step alone (`parts_s`, one per part, each
+    held by ranks / pp ranks): the schedule's micro + pp - 1 slots, each as long as the
+    slowest part then busy takes for a micro-batch at the speed `rate(busy ranks)` leaves
+    a rank. With a device per rank, rate is 1 and this is the bubble, (micro + pp - 1) /
+    micro x the slowest part; where ranks share cores, a rank idle in the bubble lends its
+    core to the busy ones."""
+    pp, total = len(parts_s), 0.0
+    for slot in range(micro + pp - 1):
+        busy = [part for part in range(pp) if 0 <= slot - part < micro]
+        total += max(parts_s[p] for p in busy) / micro / rate(ranks // pp * len(busy))
+    return total
+
+
+def cpu_rate(cores: int | None, threads: int) -> Callable[[int], float]:
+    """The share of its own speed a rank of `threads` threads runs at while `busy` ranks
+    compute on `cores` cores (None: a device per rank, always 1)."""
+    return lambda busy: 1.0 if cores is None else min(1.0, cores / (busy * threads))
+
+
+def validate(figures: dict[str, Any], cfg, layout, link, one_rank_step_s: float | None,
+             devices: int) -> float | None:
+    """This machine's step time at the candidate's world size n, from what its launched job
+    measured (`link`: bandwidth, latency, cores; the figures: its compute share `share_s`,
+    a pipeline's by part, what its collectives added to a replay of its step
+    `collectives_s`, the sends it called). A layout with a process per rank: its share (a
+    pipeline's parts through its schedule, pipeline_s), its collectives, and a pipeline's
+    sends at the latency plus their bytes over the bandwidth; one process driving n
+    devices: world size 1's step shared by min(n, devices) devices (CPU ranks share one set
+    of cores), and its bubble (None where that step was not measured)."""
     n = cfg.parallel.world_size
-    compute = (share_s if share_s is not None and layout.processes
-               else one_rank_step_s / min(n, devices)) * layout.plan.bubble(cfg)
-    return compute + comm_seconds(figures, cfg, layout, n, n, bandwidth_gbps, bandwidth_gbps,
-                                  latency_s)
+    share = figures.get("share_s")
+    if share is None or not layout.processes:
+        return one_rank_step_s and one_rank_step_s / min(n, devices) * layout.plan.bubble(cfg)
+    if layout.cuts_model:
+        share = pipeline_s(share, n, cfg.parallel.microbatches,
+                           cpu_rate(link.cores, link.threads))
+    sends = {k: v for k, v in figures.items() if k.startswith("comm_p2p_")}
+    return share + (figures.get("collectives_s") or 0.0) + comm_seconds(
+        sends, cfg, layout, n, n, link.gbps, link.gbps, link.latency_s)

@@ -1,0 +1,291 @@
+"""The step-time model's parts, measured on this machine by a launched job's ranks
+(advise/scaling.py's validate() adds them up): the loopback bandwidth and one collective's
+latency; each candidate's compute share, its layout's own work over a one-rank group; and
+what its collectives add to a replay of its step, where ranks that share cores also wait
+for each other to be scheduled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Mapping
+from typing import Any, Callable
+
+import torch
+
+from parallab.launching import distributed
+from parallab.observe.comm import KINDS, MB
+from parallab.precision import Precision, compute_dtype
+from parallab.training import run
+
+
+def max_over_ranks(dist: distributed.Dist, value: float) -> float:
+    return dist.all_reduce_max(torch.tensor([value], dtype=torch.float64,
+                                            device=dist.device)).item()
+
+def loopback_gbps(dist: distributed.Dist, megabytes: int = 16, repeats: int = 5) -> float:
+    """The job's all-reduce bus bandwidth in gigabits/s: 2(n-1)/n x the tensor per rank,
+    as comm.py counts it, over the median time of `repeats` all-reduces."""
+    import torch.distributed as torch_dist
+
+    tensor = torch.ones(megabytes * MB // 4, device=dist.device)
+    times = []
+    for _ in range(repeats + 1):
+        torch_dist.barrier()
+        start = time.perf_counter()
+        torch_dist.all_reduce(tensor)
+        times.append(time.perf_counter() - start)
+    n = dist.world_size
+    sent = 2 * (n - 1) / n * tensor.numel() * 4
+    return sent * 8 / statistics.median(times[1:]) / 1e9
+
+
+def _alone(model: torch.nn.Module, spec: run.RunSpec, dist: distributed.Dist, one):
+    """`model` laid out as parallelize() lays out the candidate's (tensor parallel, then
+    activation checkpointing, then FSDP2 or DDP), but over the one-rank group `one`: the
+    layout's own work (FSDP2's copies and hooks, DTensor's dispatch per op, DDP's buckets,
+    recomputation), no peer. A pipeline's part (_own_part) is run by its schedule
+    (_forward_backward). Not compiled: that would be a second compile per candidate."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from parallab.parallel import plans
+    from parallab.parallel.fsdp import shard
+    from parallab.parallel.parallelize import speed_up
+
+    cfg, layout, p = spec.cfg, spec.layout, spec.cfg.parallel
+    mesh = DeviceMesh.from_group([one, one], dist.device.type, mesh=[[dist.rank]],
+                                 mesh_dim_names=("dp_shard", "tp"))
+    cut = layout.processes and not layout.cuts_model
+    if cut and layout.tp > 1:
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        parallelize_module(model, mesh["tp"], plans.plan_of(model, p.tp_plan or None,
+                                                            p.sequence_parallel))
+    model = speed_up(model, dataclasses.replace(cfg.trainer, compile=False), p.stages)
+    if cut and layout.replicas_only:
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model, process_group=one,
+                                       bucket_cap_mb=p.bucket_cap_mb,
+                                       find_unused_parameters=p.find_unused_parameters,
+                                       gradient_as_bucket_view=p.gradient_as_bucket_view)
+    if cut:
+        shard(model, mesh["dp_shard"], p, compute_dtype(cfg.precision.name, dist.device.type),
+              False, p.reshard_after_forward)
+    return model
+
+
+def _own_part(model: torch.nn.Module, spec: run.RunSpec, dist: distributed.Dist,
+              inputs: Any, precision) -> Any:
+    """Keep this rank's part of a pipeline's model, as parallel/pipeline.py cuts it (its
+    other stages nn.Identity); the activation that part receives for `inputs`: the batch
+    through the parts before it, each run as its own rank runs it."""
+    from parallab.parallel import stages as stages_of
+    from parallab.parallel.split import part_ranges
+
+    layout, p = spec.layout, spec.cfg.parallel
+    stages = stages_of.find(model, p.stages)
+    parts = part_ranges(stages, layout.pp, p.split)
+    names = {id(module): name for name, module in model.named_modules()}
+
+    def hold(keep: range) -> None:
+        for index, stage in enumerate(stages):
+            parent, _, child = names[id(stage)].rpartition(".")
+            model.get_submodule(parent).register_module(
+                child, stage if index in keep else torch.nn.Identity())
+
+    with torch.no_grad(), precision.autocast():
+        for part in parts[:dist.rank // layout.tp % layout.pp]:
+            hold(part)
+            inputs = model(**inputs) if isinstance(inputs, Mapping) else model(inputs)
+    hold(parts[dist.rank // layout.tp % layout.pp])
+    return inputs
+
+
+def _forward_backward(model: torch.nn.Module, spec: run.RunSpec, loss, precision,
+                      dist: distributed.Dist, one) -> Callable[[Any], None]:
+    """A rank's forward and backward of one batch: a pipeline part's through its schedule
+    on a single stage over the one-rank group `one` (the schedule's work per micro-batch,
+    no sends; a batch: the part's input); any other layout's as the trainer's step runs
+    it."""
+    from parallab import batch as batches
+
+    p = spec.cfg.parallel
+    if not spec.layout.cuts_model:
+        def step(batch: Any) -> None:
+            with precision.autocast():
+                value = loss.step_loss(model, batch, None)[1]
+            value.backward()
+        return step
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    stage = PipelineStage(model, 0, 1, dist.device, group=one)
+    # a part's output before the last is an activation, not a score: a scalar of it to run
+    # backward from (the last part's loss costs the same order)
+    schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[p.schedule](
+        stage, n_microbatches=p.microbatches, scale_grads=False,
+        loss_fn=lambda output, target: output.float().square().mean())
+
+    def piped(inputs: Any) -> None:
+        # its only stage is the last: the schedule wants a target, which the scalar ignores
+        target = torch.zeros(batches.rows(inputs), device=dist.device)
+        args, kwargs = ((), dict(inputs)) if isinstance(inputs, Mapping) else ((inputs,), {})
+        with precision.autocast():
+            schedule.step(*args, **kwargs, target=target)
+    return piped
+
+
+def share_s(spec: run.RunSpec, dist: distributed.Dist, one,
+            steps: int = 3) -> float | list[float]:
+    """One rank's share of the candidate's step on this machine: its model in its
+    precision, laid out over a one-rank group (_alone), on global batch / n rows (the
+    FLOPs a rank does) in its accumulation's micro-batches, forward, backward and the
+    optimizer, nothing crossing ranks; the mean of `steps` steps (as a run's step time
+    is). Every rank at once, the slowest rank's: on a CPU the ranks' threads and the
+    layout's own work per op, not the FLOPs, decide it. A pipeline's: each part's (its
+    replica's rows through its schedule, _own_part), each rank alone, by part (the
+    slowest replica's): its schedule decides which parts compute at once
+    (scaling.pipeline_s)."""
+    import torch.distributed as torch_dist
+
+    from parallab import batch as batches
+    from parallab.checks import trial
+    from parallab.loss import build_loss
+    from parallab.models import build_model
+    from parallab.optim import build_optimizer
+
+    cfg, layout = spec.cfg, spec.layout
+    torch.manual_seed(cfg.seed)
+    precision = Precision(cfg.precision, dist.device)
+    model = precision.convert(build_model(cfg.model)).to(dist.device)
+    accumulate = cfg.trainer.accumulate_grad_batches
+    micro, parts = (cfg.parallel.microbatches, layout.pp) if layout.cuts_model else (1, 1)
+    rows = max(1, cfg.data.global_batch_size // (dist.world_size // parts) // accumulate
+               // micro) * micro
+    batch = batches.apply(trial.one_batch(cfg, rows), lambda t: t.to(dist.device))
+    if layout.cuts_model:
+        batch = _own_part(model, spec, dist, batches.inputs_of(batch), precision)
+    model = _alone(model, spec, dist, one)
+    loss = build_loss(cfg.loss).bind(model)
+    optimizer = build_optimizer(cfg.optim, model)
+    step = _forward_backward(model, spec, loss, precision, dist, one)
+
+    def timed(together: bool) -> float:
+        times = []
+        for _ in range(steps + 1):  # the first: allocation, kernel choice, a schedule's shapes
+            if together:
+                torch_dist.barrier()  # every rank computing at once, as in the run
+            start = time.perf_counter()
+            for _ in range(accumulate):
+                step(batch)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            times.append(time.perf_counter() - start)
+        return statistics.mean(times[1:])
+
+    if not layout.cuts_model:
+        return max_over_ranks(dist, timed(together=True))
+    mine = 0.0
+    for rank in range(dist.world_size):
+        torch_dist.barrier()
+        if rank == dist.rank:
+            mine = timed(together=False)
+    each = [0.0] * dist.world_size
+    torch_dist.all_gather_object(each, mine)
+    return [max(t for r, t in enumerate(each) if r // layout.tp % parts == part)
+            for part in range(parts)]
+
+
+def _collective(kind: str, sent: float, n: int, device: torch.device, group):
+    """A call of `kind` over `group`, of `n` ranks, sending `sent` bytes from each (comm.py's
+    count). A gather's output is copied out and a scatter's input copied in, as FSDP2 does
+    with each parameter and gradient, and as it does not over one rank (the share's)."""
+    import torch.distributed as torch_dist
+
+    def ones(numel: float, times: int = 1) -> torch.Tensor:
+        return torch.ones(max(1, round(numel)) * times, device=device)
+
+    # torch 2.14 renames the tensor forms *_single, warning at each call of the old names
+    if kind == "all_gather":
+        gather = getattr(torch_dist, "all_gather_single", None) or \
+            torch_dist.all_gather_into_tensor
+        shard = ones(sent / (n - 1) / 4)
+        out, held = ones(shard.numel(), n), ones(shard.numel(), n)
+        return lambda: (gather(out, shard, group=group), held.copy_(out))
+    if kind == "reduce_scatter":
+        scatter = getattr(torch_dist, "reduce_scatter_single", None) or \
+            torch_dist.reduce_scatter_tensor
+        out = ones(sent / (n - 1) / 4)
+        full, grads = ones(out.numel(), n), ones(out.numel(), n)
+        return lambda: (full.copy_(grads), scatter(out, full, group=group))
+    if kind == "broadcast":
+        tensor = ones(sent / ((n - 1) / n) / 4)
+        return lambda: torch_dist.broadcast(tensor, group=group, group_src=0)
+    tensor = ones(sent / (2 * (n - 1) / n) / 4)
+    return lambda: torch_dist.all_reduce(tensor, group=group)
+
+
+def collectives_s(dist: distributed.Dist, figures: dict[str, Any], compute_s: float,
+                  groups: dict[int, Any], repeats: int = 1) -> float:
+    """What the candidate's collectives (but a pipeline's sends) add to its step, every
+    rank computing: its step replayed, `compute_s` of busy work cut into as many pieces as
+    it called collectives, each piece followed by one of them (each call its kind's share
+    of the kind's bytes, over groups of its size: `groups`, made as needed), against the
+    same work unbroken; the median of `repeats`, the slowest rank's. Where ranks share
+    cores, a collective also waits for each rank of its group to be scheduled again, a
+    cost that depends on the compute around it: one collective timed back to back
+    (loopback_latency_s) and the bandwidth of one large one do not see it."""
+    import torch.distributed as torch_dist
+
+    counts = [(kind, int(figures.get(f"comm_{kind}_calls") or 0),
+               (figures.get(f"comm_{kind}_mb") or 0.0) * MB,
+               int(figures.get(f"comm_{kind}_ranks") or dist.world_size))
+              for kind in KINDS if kind != "p2p"]
+    shared = [counts]
+    torch_dist.broadcast_object_list(shared, src=0)  # every rank replays rank 0's calls
+    for *_, ranks in shared[0]:  # every rank makes the same groups, in the same order
+        if ranks not in groups:
+            groups[ranks] = torch_dist.new_subgroups(group_size=ranks)[0]
+    plan = sorted(((i + 0.5) / calls, kind, _collective(kind, sent / calls, ranks,
+                                                        dist.device, groups[ranks]))
+                  for kind, calls, sent, ranks in shared[0] for i in range(calls))
+    if not plan:
+        return 0.0
+    a = torch.randn(64, 64, device=dist.device)
+    torch_dist.barrier()
+    start = time.perf_counter()
+    for _ in range(50):
+        a @ a
+    pieces = max(1, round(compute_s / len(plan) / ((time.perf_counter() - start) / 50)))
+
+    def replay(communicate: bool) -> float:
+        torch_dist.barrier()
+        start = time.perf_counter()
+        for *_, call in plan:
+            for _ in range(pieces):
+                a @ a
+            if communicate:
+                call()
+        torch_dist.barrier()
+        return time.perf_counter() - start
+
+    extra = [replay(True) - replay(False) for _ in range(repeats)]
+    return max(0.0, max_over_ranks(dist, statistics.median(extra)))
+
+
+def loopback_latency_s(dist: distributed.Dist, repeats: int = 30) -> float:
+    """The fixed cost of one collective in this job, whatever it carries: the median time
+    of an all-reduce of one number, the slowest rank's, timed back to back (a pipeline's
+    sends are charged it; the collectives of the other layouts are replayed amid their
+    compute instead: collectives_s)."""
+    import torch.distributed as torch_dist
+
+    tensor = torch.ones(1, device=dist.device)
+    times = []
+    for _ in range(repeats + 3):
+        start = time.perf_counter()
+        torch_dist.all_reduce(tensor)
+        times.append(time.perf_counter() - start)
+    return max_over_ranks(dist, statistics.median(times[3:]))
