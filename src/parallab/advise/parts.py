@@ -25,6 +25,7 @@ def max_over_ranks(dist: distributed.Dist, value: float) -> float:
     return dist.all_reduce_max(torch.tensor([value], dtype=torch.float64,
                                             device=dist.device)).item()
 
+
 def loopback_gbps(dist: distributed.Dist, megabytes: int = 16, repeats: int = 5) -> float:
     """The job's all-reduce bus bandwidth in gigabits/s: 2(n-1)/n x the tensor per rank,
     as comm.py counts it, over the median time of `repeats` all-reduces."""
