@@ -268,3 +268,20 @@ def test_a_pipelines_bubble_lends_its_cores_where_ranks_share_them():
     assert scaling.pipeline_s(parts, 4, 2, shared) == pytest.approx(5 * 0.05)
     # two pipelines side by side (dp 2 x pp 2): 2, 4, 2 busy ranks of one thread on 2 cores
     assert scaling.pipeline_s([0.1, 0.1], 4, 2, shared) == pytest.approx(0.05 + 0.1 + 0.05)
+
+
+def test_a_candidate_whose_parts_cannot_be_measured_keeps_its_run(monkeypatch, caplog):
+    """The step's parts serve the check here only: a failure to measure them is a warning
+    and no prediction here, not a lost candidate (nor, for the others, a lost job)."""
+    from parallab.advise import measure, parts
+
+    def refuse(*args):
+        raise ValueError("no schedule for this part\nsecond line")
+
+    monkeypatch.setattr(parts, "share_s", refuse)
+    spec = type("Spec", (), {"run_dir": "c0"})()
+    with caplog.at_level("WARNING"):
+        assert measure._step_parts(spec, None, {}, {1: None}) == {}
+    assert "c0: its step's parts not measured: ValueError: no schedule for this part" in \
+        caplog.text
+    assert "second line" not in caplog.text

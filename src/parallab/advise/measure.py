@@ -118,6 +118,22 @@ class Job:
     threads_per_worker: int | None
 
 
+def _step_parts(spec: run.RunSpec, dist: distributed.Dist, figures: dict[str, Any],
+                groups: dict[int, Any]) -> dict[str, Any]:
+    """The candidate's compute share and what its collectives add (advise/parts.py); none
+    where they cannot be measured: the candidate ran, only its check here is missing."""
+    try:
+        share = parts.share_s(spec, dist, groups[1])
+        return {"share_s": share, "collectives_s": parts.collectives_s(
+            dist, figures, max(share) if isinstance(share, list) else share, groups)}
+    except Exception as error:  # noqa: BLE001 - the check is optional, the run is not
+        if distributed.lost_a_peer(error):
+            raise
+        log.warning("candidate %s: its step's parts not measured: %s", spec.run_dir,
+                    first_line(error))
+        return {}
+
+
 def worker(job: Job) -> dict[str, Any]:
     """A launched worker: join the group once, measure every candidate and, right after
     each (the same machine load), the parts of its step for the step-time check (its
@@ -134,9 +150,7 @@ def worker(job: Job) -> dict[str, Any]:
     for spec in job.jobs:
         figures = measure_all([spec], dist)[0]
         if "error" not in figures:
-            figures["share_s"] = share = parts.share_s(spec, dist, groups[1])
-            figures["collectives_s"] = parts.collectives_s(
-                dist, figures, max(share) if isinstance(share, list) else share, groups)
+            figures.update(_step_parts(spec, dist, figures, groups))
         results.append(figures)
     bandwidth, latency = parts.loopback_gbps(dist), parts.loopback_latency_s(dist)
     threads = torch.get_num_threads()
