@@ -56,9 +56,10 @@ def _alone(model: torch.nn.Module, spec: run.RunSpec, dist: distributed.Dist, on
     from parallab.parallel.parallelize import speed_up
 
     cfg, layout, p = spec.cfg, spec.layout, spec.cfg.parallel
-    mesh = DeviceMesh.from_group([one, one], dist.device.type, mesh=[[dist.rank]],
-                                 mesh_dim_names=("dp_shard", "tp"))
     cut = layout.processes and not layout.cuts_model
+    mesh = DeviceMesh.from_group([one, one], dist.device.type, mesh=[[dist.rank]],
+                                 mesh_dim_names=("dp_shard", "tp")) if layout.sharded and cut \
+        else None
     if cut and layout.tp > 1:
         from torch.distributed.tensor.parallel import parallelize_module
 
@@ -84,24 +85,19 @@ def _own_part(model: torch.nn.Module, spec: run.RunSpec, dist: distributed.Dist,
     other stages nn.Identity); the activation that part receives for `inputs`: the batch
     through the parts before it, each run as its own rank runs it."""
     from parallab.parallel import stages as stages_of
+    from parallab.parallel.pipeline import keep_only
     from parallab.parallel.split import part_ranges
 
     layout, p = spec.layout, spec.cfg.parallel
     stages = stages_of.find(model, p.stages)
     parts = part_ranges(stages, layout.pp, p.split)
     names = {id(module): name for name, module in model.named_modules()}
-
-    def hold(keep: range) -> None:
-        for index, stage in enumerate(stages):
-            parent, _, child = names[id(stage)].rpartition(".")
-            model.get_submodule(parent).register_module(
-                child, stage if index in keep else torch.nn.Identity())
-
+    mine = dist.rank // layout.tp % layout.pp
     with torch.no_grad(), precision.autocast():
-        for part in parts[:dist.rank // layout.tp % layout.pp]:
-            hold(part)
+        for part in parts[:mine]:
+            keep_only(model, stages, part, names)
             inputs = model(**inputs) if isinstance(inputs, Mapping) else model(inputs)
-    hold(parts[dist.rank // layout.tp % layout.pp])
+    keep_only(model, stages, parts[mine], names)
     return inputs
 
 

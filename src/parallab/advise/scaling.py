@@ -20,7 +20,7 @@ measured and the term is left out. Every figure it gives is labelled a predictio
 On this machine, validate() predicts each candidate's step at its launched world size
 from two parts its job measured apart, every rank at once: its compute share (its layout's
 own work over a one-rank group) and what its collectives add to a replay of its step
-(advise/measure.py); a pipeline's share runs through its schedule, where ranks that share
+(advise/parts.py); a pipeline's share runs through its schedule, where ranks that share
 cores lend them in the bubble.
 """
 

@@ -44,13 +44,16 @@ log = logging.getLogger(__name__)
 SCHEDULES = ("gpipe", "1f1b")
 
 
-def keep_only(model: nn.Module, stages: list[nn.Module], keep: range) -> None:
-    """Replace the model's stages outside `keep` by nn.Identity, names unchanged."""
-    names = {id(module): name for name, module in model.named_modules()}
+def keep_only(model: nn.Module, stages: list[nn.Module], keep: range,
+              names: dict[int, str] | None = None) -> None:
+    """Hold only the model's stages in `keep`, the others nn.Identity, names unchanged.
+    `names` (each module's name by id, read from the whole model): to cut it again, a stage
+    cut before coming back where it is kept."""
+    names = names or {id(module): name for name, module in model.named_modules()}
     for index, stage in enumerate(stages):
-        if index not in keep:
-            parent, _, child = names[id(stage)].rpartition(".")
-            model.get_submodule(parent).register_module(child, nn.Identity())
+        parent, _, child = names[id(stage)].rpartition(".")
+        model.get_submodule(parent).register_module(
+            child, stage if index in keep else nn.Identity())
 
 
 class PipelineStrategy(MeshStrategy):
