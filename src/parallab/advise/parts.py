@@ -245,9 +245,11 @@ def collectives_s(dist: distributed.Dist, figures: dict[str, Any], compute_s: fl
     for *_, ranks in shared[0]:  # every rank makes the same groups, in the same order
         if ranks not in groups:
             groups[ranks] = torch_dist.new_subgroups(group_size=ranks)[0]
-    plan = sorted(((i + 0.5) / calls, kind, _collective(kind, sent / calls, ranks,
-                                                        dist.device, groups[ranks]))
-                  for kind, calls, sent, ranks in shared[0] for i in range(calls))
+    # one call of each kind, made once; its calls spread evenly over the step
+    call_of = {kind: _collective(kind, sent / calls, ranks, dist.device, groups[ranks])
+               for kind, calls, sent, ranks in shared[0] if calls}
+    plan = [call_of[kind] for _, kind in sorted(
+        ((i + 0.5) / calls, kind) for kind, calls, *_ in shared[0] for i in range(calls))]
     if not plan:
         return 0.0
     a = torch.randn(64, 64, device=dist.device)
@@ -260,7 +262,7 @@ def collectives_s(dist: distributed.Dist, figures: dict[str, Any], compute_s: fl
     def replay(communicate: bool) -> float:
         torch_dist.barrier()
         start = time.perf_counter()
-        for *_, call in plan:
+        for call in plan:
             for _ in range(pieces):
                 a @ a
             if communicate:
