@@ -235,39 +235,45 @@ def test_step_time_model_follows_links_ring_factor_and_bubble():
     assert scaling.comm_seconds(called, *ddp, 2, 8, 100.0, 10.0, latency_s=0.002) == \
         pytest.approx(gbit / 100 + 3 * 0.002)
     # here, a layout with a process per rank computes the share its launched job measured
-    # and waits what its collectives added to its replayed step, their bytes included;
-    # one process driving the devices, world size 1's step
+    # and waits what its collectives added to its replayed step, their bytes included, and
+    # the loop's own time its run measured; one process driving the devices, world size
+    # 1's step
     from parallab.advise import Link
 
     link = Link(gbps=100.0, latency_s=0.002, cores=None, threads=1)
-    ran = {**called, "share_s": 0.1, "collectives_s": 0.01}
-    assert scaling.validate(ran, *ddp, link, 0.4, 1) == pytest.approx(0.1 + 0.01)
+    ran = {**called, "share_s": 0.1, "collectives_s": 0.01, "loop_time_ms": 5.0}
+    assert scaling.validate(ran, *ddp, link, 0.4, 1) == pytest.approx(0.1 + 0.01 + 0.005)
     # a pipeline: its parts through its schedule, each send at the latency
-    sends = {"share_s": [0.1, 0.1], "comm_p2p_calls": 8}
+    sends = {"share_s": [0.12, 0.12], "share_alone_s": [0.1, 0.1], "comm_p2p_calls": 8}
     assert scaling.validate(sends, *pipeline, link, 0.4, 1) == pytest.approx(
-        0.1 * (1 + 1 / 4) + 8 * 0.002)
+        (0.1 + 3 * 0.12 + 0.1) / 4 + 8 * 0.002)  # 4 micro-batches: 3 slots of 5 full
     model = checked(*TINY, "parallel=model", "parallel.world_size=2")
     assert scaling.validate({"share_s": 0.1}, *model, link, 0.4, 1) == pytest.approx(0.4)
     assert scaling.validate({}, *ddp, link, None, 1) is None  # nothing measured to go on
 
 
 def test_a_pipelines_bubble_lends_its_cores_where_ranks_share_them():
-    """With a device per rank the schedule's idle slots cost the bubble, each slot the
-    slowest busy part; 4 one-thread ranks on 2 cores run at half speed while all compute,
-    at full speed while the bubble idles half of them."""
+    """The schedule's slots where every part computes take the parts' steps measured
+    together; those the bubble leaves part-empty their steps alone, each slot the slowest
+    busy part; with a device per rank at full speed, with 4 one-thread ranks on 2 cores at
+    full speed while the bubble idles half of them."""
     from parallab.advise import scaling
 
     devices = scaling.cpu_rate(None, 1)
-    parts = [0.1, 0.1, 0.1, 0.1]  # each part's step alone
-    assert scaling.pipeline_s(parts, 4, 2, devices) == pytest.approx(0.1 * (2 + 3) / 2)
-    # slots of 2 micro-batches over parts 0.1 and 0.3: busy {0}, {0, 1}, {1}
-    assert scaling.pipeline_s([0.1, 0.3], 2, 2, devices) == pytest.approx(0.05 + 0.15 + 0.15)
+    parts, together = [0.1] * 4, [0.3] * 4  # each part's step alone, all ranks at once
+    # 4 parts, 2 micro-batches: slots busy {0}, {0, 1}, {1, 2}, {2, 3}, {3}: none full
+    assert scaling.pipeline_s(together, parts, 4, 2, devices) == pytest.approx(5 * 0.05)
+    # 2 parts of 0.1 and 0.3 alone, 0.2 and 0.4 together: busy {0}, {0, 1}, {1}
+    assert scaling.pipeline_s([0.2, 0.4], [0.1, 0.3], 2, 2, devices) == pytest.approx(
+        0.05 + 0.2 + 0.15)
     shared = scaling.cpu_rate(2, 1)
     assert shared(4) == 0.5 and shared(2) == shared(1) == 1.0
     # 4 parts, one rank each: at most 2 busy at once (slots 1, 2, 2, 2, 1): full speed
-    assert scaling.pipeline_s(parts, 4, 2, shared) == pytest.approx(5 * 0.05)
-    # two pipelines side by side (dp 2 x pp 2): 2, 4, 2 busy ranks of one thread on 2 cores
-    assert scaling.pipeline_s([0.1, 0.1], 4, 2, shared) == pytest.approx(0.05 + 0.1 + 0.05)
+    assert scaling.pipeline_s(together, parts, 4, 2, shared) == pytest.approx(5 * 0.05)
+    # two pipelines side by side (dp 2 x pp 2) on 2 cores: 2 busy ranks at full speed,
+    # then all 4 as measured together
+    assert scaling.pipeline_s([0.25, 0.25], [0.1, 0.1], 4, 2, shared) == pytest.approx(
+        0.05 + 0.125 + 0.05)
 
 
 def test_a_candidate_whose_parts_cannot_be_measured_keeps_its_run(monkeypatch, caplog):

@@ -13,7 +13,7 @@ METRIC_KEYS = {"train_loss", "eval_loss", "eval_accuracy", "samples_per_sec", "s
                "epoch_time_s", "wall_time_s", "world_size", "global_batch_size",
                "precision_dtype", "backend", "parallel", "peak_memory_mb", "steps",
                "state_memory_mb", "lr", "best_eval_loss", "best_step", "stopped_early",
-               "comm_mb_per_step", "start_memory_mb"}
+               "comm_mb_per_step", "start_memory_mb", "loop_time_ms"}
 
 
 # under xdist a module fixture runs once per worker: its tests share one worker
@@ -40,6 +40,8 @@ def test_one_mnist_epoch_reaches_93_percent(mnist_epoch):
     assert (metrics["world_size"], metrics["parallel"], metrics["backend"]) == (1, "none", "none")
     assert metrics["precision_dtype"] == "float32"
     assert metrics["samples_per_sec"] > 0 and metrics["train_loss"] < 1.5
+    # the loop's own part of a step (loading, logging every 50th) is a small part of it
+    assert 0 < metrics["loop_time_ms"] < metrics["step_time_ms"] / 2
 
 
 @pytest.mark.slow
@@ -196,6 +198,7 @@ def test_a_run_cut_by_max_steps_numbers_its_evaluation_by_step_and_says_why_timi
     caplog.set_level(logging.INFO)
     metrics, _ = train_here(*FAST, "trainer.max_steps=3")
     assert metrics["samples_per_sec"] is None and metrics["step_time_ms"] is None
+    assert metrics["loop_time_ms"] is None
     said = [r.getMessage() for r in caplog.records]
     assert any(m.startswith("step 3: eval_loss") for m in said), said
     assert not any(m.startswith("epoch 0:") for m in said)

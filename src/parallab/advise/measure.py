@@ -124,8 +124,9 @@ def _step_parts(spec: run.RunSpec, dist: distributed.Dist, figures: dict[str, An
     where they cannot be measured: the candidate ran, only its check here is missing."""
     try:
         share = parts.share_s(spec, dist, groups[1])
-        return {"share_s": share, "collectives_s": parts.collectives_s(
-            dist, figures, max(share) if isinstance(share, list) else share, groups)}
+        busy = share["share_s"]
+        return {**share, "collectives_s": parts.collectives_s(
+            dist, figures, max(busy) if isinstance(busy, list) else busy, groups)}
     except Exception as error:  # noqa: BLE001 - the check is optional, the run is not
         if distributed.lost_a_peer(error):
             raise

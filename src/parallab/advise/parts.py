@@ -134,17 +134,51 @@ def _forward_backward(model: torch.nn.Module, spec: run.RunSpec, loss, precision
     return piped
 
 
-def share_s(spec: run.RunSpec, dist: distributed.Dist, one,
-            steps: int = 3) -> float | list[float]:
+def _step_times(step: Callable[[Any], None], batch: Any, optimizer, accumulate: int,
+                steps: int, together: bool) -> list[float]:
+    """Each of `steps` optimizer steps' time over `batch` (after one more: allocation,
+    kernel choice, a schedule's shapes); `together`: every rank starts each step at once,
+    as the run's ranks do."""
+    import torch.distributed as torch_dist
+
+    times = []
+    for _ in range(steps + 1):
+        if together:
+            torch_dist.barrier()
+        start = time.perf_counter()
+        for _ in range(accumulate):
+            step(batch)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - start)
+    return times[1:]
+
+
+def _by_part(times: list[float], parts: int, tp: int, together: bool) -> list[float]:
+    """Each part's step from every rank's `times` (one part but in a pipeline): with its
+    ranks together, the median over steps of the slowest rank's step (a step waits for
+    it); each alone, the slowest rank's median."""
+    import torch.distributed as torch_dist
+
+    each: list[Any] = [None] * torch_dist.get_world_size()
+    torch_dist.all_gather_object(each, times)
+    ranks = [[r for r in range(len(each)) if r // tp % parts == part] for part in range(parts)]
+    if together:
+        return [statistics.median(max(each[r][i] for r in mine) for i in range(len(times)))
+                for mine in ranks]
+    return [max(statistics.median(each[r]) for r in mine) for mine in ranks]
+
+
+def share_s(spec: run.RunSpec, dist: distributed.Dist, one, steps: int = 5) -> dict[str, Any]:
     """One rank's share of the candidate's step on this machine: its model in its
     precision, laid out over a one-rank group (_alone), on global batch / n rows (the
     FLOPs a rank does) in its accumulation's micro-batches, forward, backward and the
-    optimizer, nothing crossing ranks; the mean of `steps` steps (as a run's step time
-    is). Every rank at once, the slowest rank's: on a CPU the ranks' threads and the
-    layout's own work per op, not the FLOPs, decide it. A pipeline's: each part's (its
-    replica's rows through its schedule, _own_part), each rank alone, by part (the
-    slowest replica's): its schedule decides which parts compute at once
-    (scaling.pipeline_s)."""
+    optimizer, nothing crossing ranks. Every rank at once, each step the slowest rank's,
+    the median of `steps` (`share_s`): on a CPU the ranks' threads and the layout's own
+    work per op, not the FLOPs, decide it. A pipeline's, by part (its replica's rows
+    through its schedule, _own_part): all ranks at once (`share_s`, its schedule's full
+    slots) and each rank alone (`share_alone_s`, the slots its bubble leaves part-empty:
+    scaling.pipeline_s)."""
     import torch.distributed as torch_dist
 
     from parallab import batch as batches
@@ -168,31 +202,17 @@ def share_s(spec: run.RunSpec, dist: distributed.Dist, one,
     loss = build_loss(cfg.loss).bind(model)
     optimizer = build_optimizer(cfg.optim, model)
     step = _forward_backward(model, spec, loss, precision, dist, one)
-
-    def timed(together: bool) -> float:
-        times = []
-        for _ in range(steps + 1):  # the first: allocation, kernel choice, a schedule's shapes
-            if together:
-                torch_dist.barrier()  # every rank computing at once, as in the run
-            start = time.perf_counter()
-            for _ in range(accumulate):
-                step(batch)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            times.append(time.perf_counter() - start)
-        return statistics.mean(times[1:])
-
+    together = _by_part(_step_times(step, batch, optimizer, accumulate, steps, True),
+                        parts, layout.tp, True)
     if not layout.cuts_model:
-        return max_over_ranks(dist, timed(together=True))
-    mine = 0.0
+        return {"share_s": together[0]}
+    mine: list[float] = []
     for rank in range(dist.world_size):
         torch_dist.barrier()
         if rank == dist.rank:
-            mine = timed(together=False)
-    each = [0.0] * dist.world_size
-    torch_dist.all_gather_object(each, mine)
-    return [max(t for r, t in enumerate(each) if r // layout.tp % parts == part)
-            for part in range(parts)]
+            mine = _step_times(step, batch, optimizer, accumulate, steps, False)
+    return {"share_s": together,
+            "share_alone_s": _by_part(mine, parts, layout.tp, False)}
 
 
 def _collective(kind: str, sent: float, n: int, device: torch.device, group):
@@ -225,7 +245,7 @@ def _collective(kind: str, sent: float, n: int, device: torch.device, group):
 
 
 def collectives_s(dist: distributed.Dist, figures: dict[str, Any], compute_s: float,
-                  groups: dict[int, Any], repeats: int = 1) -> float:
+                  groups: dict[int, Any], repeats: int = 3) -> float:
     """What the candidate's collectives (but a pipeline's sends) add to its step, every
     rank computing: its step replayed, `compute_s` of busy work cut into as many pieces as
     it called collectives, each piece followed by one of them (each call its kind's share

@@ -21,7 +21,7 @@ On this machine, validate() predicts each candidate's step at its launched world
 from two parts its job measured apart, every rank at once: its compute share (its layout's
 own work over a one-rank group) and what its collectives add to a replay of its step
 (advise/parts.py); a pipeline's share runs through its schedule, where ranks that share
-cores lend them in the bubble.
+cores lend them in the bubble; and the loop's own time between steps, timed in the run.
 """
 
 from __future__ import annotations
@@ -86,18 +86,24 @@ def predict_target(figures: dict[str, Any], cfg, layout, flops: float, options,
                                   options.intra_node_gbps, options.inter_node_gbps)
 
 
-def pipeline_s(parts_s: list[float], ranks: int, micro: int,
+def pipeline_s(together_s: list[float], alone_s: list[float], ranks: int, micro: int,
                rate: Callable[[int], float]) -> float:
-    """A pipeline's compute from each part's step alone (`parts_s`, one per part, each
-    held by ranks / pp ranks): the schedule's micro + pp - 1 slots, each as long as the
-    slowest part then busy takes for a micro-batch at the speed `rate(busy ranks)` leaves
-    a rank. With a device per rank, rate is 1 and this is the bubble, (micro + pp - 1) /
-    micro x the slowest part; where ranks share cores, a rank idle in the bubble lends its
-    core to the busy ones."""
-    pp, total = len(parts_s), 0.0
+    """A pipeline's compute from each part's step (one per part, each held by ranks / pp
+    ranks), measured with every rank computing (`together_s`) and each rank alone
+    (`alone_s`): the schedule's micro + pp - 1 slots, each as long as the slowest part
+    then busy takes for a micro-batch. A slot where every part computes takes what they
+    took together (ranks sharing cores, memory and caches); one its bubble leaves
+    part-empty, their time alone at the speed `rate(busy ranks)` leaves a rank. With a
+    device per rank, rate is 1 and this is about the bubble, (micro + pp - 1) / micro x
+    the slowest part; where ranks share cores, a rank idle in the bubble lends its core
+    to the busy ones."""
+    pp, total = len(together_s), 0.0
     for slot in range(micro + pp - 1):
         busy = [part for part in range(pp) if 0 <= slot - part < micro]
-        total += max(parts_s[p] for p in busy) / micro / rate(ranks // pp * len(busy))
+        if len(busy) == pp:
+            total += max(together_s) / micro
+        else:
+            total += max(alone_s[p] for p in busy) / micro / rate(ranks // pp * len(busy))
     return total
 
 
@@ -111,19 +117,22 @@ def validate(figures: dict[str, Any], cfg, layout, link, one_rank_step_s: float 
              devices: int) -> float | None:
     """This machine's step time at the candidate's world size n, from what its launched job
     measured (`link`: bandwidth, latency, cores; the figures: its compute share `share_s`,
-    a pipeline's by part, what its collectives added to a replay of its step
-    `collectives_s`, the sends it called). A layout with a process per rank: its share (a
-    pipeline's parts through its schedule, pipeline_s), its collectives, and a pipeline's
-    sends at the latency plus their bytes over the bandwidth; one process driving n
-    devices: world size 1's step shared by min(n, devices) devices (CPU ranks share one set
-    of cores), and its bubble (None where that step was not measured)."""
+    a pipeline's by part, together and alone, what its collectives added to a replay of its step
+    `collectives_s`, the sends it called; the run's own `loop_time_ms`). A layout with a
+    process per rank: its share (a pipeline's parts through its schedule, pipeline_s), its
+    collectives, a pipeline's sends at the latency plus their bytes over the bandwidth, and
+    the loop's own time between steps (its batch loaded, its loss logged: the meter's
+    figure, timed in the run); one process driving n devices: world size 1's step shared
+    by min(n, devices) devices (CPU ranks share one set of cores), and its bubble (None
+    where that step was not measured)."""
     n = cfg.parallel.world_size
     share = figures.get("share_s")
     if share is None or not layout.processes:
         return one_rank_step_s and one_rank_step_s / min(n, devices) * layout.plan.bubble(cfg)
     if layout.cuts_model:
-        share = pipeline_s(share, n, cfg.parallel.microbatches,
-                           cpu_rate(link.cores, link.threads))
+        share = pipeline_s(share, figures.get("share_alone_s") or share, n,
+                           cfg.parallel.microbatches, cpu_rate(link.cores, link.threads))
     sends = {k: v for k, v in figures.items() if k.startswith("comm_p2p_")}
     return share + (figures.get("collectives_s") or 0.0) + comm_seconds(
-        sends, cfg, layout, n, n, link.gbps, link.gbps, link.latency_s)
+        sends, cfg, layout, n, n, link.gbps, link.gbps, link.latency_s) + \
+        (figures.get("loop_time_ms") or 0.0) / 1e3

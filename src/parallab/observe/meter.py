@@ -86,6 +86,9 @@ class Meter:
         self.world_size, self.readers = strategy.world_size, strategy.readers
         self.data_world = strategy.data_dist.world_size
         self.step_times: list[float] = []  # seconds per step, data loading included
+        # of each, the loop's own: from the last step's end to this one's start (the batch
+        # loaded, the last log step's figures and checkpoint): no layout changes it
+        self.loop_times: list[float] = []
         self.measured_samples = 0  # global samples in steps after warm-up
         self.epoch_times: list[float] = []
         self.comm: dict[str, float] = {}  # bytes sent in one step, by kind (counting)
@@ -104,6 +107,10 @@ class Meter:
     def resume_clock(self) -> None:
         """After an evaluation: it is no step's time."""
         self.tick = time.perf_counter()
+
+    def step_started(self) -> None:
+        """The optimizer step begins: the loop's own time since the last one ends."""
+        self.loop_times.append(time.perf_counter() - self.tick)
 
     def step_done(self, step: int, batches: list, last: bool) -> None:
         """A step over `batches` (this rank's micro-batches) ended (`last`: the run's)."""
@@ -172,6 +179,7 @@ class Meter:
         """The run's timing, throughput, memory and comm figures; None where the run was
         too short to measure one."""
         measured = self.step_times[self.cfg.timing_skip_steps:]
+        loop = self.loop_times[self.cfg.timing_skip_steps:]
         samples_per_sec = self.measured_samples / sum(measured) if measured else None
         if not measured and self.dist.is_main:
             log.info("samples_per_sec and step_time_ms are null: this run's %d steps are all "
@@ -181,6 +189,7 @@ class Meter:
             "samples_per_sec": samples_per_sec,
             **(self.throughput(samples_per_sec) if samples_per_sec else {}),
             "step_time_ms": statistics.median(measured) * 1e3 if measured else None,
+            "loop_time_ms": statistics.median(loop) * 1e3 if loop else None,
             "epoch_time_s": statistics.median(self.epoch_times) if self.epoch_times else None,
             "steps": steps,
             "global_batch_size": global_batch,

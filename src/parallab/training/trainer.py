@@ -148,6 +148,7 @@ class Trainer:
         for batches in micro_batches(loader, self.cfg.accumulate_grad_batches):
             if self.epoch_step == 0 and len(batches) < self.cfg.accumulate_grad_batches:
                 refuse_partial_epoch(self.cfg.accumulate_grad_batches, len(batches))
+            self.meter.step_started()
             self.window.add(self.counted_step(batches))
             self.step += 1
             self.epoch_step += 1
