@@ -55,9 +55,10 @@ def test_advise_measures_predicts_and_recommends_a_matching_layout(tmp_path):
 
 
 @pytest.mark.distributed
-def test_a_bf16_pipeline_is_predicted_as_measured(tmp_path):
+def test_a_bf16_pipeline_is_predicted_as_measured(tmp_path, capfd):
     """The micro-batches of a pipeline step share autocast's weight casts: counted once in
-    the prediction (which runs one micro-batch) and in the measurement (which sees all)."""
+    the prediction (which runs one micro-batch) and in the measurement (which sees all);
+    its step's parts (its share through its schedule, its sends replayed) measured."""
     run_dir = tmp_path / "advise"
     advise_in_process([*TINY, "advise.steps=2", "advise.warmup_steps=1",
                        "advise.precisions=[bf16]", "parallel.world_size=2",
@@ -68,8 +69,10 @@ def test_a_bf16_pipeline_is_predicted_as_measured(tmp_path):
     assert len(rows) == 2  # gpipe and 1f1b
     for row in rows:  # a few percent: fake LayerNorm statistics differ a little in bf16
         assert abs(float(row["memory_error"])) <= 0.05, row
-        # its share measured through its schedule on one stage, in bf16
         assert float(row["predicted_step_ms_here"]) > 0, row
+    # its share measured through its schedule on one stage, in bf16, its sends replayed
+    # (a failure would be a worker's warning and a prediction from world size 1's step)
+    assert "parts not measured" not in capfd.readouterr().err
 
 
 def test_autocast_casts_are_counted_apart_from_each_passs_activations():
@@ -230,10 +233,9 @@ def test_step_time_model_follows_links_ring_factor_and_bubble():
     assert pipeline[1].plan is PLANS["pipeline"] and ddp[1].plan is PLANS["ddp"]
     assert pipeline[1].plan.bubble(pipeline[0]) == 1 + 1 / 4
     assert ddp[1].plan.bubble(ddp[0]) == 1.0
-    # each collective's calls cost the measured latency besides their bytes
+    # on a target cluster a call's fixed cost is not known: bytes only
     called = {"comm_all_reduce_mb": 1.0, "comm_all_reduce_calls": 3}
-    assert scaling.comm_seconds(called, *ddp, 2, 8, 100.0, 10.0, latency_s=0.002) == \
-        pytest.approx(gbit / 100 + 3 * 0.002)
+    assert scaling.comm_seconds(called, *ddp, 2, 8, 100.0, 10.0) == pytest.approx(gbit / 100)
     # here, a layout with a process per rank computes the share its launched job measured
     # and waits what its collectives added to its replayed step, their bytes included, and
     # the loop's own time its run measured; one process driving the devices, world size
@@ -243,10 +245,12 @@ def test_step_time_model_follows_links_ring_factor_and_bubble():
     link = Link(gbps=100.0, latency_s=0.002, cores=None, threads=1)
     ran = {**called, "share_s": 0.1, "collectives_s": 0.01, "loop_time_ms": 5.0}
     assert scaling.validate(ran, *ddp, link, 0.4, 1) == pytest.approx(0.1 + 0.01 + 0.005)
-    # a pipeline: its parts through its schedule, each send at the latency
-    sends = {"share_s": [0.12, 0.12], "share_alone_s": [0.1, 0.1], "comm_p2p_calls": 8}
+    # a pipeline: its parts through its schedule (4 micro-batches: 3 slots of 5 full),
+    # what its sends added to its replayed step
+    sends = {"share_s": [0.12, 0.12], "share_alone_s": [0.1, 0.1], "comm_p2p_calls": 8,
+             "collectives_s": 0.004}
     assert scaling.validate(sends, *pipeline, link, 0.4, 1) == pytest.approx(
-        (0.1 + 3 * 0.12 + 0.1) / 4 + 8 * 0.002)  # 4 micro-batches: 3 slots of 5 full
+        (0.1 + 3 * 0.12 + 0.1) / 4 + 0.004)
     model = checked(*TINY, "parallel=model", "parallel.world_size=2")
     assert scaling.validate({"share_s": 0.1}, *model, link, 0.4, 1) == pytest.approx(0.4)
     assert scaling.validate({}, *ddp, link, None, 1) is None  # nothing measured to go on

@@ -246,20 +246,25 @@ def _collective(kind: str, sent: float, n: int, device: torch.device, group):
 
 def collectives_s(dist: distributed.Dist, figures: dict[str, Any], compute_s: float,
                   groups: dict[int, Any], repeats: int = 3) -> float:
-    """What the candidate's collectives (but a pipeline's sends) add to its step, every
+    """What the candidate's collectives and a pipeline's sends add to its step, every
     rank computing: its step replayed, `compute_s` of busy work cut into as many pieces as
-    it called collectives, each piece followed by one of them (each call its kind's share
-    of the kind's bytes, over groups of its size: `groups`, made as needed), against the
-    same work unbroken; the median of `repeats`, the slowest rank's. Where ranks share
-    cores, a collective also waits for each rank of its group to be scheduled again, a
-    cost that depends on the compute around it: one collective timed back to back
-    (loopback_latency_s) and the bandwidth of one large one do not see it."""
+    it called them, each piece followed by one of them (each call its kind's share of the
+    kind's bytes, over groups of its size: `groups`, made as needed; a send an all-reduce
+    over a pair), against the same work unbroken; the median of `repeats`,
+    the slowest rank's. Where ranks share cores, a collective also waits for each rank of
+    its group to be scheduled again, a cost that depends on the compute around it: one
+    collective timed back to back (loopback_latency_s) and the bandwidth of one large one
+    do not see it."""
     import torch.distributed as torch_dist
 
+    # a pipeline's send as an all-reduce of its bytes within a pair of ranks: like a send
+    # meeting its receive, it waits for both to run (a replayed isend and irecv exchange,
+    # each rank's posted at once, waits for neither, and measured pipelines slower)
     counts = [(kind, int(figures.get(f"comm_{kind}_calls") or 0),
                (figures.get(f"comm_{kind}_mb") or 0.0) * MB,
-               int(figures.get(f"comm_{kind}_ranks") or dist.world_size))
-              for kind in KINDS if kind != "p2p"]
+               2 if kind == "p2p" else int(figures.get(f"comm_{kind}_ranks") or
+                                           dist.world_size))
+              for kind in KINDS]
     shared = [counts]
     torch_dist.broadcast_object_list(shared, src=0)  # every rank replays rank 0's calls
     for *_, ranks in shared[0]:  # every rank makes the same groups, in the same order
@@ -296,9 +301,9 @@ def collectives_s(dist: distributed.Dist, figures: dict[str, Any], compute_s: fl
 
 def loopback_latency_s(dist: distributed.Dist, repeats: int = 30) -> float:
     """The fixed cost of one collective in this job, whatever it carries: the median time
-    of an all-reduce of one number, the slowest rank's, timed back to back (a pipeline's
-    sends are charged it; the collectives of the other layouts are replayed amid their
-    compute instead: collectives_s)."""
+    of an all-reduce of one number, the slowest rank's, timed back to back (advise's note;
+    the step-time check replays each candidate's collectives amid its compute instead:
+    collectives_s)."""
     import torch.distributed as torch_dist
 
     tensor = torch.ones(1, device=dist.device)

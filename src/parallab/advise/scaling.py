@@ -1,7 +1,6 @@
 """Step time beyond this machine: a first-order model from what advise measured.
 
-    t(n) = compute(n) + sum over collective kinds of
-           calls_kind x latency + bytes_kind(n) / bandwidth_kind
+    t(n) = compute(n) + sum over collective kinds of bytes_kind(n) / bandwidth_kind
 
 compute(n): the step's training FLOPs (counted on fake tensors with torch's
 FlopCounterMode) shared by the n ranks, at the target GPU's peak (mfu.py's table) times an
@@ -11,11 +10,9 @@ advise ran, rescaled by the ring factor (g - 1) / g of the data-parallel group s
 (the payload, a gradient or parameter shard, stays the same). bandwidth_kind: the
 intra-node link while the group fits in one node (advise.gpus_per_node), else the
 inter-node one, except for the kinds the layout keeps in a node (Strategy.node_local_kinds:
-hsdp's shard collectives; its replicas' all-reduce crosses nodes). calls_kind: the
-collectives of that kind a rank called in the measured step (fsdp's gathers per unit, tp's
-all-reduces per block, the pipeline's sends per micro-batch), each costing the fixed latency
-measured on this machine (an all-reduce of one number); for a target cluster, none is
-measured and the term is left out. Every figure it gives is labelled a prediction.
+hsdp's shard collectives; its replicas' all-reduce crosses nodes). A collective's fixed
+cost per call is not measured for a target cluster and is left out there; on this machine
+each call is replayed (below). Every figure it gives is labelled a prediction.
 
 On this machine, validate() predicts each candidate's step at its launched world size
 from two parts its job measured apart, every rank at once: its compute share (its layout's
@@ -36,9 +33,9 @@ def ring(g: int) -> float:
 
 
 def comm_seconds(figures: dict[str, Any], cfg, layout, n: int, gpus_per_node: int,
-                 intra_gbps: float, inter_gbps: float, latency_s: float = 0.0) -> float:
+                 intra_gbps: float, inter_gbps: float) -> float:
     """The step's communication time at world size n (see the module's formula): each
-    collective's fixed `latency_s`, and its bytes over the link's bandwidth."""
+    collective kind's bytes over the link's bandwidth."""
     d_now = layout.dp
     d_then = max(1, d_now * n // cfg.parallel.world_size)
     scale = ring(d_then) / ring(d_now) if ring(d_now) else 1.0
@@ -49,7 +46,6 @@ def comm_seconds(figures: dict[str, Any], cfg, layout, n: int, gpus_per_node: in
         gbps = inter_gbps if n > gpus_per_node and kind not in local else intra_gbps
         factor = scale if kind != "p2p" else 1.0
         seconds += megabytes * factor * MB * 8 / (gbps * 1e9)
-        seconds += (figures.get(f"comm_{kind}_calls") or 0) * latency_s
     return seconds
 
 
@@ -116,15 +112,15 @@ def cpu_rate(cores: int | None, threads: int) -> Callable[[int], float]:
 def validate(figures: dict[str, Any], cfg, layout, link, one_rank_step_s: float | None,
              devices: int) -> float | None:
     """This machine's step time at the candidate's world size n, from what its launched job
-    measured (`link`: bandwidth, latency, cores; the figures: its compute share `share_s`,
-    a pipeline's by part, together and alone, what its collectives added to a replay of its step
-    `collectives_s`, the sends it called; the run's own `loop_time_ms`). A layout with a
-    process per rank: its share (a pipeline's parts through its schedule, pipeline_s), its
-    collectives, a pipeline's sends at the latency plus their bytes over the bandwidth, and
-    the loop's own time between steps (its batch loaded, its loss logged: the meter's
-    figure, timed in the run); one process driving n devices: world size 1's step shared
-    by min(n, devices) devices (CPU ranks share one set of cores), and its bubble (None
-    where that step was not measured)."""
+    measured (`link`: its cores and threads per rank; the figures: its compute share
+    `share_s`, a pipeline's by part, together and alone `share_alone_s`; what its
+    collectives and sends added to a replay of its step, `collectives_s`; the run's own
+    `loop_time_ms`). A layout with a process per rank: its share (a pipeline's parts
+    through its schedule, pipeline_s), what its collectives add, and the loop's own time
+    between steps (its batch loaded, its loss logged: the meter's figure, timed in the
+    run); one process driving n devices: world size 1's step shared by min(n, devices)
+    devices (CPU ranks share one set of cores), and its bubble (None where that step was
+    not measured)."""
     n = cfg.parallel.world_size
     share = figures.get("share_s")
     if share is None or not layout.processes:
@@ -132,7 +128,5 @@ def validate(figures: dict[str, Any], cfg, layout, link, one_rank_step_s: float 
     if layout.cuts_model:
         share = pipeline_s(share, figures.get("share_alone_s") or share, n,
                            cfg.parallel.microbatches, cpu_rate(link.cores, link.threads))
-    sends = {k: v for k, v in figures.items() if k.startswith("comm_p2p_")}
-    return share + (figures.get("collectives_s") or 0.0) + comm_seconds(
-        sends, cfg, layout, n, n, link.gbps, link.gbps, link.latency_s) + \
+    return share + (figures.get("collectives_s") or 0.0) + \
         (figures.get("loop_time_ms") or 0.0) / 1e3
