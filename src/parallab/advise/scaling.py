@@ -15,10 +15,10 @@ cost per call is not measured for a target cluster and is left out there; on thi
 each call is replayed (below). Every figure it gives is labelled a prediction.
 
 On this machine, validate() predicts each candidate's step at its launched world size
-from two parts its job measured apart, every rank at once: its compute share (its layout's
-own work over a one-rank group) and what its collectives add to a replay of its step
-(advise/parts.py); a pipeline's share runs through its schedule, where ranks that share
-cores lend them in the bubble; and the loop's own time between steps, timed in the run.
+from the parts its job measured (advise/parts.py): its compute share (its layout's own work
+over a one-rank group; a pipeline's through its schedule, where ranks that share cores lend
+them in the bubble), what its collectives and sends add to a replay of its step, and the
+loop's own time between steps, timed in the run.
 """
 
 from __future__ import annotations
