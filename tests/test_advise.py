@@ -295,3 +295,34 @@ def test_a_candidate_whose_parts_cannot_be_measured_keeps_its_run(monkeypatch, c
     assert "c0: its step's parts not measured: ValueError: no schedule for this part" in \
         caplog.text
     assert "second line" not in caplog.text
+
+
+@pytest.mark.slow
+def test_a_signal_stops_advise_not_only_the_candidate_it_measures(tmp_path):
+    """SIGTERM or Ctrl-C while a candidate trains ends advise at once, in one line with
+    exit status 128 + the signal, as train stops: not the candidate alone, on to the next."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    run_dir = tmp_path / "advise"
+    command = [str(Path(sys.executable).parent / "parallab"), "advise", *TINY,
+               "advise.steps=500", "advise.precisions=[fp32,bf16]", "advise.layouts=[none]",
+               f"hydra.run.dir={run_dir}"]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}) as process:
+        deadline = time.monotonic() + 120
+        while not any(run_dir.glob("candidates/00_*/events.out.tfevents.*")):
+            assert time.monotonic() < deadline and process.poll() is None
+            time.sleep(0.2)
+        time.sleep(1.0)  # its steps under way
+        process.send_signal(signal.SIGTERM)
+        said = process.communicate(timeout=60)[0]
+    assert process.returncode == 128 + signal.SIGTERM, said
+    assert "parallab advise stopped by SIGTERM while measuring" in said, said
+    assert "Traceback" not in said
+    second = next(run_dir.glob("candidates/01_*"))  # made up front, never trained
+    assert not any(second.glob("events.out.tfevents.*")) and not (run_dir / "advise.md").exists()

@@ -20,7 +20,7 @@ import torch
 
 from parallab.advise import parts
 from parallab.advise.parts import max_over_ranks
-from parallab.config.errors import first_line
+from parallab.config.errors import OneLineError, first_line
 from parallab.launching import distributed
 from parallab.launching.preemption import Preemption
 from parallab.observe import loggers
@@ -31,6 +31,11 @@ from parallab.parallel import activations
 from parallab.training import run
 
 log = logging.getLogger(__name__)
+
+
+class Stopped(OneLineError):
+    """A signal (Ctrl-C, SIGTERM) stopped a candidate's run: advise stops, as train does,
+    instead of going on to the next candidate; exit status 128 + the signal's number."""
 
 
 class LossRecorder(RunLogger):
@@ -75,7 +80,11 @@ def measure(spec: run.RunSpec, dist: distributed.Dist) -> dict[str, Any]:
                                             probe=probe)
             figures = trainer.fit(evaluate=False, report=False)  # the run's own steps
         if trainer.stopped:
-            raise RuntimeError("stopped by a signal")
+            name = signal.Signals(preemption.signum).name
+            stopped = Stopped(f"parallab advise stopped by {name} while measuring {run_dir}: "
+                              "no further candidate is measured")
+            stopped.status = 128 + preemption.signum
+            raise stopped
         state = max_over_ranks(dist, figures["state_memory_mb"] or 0.0)
         act = max_over_ranks(dist, probe.bytes / MB)
         figures.update(losses=logger.losses, state_mb=state, activation_mb=act,
@@ -99,8 +108,8 @@ def measure_all(jobs: list[run.RunSpec], dist: distributed.Dist) -> list[dict[st
         try:
             figures = measure(spec, dist)
         except Exception as error:  # noqa: BLE001 - a candidate's failure is its result
-            if distributed.lost_a_peer(error):
-                raise  # the job itself is broken: no further candidate can run
+            if isinstance(error, Stopped) or distributed.lost_a_peer(error):
+                raise  # the user stopped advise, or the job itself is broken
             log.warning("candidate %s failed: %s", spec.run_dir, first_line(error))
             figures = {"error": first_line(error)}
         results.append(figures)
