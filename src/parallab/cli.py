@@ -361,8 +361,6 @@ def _continue_sweep(sweep_dir: Path, call: Invocation) -> str:
     """The multirun command as the user ran it, in its dir, finished jobs kept."""
     import shlex
 
-    from parallab.training import run
-
     args = [a for a in call.argv[1:] if not a.startswith(("hydra.sweep.dir=",
                                                           "sweep.skip_completed="))]
     return shlex.join([*call.entry()[:2], *args,
