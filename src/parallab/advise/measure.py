@@ -37,6 +37,11 @@ class Stopped(OneLineError):
     """A signal (Ctrl-C, SIGTERM) stopped a candidate's run: advise stops, as train does,
     instead of going on to the next candidate; exit status 128 + the signal's number."""
 
+    def __init__(self, signum: int, run_dir: str | Path):
+        super().__init__(f"parallab advise stopped by {signal.Signals(signum).name} while "
+                         f"measuring {run_dir}: no further candidate is measured")
+        self.status = 128 + signum
+
 
 class LossRecorder(RunLogger):
     """A RunLogger that also keeps every logged train loss, in step order."""
@@ -80,11 +85,7 @@ def measure(spec: run.RunSpec, dist: distributed.Dist) -> dict[str, Any]:
                                             probe=probe)
             figures = trainer.fit(evaluate=False, report=False)  # the run's own steps
         if trainer.stopped:
-            name = signal.Signals(preemption.signum).name
-            stopped = Stopped(f"parallab advise stopped by {name} while measuring {run_dir}: "
-                              "no further candidate is measured")
-            stopped.status = 128 + preemption.signum
-            raise stopped
+            raise Stopped(preemption.signum, run_dir)
         state = max_over_ranks(dist, figures["state_memory_mb"] or 0.0)
         act = max_over_ranks(dist, probe.bytes / MB)
         figures.update(losses=logger.losses, state_mb=state, activation_mb=act,
