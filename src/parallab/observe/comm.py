@@ -72,7 +72,7 @@ class CommCounter(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.sent: collections.Counter[str] = collections.Counter()
-        self.calls: collections.Counter[str] = collections.Counter()  # each costs a latency
+        self.calls: collections.Counter[str] = collections.Counter()  # each replayed by advise
         self.ranks: collections.Counter[str] = collections.Counter()  # the largest group
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
