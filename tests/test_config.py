@@ -284,23 +284,40 @@ def test_bad_values_fail_naming_the_key(overrides, message):
     assert message in text and "\n" not in text
 
 
-@pytest.mark.parametrize("args,key", [
-    (["data.batch_size=abc"], "data.batch_size"),  # wrong type: Hydra's schema
-    (["data.batch_sze=3"], "batch_sze"),  # unknown key
-    (["parallel=fsdp_typo"], "parallel"),  # unknown group option
-    (["device=gpu"], "device"),  # not one of the enum's values
-    (["data.batch_size=[1"], "data.batch_size=[1"),  # Hydra cannot parse it
-    (["precision=null"], "precision=null: the precision group takes one of its options"),
+@pytest.fixture
+def torch_loaded(tmp_path):
+    """(env, loaded): run a command with `env` and `loaded()` says whether its process
+    imported torch by the time it exited (a sitecustomize records it at exit)."""
+    folder, record = tmp_path / "watch", tmp_path / "torch_loaded"
+    folder.mkdir()
+    (folder / "sitecustomize.py").write_text(
+        "import atexit, sys\n"
+        f"atexit.register(lambda: open({str(record)!r}, 'w').write(str('torch' in sys.modules)))\n")
+    return {"PYTHONPATH": str(folder)}, lambda: record.read_text() == "True"
+
+
+@pytest.mark.parametrize("args,key,before_torch", [
+    (["data.batch_size=abc"], "data.batch_size", False),  # wrong type: the data set's class
+    (["data.batch_sze=3"], "batch_sze", True),  # unknown key
+    (["parallel=fsdp_typo"], "parallel", True),  # unknown group option
+    (["device=gpu"], "device", True),  # not one of the enum's values
+    (["data.batch_size=[1"], "data.batch_size=[1", True),  # Hydra cannot parse it
+    (["precision=null"], "precision=null: the precision group takes one of its options", True),
 ])
-def test_bad_input_exits_with_one_line_naming_the_key(args, key, tmp_path):
+def test_bad_input_exits_with_one_line_naming_the_key(args, key, before_torch, tmp_path,
+                                                      torch_loaded):
     """Hydra's own refusals (type, key, option, value, grammar), as parallab's: one line,
-    exit status 2 (parallab's own checks: test_bad_values_fail_naming_the_key, in-process,
-    and from the command line the test after this one)."""
-    result = run_entry("train.py", args, tmp_path / "run", timeout=120)
+    exit status 2, those of the schema before torch is loaded (a second, not four)
+    (parallab's own checks: test_bad_values_fail_naming_the_key, in-process, and from the
+    command line the test after this one)."""
+    env, loaded = torch_loaded
+    result = run_entry("train.py", args, tmp_path / "run", timeout=120, env=env)
     text = output(result)
     assert result.returncode == 2, text
     assert key in text and len(text.strip().splitlines()) == 1, text
     assert not (tmp_path / "run" / "metrics.json").exists()
+    if before_torch:
+        assert not loaded()
 
 
 def test_bad_input_aimed_at_an_earlier_run_leaves_its_record_as_it_was(tmp_path):
@@ -321,9 +338,12 @@ def test_bad_input_aimed_at_an_earlier_run_leaves_its_record_as_it_was(tmp_path)
     assert (earlier / "checkpoints" / "last.pt").read_bytes() == b"weights"
 
 
-def test_cfg_job_prints_the_composed_config():
-    result = run_entry("train.py", ["--cfg", "job", "parallel=ddp", "optim=adam"], timeout=120)
+def test_cfg_job_prints_the_composed_config(torch_loaded):
+    env, loaded = torch_loaded
+    result = run_entry("train.py", ["--cfg", "job", "parallel=ddp", "optim=adam"], timeout=120,
+                       env=env)
     assert result.returncode == 0, output(result)
+    assert not loaded()  # composing needs no torch
     printed = OmegaConf.create(result.stdout)
     assert printed.parallel.name == "ddp" and printed.optim.name == "adam"
     assert printed.optim.lr == 0.001 and printed.data.batch_size == 64
@@ -344,10 +364,12 @@ def test_help_lists_the_groups_and_says_what_each_key_does():
     assert "--multirun,-m" in result.stdout  # Hydra's flags still listed
 
 
-def test_shell_completion_offers_group_options():
+def test_shell_completion_offers_group_options(torch_loaded):
+    env, loaded = torch_loaded
     result = run_entry("train.py", ["-sc", "query=bash"], timeout=120,
-                       env={"COMP_LINE": "python train.py parallel=", "COMP_POINT": "99"})
+                       env={"COMP_LINE": "python train.py parallel=", "COMP_POINT": "99", **env})
     assert result.returncode == 0, output(result)
+    assert not loaded()  # a completion at every Tab: no torch
     assert "parallel=ddp" in result.stdout and "parallel=none" in result.stdout
 
 

@@ -62,6 +62,8 @@ def test_a_layout_is_resolved_once_and_says_what_its_degrees_imply(overrides, sh
     assert layout.plan is PLANS[cfg.parallel.name]
     assert layout.shape == shape and layout.dp == dp
     assert layout.processes == (cfg.parallel.name not in ("none", "model"))
+    # what the controller reads before torch loads to start the workers' fork server early
+    assert type(cfg.parallel).processes == layout.plan.processes
     said = {"replicas_only", "sharded", "cuts_model", "pipelined"}
     assert {name for name in said if getattr(layout, name)} == properties
     assert layout.uses_stages == (layout.processes or layout.cuts_model)

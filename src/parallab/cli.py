@@ -29,12 +29,13 @@ from omegaconf import DictConfig, OmegaConf
 from parallab.config import help, naming
 from parallab.config.errors import ConfigError, OneLineError
 from parallab.config.schema import register_configs, typed
-from parallab.launching import launch, slurm, worker
+from parallab.launching import launch, slurm
 from parallab.observe import summary
 
-# torch and what needs it (the checks, the strategies, the run) are imported once a job is
-# to be checked: Hydra's refusals, --cfg and shell completion answer without them (1.3 s
-# sooner; --help reads the model's class, which needs torch)
+# torch and what needs it (the launched worker, the checks, the strategies, the run) are
+# imported once a job has passed the schema: Hydra's refusals, the schema's, --cfg and shell
+# completion answer without them (1 s instead of 3.5 here; --help reads the model's class,
+# which needs torch; tests/test_config.py checks that none of them loads it)
 if TYPE_CHECKING:
     from parallab.training import run
 
@@ -56,6 +57,7 @@ def _fail(message: str, status: int) -> NoReturn:
 def _train_and_report(spec: run.RunSpec, in_place: launch.InPlace | None) -> dict[str, Any]:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    from parallab.launching import worker
     from parallab.training import run
 
     p = spec.cfg.parallel
@@ -218,10 +220,6 @@ def typed_config(dict_cfg: DictConfig, overrides: list[str]):
 
 
 def _train_job(dict_cfg: DictConfig, call: Invocation) -> float | None:
-    from parallab.checks import validate
-    from parallab.parallel import PLANS
-    from parallab.training import run
-
     hydra_cfg = HydraConfig.get()
     if call.advising or dict_cfg.advise.run:
         from hydra import compose as hydra_compose
@@ -231,8 +229,12 @@ def _train_job(dict_cfg: DictConfig, call: Invocation) -> float | None:
                 lambda extra: hydra_compose(hydra_cfg.job.config_name, overrides=extra), call)
         return None
     in_place = launch.prepare_in_place()  # again for launchers that call the app (submitit)
-    plan = PLANS.get(dict_cfg.parallel.name)  # an unknown one is validate's to refuse
-    launch.warm_up(plan is not None and plan.processes, in_place)
+    # before this process loads torch (the data set's config class, the checks): the
+    # workers' fork server loads it beside this process instead of after it
+    launch.warm_up(OmegaConf.get_type(dict_cfg.parallel).processes, in_place)
+    from parallab.checks import validate
+    from parallab.training import run
+
     with call.refusing():
         cfg, layout = validate.prepare(typed_config(dict_cfg, list(hydra_cfg.overrides.task)),
                                        in_place, hydra_cfg.runtime.output_dir)

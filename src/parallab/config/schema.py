@@ -130,6 +130,9 @@ def data_config(node: dict[str, Any]) -> DataConfig:
 # --- parallel ----------------------------------------------------------------------------
 @dataclass
 class ParallelConfig:
+    # a process per rank, started by the launcher (the plan's own `processes`, known here
+    # before torch loads, so that a job's fork server starts while its controller loads it)
+    processes: ClassVar[bool] = False
     # none | dp | ddp | fsdp | model | pipeline | hsdp | tp | fsdp_tp (the group's option)
     name: str = "none"
     # processes (ddp) or devices (dp); null = one per visible GPU, or 2 on CPU
@@ -158,6 +161,7 @@ class MeshConfig(ParallelConfig):
     """One device mesh: dp_replicate x dp_shard x tp = world_size (parallel/mesh.py); the
     presets ddp (replicas), fsdp (shards), hsdp, tp and fsdp_tp set its degrees."""
 
+    processes: ClassVar[bool] = True
     name: str = "ddp"
     world_size: Optional[int] = None
     dp_replicate: Optional[int] = None  # model replicas; gradients all-reduced across them
@@ -187,6 +191,7 @@ class ModelParallelConfig(ParallelConfig):
 
 @dataclass
 class PipelineConfig(ParallelConfig):
+    processes: ClassVar[bool] = True
     name: str = "pipeline"
     world_size: Optional[int] = None  # ranks: pp parts x dp_replicate pipelines x tp
     # null = parts even by parameter count; [i] = the second part starts at stage i
