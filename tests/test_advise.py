@@ -298,9 +298,14 @@ def test_a_candidate_whose_parts_cannot_be_measured_keeps_its_run(monkeypatch, c
 
 
 @pytest.mark.slow
-def test_a_signal_stops_advise_not_only_the_candidate_it_measures(tmp_path):
+@pytest.mark.parametrize("layout", [
+    ["advise.layouts=[none]"],  # measured in the controlling process
+    ["advise.layouts=[ddp]", "parallel.world_size=2", "advise.world_sizes=[2]"],  # launched
+], ids=["in-process", "launched"])
+def test_a_signal_stops_advise_not_only_the_candidate_it_measures(tmp_path, layout):
     """SIGTERM or Ctrl-C while a candidate trains ends advise at once, in one line with
-    exit status 128 + the signal, as train stops: not the candidate alone, on to the next."""
+    exit status 128 + the signal, as train stops: not the candidate alone, on to the next
+    (where workers measure it: the line a rank left, not their tracebacks)."""
     import os
     import signal
     import subprocess
@@ -310,7 +315,7 @@ def test_a_signal_stops_advise_not_only_the_candidate_it_measures(tmp_path):
 
     run_dir = tmp_path / "advise"
     command = [str(Path(sys.executable).parent / "parallab"), "advise", *TINY,
-               "advise.steps=500", "advise.precisions=[fp32,bf16]", "advise.layouts=[none]",
+               "advise.steps=500", "advise.precisions=[fp32,bf16]", *layout,
                f"hydra.run.dir={run_dir}"]
     with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}) as process:

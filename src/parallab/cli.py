@@ -104,11 +104,12 @@ def worker_failure(error, failures: Path) -> JobFailed:
     """How a launched job ends, as its first failing rank tells it: the one line of an
     error whose type says it is the whole story (OneLineError: the worker left it in
     `failures`), else the root cause's traceback."""
+    from parallab.launching import worker
+
+    left = worker.failure_left(error, failures)
+    if left is not None:
+        return JobFailed(str(left), left.status)
     rank, failure = error.get_first_failure()
-    left = failures / f"rank{rank}.json"
-    if left.is_file():
-        said = json.loads(left.read_text())
-        return JobFailed(f"rank {rank}: {said['message']}", said["status"])
     reason = failure.message  # the error file's record, or a line about a signal
     reason = reason.get("message", "") if isinstance(reason, dict) else str(reason)
     reason = reason.strip().splitlines()[-1] if reason.strip() else (

@@ -190,7 +190,7 @@ def _measure(candidates: list[Candidate], run_dir: Path) -> dict[int, Link]:
     launched one with its step's parts (advise/parts.py); the links each launched job
     measured (bandwidth, latency, cores), by world size."""
     from parallab.advise import measure
-    from parallab.launching import distributed, launch
+    from parallab.launching import distributed
     from parallab.training import run
 
     todo = [c for c in candidates if c.reason is None]
@@ -213,9 +213,7 @@ def _measure(candidates: list[Candidate], run_dir: Path) -> dict[int, Link]:
                                      cfg.parallel.threads_per_worker)
             results = measure.measure_all(jobs, dist)
         else:
-            job = measure.Job(jobs, cfg.device.value, cfg.backend.name, cfg.backend.timeout_s,
-                              cfg.parallel.threads_per_worker)
-            answer = launch.elastic(measure.worker, (job,), n, 0, launch.worker_env(cfg))
+            answer = _launched(jobs, n, cfg)
             results = answer["results"]
             links[n] = Link(answer["bandwidth_gbps"], answer["latency_s"], answer["cores"],
                             answer["threads"])
@@ -223,6 +221,29 @@ def _measure(candidates: list[Candidate], run_dir: Path) -> dict[int, Link]:
             candidate.figures = figures
             candidate.reason = figures.get("error")
     return links
+
+
+def _launched(jobs: list, n: int, cfg) -> dict[str, Any]:
+    """The candidates `jobs` (run specs) measured by `n` launched workers (`cfg`: the
+    first's config); a rank's one-line error (a signal stopped it: measure.Stopped) is
+    raised here as that line."""
+    import tempfile
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from parallab.advise import measure
+    from parallab.launching import launch, worker
+
+    with tempfile.TemporaryDirectory(prefix="parallab-failures-") as failures:
+        job = measure.Job(jobs, cfg.device.value, cfg.backend.name, cfg.backend.timeout_s,
+                          cfg.parallel.threads_per_worker, failures)
+        try:
+            return launch.elastic(measure.worker, (job,), n, 0, launch.worker_env(cfg))
+        except ChildFailedError as error:
+            left = worker.failure_left(error, failures)
+            if left is None:
+                raise
+            raise left from None
 
 
 def _dirname(candidate: Candidate) -> str:

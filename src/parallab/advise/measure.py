@@ -23,6 +23,7 @@ from parallab.advise.parts import max_over_ranks
 from parallab.config.errors import OneLineError, first_line
 from parallab.launching import distributed
 from parallab.launching.preemption import Preemption
+from parallab.launching.worker import leaving_failure
 from parallab.observe import loggers
 from parallab.observe.comm import MB
 from parallab.observe.loggers import RunLogger
@@ -126,6 +127,7 @@ class Job:
     backend: str
     timeout_s: float
     threads_per_worker: int | None
+    failures: str | None = None  # where a rank leaves its one-line error (Stopped)
 
 
 def _step_parts(spec: run.RunSpec, dist: distributed.Dist, figures: dict[str, Any],
@@ -158,11 +160,12 @@ def worker(job: Job) -> dict[str, Any]:
                              store=distributed.attempt_store(job.timeout_s))
     groups = {dist.world_size: None, 1: torch_dist.new_subgroups(group_size=1)[0]}
     results = []
-    for spec in job.jobs:
-        figures = measure_all([spec], dist)[0]
-        if "error" not in figures:
-            figures.update(_step_parts(spec, dist, figures, groups))
-        results.append(figures)
+    with leaving_failure(job.failures):  # a signal: advise ends in one line
+        for spec in job.jobs:
+            figures = measure_all([spec], dist)[0]
+            if "error" not in figures:
+                figures.update(_step_parts(spec, dist, figures, groups))
+            results.append(figures)
     bandwidth, latency = parts.loopback_gbps(dist), parts.loopback_latency_s(dist)
     threads = torch.get_num_threads()
     distributed.teardown()

@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from parallab.config import naming
 from parallab.config.errors import OneLineError
@@ -30,22 +30,48 @@ def main(train: Callable[..., dict[str, Any]], spec) -> dict[str, Any]:
     end_with(spec.controller)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the fork server's SIG_IGN (launch.py)
     log_to_files(spec.run_dir)
-    failure = Path(spec.failures, f"rank{distributed.rank_from_env()}.json") \
-        if spec.failures else None
-    if failure is not None:
-        failure.unlink(missing_ok=True)  # an earlier attempt's, before an elastic restart
     try:
-        return train(spec, store=distributed.attempt_store(spec.cfg.backend.timeout_s))
-    except OneLineError as error:
-        if failure is not None:  # told by its type: the controller ends with this line
-            failure.write_text(json.dumps({"status": error.status, "message": str(error)}))
-        raise
+        with leaving_failure(spec.failures):
+            return train(spec, store=distributed.attempt_store(spec.cfg.backend.timeout_s))
     except Exception as error:
         if distributed.lost_a_peer(error):
             # the agent names the first exit it sees as the root cause: leave that to the
             # rank that failed (or was killed) first, whose end broke this one's connection
             time.sleep(distributed.PEER_FAILURE_GRACE_S)
         raise
+
+
+class LeftByWorker(OneLineError):
+    """A worker's one-line error as it left it for its controller: its rank, line and
+    exit status."""
+
+    def __init__(self, rank: int, left: dict[str, Any]):
+        super().__init__(f"rank {rank}: {left['message']}")
+        self.status = left["status"]
+
+
+@contextlib.contextmanager
+def leaving_failure(failures: str | None) -> Iterator[None]:
+    """A OneLineError raised inside leaves its line and status in `failures` (a dir the
+    controller made; this rank's file), where failure_left finds it: the job ends with
+    that line rather than the traceback torch's agent records."""
+    failure = Path(failures, f"rank{distributed.rank_from_env()}.json") if failures else None
+    if failure is not None:
+        failure.unlink(missing_ok=True)  # an earlier attempt's, before an elastic restart
+    try:
+        yield
+    except OneLineError as error:
+        if failure is not None:  # told by its type: the controller ends with this line
+            failure.write_text(json.dumps({"status": error.status, "message": str(error)}))
+        raise
+
+
+def failure_left(error, failures: str | Path) -> LeftByWorker | None:
+    """The one-line error the first failing rank of a launched job (torch's
+    ChildFailedError `error`) left in `failures`, if it left one."""
+    rank, _ = error.get_first_failure()
+    left = Path(failures, f"rank{rank}.json")
+    return LeftByWorker(rank, json.loads(left.read_text())) if left.is_file() else None
 
 
 def log_to_files(run_dir: str) -> None:
