@@ -415,8 +415,9 @@ def hydra_app(config_name: str, task, call: Invocation):
             job(hydra.rerun_conf(args.experimental_rerun, args.overrides))
             hydra.flush_loggers()
             return
-        hydra.run_hydra(args=args, args_parser=parser, task_function=job, config_path="conf",
-                        config_name=config_name)
+        with hydra.one_store() if args.help else contextlib.nullcontext():
+            hydra.run_hydra(args=args, args_parser=parser, task_function=job,
+                            config_path="conf", config_name=config_name)
 
     return app
 

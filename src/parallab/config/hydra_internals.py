@@ -4,9 +4,26 @@ over another argv takes these steps of hydra.main itself. pyproject pins hydra-c
 releases tested (>=1.3.2,<1.4), and tests/test_config.py fails where the installed Hydra
 lacks any of them."""
 
+import contextlib
+from typing import Iterator
+
 from hydra._internal.utils import _run_hydra as run_hydra
 from hydra._internal.utils import get_args_parser
+from hydra.core.config_store import ConfigStore
 from hydra.core.utils import _flush_loggers as flush_loggers
 from hydra.main import _get_rerun_conf as rerun_conf
 
-__all__ = ["flush_loggers", "get_args_parser", "rerun_conf", "run_hydra"]
+__all__ = ["flush_loggers", "get_args_parser", "rerun_conf", "run_hydra", "one_store"]
+
+
+@contextlib.contextmanager
+def one_store() -> Iterator[None]:
+    """Copies of Hydra's config repository share its one ConfigStore while inside. Hydra's
+    --help lists each group's options through a fresh deep copy of the repository, the
+    store of every schema with it (171 copies, 5.5 s of a 7 s --help here); nothing stores
+    a config while help is written, and the store is a process-wide singleton anyway."""
+    ConfigStore.__deepcopy__ = lambda self, memo: self
+    try:
+        yield
+    finally:
+        del ConfigStore.__deepcopy__
