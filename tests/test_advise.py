@@ -246,7 +246,7 @@ def test_step_time_model_follows_links_ring_factor_and_bubble():
     ran = {**called, "share_s": 0.1, "collectives_s": 0.01, "loop_time_ms": 5.0}
     assert scaling.validate(ran, *ddp, link, 0.4, 1) == pytest.approx(0.1 + 0.01 + 0.005)
     # a pipeline: its parts through its schedule (4 micro-batches: 3 slots of 5 full),
-    # what its sends added to its replayed step
+    # what its sends added to its replayed step (their calls not charged a second time)
     sends = {"share_s": [0.12, 0.12], "share_alone_s": [0.1, 0.1], "comm_p2p_calls": 8,
              "collectives_s": 0.004}
     assert scaling.validate(sends, *pipeline, link, 0.4, 1) == pytest.approx(

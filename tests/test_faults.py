@@ -69,18 +69,21 @@ def test_a_workers_failure_is_told_apart_by_its_type(tmp_path):
     job with that error's status; an error whose text only reads like one keeps its
     traceback (the worker side: test_a_diverging_ddp_run_ends_in_one_line)."""
     from parallab.cli import worker_failure
+    from parallab.launching import worker
 
-    failures = tmp_path / "failures"
-    failures.mkdir()
     error = worker_failed(tmp_path, "RuntimeError: a wrapped failure:\n"
                                     "ConfigError: only its text says so")
-    kept = worker_failure(error, failures)
+    with pytest.raises(type(error)), worker.one_line_failures():  # no line left: as it came
+        raise error
+    kept = worker_failure(error)
     assert kept.status == 1 and "Traceback" in str(kept)
     assert kept.line == "rank 1: ConfigError: only its text says so"
-    (failures / "rank1.json").write_text(json.dumps(
-        {"status": 2, "message": "data.x=1 is wrong here: use data.x=2"}))
-    told = worker_failure(error, failures)
-    assert (told.status, str(told)) == (2, "rank 1: data.x=1 is wrong here: use data.x=2")
+    with pytest.raises(worker.LeftByWorker) as told, worker.one_line_failures() as failures:
+        Path(failures, "rank1.json").write_text(json.dumps(
+            {"status": 2, "message": "data.x=1 is wrong here: use data.x=2"}))
+        raise error
+    assert (told.value.status, str(told.value)) == (
+        2, "rank 1: data.x=1 is wrong here: use data.x=2")
 
 
 def test_skipping_most_steps_stops_and_metrics_never_hold_nan(train_here, tmp_path):

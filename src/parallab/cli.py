@@ -17,7 +17,6 @@ import logging
 import os
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, NoReturn
@@ -61,21 +60,23 @@ def _train_and_report(spec: run.RunSpec, in_place: launch.InPlace | None) -> dic
     from parallab.training import run
 
     p = spec.cfg.parallel
-    if in_place is not None or not spec.layout.processes:
-        try:
-            return _requeued_if_asked(run.train(spec), spec, in_place)
-        except OneLineError as error:  # the whole story in one line (a value found wrong
-            raise JobFailed(str(error), error.status) from None  # once data is built, ...)
-    log.info("launching %d workers (parallel=%s, backend=%s) in %s", p.world_size, p.name,
-             spec.cfg.backend.name, spec.run_dir)
-    with tempfile.TemporaryDirectory(prefix="parallab-failures-") as failures:
-        try:
-            metrics = launch.elastic(worker.main,
-                                     (run.train, dataclasses.replace(spec, failures=failures)),
-                                     p.world_size, p.max_restarts, launch.worker_env(spec.cfg),
-                                     slurm.requeue_signals(spec.cfg.trainer.requeue_signal))
-        except ChildFailedError as error:
-            raise worker_failure(error, Path(failures)) from None
+    try:
+        if in_place is not None or not spec.layout.processes:
+            metrics = run.train(spec)
+        else:
+            log.info("launching %d workers (parallel=%s, backend=%s) in %s", p.world_size,
+                     p.name, spec.cfg.backend.name, spec.run_dir)
+            with worker.one_line_failures() as failures:
+                metrics = launch.elastic(
+                    worker.main, (run.train, dataclasses.replace(spec, failures=failures)),
+                    p.world_size, p.max_restarts, launch.worker_env(spec.cfg),
+                    slurm.requeue_signals(spec.cfg.trainer.requeue_signal))
+    # the whole story in one line: a value found wrong once data is built, in this process
+    # or as a worker left it (worker.LeftByWorker), ...
+    except OneLineError as error:
+        raise JobFailed(str(error), error.status) from None
+    except ChildFailedError as error:
+        raise worker_failure(error) from None
     return _requeued_if_asked(metrics, spec, in_place)
 
 
@@ -100,15 +101,9 @@ def _requeued_if_asked(metrics: dict[str, Any], spec: run.RunSpec,
     raise SystemExit(0)
 
 
-def worker_failure(error, failures: Path) -> JobFailed:
-    """How a launched job ends, as its first failing rank tells it: the one line of an
-    error whose type says it is the whole story (OneLineError: the worker left it in
-    `failures`), else the root cause's traceback."""
-    from parallab.launching import worker
-
-    left = worker.failure_left(error, failures)
-    if left is not None:
-        return JobFailed(str(left), left.status)
+def worker_failure(error) -> JobFailed:
+    """How a launched job ends when its first failing rank left no line of its own
+    (worker.one_line_failures): the root cause's traceback, its last line the summary."""
     rank, failure = error.get_first_failure()
     reason = failure.message  # the error file's record, or a line about a signal
     reason = reason.get("message", "") if isinstance(reason, dict) else str(reason)

@@ -227,23 +227,13 @@ def _launched(jobs: list, n: int, cfg) -> dict[str, Any]:
     """The candidates `jobs` (run specs) measured by `n` launched workers (`cfg`: the
     first's config); a rank's one-line error (a signal stopped it: measure.Stopped) is
     raised here as that line."""
-    import tempfile
-
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
     from parallab.advise import measure
     from parallab.launching import launch, worker
 
-    with tempfile.TemporaryDirectory(prefix="parallab-failures-") as failures:
+    with worker.one_line_failures() as failures:
         job = measure.Job(jobs, cfg.device.value, cfg.backend.name, cfg.backend.timeout_s,
                           cfg.parallel.threads_per_worker, failures)
-        try:
-            return launch.elastic(measure.worker, (job,), n, 0, launch.worker_env(cfg))
-        except ChildFailedError as error:
-            left = worker.failure_left(error, failures)
-            if left is None:
-                raise
-            raise left from None
+        return launch.elastic(measure.worker, (job,), n, 0, launch.worker_env(cfg))
 
 
 def _dirname(candidate: Candidate) -> str:

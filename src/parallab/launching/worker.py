@@ -11,6 +11,7 @@ import os
 import select
 import signal
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -72,6 +73,23 @@ def failure_left(error, failures: str | Path) -> LeftByWorker | None:
     rank, _ = error.get_first_failure()
     left = Path(failures, f"rank{rank}.json")
     return LeftByWorker(rank, json.loads(left.read_text())) if left.is_file() else None
+
+
+@contextlib.contextmanager
+def one_line_failures() -> Iterator[str]:
+    """A dir for a launch's ranks to leave their one-line errors in (leaving_failure): a
+    launch inside that fails as its first failing rank said in one line raises that line
+    (LeftByWorker), any other failure torch's ChildFailedError, its traceback."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    with tempfile.TemporaryDirectory(prefix="parallab-failures-") as failures:
+        try:
+            yield failures
+        except ChildFailedError as error:
+            left = failure_left(error, failures)
+            if left is None:
+                raise
+            raise left from None
 
 
 def log_to_files(run_dir: str) -> None:
