@@ -94,6 +94,31 @@ def test_its_own_plans_are_read():
     assert plans.source(gpt2, None) is None
 
 
+@pytest.mark.parametrize("name", ["my_llama", "my_gpt2"])
+def test_compiled_it_calls_attention_causal_without_a_mask_as_eagerly(name):
+    """Traced, transformers builds a full causal mask that keeps SDPA off its flash kernels;
+    a run's model builds its masks outside the graph, so compiled SDPA gets is_causal=True
+    where eagerly it does, and a padded batch's mask still reaches it."""
+    model = built(name)
+    calls: list[tuple[bool, bool]] = []
+
+    def recording(graph, inputs):  # the graphs dynamo hands a backend, run as they are
+        calls.extend((n.kwargs.get("attn_mask") is None, n.kwargs.get("is_causal"))
+                     for n in graph.graph.nodes if "scaled_dot_product" in str(n.target))
+        return graph.forward
+
+    compiled = torch.compile(model, backend=recording)
+    ids = torch.randint(0, 256, (2, 16))
+    compiled(ids)
+    assert calls == [(True, True)] * model.config.num_hidden_layers
+    calls.clear()
+    padded = torch.ones_like(ids)
+    padded[0, :3] = 0
+    compiled(ids, attention_mask=padded)
+    assert calls == [(False, False)] * model.config.num_hidden_layers
+    torch._dynamo.reset()
+
+
 def test_flops_per_token_follow_the_config():
     from parallab.observe import mfu
 

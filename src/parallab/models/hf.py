@@ -30,7 +30,26 @@ def for_training(model: nn.Module) -> nn.Module:
     to it a second time, as transformers' own gradient checkpointing also turns it off)."""
     if is_transformers(model) and getattr(model.config, "use_cache", False):
         model.config.use_cache = False
+    if is_transformers(model):
+        _masks_built_eagerly(model)
     return model
+
+
+def _masks_built_eagerly(model: nn.Module) -> None:
+    """The attention masks of the model's class built outside torch.compile's graph. Traced,
+    transformers cannot tell a plain causal mask from a padded or packed one (it would have
+    to read the tensors' values), so it builds the full (batch, 1, T, T) mask where eagerly
+    it leaves it out and calls SDPA with is_causal=True; with a mask SDPA cannot take its
+    flash kernels (GPT-2's attention took 2.6x the gpt's on an H200). Eagerly built, the
+    mask is what transformers gives without compile; the graph breaks once, around it."""
+    import torch
+    from transformers import masking_utils
+
+    namespace = sys.modules[type(model).__module__].__dict__
+    for name, value in list(namespace.items()):
+        if (name.startswith("create_") and name.endswith("mask") and callable(value)
+                and getattr(value, "__module__", None) == masking_utils.__name__):
+            namespace[name] = torch.compiler.disable(value, recursive=True)
 
 
 def shifts_labels(model: nn.Module) -> bool:
