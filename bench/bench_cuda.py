@@ -2,8 +2,8 @@
 precision, eager and compiled; a transformers GPT-2 of the same shape; the MNIST recipe as
 written against `train.py` for one epoch.
 
-    python bench/bench_cuda.py [--steps 200] [--parts gpt mnist hf profile levers wide]
-                               [--batch N] [--json F]
+    python bench/bench_cuda.py [--steps 200] [--batch N] [--json F]
+        [--parts gpt mnist hf profile levers vocab hfsdpa wide]
 
 gpt: 12 layers, 12 heads, width 768, context 1024 (byte tokens: vocab 256), AdamW (fused on
 CUDA), data=bytes. The per-rank batch is the batch-size finder's pick in bf16 (one run with
@@ -12,11 +12,14 @@ trainer.auto_batch_size=true from 8 up) unless --batch is given. Each configurat
 leave the first 10 steps out (compilation), eval loss is on the final weights. fp8 runs
 only where the GPU has float8 tensor cores.
 
-levers: the bf16 compiled gpt at each of --batches, in torch.compile's default mode and
-with CUDA graphs (compile_mode=reduce-overhead), and transformers' GPT-2 beside it, each
-profiled (steps 3-5, inside the steps timing leaves out) for the GPU's busy share. wide:
-float8 where its matmuls are large, a gpt of width 2048 (--wide-layers deep) in bf16 and
-in fp8 with tensorwise and rowwise scales, compiled, the same steps and batch.
+levers: the bf16 compiled gpt at each of --batches in each of torch.compile's --modes
+(default, reduce-overhead: CUDA graphs, max-autotune-no-cudagraphs), and transformers'
+GPT-2 beside it (unless --no-hf), each profiled (steps 3-5, inside the steps timing leaves
+out) for the GPU's busy share and the attention backend. vocab: the gpt with GPT-2's own
+head (--vocab-size 50304, tied). hfsdpa: how transformers' GPT-2 calls SDPA compiled and
+eagerly, on its own and as a run builds it. wide: float8 where its matmuls are large, a
+gpt of --wide-width (--wide-layers deep) in bf16 and in fp8 with each of --wide-recipes,
+compiled, the same steps and batch.
 """
 
 from __future__ import annotations
@@ -108,6 +111,11 @@ def trace_summary(run_dir: Path, top: int = 12) -> tuple[float, str]:
              f"syncs or copies ({sum(e['dur'] for e in syncs) / 1e3:.2f} ms)"]
     lines += [f"  {100 * t / busy:5.1f}%  {name}" for name, t in
               sorted(by_name.items(), key=lambda kv: -kv[1])[:top]]
+    attention: dict[str, list[float]] = {}  # which SDPA backend the host dispatched to
+    for e in events:
+        if e.get("cat") == "cpu_op" and "scaled_dot_product" in e["name"]:
+            attention.setdefault(e["name"], []).append(e["dur"])
+    lines += [f"  host op {name}: {len(d)} calls" for name, d in sorted(attention.items())]
     return busy / span, "\n".join(lines)
 
 
@@ -121,37 +129,43 @@ def run_profiled(work: Path, name: str, overrides: list[str]) -> dict:
     return metrics
 
 
-def levers(work: Path, batches: list[int], steps: int) -> list[dict]:
-    """bf16 + compile per batch, torch.compile's default mode against CUDA graphs, and
-    transformers' GPT-2 in the default mode, each profiled."""
+def levers(work: Path, batches: list[int], steps: int, modes: list[str],
+           hf: bool = True) -> list[dict]:
+    """bf16 + compile per batch in each of torch.compile's `modes` (default, CUDA graphs
+    through reduce-overhead, max-autotune-no-cudagraphs), and transformers' GPT-2 in the
+    default mode, each profiled."""
     rows = []
     for batch in batches:
-        for mode in ("default", "reduce-overhead"):
+        for mode in modes:
             rows.append({"precision": "bf16", "compile": mode, **run_profiled(
                 work, f"gpt-bf16-{mode}-b{batch}",
                 [*GPT, "precision=bf16", "trainer.compile=true", f"trainer.compile_mode={mode}",
                  f"data.batch_size={batch}", f"trainer.max_steps={steps}"])})
-        rows.append({"model": "transformers GPT-2", "precision": "bf16", "compile": "default",
-                     **run_profiled(work, f"hf-gpt2-bf16-b{batch}", [
-                         *HF, "precision=bf16", "trainer.compile=true",
-                         f"data.batch_size={batch}", f"trainer.max_steps={steps}"])})
+        if hf:
+            rows.append({"model": "transformers GPT-2", "precision": "bf16",
+                         "compile": "default", **run_profiled(work, f"hf-gpt2-bf16-b{batch}", [
+                             *HF, "precision=bf16", "trainer.compile=true",
+                             f"data.batch_size={batch}", f"trainer.max_steps={steps}"])})
     return rows
 
 
-def wide(work: Path, layers: int, batch: int, steps: int) -> list[dict]:
-    """float8 against bf16 at width 2048, compiled, the same steps, batch and data."""
-    shape = ["model=gpt", f"model.layers={layers}", "model.heads=16", "model.width=2048",
+def wide(work: Path, layers: int, batch: int, steps: int, width: int = 2048,
+         recipes: tuple[str, ...] = ("tensorwise", "rowwise")) -> list[dict]:
+    """float8 (each of `recipes`) against bf16 at a width where matmuls are large (heads of
+    128), compiled, the same steps, batch and data."""
+    shape = ["model=gpt", f"model.layers={layers}", f"model.heads={width // 128}",
+             f"model.width={width}",
              "model.context=1024", *RUN, f"data.batch_size={batch}",
              f"trainer.max_steps={steps}", "trainer.compile=true"]
     rows = []
-    for precision, recipe in (("bf16", None), ("fp8", "tensorwise"), ("fp8", "rowwise")):
+    for precision, recipe in (("bf16", None), *(("fp8", r) for r in recipes)):
         if precision == "fp8" and not has_fp8():
             continue
         extra = [f"precision.fp8_recipe={recipe}"] if recipe else []
-        rows.append({"model": f"gpt width 2048 x {layers}", "compile": True,
+        rows.append({"model": f"gpt width {width} x {layers}", "compile": True,
                      "precision": f"{precision} {recipe or ''}".strip(), **run(
-                         work, f"wide-{precision}-{recipe or ''}".rstrip("-"), [*shape, f"precision={precision}",
-                                                              *extra])})
+                         work, f"wide{width}-{precision}-{recipe or ''}".rstrip("-"),
+                         [*shape, f"precision={precision}", *extra])})
     return rows
 
 
@@ -161,6 +175,68 @@ def profiled(work: Path, batch: int) -> str:
         *GPT, "precision=bf16", "trainer.compile=true", f"data.batch_size={batch}",
         "trainer.max_steps=8"])
     return metrics.get("profile", "failed")
+
+
+def vocab(work: Path, batch: int, steps: int, size: int, modes: list[str]) -> list[dict]:
+    """GPT-2 small with GPT-2's own head: a `size`-token vocabulary (50,304: 50,257 padded
+    to a multiple of 64) tied to the embedding, 124 M parameters; the byte data's 256 ids
+    are a part of it. The head's matmul and the cross-entropy over the vocabulary are then a
+    quarter of the step, as they are in GPT-2."""
+    return [{"model": f"gpt, vocab {size} tied", "precision": "bf16", "compile": mode,
+             **run_profiled(work, f"gpt-vocab{size}-{mode}", [
+                 *GPT, f"model.vocab_size={size}", "model.tie_embeddings=true",
+                 "precision=bf16", "trainer.compile=true", f"trainer.compile_mode={mode}",
+                 f"data.batch_size={batch}", f"trainer.max_steps={steps}"])}
+            for mode in modes]
+
+
+def hf_sdpa(device: str = "cuda") -> None:
+    """How transformers' GPT-2 (the bench's shape) calls scaled_dot_product_attention under
+    torch.compile and eagerly on this GPU: a mask, strides, scale (the profile's attention
+    kernels take 2.6x the gpt's)."""
+    import torch
+    import transformers
+
+    config = transformers.GPT2Config(vocab_size=256, n_embd=768, n_layer=1, n_head=12,
+                                     n_positions=1024, resid_pdrop=0.0, embd_pdrop=0.0,
+                                     attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+                                     use_cache=False)  # as a training run has it
+    model = transformers.GPT2LMHeadModel(config).to(device)
+    x = torch.randint(0, 256, (2, 1024), device=device)
+
+    def describe(args, kwargs) -> str:
+        def one(t):
+            t = getattr(t, "meta", {}).get("example_value", t)
+            return (f"{tuple(t.shape)} {t.dtype} stride {t.stride()}"
+                    if isinstance(t, torch.Tensor) else repr(t))
+        return (f"q {one(args[0])}; k {one(args[1])}; mask "
+                f"{one(kwargs.get('attn_mask', args[3] if len(args) > 3 else None))}; "
+                + ", ".join(f"{k}={v}" for k, v in kwargs.items() if k != "attn_mask"))
+
+    def spy(gm, inputs):
+        for node in gm.graph.nodes:
+            if "scaled_dot_product" in str(node.target):
+                print("compiled:", describe(node.args, node.kwargs), flush=True)
+        return gm.forward
+
+    from parallab.models import hf
+
+    with torch.autocast(device, torch.bfloat16):
+        torch.compile(model, backend=spy)(x)
+        torch._dynamo.reset()
+        print("as a parallab run builds it (masks built outside the graph):")
+        torch.compile(hf.for_training(model), backend=spy)(x)
+        original = torch.nn.functional.scaled_dot_product_attention
+
+        def eager(*args, **kwargs):
+            print("eager:", describe(args, kwargs), flush=True)
+            return original(*args, **kwargs)
+        torch.nn.functional.scaled_dot_product_attention = eager
+        try:
+            model(x)
+        finally:
+            torch.nn.functional.scaled_dot_product_attention = original
+    print("transformers", transformers.__version__, "attn", model.config._attn_implementation)
 
 
 def finder_batch(work: Path) -> int:
@@ -229,9 +305,15 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=None)
     parser.add_argument("--parts", nargs="+", default=["gpt", "mnist", "hf", "profile"],
                         help="gpt, mnist, hf, profile (a bf16 compiled run's trace, read), "
-                             "levers, wide")
+                             "levers, vocab, hfsdpa, wide")
     parser.add_argument("--batches", type=int, nargs="+", default=[32, 64],
                         help="levers: the per-rank batches")
+    parser.add_argument("--modes", nargs="+", default=["default", "reduce-overhead"],
+                        help="levers: torch.compile modes")
+    parser.add_argument("--no-hf", action="store_true", help="levers: no transformers GPT-2")
+    parser.add_argument("--vocab-size", type=int, default=50304, help="vocab: the head's size")
+    parser.add_argument("--wide-width", type=int, default=2048)
+    parser.add_argument("--wide-recipes", nargs="*", default=["tensorwise", "rowwise"])
     parser.add_argument("--wide-layers", type=int, default=8)
     parser.add_argument("--wide-batch", type=int, default=8)
     parser.add_argument("--configs", nargs="+", default=CONFIGS,
@@ -268,9 +350,15 @@ def main() -> None:
                              *HF, "precision=bf16", "trainer.compile=true",
                              f"data.batch_size={batch}", f"trainer.max_steps={args.steps}"])})
         elif part == "levers":
-            rows += levers(work, args.batches, args.steps)
+            rows += levers(work, args.batches, args.steps, args.modes, not args.no_hf)
+        elif part == "vocab":
+            rows += vocab(work, batch or args.batches[0], args.steps, args.vocab_size,
+                          args.modes)
+        elif part == "hfsdpa":
+            hf_sdpa()
         elif part == "wide":
-            rows += wide(work, args.wide_layers, args.wide_batch, args.steps)
+            rows += wide(work, args.wide_layers, args.wide_batch, args.steps, args.wide_width,
+                         tuple(args.wide_recipes))
         elif part == "mnist":
             extra["mnist"] = mnist(work)
         elif part == "profile":

@@ -1,7 +1,8 @@
 #!/bin/bash
 # Every CUDA figure of docs/benchmarks.md "On a GPU" that one short lease can take, in one
-# command: the GPU's facts, the levers (batch, CUDA graphs, transformers' GPT-2, each
-# profiled), float8 by width, the batch-64 runs, then the GPU test set. Each part runs
+# command: the GPU's facts, how transformers' GPT-2 calls attention under compile, the
+# levers (compile modes, transformers' GPT-2, each profiled), float8 at width 4096, the GPU
+# test set, GPT-2's own 50,304-token head. Each part runs
 # until a fixed point in time (seconds from the start: L1..L4), so that a slow part leaves
 # the later ones their share; every result lands in OUT_DIR as it comes.
 #
@@ -23,14 +24,21 @@ mkdir -p "$RESULTS/keep/logs"
   nproc; } > "$RESULTS/env.txt" 2>&1
 cat "$RESULTS/env.txt"
 B="python3 bench/bench_cuda.py --keep $RESULTS/keep/logs"
-$B --parts levers --batches ${BATCH:-32} --steps 60 --json "$RESULTS/keep/levers.json" \
-  --deadline "$(left ${L1:-235})" 2>&1 | tee "$RESULTS/levers.txt" | grep -v "^  "
-$B --parts wide --steps 60 --wide-layers ${WIDE_LAYERS:-8} --json "$RESULTS/keep/wide.json" \
-  --deadline "$(left ${L2:-405})" 2>&1 | tee "$RESULTS/wide.txt"
-$B --parts gpt --batch 64 --configs bf16:compile:60 fp8:compile:60 --json "$RESULTS/keep/b64.json" \
-  --deadline "$(left ${L3:-500})" 2>&1 | tee "$RESULTS/b64.txt"
-timeout "$(left ${L4:-585})" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py \
+timeout 40 $B --parts hfsdpa > "$RESULTS/hfsdpa.txt" 2>&1
+grep -v "^W\|Warn" "$RESULTS/hfsdpa.txt" | tail -6
+$B --parts levers --batches ${BATCH:-64} --modes default --steps 40 \
+  --json "$RESULTS/keep/levers.json" --deadline "$(left ${L1:-150})" 2>&1 \
+  | tee "$RESULTS/levers.txt" | grep -v "^  "
+$B --parts levers --no-hf --batches ${BATCH:-64} --modes max-autotune-no-cudagraphs --steps 40 \
+  --json "$RESULTS/keep/autotune.json" --deadline "$(left ${L2:-300})" 2>&1 \
+  | tee "$RESULTS/autotune.txt" | grep -v "^  "
+$B --parts wide --steps 30 --wide-width 4096 --wide-layers 4 --wide-batch 8 \
+  --wide-recipes tensorwise --json "$RESULTS/keep/wide.json" --deadline "$(left ${L3:-460})" \
+  2>&1 | tee "$RESULTS/wide.txt" | grep -v "^  "
+timeout "$(left ${L4:-540})" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py \
   > "$RESULTS/pytest.txt" 2>&1
-tail -5 "$RESULTS/pytest.txt"
+tail -4 "$RESULTS/pytest.txt"
+$B --parts vocab --batches 32 --modes default --steps 40 --json "$RESULTS/keep/vocab.json" \
+  --deadline "$(left ${L5:-600})" 2>&1 | tee "$RESULTS/vocab.txt" | grep -v "^  "
 tar czf "$RESULTS/keep.tgz" -C "$RESULTS" keep && rm -rf "$RESULTS/keep"
 echo "done in $(( $(date +%s) - T0 )) s"
