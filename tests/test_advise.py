@@ -181,6 +181,16 @@ def test_the_grid_comes_from_each_strategy():
     assert not any(label.startswith(("dp(", "model(")) for label in labels)  # GPUs only
 
 
+@pytest.mark.parametrize("fp8_problem", [None, "no float8 tensor cores"])
+def test_fp8_is_tried_only_where_the_device_has_it(monkeypatch, fp8_problem):
+    from parallab import precision
+    from parallab.advise import default_precisions
+
+    monkeypatch.setattr(precision, "device_problem", lambda cfg, device: fp8_problem)
+    assert default_precisions("cpu") == ["fp32", "bf16"]
+    assert default_precisions("cuda") == ["fp32", "bf16", "amp", *["fp8"] * (not fp8_problem)]
+
+
 def test_only_needed_measures_the_cheapest_saver_that_fits():
     """advise.only_needed: once a layout fits without checkpointing or accumulation, its
     costlier variants are neither checked nor predicted."""

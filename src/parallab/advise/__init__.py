@@ -120,12 +120,23 @@ def _device_type(cfg) -> str:
         cfg.device.value == "auto" and torch.cuda.is_available()) else "cpu"
 
 
+def default_precisions(device_type: str) -> list[str]:
+    """The precisions advise tries unless told: fp32 and bf16; on CUDA amp too, and fp8 where
+    the GPU has float8 tensor cores and torchao is installed (only there does it pay)."""
+    from parallab import precision
+    from parallab.config.schema import PrecisionConfig
+
+    if device_type != "cuda":
+        return ["fp32", "bf16"]
+    fp8 = precision.device_problem(PrecisionConfig(name="fp8"), "cuda") is None
+    return ["fp32", "bf16", "amp", *(["fp8"] * fp8)]
+
+
 def full_grid(cfg, overrides: list[str]) -> tuple[list[Candidate], list[int]]:
     """Every candidate advise considers for `cfg` (its advise.* keys filled in), none yet
     checked or pruned, and the world sizes they use. ConfigError for a bad advise key."""
     options, device_type = cfg.advise, _device_type(cfg)
-    options.precisions = options.precisions or (
-        ["fp32", "bf16", "amp"] if device_type == "cuda" else ["fp32", "bf16"])
+    options.precisions = options.precisions or default_precisions(device_type)
     found = problem(options)
     if found:
         raise ConfigError(found)

@@ -369,7 +369,8 @@ class AdviseConfig:
     world_sizes: Optional[list[int]] = None
     # parallel options to try, e.g. [ddp,fsdp]; null = every one that fits
     layouts: Optional[list[str]] = None
-    precisions: Optional[list[str]] = None  # null = fp32 and bf16 (CPU); fp32, bf16, amp (CUDA)
+    # null = fp32 and bf16 (CPU); fp32, bf16, amp and, with float8 tensor cores, fp8 (CUDA)
+    precisions: Optional[list[str]] = None
     activation_checkpointing: list[str] = field(
         default_factory=lambda: ["none", "selective", "full"])
     max_accumulation: int = 4  # gradient accumulation tried: 1, 2, 4 ... up to this
