@@ -39,6 +39,34 @@ def test_trials_leave_model_and_optimizer_as_they_were():
     assert optimizer.state_dict()["state"] == {}
 
 
+def test_compiled_each_trial_and_the_run_get_a_graph_for_their_own_size():
+    """Not the dynamic-shape graph torch.compile makes once it sees a second batch size."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(784, 10))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = MemoryLoader(Synthetic(train_size=512, eval_size=8).make(seed=0)[0], CPU_RANK,
+                          16, shuffle=True, seed=0)
+    batches: list[object] = []  # the batch dimension of each graph compiled
+
+    def recording(graph, inputs):
+        batches.append(next(i.shape[0] for i in inputs  # a SymInt where dynamic
+                            if isinstance(i, torch.Tensor) and i.dim() == 4))
+        return graph.forward
+
+    model.compile(backend=recording)
+
+    def step(batch):
+        inputs, targets = batch
+        torch.nn.functional.cross_entropy(model(inputs), targets).backward()
+
+    size, trials = find_batch_size(model, optimizer, step, loader, CPU_RANK, None,
+                                   compiled=True)
+    step(next(iter(loader.resized(size))))
+    assert len(trials) >= 3
+    assert batches == [t.batch_size for t in trials if t.verdict != "shard too small"] + [size]
+    torch._dynamo.reset()
+
+
 @pytest.mark.slow
 def test_a_memory_budget_stops_the_search_and_the_run_goes_on(train_here, caplog):
     caplog.set_level(logging.INFO, logger="parallab")

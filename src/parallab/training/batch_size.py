@@ -42,8 +42,10 @@ class Trial:
 
 
 def _measure(step: Step, optimizer: torch.optim.Optimizer, loader: ShardLoader,
-             dist: Dist) -> tuple[float, float]:
+             dist: Dist, compiled: bool) -> tuple[float, float]:
     """Local samples/s and peak memory of a few steps at this loader's batch size."""
+    if compiled:  # the warm-up step compiles for this size alone, as a run at it would
+        torch._dynamo.reset()
     reset_peak_memory(dist.device)  # this trial's own peak (the CPU budget uses it too)
     batches = iter(loader)
     samples, start = 0, 0.0
@@ -61,14 +63,16 @@ def _measure(step: Step, optimizer: torch.optim.Optimizer, loader: ShardLoader,
 
 
 def _trial(batch_size: int, step: Step, optimizer: torch.optim.Optimizer,
-           loader: ShardLoader, dist: Dist, max_memory_mb: float | None, readers: int) -> Trial:
+           loader: ShardLoader, dist: Dist, max_memory_mb: float | None, readers: int,
+           compiled: bool) -> Trial:
     verdict, speed, memory = "", 0.0, 0.0
     shard = len(loader.sampler) if hasattr(loader, "sampler") else loader.per_rank
     if shard is not None and shard < batch_size * (1 + TIMED_STEPS):
         verdict = "shard too small"
     else:
         try:
-            speed, memory = _measure(step, optimizer, loader.resized(batch_size), dist)
+            speed, memory = _measure(step, optimizer, loader.resized(batch_size), dist,
+                                     compiled)
             if max_memory_mb is not None and memory > max_memory_mb:
                 verdict = f"over trainer.max_memory_mb={max_memory_mb:g}"
         except torch.OutOfMemoryError:
@@ -89,17 +93,22 @@ def _trial(batch_size: int, step: Step, optimizer: torch.optim.Optimizer,
 
 def find_batch_size(module: nn.Module, optimizer: torch.optim.Optimizer, step: Step,
                     loader: ShardLoader, dist: Dist, max_memory_mb: float | None,
-                    readers: int = 1) -> tuple[int, list[Trial]]:
+                    readers: int = 1, compiled: bool = False) -> tuple[int, list[Trial]]:
     """The best per-rank batch size from loader.batch_size upward, and the trials run
     (`step`: a batch's forward and backward through `module`, whose parameters `optimizer`
     steps; `readers`: ranks that read each batch, a tp group's or a pipeline's, so that
-    samples/s counts a sample once). Model and optimizer are left as they were."""
+    samples/s counts a sample once). Model and optimizer are left as they were.
+
+    compiled (trainer.compile): each trial, and then the run, compiles its own graph for its
+    size. Otherwise torch.compile, seeing a second batch size, would make the batch
+    dimension symbolic: every later trial, and the run itself, would measure and train a
+    dynamic-shape graph rather than the static one a run at that size compiles."""
     saved = copy.deepcopy(module.state_dict()), copy.deepcopy(optimizer.state_dict())
     trials: list[Trial] = []
     best: Trial | None = None
     size = loader.batch_size
     while True:
-        trial = _trial(size, step, optimizer, loader, dist, max_memory_mb, readers)
+        trial = _trial(size, step, optimizer, loader, dist, max_memory_mb, readers, compiled)
         trials.append(trial)
         if not trial.fits:
             break
@@ -110,6 +119,8 @@ def find_batch_size(module: nn.Module, optimizer: torch.optim.Optimizer, step: S
         best, size = trial, size * 2
     module.load_state_dict(saved[0])
     optimizer.load_state_dict(saved[1])
+    if compiled:
+        torch._dynamo.reset()
     return (best.batch_size if best else loader.batch_size), trials
 
 

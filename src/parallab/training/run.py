@@ -124,7 +124,7 @@ def tune_batch_size(model, strategy, optimizer, precision, data, dist, cfg: Trai
 
     size, trials = batch_size.find_batch_size(strategy.unwrap(model), optimizer, step,
                                               data.train, dist, cfg.max_memory_mb,
-                                              strategy.readers)
+                                              strategy.readers, cfg.compile)
     report = batch_size.table(trials, size)
     logger.text("batch_size_finder", report)
     if dist.is_main:
