@@ -64,7 +64,8 @@ def grid(cwd: Path, config_dir: str | None, overrides: list[str]):
     """advise's full grid for `overrides` (fresh candidates, nothing measured) and the
     composed advise options, as `parallab advise OVERRIDES` composes them."""
     from parallab.advise import full_grid
-    from parallab.cli import compose, typed_config
+    from parallab.cli import compose
+    from parallab.config.hydra_app import typed_config
 
     args = ["advise.run=true", *overrides]
     cfg = typed_config(compose(args, cwd / config_dir if config_dir else None), args)

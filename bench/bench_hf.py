@@ -77,7 +77,8 @@ def hand(steps: int):
 
 def parallab(steps: int):
     from parallab.checks import validate
-    from parallab.cli import compose, typed_config
+    from parallab.cli import compose
+    from parallab.config.hydra_app import typed_config
     from parallab.launching import distributed
     from parallab.launching.preemption import Preemption
     from parallab.observe import loggers

@@ -234,7 +234,8 @@ def interleaved(epochs: int = 3, probe: bool = False, gpt: bool = False) -> None
     import torch.nn.functional as F
 
     from parallab.checks import validate
-    from parallab.cli import compose, typed_config
+    from parallab.cli import compose
+    from parallab.config.hydra_app import typed_config
     from parallab.launching import distributed
     from parallab.launching.preemption import Preemption
     from parallab.models import build_model

@@ -46,7 +46,8 @@ def assert_ok(result: subprocess.CompletedProcess) -> None:
 def typed(*overrides: str, config_dir: Path | None = None):
     """The real conf/ composed with `overrides` (and a project's config dir), typed as the
     Config train.py checks (model and loss still as composed: plain dicts)."""
-    from parallab.cli import compose, typed_config
+    from parallab.cli import compose
+    from parallab.config.hydra_app import typed_config
 
     return typed_config(compose(list(overrides), config_dir), list(overrides))
 

@@ -119,7 +119,7 @@ def test_the_recommended_command_keeps_where_the_config_came_from():
     composes the same config: the flags kept, the user's overrides, the candidate's."""
     from parallab.advise import report
     from parallab.advise.candidates import Candidate
-    from parallab.cli import config_flags
+    from parallab.config.hydra_app import config_flags
 
     argv = ["advise", "--config-dir", "conf", "experiment=waves", "-cn=mine",
             "data.global_batch_size=64"]

@@ -431,7 +431,8 @@ def test_a_checkpoint_cut_short_is_one_line_wherever_it_is_cut(tmp_path, kept_kb
     ("++optim.momentun=0.9", "optim has no key 'momentun' (did you mean optim.momentum?)"),
 ])
 def test_a_plus_key_the_schema_lacks_is_refused_not_dropped(override, message):
-    from parallab.cli import compose, typed_config
+    from parallab.cli import compose
+    from parallab.config.hydra_app import typed_config
 
     with pytest.raises(validate.ConfigError, match=re.escape(message)):
         typed_config(compose([override]), [override])

@@ -213,7 +213,7 @@ def test_ranks_end_with_a_controller_killed_alone(tmp_path):
 def test_the_resume_command_is_the_one_the_user_ran():
     """After a stop, the command printed to continue: the entry the user ran, its config
     dir, the overrides less the run dir and resume, then those two."""
-    from parallab.cli import entry_command
+    from parallab.config.hydra_app import entry_command
     from parallab.training.run import RunSpec
 
     argv = ["/venv/bin/parallab", "--config-dir", "conf", "experiment=waves", "x=1"]

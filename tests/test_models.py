@@ -15,7 +15,7 @@ from conftest import FAST, read_metrics
 from omegaconf import OmegaConf
 from torch import nn
 
-from parallab.cli import CONF_DIR
+from parallab.config.hydra_app import CONF_DIR
 from parallab.config import targets
 from parallab.config.schema import Loader
 from parallab.data import build_data, images, resolve_loader, text

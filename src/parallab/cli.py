@@ -1,4 +1,5 @@
-"""The Hydra apps behind train.py and evaluate.py.
+"""The training jobs behind train.py, `parallab train` and `parallab advise` (the Hydra app
+that runs them: config/hydra_app.py).
 
 The Hydra process is the controller: it composes, checks and resolves the config once, then
 either trains in this process (one device, or in place under torchrun/SLURM/mpirun) or
@@ -27,7 +28,15 @@ from omegaconf import DictConfig, OmegaConf
 
 from parallab.config import help, naming
 from parallab.config.errors import ConfigError, OneLineError
-from parallab.config.schema import register_configs, typed
+from parallab.config.hydra_app import (
+    CONF_DIR,
+    config_flags,
+    entry_command,
+    hydra_app,
+    run_app,
+    typed_config,
+)
+from parallab.config.schema import register_configs
 from parallab.launching import launch, slurm
 from parallab.observe import summary
 
@@ -39,9 +48,6 @@ if TYPE_CHECKING:
     from parallab.training import run
 
 log = logging.getLogger("parallab")
-# conf/ ships inside the package; Hydra finds it as pkg://parallab/conf (a user project adds
-# its own groups with --config-dir or hydra.searchpath)
-CONF_DIR = str(Path(__file__).resolve().parent / "conf")
 # at exit, everything left is frozen out of the interpreter's last garbage collections: they
 # would walk the million objects of torch and the run (0.5-1 s of a command's end) only to
 # free memory the process hands back anyway (atexit: never in a process that goes on)
@@ -185,36 +191,6 @@ class JobFailed(Exception):
         self.line = line or message
 
 
-def typed_config(dict_cfg: DictConfig, overrides: list[str]):
-    """The composed config as the typed Config; a key added with `+` that the schema does not
-    know is refused (Hydra adds it, and the typed config would drop it without a word)."""
-    import dataclasses
-
-    for override in overrides:
-        key = override.lstrip("+~").partition("=")[0]
-        if not override.startswith("+"):
-            continue
-        node, parts = dict_cfg, key.split(".")
-        for depth, part in enumerate(parts):
-            schema = OmegaConf.get_type(node)
-            if dataclasses.is_dataclass(schema):
-                known = [f.name for f in dataclasses.fields(schema)]
-                if part not in known:
-                    import difflib
-
-                    where = ".".join(parts[:depth]) or "the config"
-                    close = difflib.get_close_matches(part, known, n=1)
-                    hint = f"did you mean {'.'.join([*parts[:depth], close[0]])}?" if close \
-                        else f"its keys: {', '.join(known)}"
-                    raise ConfigError(f"{override}: {where} has no key {part!r} ({hint})"
-                                      ": a + override adds a key only where the config "
-                                      "takes any (model, data, loss, metrics)")
-            if not isinstance(node, DictConfig) or node._is_none() or part not in node:
-                break
-            node = node[part]
-    return typed(dict_cfg)
-
-
 def _train_job(dict_cfg: DictConfig, call: Invocation) -> float | None:
     hydra_cfg = HydraConfig.get()
     if call.advising or dict_cfg.advise.run:
@@ -241,25 +217,6 @@ def _train_job(dict_cfg: DictConfig, call: Invocation) -> float | None:
         spec.started = process_started()
     with _claimed(spec.run_dir, cfg, in_place, call):
         return _train_and_report(spec, in_place).get(objective(cfg))
-
-
-# Hydra's flags that say where the config comes from: a recommended command keeps them
-CONFIG_FLAGS = ("--config-dir", "-cd", "--config-path", "-cp", "--config-name", "-cn")
-
-
-def entry_command(argv: list[str]) -> list[str]:
-    """How this command was started, less its overrides: `parallab train` or `python
-    train.py`, and the Hydra config flags (a project's --config-dir)."""
-    entry = ["parallab", "train"] if Path(argv[0]).name == "parallab" else ["python",
-                                                                            "train.py"]
-    return [*entry, *config_flags(argv[1:])]
-
-
-def config_flags(argv: list[str]) -> list[str]:
-    """The Hydra config flags in `argv` (a command line less its program), with their
-    values: `--config-dir conf` and `--config-dir=conf` alike."""
-    return [arg for i, arg in enumerate(argv) if arg in CONFIG_FLAGS or (
-        i and argv[i - 1] in CONFIG_FLAGS) or arg.startswith(tuple(f"{f}=" for f in CONFIG_FLAGS))]
 
 
 def _advise(dict_cfg: DictConfig, overrides: list[str], run_dir: str, compose_with,
@@ -387,94 +344,6 @@ def _register_configs() -> None:
     except ImportError:  # no hydra-submitit-launcher (the slurm extra): Hydra says so
         return
     allocation.register()
-
-
-def hydra_app(config_name: str, task, call: Invocation):
-    """`task(cfg, call)` as a Hydra app of conf/`config_name` over the command line
-    `call.argv`, run as hydra.main runs one: once per job (a multirun's jobs in turn), each
-    with this command's invocation. hydra.main would parse sys.argv, which holds `parallab
-    train` where Hydra must see only what follows: its own steps take the argv given, and
-    sys.argv stays as the user typed it."""
-    from hydra import version
-
-    from parallab.config import hydra_internals as hydra
-
-    def job(dict_cfg: DictConfig):
-        return task(dict_cfg, call)
-
-    def app() -> None:
-        version.setbase(None)
-        parser = hydra.get_args_parser()
-        args = parser.parse_args(call.argv[1:])
-        if args.experimental_rerun is not None:
-            job(hydra.rerun_conf(args.experimental_rerun, args.overrides))
-            hydra.flush_loggers()
-            return
-        with hydra.one_store() if args.help else contextlib.nullcontext():
-            hydra.run_hydra(args=args, args_parser=parser, task_function=job,
-                            config_path="conf", config_name=config_name)
-
-    return app
-
-
-def hydra_line(error: Exception) -> str:
-    """Hydra's refusal (an unknown key or option, a value of the wrong type), which Hydra
-    prints over several lines, as one: its sentences, and a group's options on one line."""
-    text = str(error)
-    if error.__cause__ is not None and "full_key" in str(error.__cause__):  # OmegaConf's why
-        text += "\n" + str(error.__cause__)
-    text, _, options = text.partition("Available options in")
-    said = [line.strip().rstrip(".") for line in text.splitlines() if line.strip() and not
-            line.strip().startswith(("full_key:", "object_type=", "reference_type="))]
-    override = getattr(error, "override", None)  # a parse error names the text, not the key
-    line = "; ".join([*([override] if override else []), *said])
-    if options:
-        group, _, names = options.partition(":")
-        names = [n.strip() for n in names.splitlines() if n.startswith("\t")
-                 and not n.strip().startswith("provider=")]
-        line += f" (options in{group}: {', '.join(names)})"
-    return line
-
-
-def null_group_line(argv: list[str]) -> str:
-    """The one line for `GROUP=null` on the command line: a group takes one of its options."""
-    for arg in argv:
-        group, _, value = arg.lstrip("+").partition("=")
-        options = sorted(p.stem for p in (Path(CONF_DIR) / group).glob("*.yaml"))
-        if value in ("null", "None") and options:
-            return (f"{arg}: the {group} group takes one of its options ({', '.join(options)}), "
-                    f"not null: choose one, or leave {group} out for its default")
-    return "a config group was given null: choose one of its options"
-
-
-def run_app(app, call: Invocation) -> None:
-    """A Hydra app whose own refusals end as parallab's do: one line, exit status 2 (Hydra
-    prints them itself, over several lines, and exits 1, unless HYDRA_FULL_ERROR asks it to
-    raise them)."""
-    from hydra.errors import CompactHydraException
-
-    if os.environ.get("HYDRA_FULL_ERROR"):  # the user asked for Hydra's whole story
-        app()
-        return
-    os.environ["HYDRA_FULL_ERROR"] = "1"
-    try:
-        app()
-    except CompactHydraException as error:
-        call.restore()
-        print(hydra_line(error), file=sys.stderr)
-        raise SystemExit(2) from None
-    except ConfigError as error:  # a launcher's refusal (launching/allocation.py), before any job
-        call.restore()
-        print(error, file=sys.stderr)
-        raise SystemExit(2) from None
-    except ValueError as error:  # Hydra's own, for `group=null`: a traceback otherwise
-        if "Config group override must be" not in str(error):
-            raise
-        call.restore()
-        print(null_group_line(call.argv[1:]), file=sys.stderr)
-        raise SystemExit(2) from None
-    finally:
-        os.environ.pop("HYDRA_FULL_ERROR", None)
 
 
 def train(argv: list[str] | None = None, advising: bool = False) -> None:

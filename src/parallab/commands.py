@@ -14,18 +14,10 @@ from typing import Any
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from parallab.cli import (
-    Invocation,
-    _fail,
-    advise,
-    compose,
-    hydra_app,
-    run_app,
-    train,
-    typed_config,
-)
+from parallab.cli import Invocation, _fail, advise, compose, train
 from parallab.config import help
 from parallab.config.errors import ConfigError
+from parallab.config.hydra_app import hydra_app, run_app, typed_config
 from parallab.config.schema import register_configs
 from parallab.launching import launch
 from parallab.observe import summary

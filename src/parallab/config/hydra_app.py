@@ -1,0 +1,156 @@
+"""The Hydra app a command runs, and what it does with Hydra's answers: the composed config
+typed (a `+` key the schema does not know refused), Hydra's refusals as one line and exit
+status 2, the command line's config flags kept for the commands parallab recommends."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from parallab.config.errors import ConfigError
+from parallab.config.schema import typed
+
+# conf/ ships inside the package; Hydra finds it as pkg://parallab/conf (a user project adds
+# its own groups with --config-dir or hydra.searchpath)
+CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+
+
+def typed_config(dict_cfg: DictConfig, overrides: list[str]):
+    """The composed config as the typed Config; a key added with `+` that the schema does not
+    know is refused (Hydra adds it, and the typed config would drop it without a word)."""
+    import dataclasses
+
+    for override in overrides:
+        key = override.lstrip("+~").partition("=")[0]
+        if not override.startswith("+"):
+            continue
+        node, parts = dict_cfg, key.split(".")
+        for depth, part in enumerate(parts):
+            schema = OmegaConf.get_type(node)
+            if dataclasses.is_dataclass(schema):
+                known = [f.name for f in dataclasses.fields(schema)]
+                if part not in known:
+                    import difflib
+
+                    where = ".".join(parts[:depth]) or "the config"
+                    close = difflib.get_close_matches(part, known, n=1)
+                    hint = f"did you mean {'.'.join([*parts[:depth], close[0]])}?" if close \
+                        else f"its keys: {', '.join(known)}"
+                    raise ConfigError(f"{override}: {where} has no key {part!r} ({hint})"
+                                      ": a + override adds a key only where the config "
+                                      "takes any (model, data, loss, metrics)")
+            if not isinstance(node, DictConfig) or node._is_none() or part not in node:
+                break
+            node = node[part]
+    return typed(dict_cfg)
+
+
+# Hydra's flags that say where the config comes from: a recommended command keeps them
+CONFIG_FLAGS = ("--config-dir", "-cd", "--config-path", "-cp", "--config-name", "-cn")
+
+
+def entry_command(argv: list[str]) -> list[str]:
+    """How this command was started, less its overrides: `parallab train` or `python
+    train.py`, and the Hydra config flags (a project's --config-dir)."""
+    entry = ["parallab", "train"] if Path(argv[0]).name == "parallab" else ["python",
+                                                                            "train.py"]
+    return [*entry, *config_flags(argv[1:])]
+
+
+def config_flags(argv: list[str]) -> list[str]:
+    """The Hydra config flags in `argv` (a command line less its program), with their
+    values: `--config-dir conf` and `--config-dir=conf` alike."""
+    return [arg for i, arg in enumerate(argv) if arg in CONFIG_FLAGS or (
+        i and argv[i - 1] in CONFIG_FLAGS) or arg.startswith(tuple(f"{f}=" for f in CONFIG_FLAGS))]
+
+
+def hydra_app(config_name: str, task, call):
+    """`task(cfg, call)` as a Hydra app of conf/`config_name` over the command line
+    `call.argv` (call: the command's cli.Invocation), run as hydra.main runs one: once per job (a multirun's jobs in turn), each
+    with this command's invocation. hydra.main would parse sys.argv, which holds `parallab
+    train` where Hydra must see only what follows: its own steps take the argv given, and
+    sys.argv stays as the user typed it."""
+    from hydra import version
+
+    from parallab.config import hydra_internals as hydra
+
+    def job(dict_cfg: DictConfig):
+        return task(dict_cfg, call)
+
+    def app() -> None:
+        version.setbase(None)
+        parser = hydra.get_args_parser()
+        args = parser.parse_args(call.argv[1:])
+        if args.experimental_rerun is not None:
+            job(hydra.rerun_conf(args.experimental_rerun, args.overrides))
+            hydra.flush_loggers()
+            return
+        with hydra.one_store() if args.help else contextlib.nullcontext():
+            hydra.run_hydra(args=args, args_parser=parser, task_function=job,
+                            config_path="pkg://parallab/conf", config_name=config_name)
+
+    return app
+
+
+def hydra_line(error: Exception) -> str:
+    """Hydra's refusal (an unknown key or option, a value of the wrong type), which Hydra
+    prints over several lines, as one: its sentences, and a group's options on one line."""
+    text = str(error)
+    if error.__cause__ is not None and "full_key" in str(error.__cause__):  # OmegaConf's why
+        text += "\n" + str(error.__cause__)
+    text, _, options = text.partition("Available options in")
+    said = [line.strip().rstrip(".") for line in text.splitlines() if line.strip() and not
+            line.strip().startswith(("full_key:", "object_type=", "reference_type="))]
+    override = getattr(error, "override", None)  # a parse error names the text, not the key
+    line = "; ".join([*([override] if override else []), *said])
+    if options:
+        group, _, names = options.partition(":")
+        names = [n.strip() for n in names.splitlines() if n.startswith("\t")
+                 and not n.strip().startswith("provider=")]
+        line += f" (options in{group}: {', '.join(names)})"
+    return line
+
+
+def null_group_line(argv: list[str]) -> str:
+    """The one line for `GROUP=null` on the command line: a group takes one of its options."""
+    for arg in argv:
+        group, _, value = arg.lstrip("+").partition("=")
+        options = sorted(p.stem for p in (Path(CONF_DIR) / group).glob("*.yaml"))
+        if value in ("null", "None") and options:
+            return (f"{arg}: the {group} group takes one of its options ({', '.join(options)}), "
+                    f"not null: choose one, or leave {group} out for its default")
+    return "a config group was given null: choose one of its options"
+
+
+def run_app(app, call) -> None:
+    """A Hydra app whose own refusals end as parallab's do: one line, exit status 2 (Hydra
+    prints them itself, over several lines, and exits 1, unless HYDRA_FULL_ERROR asks it to
+    raise them); `call.restore()` first puts back what Hydra wrote over an earlier run."""
+    from hydra.errors import CompactHydraException
+
+    if os.environ.get("HYDRA_FULL_ERROR"):  # the user asked for Hydra's whole story
+        app()
+        return
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        app()
+    except CompactHydraException as error:
+        call.restore()
+        print(hydra_line(error), file=sys.stderr)
+        raise SystemExit(2) from None
+    except ConfigError as error:  # a launcher's refusal (launching/allocation.py), before any job
+        call.restore()
+        print(error, file=sys.stderr)
+        raise SystemExit(2) from None
+    except ValueError as error:  # Hydra's own, for `group=null`: a traceback otherwise
+        if "Config group override must be" not in str(error):
+            raise
+        call.restore()
+        print(null_group_line(call.argv[1:]), file=sys.stderr)
+        raise SystemExit(2) from None
+    finally:
+        os.environ.pop("HYDRA_FULL_ERROR", None)
