@@ -100,6 +100,12 @@ def test_compiled_it_calls_attention_causal_without_a_mask_as_eagerly(name):
     a run's model builds its masks outside the graph, so compiled SDPA gets is_causal=True
     where eagerly it does, and a padded batch's mask still reaches it."""
     model = built(name)
+    from parallab.models import hf
+
+    module = sys.modules[type(model).__module__]
+    mask = module.create_causal_mask
+    hf.for_training(model)  # a second model of the class (advise builds many): wrapped once
+    assert module.create_causal_mask is mask
     calls: list[tuple[bool, bool]] = []
 
     def recording(graph, inputs):  # the graphs dynamo hands a backend, run as they are

@@ -48,7 +48,8 @@ def _masks_built_eagerly(model: nn.Module) -> None:
     namespace = sys.modules[type(model).__module__].__dict__
     for name, value in list(namespace.items()):
         if (name.startswith("create_") and name.endswith("mask") and callable(value)
-                and getattr(value, "__module__", None) == masking_utils.__name__):
+                and getattr(value, "__module__", None) == masking_utils.__name__
+                and not getattr(value, "_torchdynamo_disable", False)):  # once
             namespace[name] = torch.compiler.disable(value, recursive=True)
 
 
