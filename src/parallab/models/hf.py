@@ -36,7 +36,7 @@ def for_training(model: nn.Module) -> nn.Module:
 
 
 def _masks_built_eagerly(model: nn.Module) -> None:
-    """The attention masks of the model's class built outside torch.compile's graph. Traced,
+    """The attention masks of the model's classes built outside torch.compile's graph. Traced,
     transformers cannot tell a plain causal mask from a padded or packed one (it would have
     to read the tensors' values), so it builds the full (batch, 1, T, T) mask where eagerly
     it leaves it out and calls SDPA with is_causal=True; with a mask SDPA cannot take its
@@ -45,12 +45,15 @@ def _masks_built_eagerly(model: nn.Module) -> None:
     import torch
     from transformers import masking_utils
 
-    namespace = sys.modules[type(model).__module__].__dict__
-    for name, value in list(namespace.items()):
-        if (name.startswith("create_") and name.endswith("mask") and callable(value)
-                and getattr(value, "__module__", None) == masking_utils.__name__
-                and not getattr(value, "_torchdynamo_disable", False)):  # once
-            namespace[name] = torch.compiler.disable(value, recursive=True)
+    # every module whose classes make up the model: a composite model's parts may call the
+    # mask functions from their own modeling files
+    for module_name in {type(m).__module__ for m in model.modules()}:
+        namespace = vars(sys.modules[module_name])
+        for name, value in list(namespace.items()):
+            if (name.startswith("create_") and name.endswith("mask") and callable(value)
+                    and getattr(value, "__module__", None) == masking_utils.__name__
+                    and not getattr(value, "_torchdynamo_disable", False)):  # once
+                namespace[name] = torch.compiler.disable(value, recursive=True)
 
 
 def shifts_labels(model: nn.Module) -> bool:
