@@ -2,9 +2,9 @@
 # Every CUDA figure of docs/benchmarks.md "On a GPU" that one short lease can take, in one
 # command: the GPU's facts, how transformers' GPT-2 calls attention under compile, the
 # levers (compile modes, transformers' GPT-2, each profiled), float8 at width 4096, the GPU
-# test set, GPT-2's own 50,304-token head. Each part runs
-# until a fixed point in time (seconds from the start: L1..L4), so that a slow part leaves
-# the later ones their share; every result lands in OUT_DIR as it comes.
+# test set, GPT-2's own 50,304-token head. Each part runs until a fixed point in time
+# (seconds from the start: L1..L5), so that a slow part leaves the later ones their share;
+# every result lands in OUT_DIR as it comes.
 #
 #   bash bench/run_gpu.sh [OUT_DIR]        (WHEELS=DIR: pip-install the wheels there first,
 #                                          for a machine without Hydra or a network)
