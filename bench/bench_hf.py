@@ -40,14 +40,15 @@ def datasets():
 
 def gpt2():
     import torch
-    from omegaconf import OmegaConf
 
+    from parallab import models
     from parallab.cli import compose
-    from parallab.models import build_model
+    from parallab.config.hydra_app import typed_config
 
     torch.manual_seed(42)
-    cfg = compose(["experiment=llama", "model=my_gpt2"], EXAMPLE / "conf")
-    return build_model(OmegaConf.to_container(cfg.model))
+    overrides = ["experiment=llama", "model=my_gpt2"]
+    cfg = typed_config(compose(overrides, EXAMPLE / "conf"), overrides)
+    return models.build_model(models.check(cfg.model, cfg.data))  # the data's vocabulary
 
 
 def hand(steps: int):
