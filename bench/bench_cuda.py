@@ -180,8 +180,8 @@ def profiled(work: Path, batch: int) -> str:
 def vocab(work: Path, batch: int, steps: int, size: int, modes: list[str]) -> list[dict]:
     """GPT-2 small with GPT-2's own head: a `size`-token vocabulary (50,304: 50,257 padded
     to a multiple of 64) tied to the embedding, 124 M parameters; the byte data's 256 ids
-    are a part of it. The head's matmul and the cross-entropy over the vocabulary are then a
-    quarter of the step, as they are in GPT-2."""
+    are a part of it. The head's matmul is then a quarter of the step's FLOPs, as in GPT-2,
+    and the cross-entropy runs over 50,304 logits a token."""
     return [{"model": f"gpt, vocab {size} tied", "precision": "bf16", "compile": mode,
              **run_profiled(work, f"gpt-vocab{size}-{mode}", [
                  *GPT, f"model.vocab_size={size}", "model.tie_embeddings=true",
@@ -192,8 +192,8 @@ def vocab(work: Path, batch: int, steps: int, size: int, modes: list[str]) -> li
 
 def hf_sdpa(device: str = "cuda") -> None:
     """How transformers' GPT-2 (the bench's shape) calls scaled_dot_product_attention under
-    torch.compile and eagerly on this GPU: a mask, strides, scale (the profile's attention
-    kernels take 2.6x the gpt's)."""
+    torch.compile and eagerly on this GPU, on its own and as a run builds it: a mask,
+    strides, scale (given the full mask, its attention kernels took 2.6x the gpt's)."""
     import torch
     import transformers
 
