@@ -54,7 +54,7 @@ class LeftByWorker(OneLineError):
 @contextlib.contextmanager
 def leaving_failure(failures: str | None) -> Iterator[None]:
     """A OneLineError raised inside leaves its line and status in `failures` (a dir the
-    controller made; this rank's file), where failure_left finds it: the job ends with
+    controller made; this rank's file), where one_line_failures finds it: the job ends with
     that line rather than the traceback torch's agent records."""
     failure = Path(failures, f"rank{distributed.rank_from_env()}.json") if failures else None
     if failure is not None:
@@ -65,14 +65,6 @@ def leaving_failure(failures: str | None) -> Iterator[None]:
         if failure is not None:  # told by its type: the controller ends with this line
             failure.write_text(json.dumps({"status": error.status, "message": str(error)}))
         raise
-
-
-def failure_left(error, failures: str | Path) -> LeftByWorker | None:
-    """The one-line error the first failing rank of a launched job (torch's
-    ChildFailedError `error`) left in `failures`, if it left one."""
-    rank, _ = error.get_first_failure()
-    left = Path(failures, f"rank{rank}.json")
-    return LeftByWorker(rank, json.loads(left.read_text())) if left.is_file() else None
 
 
 @contextlib.contextmanager
@@ -86,10 +78,11 @@ def one_line_failures() -> Iterator[str]:
         try:
             yield failures
         except ChildFailedError as error:
-            left = failure_left(error, failures)
-            if left is None:
+            rank, _ = error.get_first_failure()
+            left = Path(failures, f"rank{rank}.json")
+            if not left.is_file():
                 raise
-            raise left from None
+            raise LeftByWorker(rank, json.loads(left.read_text())) from None
 
 
 def log_to_files(run_dir: str) -> None:

@@ -28,9 +28,9 @@ def for_training(model: nn.Module) -> nn.Module:
     """A transformers model as a training run uses it: no key-value cache (a forward would
     build one it never reads again, and activation checkpointing's recompute would append
     to it a second time, as transformers' own gradient checkpointing also turns it off)."""
-    if is_transformers(model) and getattr(model.config, "use_cache", False):
-        model.config.use_cache = False
     if is_transformers(model):
+        if getattr(model.config, "use_cache", False):
+            model.config.use_cache = False
         _masks_built_eagerly(model)
     return model
 

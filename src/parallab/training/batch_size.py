@@ -42,10 +42,8 @@ class Trial:
 
 
 def _measure(step: Step, optimizer: torch.optim.Optimizer, loader: ShardLoader,
-             dist: Dist, compiled: bool) -> tuple[float, float]:
+             dist: Dist) -> tuple[float, float]:
     """Local samples/s and peak memory of a few steps at this loader's batch size."""
-    if compiled:  # the warm-up step compiles for this size alone, as a run at it would
-        torch._dynamo.reset()
     reset_peak_memory(dist.device)  # this trial's own peak (the CPU budget uses it too)
     batches = iter(loader)
     samples, start = 0, 0.0
@@ -63,16 +61,14 @@ def _measure(step: Step, optimizer: torch.optim.Optimizer, loader: ShardLoader,
 
 
 def _trial(batch_size: int, step: Step, optimizer: torch.optim.Optimizer,
-           loader: ShardLoader, dist: Dist, max_memory_mb: float | None, readers: int,
-           compiled: bool) -> Trial:
+           loader: ShardLoader, dist: Dist, max_memory_mb: float | None, readers: int) -> Trial:
     verdict, speed, memory = "", 0.0, 0.0
     shard = len(loader.sampler) if hasattr(loader, "sampler") else loader.per_rank
     if shard is not None and shard < batch_size * (1 + TIMED_STEPS):
         verdict = "shard too small"
     else:
         try:
-            speed, memory = _measure(step, optimizer, loader.resized(batch_size), dist,
-                                     compiled)
+            speed, memory = _measure(step, optimizer, loader.resized(batch_size), dist)
             if max_memory_mb is not None and memory > max_memory_mb:
                 verdict = f"over trainer.max_memory_mb={max_memory_mb:g}"
         except torch.OutOfMemoryError:
@@ -108,7 +104,9 @@ def find_batch_size(module: nn.Module, optimizer: torch.optim.Optimizer, step: S
     best: Trial | None = None
     size = loader.batch_size
     while True:
-        trial = _trial(size, step, optimizer, loader, dist, max_memory_mb, readers, compiled)
+        if compiled:  # the trial's warm-up step compiles for its size alone
+            torch._dynamo.reset()
+        trial = _trial(size, step, optimizer, loader, dist, max_memory_mb, readers)
         trials.append(trial)
         if not trial.fits:
             break
@@ -119,7 +117,7 @@ def find_batch_size(module: nn.Module, optimizer: torch.optim.Optimizer, step: S
         best, size = trial, size * 2
     module.load_state_dict(saved[0])
     optimizer.load_state_dict(saved[1])
-    if compiled:
+    if compiled:  # and the run's first step for the size chosen
         torch._dynamo.reset()
     return (best.batch_size if best else loader.batch_size), trials
 
