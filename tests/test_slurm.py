@@ -28,7 +28,8 @@ PARALLAB = str(Path(sys.executable).parent / "parallab")
 # two ranks of the MNIST recipe's CNN, long enough to be signalled mid-run (~50 ms a step)
 RUN = ["parallel=ddp", "data=synthetic", "data.train_size=6400", "data.eval_size=256",
        "data.batch_size=32", "trainer.epochs=1", "trainer.log_every_n_steps=5",
-       "trainer.checkpoint_every_n_steps=null", "device=cpu"]
+       "trainer.checkpoint_every_n_steps=null", "device=cpu",
+       "parallel.threads_per_worker=1"]
 SLURM_VARS = [name for name in os.environ if name.startswith(("SLURM_", "SUBMITIT_"))]
 
 
