@@ -86,7 +86,9 @@ def test_only_the_adapters_train_and_hold_state(one_device):
 LAYOUTS = {
     "ddp2-ac_full": ["parallel=ddp", "parallel.world_size=2", "data.batch_size=8",
                      "trainer.activation_checkpointing=full"],
-    # the embedding and head stages frozen whole: units of their own all the same
+    # the embedding and head stages frozen whole: units of their own all the same; the
+    # blocks compiled before FSDP2 shards them (torchtitan's order), their weights saved
+    # under the plain model's names (saved_model loads them strictly)
     "fsdp2-compile": ["parallel=fsdp", "parallel.world_size=2", "data.batch_size=8",
                       "trainer.compile=true"],
     "hsdp2x2": ["parallel=hsdp", "parallel.world_size=4", "parallel.dp_shard=2",

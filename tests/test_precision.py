@@ -1,4 +1,4 @@
-"""Precision modes, loss scaling, accumulation, clipping, memory format, compile, profiler."""
+"""Precision modes, loss scaling, accumulation, clipping, memory format, profiler."""
 
 from __future__ import annotations
 
@@ -11,9 +11,7 @@ from conftest import FAST, losses, read_metrics, scalars
 from torch import nn
 
 from parallab.config.schema import PrecisionConfig
-from parallab.models.mnist_cnn import MnistCNN
 from parallab.precision import Precision, compute_dtype
-from parallab.training import checkpoint, weights
 
 CPU = torch.device("cpu")
 
@@ -213,18 +211,6 @@ def test_channels_last_trains_the_same_model(train_here):
     for (_, a), (_, b) in zip(scalars(plain_dir, "train/loss"), scalars(nhwc_dir, "train/loss"),
                               strict=True):
         assert b == pytest.approx(a, rel=1e-3)
-
-
-@pytest.mark.slow
-@pytest.mark.distributed
-def test_compile_works_on_cpu_under_fsdp(train_here):
-    """Compiled stages sharded by FSDP2 (compile before the wrapper, as torchtitan orders
-    them; a single device compiles in test_activations' compile case)."""
-    metrics, run_dir = train_here(*FAST, "trainer.compile=true", "parallel=fsdp",
-                                  "parallel.world_size=2", "trainer.max_steps=8")
-    assert metrics["steps"] == 8
-    # no _orig_mod. prefix: the weights load into a plain model
-    weights.model_from(checkpoint.latest(run_dir / "checkpoints"), MnistCNN())
 
 
 @pytest.mark.slow
