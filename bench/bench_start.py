@@ -23,6 +23,11 @@ COMMANDS = {
     "fsdp, 4 ranks, 8 steps": ["parallel=fsdp", "parallel.world_size=4", "data=synthetic",
                               "data.train_size=2048", "data.eval_size=512",
                               "trainer.max_steps=8", "device=cpu"],
+    # the ranks build a gpt with LoRA adapters: peft imported by each, or by their fork server
+    "LoRA gpt, ddp, 4 ranks, 4 steps": ["parallel=ddp", "parallel.world_size=4", "model=gpt",
+                                        "data=bytes", "model.layers=2", "model.width=64",
+                                        "model.context=64", "adapter=lora",
+                                        "trainer.max_steps=4", "device=cpu"],
     "refused by parallab's checks (data.batch_size=0)": ["data.batch_size=0"],
     "refused by Hydra (data.batch_sze=3)": ["data.batch_sze=3"],
 }

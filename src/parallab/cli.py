@@ -203,7 +203,8 @@ def _train_job(dict_cfg: DictConfig, call: Invocation) -> float | None:
     in_place = launch.prepare_in_place()  # again for launchers that call the app (submitit)
     # before this process loads torch (the data set's config class, the checks): the
     # workers' fork server loads it beside this process instead of after it
-    launch.warm_up(getattr(OmegaConf.get_type(dict_cfg.parallel), "processes", False), in_place)
+    launch.warm_up(dict_cfg, getattr(OmegaConf.get_type(dict_cfg.parallel), "processes", False),
+                   in_place)
     from parallab.checks import validate
     from parallab.training import run
 

@@ -216,6 +216,7 @@ class AdapterConfig:
 @dataclass
 class LoraConfig(AdapterConfig):
     name: str = "lora"
+    imports: ClassVar[tuple[str, ...]] = ("peft",)  # what every rank imports for it
     r: int = 8  # the adapters' rank
     alpha: float = 16.0  # their output is scaled by alpha / r
     dropout: float = 0.0  # on the adapters' input
