@@ -134,7 +134,7 @@ def test_a_model_that_returns_its_own_loss(tmp_path):
 def test_a_jobs_own_module_is_imported_by_the_fork_server_not_by_each_rank(tmp_path,
                                                                           monkeypatch):
     """The model a job names by _target_ is imported by the controller (its checks) and by
-    the fork server the ranks are forked from (launch.job_imports), not again by each rank:
+    the fork server the ranks are forked from (forking.job_imports), not again by each rank:
     a module of the project the job runs in (the working directory, as parallab runs)."""
     from multiprocessing import forkserver
 

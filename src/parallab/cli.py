@@ -37,7 +37,7 @@ from parallab.config.hydra_app import (
     typed_config,
 )
 from parallab.config.schema import register_configs
-from parallab.launching import launch, slurm
+from parallab.launching import forking, launch, slurm
 from parallab.observe import summary
 
 # torch and what needs it (the launched worker, the checks, the strategies, the run) are
@@ -203,8 +203,8 @@ def _train_job(dict_cfg: DictConfig, call: Invocation) -> float | None:
     in_place = launch.prepare_in_place()  # again for launchers that call the app (submitit)
     # before this process loads torch (the data set's config class, the checks): the
     # workers' fork server loads it beside this process instead of after it
-    launch.warm_up(dict_cfg, getattr(OmegaConf.get_type(dict_cfg.parallel), "processes", False),
-                   in_place)
+    forking.warm_up(dict_cfg, in_place is None and
+                    getattr(OmegaConf.get_type(dict_cfg.parallel), "processes", False))
     from parallab.checks import validate
     from parallab.training import run
 

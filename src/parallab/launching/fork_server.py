@@ -1,6 +1,6 @@
-"""Imported by the fork server alone (launch.PRELOAD), never by a controller or a worker.
+"""Imported by the fork server alone (forking.PRELOAD), never by a controller or a worker.
 
-It imports what the job's workers would each import to build its parts (launch.job_imports,
+It imports what the job's workers would each import to build its parts (forking.job_imports,
 handed over in PARALLAB_PRELOAD): a user's modules, transformers' model classes, peft. A
 name that does not import is left to the workers, whose own import then says why.
 

@@ -14,7 +14,6 @@ import os
 import signal
 import threading
 import uuid
-import dataclasses
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -25,6 +24,8 @@ from omegaconf import OmegaConf
 from parallab.config import naming
 from parallab.config.errors import ConfigError, OneLineError
 from parallab.launching import slurm
+from parallab.launching.forking import (AGENT_SIGNALS, environment_set, kept_running, ready,
+                                        server_env)
 
 log = logging.getLogger(__name__)
 
@@ -217,9 +218,6 @@ def register_resolvers() -> None:
     OmegaConf.register_new_resolver("rank_zero", _rank_zero, replace=True)
 
 
-AGENT_SIGNALS = "SIGHUP,SIGQUIT"  # the signals torch's agent handles itself
-
-
 def worker_env(cfg) -> dict[str, str]:
     """The environment of the workers a job of `cfg` starts: their threads, and gloo on
     loopback (the built-in launcher starts one node)."""
@@ -227,16 +225,7 @@ def worker_env(cfg) -> dict[str, str]:
 
     p = cfg.parallel
     threads = threads_for(p.world_size // p.nnodes, p.threads_per_worker)
-    return {"OMP_NUM_THREADS": str(threads), **_server_env(cfg)}
-
-
-def _server_env(cfg: Any = None) -> dict[str, str]:
-    """What a launch of `cfg` adds to the environment its fork server starts with."""
-    env = {"TORCHELASTIC_SIGNALS_TO_HANDLE": AGENT_SIGNALS,  # older torch
-           PRELOAD_VAR: " ".join(job_imports(cfg)) if cfg is not None else ""}
-    if "GLOO_SOCKET_IFNAME" not in os.environ:
-        env["GLOO_SOCKET_IFNAME"] = "lo"  # gloo picks its interface from the hostname otherwise
-    return env
+    return {"OMP_NUM_THREADS": str(threads), **server_env(cfg)}
 
 
 def launch_config(config_class, world_size: int, max_restarts: int):
@@ -263,7 +252,7 @@ def launch_config(config_class, world_size: int, max_restarts: int):
         local_addr=rendezvous.HOST,
         max_restarts=max_restarts,
         monitor_interval=0.1,
-        start_method="forkserver" if _forkserver_ready() else "spawn",
+        start_method="forkserver" if ready() else "spawn",
         **{key: value for key, value in newer.items() if key in fields},
     )
 
@@ -281,147 +270,9 @@ def elastic(entrypoint: Callable, args: tuple, world_size: int, max_restarts: in
     # the controlling process reports a failure once, with the root cause's traceback
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     # the agent hands its own environment to the workers
-    with _environment_set(worker_env), _forwarding_stop_signals(requeue), _forkserver():
+    with environment_set(worker_env), _forwarding_stop_signals(requeue), kept_running():
         results = elastic_launch(config, entrypoint)(*args)
     return results[0]
-
-
-@contextlib.contextmanager
-def _environment_set(values: dict[str, str]) -> Iterator[None]:
-    """os.environ with `values` set, put back as it was after."""
-    saved = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
-def _forkserver_ready() -> bool:
-    """Workers forked from a server that imported torch and parallab once, instead of each
-    spawned worker importing them (2 s of CPU each): needs the server's stop (CPython 3.8+),
-    and the main thread, where _forkserver() can start it with SIGTERM ignored; else spawn."""
-    from multiprocessing import forkserver
-
-    return (hasattr(forkserver._forkserver, "_stop")
-            and threading.current_thread() is threading.main_thread())
-
-
-_server_environment: dict[str, str] | None = None  # what the running fork server started with
-_server_imports: set[str] = set()  # and the job imports it made (PRELOAD_VAR)
-# imported once by the fork server, not by each worker: parallab's worker code, and what
-# DDP, FSDP2, tensor parallelism, DCP and rank 0's TensorBoard writer import lazily
-# (torch._dynamo alone: 1 s of CPU; the writer 0.6 s a job); and the server's quick exit
-# (fork_server.py)
-PRELOAD = ["parallab.training.run", "torch._dynamo", "torch.distributed.fsdp",
-           "torch.distributed.tensor.parallel", "torch.distributed.checkpoint",
-           "torch.utils.tensorboard", "parallab.launching.fork_server"]
-
-
-@contextlib.contextmanager
-def _forkserver() -> Iterator[None]:
-    """The fork server the workers are forked from: kept between launches (importing torch
-    and parallab in a new one took half of a small job's launch) while the environment
-    stays the same, since the workers inherit the server's environment, not the
-    controller's; started anew when it differs. It ignores SIGTERM (the disposition survives
-    exec) as it ignores SIGINT: `timeout` or a `kill` of the process group would else end
-    it, and the agent would read every worker's exit status as 255 and fail a job that is
-    saving; workers restore it (launching/worker.py). It ends with this process."""
-    if _forkserver_ready():
-        start_fork_server()
-    yield
-
-
-def warm_up(cfg: Any, starts_workers: bool, in_place: InPlace | None) -> None:
-    """A job of `cfg` (as composed) that will start workers: its fork server now, not once
-    the config is checked."""
-    if in_place is None and starts_workers and _forkserver_ready():
-        with _environment_set(_server_env(cfg)):
-            start_fork_server()
-
-
-PRELOAD_VAR = "PARALLAB_PRELOAD"  # the job's own imports, which fork_server.py makes
-
-
-def job_imports(cfg: Any) -> list[str]:
-    """What each worker of a job of `cfg` (composed or typed) would import to build its
-    parts, for the fork server to import once instead: what its model, data and loss name
-    by `_target_` (a user's modules, transformers' model classes) and what its adapter
-    declares (peft: 2 s of CPU a rank here). Not data's own `_target_`: typing sets it
-    where the composed config has none, and both must give the same list."""
-    targets = [*_targets(_get(cfg, "model")), *_targets(_get(cfg, "loss")),
-               *_targets(_get(cfg, "data"), own=False)]
-    adapter = _get(cfg, "adapter")
-    kind = OmegaConf.get_type(adapter) if OmegaConf.is_config(adapter) else type(adapter)
-    return sorted(set(targets) | set(getattr(kind, "imports", ())))
-
-
-def _get(cfg: Any, key: str) -> Any:
-    return cfg.get(key) if OmegaConf.is_config(cfg) else getattr(cfg, key, None)
-
-
-def _targets(node: Any, own: bool = True) -> Iterator[str]:
-    """The `_target_` paths in a config part, at any depth (interpolations left out; with
-    own=False, not the part's own)."""
-    if OmegaConf.is_config(node):
-        node = OmegaConf.to_container(node, resolve=False)
-    elif dataclasses.is_dataclass(node) and not isinstance(node, type):
-        node = {f.name: getattr(node, f.name) for f in dataclasses.fields(node)}
-    if isinstance(node, dict):
-        target = node.get("_target_")
-        if own and isinstance(target, str) and "${" not in target:
-            yield target
-        for value in node.values():
-            yield from _targets(value)
-    elif isinstance(node, (list, tuple)):
-        for value in node:
-            yield from _targets(value)
-
-
-# left out when the fork server's environment is compared: the workers' threads (set by
-# the agent and distributed.setup), and pytest's name of the running test, which differs
-# for every test of a suite that runs parallab in its process (each launch would start a
-# new server: 3 s of imports instead of 0.5 s)
-# (PRELOAD_VAR: compared as a set below)
-PER_CALL = ("OMP_NUM_THREADS", "PYTEST_CURRENT_TEST", PRELOAD_VAR)
-
-
-def _environment() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k not in PER_CALL}
-
-
-def start_fork_server() -> None:
-    """The fork server, started (or kept) for this environment: called early, while the
-    controller checks the config, its imports run beside those checks on another core. A
-    job needing imports the running server did not make gets a new one that makes them and
-    the earlier ones, so that jobs taking turns do not restart it each time."""
-    global _server_environment, _server_imports
-    from multiprocessing import forkserver
-
-    server = forkserver._forkserver
-    needed = set(os.environ.get(PRELOAD_VAR, "").split())
-    with _environment_set({key: value for key, value in _server_env().items()
-                           if key != PRELOAD_VAR}):
-        environment = _environment()
-        if server._forkserver_pid is not None and (environment != _server_environment or
-                                                   not needed <= _server_imports):
-            server._stop()
-            if environment == _server_environment:
-                needed |= _server_imports
-        elif server._forkserver_pid is not None:
-            needed = _server_imports
-        os.environ[PRELOAD_VAR] = " ".join(sorted(needed))
-        forkserver.set_forkserver_preload(PRELOAD)
-        previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        try:
-            forkserver.ensure_running()
-        finally:
-            signal.signal(signal.SIGTERM, previous)
-        _server_environment, _server_imports = environment, needed
 
 
 def _workers() -> list[int]:
