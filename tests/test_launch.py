@@ -143,6 +143,23 @@ def test_launches_share_a_fork_server_while_the_environment_stays(monkeypatch):
     assert seen == "1" and restarted != server
 
 
+@pytest.mark.parametrize("device, imports", [
+    ("cpu", ["hf_llama.data.Verses", "parallab.loss.Auto", "peft", "transformers.LlamaConfig",
+             "transformers.LlamaForCausalLM"]),
+    # a module may initialize CUDA at import (bitsandbytes, under peft): not in the server
+    ("auto", []), ("cuda", [])])
+def test_the_fork_server_imports_a_cpu_jobs_parts_as_composed_and_as_typed(device, imports):
+    from conftest import typed
+
+    from parallab.cli import compose
+    from parallab.launching import forking
+
+    overrides = ["experiment=llama_lora", f"device={device}"]
+    project = REPO / "examples" / "hf_llama" / "conf"
+    assert forking.job_imports(compose(overrides, project)) == imports
+    assert forking.job_imports(typed(*overrides, config_dir=project)) == imports
+
+
 def descendants(pid: int) -> list[int]:
     """The processes under `pid` (Linux /proc): its fork server and the ranks it forked."""
     parents = {}

@@ -91,7 +91,13 @@ def job_imports(cfg: Any) -> list[str]:
     parts, for the fork server to import once instead: what its model, data and loss name
     by `_target_` (a user's modules, transformers' model classes) and what its adapter
     declares (peft: 2 s of CPU a rank here). Not data's own `_target_`: typing sets it
-    where the composed config has none, and both must give the same list."""
+    where the composed config has none, and both must give the same list. Only for a job
+    on the CPU (device=cpu): a module may initialize CUDA at import (bitsandbytes does,
+    which peft imports where it is installed), and a rank forked after that could not use
+    the GPU."""
+    device = _get(cfg, "device")
+    if getattr(device, "value", device) != "cpu":
+        return []
     targets = [*_targets(_get(cfg, "model")), *_targets(_get(cfg, "loss")),
                *_targets(_get(cfg, "data"), own=False)]
     adapter = _get(cfg, "adapter")
