@@ -9,7 +9,7 @@ import sys
 import pytest
 from conftest import FAST, REPO
 
-from parallab.launching import launch, slurm
+from parallab.launching import forking, launch, slurm
 
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_NTASKS",
                  "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NNODES", "SLURM_NTASKS_PER_NODE",
@@ -121,7 +121,8 @@ def seen_by_a_rank(name: str) -> str | None:
 def test_launches_share_a_fork_server_while_the_environment_stays(monkeypatch):
     """The ranks are forked from a server that imported torch and parallab once: kept from
     one launch to the next (pytest's name of the running test aside, which changes with
-    every test), started anew when a variable changes, which the ranks then see."""
+    every test), started anew when a variable changes, which the ranks then see, or when a
+    job needs imports it did not make (then kept for a job needing fewer)."""
     from multiprocessing import forkserver
 
     from conftest import typed
@@ -130,8 +131,9 @@ def test_launches_share_a_fork_server_while_the_environment_stays(monkeypatch):
     monkeypatch.delenv("PARALLAB_LAUNCH_MARK", raising=False)
     env = launch.worker_env(typed("parallel=ddp", "parallel.world_size=2"))
 
-    def launched() -> tuple[str | None, int]:
-        seen = launch.elastic(seen_by_a_rank, ("PARALLAB_LAUNCH_MARK",), 2, 0, env)
+    def launched(imports: str = "") -> tuple[str | None, int]:
+        seen = launch.elastic(seen_by_a_rank, ("PARALLAB_LAUNCH_MARK",), 2, 0,
+                              {**env, forking.PRELOAD_VAR: imports})
         return seen, forkserver._forkserver._forkserver_pid
 
     seen, server = launched()
@@ -141,6 +143,8 @@ def test_launches_share_a_fork_server_while_the_environment_stays(monkeypatch):
     monkeypatch.setenv("PARALLAB_LAUNCH_MARK", "1")
     seen, restarted = launched()
     assert seen == "1" and restarted != server
+    _, importing = launched("json")
+    assert importing != restarted and launched() == ("1", importing)
 
 
 @pytest.mark.parametrize("device, imports", [

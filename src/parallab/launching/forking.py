@@ -14,14 +14,17 @@ from typing import Any, Iterator
 from omegaconf import OmegaConf
 
 AGENT_SIGNALS = "SIGHUP,SIGQUIT"  # the signals torch's agent handles itself
+PRELOAD_VAR = "PARALLAB_PRELOAD"  # the job's own imports, which fork_server.py makes
 
 
 def server_env(cfg: Any = None) -> dict[str, str]:
-    """What a launch of `cfg` adds to the environment its fork server starts with."""
-    env = {"TORCHELASTIC_SIGNALS_TO_HANDLE": AGENT_SIGNALS,  # older torch
-           PRELOAD_VAR: " ".join(job_imports(cfg)) if cfg is not None else ""}
+    """What a launch (of `cfg`: with the job's imports) adds to the environment its fork
+    server starts with."""
+    env = {"TORCHELASTIC_SIGNALS_TO_HANDLE": AGENT_SIGNALS}  # older torch
     if "GLOO_SOCKET_IFNAME" not in os.environ:
         env["GLOO_SOCKET_IFNAME"] = "lo"  # gloo picks its interface from the hostname otherwise
+    if cfg is not None:
+        env[PRELOAD_VAR] = " ".join(job_imports(cfg))
     return env
 
 
@@ -83,9 +86,6 @@ def warm_up(cfg: Any, starts_workers: bool) -> None:
             start_fork_server()
 
 
-PRELOAD_VAR = "PARALLAB_PRELOAD"  # the job's own imports, which fork_server.py makes
-
-
 def job_imports(cfg: Any) -> list[str]:
     """What each worker of a job of `cfg` (composed or typed) would import to build its
     parts, for the fork server to import once instead: what its model, data and loss name
@@ -128,10 +128,9 @@ def _targets(node: Any, own: bool = True) -> Iterator[str]:
 
 
 # left out when the fork server's environment is compared: the workers' threads (set by
-# the agent and distributed.setup), and pytest's name of the running test, which differs
-# for every test of a suite that runs parallab in its process (each launch would start a
-# new server: 3 s of imports instead of 0.5 s)
-# (PRELOAD_VAR: compared as a set below)
+# the agent and distributed.setup), pytest's name of the running test, which differs for
+# every test of a suite that runs parallab in its process (each launch would start a new
+# server: 3 s of imports instead of 0.5 s), and the job's imports (compared as a set)
 PER_CALL = ("OMP_NUM_THREADS", "PYTEST_CURRENT_TEST", PRELOAD_VAR)
 
 
@@ -149,21 +148,20 @@ def start_fork_server() -> None:
 
     server = forkserver._forkserver
     needed = set(os.environ.get(PRELOAD_VAR, "").split())
-    with environment_set({key: value for key, value in server_env().items()
-                           if key != PRELOAD_VAR}):
+    with environment_set(server_env()):
         environment = _environment()
-        if server._forkserver_pid is not None and (environment != _server_environment or
-                                                   not needed <= _server_imports):
+        running = server._forkserver_pid is not None
+        if running and (environment != _server_environment or not needed <= _server_imports):
             server._stop()
-            if environment == _server_environment:
+            if environment == _server_environment:  # the same, with more imports
                 needed |= _server_imports
-        elif server._forkserver_pid is not None:
+        elif running:
             needed = _server_imports
-        os.environ[PRELOAD_VAR] = " ".join(sorted(needed))
         forkserver.set_forkserver_preload(PRELOAD)
         previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
         try:
-            forkserver.ensure_running()
+            with environment_set({PRELOAD_VAR: " ".join(sorted(needed))}):
+                forkserver.ensure_running()
         finally:
             signal.signal(signal.SIGTERM, previous)
         _server_environment, _server_imports = environment, needed
