@@ -29,6 +29,19 @@ def half_mse(output: torch.Tensor, targets: torch.Tensor, scale: float = 0.5) ->
     return scale * F.mse_loss(output, targets)
 
 
+def gpt_noting_peft(noted: str, **kwargs) -> nn.Module:
+    """parallab's gpt, once a line saying which process builds it and whether peft was
+    imported in it already (by the fork server a rank was forked from)."""
+    import os
+    import sys
+
+    from parallab.models.gpt import GPT
+
+    with open(noted, "a") as f:
+        f.write(f"{os.getpid()} {'peft' in sys.modules}\n")
+    return GPT(**kwargs)
+
+
 class WaveStream(torch.utils.data.IterableDataset):
     """The example's regression samples as a stream; reshuffled by set_epoch; `sized`: with
     a __len__ (then an epoch's steps are known)."""

@@ -6,6 +6,7 @@ read, and bad input ends in one line before any rank starts."""
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -110,6 +111,19 @@ def test_every_data_parallel_layout_trains_the_adapters_as_one_device(one_device
     expected, got = saved_model(reference), saved_model(tmp_path / "run")
     for name in (k for k in expected if ".lora_" in k):
         torch.testing.assert_close(got[name], expected[name], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.distributed
+def test_the_ranks_find_peft_imported_by_their_fork_server(tmp_path):
+    """peft (2 s of CPU a process here) is imported once, by the fork server the ranks are
+    forked from (forking.job_imports), not by each rank as it builds its model."""
+    noted = tmp_path / "built_by"
+    train_in_process([*LORA, "model._target_=own_parts.gpt_noting_peft", f"+model.noted={noted}",
+                      "adapter.target_modules=[qkv]", "parallel=ddp", "parallel.world_size=2",
+                      "trainer.max_steps=2"], tmp_path / "run")
+    ranks = [line.split() for line in noted.read_text().splitlines()
+             if line.split()[0] != str(os.getpid())]  # the controller tries the model too
+    assert [imported for _, imported in ranks] == ["True", "True"]
 
 
 @pytest.mark.slow

@@ -148,8 +148,9 @@ def test_launches_share_a_fork_server_while_the_environment_stays(monkeypatch):
 
 
 @pytest.mark.parametrize("device, imports", [
-    ("cpu", ["hf_llama.data.Verses", "parallab.loss.Auto", "peft", "transformers.LlamaConfig",
-             "transformers.LlamaForCausalLM"]),
+    # installed ones: not the project's own modules (hf_llama), which may change between
+    # two launches sharing a server
+    ("cpu", ["peft", "transformers.LlamaConfig", "transformers.LlamaForCausalLM"]),
     # a module may initialize CUDA at import (bitsandbytes, under peft): not in the server
     ("auto", []), ("cuda", [])])
 def test_the_fork_server_imports_a_cpu_jobs_parts_as_composed_and_as_typed(device, imports):

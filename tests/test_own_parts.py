@@ -4,8 +4,6 @@ every bad one refused in one line before any worker starts."""
 from __future__ import annotations
 
 import logging
-import os
-import textwrap
 
 import pytest
 import torch
@@ -128,32 +126,6 @@ def test_a_model_that_returns_its_own_loss(tmp_path):
     assert metrics["eval_loss"] < 1.0 and "eval_accuracy" not in metrics
     steps = losses(tmp_path)
     assert len(steps) == 40 and sum(steps[-5:]) < sum(steps[:5])
-
-
-@pytest.mark.distributed
-def test_a_jobs_own_module_is_imported_by_the_fork_server_not_by_each_rank(tmp_path,
-                                                                          monkeypatch):
-    """The model a job names by _target_ is imported by the controller (its checks) and by
-    the fork server the ranks are forked from (forking.job_imports), not again by each rank:
-    a module of the project the job runs in (the working directory, as parallab runs)."""
-    from multiprocessing import forkserver
-
-    noted = tmp_path / "imported_by"
-    (tmp_path / "noted.py").write_text(textwrap.dedent(f"""\
-        import os
-        with open({str(noted)!r}, "a") as f:
-            f.write(f"{{os.getpid()}}\\n")
-
-        def net(in_features: int, out_features: int, width: int, depth: int, expansion: int):
-            from own_model.model import ResMLP
-
-            return ResMLP(in_features, out_features, width, depth, expansion)
-        """))
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    train(tmp_path / "run", "model._target_=noted.net", "parallel=ddp", "parallel.world_size=2")
-    assert noted.read_text().split() == [str(os.getpid()),
-                                         str(forkserver._forkserver._forkserver_pid)]
 
 
 @pytest.mark.slow

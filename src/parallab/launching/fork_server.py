@@ -1,8 +1,8 @@
 """Imported by the fork server alone (forking.PRELOAD), never by a controller or a worker.
 
 It imports what the job's workers would each import to build its parts (forking.job_imports,
-handed over in PARALLAB_PRELOAD): a user's modules, transformers' model classes, peft. A
-name that does not import is left to the workers, whose own import then says why.
+handed over in PARALLAB_PRELOAD): transformers' model classes, peft. A name that does not
+import is left to the workers, whose own import then says why.
 
 When its controller ends, the fork server leaves at once instead of tearing down the
 torch it imported (2 s of CPU here). Until then it holds the controller's stdout and stderr,

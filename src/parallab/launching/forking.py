@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.util
 import os
 import signal
 import threading
+from pathlib import Path
 from typing import Any, Iterator
 
 from omegaconf import OmegaConf
@@ -90,11 +92,12 @@ def job_imports(cfg: Any) -> list[str]:
     """What each worker of a job of `cfg` (composed or typed) would import to build its
     parts, for the fork server to import once instead: what its model, data and loss name
     by `_target_` (a user's modules, transformers' model classes) and what its adapter
-    declares (peft: 2 s of CPU a rank here). Not data's own `_target_`: typing sets it
-    where the composed config has none, and both must give the same list. Only for a job
-    on the CPU (device=cpu): a module may initialize CUDA at import (bitsandbytes does,
-    which peft imports where it is installed), and a rank forked after that could not use
-    the GPU."""
+    declares (peft: 2 s of CPU a rank here); installed ones only, not a project's own
+    files, which may change between two launches that share the server. Not data's own
+    `_target_`: typing sets it where the composed config has none, and both must give the
+    same list. Only for a job on the CPU (device=cpu): a module may initialize CUDA at
+    import (bitsandbytes does, which peft imports where it is installed), and a rank forked
+    after that could not use the GPU."""
     device = _get(cfg, "device")
     if getattr(device, "value", device) != "cpu":
         return []
@@ -102,7 +105,18 @@ def job_imports(cfg: Any) -> list[str]:
                *_targets(_get(cfg, "data"), own=False)]
     adapter = _get(cfg, "adapter")
     kind = OmegaConf.get_type(adapter) if OmegaConf.is_config(adapter) else type(adapter)
-    return sorted(set(targets) | set(getattr(kind, "imports", ())))
+    return sorted(name for name in set(targets) | set(getattr(kind, "imports", ()))
+                  if _installed(name))
+
+
+def _installed(name: str) -> bool:
+    """Whether `name` (a dotted path) comes from an installed distribution."""
+    try:
+        spec = importlib.util.find_spec(name.partition(".")[0])
+    except (ImportError, ValueError):
+        return False
+    origin = getattr(spec, "origin", None) or ""
+    return bool({"site-packages", "dist-packages"} & set(Path(origin).parts))
 
 
 def _get(cfg: Any, key: str) -> Any:

@@ -219,8 +219,8 @@ def register_resolvers() -> None:
 
 
 def worker_env(cfg) -> dict[str, str]:
-    """The environment of the workers a job of `cfg` starts: their threads, and gloo on
-    loopback (the built-in launcher starts one node)."""
+    """The environment of the workers a job of `cfg` starts: their threads, gloo on
+    loopback (the built-in launcher starts one node), and what their fork server imports."""
     from parallab.launching.distributed import threads_for
 
     p = cfg.parallel
