@@ -114,6 +114,7 @@ def test_every_data_parallel_layout_trains_the_adapters_as_one_device(one_device
 
 
 @pytest.mark.distributed
+@pytest.mark.xdist_group("lora_one_device")  # beside the other LoRA launches: their server
 def test_the_ranks_find_peft_imported_by_their_fork_server(tmp_path):
     """peft (2 s of CPU a process here) is imported once, by the fork server the ranks are
     forked from (forking.job_imports), not by each rank as it builds its model."""
