@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -32,9 +35,6 @@ def half_mse(output: torch.Tensor, targets: torch.Tensor, scale: float = 0.5) ->
 def gpt_noting_peft(noted: str, **kwargs) -> nn.Module:
     """parallab's gpt, once a line saying which process builds it and whether peft was
     imported in it already (by the fork server a rank was forked from)."""
-    import os
-    import sys
-
     from parallab.models.gpt import GPT
 
     with open(noted, "a") as f:

@@ -12,25 +12,20 @@ leaves by os._exit in multiprocessing's forkserver, skipping atexit; and nothing
 server's own is left to flush or close."""
 
 import atexit
-import logging
 import os
 import pkgutil
 
+from parallab.launching.forking import PRELOAD_VAR
+from parallab.models.adapters import import_warnings_quieted
+
 
 def _import_the_jobs_parts() -> None:
-    # peft imports torchao, whose enums' registration this torch warns of at import: nothing
-    # a user can act on (models/adapters.py quiets it alike)
-    pytree = logging.getLogger("torch.utils._pytree")
-    level = pytree.level
-    pytree.setLevel(logging.ERROR)
-    try:
-        for name in os.environ.get("PARALLAB_PRELOAD", "").split():
+    with import_warnings_quieted():  # peft's, here instead of in each rank
+        for name in os.environ.get(PRELOAD_VAR, "").split():
             try:
                 pkgutil.resolve_name(name)
             except Exception:  # noqa: BLE001, S112 - the workers' own import reports it
                 continue
-    finally:
-        pytree.setLevel(level)
 
 
 _import_the_jobs_parts()

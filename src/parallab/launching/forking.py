@@ -91,8 +91,8 @@ def warm_up(cfg: Any, starts_workers: bool) -> None:
 def job_imports(cfg: Any) -> list[str]:
     """What each worker of a job of `cfg` (composed or typed) would import to build its
     parts, for the fork server to import once instead: what its model, data and loss name
-    by `_target_` (a user's modules, transformers' model classes) and what its adapter
-    declares (peft: 2 s of CPU a rank here); installed ones only, not a project's own
+    by `_target_` (transformers' model classes) and what its adapter declares (peft: 2 s
+    of CPU a rank here); installed ones only, not a project's own
     files, which may change between two launches that share the server. Not data's own
     `_target_`: typing sets it where the composed config has none, and both must give the
     same list. Only for a job on the CPU (device=cpu): a module may initialize CUDA at

@@ -14,12 +14,13 @@ or the base with the adapters merged). Nothing here imports peft unless an adapt
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import re
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from torch import nn
 
@@ -38,17 +39,23 @@ def enabled(cfg: Any) -> bool:
     return name not in (None, "none")
 
 
+@contextlib.contextmanager
+def import_warnings_quieted() -> Iterator[None]:
+    """peft imports torchao, whose enums' registration this torch warns of at import,
+    twice, in every process: nothing a user of adapters can act on."""
+    pytree = logging.getLogger("torch.utils._pytree")
+    level = pytree.level
+    pytree.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        pytree.setLevel(level)
+
+
 def _peft():
     try:
-        # peft imports torchao, whose enums' registration this torch warns of at import,
-        # twice, in every process: nothing a user of adapters can act on
-        pytree = logging.getLogger("torch.utils._pytree")
-        level = pytree.level
-        pytree.setLevel(logging.ERROR)
-        try:
+        with import_warnings_quieted():
             import peft
-        finally:
-            pytree.setLevel(level)
     except ImportError:
         raise ConfigError(f"adapter=lora needs the peft library, which is not installed: "
                           f"{INSTALL} (or pip install peft)") from None
