@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import textwrap
+import time
 
 import pytest
 import torch
@@ -58,11 +59,12 @@ def test_compiled_each_trial_and_the_run_get_a_graph_for_their_own_size():
     def step(batch):
         inputs, targets = batch
         torch.nn.functional.cross_entropy(model(inputs), targets).backward()
+        time.sleep(0.01)  # a step's fixed cost: each doubling is faster, whatever the noise
 
     size, trials = find_batch_size(model, optimizer, step, loader, CPU_RANK, None,
                                    compiled=True)
     step(next(iter(loader.resized(size))))
-    assert len(trials) >= 3
+    assert len(trials) >= 4  # 16 to 128 fit, 256 is more than the shard holds
     assert batches == [t.batch_size for t in trials if t.verdict != "shard too small"] + [size]
     torch._dynamo.reset()
 
