@@ -41,6 +41,25 @@ def test_a_run_checkpoints_each_block_before_any_parallel_wrapper():
         assert sum(isinstance(m, CheckpointWrapper) for m in model.modules()) == wrapped
 
 
+def test_a_run_compiles_with_the_backend_it_names():
+    """trainer.compile_backend reaches torch.compile (a backend registered as a user would)."""
+    from parallab.config.schema import TrainerConfig
+    from parallab.parallel.parallelize import speed_up
+
+    graphs = []
+
+    @torch._dynamo.register_backend(name="recording_for_a_test")
+    def recording(graph, inputs):
+        graphs.append(graph)
+        return graph.forward
+
+    model = speed_up(GPT(layers=1, width=32, heads=2, context=16),
+                     TrainerConfig(compile=True, compile_backend="recording_for_a_test"))
+    model(torch.randint(0, 256, (2, 16)))
+    assert graphs
+    torch._dynamo.reset()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout,modes", [
     ([], ["full", "selective"]),

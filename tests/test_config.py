@@ -240,6 +240,7 @@ def test_auto_values_resolve_for_cpu():
     (["optim.lr=inf"], "optim.lr=inf is out of range"),
     (["optim.weight_decay=nan"], "optim.weight_decay=nan"),
     (["trainer.compile_mode=fastest"], "trainer.compile_mode=fastest is not a torch.compile"),
+    (["trainer.compile_backend=inductr"], "trainer.compile_backend=inductr is not a torch"),
     (["seed=9223372036854775808"], "seed=9223372036854775808 is out of range"),
     (["backend.timeout_s=1e9"], "backend.timeout_s=1000000000.0 is out of range"),
     (["backend.timeout_s=0.01"], "backend.timeout_s=0.01 is out of range"),

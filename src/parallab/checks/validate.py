@@ -105,8 +105,22 @@ def check_values(cfg: Config) -> None:
              f"{MIN_TIMEOUT_S:g} s and {MAX_TIMEOUT_S:g} s (a week) before the job fails")
     _require(cfg.seed < 2**63, f"seed={cfg.seed} is out of range: it must be < 2**63 (torch "
              "seeds take 64 bits, and each rank adds its rank)")
-    _require(t.compile_mode in COMPILE_MODES, f"trainer.compile_mode={t.compile_mode} is not "
-             f"a torch.compile mode: use one of {', '.join(map(str, COMPILE_MODES[1:]))} (or null)")
+    _refuse(_compile_problem(t))
+
+
+def _compile_problem(t: config.TrainerConfig) -> str | None:
+    if t.compile_mode not in COMPILE_MODES:
+        return (f"trainer.compile_mode={t.compile_mode} is not a torch.compile mode: use one "
+                f"of {', '.join(map(str, COMPILE_MODES[1:]))} (or null)")
+    if t.compile_backend == "inductor":  # torch's own default: no need to import dynamo
+        return None
+    import torch._dynamo
+
+    if t.compile_backend not in torch._dynamo.list_backends(exclude_tags=()):
+        return (f"trainer.compile_backend={t.compile_backend} is not a torch.compile "
+                "backend: use inductor, or aot_eager or eager to debug (all: "
+                "torch._dynamo.list_backends(exclude_tags=()))")
+    return None
 
 
 def check_data(cfg: Config) -> None:

@@ -314,6 +314,8 @@ class TrainerConfig:
     compile: bool = False  # torch.compile the model (before the parallel wrapper)
     # null = torch's default; reduce-overhead, max-autotune, ...
     compile_mode: Optional[str] = None
+    # torch.compile's backend: aot_eager (or eager) tells a tracing failure from inductor's
+    compile_backend: str = "inductor"
     profile: bool = False  # torch.profiler trace of steps 3-5 into <run dir>/profiler/
     # CUDA: the allocator's history over the first 3 steps into
     # <run dir>/memory_snapshot/rank<r>.pickle, for pytorch.org/memory_viz

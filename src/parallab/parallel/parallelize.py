@@ -29,5 +29,5 @@ def speed_up(model: nn.Module, trainer, stages: list[str] | None = None) -> nn.M
         model = model.to(memory_format=torch.channels_last)
     model = activations.apply(model, trainer.activation_checkpointing, stages)
     if trainer.compile:
-        model.compile(mode=trainer.compile_mode)
+        model.compile(backend=trainer.compile_backend, mode=trainer.compile_mode)
     return model
