@@ -122,7 +122,8 @@ def test_launches_share_a_fork_server_while_the_environment_stays(monkeypatch):
     """The ranks are forked from a server that imported torch and parallab once: kept from
     one launch to the next (pytest's name of the running test aside, which changes with
     every test), started anew when a variable changes, which the ranks then see, or when a
-    job needs imports it did not make (then kept for a job needing fewer)."""
+    job needs imports it did not make (then kept for a job needing fewer, and the imports
+    kept through a restart for a changed variable)."""
     from multiprocessing import forkserver
 
     from conftest import typed
@@ -145,6 +146,9 @@ def test_launches_share_a_fork_server_while_the_environment_stays(monkeypatch):
     assert seen == "1" and restarted != server
     _, importing = launched("json")
     assert importing != restarted and launched() == ("1", importing)
+    monkeypatch.setenv("PARALLAB_LAUNCH_MARK", "2")  # its imports outlive a restart
+    seen, changed = launched()
+    assert seen == "2" and changed != importing and launched("json") == ("2", changed)
 
 
 @pytest.mark.parametrize("device, imports", [

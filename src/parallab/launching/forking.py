@@ -155,8 +155,9 @@ def _environment() -> dict[str, str]:
 def start_fork_server() -> None:
     """The fork server, started (or kept) for this environment: called early, while the
     controller checks the config, its imports run beside those checks on another core. A
-    job needing imports the running server did not make gets a new one that makes them and
-    the earlier ones, so that jobs taking turns do not restart it each time."""
+    job needing imports the running server did not make, or launched in a changed
+    environment, gets a new one that makes them and the earlier ones, so that jobs taking
+    turns do not restart it each time."""
     global _server_environment, _server_imports
     from multiprocessing import forkserver
 
@@ -167,8 +168,9 @@ def start_fork_server() -> None:
         running = server._forkserver_pid is not None
         if running and (environment != _server_environment or not needed <= _server_imports):
             server._stop()
-            if environment == _server_environment:  # the same, with more imports
-                needed |= _server_imports
+            # the earlier imports too, whatever changed: installed modules, which jobs
+            # taking turns would otherwise import anew at each restart
+            needed |= _server_imports
         elif running:
             needed = _server_imports
         forkserver.set_forkserver_preload(PRELOAD)
