@@ -23,15 +23,13 @@ from parallab.launching.distributed import cpu_cores
 from parallab.launching import slurm
 from parallab.launching.launch import InPlace
 from parallab.observe import loggers, memory
-from parallab.parallel import activations
+from parallab.parallel import activations, parallelize
 from parallab.parallel.layout import Layout
 from parallab.training import checkpoint, monitor
 
 __all__ = ["ConfigError", "prepare"]
 log = logging.getLogger(__name__)
 MIN_TIMEOUT_S, MAX_TIMEOUT_S = 1.0, 7 * 24 * 3600.0
-# torch.compile's modes (torch._inductor.list_mode_options)
-COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
 def _require(ok: bool, message: str | None) -> None:
@@ -105,22 +103,7 @@ def check_values(cfg: Config) -> None:
              f"{MIN_TIMEOUT_S:g} s and {MAX_TIMEOUT_S:g} s (a week) before the job fails")
     _require(cfg.seed < 2**63, f"seed={cfg.seed} is out of range: it must be < 2**63 (torch "
              "seeds take 64 bits, and each rank adds its rank)")
-    _refuse(_compile_problem(t))
-
-
-def _compile_problem(t: config.TrainerConfig) -> str | None:
-    if t.compile_mode not in COMPILE_MODES:
-        return (f"trainer.compile_mode={t.compile_mode} is not a torch.compile mode: use one "
-                f"of {', '.join(map(str, COMPILE_MODES[1:]))} (or null)")
-    if t.compile_backend == "inductor":  # torch's own default: no need to import dynamo
-        return None
-    import torch._dynamo
-
-    if t.compile_backend not in torch._dynamo.list_backends(exclude_tags=()):
-        return (f"trainer.compile_backend={t.compile_backend} is not a torch.compile "
-                "backend: use inductor, or aot_eager or eager to debug (all: "
-                "torch._dynamo.list_backends(exclude_tags=()))")
-    return None
+    _refuse(parallelize.compile_problem(t))
 
 
 def check_data(cfg: Config) -> None:

@@ -31,3 +31,23 @@ def speed_up(model: nn.Module, trainer, stages: list[str] | None = None) -> nn.M
     if trainer.compile:
         model.compile(backend=trainer.compile_backend, mode=trainer.compile_mode)
     return model
+
+
+# torch.compile's modes (torch._inductor.list_mode_options)
+COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+def compile_problem(trainer) -> str | None:
+    """What is wrong with the trainer's compile keys, before any worker starts."""
+    if trainer.compile_mode not in COMPILE_MODES:
+        return (f"trainer.compile_mode={trainer.compile_mode} is not a torch.compile mode: use "
+                f"one of {', '.join(map(str, COMPILE_MODES[1:]))} (or null)")
+    if trainer.compile_backend == "inductor":  # torch's own default: no need to import dynamo
+        return None
+    import torch._dynamo
+
+    if trainer.compile_backend not in torch._dynamo.list_backends(exclude_tags=()):
+        return (f"trainer.compile_backend={trainer.compile_backend} is not a torch.compile "
+                "backend: use inductor, or aot_eager or eager to debug (all: "
+                "torch._dynamo.list_backends(exclude_tags=()))")
+    return None
