@@ -120,8 +120,8 @@ def seen_by_a_rank(name: str) -> str | None:
 @pytest.mark.distributed
 def test_launches_share_a_fork_server_while_the_environment_stays(monkeypatch):
     """The ranks are forked from a server that imported torch and parallab once: kept from
-    one launch to the next (pytest's name of the running test aside, which changes with
-    every test), started anew when a variable changes, which the ranks then see, or when a
+    one launch to the next (pytest's name of the running test and inductor's in-process
+    pointer aside), started anew when a variable changes, which the ranks then see, or when a
     job needs imports it did not make (then kept for a job needing fewer, and the imports
     kept through a restart for a changed variable)."""
     from multiprocessing import forkserver
@@ -140,6 +140,8 @@ def test_launches_share_a_fork_server_while_the_environment_stays(monkeypatch):
     seen, server = launched("json")
     assert seen is None
     monkeypatch.setenv("PYTEST_CURRENT_TEST", "another test (call)")
+    assert launched("json") == (None, server)
+    monkeypatch.setenv("_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR", "140001")  # a compile here
     assert launched("json") == (None, server)
     monkeypatch.setenv("PARALLAB_LAUNCH_MARK", "1")
     seen, restarted = launched()

@@ -144,8 +144,11 @@ def _targets(node: Any, own: bool = True) -> Iterator[str]:
 # left out when the fork server's environment is compared: the workers' threads (set by
 # the agent and distributed.setup), pytest's name of the running test, which differs for
 # every test of a suite that runs parallab in its process (each launch would start a new
-# server: 3 s of imports instead of 0.5 s), and the job's imports (compared as a set)
-PER_CALL = ("OMP_NUM_THREADS", "PYTEST_CURRENT_TEST", PRELOAD_VAR)
+# server: 3 s of imports instead of 0.5 s), the job's imports (compared as a set), and the
+# address of an object in this process that inductor hands its C++ loader through the
+# environment once a run here has compiled (meaningless in any other process)
+PER_CALL = ("OMP_NUM_THREADS", "PYTEST_CURRENT_TEST", PRELOAD_VAR,
+            "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR")
 
 
 def _environment() -> dict[str, str]:
