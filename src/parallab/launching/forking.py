@@ -165,17 +165,14 @@ def start_fork_server() -> None:
     from multiprocessing import forkserver
 
     server = forkserver._forkserver
-    needed = set(os.environ.get(PRELOAD_VAR, "").split())
+    # the earlier imports too, whatever changed: installed modules, which jobs taking
+    # turns would otherwise import anew at each restart
+    needed = set(os.environ.get(PRELOAD_VAR, "").split()) | _server_imports
     with environment_set(server_env()):
         environment = _environment()
-        running = server._forkserver_pid is not None
-        if running and (environment != _server_environment or not needed <= _server_imports):
+        if server._forkserver_pid is not None and (environment != _server_environment
+                                                   or needed != _server_imports):
             server._stop()
-            # the earlier imports too, whatever changed: installed modules, which jobs
-            # taking turns would otherwise import anew at each restart
-            needed |= _server_imports
-        elif running:
-            needed = _server_imports
         forkserver.set_forkserver_preload(PRELOAD)
         previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
         try:
