@@ -301,6 +301,9 @@ def torch_loaded(tmp_path):
     (["data.batch_size=abc"], "data.batch_size", False),  # wrong type: the data set's class
     (["data.batch_sze=3"], "batch_sze", True),  # unknown key
     (["parallel=fsdp_typo"], "parallel", True),  # unknown group option
+    # one of a list's options unknown: Hydra lists where it looked, parallab what is there
+    (["logger=[tensorboard,nope]"], "'logger/nope' (options in 'logger': csv, mlflow, "
+                                    "tensorboard, wandb)", True),
     (["device=gpu"], "device", True),  # not one of the enum's values
     (["data.batch_size=[1"], "data.batch_size=[1", True),  # Hydra cannot parse it
     (["precision=null"], "precision=null: the precision group takes one of its options", True),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -103,6 +104,7 @@ def hydra_line(error: Exception) -> str:
     if error.__cause__ is not None and "full_key" in str(error.__cause__):  # OmegaConf's why
         text += "\n" + str(error.__cause__)
     text, _, options = text.partition("Available options in")
+    text, _, searched = text.partition("Config search path:")
     said = [line.strip().rstrip(".") for line in text.splitlines() if line.strip() and not
             line.strip().startswith(("full_key:", "object_type=", "reference_type="))]
     override = getattr(error, "override", None)  # a parse error names the text, not the key
@@ -112,7 +114,29 @@ def hydra_line(error: Exception) -> str:
         names = [n.strip() for n in names.splitlines() if n.startswith("\t")
                  and not n.strip().startswith("provider=")]
         line += f" (options in{group}: {', '.join(names)})"
+    elif missing := re.search(r"Could not load '(.+)/[^/']+'", text):
+        # an option in a list (logger=[tensorboard,nope]): Hydra says where it looked, not
+        # what is there
+        group = missing[1]
+        names = sorted({p.stem for folder in _searched_folders(searched)
+                        for p in (folder / group).glob("*.yaml")})
+        line += f" (options in '{group}': {', '.join(names)})"
     return line
+
+
+def _searched_folders(searched: str) -> list[Path]:
+    """The folders of Hydra's config search path as its message lists them (file:// and
+    pkg:// entries; structured:// holds the schemas, not options)."""
+    import importlib.resources
+
+    folders = []
+    for kind, place in re.findall(r"path=(file|pkg)://(\S+)", searched):
+        try:
+            folders.append(Path(place) if kind == "file" else
+                           Path(str(importlib.resources.files(place.replace("/", ".")))))
+        except (ImportError, TypeError):
+            continue
+    return folders
 
 
 def null_group_line(argv: list[str]) -> str:
