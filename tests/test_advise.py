@@ -149,6 +149,9 @@ def test_the_recommended_command_keeps_where_the_config_came_from():
     (["advise.world_sizes=[0]"], "advise.world_sizes=[0] holds 0: give world sizes >= 1"),
     (["advise.world_sizes=[2,-1]"], "advise.world_sizes=[2, -1] holds -1"),
     (["advise.world_sizes=[]"], "advise.world_sizes=[] holds no world size"),
+    # as train refuses it, not advice for world size 1 alone (0) or for none (-3)
+    (["parallel.world_size=0"], "parallel.world_size=0 is out of range: it must be >= 1"),
+    (["parallel.world_size=-3"], "parallel.world_size=-3 is out of range: it must be >= 1"),
 ])
 def test_bad_advice_requests_end_in_one_line(tmp_path, overrides, says):
     with pytest.raises(JobFailed) as raised:

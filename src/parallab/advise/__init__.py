@@ -82,6 +82,9 @@ def problem(options) -> str | None:
 def _world_size(cfg, overrides: list[str], device_type: str) -> int:
     """parallel.world_size where the command line gives it, else the GPUs, else 2 (CPU)."""
     given = any(o.startswith("parallel.world_size=") for o in overrides)
+    if given and cfg.parallel.world_size is not None and cfg.parallel.world_size < 1:
+        raise ConfigError(f"parallel.world_size={cfg.parallel.world_size} is out of range: it "
+                          "must be >= 1 (advise measures 1 and each of its divisors)")
     if given and cfg.parallel.world_size:
         return cfg.parallel.world_size
     return torch.cuda.device_count() if device_type == "cuda" else 2
