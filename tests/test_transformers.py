@@ -257,3 +257,16 @@ def test_advise_ranks_a_transformers_models_layouts_tp_by_its_plan(tmp_path):
         assert row["verdict"] in ("reference", "matches"), row
         assert abs(float(row["memory_error"])) <= 0.05, row
     assert answer["recommended"] in rows
+
+
+def test_a_transformers_target_imports_without_torchaos_warnings():
+    """transformers imports torchao where it is installed, whose enums' registration this
+    torch warns of twice at import: nothing a user can act on, so not shown when parallab
+    imports a `_target_` (a fresh process: this one has imported transformers already)."""
+    import subprocess
+
+    said = subprocess.run(
+        [sys.executable, "-c", "from parallab.config.targets import locate; "
+         "locate('transformers.LlamaForCausalLM', 'model._target_')"],
+        capture_output=True, text=True, timeout=120)
+    assert said.returncode == 0 and "register_constant" not in said.stderr, said.stderr

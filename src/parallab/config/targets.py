@@ -5,13 +5,29 @@ gives. A user's class gets exactly the care parallab's own get: ours are named t
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import logging
 import typing
-from typing import Any
+from typing import Any, Iterator
 
 from parallab.config.errors import ConfigError, first_line
 
 TARGET = "_target_"
+
+
+@contextlib.contextmanager
+def import_warnings_quieted() -> Iterator[None]:
+    """transformers and peft import torchao where it is installed, whose enums'
+    registration this torch warns of at import, twice, in every process: nothing a user
+    can act on."""
+    pytree = logging.getLogger("torch.utils._pytree")
+    level = pytree.level
+    pytree.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        pytree.setLevel(level)
 
 
 def locate(path: Any, key: str) -> Any:
@@ -22,7 +38,8 @@ def locate(path: Any, key: str) -> Any:
     import pkgutil
 
     try:  # as Hydra's get_object finds it, without that logging its own three-line error
-        return pkgutil.resolve_name(path)
+        with import_warnings_quieted():
+            return pkgutil.resolve_name(path)
     except Exception as error:  # noqa: BLE001 - whatever stops the import: one line
         missing = _missing_extra(error)
         if missing:

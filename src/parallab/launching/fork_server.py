@@ -15,12 +15,12 @@ import atexit
 import os
 import pkgutil
 
+from parallab.config.targets import import_warnings_quieted
 from parallab.launching.forking import PRELOAD_VAR
-from parallab.models.adapters import import_warnings_quieted
 
 
 def _import_the_jobs_parts() -> None:
-    with import_warnings_quieted():  # peft's, here instead of in each rank
+    with import_warnings_quieted():  # here instead of in each rank
         for name in os.environ.get(PRELOAD_VAR, "").split():
             try:
                 pkgutil.resolve_name(name)

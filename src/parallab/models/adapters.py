@@ -14,17 +14,17 @@ or the base with the adapters merged). Nothing here imports peft unless an adapt
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import re
 import sys
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from torch import nn
 
 from parallab.config.errors import ConfigError, first_line
+from parallab.config.targets import import_warnings_quieted
 
 log = logging.getLogger("parallab")
 INSTALL = 'pip install "parallab[hf]"'
@@ -37,19 +37,6 @@ def enabled(cfg: Any) -> bool:
     """An adapter config (typed, or a checkpoint's dict) that asks for adapters."""
     name = cfg.get("name") if isinstance(cfg, dict) else getattr(cfg, "name", None)
     return name not in (None, "none")
-
-
-@contextlib.contextmanager
-def import_warnings_quieted() -> Iterator[None]:
-    """peft imports torchao, whose enums' registration this torch warns of at import,
-    twice, in every process: nothing a user of adapters can act on."""
-    pytree = logging.getLogger("torch.utils._pytree")
-    level = pytree.level
-    pytree.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        pytree.setLevel(level)
 
 
 def _peft():
