@@ -279,7 +279,8 @@ def test_a_full_disk_ends_in_one_line_and_keeps_the_earlier_checkpoints(small_di
 @pytest.mark.slow
 def test_evaluate_follows_the_checkpoints_model_and_refuses_model_overrides(train_here, tmp_path):
     """A gpt trained with model.context=64: data=bytes takes its seq_len from that context
-    (not the default model's), and a model.* override is refused, not dropped."""
+    (not the default model's), and a model.* override is refused, not dropped; so is a
+    layout, evaluate.py scoring in one process (its threads are its to set)."""
     gpt = ["model=gpt", "data=bytes", "model.context=64", "model.layers=1", "model.width=32",
            "model.heads=2", "trainer.max_steps=3", "device=cpu"]
     _, run_dir = train_here(*gpt)
@@ -295,6 +296,11 @@ def test_evaluate_follows_the_checkpoints_model_and_refuses_model_overrides(trai
     assert "model.context=32: evaluate.py builds the model" in output(refused)
     with pytest.raises(ConfigError, match="model=gpt: evaluate.py builds the model"):
         evaluate_in_process([ckpt, "data=bytes", "model=gpt", "device=cpu"], tmp_path / "eval3")
+    for layout in ("parallel=fsdp", "parallel.world_size=2"):
+        with pytest.raises(ConfigError, match=f"{layout}: evaluate.py scores .* in one process"):
+            evaluate_in_process([ckpt, "data=bytes", layout, "device=cpu"], tmp_path / "eval4")
+    evaluate_in_process([ckpt, "data=bytes", "parallel.threads_per_worker=1", "device=cpu"],
+                        tmp_path / "eval5")
 
 
 def test_an_image_folder_of_one_class_is_refused(tmp_path):

@@ -51,7 +51,7 @@ def evaluate_in_process(overrides: list[str], run_dir: str | Path) -> dict[str, 
     """What `python evaluate.py OVERRIDES hydra.run.dir=RUN_DIR` does, in this process
     (tests, notebooks): the figures it writes to RUN_DIR/metrics.json; raises ConfigError
     or CheckpointError where evaluate.py would end in one line."""
-    _refuse_model_overrides(list(overrides))
+    _refuse_ignored_overrides(list(overrides))
     cfg, state = _checked(compose(list(overrides), config_name="evaluate"), list(overrides))
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     return _scored(cfg, state, Path(run_dir))[0]
@@ -110,10 +110,11 @@ def _scored(cfg, state: dict, run_dir: Path) -> tuple[dict[str, float], str]:
     return figures, metrics.objective(cfg, loss)
 
 
-def _refuse_model_overrides(overrides: list[str]) -> None:
-    """evaluate.py builds the model the checkpoint records: a model override would be
-    ignored, so it is refused rather than dropped without a word (before Hydra composes
-    them: a key of the model the checkpoint records may be no key of the default one)."""
+def _refuse_ignored_overrides(overrides: list[str]) -> None:
+    """evaluate.py builds the model the checkpoint records and scores it in one process: a
+    model or layout override would be ignored, so it is refused rather than dropped without
+    a word (before Hydra composes them: a key of the model the checkpoint records may be no
+    key of the default one)."""
     ckpt = next((o.partition("=")[2] for o in overrides if o.startswith("ckpt=")), "CKPT")
     for override in overrides:
         key = override.lstrip("+~").split("=")[0]
@@ -121,6 +122,12 @@ def _refuse_model_overrides(overrides: list[str]) -> None:
             raise ConfigError(
                 f"{override}: evaluate.py builds the model ckpt={ckpt} was trained with (its "
                 "_target_ and arguments come from the checkpoint): drop the model override")
+        if (key == "parallel" or key.startswith("parallel.")) and \
+                key != "parallel.threads_per_worker":
+            raise ConfigError(
+                f"{override}: evaluate.py scores ckpt={ckpt} in one process, whatever layout "
+                "trained it (a sharded checkpoint too): drop the parallel override "
+                "(parallel.threads_per_worker sets its threads)")
 
 
 def _trained_data_config(meta: dict[str, Any], dict_cfg: DictConfig, overrides: list[str]):
@@ -164,7 +171,7 @@ def evaluate(argv: list[str] | None = None) -> None:
     """`python evaluate.py ckpt=PATH [overrides]`; `argv`: the command line (sys.argv)."""
     call = Invocation.read(argv or sys.argv)
     try:
-        _refuse_model_overrides([a for a in call.argv[1:] if not a.startswith("-")])
+        _refuse_ignored_overrides([a for a in call.argv[1:] if not a.startswith("-")])
     except ConfigError as error:
         print(error, file=sys.stderr)
         raise SystemExit(2) from None
