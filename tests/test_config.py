@@ -275,6 +275,13 @@ def test_auto_values_resolve_for_cpu():
       "parallel.tp_plan=colwise"], "parallel.tp_plan=colwise is not a plan"),
     (["parallel=tp", "parallel.world_size=2", "model=gpt", "data=bytes",
       "parallel.tp_plan=[colwise,rowwise]"], "parallel.tp_plan=[colwise, rowwise] is not a plan"),
+    # not the worker's traceback (FSDP2's NotImplementedError for a non-contiguous weight)
+    (["experiment=mnist_fast", "parallel=fsdp"],
+     "trainer.channels_last=true with parallel=fsdp (dp_shard=2): FSDP2 shards contiguous "
+     "parameters only"),
+    (["trainer.channels_last=true", "parallel=pipeline", "parallel.world_size=4",
+      "parallel.dp_shard=2", "parallel.dp_replicate=1"],
+     "trainer.channels_last=true with parallel=pipeline (dp_shard=2)"),
 ])
 def test_bad_values_fail_naming_the_key(overrides, message):
     """Checked in-process, as validate.prepare runs in the controller."""

@@ -255,6 +255,11 @@ class MeshPlan(Plan):
                               "must be > 0 (DDP's default is 25)")
         if layout.sharded:
             cls.refuse_sharded(cfg, layout)
+        if layout.dp_shard > 1 and cfg.trainer.channels_last:
+            raise ConfigError(f"trainer.channels_last=true with parallel={p.name} (dp_shard="
+                              f"{layout.dp_shard}): FSDP2 shards contiguous parameters only, "
+                              "and channels-last lays a convolution's weights out NHWC: set "
+                              "trainer.channels_last=false, or use parallel=ddp")
         if p.sequence_parallel and p.tp == 1:
             raise ConfigError("parallel.sequence_parallel=true cuts a tensor-parallel "
                               "group's activations: it needs parallel.tp > 1 (or set it "
