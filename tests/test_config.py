@@ -282,6 +282,8 @@ def test_auto_values_resolve_for_cpu():
     (["trainer.channels_last=true", "parallel=pipeline", "parallel.world_size=4",
       "parallel.dp_shard=2", "parallel.dp_replicate=1"],
      "trainer.channels_last=true with parallel=pipeline (dp_shard=2)"),
+    (["trainer.channels_last=true", "parallel=pipeline", "parallel.world_size=2"],
+     "trainer.channels_last=true with parallel=pipeline: the parts send their activations"),
 ])
 def test_bad_values_fail_naming_the_key(overrides, message):
     """Checked in-process, as validate.prepare runs in the controller."""

@@ -310,7 +310,7 @@ class TrainerConfig:
     # micro-batches per optimizer step (DDP reduces once per step)
     accumulate_grad_batches: int = 1
     clip_grad_norm: Optional[float] = None  # max global gradient norm; null = no clipping
-    channels_last: bool = False  # NHWC memory format for conv models (not with dp_shard > 1)
+    channels_last: bool = False  # NHWC memory format for conv models (not under FSDP2 or pipeline)
     compile: bool = False  # torch.compile the model (before the parallel wrapper)
     # null = torch's default; reduce-overhead, max-autotune, ...
     compile_mode: Optional[str] = None

@@ -272,6 +272,11 @@ class PipelinePlan(MeshPlan):
     def check(cls, cfg, layout: Layout, stages=None) -> None:
         super().check(cfg, layout)  # the tp plan
         p = cfg.parallel
+        if cfg.trainer.channels_last:
+            raise ConfigError("trainer.channels_last=true with parallel=pipeline: the parts "
+                              "send their activations between ranks, contiguous only, and "
+                              "channels-last makes them NHWC: set trainer.channels_last=false, "
+                              "or use parallel=ddp")
         check_parts(cfg, stages, p.pp)
         if from_model(cfg.loss):
             raise ConfigError("loss=model with parallel=pipeline: the last stage computes the "
