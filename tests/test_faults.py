@@ -301,6 +301,9 @@ def test_evaluate_follows_the_checkpoints_model_and_refuses_model_overrides(trai
             evaluate_in_process([ckpt, "data=bytes", layout, "device=cpu"], tmp_path / "eval4")
     evaluate_in_process([ckpt, "data=bytes", "parallel.threads_per_worker=1", "device=cpu"],
                         tmp_path / "eval5")
+    with pytest.raises(ConfigError, match="picks GPUs, but device=cpu"):  # its GPU, on CUDA
+        evaluate_in_process([ckpt, "data=bytes", "parallel.devices=[0]", "device=cpu"],
+                            tmp_path / "eval6")
 
 
 def test_an_image_folder_of_one_class_is_refused(tmp_path):

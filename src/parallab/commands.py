@@ -110,6 +110,10 @@ def _scored(cfg, state: dict, run_dir: Path) -> tuple[dict[str, float], str]:
     return figures, metrics.objective(cfg, loss)
 
 
+# the parallel keys one process uses: its threads, and the GPU it runs on (the first named)
+EVALUATE_KEEPS = ("parallel.threads_per_worker", "parallel.devices")
+
+
 def _refuse_ignored_overrides(overrides: list[str]) -> None:
     """evaluate.py builds the model the checkpoint records and scores it in one process: a
     model or layout override would be ignored, so it is refused rather than dropped without
@@ -122,12 +126,11 @@ def _refuse_ignored_overrides(overrides: list[str]) -> None:
             raise ConfigError(
                 f"{override}: evaluate.py builds the model ckpt={ckpt} was trained with (its "
                 "_target_ and arguments come from the checkpoint): drop the model override")
-        if (key == "parallel" or key.startswith("parallel.")) and \
-                key != "parallel.threads_per_worker":
+        if (key == "parallel" or key.startswith("parallel.")) and key not in EVALUATE_KEEPS:
             raise ConfigError(
                 f"{override}: evaluate.py scores ckpt={ckpt} in one process, whatever layout "
                 "trained it (a sharded checkpoint too): drop the parallel override "
-                "(parallel.threads_per_worker sets its threads)")
+                "(parallel.threads_per_worker sets its threads, parallel.devices its GPU)")
 
 
 def _trained_data_config(meta: dict[str, Any], dict_cfg: DictConfig, overrides: list[str]):
