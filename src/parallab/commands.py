@@ -269,13 +269,17 @@ def parallab() -> None:
     commands.add_parser("evaluate", help="evaluate a checkpoint: ckpt=PATH [overrides]")
     commands.add_parser("advise", help="which layout trains this model fastest: [overrides] "
                         "(advise.md/.csv/.png in the run dir)")
-    summarize = commands.add_parser("summary", help="summary.csv/.md/.png of a multirun dir")
-    summarize.add_argument("sweep_dir", type=Path)
-    export = commands.add_parser("export", help="a checkpoint's model (.pt or sharded .dcp) "
-                                 "as OUT.pt, OUT.safetensors, or a folder OUT (a transformers "
-                                 "model's save_pretrained folder)")
-    export.add_argument("ckpt", type=Path)
-    export.add_argument("out", type=Path)
+    said = "summary.csv/.md/.png of a multirun dir"  # `parallab --help` and its own --help
+    summarize = commands.add_parser("summary", help=said, description=said)
+    summarize.add_argument("sweep_dir", type=Path, help="a sweep's dir (its hydra.sweep.dir), "
+                           "or any dir of run dirs")
+    said = ("a checkpoint's model (.pt or sharded .dcp) as OUT.pt, OUT.safetensors, or a "
+            "folder OUT (a transformers model's save_pretrained folder)")
+    export = commands.add_parser("export", help=said, description=said)
+    export.add_argument("ckpt", type=Path, help="a run's checkpoint, e.g. "
+                        "outputs/DATE/TIME/checkpoints/last.pt (or last.dcp)")
+    export.add_argument("out", type=Path, help="where to write: a .pt or .safetensors file, or "
+                        "a folder")
     export.add_argument("--force", action="store_true", help="replace what export writes at "
                         "OUT if it exists (a folder's other files are kept)")
     export.add_argument("--merged", action="store_true", help="a checkpoint with LoRA adapters: "
