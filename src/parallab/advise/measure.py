@@ -23,7 +23,7 @@ from parallab.advise.parts import max_over_ranks
 from parallab.config.errors import OneLineError, first_line
 from parallab.launching import distributed
 from parallab.launching.preemption import Preemption
-from parallab.launching.worker import leaving_failure
+from parallab.launching.worker import as_started_afresh, leaving_failure
 from parallab.observe import loggers
 from parallab.observe.comm import MB
 from parallab.observe.loggers import RunLogger
@@ -154,7 +154,7 @@ def worker(job: Job) -> dict[str, Any]:
     one collective's latency and the cores its ranks share."""
     import torch.distributed as torch_dist
 
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the fork server's SIG_IGN (launching/launch.py)
+    as_started_afresh()
     logging.basicConfig(level=logging.WARNING)
     dist = distributed.setup(job.device, job.backend, job.timeout_s, job.threads_per_worker,
                              store=distributed.attempt_store(job.timeout_s))
