@@ -117,10 +117,12 @@ def seen_by_a_rank(name: str) -> str | None:
     return os.environ.get(name)
 
 
-def start_method(spec, store) -> str:
+def start_method(spec, store) -> tuple[str, float]:
     import multiprocessing
 
-    return multiprocessing.get_start_method()
+    import numpy as np
+
+    return multiprocessing.get_start_method(), float(np.random.rand())
 
 
 def a_rank(controller: int, run_dir: str) -> str:
@@ -139,15 +141,18 @@ def test_a_rank_starts_processes_as_a_freshly_started_one_would(tmp_path, monkey
     """Forked from the fork server, a rank still starts its own processes (a DataLoader's
     workers) by the platform's default method, not through the server: each DataLoader
     worker would be sent the pickled data set and import the main module (7 s more for
-    20 MNIST steps with data.num_workers=2)."""
+    20 MNIST steps with data.num_workers=2). And numpy's global random numbers are its
+    own, not the server's: two launches from one server drew the same ones."""
     import multiprocessing
 
     from conftest import typed
 
     monkeypatch.delenv("MASTER_PORT", raising=False)
     env = launch.worker_env(typed("parallel=ddp", "parallel.world_size=2"))
-    seen = launch.elastic(a_rank, (os.getpid(), str(tmp_path)), 2, 0, env)
-    assert seen == multiprocessing.get_all_start_methods()[0]  # fork on Linux before 3.14
+    (method, drawn), (_, again) = (launch.elastic(a_rank, (os.getpid(), str(tmp_path)), 2, 0,
+                                                  env) for _ in range(2))
+    assert method == multiprocessing.get_all_start_methods()[0]  # fork on Linux before 3.14
+    assert drawn != again
 
 
 @pytest.mark.distributed

@@ -45,14 +45,18 @@ def main(train: Callable[..., dict[str, Any]], spec) -> dict[str, Any]:
 def as_started_afresh() -> None:
     """A rank forked from the fork server undoes what it inherited from it, to run as a rank
     a launcher starts afresh (torchrun's) does: SIGTERM's disposition, which the server
-    ignores (launch.py), and multiprocessing's start method, 'forkserver' in the server's
+    ignores (launch.py); multiprocessing's start method, 'forkserver' in the server's
     children: a DataLoader's workers were started through it, each sent the pickled data
     set and importing the main module, not forked (20 steps of MNIST under ddp with
-    data.num_workers=2: 7.2 s against 1.0 s with none)."""
+    data.num_workers=2: 7.2 s against 1.0 s with none); and numpy's global random state,
+    which a fork keeps (Python's own `random` reseeds itself): every rank of every launch
+    from one server drew the same numbers, in a user's data augmentation say."""
     import multiprocessing
 
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     multiprocessing.set_start_method(None, force=True)  # the platform's default
+    if "numpy" in sys.modules:  # torch imports it where it is installed
+        sys.modules["numpy"].random.seed()  # from the OS's entropy, as a new process is
 
 
 class LeftByWorker(OneLineError):
