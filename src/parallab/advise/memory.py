@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from parallab import batch as batches
+from parallab.config.errors import quieted
 from parallab.observe.comm import MB
 from parallab.observe.memory import held_state_mb
 from parallab.optim import build_optimizer
@@ -34,13 +35,10 @@ def fake_group(rank: int, world_size: int) -> Iterator[None]:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-    layouts = logging.getLogger("parallab.parallel")  # their start-up lines tell of real runs
-    level = layouts.level
-    layouts.setLevel(logging.WARNING)
     try:
-        yield
+        with quieted("parallab.parallel", logging.WARNING):  # start-up lines of real runs
+            yield
     finally:
-        layouts.setLevel(level)
         dist.destroy_process_group()
 
 

@@ -7,27 +7,19 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import logging
 import typing
-from typing import Any, Iterator
+from typing import Any
 
-from parallab.config.errors import ConfigError, first_line
+from parallab.config.errors import ConfigError, first_line, quieted
 
 TARGET = "_target_"
 
 
-@contextlib.contextmanager
-def import_warnings_quieted() -> Iterator[None]:
+def import_warnings_quieted() -> contextlib.AbstractContextManager[None]:
     """transformers and peft import torchao where it is installed, whose enums'
     registration this torch warns of at import, twice, in every process: nothing a user
     can act on."""
-    pytree = logging.getLogger("torch.utils._pytree")
-    level = pytree.level
-    pytree.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        pytree.setLevel(level)
+    return quieted("torch.utils._pytree")
 
 
 def locate(path: Any, key: str) -> Any:
