@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 
 import pytest
 import torch
@@ -214,12 +215,16 @@ def test_channels_last_trains_the_same_model(train_here):
 
 
 @pytest.mark.slow
-def test_profiler_writes_one_chrome_trace_and_the_run_is_unchanged_in_kind(train_here, capfd):
+def test_profiler_writes_one_chrome_trace_and_the_run_is_unchanged_in_kind(train_here, capfd,
+                                                                         monkeypatch):
+    monkeypatch.delenv("KINETO_LOG_LEVEL", raising=False)
     _, run_dir = train_here(*FAST, "trainer.profile=true", "trainer.max_steps=10")
     # on the CPU, no error line from the profiler's GPU side, nor its start and stop (the
-    # first profiler in this process, where kineto starts and would log them)
+    # first profiler in this process, where kineto starts and would log them); kineto
+    # quieted for the profile alone, the process's environment left as it was
     said = capfd.readouterr().err
     assert "gpuGetDeviceCount" not in said and "profiler_start" not in said
+    assert "KINETO_LOG_LEVEL" not in os.environ
     traces = list((run_dir / "profiler").glob("rank0.*.pt.trace.json"))
     assert len(traces) == 1
     assert json.loads(traces[0].read_text())["traceEvents"]

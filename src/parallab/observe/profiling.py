@@ -29,18 +29,26 @@ def profiled(enabled: bool, device: torch.device, run_dir: Path, rank: int,
         tensorboard_trace_handler,
     )
 
-    activities = [ProfilerActivity.CPU]
+    activities, quiet = [ProfilerActivity.CPU], {}
     if device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
-    else:
+    elif "KINETO_LOG_LEVEL" not in os.environ:  # a user's own kept
         # torch's CUDA build where no GPU is: kineto logs "ERROR ... gpuGetDeviceCount
         # failed" as the profiler starts, though the CPU trace is whole, and a line as each
-        # window starts and stops; its level is read then (6: none), a user's own kept
-        os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+        # window starts and stops; its level is read then (6: none). Set for the profile
+        # alone: a process that goes on (a test's, a notebook's) keeps its environment
+        quiet = {"KINETO_LOG_LEVEL": "6"}
     trace_dir = run_dir / "profiler"
-    with profile(activities=activities, schedule=schedule(wait=1, warmup=1, active=3, repeat=1),
-                 on_trace_ready=tensorboard_trace_handler(str(trace_dir),
-                                                          worker_name=f"rank{rank}")) as profiler:
-        yield profiler
+    os.environ.update(quiet)
+    try:
+        with profile(activities=activities,
+                     schedule=schedule(wait=1, warmup=1, active=3, repeat=1),
+                     on_trace_ready=tensorboard_trace_handler(str(trace_dir),
+                                                              worker_name=f"rank{rank}")
+                     ) as profiler:
+            yield profiler
+    finally:
+        for key in quiet:
+            os.environ.pop(key, None)
     if is_main:
         log.info("profiler trace written to %s", trace_dir)
