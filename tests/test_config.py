@@ -375,8 +375,11 @@ def test_help_lists_the_groups_and_says_what_each_key_does():
                  "  path: null  # a text file"]:  # the data set class's
         assert line in result.stdout, line
     assert "--multirun,-m" in result.stdout  # Hydra's flags still listed
+    assert result.stdout.startswith("python train.py [group=option ...]")
     said = run_entry("evaluate.py", ["--help"], timeout=120).stdout  # the same, its own usage
     assert said.startswith("python evaluate.py ckpt=PATH") and "mnist_cnn" in said
+    said = run_entry("parallab", ["advise", "--help"], timeout=120).stdout
+    assert said.startswith("parallab advise [group=option ...]") and "target_world_size" in said
 
 
 def test_shell_completion_offers_group_options(torch_loaded):

@@ -353,7 +353,7 @@ def train(argv: list[str] | None = None, advising: bool = False) -> None:
     call = Invocation.read(argv or sys.argv, advising)
     launch.prepare_in_place()
     launch.register_resolvers()
-    help.register_resolver()
+    help.register_resolver("advise" if advising else "train")
     _register_configs()
     run_app(hydra_app("config", _train_task, call), call)
 

@@ -153,8 +153,17 @@ def help_text(*, _root_: DictConfig) -> str:
     return text.replace("$", "$$")
 
 
-def register_resolver() -> None:
+# the help's first line, by the command that composes config.yaml
+USAGE = {
+    "train": "python train.py [group=option ...] [key=value ...]   (-m: a sweep over comma lists)",
+    "advise": "parallab advise [group=option ...] [key=value ...]   (the run to advise on; "
+              "the advise.* keys below say how)",
+}
+
+
+def register_resolver(command: str = "train") -> None:
     OmegaConf.register_new_resolver("parallab_help", help_text, replace=True)
+    OmegaConf.register_new_resolver("parallab_usage", lambda: USAGE[command], replace=True)
 
 
 # docs/config.md's key reference: written from the dataclasses (`python -m parallab.config.help`),
