@@ -189,6 +189,23 @@ def test_launches_share_a_fork_server_while_the_environment_stays(monkeypatch):
     assert importing != restarted and launched("json") == ("1", importing)
 
 
+@pytest.mark.distributed
+def test_a_launch_leaves_no_dir_behind(tmp_path, monkeypatch):
+    """torch's agent makes a dir a launch for its workers' error files, by default a
+    torchelastic_* in the temporary dir that nothing removes (hundreds after a day of
+    sweeps); the launch's own goes with it."""
+    import tempfile
+
+    from conftest import typed
+
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    env = launch.worker_env(typed("parallel=ddp", "parallel.world_size=2"))
+    assert launch.elastic(seen_by_a_rank, ("PARALLAB_LAUNCH_MARK",), 2, 0, env) is None
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(("torchelastic_",
+                                                                      "parallab-"))] == []
+
+
 @pytest.mark.parametrize("device, imports", [
     # installed ones: not the project's own modules (hf_llama), which may change between
     # two launches sharing a server

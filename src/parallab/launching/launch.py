@@ -12,6 +12,7 @@ import contextlib
 import logging
 import os
 import signal
+import tempfile
 import threading
 import uuid
 from dataclasses import dataclass
@@ -228,10 +229,14 @@ def worker_env(cfg) -> dict[str, str]:
     return {"OMP_NUM_THREADS": str(threads), **server_env(cfg)}
 
 
-def launch_config(config_class, world_size: int, max_restarts: int):
-    """torch's LaunchConfig for world_size workers on this machine. Fields newer torch
-    releases added (the shutdown's grace, the signals the agent handles) are set where
+def launch_config(config_class, world_size: int, max_restarts: int, logs: str | None = None):
+    """torch's LaunchConfig for world_size workers on this machine, its agent's per-attempt
+    dirs (the workers' error files) under `logs` (None: torch's own choice, a new
+    /tmp/torchelastic_* dir a launch, which nothing removes). Fields newer torch releases
+    added (the shutdown's grace, the signals the agent handles) are set where
     `config_class` has them: torch 2.11's takes neither."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+
     from parallab.launching import rendezvous
 
     port = os.environ.get("MASTER_PORT") or 0  # 0: a free port per job
@@ -240,6 +245,7 @@ def launch_config(config_class, world_size: int, max_restarts: int):
         # not SIGINT/SIGTERM: torch's agent would turn them into an exception that stops
         # the workers before they save; _forwarding_stop_signals passes them on instead
         "signals_to_handle": AGENT_SIGNALS,
+        "logs_specs": DefaultLogsSpecs(log_dir=logs) if logs else None,
     }
     fields = config_class.__dataclass_fields__
     return config_class(
@@ -253,7 +259,7 @@ def launch_config(config_class, world_size: int, max_restarts: int):
         max_restarts=max_restarts,
         monitor_interval=0.1,
         start_method="forkserver" if ready() else "spawn",
-        **{key: value for key, value in newer.items() if key in fields},
+        **{key: value for key, value in newer.items() if key in fields and value is not None},
     )
 
 
@@ -266,11 +272,13 @@ def elastic(entrypoint: Callable, args: tuple, world_size: int, max_restarts: in
     """
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    config = launch_config(LaunchConfig, world_size, max_restarts)
     # the controlling process reports a failure once, with the root cause's traceback
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
-    # the agent hands its own environment to the workers
-    with environment_set(worker_env), _forwarding_stop_signals(requeue), kept_running():
+    # the agent hands its own environment to the workers; its dirs go with the launch (a
+    # failure's error file is read into the exception it raises)
+    with tempfile.TemporaryDirectory(prefix="parallab-launch-") as logs, \
+            environment_set(worker_env), _forwarding_stop_signals(requeue), kept_running():
+        config = launch_config(LaunchConfig, world_size, max_restarts, logs)
         results = elastic_launch(config, entrypoint)(*args)
     return results[0]
 
