@@ -179,7 +179,7 @@ def evaluate(argv: list[str] | None = None) -> None:
         print(error, file=sys.stderr)
         raise SystemExit(2) from None
     launch.register_resolvers()
-    help.register_resolver()
+    help.register_resolver("evaluate")
     register_configs()
     run_app(hydra_app("evaluate", _evaluate_task, call), call)
 

@@ -1,10 +1,11 @@
 """The error every check raises for bad input: one line that names the key and the fix;
-and the noise others' loggers make, held down for a block."""
+and what a block holds for its length: another's logger down, environment variables set."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from typing import Iterator
 
 
@@ -37,3 +38,18 @@ def quieted(logger: str, level: int = logging.ERROR) -> Iterator[None]:
         yield
     finally:
         held.setLevel(before)
+
+
+@contextlib.contextmanager
+def environment_set(values: dict[str, str]) -> Iterator[None]:
+    """os.environ with `values` set, put back as it was after."""
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

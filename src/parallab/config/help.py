@@ -153,11 +153,13 @@ def help_text(*, _root_: DictConfig) -> str:
     return text.replace("$", "$$")
 
 
-# the help's first line, by the command that composes config.yaml
+# the help's first line, by command (config.yaml's and evaluate.yaml's help templates)
 USAGE = {
     "train": "python train.py [group=option ...] [key=value ...]   (-m: a sweep over comma lists)",
     "advise": "parallab advise [group=option ...] [key=value ...]   (the run to advise on; "
               "the advise.* keys below say how)",
+    "evaluate": "python evaluate.py ckpt=PATH [key=value ...]   (the model, and the data unless "
+                "given, are the checkpoint's)",
 }
 
 

@@ -15,6 +15,8 @@ from typing import Any, Iterator
 
 from omegaconf import OmegaConf
 
+from parallab.config.errors import environment_set
+
 AGENT_SIGNALS = "SIGHUP,SIGQUIT"  # the signals torch's agent handles itself
 PRELOAD_VAR = "PARALLAB_PRELOAD"  # the job's own imports, which fork_server.py makes
 
@@ -28,21 +30,6 @@ def server_env(cfg: Any = None) -> dict[str, str]:
     if cfg is not None:
         env[PRELOAD_VAR] = " ".join(job_imports(cfg))
     return env
-
-
-@contextlib.contextmanager
-def environment_set(values: dict[str, str]) -> Iterator[None]:
-    """os.environ with `values` set, put back as it was after."""
-    saved = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def ready() -> bool:

@@ -23,9 +23,9 @@ from typing import Any, Callable, Iterator
 from omegaconf import OmegaConf
 
 from parallab.config import naming
-from parallab.config.errors import ConfigError, OneLineError
+from parallab.config.errors import ConfigError, OneLineError, environment_set
 from parallab.launching import slurm
-from parallab.launching.forking import (AGENT_SIGNALS, environment_set, kept_running, ready,
+from parallab.launching.forking import (AGENT_SIGNALS, kept_running, ready,
                                         server_env)
 
 log = logging.getLogger(__name__)
@@ -231,7 +231,7 @@ def worker_env(cfg) -> dict[str, str]:
 
 def launch_config(config_class, world_size: int, max_restarts: int, logs: str | None = None):
     """torch's LaunchConfig for world_size workers on this machine, its agent's per-attempt
-    dirs (the workers' error files) under `logs` (None: torch's own choice, a new
+    dirs (the workers' error files) under `logs` (None: torch's default, a new
     /tmp/torchelastic_* dir a launch, which nothing removes). Fields newer torch releases
     added (the shutdown's grace, the signals the agent handles) are set where
     `config_class` has them: torch 2.11's takes neither."""
@@ -245,7 +245,6 @@ def launch_config(config_class, world_size: int, max_restarts: int, logs: str | 
         # not SIGINT/SIGTERM: torch's agent would turn them into an exception that stops
         # the workers before they save; _forwarding_stop_signals passes them on instead
         "signals_to_handle": AGENT_SIGNALS,
-        "logs_specs": DefaultLogsSpecs(log_dir=logs) if logs else None,
     }
     fields = config_class.__dataclass_fields__
     return config_class(
@@ -259,7 +258,8 @@ def launch_config(config_class, world_size: int, max_restarts: int, logs: str | 
         max_restarts=max_restarts,
         monitor_interval=0.1,
         start_method="forkserver" if ready() else "spawn",
-        **{key: value for key, value in newer.items() if key in fields and value is not None},
+        logs_specs=DefaultLogsSpecs(log_dir=logs),
+        **{key: value for key, value in newer.items() if key in fields},
     )
 
 

@@ -12,6 +12,8 @@ from typing import Any, Iterator
 
 import torch
 
+from parallab.config.errors import environment_set
+
 log = logging.getLogger(__name__)
 
 
@@ -39,16 +41,10 @@ def profiled(enabled: bool, device: torch.device, run_dir: Path, rank: int,
         # alone: a process that goes on (a test's, a notebook's) keeps its environment
         quiet = {"KINETO_LOG_LEVEL": "6"}
     trace_dir = run_dir / "profiler"
-    os.environ.update(quiet)
-    try:
-        with profile(activities=activities,
-                     schedule=schedule(wait=1, warmup=1, active=3, repeat=1),
-                     on_trace_ready=tensorboard_trace_handler(str(trace_dir),
-                                                              worker_name=f"rank{rank}")
-                     ) as profiler:
-            yield profiler
-    finally:
-        for key in quiet:
-            os.environ.pop(key, None)
+    with environment_set(quiet), profile(
+            activities=activities, schedule=schedule(wait=1, warmup=1, active=3, repeat=1),
+            on_trace_ready=tensorboard_trace_handler(str(trace_dir),
+                                                     worker_name=f"rank{rank}")) as profiler:
+        yield profiler
     if is_main:
         log.info("profiler trace written to %s", trace_dir)
