@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
-from conftest import REPO, output, run_entry, typed
+from conftest import REPO, checked, output, run_entry, typed
 from omegaconf import OmegaConf
 
 from parallab.checks import validate
@@ -503,6 +504,20 @@ def test_parallel_devices_are_gpus_this_machine_has(monkeypatch, layout, devices
     else:
         with pytest.raises(validate.ConfigError, match=expected):
             validate.visible_gpus(cfg, PLANS[layout])
+
+
+@pytest.mark.parametrize("before", [None, "3"])
+def test_a_refused_gpu_choice_leaves_the_callers_environment_as_it_was(monkeypatch, before):
+    """parallel.devices makes its GPUs the process's (CUDA_VISIBLE_DEVICES, before the first
+    CUDA call); refused (no CUDA here), the variable is as the caller had it: a notebook's
+    next run sees the GPUs it saw, and its launches keep their fork server."""
+    if before is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", before)
+    with pytest.raises(validate.ConfigError, match="parallel.devices"):
+        checked("parallel=ddp", "parallel.devices=[0,1]", "device=auto")
+    assert os.environ.get("CUDA_VISIBLE_DEVICES") == before
 
 
 def test_the_hydra_internals_parallab_uses_are_in_the_installed_hydra_and_nowhere_else():

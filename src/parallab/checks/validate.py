@@ -17,7 +17,7 @@ from parallab import models, optim, precision, schedule
 from parallab.models import adapters
 from parallab.checks import trial
 from parallab.config import schema as config
-from parallab.config.errors import ConfigError
+from parallab.config.errors import ConfigError, environment_kept_if_refused
 from parallab.config.schema import Config, Device
 from parallab.launching.distributed import cpu_cores
 from parallab.launching import slurm
@@ -382,16 +382,17 @@ def prepare(cfg: Config, in_place: InPlace | None, run_dir: str | None = None
     probe = trial.Probe(cfg)  # the user's model and a batch, where a trial is needed
     trial.resolve_loss(cfg, probe)
     check_objective(cfg)
-    resolve_device(cfg)
-    layout = resolve_parallel(cfg, in_place)
-    _refuse(precision.device_problem(cfg.precision, cfg.device.value, layout.tp,
-                                     layout.dp_shard))
-    _refuse(memory.snapshot_problem(cfg.trainer.memory_snapshot, cfg.device.value))
-    resolve_global_batch(cfg, layout)
-    check_strategy(cfg, layout, probe)
-    check_adapter(cfg, layout)
-    check_run_length(cfg, layout)
-    resolve_backend(cfg)
-    check_resume(cfg, layout, run_dir)
-    check_init(cfg, probe)
+    with environment_kept_if_refused("CUDA_VISIBLE_DEVICES"):  # resolve_device sets it
+        resolve_device(cfg)
+        layout = resolve_parallel(cfg, in_place)
+        _refuse(precision.device_problem(cfg.precision, cfg.device.value, layout.tp,
+                                         layout.dp_shard))
+        _refuse(memory.snapshot_problem(cfg.trainer.memory_snapshot, cfg.device.value))
+        resolve_global_batch(cfg, layout)
+        check_strategy(cfg, layout, probe)
+        check_adapter(cfg, layout)
+        check_run_length(cfg, layout)
+        resolve_backend(cfg)
+        check_resume(cfg, layout, run_dir)
+        check_init(cfg, probe)
     return cfg, layout

@@ -48,8 +48,24 @@ def environment_set(values: dict[str, str]) -> Iterator[None]:
     try:
         yield
     finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        _put_back(saved)
+
+
+@contextlib.contextmanager
+def environment_kept_if_refused(*names: str) -> Iterator[None]:
+    """os.environ's `names` put back as they were where the block raises ConfigError: a
+    refused config leaves the calling process (a notebook, a sweep's) as it found it."""
+    saved = {key: os.environ.get(key) for key in names}
+    try:
+        yield
+    except ConfigError:
+        _put_back(saved)
+        raise
+
+
+def _put_back(saved: dict[str, str | None]) -> None:
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
