@@ -156,16 +156,21 @@ def test_a_rank_starts_processes_as_a_freshly_started_one_would(tmp_path, monkey
 
 
 @pytest.mark.distributed
-def test_launches_share_a_fork_server_while_the_environment_stays(monkeypatch):
+def test_launches_share_a_fork_server_while_the_environment_stays(tmp_path, monkeypatch):
     """The ranks are forked from a server that imported torch and parallab once: kept from
     one launch to the next (pytest's name of the running test and inductor's in-process
     pointer aside), started anew when a variable changes, which the ranks then see, or when a
     job needs imports it did not make (then kept for a job needing fewer, and the imports
-    kept through a restart for a changed variable)."""
+    kept through a restart for a changed variable). And no launch leaves a dir behind:
+    torch's agent makes one a launch for its workers' error files, by default a
+    torchelastic_* in the temporary dir that nothing removes (hundreds after a day of
+    sweeps); the launch's own goes with it."""
+    import tempfile
     from multiprocessing import forkserver
 
     from conftest import typed
 
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     monkeypatch.delenv("MASTER_PORT", raising=False)
     monkeypatch.delenv("PARALLAB_LAUNCH_MARK", raising=False)
     env = launch.worker_env(typed("parallel=ddp", "parallel.world_size=2"))
@@ -187,21 +192,6 @@ def test_launches_share_a_fork_server_while_the_environment_stays(monkeypatch):
     assert launched("json") == ("1", restarted)  # its imports outlived the restart
     _, importing = launched("csv")
     assert importing != restarted and launched("json") == ("1", importing)
-
-
-@pytest.mark.distributed
-def test_a_launch_leaves_no_dir_behind(tmp_path, monkeypatch):
-    """torch's agent makes a dir a launch for its workers' error files, by default a
-    torchelastic_* in the temporary dir that nothing removes (hundreds after a day of
-    sweeps); the launch's own goes with it."""
-    import tempfile
-
-    from conftest import typed
-
-    monkeypatch.delenv("MASTER_PORT", raising=False)
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    env = launch.worker_env(typed("parallel=ddp", "parallel.world_size=2"))
-    assert launch.elastic(seen_by_a_rank, ("PARALLAB_LAUNCH_MARK",), 2, 0, env) is None
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(("torchelastic_",
                                                                       "parallab-"))] == []
 
