@@ -89,20 +89,27 @@ def test_evaluate_py_scores_the_saved_checkpoint(mnist_epoch, tmp_path):
     assert "accuracy" in output(result)
 
 
-def test_evaluate_py_refuses_a_checkpoint_that_would_run_code(tmp_path):
+def test_evaluate_refuses_a_checkpoint_that_would_run_code(tmp_path):
+    """In one line (a CheckpointError: evaluate.py's exit 2, as for any refusal)."""
     import fractions
+
+    from parallab.commands import evaluate_in_process
+    from parallab.training.checkpoint import CheckpointError
 
     ckpt = tmp_path / "evil.pt"  # unpickling an arbitrary class is how a checkpoint runs code
     torch.save({"model": fractions.Fraction(1, 3), "config": {"model": {"name": "mnist_cnn"}}},
                ckpt)
-    result = run_entry("evaluate.py", [f"ckpt={ckpt}"], tmp_path / "eval")
-    assert result.returncode != 0
-    assert "refusing to load" in output(result) and "Traceback" not in output(result)
+    with pytest.raises(CheckpointError, match="refusing to load"):
+        evaluate_in_process([f"ckpt={ckpt}"], tmp_path / "eval")
+    assert not (tmp_path / "eval").exists()
 
 
-def test_evaluate_py_names_a_missing_checkpoint(tmp_path):
-    result = run_entry("evaluate.py", [f"ckpt={tmp_path}/none.pt"], tmp_path / "eval")
-    assert result.returncode != 0 and "no such file" in output(result)
+def test_evaluate_names_a_missing_checkpoint(tmp_path):
+    from parallab.commands import evaluate_in_process
+    from parallab.training.checkpoint import CheckpointError
+
+    with pytest.raises(CheckpointError, match=f"ckpt={tmp_path}/none.pt: no such file"):
+        evaluate_in_process([f"ckpt={tmp_path}/none.pt"], tmp_path / "eval")
 
 
 @pytest.mark.slow
