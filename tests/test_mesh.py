@@ -3,6 +3,7 @@ and each layout training as one device does (real gloo processes)."""
 
 from __future__ import annotations
 
+import itertools
 from types import SimpleNamespace
 
 import pytest
@@ -50,6 +51,9 @@ def test_one_null_degree_is_inferred_and_a_mismatch_is_one_line():
     (["parallel=pipeline", "parallel.world_size=4", "parallel.pp=2", "model=mlp",
       "model.hidden=[64,64,64]", "parallel.microbatches=2"], (2, 1, 2, 1), 2,
      {"sharded", "cuts_model", "pipelined"}),
+    (["parallel=pipeline", "parallel.world_size=4", "parallel.pp=2", "parallel.tp=2",
+      "model=gpt", "data=bytes", "model.layers=2", "model.heads=4", "model.width=32",
+      "model.context=32"], (1, 1, 2, 2), 1, {"sharded", "cuts_model", "pipelined"}),
     (["parallel=model", "parallel.world_size=2", "model=mlp"], (2,), 1, {"cuts_model"}),
 ])
 def test_a_layout_is_resolved_once_and_says_what_its_degrees_imply(overrides, shape, dp,
@@ -67,6 +71,10 @@ def test_a_layout_is_resolved_once_and_says_what_its_degrees_imply(overrides, sh
     said = {"replicas_only", "sharded", "cuts_model", "pipelined"}
     assert {name for name in said if getattr(layout, name)} == properties
     assert layout.uses_stages == (layout.processes or layout.cuts_model)
+    # each rank's pipeline part (advise replays each rank's own): its mesh coordinate on pp
+    coordinates = list(itertools.product(*map(range, layout.shape)))
+    assert [layout.part_of(rank) for rank in range(len(coordinates))] == [
+        c[layout.dims.index("pp")] if layout.cuts_model else 0 for c in coordinates]
 
 
 def test_a_run_resolves_its_layout_once_and_trains_with_that_one(train_here, monkeypatch):

@@ -92,7 +92,7 @@ def _own_part(model: torch.nn.Module, spec: run.RunSpec, dist: distributed.Dist,
     stages = stages_of.find(model, p.stages)
     parts = part_ranges(stages, layout.pp, p.split)
     names = {id(module): name for name, module in model.named_modules()}
-    mine = dist.rank // layout.tp % layout.pp
+    mine = layout.part_of(dist.rank)
     with torch.no_grad(), precision.autocast():
         for part in parts[:mine]:
             keep_only(model, stages, part, names)
@@ -154,7 +154,7 @@ def _step_times(step: Callable[[Any], None], batch: Any, optimizer, accumulate: 
     return times[1:]
 
 
-def _by_part(times: list[float], parts: int, tp: int, together: bool) -> list[float]:
+def _by_part(times: list[float], layout, together: bool) -> list[float]:
     """Each part's step from every rank's `times` (one part but in a pipeline): with its
     ranks together, the median over steps of the slowest rank's step (a step waits for
     it); each alone, the slowest rank's median."""
@@ -162,7 +162,8 @@ def _by_part(times: list[float], parts: int, tp: int, together: bool) -> list[fl
 
     each: list[Any] = [None] * torch_dist.get_world_size()
     torch_dist.all_gather_object(each, times)
-    ranks = [[r for r in range(len(each)) if r // tp % parts == part] for part in range(parts)]
+    ranks = [[r for r in range(len(each)) if layout.part_of(r) == part]
+             for part in range(layout.pp)]
     if together:
         return [statistics.median(max(each[r][i] for r in mine) for i in range(len(times)))
                 for mine in ranks]
@@ -203,7 +204,7 @@ def share_s(spec: run.RunSpec, dist: distributed.Dist, one, steps: int = 5) -> d
     optimizer = build_optimizer(cfg.optim, model)
     step = _forward_backward(model, spec, loss, precision, dist, one)
     together = _by_part(_step_times(step, batch, optimizer, accumulate, steps, True),
-                        parts, layout.tp, True)
+                        layout, True)
     if not layout.cuts_model:
         return {"share_s": together[0]}
     mine: list[float] = []
@@ -212,7 +213,7 @@ def share_s(spec: run.RunSpec, dist: distributed.Dist, one, steps: int = 5) -> d
         if rank == dist.rank:
             mine = _step_times(step, batch, optimizer, accumulate, steps, False)
     return {"share_s": together,
-            "share_alone_s": _by_part(mine, parts, layout.tp, False)}
+            "share_alone_s": _by_part(mine, layout, False)}
 
 
 def _collective(kind: str, sent: float, n: int, device: torch.device, group):
@@ -247,8 +248,10 @@ def _collective(kind: str, sent: float, n: int, device: torch.device, group):
 def collectives_s(dist: distributed.Dist, figures: dict[str, Any], compute_s: float,
                   groups: dict[int, Any], repeats: int = 3) -> float:
     """What the candidate's collectives and a pipeline's sends add to its step, every
-    rank computing: its step replayed, `compute_s` of busy work cut into as many pieces as
-    it called them, each piece followed by one of them (each call its kind's share of the
+    rank computing: its step replayed, `compute_s` of busy work (the rank's own share: a
+    pipeline part's, so that a light part's rank waits for its peer and its sends cost the
+    busy one little, as in the run) cut into as many pieces as it called them, each piece
+    followed by one of them (each call its kind's share of the
     kind's bytes, over groups of its size: `groups`, made as needed; a send an all-reduce
     over a pair), against the same work unbroken; the median of `repeats`,
     the slowest rank's. Where ranks share cores, a collective also waits for each rank of

@@ -100,6 +100,11 @@ class Layout:
         .dcp checkpoint, rather than rank 0 one file."""
         return self.processes and not self.replicas_only
 
+    def part_of(self, rank: int) -> int:
+        """The pipeline part `rank` holds (0 where the model is not cut): its coordinate on
+        the mesh's pp dimension, which only tp's sits inside."""
+        return rank // self.tp % self.pp
+
     @property
     def uses_stages(self) -> bool:
         """The model's stages matter: each is an FSDP2 unit, or the model is cut at them."""

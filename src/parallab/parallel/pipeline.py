@@ -66,7 +66,7 @@ class PipelineStrategy(MeshStrategy):
 
     @property
     def stage_index(self) -> int:
-        return self.dist.rank // self.layout.tp % self.pp
+        return self.layout.part_of(self.dist.rank)
 
     @property
     def activation_share(self) -> float:
