@@ -71,7 +71,7 @@ def test_a_layout_is_resolved_once_and_says_what_its_degrees_imply(overrides, sh
     said = {"replicas_only", "sharded", "cuts_model", "pipelined"}
     assert {name for name in said if getattr(layout, name)} == properties
     assert layout.uses_stages == (layout.processes or layout.cuts_model)
-    # each rank's pipeline part (advise replays each rank's own): its mesh coordinate on pp
+    # each rank's pipeline part (advise times each rank's own): its mesh coordinate on pp
     coordinates = list(itertools.product(*map(range, layout.shape)))
     assert [layout.part_of(rank) for rank in range(len(coordinates))] == [
         c[layout.dims.index("pp")] if layout.cuts_model else 0 for c in coordinates]

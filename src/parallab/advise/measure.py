@@ -137,9 +137,8 @@ def _step_parts(spec: run.RunSpec, dist: distributed.Dist, figures: dict[str, An
     try:
         share = parts.share_s(spec, dist, groups[1])
         busy = share["share_s"]
-        if isinstance(busy, list):  # a pipeline's by part: a rank computes its own part's
-            busy = busy[spec.layout.part_of(dist.rank)]
-        return {**share, "collectives_s": parts.collectives_s(dist, figures, busy, groups)}
+        return {**share, "collectives_s": parts.collectives_s(
+            dist, figures, max(busy) if isinstance(busy, list) else busy, groups)}
     except Exception as error:  # noqa: BLE001 - the check is optional, the run is not
         if distributed.lost_a_peer(error):
             raise

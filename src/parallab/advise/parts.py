@@ -248,10 +248,8 @@ def _collective(kind: str, sent: float, n: int, device: torch.device, group):
 def collectives_s(dist: distributed.Dist, figures: dict[str, Any], compute_s: float,
                   groups: dict[int, Any], repeats: int = 3) -> float:
     """What the candidate's collectives and a pipeline's sends add to its step, every
-    rank computing: its step replayed, `compute_s` of busy work (the rank's own share: a
-    pipeline part's, so that a light part's rank waits for its peer and its sends cost the
-    busy one little, as in the run) cut into as many pieces as it called them, each piece
-    followed by one of them (each call its kind's share of the
+    rank computing: its step replayed, `compute_s` of busy work cut into as many pieces as
+    it called them, each piece followed by one of them (each call its kind's share of the
     kind's bytes, over groups of its size: `groups`, made as needed; a send an all-reduce
     over a pair), against the same work unbroken; the median of `repeats`,
     the slowest rank's. Where ranks share cores, a collective also waits for each rank of
