@@ -509,14 +509,14 @@ def test_parallel_devices_are_gpus_this_machine_has(monkeypatch, layout, devices
 @pytest.mark.parametrize("before", [None, "3"])
 def test_a_refused_gpu_choice_leaves_the_callers_environment_as_it_was(monkeypatch, before):
     """parallel.devices makes its GPUs the process's (CUDA_VISIBLE_DEVICES, before the first
-    CUDA call); refused (no CUDA here), the variable is as the caller had it: a notebook's
+    CUDA call); refused (on the CPU), the variable is as the caller had it: a notebook's
     next run sees the GPUs it saw, and its launches keep their fork server."""
     if before is None:
         monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     else:
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", before)
     with pytest.raises(validate.ConfigError, match="parallel.devices"):
-        checked("parallel=ddp", "parallel.devices=[0,1]", "device=auto")
+        checked("parallel=ddp", "parallel.devices=[0,1]", "device=cpu")
     assert os.environ.get("CUDA_VISIBLE_DEVICES") == before
 
 
