@@ -77,7 +77,8 @@ def test_eval_counts_every_sample_once_over_uneven_shards(train_here):
 
 def test_torchrun_runs_the_entrypoint_in_place(tmp_path):
     result = run_entry("train.py", [*FAST, "parallel=ddp"], cwd=tmp_path, prefix=[
-        str(BIN / "torchrun"), "--standalone", "--nproc-per-node=2"])
+        str(BIN / "torchrun"), "--standalone", "--nproc-per-node=2",
+        f"--log-dir={tmp_path / 'torchrun'}"])  # torch's own dir here, not left in /tmp
     assert_ok(result)
     run_dir = only_run_dir(tmp_path)
     assert read_metrics(run_dir)["world_size"] == 2
@@ -90,7 +91,8 @@ def test_two_nodes_over_loopback(tmp_path):
     port = free_port()
     command = [str(BIN / "torchrun"), "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
                f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={uuid.uuid4().hex}",
-               str(REPO / "train.py"), *FAST, "parallel=ddp"]
+               f"--log-dir={tmp_path / 'torchrun'}", str(REPO / "train.py"), *FAST,
+               "parallel=ddp"]
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo"}
 
     def start_node() -> subprocess.Popen:
