@@ -61,15 +61,16 @@ def advise(cwd: Path, args: list[str], run_dir: Path) -> tuple[float, list[dict]
 
 
 def grid(cwd: Path, config_dir: str | None, overrides: list[str]):
-    """advise's full grid for `overrides` (fresh candidates, nothing measured) and the
-    composed advise options, as `parallab advise OVERRIDES` composes them."""
-    from parallab.advise import full_grid
+    """advise's full grid for `overrides` (fresh candidates, nothing measured), the
+    composed advise options, and what its runs add to measure (dropout off), as `parallab
+    advise OVERRIDES` composes them."""
+    from parallab.advise import dropout_off, full_grid
     from parallab.cli import compose
     from parallab.config.hydra_app import typed_config
 
     args = ["advise.run=true", *overrides]
     cfg = typed_config(compose(args, cwd / config_dir if config_dir else None), args)
-    return full_grid(cfg, args)[0], cfg.advise
+    return full_grid(cfg, args)[0], cfg.advise, dropout_off(cfg.model)
 
 
 def advised(advise_dir: Path) -> set[str]:
@@ -81,11 +82,12 @@ def advised(advise_dir: Path) -> set[str]:
 
 
 def sweep(cwd: Path, command: str, candidates: list, steps: int, window: int,
-          scratch: Path) -> tuple[float, dict[str, int]]:
+          scratch: Path, measuring: list[str]) -> tuple[float, dict[str, int]]:
     """Each candidate trained `steps` steps in its own `parallab train` process with the
     user's settings of the recommended command; a run's samples/s and first `window`
     losses go into its figures, a refusal (exit 2) into its reason, a failure into its
-    figures' error. The sweep's wall time and how many ran, were refused, failed."""
+    figures' error; each with `measuring` too (dropout off, as advise measures). The
+    sweep's wall time and how many ran, were refused, failed."""
     from parallab.advise.candidates import user_overrides
 
     # the command after `parallab train`, less the recommended candidate's own settings
@@ -93,7 +95,7 @@ def sweep(cwd: Path, command: str, candidates: list, steps: int, window: int,
     counts = {"ran": 0, "refused": 0, "failed": 0}
     wall = 0.0
     for index, candidate in enumerate(candidates):
-        args = user + candidate.overrides + [
+        args = user + candidate.overrides + measuring + [
             f"trainer.max_steps={steps + 5}", "trainer.epochs=1000",
             "trainer.checkpoint_every_n_steps=null", "trainer.progress_bar=false",
             "trainer.log_every_n_steps=1"]  # every loss, to judge the run
@@ -232,7 +234,7 @@ def main() -> None:
         chosen = [*overrides, *COMMON, *args.extra]
         flags = ["--config-dir", config_dir] if config_dir else []
         wall, rows, command = advise(cwd, flags + chosen, scratch / "advise")
-        candidates, options = grid(cwd, config_dir, chosen)
+        candidates, options, measuring = grid(cwd, config_dir, chosen)
         ran = advised(scratch / "advise")
         missing = ran - {c.label for c in candidates}
         if missing:  # the grid here is not advise's: the comparison would mean nothing
@@ -240,7 +242,7 @@ def main() -> None:
         swept = candidates if args.exhaustive else [c for c in candidates if c.label in ran]
         print(f"{name}: sweeping {len(swept)} of {len(candidates)} candidates", flush=True)
         sweep_wall, counts = sweep(cwd, command, swept, args.sweep_steps,
-                                   options.warmup_steps + options.steps, scratch)
+                                   options.warmup_steps + options.steps, scratch, measuring)
         report.judge(swept, options.rtol)
         compare(name, rows, candidates, swept, counts, wall, sweep_wall, args.sweep_steps,
                 args.exhaustive)

@@ -16,10 +16,12 @@ SHORT = ["advise.steps=3", "advise.warmup_steps=1", "advise.precisions=[fp32]"]
 
 @pytest.mark.distributed
 def test_advise_measures_predicts_and_recommends_a_matching_layout(tmp_path):
+    """With dropout on too (the MNIST recipe's CNN has it): its masks are drawn per rank, so
+    advise measures without it, and every layout still matches one device."""
     import yaml
 
     run_dir = tmp_path / "advise"
-    answer = advise_in_process([*TINY, *SHORT, "parallel.world_size=2",
+    answer = advise_in_process([*TINY, *SHORT, "model.dropout=0.1", "parallel.world_size=2",
                                 "advise.layouts=[none,ddp,fsdp]",
                                 "advise.activation_checkpointing=[none,full]",
                                 "advise.max_accumulation=2", "advise.only_needed=false",
@@ -44,8 +46,10 @@ def test_advise_measures_predicts_and_recommends_a_matching_layout(tmp_path):
     assert float(best["ratio_to_best"]) == 1.0 and answer["recommended"] == best["layout"]
     command = answer["command"]
     assert command.startswith("python train.py model=gpt") and "advise." not in command
-    assert (run_dir / "advise.png").stat().st_size > 0 and "Recommended" in (
-        run_dir / "advise.md").read_text()
+    assert "model.dropout=0.1" in command  # the user's own, trained as asked
+    said = (run_dir / "advise.md").read_text()
+    assert (run_dir / "advise.png").stat().st_size > 0 and "Recommended" in said
+    assert "Measured with dropout off (model.dropout=0.0)" in said
     # each candidate a TensorBoard run with its metrics and what it was
     dirs = sorted((run_dir / "candidates").iterdir())
     assert len(dirs) == 12 and all(any(d.glob("events.out.tfevents.*")) for d in dirs)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import statistics
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -118,6 +119,24 @@ def measuring(options, global_batch: int) -> list[str]:
             "trainer.compile=false"]
 
 
+def dropout_off(node: Any, path: str = "model") -> list[str]:
+    """Overrides setting each dropout probability of a model's config to 0 (keys named
+    *dropout or *pdrop, nested ones too). Dropout's masks are drawn per rank and per
+    micro-batch, so with it on no layout's losses would match one device's: advise times
+    and compares its candidates without it, and recommends the user's own setting."""
+    if not isinstance(node, Mapping):
+        return []
+    found = []
+    for key, value in node.items():
+        where = f"{path}.{key}"
+        if isinstance(value, Mapping):
+            found += dropout_off(value, where)
+        elif (str(key).endswith(("dropout", "pdrop")) and isinstance(value, (int, float))
+              and not isinstance(value, bool) and value > 0):
+            found.append(f"{where}=0.0")
+    return found
+
+
 def _device_type(cfg) -> str:
     return "cuda" if cfg.device.value == "cuda" or (
         cfg.device.value == "auto" and torch.cuda.is_available()) else "cpu"
@@ -156,7 +175,7 @@ def plan(cfg, overrides: list[str], configure: Callable[[list[str]], Any]
     candidates, sizes = full_grid(cfg, overrides)
     global_batch = cfg.data.global_batch_size or cfg.data.batch_size
     user = grid.user_overrides(overrides)
-    base = user + measuring(options, global_batch)
+    base = user + measuring(options, global_batch) + dropout_off(cfg.model)
     grid.settle(candidates, lambda extra: configure(base + extra),
                 _budget(options, cfg, _device_type(cfg)), options.only_needed)
     checked = [c for c in candidates if c.cfg is not None]
@@ -308,6 +327,10 @@ def advise(cfg, overrides: list[str], run_dir: str, configure: Callable[[list[st
     links = _measure(candidates, out)
     report.judge(candidates, cfg.advise.rtol)
     notes = _predict_times(candidates, cfg.advise, links)
+    if dropout_off(cfg.model):  # what the verdicts rest on, and what the command keeps
+        notes.append(f"Measured with dropout off ({', '.join(dropout_off(cfg.model))}), so "
+                     "that each layout's losses can match one device's; the command keeps "
+                     "yours.")
     top = report.best(candidates)
     command = report.command(entry or ["python train.py"], user, top,
                              global_batch) if top else None
