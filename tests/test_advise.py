@@ -118,6 +118,28 @@ def test_a_losing_layout_is_judged_differs_with_its_worst_step():
     assert report.best([reference, same, wrong]) is same  # fast but wrong is never picked
 
 
+def test_a_batchnorm_models_split_batch_is_said_to_differ_by_design():
+    """BatchNorm normalises each rank's rows: a data-parallel layout of a BatchNorm model
+    differs from one device by design, and its verdict says why; another model's does not."""
+    from conftest import checked
+
+    from parallab.advise import _has_batchnorm, report
+    from parallab.advise.candidates import Candidate
+
+    def candidate(parallel: str, n: int, losses: list[float], model: str) -> Candidate:
+        measured = Candidate(n, parallel, [f"parallel.world_size={n}"], "fp32", "none", 1,
+                             figures={"losses": losses, "samples_per_sec": 1.0})
+        measured.cfg, measured.layout = checked(model, "data=synthetic", f"parallel={parallel}",
+                                                f"parallel.world_size={n}", "device=cpu")
+        return measured
+
+    for model, said in (("model=convnet", True), ("model=mlp", False)):
+        one, two = candidate("none", 1, [2.0, 1.5], model), candidate("ddp", 2, [2.0, 1.6], model)
+        report.judge([one, two], 1e-3, _has_batchnorm([one, two]))
+        assert two.verdict.startswith("differs: step 2 loss 1.6 vs 1.5"), two.verdict
+        assert ("BatchNorm normalises each rank's" in two.verdict) == said, model
+
+
 def test_the_recommended_command_keeps_where_the_config_came_from():
     """A user's project (`parallab advise --config-dir conf ...`) gets a command that
     composes the same config: the flags kept, the user's overrides, the candidate's."""

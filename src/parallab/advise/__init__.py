@@ -137,6 +137,16 @@ def dropout_off(node: Any, path: str = "model") -> list[str]:
     return found
 
 
+def _has_batchnorm(candidates: list[Candidate]) -> bool:
+    """The model normalises by its batch's statistics (built on meta: no memory)."""
+    from parallab.models import build_on_meta
+
+    checked = next((c for c in candidates if c.cfg is not None), None)
+    return checked is not None and any(
+        isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+        for m in build_on_meta(checked.cfg.model).modules())
+
+
 def _device_type(cfg) -> str:
     return "cuda" if cfg.device.value == "cuda" or (
         cfg.device.value == "auto" and torch.cuda.is_available()) else "cpu"
@@ -325,7 +335,7 @@ def advise(cfg, overrides: list[str], run_dir: str, configure: Callable[[list[st
     out.mkdir(parents=True, exist_ok=True)
     candidates, global_batch, user = plan(cfg, overrides, configure)
     links = _measure(candidates, out)
-    report.judge(candidates, cfg.advise.rtol)
+    report.judge(candidates, cfg.advise.rtol, _has_batchnorm(candidates))
     notes = _predict_times(candidates, cfg.advise, links)
     if dropout_off(cfg.model):  # what the verdicts rest on, and what the command keeps
         notes.append(f"Measured with dropout off ({', '.join(dropout_off(cfg.model))}), so "
