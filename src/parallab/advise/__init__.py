@@ -138,13 +138,17 @@ def dropout_off(node: Any, path: str = "model") -> list[str]:
 
 
 def _has_batchnorm(candidates: list[Candidate]) -> bool:
-    """The model normalises by its batch's statistics (built on meta: no memory)."""
-    from parallab.models import build_on_meta
+    """The model normalises by its batch's statistics (built on meta: no memory; a model
+    that refuses meta, transformers' from_pretrained, is not built whole for this note)."""
+    from parallab.models import build_model
 
     checked = next((c for c in candidates if c.cfg is not None), None)
-    return checked is not None and any(
-        isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
-        for m in build_on_meta(checked.cfg.model).modules())
+    try:
+        with torch.device("meta"):
+            model = build_model(checked.cfg.model)
+    except Exception:  # noqa: BLE001 - the verdicts stand without the note
+        return False
+    return any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
 
 
 def _device_type(cfg) -> str:
@@ -337,10 +341,10 @@ def advise(cfg, overrides: list[str], run_dir: str, configure: Callable[[list[st
     links = _measure(candidates, out)
     report.judge(candidates, cfg.advise.rtol, _has_batchnorm(candidates))
     notes = _predict_times(candidates, cfg.advise, links)
-    if dropout_off(cfg.model):  # what the verdicts rest on, and what the command keeps
-        notes.append(f"Measured with dropout off ({', '.join(dropout_off(cfg.model))}), so "
-                     "that each layout's losses can match one device's; the command keeps "
-                     "yours.")
+    off = dropout_off(cfg.model)
+    if off:  # what the verdicts rest on, and what the command keeps
+        notes.append(f"Measured with dropout off ({', '.join(off)}), so that each layout's "
+                     "losses can match one device's; the command keeps yours.")
     top = report.best(candidates)
     command = report.command(entry or ["python train.py"], user, top,
                              global_batch) if top else None
