@@ -118,6 +118,26 @@ def test_a_losing_layout_is_judged_differs_with_its_worst_step():
     assert report.best([reference, same, wrong]) is same  # fast but wrong is never picked
 
 
+def test_advise_turns_off_the_dropout_a_config_gives_or_its_target_defaults():
+    """Each dropout probability of the model's config, nested ones too, and those its
+    `_target_`'s signature defaults where the config leaves them out (GPT2Config's 0.1s)."""
+    from conftest import REPO
+
+    from parallab.advise import dropout_off
+    from parallab.cli import compose
+
+    assert dropout_off(compose([]).model) == ["model.dropout=0.0"]  # the MNIST recipe's CNN
+    assert dropout_off(compose(["model=gpt"]).model) == []  # none on: nothing to turn off
+    project = REPO / "examples" / "hf_llama" / "conf"
+    gpt2 = compose(["model=my_gpt2", "~model.config.resid_pdrop",
+                    "model.config.attn_pdrop=0.2"], project).model
+    off = dropout_off(gpt2)
+    assert {"+model.config.resid_pdrop=0.0", "model.config.attn_pdrop=0.0"} <= set(off)
+    assert not any("embd_pdrop" in override for override in off)  # given as 0 already
+    assert compose(["model=my_gpt2", "~model.config.resid_pdrop", *off],
+                   project).model.config.resid_pdrop == 0.0  # each override composes
+
+
 def test_a_batchnorm_models_split_batch_is_said_to_differ_by_design():
     """BatchNorm normalises each rank's rows: a data-parallel layout of a BatchNorm model
     differs from one device by design, and its verdict says why; another model's does not."""

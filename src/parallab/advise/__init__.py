@@ -24,6 +24,7 @@ import yaml
 from parallab.advise import candidates as grid
 from parallab.advise import report, scaling
 from parallab.advise.candidates import Candidate
+from parallab.config import targets
 from parallab.config.errors import ConfigError
 
 log = logging.getLogger("parallab")
@@ -120,21 +121,32 @@ def measuring(options, global_batch: int) -> list[str]:
 
 
 def dropout_off(node: Any, path: str = "model") -> list[str]:
-    """Overrides setting each dropout probability of a model's config to 0 (keys named
-    *dropout or *pdrop, nested ones too). Dropout's masks are drawn per rank and per
+    """Overrides setting each dropout probability of a model's config to 0: keys named
+    *dropout or *pdrop, nested ones too, and those a `_target_`'s signature defaults that the
+    config leaves out (GPT2Config's 0.1s). Dropout's masks are drawn per rank and per
     micro-batch, so with it on no layout's losses would match one device's: advise times
     and compares its candidates without it, and recommends the user's own setting."""
     if not isinstance(node, Mapping):
         return []
     found = []
+    if isinstance(node.get(targets.TARGET), str):
+        try:
+            given = targets.defaults(targets.locate(node[targets.TARGET], path))
+        except ConfigError:  # the checks say why, before any of this is used
+            given = {}
+        found += [f"+{path}.{key}=0.0" for key, value in given.items()
+                  if key not in node and _is_dropout(key, value)]
     for key, value in node.items():
-        where = f"{path}.{key}"
         if isinstance(value, Mapping):
-            found += dropout_off(value, where)
-        elif (str(key).endswith(("dropout", "pdrop")) and isinstance(value, (int, float))
-              and not isinstance(value, bool) and value > 0):
-            found.append(f"{where}=0.0")
+            found += dropout_off(value, f"{path}.{key}")
+        elif _is_dropout(key, value):
+            found.append(f"{path}.{key}=0.0")
     return found
+
+
+def _is_dropout(key: Any, value: Any) -> bool:
+    return (str(key).endswith(("dropout", "pdrop")) and isinstance(value, (int, float))
+            and not isinstance(value, bool) and value > 0)
 
 
 def _has_batchnorm(candidates: list[Candidate]) -> bool:
