@@ -143,19 +143,22 @@ def test_a_batchnorm_models_split_batch_is_said_to_differ_by_design():
     differs from one device by design, and its verdict says why; another model's does not."""
     from conftest import checked
 
-    from parallab.advise import _has_batchnorm, report
+    from parallab.advise import report
     from parallab.advise.candidates import Candidate
+    from parallab.advise.measure import normalises_by_batch
+    from parallab.models import build_model
 
     def candidate(parallel: str, n: int, losses: list[float], model: str) -> Candidate:
-        measured = Candidate(n, parallel, [f"parallel.world_size={n}"], "fp32", "none", 1,
-                             figures={"losses": losses, "samples_per_sec": 1.0})
+        measured = Candidate(n, parallel, [f"parallel.world_size={n}"], "fp32", "none", 1)
         measured.cfg, measured.layout = checked(model, "data=synthetic", f"parallel={parallel}",
                                                 f"parallel.world_size={n}", "device=cpu")
+        measured.figures = {"losses": losses, "samples_per_sec": 1.0,  # as its run gives
+                            "batchnorm": normalises_by_batch(build_model(measured.cfg.model))}
         return measured
 
     for model, said in (("model=convnet", True), ("model=mlp", False)):
         one, two = candidate("none", 1, [2.0, 1.5], model), candidate("ddp", 2, [2.0, 1.6], model)
-        report.judge([one, two], 1e-3, _has_batchnorm([one, two]))
+        report.judge([one, two], 1e-3)
         assert two.verdict.startswith("differs: step 2 loss 1.6 vs 1.5"), two.verdict
         assert ("BatchNorm normalises each rank's" in two.verdict) == said, model
 

@@ -149,20 +149,6 @@ def _is_dropout(key: Any, value: Any) -> bool:
             and not isinstance(value, bool) and value > 0)
 
 
-def _has_batchnorm(candidates: list[Candidate]) -> bool:
-    """The model normalises by its batch's statistics (built on meta: no memory; a model
-    that refuses meta, transformers' from_pretrained, is not built whole for this note)."""
-    from parallab.models import build_model
-
-    checked = next((c for c in candidates if c.cfg is not None), None)
-    try:
-        with torch.device("meta"):
-            model = build_model(checked.cfg.model)
-    except Exception:  # noqa: BLE001 - the verdicts stand without the note
-        return False
-    return any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
-
-
 def _device_type(cfg) -> str:
     return "cuda" if cfg.device.value == "cuda" or (
         cfg.device.value == "auto" and torch.cuda.is_available()) else "cpu"
@@ -351,7 +337,7 @@ def advise(cfg, overrides: list[str], run_dir: str, configure: Callable[[list[st
     out.mkdir(parents=True, exist_ok=True)
     candidates, global_batch, user = plan(cfg, overrides, configure)
     links = _measure(candidates, out)
-    report.judge(candidates, cfg.advise.rtol, _has_batchnorm(candidates))
+    report.judge(candidates, cfg.advise.rtol)
     notes = _predict_times(candidates, cfg.advise, links)
     off = dropout_off(cfg.model)
     if off:  # what the verdicts rest on, and what the command keeps

@@ -72,6 +72,11 @@ class ActivationProbe:
             self.bytes = counted.held(trainer.strategy.activation_share) / len(batches)
 
 
+def normalises_by_batch(model: torch.nn.Module) -> bool:
+    """The model has BatchNorm: each forward normalises by its own rows' statistics."""
+    return any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
 def measure(spec: run.RunSpec, dist: distributed.Dist) -> dict[str, Any]:
     """Train the candidate `spec` for its trainer.max_steps on the job's group; its figures:
     losses, step time, samples/s, state and activation memory (the largest rank's), comm."""
@@ -97,7 +102,8 @@ def measure(spec: run.RunSpec, dist: distributed.Dist) -> dict[str, Any]:
             scalars = {k: v for k, v in figures.items() if k != "losses"}
             logger.finish(scalars, run.hparams(spec, figures),
                           trainer.step)
-        return figures
+        # for the verdict, not the run's record: report.judge says why such a model differs
+        return {**figures, "batchnorm": normalises_by_batch(trainer.model)}
     finally:
         logger.close()
 

@@ -23,10 +23,10 @@ def reference_of(candidates: list[Candidate], precision: str) -> Candidate | Non
     return min(ran, key=lambda c: (c.world_size, c.parallel != "none", c.cost), default=None)
 
 
-def judge(candidates: list[Candidate], rtol: float, batchnorm: bool = False) -> None:
-    """Each measured candidate's losses against its precision's reference; a `batchnorm`
-    model's that normalise fewer rows at a time (per rank, micro-batch or accumulated
-    batch) say so, a difference by design."""
+def judge(candidates: list[Candidate], rtol: float) -> None:
+    """Each measured candidate's losses against its precision's reference; those of a model
+    with BatchNorm (its run's `batchnorm` figure) that normalise fewer rows at a time (per
+    rank, micro-batch or accumulated batch) say so, a difference by design."""
     for candidate in (c for c in candidates if c.measured):
         reference = reference_of(candidates, candidate.precision)
         if reference is candidate:
@@ -41,7 +41,8 @@ def judge(candidates: list[Candidate], rtol: float, batchnorm: bool = False) -> 
         candidate.verdict = "matches" if error <= rtol else (
             f"differs: step {worst + 1} loss {mine[worst]:.6g} vs {theirs[worst]:.6g} "
             f"({error:.1e} relative)")
-        if error > rtol and batchnorm and _splits_rows(candidate, reference):
+        if error > rtol and candidate.figures.get("batchnorm") and \
+                _splits_rows(candidate, reference):
             candidate.verdict += "; BatchNorm normalises each rank's or micro-batch's rows"
 
 
