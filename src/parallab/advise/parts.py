@@ -216,10 +216,13 @@ def share_s(spec: run.RunSpec, dist: distributed.Dist, one, steps: int = 5) -> d
             "share_alone_s": _by_part(mine, layout, False)}
 
 
-def _collective(kind: str, sent: float, n: int, device: torch.device, group):
+def _collective(kind: str, sent: float, n: int, device: torch.device, group,
+                overlapped: bool = False):
     """A call of `kind` over `group`, of `n` ranks, sending `sent` bytes from each (comm.py's
     count). A gather's output is copied out and a scatter's input copied in, as FSDP2 does
-    with each parameter and gradient, and as it does not over one rank (the share's)."""
+    with each parameter and gradient, and as it does not over one rank (the share's).
+    `overlapped`: an all-reduce started and left running, its work returned to be waited
+    for at the step's end, as DDP's bucket all-reduces run beside the rest of backward."""
     import torch.distributed as torch_dist
 
     def ones(numel: float, times: int = 1) -> torch.Tensor:
@@ -242,11 +245,12 @@ def _collective(kind: str, sent: float, n: int, device: torch.device, group):
         tensor = ones(sent / ((n - 1) / n) / 4)
         return lambda: torch_dist.broadcast(tensor, group=group, group_src=0)
     tensor = ones(sent / (2 * (n - 1) / n) / 4)
-    return lambda: torch_dist.all_reduce(tensor, group=group)
+    return lambda: torch_dist.all_reduce(tensor, group=group, async_op=overlapped)
 
 
 def collectives_s(dist: distributed.Dist, figures: dict[str, Any], compute_s: float,
-                  groups: dict[int, Any], repeats: int = 3) -> float:
+                  groups: dict[int, Any], overlapped: frozenset[str] = frozenset(),
+                  repeats: int = 3) -> float:
     """What the candidate's collectives and a pipeline's sends add to its step, every
     rank computing: its step replayed, `compute_s` of busy work cut into as many pieces as
     it called them, each piece followed by one of them (each call its kind's share of the
@@ -255,7 +259,8 @@ def collectives_s(dist: distributed.Dist, figures: dict[str, Any], compute_s: fl
     the slowest rank's. Where ranks share cores, a collective also waits for each rank of
     its group to be scheduled again, a cost that depends on the compute around it: one
     collective timed back to back (loopback_latency_s) and the bandwidth of one large one
-    do not see it."""
+    do not see it. The kinds in `overlapped` (DDP's all-reduce) run beside the rest of the
+    replay and are waited for at its end."""
     import torch.distributed as torch_dist
 
     # a pipeline's send as an all-reduce of its bytes within a pair of ranks: like a send
@@ -272,7 +277,8 @@ def collectives_s(dist: distributed.Dist, figures: dict[str, Any], compute_s: fl
         if ranks not in groups:
             groups[ranks] = torch_dist.new_subgroups(group_size=ranks)[0]
     # one call of each kind, made once; its calls spread evenly over the step
-    call_of = {kind: _collective(kind, sent / calls, ranks, dist.device, groups[ranks])
+    call_of = {kind: _collective(kind, sent / calls, ranks, dist.device, groups[ranks],
+                                 kind in overlapped)
                for kind, calls, sent, ranks in shared[0] if calls}
     plan = [call_of[kind] for _, kind in sorted(
         ((i + 0.5) / calls, kind) for kind, calls, *_ in shared[0] for i in range(calls))]
@@ -288,11 +294,15 @@ def collectives_s(dist: distributed.Dist, figures: dict[str, Any], compute_s: fl
     def replay(communicate: bool) -> float:
         torch_dist.barrier()
         start = time.perf_counter()
+        running = []
         for call in plan:
             for _ in range(pieces):
                 a @ a
             if communicate:
-                call()
+                running.append(call())
+        for work in running:
+            if isinstance(work, torch_dist.Work):
+                work.wait()
         torch_dist.barrier()
         return time.perf_counter() - start
 
