@@ -190,3 +190,25 @@ class MisplannedRegressor(nn.Module):
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
         return {"up": ColwiseParallel(), "middle": RowwiseParallel()}
+
+
+class DrawnWaves(torch.utils.data.Dataset):
+    """The example's regression samples drawn as many a user's dataset draws them: from the
+    global generators (torch's, numpy's, Python's random) at construction, no seed given."""
+
+    def __init__(self, size: int = 512, seed: int = 0):
+        import random
+
+        import numpy
+
+        del seed  # the example's key, unused: the run's seed decides
+        self.x = torch.randn(size, 8)
+        shift = random.random()
+        noise = torch.from_numpy(numpy.random.normal(0, 0.05, (size, 1))).float()
+        self.y = torch.sin(self.x.sum(1, keepdim=True) + shift) + noise
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[index], self.y[index]

@@ -4,8 +4,13 @@ Datasets (datasets.py)."""
 
 from __future__ import annotations
 
+import contextlib
+import random
+import sys
 from dataclasses import dataclass
+from typing import Iterator
 
+import torch
 from torch.utils.data import IterableDataset
 
 from parallab.config.schema import DataConfig, Loader
@@ -55,11 +60,29 @@ def _loader(source, dist: Dist, batch: int, shuffle: bool, seed: int, cfg: DataC
     return DataLoaderLoader(source, dist, batch, shuffle, seed, cfg)
 
 
+@contextlib.contextmanager
+def drawn_from(seed: int) -> Iterator[None]:
+    """torch's, Python's and numpy's global generators seeded with `seed`, and torch's put
+    back after. A user's Dataset may draw its samples from them as it is made: made under
+    the run's seed, it is the same on every rank (whose torch generator holds a seed of its
+    own for dropout) and in evaluate, run after run; the rank's own draws go on after it as
+    if no dataset had been made."""
+    numpy = sys.modules.get("numpy")  # torch imports it where it is installed
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        random.seed(seed)
+        if numpy is not None:
+            numpy.random.seed(seed % 2**32)
+        yield
+
+
 def build_data(cfg: DataConfig, dist: Dist, seed: int, batch_scale: int = 1) -> Data:
-    """Train and eval loaders for this rank; a process feeding several devices (dp) takes
-    `batch_scale` times data.batch_size per step."""
+    """Train and eval loaders for this rank, their datasets made under the run's `seed`
+    (drawn_from); a process feeding several devices (dp) takes `batch_scale` times
+    data.batch_size per step."""
     cfg.loader = resolve_loader(cfg)  # validate resolved it already, unless built directly
-    train, test = cfg.make(seed)
+    with drawn_from(seed):
+        train, test = cfg.make(seed)
     batch, eval_batch = cfg.batch_size * batch_scale, cfg.eval_batch_size * batch_scale
     if isinstance(train, IterableDataset) or isinstance(test, IterableDataset):
         return Data(_loader(train, dist, batch, True, seed, cfg),
