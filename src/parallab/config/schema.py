@@ -415,7 +415,7 @@ class Config:
     # the figure a sweep's objective returns (Optuna); null = eval_accuracy where the loss
     # classifies, else eval_loss
     objective: Optional[str] = None
-    seed: int = 42  # weights, data order and dropout; each rank adds its rank
+    seed: int = 42  # weights, data order, your Datasets as made, dropout (+ each rank)
     device: Device = Device.auto  # auto | cpu | cuda
     sweep: SweepConfig = field(default_factory=SweepConfig)  # multirun settings
     # parallab advise (= experiment=advise): which layout trains this model fastest
