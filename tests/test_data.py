@@ -123,3 +123,28 @@ def test_build_data_uses_the_configured_path():
     assert isinstance(data.train, DataLoaderLoader) and len(data.train) == 10
     inputs, targets = next(iter(data.train))
     assert inputs.shape == (10, 1, 28, 28) and targets.dtype == torch.int64
+
+
+def test_datasets_are_made_under_the_seed_and_leave_each_generators_stream_as_it_was():
+    """A Dataset drawing from the global generators as it is made gets the same samples
+    whatever the rank's own seed; after it, the rank's dropout and augmentation draws go on
+    as if no dataset had been made (a rank's torch seed is its own; random's and numpy's
+    stay unseeded, as before)."""
+    import random
+
+    import numpy
+
+    from parallab.data import drawn_from
+
+    def draws() -> tuple[float, float, float]:
+        return torch.rand(1).item(), random.random(), float(numpy.random.rand())
+
+    made = []
+    for rank_seed in (3, 4):
+        torch.manual_seed(rank_seed), random.seed(rank_seed), numpy.random.seed(rank_seed)
+        expected = draws()
+        torch.manual_seed(rank_seed), random.seed(rank_seed), numpy.random.seed(rank_seed)
+        with drawn_from(42):
+            made.append(draws())
+        assert draws() == expected
+    assert made[0] == made[1]

@@ -62,18 +62,24 @@ def _loader(source, dist: Dist, batch: int, shuffle: bool, seed: int, cfg: DataC
 
 @contextlib.contextmanager
 def drawn_from(seed: int) -> Iterator[None]:
-    """torch's, Python's and numpy's global generators seeded with `seed`, and torch's put
-    back after. A user's Dataset may draw its samples from them as it is made: made under
-    the run's seed, it is the same on every rank (whose torch generator holds a seed of its
-    own for dropout) and in evaluate, run after run; the rank's own draws go on after it as
-    if no dataset had been made."""
+    """torch's, Python's and numpy's global generators seeded with `seed`, and put back
+    after. A user's Dataset may draw its samples from them as it is made: made under the
+    run's seed, it is the same on every rank (whose torch generator holds a seed of its own
+    for dropout) and in evaluate, run after run; the rank's own draws (dropout, a sample's
+    augmentation) go on after it as if no dataset had been made."""
     numpy = sys.modules.get("numpy")  # torch imports it where it is installed
+    kept = random.getstate(), numpy.random.get_state() if numpy is not None else None
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         random.seed(seed)
         if numpy is not None:
             numpy.random.seed(seed % 2**32)
-        yield
+        try:
+            yield
+        finally:
+            random.setstate(kept[0])
+            if numpy is not None:
+                numpy.random.set_state(kept[1])
 
 
 def build_data(cfg: DataConfig, dist: Dist, seed: int, batch_scale: int = 1) -> Data:
