@@ -179,15 +179,16 @@ def full_grid(cfg, overrides: list[str]) -> tuple[list[Candidate], list[int]]:
     return grid.enumerate_grid(options, sizes, device_type), sizes
 
 
-def plan(cfg, overrides: list[str], configure: Callable[[list[str]], Any]
-         ) -> tuple[list[Candidate], int, list[str]]:
-    """The candidates, checked, predicted and pruned; the global batch; the user's
-    overrides advise keeps. ConfigError / NothingFits where nothing can be compared."""
+def plan(cfg, overrides: list[str], configure: Callable[[list[str]], Any],
+         dropout: list[str]) -> tuple[list[Candidate], int, list[str]]:
+    """The candidates, checked, predicted and pruned, each with `dropout` (dropout_off) on
+    top of the user's overrides; the global batch; the user's overrides advise keeps.
+    ConfigError / NothingFits where nothing can be compared."""
     options = cfg.advise
     candidates, sizes = full_grid(cfg, overrides)
     global_batch = cfg.data.global_batch_size or cfg.data.batch_size
     user = grid.user_overrides(overrides)
-    base = user + measuring(options, global_batch) + dropout_off(cfg.model)
+    base = user + measuring(options, global_batch) + dropout
     grid.settle(candidates, lambda extra: configure(base + extra),
                 _budget(options, cfg, _device_type(cfg)), options.only_needed)
     checked = [c for c in candidates if c.cfg is not None]
@@ -335,11 +336,11 @@ def advise(cfg, overrides: list[str], run_dir: str, configure: Callable[[list[st
     `entry`: how the recommended command starts (python train.py, and any --config-dir)."""
     out = Path(run_dir)
     out.mkdir(parents=True, exist_ok=True)
-    candidates, global_batch, user = plan(cfg, overrides, configure)
+    off = dropout_off(cfg.model)
+    candidates, global_batch, user = plan(cfg, overrides, configure, off)
     links = _measure(candidates, out)
     report.judge(candidates, cfg.advise.rtol)
     notes = _predict_times(candidates, cfg.advise, links)
-    off = dropout_off(cfg.model)
     if off:  # what the verdicts rest on, and what the command keeps
         notes.append(f"Measured with dropout off ({', '.join(off)}), so that each layout's "
                      "losses can match one device's; the command keeps yours.")

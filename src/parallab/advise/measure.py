@@ -143,10 +143,9 @@ def _step_parts(spec: run.RunSpec, dist: distributed.Dist, figures: dict[str, An
     try:
         share = parts.share_s(spec, dist, groups[1])
         busy = share["share_s"]
-        # DDP's bucket all-reduces overlap the rest of backward
-        overlapped = frozenset({"all_reduce"}) if spec.layout.replicas_only else frozenset()
         return {**share, "collectives_s": parts.collectives_s(
-            dist, figures, max(busy) if isinstance(busy, list) else busy, groups, overlapped)}
+            dist, figures, max(busy) if isinstance(busy, list) else busy, groups,
+            spec.layout.plan.overlapped_kinds(spec.layout))}
     except Exception as error:  # noqa: BLE001 - the check is optional, the run is not
         if distributed.lost_a_peer(error):
             raise

@@ -249,7 +249,7 @@ def _collective(kind: str, sent: float, n: int, device: torch.device, group,
 
 
 def collectives_s(dist: distributed.Dist, figures: dict[str, Any], compute_s: float,
-                  groups: dict[int, Any], overlapped: frozenset[str] = frozenset(),
+                  groups: dict[int, Any], overlapped: tuple[str, ...] = (),
                   repeats: int = 3) -> float:
     """What the candidate's collectives and a pipeline's sends add to its step, every
     rank computing: its step replayed, `compute_s` of busy work cut into as many pieces as
@@ -259,8 +259,8 @@ def collectives_s(dist: distributed.Dist, figures: dict[str, Any], compute_s: fl
     the slowest rank's. Where ranks share cores, a collective also waits for each rank of
     its group to be scheduled again, a cost that depends on the compute around it: one
     collective timed back to back (loopback_latency_s) and the bandwidth of one large one
-    do not see it. The kinds in `overlapped` (DDP's all-reduce) run beside the rest of the
-    replay and are waited for at its end."""
+    do not see it. The kinds in `overlapped` (the layout's plan's overlapped_kinds: DDP's
+    all-reduce) run beside the rest of the replay and are waited for at its end."""
     import torch.distributed as torch_dist
 
     # a pipeline's send as an all-reduce of its bytes within a pair of ranks: like a send

@@ -68,7 +68,8 @@ def drawn_from(seed: int) -> Iterator[None]:
     for dropout) and in evaluate, run after run; the rank's own draws (dropout, a sample's
     augmentation) go on after it as if no dataset had been made."""
     numpy = sys.modules.get("numpy")  # torch imports it where it is installed
-    kept = random.getstate(), numpy.random.get_state() if numpy is not None else None
+    python_state = random.getstate()
+    numpy_state = numpy.random.get_state() if numpy is not None else None
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         random.seed(seed)
@@ -77,9 +78,9 @@ def drawn_from(seed: int) -> Iterator[None]:
         try:
             yield
         finally:
-            random.setstate(kept[0])
+            random.setstate(python_state)
             if numpy is not None:
-                numpy.random.set_state(kept[1])
+                numpy.random.set_state(numpy_state)
 
 
 def build_data(cfg: DataConfig, dist: Dist, seed: int, batch_scale: int = 1) -> Data:

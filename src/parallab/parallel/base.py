@@ -231,6 +231,12 @@ class Plan:
         nodes the job spans (hsdp's shard groups)."""
         return ()
 
+    @classmethod
+    def overlapped_kinds(cls, layout: Layout) -> tuple[str, ...]:
+        """Collective kinds (comm.KINDS) the step starts and leaves running beside its
+        compute, waiting for them only at its end (DDP's bucket all-reduces)."""
+        return ()
+
 
 def params_by_mesh(model: nn.Module) -> dict[object, list[nn.Parameter]]:
     """The parameters with gradients by the device mesh their gradients live on (None: plain

@@ -234,6 +234,12 @@ class MeshPlan(Plan):
         return ("all_gather", "reduce_scatter") if cfg.parallel.dp_replicate > 1 else ()
 
     @classmethod
+    def overlapped_kinds(cls, layout: Layout) -> tuple[str, ...]:
+        """Replicas only run as DDP (MeshStrategy.wrap), whose bucket all-reduces run
+        beside the rest of backward."""
+        return ("all_reduce",) if layout.replicas_only else ()
+
+    @classmethod
     def degrees(cls, n: int) -> list[tuple[int, int, int]] | None:
         """The preset's (dp_replicate, dp_shard, tp) settings for n ranks (advise's
         candidates); None: the preset's own degrees, from the world size alone."""
