@@ -183,7 +183,7 @@ def step_time(names: list[str], extra: list[str]) -> None:
     world sizes 2 and 4 predicted from the parts its launched job measured (its compute
     share over a one-rank group, what its collectives add to a replay of its step, a
     pipeline's parts through its schedule: docs/parallel.md, advise)."""
-    ratios = []
+    ratios, twice = [], {}
     print("| model | world size | layout | measured ms | predicted ms | measured / predicted |")
     print("|---|---|---|---|---|---|")
     for name in names:
@@ -199,12 +199,20 @@ def step_time(names: list[str], extra: list[str]) -> None:
                     measured, predicted = (float(row[k]) for k in ("step_time_ms",
                                                                    "predicted_step_ms_here"))
                     ratios.append(measured / predicted)
+                    twice.setdefault((name, row["layout"]), []).append(measured)
                     print(f"| {name} | {n} | {row['layout']} | {measured:.1f} | "
                           f"{predicted:.1f} | {ratios[-1]:.2f} |", flush=True)
     errors = [abs(r - 1) for r in ratios]
     print(f"\nmedian |error| {statistics.median(errors):.1%} over {len(ratios)} candidates; "
           f"measured / predicted {min(ratios):.2f} to {max(ratios):.2f} (goal: median <= 10%, "
           "every one within 1.3x)")
+    # a layout advise measured in both jobs (at world size 2 and among world size 4's
+    # candidates): how far apart two measurements of one step are here, in one sitting
+    apart = [max(ms) / min(ms) for ms in twice.values() if len(ms) > 1]
+    if apart:
+        print(f"the same candidate measured in both jobs: {min(apart):.2f} to "
+              f"{max(apart):.2f} x apart (median {statistics.median(apart):.2f}) over "
+              f"{len(apart)} candidates")
 
 
 def _ms(value: str | None) -> str:
