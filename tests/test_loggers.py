@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import json
+import os
 import re
 import logging
 import struct
@@ -93,13 +94,18 @@ def wandb_records(path: Path):
             yield record
 
 
-@pytest.fixture
-def mlflow_server(tmp_path):
-    with testing.mlflow_server(tmp_path, free_port()) as uri:
+# one real server for this module's MLflow tests, on one worker: its start takes seconds
+ON_THE_SERVERS_WORKER = pytest.mark.xdist_group("mlflow_server")
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):
+    with testing.mlflow_server(tmp_path_factory.mktemp("mlflow"), free_port()) as uri:
         yield uri
 
 
 @pytest.mark.slow
+@ON_THE_SERVERS_WORKER
 def test_a_sweep_is_one_view_in_an_mlflow_server(mlflow_server, tmp_path):
     from mlflow import MlflowClient
 
@@ -131,6 +137,26 @@ def test_a_sweep_is_one_view_in_an_mlflow_server(mlflow_server, tmp_path):
         board = scalars(job_dir, "train/loss")  # TensorBoard: the same figures, float32
         assert [s for s, _ in train] == [s for s, _ in board] == [3, 6, 9, 12]
         assert [v for _, v in train] == pytest.approx([v for _, v in board], rel=1e-6)
+
+
+@ON_THE_SERVERS_WORKER
+def test_a_run_in_this_process_gives_mlflows_own_http_settings_back(mlflow_server, train_here,
+                                                                    monkeypatch):
+    """The run shortens MLflow's HTTP retries for itself (a tracker that stops answering
+    costs seconds); a process that goes on (a notebook, the user's own MLflow calls) has
+    MLflow's own settings again, and a value the user set is kept."""
+    from mlflow import MlflowClient
+
+    monkeypatch.delenv("MLFLOW_HTTP_REQUEST_TIMEOUT", raising=False)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "7")
+    metrics, _ = train_here(*FAST, "trainer.max_steps=2", "logger=[mlflow]",
+                            f"logger.mlflow.tracking_uri={mlflow_server}",
+                            "logger.mlflow.experiment_name=in_process")
+    assert "MLFLOW_HTTP_REQUEST_TIMEOUT" not in os.environ
+    assert os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] == "7"
+    client = MlflowClient(mlflow_server)
+    [run] = client.search_runs([client.get_experiment_by_name("in_process").experiment_id])
+    assert run.data.metrics["final/train_loss"] == pytest.approx(metrics["train_loss"])
 
 
 @pytest.mark.parametrize("listening", [False, True], ids=["nothing-listens", "never-answers"])

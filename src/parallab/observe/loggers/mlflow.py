@@ -3,6 +3,7 @@ metric histories by step, a sweep's jobs as child runs of one parent run."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 import os
@@ -22,6 +23,9 @@ BATCH = 100  # params per request (MLflow's limit)
 METRICS_BATCH = 1000  # metrics per request (MLflow's limit)
 NAME_LENGTH = 256  # an experiment's name column in MLflow's SQL stores
 STATUS = {"finished": "FINISHED", "stopped": "KILLED", "failed": "FAILED"}
+# a tracker that stops answering costs a few seconds, not MLflow's two minutes of retries
+# per request (MLflow reads these at each request; the user's own settings win)
+HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
 
 
 # the stores MLflow's client opens by URI scheme ('' : a local path), and the database
@@ -30,6 +34,19 @@ URI_SCHEMES = ("", "file", "http", "https", "sqlite", "postgresql", "mysql", "ms
                "databricks", "databricks-uc", "uc")
 DRIVERS = {"postgresql": "psycopg2", "psycopg2": "psycopg2", "mysql": "pymysql",
            "pymysql": "pymysql", "mssql": "pyodbc", "pyodbc": "pyodbc"}
+
+
+def _unsetting_on_error(method):
+    """`method`, whose error makes RunLogger drop the logger without closing it: the HTTP
+    defaults its run set go then, as at close."""
+    @functools.wraps(method)
+    def call(self, *args: Any) -> Any:
+        try:
+            return method(self, *args)
+        except BaseException:
+            self.unset_defaults()
+            raise
+    return call
 
 
 class MLflowLogger(Logger):
@@ -47,6 +64,7 @@ class MLflowLogger(Logger):
         self.sender = Sender("mlflow", self.uri())
         self.pending: list[tuple[dict[str, float], int, int]] = []  # (figures, time, step)
         self.sent = 0.0  # when the last figures went to the sender
+        self.defaulted: list[str] = []  # HTTP_DEFAULTS this run set, unset at close
 
     @classmethod
     def check(cls, tracking_uri: str | None = None, experiment_name: str = "parallab",
@@ -80,13 +98,12 @@ class MLflowLogger(Logger):
             return self.tracking_uri
         return f"sqlite:///{Path('outputs').resolve() / 'mlflow.db'}"
 
+    @_unsetting_on_error
     def start(self, run: RunInfo) -> None:
         uri = self.uri()
         answering(uri)
-        # a tracker that stops answering costs a few seconds, not MLflow's two minutes of
-        # retries per request (the user's own settings win)
-        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
-        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+        self.defaulted = [name for name in HTTP_DEFAULTS if name not in os.environ]
+        os.environ.update({name: HTTP_DEFAULTS[name] for name in self.defaulted})
         if uri.startswith("sqlite:"):
             Path(uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
         from mlflow import MlflowClient
@@ -151,9 +168,11 @@ class MLflowLogger(Logger):
         for i in range(0, len(metrics), METRICS_BATCH):
             self.client.log_batch(self.run_id, metrics=metrics[i:i + METRICS_BATCH])
 
+    @_unsetting_on_error
     def text(self, tag: str, markdown: str) -> None:
         self.client.log_text(self.run_id, markdown, f"{tag}.md")
 
+    @_unsetting_on_error
     def finish(self, final: dict[str, float], hparams: dict[str, Any], step: int) -> None:
         self.scalars(final, step)
         self.flush(time.time())
@@ -163,8 +182,18 @@ class MLflowLogger(Logger):
     def close(self, status: str) -> None:
         self.flush(time.time())
         self.sender.close()
-        if self.run_id is not None and self.sender.failed is None:
-            self.client.set_terminated(self.run_id, STATUS.get(status, "FAILED"))
+        try:
+            if self.run_id is not None and self.sender.failed is None:
+                self.client.set_terminated(self.run_id, STATUS.get(status, "FAILED"))
+        finally:
+            self.unset_defaults()
+
+    def unset_defaults(self) -> None:
+        """HTTP_DEFAULTS unset: a process that goes on (a notebook, a sweep's next job in
+        it, the user's own MLflow calls) has MLflow's own again."""
+        for name in self.defaulted:
+            os.environ.pop(name, None)
+        self.defaulted = []
 
 
 def file_store_refused() -> bool:
