@@ -147,11 +147,21 @@ def test_a_run_in_this_process_gives_mlflows_own_http_settings_back(mlflow_serve
     MLflow's own settings again, and a value the user set is kept."""
     from mlflow import MlflowClient
 
+    from parallab.observe.loggers.mlflow import HTTP_DEFAULTS, MLflowLogger
+
     monkeypatch.delenv("MLFLOW_HTTP_REQUEST_TIMEOUT", raising=False)
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "7")
+    during, start = {}, MLflowLogger.start
+
+    def started(self, run):  # what the run's own requests go by
+        start(self, run)
+        during.update({name: os.environ.get(name) for name in HTTP_DEFAULTS})
+
+    monkeypatch.setattr(MLflowLogger, "start", started)
     metrics, _ = train_here(*FAST, "trainer.max_steps=2", "logger=[mlflow]",
                             f"logger.mlflow.tracking_uri={mlflow_server}",
                             "logger.mlflow.experiment_name=in_process")
+    assert during == {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "7", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
     assert "MLFLOW_HTTP_REQUEST_TIMEOUT" not in os.environ
     assert os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] == "7"
     client = MlflowClient(mlflow_server)
