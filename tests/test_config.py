@@ -530,3 +530,21 @@ def test_the_hydra_internals_parallab_uses_are_in_the_installed_hydra_and_nowher
                 and re.search(r"hydra\._internal|from hydra\.\S+ import _|hydra\.main import",
                               p.read_text())]
     assert not reaching
+
+
+def test_composing_shares_hydras_config_store_only_while_it_composes():
+    """Hydra copies its config repository for each compose; parallab's copies share the one
+    ConfigStore instead (one_store), and leave it copied as before after, nested too."""
+    import copy
+
+    from hydra.core.config_store import ConfigStore
+
+    from parallab.config.hydra_internals import one_store
+
+    store = ConfigStore.instance()
+    with one_store():
+        with one_store():
+            assert copy.deepcopy(store) is store
+        assert copy.deepcopy(store) is store  # the inner one leaves it to the outer
+    assert typed("device=cpu").device.value == "cpu"
+    assert copy.deepcopy(store) is not store

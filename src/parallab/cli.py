@@ -370,10 +370,12 @@ def compose(overrides: list[str], config_dir: str | Path | None = None,
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
+    from parallab.config.hydra_internals import one_store
+
     launch.register_resolvers()
     _register_configs()
     extra = [f"hydra.searchpath=[file://{Path(config_dir).resolve()}]"] if config_dir else []
-    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None), one_store():
         return hydra_compose(config_name, overrides=[*overrides, *extra])
 
 
