@@ -139,11 +139,14 @@ def test_datasets_are_made_under_the_seed_and_leave_each_generators_stream_as_it
     def draws() -> tuple[float, float, float]:
         return torch.rand(1).item(), random.random(), float(numpy.random.rand())
 
+    def seed_all(seed: int) -> None:
+        torch.manual_seed(seed), random.seed(seed), numpy.random.seed(seed)
+
     made = []
     for rank_seed in (3, 4):
-        torch.manual_seed(rank_seed), random.seed(rank_seed), numpy.random.seed(rank_seed)
+        seed_all(rank_seed)
         expected = draws()
-        torch.manual_seed(rank_seed), random.seed(rank_seed), numpy.random.seed(rank_seed)
+        seed_all(rank_seed)
         with drawn_from(42):
             made.append(draws())
         assert draws() == expected

@@ -24,11 +24,15 @@ def one_store() -> Iterator[None]:
     --help); nothing stores a config meanwhile, a config loaded from the store is a copy
     of its own, and the store is a process-wide singleton anyway. Nested: the outermost
     puts it back."""
-    if "__deepcopy__" in vars(ConfigStore):
+    if vars(ConfigStore).get("__deepcopy__") is _itself:
         yield
         return
-    ConfigStore.__deepcopy__ = lambda self, memo: self
+    ConfigStore.__deepcopy__ = _itself
     try:
         yield
     finally:
         del ConfigStore.__deepcopy__
+
+
+def _itself(store: ConfigStore, memo: dict) -> ConfigStore:
+    return store
