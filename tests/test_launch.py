@@ -240,6 +240,21 @@ def alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.distributed
+def test_a_temporary_dir_too_long_for_the_fork_servers_socket_spawns_the_workers(tmp_path):
+    """The fork server listens on a Unix socket in the temporary dir, whose path may not
+    pass 107 bytes: under a longer TMPDIR the workers are spawned instead."""
+    from conftest import assert_ok, read_metrics, run_entry
+
+    temporary = tmp_path / ("t" * max(1, 100 - len(str(tmp_path))))  # 100 bytes or more
+    temporary.mkdir()
+    result = run_entry("train.py", [*FAST, "parallel=ddp", "parallel.world_size=2",
+                                    "trainer.max_steps=2"], tmp_path / "run",
+                       env={"TMPDIR": str(temporary)})
+    assert_ok(result)
+    assert read_metrics(tmp_path / "run")["world_size"] == 2
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_ranks_end_with_a_controller_killed_alone(tmp_path):

@@ -35,11 +35,25 @@ def server_env(cfg: Any = None) -> dict[str, str]:
 def ready() -> bool:
     """Workers forked from a server that imported torch and parallab once, instead of each
     spawned worker importing them (2 s of CPU each): needs the server's stop (CPython 3.8+),
-    and the main thread, where kept_running() can start it with SIGTERM ignored; else spawn."""
+    the main thread, where kept_running() can start it with SIGTERM ignored, and a socket
+    path that fits the temporary dir; else spawn."""
     from multiprocessing import forkserver
 
     return (hasattr(forkserver._forkserver, "_stop")
-            and threading.current_thread() is threading.main_thread())
+            and threading.current_thread() is threading.main_thread()
+            and _socket_fits())
+
+
+# the server listens at TMPDIR/pymp-XXXXXXXX/listener-XXXXXXXX (multiprocessing's names),
+# and a Unix socket's path takes at most 107 bytes: under a longer temporary dir the
+# server cannot start, and the launch ended in its traceback
+SOCKET_PATH_MAX, SOCKET_IN_TMPDIR = 107, len("/pymp-XXXXXXXX/listener-XXXXXXXX")
+
+
+def _socket_fits() -> bool:
+    import tempfile
+
+    return len(os.fsencode(tempfile.gettempdir())) + SOCKET_IN_TMPDIR <= SOCKET_PATH_MAX
 
 
 _server_environment: dict[str, str] | None = None  # what the running fork server started with
