@@ -8,6 +8,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 import uuid
@@ -168,10 +169,14 @@ def test_a_failing_rank_ends_the_whole_job_promptly(tmp_path, action, shown, ext
     (tmp_path / "inject" / "sitecustomize.py").write_text(
         textwrap.dedent(INJECT).format(action=action))
     marker = f"parallab-test-{uuid.uuid4().hex}"
+    # the job's own temporary dir, where what it leaves shows (short: the fork server's
+    # socket goes in it)
+    temporary = Path(tempfile.mkdtemp(prefix="pl-"))
     start = time.monotonic()
     result = run_entry("train.py", [*FAST, "parallel=ddp", "parallel.world_size=2",
                                     "trainer.epochs=5", *extra], tmp_path / "run",
-                       env={"PYTHONPATH": str(tmp_path / "inject"), "PARALLAB_MARK": marker})
+                       env={"PYTHONPATH": str(tmp_path / "inject"), "PARALLAB_MARK": marker,
+                            "TMPDIR": str(temporary)})
     elapsed = time.monotonic() - start
     assert result.returncode != 0
     assert shown in output(result)
@@ -180,3 +185,7 @@ def test_a_failing_rank_ends_the_whole_job_promptly(tmp_path, action, shown, ext
     while processes_with(marker) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert processes_with(marker) == []
+    left = sorted(p.name for p in temporary.iterdir()
+                  if not p.name.startswith("torchinductor_"))  # torch's cache, kept by design
+    shutil.rmtree(temporary)
+    assert left == []  # no rank's error file, no launch dir

@@ -23,7 +23,7 @@ from parallab.advise.parts import max_over_ranks
 from parallab.config.errors import OneLineError, first_line
 from parallab.launching import distributed
 from parallab.launching.preemption import Preemption
-from parallab.launching.worker import as_started_afresh, leaving_failure
+from parallab.launching.worker import as_started_afresh, leaving_failure, recorded_once
 from parallab.observe import loggers
 from parallab.observe.comm import MB
 from parallab.observe.loggers import RunLogger
@@ -163,19 +163,21 @@ def worker(job: Job) -> dict[str, Any]:
 
     as_started_afresh()
     logging.basicConfig(level=logging.WARNING)
-    dist = distributed.setup(job.device, job.backend, job.timeout_s, job.threads_per_worker,
-                             store=distributed.attempt_store(job.timeout_s))
-    groups = {dist.world_size: None, 1: torch_dist.new_subgroups(group_size=1)[0]}
-    results = []
-    with leaving_failure(job.failures):  # a signal: advise ends in one line
-        for spec in job.jobs:
-            figures = measure_all([spec], dist)[0]
-            if "error" not in figures:
-                figures.update(_step_parts(spec, dist, figures, groups))
-            results.append(figures)
-    bandwidth, latency = parts.loopback_gbps(dist), parts.loopback_latency_s(dist)
-    threads = torch.get_num_threads()
-    distributed.teardown()
+    with recorded_once():
+        dist = distributed.setup(job.device, job.backend, job.timeout_s,
+                                 job.threads_per_worker,
+                                 store=distributed.attempt_store(job.timeout_s))
+        groups = {dist.world_size: None, 1: torch_dist.new_subgroups(group_size=1)[0]}
+        results = []
+        with leaving_failure(job.failures):  # a signal: advise ends in one line
+            for spec in job.jobs:
+                figures = measure_all([spec], dist)[0]
+                if "error" not in figures:
+                    figures.update(_step_parts(spec, dist, figures, groups))
+                results.append(figures)
+        bandwidth, latency = parts.loopback_gbps(dist), parts.loopback_latency_s(dist)
+        threads = torch.get_num_threads()
+        distributed.teardown()
     return {"results": results, "bandwidth_gbps": bandwidth, "latency_s": latency,
             "cores": distributed.cpu_cores() if dist.device.type == "cpu" else None,
             "threads": threads}

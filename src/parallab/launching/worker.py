@@ -31,15 +31,33 @@ def main(train: Callable[..., dict[str, Any]], spec) -> dict[str, Any]:
     end_with(spec.controller)
     as_started_afresh()
     log_to_files(spec.run_dir)
+    with recorded_once():
+        try:
+            with leaving_failure(spec.failures):
+                return train(spec, store=distributed.attempt_store(spec.cfg.backend.timeout_s))
+        except Exception as error:
+            if distributed.lost_a_peer(error):
+                # the agent names the first exit it sees as the root cause: leave that to
+                # the rank that failed (or was killed) first, whose end broke this one's
+                # connection
+                time.sleep(distributed.PEER_FAILURE_GRACE_S)
+            raise
+
+
+@contextlib.contextmanager
+def recorded_once() -> Iterator[None]:
+    """An exception inside is written to this rank's error file, which the agent reads into
+    the failure the controller reports, and ends the process with exit status 1, as torch's
+    multiprocessing wrapper would end it. Raised on, it would reach that wrapper, which
+    pickles the traceback a second time into a file of the temporary dir that the agent
+    reads and nothing removes: a `pytorch-errorfile-*.pickle` left by each failed rank."""
+    from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+
     try:
-        with leaving_failure(spec.failures):
-            return train(spec, store=distributed.attempt_store(spec.cfg.backend.timeout_s))
+        yield
     except Exception as error:
-        if distributed.lost_a_peer(error):
-            # the agent names the first exit it sees as the root cause: leave that to the
-            # rank that failed (or was killed) first, whose end broke this one's connection
-            time.sleep(distributed.PEER_FAILURE_GRACE_S)
-        raise
+        get_error_handler().record_exception(error)
+        raise SystemExit(1) from None
 
 
 def as_started_afresh() -> None:
