@@ -334,9 +334,14 @@ def test_bad_input_exits_with_one_line_naming_the_key(args, key, before_torch, t
         assert not loaded()
 
 
-def test_bad_input_aimed_at_an_earlier_run_leaves_its_record_as_it_was(tmp_path):
+@pytest.mark.parametrize("name,naming", [
+    ("earlier", "hydra.run.dir={}"),
+    # the dir as Hydra reads it, not as typed: a comma escaped, the key forced
+    ("an,earlier", "++hydra.run.dir={}"),
+])
+def test_bad_input_aimed_at_an_earlier_run_leaves_its_record_as_it_was(tmp_path, name, naming):
     """Resuming with a typo: Hydra writes .hydra/ before the check, so the app puts it back."""
-    earlier = tmp_path / "earlier"
+    earlier = tmp_path / name
     record = {name: f"# the earlier run's {name}\n".encode()
               for name in ("config.yaml", "hydra.yaml", "overrides.yaml")}
     (earlier / ".hydra").mkdir(parents=True)
@@ -344,7 +349,8 @@ def test_bad_input_aimed_at_an_earlier_run_leaves_its_record_as_it_was(tmp_path)
         (earlier / ".hydra" / name).write_bytes(content)
     (earlier / "checkpoints").mkdir()
     (earlier / "checkpoints" / "last.pt").write_bytes(b"weights")
-    result = run_entry("train.py", ["trainer.resume=auto", "data.batch_size=0"], earlier,
+    named = naming.format(str(earlier).replace(",", "\\,"))
+    result = run_entry("train.py", ["trainer.resume=auto", "data.batch_size=0", named],
                        timeout=120)
     assert result.returncode == 2 and "data.batch_size=0" in output(result)
     for name, content in record.items():

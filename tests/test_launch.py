@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import FAST, REPO
+from conftest import FAST, REPO, assert_ok, read_metrics, run_entry
 
 from parallab.launching import forking, launch, slurm
 
@@ -244,8 +244,6 @@ def alive(pid: int) -> bool:
 def test_a_temporary_dir_too_long_for_the_fork_servers_socket_spawns_the_workers(tmp_path):
     """The fork server listens on a Unix socket in the temporary dir, whose path may not
     pass 107 bytes: under a longer TMPDIR the workers are spawned instead."""
-    from conftest import assert_ok, read_metrics, run_entry
-
     temporary = tmp_path / ("t" * max(1, 100 - len(str(tmp_path))))  # 100 bytes or more
     temporary.mkdir()
     result = run_entry("train.py", [*FAST, "parallel=ddp", "parallel.world_size=2",

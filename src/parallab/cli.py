@@ -146,14 +146,12 @@ class Invocation:
     @classmethod
     def read(cls, argv: list[str], advising: bool = False) -> "Invocation":
         earlier, fresh = {}, None
-        for arg in argv[1:]:
-            if arg.startswith("hydra.run.dir="):  # the value may be quoted (spaces)
-                hydra_dir = Path(arg.partition("=")[2].strip("'\"")) / ".hydra"
-                if hydra_dir.is_dir():
-                    earlier.update({p: p.read_bytes() for p in hydra_dir.iterdir()
-                                    if p.is_file()})
-                else:
-                    fresh = hydra_dir
+        for run_dir in naming.run_dirs_named(argv[1:]):
+            hydra_dir = Path(run_dir) / ".hydra"
+            if hydra_dir.is_dir():
+                earlier.update({p: p.read_bytes() for p in hydra_dir.iterdir() if p.is_file()})
+            else:
+                fresh = hydra_dir
         return cls(list(argv), earlier, advising, fresh=fresh)
 
     def held_before(self) -> list[str]:

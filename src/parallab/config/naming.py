@@ -1,11 +1,12 @@
 """Names that conf/config.yaml (through the resolvers launching/launch.py registers) and the
 code both use, written once: a rank's log file, a sweep job's dir, and an override's value
-quoted so that Hydra reads it back as it is."""
+quoted so that Hydra reads it back as it is, or read back as Hydra reads it."""
 
 from __future__ import annotations
 
 import hashlib
 import re
+from typing import Iterator
 
 NAME_MAX = 255  # bytes of one file name on Linux's file systems
 
@@ -38,3 +39,21 @@ def hydra_value(text: str) -> str:
     if re.fullmatch(r"[\w/.\-+:@~% ]*", text):
         return text
     return "'" + text.replace("'", "\\'") + "'"  # Hydra unescapes quotes only
+
+
+def run_dirs_named(args: list[str]) -> Iterator[str]:
+    """The hydra.run.dir the command line sets, as Hydra reads it: quoted, escaped (a
+    backslash before a comma), or with `+` or `++`; one Hydra cannot parse, it refuses
+    itself."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    parser = OverridesParser.create()
+    for arg in args:
+        if "hydra.run.dir" in arg:
+            try:
+                override = parser.parse_override(arg)
+            except OverrideParseException:
+                continue
+            if override.key_or_group == "hydra.run.dir" and isinstance(override.value(), str):
+                yield override.value()
