@@ -56,6 +56,24 @@ def test_detects_the_launcher_from_its_variables(clean_env, env, expected):
                        found.local_world_size)) == expected
 
 
+@pytest.mark.parametrize("env,bad", [
+    ({"RANK": "0", "WORLD_SIZE": "abc", "LOCAL_RANK": "0"}, "WORLD_SIZE='abc'"),
+    ({"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "2 tasks"},
+     "SLURM_NTASKS='2 tasks'"),
+])
+def test_a_launchers_variable_that_is_no_number_ends_the_command_in_one_line(clean_env, env,
+                                                                             bad, caplog):
+    """Before Hydra composes anything: exit status 2 and the variable named."""
+    from parallab import cli
+
+    for name, value in env.items():
+        clean_env.setenv(name, value)
+    with pytest.raises(SystemExit) as ended:
+        cli.train(["train.py", "device=cpu"])
+    [line] = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert ended.value.code == 2 and line.startswith(f"{bad} is not a whole number")
+
+
 @pytest.mark.parametrize("nodelist,hosts", [
     ("gpu[01-03,07],cpu5", ["gpu01", "gpu02", "gpu03", "gpu07", "cpu5"]),
     ("node7", ["node7"]), ("a[1,4]", ["a1", "a4"]), ("n[10-11]", ["n10", "n11"]),

@@ -349,7 +349,10 @@ def train(argv: list[str] | None = None, advising: bool = False) -> None:
     """`python train.py [overrides]` (`parallab advise [overrides]`: advising); `argv`: the
     command line, its program first (sys.argv)."""
     call = Invocation.read(argv or sys.argv, advising)
-    launch.prepare_in_place()
+    try:
+        launch.prepare_in_place()
+    except ConfigError as error:  # a launcher's variable that cannot be read
+        _fail(str(error), 2)
     launch.register_resolvers()
     help.register_resolver("advise" if advising else "train")
     _register_configs()

@@ -54,7 +54,13 @@ class InPlace:
 
 def _int(name: str, default: int | None = None) -> int | None:
     value = os.environ.get(name)
-    return int(value) if value not in (None, "") else default
+    if value in (None, ""):
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"{name}={value!r} is not a whole number: a launcher sets it; "
+                          f"unset it where none started this process") from None
 
 
 def detect() -> InPlace | None:
