@@ -295,6 +295,22 @@ def test_bad_values_fail_naming_the_key(overrides, message):
     assert message in text and "\n" not in text
 
 
+def test_gloo_told_to_use_an_interface_this_machine_lacks_is_refused_before_launch(
+        monkeypatch):
+    """An inherited GLOO_SOCKET_IFNAME naming no interface here: one line before any rank
+    starts (launched, every rank failed to connect, each with its traceback); one that
+    exists passes, and a run of one process, which uses no gloo, is not held to it."""
+    ddp = ["parallel=ddp", "parallel.world_size=2", "device=cpu"]
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo,eth9")
+    with pytest.raises(validate.ConfigError) as refused:
+        checked(*ddp)
+    assert str(refused.value).startswith("GLOO_SOCKET_IFNAME=lo,eth9 names no interface of "
+                                         "this machine (eth9; it has ")
+    checked("device=cpu")
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    checked(*ddp)
+
+
 @pytest.fixture
 def torch_loaded(tmp_path):
     """(env, loaded): run a command with `env` and `loaded()` says whether its process

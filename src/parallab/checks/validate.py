@@ -19,7 +19,7 @@ from parallab.checks import trial
 from parallab.config import schema as config
 from parallab.config.errors import ConfigError, environment_kept_if_refused
 from parallab.config.schema import Config, Device
-from parallab.launching.distributed import cpu_cores
+from parallab.launching.distributed import cpu_cores, interfaces_problem
 from parallab.launching import slurm
 from parallab.launching.launch import InPlace
 from parallab.observe import loggers, memory
@@ -272,7 +272,7 @@ def check_adapter(cfg: Config, layout: Layout) -> None:
     _refuse(adapters.problem(cfg.adapter, models.build_on_meta(cfg.model)))
 
 
-def resolve_backend(cfg: Config) -> None:
+def resolve_backend(cfg: Config, layout: Layout) -> None:
     import torch.distributed as dist
 
     name = cfg.backend.name
@@ -285,6 +285,9 @@ def resolve_backend(cfg: Config) -> None:
     _require(name != "mpi" or dist.is_mpi_available(),
              "backend=mpi: this PyTorch was built without MPI (PyPI wheels are); build PyTorch "
              "from source with MPI, or run under mpirun with backend=gloo or backend=nccl")
+    if name == "gloo" and layout.processes:
+        _refuse(interfaces_problem("GLOO_SOCKET_IFNAME"))
+
 
 
 def check_resume(cfg: Config, layout: Layout, run_dir: str | None) -> None:
@@ -392,7 +395,7 @@ def prepare(cfg: Config, in_place: InPlace | None, run_dir: str | None = None
         check_strategy(cfg, layout, probe)
         check_adapter(cfg, layout)
         check_run_length(cfg, layout)
-        resolve_backend(cfg)
+        resolve_backend(cfg, layout)
         check_resume(cfg, layout, run_dir)
         check_init(cfg, probe)
     return cfg, layout

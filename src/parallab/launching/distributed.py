@@ -150,3 +150,19 @@ def leave_together(store: dist.Store, job: Dist, timeout_s: float = 60.0) -> Non
 def teardown() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def interfaces_problem(variable: str) -> str | None:
+    """What is wrong with the network interfaces `variable` names (a comma-separated list,
+    as gloo reads GLOO_SOCKET_IFNAME), if this machine lacks one: launched, every rank
+    would fail to connect, each with its traceback."""
+    import socket
+
+    named = [n for n in os.environ.get(variable, "").split(",") if n]
+    present = sorted(name for _, name in socket.if_nameindex())
+    missing = [n for n in named if n not in present]
+    if missing:
+        return (f"{variable}={os.environ[variable]} names no interface of this machine "
+                f"({', '.join(missing)}; it has {', '.join(present)}): unset it or name one "
+                "of those")
+    return None
