@@ -113,6 +113,31 @@ def test_the_launcher_listens_on_loopback_only(monkeypatch):
     assert addresses == ["127.0.0.1"]
 
 
+def test_a_master_port_taken_or_no_port_is_refused_before_launch(monkeypatch):
+    """The built-in launcher's agent listens at a MASTER_PORT the user set: one taken here,
+    or no port number, is one line before any worker starts (launched, a traceback once the
+    workers were announced). A one-process run, which launches nothing, is not held to it."""
+    import socket
+
+    from conftest import checked
+
+    from parallab.config.errors import ConfigError
+
+    ddp = ("parallel=ddp", "parallel.world_size=2", "device=cpu")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        monkeypatch.setenv("MASTER_PORT", str(port))
+        with pytest.raises(ConfigError, match=f"^MASTER_PORT={port} is in use on this machine"):
+            checked(*ddp)
+        checked("device=cpu")
+    checked(*ddp)  # free again
+    monkeypatch.setenv("MASTER_PORT", "abc")
+    with pytest.raises(ConfigError, match="^MASTER_PORT=abc is not a port number"):
+        checked(*ddp)
+
+
 def test_the_launch_config_sets_only_the_fields_this_torch_has():
     """torch 2.11's LaunchConfig has no shutdown_timeout nor signals_to_handle: a launch
     there gives them to the agent where the class takes them, and leaves them out else."""

@@ -21,7 +21,7 @@ from parallab.config.errors import ConfigError, environment_kept_if_refused
 from parallab.config.schema import Config, Device
 from parallab.launching.distributed import cpu_cores, interfaces_problem
 from parallab.launching import slurm
-from parallab.launching.launch import InPlace
+from parallab.launching.launch import InPlace, master_port_problem
 from parallab.observe import loggers, memory
 from parallab.parallel import activations, parallelize
 from parallab.parallel.layout import Layout
@@ -388,6 +388,8 @@ def prepare(cfg: Config, in_place: InPlace | None, run_dir: str | None = None
     with environment_kept_if_refused("CUDA_VISIBLE_DEVICES"):  # resolve_device sets it
         resolve_device(cfg)
         layout = resolve_parallel(cfg, in_place)
+        if in_place is None and layout.processes:  # parallab's own launcher
+            _refuse(master_port_problem())
         _refuse(precision.device_problem(cfg.precision, cfg.device.value, layout.tp,
                                          layout.dp_shard))
         _refuse(memory.snapshot_problem(cfg.trainer.memory_snapshot, cfg.device.value))

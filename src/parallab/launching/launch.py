@@ -235,6 +235,29 @@ def worker_env(cfg) -> dict[str, str]:
     return {"OMP_NUM_THREADS": str(threads), **server_env(cfg)}
 
 
+def master_port_problem() -> str | None:
+    """MASTER_PORT, where the user set it for parallab's own launcher (its agent's store
+    listens there): not a port number, or one in use on this machine, which ended the
+    launch in a traceback once its workers had been announced."""
+    import socket
+
+    from parallab.launching import rendezvous
+
+    value = os.environ.get("MASTER_PORT")
+    if not value:
+        return None
+    unset = "unset it (each job then gets a free port)"
+    if not value.isdigit() or not 0 < int(value) < 65536:
+        return f"MASTER_PORT={value} is not a port number: {unset} or set one of 1-65535"
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the store binds
+        try:
+            probe.bind((rendezvous.HOST, int(value)))
+        except OSError:
+            return f"MASTER_PORT={value} is in use on this machine: {unset} or set a free one"
+    return None
+
+
 def launch_config(config_class, world_size: int, max_restarts: int, logs: str | None = None):
     """torch's LaunchConfig for world_size workers on this machine, its agent's per-attempt
     dirs (the workers' error files) under `logs` (None: torch's default, a new
