@@ -158,25 +158,31 @@ def processes_with(marker: str) -> list[int]:
     return found
 
 
+@pytest.fixture
+def short_tmp():
+    """A temporary dir short enough for the fork server's socket (pytest's may not be)."""
+    path = Path(tempfile.mkdtemp(prefix="pl-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
 @pytest.mark.parametrize("action,shown,extra", [
     ("raise RuntimeError('injected failure on rank 1')", "RuntimeError: injected failure", []),
     ("os.kill(os.getpid(), 9)", "SIGKILL", []),
     # a hung rank: the others' next collective gives up after backend.timeout_s
     ("import time; time.sleep(300)", "Timed out waiting 5000ms", ["backend.timeout_s=5"]),
 ])
-def test_a_failing_rank_ends_the_whole_job_promptly(tmp_path, action, shown, extra):
+def test_a_failing_rank_ends_the_whole_job_promptly(tmp_path, short_tmp, action, shown,
+                                                     extra):
     (tmp_path / "inject").mkdir()
     (tmp_path / "inject" / "sitecustomize.py").write_text(
         textwrap.dedent(INJECT).format(action=action))
     marker = f"parallab-test-{uuid.uuid4().hex}"
-    # the job's own temporary dir, where what it leaves shows (short: the fork server's
-    # socket goes in it)
-    temporary = Path(tempfile.mkdtemp(prefix="pl-"))
     start = time.monotonic()
     result = run_entry("train.py", [*FAST, "parallel=ddp", "parallel.world_size=2",
                                     "trainer.epochs=5", *extra], tmp_path / "run",
                        env={"PYTHONPATH": str(tmp_path / "inject"), "PARALLAB_MARK": marker,
-                            "TMPDIR": str(temporary)})
+                            "TMPDIR": str(short_tmp)})
     elapsed = time.monotonic() - start
     assert result.returncode != 0
     assert shown in output(result)
@@ -185,7 +191,6 @@ def test_a_failing_rank_ends_the_whole_job_promptly(tmp_path, action, shown, ext
     while processes_with(marker) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert processes_with(marker) == []
-    left = sorted(p.name for p in temporary.iterdir()
-                  if not p.name.startswith("torchinductor_"))  # torch's cache, kept by design
-    shutil.rmtree(temporary)
+    left = [p.name for p in short_tmp.iterdir()  # the job's own temporary dir
+            if not p.name.startswith("torchinductor_")]  # torch's cache, kept by design
     assert left == []  # no rank's error file, no launch dir

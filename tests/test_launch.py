@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 
 import pytest
-from conftest import FAST, REPO, assert_ok, read_metrics, run_entry
+from conftest import FAST, REPO, assert_ok, checked, read_metrics, run_entry
 
+from parallab.config.errors import ConfigError
 from parallab.launching import forking, launch, slurm
 
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_NTASKS",
@@ -117,12 +119,6 @@ def test_a_master_port_taken_or_no_port_is_refused_before_launch(monkeypatch):
     """The built-in launcher's agent listens at a MASTER_PORT the user set: one taken here,
     or no port number, is one line before any worker starts (launched, a traceback once the
     workers were announced). A one-process run, which launches nothing, is not held to it."""
-    import socket
-
-    from conftest import checked
-
-    from parallab.config.errors import ConfigError
-
     ddp = ("parallel=ddp", "parallel.world_size=2", "device=cpu")
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -289,7 +289,6 @@ def resolve_backend(cfg: Config, layout: Layout) -> None:
         _refuse(interfaces_problem("GLOO_SOCKET_IFNAME"))
 
 
-
 def check_resume(cfg: Config, layout: Layout, run_dir: str | None) -> None:
     """trainer.resume names a readable parallab checkpoint of this model (auto: if any)."""
     from pathlib import Path

@@ -44,10 +44,12 @@ def ready() -> bool:
             and _socket_fits())
 
 
-# the server listens at TMPDIR/pymp-XXXXXXXX/listener-XXXXXXXX (multiprocessing's names),
-# and a Unix socket's path takes at most 107 bytes: under a longer temporary dir the
-# server cannot start, and the launch ended in its traceback
-SOCKET_PATH_MAX, SOCKET_IN_TMPDIR = 107, len("/pymp-XXXXXXXX/listener-XXXXXXXX")
+# the server listens on a socket in a dir of its own in TMPDIR, both named by tempfile
+# (multiprocessing's prefixes, then 8 random characters each), and a Unix socket's path
+# takes at most 107 bytes: under a longer temporary dir the server cannot start, and the
+# launch ended in its traceback
+SOCKET_PATH_MAX = 107
+SOCKET_IN_TMPDIR = len("/pymp-") + 8 + len("/listener-") + 8
 
 
 def _socket_fits() -> bool:
