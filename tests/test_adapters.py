@@ -269,7 +269,7 @@ def test_advise_counts_the_frozen_base_without_gradients_or_optimizer_state():
     and the step's counted FLOPs leave out the base's weight gradients (MFU's too)."""
     from conftest import typed
 
-    from parallab.advise import memory, scaling
+    from parallab.advise import memory
     from parallab.checks import trial
     from parallab.models import adapters, build_model
     from parallab.observe import mfu
@@ -282,7 +282,7 @@ def test_advise_counts_the_frozen_base_without_gradients_or_optimizer_state():
     params_mb = sum(p.numel() for p in build_model(full.model).parameters()) * 4 / 2**20
     assert full_state == pytest.approx(4 * params_mb, rel=0.01)  # weights, grads, 2 moments
     assert lora_state == pytest.approx(params_mb, rel=0.1) and lora_state <= 0.3 * full_state
-    ratio = scaling.step_flops(lora, batch) / scaling.step_flops(full, batch)
+    ratio = _step_flops(lora, batch) / _step_flops(full, batch)
     assert 0.6 < ratio < 0.8  # the base's weight gradients (a third of its FLOPs) go
     plain = build_model(typed(*RUN).model)
     adapted = adapters.apply(build_model(typed(*RUN).model), lora.adapter)
@@ -311,3 +311,22 @@ def test_advise_with_adapters_measures_the_data_parallel_layouts_and_refuses_the
     # ddp all-reduces the adapters' gradients (and a few numbers of the step's figures)
     assert float(rows["ddp"]["comm_mb_per_step"]) == pytest.approx(adapters * 4 / 2**20,
                                                                    rel=0.01)
+def _step_flops(cfg, batch) -> float:
+    """A forward and backward's FLOPs on fake tensors, the adapters on where the config has
+    them (a frozen weight's gradient is not computed)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from parallab import batch as batches
+    from parallab.advise.memory import fake_model
+    from parallab.loss import build_loss
+
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    model = fake_model(cfg, fake, torch.device("cpu"))
+    with fake:
+        fake_batch = batches.apply(batch, fake.from_tensor)
+        with FlopCounterMode(display=False) as counter:
+            build_loss(cfg.loss).bind(model).step_loss(model, fake_batch, 1)[1].backward()
+    return counter.get_total_flops()
+
+

@@ -35,7 +35,8 @@ def test_advise_measures_predicts_and_recommends_a_matching_layout(tmp_path):
     for row in rows:  # every one ran, matched its reference, and was predicted within 15%
         assert row["verdict"] in ("reference", "matches"), row
         assert abs(float(row["memory_error"])) <= 0.15, row
-        assert float(row["predicted_step_ms"]) > 0
+        # simulated on 16 GPUs of the default cluster, and here as the simulation has it
+        assert float(row["predicted_step_ms"]) > 0 and float(row["simulated_step_ms_here"]) > 0
         if "n=2" in row["layout"]:  # its step here, from the parts its job measured
             ratios.append(float(row["step_time_ms"]) / float(row["predicted_step_ms_here"]))
     # loose, and over the candidates: the parts and the run are timed apart on a machine
@@ -196,8 +197,10 @@ def test_the_recommended_command_keeps_where_the_config_came_from():
     (["parallel.world_size=1"], "only one candidate (none(n=1) fp32 ac=none accum=1) at world "
                                 "sizes [1]; the others are savers it does not need"),
     (["advise.steps=0"], "advise.steps=0 is out of range"),
-    (["advise.device=RTX-2080"], "advise.device=RTX-2080 is not in mfu.py's table"),
-    (["advise.mfu=5"], "advise.mfu=5.0 is out of range: it is a share of the peak, in (0, 1]"),
+    (["advise.target_world_size=64", "cluster.gpu=RTX-2080"],
+     "cluster.gpu=RTX-2080 is not in mfu.py's table"),
+    (["advise.target_world_size=64", "cluster.matmul_efficiency=5"],
+     "cluster.matmul_efficiency=5.0 is out of range: it is a share of the peak, in (0, 1]"),
     (["advise.budget_mb=-100"], "advise.budget_mb=-100.0 is out of range: it must be > 0"),
     (["advise.world_sizes=[0]"], "advise.world_sizes=[0] holds 0: give world sizes >= 1"),
     (["advise.world_sizes=[2,-1]"], "advise.world_sizes=[2, -1] holds -1"),
@@ -274,34 +277,20 @@ def test_only_needed_measures_the_cheapest_saver_that_fits():
     assert len(fits) == 1 and fits[0].cost > 0 and fits[0].predicted_mb < kept[0].predicted_mb
 
 
-def test_step_time_model_follows_links_ring_factor_and_bubble():
-    """scaling.py's formula on fixed figures: the inter-node link once a group spans nodes,
-    hsdp's shard collectives kept in a node, the ring factor, a pipeline's bubble."""
+def test_step_time_model_follows_the_bubble_and_the_measured_parts():
+    """scaling.py's check on fixed figures: a pipeline's bubble, and here the parts a
+    launched job measured."""
     from conftest import checked
 
     from parallab.advise import scaling
     from parallab.parallel import PLANS
 
-    gbit = 2**20 * 8 / 1e9  # seconds to send one MB at 1 Gbit/s
     ddp = checked(*TINY, "parallel=ddp", "parallel.world_size=2")  # (config, layout)
-    figures = {"comm_all_reduce_mb": 1.0}
-    # 2 ranks -> 16: the ring factor goes from 1/2 to 15/16; 16 ranks span 2 nodes of 8
-    assert scaling.comm_seconds(figures, *ddp, 16, 8, 100.0, 10.0) == pytest.approx(
-        gbit / 10 * (15 / 16) / (1 / 2))
-    assert scaling.comm_seconds(figures, *ddp, 8, 8, 100.0, 10.0) == pytest.approx(
-        gbit / 100 * (7 / 8) / (1 / 2))
-    hsdp = checked(*TINY, "parallel=hsdp", "parallel.world_size=4", "parallel.dp_replicate=2")
-    gather = {"comm_all_gather_mb": 1.0}
-    assert scaling.comm_seconds(gather, *hsdp, 16, 8, 100.0, 10.0) == pytest.approx(
-        gbit / 100 * (15 / 16) / (3 / 4))  # the shard group's traffic stays in the node
     pipeline = checked(*TINY, "parallel=pipeline", "parallel.world_size=2",
                        "parallel.microbatches=4")
     assert pipeline[1].plan is PLANS["pipeline"] and ddp[1].plan is PLANS["ddp"]
     assert pipeline[1].plan.bubble(pipeline[0]) == 1 + 1 / 4
     assert ddp[1].plan.bubble(ddp[0]) == 1.0
-    # on a target cluster a call's fixed cost is not known: bytes only
-    called = {"comm_all_reduce_mb": 1.0, "comm_all_reduce_calls": 3}
-    assert scaling.comm_seconds(called, *ddp, 2, 8, 100.0, 10.0) == pytest.approx(gbit / 100)
     # here, a layout with a process per rank computes the share its launched job measured
     # and waits what its collectives added to its replayed step, their bytes included, and
     # the loop's own time its run measured; one process driving the devices, world size

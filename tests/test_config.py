@@ -20,6 +20,11 @@ NEEDS_MORE_THAN_THIS_MACHINE = {("backend", "nccl"): "backend=nccl",  # CUDA
                                 ("data", "cifar10"): "data.root",  # CIFAR-10 is not shipped
                                 ("data", "imagefolder"): "data.path",  # nor is a default folder
                                 ("data", "hf_text"): "data.files"}  # nor a tokenizer
+# options train refuses by design, and the line that says where they belong
+TRAIN_REFUSES = {("parallel", "auto"): "rank them with `parallab simulate parallel=auto"}
+# models too large to build whole on this machine (the controller's trial would): composed,
+# and checked as parallab simulate checks them, on meta
+LARGE = {"llama3_8b", "llama3_70b", "llama3_405b"}
 
 
 def options(group: str) -> list[str]:
@@ -28,12 +33,15 @@ def options(group: str) -> list[str]:
 
 # the class each model option builds (model._target_'s last part)
 MODEL_CLASSES = {"gpt": "GPT", "lstm": "LSTMClassifier", "mlp": "MLP", "mnist_cnn": "MnistCNN",
-                 "resnet18": "ResNet18", "convnet": "ConvNet"}
+                 "resnet18": "ResNet18", "convnet": "ConvNet",
+                 **{name: "LlamaForCausalLM" for name in LARGE}}
 
 # options that only make sense with a partner from another group
 PARTNERS = {("model", "gpt"): ["data=bytes"], ("data", "bytes"): ["model=gpt"],
             ("model", "lstm"): ["data=text"], ("data", "text"): ["model=lstm"],
             ("model", "resnet18"): ["data=synthetic", "data.shape=[3,32,32]"],
+            ("data", "tokens"): ["model=gpt"],
+            **{("model", name): ["data=tokens", "data.seq_len=64"] for name in LARGE},
             ("data", "cifar10"): ["model=resnet18"], ("data", "imagefolder"): ["model=resnet18"],
             # tensor parallel needs a model with a plan
             ("parallel", "tp"): ["model=mlp"], ("parallel", "fsdp_tp"): ["model=mlp"]}
@@ -52,7 +60,18 @@ def test_every_option_composes_and_validates(group, option):
         assert list(cfg.logger) == [option]
     else:
         assert getattr(cfg, group).name == option
-    if (group, option) in NEEDS_MORE_THAN_THIS_MACHINE:
+    if (group, option) in TRAIN_REFUSES:
+        with pytest.raises(validate.ConfigError, match=TRAIN_REFUSES[(group, option)]):
+            validate.prepare(cfg, in_place=None)
+    elif group == "model" and option in LARGE:
+        from parallab.commands import compose
+        from parallab.config.hydra_app import typed_config
+        from parallab.simulate import run
+
+        overrides = [f"model={option}", "data.seq_len=64", "parallel=fsdp",
+                     "parallel.world_size=8"]
+        assert run.check(typed_config(compose(overrides, None, "simulate"), overrides))
+    elif (group, option) in NEEDS_MORE_THAN_THIS_MACHINE:
         with pytest.raises(validate.ConfigError,
                            match=NEEDS_MORE_THAN_THIS_MACHINE[(group, option)]):
             validate.prepare(cfg, in_place=None)

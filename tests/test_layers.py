@@ -17,7 +17,7 @@ LAYERS = [
     ("observe",),                                           # what a run reports
     ("launching",),                                         # processes and signals
     ("training",),                                          # a rank's run
-    ("checks", "advise"),                                   # the controller's checks
+    ("checks", "advise", "simulate"),                       # the controller's checks
     ("cli", "commands", "testing"),                         # the commands
 ]
 

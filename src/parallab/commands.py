@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from parallab.cli import Invocation, _fail, advise, compose, train
 from parallab.config import help
 from parallab.config.errors import ConfigError
-from parallab.config.hydra_app import hydra_app, run_app, typed_config
+from parallab.config.hydra_app import config_flags, hydra_app, run_app, typed_config
 from parallab.config.schema import register_configs
 from parallab.launching import launch
 from parallab.observe import summary
@@ -246,7 +246,42 @@ def _unbuildable(ckpt: Path, spec: dict[str, Any], error: Exception) -> str:
     return f"ckpt={ckpt}: its model {spec.get('_target_')} cannot be built ({cause}): {need}"
 
 
-APPS = {"train": train, "evaluate": evaluate, "advise": advise}  # Hydra apps: argv is theirs
+def _simulate_task(dict_cfg: DictConfig, call: Invocation) -> None:
+    from parallab.simulate import run
+    from parallab.training import rundir
+
+    overrides = list(HydraConfig.get().overrides.task)
+    run_dir = HydraConfig.get().runtime.output_dir
+    try:
+        rundir.check_unused(Path(run_dir), "parallab simulate", call.held_before())
+        run.run(typed_config(dict_cfg, overrides), overrides, run_dir,
+                ["parallab", "train", *config_flags(call.argv[1:])])
+    except ConfigError as error:
+        call.restore()
+        _fail(str(error), 2)
+
+
+def simulate_in_process(overrides: list[str], run_dir: str | Path,
+                        config_dir: str | Path | None = None) -> dict[str, Any]:
+    """What `parallab simulate OVERRIDES hydra.run.dir=RUN_DIR` does, in this process: its
+    summary; ConfigError where the command would end in one line."""
+    from parallab.simulate import run
+
+    cfg = typed_config(compose(list(overrides), config_dir, "simulate"), list(overrides))
+    return run.run(cfg, list(overrides), str(run_dir), ["parallab", "train"])
+
+
+def simulate(argv: list[str] | None = None) -> None:
+    """`parallab simulate [overrides]`: a step on a cluster predicted (simulate/)."""
+    call = Invocation.read(argv or sys.argv)
+    launch.register_resolvers()
+    help.register_resolver("simulate")
+    register_configs()
+    run_app(hydra_app("simulate", _simulate_task, call), call)
+
+
+APPS = {"train": train, "evaluate": evaluate, "advise": advise,  # Hydra apps: argv is theirs
+        "simulate": simulate}
 
 
 def parallab() -> None:
@@ -271,6 +306,9 @@ def parallab() -> None:
                         "(advise.md/.csv/.png in the run dir)")
     said = "summary.csv/.md/.png of a multirun dir"  # `parallab --help` and its own --help
     summarize = commands.add_parser("summary", help=said, description=said)
+    commands.add_parser("simulate", help="memory and tokens/s per GPU of a layout (or of every "
+                        "one: parallel=auto) on a cluster: cluster=NAME parallel.world_size=N "
+                        "[overrides] (simulate.md/.json/.png in the run dir)")
     summarize.add_argument("sweep_dir", type=Path, help="a sweep's dir (its hydra.sweep.dir), "
                            "or any dir of run dirs")
     said = ("a checkpoint's model (.pt or sharded .dcp) as OUT.pt, OUT.safetensors, or a "

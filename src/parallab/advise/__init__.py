@@ -38,19 +38,13 @@ def problem(options) -> str | None:
     """None if the advise keys can be used, else one line naming the key."""
     from parallab import precision
     from parallab.config.schema import PrecisionConfig
-    from parallab.observe import mfu
     from parallab.parallel import PLANS, activations
 
-    for key, low in (("steps", 1), ("warmup_steps", 0), ("max_accumulation", 1),
-                     ("gpus_per_node", 1)):
+    for key, low in (("steps", 1), ("warmup_steps", 0), ("max_accumulation", 1)):
         if getattr(options, key) < low:
             return f"advise.{key}={getattr(options, key)} is out of range: it must be >= {low}"
-    for key in ("rtol", "intra_node_gbps", "inter_node_gbps", "mfu"):
-        if not getattr(options, key) > 0:
-            return f"advise.{key}={getattr(options, key)} is out of range: it must be > 0"
-    if not options.mfu <= 1:
-        return (f"advise.mfu={options.mfu} is out of range: it is a share of the peak, in "
-                "(0, 1] (0.4 = 40%)")
+    if not options.rtol > 0:
+        return f"advise.rtol={options.rtol} is out of range: it must be > 0"
     if options.budget_mb is not None and not options.budget_mb > 0:
         return (f"advise.budget_mb={options.budget_mb} is out of range: it must be > 0 (or "
                 "null for the device's memory)")
@@ -75,9 +69,6 @@ def problem(options) -> str | None:
             return f"advise.activation_checkpointing: {found}"
     if options.target_world_size is not None and options.target_world_size < 1:
         return f"advise.target_world_size={options.target_world_size}: it must be >= 1"
-    if mfu.peak_flops(options.device, torch.float32) is None:
-        return (f"advise.device={options.device} is not in mfu.py's table of peak FLOP/s: "
-                "name a GPU it lists (H100, A100, ...)")
     return None
 
 
@@ -172,6 +163,10 @@ def full_grid(cfg, overrides: list[str]) -> tuple[list[Candidate], list[int]]:
     options, device_type = cfg.advise, _device_type(cfg)
     options.precisions = options.precisions or default_precisions(device_type)
     found = problem(options)
+    if not found and options.target_world_size is not None:
+        from parallab.simulate import cluster
+
+        found = cluster.problem(cfg.cluster)
     if found:
         raise ConfigError(found)
     world = _world_size(cfg, overrides, device_type)
@@ -286,29 +281,26 @@ def _dirname(candidate: Candidate) -> str:
     return "".join(ch if ch.isalnum() or ch in "=.-" else "_" for ch in candidate.label)
 
 
-def _predict_times(candidates: list[Candidate], options,
-                   links: dict[int, Link]) -> list[str]:
-    """Each measured candidate's step time at advise.target_world_size, and here at its
-    own world size from the parts its job measured (the model's check); notes for
-    advise.md."""
-    from parallab import precision
-    from parallab.checks import trial
-    from parallab.observe import mfu
+THIS = dict(name="this", gpu="this", memory_gb=None, hbm_gbps=None, gpus_per_node=None,
+            intra_node_gbps=None, inter_node_gbps=None, matmul_efficiency=None,
+            op_overhead_us=None)  # cluster=this: this machine, its rates measured
 
+
+def _predict_times(candidates: list[Candidate], cfg, links: dict[int, Link]) -> list[str]:
+    """Each measured candidate's step: simulated at advise.target_world_size on the cluster
+    group's GPUs, and here (cluster=this) at its own world size, as parallab simulate
+    predicts it; and here from the parts its job measured (the replay's check). Notes for
+    advise.md."""
+    from parallab.config.schema import ClusterConfig
+    from parallab.simulate import run as simulation
+
+    options = cfg.advise
     ran = [c for c in candidates if c.measured]
     devices = torch.cuda.device_count() or 1 if ran and ran[0].cfg.device.value == "cuda" else 1
-    notes, errors = [], []
-    flops = None
-    if options.target_world_size and ran:
-        flops = scaling.step_flops(ran[0].cfg, trial.one_batch(ran[0].cfg, 2))
+    notes, errors, simulated, unsimulated = [], [], [], set()
+    known: dict = {}
+    this = ClusterConfig(**THIS)
     for c in ran:
-        # the target's peak in the candidate's compute dtype (none in the table: no figure)
-        peak = flops and mfu.peak_flops(options.device,
-                                        precision.compute_dtype(c.precision, "cuda"))
-        if peak:
-            work = flops * (4 / 3 if c.activation_checkpointing == "full" else 1)
-            c.figures["predicted_step_ms"] = 1e3 * scaling.predict_target(
-                c.figures, c.cfg, c.layout, work, options, peak)
         one = report.reference_of(candidates, c.precision)
         alone = one.figures["step_time_ms"] / 1e3 if one and one.world_size == 1 else None
         here = c.world_size in links and scaling.validate(c.figures, c.cfg, c.layout,
@@ -316,17 +308,31 @@ def _predict_times(candidates: list[Candidate], options,
         if here:
             c.figures["predicted_step_ms_here"] = 1e3 * here
             errors.append(abs(1e3 * here / c.figures["step_time_ms"] - 1))
-    if flops is not None:
-        notes.append(f"predicted_step_ms: a prediction for {options.target_world_size} x "
-                     f"{options.device} ({options.gpus_per_node} per node, "
-                     f"{options.intra_node_gbps:g}/{options.inter_node_gbps:g} Gbit/s, "
-                     f"{options.mfu:.0%} of peak), docs/parallel.md: advise.")
+        try:
+            step = simulation.step_at(c.cfg, c.layout, c.world_size, this, known)
+            c.figures["simulated_step_ms_here"] = 1e3 * step.step_time_s
+            simulated.append(abs(1e3 * step.step_time_s / c.figures["step_time_ms"] - 1))
+            if options.target_world_size:
+                step = simulation.step_at(c.cfg, c.layout, options.target_world_size,
+                                          cfg.cluster, known)
+                c.figures["predicted_step_ms"] = 1e3 * step.step_time_s
+        except ConfigError as error:
+            unsimulated.add(str(error))
+    if options.target_world_size and ran:
+        notes.append(f"predicted_step_ms: each layout simulated on {options.target_world_size} "
+                     f"x {cfg.cluster.gpu} (cluster={cfg.cluster.name}), as parallab simulate "
+                     "predicts it (docs/parallel.md: planning for a cluster).")
     for n, link in links.items():
         notes.append(f"At world size {n}: loopback all-reduce {link.gbps:.2f} Gbit/s, "
                      f"{link.latency_s * 1e6:.0f} us a call back to back.")
     if errors:
         notes.append(f"Step time here predicted from its measured parts: median error "
                      f"{statistics.median(errors):.0%} over {len(errors)} layouts.")
+    if simulated:
+        notes.append(f"Step time here simulated (cluster=this: this machine's rates, measured "
+                     f"once): median error {statistics.median(simulated):.0%} over "
+                     f"{len(simulated)} layouts.")
+    notes += [f"Not simulated: {reason}." for reason in sorted(unsimulated)]
     return notes
 
 
@@ -340,7 +346,7 @@ def advise(cfg, overrides: list[str], run_dir: str, configure: Callable[[list[st
     candidates, global_batch, user = plan(cfg, overrides, configure, off)
     links = _measure(candidates, out)
     report.judge(candidates, cfg.advise.rtol)
-    notes = _predict_times(candidates, cfg.advise, links)
+    notes = _predict_times(candidates, cfg, links)
     if off:  # what the verdicts rest on, and what the command keeps
         notes.append(f"Measured with dropout off ({', '.join(off)}), so that each layout's "
                      "losses can match one device's; the command keeps yours.")

@@ -13,8 +13,8 @@ from parallab.advise.candidates import Candidate
 # the measured step time beside its prediction from its measured parts (the model's check)
 COLUMNS = ["layout", "world_size", "predicted_memory_mb", "measured_memory_mb",
            "memory_error", "samples_per_sec", "ratio_to_best", "step_time_ms",
-           "predicted_step_ms_here", "comm_mb_per_step", "verdict", "predicted_step_ms",
-           "reason"]
+           "predicted_step_ms_here", "simulated_step_ms_here", "comm_mb_per_step", "verdict",
+           "predicted_step_ms", "reason"]
 
 
 def reference_of(candidates: list[Candidate], precision: str) -> Candidate | None:
@@ -88,6 +88,7 @@ def rows(candidates: list[Candidate]) -> list[dict[str, Any]]:
             "step_time_ms": f.get("step_time_ms"), "comm_mb_per_step": f.get("comm_mb_per_step"),
             "verdict": c.verdict, "predicted_step_ms": f.get("predicted_step_ms"),
             "predicted_step_ms_here": f.get("predicted_step_ms_here"),
+            "simulated_step_ms_here": f.get("simulated_step_ms_here"),
             "reason": c.reason or f.get("error"),
         })
     return table

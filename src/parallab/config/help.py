@@ -160,6 +160,8 @@ USAGE = {
               "the advise.* keys below say how)",
     "evaluate": "python evaluate.py ckpt=PATH [key=value ...]   (the model, and the data unless "
                 "given, are the checkpoint's)",
+    "simulate": "parallab simulate [group=option ...] [key=value ...] cluster=NAME "
+                "parallel.world_size=N   (parallel=auto: every layout, ranked)",
 }
 
 

@@ -101,7 +101,13 @@ def typed(dict_cfg) -> "Config":
     """The composed config as the typed Config every check and every rank reads: each group
     by its schema, `data` by its data set's own config class (ConfigError where a data key
     does not fit it). model, loss and metrics stay `_target_` specs."""
-    cfg = OmegaConf.to_object(dict_cfg)
+    from omegaconf.errors import MissingMandatoryValue
+
+    try:
+        cfg = OmegaConf.to_object(dict_cfg)
+    except MissingMandatoryValue as error:  # a group option that leaves a key ??? (unset)
+        raise ConfigError(f"{error.full_key} is missing: set it ({error.full_key}=VALUE, or in "
+                          "the option's YAML)") from None
     if not isinstance(cfg.data, DataConfig):  # a user's data node, typed by its _target_
         cfg.data = data_config(cfg.data)
     return cfg
@@ -183,6 +189,14 @@ class MeshConfig(ParallelConfig):
 
 
 @dataclass
+@dataclass
+class AutoConfig(ParallelConfig):
+    # parallab simulate ranks every layout at parallel.world_size GPUs; training takes one
+    # of them (the command simulate prints)
+    name: str = "auto"
+    world_size: Optional[int] = None  # GPUs of the cluster the layouts are ranked for
+
+
 class ModelParallelConfig(ParallelConfig):
     name: str = "model"
     world_size: Optional[int] = None  # devices the stages are placed on
@@ -384,14 +398,57 @@ class AdviseConfig:
     only_needed: bool = True
     rtol: float = 1e-3  # a candidate matches its reference when every loss is this close
     budget_mb: Optional[float] = None  # per rank; null = trainer.max_memory_mb, else the device's
-    # step time predicted for this many GPUs (null = none) from the measured compute time
-    # and communication volume
+    # each measured layout's step simulated on this many GPUs of the cluster group's
+    # (cluster=NAME; null = none), as parallab simulate predicts it
     target_world_size: Optional[int] = None
-    gpus_per_node: int = 8
-    intra_node_gbps: float = 3600.0  # gigabits/s per GPU within a node (NVLink 4: 450 GB/s)
-    inter_node_gbps: float = 400.0  # gigabits/s per GPU between nodes (one 400G NIC each)
-    device: str = "H100"  # the target GPU, for its peak FLOP/s (mfu.py's table)
-    mfu: float = 0.4  # the share of that peak the prediction assumes a step reaches
+
+
+# --- cluster: the GPUs parallab simulate predicts a step on (simulate/cluster.py) ---
+@dataclass
+class NcclLatency:
+    """NCCL's latency constants (its tuning.cc): microseconds per call and per ring step,
+    inside a node (NVLink) and between nodes (the network), for its Simple protocol and its
+    low-latency LL protocol."""
+
+    base_us: float = 8.4
+    intra_hop_us: float = 3.4
+    inter_hop_us: float = 9.6
+    ll_base_us: float = 3.6
+    ll_intra_hop_us: float = 0.47
+    ll_inter_hop_us: float = 2.7
+
+
+@dataclass
+class ClusterConfig:
+    name: str = MISSING
+    # the GPU, as mfu.py's table names it (its peak FLOP/s per precision); `this` = this
+    # machine, its rates measured
+    gpu: str = MISSING
+    memory_gb: Optional[float] = MISSING  # a GPU's memory, GiB
+    hbm_gbps: Optional[float] = MISSING  # its memory bandwidth, Gbit/s (H100 SXM: 26,800)
+    gpus_per_node: Optional[int] = MISSING
+    intra_node_gbps: Optional[float] = MISSING  # a GPU to its node's peers, one direction
+    inter_node_gbps: Optional[float] = MISSING  # a GPU to other nodes (its NIC's share)
+    nccl: NcclLatency = field(default_factory=NcclLatency)
+    # the share of the peak a large matmul reaches: the one constant fitted per GPU kind,
+    # from the one published run its YAML names
+    matmul_efficiency: Optional[float] = MISSING
+    op_overhead_us: Optional[float] = 4.0  # the least time an eager kernel takes (its launch)
+    source: str = ""  # where the figures come from
+
+
+@dataclass
+class SimulateConfig:
+    """parallab simulate's own keys (the layouts, the cluster and the shapes are the
+    parallel, cluster and data groups')."""
+
+    rows: int = 20  # layouts simulate.md lists, fastest first (simulate.json holds every one)
+    plotted: int = 4  # the best layouts simulate.png draws against the GPU count
+    # GPU counts simulate.png draws them at; null = powers of 2 from 8 up to parallel.world_size
+    world_sizes: Optional[list[int]] = None
+    # a dir of runs measured here (an advise run dir, a sweep's dir): its figures drawn
+    # beside the predictions
+    measured: Optional[str] = None
 
 
 @dataclass
@@ -423,6 +480,9 @@ class Config:
     advise: AdviseConfig = field(default_factory=AdviseConfig)
 
 
+    # the GPUs and links parallab simulate and advise.target_world_size predict a step on
+    # (cluster=h100, a100, ...; docs/parallel.md: planning for a cluster)
+    cluster: Any = MISSING
 @dataclass
 class EvalConfig(Config):
     ckpt: str = MISSING  # checkpoint to evaluate
@@ -430,7 +490,13 @@ class EvalConfig(Config):
 
 SCHEMAS: dict[str, dict[str, type]] = {
     "parallel": {"none": ParallelConfig, "dp": DPConfig, "mesh": MeshConfig,
-                 "model": ModelParallelConfig, "pipeline": PipelineConfig},
+@dataclass
+class SimulateJob(Config):
+    simulate: SimulateConfig = field(default_factory=SimulateConfig)
+
+
+                 "model": ModelParallelConfig, "pipeline": PipelineConfig,
+                 "auto": AutoConfig},
     "adapter": {"none": AdapterConfig, "lora": LoraConfig},
     "precision": {"default": PrecisionConfig},
     "backend": {"default": BackendConfig},
@@ -439,6 +505,7 @@ SCHEMAS: dict[str, dict[str, type]] = {
     "trainer": {"default": TrainerConfig},
 }
 
+    "cluster": {"default": ClusterConfig},
 
 def register_configs() -> None:
     store = ConfigStore.instance()
@@ -446,6 +513,7 @@ def register_configs() -> None:
     store.store(name="eval_schema", node=EvalConfig)
     for group, options in SCHEMAS.items():
         for name, node in options.items():
+    store.store(name="simulate_schema", node=SimulateJob)
             store.store(group=f"schema/{group}", name=name, node=node)
 
 

@@ -25,6 +25,10 @@ class GptConfig:
     width: int = 256
     dropout: float = 0.0
     tie_embeddings: bool = False
+    attention: str = "sdpa"
+
+
+ATTENTION = ("sdpa", "manual")
 
 
 class Embed(nn.Module):
@@ -44,6 +48,7 @@ class SelfAttention(nn.Module):
     def __init__(self, cfg: GptConfig):
         super().__init__()
         self.head_dim, self.dropout = cfg.width // cfg.heads, cfg.dropout
+        self.manual = cfg.attention == "manual"
         self.qkv = nn.Linear(cfg.width, 3 * cfg.width)
         self.proj = nn.Linear(cfg.width, cfg.width)
         self.proj_dropout = nn.Dropout(cfg.dropout)
@@ -54,9 +59,23 @@ class SelfAttention(nn.Module):
         # q, k, v rows adjacent, so a column split of qkv (tensor parallel) gives each rank
         # whole heads: the head count is whatever this rank holds
         q, k, v = self.qkv(x).view(B, T, -1, 3, self.head_dim).permute(3, 0, 2, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)
+        if self.manual:
+            y = self._manual(q, k, v)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                               dropout_p=self.dropout if self.training else 0.0)
         return self.proj_dropout(self.proj(y.transpose(1, 2).flatten(2)))
+
+    def _manual(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """nanoGPT's path without a fused kernel: the (T, T) scores made, masked and
+        softmaxed in memory, as attention ran before flash attention (Megatron-LM's, GPT-2's
+        own code)."""
+        T = q.shape[-2]
+        scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))
+        causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+        weights = F.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
+        weights = F.dropout(weights, self.dropout, self.training)
+        return weights @ v
 
 
 class Block(nn.Module):
@@ -90,10 +109,10 @@ class GPT(Model):
 
     def __init__(self, vocab_size: int = 256, context: int = 256, layers: int = 4,
                  heads: int = 4, width: int = 256, dropout: float = 0.0,
-                 tie_embeddings: bool = False):
+                 tie_embeddings: bool = False, attention: str = "sdpa"):
         super().__init__()
         self.cfg = cfg = GptConfig(vocab_size, context, layers, heads, width, dropout,
-                                   tie_embeddings)
+                                   tie_embeddings, attention)
         self.embed = Embed(cfg)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
         self.head = Head(cfg)
@@ -173,6 +192,9 @@ class GPT(Model):
         if problem:
             return problem
         cfg = GptConfig(**cfg)
+        if cfg.attention not in ATTENTION:
+            return (f"model.attention={cfg.attention} is unknown: use sdpa (the fused kernel) "
+                    "or manual (the scores in memory)")
         if cfg.width % cfg.heads:
             return (f"model.width={cfg.width} does not split into model.heads={cfg.heads} "
                     "heads: make model.width a multiple of model.heads")

@@ -3,6 +3,7 @@ candidates) whose runtime Strategy lays a model out for its way of splitting the
 
 from __future__ import annotations
 
+from parallab.parallel.auto import AutoPlan
 from parallab.parallel.base import Plan
 from parallab.parallel.dp import DataParallelPlan
 from parallab.parallel.mesh import FSDPTPPlan, HSDPPlan, MeshPlan, TPPlan
@@ -19,4 +20,5 @@ PLANS: dict[str, type[Plan]] = {
     "hsdp": HSDPPlan,
     "tp": TPPlan,
     "fsdp_tp": FSDPTPPlan,
+    "auto": AutoPlan,  # parallab simulate's: every layout, ranked
 }

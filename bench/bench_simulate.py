@@ -1,0 +1,238 @@
+"""`parallab simulate` held against published training runs (bench/published.csv; where
+each figure comes from: bench/published_notes.md).
+
+    python bench/bench_simulate.py [--fit] [--only SUBSTRING] [--all]
+
+Each row that parallab can run as published (its layout a parallab layout, bf16 or fp16,
+no context parallelism, a schedule parallab has) is simulated as `parallab simulate`
+would, on the cluster preset of its hardware, and its prediction printed beside the
+published figure: tokens/s per GPU, or TFLOP/s per GPU counted by the row's own FLOP
+formula; memory where published. The rows of the principal table (the torchtitan and
+Megatron-LM rows named in docs/parallel.md) come first; each GPU kind's
+cluster.matmul_efficiency is fitted to exactly one of them (FIT), every other row is a
+prediction. --fit prints the efficiency each fitting row gives (bisection on it), to be
+written into its preset; --all adds the rows beyond the principal table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import statistics
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+CSV = REPO / "bench" / "published.csv"
+# hardware as the CSV gives it -> cluster preset
+CLUSTERS = (("96GB 500W", "h100_titan"), ("H100 SXM HBM2e", "h100_titan"), ("A100", "a100"),
+            ("H200", "h200"), ("H100", "h100"), ("B200", "b200"))
+# (source substring, table substring, model substring, compile) of the principal rows
+PRINCIPAL = [
+    ("llama3_h100_202412", "Table 1 ", "8B", "false"), ("llama3_h100_202412", "Table 1 ", "8B", "true"),
+    ("performance.md @3faaa1a0", "64 A100", "Llama 3 8B", "false"),
+    ("performance.md @3faaa1a0", "64 A100", "Llama 3 70B", "false"),
+    ("Megatron-LM) + Megatron", "Table 1", "GPT 1.7B", ""),
+    ("Megatron-LM) + Megatron", "Table 1", "GPT 3.6B", ""),
+    ("Megatron-LM) + Megatron", "Table 1", "GPT 7.5B", ""),
+]
+FIT = {"h100_titan": 0, "a100": 2}  # the principal row each kind's efficiency comes from
+SCHEDULES = {"1F1B": "1f1b", "1f1b": "1f1b", "gpipe": "gpipe", "GPipe": "gpipe"}
+MEGATRON_2021 = "2104.04473"
+
+
+def cluster_of(row: dict) -> str:
+    return next(name for key, name in CLUSTERS if key in row["hardware"])
+
+
+def principal_rows(rows: list[dict]) -> dict[int, int]:
+    """Row index -> its place in PRINCIPAL: the first bf16 or fp16 row each names."""
+    found: dict[int, int] = {}
+    for i, (source, table, model, compiled) in enumerate(PRINCIPAL):
+        for index, row in enumerate(rows):
+            if source in row["source"] and table in row["table"] and model in row["model"] \
+                    and (not compiled or row["compile"] == compiled) and \
+                    row["precision"] != "fp8" and index not in found:
+                found[index] = i
+                break
+    return found
+
+
+def why_not(row: dict) -> str | None:
+    """Why parallab cannot run the row as published, or None."""
+    if row["precision"] == "fp8":
+        return "float8"
+    if (row["cp"] or "1") != "1":
+        return "context parallel"
+    if not row["layers"] or not row["tp"] or not row["seq_len"] or not row["local_batch"]:
+        return "layout, batch or sequence not published"
+    pp = int(row["pp"] or 1)
+    if pp > 1 and SCHEDULES.get(row["schedule"] or "1F1B") is None:
+        return f"schedule {row['schedule']}"
+    if "async TP" in row["notes"] or "AsyncTP" in row["table"]:
+        return "asynchronous tensor parallel"
+    if not row["precision"] and MEGATRON_2021 not in row["source"]:
+        return "precision not published"
+    if pp > 1 and not row["microbatches"]:
+        return "micro-batches not published"
+    if not (row["published_tokens_per_sec_per_gpu"] or row["published_tflops_per_gpu"]):
+        return "no throughput figure"
+    return None
+
+
+def overrides_of(row: dict) -> list[str]:
+    L, h, heads = int(row["layers"]), int(row["hidden"]), int(row["heads"])
+    seq, vocab = int(row["seq_len"]), int(row["vocab"])
+    compiled = row["compile"] or "false"
+    if "GPT" in row["model"]:
+        model = ["model=gpt", f"model.layers={L}", f"model.width={h}", f"model.heads={heads}",
+                 f"model.vocab_size={vocab}", f"model.context={seq}"]
+        if MEGATRON_2021 in row["source"]:
+            # its kernels: attention's scores in memory (no flash attention yet) through a
+            # fused scale-mask-softmax, fused bias-GeLU and bias-dropout-add: the manual
+            # attention, its pointwise chains fused
+            model += ["+model.attention=manual", "model.dropout=0.1"]  # its defaults
+            compiled = "true"
+    else:
+        model = ["model=llama3_8b", f"model.config.num_hidden_layers={L}",
+                 f"model.config.hidden_size={h}", f"model.config.intermediate_size={row['ffn_hidden']}",
+                 f"model.config.num_attention_heads={heads}",
+                 f"model.config.num_key_value_heads={row['kv_heads'] or heads}",
+                 f"model.config.vocab_size={vocab}"]
+    R, F, T, P = (int(row[k] or 1) for k in ("dp_replicate", "dp_shard", "tp", "pp"))
+    n = R * F * T * P
+    micro = int(row["microbatches"] or 1)
+    local = int(row["local_batch"])
+    # Megatron-LM's 2021 runs are fp16 (its CONFIG.sh); a parallab pipeline takes no loss
+    # scaling, and bf16 runs at fp16's rate: its pipelines as bf16
+    precision = row["precision"] or "fp16"
+    if precision == "fp16" and int(row["pp"] or 1) > 1:
+        precision = "bf16"
+    ac = row["checkpointing"] or ("full" if "Megatron" in row["source"] else "none")
+    layout = [f"parallel.world_size={n}", f"parallel.dp_replicate={R}", f"parallel.dp_shard={F}",
+              f"parallel.tp={T}"]
+    if P > 1:
+        layout = ["parallel=pipeline", *layout, f"parallel.pp={P}",
+                  f"parallel.schedule={SCHEDULES[row['schedule'] or '1F1B']}",
+                  f"parallel.microbatches={micro}", f"data.batch_size={local}"]
+    else:
+        preset = "fsdp_tp" if T > 1 else ("ddp" if F == 1 else "fsdp" if R == 1 else "hsdp")
+        layout = [f"parallel={preset}", *layout, f"data.batch_size={local // micro}",
+                  f"trainer.accumulate_grad_batches={micro}"]
+    return [*model, *layout, f"data.seq_len={seq}", f"precision={precision}", "optim=adamw",
+            f"trainer.activation_checkpointing={ac}",
+            f"trainer.compile={compiled}", f"cluster={cluster_of(row)}"]
+
+
+def published_figure(row: dict) -> tuple[float, str]:
+    if row["published_tokens_per_sec_per_gpu"]:
+        return float(row["published_tokens_per_sec_per_gpu"]), "tokens/s/GPU"
+    return float(row["published_tflops_per_gpu"]), "TFLOP/s/GPU"
+
+
+def predicted_figure(row: dict, prediction, facts) -> float:
+    """The prediction in the row's own unit: tokens/s per GPU, or TFLOP/s per GPU by its
+    FLOP formula."""
+    tokens = prediction.tokens_per_sec_per_gpu
+    if row["published_tokens_per_sec_per_gpu"]:
+        return tokens
+    B, s = int(row["global_batch"]), int(row["seq_len"])
+    L, h, V = int(row["layers"]), int(row["hidden"]), int(row["vocab"])
+    n = int(row["gpus"])
+    formula = row["flop_formula"]
+    if formula == "megatron_eq3":
+        flops = 96 * B * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
+    elif formula.startswith("megatron_core"):
+        flops = 72 * B * s * L * h * h * (1 + s / (6 * h) + V / (12 * L * h))
+    else:  # tokens x 6N + 12 l s h (the PaLM count)
+        return tokens * facts.flops_per_token / 1e12
+    return flops / prediction.step_time_s / n / 1e12
+
+
+def simulate(overrides: list[str]):
+    from parallab.commands import compose
+    from parallab.config.hydra_app import typed_config
+    from parallab.simulate import run
+
+    cfg = typed_config(compose(overrides, None, "simulate"), overrides)
+    candidate, facts = run.given(cfg)
+    return candidate.prediction, facts
+
+
+def fit(row: dict, overrides: list[str]) -> float:
+    """The matmul efficiency at which the row's prediction is its published figure."""
+    target = published_figure(row)[0]
+    low, high = 0.05, 1.0
+    for _ in range(18):
+        mid = (low + high) / 2
+        prediction, facts = simulate([*overrides, f"cluster.matmul_efficiency={mid}"])
+        if predicted_figure(row, prediction, facts) < target:
+            low = mid
+        else:
+            high = mid
+    return (low + high) / 2
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--fit", action="store_true")
+    parser.add_argument("--all", action="store_true", help="the rows beyond the principal table")
+    parser.add_argument("--only", default=None)
+    args = parser.parse_args()
+    rows = list(csv.DictReader(CSV.open()))
+    places = principal_rows(rows)
+    picked = sorted(places, key=places.get)
+    if args.all:
+        picked += [i for i in range(len(rows)) if i not in places]
+    picked = [(rows[i], places.get(i)) for i in picked]
+    if args.only:
+        picked = [(r, i) for r, i in picked if args.only in f"{r['source']} {r['table']} {r['model']}"]
+    print("| row | cluster | layout | published | predicted | error | memory GiB pub / pred |"
+          " role |\n|---|---|---|---|---|---|---|---|")
+    errors = {"principal": [], "beyond": []}
+    memory_errors = []
+    for row, index in picked:
+        label = f"{row['source'].split(' ')[0]} {row['table'][:40]} {row['model']} " \
+                f"compile={row['compile'] or '-'}"
+        reason = why_not(row)
+        if reason:
+            print(f"| {label} | | | | not simulated: {reason} | | | |")
+            continue
+        overrides = overrides_of(row)
+        cluster = cluster_of(row)
+        fitted = index is not None and FIT.get(cluster) == index
+        if fitted and args.fit:
+            print(f"fit: cluster={cluster} matmul_efficiency={fit(row, overrides):.3f}",
+                  flush=True)
+        start = time.perf_counter()
+        try:
+            prediction, facts = simulate(overrides)
+        except Exception as error:  # noqa: BLE001 - the table says why
+            print(f"| {label} | {cluster} | | | refused: {str(error).splitlines()[0][:120]} | | | |")
+            continue
+        figure, unit = published_figure(row)
+        guess = predicted_figure(row, prediction, facts)
+        error = guess / figure - 1
+        role = "fit" if fitted else ("prediction" if index is not None else "beyond")
+        if not fitted:
+            errors["principal" if index is not None else "beyond"].append(abs(error))
+        memory = ""
+        if row["published_memory_gib"]:
+            published = float(row["published_memory_gib"])
+            memory = f"{published:.1f} / {prediction.memory_per_gpu_gb:.1f}"
+            memory_errors.append(abs(prediction.memory_per_gpu_gb / published - 1))
+        layout = " ".join(o.split("=", 1)[1] for o in overrides if o.startswith("parallel."))
+        print(f"| {label} | {cluster} | {layout} | {figure:,.0f} {unit} | {guess:,.0f} | "
+              f"{error:+.1%} | {memory} | {role} ({time.perf_counter() - start:.0f} s) |",
+              flush=True)
+    for name, found in errors.items():
+        if found:
+            print(f"{name}: median |error| {statistics.median(found):.1%}, largest "
+                  f"{max(found):.1%}, over {len(found)} rows")
+    if memory_errors:
+        print(f"memory: median |error| {statistics.median(memory_errors):.1%}, largest "
+              f"{max(memory_errors):.1%}, over {len(memory_errors)} rows")
+
+
+if __name__ == "__main__":
+    main()

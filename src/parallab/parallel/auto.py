@@ -1,0 +1,21 @@
+"""parallel=auto: every layout at once, which only a simulation can weigh (parallab simulate
+ranks them for a cluster); a run trains one of them."""
+
+from __future__ import annotations
+
+from parallab.config.errors import ConfigError
+from parallab.parallel.base import Plan
+from parallab.parallel.layout import Layout
+
+
+class AutoPlan(Plan):
+    @classmethod
+    def layout_of(cls, p) -> Layout:
+        raise ConfigError(f"parallel=auto stands for every layout, and a run trains one: rank "
+                          f"them with `parallab simulate parallel=auto parallel.world_size="
+                          f"{p.world_size or 'N'} cluster=NAME` and run the command it prints, "
+                          "or give a layout (parallel=ddp, fsdp, ...)")
+
+    @classmethod
+    def layouts(cls, world_size: int, device_type: str, options) -> list[list[str]]:
+        return []  # advise measures layouts; auto is none of them

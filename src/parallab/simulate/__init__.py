@@ -1,0 +1,186 @@
+"""`parallab simulate`: memory and tokens/s per GPU of a layout on a cluster parallab does
+not have, or of every layout at that GPU count ranked (parallel=auto), from the model laid
+out on fake tensors.
+
+The model is built once on meta: its facts (blocks, heads, the tensor-parallel plan, the
+stages a pipeline cuts) come from there. Each distinct shape a rank computes (its
+tensor-parallel degree, micro-batch, sequence, activation checkpointing) is traced once,
+on one block (trace.py); each candidate's step is composed from its trace on the cluster's
+rates (step.py), so the 405B model's whole grid at 16,384 GPUs costs a few dozen traces.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from parallab.config.errors import ConfigError
+from parallab.simulate import cluster as clusters
+from parallab.simulate import search, step, trace
+from parallab.simulate.search import Candidate
+
+log = logging.getLogger("parallab")
+
+
+@dataclass
+class Facts:
+    """What the model says of itself, read once from it on meta."""
+
+    cfg: Any
+    template: nn.Module  # cut to its first block, on meta
+    block: str
+    blocks: int
+    vocab: int
+    flops_per_token: float
+    stages: int | None  # a pipeline's cut points, where the model has them
+    params: float  # elements of the model's parameters
+    takes_sequence_parallel: bool
+    _tp: dict[int, str | None] = field(default_factory=dict)
+    _model: nn.Module | None = None
+
+    @classmethod
+    def of(cls, cfg) -> "Facts":
+        from parallab.models import build_on_meta
+        from parallab.observe import mfu
+        from parallab.parallel import plans
+        from parallab.parallel import stages as stages_of
+
+        model = build_on_meta(cfg.model)
+        blocks = trace.blocks_of(model, getattr(cfg.parallel, "stages", None))
+        if len(blocks) < 1:
+            raise ConfigError(f"model {type(model).__name__} declares no repeated blocks for "
+                              "parallab simulate to trace (a transformers model's "
+                              "_no_split_modules, a stages() method, or parallel.stages)")
+        stages = stages_of.find(model, getattr(cfg.parallel, "stages", None))
+        given = getattr(cfg.parallel, "tp_plan", None) or None
+        facts = cls(cfg, model, "", len(blocks), vocab_of(model, cfg),
+                    mfu.flops_per_token(model, cfg.data.seq_len),
+                    len(stages) if stages else None,
+                    float(sum(p.numel() for p in model.parameters())),
+                    plans.takes_sequence_parallel(model, given), _model=model)
+        return facts
+
+    def tp_problem(self, tp: int) -> str | None:
+        from parallab.parallel.mesh import tp_problem
+
+        if tp == 1:
+            return None
+        if tp not in self._tp:
+            self._tp[tp] = tp_problem(self._model, tp, getattr(self.cfg.parallel, "tp_plan", None) or None)
+        return self._tp[tp]
+
+    def pipeline_problem(self, pp: int) -> str | None:
+        if self.stages is None:
+            return ("the model declares no stages a pipeline could cut it at (a stages() "
+                    "method, or parallel.stages)")
+        if pp > self.stages:
+            return f"parallel.pp={pp} is more parts than the model's {self.stages} stages"
+        return None
+
+    def cut(self) -> None:
+        """Keep the first block only (after every check that needs the whole model)."""
+        blocks = trace.blocks_of(self._model, getattr(self.cfg.parallel, "stages", None))
+        self.block = trace.cut_to_one_block(self._model, blocks)
+        self._model = None
+
+
+def vocab_of(model: nn.Module, cfg) -> int:
+    config = getattr(model, "config", None)
+    return getattr(config, "vocab_size", None) or getattr(getattr(model, "cfg", None),
+                                                            "vocab_size", None) or \
+        cfg.data.vocab_size
+
+
+class Traces:
+    """Each shape's trace, made once."""
+
+    def __init__(self, cfg, facts: Facts):
+        self.cfg, self.facts = cfg, facts
+        self.found: dict[trace.Shape, trace.Trace] = {}
+        self.costs: dict[tuple, step.Costs] = {}
+        self.rates: list[clusters.Rates] = []  # those priced at, kept: their ids key costs
+
+    def of(self, shape: trace.Shape, rates: clusters.Rates, compile: bool = False,
+           tf32: bool = False) -> tuple[trace.Trace, step.Costs]:
+        """The shape's trace (made once), and its ops priced on the cluster."""
+        if shape not in self.found:
+            self.found[shape] = trace.trace(self.cfg, self.facts.template, self.facts.block,
+                                            self.facts.vocab, shape)
+        key = (shape, id(rates), compile, tf32)
+        if key not in self.costs:
+            if not any(r is rates for r in self.rates):
+                self.rates.append(rates)
+            self.costs[key] = step.costs(self.found[shape], rates, compile, tf32)
+        return self.found[shape], self.costs[key]
+
+
+def shape_of(cfg, c: Candidate) -> trace.Shape:
+    return trace.Shape(c.tp, c.sequence_parallel, c.rows, cfg.data.seq_len, c.checkpointing,
+                       c.gathered, cfg.precision.name)
+
+
+def layout_of(cfg, c: Candidate) -> step.Layout:
+    """The step model's view of a candidate (its bubble by its plan's own count)."""
+    from parallab.parallel.pipeline import PipelinePlan
+    from parallab.precision import compute_dtype
+
+    bubble, in_flight = 1.0, 1
+    if c.pp > 1:
+        from types import SimpleNamespace
+
+        p = SimpleNamespace(pp=c.pp, microbatches=c.microbatches, schedule=c.schedule)
+        bubble = PipelinePlan.bubble(SimpleNamespace(parallel=p))
+        in_flight = c.microbatches if c.schedule == "gpipe" else min(c.pp, c.microbatches)
+    optimizer = cfg.optim.name
+    if optimizer == "sgd" and getattr(cfg.optim, "momentum", 0):
+        optimizer = "sgd_momentum"
+    dtype = compute_dtype(cfg.precision.name, "cuda")
+    return step.Layout(c.world_size, c.dp_replicate, c.dp_shard, c.tp, c.pp, c.microbatches,
+                       c.rows, cfg.data.seq_len, bubble, in_flight, cfg.trainer.compile,
+                       optimizer, dtype.itemsize, getattr(cfg.parallel, "reshard_after_forward",
+                                                          True),
+                       cfg.trainer.clip_grad_norm is not None)
+
+
+def predict(cfg, c: Candidate, traces: Traces, rates: clusters.Rates) -> step.Prediction:
+    found, priced = traces.of(shape_of(cfg, c), rates, cfg.trainer.compile, cfg.precision.tf32)
+    return step.predict(found, priced, layout_of(cfg, c), rates, traces.facts.blocks,
+                        traces.facts.flops_per_token)
+
+
+def state_gb(c: Candidate, facts: Facts) -> float:
+    """The least a rank of `c` holds: its share of the float32 weights, gradients and
+    Adam's two states (16 bytes an element), before any activation."""
+    return facts.params / (c.tp * c.pp * c.dp_shard) * 16 / 2**30
+
+
+def rank(candidates: list[Candidate], rates: clusters.Rates) -> list[Candidate]:
+    """Those that fit first, fastest first; then those that do not, least memory first;
+    then those that cannot run."""
+    def key(c: Candidate):
+        p = c.prediction
+        if p is None:
+            return (1, c.extra["state_gb"]) if "state_gb" in c.extra else (2, 0.0)
+        fits = p.memory_per_gpu_gb * 2**30 <= rates.memory_bytes
+        return (0, -p.tokens_per_sec_per_gpu) if fits else (1, p.memory_per_gpu_gb)
+    return sorted(candidates, key=key)
+
+
+def simulate_all(cfg, candidates: list[Candidate], traces: Traces, rates: clusters.Rates
+                 ) -> tuple[list[Candidate], float]:
+    """Each runnable candidate predicted (its state alone over the GPU's memory: not
+    traced); all of them ranked, and the seconds it took."""
+    start = time.perf_counter()
+    facts = traces.facts
+    for c in candidates:
+        if c.reason is None and state_gb(c, facts) * 2**30 > rates.memory_bytes:
+            c.extra["state_gb"] = state_gb(c, facts)  # cannot fit: not traced
+        elif c.reason is None:
+            c.prediction = predict(cfg, c, traces, rates)
+    log.info("simulate: %d layouts from %d traces in %.1f s", len(candidates),
+             len(traces.found), time.perf_counter() - start)
+    return rank(candidates, rates), time.perf_counter() - start

@@ -1,0 +1,152 @@
+"""The cluster group (cluster=NAME): a GPU and how GPUs are connected, the rates a simulated
+step is made of, and NCCL's cost model of a collective over them.
+
+Link rates are in gigabits per second, as advise's are, and per GPU, one direction: what
+one GPU can move to its peers inside a node (NVLink) and between nodes (its NIC). A
+collective's time is NCCL's own model (src/graph/tuning.cc, ncclTopoTuneModel and
+ncclTopoGetAlgoTime): a fixed latency per call, plus one per step of its algorithm (a ring
+of n ranks takes 2(n-1) steps to all-reduce, n-1 to gather or scatter; a tree's depth is
+log2 of the nodes), the steps inside a node and between nodes at their own latency, plus
+the bytes each rank sends (comm.py's bus bytes) over the slowest link the group crosses:
+NVLink inside a node; between nodes the NICs of the group's ranks on each node, its rings
+spread over them (a group of one rank a node gets that rank's NIC; a node's 8 ranks, 8).
+NCCL takes the fastest of its algorithms and protocols; so does this: ring or tree for an
+all-reduce, and the Simple protocol or LL (a quarter of the bandwidth, a tenth of the
+latency) for small messages.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from omegaconf import MISSING
+
+from parallab.config.schema import ClusterConfig, NcclLatency
+
+GBIT = 1e9 / 8  # bytes per second in a gigabit per second
+THIS = "this"  # cluster.gpu: this machine, its rates measured (simulate/here.py)
+
+
+RATES = ("memory_gb", "hbm_gbps", "gpus_per_node", "intra_node_gbps", "inter_node_gbps",
+         "matmul_efficiency", "op_overhead_us")
+
+
+def problem(cfg: ClusterConfig) -> str | None:
+    """None if the cluster's keys can be used, else one line naming the key and the fix."""
+    from omegaconf import OmegaConf
+
+    from parallab.observe import mfu
+
+    for key in ("name", "gpu", *RATES):
+        if OmegaConf.is_missing(cfg, key) if OmegaConf.is_config(cfg) else \
+                getattr(cfg, key) == MISSING:
+            return f"cluster.{key} is missing: set it (docs/parallel.md: planning for a cluster)"
+    measured = cfg.gpu == THIS
+    for key in RATES:
+        value = getattr(cfg, key)
+        if value is None and not measured:
+            return (f"cluster.{key}=null: only cluster.gpu=this measures its rates; give "
+                    f"cluster={cfg.name} a value")
+        if value is not None and not (value > 0 or key == "op_overhead_us" and value == 0):
+            return f"cluster.{key}={value} is out of range: it must be > 0"
+    if cfg.matmul_efficiency is not None and cfg.matmul_efficiency > 1:
+        return (f"cluster.matmul_efficiency={cfg.matmul_efficiency} is out of range: it is a "
+                "share of the peak, in (0, 1]")
+    for key, value in vars(cfg.nccl).items() if not OmegaConf.is_config(cfg.nccl) else \
+            cfg.nccl.items():
+        if not value >= 0:
+            return f"cluster.nccl.{key}={value} is out of range: it must be >= 0"
+    if not measured and mfu.peak_flops(cfg.gpu, _bf16()) is None:
+        return (f"cluster.gpu={cfg.gpu} is not in mfu.py's table of peak FLOP/s: name a GPU it "
+                "lists (H100 SXM, H200, B200, A100, ...) or `this`")
+    return None
+
+
+def _bf16():
+    import torch
+
+    return torch.bfloat16
+
+
+@dataclass(frozen=True)
+class Group:
+    """Where a collective's ranks sit: how many, over how many nodes."""
+
+    ranks: int
+    nodes: int
+
+    @classmethod
+    def of(cls, size: int, stride: int, gpus_per_node: int) -> "Group":
+        """A mesh dimension of `size` ranks `stride` apart (the product of the inner
+        dimensions' degrees): neighbours share a node while the stride is below a node's
+        GPUs."""
+        per_node = max(1, min(size, gpus_per_node // stride)) if stride < gpus_per_node else 1
+        return cls(size, math.ceil(size / per_node))
+
+
+@dataclass(frozen=True)
+class Rates:
+    """A cluster's figures in the units the step model uses (seconds, bytes per second)."""
+
+    peaks: dict  # dtype name -> FLOP/s
+    matmul_efficiency: float
+    hbm: float
+    intra: float
+    inter: float
+    gpus_per_node: int
+    memory_bytes: float
+    op_overhead_s: float
+    nccl: NcclLatency
+    # an op's own time comes on top of its work (a CPU, whose cores do both), not beside it
+    # (a GPU's kernels, launched ahead while the previous ones run)
+    overhead_adds: bool = False
+
+    @classmethod
+    def of(cls, cfg: ClusterConfig) -> "Rates":
+        import torch
+
+        from parallab.observe import mfu
+
+        peaks = {name: mfu.peak_flops(cfg.gpu, dtype) for name, dtype in
+                 (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16))}
+        peaks["tf32"] = mfu.peak_flops(cfg.gpu, torch.float32, tf32=True)
+        nccl = cfg.nccl if isinstance(cfg.nccl, NcclLatency) else NcclLatency(**cfg.nccl)
+        return cls(peaks, cfg.matmul_efficiency, cfg.hbm_gbps * GBIT, cfg.intra_node_gbps * GBIT,
+                   cfg.inter_node_gbps * GBIT, cfg.gpus_per_node, cfg.memory_gb * 2**30,
+                   cfg.op_overhead_us * 1e-6, nccl)
+
+    def collective_s(self, kind: str, sent: float, group: Group) -> float:
+        """Seconds of one collective of `kind` (comm.KINDS) in which each rank sends `sent`
+        bytes (comm.py's bus bytes), over `group`: NCCL's fastest algorithm and protocol."""
+        if group.ranks < 2 or sent <= 0:
+            return 0.0
+        n, nodes = group.ranks, group.nodes
+        # over nodes, NCCL's rings (a channel a NIC) cross the network at every node's
+        # edge: a rank gets its node's share of the NICs its group uses there
+        bandwidth = self.intra if nodes == 1 else min(self.intra, n // nodes * self.inter)
+        steps = {"all_reduce": 2 * (n - 1), "p2p": 1}.get(kind, n - 1)
+        inter_steps = {"all_reduce": 2 * (nodes - 1), "p2p": int(nodes > 1)}.get(kind, nodes - 1)
+        options = []
+        for base, intra_hop, inter_hop, share in (
+                (self.nccl.base_us, self.nccl.intra_hop_us, self.nccl.inter_hop_us, 1.0),
+                (self.nccl.ll_base_us, self.nccl.ll_intra_hop_us, self.nccl.ll_inter_hop_us, 0.25)):
+            ring = base + (steps - inter_steps) * intra_hop + inter_steps * inter_hop
+            options.append(ring * 1e-6 + sent / (bandwidth * share))
+            if kind == "all_reduce" and nodes > 1:  # a tree over the nodes, a chain in each
+                per_node = n // nodes
+                tree = base + 2 * ((per_node - 1) * intra_hop + math.log2(nodes) * inter_hop)
+                # the tree moves the whole tensor twice, where the ring's bus bytes are
+                # 2(n-1)/n of it
+                options.append(tree * 1e-6 + sent * n / (n - 1) / (bandwidth * share))
+        return min(options)
+
+
+def rates(cfg: ClusterConfig, world_size: int = 1) -> Rates:
+    """The cluster's rates; this machine's measured (here.py) for ranks sharing its cores
+    `world_size` ways, a figure the cluster's YAML gives kept over the measured one."""
+    if cfg.gpu != THIS:
+        return Rates.of(cfg)
+    from parallab.simulate import here
+
+    return here.rates(cfg, world_size)

@@ -1,0 +1,114 @@
+"""What parallab simulate leaves in its run dir: simulate.json (every layout, fastest
+first), simulate.md (the table, the parts that make each step, the best command and its
+sbatch lines), simulate.png (tokens/s per GPU against the GPU count for the best few)."""
+
+from __future__ import annotations
+
+import json
+import math
+import shlex
+from pathlib import Path
+from typing import Any
+
+from parallab.simulate.search import Candidate
+
+PARTS = ("compute_s", "bubble_s", "optimizer_s")  # the rest: exposed collectives by kind
+
+
+def entry(c: Candidate, fits: bool, command: str) -> dict[str, Any]:
+    """One layout as simulate.json holds it."""
+    p = c.prediction
+    found: dict[str, Any] = {"layout": c.label, "command": command, "fits": fits}
+    if p is not None:
+        found.update({"tokens_per_sec_per_gpu": p.tokens_per_sec_per_gpu,
+                      "step_time_s": p.step_time_s, "mfu": p.mfu,
+                      "memory_per_gpu_gb": p.memory_per_gpu_gb, "parts": p.parts,
+                      "memory_gb": p.memory})
+    elif "state_gb" in c.extra:  # not traced: its training state alone is over the memory
+        found.update({"tokens_per_sec_per_gpu": None, "step_time_s": None, "mfu": None,
+                      "memory_per_gpu_gb": c.extra["state_gb"], "parts": {},
+                      "reason": "its training state alone is over the GPU's memory"})
+    else:
+        found.update({"tokens_per_sec_per_gpu": None, "step_time_s": None, "mfu": None,
+                      "memory_per_gpu_gb": None, "parts": {}, "reason": c.reason})
+    return found
+
+
+def command_of(entry_words: list[str], user: list[str], c: Candidate) -> str:
+    return shlex.join([*entry_words, *user, *c.overrides()])
+
+
+def sbatch(c: Candidate, gpus_per_node: int, command: str) -> list[str]:
+    """The lines that give the layout its allocation: a task per GPU over whole nodes."""
+    per_node = min(gpus_per_node, c.world_size)
+    nodes = math.ceil(c.world_size / per_node)
+    return ["#!/bin/bash", f"#SBATCH --nodes={nodes}", f"#SBATCH --ntasks-per-node={per_node}",
+            f"#SBATCH --gpus-per-node={per_node}", "#SBATCH --signal=USR1@90",
+            "#SBATCH --requeue", f"srun --kill-on-bad-exit=1 {command}"]
+
+
+def _part_names(entries: list[dict[str, Any]]) -> list[str]:
+    kinds = sorted({k for e in entries for k in e.get("parts", {}) if k not in PARTS})
+    return [*PARTS[:1], *kinds, *PARTS[1:]]
+
+
+def markdown(head: dict[str, Any], entries: list[dict[str, Any]], rows: int,
+             notes: list[str]) -> str:
+    names = _part_names(entries)
+    lines = [f"# parallab simulate: {head['model']} on {head['world_size']:,} x "
+             f"{head['cluster']} ({head['gpu']})", "",
+             f"Sequences of {head['seq_len']:,} tokens; {head['precision']}"
+             f"{', compiled' if head['compile'] else ''}. A prediction, from one block traced "
+             "on fake tensors (docs/parallel.md: planning for a cluster).", "",
+             "| layout | tokens/s/GPU | step s | MFU | memory GiB | fits | "
+             + " | ".join(n.removesuffix("_s") for n in names) + " |",
+             "|" + "---|" * (6 + len(names))]
+    for e in entries[:rows]:
+        tps = e["tokens_per_sec_per_gpu"]
+        cells = [e["layout"], f"{tps:,.0f}" if tps else "-",
+                 f"{e['step_time_s']:.3f}" if e["step_time_s"] else "-",
+                 f"{e['mfu']:.1%}" if e["mfu"] else "-",
+                 f"{e['memory_per_gpu_gb']:,.1f}" if e["memory_per_gpu_gb"] else "-",
+                 "yes" if e["fits"] else ("no" if e["memory_per_gpu_gb"] else
+                                          e.get("reason") or "no")]
+        cells += [f"{e['parts'][n]:.3f}" if n in e["parts"] else "" for n in names]
+        lines.append("| " + " | ".join(cells) + " |")
+    if len(entries) > rows:
+        lines.append(f"\n{len(entries) - rows} more in simulate.json (simulate.rows="
+                     f"{rows} here).")
+    lines += ["", *notes]
+    return "\n".join(lines) + "\n"
+
+
+def write(out: Path, head: dict[str, Any], entries: list[dict[str, Any]], rows: int,
+          notes: list[str], curves: dict[str, list[tuple[int, float]]],
+          measured: list[tuple[int, float, str]]) -> None:
+    (out / "simulate.json").write_text(json.dumps({**head, "layouts": entries}, indent=2) + "\n")
+    (out / "simulate.md").write_text(markdown(head, entries, rows, notes))
+    plot(out / "simulate.png", head, curves, measured)
+
+
+def plot(path: Path, head: dict[str, Any], curves: dict[str, list[tuple[int, float]]],
+         measured: list[tuple[int, float, str]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.8))
+    for label, points in curves.items():
+        if points:
+            ax.plot([n for n, _ in points], [v for _, v in points], marker="o", label=label)
+    for n, value, label in measured:
+        ax.scatter([n], [value], marker="x", s=60, color="black")
+        ax.annotate(label, (n, value), fontsize=7, xytext=(4, 4), textcoords="offset points")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("GPUs")
+    ax.set_ylabel("tokens/s per GPU (predicted)")
+    ax.set_title(f"{head['model']} on {head['cluster']}: seq {head['seq_len']:,}", fontsize=10)
+    if curves or measured:
+        ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

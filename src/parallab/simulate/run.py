@@ -1,0 +1,236 @@
+"""One `parallab simulate`: the config checked before anything is traced, the layouts
+simulated and ranked, the answer written (report.py) and printed."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from parallab.config.errors import ConfigError
+from parallab.simulate import Facts, Traces, clusters, report, search, simulate_all
+from parallab.simulate.search import Candidate
+
+log = logging.getLogger("parallab")
+ONE_PROCESS = ("dp", "model")  # layouts of one process driving several GPUs
+
+
+class NothingFits(ConfigError):
+    """No layout fits the GPU's memory: the smallest need, one line."""
+
+
+def check(cfg) -> Any:
+    """The config as a simulation reads it, checked as train's checks would check it on
+    the cluster (its GPUs, not this machine's); the resolved layout, None for auto.
+    ConfigError naming the key at fault."""
+    from parallab import models
+    from parallab.checks import validate
+    from parallab.config.schema import Device
+    from parallab.parallel import PLANS
+
+    search.refuse(clusters.problem(cfg.cluster))
+    p = cfg.parallel
+    if p.world_size is None:
+        raise ConfigError("parallel.world_size is not set: give the GPU count to simulate, "
+                          "e.g. parallel.world_size=64")
+    if p.name == "auto" and p.world_size < 2:
+        raise ConfigError(f"parallel=auto with parallel.world_size={p.world_size}: one GPU has "
+                          "one layout; give the cluster's GPU count (2 or more)")
+    if p.name in ONE_PROCESS:
+        raise ConfigError(f"parallel={p.name} drives several GPUs from one process, which "
+                          "parallab simulate does not model: simulate parallel=ddp, fsdp, hsdp, "
+                          "tp, fsdp_tp, pipeline or auto")
+    if cfg.precision.name == "fp8":
+        raise ConfigError("precision=fp8: parallab simulate models fp32, bf16 and fp16 steps "
+                          "(torchao's float8 kernels do not trace on fake tensors): use "
+                          "precision=bf16")
+    validate.check_values(cfg)
+    search.refuse(cfg.data.problem())
+    cfg.model = models.check(cfg.model, cfg.data)
+    cfg.device = Device.cuda  # the cluster's: its compute dtypes, not this machine's
+    if p.name == "auto":
+        return None
+    layout = PLANS[p.name].resolve(p, "cuda")
+    validate.resolve_global_batch(cfg, layout)
+    stages = None
+    if layout.cuts_model:
+        from parallab.checks.trial import stages_on_meta
+
+        stages = stages_on_meta(cfg)
+    layout.plan.check(cfg, layout, stages)
+    return layout
+
+
+def candidates_of(cfg, layout, facts: Facts, rates) -> tuple[list[Candidate], list[str]]:
+    """The given layout alone, or parallel=auto's grid; notes on what the grid leaves out."""
+    from parallab.parallel.pipeline import SCHEDULES
+
+    notes = []
+    if layout is not None:
+        return [search.given(cfg, layout)], notes
+    found = search.grid(cfg, facts, rates.gpus_per_node, SCHEDULES)
+    why = facts.pipeline_problem(2)
+    if why:
+        notes.append(f"No pipeline layouts: {why}.")
+    if not found:
+        raise ConfigError(f"no layout of parallel.world_size={cfg.parallel.world_size} GPUs "
+                          "takes this model and batch: use a power-of-two GPU count")
+    return found, notes
+
+
+def given(cfg) -> tuple[Candidate, Facts]:
+    """The layout a checked config gives, predicted on its cluster; nothing written (the
+    benchmark against published runs, advise's target)."""
+    layout = check(cfg)
+    if layout is None:
+        raise ConfigError("parallel=auto: give one layout to predict")
+    rates = clusters.rates(cfg.cluster, cfg.parallel.world_size)
+    facts = Facts.of(cfg)
+    candidates, _ = candidates_of(cfg, layout, facts, rates)
+    facts.cut()
+    return simulate_all(cfg, candidates, Traces(cfg, facts), rates)[0][0], facts
+
+
+def step_at(cfg, layout, world_size: int, cluster, known: dict | None = None):
+    """A layout advise measured (its checked config and resolved layout) on `world_size`
+    GPUs of `cluster` (a cluster group's config): its step.Prediction. `known`: Facts
+    by model, shared between calls. ConfigError where it cannot be simulated."""
+    import json
+
+    from parallab.simulate import Traces, predict
+
+    if getattr(cfg.data, "seq_len", None) is None:
+        raise ConfigError(f"data={cfg.data.name} holds no sequences (no data.seq_len): a "
+                          "simulation traces a sequence model's block")
+    if cfg.parallel.name in ONE_PROCESS:
+        raise ConfigError(f"parallel={cfg.parallel.name}: one process driving several "
+                          "devices is not simulated")
+    search.refuse(clusters.problem(cluster))
+    c = search.scaled(cfg, layout, world_size)
+    known = {} if known is None else known
+    key = json.dumps([cfg.model, cfg.data.seq_len, cfg.loss], sort_keys=True, default=str)
+    if key not in known:
+        facts = Facts.of(cfg)
+        facts.cut()
+        known[key] = Traces(cfg, facts)
+    return predict(cfg, c, known[key], clusters.rates(cluster, world_size))
+
+
+def run(cfg, overrides: list[str], run_dir: str, entry: list[str]) -> dict[str, Any]:
+    """The whole simulation of the composed, typed `cfg`; its summary."""
+    layout = check(cfg)
+    rates = clusters.rates(cfg.cluster, cfg.parallel.world_size)
+    facts = Facts.of(cfg)
+    candidates, notes = candidates_of(cfg, layout, facts, rates)
+    facts.cut()
+    traces = Traces(cfg, facts)
+    ranked, seconds = simulate_all(cfg, candidates, traces, rates)
+    user = search.user_overrides(overrides)
+    if not any(o.lstrip("+~").startswith("data=") for o in user):
+        user = ["data=tokens", *user]  # simulate's data; train's default is another
+    fits = [c for c in ranked if _fits(c, rates)]
+    if layout is None and not fits:
+        raise NothingFits(_nothing_fits(cfg, ranked, rates))
+    entries = [report.entry(c, _fits(c, rates), report.command_of(entry, user, c))
+               for c in ranked]
+    head = _head(cfg, facts, seconds)
+    best = fits[0] if fits else ranked[0]
+    command = report.command_of(entry, user, best)
+    lines = report.sbatch(best, rates.gpus_per_node, command)
+    notes += _notes(cfg, best, rates, lines)
+    out = Path(run_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    curves = _curves(cfg, fits[:cfg.simulate.plotted], traces, rates)
+    report.write(out, head, entries, cfg.simulate.rows, notes, curves,
+                 _measured(cfg.simulate.measured))
+    _say(best, command, lines, rates, out)
+    return {"best": best.label, "command": command, "sbatch": lines, "layouts": entries}
+
+
+def _fits(c: Candidate, rates) -> bool:
+    return c.prediction is not None and \
+        c.prediction.memory_per_gpu_gb * 2**30 <= rates.memory_bytes
+
+
+def _nothing_fits(cfg, ranked: list[Candidate], rates) -> str:
+    sized = [c for c in ranked if c.prediction or "state_gb" in c.extra]
+    if not sized:
+        return (f"no layout of {cfg.parallel.world_size} GPUs can run this model: "
+                f"{ranked[0].reason}")
+    least = min(sized, key=lambda c: c.prediction.memory_per_gpu_gb if c.prediction
+                else c.extra["state_gb"])
+    need = least.prediction.memory_per_gpu_gb if least.prediction else least.extra["state_gb"]
+    return (f"no layout of parallel.world_size={cfg.parallel.world_size} GPUs fits "
+            f"{cfg.model['_target_'].rpartition('.')[2]} on cluster={cfg.cluster.name}: the "
+            f"smallest needs {need:,.1f} GiB per GPU ({least.label}) and a GPU has "
+            f"{rates.memory_bytes / 2**30:,.1f} GiB; use more GPUs, a shorter data.seq_len or "
+            "a smaller data.batch_size")
+
+
+def _head(cfg, facts: Facts, seconds: float) -> dict[str, Any]:
+    return {"model": cfg.model["_target_"].rpartition(".")[2], "cluster": cfg.cluster.name,
+            "gpu": cfg.cluster.gpu, "world_size": cfg.parallel.world_size,
+            "seq_len": cfg.data.seq_len, "precision": cfg.precision.name,
+            "compile": cfg.trainer.compile, "blocks": facts.blocks,
+            "flops_per_token": facts.flops_per_token, "seconds": seconds}
+
+
+def _notes(cfg, best: Candidate, rates, lines: list[str]) -> list[str]:
+    return ["Parts: seconds of a step on the busiest GPU: compute (forward, backward and "
+            "any recompute), the collectives each layout leaves exposed by kind (tp_: inside "
+            "the blocks), the pipeline's idle slots (bubble) and the optimizer.", "",
+            "The best layout's allocation:", "", "```bash", *lines, "```"]
+
+
+def _curves(cfg, best: list[Candidate], traces, rates) -> dict[str, list]:
+    """Each of the best layouts at other GPU counts: the same tp, pp and per-rank batch,
+    data-parallel ranks for the rest (simulate.world_sizes, else powers of 2 from 8)."""
+    import dataclasses
+
+    from parallab.simulate import predict
+
+    n = cfg.parallel.world_size
+    sizes = cfg.simulate.world_sizes or [s for s in search.powers_of_two(max(n, 8)) if s >= 8]
+    curves: dict[str, list] = {}
+    for c in best:
+        points = []
+        for size in sorted(set(sizes)):
+            dp = size // (c.tp * c.pp)
+            if dp < 1 or size % (c.tp * c.pp):
+                continue
+            shard = min(c.dp_shard, dp) if dp % min(c.dp_shard, dp) == 0 else dp
+            other = dataclasses.replace(c, world_size=size, dp_shard=shard,
+                                        dp_replicate=dp // shard, prediction=None)
+            points.append((size, predict(cfg, other, traces, rates).tokens_per_sec_per_gpu))
+        curves[c.label] = points
+    return curves
+
+
+def _measured(where: str | None) -> list[tuple[int, float, str]]:
+    """(world size, tokens/s per GPU, label) of each run measured under `where`: each
+    metrics.json with tokens per second (a sweep's jobs, advise's candidates)."""
+    import json
+
+    if not where:
+        return []
+    found = []
+    for path in sorted(Path(where).rglob("metrics.json")):
+        figures = json.loads(path.read_text())
+        tokens = figures.get("tokens_per_sec")
+        if tokens and figures.get("world_size"):
+            found.append((figures["world_size"], tokens / figures["world_size"],
+                          f"{path.parent.name} (measured)"))
+    return found
+
+
+def _say(best: Candidate, command: str, lines: list[str], rates, out: Path) -> None:
+    p = best.prediction
+    if p is None:
+        print(f"parallab simulate: {best.label} cannot run: {best.reason}", flush=True)
+        return
+    fits = p.memory_per_gpu_gb * 2**30 <= rates.memory_bytes
+    print(f"parallab simulate: {best.label}: {p.tokens_per_sec_per_gpu:,.0f} tokens/s per GPU, "
+          f"{p.step_time_s:.3f} s a step, MFU {p.mfu:.1%}, {p.memory_per_gpu_gb:,.1f} GiB per "
+          f"GPU{'' if fits else ' (does not fit)'} (simulate.md, .json, .png in {out})",
+          flush=True)
+    print(command, flush=True)

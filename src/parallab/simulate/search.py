@@ -1,0 +1,189 @@
+"""The layouts a simulation weighs: the one the command gives, or under parallel=auto every
+layout of the GPU count (dp_replicate x dp_shard x tp x pp, the pipeline's schedules and
+micro-batches, gradient accumulation, activation checkpointing), each checked as train's
+checks would check it, without a trial (the model on meta, nothing run)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from parallab.config.errors import ConfigError
+from parallab.simulate.step import Prediction
+
+CHECKPOINTING = ("none", "selective", "full")
+# what a candidate sets: the user's own settings of these give way to it in its command
+DECIDED = ("parallel=", "parallel.", "trainer.activation_checkpointing=",
+           "trainer.accumulate_grad_batches=", "data.batch_size=", "cluster=", "cluster.",
+           "simulate.", "hydra.", "advise.")
+
+
+@dataclass
+class Candidate:
+    world_size: int
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    pp: int = 1
+    batch_size: int = 1  # sequences per data-parallel rank and optimizer step
+    microbatches: int = 1  # a pipeline's micro-batches, or gradient accumulation's steps
+    schedule: str | None = None
+    checkpointing: str = "none"
+    sequence_parallel: bool = False
+    given_global: int | None = None  # data.global_batch_size as the user gave it
+    reason: str | None = None  # why it cannot run
+    prediction: Prediction | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def rows(self) -> int:
+        return self.batch_size // self.microbatches
+
+    @property
+    def preset(self) -> str:
+        if self.pp > 1:
+            return "pipeline"
+        if self.world_size == 1:
+            return "none"
+        if self.tp > 1:
+            return "tp" if self.dp == 1 else "fsdp_tp"
+        return "ddp" if self.dp_shard == 1 else "fsdp" if self.dp_replicate == 1 else "hsdp"
+
+    @property
+    def gathered(self) -> bool:
+        """FSDP2 holds its weights, and gathers them in the compute dtype: any sharded mesh
+        layout, and a pipeline's parts sharded over dp_shard."""
+        return self.dp_shard > 1 or (self.tp > 1 and self.pp == 1)
+
+    def overrides(self) -> list[str]:
+        """What `parallab train` needs beyond the user's overrides to train this way."""
+        found = [f"parallel={self.preset}"]
+        if self.preset != "none":
+            found += [f"parallel.world_size={self.world_size}",
+                      f"parallel.dp_replicate={self.dp_replicate}",
+                      f"parallel.dp_shard={self.dp_shard}", f"parallel.tp={self.tp}"]
+        if self.pp > 1:
+            found += [f"parallel.pp={self.pp}", f"parallel.schedule={self.schedule}",
+                      f"parallel.microbatches={self.microbatches}"]
+        if self.sequence_parallel:
+            found.append("parallel.sequence_parallel=true")
+        accumulate = 1 if self.pp > 1 else self.microbatches
+        if self.given_global is None:
+            found.append(f"data.batch_size={self.batch_size // accumulate}")
+        if accumulate > 1:
+            found.append(f"trainer.accumulate_grad_batches={accumulate}")
+        found.append(f"trainer.activation_checkpointing={self.checkpointing}")
+        return found
+
+    @property
+    def label(self) -> str:
+        degrees = [f"{k}{v}" for k, v in (("R", self.dp_replicate), ("F", self.dp_shard),
+                                          ("T", self.tp), ("P", self.pp)) if v > 1]
+        way = f" {self.schedule} m{self.microbatches}" if self.pp > 1 else (
+            f" accum{self.microbatches}" if self.microbatches > 1 else "")
+        sp = " sp" if self.sequence_parallel else ""
+        return (f"{self.preset}({'x'.join(degrees) or '1'}){way}{sp} b{self.batch_size} "
+                f"ac={self.checkpointing}")
+
+
+def powers_of_two(limit: int) -> list[int]:
+    return [2**k for k in range(int(math.log2(limit)) + 1)] if limit >= 1 else []
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def per_rank_batch(cfg, dp: int) -> tuple[int | None, str | None]:
+    """The sequences a data-parallel rank takes a step: data.global_batch_size / dp where
+    given (None and why where it does not divide), else data.batch_size."""
+    d = cfg.data
+    if d.global_batch_size is None:
+        return d.batch_size, None
+    if d.global_batch_size % dp:
+        return None, (f"data.global_batch_size={d.global_batch_size} does not split over "
+                      f"{dp} data-parallel ranks")
+    return d.global_batch_size // dp, None
+
+
+def grid(cfg, facts, gpus_per_node: int, schedules: tuple[str, ...]) -> list[Candidate]:
+    """Every layout of parallel.world_size GPUs for the model (`facts`: simulate.Facts);
+    those the model or the batch cannot take carry their reason."""
+    n = cfg.parallel.world_size
+    found: list[Candidate] = []
+    for tp in [t for t in powers_of_two(min(n, gpus_per_node)) if n % t == 0]:
+        tp_reason = facts.tp_problem(tp)
+        for pp in [p for p in powers_of_two(n // tp) if (n // tp) % p == 0]:
+            if pp > 1 and facts.pipeline_problem(pp) is not None:
+                continue  # said once, in the notes: the model cannot be cut
+            dp = n // (tp * pp)
+            shards = sorted({f for f in powers_of_two(dp) if dp % f == 0} | {dp})
+            batch, batch_reason = per_rank_batch(cfg, dp)
+            for shard in shards:
+                base = dict(world_size=n, dp_replicate=dp // shard, dp_shard=shard, tp=tp,
+                            pp=pp, batch_size=batch or 1, given_global=cfg.data.global_batch_size)
+                for way in _ways(pp, batch or 1, schedules):
+                    for ac in CHECKPOINTING:
+                        c = Candidate(**base, **way, checkpointing=ac)
+                        c.reason = tp_reason or batch_reason
+                        found.append(c)
+                        if tp > 1 and facts.takes_sequence_parallel and not c.reason:
+                            found.append(Candidate(**base, **way, checkpointing=ac,
+                                                   sequence_parallel=True))
+    return found
+
+
+def _ways(pp: int, batch: int, schedules: tuple[str, ...]) -> list[dict[str, Any]]:
+    """How a rank's batch is cut: a pipeline's micro-batches (pp, 2pp, 4pp: at least one
+    per part) by schedule, or accumulation's steps (1, 2, 4, 8)."""
+    if pp == 1:
+        return [{"microbatches": a} for a in (1, 2, 4, 8) if batch % a == 0 and a <= batch]
+    return [{"microbatches": m, "schedule": s} for m in (pp, 2 * pp, 4 * pp)
+            if batch % m == 0 for s in schedules]
+
+
+def given(cfg, layout) -> Candidate:
+    """The one layout the command gives (checked and resolved by its plan)."""
+    p = cfg.parallel
+    pp = layout.pp
+    micro = p.microbatches if pp > 1 else cfg.trainer.accumulate_grad_batches
+    batch = cfg.data.batch_size * (1 if pp > 1 else micro)
+    return Candidate(layout.world_size, layout.dp_replicate, layout.dp_shard, layout.tp, pp,
+                     batch, micro, p.schedule if pp > 1 else None,
+                     cfg.trainer.activation_checkpointing,
+                     bool(getattr(p, "sequence_parallel", False)), cfg.data.global_batch_size)
+
+
+def scaled(cfg, layout, world_size: int) -> Candidate:
+    """The layout of a checked config on `world_size` GPUs: its tp, pp and batch per
+    data-parallel rank kept, its data-parallel degrees grown (fsdp's shards, hsdp's and
+    ddp's replicas). ConfigError where the GPUs do not split so."""
+    import dataclasses
+
+    c = given(cfg, layout)
+    if world_size == c.world_size:
+        return c
+    if world_size % (c.tp * c.pp):
+        raise ConfigError(f"{world_size} GPUs do not split into tp={c.tp} x pp={c.pp}")
+    dp = world_size // (c.tp * c.pp)
+    shard = dp if c.dp_replicate == 1 and c.dp_shard > 1 else c.dp_shard
+    if dp % shard:
+        raise ConfigError(f"{world_size} GPUs do not split into shard groups of {shard}")
+    return dataclasses.replace(c, world_size=world_size, dp_shard=shard,
+                               dp_replicate=dp // shard)
+
+
+def user_overrides(overrides: list[str]) -> list[str]:
+    """The user's overrides less those each candidate decides."""
+    return [o for o in overrides if not o.lstrip("+~").startswith(DECIDED) or
+            o.lstrip("+~").startswith(("parallel.stages=", "parallel.tp_plan="))]
+
+
+def refuse(reason: str | None) -> None:
+    if reason:
+        raise ConfigError(reason)

@@ -1,0 +1,281 @@
+"""A training step on a cluster, from one traced block: its time by part and its memory.
+
+Compute: each traced op as a roofline, the longer of its FLOPs at the GPU's peak (the
+op's precision) x cluster.matmul_efficiency and its bytes at the memory's bandwidth, and
+no shorter than a kernel's launch (cluster.op_overhead_us). With trainer.compile, a chain
+of memory-bound ops in a row is one kernel that reads what the chain takes in and writes
+what it hands on, once. A rank's micro-batch is its blocks' forward and backward
+(activation checkpointing's recompute inside) and the embeddings', the head's and the
+loss's where the rank holds them.
+
+Communication, each collective by NCCL's model (cluster.py) over the ranks its group
+spans, overlapped as each layout overlaps it:
+- tensor parallel: the collectives the plan calls inside each block, exposed;
+- FSDP2: each block's weights gathered (in the compute dtype) for its forward and again
+  for its backward, the next block's gather running beside this block's compute, and
+  its gradients reduce-scattered (in float32) beside the previous block's backward; the
+  root's (what the blocks leave) gathered once at the start and reduced at the end; HSDP
+  adds the replicas' all-reduce of each shard to the backward's stream;
+- DDP: the gradients all-reduced in buckets as backward makes them, exposed where they
+  outlast it (the last bucket at least);
+- a pipeline: each micro-batch's activations sent on and their gradients back at every
+  cut, exposed; its schedule's idle slots (PipelinePlan.bubble); its replicas'
+  gradient all-reduce once a step, after the flush.
+The optimizer's step moves each state once (a fused kernel's bytes) at the memory's
+bandwidth.
+
+Memory: the training state a rank holds (float32 weights, gradients and optimizer
+state, sharded by FSDP2, cut by tensor and pipeline parallel), FSDP2's gathered
+weights (this block's and the next one's), the activations each block keeps for backward
+times the micro-batches the schedule holds at once, and the peak of temporaries the
+traced step reached beyond them (the loss's logits and their gradients).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from parallab.simulate.cluster import Group, Rates
+from parallab.simulate.trace import Op, Trace
+
+# bytes a fused optimizer kernel reads and writes per element: weight, gradient and each
+# state read, weight and each state written (float32)
+OPTIMIZER_BYTES = {"adam": 28, "adamw": 28, "sgd_momentum": 20, "sgd": 12}
+STATE_BYTES = {"adam": 8, "adamw": 8, "sgd_momentum": 4, "sgd": 0}  # per element, besides
+DDP_BUCKET_BYTES = 25 * 2**20  # DDP's bucket_cap_mb default
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What a candidate is, as the step model needs it."""
+
+    world_size: int
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    pp: int = 1
+    microbatches: int = 1  # a pipeline's micro-batches, or gradient accumulation's steps
+    rows: int = 1  # sequences in a micro-batch
+    seq_len: int = 1024
+    bubble: float = 1.0  # compute time over a step without idle ranks (PipelinePlan.bubble)
+    in_flight: int = 1  # micro-batches whose activations the busiest stage holds at once
+    compile: bool = False
+    optimizer: str = "adamw"
+    compute_bytes: int = 2  # a gathered weight's element (the compute dtype)
+    reshard_after_forward: bool = True
+    clip: bool = False
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+
+@dataclass
+class Prediction:
+    step_time_s: float
+    tokens_per_sec_per_gpu: float
+    memory_per_gpu_gb: float
+    mfu: float
+    parts: dict[str, float] = field(default_factory=dict)
+    memory: dict[str, float] = field(default_factory=dict)  # GiB by kind
+
+
+def op_seconds(op: Op, rates: Rates, fp32_peak: float) -> float:
+    """One op's roofline: its FLOPs at the peak of its precision x the matmul efficiency,
+    or its bytes at the memory's bandwidth, whichever is longer; at least a launch."""
+    moved = sum(b for _, b in op.reads) + sum(b for _, b in op.writes)
+    seconds = moved / rates.hbm
+    if op.flops:
+        peak = fp32_peak if op.wide else rates.peaks["bf16"]
+        seconds = max(seconds, op.flops / (peak * rates.matmul_efficiency))
+    return _with_overhead(seconds, rates)
+
+
+def _with_overhead(seconds: float, rates: Rates) -> float:
+    if rates.overhead_adds:
+        return seconds + rates.op_overhead_s
+    return max(seconds, rates.op_overhead_s)
+
+
+def fused_seconds(chain: list[Op], later_reads: set[int], rates: Rates) -> float:
+    """A chain of memory-bound ops as one compiled kernel: what it reads from before it and
+    what it writes that is read after it, once each."""
+    written = {serial for op in chain for serial, _ in op.writes}
+    reads = {serial: b for op in chain for serial, b in op.reads if serial not in written}
+    writes = {serial: b for op in chain for serial, b in op.writes if serial in later_reads}
+    return _with_overhead((sum(reads.values()) + sum(writes.values())) / rates.hbm, rates)
+
+
+@dataclass
+class Costs:
+    """A traced micro-batch's seconds by (phase, region): compute, and the tensor-parallel
+    collectives inside it."""
+
+    compute: dict[tuple[str, str], float] = field(default_factory=dict)
+    collectives: dict[tuple[str, str], dict[str, float]] = field(default_factory=dict)
+
+    def seconds(self, phase: str, region: str) -> float:
+        return self.compute.get((phase, region), 0.0) + sum(
+            self.collectives.get((phase, region), {}).values())
+
+
+def costs(trace: Trace, rates: Rates, compile: bool, tf32: bool) -> Costs:
+    """The trace's ops priced on the cluster: each compute op its roofline (a compiled run's
+    chains of memory-bound ops fused), each collective NCCL's time over the tp group."""
+    fp32_peak = rates.peaks["tf32" if tf32 and rates.peaks.get("tf32") else "fp32"]
+    found = Costs()
+    tp_group = Group.of(trace.shape.tp, 1, rates.gpus_per_node)
+    ops = trace.ops
+    read_at: dict[int, int] = {}  # each tensor's last reader
+    for index, op in enumerate(ops):
+        for serial, _ in op.reads:
+            read_at[serial] = index
+    chain: list[Op] = []
+
+    def close(end: int) -> None:
+        if chain:
+            later = {s for op in chain for s, _ in op.writes if read_at.get(s, -1) >= end}
+            key = (chain[0].phase, chain[0].region)
+            found.compute[key] = found.compute.get(key, 0.0) + fused_seconds(chain, later, rates)
+            chain.clear()
+
+    for index, op in enumerate(ops):
+        key = (op.phase, op.region)
+        if op.kind == "collective":
+            close(index)
+            kinds = found.collectives.setdefault(key, {})
+            kinds[op.collective] = kinds.get(op.collective, 0.0) + rates.collective_s(
+                op.collective, op.sent, tp_group)
+            continue
+        if compile and op.kind == "memory":
+            if chain and (chain[0].phase, chain[0].region) != key:
+                close(index)
+            chain.append(op)
+            continue
+        close(index)
+        found.compute[key] = found.compute.get(key, 0.0) + op_seconds(op, rates, fp32_peak)
+    close(len(ops))
+    return found
+
+
+def blocks_per_stage(blocks: int, pp: int, params: dict[str, float]) -> tuple[int, int, int]:
+    """(blocks of the first stage, of the last, of the busiest) where a pipeline cuts the
+    model's stages (the embeddings, each block, the head) at an even share of parameters,
+    as parallel/split.py's even_cuts does."""
+    from parallab.parallel.split import even_cuts
+
+    if pp == 1:
+        return blocks, blocks, blocks
+    sizes = [params["before"], *[params["block"]] * blocks, params["after"]]
+    bounds = [0, *even_cuts(sizes, pp), len(sizes)]
+    counts = [sum(1 for i in range(a, b) if 0 < i <= blocks) for a, b in zip(bounds, bounds[1:])]
+    return counts[0], counts[-1], max(counts)
+
+
+def predict(trace: Trace, c: Costs, layout: Layout, rates: Rates, blocks: int,
+            flops_per_token: float = 0.0) -> Prediction:
+    """The step of `layout` from its traced micro-batch priced on the cluster (`c`:
+    costs(trace)); `blocks`: the model's; `flops_per_token`: its training FLOPs, for MFU."""
+    G = rates.gpus_per_node
+    first, last, busiest = blocks_per_stage(blocks, layout.pp, trace.params)
+    parts: dict[str, float] = {"compute_s": 0.0}
+    exposed: dict[str, float] = {}
+
+    def expose(kind: str, seconds: float) -> None:
+        if seconds > 0:
+            exposed[kind] = exposed.get(kind, 0.0) + seconds
+
+    # a micro-batch on the busiest rank: its blocks, the ends where it holds them
+    k = busiest
+    ends = ["before", "after"] if layout.pp == 1 else (["before"] if first >= last else ["after"])
+    compute = {phase: k * c.compute.get((phase, "block"), 0.0) +
+               sum(c.compute.get((phase, r), 0.0) for r in ends)
+               for phase in ("forward", "backward")}
+    for phase in ("forward", "backward"):
+        for region in ["block", *ends]:
+            times = k if region == "block" else 1
+            for kind, seconds in c.collectives.get((phase, region), {}).items():
+                expose(f"tp_{kind}", times * seconds * layout.microbatches)
+    block_f, block_b = c.seconds("forward", "block"), c.seconds("backward", "block")
+    m = layout.microbatches
+    parts["compute_s"] = m * (compute["forward"] + compute["backward"])
+    # data parallel: FSDP2's gathers and reductions, DDP's buckets
+    shard = Group.of(layout.dp_shard, layout.tp * layout.pp, G)
+    replicas = Group.of(layout.dp_replicate, layout.dp_shard * layout.tp * layout.pp, G)
+    block_params = trace.params["block"]
+    held_ends = sum(trace.params[r] for r in ends)
+    if layout.dp_shard > 1:
+        n = layout.dp_shard
+        gather = rates.collective_s("all_gather", (n - 1) / n * block_params *
+                                    layout.compute_bytes, shard)
+        scatter = rates.collective_s("reduce_scatter", (n - 1) / n * block_params * 4, shard)
+        if layout.dp_replicate > 1:  # HSDP: each shard's gradient all-reduced over replicas
+            r = layout.dp_replicate
+            scatter += rates.collective_s("all_reduce", 2 * (r - 1) / r * block_params / n * 4,
+                                          replicas)
+        gathers = 2 if layout.reshard_after_forward else 1
+        per_micro = gather + (k - 1) * max(0.0, gather - block_f)
+        if gathers == 2:
+            per_micro += k * max(0.0, gather - block_b)
+        expose("all_gather", m * per_micro)
+        # the last micro-batch reduces: each block's beside the next one's backward
+        expose("reduce_scatter", scatter + (k - 1) * max(0.0, scatter - block_b))
+        root = rates.collective_s("all_gather", (n - 1) / n * held_ends * layout.compute_bytes,
+                                  shard)
+        expose("all_gather", root)
+        expose("reduce_scatter", rates.collective_s("reduce_scatter",
+                                                    (n - 1) / n * held_ends * 4, shard))
+    elif layout.dp_replicate > 1:
+        r = layout.dp_replicate
+        grads = (k * block_params + held_ends) * 4
+        buckets = max(1, math.ceil(grads / DDP_BUCKET_BYTES))
+        one = rates.collective_s("all_reduce", 2 * (r - 1) / r * grads / buckets, replicas)
+        if layout.pp > 1:  # the pipeline's replicas average once, after the flush
+            expose("all_reduce", one * buckets)
+        else:
+            expose("all_reduce", max(one, one * buckets - compute["backward"]))
+    # the pipeline: sends at each cut, and the schedule's idle slots
+    slot = compute["forward"] + compute["backward"]
+    if layout.pp > 1:
+        hop = Group(2, 2 if Group.of(layout.pp, layout.tp, G).nodes > 1 else 1)
+        send = rates.collective_s("p2p", trace.boundary_bytes, hop)
+        expose("p2p", 2 * send * m)
+        slot += 2 * send + sum(v for kind, v in exposed.items() if kind.startswith("tp_")) / m
+        parts["bubble_s"] = (layout.bubble - 1) * m * slot
+    # the optimizer over what this rank holds
+    held = (k * block_params + held_ends) / layout.dp_shard
+    kind = layout.optimizer
+    parts["optimizer_s"] = held * (OPTIMIZER_BYTES[kind] + 4 * layout.clip) / rates.hbm
+    parts.update({f"{kind}_s": seconds for kind, seconds in sorted(exposed.items())})
+    step = sum(parts.values())
+    tokens = layout.rows * layout.seq_len * m * layout.dp
+    memory = _memory(trace, layout, k, first, held_ends)
+    per_gpu = tokens / step / layout.world_size
+    peak = rates.peaks["bf16"] if layout.compute_bytes == 2 else rates.peaks["fp32"]
+    return Prediction(step, per_gpu, sum(memory.values()), per_gpu * flops_per_token / peak,
+                      parts, memory)
+
+
+def _memory(trace: Trace, layout: Layout, k: int, first: int, held_ends: float
+            ) -> dict[str, float]:
+    """GiB a rank holds at the step's peak, by kind (see the module's docstring)."""
+    block = trace.params["block"]
+    held = (k * block + held_ends) / layout.dp_shard
+    state = held * (4 + 4 + STATE_BYTES[layout.optimizer])
+    gathered = 0.0
+    if layout.dp_shard > 1:  # this block's and the next one's weights, a gradient reduced
+        gathered = 2 * block * layout.compute_bytes + block * 4 + held_ends * layout.compute_bytes
+    saved = trace.saved_compiled if layout.compile else trace.saved
+    saved_block, saved_ends = saved.get("block", 0.0), saved.get("outside", 0.0)
+    if layout.pp == 1:
+        activations = k * saved_block + saved_ends
+    else:  # the first stage holds the most micro-batches, the last the loss's logits
+        activations = max(layout.in_flight * first * saved_block,
+                          k * saved_block + saved_ends)
+    eager = trace.saved.get("block", 0.0) + trace.saved.get("outside", 0.0)
+    temporary = max(0.0, trace.peak_transient - eager)
+    return {name: value / 2**30 for name, value in (
+        ("state", state), ("gathered", gathered), ("activations", activations),
+        ("temporary", temporary))}
+
+

@@ -1,0 +1,424 @@
+"""One rank's training step, traced once per distinct shape on fake tensors.
+
+The model is built on meta and cut to its first block (the repeated unit fsdp shards and
+activation checkpointing wraps): what one block computes is what each of them computes,
+so tracing one gives every layer's figures, whatever the model's depth. The cut model is
+laid out as a rank lays it out (tensor parallel by the model's own plan, over torch's fake
+process group of tp ranks; activation checkpointing around the block), given fake
+storage, and run forward and backward on a fake micro-batch under autocast, then its
+optimizer steps once. A dispatch mode records every op a rank runs: its FLOPs (torch's
+flop counter's formulas), the bytes it reads and writes (by tensor, so that a fused chain
+can be counted once), the collectives tensor parallelism calls; ModTracker says whether
+an op belongs to the block, to what comes before it (embeddings) or after it (the head
+and the loss). Saved-for-backward bytes per region come from autograd's hooks, and the
+peak of the bytes the step's ops made and held at once (activations, temporaries, the
+gradients of the one block), as torch's MemTracker counts them.
+
+Nothing is allocated and no collective runs: a 405B model's block traces in a second.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import sys
+import weakref
+import copy
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+from torch.nn.modules.module import register_module_forward_pre_hook
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakIdKeyDictionary
+
+from parallab.observe import comm
+
+log = logging.getLogger(__name__)
+aten = torch.ops.aten
+REGIONS = ("before", "block", "after")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What one rank computes: the key a trace is made and kept by."""
+
+    tp: int = 1
+    sequence_parallel: bool = False
+    rows: int = 1  # sequences of a micro-batch
+    seq_len: int = 128
+    checkpointing: str = "none"
+    gathered: bool = False  # FSDP2 gathers the weights in the compute dtype (no casts)
+    precision: str = "bf16"  # the precision group's option
+
+
+@dataclass
+class Op:
+    phase: str  # forward | backward | optimizer
+    region: str  # before | block | after
+    kind: str  # matmul | attention | memory | collective
+    flops: float
+    reads: tuple[tuple[int, int], ...]  # (tensor id, bytes)
+    writes: tuple[tuple[int, int], ...]
+    collective: str | None = None  # comm.KINDS
+    sent: float = 0.0  # bytes a rank sends (comm.py's bus bytes)
+    group: int = 1  # ranks of the collective's group
+    wide: bool = False  # its output is 4-byte floats (float32 matmuls run at the fp32 peak)
+
+
+@dataclass
+class Trace:
+    shape: Shape
+    ops: list[Op] = field(default_factory=list)
+    saved: dict[str, float] = field(default_factory=dict)  # bytes kept for backward, by region
+    saved_compiled: dict[str, float] = field(default_factory=dict)  # those a compiled step keeps
+    peak_transient: float = 0.0  # activations and temporaries at the step's peak, bytes
+    params: dict[str, float] = field(default_factory=dict)  # elements a rank holds, by region
+    boundary_bytes: float = 0.0  # a block's input: what a pipeline stage sends on
+
+
+# the CPU's fused attention, which the trace runs (CUDA's flash kernels do the same work)
+ATTENTION = {getattr(aten, name).default for name in (
+    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
+    if hasattr(aten, name)}
+ATTENTION_BACKWARD = {getattr(aten, name).default for name in (
+    "_scaled_dot_product_flash_attention_for_cpu_backward",
+    "_scaled_dot_product_flash_attention_backward",
+    "_scaled_dot_product_efficient_attention_backward",
+    "_scaled_dot_product_cudnn_attention_backward") if hasattr(aten, name)}
+# ops that move no data: views and metadata
+FREE = {aten.view.default, aten._unsafe_view.default, aten.t.default, aten.transpose.int,
+        aten.permute.default, aten.expand.default, aten.detach.default, aten.alias.default,
+        aten.slice.Tensor, aten.select.int, aten.unsqueeze.default, aten.squeeze.dim,
+        aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int,
+        aten.as_strided.default, aten._reshape_alias.default, aten.lift_fresh.default,
+        aten.empty.memory_format, aten.empty_strided.default, aten.new_empty_strided.default,
+        aten.new_empty.default}
+
+
+def attention_flops(q: torch.Tensor, k: torch.Tensor, causal: bool, backward: bool) -> float:
+    """FLOPs of fused attention over (batch, heads, seq, dim) queries and keys: two matmuls
+    forward (QK^T, PV), five backward (QK^T again, then dV, dP, dQ, dK), each 2·b·h·s·t·d;
+    a causal mask halves the work the kernels do."""
+    b, h, s, d = q.shape
+    t = k.shape[-2]
+    flops = (5 if backward else 2) * 2.0 * b * h * s * t * d
+    return flops / 2 if causal else flops
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    """Bytes an op touches of `t`: its elements (a broadcast dimension once)."""
+    numel = 1
+    for size, stride in zip(t.shape, t.stride()):
+        if stride != 0:
+            numel *= size
+    return numel * t.element_size()
+
+
+def _local(value: Any) -> Any:
+    from torch.distributed.tensor import DTensor
+
+    return value._local_tensor if isinstance(value, DTensor) else value
+
+
+class Recorder(TorchDispatchMode):
+    """Each op as Op: its FLOPs and bytes on the local tensors a rank holds (a DTensor's
+    shard), its region from `tracker` (ModTracker) and the phase set from outside."""
+
+    def __init__(self, tracker, block: str, causal_lm: bool):
+        super().__init__()
+        self.tracker, self.block, self.causal_lm = tracker, block, causal_lm
+        self.phase = "forward"
+        self.ops: list[Op] = []
+        self.produced: dict[int, tuple[str, str]] = {}  # storage -> (region, kind) of its op
+        # bytes of the storages the step made that are alive, and their most at once (each
+        # storage held weakly: freed when the step lets it go)
+        self.live = self.peak = 0
+        self.held: dict[int, weakref.ref] = {}
+        # a serial number per tensor, held weakly: the trace frees what the step frees
+        self.serials = WeakIdKeyDictionary()
+        self.counter = itertools.count()
+
+    def _ids(self, values) -> tuple[tuple[int, int], ...]:
+        found = []
+        for value in values:
+            value = _local(value)
+            if isinstance(value, torch.Tensor):
+                if value not in self.serials:
+                    self.serials[value] = next(self.counter)
+                found.append((self.serials[value], _nbytes(value)))
+        return tuple(found)
+
+    def _region(self) -> str:
+        return "block" if any(p.startswith(self.block) for p in self.tracker.parents) \
+            else "outside"
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func in FREE or func.namespace == "prim":
+            return out
+        flat_in, _ = tree_flatten((args, kwargs))
+        flat_out, _ = tree_flatten(out)
+        name = func.name().replace("::", ".").removesuffix(".default")
+        known = comm._OPS.get(name)
+        if known is not None:
+            kind_name, index, factor = known
+            n = comm._group_size(args, kwargs)
+            sent = comm._nbytes(_local(args[index])) * factor(n) if n > 1 else 0.0
+            self.ops.append(Op(self.phase, self._region(), "collective", 0.0, (), (),
+                               kind_name, sent, n))
+            return out
+        if func.namespace == "_c10d_functional":  # waits, and the like: no work of their own
+            return out
+        first = _local(flat_out[0]) if flat_out else None
+        wide = isinstance(first, torch.Tensor) and first.element_size() >= 4
+        op = Op(self.phase, self._region(), *self._cost(func, args, kwargs, out),
+                self._ids(flat_in), self._ids(flat_out), wide=wide)
+        self.ops.append(op)
+        for value in flat_out:
+            value = _local(value)
+            if isinstance(value, torch.Tensor):
+                self._made(value.untyped_storage(), op)
+        return out
+
+    def _made(self, storage: torch.UntypedStorage, op: Op) -> None:
+        key = storage._cdata
+        self.produced[key] = (op.region, op.kind)
+        if key in self.held:
+            return
+        size = storage.nbytes()
+        self.live += size
+        self.peak = max(self.peak, self.live)
+
+        def freed(_, key=key, size=size) -> None:
+            self.live -= size
+            self.held.pop(key, None)
+
+        self.held[key] = weakref.ref(storage, freed)
+
+    def _cost(self, func, args, kwargs, out) -> tuple[str, float]:
+        from torch.utils.flop_counter import flop_registry
+
+        if func in ATTENTION or func in ATTENTION_BACKWARD:
+            backward = func in ATTENTION_BACKWARD
+            q, k = (_local(args[1]), _local(args[2])) if backward else \
+                (_local(args[0]), _local(args[1]))
+            # a causal LM's mask, which transformers builds where tensors are fake, is the
+            # causal one it leaves to the kernel's is_causal on a GPU
+            causal = bool(kwargs.get("is_causal", _causal_arg(func, args))) or (
+                self.causal_lm and q.shape[-2] == k.shape[-2])
+            return "attention", attention_flops(q, k, causal, backward)
+        packet = func._overloadpacket
+        if packet in flop_registry:
+            local_args = [_local(a) for a in args]
+            local_out = tuple(_local(o) for o in out) if isinstance(out, tuple) else _local(out)
+            try:
+                flops = flop_registry[packet](*local_args, **kwargs, out_val=local_out)
+            except Exception:  # noqa: BLE001 - a formula that does not take this overload
+                flops = 0
+            return "matmul", float(flops)
+        return "memory", 0.0
+
+
+def _causal_arg(func, args) -> bool:
+    """is_causal passed by position: the schema's own index of it."""
+    for index, argument in enumerate(func._schema.arguments):
+        if argument.name == "is_causal" and index < len(args):
+            return bool(args[index])
+    return False
+
+
+def cut_to_one_block(model: nn.Module, blocks: list[nn.Module]) -> str:
+    """Keep the first of the model's blocks in their container (a ModuleList the forward
+    loops over); the block's name."""
+    names = {id(m): name for name, m in model.named_modules()}
+    first = names[id(blocks[0])]
+    parent_name = first.rpartition(".")[0]
+    parent = model.get_submodule(parent_name) if parent_name else model
+    if not isinstance(parent, (nn.ModuleList, nn.Sequential)):
+        raise ValueError(f"the blocks of {type(model).__name__} are not held in a ModuleList")
+    kept = [b for b in blocks[:1]]
+    for index in range(len(parent) - 1, 0, -1):
+        del parent[index]
+    assert list(parent) == kept
+    return first
+
+
+@contextlib.contextmanager
+def fake_group(world_size: int) -> Iterator[None]:
+    """torch's fake process group as the default group, rank 0 of `world_size`."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():  # an outer one (a test's): left as it is
+        yield
+        return
+    hook = sys.excepthook  # which init_process_group wraps, to prefix a rank, for good
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        sys.excepthook = hook
+
+
+def blocks_of(model: nn.Module, stages: list[str] | None) -> list[nn.Module]:
+    """The model's repeated blocks: those activation checkpointing wraps one by one (gpt's
+    transformer blocks, a transformers model's _no_split_modules), else its stages."""
+    from parallab.parallel import activations
+
+    found = activations.units(model, stages) or []
+    return [m for m in found if next(m.parameters(), None) is not None and
+            type(m) is type(found[len(found) // 2])]
+
+
+def _region(ops: list[Op]) -> None:
+    """An op outside the block is `before` it (the embeddings) or `after` it (the head and
+    the loss): in the forward, by whether it runs before the block's first op; in the
+    backward, the other way round."""
+    for phase in ("forward", "backward"):
+        inside = [i for i, op in enumerate(ops) if op.phase == phase and op.region == "block"]
+        if not inside:
+            continue
+        first = inside[0]
+        for i, op in enumerate(ops):
+            if op.phase == phase and op.region == "outside":
+                early = i < first
+                op.region = ("before" if early else "after") if phase == "forward" else \
+                    ("after" if early else "before")
+
+
+def _fake_batch(fake, shape: Shape, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    with fake:
+        inputs = torch.randint(0, vocab, (shape.rows, shape.seq_len))
+        return inputs, torch.randint(0, vocab, (shape.rows, shape.seq_len))
+
+
+def _split(model: nn.Module, cfg, tp: int, sequence_parallel: bool) -> None:
+    """Tensor parallel as the mesh layouts split a model (MeshStrategy.split): the model's
+    plan over a mesh of tp ranks, its entries for modules the cut model holds."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from parallab.parallel import plans
+
+    plan = plans.plan_of(model, getattr(cfg.parallel, "tp_plan", None) or None, sequence_parallel)
+    names = {name for name, _ in model.named_modules()}
+    kept = {name: style for name, style in plan.items() if name in names}
+    mesh = init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))
+    parallelize_module(model, mesh, kept)
+
+
+def trace(cfg, template: nn.Module, block: str, vocab: int, shape: Shape) -> Trace:
+    """One micro-batch's forward and backward of `template` (the model on meta, cut to
+    one block named `block`) as a rank of `shape` computes it, on fake tensors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mod_tracker import ModTracker
+
+    from parallab.loss import build_loss, resolve
+    from parallab.models import hf
+    from parallab.parallel import activations
+    from parallab.precision import Precision
+
+    from parallab.config.schema import PrecisionConfig
+
+    precision = Precision(PrecisionConfig(name=shape.precision), torch.device("cpu"))
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    model = copy.deepcopy(template)
+    if shape.gathered and precision.dtype != torch.float32:
+        model = model.to(precision.dtype)  # FSDP2 gathers weights in the compute dtype
+    with fake:
+        model = model.to_empty(device="cpu")
+    found = Trace(shape)
+    inputs: list[torch.Tensor] = []
+    the_block = model.get_submodule(block)
+    the_block.register_forward_pre_hook(
+        lambda _, args: inputs.append(_local(args[0])) if not inputs else None)
+    called: list[nn.Module] = []
+    with fake_group(shape.tp):
+        if shape.tp > 1:
+            _split(model, cfg, shape.tp, shape.sequence_parallel)
+        model = activations.apply(model, shape.checkpointing, getattr(cfg.parallel, "stages", None))
+        loss = build_loss(resolve(dict(cfg.loss), None, None)).bind(model)
+        batch = _fake_batch(fake, shape, vocab)
+        tracker = ModTracker()
+        recorder = Recorder(tracker, _fqn(model, block), hf.shifts_labels(model))
+        saved = _SavedByRegion(model, tracker, recorder)
+        calls = register_module_forward_pre_hook(lambda module, _: called.append(module))
+        with fake, tracker, recorder:
+            with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+                with precision.autocast():
+                    value = loss.step_loss(model, batch, shape.rows * shape.seq_len)[1]
+            calls.remove()
+            recorder.phase = "backward"
+            value.backward()
+    found.ops = recorder.ops
+    _region(found.ops)
+    found.params = _params_by_region(model, the_block, called)
+    found.saved = saved.by_region()
+    found.saved_compiled = saved.by_region(compiled=True)
+    found.boundary_bytes = float(_nbytes(inputs[0])) if inputs else 0.0
+    found.peak_transient = float(recorder.peak)
+    return found
+
+
+def _fqn(model: nn.Module, block: str) -> str:
+    """The block's name as ModTracker names modules: the root's class, then the path."""
+    return f"{type(model).__name__}.{block}"
+
+
+def _params_by_region(model: nn.Module, block: nn.Module, called: list[nn.Module]
+                      ) -> dict[str, float]:
+    """Elements of the parameters a rank holds (a tensor-parallel shard's), by region: the
+    block's, those of modules its forward calls first (the embeddings) and the rest (the
+    head; a tied embedding counts where it is looked up)."""
+    inside = {id(p) for p in block.parameters()}
+    order = {id(m): i for i, m in reversed(list(enumerate(called)))}
+    start = order.get(id(block), 0)
+    counts = {region: 0.0 for region in REGIONS}
+    seen: set[int] = set()
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            region = "block" if id(param) in inside else (
+                "before" if order.get(id(module), start + 1) < start else "after")
+            counts[region] += _local(param).numel()
+    return counts
+
+
+class _SavedByRegion:
+    """Bytes autograd keeps for backward, by the region that saved them (parameters left
+    out: they are the state, counted apart), each storage once; and of them, those a
+    compiled block keeps: torch.compile's partitioner recomputes in backward what a chain
+    of memory-bound ops made inside the block, and saves the rest (matmul and attention
+    outputs, what came in from before the block)."""
+
+    def __init__(self, model: nn.Module, tracker, recorder: "Recorder"):
+        self.tracker, self.recorder = tracker, recorder
+        self.params = {p.untyped_storage()._cdata for p in model.parameters()}
+        self.seen: dict[int, tuple[str, int, bool]] = {}
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        storage = _local(tensor).untyped_storage()
+        key = storage._cdata
+        if key not in self.params and key not in self.seen:
+            inside = any(p.startswith(self.recorder.block) for p in self.tracker.parents)
+            region = "block" if inside else "outside"
+            made_in, kind = self.recorder.produced.get(key, ("", ""))
+            recomputed = kind == "memory" and (made_in == "block") == inside
+            self.seen[key] = (region, storage.nbytes(), not recomputed)
+        return tensor
+
+    def by_region(self, compiled: bool = False) -> dict[str, float]:
+        totals = {"block": 0.0, "outside": 0.0}
+        for region, nbytes, kept in self.seen.values():
+            if kept or not compiled:
+                totals[region] += nbytes
+        return totals

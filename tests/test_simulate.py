@@ -1,0 +1,223 @@
+"""parallab simulate: a step on a cluster from one block traced on fake tensors. The
+parts against hand-computed values (a block's FLOPs, NCCL's time for a ring all-reduce,
+a pipeline's bubble), memory at world size 64 against the model laid out on fake tensors,
+the cluster presets, the command as a user runs it, and its refusals."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from parallab.config.errors import ConfigError
+from parallab.testing import REPO, run_entry
+
+# a gpt whose every weight splits evenly over 64 ranks (FSDP2 pads nothing)
+GPT = ["model=gpt", "model.layers=2", "model.heads=4", "model.width=64", "model.context=64",
+       "data.seq_len=32", "data.batch_size=2", "optim=adamw"]
+
+
+def configured(*overrides: str):
+    from parallab.commands import compose
+    from parallab.config.hydra_app import typed_config
+
+    return typed_config(compose(list(overrides), None, "simulate"), list(overrides))
+
+
+def traced(shape, *overrides: str):
+    from parallab.simulate import Facts, trace
+
+    cfg = configured(*GPT, *overrides)
+    facts = Facts.of(cfg)
+    facts.cut()
+    return trace.trace(cfg, facts.template, facts.block, facts.vocab, shape)
+
+
+def flops(found, phase: str, region: str, kind: str) -> float:
+    return sum(op.flops for op in found.ops
+               if (op.phase, op.region, op.kind) == (phase, region, kind))
+
+
+def test_a_traced_block_counts_its_matmuls_and_attention_as_by_hand():
+    from parallab.simulate.trace import Shape
+
+    tokens, width, heads, seq = 2 * 32, 64, 4, 32
+    plain = traced(Shape(rows=2, seq_len=seq, precision="fp32"))
+    # qkv, proj and the MLP's two: 2 FLOPs a weight a token
+    assert flops(plain, "forward", "block", "matmul") == 2 * tokens * 12 * width**2
+    assert flops(plain, "backward", "block", "matmul") == 2 * 2 * tokens * 12 * width**2
+    # causal attention: QK^T and PV, each 2·b·h·s·t·d, half of them masked
+    attention = 2 * 2 * 2 * heads * seq * seq * (width // heads) / 2
+    assert flops(plain, "forward", "block", "attention") == attention
+    assert flops(plain, "backward", "block", "attention") == attention * 5 / 2
+    # the head: 2·tokens·width·vocab forward, twice that backward
+    assert flops(plain, "forward", "after", "matmul") == 2 * tokens * width * 256
+    # full checkpointing recomputes the forward in backward (but its last op, whose output
+    # no gradient needs), and keeps only the block's input
+    full = traced(Shape(rows=2, seq_len=seq, checkpointing="full", precision="fp32"))
+    again = flops(full, "backward", "block", "matmul") - flops(plain, "backward", "block",
+                                                                "matmul")
+    assert again == 2 * tokens * 8 * width**2  # qkv, proj, the MLP's first
+    assert full.saved["block"] == tokens * width * 4 < plain.saved["block"]
+
+
+def test_tensor_parallel_halves_a_blocks_matmuls_and_adds_its_all_reduces():
+    from parallab.simulate.trace import Shape
+
+    tokens, width = 64, 64
+    split = traced(Shape(tp=2, rows=2, seq_len=32, precision="fp32"))
+    assert flops(split, "forward", "block", "matmul") == 2 * tokens * 12 * width**2 / 2
+    sends = [op for op in split.ops if op.kind == "collective" and op.region == "block"]
+    forward = [op for op in sends if op.phase == "forward"]
+    # the two row-wise layers' outputs, all-reduced over the pair: 2(n-1)/n of each
+    assert [op.collective for op in forward] == ["all_reduce", "all_reduce"]
+    assert all(op.sent == tokens * width * 4 and op.group == 2 for op in forward)
+    assert split.params["block"] == pytest.approx(12 * width**2 / 2 + 13 * width, rel=0.1)
+
+
+def test_a_collective_takes_nccls_time():
+    from parallab.config.schema import NcclLatency
+    from parallab.simulate.cluster import Group, Rates
+
+    rates = Rates({"bf16": 1e15, "fp32": 1e14}, 1.0, 3e12, 450e9, 50e9, 8, 80 * 2**30, 0.0,
+                  NcclLatency())
+    sent = 2 * 7 / 8 * 2**30  # a 1 GiB tensor all-reduced by 8 ranks: its bus bytes
+    ring = (8.4 + 14 * 3.4) * 1e-6 + sent / 450e9
+    assert rates.collective_s("all_reduce", sent, Group(8, 1)) == pytest.approx(ring)
+    small = 2 * 7 / 8 * 1024  # LL: a tenth of the latency, a quarter of the bandwidth
+    assert rates.collective_s("all_reduce", small, Group(8, 1)) == pytest.approx(
+        (3.6 + 14 * 0.47) * 1e-6 + small / (450e9 / 4))
+    # 16 ranks over 2 nodes: 2 of its 30 ring steps cross the network, over the 8 NICs of
+    # each node's 8 ranks; a tree (log2 of the nodes deep) is no faster for a large tensor
+    sent = 2 * 15 / 16 * 2**30
+    across = (8.4 + 28 * 3.4 + 2 * 9.6) * 1e-6 + sent / (8 * 50e9)
+    assert rates.collective_s("all_reduce", sent, Group(16, 2)) == pytest.approx(across)
+    # a gather of 1024 ranks one a node: its ring's 1023 steps, each over the network
+    assert rates.collective_s("all_gather", 1e6, Group(1024, 1024)) == pytest.approx(
+        min((8.4 + 1023 * 9.6) * 1e-6 + 1e6 / 50e9, (3.6 + 1023 * 2.7) * 1e-6 + 4e6 / 50e9))
+    # tp's ranks are neighbours: 8 of them in a node of 8; a data-parallel group 8 apart,
+    # one per node
+    assert Group.of(8, 1, 8) == Group(8, 1) and Group.of(16, 8, 8) == Group(16, 16)
+    assert Group.of(4, 2, 8) == Group(4, 1) and Group.of(8, 2, 8) == Group(8, 2)
+
+
+def test_a_pipelines_step_is_its_bubble_times_its_slots():
+    from parallab.config.schema import NcclLatency
+    from parallab.simulate import step
+    from parallab.simulate.cluster import Rates
+    from parallab.simulate.trace import Op, Shape, Trace
+
+    rates = Rates({"bf16": 1e12, "fp32": 1e12}, 1.0, 1e18, 1e12, 1e12, 8, 2**40, 0.0,
+                  NcclLatency())
+    found = Trace(Shape(), ops=[Op("forward", "block", "matmul", 1e9, (), ()),
+                                Op("backward", "block", "matmul", 2e9, (), ())],
+                  params={"before": 0.0, "block": 10.0, "after": 0.0})
+    layout = step.Layout(world_size=2, pp=2, microbatches=4, bubble=1 + 1 / 4)
+    predicted = step.predict(found, step.costs(found, rates, False, False), layout, rates, 4)
+    slot = 2 * (1e9 + 2e9) / 1e12  # two blocks a stage, forward and backward
+    assert predicted.parts["compute_s"] == pytest.approx(4 * slot)
+    assert predicted.parts["bubble_s"] == pytest.approx(slot * 1)  # (pp - 1) slots
+    assert predicted.step_time_s == pytest.approx(1.25 * 4 * slot, rel=1e-6)
+    assert sum(predicted.parts.values()) == pytest.approx(predicted.step_time_s)
+
+
+def test_memory_at_64_ranks_is_the_fake_tensor_layouts():
+    """The composed figure (a block's state and activations, times the blocks) against
+    the whole model laid out by FSDP2 at world size 64 on fake tensors, as advise predicts
+    a rank's memory."""
+    from conftest import checked
+
+    from parallab.advise import memory
+    from parallab.checks import trial
+    from parallab.simulate import run, search
+
+    overrides = [*GPT, "data=bytes", "parallel=fsdp", "parallel.world_size=64", "device=cpu"]
+    cfg, layout = checked(*overrides)
+    state_mb, activations_mb = memory.predict(cfg, layout, trial.one_batch(cfg, 2), 0)
+    sim = configured(*GPT, "parallel=fsdp", "parallel.world_size=64", "precision=fp32")
+    candidate, _ = run.given(sim)
+    assert isinstance(candidate, search.Candidate) and candidate.dp_shard == 64
+    parts = candidate.prediction.memory  # GiB
+    assert parts["state"] * 1024 == pytest.approx(state_mb, rel=0.01)
+    assert parts["activations"] * 1024 == pytest.approx(activations_mb, rel=0.15)
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in (REPO / "conf" / "cluster").glob("*.yaml")))
+def test_every_cluster_preset_composes_and_is_sound(name):
+    from parallab.simulate import cluster
+
+    cfg = configured(f"cluster={name}")
+    assert cfg.cluster.name == name and cluster.problem(cfg.cluster) is None
+    if cfg.cluster.gpu != cluster.THIS:
+        rates = cluster.Rates.of(cfg.cluster)
+        assert rates.peaks["bf16"] > 1e14 and 0 < rates.matmul_efficiency <= 1
+        assert cfg.cluster.source  # each names where its figures come from
+
+
+def test_auto_ranks_every_layout_and_writes_its_answer(tmp_path):
+    from parallab.commands import simulate_in_process
+
+    answer = simulate_in_process([*GPT, "parallel=auto", "parallel.world_size=16",
+                                  "data.batch_size=2", "cluster=a100"], tmp_path)
+    found = json.loads((tmp_path / "simulate.json").read_text())["layouts"]
+    fits = [e for e in found if e["fits"]]
+    assert fits and found[:len(fits)] == fits  # those that fit first, fastest first
+    speeds = [e["tokens_per_sec_per_gpu"] for e in fits]
+    assert speeds == sorted(speeds, reverse=True)
+    kinds = {e["layout"].split("(")[0] for e in found}
+    assert {"ddp", "fsdp", "hsdp", "fsdp_tp", "pipeline"} <= kinds
+    best = fits[0]
+    assert set(best) >= {"command", "tokens_per_sec_per_gpu", "step_time_s", "mfu",
+                         "memory_per_gpu_gb", "fits", "parts"}
+    assert best["command"] == answer["command"] and "parallel=auto" not in best["command"]
+    assert best["command"].startswith("parallab train data=tokens model=gpt")
+    assert sum(best["parts"].values()) == pytest.approx(best["step_time_s"])
+    assert "#SBATCH --nodes=2" in answer["sbatch"] and "#SBATCH --gpus-per-node=8" in \
+        answer["sbatch"]
+    said = (tmp_path / "simulate.md").read_text()
+    assert best["layout"] in said and "srun --kill-on-bad-exit=1 parallab train" in said
+    assert (tmp_path / "simulate.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("overrides, says", [
+    (["cluster.hbm_gbps=-1"], "cluster.hbm_gbps=-1.0 is out of range: it must be > 0"),
+    (["cluster.hbm_gbps=null"], "cluster.hbm_gbps=null: only cluster.gpu=this measures"),
+    (["cluster.memory_gb=???"], "cluster.memory_gb is missing: set it"),
+    (["cluster.gpu=RTX-9090"], "cluster.gpu=RTX-9090 is not in mfu.py's table"),
+    (["parallel=fsdp"], "parallel.world_size is not set: give the GPU count to simulate"),
+    (["parallel=fsdp_tp", "parallel.world_size=8", "parallel.tp=3"],
+     "multiply to 3 x ?, but parallel.world_size=8"),
+    (["parallel=tp", "parallel.world_size=8"], "parallel.tp=8 does not divide model.heads=4"),
+    (["parallel=pipeline", "parallel.world_size=16", "parallel.pp=16"],
+     "is 16 parts, more than the 4 stages of the model"),
+    (["parallel=auto", "parallel.world_size=1"], "parallel=auto with parallel.world_size=1"),
+    (["parallel=auto", "parallel.world_size=8", "cluster.memory_gb=0.0001"],
+     "no layout of parallel.world_size=8 GPUs fits GPT on cluster=h100: the smallest needs"),
+])
+def test_bad_input_ends_in_one_line(tmp_path, overrides, says):
+    from parallab.commands import simulate_in_process
+
+    with pytest.raises(ConfigError) as raised:
+        simulate_in_process([*GPT, *overrides], tmp_path)
+    assert says in str(raised.value) and "\n" not in str(raised.value)
+    assert not (tmp_path / "simulate.json").exists()
+
+
+def test_the_command_as_a_user_runs_it(tmp_path):
+    """`parallab simulate` from a shell: the answer, its files; an unknown cluster refused in
+    one line, exit status 2, before anything is traced."""
+    run_dir = tmp_path / "sim"
+    done = run_entry("parallab", ["simulate", *GPT, "parallel=fsdp", "parallel.world_size=64",
+                                  "cluster=h100"], run_dir, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = done.stdout.strip().splitlines()
+    assert said[-2].startswith("parallab simulate: fsdp(F64) b2 ac=none: ")
+    assert said[-1].startswith("parallab train data=tokens model=gpt")
+    layouts = json.loads((run_dir / "simulate.json").read_text())["layouts"]
+    assert len(layouts) == 1 and layouts[0]["fits"]
+    refused = run_entry("parallab", ["simulate", *GPT, "cluster=nope"], tmp_path / "bad",
+                        timeout=120)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1 and "cluster" in refused.stderr
+    assert not Path(tmp_path / "bad" / "simulate.json").exists()
