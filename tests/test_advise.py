@@ -66,16 +66,18 @@ def test_advise_measures_predicts_and_recommends_a_matching_layout(tmp_path):
 @pytest.mark.distributed
 def test_a_bf16_pipeline_is_predicted_as_measured(tmp_path, capfd):
     """The micro-batches of a pipeline step share autocast's weight casts: counted once in
-    the prediction (which runs one micro-batch) and in the measurement (which sees all);
-    its step's parts (its share through its schedule, its sends replayed) measured."""
+    the prediction (which runs one micro-batch) and in the measurement (which sees all),
+    with one part a rank and with two (zbv's V); its step's parts (its share through its
+    schedule, its sends replayed) measured."""
     run_dir = tmp_path / "advise"
     advise_in_process([*TINY, "advise.steps=2", "advise.warmup_steps=1",
                        "advise.precisions=[bf16]", "parallel.world_size=2",
                        "advise.layouts=[pipeline]", "advise.microbatches=[4]",
+                       "advise.schedules=[1f1b,zbv]",
                        "advise.activation_checkpointing=[none]", "advise.max_accumulation=1"],
                       run_dir)
     rows = list(csv.DictReader(open(run_dir / "advise.csv")))
-    assert len(rows) == 2  # gpipe and 1f1b
+    assert len(rows) == 2  # 1f1b, and zbv: two parts a rank
     for row in rows:  # a few percent: fake LayerNorm statistics differ a little in bf16
         assert abs(float(row["memory_error"])) <= 0.05, row
         assert float(row["predicted_step_ms_here"]) > 0, row

@@ -177,7 +177,7 @@ def test_auto_values_resolve_for_cpu():
       "parallel.world_size=2", "parallel.sequence_parallel=true"],
      "parallel.tp=2 ranks, which data.seq_len=33 does not divide by"),
     (["model=gpt", "data=bytes", "model.tie_embeddings=true", "parallel=pipeline"],
-     "parallel=pipeline puts stages 0 and 5 on different parts, but they share a parameter"),
+     "parallel=pipeline puts stages 0 and 5 on different ranks, but they share a parameter"),
     (["precision.name=fp4"], "precision.name=fp4 is unknown"),
     (["precision=fp8"], "precision=fp8 trains the Linear layers in float8, which pays on a "
                         "CUDA GPU"),

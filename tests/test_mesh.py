@@ -244,6 +244,12 @@ RESUMES = {
                                (["parallel=tp", "parallel.world_size=2"], 1, 10)],
     "pipeline 2 to ddp 2": [(["parallel=pipeline", "parallel.world_size=2"], 1, 5),
                             (["parallel=ddp", "parallel.world_size=2"], 2, 10)],
+    # the parts placed in a V, then round-robin over two pipelines, then none
+    "zbv 2 to interleaved_1f1b 2x2 to none": [
+        (["parallel=pipeline", "parallel.world_size=2", "parallel.schedule=zbv"], 1, 4),
+        (["parallel=pipeline", "parallel.world_size=4", "parallel.pp=2",
+          "parallel.schedule=interleaved_1f1b"], 2, 7),
+        (["parallel=none"], 1, 10)],
 }
 
 

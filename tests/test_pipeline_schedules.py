@@ -1,13 +1,18 @@
 """The pipeline's schedules (torch.distributed.pipelining's): their idle share and held
 activations as torch orders them, the stages they place on each rank, the micro-batch
-counts they take."""
+counts they take, bad input refused in one line, and every schedule of several stages per
+rank training as one device does (real gloo processes). A transformers model's own chain
+of stages: tests/test_transformers.py."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
 import pytest
+import torch
+from conftest import FAST, checked, losses, read_metrics
 
+from parallab.config.errors import ConfigError
 from parallab.parallel import schedules
 from parallab.parallel.schedules import SCHEDULES, activations_held, bubble
 
@@ -114,3 +119,107 @@ def test_stages_are_placed_and_microbatches_taken_as_torch_does():
                     takes = False
                 assert takes == (schedules.microbatches_problem(name, pp, v, m) is None), \
                     (name, pp, m)
+
+
+GPT = ["model=gpt", "data=bytes", "model.layers=2", "device=cpu"]
+PIPE = ["parallel=pipeline", "parallel.world_size=2"]
+BAD = [
+    ([*PIPE, "parallel.schedule=zb"], "parallel.schedule=zb is unknown: use one of gpipe, "
+     "1f1b, interleaved_1f1b, looped_bfs, interleaved_zb, zbv, dualpipev"),
+    ([*PIPE, *GPT, "parallel.schedule=1f1b", "parallel.stages_per_rank=2"],
+     "parallel.stages_per_rank=2 with parallel.schedule=1f1b, which runs one stage per rank: "
+     "drop it (null)"),
+    ([*PIPE, *GPT, "parallel.schedule=zbv", "parallel.stages_per_rank=3"],
+     "whose V holds exactly 2 stages per rank: set it to 2"),
+    ([*PIPE, *GPT, "parallel.schedule=interleaved_1f1b", "parallel.stages_per_rank=3"],
+     "parallel.world_size=2 x parallel.stages_per_rank=3 is 6 parts, more than the 4 stages "
+     "of the model: make pp x stages_per_rank at most 4"),
+    ([*PIPE, *GPT, "parallel.schedule=dualpipev", "parallel.microbatches=2"],
+     "parallel.microbatches=2 does not suit parallel.schedule=dualpipev at parallel.pp=2: "
+     "DualPipeV needs at least as many micro-batches as stages (4); use "
+     "parallel.microbatches=4 or 5"),
+    (["parallel=pipeline", "parallel.world_size=4", *GPT, "model.layers=6",
+      "parallel.schedule=interleaved_zb", "parallel.microbatches=9", "data.batch_size=18"],
+     "runs them in max(1, microbatches // pp) = 2 rounds, so it needs a multiple of 2; use "
+     "parallel.microbatches=8 or 10"),
+    ([*PIPE, *GPT, "parallel.schedule=zbv", "trainer.compile=true"],
+     "trainer.compile=true with parallel.schedule=zbv: it splits each backward"),
+    ([*PIPE, *GPT, "parallel.schedule=interleaved_zb",
+      "trainer.activation_checkpointing=selective"],
+     "trainer.activation_checkpointing=selective with parallel.schedule=interleaved_zb"),
+    ([*PIPE, *GPT, "parallel.schedule=interleaved_1f1b", "model.tie_embeddings=true"],
+     "puts stages 0 and 3 on different ranks, but they share a parameter"),
+    (["parallel=pipeline", "parallel.world_size=4", "parallel.pp=2", "parallel.dp_shard=2",
+      "parallel.dp_replicate=1", *GPT, "parallel.schedule=zbv", "model.tie_embeddings=true"],
+     "parallel.dp_shard=2 shards each of a rank's parts apart, but stages 0 and 3 share"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", BAD, ids=[" ".join(o[2:]) for o, _ in BAD])
+def test_bad_schedule_settings_are_one_line(overrides, message):
+    with pytest.raises(ConfigError) as error:
+        checked(*overrides)
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_v_shape_holds_tied_embeddings_on_one_rank():
+    """zbv's first and last stage are one rank's: tied weights need no untying there."""
+    cfg, layout = checked(*PIPE, *GPT, "parallel.schedule=zbv", "model.tie_embeddings=true")
+    assert cfg.parallel.stages_per_rank == 2
+    assert layout.plan.bubble(cfg) == bubble("zbv", 2, 2, 4)
+
+
+# parallab's mlp on synthetic data, no dropout, every step logged, a checkpoint at the end
+MLP_RUN = [*FAST, "model=mlp", "model.hidden=[64,64,32]", "data.shape=[1,8,8]",
+           "trainer.max_steps=10", "trainer.log_every_n_steps=1", "optim.lr=0.05",
+           "trainer.checkpoint_every_n_steps=null", "trainer.save_best=false"]
+@pytest.fixture(scope="module")
+def one_device(tmp_path_factory):
+    """The one-device reference, in-process: the mlp at the global batch of 64."""
+    from parallab.cli import train_in_process
+
+    run_dir = tmp_path_factory.mktemp("mlp") / "run"
+    train_in_process([*MLP_RUN, "data.batch_size=64"], run_dir)
+    return run_dir
+
+
+def final_weights(run_dir) -> dict[str, torch.Tensor]:
+    from parallab.models.mlp import MLP
+    from parallab.training import checkpoint, weights
+
+    model = MLP(input_dim=64, hidden=[64, 64, 32])
+    return weights.model_from(checkpoint.latest(run_dir / "checkpoints"), model).state_dict()
+
+
+# each schedule of several stages per rank at pp 2 x 2 stages per rank, two pipelines
+# side by side: replicas, FSDP2 shards of each part, activation checkpointing around them
+LAYOUTS = {
+    "interleaved_1f1b": ["parallel.dp_replicate=2"],
+    "looped_bfs": ["parallel.dp_shard=2", "parallel.dp_replicate=1",
+                   "trainer.activation_checkpointing=selective"],
+    "interleaved_zb": ["parallel.dp_replicate=2", "trainer.activation_checkpointing=full"],
+    "zbv": ["parallel.dp_shard=2", "parallel.dp_replicate=1",
+            "trainer.activation_checkpointing=full"],
+    "dualpipev": ["parallel.dp_replicate=2"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.xdist_group("pipeline_schedules")  # one reference per run, not per xdist worker
+@pytest.mark.parametrize("schedule", LAYOUTS)
+def test_each_schedule_trains_as_one_device_does(train_here, one_device, schedule):
+    metrics, run_dir = train_here(*MLP_RUN, "parallel=pipeline", "parallel.world_size=4",
+                                  "parallel.pp=2", f"parallel.schedule={schedule}",
+                                  "data.batch_size=32", *LAYOUTS[schedule])
+    reference = one_device
+    assert metrics["global_batch_size"] == 64
+    assert losses(run_dir) == pytest.approx(losses(reference), rel=1e-4, abs=1e-5)
+    assert len(losses(run_dir)) == 10
+    expected, got = final_weights(reference), final_weights(run_dir)
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-4, atol=1e-5)
+    assert metrics["eval_accuracy"] == pytest.approx(read_metrics(reference)["eval_accuracy"])
+    log = (run_dir / "train.log").read_text()
+    placed = [[0, 3], [1, 2]] if SCHEDULES[schedule].v_shape else [[0, 2], [1, 3]]
+    assert f"a pipeline's ranks holding parts {placed}" in log

@@ -1,7 +1,8 @@
 """Transformers models as they are written, tiny and built from their config (nothing is
 downloaded): the example project's Llama (4 heads, 2 key-value heads) and GPT-2 (tied
-embeddings) on dict samples with padded labels, under the layouts against one device; their
-own plans read (blocks, tensor-parallel plan, FLOPs); text files through the datasets
+embeddings) on dict samples with padded labels, under the layouts against one device (a
+pipeline too, of their own chain of stages); their own plans read (blocks, tensor-parallel
+plan, FLOPs); text files through the datasets
 library with a tokenizer trained here. The example from the installed wheel: test_install."""
 
 from __future__ import annotations
@@ -52,6 +53,12 @@ LAYOUTS = {
     "gpt2-fsdp2-ac_selective": ["model=my_gpt2", "parallel=fsdp", "parallel.world_size=2",
                                 "data.batch_size=8",
                                 "trainer.activation_checkpointing=selective"],
+    # its own chain of stages (hf.pipeline_stages), its blocks recomputed: the attention mask
+    # given to every block, its loss computed from the last part's logits, the tied
+    # embedding and head on the V's first rank, where both parts' gradients add up
+    "gpt2-pipeline-zbv-ac_full": ["model=my_gpt2", "parallel=pipeline", "parallel.world_size=2",
+                                  "data.batch_size=16", "parallel.schedule=zbv",
+                                  "trainer.activation_checkpointing=full"],
 }
 
 
@@ -92,6 +99,28 @@ def test_its_own_plans_are_read():
     with pytest.raises(plans.PlanError, match="is not a style parallab splits by"):
         plans.plan_of(llama, {"lm_head": "diagonal"})
     assert plans.source(gpt2, None) is None
+
+
+@pytest.mark.parametrize("name", ["my_llama", "my_gpt2"])
+def test_its_chain_of_stages_gives_its_logits(name):
+    """A pipeline runs it as its embeddings, each decoder block (given the masks and
+    positions its forward would give it, from the activation and the batch's attention
+    mask) and its head, one after the other: the model's forward."""
+    from parallab.models import hf
+    from parallab.parallel.stages import Part
+
+    model = built(name).eval()
+    stages = hf.pipeline_stages(model)
+    assert len(stages) == model.config.num_hidden_layers + 2
+    ids = torch.randint(1, 256, (3, 16))
+    padded = torch.ones_like(ids)
+    padded[0, 9:] = 0
+    chain = Part(stages, first=True)
+    with torch.no_grad():
+        assert torch.equal(chain(ids), model(ids).logits)
+        masked = chain(input_ids=ids, attention_mask=padded)
+        assert torch.equal(masked, model(ids, attention_mask=padded).logits)
+        assert not torch.equal(masked, chain(ids))
 
 
 @pytest.mark.parametrize("name", ["my_llama", "my_gpt2"])
@@ -156,8 +185,6 @@ BAD = [
      "fails in model.layers.0.mlp.down_proj (RuntimeError: mat1 and mat2 shapes"),
     (["parallel=tp", "parallel.world_size=2", "parallel.sequence_parallel=true"],
      "parallel.sequence_parallel=true: the plan of LlamaForCausalLM"),
-    (["parallel=pipeline", "parallel.world_size=2"],
-     "parallel=pipeline cuts the model into parts at its stages, and this model declares none"),
     (["model.config.vocab_size=100"], "model.config.vocab_size=100 is smaller than the 256 "
                                       "tokens of data=datasets's vocabulary"),
     (["model.config.vocab_size=100", "~data.vocab_size"],  # nothing says: the forward tells

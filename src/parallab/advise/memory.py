@@ -105,33 +105,28 @@ def _reduce_locally(model: nn.Module) -> None:
 
 def _predict_part(cfg, strategy, model: nn.Module, batch: Any, precision
                   ) -> tuple[float, float]:
-    """A pipeline rank: its part of the model (as the strategy keeps it), the optimizer
-    over it, and its part's activations for one micro-batch, times the micro-batches it
-    holds at once, plus one copy of its parameters' autocast casts. The stage-to-stage
-    exchange needs real shapes, which the fake group does not pass on, so the earlier parts
-    run here to give this part its input."""
-    from parallab.parallel import stages as stages_of
-    from parallab.parallel.pipeline import keep_only
-    from parallab.parallel.split import part_ranges
+    """A pipeline rank: its parts of the model (as the strategy keeps them), the optimizer
+    over them, and its parts' activations for one micro-batch, times the micro-batches it
+    holds at once (its schedule's), plus one copy of its parameters' autocast casts. The
+    stage-to-stage exchange needs real shapes, which the fake group does not pass on, so the
+    earlier parts run here to give each of its parts its input."""
+    from parallab.parallel.split import Cut
 
     p = cfg.parallel
-    stages = stages_of.find(model, p.stages)
-    keep = part_ranges(stages, strategy.pp, p.split)[strategy.stage_index]
-    rows = batches.rows(batch) // p.microbatches
-    x, targets = batches.inputs_of(batch)[:rows], batches.labels_of(batch)[:rows]
-    with torch.no_grad(), precision.autocast():
-        for stage in stages[:keep.start]:
-            x = stage(x)
-    keep_only(model, stages, keep)
-    model = speed_up(model, cfg.trainer, p.stages)
+    micro = batches.take(batch, batches.rows(batch) // p.microbatches)
+    cut = Cut(model, p, strategy.pp, strategy.stage_index)
+    with precision.autocast():
+        received = cut.inputs(batches.inputs_of(micro))
+    model = speed_up(strategy.part(model), cfg.trainer, p.stages)
     optimizer = build_optimizer(cfg.optim, model)
+    loss, targets = strategy.loss, batches.labels_of(micro)
     with saved_for_backward(model) as saved:
-        with precision.autocast():
-            out = model(x)
-            last = keep.stop == len(stages)
-            out = strategy.loss(strategy.loss.scored(out), targets) if last else \
-                out.float().sum()
-        out.backward()
+        for k, part, (args, kwargs) in zip(cut.held, strategy.runs(model), received):
+            with precision.autocast():
+                out = part(*args, **kwargs)
+                out = loss(loss.scored(out), targets) if k == len(cut.ranges) - 1 else \
+                    out.float().sum()
+            out.backward()
     activations = saved.held(p.microbatches * strategy.activation_share)
     optimizer.step()
     return held_state_mb(model, optimizer), activations / MB

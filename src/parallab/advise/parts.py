@@ -47,7 +47,7 @@ def _alone(model: torch.nn.Module, spec: run.RunSpec, dist: distributed.Dist, on
     """`model` laid out as parallelize() lays out the candidate's (tensor parallel, then
     activation checkpointing, then FSDP2 or DDP), but over the one-rank group `one`: the
     layout's own work (FSDP2's copies and hooks, DTensor's dispatch per op, DDP's buckets,
-    recomputation), no peer. A pipeline's part (_own_part) is run by its schedule
+    recomputation), no peer. A pipeline's parts (_own_parts) are run by a schedule
     (_forward_backward). Not compiled: that would be a second compile per candidate."""
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -79,34 +79,26 @@ def _alone(model: torch.nn.Module, spec: run.RunSpec, dist: distributed.Dist, on
     return model
 
 
-def _own_part(model: torch.nn.Module, spec: run.RunSpec, dist: distributed.Dist,
-              inputs: Any, precision) -> Any:
-    """Keep this rank's part of a pipeline's model, as parallel/pipeline.py cuts it (its
-    other stages nn.Identity); the activation that part receives for `inputs`: the batch
-    through the parts before it, each run as its own rank runs it."""
-    from parallab.parallel import stages as stages_of
-    from parallab.parallel.pipeline import keep_only
-    from parallab.parallel.split import part_ranges
+def _own_parts(model: torch.nn.Module, spec: run.RunSpec, dist: distributed.Dist,
+               inputs: Any, precision):
+    """Keep this rank's parts of a pipeline's model, as parallel/pipeline.py cuts it (its
+    other stages nn.Identity); the cut, and what each of its parts receives for `inputs`:
+    the batch through the parts before it."""
+    from parallab.parallel.split import Cut
 
-    layout, p = spec.layout, spec.cfg.parallel
-    stages = stages_of.find(model, p.stages)
-    parts = part_ranges(stages, layout.pp, p.split)
-    names = {id(module): name for name, module in model.named_modules()}
-    mine = layout.part_of(dist.rank)
-    with torch.no_grad(), precision.autocast():
-        for part in parts[:mine]:
-            keep_only(model, stages, part, names)
-            inputs = model(**inputs) if isinstance(inputs, Mapping) else model(inputs)
-    keep_only(model, stages, parts[mine], names)
-    return inputs
+    cut = Cut(model, spec.cfg.parallel, spec.layout.pp, spec.layout.part_of(dist.rank))
+    with precision.autocast():
+        received = cut.inputs(inputs)
+    cut.keep(model)
+    return cut, received
 
 
 def _forward_backward(model: torch.nn.Module, spec: run.RunSpec, loss, precision,
-                      dist: distributed.Dist, one) -> Callable[[Any], None]:
-    """A rank's forward and backward of one batch: a pipeline part's through its schedule
-    on a single stage over the one-rank group `one` (the schedule's work per micro-batch,
-    no sends; a batch: the part's input); any other layout's as the trainer's step runs
-    it."""
+                      dist: distributed.Dist, one, cut=None) -> Callable[[Any], None]:
+    """A rank's forward and backward of one batch: each pipeline part it holds (of `cut`)
+    through a schedule of one stage over the one-rank group `one` (the schedule's work
+    per micro-batch, no sends; a batch: what each part receives); any other layout's as the
+    trainer's step runs it."""
     from parallab import batch as batches
 
     p = spec.cfg.parallel
@@ -116,21 +108,26 @@ def _forward_backward(model: torch.nn.Module, spec: run.RunSpec, loss, precision
                 value = loss.step_loss(model, batch, None)[1]
             value.backward()
         return step
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    import torch.distributed.pipelining as pipelining
 
-    stage = PipelineStage(model, 0, 1, dist.device, group=one)
+    from parallab.parallel.schedules import SCHEDULES
+
+    # one stage: the run's schedule where it holds one, 1F1B's order of the same work else
+    one_stage = SCHEDULES[p.schedule if not SCHEDULES[p.schedule].multi else "1f1b"]
     # a part's output before the last is an activation, not a score: a scalar of it to run
     # backward from (the last part's loss costs the same order)
-    schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[p.schedule](
-        stage, n_microbatches=p.microbatches, scale_grads=False,
+    schedules = [getattr(pipelining, one_stage.torch_class)(
+        pipelining.PipelineStage(part, 0, 1, dist.device, group=one),
+        n_microbatches=p.microbatches, scale_grads=False,
         loss_fn=lambda output, target: output.float().square().mean())
+        for part in cut.parts(model)]
 
-    def piped(inputs: Any) -> None:
-        # its only stage is the last: the schedule wants a target, which the scalar ignores
-        target = torch.zeros(batches.rows(inputs), device=dist.device)
-        args, kwargs = ((), dict(inputs)) if isinstance(inputs, Mapping) else ((inputs,), {})
-        with precision.autocast():
-            schedule.step(*args, **kwargs, target=target)
+    def piped(received: list) -> None:
+        for schedule, (args, kwargs) in zip(schedules, received):
+            # its only stage is the last: the schedule wants a target, which the scalar ignores
+            target = torch.zeros(batches.rows(args or kwargs), device=dist.device)
+            with precision.autocast():
+                schedule.step(*args, **kwargs, target=target)
     return piped
 
 
@@ -177,7 +174,7 @@ def share_s(spec: run.RunSpec, dist: distributed.Dist, one, steps: int = 5) -> d
     optimizer, nothing crossing ranks. Every rank at once, each step the slowest rank's,
     the median of `steps` (`share_s`): on a CPU the ranks' threads and the layout's own
     work per op, not the FLOPs, decide it. A pipeline's, by part (its replica's rows
-    through its schedule, _own_part): all ranks at once (`share_s`, its schedule's full
+    through its schedule, _own_parts): all ranks at once (`share_s`, its schedule's full
     slots) and each rank alone (`share_alone_s`, the slots its bubble leaves part-empty:
     scaling.pipeline_s)."""
     import torch.distributed as torch_dist
@@ -197,12 +194,13 @@ def share_s(spec: run.RunSpec, dist: distributed.Dist, one, steps: int = 5) -> d
     rows = max(1, cfg.data.global_batch_size // (dist.world_size // parts) // accumulate
                // micro) * micro
     batch = batches.apply(trial.one_batch(cfg, rows), lambda t: t.to(dist.device))
+    cut = None
     if layout.cuts_model:
-        batch = _own_part(model, spec, dist, batches.inputs_of(batch), precision)
+        cut, batch = _own_parts(model, spec, dist, batches.inputs_of(batch), precision)
     model = _alone(model, spec, dist, one)
     loss = build_loss(cfg.loss).bind(model)
     optimizer = build_optimizer(cfg.optim, model)
-    step = _forward_backward(model, spec, loss, precision, dist, one)
+    step = _forward_backward(model, spec, loss, precision, dist, one, cut)
     together = _by_part(_step_times(step, batch, optimizer, accumulate, steps, True),
                         layout, True)
     if not layout.cuts_model:

@@ -14,23 +14,29 @@ from typing import Any, Callable
 
 
 def pipeline_s(together_s: list[float], alone_s: list[float], ranks: int, micro: int,
-               rate: Callable[[int], float]) -> float:
-    """A pipeline's compute from each part's step (one per part, each held by ranks / pp
-    ranks), measured with every rank computing (`together_s`) and each rank alone
-    (`alone_s`): the schedule's micro + pp - 1 slots, each as long as the slowest part
-    then busy takes for a micro-batch. A slot where every part computes takes what they
-    took together (ranks sharing cores, memory and caches); one its bubble leaves
-    part-empty, their time alone at the speed `rate(busy ranks)` leaves a rank. With a
-    device per rank, rate is 1 and this is about the bubble, (micro + pp - 1) / micro x
-    the slowest part; where ranks share cores, a rank idle in the bubble lends its core
-    to the busy ones."""
-    pp, total = len(together_s), 0.0
-    for slot in range(micro + pp - 1):
-        busy = [part for part in range(pp) if 0 <= slot - part < micro]
+               rate: Callable[[int], float], bubble: float | None = None) -> float:
+    """A pipeline's compute from each rank's step (one per pipeline rank, each held by
+    ranks / pp ranks), measured with every rank computing (`together_s`) and each rank
+    alone (`alone_s`), replayed as its schedule runs them: each rank busy for `micro` slots
+    (a slot: its work on one micro-batch), the ranks starting one after another so that
+    each idles (bubble - 1) x micro slots in all (`bubble`: the schedule's,
+    schedules.bubble; None: GPipe's and 1F1B's, pp - 1 slots). A stretch where every rank
+    computes takes what they took together (ranks sharing cores, memory and caches); one
+    the bubble leaves part-empty, their time alone at the speed `rate(busy ranks)` leaves
+    a rank. With a device per rank, rate is 1 and this is about bubble x the slowest rank's
+    step; where ranks share cores, a rank idle in the bubble lends its core to the busy
+    ones."""
+    pp = len(together_s)
+    lag = 1.0 if bubble is None else (bubble - 1) * micro / (pp - 1)  # slots between starts
+    edges = sorted({k * lag for k in range(pp)} | {k * lag + micro for k in range(pp)})
+    total = 0.0
+    for start, end in zip(edges, edges[1:]):
+        busy = [k for k in range(pp) if k * lag <= start + 1e-9 < k * lag + micro]
         if len(busy) == pp:
-            total += max(together_s) / micro
-        else:
-            total += max(alone_s[p] for p in busy) / micro / rate(ranks // pp * len(busy))
+            total += (end - start) * max(together_s) / micro
+        elif busy:
+            total += (end - start) * max(alone_s[k] for k in busy) / micro / \
+                rate(ranks // pp * len(busy))
     return total
 
 
@@ -58,6 +64,7 @@ def validate(figures: dict[str, Any], cfg, layout, link, one_rank_step_s: float 
         return one_rank_step_s and one_rank_step_s / min(n, devices) * layout.plan.bubble(cfg)
     if layout.cuts_model:
         share = pipeline_s(share, figures.get("share_alone_s") or share, n,
-                           cfg.parallel.microbatches, cpu_rate(link.cores, link.threads))
+                           cfg.parallel.microbatches, cpu_rate(link.cores, link.threads),
+                           layout.plan.bubble(cfg))
     return share + (figures.get("collectives_s") or 0.0) + \
         (figures.get("loop_time_ms") or 0.0) / 1e3

@@ -211,7 +211,11 @@ class PipelineConfig(ParallelConfig):
     # null = parts even by parameter count; [i] = the second part starts at stage i
     split: Optional[list[int]] = None
     microbatches: int = 4  # per step: data.batch_size must divide by it
-    schedule: str = "1f1b"  # gpipe | 1f1b
+    # gpipe | 1f1b | interleaved_1f1b | looped_bfs | interleaved_zb | zbv | dualpipev
+    schedule: str = "1f1b"
+    # stages each rank holds (the model cut into pp x this); null = what the schedule
+    # needs: 1 for gpipe and 1f1b, 2 for the others (zbv and dualpipev: exactly 2)
+    stages_per_rank: Optional[int] = None
     # pipelines side by side (pp x dp), each reading its own shard; null = world_size / (pp x tp)
     dp_replicate: Optional[int] = None
     dp_shard: int = 1  # > 1: each part sharded by FSDP2 over this many pipelines
@@ -392,7 +396,9 @@ class AdviseConfig:
         default_factory=lambda: ["none", "selective", "full"])
     max_accumulation: int = 4  # gradient accumulation tried: 1, 2, 4 ... up to this
     microbatches: list[int] = field(default_factory=lambda: [2, 4])  # pipeline candidates'
-    schedules: list[str] = field(default_factory=lambda: ["gpipe", "1f1b"])  # pipeline's
+    # pipeline's (the multi-stage ones at 2 stages per rank, where the model has them)
+    schedules: list[str] = field(default_factory=lambda: [
+        "gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev"])
     # true: a memory saver (activation checkpointing, accumulation) is measured only where
     # the candidate without it is predicted not to fit; false: the whole grid
     only_needed: bool = True

@@ -76,8 +76,8 @@ def blocks(model: nn.Module) -> list[nn.Module] | None:
     names = set(getattr(model, "_no_split_modules", None) or ())
     if not names:
         return None
-    found = [m for m in model.modules() if type(m).__name__ in names]
-    return found or None
+    # none left where a pipeline's rank holds only the embeddings and head: []
+    return [m for m in model.modules() if type(m).__name__ in names]
 
 
 def tp_plan(model: nn.Module) -> dict[str, str] | None:
@@ -129,3 +129,139 @@ def _first(config: Any, *keys: str) -> int | None:
         if isinstance(value, int):
             return value
     return None
+
+
+def summed_loss(model: nn.Module, logits, labels):
+    """The model's own loss of `logits` against `labels`, summed over its terms (its
+    loss_function, the labels shifted by a causal LM's, given one item to divide by)."""
+    return model.loss_function(logits=logits, labels=labels,
+                               vocab_size=model.config.vocab_size, num_items_in_batch=1)
+
+
+def pipeline_stages(model: nn.Module) -> list[nn.Module] | None:
+    """A decoder-only causal LM as a chain of stages whose last gives the forward's logits
+    (a pipeline runs it so): its embeddings (the base model's modules with weights
+    registered before its blocks), each block, its head (those registered after, then the
+    output embeddings). Each wraps the model's own modules, which keep their names; the
+    blocks get what the base model's forward gives them (masks, positions), computed from
+    the activation and the batch's inputs. None for a model that is no such LM."""
+    if not is_transformers(model) or not shifts_labels(model):
+        return None
+    found, base, head = blocks(model), model.base_model, model.get_output_embeddings()
+    children = list(base.named_children())
+    at = [i for i, (_, child) in enumerate(children)
+          if found and isinstance(child, nn.ModuleList) and list(child) == found]
+    dims = shape(model)
+    if not at or base is model or head is None or dims is None:
+        return None
+    weighted = [(i, name, child) for i, (name, child) in enumerate(children)
+                if next(child.parameters(), None) is not None]
+    before = {name: child for i, name, child in weighted if i < at[0]}
+    after = {name: child for i, name, child in weighted if i > at[0]}
+    blocks_name = children[at[0]][0]
+    return [_Embeddings(base, blocks_name, before),
+            *(_Block(base, blocks_name, block, before, dims["width"]) for block in found),
+            _Head(after, head)]
+
+
+class _Reached(Exception):
+    """Raised by _Stop: the base model's forward has reached its first block."""
+
+    def __init__(self, args: tuple, kwargs: dict):
+        self.args_, self.kwargs = args, kwargs
+
+
+class _Stop(nn.Module):
+    def forward(self, *args, **kwargs):
+        raise _Reached(args, kwargs)
+
+
+class _Zeros(nn.Module):
+    """Stands for an embedding module in a forward whose result is not used: zeros of its
+    output's shape (ids -> (..., width)), no weights."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.width = width
+
+    def forward(self, x, *args, **kwargs):
+        import torch
+
+        shape = x.shape if not x.is_floating_point() else x.shape[:-1]
+        return torch.zeros(*shape, self.width, device=x.device)
+
+
+def _first_block_call(base: nn.Module, blocks_name: str, swapped: dict[str, nn.Module],
+                      *args, **kwargs) -> tuple[tuple, dict]:
+    """Run `base`'s own forward up to its first block (on a copy of it whose blocks are a
+    _Stop, and whose modules `swapped` names stand in for its own); what that block gets."""
+    import copy
+
+    skeleton = copy.copy(base)
+    skeleton._modules = {**base._modules, **swapped, blocks_name: nn.ModuleList([_Stop()])}
+    try:
+        skeleton(*args, **kwargs)
+    except _Reached as reached:
+        return reached.args_, reached.kwargs
+    raise RuntimeError(f"{type(base).__name__}'s forward never reached its blocks")
+
+
+class _Embeddings(nn.Module):
+    """The base model's forward up to its first block: the input as the model takes it (its
+    ids, and the batch's other inputs as keywords) -> the first block's activation."""
+
+    def __init__(self, base: nn.Module, blocks_name: str, modules: dict[str, nn.Module]):
+        super().__init__()
+        self.__dict__["base"] = base  # not a child: only the modules it holds are
+        self.blocks_name = blocks_name
+        for name, module in modules.items():
+            self.add_module(name, module)
+
+    def forward(self, *args, **inputs):
+        import torch
+
+        call = torch.compiler.disable(_first_block_call)  # a graph break either way
+        return call(self.base, self.blocks_name, {}, *args, **inputs)[0][0]
+
+
+class _Block(nn.Module):
+    """One block, called as the base model's forward calls it: beside the activation, what
+    the forward computes before its blocks from the batch (masks, positions), computed again
+    here without gradients and without the embeddings' weights (which may be on another
+    rank), random draws undone."""
+
+    takes_inputs = True
+
+    def __init__(self, base: nn.Module, blocks_name: str, block: nn.Module,
+                 embeddings: dict[str, nn.Module], width: int):
+        super().__init__()
+        self.__dict__["base"] = base
+        self.blocks_name = blocks_name
+        self.absent = {name: _Zeros(width) for name in embeddings}
+        self.block = block
+
+    def forward(self, hidden, input_ids=None, **inputs):
+        import torch
+
+        with torch.no_grad(), torch.random.fork_rng(
+                devices=[hidden.device] if hidden.device.type == "cuda" else []):
+            args, kwargs = torch.compiler.disable(_first_block_call)(
+                self.base, self.blocks_name, self.absent, inputs_embeds=hidden, **inputs)
+        out = self.block(hidden, *args[1:], **kwargs)
+        return out[0] if isinstance(out, tuple) else out
+
+
+class _Head(nn.Module):
+    """The base model's modules after its blocks (a final norm), then the output
+    embeddings: the activation -> logits."""
+
+    def __init__(self, modules: dict[str, nn.Module], head: nn.Module):
+        super().__init__()
+        for name, module in modules.items():
+            self.add_module(name, module)
+        self.head = head
+
+    def forward(self, hidden, **inputs):
+        for module in list(self.children())[:-1]:
+            hidden = module(hidden)
+        return self.head(hidden)

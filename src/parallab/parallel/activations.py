@@ -87,7 +87,7 @@ def apply(model: nn.Module, mode: str, names: list[str] | None = None) -> nn.Mod
     if mode == "none":
         return model
     found = units(model, names)
-    if not found:
+    if found is None:  # (a pipeline rank may hold none of the blocks: [])
         raise ValueError("activation checkpointing needs the model's stages")
     parents = {id(child): (parent, name) for parent in model.modules()
                for name, child in parent.named_children()}

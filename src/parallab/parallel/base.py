@@ -78,6 +78,11 @@ class Strategy:
         (tensor parallel); wrap() does the rest after them."""
         return model
 
+    def runs(self, model: nn.Module) -> list[nn.Module]:
+        """The modules whose forward the step calls (compile compiles each): the model, or a
+        pipeline's parts."""
+        return [model]
+
     def wrap(self, model: nn.Module) -> nn.Module:
         return self.on_device(model)
 

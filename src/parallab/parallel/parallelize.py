@@ -17,19 +17,22 @@ def parallelize(model: nn.Module, strategy, trainer, stages: list[str] | None = 
     parallel.stages, the units activation checkpointing wraps)."""
     model = strategy.precision.convert(model)  # fp8's Float8Linear, before any split
     model = strategy.split(model)
-    model = speed_up(model, trainer, stages)
+    model = speed_up(model, trainer, stages, strategy.runs)
     return strategy.wrap(model)
 
 
-def speed_up(model: nn.Module, trainer, stages: list[str] | None = None) -> nn.Module:
+def speed_up(model: nn.Module, trainer, stages: list[str] | None = None, runs=None
+             ) -> nn.Module:
     """Memory format, activation checkpointing, then compilation, inside any parallel
-    wrapper (FSDP2 and DDP then see the compiled blocks); Module.compile keeps the
-    state_dict keys unprefixed, so checkpoints load anywhere."""
+    wrapper (FSDP2 and DDP then see the compiled blocks): of the modules `runs(model)` gives
+    whose forward the step calls (a pipeline's parts; the model where None). Module.compile
+    keeps the state_dict keys unprefixed, so checkpoints load anywhere."""
     if trainer.channels_last:
         model = model.to(memory_format=torch.channels_last)
     model = activations.apply(model, trainer.activation_checkpointing, stages)
     if trainer.compile:
-        model.compile(backend=trainer.compile_backend, mode=trainer.compile_mode)
+        for module in runs(model) if runs else [model]:
+            module.compile(backend=trainer.compile_backend, mode=trainer.compile_mode)
     return model
 
 

@@ -1,20 +1,23 @@
-"""Pipeline parallelism with torch.distributed.pipelining: one part of the model per rank.
+"""Pipeline parallelism with torch.distributed.pipelining: the model's stages cut into pp x v
+parts, v on each rank (parallel.stages_per_rank), run by one of torch's schedules.
 
-Every rank builds the whole model, then replaces the stages other ranks own with
-nn.Identity: what is left runs its part (the identities pass activations through), and the
-parameter names are the whole model's, so checkpoints load into any strategy. Each batch is
-cut into parallel.microbatches micro-batches that flow through the parts by the GPipe or
-1F1B schedule. The ranks of a pipeline read the same batches; the first feeds the inputs,
-the last scores them. A stage's buffers have fixed shapes, so training drops a short last
-batch and evaluation pads its last batch.
+Every rank builds the whole model, then replaces the stages other ranks hold with
+nn.Identity: the parameter names stay the whole model's, so checkpoints load into any
+layout. Each part this rank holds is a Part (stages.py: its stages chained), one of torch's
+pipeline stages, placed as its schedule expects (parallel/schedules.py: round-robin, or a
+V). Each batch is cut into parallel.microbatches micro-batches; the ranks of a pipeline read
+the same batches, the rank holding the first part feeds the inputs, the one holding the last
+scores them. A stage's buffers have fixed shapes, so training drops a short last batch and
+evaluation pads its last batch. A transformers causal LM runs as its own chain of stages
+(models/hf.py), its loss computed from the last part's logits as its forward would.
 
 dp x pp x tp, one mesh (dp_replicate, dp_shard, pp, tp), tp innermost as torchtitan orders
 it: dp_replicate x dp_shard pipelines side by side, each reading its own shard of every
 epoch. With dp_shard = 1 the ranks holding the same stage average their gradients once per
-optimizer step; with dp_shard > 1 each part is sharded by FSDP2 over them (HSDP with
-replicas too), which reduces the gradients itself. With parallel.tp > 1 each part is split
-by the model's tensor-parallel plan over tp neighbouring ranks (a node's GPUs), which read
-the same batches and form tp pipelines of their own.
+optimizer step; with dp_shard > 1 each Part is sharded by FSDP2 over them as a root of its
+own (HSDP with replicas too), which reduces the gradients itself. With parallel.tp > 1 each
+part is split by the model's tensor-parallel plan over tp neighbouring ranks (a node's GPUs),
+which read the same batches and form tp pipelines of their own.
 """
 
 from __future__ import annotations
@@ -30,30 +33,40 @@ from torch import nn
 
 from parallab import batch as batches
 from parallab.config.errors import ConfigError
-from parallab.loss import from_model
-from parallab.parallel import stages as stages_of
+from parallab.loss import FromModel, from_model, scores
+from parallab.models import hf
+from parallab.parallel import schedules
 from parallab.parallel.fsdp import norm_squares, shard
 from parallab.parallel.layout import Layout
 from parallab.parallel.mesh import MeshPlan, MeshStrategy
-from parallab.parallel.split import check_parts, part_ranges
+from parallab.parallel.schedules import SCHEDULES, activations_held, bubble  # noqa: F401
+from parallab.parallel.split import Cut, check_parts, part_ranges, refuse_shared_parts
 from parallab.precision import Precision
 
 log = logging.getLogger(__name__)
 
 
-SCHEDULES = ("gpipe", "1f1b")
+class LogitsLoss(FromModel):
+    """loss=model (a transformers causal LM's own loss) under the pipeline: the last part
+    gives logits, not the forward's output, and the loss of them is the model's own
+    (its loss_function, labels shifted), counted and scaled as FromModel counts it."""
 
+    from_model = False  # computed here, from the output
 
-def keep_only(model: nn.Module, stages: list[nn.Module], keep: range,
-              names: dict[int, str] | None = None) -> None:
-    """Hold only the model's stages in `keep`, the others nn.Identity, names unchanged.
-    `names` (each module's name by id, read from the whole model): to cut it again, a stage
-    cut before coming back where it is kept."""
-    names = names or {id(module): name for name, module in model.named_modules()}
-    for index, stage in enumerate(stages):
-        parent, _, child = names[id(stage)].rpartition(".")
-        model.get_submodule(parent).register_module(
-            child, stage if index in keep else nn.Identity())
+    def __init__(self, own: FromModel, model: nn.Module):
+        self.__dict__.update(vars(own))
+        self.model = model
+
+    def scored(self, output: Any) -> Any:
+        return scores(output)
+
+    def total(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return hf.summed_loss(self.model, output, targets)
+
+    def __call__(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        count = self.count(targets)
+        return self.total(output, targets) / (count.clamp(min=1) if torch.is_tensor(count)
+                                              else max(count, 1))
 
 
 class PipelineStrategy(MeshStrategy):
@@ -61,29 +74,40 @@ class PipelineStrategy(MeshStrategy):
 
     @property
     def pp(self) -> int:
-        """Ranks of one pipeline: its number of parts."""
+        """Ranks of one pipeline."""
         return self.layout.pp
 
     @property
+    def per_rank(self) -> int:
+        """Parts each rank holds (v): the model is cut into pp x v."""
+        return self.p.stages_per_rank
+
+    @property
     def stage_index(self) -> int:
+        """This rank's place in its pipeline (its coordinate on the mesh's pp dimension)."""
         return self.layout.part_of(self.dist.rank)
 
     @property
+    def held(self) -> list[int]:
+        """The parts (of pp x v) this rank holds, in the model's order."""
+        return schedules.stages_of_rank(self.p.schedule, self.pp, self.per_rank,
+                                        self.stage_index)
+
+    @property
     def activation_share(self) -> float:
-        """GPipe holds every micro-batch's activations before the first backward; a 1F1B
-        stage at most (stages to the pipeline's end) of them."""
-        micro = self.p.microbatches
-        if self.p.schedule != "1f1b":
-            return 1.0
-        return min(self.pp - self.stage_index, micro) / micro
+        """The share of a step's micro-batches whose activations this rank holds at once
+        (GPipe all of them, 1F1B at most its distance to the pipeline's end, ...)."""
+        p = self.p
+        return activations_held(p.schedule, self.pp, self.per_rank, p.microbatches,
+                                self.stage_index) / p.microbatches
 
     @property
     def is_first(self) -> bool:
-        return self.stage_index == 0
+        return 0 in self.held
 
     @property
     def is_last(self) -> bool:
-        return self.stage_index == self.pp - 1
+        return self.pp * self.per_rank - 1 in self.held
 
     @contextlib.contextmanager
     def no_sync(self, model: nn.Module) -> Iterator[None]:
@@ -105,7 +129,7 @@ class PipelineStrategy(MeshStrategy):
                 param.grad = grad.redistribute(placements=param.placements)
 
     def average_gradients(self) -> None:
-        """One all-reduce of this stage's gradients over its replicas (pp x dp)."""
+        """One all-reduce of this rank's gradients over its replicas (pp x dp)."""
         import torch.distributed as torch_dist
         from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
@@ -125,13 +149,17 @@ class PipelineStrategy(MeshStrategy):
         p = self.p
         self.pp_group, self.dp_group = (self.mesh["pp"].get_group(),
                                         self.mesh["dp_replicate"].get_group())
-        stages = stages_of.find(model, p.stages)
-        parts = part_ranges(stages, self.pp, p.split)
-        keep_only(model, stages, parts[self.stage_index])
+        self.cut = Cut(model, p, self.pp, self.stage_index)
+        self.cut.keep(model)
+        self.parts: list[nn.Module] | None = None
+        if self.loss.from_model:  # a transformers causal LM's own loss, of its logits
+            self.loss = LogitsLoss(self.loss, model)
         if self.dist.is_main:
-            log.info("parallel=pipeline (%s, %d micro-batches): stages %s on a pipeline's "
-                     "ranks 0-%d", p.schedule, p.microbatches,
-                     [f"{part.start}-{part.stop - 1}" for part in parts], len(parts) - 1)
+            log.info("parallel=pipeline (%s, %d micro-batches): stages %s in parts, a "
+                     "pipeline's ranks holding parts %s", p.schedule, p.microbatches,
+                     [f"{r.start}-{r.stop - 1}" for r in self.cut.ranges],
+                     [schedules.stages_of_rank(p.schedule, self.pp, self.per_rank, r)
+                      for r in range(self.pp)])
         return model
 
     def part_plan(self, model: nn.Module, plan: dict) -> dict:
@@ -141,11 +169,21 @@ class PipelineStrategy(MeshStrategy):
                 if not isinstance(module, nn.Identity)}
         return {name: style for name, style in plan.items() if name in kept}
 
+    def runs(self, model: nn.Module) -> list[nn.Module]:
+        """The modules this rank's schedule calls, compiled where the run compiles: its
+        Parts, made once, of its stages as they are then (checkpoint-wrapped)."""
+        if self.parts is None:
+            self.parts = self.cut.parts(model)
+        return self.parts
+
     def wrap(self, model: nn.Module) -> nn.Module:
         p = self.p
-        if self.layout.dp_shard > 1:  # gathered once per step, not once per micro-batch (torchtitan)
-            model = shard(model, self.data_parallel_mesh(), p, self.precision.dtype,
-                          self.dist.is_main, False)
+        self.runs(model)
+        # each part gathered once per step, not once per micro-batch (torchtitan)
+        if self.layout.dp_shard > 1:
+            for part in self.parts:
+                shard(part, self.data_parallel_mesh(), p, self.precision.dtype,
+                      self.dist.is_main, False)
         self.syncing = True
         self.model = model
         self.items = 1  # the step's terms per data-parallel rank (Objective.step_loss)
@@ -160,20 +198,52 @@ class PipelineStrategy(MeshStrategy):
         its gradients add up to those of the mean over every micro-batch of the step."""
         return self.loss.total(self.loss.scored(output), target) / self.items
 
-    def _schedule(self, name: str, loss):
-        from torch.distributed.pipelining import (
-            PipelineStage,
-            Schedule1F1B,
-            ScheduleGPipe,
-        )
+    def _schedule(self, loss, name: str | None = None):
+        """torch's schedule `name` (the run's), over a pipeline stage for each Part."""
+        import torch.distributed.pipelining as pipelining
 
-        stage = PipelineStage(self.model, self.stage_index, self.pp, self.dist.device,
-                              group=self.pp_group)
-        schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[name]
+        schedule = SCHEDULES[name or self.p.schedule]
+        stages = [pipelining.PipelineStage(part, k, self.pp * self.per_rank, self.dist.device,
+                                           group=self.pp_group)
+                  for k, part in zip(self.held, self.parts)]
         # not scale_grads: it divides all gradients held, those of earlier accumulated
         # batches too; _loss scales each micro-batch's instead
-        return schedule(stage, n_microbatches=self.p.microbatches, loss_fn=loss,
-                        scale_grads=False)
+        return getattr(pipelining, schedule.torch_class)(
+            stages if schedule.multi else stages[0], n_microbatches=self.p.microbatches,
+            loss_fn=loss, scale_grads=False)
+
+    def _eval_schedule(self):
+        """Forward only: GPipe where each rank holds one part; else the run's own schedule
+        with its backward actions left out, lowered to sends and receives by torch (its
+        eval of a V-shaped schedule runs the backward actions and fails; a forward never
+        waits for a backward, so the order stays valid)."""
+        if self.per_rank == 1:
+            return self._schedule(None, "gpipe")
+        from torch.distributed.pipelining.schedules import (
+            _add_send_recv,
+            _add_unshard_reshard,
+            _ComputationType,
+            _PipelineScheduleRuntime,
+        )
+
+        train = self._schedule(None)
+        placed = train.stage_index_to_group_rank
+
+        def forwards(actions) -> list:
+            subs = [a for action in actions if action is not None
+                    for a in (action.sub_actions or [action])]
+            return _add_unshard_reshard(
+                [a for a in subs if a.computation_type == _ComputationType.FORWARD])
+
+        schedule = _PipelineScheduleRuntime(train._stages, self.p.microbatches,
+                                            scale_grads=False)
+        schedule.stage_index_to_group_rank = placed
+        for stage in train._stages:
+            stage.stage_index_to_group_rank = placed
+        schedule.pipeline_order_with_comms = _add_send_recv(
+            {rank: forwards(actions) for rank, actions in train.pipeline_order.items()},
+            stage_to_rank=placed.__getitem__, num_stages=len(placed))
+        return schedule
 
     def forward_backward(self, model: nn.Module, batch: Any, precision: Precision,
                          items) -> torch.Tensor:
@@ -184,14 +254,13 @@ class PipelineStrategy(MeshStrategy):
 
         def step() -> None:
             with precision.autocast():
-                self.train_schedule.step(*self.first_args(inputs),
-                                         **self.first_kwargs(inputs),
+                self.train_schedule.step(*self.first_args(inputs), **self.kwargs(inputs),
                                          target=targets if self.is_last else None,
                                          losses=losses, return_outputs=False)
 
         rows = batches.rows(batch)
         if rows != self.train_rows:  # its stages infer their shapes at the first step
-            self.train_schedule = self._schedule(self.p.schedule, self._loss)
+            self.train_schedule = self._schedule(self._loss)
             self.train_rows = rows
             self.dry_run(step)
             losses.clear()
@@ -206,14 +275,16 @@ class PipelineStrategy(MeshStrategy):
         return torch.stack(losses).detach().sum()  # this batch's share of the step's loss
 
     def first_args(self, inputs: Any) -> tuple:
-        """What the first stage's forward takes positionally (the schedule cuts every tensor
-        of it into micro-batches); the other stages get their predecessor's output."""
+        """What the first stage takes positionally (the schedule cuts every tensor of it
+        into micro-batches); the other stages get their predecessor's output."""
         if not self.is_first or isinstance(inputs, Mapping):
             return ()
         return (inputs,)
 
-    def first_kwargs(self, inputs: Any) -> dict:
-        return dict(inputs) if self.is_first and isinstance(inputs, Mapping) else {}
+    def kwargs(self, inputs: Any) -> dict:
+        """A dict batch's inputs, as keywords of every stage this rank holds: the first takes
+        them as the model does, a transformers block its attention mask."""
+        return dict(inputs) if isinstance(inputs, Mapping) else {}
 
     def trial_step(self, model: nn.Module, batch: Any, precision: Precision) -> None:
         """The whole schedule: a part alone has no loss to run backward from."""
@@ -241,15 +312,15 @@ class PipelineStrategy(MeshStrategy):
         if self.eval_schedule is None:  # every evaluation batch takes the first one's shape
             micro = self.p.microbatches
             self.eval_rows = math.ceil(rows / micro) * micro
-            self.eval_schedule = self._schedule("gpipe", None)
+            self.eval_schedule = self._eval_schedule()
         # pad with copies of the first sample, dropped below
         inputs = batches.pad_rows(inputs, self.eval_rows)
-        output = self.eval_schedule.eval(*self.first_args(inputs), **self.first_kwargs(inputs))
+        output = self.eval_schedule.eval(*self.first_args(inputs), **self.kwargs(inputs))
         return output[:rows] if self.is_last else None
 
     def grad_norm(self, model: nn.Module) -> torch.Tensor:
-        """The norm over every part's gradients (each rank holds one part's)."""
-        squares = norm_squares(model, self.dist.device)  # this part's, whole on its tp ranks
+        """The norm over every part's gradients (each rank holds its parts')."""
+        squares = norm_squares(model, self.dist.device)  # this rank's, whole on its tp ranks
         self.dist.all_reduce_sum(squares)
         # each part counted once: not once per replica, shard group and tp rank holding it
         return (squares / (self.data_dist.world_size * self.layout.tp)).sqrt()
@@ -263,7 +334,10 @@ class PipelinePlan(MeshPlan):
 
     @classmethod
     def layout_of(cls, p) -> Layout:
-        """dp_replicate and pp both null: one pipeline over every rank."""
+        """dp_replicate and pp both null: one pipeline over every rank. The schedule's
+        stages per rank resolved here, where null, for the workers to read."""
+        schedules.check(p)
+        p.stages_per_rank = schedules.stages_per_rank(p.schedule, p.stages_per_rank)
         if p.pp is None and p.dp_replicate is None:
             p.dp_replicate = 1
         return super().layout_of(p)
@@ -277,37 +351,60 @@ class PipelinePlan(MeshPlan):
                               "send their activations between ranks, contiguous only, and "
                               "channels-last makes them NHWC: set trainer.channels_last=false, "
                               "or use parallel=ddp")
-        check_parts(cfg, stages, p.pp)
-        if from_model(cfg.loss):
+        model = None
+        if stages is None or from_model(cfg.loss):
+            from parallab.models import build_on_meta
+
+            model = build_on_meta(cfg.model)
+            stages = stages if stages is not None else hf.pipeline_stages(model)
+        v = p.stages_per_rank
+        check_parts(cfg, stages, layout.pp * v, v,
+                    lambda part: schedules.rank_of(p, layout.pp, part))
+        if layout.dp_shard > 1 and v > 1:
+            refuse_shared_parts(p, stages, part_ranges(stages, layout.pp * v, p.split))
+        if from_model(cfg.loss) and not hf.shifts_labels(model):
             raise ConfigError("loss=model with parallel=pipeline: the last stage computes the "
                               "loss from the output, which a model returning its own loss does "
                               "not give: use a loss of output and targets")
-        if p.schedule not in SCHEDULES:
-            raise ConfigError(f"parallel.schedule={p.schedule} is unknown: use "
-                              f"parallel.schedule={' or '.join(SCHEDULES)}")
-        least = p.pp if p.schedule == "1f1b" else 1
-        if p.microbatches < least:
-            raise ConfigError(f"parallel.microbatches={p.microbatches} is out of range: it "
-                              f"must be >= {least}")
-        if cfg.data.batch_size % p.microbatches:
-            d = cfg.data  # the key the user set: a global batch is per rank x the rest
-            unit = p.microbatches * (d.global_batch_size // d.batch_size
-                                     if d.global_batch_size else 1)
-            raise ConfigError(f"{d.batch_said()} does not split into "
-                              f"parallel.microbatches={p.microbatches} equal micro-batches: "
-                              f"use a multiple of {unit}")
+        schedules.check_microbatches(cfg, layout.pp)
+        refuse_split_backward(cfg)
 
     @classmethod
     def layouts(cls, world_size: int, device_type: str, options) -> list[list[str]]:
-        """pp x dp for every pp > 1 dividing the world size, by schedule and micro-batches."""
+        """pp x dp for every pp > 1 dividing the world size, by schedule (the multi-stage
+        ones at 2 stages per rank) and micro-batches; the checks prune those the model has
+        too few stages for, or whose micro-batches the schedule does not take."""
         n = world_size
         return [[f"parallel.world_size={n}", f"parallel.pp={pp}",
                  f"parallel.dp_replicate={n // pp}", f"parallel.schedule={schedule}",
+                 *([f"parallel.stages_per_rank={v}"] if v > 1 else []),
                  f"parallel.microbatches={micro}"]
                 for pp in range(2, n + 1) if n % pp == 0
-                for schedule in options.schedules for micro in options.microbatches]
+                for schedule in options.schedules
+                for v in [schedules.stages_per_rank(schedule, None)]
+                for micro in options.microbatches]
 
     @classmethod
     def bubble(cls, cfg) -> float:
         p = cfg.parallel
-        return 1 + (p.pp - 1) / p.microbatches
+        return bubble(p.schedule, p.pp, p.stages_per_rank, p.microbatches)
+
+
+def refuse_split_backward(cfg) -> None:
+    """The zero-bubble schedules run each backward in an input- and a weight-gradient half,
+    which torch does not do through a compiled stage, nor through one checkpointed
+    selectively (it recomputes such a region for one backward only)."""
+    p, t = cfg.parallel, cfg.trainer
+    if not SCHEDULES[p.schedule].splits_backward:
+        return
+    if t.compile:
+        raise ConfigError(f"trainer.compile=true with parallel.schedule={p.schedule}: it "
+                          "splits each backward into input and weight halves, which torch "
+                          "does not do for compiled stages: set trainer.compile=false, or "
+                          "use parallel.schedule=interleaved_1f1b")
+    if t.activation_checkpointing == "selective":
+        raise ConfigError(f"trainer.activation_checkpointing=selective with "
+                          f"parallel.schedule={p.schedule}: it splits each backward into input "
+                          "and weight halves, and torch recomputes a selectively checkpointed "
+                          "stage for one backward only: use full (or none), or "
+                          "parallel.schedule=interleaved_1f1b")

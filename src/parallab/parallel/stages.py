@@ -5,7 +5,9 @@ parallelism places stages on devices, the pipeline keeps a run of stages per ran
 Found in this order: the module names parallel.stages lists ("blocks.*" expands over the
 children of a ModuleList or Sequential); the model's own stages() method; the children of
 an nn.Sequential. None when none applies: no parallab base class is needed for data
-parallelism, fsdp then shards the root alone, model and pipeline parallelism refuse.
+parallelism, fsdp then shards the root alone, model parallelism refuses. The pipeline also
+takes a transformers causal LM's own chain (chain(): its embeddings, blocks and head), and
+runs runs of stages as Parts, each one of torch's pipeline stages.
 """
 
 from __future__ import annotations
@@ -55,6 +57,62 @@ def find(model: nn.Module, names: list[str] | None = None) -> list[nn.Module] | 
     if isinstance(model, nn.Sequential):
         return list(model.children())
     return None
+
+
+def chain(model: nn.Module, names: list[str] | None = None) -> list[nn.Module] | None:
+    """The stages a pipeline runs one after the other: find()'s, else a transformers causal
+    LM's (models/hf.py: its embeddings, each block, its head), whose forward is no chain."""
+    from parallab.models import hf
+
+    return find(model, names) or hf.pipeline_stages(model)
+
+
+def held(stage: nn.Module, names: dict[int, str]) -> list[nn.Module]:
+    """The model's modules a stage holds (`names`: the model's, by id): the stage itself, or,
+    for a stage that wraps the model's modules (a transformers model's), its children."""
+    return [stage] if id(stage) in names else list(stage.children())
+
+
+def refreshed(model: nn.Module, stages: list[nn.Module], names: dict[int, str]
+              ) -> list[nn.Module]:
+    """`stages` as `model` holds them now, by the names they had (`names`, taken before):
+    activation checkpointing has put wrappers in their places since."""
+    now = []
+    for stage in stages:
+        if id(stage) in names:
+            now.append(model.get_submodule(names[id(stage)]))
+            continue
+        for child_name, child in list(stage.named_children()):
+            if id(child) in names:  # (else refreshed already)
+                stage.register_module(child_name, model.get_submodule(names[id(child)]))
+        now.append(stage)
+    return now
+
+
+class Part(nn.Module):
+    """A run of stages, one of torch's pipeline stages: the first of the model takes the
+    model's input as the model does (a dict's keys as keywords); each other stage the one
+    before's output, and the batch's other inputs too where it says it takes them
+    (`takes_inputs`: a transformers block needs the attention mask)."""
+
+    def __init__(self, stages: list[nn.Module], first: bool):
+        super().__init__()
+        self.chain = nn.ModuleList(stages)
+        self.first = first
+
+    def stages(self) -> list[nn.Module]:
+        """Its stages: fsdp's units when a Part is sharded as its own root."""
+        return list(self.chain)
+
+    def forward(self, *args, **inputs):
+        stages = list(self.chain)
+        if self.first:
+            x, stages = stages[0](*args, **inputs), stages[1:]
+        else:  # the activation the stage before sent
+            x = args[0]
+        for stage in stages:
+            x = stage(x, **inputs) if getattr(stage, "takes_inputs", False) else stage(x)
+        return x
 
 
 def units(model: nn.Module, names: list[str] | None = None) -> list[nn.Module] | None:
