@@ -386,8 +386,11 @@ class PipelinePlan(MeshPlan):
 
     @classmethod
     def bubble(cls, cfg) -> float:
+        """schedules.bubble of the config's schedule (its stages per rank, where a config
+        of the pipeline's keys names none, what the schedule needs)."""
         p = cfg.parallel
-        return bubble(p.schedule, p.pp, p.stages_per_rank, p.microbatches)
+        v = schedules.stages_per_rank(p.schedule, getattr(p, "stages_per_rank", None))
+        return bubble(p.schedule, p.pp, v, p.microbatches)
 
 
 def refuse_split_backward(cfg) -> None:
