@@ -113,7 +113,7 @@ def test_a_pipelines_step_is_its_bubble_times_its_slots():
     found = Trace(Shape(), ops=[Op("forward", "block", "matmul", 1e9, (), ()),
                                 Op("backward", "block", "matmul", 2e9, (), ())],
                   params={"before": 0.0, "block": 10.0, "after": 0.0})
-    layout = step.Layout(world_size=2, pp=2, microbatches=4, bubble=1 + 1 / 4)
+    layout = step.Layout(world_size=2, pp=2, microbatches=4, bubble=1 + 1 / 4, schedule="1f1b")
     predicted = step.predict(found, step.costs(found, rates, False, False), layout, rates, 4)
     slot = 2 * (1e9 + 2e9) / 1e12  # two blocks a stage, forward and backward
     assert predicted.parts["compute_s"] == pytest.approx(4 * slot)

@@ -275,9 +275,16 @@ def simulate(argv: list[str] | None = None) -> None:
     """`parallab simulate [overrides]`: a step on a cluster predicted (simulate/)."""
     call = Invocation.read(argv or sys.argv)
     launch.register_resolvers()
+    import signal
+
     help.register_resolver("simulate")
     register_configs()
-    run_app(hydra_app("simulate", _simulate_task, call), call)
+    try:
+        run_app(hydra_app("simulate", _simulate_task, call), call)
+    except KeyboardInterrupt:  # nothing is written before the answer: nothing to keep
+        call.restore()
+        print("parallab simulate: stopped by SIGINT, no answer written", file=sys.stderr)
+        raise SystemExit(128 + signal.SIGINT) from None
 
 
 APPS = {"train": train, "evaluate": evaluate, "advise": advise,  # Hydra apps: argv is theirs

@@ -489,6 +489,10 @@ class Config:
     # the GPUs and links parallab simulate and advise.target_world_size predict a step on
     # (cluster=h100, a100, ...; docs/parallel.md: planning for a cluster)
     cluster: Any = MISSING
+    # parallab simulate's own keys (docs/parallel.md: planning for a cluster)
+    simulate: SimulateConfig = field(default_factory=SimulateConfig)
+
+
 @dataclass
 class EvalConfig(Config):
     ckpt: str = MISSING  # checkpoint to evaluate
@@ -496,11 +500,6 @@ class EvalConfig(Config):
 
 SCHEMAS: dict[str, dict[str, type]] = {
     "parallel": {"none": ParallelConfig, "dp": DPConfig, "mesh": MeshConfig,
-@dataclass
-class SimulateJob(Config):
-    simulate: SimulateConfig = field(default_factory=SimulateConfig)
-
-
                  "model": ModelParallelConfig, "pipeline": PipelineConfig,
                  "auto": AutoConfig},
     "adapter": {"none": AdapterConfig, "lora": LoraConfig},
@@ -519,7 +518,6 @@ def register_configs() -> None:
     store.store(name="eval_schema", node=EvalConfig)
     for group, options in SCHEMAS.items():
         for name, node in options.items():
-    store.store(name="simulate_schema", node=SimulateJob)
             store.store(group=f"schema/{group}", name=name, node=node)
 
 

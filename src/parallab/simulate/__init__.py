@@ -124,23 +124,23 @@ def shape_of(cfg, c: Candidate) -> trace.Shape:
 
 
 def layout_of(cfg, c: Candidate) -> step.Layout:
-    """The step model's view of a candidate (its bubble by its plan's own count)."""
-    from parallab.parallel.pipeline import PipelinePlan
+    """The step model's view of a candidate (a pipeline's bubble and activations held by its
+    schedule's own counts, parallel/schedules.py)."""
+    from parallab.parallel import schedules
     from parallab.precision import compute_dtype
 
-    bubble, in_flight = 1.0, 1
+    bubble, in_flight = 1.0, 1.0
     if c.pp > 1:
-        from types import SimpleNamespace
-
-        p = SimpleNamespace(pp=c.pp, microbatches=c.microbatches, schedule=c.schedule)
-        bubble = PipelinePlan.bubble(SimpleNamespace(parallel=p))
-        in_flight = c.microbatches if c.schedule == "gpipe" else min(c.pp, c.microbatches)
+        bubble = schedules.bubble(c.schedule, c.pp, c.stages_per_rank, c.microbatches)
+        in_flight = schedules.activations_held(c.schedule, c.pp, c.stages_per_rank,
+                                               c.microbatches)
     optimizer = cfg.optim.name
     if optimizer == "sgd" and getattr(cfg.optim, "momentum", 0):
         optimizer = "sgd_momentum"
     dtype = compute_dtype(cfg.precision.name, "cuda")
     return step.Layout(c.world_size, c.dp_replicate, c.dp_shard, c.tp, c.pp, c.microbatches,
-                       c.rows, cfg.data.seq_len, bubble, in_flight, cfg.trainer.compile,
+                       c.rows, cfg.data.seq_len, bubble, in_flight, c.stages_per_rank,
+                       c.schedule, cfg.trainer.compile,
                        optimizer, dtype.itemsize, getattr(cfg.parallel, "reshard_after_forward",
                                                           True),
                        cfg.trainer.clip_grad_norm is not None)
@@ -177,7 +177,8 @@ def simulate_all(cfg, candidates: list[Candidate], traces: Traces, rates: cluste
     start = time.perf_counter()
     facts = traces.facts
     for c in candidates:
-        if c.reason is None and state_gb(c, facts) * 2**30 > rates.memory_bytes:
+        pruned = len(candidates) > 1 and state_gb(c, facts) * 2**30 > rates.memory_bytes
+        if c.reason is None and pruned:
             c.extra["state_gb"] = state_gb(c, facts)  # cannot fit: not traced
         elif c.reason is None:
             c.prediction = predict(cfg, c, traces, rates)

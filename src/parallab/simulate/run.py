@@ -45,6 +45,11 @@ def check(cfg) -> Any:
                           "(torchao's float8 kernels do not trace on fake tensors): use "
                           "precision=bf16")
     validate.check_values(cfg)
+    for key in ("batch_size", "global_batch_size"):
+        value = getattr(cfg.data, key)
+        if value is not None and value < 1:
+            raise ConfigError(f"data.{key}={value} is out of range: it must be >= 1 (sequences "
+                              "per data-parallel rank, or per step)")
     search.refuse(cfg.data.problem())
     cfg.model = models.check(cfg.model, cfg.data)
     cfg.device = Device.cuda  # the cluster's: its compute dtypes, not this machine's
@@ -63,12 +68,10 @@ def check(cfg) -> Any:
 
 def candidates_of(cfg, layout, facts: Facts, rates) -> tuple[list[Candidate], list[str]]:
     """The given layout alone, or parallel=auto's grid; notes on what the grid leaves out."""
-    from parallab.parallel.pipeline import SCHEDULES
-
     notes = []
     if layout is not None:
         return [search.given(cfg, layout)], notes
-    found = search.grid(cfg, facts, rates.gpus_per_node, SCHEDULES)
+    found = search.grid(cfg, facts, rates.gpus_per_node)
     why = facts.pipeline_problem(2)
     if why:
         notes.append(f"No pipeline layouts: {why}.")

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from parallab.config.errors import ConfigError
+from parallab.parallel import schedules
 from parallab.simulate.step import Prediction
 
 CHECKPOINTING = ("none", "selective", "full")
@@ -29,6 +30,7 @@ class Candidate:
     batch_size: int = 1  # sequences per data-parallel rank and optimizer step
     microbatches: int = 1  # a pipeline's micro-batches, or gradient accumulation's steps
     schedule: str | None = None
+    stages_per_rank: int = 1  # v: the model cut into pp x v parts, v on each rank
     checkpointing: str = "none"
     sequence_parallel: bool = False
     given_global: int | None = None  # data.global_batch_size as the user gave it
@@ -70,6 +72,8 @@ class Candidate:
         if self.pp > 1:
             found += [f"parallel.pp={self.pp}", f"parallel.schedule={self.schedule}",
                       f"parallel.microbatches={self.microbatches}"]
+            if self.stages_per_rank != schedules.stages_per_rank(self.schedule, None):
+                found.append(f"parallel.stages_per_rank={self.stages_per_rank}")
         if self.sequence_parallel:
             found.append("parallel.sequence_parallel=true")
         accumulate = 1 if self.pp > 1 else self.microbatches
@@ -84,7 +88,8 @@ class Candidate:
     def label(self) -> str:
         degrees = [f"{k}{v}" for k, v in (("R", self.dp_replicate), ("F", self.dp_shard),
                                           ("T", self.tp), ("P", self.pp)) if v > 1]
-        way = f" {self.schedule} m{self.microbatches}" if self.pp > 1 else (
+        v = f" v{self.stages_per_rank}" if self.stages_per_rank > 1 else ""
+        way = f" {self.schedule}{v} m{self.microbatches}" if self.pp > 1 else (
             f" accum{self.microbatches}" if self.microbatches > 1 else "")
         sp = " sp" if self.sequence_parallel else ""
         return (f"{self.preset}({'x'.join(degrees) or '1'}){way}{sp} b{self.batch_size} "
@@ -111,7 +116,7 @@ def per_rank_batch(cfg, dp: int) -> tuple[int | None, str | None]:
     return d.global_batch_size // dp, None
 
 
-def grid(cfg, facts, gpus_per_node: int, schedules: tuple[str, ...]) -> list[Candidate]:
+def grid(cfg, facts, gpus_per_node: int) -> list[Candidate]:
     """Every layout of parallel.world_size GPUs for the model (`facts`: simulate.Facts);
     those the model or the batch cannot take carry their reason."""
     n = cfg.parallel.world_size
@@ -120,14 +125,14 @@ def grid(cfg, facts, gpus_per_node: int, schedules: tuple[str, ...]) -> list[Can
         tp_reason = facts.tp_problem(tp)
         for pp in [p for p in powers_of_two(n // tp) if (n // tp) % p == 0]:
             if pp > 1 and facts.pipeline_problem(pp) is not None:
-                continue  # said once, in the notes: the model cannot be cut
+                continue  # said once, in the notes: the model cannot be cut this much
             dp = n // (tp * pp)
             shards = sorted({f for f in powers_of_two(dp) if dp % f == 0} | {dp})
             batch, batch_reason = per_rank_batch(cfg, dp)
             for shard in shards:
                 base = dict(world_size=n, dp_replicate=dp // shard, dp_shard=shard, tp=tp,
                             pp=pp, batch_size=batch or 1, given_global=cfg.data.global_batch_size)
-                for way in _ways(pp, batch or 1, schedules):
+                for way in _ways(pp, batch or 1, facts):
                     for ac in CHECKPOINTING:
                         c = Candidate(**base, **way, checkpointing=ac)
                         c.reason = tp_reason or batch_reason
@@ -138,13 +143,23 @@ def grid(cfg, facts, gpus_per_node: int, schedules: tuple[str, ...]) -> list[Can
     return found
 
 
-def _ways(pp: int, batch: int, schedules: tuple[str, ...]) -> list[dict[str, Any]]:
+def _ways(pp: int, batch: int, facts) -> list[dict[str, Any]]:
     """How a rank's batch is cut: a pipeline's micro-batches (pp, 2pp, 4pp: at least one
-    per part) by schedule, or accumulation's steps (1, 2, 4, 8)."""
+    per part) by schedule and stages per rank (the schedule's own, and 4 for the
+    interleaved ones), those torch's schedules take and the model has stages for; or
+    accumulation's steps (1, 2, 4, 8)."""
     if pp == 1:
         return [{"microbatches": a} for a in (1, 2, 4, 8) if batch % a == 0 and a <= batch]
-    return [{"microbatches": m, "schedule": s} for m in (pp, 2 * pp, 4 * pp)
-            if batch % m == 0 for s in schedules]
+    found = []
+    for name, schedule in schedules.SCHEDULES.items():
+        default = schedules.stages_per_rank(name, None)
+        for v in sorted({default, *(() if schedule.stages_per_rank else (4,))}):
+            if facts.pipeline_problem(pp * v) is not None:
+                continue
+            found += [{"microbatches": m, "schedule": name, "stages_per_rank": v}
+                      for m in (pp, 2 * pp, 4 * pp) if batch % m == 0 and
+                      schedules.microbatches_problem(name, pp, v, m) is None]
+    return found
 
 
 def given(cfg, layout) -> Candidate:
@@ -153,9 +168,11 @@ def given(cfg, layout) -> Candidate:
     pp = layout.pp
     micro = p.microbatches if pp > 1 else cfg.trainer.accumulate_grad_batches
     batch = cfg.data.batch_size * (1 if pp > 1 else micro)
+    schedule = p.schedule if pp > 1 else None
+    v = schedules.stages_per_rank(schedule, getattr(p, "stages_per_rank", None)) if schedule \
+        else 1
     return Candidate(layout.world_size, layout.dp_replicate, layout.dp_shard, layout.tp, pp,
-                     batch, micro, p.schedule if pp > 1 else None,
-                     cfg.trainer.activation_checkpointing,
+                     batch, micro, schedule, v, cfg.trainer.activation_checkpointing,
                      bool(getattr(p, "sequence_parallel", False)), cfg.data.global_batch_size)
 
 

@@ -57,8 +57,10 @@ class Layout:
     microbatches: int = 1  # a pipeline's micro-batches, or gradient accumulation's steps
     rows: int = 1  # sequences in a micro-batch
     seq_len: int = 1024
-    bubble: float = 1.0  # compute time over a step without idle ranks (PipelinePlan.bubble)
-    in_flight: int = 1  # micro-batches whose activations the busiest stage holds at once
+    bubble: float = 1.0  # compute time over a step without idle ranks (schedules.bubble)
+    in_flight: float = 1.0  # micro-batches whose activations the busiest rank holds at once
+    stages_per_rank: int = 1
+    schedule: str | None = None
     compile: bool = False
     optimizer: str = "adamw"
     compute_bytes: int = 2  # a gathered weight's element (the compute dtype)
@@ -158,52 +160,106 @@ def costs(trace: Trace, rates: Rates, compile: bool, tf32: bool) -> Costs:
     return found
 
 
-def blocks_per_stage(blocks: int, pp: int, params: dict[str, float]) -> tuple[int, int, int]:
-    """(blocks of the first stage, of the last, of the busiest) where a pipeline cuts the
-    model's stages (the embeddings, each block, the head) at an even share of parameters,
-    as parallel/split.py's even_cuts does."""
+@dataclass(frozen=True)
+class Load:
+    """What a pipeline rank holds: its blocks, the ends, its parts."""
+
+    rank: int
+    blocks: int
+    before: bool  # the embeddings (the model's first stage)
+    after: bool  # the head and the loss (its last)
+    parts: int = 1
+
+    @property
+    def ends(self) -> list[str]:
+        return [r for r, held in (("before", self.before), ("after", self.after)) if held]
+
+
+def loads(blocks: int, layout: Layout, params: dict[str, float]) -> list[Load]:
+    """Each rank's load: without a pipeline, everything; with one, the model's stages (the
+    embeddings, each block, the head) cut into pp x v parts at an even share of
+    parameters (parallel/split.py's even_cuts), placed as the schedule places them
+    (parallel/schedules.py: round-robin, or a V)."""
+    from parallab.parallel import schedules
     from parallab.parallel.split import even_cuts
 
-    if pp == 1:
-        return blocks, blocks, blocks
+    if layout.pp == 1:
+        return [Load(0, blocks, True, True)]
     sizes = [params["before"], *[params["block"]] * blocks, params["after"]]
-    bounds = [0, *even_cuts(sizes, pp), len(sizes)]
-    counts = [sum(1 for i in range(a, b) if 0 < i <= blocks) for a, b in zip(bounds, bounds[1:])]
-    return counts[0], counts[-1], max(counts)
+    bounds = [0, *even_cuts(sizes, layout.pp * layout.stages_per_rank), len(sizes)]
+    parts = [range(a, b) for a, b in zip(bounds, bounds[1:])]
+    found = []
+    for rank in range(layout.pp):
+        held = [i for part in schedules.stages_of_rank(layout.schedule, layout.pp,
+                                                       layout.stages_per_rank, rank)
+                for i in parts[part]]
+        found.append(Load(rank, sum(1 for i in held if 0 < i <= blocks), 0 in held,
+                          blocks + 1 in held, layout.stages_per_rank))
+    return found
+
+
+def _compute(c: Costs, load: Load, phase: str) -> float:
+    """A micro-batch's compute on a rank: its blocks', the ends' it holds."""
+    return load.blocks * c.compute.get((phase, "block"), 0.0) + sum(
+        c.compute.get((phase, region), 0.0) for region in load.ends)
 
 
 def predict(trace: Trace, c: Costs, layout: Layout, rates: Rates, blocks: int,
             flops_per_token: float = 0.0) -> Prediction:
     """The step of `layout` from its traced micro-batch priced on the cluster (`c`:
-    costs(trace)); `blocks`: the model's; `flops_per_token`: its training FLOPs, for MFU."""
-    G = rates.gpus_per_node
-    first, last, busiest = blocks_per_stage(blocks, layout.pp, trace.params)
-    parts: dict[str, float] = {"compute_s": 0.0}
+    costs(trace)); `blocks`: the model's; `flops_per_token`: its training FLOPs, for MFU.
+    A pipeline's step is its busiest rank's."""
+    ranks = loads(blocks, layout, trace.params)
+    busiest = max(ranks, key=lambda load: _compute(c, load, "forward") +
+                  _compute(c, load, "backward"))
     exposed: dict[str, float] = {}
 
     def expose(kind: str, seconds: float) -> None:
         if seconds > 0:
             exposed[kind] = exposed.get(kind, 0.0) + seconds
 
-    # a micro-batch on the busiest rank: its blocks, the ends where it holds them
-    k = busiest
-    ends = ["before", "after"] if layout.pp == 1 else (["before"] if first >= last else ["after"])
-    compute = {phase: k * c.compute.get((phase, "block"), 0.0) +
-               sum(c.compute.get((phase, r), 0.0) for r in ends)
-               for phase in ("forward", "backward")}
+    m, k = layout.microbatches, busiest.blocks
+    compute = {phase: _compute(c, busiest, phase) for phase in ("forward", "backward")}
     for phase in ("forward", "backward"):
-        for region in ["block", *ends]:
+        for region in ["block", *busiest.ends]:
             times = k if region == "block" else 1
             for kind, seconds in c.collectives.get((phase, region), {}).items():
-                expose(f"tp_{kind}", times * seconds * layout.microbatches)
-    block_f, block_b = c.seconds("forward", "block"), c.seconds("backward", "block")
-    m = layout.microbatches
-    parts["compute_s"] = m * (compute["forward"] + compute["backward"])
-    # data parallel: FSDP2's gathers and reductions, DDP's buckets
+                expose(f"tp_{kind}", times * seconds * m)
+    parts = {"compute_s": m * (compute["forward"] + compute["backward"])}
+    _data_parallel(trace, c, layout, rates, busiest, compute, expose)
+    if layout.pp > 1:  # the sends at each of its parts' cuts, and the schedule's idle slots
+        G = rates.gpus_per_node
+        hop = Group(2, 2 if Group.of(layout.pp, layout.tp, G).nodes > 1 else 1)
+        send = rates.collective_s("p2p", trace.boundary_bytes, hop) * busiest.parts
+        expose("p2p", 2 * send * m)
+        slot = compute["forward"] + compute["backward"] + 2 * send + sum(
+            v for kind, v in exposed.items() if kind.startswith("tp_")) / m
+        parts["bubble_s"] = (layout.bubble - 1) * m * slot
+    held = (k * trace.params["block"] + sum(trace.params[r] for r in busiest.ends)) / \
+        layout.dp_shard
+    parts["optimizer_s"] = held * (OPTIMIZER_BYTES[layout.optimizer] + 4 * layout.clip) / \
+        rates.hbm
+    parts.update({f"{kind}_s": seconds for kind, seconds in sorted(exposed.items())})
+    step = sum(parts.values())
+    tokens = layout.rows * layout.seq_len * m * layout.dp
+    memory = max((_memory(trace, layout, load) for load in ranks),
+                 key=lambda found: sum(found.values()))
+    per_gpu = tokens / step / layout.world_size
+    peak = rates.peaks["bf16"] if layout.compute_bytes == 2 else rates.peaks["fp32"]
+    return Prediction(step, per_gpu, sum(memory.values()), per_gpu * flops_per_token / peak,
+                      parts, memory)
+
+
+def _data_parallel(trace: Trace, c: Costs, layout: Layout, rates: Rates, busiest: Load,
+                   compute: dict[str, float], expose) -> None:
+    """FSDP2's gathers and reductions (HSDP's all-reduce with them), or DDP's buckets, as
+    they are left exposed beside the busiest rank's compute."""
+    G = rates.gpus_per_node
     shard = Group.of(layout.dp_shard, layout.tp * layout.pp, G)
     replicas = Group.of(layout.dp_replicate, layout.dp_shard * layout.tp * layout.pp, G)
-    block_params = trace.params["block"]
-    held_ends = sum(trace.params[r] for r in ends)
+    block_params, k, m = trace.params["block"], busiest.blocks, layout.microbatches
+    held_ends = sum(trace.params[r] for r in busiest.ends)
+    block_f, block_b = c.seconds("forward", "block"), c.seconds("backward", "block")
     if layout.dp_shard > 1:
         n = layout.dp_shard
         gather = rates.collective_s("all_gather", (n - 1) / n * block_params *
@@ -213,18 +269,16 @@ def predict(trace: Trace, c: Costs, layout: Layout, rates: Rates, blocks: int,
             r = layout.dp_replicate
             scatter += rates.collective_s("all_reduce", 2 * (r - 1) / r * block_params / n * 4,
                                           replicas)
-        gathers = 2 if layout.reshard_after_forward else 1
         per_micro = gather + (k - 1) * max(0.0, gather - block_f)
-        if gathers == 2:
+        if layout.reshard_after_forward:  # gathered again for the backward
             per_micro += k * max(0.0, gather - block_b)
         expose("all_gather", m * per_micro)
         # the last micro-batch reduces: each block's beside the next one's backward
         expose("reduce_scatter", scatter + (k - 1) * max(0.0, scatter - block_b))
-        root = rates.collective_s("all_gather", (n - 1) / n * held_ends * layout.compute_bytes,
-                                  shard)
-        expose("all_gather", root)
-        expose("reduce_scatter", rates.collective_s("reduce_scatter",
-                                                    (n - 1) / n * held_ends * 4, shard))
+        expose("all_gather", rates.collective_s(
+            "all_gather", (n - 1) / n * held_ends * layout.compute_bytes, shard))
+        expose("reduce_scatter", rates.collective_s(
+            "reduce_scatter", (n - 1) / n * held_ends * 4, shard))
     elif layout.dp_replicate > 1:
         r = layout.dp_replicate
         grads = (k * block_params + held_ends) * 4
@@ -234,48 +288,27 @@ def predict(trace: Trace, c: Costs, layout: Layout, rates: Rates, blocks: int,
             expose("all_reduce", one * buckets)
         else:
             expose("all_reduce", max(one, one * buckets - compute["backward"]))
-    # the pipeline: sends at each cut, and the schedule's idle slots
-    slot = compute["forward"] + compute["backward"]
-    if layout.pp > 1:
-        hop = Group(2, 2 if Group.of(layout.pp, layout.tp, G).nodes > 1 else 1)
-        send = rates.collective_s("p2p", trace.boundary_bytes, hop)
-        expose("p2p", 2 * send * m)
-        slot += 2 * send + sum(v for kind, v in exposed.items() if kind.startswith("tp_")) / m
-        parts["bubble_s"] = (layout.bubble - 1) * m * slot
-    # the optimizer over what this rank holds
-    held = (k * block_params + held_ends) / layout.dp_shard
-    kind = layout.optimizer
-    parts["optimizer_s"] = held * (OPTIMIZER_BYTES[kind] + 4 * layout.clip) / rates.hbm
-    parts.update({f"{kind}_s": seconds for kind, seconds in sorted(exposed.items())})
-    step = sum(parts.values())
-    tokens = layout.rows * layout.seq_len * m * layout.dp
-    memory = _memory(trace, layout, k, first, held_ends)
-    per_gpu = tokens / step / layout.world_size
-    peak = rates.peaks["bf16"] if layout.compute_bytes == 2 else rates.peaks["fp32"]
-    return Prediction(step, per_gpu, sum(memory.values()), per_gpu * flops_per_token / peak,
-                      parts, memory)
 
 
-def _memory(trace: Trace, layout: Layout, k: int, first: int, held_ends: float
-            ) -> dict[str, float]:
-    """GiB a rank holds at the step's peak, by kind (see the module's docstring)."""
+def _memory(trace: Trace, layout: Layout, load: Load) -> dict[str, float]:
+    """GiB the rank of `load` holds at the step's peak, by kind (see the module's
+    docstring)."""
+    from parallab.parallel import schedules
+
     block = trace.params["block"]
-    held = (k * block + held_ends) / layout.dp_shard
+    held_ends = sum(trace.params[r] for r in load.ends)
+    held = (load.blocks * block + held_ends) / layout.dp_shard
     state = held * (4 + 4 + STATE_BYTES[layout.optimizer])
     gathered = 0.0
     if layout.dp_shard > 1:  # this block's and the next one's weights, a gradient reduced
         gathered = 2 * block * layout.compute_bytes + block * 4 + held_ends * layout.compute_bytes
     saved = trace.saved_compiled if layout.compile else trace.saved
-    saved_block, saved_ends = saved.get("block", 0.0), saved.get("outside", 0.0)
-    if layout.pp == 1:
-        activations = k * saved_block + saved_ends
-    else:  # the first stage holds the most micro-batches, the last the loss's logits
-        activations = max(layout.in_flight * first * saved_block,
-                          k * saved_block + saved_ends)
+    kept = load.blocks * saved.get("block", 0.0) + (saved.get("outside", 0.0) if load.ends
+                                                    else 0.0)
+    in_flight = 1.0 if layout.pp == 1 else schedules.activations_held(
+        layout.schedule, layout.pp, layout.stages_per_rank, layout.microbatches, load.rank)
     eager = trace.saved.get("block", 0.0) + trace.saved.get("outside", 0.0)
-    temporary = max(0.0, trace.peak_transient - eager)
+    temporary = max(0.0, trace.peak_transient - eager) if load.after else 0.0
     return {name: value / 2**30 for name, value in (
-        ("state", state), ("gathered", gathered), ("activations", activations),
+        ("state", state), ("gathered", gathered), ("activations", in_flight * kept),
         ("temporary", temporary))}
-
-

@@ -250,6 +250,24 @@ def cut_to_one_block(model: nn.Module, blocks: list[nn.Module]) -> str:
 
 
 @contextlib.contextmanager
+def _masks_as_on_a_device() -> Iterator[None]:
+    """transformers looks for packed sequences in the position ids, which it cannot read
+    from fake tensors, and then builds the whole causal mask, which on a device it leaves to
+    the attention kernel's is_causal: the simulated batch packs none (its positions are
+    0..T-1), so the trace runs the device's ops, no mask."""
+    masking = sys.modules.get("transformers.masking_utils")
+    original = getattr(masking, "find_packed_sequence_indices", None)
+    if original is None:
+        yield
+        return
+    masking.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking.find_packed_sequence_indices = original
+
+
+@contextlib.contextmanager
 def fake_group(world_size: int) -> Iterator[None]:
     """torch's fake process group as the default group, rank 0 of `world_size`."""
     import torch.distributed as dist
@@ -350,7 +368,7 @@ def trace(cfg, template: nn.Module, block: str, vocab: int, shape: Shape) -> Tra
         recorder = Recorder(tracker, _fqn(model, block), hf.shifts_labels(model))
         saved = _SavedByRegion(model, tracker, recorder)
         calls = register_module_forward_pre_hook(lambda module, _: called.append(module))
-        with fake, tracker, recorder:
+        with fake, tracker, recorder, _masks_as_on_a_device():
             with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
                 with precision.autocast():
                     value = loss.step_loss(model, batch, shape.rows * shape.seq_len)[1]
