@@ -130,6 +130,29 @@ def test_mpirun_runs_the_entrypoint_in_place(tmp_path):
     assert (run_dir / "train_rank1.log").exists()
 
 
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="needs mpirun (openmpi-bin)")
+@pytest.mark.parametrize("host,status,says", [
+    ("nohost.invalid", 2, "the master nohost.invalid does not resolve on this node"),
+    # an address nothing answers at (TEST-NET-1): the ranks give up after the timeout
+    ("192.0.2.1", 1, "within parallel.rendezvous_timeout=3 s"),
+])
+def test_under_mpirun_a_master_not_reached_ends_the_job_in_one_line(tmp_path, host, status,
+                                                                     says):
+    """parallel.rendezvous_timeout held under SLURM only: elsewhere a master that did not
+    resolve, or did not answer, printed c10d's warnings every 30-40 s for minutes."""
+    started = time.monotonic()
+    result = run_entry("train.py", [*FAST, "parallel=ddp", "backend=gloo",
+                                    "parallel.rendezvous_timeout=3"], cwd=tmp_path, timeout=90,
+                       env={"MASTER_ADDR": host, "MASTER_PORT": str(free_port())}, prefix=[
+                           "mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2",
+                           sys.executable])
+    assert time.monotonic() - started < 60
+    said = [line for line in output(result).splitlines() if line.startswith("rank ")]
+    assert result.returncode == status and said, output(result)[-3000:]
+    assert all(says in line for line in said) and "Traceback" not in output(result), said
+    assert not list(tmp_path.glob("outputs/*/*/.hydra"))  # before Hydra made a run dir
+
+
 # Loaded by every Python process of the test's job; the agent sets RANK in a worker only
 # after the interpreter starts, so the rank is checked when the step runs.
 INJECT = """

@@ -10,17 +10,28 @@ import sys
 import pytest
 from conftest import FAST, REPO, assert_ok, checked, read_metrics, run_entry
 
+from parallab.cli import JobFailed
 from parallab.config.errors import ConfigError
-from parallab.launching import forking, launch, slurm
+from parallab.launching import forking, in_place, launch, slurm
 
-LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_NTASKS",
-                 "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NNODES", "SLURM_NTASKS_PER_NODE",
-                 "SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_STEPID", "SLURM_NODEID",
-                 "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_STEP_NUM_NODES",
-                 "SLURM_JOB_NODELIST", "SLURM_STEP_NODELIST", "SLURM_RESTART_COUNT",
-                 "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID",
+LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                 "TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT", "SUBMITIT_LOCAL_NTASKS",
+                 "SUBMITIT_LOCAL_GLOBALID", "SUBMITIT_LOCAL_LOCALID", "SUBMITIT_LOCAL_JOB_ID",
                  "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK",
-                 "OMPI_COMM_WORLD_LOCAL_SIZE", "PMI_SIZE", "PMI_RANK")
+                 "OMPI_COMM_WORLD_LOCAL_SIZE", "PMI_SIZE", "PMI_RANK", "MPI_LOCALRANKID",
+                 "MPI_LOCALNRANKS", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_USE_AGENT_STORE",
+                 "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NNODES",
+                 "SLURM_NTASKS_PER_NODE", "SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_STEPID",
+                 "SLURM_NODEID", "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE",
+                 "SLURM_STEP_NUM_NODES", "SLURM_JOB_NODELIST", "SLURM_STEP_NODELIST",
+                 "SLURM_RESTART_COUNT", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID",
+                 "SLURM_TASK_PID", in_place.RUN_TIME_ENV)
+# what torchrun's agent sets for a worker (and parallab's own launcher for its workers)
+TORCHRUN_WORKER = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+                   "GROUP_RANK": "1", "TORCHELASTIC_RUN_ID": "none",
+                   "TORCHELASTIC_RESTART_COUNT": "0", "MASTER_ADDR": "127.0.0.1",
+                   "MASTER_PORT": "29500"}
+SLURM_TASK = {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_TASK_PID": str(os.getpid())}
 
 
 @pytest.fixture
@@ -32,36 +43,87 @@ def clean_env(monkeypatch):
 
 @pytest.mark.parametrize("env,expected", [
     ({}, None),
-    ({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"},
-     ("torchrun", 3, 1, 4, 2)),
-    ({"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "8", "SLURM_PROCID": "5",
-      "SLURM_LOCALID": "1", "SLURM_NODEID": "1", "SLURM_STEP_TASKS_PER_NODE": "4(x2)"},
-     ("slurm", 5, 1, 8, 4)),
-    ({"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "4", "SLURM_PROCID": "3",
-      "SLURM_LOCALID": "0", "SLURM_NODEID": "1", "SLURM_STEP_TASKS_PER_NODE": "3,1"},
+    (TORCHRUN_WORKER, ("torchrun", 3, 1, 4, 2)),
+    ({**SLURM_TASK, "SLURM_NTASKS": "8", "SLURM_PROCID": "5", "SLURM_LOCALID": "1",
+      "SLURM_NODEID": "1", "SLURM_STEP_TASKS_PER_NODE": "4(x2)"}, ("slurm", 5, 1, 8, 4)),
+    ({**SLURM_TASK, "SLURM_NTASKS": "4", "SLURM_PROCID": "3", "SLURM_LOCALID": "0",
+      "SLURM_NODEID": "1", "SLURM_STEP_TASKS_PER_NODE": "3,1"},
      ("slurm", 3, 0, 4, 1)),  # nodes holding unequal counts
-    ({"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "1", "SLURM_PROCID": "0"},
-     None),  # one task
+    ({**SLURM_TASK, "SLURM_NTASKS": "1", "SLURM_PROCID": "0"}, None),  # one task
     # the batch script itself: SLURM_NTASKS is the job's, but this is one process
-    ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4", "SLURM_PROCID": "0", "SLURM_LOCALID": "0"},
-     None),
+    ({"SLURM_JOB_ID": "7", "SLURM_TASK_PID": str(os.getpid()), "SLURM_NTASKS": "4",
+      "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}, None),
+    # a step's variables copied into a shell no SLURM task started: a plain run
+    ({**SLURM_TASK, "SLURM_TASK_PID": "1", "SLURM_NTASKS": "8", "SLURM_PROCID": "5",
+      "SLURM_STEP_TASKS_PER_NODE": "4(x2)"}, None),
     ({"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "1",
       "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"},
      ("mpirun", 1, 1, 2, 2)),
-    ({"PMI_SIZE": "4", "PMI_RANK": "2"}, ("mpirun", 2, 0, 4, 4)),
+    ({"PMI_SIZE": "4", "PMI_RANK": "2", "MPI_LOCALRANKID": "0", "MPI_LOCALNRANKS": "2"},
+     ("mpirun", 2, 0, 4, 2)),
 ])
 def test_detects_the_launcher_from_its_variables(clean_env, env, expected):
     for name, value in env.items():
         clean_env.setenv(name, value)
-    found = launch.detect()
+    found = in_place.detect()
     assert (found and (found.launcher, found.rank, found.local_rank, found.world_size,
                        found.local_world_size)) == expected
 
 
+@pytest.mark.parametrize("env,unset", [
+    ({"RANK": "0", "WORLD_SIZE": "2"}, "RANK WORLD_SIZE"),
+    ({"WORLD_SIZE": "4"}, "WORLD_SIZE"),
+    ({"RANK": "1", "WORLD_SIZE": "2"}, "RANK WORLD_SIZE"),
+    # torch's env:// variables set by hand, without the agent that marks a torchrun worker
+    ({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "nohost.invalid",
+      "MASTER_PORT": "29555"}, "RANK LOCAL_RANK WORLD_SIZE"),
+    ({"OMPI_COMM_WORLD_SIZE": "2"}, "OMPI_COMM_WORLD_SIZE"),
+    ({"PMI_RANK": "1"}, "PMI_RANK"),
+])
+def test_a_launchers_variables_left_partly_set_end_the_command_in_one_line(clean_env, env,
+                                                                           unset, caplog):
+    """Left in a shell after an `export`, they made a one-process run read a rank and a
+    world size no launcher started (half of every epoch, the loss divided by ranks that
+    never ran, no metrics.json from rank 1): now one line naming them, before Hydra."""
+    from parallab import cli
+
+    for name, value in env.items():
+        clean_env.setenv(name, value)
+    with pytest.raises(SystemExit) as ended:
+        cli.train(["train.py", "device=cpu"])
+    [line] = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert ended.value.code == 2 and f": unset {unset}, or start the run with " in line, line
+
+
+def test_a_one_process_layout_reads_no_rank_or_world_size(clean_env):
+    from parallab.launching import distributed
+
+    clean_env.setenv("RANK", "1")
+    clean_env.setenv("WORLD_SIZE", "2")
+    clean_env.setenv("LOCAL_WORLD_SIZE", "2")
+    place = distributed.setup("cpu", None, 60, None)
+    assert (place.rank, place.world_size, place.local_world_size) == (0, 1, 1)
+
+
+def test_a_restart_count_left_in_a_shell_resumes_nothing(clean_env, train_here):
+    """TORCHELASTIC_RESTART_COUNT (or SLURM_RESTART_COUNT, with SLURM_JOB_ID) counts only
+    under the launcher that set it: left in a shell, a new run in a dir holding a finished
+    one was made to continue it silently; it is refused, as without the variable."""
+    short = [*FAST, "trainer.max_steps=2"]
+    _, run_dir = train_here(*short)
+    clean_env.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    clean_env.setenv("SLURM_JOB_ID", "4242")
+    clean_env.setenv("SLURM_RESTART_COUNT", "1")
+    assert not in_place.restarted() and not slurm.in_job()
+    assert launch._run_name() != "slurm/4242"
+    with pytest.raises(JobFailed, match="already holds a run"):
+        train_here(*FAST, "trainer.max_steps=4")
+    assert read_metrics(run_dir)["steps"] == 2
+
+
 @pytest.mark.parametrize("env,bad", [
-    ({"RANK": "0", "WORLD_SIZE": "abc", "LOCAL_RANK": "0"}, "WORLD_SIZE='abc'"),
-    ({"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "2 tasks"},
-     "SLURM_NTASKS='2 tasks'"),
+    ({**TORCHRUN_WORKER, "WORLD_SIZE": "abc"}, "WORLD_SIZE='abc'"),
+    ({**SLURM_TASK, "SLURM_NTASKS": "2 tasks"}, "SLURM_NTASKS='2 tasks'"),
 ])
 def test_a_launchers_variable_that_is_no_number_ends_the_command_in_one_line(clean_env, env,
                                                                              bad, caplog):
@@ -171,7 +233,8 @@ def a_rank(controller: int, run_dir: str) -> str:
     from parallab.launching import worker
 
     spec = SimpleNamespace(controller=controller, run_dir=run_dir, failures=None,
-                           cfg=SimpleNamespace(backend=SimpleNamespace(timeout_s=30)))
+                           cfg=SimpleNamespace(backend=SimpleNamespace(timeout_s=30),
+                                               trainer=SimpleNamespace(requeue_signal=None)))
     return worker.main(start_method, spec)
 
 

@@ -18,7 +18,7 @@ LAYERS = [
     ("launching",),                                         # processes and signals
     ("training",),                                          # a rank's run
     ("checks", "advise", "simulate"),                       # the controller's checks
-    ("cli", "commands", "testing"),                         # the commands
+    ("cli", "commands", "invocation", "testing"),           # the commands
 ]
 
 

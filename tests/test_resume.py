@@ -3,8 +3,10 @@ restarts, NaN policy, a full disk."""
 
 from __future__ import annotations
 
+import json
 import logging
 import math
+import os
 import re
 import signal
 import subprocess
@@ -94,7 +96,7 @@ def test_sigterm_saves_and_resume_continues_bit_for_bit(tmp_path, references, pa
     run_dir = tmp_path / "run"
     stopped = run_entry("train.py", [*RUN, *parallel], run_dir,
                         env=inject(tmp_path, 23, "os.kill(os.getpid(), signal.SIGTERM)"))
-    assert_ok(stopped)
+    assert stopped.returncode == 128 + signal.SIGTERM, output(stopped)[-3000:]
     assert "resume with: python train.py" in output(stopped)
     assert not (run_dir / "metrics.json").exists()
     with caplog.at_level(logging.INFO):
@@ -226,17 +228,22 @@ def test_after_a_signal_a_hang_ends_the_process_but_an_evaluation_does_not():
     # a scheduler that signals the controller alone (setsid made it the group's leader); it
     # passes the request on
     ("the controller", "os.kill(os.getpgid(0), signal.SIGTERM)")])
-def test_a_signalled_ddp_job_stops_together_saves_once_and_exits_0(tmp_path, references, who,
-                                                                   action):
+def test_a_signalled_ddp_job_stops_together_saves_once_and_says_it_was_stopped(
+        tmp_path, references, who, action):
+    """Its exit status is 128 + the signal (130 for Ctrl-C), and its record (status.json)
+    says it was stopped: a script or a scheduler took an exit status 0 for a finished run."""
     reference = references(DDP)
     run_dir = tmp_path / "run"
     stopped = run_entry("train.py", [*RUN, *DDP], run_dir, prefix=["setsid", sys.executable],
                         env=inject(tmp_path, 23, action, condition="os.environ['RANK'] == '0'"))
-    assert stopped.returncode == 0, output(stopped)[-3000:]
+    signum = signal.SIGINT if who == "the group" else signal.SIGTERM
+    assert stopped.returncode == 128 + signum, output(stopped)[-3000:]
     assert "Traceback" not in output(stopped) and "SignalException" not in output(stopped)
     assert output(stopped).count("resume with: python train.py") == 1  # rank 0, once
     assert not (run_dir / "metrics.json").exists()
+    record = json.loads((run_dir / "status.json").read_text())
     steps = sorted(int(p.name[5:13]) for p in (run_dir / "checkpoints").glob("step_*.pt"))
+    assert record == {"status": "stopped", "signal": signum.name, "step": steps[-1]}
     # the group's ranks all hold the request at step 24's all-reduce; one forwarded by the
     # controller may reach the workers a step or a few later (a 3 ms step on a busy machine)
     assert (steps[-1] == 24) if who == "the group" else (24 <= steps[-1] < 30), steps
@@ -248,3 +255,100 @@ def test_a_signalled_ddp_job_stops_together_saves_once_and_exits_0(tmp_path, ref
         got, expected = read_metrics(run_dir), read_metrics(reference)
         for key in ("eval_accuracy", "state_memory_mb"):  # the resumed run measures it too
             assert got[key] == expected[key], key
+
+
+# sitecustomize for a command's processes: Ctrl-C (SIGINT to the whole process group, as a
+# terminal sends it) at one moment of its start
+AT_START = """
+import os, signal
+import {module} as where
+
+called = where.{function}
+
+def interrupted(*args, **kwargs):
+    if {condition}:
+        os.killpg(os.getpgid(0), signal.SIGINT)
+    return called(*args, **kwargs)
+
+where.{function} = interrupted
+"""
+
+
+def left_running(marker: str) -> list[int]:
+    """The processes whose environment holds `marker` (this test's own)."""
+    found = []
+    for proc in os.listdir("/proc"):
+        try:
+            if proc.isdigit() and marker.encode() in open(f"/proc/{proc}/environ", "rb").read():
+                found.append(int(proc))
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("module,function,condition,recorded", [
+    # the fork server importing torch for the workers, the controller importing its checks
+    ("parallab.launching.forking", "start_fork_server", "True", False),
+    ("parallab.checks.validate", "check_data", "True", False),  # the controller's checks
+    # a rank building its model, the other perhaps already waiting in its first collective
+    ("parallab.training.run", "build_trainer", "os.environ.get('RANK') == '1'", True),
+], ids=["imports", "checks", "a rank building"])
+def test_ctrl_c_while_a_job_starts_ends_it_in_one_line_with_exit_status_130(
+        tmp_path, module, function, condition, recorded):
+    """Where a traceback of whatever it interrupted (an import, the fork server's EOFError)
+    ended the command with exit status 1 or 130: one line, no process left, 130; the run's
+    record says it was stopped once its dir is claimed (else the dir holds no record)."""
+    folder = tmp_path / "inject"
+    folder.mkdir()
+    (folder / "sitecustomize.py").write_text(textwrap.dedent(AT_START).format(
+        module=module, function=function, condition=condition))
+    marker = f"PARALLAB_TEST_RUN={tmp_path}"
+    run_dir = tmp_path / "run"
+    stopped = run_entry("train.py", [*RUN, *DDP], run_dir, prefix=["setsid", sys.executable],
+                        env={"PYTHONPATH": str(folder), "PARALLAB_TEST_RUN": str(tmp_path)})
+    said = output(stopped)
+    assert stopped.returncode == 130, said[-3000:]
+    for noise in ("Traceback", "KeyboardInterrupt", "EOFError"):
+        assert noise not in said, said[-3000:]
+    assert len(re.findall(r"stopped by SIGINT", said)) == 1, said[-3000:]
+    deadline = time.monotonic() + 10
+    while left_running(marker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left_running(marker)
+    assert not list(run_dir.glob("checkpoints/*")) and not (run_dir / "metrics.json").exists()
+    record = run_dir / "status.json"
+    assert (json.loads(record.read_text()) if recorded else record.exists()) == (
+        {"status": "stopped", "signal": "SIGINT", "step": 0} if recorded else False)
+
+
+@pytest.mark.distributed
+def test_ctrl_c_in_a_sweep_stops_it_at_that_job_with_exit_status_130(tmp_path):
+    sweep_dir = tmp_path / "sweep"
+    stopped = run_entry("train.py", ["-m", *RUN, *DDP, "optim.lr=0.01,0.02",
+                                     f"hydra.sweep.dir={sweep_dir}"],
+                        prefix=["setsid", sys.executable], env=inject(
+                            tmp_path, 12, "os.killpg(os.getpgid(0), signal.SIGINT)",
+                            "os.environ['RANK'] == '0' and 'lr=0.01' in str(self.logger.run_dir)"))
+    assert stopped.returncode == 130, output(stopped)[-3000:]
+    assert "Traceback" not in output(stopped)
+    first, second = sorted(p for p in sweep_dir.iterdir() if (p / ".hydra").is_dir())
+    assert json.loads((first / "status.json").read_text())["signal"] == "SIGINT"
+    assert not (first / "metrics.json").exists() and not (second / "metrics.json").exists()
+    assert not list(second.glob("events.out.tfevents.*"))  # never started
+    rows = (sweep_dir / "summary.md").read_text()
+    assert rows.count("| stopped |") == 2 and "sweep.skip_completed=true" in output(stopped)
+
+
+def test_a_finished_run_resumed_or_requeued_keeps_its_record(train_here, caplog):
+    """Nothing left to train: where it resumed at its last step and wrote metrics.json again
+    with the figures of no step (train_loss and epoch_time_s null), the record stays as the
+    run left it, and the log says the run had finished."""
+    short = [*FAST, "trainer.max_steps=3"]
+    _, run_dir = train_here(*short)
+    record = (run_dir / "metrics.json").read_bytes()
+    with caplog.at_level(logging.INFO):
+        again, _ = train_here(*short, "trainer.resume=auto")
+    assert (run_dir / "metrics.json").read_bytes() == record
+    assert again == json.loads(record)
+    assert f"the run in {run_dir} had finished at step 3" in caplog.text

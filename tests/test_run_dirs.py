@@ -72,3 +72,33 @@ def test_evaluate_scores_the_data_the_checkpoint_was_trained_on(train_here, tmp_
     scored = read_metrics(tmp_path / "eval")
     assert scored["data"] == "synthetic"
     assert scored["eval_loss"] == pytest.approx(metrics["eval_loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize("where", ["a file", "read-only"])
+def test_a_run_dir_that_cannot_be_made_ends_the_command_in_one_line(tmp_path, where):
+    """`outputs` a file, or a dir on a read-only mount (a read-only folder: this suite runs
+    as root, whom a folder's mode does not stop): Hydra ended the command in a
+    NotADirectoryError or PermissionError traceback; now one line naming the dir and why,
+    exit status 2, before any worker starts."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    outputs = tmp_path / "outputs"
+    command = [sys.executable, str(REPO / "train.py"), *TINY, "parallel=ddp",
+               "parallel.world_size=2"]
+    if where == "a file":
+        outputs.write_text("not a dir\n")
+        said = f"{outputs} is a file"
+    else:  # mounted read-only, in a mount namespace of the command's own
+        outputs.mkdir()
+        command = ["unshare", "-m", "sh", "-c", f'mount --bind "{outputs}" "{outputs}" && '
+                   f'mount -o remount,bind,ro "{outputs}" && exec "$@"', "ro", *command]
+        said = f"{outputs} is not writable here"
+    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "Traceback" not in done.stdout + done.stderr
+    [line] = done.stderr.strip().splitlines()
+    assert line.startswith(f"hydra.run.dir={outputs}/") and said in line, line
+    assert outputs.is_file() if where == "a file" else not list(outputs.iterdir())

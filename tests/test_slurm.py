@@ -21,8 +21,8 @@ from conftest import checked, free_port, losses, output, read_metrics, typed
 
 import slurm_cluster
 from parallab.config.errors import ConfigError
-from parallab.launching import allocation, distributed, launch, slurm
-from parallab.launching.launch import InPlace
+from parallab.launching import allocation, distributed, in_place, launch, slurm
+from parallab.launching.in_place import InPlace
 
 PARALLAB = str(Path(sys.executable).parent / "parallab")
 # two ranks of the MNIST recipe's CNN, long enough to be signalled mid-run (~50 ms a step)
@@ -61,7 +61,9 @@ def test_the_requeue_signal_is_one_slurm_can_send_and_the_run_can_catch(name, ac
 
 def test_outside_slurm_the_requeue_signal_keeps_its_meaning(no_slurm):
     assert slurm.requeue_signals("USR1") == ()
-    no_slurm.setenv("SLURM_JOB_ID", "77")
+    no_slurm.setenv("SLURM_JOB_ID", "77")  # an interactive allocation's shell: no task
+    assert slurm.requeue_signals("USR1") == ()
+    no_slurm.setenv("SLURM_TASK_PID", str(os.getpid()))  # a task SLURM started
     assert slurm.requeue_signals("USR1") == (10,)
     assert slurm.requeue_signals(None) == ()
     no_slurm.setenv("SUBMITIT_EXECUTOR", "slurm")  # a job the submitit launcher submitted
@@ -86,18 +88,19 @@ def test_each_rank_takes_the_gpu_slurm_gives_it(no_slurm, visible, local_rank, r
 
 
 @pytest.mark.parametrize("env,name", [
-    ({"SLURM_JOB_ID": "77"}, "slurm/77"),
+    ({"SLURM_JOB_ID": "77"}, "slurm/77"),  # as SLURM starts it: SLURM_TASK_PID, this process
     ({"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0"}, "slurm/77"),
     ({"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "3"}, "slurm/77.3"),
     ({"SLURM_JOB_ID": "81", "SLURM_ARRAY_JOB_ID": "77", "SLURM_ARRAY_TASK_ID": "4"},
      "slurm/77_4"),
 ])
 def test_under_slurm_the_run_dir_is_named_by_the_job(no_slurm, env, name):
+    no_slurm.setenv("SLURM_TASK_PID", str(os.getpid()))
     for key, value in env.items():
         no_slurm.setenv(key, value)
     assert launch._run_name() == name
     no_slurm.setenv("SLURM_RESTART_COUNT", "1")  # a requeue: the same name, and it resumes
-    assert launch._run_name() == name and launch.restarted()
+    assert launch._run_name() == name and in_place.restarted()
 
 
 GPU_NODES = allocation.Partition("gpu", cpus=64, gpus=8, nodes=4)
@@ -143,13 +146,16 @@ def test_a_job_no_partition_holds_is_refused_in_one_line(overrides, partition, k
 
 def _as_slurm_task(rank: int, world: int, nodelist: str, timeout_s: float,
                    cwd: Path) -> subprocess.Popen:
-    """One rank started with the variables srun gives a task, and nothing else of SLURM."""
+    """One rank started with the variables srun gives a task, and nothing else of SLURM
+    (SLURM_TASK_PID the task's own pid, as slurmstepd sets it: the shell's, which exec
+    hands on)."""
     env = {k: v for k, v in os.environ.items() if k not in SLURM_VARS}
     env.update(SLURM_JOB_ID="4242", SLURM_STEP_ID="0", SLURM_NTASKS=str(world),
                SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_NODEID="0",
                SLURM_STEP_TASKS_PER_NODE=str(world), SLURM_JOB_NODELIST=nodelist,
                SLURM_STEP_NODELIST=nodelist, MASTER_PORT=str(free_port()))
-    return subprocess.Popen([PARALLAB, "train", *RUN, f"parallel.rendezvous_timeout={timeout_s}"],
+    command = [PARALLAB, "train", *RUN, f"parallel.rendezvous_timeout={timeout_s}"]
+    return subprocess.Popen(["sh", "-c", 'SLURM_TASK_PID=$$ exec "$@"', "task", *command],
                             cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
 
@@ -262,6 +268,57 @@ def test_a_job_across_two_nodes_goes_on_through_the_time_limit_warning_and_a_req
                      r"continue the run with: (.*)", said)
     assert line and f"hydra.run.dir={kept_dir} trainer.resume=auto" in line[1], said[-2000:]
     assert "Traceback" not in said and list((kept_dir / "checkpoints").glob("step_*.pt"))
+
+
+# one process, a few steps: what a user types to try something
+SHORT = [*RUN, "parallel=none", "trainer.max_steps=3"]
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("slurm")
+def test_runs_typed_in_an_interactive_allocation_each_keep_their_own_dir(cluster, tmp_path):
+    """An salloc shell holds the job's id, but no task of it runs there: two experiments
+    typed in it are two runs, each in its own dir, where the second was refused because
+    the job's one dir held the first."""
+    command = f"{PARALLAB} train {' '.join(SHORT)}"
+    done = cluster.run("salloc", "-N1", "bash", "-c", f"{command} && {command} optim.lr=0.02",
+                       cwd=tmp_path, timeout=180, check=False)
+    assert done.returncode == 0, output(done)[-3000:]
+    runs = sorted(p.parent for p in tmp_path.glob("outputs/**/metrics.json"))
+    assert len(runs) == 2 and not (tmp_path / "outputs" / "slurm").exists(), runs
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("slurm")
+def test_a_requeued_job_whose_run_had_finished_leaves_it_as_it_was(cluster, tmp_path):
+    """`scontrol requeue` of a job that had completed: it resumed at its last step, did
+    nothing, and wrote its metrics.json again with null figures."""
+    job = sbatch(cluster, tmp_path, f"{PARALLAB} train {' '.join(SHORT)}", "--ntasks=1")
+    cluster.wait_for(lambda: cluster.job(job).get("JobState") == "COMPLETED", 90, "the job")
+    run_dir = tmp_path / "outputs" / "slurm" / job
+    record = (run_dir / "metrics.json").read_bytes()
+    cluster.run("scontrol", "requeue", job)
+    cluster.release_requeued(job, restarts=1)
+    cluster.wait_for(lambda: cluster.job(job).get("JobState") == "COMPLETED", 90,
+                     "the requeued job to complete")
+    assert (run_dir / "metrics.json").read_bytes() == record
+    assert "had finished (its metrics.json is complete)" in (run_dir / "train.log").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("slurm")
+def test_a_run_dir_that_cannot_be_made_ends_every_rank_in_one_line(cluster, tmp_path):
+    (tmp_path / "outputs").write_text("a file where the runs' dirs go\n")
+    job = sbatch(cluster, tmp_path, f"srun {PARALLAB} train {' '.join(RUN)}", "--nodes=2",
+                 "--ntasks-per-node=1")
+    cluster.wait_for(lambda: cluster.job(job).get("JobState") not in ("PENDING", "RUNNING"),
+                     90, "the job to end")
+    said = (tmp_path / f"slurm-{job}.out").read_text()
+    assert cluster.job(job)["JobState"] == "FAILED" and "Traceback" not in said, said[-3000:]
+    lines = [line for line in said.splitlines() if "cannot be made" in line]
+    assert lines == [f"hydra.run.dir={tmp_path}/outputs/slurm/{job} cannot be made: "
+                     f"{tmp_path}/outputs is a file: give another hydra.run.dir, or move "
+                     f"{tmp_path}/outputs aside"] * 2, said[-3000:]
 
 
 @pytest.mark.slow

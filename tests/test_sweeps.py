@@ -90,8 +90,9 @@ trainer.Trainer.train_step = train_step
 
 def test_a_stopped_sweep_stops_and_its_printed_command_finishes_it(tmp_path):
     """SIGTERM in job 0 (the node is reclaimed): job 0 saves, job 1 is not started, the
-    sweep exits 0 printing the command that continues it; that command resumes job 0 and
-    runs job 1, leaving nothing finished run twice."""
+    sweep exits with 128 + SIGTERM (not 0: a scheduler took it for finished) printing the
+    command that continues it; that command resumes job 0 and runs job 1, leaving nothing
+    finished run twice."""
     import shlex
 
     sweep_dir = tmp_path / "sweep"
@@ -100,8 +101,8 @@ def test_a_stopped_sweep_stops_and_its_printed_command_finishes_it(tmp_path):
     stopped = run_entry("train.py", ["-m", *QUICK, "trainer.checkpoint_every_n_steps=null",
                                      "data.batch_size=16,32", f"hydra.sweep.dir={sweep_dir}"],
                         env={"PYTHONPATH": str(tmp_path / "inject")})
-    assert stopped.returncode == 0, output(stopped)
-    assert [r["status"] for r in summary_rows(sweep_dir)] == ["incomplete", "stopped"]
+    assert stopped.returncode == 128 + 15, output(stopped)
+    assert [r["status"] for r in summary_rows(sweep_dir)] == ["stopped", "stopped"]
     line = next(x for x in output(stopped).splitlines() if "the sweep stops here" in x)
     command = shlex.split(line.split("continue it with: ", 1)[1])
     assert command[:2] == ["python", "train.py"] and "sweep.skip_completed=true" in command

@@ -16,7 +16,7 @@ import gc
 import json
 import logging
 import os
-import shutil
+import signal
 import sys
 import time
 from pathlib import Path
@@ -31,13 +31,15 @@ from parallab.config.errors import ConfigError, OneLineError
 from parallab.config.hydra_app import (
     CONF_DIR,
     config_flags,
-    entry_command,
     hydra_app,
     run_app,
     typed_config,
 )
 from parallab.config.schema import register_configs
-from parallab.launching import forking, launch, slurm
+from parallab.invocation import Invocation, JobFailed, Stopped
+from parallab.launching import forking, launch, slurm, start
+from parallab.launching.in_place import InPlace, prepare_in_place, restarted
+from parallab.launching.preemption import ended_by_interrupt
 from parallab.observe import summary
 
 # torch and what needs it (the launched worker, the checks, the strategies, the run) are
@@ -59,7 +61,7 @@ def _fail(message: str, status: int) -> NoReturn:
     sys.exit(status)
 
 
-def _train_and_report(spec: run.RunSpec, in_place: launch.InPlace | None) -> dict[str, Any]:
+def _train_and_report(spec: run.RunSpec, in_place: InPlace | None) -> dict[str, Any]:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     from parallab.launching import worker
@@ -76,24 +78,32 @@ def _train_and_report(spec: run.RunSpec, in_place: launch.InPlace | None) -> dic
                 metrics = launch.elastic(
                     worker.main, (run.train, dataclasses.replace(spec, failures=failures)),
                     p.world_size, p.max_restarts, launch.worker_env(spec.cfg),
-                    slurm.requeue_signals(spec.cfg.trainer.requeue_signal))
+                    slurm.requeue_signals(spec.cfg.trainer.requeue_signal),
+                    worker.stop_file(failures))
     # the whole story in one line: a value found wrong once data is built, in this process
     # or as a worker left it (worker.LeftByWorker), ...
     except OneLineError as error:
         raise JobFailed(str(error), error.status) from None
     except ChildFailedError as error:
+        if launch.stopped_by() is not None:  # a rank the signal ended while it started
+            raise Stopped(launch.stopped_by(), None, said=False) from None
         raise worker_failure(error) from None
-    return _requeued_if_asked(metrics, spec, in_place)
+    return _ended(metrics, spec, in_place)
 
 
-def _requeued_if_asked(metrics: dict[str, Any], spec: run.RunSpec,
-                       in_place: launch.InPlace | None) -> dict[str, Any]:
-    """A run that SLURM's time-limit warning stopped (every rank saved): the process SLURM
+def _ended(metrics: dict[str, Any], spec: run.RunSpec,
+           in_place: InPlace | None) -> dict[str, Any]:
+    """The run's figures, or Stopped for a run a signal stopped; one that SLURM's
+    time-limit warning stopped (every rank saved) is requeued instead: the process SLURM
     started as the job's first task requeues the job, and every task ends here with exit
     status 0 and no result (the submitit launcher waits for the requeued job's). Where
     SLURM refuses, one line with the command that continues the run."""
-    if metrics or slurm.asked() is None:
+    from parallab.training import run
+
+    if run.STOPPED not in metrics:
         return metrics
+    if slurm.asked() is None:
+        raise Stopped(metrics[run.STOPPED], metrics["steps"])
     if in_place is None or in_place.rank == 0:
         # said before asking: once SLURM takes the requeue it stops this job's tasks, this one
         # with them, and a line logged after scontrol returns may never be written
@@ -130,67 +140,25 @@ def process_started() -> float:
         return time.time()
 
 
-@dataclasses.dataclass
-class Invocation:
-    """One command as the user gave it (its argv, read and never changed) and what its jobs
-    share: the record of an earlier run in the dir it names (Hydra writes .hydra/ there
-    before the config can be checked; a refused command puts it back), whether it advises,
-    and the command that continues a sweep a signal stopped."""
-
-    argv: list[str] = dataclasses.field(default_factory=lambda: ["train.py"])
-    earlier: dict[Path, bytes] = dataclasses.field(default_factory=dict)
-    advising: bool = False  # parallab advise: every job advises
-    stopped_sweep: str | None = None
-    fresh: Path | None = None  # the .hydra/ this command writes in a dir that held none
-
-    @classmethod
-    def read(cls, argv: list[str], advising: bool = False) -> "Invocation":
-        earlier, fresh = {}, None
-        for run_dir in naming.run_dirs_named(argv[1:]):
-            hydra_dir = Path(run_dir) / ".hydra"
-            if hydra_dir.is_dir():
-                earlier.update({p: p.read_bytes() for p in hydra_dir.iterdir() if p.is_file()})
-            else:
-                fresh = hydra_dir
-        return cls(list(argv), earlier, advising, fresh=fresh)
-
-    def held_before(self) -> list[str]:
-        """The earlier run's record in the dir named on the command line, if it held one."""
-        return [".hydra/"] if self.earlier else []
-
-    def restore(self) -> None:
-        """A refused command leaves an earlier run's record as it was, and no record of its
-        own where the dir held none (the corrected command may use the same dir)."""
-        for path, content in self.earlier.items():
-            path.write_bytes(content)
-        if self.fresh is not None:
-            shutil.rmtree(self.fresh, ignore_errors=True)
-
-    @contextlib.contextmanager
-    def refusing(self) -> Iterator[None]:
-        """A ConfigError inside ends the job as a refusal: its one line, exit status 2,
-        and an earlier run's record put back."""
-        try:
-            yield
-        except ConfigError as error:
-            self.restore()
-            raise JobFailed(str(error), 2) from None
-
-    def entry(self) -> list[str]:
-        return entry_command(self.argv)
-
-
-class JobFailed(Exception):
-    """A job that cannot go on: its message, exit status, and a one-line summary."""
-
-    def __init__(self, message: str, status: int, line: str | None = None):
-        super().__init__(message)
-        self.status = status
-        self.line = line or message
-
-
 def _train_job(dict_cfg: DictConfig, call: Invocation) -> float | None:
+    """One run: checked, its dir claimed, trained. Ctrl-C before its dir is claimed ends it
+    as a refusal ends it (an earlier run's record put back); after, _claimed records it."""
+    try:
+        return _checked_and_trained(dict_cfg, call)
+    except KeyboardInterrupt:
+        call.restore()
+        raise Stopped(signal.SIGINT, None, said=False) from None
+
+
+def _checked_and_trained(dict_cfg: DictConfig, call: Invocation) -> float | None:
     hydra_cfg = HydraConfig.get()
+    if restarted() and (done := summary.read_metrics(Path(
+            hydra_cfg.runtime.output_dir))) is not None:
+        from parallab import metrics
+
+        log.info("the run in %s had finished (its metrics.json is complete): this restart "
+                 "of it leaves it as it was", hydra_cfg.runtime.output_dir)
+        return metrics.objective_of(done, dict_cfg.objective)
     if call.advising or dict_cfg.advise.run:
         from hydra import compose as hydra_compose
 
@@ -198,7 +166,7 @@ def _train_job(dict_cfg: DictConfig, call: Invocation) -> float | None:
         _advise(dict_cfg, overrides, hydra_cfg.runtime.output_dir,
                 lambda extra: hydra_compose(hydra_cfg.job.config_name, overrides=extra), call)
         return None
-    in_place = launch.prepare_in_place()  # again for launchers that call the app (submitit)
+    in_place = prepare_in_place()  # again for launchers calling the app (submitit)
     # before this process loads torch (the data set's config class, the checks): the
     # workers' fork server loads it beside this process instead of after it
     forking.warm_up(dict_cfg, in_place is None and
@@ -242,7 +210,7 @@ def _advise(dict_cfg: DictConfig, overrides: list[str], run_dir: str, compose_wi
 
 
 @contextlib.contextmanager
-def _claimed(run_dir: str, cfg, in_place: launch.InPlace | None, call: Invocation,
+def _claimed(run_dir: str, cfg, in_place: InPlace | None, call: Invocation,
              command: str | None = None) -> Iterator[None]:
     """The run dir for this run alone: a fresh run does not start over an earlier one's
     checkpoints or metrics (trainer.resume=auto continues it), and a second run started in
@@ -254,7 +222,7 @@ def _claimed(run_dir: str, cfg, in_place: launch.InPlace | None, call: Invocatio
     main = in_place is None or in_place.rank == 0
     # a launcher's restart or SLURM's requeue of this job continues it (run.resume_path),
     # deleting nothing
-    resume = "auto" if launch.restarted() else cfg.trainer.resume
+    resume = "auto" if restarted() else cfg.trainer.resume
     lock = rundir.lock(Path(run_dir)) if main else contextlib.nullcontext()
     # the lock taken first: a refused run touches nothing of a running one
     with call.refusing(), lock:
@@ -264,7 +232,16 @@ def _claimed(run_dir: str, cfg, in_place: launch.InPlace | None, call: Invocatio
             logged = loggers.files(cfg.logger) if cfg.trainer.overwrite else []
             rundir.check_fresh(Path(run_dir), resume, cfg.trainer.overwrite, delete=main,
                                logged=logged)
-        yield
+        if main:  # how an earlier start ended (stopped, failed) is not how this one will
+            (Path(run_dir) / summary.STATUS_FILE).unlink(missing_ok=True)
+        try:
+            yield
+        except (KeyboardInterrupt, Stopped) as error:  # its record says it was stopped
+            stopped = error if isinstance(error, Stopped) else Stopped(signal.SIGINT, None,
+                                                                       said=False)
+            if main:
+                stopped.record(run_dir)
+            raise stopped from None
 
 
 def objective(cfg) -> str:
@@ -296,19 +273,22 @@ def _sweep_job(dict_cfg: DictConfig, run_dir: Path, call: Invocation) -> float |
     if skip_completed and dict_cfg.trainer.resume is None:
         dict_cfg.trainer.resume = "auto"  # a job that did not finish continues (or starts)
     try:
-        result = _train_job(dict_cfg, call)
+        return _train_job(dict_cfg, call)
+    except Stopped as stopped:  # its record says so: the sweep stops at it
+        if not stopped.said:
+            log.error("%s", stopped)
+        stopped.record(run_dir)
+        call.stopped_by = stopped.signum
+        call.stopped_sweep = _continue_sweep(run_dir.parent, call)
+        log.warning("the sweep stops here, its later jobs not run; continue it with: %s",
+                    call.stopped_sweep)
     except Exception as error:  # noqa: BLE001 - any failure of one job is that job's result
         line = error.line if isinstance(error, JobFailed) else (
             f"{type(error).__name__}: {error}".splitlines()[0])
         log.error("job failed: %s", error if isinstance(error, JobFailed) else line,
                   exc_info=not isinstance(error, JobFailed))
         status_file.write_text(json.dumps({"status": "failed", "error": line}) + "\n")
-        return None
-    if result is None and not (run_dir / "metrics.json").exists():  # stopped, and saved
-        call.stopped_sweep = _continue_sweep(run_dir.parent, call)
-        log.warning("the sweep stops here, its later jobs not run; continue it with: %s",
-                    call.stopped_sweep)
-    return result
+    return None
 
 
 def _continue_sweep(sweep_dir: Path, call: Invocation) -> str:
@@ -328,6 +308,10 @@ def _train_task(dict_cfg: DictConfig, call: Invocation) -> float | None:
         return _sweep_job(dict_cfg, Path(hydra_cfg.runtime.output_dir), call)
     try:
         return _train_job(dict_cfg, call)
+    except Stopped as stopped:
+        if stopped.said:  # by the run, in its one line
+            sys.exit(stopped.status)
+        _fail(str(stopped), stopped.status)
     except JobFailed as error:
         _fail(str(error), error.status)
 
@@ -348,15 +332,20 @@ def _register_configs() -> None:
 def train(argv: list[str] | None = None, advising: bool = False) -> None:
     """`python train.py [overrides]` (`parallab advise [overrides]`: advising); `argv`: the
     command line, its program first (sys.argv)."""
-    call = Invocation.read(argv or sys.argv, advising)
-    try:
-        launch.prepare_in_place()
-    except ConfigError as error:  # a launcher's variable that cannot be read
-        _fail(str(error), 2)
-    launch.register_resolvers()
-    help.register_resolver("advise" if advising else "train")
-    _register_configs()
-    run_app(hydra_app("config", _train_task, call), call)
+    with ended_by_interrupt():
+        call = Invocation.read(argv or sys.argv, advising)
+        try:
+            prepare_in_place()
+        except ConfigError as error:  # a launcher's variable unreadable, or left behind
+            _fail(str(error), 2)
+        launch.register_resolvers()
+        help.register_resolver("advise" if advising else "train")
+        _register_configs()
+        try:
+            run_app(hydra_app("config", _train_task, call), call)
+        finally:
+            if call.stopped_by is not None:  # a sweep a signal stopped, whatever its jobs did
+                sys.exit(128 + call.stopped_by)
 
 
 def advise(argv: list[str] | None = None) -> None:
@@ -397,9 +386,12 @@ def train_in_process(overrides: list[str], run_dir: str | Path,
     from parallab.checks import validate
     from parallab.training import run
 
-    in_place = launch.prepare_in_place()
+    in_place = prepare_in_place()
     cfg, layout = validate.prepare(typed_config(compose(overrides, config_dir), overrides),
                                    in_place, str(run_dir))
+    problem = start.dir_problem("hydra.run.dir", run_dir)
+    if problem is not None:
+        raise ConfigError(problem)
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     command = ["python", "train.py", *(["--config-dir", str(config_dir)] if config_dir else [])]
     with _claimed(str(run_dir), cfg, in_place, Invocation()):

@@ -21,7 +21,8 @@ from parallab.config.errors import ConfigError, environment_kept_if_refused
 from parallab.config.schema import Config, Device
 from parallab.launching.distributed import cpu_cores, interfaces_problem
 from parallab.launching import slurm
-from parallab.launching.launch import InPlace, master_port_problem
+from parallab.launching.in_place import InPlace
+from parallab.launching.launch import master_port_problem
 from parallab.observe import loggers, memory
 from parallab.parallel import activations, parallelize
 from parallab.parallel.layout import Layout

@@ -146,7 +146,8 @@ class ParallelConfig:
     nnodes: int = 1  # hosts of a job started by the built-in launcher (torchrun/SLURM say theirs)
     threads_per_worker: Optional[int] = None  # null = cores / local workers
     max_restarts: int = 0  # elastic restarts of the worker group after a worker dies
-    # in place (SLURM): seconds each rank waits to reach rank 0, and rank 0 for every rank
+    # in place (torchrun, SLURM, mpirun): seconds each rank waits to reach rank 0 (or
+    # torchrun's agent), and rank 0 for every rank
     rendezvous_timeout: float = 60.0
     # GPU ids made visible to the workers; dp and model may name one twice ([0,0]: two
     # replicas or parts on one GPU, to try the layout there)

@@ -1,6 +1,6 @@
 """The process's place in the job: rank, device, threads, and the process group.
 
-With launch.py, the only module that reads RANK, LOCAL_RANK, WORLD_SIZE and friends;
+With in_place.py, the only module that reads RANK, LOCAL_RANK, WORLD_SIZE and friends;
 everything else receives a `Dist` and asks it.
 """
 
@@ -91,13 +91,15 @@ def threads_for(local_workers: int, threads_per_worker: int | None) -> int:
 
 def setup(device_type: str, backend: str | None, timeout_s: float,
           threads_per_worker: int | None, store: dist.Store | None = None) -> Dist:
-    """Join the job described by the environment (single process when RANK is unset).
+    """Join the job described by the environment; without a `backend`, one process, rank 0
+    of 1, whatever RANK or WORLD_SIZE a shell left set: a one-process layout reads no rank
+    or world size, which only a launcher of several processes sets.
 
     `store` is one the launcher already opened at MASTER_ADDR:MASTER_PORT (SLURM, mpirun);
     without it the group rendezvouses by env://, which under torchrun uses the agent's store.
     """
-    env = os.environ
-    rank = rank_from_env()
+    env = os.environ if backend is not None else {}
+    rank = int(env.get("RANK", 0))
     world_size = int(env.get("WORLD_SIZE", 1))
     local_rank = int(env.get("LOCAL_RANK", 0))
     local_world_size = int(env.get("LOCAL_WORLD_SIZE", 1))

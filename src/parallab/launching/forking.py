@@ -74,10 +74,11 @@ def kept_running() -> Iterator[None]:
     """The fork server the workers are forked from: kept between launches (importing torch
     and parallab in a new one took half of a small job's launch) while the environment
     stays the same, since the workers inherit the server's environment, not the
-    controller's; started anew when it differs. It ignores SIGTERM (the disposition survives
-    exec) as it ignores SIGINT: `timeout` or a `kill` of the process group would else end
-    it, and the agent would read every worker's exit status as 255 and fail a job that is
-    saving; workers restore it (launching/worker.py). It ends with this process."""
+    controller's; started anew when it differs. It ignores SIGTERM and SIGINT from its start
+    (the dispositions survive exec): `timeout`, a `kill` of the process group or Ctrl-C
+    would else end it, and the agent would read every worker's exit status as 255 and fail
+    a job that is saving; workers take them over (preemption.hold). It ends with this
+    process."""
     if ready():
         start_fork_server()
     yield
@@ -177,10 +178,14 @@ def start_fork_server() -> None:
                                                    or needed != _server_imports):
             server._stop()
         forkserver.set_forkserver_preload(PRELOAD)
-        previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        # both ignored from its start (a Ctrl-C during its imports printed their traceback,
+        # then the controller's EOFError): multiprocessing ignores SIGINT only after them
+        previous = {signum: signal.signal(signum, signal.SIG_IGN)
+                    for signum in (signal.SIGTERM, signal.SIGINT)}
         try:
             with environment_set({PRELOAD_VAR: " ".join(sorted(needed))}):
                 forkserver.ensure_running()
         finally:
-            signal.signal(signal.SIGTERM, previous)
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
         _server_environment, _server_imports = environment, needed

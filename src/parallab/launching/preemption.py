@@ -5,14 +5,19 @@ USR2) stops the run the same way, and is noted so that the job requeues itself o
 rank has saved (launching/slurm.py).
 
 The first signal only sets a flag; the training loop sees it at a step boundary, saves a
-checkpoint and stops. A process whose main thread is stuck in C++ (a collective whose peer
-died) cannot run Python signal handlers, so the signal is also read in a helper thread from
-Python's wakeup fd, written by the C-level handler at once; a watchdog there ends the
-process when, after the signal, no step completes for STUCK_STEPS times the slowest step
-seen (at least MIN_STUCK_S; start-up and the first step, evaluation and checkpoints do not
-count), or the stop takes over GRACE_S. A second signal ends the process at once; one
-within SAME_REQUEST_S of the first is the same request arriving twice (Ctrl-C signals the
-whole process group, and the launcher passes its own copy on to the workers too).
+checkpoint and stops (before its first step: at once, with nothing to save). A process
+whose main thread is stuck in C++ (a collective whose peer died) cannot run Python signal
+handlers, so the signal is also read in a helper thread from Python's wakeup fd, written by
+the C-level handler at once; a watchdog there ends the process when, after the signal, no
+step completes for STUCK_STEPS times the slowest step seen (at least MIN_STUCK_S; start-up
+and the first step, evaluation and checkpoints do not count), or the stop takes over
+GRACE_S. A second signal ends the process at once; one within SAME_REQUEST_S of the first
+is the same request arriving twice (Ctrl-C signals the whole process group, and the
+launcher passes its own copy on to the workers too).
+
+Before a run's Preemption takes over, a launched rank holds a stop signal for it (hold), so
+that a Ctrl-C while the ranks start still stops them together; a command's own process
+ends at once on Ctrl-C, in one line (ended_by_interrupt).
 """
 
 from __future__ import annotations
@@ -21,9 +26,12 @@ import contextlib
 import os
 import signal
 import socket
+import sys
 import threading
 import time
+from pathlib import Path
 from types import FrameType
+from typing import Iterator
 
 from parallab.launching import slurm
 
@@ -60,6 +68,19 @@ class Preemption:
                 pass
         return self.signum is not None
 
+    @property
+    def requeue_asked(self) -> bool:
+        return self.signum is not None and self.signum in self.requeue
+
+    def requeue_agreed(self) -> None:
+        """Another rank received SLURM's warning first (SLURM reaches the nodes at their
+        own pace): this one stops for it too, and its own copy, which may come once the
+        run has ended, ends nothing (__exit__)."""
+        with self._lock:
+            if self.requeue and not self.requeue_asked:
+                self.signum = self.requeue[0]
+                slurm.note(self.signum)
+
     def step_done(self) -> None:
         now = time.monotonic()
         if self._last_step is not None:  # the first step's time holds start-up and compiling
@@ -86,9 +107,11 @@ class Preemption:
 
     def _count(self, signum: int) -> None:
         if self.signum is not None:
-            if time.monotonic() - self._since < SAME_REQUEST_S:
+            # the same request arriving twice, or SLURM's warning again (or late, once
+            # another rank's agreed it): not a second request
+            if time.monotonic() - self._since < SAME_REQUEST_S or signum in self.requeue:
                 return
-            os._exit(128 + signum)
+            _said_and_ended(signum, "again: ended at once, without saving")
         self.signum, self._since = signum, time.monotonic()
         if signum in self.requeue:
             slurm.note(signum)
@@ -98,10 +121,12 @@ class Preemption:
         while not self._closed.wait(0.2):
             now = time.monotonic()
             patience = max(MIN_STUCK_S, STUCK_STEPS * self._slowest_step)
-            waiting = now - (since if self._last_step is None else max(self._last_step, since))
+            # before a step has ended the run is starting (building, its first step): not stuck
+            waiting = 0.0 if self._last_step is None else now - max(self._last_step, since)
             stuck = not self._busy and waiting > patience
             if stuck or now - since > GRACE_S:
-                os._exit(128 + (self.signum or signal.SIGTERM))
+                _said_and_ended(self.signum or signal.SIGTERM, "and no step ended after it: "
+                                "ended without saving")
 
     def _listen(self, reader: socket.socket) -> None:
         while True:
@@ -128,6 +153,9 @@ class Preemption:
         for signum in self.signals:
             self._previous[signum] = signal.signal(signum, self._python_handler)
         threading.Thread(target=self._listen, args=(reader,), daemon=True).start()
+        if _held:  # asked while the rank was starting
+            self._on_signal(_held[0])
+            _held.clear()
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -136,6 +164,50 @@ class Preemption:
             return
         signal.set_wakeup_fd(self._previous_fd)
         for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
+            late = self.requeue_asked and signum in self.requeue  # the run saved for it
+            signal.signal(signum, signal.SIG_IGN if late else handler)
         for sock in self._sockets:
             sock.close()
+
+
+def _said_and_ended(signum: int, how: str) -> None:
+    """The process ends at once with 128 + the signal, in one line (from any thread)."""
+    os.write(2, f"stopped by {signal.Signals(signum).name} {how}\n".encode())
+    os._exit(128 + signum)
+
+
+_held: list[int] = []  # stop signals a starting rank received, for its Preemption
+
+
+def hold(requeue: tuple[int, ...], stop_file: Path | None) -> None:
+    """A launched rank, from its start until its run's Preemption takes over: SIGINT and
+    the requeue signals are held for the Preemption (the rank stops with the others once
+    they all run, at once if none has stepped yet), where they would else end it in a
+    traceback, or not at all (the fork server it is forked from ignores SIGINT and SIGTERM).
+    SIGTERM is held too where the controller was asked to stop (`stop_file`, written before
+    it passes a signal on); without that it is torch's agent ending its workers after a
+    failure, and ends the rank at once, as it ends one torchrun starts."""
+    def held(signum: int, frame: FrameType | None) -> None:
+        if signum == signal.SIGTERM and not (stop_file is not None and stop_file.exists()):
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        _held.append(signum)
+
+    for signum in (*SIGNALS, *requeue):
+        signal.signal(signum, held)
+    if stop_file is not None and stop_file.exists():  # asked before this rank could hear it
+        _held.append(int(stop_file.read_text()))
+
+
+@contextlib.contextmanager
+def ended_by_interrupt(what: str = "before training began: nothing was saved"
+                       ) -> Iterator[None]:
+    """A command's own process: Ctrl-C inside, anywhere a run's Preemption does not take
+    it (an import, composing, the checks), ends the command in one line, exit status 130,
+    where Python would print the traceback of whatever it interrupted."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        print(f"stopped by SIGINT {what}", file=sys.stderr, flush=True)
+        raise SystemExit(128 + signal.SIGINT) from None

@@ -29,7 +29,28 @@ STOPPING = {signal.SIGINT, signal.SIGTERM}
 
 
 def in_job() -> bool:
-    return bool(os.environ.get("SLURM_JOB_ID"))
+    """This process runs inside a SLURM job's batch script or one of its srun steps: SLURM
+    started it or an ancestor of it (SLURM_TASK_PID). SLURM's variables alone do not say
+    so: an interactive allocation's shell (salloc) holds the job's id but is no task of it,
+    and a plain shell may hold variables copied from a job; a run there is a plain run."""
+    task = os.environ.get("SLURM_TASK_PID", "")
+    return bool(os.environ.get("SLURM_JOB_ID")) and task.isdigit() and int(task) in _lineage()
+
+
+def _lineage() -> list[int]:
+    """This process and its ancestors (Linux's /proc; where there is none, SLURM's word is
+    taken: SLURM_TASK_PID itself)."""
+    if not os.path.exists("/proc/self/stat"):
+        return [int(os.environ["SLURM_TASK_PID"])]
+    found, pid = [], os.getpid()
+    while pid > 1 and pid not in found:
+        found.append(pid)
+        try:
+            with open(f"/proc/{pid}/stat") as stat:  # after "(comm)": state ppid
+                pid = int(stat.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            break
+    return found
 
 
 def in_step() -> bool:
@@ -54,8 +75,8 @@ def run_name() -> str:
 
 
 def restart_count() -> int:
-    """How many times SLURM has requeued this job (0 at its first start)."""
-    return int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+    """How many times SLURM has requeued this job (0 at its first start; 0 outside one)."""
+    return int(os.environ.get("SLURM_RESTART_COUNT") or 0) if in_job() else 0
 
 
 def hostnames(nodelist: str) -> list[str]:

@@ -9,7 +9,6 @@ import json
 import logging
 import os
 import select
-import signal
 import sys
 import tempfile
 import threading
@@ -19,7 +18,7 @@ from typing import Any, Callable, Iterator
 
 from parallab.config import naming
 from parallab.config.errors import OneLineError
-from parallab.launching import distributed
+from parallab.launching import distributed, preemption, slurm
 
 log = logging.getLogger(__name__)
 LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"  # Hydra's
@@ -29,6 +28,8 @@ def main(train: Callable[..., dict[str, Any]], spec) -> dict[str, Any]:
     """Entry point of a worker: `train(spec, store=...)` on this rank (spec: the run's
     training.run.RunSpec); the agent records its traceback for the controlling process."""
     end_with(spec.controller)
+    preemption.hold(slurm.requeue_signals(spec.cfg.trainer.requeue_signal),
+                    stop_file(spec.failures))
     as_started_afresh()
     log_to_files(spec.run_dir)
     with recorded_once():
@@ -60,10 +61,16 @@ def recorded_once() -> Iterator[None]:
         raise SystemExit(1) from None
 
 
+def stop_file(failures: str | None) -> Path | None:
+    """Where the controller notes that it was asked to stop (a signal's number), before it
+    passes the signal on to the ranks: one not yet listening reads it there."""
+    return Path(failures, "stop") if failures else None
+
+
 def as_started_afresh() -> None:
     """A rank forked from the fork server undoes what it inherited from it, to run as a rank
-    a launcher starts afresh (torchrun's) does: SIGTERM's disposition, which the server
-    ignores (launch.py); multiprocessing's start method, 'forkserver' in the server's
+    a launcher starts afresh (torchrun's) does (its signals: preemption.hold):
+    multiprocessing's start method, 'forkserver' in the server's
     children: a DataLoader's workers were started through it, each sent the pickled data
     set and importing the main module, not forked (20 steps of MNIST under ddp with
     data.num_workers=2: 7.2 s against 1.0 s with none); and numpy's global random state,
@@ -71,7 +78,6 @@ def as_started_afresh() -> None:
     from one server drew the same numbers, in a user's data augmentation say."""
     import multiprocessing
 
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     multiprocessing.set_start_method(None, force=True)  # the platform's default
     if "numpy" in sys.modules:  # torch imports it where it is installed
         sys.modules["numpy"].random.seed()  # from the OS's entropy, as a new process is

@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 from parallab.config import naming
 from parallab.config.schema import Config, TrainerConfig, model_name
 from parallab.data import build_data
-from parallab.launching import distributed, launch, slurm
+from parallab.launching import distributed, in_place, slurm
 from parallab.launching.preemption import Preemption
 from parallab.loss import build_loss
 from parallab.models import adapters, build_model
@@ -135,7 +135,7 @@ def tune_batch_size(model, strategy, optimizer, precision, data, dist, cfg: Trai
 def resume_path(resume: str | None, run_dir: str) -> Path | None:
     """trainer.resume as a file: `auto` is the newest checkpoint in the run dir, if any; a
     worker the elastic agent restarted, or a job SLURM requeued, resumes that way too."""
-    if resume is None and launch.restarted():
+    if resume is None and in_place.restarted():
         resume = "auto"
     if resume != "auto":
         return Path(resume) if resume else None
@@ -194,7 +194,7 @@ def train(spec: RunSpec, store=None) -> dict[str, Any]:
     """Train on this rank; returns the run's final metrics (every rank gets the same)."""
     cfg = spec.cfg
     backend = cfg.backend.name if spec.layout.processes else None
-    hosted = launch.take_store(cfg.parallel.rendezvous_timeout)  # in place: rank 0 hosts it
+    hosted = in_place.take_store(cfg.parallel.rendezvous_timeout)  # in place: rank 0 hosts it
     dist = distributed.setup(cfg.device.value, backend, cfg.backend.timeout_s,
                              cfg.parallel.threads_per_worker, store=store or hosted)
     reset_peak_memory(dist.device)  # this run's own peak, not an earlier job's in the process
@@ -205,16 +205,62 @@ def train(spec: RunSpec, store=None) -> dict[str, Any]:
              cfg.data.batch_size)
     try:
         metrics = _fit(spec, dist, logger, backend)
-    except BaseException:
+    except BaseException as error:
         # no destroy_process_group here: with a peer gone it can block for good, and the
         # process is ending anyway
-        logger.close("failed")
+        logger.close("stopped" if isinstance(error, KeyboardInterrupt) else "failed")
         raise
-    logger.close("finished" if metrics else "stopped")
+    logger.close("stopped" if STOPPED in metrics else "finished")
     distributed.teardown()
     if hosted is not None:
         distributed.leave_together(hosted, dist)
     return metrics
+
+
+def finished_record(trainer: Trainer, run_dir: str, dist: distributed.Dist
+                    ) -> dict[str, Any] | None:
+    """A resumed run with nothing left to train, its checkpoint at its end (a finished run
+    that SLURM requeued, or resumed as it was): its metrics.json, complete, kept as it was
+    and returned, where training on would have written it again with the figures of no
+    step (null). None where something is left, or rank 0 finds no complete record (the
+    ranks agree: one all-reduce, on this path alone)."""
+    from parallab.observe.summary import read_metrics
+
+    if not (trainer.done() or trainer.epoch >= trainer.cfg.epochs):
+        return None
+    kept = read_metrics(Path(run_dir)) if dist.is_main else None
+    found = dist.all_reduce_max(torch.tensor(float(kept is not None), device=dist.device))
+    if not found.item():
+        return None
+    if dist.is_main:
+        log.info("the run in %s had finished at step %d: nothing is left to train, and its "
+                 "record (metrics.json) is kept as it was", run_dir, trainer.step)
+    return kept or {}
+
+
+STOPPED = "stopped_by"  # a stopped run's result: the signal's number (and "steps")
+
+
+def _stopped(trainer: Trainer, preemption: Preemption, spec: RunSpec, main: bool
+             ) -> dict[str, Any]:
+    """A run a signal stopped: its one line (rank 0's), and its result for the controller."""
+    signum = preemption.signum or signal.SIGTERM
+    said = signal.Signals(signum).name
+    if signum in preemption.requeue:
+        line = (f"stopped by {said} (SLURM's warning before the time limit) at step "
+                f"{trainer.step}, checkpoint saved: the job requeues itself and continues "
+                "from here")
+    elif trainer.step == 0:
+        line = f"stopped by {said} before training began: nothing was trained or saved"
+    else:
+        saved = ("checkpoint saved" if trainer.step > trainer.first_step else
+                 "nothing new to save")
+        line = (f"stopped by {said} at step {trainer.step}, {saved}; "
+                f"{'a requeue of this SLURM job continues it, or ' if slurm.in_job() else ''}"
+                f"resume with: {spec.resume_command()}")
+    if main:
+        log.warning("%s", line)
+    return {STOPPED: signum, "steps": trainer.step}
 
 
 def start_model(cfg: Config, dist: distributed.Dist, layout: Layout, init_from: str | None
@@ -303,20 +349,13 @@ def _fit(spec: RunSpec, dist: distributed.Dist, logger: RunLogger,
                      f" (SLURM job {slurm.job_name()}, restart {slurm.restart_count()})"
                      if slurm.restart_count() else "")
             lr = resumed_rate(trainer, lr, cfg, dist.is_main)
+            kept = finished_record(trainer, spec.run_dir, dist)
+            if kept is not None:
+                return kept
         start_mb = peak_memory_mb(dist.device)  # built (and loaded): before the first step
         metrics = trainer.fit()
     if trainer.stopped:
-        if dist.is_main:
-            said = signal.Signals(preemption.signum or signal.SIGTERM).name
-            if preemption.signum in preemption.requeue:
-                log.warning("stopped by %s (SLURM's warning before the time limit) at step %d, "
-                            "checkpoint saved: the job requeues itself and continues from "
-                            "here", said, trainer.step)
-            else:
-                log.warning("stopped by %s at step %d, checkpoint saved; %sresume with: %s",
-                            said, trainer.step, "a requeue of this SLURM job continues it, or "
-                            if slurm.in_job() else "", spec.resume_command())
-        return {}
+        return _stopped(trainer, preemption, spec, dist.is_main)
     metrics.update(lr=lr, wall_time_s=time.time() - spec.started, start_memory_mb=start_mb,
                    world_size=trainer.strategy.world_size,
                    precision_dtype=trainer.precision.dtype_name, backend=backend or "none",

@@ -102,6 +102,8 @@ class Trainer:
         evaluate=False trains only (no evaluation by epoch or at the end, nothing
         quantized); report=False shows no progress (advise's candidates)."""
         self.first_step = self.step
+        if self.stop_before_start():
+            return {}
         with Progress(self.total_steps, self.dist.is_main and report,
                       self.cfg.progress_bar) as progress, \
                 profiled(self.cfg.profile, self.dist.device, self.logger.run_dir, self.dist.rank,
@@ -187,6 +189,14 @@ class Trainer:
         next log step has shared the request (no extra collective per step)."""
         return self.stop_agreed or (self.dist.world_size == 1 and self.preemption.requested)
 
+    def stop_before_start(self) -> bool:
+        """A stop asked while the run was starting (building it, loading its checkpoint):
+        every rank stops before its first step, with nothing trained to save (one
+        all-reduce a run: the ranks agree)."""
+        asked = torch.tensor(float(self.preemption.requested), device=self.dist.device)
+        self.stopped = self.dist.all_reduce_sum(asked).item() > 0
+        return self.stopped
+
     def stop(self) -> None:
         if len(self.window):  # so the checkpoint holds no half-reduced window
             self.log_window(None)
@@ -208,15 +218,20 @@ class Trainer:
 
     def log_window(self, progress: Progress | None) -> None:
         """Train loss averaged over the steps since the last log and over all ranks; the
-        same all-reduce shares any stop request and a language model's token count."""
+        same all-reduce shares any stop request (and whether it asks for a requeue) and a
+        language model's token count."""
         steps = len(self.window)
+        asked = self.preemption.requested
         shared = torch.stack([self.window.sum(),
-                              torch.tensor(float(self.preemption.requested),
+                              torch.tensor(float(asked), device=self.dist.device),
+                              torch.tensor(float(asked and self.preemption.requeue_asked),
                                            device=self.dist.device),
                               torch.as_tensor(self.meter.take_window_tokens(),
                                               dtype=torch.float32, device=self.dist.device)])
-        loss_sum, stops, tokens = self.dist.all_reduce_sum(shared).tolist()
+        loss_sum, stops, requeues, tokens = self.dist.all_reduce_sum(shared).tolist()
         self.stop_agreed = self.stop_agreed or stops > 0
+        if requeues > 0:  # every rank stops to requeue, whichever received the warning
+            self.preemption.requeue_agreed()
         loss = self.window.close(loss_sum, self.strategy.loss_ranks)
         if loss is not None and not math.isfinite(loss) and self.cfg.on_nan == "stop":
             raise diverged(loss, self.step)

@@ -1,0 +1,93 @@
+"""One command as the user gave it (Invocation), and how a job of it ends when it does not
+end well: JobFailed (its line and exit status), Stopped (a signal stopped it)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import shutil
+import signal
+from pathlib import Path
+from typing import Iterator
+
+from parallab.config import naming
+from parallab.config.errors import ConfigError
+from parallab.config.hydra_app import entry_command
+from parallab.observe import summary
+
+
+@dataclasses.dataclass
+class Invocation:
+    """One command as the user gave it (its argv, read and never changed) and what its jobs
+    share: the record of an earlier run in the dir it names (Hydra writes .hydra/ there
+    before the config can be checked; a refused command puts it back), whether it advises,
+    and, for a sweep a signal stopped, the signal and the command that continues it."""
+
+    argv: list[str] = dataclasses.field(default_factory=lambda: ["train.py"])
+    earlier: dict[Path, bytes] = dataclasses.field(default_factory=dict)
+    advising: bool = False  # parallab advise: every job advises
+    stopped_by: int | None = None
+    stopped_sweep: str | None = None
+    fresh: Path | None = None  # the .hydra/ this command writes in a dir that held none
+
+    @classmethod
+    def read(cls, argv: list[str], advising: bool = False) -> "Invocation":
+        earlier, fresh = {}, None
+        for run_dir in naming.run_dirs_named(argv[1:]):
+            hydra_dir = Path(run_dir) / ".hydra"
+            if hydra_dir.is_dir():
+                earlier.update({p: p.read_bytes() for p in hydra_dir.iterdir() if p.is_file()})
+            else:
+                fresh = hydra_dir
+        return cls(list(argv), earlier, advising, fresh=fresh)
+
+    def held_before(self) -> list[str]:
+        """The earlier run's record in the dir named on the command line, if it held one."""
+        return [".hydra/"] if self.earlier else []
+
+    def restore(self) -> None:
+        """A refused command leaves an earlier run's record as it was, and no record of its
+        own where the dir held none (the corrected command may use the same dir)."""
+        for path, content in self.earlier.items():
+            path.write_bytes(content)
+        if self.fresh is not None:
+            shutil.rmtree(self.fresh, ignore_errors=True)
+
+    @contextlib.contextmanager
+    def refusing(self) -> Iterator[None]:
+        """A ConfigError inside ends the job as a refusal: its one line, exit status 2,
+        and an earlier run's record put back."""
+        try:
+            yield
+        except ConfigError as error:
+            self.restore()
+            raise JobFailed(str(error), 2) from None
+
+    def entry(self) -> list[str]:
+        return entry_command(self.argv)
+
+
+class JobFailed(Exception):
+    """A job that cannot go on: its message, exit status, and a one-line summary."""
+
+    def __init__(self, message: str, status: int, line: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.line = line or message
+
+
+class Stopped(JobFailed):
+    """A run a signal stopped (saved where it had trained): exit status 128 + the signal,
+    its record (status.json) saying so; `said`: its line was logged by the run already."""
+
+    def __init__(self, signum: int, steps: int | None, said: bool = True):
+        self.signum, self.steps, self.said = signum, steps, said
+        name = signal.Signals(signum).name
+        super().__init__(f"stopped by {name} before training began: nothing was saved", 128 +
+                         signum, f"stopped by {name}" + (f" at step {steps}" if steps else ""))
+
+    def record(self, run_dir: str | Path) -> None:
+        (Path(run_dir) / summary.STATUS_FILE).write_text(json.dumps({
+            "status": "stopped", "signal": signal.Signals(self.signum).name,
+            "step": self.steps}) + "\n")
