@@ -352,16 +352,23 @@ def test_a_sweep_over_world_size_gets_each_job_its_own_allocation(cluster, tmp_p
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("slurm")
-def test_a_sweep_job_no_partition_holds_is_refused_before_anything_is_submitted(
-        cluster, tmp_path):
+@pytest.mark.parametrize("sizes,refusal", [
+    ("2,8", r"job #1 \(.*parallel.world_size=8.*\) needs 4 node\(s\) x 2 task\(s\), but a node "
+            r"of partition debug holds 2 CPUs and 0 GPUs, and it has 2 node\(s\): lower "
+            r"parallel.world_size, or choose hydra.launcher.partition"),
+    # submitted, it failed in SLURM (0), or ended the sweep in an IndexError (-3)
+    ("0,2", r"job #0 \(.*parallel.world_size=0\): parallel.world_size=0 is out of range: it "
+            r"must be >= 1"),
+    ("2,-3", r"job #1 \(.*parallel.world_size=-3\): parallel.world_size=-3 is out of range: "
+             r"it must be >= 1"),
+])
+def test_a_sweep_job_refused_is_refused_before_anything_is_submitted(cluster, tmp_path, sizes,
+                                                                       refusal):
     done = cluster.run(PARALLAB, "train", "-m", "hydra/launcher=submitit_slurm", *RUN,
-                       "parallel.world_size=2,8", f"hydra.sweep.dir={tmp_path / 'sweep'}",
+                       f"parallel.world_size={sizes}", f"hydra.sweep.dir={tmp_path / 'sweep'}",
                        cwd=tmp_path, check=False)
-    assert done.returncode == 2
+    assert done.returncode == 2, output(done)[-3000:]
     [line] = done.stderr.strip().splitlines()
-    assert re.fullmatch(r"job #1 \(.*parallel.world_size=8.*\) needs 4 node\(s\) x 2 task\(s\), "
-                        r"but a node of partition debug holds 2 CPUs and 0 GPUs, and it has 2 "
-                        r"node\(s\): lower parallel.world_size, or choose "
-                        r"hydra.launcher.partition", line), line
+    assert re.fullmatch(refusal, line), line
     assert not (tmp_path / "sweep" / ".submitit").exists()
     assert cluster.run("squeue", "-h").stdout.strip() == ""

@@ -183,6 +183,22 @@ def test_submitit_local_runs_each_job_as_ranks_in_place(tmp_path):
             assert (job / "train_rank1.log").is_file()
 
 
+@pytest.mark.parametrize("launcher", ["basic", "submitit_local"])
+def test_a_sweep_with_a_job_the_checks_refuse_runs_none_of_its_jobs(tmp_path, launcher):
+    """Every job is checked before the first starts or is submitted: a world size of 0 or
+    -3 ends the sweep in one line naming the job, where the other jobs ran (or were
+    submitted) and that one failed alone, or the sweep ended in an IndexError."""
+    sweep_dir = tmp_path / "sweep"
+    result = sweep(sweep_dir, f"hydra/launcher={launcher}", "parallel=ddp",
+                   "parallel.world_size=2,0,-3")
+    assert result.returncode == 2, output(result)[-3000:]
+    assert "Traceback" not in output(result)
+    [line] = result.stderr.strip().splitlines()
+    assert re.fullmatch(r"job #1 \(.*parallel.world_size=0\): parallel.world_size=0 is out of "
+                        r"range: it must be >= 1", line), line
+    assert not [p for p in sweep_dir.iterdir() if p.is_dir()]  # no job's dir, no .submitit
+
+
 @pytest.mark.distributed
 def test_a_failed_ddp_job_is_summarised_by_its_root_cause(tmp_path):
     (tmp_path / "inject").mkdir()

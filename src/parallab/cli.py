@@ -318,10 +318,14 @@ def _train_task(dict_cfg: DictConfig, call: Invocation) -> float | None:
 
 @functools.cache
 def _register_configs() -> None:
-    """parallab's schemas, and its submitit_slurm launcher where the plugin is installed:
-    once a process (Hydra's ConfigStore keeps them; each compose of a process that composes
-    many, a test suite's or advise's, spent 65 ms storing them again)."""
+    """parallab's schemas, its launchers that check every job of a sweep first, and its
+    submitit_slurm launcher where the plugin is installed: once a process (Hydra's
+    ConfigStore keeps them; each compose of a process that composes many, a test suite's or
+    advise's, spent 65 ms storing them again)."""
+    from hydra_plugins.parallab_launchers import checked
+
     register_configs()
+    checked.register()
     try:
         from parallab.launching import allocation
     except ImportError:  # no hydra-submitit-launcher (the slurm extra): Hydra says so

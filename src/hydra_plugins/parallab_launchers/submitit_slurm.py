@@ -20,6 +20,7 @@ try:  # Hydra imports every plugin module at its start: without the slurm extra,
         SlurmLauncher as SubmititSlurmLauncher,
     )
 
+    from hydra_plugins.parallab_launchers.checked import checked_job
     from parallab.launching.allocation import Allocation, Partition, allocation
 except ImportError:
     SubmititSlurmLauncher = object  # type: ignore[assignment,misc]
@@ -30,10 +31,11 @@ log = logging.getLogger(__name__)
 class SlurmLauncher(SubmititSlurmLauncher):  # type: ignore[misc,valid-type]
     def launch(self, job_overrides: Sequence[Sequence[str]],
                initial_job_idx: int) -> Sequence[JobReturn]:
-        """Each job's allocation first (a job no partition holds ends the sweep before
-        anything is submitted), then one array per allocation; with sweep.skip_completed, a
-        job whose dir holds complete metrics is not submitted but recorded here, as skipped;
-        then every job's result, in the sweep's order."""
+        """Each job checked and given its allocation first (a job the checks refuse, or no
+        partition holds, ends the sweep before anything is submitted), then one array per
+        allocation; with sweep.skip_completed, a job whose dir holds complete metrics is not
+        submitted but recorded here, as skipped; then every job's result, in the sweep's
+        order."""
         assert self.config is not None and self.hydra_context is not None
         with open_dict(self.config):  # every job writes where the submitter resolved
             self.config.hydra.sweep.dir = str(self.config.hydra.sweep.dir)
@@ -41,9 +43,9 @@ class SlurmLauncher(SubmititSlurmLauncher):  # type: ignore[misc,valid-type]
         groups: dict[Allocation, list[tuple[int, list[str]]]] = {}
         completed: list[DictConfig] = []
         for idx, overrides in enumerate(job_overrides, initial_job_idx):
-            cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
+            cfg = checked_job(self, overrides, idx)  # each job before any is submitted
             with open_dict(cfg):
-                cfg.hydra.job.num, cfg.hydra.job.id = idx, f"completed_{idx}"
+                cfg.hydra.job.id = f"completed_{idx}"
             if cfg.sweep.skip_completed and read_metrics(Path(cfg.hydra.sweep.dir) / str(
                     cfg.hydra.sweep.subdir)) is not None:
                 completed.append(cfg)

@@ -107,6 +107,22 @@ def check_values(cfg: Config) -> None:
     _refuse(parallelize.compile_problem(t))
 
 
+def check_config(cfg: Config) -> None:
+    """The checks a config passes alone, needing neither its data, its model nor the machine
+    it will run on (a few ms): its values, and its layout's degrees where its world size is
+    set. Every job of a sweep passes them before the first one starts or is submitted
+    (hydra_plugins/parallab_launchers), where a job of a world size of 0 failed in SLURM
+    once submitted."""
+    import dataclasses
+
+    from parallab.parallel import PLANS
+
+    check_values(cfg)
+    p = cfg.parallel
+    if p.world_size is not None and p.name in PLANS:  # a null degree resolved in a copy
+        PLANS[p.name].layout_of(dataclasses.replace(p))
+
+
 def check_data(cfg: Config) -> None:
     """The data set's own keys and files (fetched here if asked), and the loader keys."""
     from parallab.data import loader_problem, resolve_loader
