@@ -205,6 +205,8 @@ def _export(ckpt: Path, out: Path, force: bool = False, merged: bool = False) ->
     except Exception as error:  # noqa: BLE001 - a user's or a library's constructor
         raise ConfigError(_unbuildable(ckpt, spec, error)) from None
     peft_model = adapters.with_adapters(built, adapter) if adapter else None
+    if merged and (tied := adapters.merge_problem(peft_model)) is not None:
+        raise ConfigError(tied)
     try:  # a PeftModel's inner model has the names the run's model had
         weights.load_into(peft_model.base_model.model if adapter else built, ckpt)
     except ConfigError as error:

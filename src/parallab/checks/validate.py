@@ -354,9 +354,8 @@ def check_init(cfg: Config, probe: trial.Probe) -> None:
              "checkpoint (which holds the weights it started from): drop one of them")
     _require(Path(path).exists(), f"trainer.init_from={path} does not exist: give weights "
              f"as {formats.read()}")
-    if adapters.is_folder(path):
+    if adapters.is_folder(path):  # its adapters' shapes then, as any file's weights
         _refuse(adapters.folder_problem(cfg.adapter, path))
-        return
     try:
         adapted = weights.holds_adapters(path)
         _require(not adapted or adapters.enabled(cfg.adapter),

@@ -239,10 +239,11 @@ class LoraConfig(AdapterConfig):
     r: int = 8  # the adapters' rank
     alpha: float = 16.0  # their output is scaled by alpha / r
     dropout: float = 0.0  # on the adapters' input
-    # module name patterns (peft's: a name's last parts, or a regular expression); null =
-    # the model's own: peft's table for a transformers model, lora_target_modules on the
-    # model's class (parallab's gpt: its attention's qkv)
-    target_modules: Optional[list[str]] = None
+    # the layers adapted, as peft reads them: a list of names (a module's name or its last
+    # parts: [qkv]), or one string, a regular expression a module's whole name matches
+    # ('.*\.qkv') or all-linear; null = the model's own: peft's table for a transformers
+    # model, lora_target_modules on the model's class (parallab's gpt: its attention's qkv)
+    target_modules: Any = None
 
 
 @dataclass

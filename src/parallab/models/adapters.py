@@ -53,11 +53,33 @@ def _value(cfg: Any, key: str) -> Any:
     return cfg.get(key) if isinstance(cfg, dict) else getattr(cfg, key)
 
 
-def targets(cfg: Any, model: nn.Module) -> list[str] | None:
-    """adapter.target_modules, or the model's own: lora_target_modules on its class
-    (parallab's gpt), else None, for peft's table of transformers models."""
-    chosen = _value(cfg, "target_modules") or getattr(model, "lora_target_modules", None)
-    return list(chosen) if chosen else None
+def targets(cfg: Any, model: nn.Module) -> list[str] | str | None:
+    """adapter.target_modules as peft reads it (a list of names, each a module's name or its
+    last parts; a string, a regular expression a module's whole name matches, or
+    `all-linear`), else the model's own: lora_target_modules on its class (parallab's gpt),
+    else None, for peft's table of transformers models."""
+    chosen = _value(cfg, "target_modules")
+    if chosen is None:
+        chosen = getattr(model, "lora_target_modules", None)
+    return chosen if chosen is None or isinstance(chosen, str) else list(chosen)
+
+
+def _targets_problem(chosen: Any) -> str | None:
+    """adapter.target_modules in a form peft does not read, or naming nothing."""
+    said = f"adapter.target_modules={chosen}"
+    if isinstance(chosen, str):
+        return None if chosen else (f"{said} (empty) names no layer: give a regular "
+                                    "expression, names, or null for the model's own")
+    if chosen is None:
+        return None
+    if not isinstance(chosen, (list, tuple)) or not all(isinstance(n, str) and n
+                                                        for n in chosen):
+        return (f"{said}: give a list of layer names (their last parts will do), one "
+                "regular expression as a string, or null for the model's own")
+    if not chosen:
+        return (f"{said} names no layer (an empty list was read as the model's own): name "
+                "some, or leave it null for the model's own")
+    return None
 
 
 def peft_config(cfg: Any, model: nn.Module):
@@ -94,8 +116,15 @@ def problem(cfg: Any, model: nn.Module) -> str | None:
     peft = _peft()
     if _value(cfg, "r") < 1:
         return f"adapter.r={_value(cfg, 'r')} is out of range: the adapters' rank must be >= 1"
+    if not _value(cfg, "alpha") > 0:
+        return (f"adapter.alpha={_value(cfg, 'alpha')} is out of range: the adapters' output "
+                "is scaled by alpha / r, and at 0 no parameter would move: give alpha > 0 "
+                "(16 by default; r or 2 r are common)")
     if not 0 <= _value(cfg, "dropout") < 1:
         return f"adapter.dropout={_value(cfg, 'dropout')} is out of range: it must be in [0, 1)"
+    said = _targets_problem(_value(cfg, "target_modules"))
+    if said is not None:
+        return said
     config = peft_config(cfg, model)
     if config.target_modules is None and not _in_peft_table(model):
         return (f"model {type(model).__name__} names no layers for adapters (no "
@@ -161,23 +190,35 @@ def folder_problem(cfg: Any, path: str | Path) -> str | None:
     for key, theirs in (("r", "r"), ("alpha", "lora_alpha"), ("target_modules", None)):
         here, there = _value(cfg, key), saved.get(theirs or key)
         if key == "target_modules":
-            here, there = here and sorted(here), there and sorted(there)
             if here is None:  # the model's own: whatever the folder's were
                 continue
+            here, there = (sorted(v) if isinstance(v, (list, tuple)) else v
+                           for v in (here, there))
         if there is not None and here != there:
             return (f"trainer.init_from={path} holds adapters of {key}={there}, and "
                     f"adapter.{key}={here} here: set adapter.{key}={there}")
     return None
 
 
-def load_folder(model: nn.Module, path: str | Path) -> None:
-    """The adapter weights of peft adapter folder `path` into `model`, which has adapters."""
-    peft = _peft()
-    result = peft.set_peft_model_state_dict(model, peft.load_peft_weights(str(path)))
-    if result.unexpected_keys:
-        raise ConfigError(f"trainer.init_from={path}: its adapters "
-                          f"{', '.join(result.unexpected_keys[:3])} fit no layer of this "
-                          "model: give an adapter folder of this model")
+def merge_problem(model: nn.Module) -> str | None:
+    """Why the adapters of `model` (peft's PeftModel) cannot be folded into its base: a
+    layer they adapt whose weight is tied to another (a head tied to the token embedding),
+    which the merge would change too, so that the merged model scores other than the run."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name.removeprefix("base_model.model."))
+    for layer, module in model.named_modules():
+        base = getattr(module, "base_layer", None)
+        if base is None or not hasattr(module, "lora_A") or base.weight is None:
+            continue
+        layer = layer.removeprefix("base_model.model.")
+        tied = [n for n in names[id(base.weight)] if not n.startswith(f"{layer}.")]
+        if tied:
+            return (f"--merged: the adapters on {layer} would be folded into its weight, which "
+                    f"is tied to {tied[0]} (model.tie_embeddings=true ties the head to the "
+                    "token embedding), changing both: export the adapters as a peft folder "
+                    f"(without --merged), or train them on layers other than {layer}")
+    return None
 
 
 def is_peft_model(model: nn.Module) -> bool:

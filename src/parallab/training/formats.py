@@ -127,6 +127,12 @@ class Format(ABC):
     def record(self) -> dict[str, Any]:
         return checkpoint.load_meta(self.path)
 
+    @staticmethod
+    def covers(name: str) -> bool:
+        """Whether weights in this format hold the model's weight `name` (one held by no
+        file of it is missing from it)."""
+        return True
+
 
 class FileFormat(Format):
     """Weights in files read a tensor at a time: a rank keeping its part of each reads
@@ -302,6 +308,7 @@ class WeightsFolder(SafetensorsFile):
             safetensors_torch().save_model(model, str(target / WEIGHTS),
                                            metadata={"format": "pt"})
             what = f"a folder ({WEIGHTS}) evaluate.py and trainer.init_from read"
+        (target / "README.md").unlink(missing_ok=True)  # peft's model card: a folder's README
         OmegaConf.save(OmegaConf.create(record.get("config", {})), target / RUN_CONFIG)
         return f"{what}, with the run's config in {RUN_CONFIG}"
 
@@ -331,6 +338,25 @@ class AdapterFolder(SafetensorsFile):
 
     def record(self) -> dict[str, Any]:
         return _folder_record(self.path)
+
+    @staticmethod
+    def covers(name: str) -> bool:
+        return ".lora_" in name  # the adapters' weights, not the base's
+
+
+# what an export to a folder may write (WeightsFolder.write: peft's, transformers' or its
+# own), by name or pattern
+EXPORTED = ("adapter_config.json", "adapter_model.safetensors", "config.json",
+            "generation_config.json", WEIGHTS, f"{WEIGHTS}.index.json",
+            "model-*-of-*.safetensors", RUN_CONFIG)
+
+
+def earlier_export(folder: Path) -> list[str]:
+    """The files an earlier export wrote in `folder`, where one did (it left RUN_CONFIG);
+    none in a folder no export wrote, whose files are its user's."""
+    if not (folder / RUN_CONFIG).is_file():
+        return []
+    return sorted({p.name for pattern in EXPORTED for p in folder.glob(pattern) if p.is_file()})
 
 
 # the first that holds a path reads it

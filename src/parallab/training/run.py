@@ -286,9 +286,7 @@ def start_model(cfg: Config, dist: distributed.Dist, layout: Layout, init_from: 
     if init_from is not None and not adapted:
         left = weights.load_into(model, init_from, cfg.trainer.init_strict)
     model = adapters.apply(model, cfg.adapter, dist.is_main)
-    if adapted and adapters.is_folder(init_from):
-        adapters.load_folder(model, init_from)
-    elif adapted:
+    if adapted:  # a peft folder's adapters alone, or a whole model's with them
         left = weights.load_into(model, init_from, cfg.trainer.init_strict)
     if init_from is not None and dist.is_main:
         log.info("started from the weights in %s%s", init_from, "; left at their initial "

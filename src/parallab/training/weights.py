@@ -64,11 +64,14 @@ def _aliases(model: nn.Module) -> dict[str, str]:
     return aliases
 
 
-def fit(model: nn.Module, saved: dict[str, tuple[int, ...]]) -> tuple[list, list, list]:
+def fit(model: nn.Module, saved: dict[str, tuple[int, ...]],
+        covers=formats.Format.covers) -> tuple[list, list, list]:
     """(missing, unexpected, mis-shaped) names between `model` (meta will do) and saved
-    shapes; a tied weight saved under any of its names is present."""
+    shapes, of the model's weights that the format `covers` (a peft adapter folder: the
+    adapters alone); a tied weight saved under any of its names is present."""
     aliases = _aliases(model)
-    own = {plain_name(k): tuple(v.shape) for k, v in model.state_dict().items()}
+    own = {name: tuple(v.shape) for k, v in model.state_dict().items()
+           if covers(name := plain_name(k))}
     present = set(saved) | {alias for alias, first in aliases.items() if first in saved} | {
         first for alias, first in aliases.items() if alias in saved}
     missing = [k for k in own if k not in present]
@@ -81,10 +84,12 @@ def fit(model: nn.Module, saved: dict[str, tuple[int, ...]]) -> tuple[list, list
 def fit_problem(model: nn.Module, path: str | Path, key: str, strict: bool) -> str | None:
     """One line where the weights at `path` do not fit `model` (strict: every name and
     shape; else: some weight must match)."""
-    missing, unexpected, wrong = fit(model, shapes(path))
+    covers = formats.format_of(path).covers
+    missing, unexpected, wrong = fit(model, shapes(path), covers)
     said = [f"{len(found)} {what} ({', '.join(found[:5])})" for what, found in
             (("missing", missing), ("unexpected", unexpected), ("mis-shaped", wrong)) if found]
-    if not said or not strict and len(missing) + len(wrong) < len(model.state_dict()):
+    held = [k for k in model.state_dict() if covers(plain_name(k))]
+    if not said or not strict and len(missing) + len(wrong) < len(held):
         return None
     fix = ("trainer.init_strict=false loads those that match" if strict else
            "give weights of this model")
@@ -169,7 +174,8 @@ def load_into(model: nn.Module, path: str | Path, strict: bool = True) -> list[s
     for alias, first in aliases.items():  # a tied weight written under one of its names
         if first not in saved and alias in saved:
             saved[first] = saved[alias]
-    own = {plain_name(k): k for k in model.state_dict()}
+    covers = formats.format_of(path).covers  # a peft adapter folder: the adapters alone
+    own = {name: k for k in model.state_dict() if covers(name := plain_name(k))}
     state = model.state_dict()
     kept = {own[k]: v for k, v in saved.items()
             if k in own and tuple(v.shape) == tuple(state[own[k]].shape)}
@@ -212,7 +218,9 @@ def export(model: nn.Module, record: dict[str, Any], out: Path,
     """`model`'s weights written as `kind` (export_kind) at `out` with the run's `record`
     (step, config); what was written, in words. Written under a temporary name beside OUT and
     moved into place last: an export that fails leaves OUT as it was, and one into an
-    existing folder replaces only the files it writes."""
+    existing folder replaces only the files it writes, and removes those an earlier export
+    wrote there that this one does not (formats.earlier_export): the folder reads back as
+    this export alone, its user's other files kept."""
     scratch = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         written = scratch / (out.name if kind.suffix else "folder")
@@ -220,6 +228,8 @@ def export(model: nn.Module, record: dict[str, Any], out: Path,
         if kind.suffix or not out.is_dir():
             os.replace(written, out)
         else:
+            for stale in set(formats.earlier_export(out)) - {p.name for p in written.iterdir()}:
+                (out / stale).unlink()
             for file in written.iterdir():
                 os.replace(file, out / file.name)
     finally:
