@@ -29,7 +29,8 @@ CLUSTERS = (("96GB 500W", "h100_titan"), ("H100 SXM HBM2e", "h100_titan"), ("A10
             ("H200", "h200"), ("H100", "h100"), ("B200", "b200"))
 # (source substring, table substring, model substring, compile) of the principal rows
 PRINCIPAL = [
-    ("llama3_h100_202412", "Table 1 ", "8B", "false"), ("llama3_h100_202412", "Table 1 ", "8B", "true"),
+    ("llama3_h100_202412", "Table 1 ", "8B", "false"),
+    ("llama3_h100_202412", "Table 1 ", "8B", "true"),
     ("performance.md @3faaa1a0", "64 A100", "Llama 3 8B", "false"),
     ("performance.md @3faaa1a0", "64 A100", "Llama 3 70B", "false"),
     ("Megatron-LM) + Megatron", "Table 1", "GPT 1.7B", ""),
@@ -95,7 +96,8 @@ def overrides_of(row: dict) -> list[str]:
             compiled = "true"
     else:
         model = ["model=llama3_8b", f"model.config.num_hidden_layers={L}",
-                 f"model.config.hidden_size={h}", f"model.config.intermediate_size={row['ffn_hidden']}",
+                 f"model.config.hidden_size={h}",
+                 f"model.config.intermediate_size={row['ffn_hidden']}",
                  f"model.config.num_attention_heads={heads}",
                  f"model.config.num_key_value_heads={row['kv_heads'] or heads}",
                  f"model.config.vocab_size={vocab}"]
@@ -186,7 +188,8 @@ def main() -> None:
         picked += [i for i in range(len(rows)) if i not in places]
     picked = [(rows[i], places.get(i)) for i in picked]
     if args.only:
-        picked = [(r, i) for r, i in picked if args.only in f"{r['source']} {r['table']} {r['model']}"]
+        picked = [(r, i) for r, i in picked
+                  if args.only in f"{r['source']} {r['table']} {r['model']}"]
     print("| row | cluster | layout | published | predicted | error | memory GiB pub / pred |"
           " role |\n|---|---|---|---|---|---|---|---|")
     errors = {"principal": [], "beyond": []}
@@ -208,7 +211,8 @@ def main() -> None:
         try:
             prediction, facts = simulate(overrides)
         except Exception as error:  # noqa: BLE001 - the table says why
-            print(f"| {label} | {cluster} | | | refused: {str(error).splitlines()[0][:120]} | | | |")
+            said = str(error).splitlines()[0][:120]
+            print(f"| {label} | {cluster} | | | refused: {said} | | | |")
             continue
         figure, unit = published_figure(row)
         guess = predicted_figure(row, prediction, facts)

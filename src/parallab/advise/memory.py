@@ -31,15 +31,19 @@ from parallab.parallel.parallelize import parallelize, speed_up
 @contextlib.contextmanager
 def fake_group(rank: int, world_size: int) -> Iterator[None]:
     """torch's fake process group as the default group: collectives return at once."""
+    import sys
+
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    hook = sys.excepthook  # which init_process_group wraps, to prefix a rank, for good
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         with quieted("parallab.parallel", logging.WARNING):  # start-up lines of real runs
             yield
     finally:
         dist.destroy_process_group()
+        sys.excepthook = hook
 
 
 def fake_model(cfg, fake, device: torch.device) -> nn.Module:

@@ -20,7 +20,7 @@ from torch import nn
 
 from parallab.config.errors import ConfigError
 from parallab.simulate import cluster as clusters
-from parallab.simulate import search, step, trace
+from parallab.simulate import step, trace
 from parallab.simulate.search import Candidate
 
 log = logging.getLogger("parallab")
@@ -70,7 +70,8 @@ class Facts:
         if tp == 1:
             return None
         if tp not in self._tp:
-            self._tp[tp] = tp_problem(self._model, tp, getattr(self.cfg.parallel, "tp_plan", None) or None)
+            given = getattr(self.cfg.parallel, "tp_plan", None) or None
+            self._tp[tp] = tp_problem(self._model, tp, given)
         return self._tp[tp]
 
     def pipeline_problem(self, pp: int) -> str | None:

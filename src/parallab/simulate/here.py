@@ -16,7 +16,6 @@ import dataclasses
 import json
 import os
 import platform
-import statistics
 import time
 from pathlib import Path
 
@@ -98,7 +97,8 @@ def loopback() -> tuple[float, float]:
 
     import torch.multiprocessing as mp
 
-    context = mp.get_context("fork")  # torch is imported already: forked at once
+    # spawned: a fork of a process running threads (torch's, gloo's) may hang
+    context = mp.get_context("spawn")
     out = context.Queue()
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "store")

@@ -1,0 +1,189 @@
+"""What a traced step's ops cost: each op a rank runs, recorded by a dispatch mode with its
+FLOPs (torch's flop counter's formulas; fused attention by its own count), the bytes it
+reads and writes by tensor (a fused chain is then counted once), its region (the block,
+before it, after it), and the collectives tensor parallelism calls, on the local shard a
+rank holds of each DTensor. The bytes the step's ops made and held at once are tracked
+as it runs (each storage held weakly: freed when the step lets it go)."""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakIdKeyDictionary
+
+from parallab.observe import comm
+
+aten = torch.ops.aten
+
+
+@dataclass
+class Op:
+    phase: str  # forward | backward | optimizer
+    region: str  # before | block | after
+    kind: str  # matmul | attention | memory | collective
+    flops: float
+    reads: tuple[tuple[int, int], ...]  # (tensor id, bytes)
+    writes: tuple[tuple[int, int], ...]
+    collective: str | None = None  # comm.KINDS
+    sent: float = 0.0  # bytes a rank sends (comm.py's bus bytes)
+    group: int = 1  # ranks of the collective's group
+    wide: bool = False  # its output is 4-byte floats (float32 matmuls run at the fp32 peak)
+
+
+# the CPU's fused attention, which the trace runs (CUDA's flash kernels do the same work)
+ATTENTION = {getattr(aten, name).default for name in (
+    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
+    if hasattr(aten, name)}
+ATTENTION_BACKWARD = {getattr(aten, name).default for name in (
+    "_scaled_dot_product_flash_attention_for_cpu_backward",
+    "_scaled_dot_product_flash_attention_backward",
+    "_scaled_dot_product_efficient_attention_backward",
+    "_scaled_dot_product_cudnn_attention_backward") if hasattr(aten, name)}
+# ops that move no data: views and metadata
+FREE = {aten.view.default, aten._unsafe_view.default, aten.t.default, aten.transpose.int,
+        aten.permute.default, aten.expand.default, aten.detach.default, aten.alias.default,
+        aten.slice.Tensor, aten.select.int, aten.unsqueeze.default, aten.squeeze.dim,
+        aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int,
+        aten.as_strided.default, aten._reshape_alias.default, aten.lift_fresh.default,
+        aten.empty.memory_format, aten.empty_strided.default, aten.new_empty_strided.default,
+        aten.new_empty.default}
+
+
+def attention_flops(q: torch.Tensor, k: torch.Tensor, causal: bool, backward: bool) -> float:
+    """FLOPs of fused attention over (batch, heads, seq, dim) queries and keys: two matmuls
+    forward (QK^T, PV), five backward (QK^T again, then dV, dP, dQ, dK), each 2·b·h·s·t·d;
+    a causal mask halves the work the kernels do."""
+    b, h, s, d = q.shape
+    t = k.shape[-2]
+    flops = (5 if backward else 2) * 2.0 * b * h * s * t * d
+    return flops / 2 if causal else flops
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    """Bytes an op touches of `t`: its elements (a broadcast dimension once)."""
+    numel = 1
+    for size, stride in zip(t.shape, t.stride()):
+        if stride != 0:
+            numel *= size
+    return numel * t.element_size()
+
+
+def _local(value: Any) -> Any:
+    from torch.distributed.tensor import DTensor
+
+    return value._local_tensor if isinstance(value, DTensor) else value
+
+
+class Recorder(TorchDispatchMode):
+    """Each op as Op: its FLOPs and bytes on the local tensors a rank holds (a DTensor's
+    shard), its region from `tracker` (ModTracker) and the phase set from outside."""
+
+    def __init__(self, tracker, block: str, causal_lm: bool):
+        super().__init__()
+        self.tracker, self.block, self.causal_lm = tracker, block, causal_lm
+        self.phase = "forward"
+        self.ops: list[Op] = []
+        self.produced: dict[int, tuple[str, str]] = {}  # storage -> (region, kind) of its op
+        # bytes of the storages the step made that are alive, and their most at once (each
+        # storage held weakly: freed when the step lets it go)
+        self.live = self.peak = 0
+        self.held: dict[int, weakref.ref] = {}
+        # a serial number per tensor, held weakly: the trace frees what the step frees
+        self.serials = WeakIdKeyDictionary()
+        self.counter = itertools.count()
+
+    def _ids(self, values) -> tuple[tuple[int, int], ...]:
+        found = []
+        for value in values:
+            value = _local(value)
+            if isinstance(value, torch.Tensor):
+                if value not in self.serials:
+                    self.serials[value] = next(self.counter)
+                found.append((self.serials[value], _nbytes(value)))
+        return tuple(found)
+
+    def _region(self) -> str:
+        return "block" if any(p.startswith(self.block) for p in self.tracker.parents) \
+            else "outside"
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func in FREE or func.namespace == "prim":
+            return out
+        flat_in, _ = tree_flatten((args, kwargs))
+        flat_out, _ = tree_flatten(out)
+        name = func.name().replace("::", ".").removesuffix(".default")
+        known = comm._OPS.get(name)
+        if known is not None:
+            kind_name, index, factor = known
+            n = comm._group_size(args, kwargs)
+            sent = comm._nbytes(_local(args[index])) * factor(n) if n > 1 else 0.0
+            self.ops.append(Op(self.phase, self._region(), "collective", 0.0, (), (),
+                               kind_name, sent, n))
+            return out
+        if func.namespace == "_c10d_functional":  # waits, and the like: no work of their own
+            return out
+        first = _local(flat_out[0]) if flat_out else None
+        wide = isinstance(first, torch.Tensor) and first.element_size() >= 4
+        op = Op(self.phase, self._region(), *self._cost(func, args, kwargs, out),
+                self._ids(flat_in), self._ids(flat_out), wide=wide)
+        self.ops.append(op)
+        for value in flat_out:
+            value = _local(value)
+            if isinstance(value, torch.Tensor):
+                self._made(value.untyped_storage(), op)
+        return out
+
+    def _made(self, storage: torch.UntypedStorage, op: Op) -> None:
+        key = storage._cdata
+        self.produced[key] = (op.region, op.kind)
+        if key in self.held:
+            return
+        size = storage.nbytes()
+        self.live += size
+        self.peak = max(self.peak, self.live)
+
+        def freed(_, key=key, size=size) -> None:
+            self.live -= size
+            self.held.pop(key, None)
+
+        self.held[key] = weakref.ref(storage, freed)
+
+    def _cost(self, func, args, kwargs, out) -> tuple[str, float]:
+        from torch.utils.flop_counter import flop_registry
+
+        if func in ATTENTION or func in ATTENTION_BACKWARD:
+            backward = func in ATTENTION_BACKWARD
+            q, k = (_local(args[1]), _local(args[2])) if backward else \
+                (_local(args[0]), _local(args[1]))
+            # a causal LM's mask, which transformers builds where tensors are fake, is the
+            # causal one it leaves to the kernel's is_causal on a GPU
+            causal = bool(kwargs.get("is_causal", _causal_arg(func, args))) or (
+                self.causal_lm and q.shape[-2] == k.shape[-2])
+            return "attention", attention_flops(q, k, causal, backward)
+        packet = func._overloadpacket
+        if packet in flop_registry:
+            local_args = [_local(a) for a in args]
+            local_out = tuple(_local(o) for o in out) if isinstance(out, tuple) else _local(out)
+            try:
+                flops = flop_registry[packet](*local_args, **kwargs, out_val=local_out)
+            except Exception:  # noqa: BLE001 - a formula that does not take this overload
+                flops = 0
+            return "matmul", float(flops)
+        return "memory", 0.0
+
+
+def _causal_arg(func, args) -> bool:
+    """is_causal passed by position: the schema's own index of it."""
+    for index, argument in enumerate(func._schema.arguments):
+        if argument.name == "is_causal" and index < len(args):
+            return bool(args[index])
+    return False
