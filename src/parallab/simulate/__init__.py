@@ -55,7 +55,7 @@ class Facts:
             raise ConfigError(f"model {type(model).__name__} declares no repeated blocks for "
                               "parallab simulate to trace (a transformers model's "
                               "_no_split_modules, a stages() method, or parallel.stages)")
-        stages = stages_of.find(model, getattr(cfg.parallel, "stages", None))
+        stages = stages_of.chain(model, getattr(cfg.parallel, "stages", None))
         given = getattr(cfg.parallel, "tp_plan", None) or None
         facts = cls(cfg, model, "", len(blocks), vocab_of(model, cfg),
                     mfu.flops_per_token(model, cfg.data.seq_len),
