@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import re
 import statistics
 import time
 from pathlib import Path
@@ -39,6 +40,7 @@ PRINCIPAL = [
 ]
 FIT = {"h100_titan": 0, "a100": 2}  # the principal row each kind's efficiency comes from
 SCHEDULES = {"1F1B": "1f1b", "1f1b": "1f1b", "gpipe": "gpipe", "GPipe": "gpipe"}
+INTERLEAVED = re.compile(r"interleaved 1F1B \(v=(\d+)\)")  # Megatron-LM's, its stages a rank
 MEGATRON_2021 = "2104.04473"
 
 
@@ -68,7 +70,7 @@ def why_not(row: dict) -> str | None:
     if not row["layers"] or not row["tp"] or not row["seq_len"] or not row["local_batch"]:
         return "layout, batch or sequence not published"
     pp = int(row["pp"] or 1)
-    if pp > 1 and SCHEDULES.get(row["schedule"] or "1F1B") is None:
+    if pp > 1 and schedule_of(row) is None:
         return f"schedule {row['schedule']}"
     if "async TP" in row["notes"] or "AsyncTP" in row["table"]:
         return "asynchronous tensor parallel"
@@ -78,6 +80,18 @@ def why_not(row: dict) -> str | None:
         return "micro-batches not published"
     if not (row["published_tokens_per_sec_per_gpu"] or row["published_tflops_per_gpu"]):
         return "no throughput figure"
+    return None
+
+
+def schedule_of(row: dict) -> list[str] | None:
+    """The pipeline's schedule as parallab's overrides (None: one it does not have)."""
+    name = row["schedule"] or "1F1B"
+    if name in SCHEDULES:
+        return [f"parallel.schedule={SCHEDULES[name]}"]
+    interleaved = INTERLEAVED.fullmatch(name)
+    if interleaved:
+        return ["parallel.schedule=interleaved_1f1b",
+                f"parallel.stages_per_rank={interleaved[1]}"]
     return None
 
 
@@ -114,8 +128,7 @@ def overrides_of(row: dict) -> list[str]:
     layout = [f"parallel.world_size={n}", f"parallel.dp_replicate={R}", f"parallel.dp_shard={F}",
               f"parallel.tp={T}"]
     if P > 1:
-        layout = ["parallel=pipeline", *layout, f"parallel.pp={P}",
-                  f"parallel.schedule={SCHEDULES[row['schedule'] or '1F1B']}",
+        layout = ["parallel=pipeline", *layout, f"parallel.pp={P}", *schedule_of(row),
                   f"parallel.microbatches={micro}", f"data.batch_size={local}"]
     else:
         preset = "fsdp_tp" if T > 1 else ("ddp" if F == 1 else "fsdp" if R == 1 else "hsdp")
