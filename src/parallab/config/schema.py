@@ -190,7 +190,6 @@ class MeshConfig(ParallelConfig):
 
 
 @dataclass
-@dataclass
 class AutoConfig(ParallelConfig):
     # parallab simulate ranks every layout at parallel.world_size GPUs; training takes one
     # of them (the command simulate prints)
@@ -198,6 +197,7 @@ class AutoConfig(ParallelConfig):
     world_size: Optional[int] = None  # GPUs of the cluster the layouts are ranked for
 
 
+@dataclass
 class ModelParallelConfig(ParallelConfig):
     name: str = "model"
     world_size: Optional[int] = None  # devices the stages are placed on
@@ -486,8 +486,6 @@ class Config:
     # parallab advise (= experiment=advise): which layout trains this model fastest
     # (docs/parallel.md)
     advise: AdviseConfig = field(default_factory=AdviseConfig)
-
-
     # the GPUs and links parallab simulate and advise.target_world_size predict a step on
     # (cluster=h100, a100, ...; docs/parallel.md: planning for a cluster)
     cluster: Any = MISSING
@@ -510,9 +508,9 @@ SCHEMAS: dict[str, dict[str, type]] = {
     "optim": {"sgd": SGDConfig, "adam": AdamConfig, "adamw": AdamWConfig},
     "scheduler": {"default": SchedulerConfig},
     "trainer": {"default": TrainerConfig},
+    "cluster": {"default": ClusterConfig},
 }
 
-    "cluster": {"default": ClusterConfig},
 
 def register_configs() -> None:
     store = ConfigStore.instance()
