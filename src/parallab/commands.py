@@ -275,10 +275,10 @@ def simulate_in_process(overrides: list[str], run_dir: str | Path,
 
 def simulate(argv: list[str] | None = None) -> None:
     """`parallab simulate [overrides]`: a step on a cluster predicted (simulate/)."""
-    call = Invocation.read(argv or sys.argv)
-    launch.register_resolvers()
     import signal
 
+    call = Invocation.read(argv or sys.argv)
+    launch.register_resolvers()
     help.register_resolver("simulate")
     register_configs()
     try:
@@ -313,11 +313,11 @@ def parallab() -> None:
     commands.add_parser("evaluate", help="evaluate a checkpoint: ckpt=PATH [overrides]")
     commands.add_parser("advise", help="which layout trains this model fastest: [overrides] "
                         "(advise.md/.csv/.png in the run dir)")
-    said = "summary.csv/.md/.png of a multirun dir"  # `parallab --help` and its own --help
-    summarize = commands.add_parser("summary", help=said, description=said)
     commands.add_parser("simulate", help="memory and tokens/s per GPU of a layout (or of every "
                         "one: parallel=auto) on a cluster: cluster=NAME parallel.world_size=N "
                         "[overrides] (simulate.md/.json/.png in the run dir)")
+    said = "summary.csv/.md/.png of a multirun dir"  # `parallab --help` and its own --help
+    summarize = commands.add_parser("summary", help=said, description=said)
     summarize.add_argument("sweep_dir", type=Path, help="a sweep's dir (its hydra.sweep.dir), "
                            "or any dir of run dirs")
     said = ("a checkpoint's model (.pt or sharded .dcp) as OUT.pt, OUT.safetensors, or a "
