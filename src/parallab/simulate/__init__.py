@@ -89,6 +89,16 @@ class Facts:
         self._model = None
 
 
+def rates_of(cluster, world_size: int = 1) -> clusters.Rates:
+    """The cluster's rates; this machine's measured (here.py) for ranks sharing its cores
+    `world_size` ways, a figure the cluster's YAML gives kept over the measured one."""
+    if cluster.gpu != clusters.THIS:
+        return clusters.Rates.of(cluster)
+    from parallab.simulate import here
+
+    return here.rates(cluster, world_size)
+
+
 def vocab_of(model: nn.Module, cfg) -> int:
     config = getattr(model, "config", None)
     return getattr(config, "vocab_size", None) or getattr(getattr(model, "cfg", None),

@@ -141,12 +141,3 @@ class Rates:
                 options.append(tree * 1e-6 + sent * n / (n - 1) / (bandwidth * share))
         return min(options)
 
-
-def rates(cfg: ClusterConfig, world_size: int = 1) -> Rates:
-    """The cluster's rates; this machine's measured (here.py) for ranks sharing its cores
-    `world_size` ways, a figure the cluster's YAML gives kept over the measured one."""
-    if cfg.gpu != THIS:
-        return Rates.of(cfg)
-    from parallab.simulate import here
-
-    return here.rates(cfg, world_size)

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from parallab.config.errors import ConfigError
-from parallab.simulate import Facts, Traces, clusters, report, search, simulate_all
+from parallab.simulate import Facts, Traces, clusters, rates_of, report, search, simulate_all
 from parallab.simulate.search import Candidate
 
 log = logging.getLogger("parallab")
@@ -87,7 +87,7 @@ def given(cfg) -> tuple[Candidate, Facts]:
     layout = check(cfg)
     if layout is None:
         raise ConfigError("parallel=auto: give one layout to predict")
-    rates = clusters.rates(cfg.cluster, cfg.parallel.world_size)
+    rates = rates_of(cfg.cluster, cfg.parallel.world_size)
     facts = Facts.of(cfg)
     candidates, _ = candidates_of(cfg, layout, facts, rates)
     facts.cut()
@@ -116,13 +116,13 @@ def step_at(cfg, layout, world_size: int, cluster, known: dict | None = None):
         facts = Facts.of(cfg)
         facts.cut()
         known[key] = Traces(cfg, facts)
-    return predict(cfg, c, known[key], clusters.rates(cluster, world_size))
+    return predict(cfg, c, known[key], rates_of(cluster, world_size))
 
 
 def run(cfg, overrides: list[str], run_dir: str, entry: list[str]) -> dict[str, Any]:
     """The whole simulation of the composed, typed `cfg`; its summary."""
     layout = check(cfg)
-    rates = clusters.rates(cfg.cluster, cfg.parallel.world_size)
+    rates = rates_of(cfg.cluster, cfg.parallel.world_size)
     facts = Facts.of(cfg)
     candidates, notes = candidates_of(cfg, layout, facts, rates)
     facts.cut()
