@@ -223,3 +223,25 @@ def test_each_schedule_trains_as_one_device_does(train_here, one_device, schedul
     log = (run_dir / "train.log").read_text()
     placed = [[0, 3], [1, 2]] if SCHEDULES[schedule].v_shape else [[0, 2], [1, 3]]
     assert f"a pipeline's ranks holding parts {placed}" in log
+
+
+def test_advise_offers_each_schedule_and_replays_its_bubble():
+    """advise's pipeline candidates: every schedule, the multi-stage ones at 2 stages per
+    rank (the checks prune those the model has too few stages for); the step-time check
+    replays the schedule's own idle slots (with a device per rank: bubble x the step)."""
+    from parallab.advise import scaling
+    from parallab.parallel.pipeline import PipelinePlan
+
+    options = SimpleNamespace(schedules=list(SCHEDULES), microbatches=[4])
+    settings = {" ".join(c[3:]) for c in PipelinePlan.layouts(2, "cpu", options)}
+    assert "parallel.schedule=zbv parallel.stages_per_rank=2 parallel.microbatches=4" in \
+        settings and "parallel.schedule=1f1b parallel.microbatches=4" in settings
+    assert len(settings) == len(SCHEDULES)
+    devices = scaling.cpu_rate(None, 1)
+    for name in ("1f1b", "interleaved_1f1b", "zbv"):
+        v = schedules.stages_per_rank(name, None)
+        assert scaling.pipeline_s([0.4, 0.4], [0.4, 0.4], 2, 4, devices,
+                                  bubble(name, 2, v, 4)) == pytest.approx(
+            0.4 * bubble(name, 2, v, 4))
+    # a bubble of None: GPipe's and 1F1B's pp - 1 slots, as before
+    assert scaling.pipeline_s([0.4, 0.4], [0.4, 0.4], 2, 4, devices) == pytest.approx(0.5)

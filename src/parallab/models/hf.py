@@ -259,9 +259,10 @@ class _Head(nn.Module):
         super().__init__()
         for name, module in modules.items():
             self.add_module(name, module)
-        self.head = head
+        self.output_embeddings = head  # (registered last: after the base's modules)
 
     def forward(self, hidden, **inputs):
-        for module in list(self.children())[:-1]:
+        *after, head = self.children()
+        for module in after:
             hidden = module(hidden)
-        return self.head(hidden)
+        return head(hidden)
