@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from omegaconf import MISSING
 
@@ -99,8 +100,18 @@ class Rates:
     op_overhead_s: float
     nccl: NcclLatency
     # an op's own time comes on top of its work (a CPU, whose cores do both), not beside it
-    # (a GPU's kernels, launched ahead while the previous ones run)
+    # (a GPU's kernels, launched ahead while the previous ones run); so do collectives,
+    # which the same cores run: nothing overlaps
     overhead_adds: bool = False
+    dtensor_op_s: float = 0.0  # there: what DTensor's dispatch adds to an op
+    fsdp_unit_s: float = 0.0  # there: what FSDP2's hooks add to a unit's forward and backward
+    # an op's seconds measured by running it (cluster=this), None where it cannot be
+    timed: Any = None
+
+    def hidden(self, seconds: float, beside: float) -> float:
+        """What of a collective of `seconds` run beside `beside` seconds of compute is left
+        exposed: what outlasts it, or all of it where the same cores do both."""
+        return seconds if self.overhead_adds else max(0.0, seconds - beside)
 
     @classmethod
     def of(cls, cfg: ClusterConfig) -> "Rates":

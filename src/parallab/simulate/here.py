@@ -1,13 +1,15 @@
-"""cluster=this: this machine's rates, measured once and kept (~/.cache/parallab), for
-ranks that are processes sharing its cores.
+"""cluster=this: this machine's rates, for ranks that are processes sharing its cores.
 
-Measured: a square matmul's FLOP/s in float32 and bfloat16 on one thread and on every
-core; a large copy's bytes per second; an eager op's own time in a training step (its
-dispatch, the module call and autograd around it: on a CPU it comes on top of the op's
-work, which the same cores do); and an all-reduce's fixed cost and bus bandwidth between
-two local processes over gloo. A rank of a job of n processes gets its share: its threads'
-matmul rate, slowed where the n ranks' threads outnumber the cores, and 1/n of the
-memory's bandwidth while they all compute.
+Each op a trace records is run for real (Timer), its tensors made from their shapes: the
+small matmuls, attention kernels and pointwise ops of a model a CPU trains take times that
+no rate of a large matmul or a copy gives. Measured once and kept (~/.cache/parallab):
+what DTensor's dispatch adds to an op and FSDP2's hooks to a unit (a CPU pays them on its
+cores; a GPU mostly hides them behind its kernels), an eager op's own time in a training
+step (the module call and autograd around it), a square matmul's FLOP/s and a large
+copy's bytes per second (the rates where an op cannot be run from its shapes), and an
+all-reduce's fixed cost and bus bandwidth between two local processes over gloo. A rank
+of a job of n processes gets its share: its threads, slowed where the n ranks' threads
+outnumber the cores, and 1/n of the memory's bandwidth while they all compute.
 """
 
 from __future__ import annotations
@@ -79,7 +81,33 @@ def op_seconds() -> float:
     return _timed(step, 20) / Count.ops
 
 
-def _all_reduce(rank: int, world: int, path: str, out) -> None:
+def framework_seconds() -> tuple[float, float]:
+    """(what DTensor's dispatch adds to an op, what FSDP2's hooks add to a unit's forward
+    and backward), over a one-rank group: a small Linear's step timed plain, split by tensor
+    parallel's plan and sharded, the difference shared among its ops or its one unit."""
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    from parallab.simulate.trace import fake_group
+
+    x = torch.randn(4, 16)
+
+    def step(model: nn.Module) -> float:
+        return _timed(lambda: model(x).sum().backward(), 20)
+
+    with fake_group(1):
+        mesh = init_device_mesh("cpu", (1,))
+        plain = step(nn.Linear(16, 16))
+        split = step(parallelize_module(nn.Linear(16, 16), mesh, ColwiseParallel()))
+        sharded = step(fully_shard(nn.Linear(16, 16), mesh=mesh))
+    ops = 6  # a linear's forward and backward as DTensor dispatches them: mm, t, sum, ...
+    return max(0.0, split - plain) / ops, max(0.0, sharded - plain)
+
+
+def _all_reduce(rank: int, world: int, path: str) -> None:
+    """One of the processes loopback() starts: rank 0 prints the figures."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
@@ -87,28 +115,26 @@ def _all_reduce(rank: int, world: int, path: str, out) -> None:
     latency = _timed(lambda: dist.all_reduce(small), 20)
     seconds = _timed(lambda: dist.all_reduce(large), 3)
     if rank == 0:
-        out.put((latency, 2 * (world - 1) / world * large.numel() * 4 / seconds))
+        print(json.dumps([latency, 2 * (world - 1) / world * large.numel() * 4 / seconds]))
     dist.destroy_process_group()
 
 
 def loopback() -> tuple[float, float]:
-    """(seconds, bus bytes per second) of an all-reduce over gloo between two processes."""
+    """(seconds, bus bytes per second) of an all-reduce over gloo between two processes of
+    this module's own (`python -m`: no caller's main module run again in them, as
+    multiprocessing's spawn would)."""
+    import subprocess
+    import sys
     import tempfile
 
-    import torch.multiprocessing as mp
-
-    # spawned: a fork of a process running threads (torch's, gloo's) may hang
-    context = mp.get_context("spawn")
-    out = context.Queue()
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "store")
-        procs = [context.Process(target=_all_reduce, args=(r, 2, path, out)) for r in range(2)]
-        for p in procs:
-            p.start()
-        found = out.get(timeout=120)
-        for p in procs:
-            p.join()
-    return found
+        procs = [subprocess.Popen([sys.executable, "-m", __name__, str(rank), path],
+                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                 for rank in range(2)]
+        said = [p.communicate(timeout=120)[0] for p in procs]
+    latency, bus = json.loads(said[0].strip().splitlines()[-1])
+    return latency, bus
 
 
 def measured() -> dict[str, float]:
@@ -120,7 +146,9 @@ def measured() -> dict[str, float]:
     if key in known:
         return known[key]
     latency, bus = loopback()
-    figures = {"cores": cores, "memory_bytes": _available_memory(),
+    dtensor_op_s, fsdp_unit_s = framework_seconds()
+    figures = {"dtensor_op_s": dtensor_op_s, "fsdp_unit_s": fsdp_unit_s, "cores": cores,
+               "memory_bytes": _available_memory(),
                "fp32_1": matmul_flops(torch.float32, 1),
                "fp32_all": matmul_flops(torch.float32, cores),
                "bf16_1": matmul_flops(torch.bfloat16, 1),
@@ -138,6 +166,55 @@ def _available_memory() -> float:
         if line.startswith("MemAvailable:"):
             return int(line.split()[1]) * 1024
     return 8 * 2**30
+
+
+class Timer:
+    """Each distinct op of a trace (ops.Op.replay) run for real here, with a rank's
+    threads, once: its fastest run; a rank sharing its cores with the others is slowed by
+    their share. None for an op that cannot be run from its shapes alone."""
+
+    def __init__(self, threads: int, share: float):
+        self.threads, self.share = threads, share
+        self.known: dict[str, float | None] = {}
+
+    def __call__(self, op) -> float | None:
+        if op.replay is None:
+            return None
+        key = repr(op.replay)
+        if key not in self.known:
+            self.known[key] = self._time(*op.replay)
+        found = self.known[key]
+        return None if found is None else found / self.share
+
+    def _time(self, func, args, kwargs) -> float | None:
+        from torch.utils._pytree import tree_map
+
+        from parallab.simulate.ops import Spec
+
+        def made(value):
+            if not isinstance(value, Spec):
+                return value
+            size = 1 + sum((n - 1) * st for n, st in zip(value.shape, value.stride) if n)
+            data = torch.randn(size).to(value.dtype) if value.dtype.is_floating_point else \
+                torch.zeros(size, dtype=value.dtype)  # valid indices, no mask
+            return data.as_strided(value.shape, value.stride)
+
+        before = torch.get_num_threads()
+        torch.set_num_threads(self.threads)
+        try:
+            real_args, real_kwargs = tree_map(made, args), tree_map(made, kwargs)
+            with torch.no_grad():
+                once = _timed(lambda: func(*real_args, **real_kwargs), 1)
+                runs = max(1, min(50, int(2e-3 / max(once, 1e-7))))  # 2 ms of them at least
+                return _timed(lambda: [func(*real_args, **real_kwargs) for _ in range(runs)],
+                              2) / runs
+        except Exception:  # noqa: BLE001 - an op its shapes alone cannot make again
+            return None
+        finally:
+            torch.set_num_threads(before)
+
+
+_TIMERS: dict[tuple[int, float], Timer] = {}  # one a rank's threads and share, per process
 
 
 def rates(cfg: ClusterConfig, world_size: int) -> Rates:
@@ -159,7 +236,9 @@ def rates(cfg: ClusterConfig, world_size: int) -> Rates:
                                           "op_overhead_us") if getattr(cfg, k) is not None}
     base = Rates({"fp32": rate("fp32"), "tf32": rate("fp32"), "bf16": rate("bf16"),
                   "fp16": rate("bf16")}, 1.0, f["copy"] / n, f["bus"], f["bus"], n,
-                 f["memory_bytes"] / n, f["op_s"] / share, nccl, overhead_adds=True)
+                 f["memory_bytes"] / n, f["op_s"] / share, nccl, overhead_adds=True,
+                 dtensor_op_s=f["dtensor_op_s"] / share, fsdp_unit_s=f["fsdp_unit_s"] / share,
+                 timed=_TIMERS.setdefault((threads, share), Timer(threads, share)))
     if not given:
         return base
     scaled = {"memory_gb": ("memory_bytes", 2**30), "hbm_gbps": ("hbm", GBIT),
@@ -167,3 +246,9 @@ def rates(cfg: ClusterConfig, world_size: int) -> Rates:
               "matmul_efficiency": ("matmul_efficiency", 1), "op_overhead_us": ("op_overhead_s",
                                                                                 1e-6)}
     return dataclasses.replace(base, **{scaled[k][0]: v * scaled[k][1] for k, v in given.items()})
+
+
+if __name__ == "__main__":  # a rank of loopback()
+    import sys
+
+    _all_reduce(int(sys.argv[1]), 2, sys.argv[2])

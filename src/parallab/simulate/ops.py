@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
 from parallab.observe import comm
@@ -34,6 +34,10 @@ class Op:
     sent: float = 0.0  # bytes a rank sends (comm.py's bus bytes)
     group: int = 1  # ranks of the collective's group
     wide: bool = False  # its output is 4-byte floats (float32 matmuls run at the fp32 peak)
+    dtensor: bool = False  # dispatched through DTensor (tensor parallel): its own overhead
+    # the op and its arguments, tensors as (shape, stride, dtype): run again on this machine
+    # (cluster=this times each op for real)
+    replay: Any = None
 
 
 # the CPU's fused attention, which the trace runs (CUDA's flash kernels do the same work)
@@ -73,6 +77,22 @@ def _nbytes(t: torch.Tensor) -> int:
         if stride != 0:
             numel *= size
     return numel * t.element_size()
+
+
+@dataclass(frozen=True)
+class Spec:
+    """A tensor argument as a replay makes it again."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _spec(value: Any) -> Any:
+    value = _local(value)
+    if isinstance(value, torch.Tensor):
+        return Spec(tuple(value.shape), tuple(value.stride()), value.dtype)
+    return value
 
 
 def _local(value: Any) -> Any:
@@ -131,10 +151,14 @@ class Recorder(TorchDispatchMode):
             return out
         if func.namespace == "_c10d_functional":  # waits, and the like: no work of their own
             return out
+        from torch.distributed.tensor import DTensor
+
         first = _local(flat_out[0]) if flat_out else None
         wide = isinstance(first, torch.Tensor) and first.element_size() >= 4
         op = Op(self.phase, self._region(), *self._cost(func, args, kwargs, out),
-                self._ids(flat_in), self._ids(flat_out), wide=wide)
+                self._ids(flat_in), self._ids(flat_out), wide=wide,
+                dtensor=any(isinstance(a, DTensor) for a in flat_in),
+                replay=(func, tree_map(_spec, args), tree_map(_spec, kwargs)))
         self.ops.append(op)
         for value in flat_out:
             value = _local(value)

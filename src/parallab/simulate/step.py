@@ -84,13 +84,17 @@ class Prediction:
 
 def op_seconds(op: Op, rates: Rates, fp32_peak: float) -> float:
     """One op's roofline: its FLOPs at the peak of its precision x the matmul efficiency,
-    or its bytes at the memory's bandwidth, whichever is longer; at least a launch."""
+    or its bytes at the memory's bandwidth, whichever is longer; at least a launch. Where
+    the cluster is this machine, the op run for real (here.py), its roofline the fallback."""
+    timed = rates.timed(op) if rates.timed is not None else None
+    if timed is not None:
+        return timed + rates.op_overhead_s + rates.dtensor_op_s * op.dtensor
     moved = sum(b for _, b in op.reads) + sum(b for _, b in op.writes)
     seconds = moved / rates.hbm
     if op.flops:
         peak = fp32_peak if op.wide else rates.peaks["bf16"]
         seconds = max(seconds, op.flops / (peak * rates.matmul_efficiency))
-    return _with_overhead(seconds, rates)
+    return _with_overhead(seconds, rates) + rates.dtensor_op_s * op.dtensor
 
 
 def _with_overhead(seconds: float, rates: Rates) -> float:
@@ -149,7 +153,7 @@ def costs(trace: Trace, rates: Rates, compile: bool, tf32: bool) -> Costs:
             kinds[op.collective] = kinds.get(op.collective, 0.0) + rates.collective_s(
                 op.collective, op.sent, tp_group)
             continue
-        if compile and op.kind == "memory":
+        if compile and op.kind == "memory" and rates.timed is None:
             if chain and (chain[0].phase, chain[0].region) != key:
                 close(index)
             chain.append(op)
@@ -269,12 +273,14 @@ def _data_parallel(trace: Trace, c: Costs, layout: Layout, rates: Rates, busiest
             r = layout.dp_replicate
             scatter += rates.collective_s("all_reduce", 2 * (r - 1) / r * block_params / n * 4,
                                           replicas)
-        per_micro = gather + (k - 1) * max(0.0, gather - block_f)
+        per_micro = gather + (k - 1) * rates.hidden(gather, block_f)
         if layout.reshard_after_forward:  # gathered again for the backward
-            per_micro += k * max(0.0, gather - block_b)
+            per_micro += k * rates.hidden(gather, block_b)
         expose("all_gather", m * per_micro)
         # the last micro-batch reduces: each block's beside the next one's backward
-        expose("reduce_scatter", scatter + (k - 1) * max(0.0, scatter - block_b))
+        expose("reduce_scatter", scatter + (k - 1) * rates.hidden(scatter, block_b))
+        # FSDP2's hooks around each unit (the blocks and the root), forward and backward
+        expose("fsdp_hooks", m * (k + 1) * rates.fsdp_unit_s)
         expose("all_gather", rates.collective_s(
             "all_gather", (n - 1) / n * held_ends * layout.compute_bytes, shard))
         expose("reduce_scatter", rates.collective_s(
@@ -287,7 +293,7 @@ def _data_parallel(trace: Trace, c: Costs, layout: Layout, rates: Rates, busiest
         if layout.pp > 1:  # the pipeline's replicas average once, after the flush
             expose("all_reduce", one * buckets)
         else:
-            expose("all_reduce", max(one, one * buckets - compute["backward"]))
+            expose("all_reduce", max(one, rates.hidden(one * buckets, compute["backward"])))
 
 
 def _memory(trace: Trace, layout: Layout, load: Load) -> dict[str, float]:
