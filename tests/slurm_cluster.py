@@ -99,6 +99,9 @@ class Cluster:
             "JobAcctGatherType=jobacct_gather/none", "SwitchType=switch/none",
             "ReturnToService=2", "MailProg=/bin/true", "InactiveLimit=0", "MinJobAge=300",
             "KillWait=10",
+            # the main scheduling loop every 2 s (SLURM's default is 60): a requeued job
+            # released to start now starts within the loop, not a minute later
+            "SchedulerParameters=sched_interval=2",
             *[f"NodeName={node} NodeHostname={host} NodeAddr=127.0.0.1 Port={port} "
               f"CPUs={CPUS} RealMemory=4000 State=UNKNOWN"
               for node, port in zip(NODES, node_ports)],

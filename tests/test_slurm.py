@@ -299,7 +299,7 @@ def test_a_requeued_job_whose_run_had_finished_leaves_it_as_it_was(cluster, tmp_
     record = (run_dir / "metrics.json").read_bytes()
     cluster.run("scontrol", "requeue", job)
     cluster.release_requeued(job, restarts=1)
-    cluster.wait_for(lambda: cluster.job(job).get("JobState") == "COMPLETED", 90,
+    cluster.wait_for(lambda: cluster.job(job).get("JobState") == "COMPLETED", 150,
                      "the requeued job to complete")
     assert (run_dir / "metrics.json").read_bytes() == record
     assert "had finished (its metrics.json is complete)" in (run_dir / "train.log").read_text()
