@@ -25,7 +25,7 @@ from parallab.advise import candidates as grid
 from parallab.advise import report, scaling
 from parallab.advise.candidates import Candidate
 from parallab.config import targets
-from parallab.config.errors import ConfigError
+from parallab.config.errors import ConfigError, first_line
 
 log = logging.getLogger("parallab")
 
@@ -316,8 +316,8 @@ def _predict_times(candidates: list[Candidate], cfg, links: dict[int, Link]) -> 
                 step = simulation.step_at(c.cfg, c.layout, options.target_world_size,
                                           cfg.cluster, known)
                 c.figures["predicted_step_ms"] = 1e3 * step.step_time_s
-        except ConfigError as error:
-            unsimulated.add(str(error))
+        except Exception as error:  # noqa: BLE001 - advise's answer stands without it
+            unsimulated.add(str(error) if isinstance(error, ConfigError) else first_line(error))
     if options.target_world_size and ran:
         notes.append(f"predicted_step_ms: each layout simulated on {options.target_world_size} "
                      f"x {cfg.cluster.gpu} (cluster={cfg.cluster.name}), as parallab simulate "

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from collections.abc import Mapping
 from typing import Any, Callable
 
 import torch

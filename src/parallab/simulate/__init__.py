@@ -6,7 +6,7 @@ The model is built once on meta: its facts (blocks, heads, the tensor-parallel p
 stages a pipeline cuts) come from there. Each distinct shape a rank computes (its
 tensor-parallel degree, micro-batch, sequence, activation checkpointing) is traced once,
 on one block (trace.py); each candidate's step is composed from its trace on the cluster's
-rates (step.py), so the 405B model's whole grid at 16,384 GPUs costs a few dozen traces.
+rates (step.py), so the 405B model's whole grid at 16,384 GPUs costs a handful of traces.
 """
 
 from __future__ import annotations
@@ -74,6 +74,12 @@ class Facts:
             self._tp[tp] = tp_problem(self._model, tp, given)
         return self._tp[tp]
 
+    def sp_problem(self, tp: int) -> str | None:
+        from parallab.parallel.mesh import sp_problem
+
+        return sp_problem(self._model, self.cfg.data, tp,
+                          getattr(self.cfg.parallel, "tp_plan", None) or None)
+
     def pipeline_problem(self, pp: int) -> str | None:
         if self.stages is None:
             return ("the model declares no stages a pipeline could cut it at (a stages() "
@@ -140,21 +146,23 @@ def layout_of(cfg, c: Candidate) -> step.Layout:
     from parallab.parallel import schedules
     from parallab.precision import compute_dtype
 
-    bubble, in_flight = 1.0, 1.0
-    if c.pp > 1:
-        bubble = schedules.bubble(c.schedule, c.pp, c.stages_per_rank, c.microbatches)
-        in_flight = schedules.activations_held(c.schedule, c.pp, c.stages_per_rank,
-                                               c.microbatches)
-    optimizer = cfg.optim.name
-    if optimizer == "sgd" and getattr(cfg.optim, "momentum", 0):
-        optimizer = "sgd_momentum"
+    bubble = schedules.bubble(c.schedule, c.pp, c.stages_per_rank, c.microbatches) \
+        if c.pp > 1 else 1.0
     dtype = compute_dtype(cfg.precision.name, "cuda")
+    p = cfg.parallel
+    # a pipeline's sharded parts stay gathered from their forward to their backward
+    reshard = getattr(p, "reshard_after_forward", True) and c.pp == 1
     return step.Layout(c.world_size, c.dp_replicate, c.dp_shard, c.tp, c.pp, c.microbatches,
-                       c.rows, cfg.data.seq_len, bubble, in_flight, c.stages_per_rank,
-                       c.schedule, cfg.trainer.compile,
-                       optimizer, dtype.itemsize, getattr(cfg.parallel, "reshard_after_forward",
-                                                          True),
-                       cfg.trainer.clip_grad_norm is not None)
+                       c.rows, cfg.data.seq_len, bubble, c.stages_per_rank, c.schedule,
+                       cfg.trainer.compile, optimizer_of(cfg), dtype.itemsize, reshard,
+                       cfg.trainer.clip_grad_norm is not None,
+                       getattr(p, "bucket_cap_mb", 25.0), cfg.precision.tf32)
+
+
+def optimizer_of(cfg) -> str:
+    """The optimizer as step.py counts its bytes."""
+    name = cfg.optim.name
+    return "sgd_momentum" if name == "sgd" and getattr(cfg.optim, "momentum", 0) else name
 
 
 def predict(cfg, c: Candidate, traces: Traces, rates: clusters.Rates) -> step.Prediction:
@@ -163,10 +171,11 @@ def predict(cfg, c: Candidate, traces: Traces, rates: clusters.Rates) -> step.Pr
                         traces.facts.flops_per_token)
 
 
-def state_gb(c: Candidate, facts: Facts) -> float:
-    """The least a rank of `c` holds: its share of the float32 weights, gradients and
-    Adam's two states (16 bytes an element), before any activation."""
-    return facts.params / (c.tp * c.pp * c.dp_shard) * 16 / 2**30
+def state_gb(c: Candidate, facts: Facts, optimizer: str) -> float:
+    """The least a rank of `c` holds: its share of the float32 weights and gradients and
+    the optimizer's states, before any activation."""
+    per_element = 8 + step.STATE_BYTES[optimizer]
+    return facts.params / (c.tp * c.pp * c.dp_shard) * per_element / 2**30
 
 
 def rank(candidates: list[Candidate], rates: clusters.Rates) -> list[Candidate]:
@@ -187,10 +196,11 @@ def simulate_all(cfg, candidates: list[Candidate], traces: Traces, rates: cluste
     traced); all of them ranked, and the seconds it took."""
     start = time.perf_counter()
     facts = traces.facts
+    optimizer = optimizer_of(cfg)
     for c in candidates:
-        pruned = len(candidates) > 1 and state_gb(c, facts) * 2**30 > rates.memory_bytes
-        if c.reason is None and pruned:
-            c.extra["state_gb"] = state_gb(c, facts)  # cannot fit: not traced
+        floor = state_gb(c, facts, optimizer)
+        if c.reason is None and len(candidates) > 1 and floor * 2**30 > rates.memory_bytes:
+            c.extra["state_gb"] = floor  # cannot fit: not traced
         elif c.reason is None:
             c.prediction = predict(cfg, c, traces, rates)
     log.info("simulate: %d layouts from %d traces in %.1f s", len(candidates),

@@ -130,10 +130,18 @@ def loopback() -> tuple[float, float]:
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "store")
         procs = [subprocess.Popen([sys.executable, "-m", __name__, str(rank), path],
-                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                  for rank in range(2)]
-        said = [p.communicate(timeout=120)[0] for p in procs]
-    latency, bus = json.loads(said[0].strip().splitlines()[-1])
+        try:
+            said = [p.communicate(timeout=120) for p in procs]
+        finally:
+            for p in procs:  # none left behind, whatever happened
+                p.kill()
+    lines = said[0][0].strip().splitlines()
+    if not lines:
+        why = (said[0][1].strip().splitlines() or ["no figure"])[-1]
+        raise RuntimeError(f"the all-reduce between two local processes was not measured: {why}")
+    latency, bus = json.loads(lines[-1])
     return latency, bus
 
 
@@ -146,18 +154,26 @@ def measured() -> dict[str, float]:
     if key in known:
         return known[key]
     latency, bus = loopback()
-    dtensor_op_s, fsdp_unit_s = framework_seconds()
+    before = torch.get_num_threads()
+    torch.set_num_threads(cores)  # as a process alone here runs them
+    try:
+        dtensor_op_s, fsdp_unit_s = framework_seconds()
+        op_s = op_seconds()
+    finally:
+        torch.set_num_threads(before)
     figures = {"dtensor_op_s": dtensor_op_s, "fsdp_unit_s": fsdp_unit_s, "cores": cores,
                "memory_bytes": _available_memory(),
                "fp32_1": matmul_flops(torch.float32, 1),
                "fp32_all": matmul_flops(torch.float32, cores),
                "bf16_1": matmul_flops(torch.bfloat16, 1),
                "bf16_all": matmul_flops(torch.bfloat16, cores),
-               "copy": copy_bytes_per_s(), "op_s": op_seconds(),
+               "copy": copy_bytes_per_s(), "op_s": op_s,
                "latency_s": latency, "bus": bus}
     known[key] = figures
     CACHE.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(known, indent=2) + "\n")
+    written = path.with_suffix(f".{os.getpid()}.tmp")  # whole or not at all, for any reader
+    written.write_text(json.dumps(known, indent=2) + "\n")
+    os.replace(written, path)
     return figures
 
 

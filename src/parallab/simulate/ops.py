@@ -114,6 +114,7 @@ class Recorder(TorchDispatchMode):
         # bytes of the storages the step made that are alive, and their most at once (each
         # storage held weakly: freed when the step lets it go)
         self.live = self.peak = 0
+        self.block_seen = False  # the block's forward has begun (what is after it, after)
         self.held: dict[int, weakref.ref] = {}
         # a serial number per tensor, held weakly: the trace frees what the step frees
         self.serials = WeakIdKeyDictionary()
@@ -130,13 +131,15 @@ class Recorder(TorchDispatchMode):
         return tuple(found)
 
     def _region(self) -> str:
-        return "block" if any(p.startswith(self.block) for p in self.tracker.parents) \
-            else "outside"
+        if any(p.startswith(self.block) for p in self.tracker.parents):
+            self.block_seen = self.block_seen or self.phase == "forward"
+            return "block"
+        return "outside"
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if func in FREE or func.namespace == "prim":
+        if func in FREE or func.is_view or func.namespace == "prim":
             return out
         flat_in, _ = tree_flatten((args, kwargs))
         flat_out, _ = tree_flatten(out)

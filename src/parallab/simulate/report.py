@@ -35,14 +35,19 @@ def entry(c: Candidate, fits: bool, command: str) -> dict[str, Any]:
 
 
 def command_of(entry_words: list[str], user: list[str], c: Candidate) -> str:
-    return shlex.join([*entry_words, *user, *c.overrides()])
+    from parallab.simulate.search import command_overrides
+
+    return shlex.join([*entry_words, *command_overrides(user, c), *c.overrides()])
 
 
 def sbatch(c: Candidate, gpus_per_node: int, command: str) -> list[str]:
-    """The lines that give the layout its allocation: a task per GPU over whole nodes."""
+    """The lines that give the layout its allocation: a task per GPU, over as few nodes as
+    hold them (the last one part-filled where the GPUs do not fill whole nodes)."""
     per_node = min(gpus_per_node, c.world_size)
     nodes = math.ceil(c.world_size / per_node)
-    return ["#!/bin/bash", f"#SBATCH --nodes={nodes}", f"#SBATCH --ntasks-per-node={per_node}",
+    tasks = [f"#SBATCH --ntasks-per-node={per_node}"] if c.world_size % per_node == 0 else \
+        [f"#SBATCH --ntasks={c.world_size}"]
+    return ["#!/bin/bash", f"#SBATCH --nodes={nodes}", *tasks,
             f"#SBATCH --gpus-per-node={per_node}", "#SBATCH --signal=USR1@90",
             "#SBATCH --requeue", f"srun --kill-on-bad-exit=1 {command}"]
 

@@ -51,6 +51,10 @@ def check(cfg) -> Any:
             raise ConfigError(f"data.{key}={value} is out of range: it must be >= 1 (sequences "
                               "per data-parallel rank, or per step)")
     search.refuse(cfg.data.problem())
+    if getattr(cfg.data, "seq_len", None) is None:
+        raise ConfigError(f"data={cfg.data.name} holds no sequences (no data.seq_len): "
+                          "parallab simulate traces a sequence model's block: use data=tokens "
+                          "(its default) with a language model")
     cfg.model = models.check(cfg.model, cfg.data)
     cfg.device = Device.cuda  # the cluster's: its compute dtypes, not this machine's
     if p.name == "auto":
@@ -100,7 +104,7 @@ def step_at(cfg, layout, world_size: int, cluster, known: dict | None = None):
     by model, shared between calls. ConfigError where it cannot be simulated."""
     import json
 
-    from parallab.simulate import Traces, predict
+    from parallab.simulate import predict
 
     if getattr(cfg.data, "seq_len", None) is None:
         raise ConfigError(f"data={cfg.data.name} holds no sequences (no data.seq_len): a "
@@ -111,7 +115,10 @@ def step_at(cfg, layout, world_size: int, cluster, known: dict | None = None):
     search.refuse(clusters.problem(cluster))
     c = search.scaled(cfg, layout, world_size)
     known = {} if known is None else known
-    key = json.dumps([cfg.model, cfg.data.seq_len, cfg.loss], sort_keys=True, default=str)
+    p = cfg.parallel  # what a trace reads of the config besides its shape
+    key = json.dumps([cfg.model, cfg.data.seq_len, cfg.data.vocab_size, cfg.loss,
+                      getattr(p, "stages", None), getattr(p, "tp_plan", None)],
+                     sort_keys=True, default=str)
     if key not in known:
         facts = Facts.of(cfg)
         facts.cut()
@@ -140,7 +147,7 @@ def run(cfg, overrides: list[str], run_dir: str, entry: list[str]) -> dict[str, 
     best = fits[0] if fits else ranked[0]
     command = report.command_of(entry, user, best)
     lines = report.sbatch(best, rates.gpus_per_node, command)
-    notes += _notes(cfg, best, rates, lines)
+    notes += _notes(lines)
     out = Path(run_dir)
     out.mkdir(parents=True, exist_ok=True)
     curves = _curves(cfg, fits[:cfg.simulate.plotted], traces, rates)
@@ -178,7 +185,7 @@ def _head(cfg, facts: Facts, seconds: float) -> dict[str, Any]:
             "flops_per_token": facts.flops_per_token, "seconds": seconds}
 
 
-def _notes(cfg, best: Candidate, rates, lines: list[str]) -> list[str]:
+def _notes(lines: list[str]) -> list[str]:
     return ["Parts: seconds of a step on the busiest GPU: compute (forward, backward and "
             "any recompute), the collectives each layout leaves exposed by kind (tp_: inside "
             "the blocks), the pipeline's idle slots (bubble) and the optimizer.", "",
@@ -186,10 +193,10 @@ def _notes(cfg, best: Candidate, rates, lines: list[str]) -> list[str]:
 
 
 def _curves(cfg, best: list[Candidate], traces, rates) -> dict[str, list]:
-    """Each of the best layouts at other GPU counts: the same tp, pp and per-rank batch,
-    data-parallel ranks for the rest (simulate.world_sizes, else powers of 2 from 8)."""
-    import dataclasses
-
+    """Each of the best layouts at other GPU counts, as search.scaled grows it (the same
+    tp, pp and batch per data-parallel rank; fsdp's shards, hsdp's and ddp's replicas
+    grown), on the cluster's rates at each count (simulate.world_sizes, else powers of 2
+    from 8)."""
     from parallab.simulate import predict
 
     n = cfg.parallel.world_size
@@ -198,13 +205,12 @@ def _curves(cfg, best: list[Candidate], traces, rates) -> dict[str, list]:
     for c in best:
         points = []
         for size in sorted(set(sizes)):
-            dp = size // (c.tp * c.pp)
-            if dp < 1 or size % (c.tp * c.pp):
+            try:
+                other = search.grown(c, size)
+            except ConfigError:  # the count does not split so
                 continue
-            shard = min(c.dp_shard, dp) if dp % min(c.dp_shard, dp) == 0 else dp
-            other = dataclasses.replace(c, world_size=size, dp_shard=shard,
-                                        dp_replicate=dp // shard, prediction=None)
-            points.append((size, predict(cfg, other, traces, rates).tokens_per_sec_per_gpu))
+            found = predict(cfg, other, traces, rates_of(cfg.cluster, size))
+            points.append((size, found.tokens_per_sec_per_gpu))
         curves[c.label] = points
     return curves
 

@@ -9,13 +9,19 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from parallab.config.errors import ConfigError
 from parallab.parallel import schedules
 from parallab.simulate.step import Prediction
 
 CHECKPOINTING = ("none", "selective", "full")
 # what a candidate sets: the user's own settings of these give way to it in its command
-DECIDED = ("parallel=", "parallel.", "trainer.activation_checkpointing=",
+# (the layout's other keys, such as parallel.bucket_cap_mb, stay as the user set them)
+DECIDED = ("parallel=", "parallel.world_size=", "parallel.dp_replicate=",
+           "parallel.dp_shard=", "parallel.tp=", "parallel.pp=", "parallel.schedule=",
+           "parallel.microbatches=", "parallel.stages_per_rank=",
+           "parallel.sequence_parallel=", "trainer.activation_checkpointing=",
            "trainer.accumulate_grad_batches=", "data.batch_size=", "cluster=", "cluster.",
            "simulate.", "hydra.", "advise.")
 
@@ -118,14 +124,18 @@ def per_rank_batch(cfg, dp: int) -> tuple[int | None, str | None]:
 
 def grid(cfg, facts, gpus_per_node: int) -> list[Candidate]:
     """Every layout of parallel.world_size GPUs for the model (`facts`: simulate.Facts);
-    those the model or the batch cannot take carry their reason."""
+    those the model or the batch cannot take carry their reason. No pipeline computes in
+    float16: its schedules take no scaled loss (train refuses it)."""
+    from parallab.precision import compute_dtype
+
     n = cfg.parallel.world_size
+    scaled_loss = compute_dtype(cfg.precision.name, "cuda") == torch.float16
     found: list[Candidate] = []
     for tp in [t for t in powers_of_two(min(n, gpus_per_node)) if n % t == 0]:
         tp_reason = facts.tp_problem(tp)
         for pp in [p for p in powers_of_two(n // tp) if (n // tp) % p == 0]:
-            if pp > 1 and facts.pipeline_problem(pp) is not None:
-                continue  # said once, in the notes: the model cannot be cut this much
+            if pp > 1 and (scaled_loss or facts.pipeline_problem(pp) is not None):
+                continue  # said once, in the notes
             dp = n // (tp * pp)
             shards = sorted({f for f in powers_of_two(dp) if dp % f == 0} | {dp})
             batch, batch_reason = per_rank_batch(cfg, dp)
@@ -137,7 +147,8 @@ def grid(cfg, facts, gpus_per_node: int) -> list[Candidate]:
                         c = Candidate(**base, **way, checkpointing=ac)
                         c.reason = tp_reason or batch_reason
                         found.append(c)
-                        if tp > 1 and facts.takes_sequence_parallel and not c.reason:
+                        if tp > 1 and facts.takes_sequence_parallel and not c.reason and \
+                                facts.sp_problem(tp) is None:
                             found.append(Candidate(**base, **way, checkpointing=ac,
                                                    sequence_parallel=True))
     return found
@@ -180,9 +191,13 @@ def scaled(cfg, layout, world_size: int) -> Candidate:
     """The layout of a checked config on `world_size` GPUs: its tp, pp and batch per
     data-parallel rank kept, its data-parallel degrees grown (fsdp's shards, hsdp's and
     ddp's replicas). ConfigError where the GPUs do not split so."""
+    return grown(given(cfg, layout), world_size)
+
+
+def grown(c: Candidate, world_size: int) -> Candidate:
+    """`c` on `world_size` GPUs (see scaled)."""
     import dataclasses
 
-    c = given(cfg, layout)
     if world_size == c.world_size:
         return c
     if world_size % (c.tp * c.pp):
@@ -192,13 +207,18 @@ def scaled(cfg, layout, world_size: int) -> Candidate:
     if dp % shard:
         raise ConfigError(f"{world_size} GPUs do not split into shard groups of {shard}")
     return dataclasses.replace(c, world_size=world_size, dp_shard=shard,
-                               dp_replicate=dp // shard)
+                               dp_replicate=dp // shard, prediction=None)
 
 
 def user_overrides(overrides: list[str]) -> list[str]:
     """The user's overrides less those each candidate decides."""
-    return [o for o in overrides if not o.lstrip("+~").startswith(DECIDED) or
-            o.lstrip("+~").startswith(("parallel.stages=", "parallel.tp_plan="))]
+    return [o for o in overrides if not o.lstrip("+~").startswith(DECIDED)]
+
+
+def command_overrides(user: list[str], c: Candidate) -> list[str]:
+    """The user's overrides as a candidate's command keeps them: a tensor-parallel plan only
+    where it splits (train refuses one at tp 1)."""
+    return [o for o in user if c.tp > 1 or not o.lstrip("+~").startswith("parallel.tp_plan=")]
 
 
 def refuse(reason: str | None) -> None:

@@ -42,7 +42,6 @@ from parallab.simulate.trace import Op, Trace
 # state read, weight and each state written (float32)
 OPTIMIZER_BYTES = {"adam": 28, "adamw": 28, "sgd_momentum": 20, "sgd": 12}
 STATE_BYTES = {"adam": 8, "adamw": 8, "sgd_momentum": 4, "sgd": 0}  # per element, besides
-DDP_BUCKET_BYTES = 25 * 2**20  # DDP's bucket_cap_mb default
 
 
 @dataclass(frozen=True)
@@ -58,7 +57,6 @@ class Layout:
     rows: int = 1  # sequences in a micro-batch
     seq_len: int = 1024
     bubble: float = 1.0  # compute time over a step without idle ranks (schedules.bubble)
-    in_flight: float = 1.0  # micro-batches whose activations the busiest rank holds at once
     stages_per_rank: int = 1
     schedule: str | None = None
     compile: bool = False
@@ -66,6 +64,8 @@ class Layout:
     compute_bytes: int = 2  # a gathered weight's element (the compute dtype)
     reshard_after_forward: bool = True
     clip: bool = False
+    bucket_mb: float = 25.0  # DDP's parallel.bucket_cap_mb
+    tf32: bool = False  # float32 matmuls on TF32 tensor cores (precision.tf32)
 
     @property
     def dp(self) -> int:
@@ -249,7 +249,8 @@ def predict(trace: Trace, c: Costs, layout: Layout, rates: Rates, blocks: int,
     memory = max((_memory(trace, layout, load) for load in ranks),
                  key=lambda found: sum(found.values()))
     per_gpu = tokens / step / layout.world_size
-    peak = rates.peaks["bf16"] if layout.compute_bytes == 2 else rates.peaks["fp32"]
+    peak = rates.peaks["bf16"] if layout.compute_bytes == 2 else rates.peaks[
+        "tf32" if layout.tf32 and rates.peaks.get("tf32") else "fp32"]
     return Prediction(step, per_gpu, sum(memory.values()), per_gpu * flops_per_token / peak,
                       parts, memory)
 
@@ -273,12 +274,16 @@ def _data_parallel(trace: Trace, c: Costs, layout: Layout, rates: Rates, busiest
             r = layout.dp_replicate
             scatter += rates.collective_s("all_reduce", 2 * (r - 1) / r * block_params / n * 4,
                                           replicas)
-        per_micro = gather + (k - 1) * rates.hidden(gather, block_f)
-        if layout.reshard_after_forward:  # gathered again for the backward
-            per_micro += k * rates.hidden(gather, block_b)
-        expose("all_gather", m * per_micro)
-        # the last micro-batch reduces: each block's beside the next one's backward
-        expose("reduce_scatter", scatter + (k - 1) * rates.hidden(scatter, block_b))
+        gathers = m if layout.reshard_after_forward else 1  # else gathered once a step
+        expose("all_gather", gathers * (gather + (k - 1) * rates.hidden(gather, block_f)))
+        # the backward's gathers (where freed after the forward) and the last micro-batch's
+        # reductions share the links beside each block's backward
+        again = gather if layout.reshard_after_forward else 0.0
+        expose("all_gather", (m - 1) * k * rates.hidden(again, block_b))
+        beside = rates.hidden(again + scatter, block_b)
+        share = again / (again + scatter) if again + scatter else 0.0
+        expose("all_gather", k * beside * share)
+        expose("reduce_scatter", scatter + (k - 1) * beside * (1 - share))
         # FSDP2's hooks around each unit (the blocks and the root), forward and backward
         expose("fsdp_hooks", m * (k + 1) * rates.fsdp_unit_s)
         expose("all_gather", rates.collective_s(
@@ -288,7 +293,7 @@ def _data_parallel(trace: Trace, c: Costs, layout: Layout, rates: Rates, busiest
     elif layout.dp_replicate > 1:
         r = layout.dp_replicate
         grads = (k * block_params + held_ends) * 4
-        buckets = max(1, math.ceil(grads / DDP_BUCKET_BYTES))
+        buckets = max(1, math.ceil(grads / (layout.bucket_mb * 2**20)))
         one = rates.collective_s("all_reduce", 2 * (r - 1) / r * grads / buckets, replicas)
         if layout.pp > 1:  # the pipeline's replicas average once, after the flush
             expose("all_reduce", one * buckets)
@@ -306,14 +311,17 @@ def _memory(trace: Trace, layout: Layout, load: Load) -> dict[str, float]:
     held = (load.blocks * block + held_ends) / layout.dp_shard
     state = held * (4 + 4 + STATE_BYTES[layout.optimizer])
     gathered = 0.0
-    if layout.dp_shard > 1:  # this block's and the next one's weights, a gradient reduced
-        gathered = 2 * block * layout.compute_bytes + block * 4 + held_ends * layout.compute_bytes
+    if layout.dp_shard > 1:  # this block's and the next one's weights (every block's where
+        # they stay gathered from the forward), the root's, a gradient reduced
+        blocks_held = 2 if layout.reshard_after_forward else load.blocks
+        gathered = (blocks_held * block + held_ends) * layout.compute_bytes + block * 4
+        if layout.microbatches > 1 and layout.pp == 1:  # accumulated unsharded till the last
+            gathered += (load.blocks * block + held_ends) * 4
     saved = trace.saved_compiled if layout.compile else trace.saved
-    kept = load.blocks * saved.get("block", 0.0) + (saved.get("outside", 0.0) if load.ends
-                                                    else 0.0)
+    kept = load.blocks * saved.get("block", 0.0) + sum(saved.get(r, 0.0) for r in load.ends)
     in_flight = 1.0 if layout.pp == 1 else schedules.activations_held(
         layout.schedule, layout.pp, layout.stages_per_rank, layout.microbatches, load.rank)
-    eager = trace.saved.get("block", 0.0) + trace.saved.get("outside", 0.0)
+    eager = sum(trace.saved.values())
     temporary = max(0.0, trace.peak_transient - eager) if load.after else 0.0
     return {name: value / 2**30 for name, value in (
         ("state", state), ("gathered", gathered), ("activations", in_flight * kept),

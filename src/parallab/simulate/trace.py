@@ -5,14 +5,14 @@ activation checkpointing wraps): what one block computes is what each of them co
 so tracing one gives every layer's figures, whatever the model's depth. The cut model is
 laid out as a rank lays it out (tensor parallel by the model's own plan, over torch's fake
 process group of tp ranks; activation checkpointing around the block), given fake
-storage, and run forward and backward on a fake micro-batch under autocast, then its
-optimizer steps once. A dispatch mode records every op a rank runs: its FLOPs (torch's
-flop counter's formulas), the bytes it reads and writes (by tensor, so that a fused chain
-can be counted once), the collectives tensor parallelism calls; ModTracker says whether
+storage, and run forward and backward on a fake micro-batch under autocast. A dispatch
+mode records every op a rank runs: its FLOPs (torch's flop counter's formulas), the bytes
+it reads and writes (by tensor, so that a fused chain can be counted once), the
+collectives tensor parallelism calls; ModTracker says whether
 an op belongs to the block, to what comes before it (embeddings) or after it (the head
 and the loss). Saved-for-backward bytes per region come from autograd's hooks, and the
 peak of the bytes the step's ops made and held at once (activations, temporaries, the
-gradients of the one block), as torch's MemTracker counts them (ops.py).
+gradients of the one block), each storage followed until it is freed (ops.py).
 
 Nothing is allocated and no collective runs: a 405B model's block traces in a second.
 """
@@ -63,18 +63,23 @@ class Trace:
 
 def cut_to_one_block(model: nn.Module, blocks: list[nn.Module]) -> str:
     """Keep the first of the model's blocks in their container (a ModuleList the forward
-    loops over); the block's name."""
+    loops over), the others taken out; the block's name."""
+    from parallab.config.errors import ConfigError
+
     names = {id(m): name for name, m in model.named_modules()}
     first = names[id(blocks[0])]
     parent_name = first.rpartition(".")[0]
     parent = model.get_submodule(parent_name) if parent_name else model
-    if not isinstance(parent, (nn.ModuleList, nn.Sequential)):
-        raise ValueError(f"the blocks of {type(model).__name__} are not held in a ModuleList")
-    kept = [b for b in blocks[:1]]
-    for index in range(len(parent) - 1, 0, -1):
-        del parent[index]
-    assert list(parent) == kept
-    return first
+    others = {id(b) for b in blocks[1:]}
+    if not isinstance(parent, nn.ModuleList) or any(
+            names[id(b)].rpartition(".")[0] != parent_name for b in blocks):
+        raise ConfigError(f"the blocks of {type(model).__name__} are not the children of one "
+                          "ModuleList its forward loops over, which parallab simulate cuts to "
+                          "one: give the model its blocks in an nn.ModuleList")
+    kept = [b for b in parent if id(b) not in others]
+    parent._modules.clear()
+    parent.extend(kept)
+    return next(name for name, m in model.named_modules() if m is blocks[0])
 
 
 @contextlib.contextmanager
@@ -196,13 +201,16 @@ def trace(cfg, template: nn.Module, block: str, vocab: int, shape: Shape) -> Tra
         recorder = Recorder(tracker, _fqn(model, block), hf.shifts_labels(model))
         saved = _SavedByRegion(model, tracker, recorder)
         calls = register_module_forward_pre_hook(lambda module, _: called.append(module))
-        with fake, tracker, recorder, _masks_as_on_a_device():
-            with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
-                with precision.autocast():
-                    value = loss.step_loss(model, batch, shape.rows * shape.seq_len)[1]
-            calls.remove()
-            recorder.phase = "backward"
-            value.backward()
+        try:
+            with fake, tracker, recorder, _masks_as_on_a_device():
+                with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+                    with precision.autocast():
+                        value = loss.step_loss(model, batch, shape.rows * shape.seq_len)[1]
+                calls.remove()
+                recorder.phase = "backward"
+                value.backward()
+        finally:
+            calls.remove()  # a global hook: never left behind
     found.ops = recorder.ops
     _region(found.ops)
     found.params = _params_by_region(model, the_block, called)
@@ -256,14 +264,15 @@ class _SavedByRegion:
         key = storage._cdata
         if key not in self.params and key not in self.seen:
             inside = any(p.startswith(self.recorder.block) for p in self.tracker.parents)
-            region = "block" if inside else "outside"
+            # outside the block: the embeddings' before the block ran, the head's after
+            region = "block" if inside else ("after" if self.recorder.block_seen else "before")
             made_in, kind = self.recorder.produced.get(key, ("", ""))
             recomputed = kind == "memory" and (made_in == "block") == inside
             self.seen[key] = (region, storage.nbytes(), not recomputed)
         return tensor
 
     def by_region(self, compiled: bool = False) -> dict[str, float]:
-        totals = {"block": 0.0, "outside": 0.0}
+        totals = {region: 0.0 for region in REGIONS}
         for region, nbytes, kept in self.seen.values():
             if kept or not compiled:
                 totals[region] += nbytes
