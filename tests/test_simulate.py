@@ -31,7 +31,7 @@ def traced(shape, *overrides: str):
     cfg = configured(*GPT, *overrides)
     facts = Facts.of(cfg)
     facts.cut()
-    return trace.trace(cfg, facts.template, facts.block, facts.vocab, shape)
+    return trace.trace(cfg, facts.model, facts.block, facts.vocab, shape)
 
 
 def flops(found, phase: str, region: str, kind: str) -> float:
@@ -206,6 +206,12 @@ def test_auto_ranks_every_layout_and_writes_its_answer(tmp_path):
     (["parallel=auto", "parallel.world_size=1"], "parallel=auto with parallel.world_size=1"),
     (["parallel=auto", "parallel.world_size=8", "cluster.memory_gb=0.0001"],
      "no layout of parallel.world_size=8 GPUs fits GPT on cluster=h100: the smallest needs"),
+    (["parallel=auto", "parallel.world_size=8", "simulate.rows=0"],
+     "simulate.rows=0 is out of range: it must be >= 1"),
+    (["parallel=auto", "parallel.world_size=8", "simulate.world_sizes=[0,8]"],
+     "simulate.world_sizes=[0, 8]: each must be a GPU count >= 1"),
+    (["parallel=auto", "parallel.world_size=8", "simulate.measured=/no/such/runs"],
+     "simulate.measured=/no/such/runs is not a directory"),
 ])
 def test_bad_input_ends_in_one_line(tmp_path, overrides, says):
     from parallab.commands import simulate_in_process

@@ -270,7 +270,8 @@ def simulate_in_process(overrides: list[str], run_dir: str | Path,
     from parallab.simulate import run
 
     cfg = typed_config(compose(list(overrides), config_dir, "simulate"), list(overrides))
-    return run.run(cfg, list(overrides), str(run_dir), ["parallab", "train"])
+    flags = ["--config-dir", str(config_dir)] if config_dir else []  # as its commands need it
+    return run.run(cfg, list(overrides), str(run_dir), ["parallab", "train", *flags])
 
 
 def simulate(argv: list[str] | None = None) -> None:

@@ -3,20 +3,17 @@ launcher parallab runs sweeps with: `basic` (Hydra's default, a job at a time in
 process), `submitit_local` and `submitit_slurm` (submitit_slurm.py). A job refused by the
 checks a config passes alone (checks/validate.check_config: its values, its layout's
 degrees) ends the sweep in one line naming the job, exit status 2, where it was run or
-submitted with the others and failed on its own: a world size of 0 failed in SLURM 38 s
-after submission, one of -3 ended the sweep in an IndexError."""
+submitted with the others and failed on its own, once its turn or its allocation came."""
 
 # no `from __future__ import annotations`: Hydra's scan of its plugins runs this module
 # under a name that is not in sys.modules, where a dataclass cannot read string annotations
 import copy
-import logging
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Sequence
 
 from hydra._internal.core_plugins.basic_launcher import BasicLauncher as HydraBasicLauncher
 from hydra.core.config_store import ConfigStore
-from hydra.core.utils import JobReturn, configure_log, filter_overrides, run_job, setup_globals
+from hydra.core.utils import JobReturn, filter_overrides
 from omegaconf import DictConfig, open_dict
 
 from parallab.config.errors import ConfigError
@@ -28,8 +25,6 @@ try:  # Hydra imports every plugin module at its start: without the slurm extra,
     )
 except ImportError:
     LocalQueueConf = SubmititLocalLauncher = object  # type: ignore[assignment,misc]
-
-log = logging.getLogger(HydraBasicLauncher.__module__)  # what Hydra's says, said alike
 
 
 def checked_job(launcher, overrides: Sequence[str], idx: int) -> DictConfig:
@@ -48,9 +43,13 @@ def checked_job(launcher, overrides: Sequence[str], idx: int) -> DictConfig:
     try:
         validate.check_config(typed_config(job, list(overrides)))
     except ConfigError as error:
-        raise ConfigError(f"job #{idx} ({' '.join(filter_overrides(overrides))}): "
-                          f"{error}") from None
+        raise ConfigError(f"{job_label(idx, overrides)}: {error}") from None
     return cfg
+
+
+def job_label(idx: int, overrides: Sequence[str]) -> str:
+    """A job as a refusal names it: its number and its own overrides."""
+    return f"job #{idx} ({' '.join(filter_overrides(overrides))})"
 
 
 def checked_jobs(launcher, job_overrides: Sequence[Sequence[str]],
@@ -60,26 +59,13 @@ def checked_jobs(launcher, job_overrides: Sequence[Sequence[str]],
 
 
 class BasicLauncher(HydraBasicLauncher):
-    """Hydra's basic launcher, every job checked first; each then runs from the config
-    composed for its check (Hydra's composes each as it comes to it)."""
+    """Hydra's basic launcher, every job checked before the first one runs (Hydra's
+    composes each again as it comes to it: a few ms a job)."""
 
     def launch(self, job_overrides: Sequence[Sequence[str]],
                initial_job_idx: int) -> Sequence[JobReturn]:
-        setup_globals()
-        assert self.config is not None and self.hydra_context is not None
-        configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
-        configs = checked_jobs(self, job_overrides, initial_job_idx)
-        Path(str(self.config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
-        log.info(f"Launching {len(job_overrides)} jobs locally")
-        runs = []
-        for cfg, overrides in zip(configs, job_overrides):
-            log.info(f"\t#{cfg.hydra.job.num} : {' '.join(filter_overrides(overrides))}")
-            runs.append(run_job(hydra_context=self.hydra_context,
-                                task_function=self.task_function, config=cfg,
-                                job_dir_key="hydra.sweep.dir",
-                                job_subdir_key="hydra.sweep.subdir"))
-            configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
-        return runs
+        checked_jobs(self, job_overrides, initial_job_idx)
+        return super().launch(job_overrides, initial_job_idx)
 
 
 class LocalLauncher(SubmititLocalLauncher):  # type: ignore[misc,valid-type]

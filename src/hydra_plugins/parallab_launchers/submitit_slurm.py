@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Sequence
 
 from hydra.core.singleton import Singleton
-from hydra.core.utils import JobReturn, filter_overrides, run_job
+from hydra.core.utils import JobReturn, run_job
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from parallab.observe.summary import read_metrics
@@ -20,7 +20,7 @@ try:  # Hydra imports every plugin module at its start: without the slurm extra,
         SlurmLauncher as SubmititSlurmLauncher,
     )
 
-    from hydra_plugins.parallab_launchers.checked import checked_job
+    from hydra_plugins.parallab_launchers.checked import checked_job, job_label
     from parallab.launching.allocation import Allocation, Partition, allocation
 except ImportError:
     SubmititSlurmLauncher = object  # type: ignore[assignment,misc]
@@ -50,8 +50,7 @@ class SlurmLauncher(SubmititSlurmLauncher):  # type: ignore[misc,valid-type]
                     cfg.hydra.sweep.subdir)) is not None:
                 completed.append(cfg)
                 continue
-            needed = allocation(cfg, self.params, partition,
-                                f"job #{idx} ({' '.join(filter_overrides(overrides))})")
+            needed = allocation(cfg, self.params, partition, job_label(idx, overrides))
             groups.setdefault(needed, []).append((idx, list(overrides)))
         submitted = self._submit(groups) if groups else {}
         returns = {cfg.hydra.job.num: run_job(hydra_context=self.hydra_context,

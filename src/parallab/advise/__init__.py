@@ -281,17 +281,13 @@ def _dirname(candidate: Candidate) -> str:
     return "".join(ch if ch.isalnum() or ch in "=.-" else "_" for ch in candidate.label)
 
 
-THIS = dict(name="this", gpu="this", memory_gb=None, hbm_gbps=None, gpus_per_node=None,
-            intra_node_gbps=None, inter_node_gbps=None, matmul_efficiency=None,
-            op_overhead_us=None)  # cluster=this: this machine, its rates measured
-
-
 def _predict_times(candidates: list[Candidate], cfg, links: dict[int, Link]) -> list[str]:
     """Each measured candidate's step: simulated at advise.target_world_size on the cluster
     group's GPUs, and here (cluster=this) at its own world size, as parallab simulate
     predicts it; and here from the parts its job measured (the replay's check). Notes for
     advise.md."""
     from parallab.config.schema import ClusterConfig
+    from parallab.simulate import cluster as clusters
     from parallab.simulate import run as simulation
 
     options = cfg.advise
@@ -299,7 +295,8 @@ def _predict_times(candidates: list[Candidate], cfg, links: dict[int, Link]) -> 
     devices = torch.cuda.device_count() or 1 if ran and ran[0].cfg.device.value == "cuda" else 1
     notes, errors, simulated, unsimulated = [], [], [], set()
     known: dict = {}
-    this = ClusterConfig(**THIS)
+    # cluster=this: this machine, every rate measured
+    this = ClusterConfig(name=clusters.THIS, gpu=clusters.THIS, **dict.fromkeys(clusters.RATES))
     for c in ran:
         one = report.reference_of(candidates, c.precision)
         alone = one.figures["step_time_ms"] / 1e3 if one and one.world_size == 1 else None

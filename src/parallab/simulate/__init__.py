@@ -31,8 +31,8 @@ class Facts:
     """What the model says of itself, read once from it on meta."""
 
     cfg: Any
-    template: nn.Module  # cut to its first block, on meta
-    block: str
+    model: nn.Module  # on meta; cut() leaves its first block alone in it
+    block: str  # the kept block's name, once cut
     blocks: int
     vocab: int
     flops_per_token: float
@@ -40,7 +40,6 @@ class Facts:
     params: float  # elements of the model's parameters
     takes_sequence_parallel: bool
     _tp: dict[int, str | None] = field(default_factory=dict)
-    _model: nn.Module | None = None
 
     @classmethod
     def of(cls, cfg) -> "Facts":
@@ -57,12 +56,11 @@ class Facts:
                               "_no_split_modules, a stages() method, or parallel.stages)")
         stages = stages_of.chain(model, getattr(cfg.parallel, "stages", None))
         given = getattr(cfg.parallel, "tp_plan", None) or None
-        facts = cls(cfg, model, "", len(blocks), vocab_of(model, cfg),
-                    mfu.flops_per_token(model, cfg.data.seq_len),
-                    len(stages) if stages else None,
-                    float(sum(p.numel() for p in model.parameters())),
-                    plans.takes_sequence_parallel(model, given), _model=model)
-        return facts
+        return cls(cfg, model, "", len(blocks), vocab_of(model, cfg),
+                   mfu.flops_per_token(model, cfg.data.seq_len),
+                   len(stages) if stages else None,
+                   float(sum(p.numel() for p in model.parameters())),
+                   plans.takes_sequence_parallel(model, given))
 
     def tp_problem(self, tp: int) -> str | None:
         from parallab.parallel.mesh import tp_problem
@@ -71,13 +69,13 @@ class Facts:
             return None
         if tp not in self._tp:
             given = getattr(self.cfg.parallel, "tp_plan", None) or None
-            self._tp[tp] = tp_problem(self._model, tp, given)
+            self._tp[tp] = tp_problem(self.model, tp, given)
         return self._tp[tp]
 
     def sp_problem(self, tp: int) -> str | None:
         from parallab.parallel.mesh import sp_problem
 
-        return sp_problem(self._model, self.cfg.data, tp,
+        return sp_problem(self.model, self.cfg.data, tp,
                           getattr(self.cfg.parallel, "tp_plan", None) or None)
 
     def pipeline_problem(self, pp: int) -> str | None:
@@ -90,9 +88,8 @@ class Facts:
 
     def cut(self) -> None:
         """Keep the first block only (after every check that needs the whole model)."""
-        blocks = trace.blocks_of(self._model, getattr(self.cfg.parallel, "stages", None))
-        self.block = trace.cut_to_one_block(self._model, blocks)
-        self._model = None
+        blocks = trace.blocks_of(self.model, getattr(self.cfg.parallel, "stages", None))
+        self.block = trace.cut_to_one_block(self.model, blocks)
 
 
 def rates_of(cluster, world_size: int = 1) -> clusters.Rates:
@@ -119,18 +116,15 @@ class Traces:
         self.cfg, self.facts = cfg, facts
         self.found: dict[trace.Shape, trace.Trace] = {}
         self.costs: dict[tuple, step.Costs] = {}
-        self.rates: list[clusters.Rates] = []  # those priced at, kept: their ids key costs
 
     def of(self, shape: trace.Shape, rates: clusters.Rates, compile: bool = False,
            tf32: bool = False) -> tuple[trace.Trace, step.Costs]:
         """The shape's trace (made once), and its ops priced on the cluster."""
         if shape not in self.found:
-            self.found[shape] = trace.trace(self.cfg, self.facts.template, self.facts.block,
+            self.found[shape] = trace.trace(self.cfg, self.facts.model, self.facts.block,
                                             self.facts.vocab, shape)
-        key = (shape, id(rates), compile, tf32)
+        key = (shape, rates, compile, tf32)
         if key not in self.costs:
-            if not any(r is rates for r in self.rates):
-                self.rates.append(rates)
             self.costs[key] = step.costs(self.found[shape], rates, compile, tf32)
         return self.found[shape], self.costs[key]
 
@@ -182,11 +176,9 @@ def rank(candidates: list[Candidate], rates: clusters.Rates) -> list[Candidate]:
     """Those that fit first, fastest first; then those that do not, least memory first;
     then those that cannot run."""
     def key(c: Candidate):
-        p = c.prediction
-        if p is None:
-            return (1, c.extra["state_gb"]) if "state_gb" in c.extra else (2, 0.0)
-        fits = p.memory_per_gpu_gb * 2**30 <= rates.memory_bytes
-        return (0, -p.tokens_per_sec_per_gpu) if fits else (1, p.memory_per_gpu_gb)
+        if c.fits(rates.memory_bytes):
+            return (0, -c.prediction.tokens_per_sec_per_gpu)
+        return (2, 0.0) if c.memory_gb is None else (1, c.memory_gb)
     return sorted(candidates, key=key)
 
 
@@ -200,7 +192,7 @@ def simulate_all(cfg, candidates: list[Candidate], traces: Traces, rates: cluste
     for c in candidates:
         floor = state_gb(c, facts, optimizer)
         if c.reason is None and len(candidates) > 1 and floor * 2**30 > rates.memory_bytes:
-            c.extra["state_gb"] = floor  # cannot fit: not traced
+            c.state_gb = floor  # cannot fit: not traced
         elif c.reason is None:
             c.prediction = predict(cfg, c, traces, rates)
     log.info("simulate: %d layouts from %d traces in %.1f s", len(candidates),

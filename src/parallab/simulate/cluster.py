@@ -86,7 +86,7 @@ class Group:
         return cls(size, math.ceil(size / per_node))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # hashed by identity: a Traces' priced costs key on it
 class Rates:
     """A cluster's figures in the units the step model uses (seconds, bytes per second)."""
 
@@ -107,6 +107,10 @@ class Rates:
     fsdp_unit_s: float = 0.0  # there: what FSDP2's hooks add to a unit's forward and backward
     # an op's seconds measured by running it (cluster=this), None where it cannot be
     timed: Any = None
+
+    def fp32_peak(self, tf32: bool) -> float:
+        """A float32 matmul's peak: TF32's tensor cores where asked and the GPU has them."""
+        return self.peaks["tf32" if tf32 and self.peaks.get("tf32") else "fp32"]
 
     def hidden(self, seconds: float, beside: float) -> float:
         """What of a collective of `seconds` run beside `beside` seconds of compute is left

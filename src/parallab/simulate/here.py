@@ -247,20 +247,16 @@ def rates(cfg: ClusterConfig, world_size: int) -> Rates:
         return per_thread * share
 
     nccl = NcclLatency(f["latency_s"] * 1e6, 0.0, 0.0, f["latency_s"] * 1e6, 0.0, 0.0)
-    given = {k: getattr(cfg, k) for k in ("memory_gb", "hbm_gbps", "intra_node_gbps",
-                                          "inter_node_gbps", "matmul_efficiency",
-                                          "op_overhead_us") if getattr(cfg, k) is not None}
+    scaled = {"memory_gb": ("memory_bytes", 2**30), "hbm_gbps": ("hbm", GBIT),
+              "gpus_per_node": ("gpus_per_node", 1), "intra_node_gbps": ("intra", GBIT),
+              "inter_node_gbps": ("inter", GBIT), "matmul_efficiency": ("matmul_efficiency", 1),
+              "op_overhead_us": ("op_overhead_s", 1e-6)}  # the YAML's keys as Rates holds them
+    given = {k: getattr(cfg, k) for k in scaled if getattr(cfg, k) is not None}
     base = Rates({"fp32": rate("fp32"), "tf32": rate("fp32"), "bf16": rate("bf16"),
                   "fp16": rate("bf16")}, 1.0, f["copy"] / n, f["bus"], f["bus"], n,
                  f["memory_bytes"] / n, f["op_s"] / share, nccl, overhead_adds=True,
                  dtensor_op_s=f["dtensor_op_s"] / share, fsdp_unit_s=f["fsdp_unit_s"] / share,
                  timed=_TIMERS.setdefault((threads, share), Timer(threads, share)))
-    if not given:
-        return base
-    scaled = {"memory_gb": ("memory_bytes", 2**30), "hbm_gbps": ("hbm", GBIT),
-              "intra_node_gbps": ("intra", GBIT), "inter_node_gbps": ("inter", GBIT),
-              "matmul_efficiency": ("matmul_efficiency", 1), "op_overhead_us": ("op_overhead_s",
-                                                                                1e-6)}
     return dataclasses.replace(base, **{scaled[k][0]: v * scaled[k][1] for k, v in given.items()})
 
 

@@ -18,19 +18,15 @@ PARTS = ("compute_s", "bubble_s", "optimizer_s")  # the rest: exposed collective
 def entry(c: Candidate, fits: bool, command: str) -> dict[str, Any]:
     """One layout as simulate.json holds it."""
     p = c.prediction
-    found: dict[str, Any] = {"layout": c.label, "command": command, "fits": fits}
+    found: dict[str, Any] = {"layout": c.label, "command": command, "fits": fits,
+                             "tokens_per_sec_per_gpu": None, "step_time_s": None, "mfu": None,
+                             "memory_per_gpu_gb": c.memory_gb, "parts": {}}
     if p is not None:
         found.update({"tokens_per_sec_per_gpu": p.tokens_per_sec_per_gpu,
-                      "step_time_s": p.step_time_s, "mfu": p.mfu,
-                      "memory_per_gpu_gb": p.memory_per_gpu_gb, "parts": p.parts,
+                      "step_time_s": p.step_time_s, "mfu": p.mfu, "parts": p.parts,
                       "memory_gb": p.memory})
-    elif "state_gb" in c.extra:  # not traced: its training state alone is over the memory
-        found.update({"tokens_per_sec_per_gpu": None, "step_time_s": None, "mfu": None,
-                      "memory_per_gpu_gb": c.extra["state_gb"], "parts": {},
-                      "reason": "its training state alone is over the GPU's memory"})
     else:
-        found.update({"tokens_per_sec_per_gpu": None, "step_time_s": None, "mfu": None,
-                      "memory_per_gpu_gb": None, "parts": {}, "reason": c.reason})
+        found["reason"] = c.reason or "its training state alone is over the GPU's memory"
     return found
 
 

@@ -29,6 +29,7 @@ def check(cfg) -> Any:
     from parallab.parallel import PLANS
 
     search.refuse(clusters.problem(cfg.cluster))
+    search.refuse(_own_problem(cfg.simulate))
     p = cfg.parallel
     if p.world_size is None:
         raise ConfigError("parallel.world_size is not set: give the GPU count to simulate, "
@@ -36,10 +37,7 @@ def check(cfg) -> Any:
     if p.name == "auto" and p.world_size < 2:
         raise ConfigError(f"parallel=auto with parallel.world_size={p.world_size}: one GPU has "
                           "one layout; give the cluster's GPU count (2 or more)")
-    if p.name in ONE_PROCESS:
-        raise ConfigError(f"parallel={p.name} drives several GPUs from one process, which "
-                          "parallab simulate does not model: simulate parallel=ddp, fsdp, hsdp, "
-                          "tp, fsdp_tp, pipeline or auto")
+    _refuse_one_process(p.name)
     if cfg.precision.name == "fp8":
         raise ConfigError("precision=fp8: parallab simulate models fp32, bf16 and fp16 steps "
                           "(torchao's float8 kernels do not trace on fake tensors): use "
@@ -51,10 +49,7 @@ def check(cfg) -> Any:
             raise ConfigError(f"data.{key}={value} is out of range: it must be >= 1 (sequences "
                               "per data-parallel rank, or per step)")
     search.refuse(cfg.data.problem())
-    if getattr(cfg.data, "seq_len", None) is None:
-        raise ConfigError(f"data={cfg.data.name} holds no sequences (no data.seq_len): "
-                          "parallab simulate traces a sequence model's block: use data=tokens "
-                          "(its default) with a language model")
+    _refuse_no_sequences(cfg.data)
     cfg.model = models.check(cfg.model, cfg.data)
     cfg.device = Device.cuda  # the cluster's: its compute dtypes, not this machine's
     if p.name == "auto":
@@ -68,6 +63,33 @@ def check(cfg) -> Any:
         stages = stages_on_meta(cfg)
     layout.plan.check(cfg, layout, stages)
     return layout
+
+
+def _own_problem(s) -> str | None:
+    """simulate's own keys: None, or one line naming the key at fault."""
+    if s.rows < 1 or s.plotted < 0:
+        key, value = ("rows", s.rows) if s.rows < 1 else ("plotted", s.plotted)
+        return f"simulate.{key}={value} is out of range: it must be >= {int(key == 'rows')}"
+    if any(n < 1 for n in s.world_sizes or ()):
+        return f"simulate.world_sizes={list(s.world_sizes)}: each must be a GPU count >= 1"
+    if s.measured and not Path(s.measured).is_dir():
+        return (f"simulate.measured={s.measured} is not a directory: give a dir of runs "
+                "measured here (an advise run dir, a sweep's dir), or leave it null")
+    return None
+
+
+def _refuse_one_process(name: str) -> None:
+    if name in ONE_PROCESS:
+        raise ConfigError(f"parallel={name} drives several GPUs from one process, which "
+                          "parallab simulate does not model: simulate parallel=ddp, fsdp, hsdp, "
+                          "tp, fsdp_tp, pipeline or auto")
+
+
+def _refuse_no_sequences(data) -> None:
+    if getattr(data, "seq_len", None) is None:
+        raise ConfigError(f"data={data.name} holds no sequences (no data.seq_len): "
+                          "parallab simulate traces a sequence model's block: use data=tokens "
+                          "(its default) with a language model")
 
 
 def candidates_of(cfg, layout, facts: Facts, rates) -> tuple[list[Candidate], list[str]]:
@@ -91,11 +113,20 @@ def given(cfg) -> tuple[Candidate, Facts]:
     layout = check(cfg)
     if layout is None:
         raise ConfigError("parallel=auto: give one layout to predict")
+    ranked, _, _, traces, _ = _simulated(cfg, layout)
+    return ranked[0], traces.facts
+
+
+def _simulated(cfg, layout):
+    """The checked config's candidates simulated on its cluster: (ranked, the seconds it
+    took, notes, the traces, the rates)."""
     rates = rates_of(cfg.cluster, cfg.parallel.world_size)
     facts = Facts.of(cfg)
-    candidates, _ = candidates_of(cfg, layout, facts, rates)
+    candidates, notes = candidates_of(cfg, layout, facts, rates)
     facts.cut()
-    return simulate_all(cfg, candidates, Traces(cfg, facts), rates)[0][0], facts
+    traces = Traces(cfg, facts)
+    ranked, seconds = simulate_all(cfg, candidates, traces, rates)
+    return ranked, seconds, notes, traces, rates
 
 
 def step_at(cfg, layout, world_size: int, cluster, known: dict | None = None):
@@ -106,12 +137,8 @@ def step_at(cfg, layout, world_size: int, cluster, known: dict | None = None):
 
     from parallab.simulate import predict
 
-    if getattr(cfg.data, "seq_len", None) is None:
-        raise ConfigError(f"data={cfg.data.name} holds no sequences (no data.seq_len): a "
-                          "simulation traces a sequence model's block")
-    if cfg.parallel.name in ONE_PROCESS:
-        raise ConfigError(f"parallel={cfg.parallel.name}: one process driving several "
-                          "devices is not simulated")
+    _refuse_no_sequences(cfg.data)
+    _refuse_one_process(cfg.parallel.name)
     search.refuse(clusters.problem(cluster))
     c = search.scaled(cfg, layout, world_size)
     known = {} if known is None else known
@@ -129,21 +156,16 @@ def step_at(cfg, layout, world_size: int, cluster, known: dict | None = None):
 def run(cfg, overrides: list[str], run_dir: str, entry: list[str]) -> dict[str, Any]:
     """The whole simulation of the composed, typed `cfg`; its summary."""
     layout = check(cfg)
-    rates = rates_of(cfg.cluster, cfg.parallel.world_size)
-    facts = Facts.of(cfg)
-    candidates, notes = candidates_of(cfg, layout, facts, rates)
-    facts.cut()
-    traces = Traces(cfg, facts)
-    ranked, seconds = simulate_all(cfg, candidates, traces, rates)
+    ranked, seconds, notes, traces, rates = _simulated(cfg, layout)
     user = search.user_overrides(overrides)
     if not any(o.lstrip("+~").startswith("data=") for o in user):
         user = ["data=tokens", *user]  # simulate's data; train's default is another
-    fits = [c for c in ranked if _fits(c, rates)]
+    fits = [c for c in ranked if c.fits(rates.memory_bytes)]
     if layout is None and not fits:
         raise NothingFits(_nothing_fits(cfg, ranked, rates))
-    entries = [report.entry(c, _fits(c, rates), report.command_of(entry, user, c))
+    entries = [report.entry(c, c.fits(rates.memory_bytes), report.command_of(entry, user, c))
                for c in ranked]
-    head = _head(cfg, facts, seconds)
+    head = _head(cfg, traces.facts, seconds)
     best = fits[0] if fits else ranked[0]
     command = report.command_of(entry, user, best)
     lines = report.sbatch(best, rates.gpus_per_node, command)
@@ -157,19 +179,13 @@ def run(cfg, overrides: list[str], run_dir: str, entry: list[str]) -> dict[str, 
     return {"best": best.label, "command": command, "sbatch": lines, "layouts": entries}
 
 
-def _fits(c: Candidate, rates) -> bool:
-    return c.prediction is not None and \
-        c.prediction.memory_per_gpu_gb * 2**30 <= rates.memory_bytes
-
-
 def _nothing_fits(cfg, ranked: list[Candidate], rates) -> str:
-    sized = [c for c in ranked if c.prediction or "state_gb" in c.extra]
+    sized = [c for c in ranked if c.memory_gb is not None]
     if not sized:
         return (f"no layout of {cfg.parallel.world_size} GPUs can run this model: "
                 f"{ranked[0].reason}")
-    least = min(sized, key=lambda c: c.prediction.memory_per_gpu_gb if c.prediction
-                else c.extra["state_gb"])
-    need = least.prediction.memory_per_gpu_gb if least.prediction else least.extra["state_gb"]
+    least = min(sized, key=lambda c: c.memory_gb)
+    need = least.memory_gb
     return (f"no layout of parallel.world_size={cfg.parallel.world_size} GPUs fits "
             f"{cfg.model['_target_'].rpartition('.')[2]} on cluster={cfg.cluster.name}: the "
             f"smallest needs {need:,.1f} GiB per GPU ({least.label}) and a GPU has "
@@ -237,9 +253,9 @@ def _say(best: Candidate, command: str, lines: list[str], rates, out: Path) -> N
     if p is None:
         print(f"parallab simulate: {best.label} cannot run: {best.reason}", flush=True)
         return
-    fits = p.memory_per_gpu_gb * 2**30 <= rates.memory_bytes
+    over = "" if best.fits(rates.memory_bytes) else " (does not fit)"
     print(f"parallab simulate: {best.label}: {p.tokens_per_sec_per_gpu:,.0f} tokens/s per GPU, "
           f"{p.step_time_s:.3f} s a step, MFU {p.mfu:.1%}, {p.memory_per_gpu_gb:,.1f} GiB per "
-          f"GPU{'' if fits else ' (does not fit)'} (simulate.md, .json, .png in {out})",
+          f"GPU{over} (simulate.md, .json, .png in {out})",
           flush=True)
     print(command, flush=True)

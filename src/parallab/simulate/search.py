@@ -6,7 +6,7 @@ checks would check it, without a trial (the model on meta, nothing run)."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -42,7 +42,17 @@ class Candidate:
     given_global: int | None = None  # data.global_batch_size as the user gave it
     reason: str | None = None  # why it cannot run
     prediction: Prediction | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    state_gb: float | None = None  # not traced: its training state alone is over the memory
+
+    @property
+    def memory_gb(self) -> float | None:
+        """GiB a GPU holds: the prediction's, else the training state's alone, if known."""
+        return self.prediction.memory_per_gpu_gb if self.prediction else self.state_gb
+
+    def fits(self, memory_bytes: float) -> bool:
+        """Predicted, and within a GPU's memory."""
+        return self.prediction is not None and \
+            self.prediction.memory_per_gpu_gb * 2**30 <= memory_bytes
 
     @property
     def dp(self) -> int:
@@ -104,10 +114,6 @@ class Candidate:
 
 def powers_of_two(limit: int) -> list[int]:
     return [2**k for k in range(int(math.log2(limit)) + 1)] if limit >= 1 else []
-
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def per_rank_batch(cfg, dp: int) -> tuple[int | None, str | None]:

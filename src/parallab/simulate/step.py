@@ -128,7 +128,7 @@ class Costs:
 def costs(trace: Trace, rates: Rates, compile: bool, tf32: bool) -> Costs:
     """The trace's ops priced on the cluster: each compute op its roofline (a compiled run's
     chains of memory-bound ops fused), each collective NCCL's time over the tp group."""
-    fp32_peak = rates.peaks["tf32" if tf32 and rates.peaks.get("tf32") else "fp32"]
+    fp32_peak = rates.fp32_peak(tf32)
     found = Costs()
     tp_group = Group.of(trace.shape.tp, 1, rates.gpus_per_node)
     ops = trace.ops
@@ -249,8 +249,7 @@ def predict(trace: Trace, c: Costs, layout: Layout, rates: Rates, blocks: int,
     memory = max((_memory(trace, layout, load) for load in ranks),
                  key=lambda found: sum(found.values()))
     per_gpu = tokens / step / layout.world_size
-    peak = rates.peaks["bf16"] if layout.compute_bytes == 2 else rates.peaks[
-        "tf32" if layout.tf32 and rates.peaks.get("tf32") else "fp32"]
+    peak = rates.peaks["bf16"] if layout.compute_bytes == 2 else rates.fp32_peak(layout.tf32)
     return Prediction(step, per_gpu, sum(memory.values()), per_gpu * flops_per_token / peak,
                       parts, memory)
 
