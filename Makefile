@@ -9,7 +9,7 @@ WARM := $(VENV)/.warm
 
 # Python writes the bytecode of each module it imports, once, as it does by default: where
 # the environment turns that off, every process of the suite would compile again what it
-# imports (torch alone: 2 s)
+# imports (torch alone: seconds)
 unexport PYTHONDONTWRITEBYTECODE
 
 setup: $(WARM)
@@ -18,14 +18,14 @@ $(INSTALLED): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@# uv installs what pip would, from pip's own indexes and constraints (which
 	@# tools/pip_to_uv.py hands over), unpacking in parallel (a CUDA build of torch is 5 GB
-	@# unpacked): 3 s from its cache here. Where uv cannot be had or fails, pip.
+	@# unpacked), in seconds from its cache. Where uv cannot be had or fails, pip.
 	($(PY) -m pip install --quiet --disable-pip-version-check uv && \
 	  $(PY) tools/pip_to_uv.py $(VENV)/bin/uv --python $(PY) --quiet -e '.[dev]') || \
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-compile -e '.[dev]'
 	touch $@
 
-# the bytecode of what a run imports, written by importing it (10 s here, on one core),
-# where compiling all 21,000 installed modules took 30 s; the rest is written as it is
+# the bytecode of what a run imports, written by importing it (a third of the time that
+# compiling all 21,000 installed modules takes: docs/benchmarks.md); the rest is written as it is
 # first imported (above), and a process where Python writes none (PYTHONDONTWRITEBYTECODE
 # set by the caller) still finds the run's own. Not for the suite, whose first imports
 # write the same while its other worker runs

@@ -25,7 +25,8 @@ import time
 import torch
 import torch.multiprocessing as mp
 
-from parallab.parallel.schedules import SCHEDULES, bubble, microbatches_problem
+from parallab.parallel.schedules import (SCHEDULES, bubble, microbatches_problem,
+                                         stages_per_rank)
 from parallab.testing import free_port
 
 RUN = ["model=gpt", "data=bytes", "device=cpu", "model.layers=8", "model.width=256",
@@ -163,8 +164,8 @@ def main() -> None:
     rows = []
     for pp in args.pp:
         for micro in args.microbatches:
-            for name, schedule in SCHEDULES.items():
-                v = schedule.stages_per_rank or 2
+            for name in SCHEDULES:
+                v = stages_per_rank(name, None)
                 if microbatches_problem(name, pp, v, micro):
                     continue
                 ranks = measure(pp, name, micro, args.steps, args.extra)

@@ -50,7 +50,7 @@ def kernels(implementation: str, params: list[torch.nn.Parameter]) -> dict[str, 
     """torch's foreach/fused arguments for optim.implementation. A multi-tensor kernel
     takes DTensors or plain tensors, not both: parameters that mix them (a pipeline part
     split by tensor parallelism, its norms left whole) step one by one."""
-    # no parameter is a DTensor unless its module was loaded (importing it: 1 s of CPU)
+    # no parameter is a DTensor unless its module was loaded (not imported just to ask)
     dtensor = sys.modules.get("torch.distributed.tensor")
     if dtensor and len({isinstance(p, dtensor.DTensor) for p in params}) > 1:
         implementation = "for_loop"

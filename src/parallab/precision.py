@@ -3,8 +3,8 @@
     fp32  float32 throughout
     bf16  bfloat16 autocast; no scaler (bfloat16 has float32's exponent range)
     fp16  float16 autocast + GradScaler, on any device (slow on CPU: warned)
-    amp   automatic: fp16 + GradScaler on CUDA, bf16 on CPU, where float16 autocast measured
-          20.4 ms per MNIST-CNN step against 4.7 ms in fp32 and 4.2 ms in bf16
+    amp   automatic: fp16 + GradScaler on CUDA, bf16 on CPU, where float16 autocast is
+          several times slower than either (docs/benchmarks.md, precision and compile)
     fp8   bf16 autocast, the Linear layers' matmuls in float8 (torchao's Float8Linear,
           dynamic scales per tensor or, precision.fp8_recipe=rowwise, per row) on a CUDA GPU
           with float8 tensor cores (compute capability 8.9: Ada, Hopper and later); the

@@ -79,8 +79,8 @@ def multiplier(cfg, total: int) -> Callable[[int], float]:
 
 def build(cfg, optimizer: torch.optim.Optimizer, total_steps: int
           ) -> torch.optim.lr_scheduler.LambdaLR | None:
-    """The run's scheduler; None for a constant rate without warmup (the MNIST recipe's loop, and no
-    scheduler step's cost: about 10 us a step)."""
+    """The run's scheduler; None for a constant rate without warmup (the MNIST recipe's
+    loop, without a scheduler step's cost)."""
     if cfg.name == "constant" and steps_of(cfg.warmup_steps, total_steps) == 0:
         return None
     return torch.optim.lr_scheduler.LambdaLR(optimizer, multiplier(cfg, total_steps))

@@ -20,8 +20,8 @@ __all__ = ["flush_loggers", "get_args_parser", "rerun_conf", "run_hydra", "one_s
 def one_store() -> Iterator[None]:
     """Copies of Hydra's config repository share its one ConfigStore while inside. Hydra
     copies the repository, the store of every schema with it, for each compose (a fifth of
-    a compose's 0.13 s here) and for each group --help lists (171 copies, 5.5 s of a 7 s
-    --help); nothing stores a config meanwhile, a config loaded from the store is a copy
+    a compose's time) and for each group --help lists (171 copies, most of --help's time:
+    docs/benchmarks.md); nothing stores a config meanwhile, a config loaded from the store is a copy
     of its own, and the store is a process-wide singleton anyway. Nested: the outermost
     puts it back."""
     if vars(ConfigStore).get("__deepcopy__") is _itself:

@@ -270,8 +270,8 @@ class OptimConfig:
     lr: float = 0.01  # the learning rate (peak, under a scheduler)
     weight_decay: float = 0.0  # L2 penalty (sgd, adam) or decoupled decay (adamw)
     # auto | foreach | fused | for_loop: torch's kernels for the update. auto = fused on
-    # CUDA, else foreach (multi-tensor), which torch itself picks only on CUDA: on CPU it
-    # took 9% off a 2 ms MLP step (bench/bench_loop.py); for_loop: one kernel per parameter
+    # CUDA, else foreach (multi-tensor), which torch itself picks only on CUDA: on CPU too
+    # it is the faster (bench/bench_loop.py); for_loop: one kernel per parameter
     implementation: str = "auto"
     # none | linear | sqrt: optim.lr is for a global batch of base_batch_size; the rate used
     # is scaled to the run's (Goyal et al.'s linear rule, or the square root's)
