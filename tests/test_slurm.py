@@ -23,6 +23,7 @@ import slurm_cluster
 from parallab.config.errors import ConfigError
 from parallab.launching import allocation, distributed, in_place, launch, slurm
 from parallab.launching.in_place import InPlace
+from parallab.parallel import PLANS
 
 PARALLAB = str(Path(sys.executable).parent / "parallab")
 # two ranks of the MNIST recipe's CNN, long enough to be signalled mid-run (~50 ms a step)
@@ -118,11 +119,18 @@ CPU_NODES = allocation.Partition("debug", cpus=2, gpus=0, nodes=2)
     (["parallel=ddp", "parallel.world_size=8"], GPU_NODES, {"nodes": 4}, (4, 2, 2)),
     (["parallel=dp", "parallel.world_size=4"], GPU_NODES, {}, (1, 1, 4)),  # one process
     (["parallel=ddp", "parallel.world_size=8", "device=cpu"], GPU_NODES, {}, (1, 8, None)),
+    # parallel.world_size null: the checks' default (a node's GPUs for a process each; 2
+    # ranks or parts on a CPU; a one-process layout its 1 or 2)
+    (["parallel=ddp"], GPU_NODES, {}, (1, 8, 8)),
+    (["parallel=pipeline"], CPU_NODES, {}, (1, 2, None)),
+    (["parallel=dp"], GPU_NODES, {}, (1, 1, 1)),
+    (["parallel=model"], GPU_NODES, {}, (1, 1, 2)),
 ])
 def test_each_job_gets_the_allocation_its_layout_needs(overrides, partition, keys, expected):
     from parallab.cli import compose
 
-    needed = allocation.allocation(compose(overrides), keys, partition, "job #0")
+    cfg = compose(overrides)
+    needed = allocation.allocation(cfg, keys, partition, "job #0", PLANS[cfg.parallel.name])
     assert (needed.nodes, needed.tasks_per_node, needed.gpus_per_node) == expected
 
 
@@ -140,8 +148,9 @@ def test_each_job_gets_the_allocation_its_layout_needs(overrides, partition, key
 def test_a_job_no_partition_holds_is_refused_in_one_line(overrides, partition, keys, refusal):
     from parallab.cli import compose
 
+    cfg = compose(overrides)
     with pytest.raises(ConfigError, match=refusal):
-        allocation.allocation(compose(overrides), keys, partition, "job #0")
+        allocation.allocation(cfg, keys, partition, "job #0", PLANS[cfg.parallel.name])
 
 
 def _as_slurm_task(rank: int, world: int, nodelist: str, timeout_s: float,

@@ -28,6 +28,19 @@ except ImportError:
 log = logging.getLogger(__name__)
 
 
+def plan_of(cfg: DictConfig, job: str):
+    """The layout of job `cfg` (parallel.PLANS), handed to the allocation: it sizes the job
+    by the layout's default world size, the checks' own, rather than by a rule of its own."""
+    from parallab.config.errors import ConfigError
+    from parallab.parallel import PLANS
+
+    plan = PLANS.get(cfg.parallel.name)
+    if plan is None:
+        raise ConfigError(f"{job}: parallel={cfg.parallel.name} is unknown: use one of "
+                          f"{', '.join(PLANS)}")
+    return plan
+
+
 class SlurmLauncher(SubmititSlurmLauncher):  # type: ignore[misc,valid-type]
     def launch(self, job_overrides: Sequence[Sequence[str]],
                initial_job_idx: int) -> Sequence[JobReturn]:
@@ -50,7 +63,8 @@ class SlurmLauncher(SubmititSlurmLauncher):  # type: ignore[misc,valid-type]
                     cfg.hydra.sweep.subdir)) is not None:
                 completed.append(cfg)
                 continue
-            needed = allocation(cfg, self.params, partition, job_label(idx, overrides))
+            job = job_label(idx, overrides)
+            needed = allocation(cfg, self.params, partition, job, plan_of(cfg, job))
             groups.setdefault(needed, []).append((idx, list(overrides)))
         submitted = self._submit(groups) if groups else {}
         returns = {cfg.hydra.job.num: run_job(hydra_context=self.hydra_context,

@@ -209,8 +209,7 @@ def resolve_parallel(cfg: Config, in_place: InPlace | None) -> Layout:
                  f"{p.world_size} tasks")
         p.world_size, p.nnodes = in_place.world_size, in_place.nnodes
     elif p.world_size is None:
-        several = plan.processes or "pp" in plan.dims  # cuts the model into parts
-        p.world_size = gpus or (2 if several else 1)
+        p.world_size = plan.default_world_size(gpus)
     _require(p.world_size % p.nnodes == 0, f"parallel.world_size={p.world_size} does not split "
              f"evenly over parallel.nnodes={p.nnodes}: use a multiple of {p.nnodes}")
     _require(in_place is not None or p.nnodes == 1,

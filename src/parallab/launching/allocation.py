@@ -100,22 +100,20 @@ class Allocation:
 
 
 def allocation(cfg: DictConfig, launcher: dict[str, Any], partition: Partition,
-               job: str) -> Allocation:
+               job: str, plan) -> Allocation:
     """The allocation job `cfg` needs: a task per rank for the layouts that run processes
     (in place, across nodes where one node cannot hold them), one task with every device for
-    the others; ConfigError where the keys set contradict it or the partition cannot hold it."""
-    from parallab.parallel import PLANS
-
+    the others; ConfigError where the keys set contradict it or the partition cannot hold it.
+    `plan`: the job's layout (parallel.PLANS[cfg.parallel.name]), handed down by the
+    launcher: whether it runs a process per rank, and its default_world_size, the one the
+    checks give the job where parallel.world_size is null."""
     p = cfg.parallel
-    plan = PLANS.get(p.name)
-    if plan is None:
-        raise ConfigError(f"{job}: parallel={p.name} is unknown: use one of "
-                          f"{', '.join(PLANS)}")
     device = getattr(cfg.device, "value", cfg.device)  # the Device enum, or its name
     cuda = device == "cuda" or (device == "auto" and partition.gpus > 0)
     held = partition.gpus if cuda else partition.cpus // (launcher.get("cpus_per_task") or 1)
-    world = p.world_size or (held if cuda and plan.processes else
-                             2 if plan.processes or "pp" in plan.dims else 1)
+    # the GPUs the job's checks will see: a node's, for a process per GPU; a one-process
+    # job is given the GPUs its world size asks for, so its default counts none
+    world = p.world_size or plan.default_world_size(held if cuda and plan.processes else 0)
     gpus = launcher.get("gpus_per_node")
     if not plan.processes:  # one process drives every device
         needed = Allocation(1, 1, gpus or (world if cuda else None))

@@ -187,6 +187,14 @@ class Plan:
         return dataclasses.replace(cls.layout_of(p), plan=cls, gpus=cls.gpus_of(p))
 
     @classmethod
+    def default_world_size(cls, gpus: int) -> int:
+        """parallel.world_size where it is null: every GPU the job sees (`gpus`; 0 on a CPU),
+        else 2 where the layout needs several ranks or parts, else 1. The checks size a run
+        by it, and the SLURM launcher a job's allocation (handed down to
+        launching/allocation.py)."""
+        return gpus or (2 if cls.processes or "pp" in cls.dims else 1)
+
+    @classmethod
     def layout_of(cls, p) -> Layout:
         """The Layout of the parallel config `p` (parallel.world_size resolved); a null
         degree is resolved into `p`, so that the workers read it as the controller did.
