@@ -508,7 +508,7 @@ def test_amp_is_fp16_on_cuda_and_refused_where_a_pipeline_runs_the_backward():
     for name, refused in (("pipeline", True), ("fsdp", False)):
         cfg = typed(f"parallel={name}", "precision=amp", "parallel.world_size=2")
         plan = PLANS[name]
-        layout = plan.layout_of(cfg.parallel)
+        layout = plan.layout_of(cfg.parallel, cfg.parallel.world_size)
         cfg.device = Device.cpu  # amp is bfloat16 there: allowed
         plan.refuse_sharded(cfg, layout)
         cfg.device = Device.cuda  # resolved, as on a GPU machine

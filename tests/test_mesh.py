@@ -4,7 +4,6 @@ and each layout training as one device does (real gloo processes)."""
 from __future__ import annotations
 
 import itertools
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,10 +19,10 @@ from parallab.training import checkpoint, weights
 
 
 def degrees(world_size, dp_replicate=1, dp_shard=None, tp=1):
-    p = SimpleNamespace(world_size=world_size, dp_replicate=dp_replicate, dp_shard=dp_shard,
-                        tp=tp)
-    resolve_degrees(p)
-    return p.dp_replicate, p.dp_shard, p.tp
+    given = dict(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp)
+    resolved = resolve_degrees(given, world_size)
+    assert given == dict(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp)  # left as given
+    return resolved["dp_replicate"], resolved["dp_shard"], resolved["tp"]
 
 
 def test_one_null_degree_is_inferred_and_a_mismatch_is_one_line():
@@ -86,8 +85,8 @@ def test_a_run_resolves_its_layout_once_and_trains_with_that_one(train_here, mon
     resolved, given = [], []
     layout_of, init = ModelParallelPlan.layout_of.__func__, ModelParallelStrategy.__init__
 
-    def counted(cls, p):
-        resolved.append(layout_of(cls, p))
+    def counted(cls, p, world_size):
+        resolved.append(layout_of(cls, p, world_size))
         return resolved[-1]
 
     def kept(self, p, layout, *args):

@@ -188,7 +188,7 @@ def test_one_process_layouts_place_their_parts_by_the_devices_named():
     from parallab.parallel.base import Plan
 
     def gpus(devices, world_size):
-        return list(Plan.gpus_of(SimpleNamespace(devices=devices, world_size=world_size)))
+        return list(Plan.gpus_of(SimpleNamespace(devices=devices), world_size))
 
     assert gpus(None, 3) == [0, 1, 2]
     assert gpus([0, 0], 2) == [0, 0]

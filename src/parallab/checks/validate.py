@@ -25,7 +25,7 @@ from parallab.launching.in_place import InPlace
 from parallab.launching.launch import master_port_problem
 from parallab.observe import loggers, memory
 from parallab.parallel import activations, parallelize
-from parallab.parallel.layout import Layout
+from parallab.parallel.layout import Layout, write_back
 from parallab.training import checkpoint, monitor
 
 __all__ = ["ConfigError", "prepare"]
@@ -113,14 +113,12 @@ def check_config(cfg: Config) -> None:
     set. Every job of a sweep passes them before the first one starts or is submitted
     (hydra_plugins/parallab_launchers), where a job of a world size of 0 failed in SLURM
     once submitted."""
-    import dataclasses
-
     from parallab.parallel import PLANS
 
     check_values(cfg)
     p = cfg.parallel
-    if p.world_size is not None and p.name in PLANS:  # a null degree resolved in a copy
-        PLANS[p.name].layout_of(dataclasses.replace(p))
+    if p.world_size is not None and p.name in PLANS:
+        PLANS[p.name].layout_of(p, p.world_size)
 
 
 def check_data(cfg: Config) -> None:
@@ -224,7 +222,9 @@ def resolve_parallel(cfg: Config, in_place: InPlace | None) -> Layout:
     if gpus and not (in_place is not None and gpus == 1):  # in place: one GPU per task will do
         _require(per_node <= gpus, f"parallel.world_size={p.world_size} needs {per_node} GPUs "
                  f"per node but {gpus} are visible: set parallel.world_size<={gpus * p.nnodes}")
-    return plan.resolve(p, cfg.device.value)  # a null degree resolved, checked
+    layout = plan.resolve(p, cfg.device.value, p.world_size, p.nnodes)  # checked
+    write_back(p, layout)
+    return layout
 
 
 def resolve_global_batch(cfg: Config, layout: Layout) -> None:

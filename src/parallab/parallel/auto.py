@@ -10,10 +10,10 @@ from parallab.parallel.layout import Layout
 
 class AutoPlan(Plan):
     @classmethod
-    def layout_of(cls, p) -> Layout:
+    def layout_of(cls, p, world_size: int) -> Layout:
         raise ConfigError(f"parallel=auto stands for every layout, and a run trains one: rank "
                           f"them with `parallab simulate parallel=auto parallel.world_size="
-                          f"{p.world_size or 'N'} cluster=NAME` and run the command it prints, "
+                          f"{world_size or 'N'} cluster=NAME` and run the command it prints, "
                           "or give a layout (parallel=ddp, fsdp, ...)")
 
     @classmethod

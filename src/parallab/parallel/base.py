@@ -181,10 +181,13 @@ class Plan:
     runtime = Strategy
 
     @classmethod
-    def resolve(cls, p, device_type: str) -> Layout:
-        """The run's layout, made once by the checks: the degrees (a null one resolved into
-        the parallel config `p`), this plan, and the GPUs a one-process layout uses."""
-        return dataclasses.replace(cls.layout_of(p), plan=cls, gpus=cls.gpus_of(p))
+    def resolve(cls, p, device_type: str, world_size: int, nnodes: int = 1) -> Layout:
+        """The run's layout, made once by the checks from the parallel config `p` and the
+        world size and node count they resolved: the degrees (a null one resolved), this
+        plan, and the GPUs a one-process layout uses."""
+        layout = cls.layout_of(p, world_size)
+        return dataclasses.replace(layout, nnodes=nnodes, plan=cls,
+                                   gpus=cls.gpus_of(p, world_size))
 
     @classmethod
     def default_world_size(cls, gpus: int) -> int:
@@ -195,26 +198,26 @@ class Plan:
         return gpus or (2 if cls.processes or "pp" in cls.dims else 1)
 
     @classmethod
-    def layout_of(cls, p) -> Layout:
-        """The Layout of the parallel config `p` (parallel.world_size resolved); a null
-        degree is resolved into `p`, so that the workers read it as the controller did.
-        ConfigError where the degrees do not fit the world size."""
-        if p.world_size != 1:
-            raise ConfigError(f"parallel.world_size={p.world_size} needs several workers, but "
+    def layout_of(cls, p, world_size: int) -> Layout:
+        """The Layout of the parallel config `p` at `world_size` ranks or devices, a null
+        degree resolved in it (`p` is left as it is). ConfigError where the degrees do not
+        fit the world size."""
+        if world_size != 1:
+            raise ConfigError(f"parallel.world_size={world_size} needs several workers, but "
                               f"parallel={p.name} runs one: use parallel=ddp (processes) or "
                               "parallel=dp (GPUs of one process)")
         return Layout()
 
     @staticmethod
-    def gpus_of(p) -> tuple[int, ...]:
+    def gpus_of(p, world_size: int) -> tuple[int, ...]:
         """The CUDA ordinals a one-process layout places its replicas or parts on: those of
         parallel.devices among the visible GPUs (named twice: the same one twice), the
         first world_size of them."""
         ids = getattr(p, "devices", None)
         if ids is None:
-            return tuple(range(p.world_size))
+            return tuple(range(world_size))
         visible = list(dict.fromkeys(ids))  # as validate made them visible, in this order
-        return tuple(visible.index(i) for i in ids)[:p.world_size]
+        return tuple(visible.index(i) for i in ids)[:world_size]
 
     @classmethod
     def check(cls, cfg, layout: Layout, stages: list[nn.Module] | None = None) -> None:

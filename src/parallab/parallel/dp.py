@@ -38,11 +38,11 @@ class DataParallelPlan(Plan):
     runtime = DataParallelStrategy
 
     @classmethod
-    def layout_of(cls, p) -> Layout:
-        return Layout(p.world_size, cls.dims, dp_replicate=p.world_size)
+    def layout_of(cls, p, world_size: int) -> Layout:
+        return Layout(world_size, cls.dims, dp_replicate=world_size)
 
     @classmethod
-    def resolve(cls, p, device_type: str) -> Layout:
-        layout = super().resolve(p, device_type)
+    def resolve(cls, p, device_type: str, world_size: int, nnodes: int = 1) -> Layout:
+        layout = super().resolve(p, device_type, world_size, nnodes)
         # DataParallel splits batches over GPUs only: on a CPU one device reads them
         return layout if device_type == "cuda" else Layout(plan=cls, dims=cls.dims)

@@ -20,11 +20,10 @@ from parallab.config.errors import ConfigError
 DEGREES = ("dp_replicate", "dp_shard", "tp")  # the mesh layouts' (the pipeline adds pp)
 
 
-def resolve_degrees(p, keys: tuple[str, ...] = DEGREES) -> None:
-    """Fill the one degree (of `keys`) left null in the parallel config `p` so that their
-    product is parallel.world_size; ConfigError naming the degrees and the world size where
-    they do not fit."""
-    given = {k: getattr(p, k) for k in keys}
+def resolve_degrees(given: dict[str, int | None], world_size: int) -> dict[str, int]:
+    """The degrees `given` (parallel.KEY by KEY, one of them null at most) with the null one
+    filled so that their product is `world_size`; ConfigError naming the degrees and the
+    world size where they do not fit. The parallel config keeps what the user composed."""
     said = ", ".join(f"parallel.{k}={v if v is not None else 'null'}" for k, v in given.items())
     for key, value in given.items():
         if value is not None and value < 1:
@@ -34,12 +33,13 @@ def resolve_degrees(p, keys: tuple[str, ...] = DEGREES) -> None:
     if len(unknown) > 1:
         raise ConfigError(f"{said}: at most one degree may be null (inferred): set all but one")
     known = math.prod(v for v in given.values() if v is not None)
-    if unknown and p.world_size % known == 0:
-        setattr(p, unknown[0], p.world_size // known)
-    elif math.prod(getattr(p, k) or 0 for k in keys) != p.world_size:
+    if unknown and world_size % known == 0:
+        return {**given, unknown[0]: world_size // known}
+    if math.prod(v or 0 for v in given.values()) != world_size:
         raise ConfigError(f"{said} multiply to {known}{' x ?' if unknown else ''}, but "
-                          f"parallel.world_size={p.world_size}: make their product the world "
+                          f"parallel.world_size={world_size}: make their product the world "
                           "size")
+    return dict(given)
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,8 @@ class Layout:
     dp_shard: int = 1
     pp: int = 1
     tp: int = 1
+    nnodes: int = 1  # the nodes the ranks span (one agent each: torchrun, SLURM, mpirun)
+    stages_per_rank: int = 1  # the parts a pipeline's rank holds (its schedule's v)
     # set once by the checks (Plan.resolve) and carried to every rank: the plan, whose
     # runtime Strategy runs this layout, and the CUDA ordinals a one-process layout puts
     # its replicas or parts on
@@ -67,11 +69,18 @@ class Layout:
         if math.prod(self.shape) != self.world_size:
             raise ValueError(f"degrees {self.shape} of {self.dims} do not multiply to "
                              f"world_size={self.world_size}")
+        if self.nnodes < 1 or self.world_size % self.nnodes:
+            raise ValueError(f"world_size={self.world_size} over nnodes={self.nnodes}")
 
     @property
     def shape(self) -> tuple[int, ...]:
         """The device mesh's shape, by `dims`."""
         return tuple(getattr(self, dim) for dim in self.dims)
+
+    @property
+    def per_node(self) -> int:
+        """Ranks (a process each, or devices of one process) on each node."""
+        return self.world_size // self.nnodes
 
     @property
     def dp(self) -> int:
@@ -109,3 +118,13 @@ class Layout:
     def uses_stages(self) -> bool:
         """The model's stages matter: each is an FSDP2 unit, or the model is cut at them."""
         return self.processes or self.cuts_model
+
+
+def write_back(p, layout: Layout) -> None:
+    """The resolved degrees and a pipeline's stages per rank written into the parallel
+    config `p`, for the readers that do not take the Layout yet."""
+    if layout.processes:
+        for dim in layout.dims:
+            setattr(p, dim, getattr(layout, dim))
+    if layout.pipelined:
+        p.stages_per_rank = layout.stages_per_rank

@@ -222,10 +222,14 @@ class MeshPlan(Plan):
     runtime = MeshStrategy
 
     @classmethod
-    def layout_of(cls, p) -> Layout:
-        resolve_degrees(p, cls.dims)
-        return Layout(p.world_size, cls.dims, True,
-                      **{dim: getattr(p, dim) for dim in cls.dims})
+    def layout_of(cls, p, world_size: int) -> Layout:
+        return Layout(world_size, cls.dims, True,
+                      **resolve_degrees(cls.given_degrees(p), world_size))
+
+    @classmethod
+    def given_degrees(cls, p) -> dict[str, int | None]:
+        """The degrees the parallel config `p` sets (one may be null), by name."""
+        return {dim: getattr(p, dim) for dim in cls.dims}
 
     @classmethod
     def node_local_kinds(cls, cfg) -> tuple[str, ...]:

@@ -71,8 +71,8 @@ class ModelParallelPlan(Plan):
     runtime = ModelParallelStrategy
 
     @classmethod
-    def layout_of(cls, p) -> Layout:
-        return Layout(p.world_size, cls.dims, pp=p.world_size)
+    def layout_of(cls, p, world_size: int) -> Layout:
+        return Layout(world_size, cls.dims, pp=world_size)
 
     @classmethod
     def check(cls, cfg, layout: Layout, stages=None) -> None:

@@ -23,6 +23,7 @@ which read the same batches and form tp pipelines of their own.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 from collections.abc import Mapping
@@ -333,14 +334,19 @@ class PipelinePlan(MeshPlan):
     runtime = PipelineStrategy
 
     @classmethod
-    def layout_of(cls, p) -> Layout:
-        """dp_replicate and pp both null: one pipeline over every rank. The schedule's
-        stages per rank resolved here, where null, for the workers to read."""
+    def layout_of(cls, p, world_size: int) -> Layout:
+        """The schedule's stages per rank resolved here too, where null."""
         schedules.check(p)
-        p.stages_per_rank = schedules.stages_per_rank(p.schedule, p.stages_per_rank)
-        if p.pp is None and p.dp_replicate is None:
-            p.dp_replicate = 1
-        return super().layout_of(p)
+        v = schedules.stages_per_rank(p.schedule, p.stages_per_rank)
+        return dataclasses.replace(super().layout_of(p, world_size), stages_per_rank=v)
+
+    @classmethod
+    def given_degrees(cls, p) -> dict[str, int | None]:
+        """dp_replicate and pp both null: one pipeline over every rank."""
+        given = super().given_degrees(p)
+        if given["pp"] is None and given["dp_replicate"] is None:
+            given["dp_replicate"] = 1
+        return given
 
     @classmethod
     def check(cls, cfg, layout: Layout, stages=None) -> None:
