@@ -161,16 +161,10 @@ def resumed_rate(trainer: Trainer, lr: float, cfg: Config, main: bool) -> float:
 
 def read_checkpoint(path: Path, strategy, model, optimizer) -> dict[str, Any]:
     """A checkpoint's whole state shaped as this rank holds the model under this layout,
-    whichever layout and world size wrote it: a sharded one resharded by DCP, a one-file one
-    cut to this rank's part (checkpoint.held_as)."""
+    whichever layout and world size wrote it, read by its format (a sharded one resharded by
+    DCP, a one-file one cut to this rank's part)."""
     model_state, optimizer_state = strategy.state_dict(model, optimizer)
-    if checkpoint.is_sharded(path):
-        return checkpoint.load_sharded(path, {"model": model_state, "optimizer": optimizer_state})
-    state = checkpoint.load(path)
-    if isinstance(state["optimizer"].get("param_groups"), list):
-        return state  # by an earlier parallab, for the layout that wrote it (validate)
-    return {**state, "model": checkpoint.held_as(model_state, state["model"], path),
-            "optimizer": checkpoint.held_as(optimizer_state, state["optimizer"], path)}
+    return checkpoint.read_state(path, {"model": model_state, "optimizer": optimizer_state})
 
 
 @contextlib.contextmanager

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from parallab.config.errors import ConfigError
-from parallab.training import checkpoint, formats
+from parallab.training import formats
 from parallab.training.formats import plain_name
 
 log = logging.getLogger("parallab")
@@ -134,9 +134,9 @@ def load_held(model: nn.Module, path: str | Path, device: torch.device) -> None:
         for name, value in buffers.items():
             model.get_buffer(name).copy_(value)
     reader = formats.format_of(path)
-    if isinstance(reader, formats.Sharded):
+    if not isinstance(reader, formats.FileFormat):  # read whole into the rank's template
         held = get_model_state_dict(model)
-        checkpoint.load_sharded(path, {"model": held})
+        reader.read_state({"model": held})
         set_model_state_dict(model, held)
         return
     saved = reader.lazy()
@@ -148,7 +148,7 @@ def load_held(model: nn.Module, path: str | Path, device: torch.device) -> None:
     with torch.no_grad():
         for key, mine in model.state_dict().items():  # views of the parameters themselves
             name = plain_name(key)
-            part = checkpoint.held_as({name: mine}, saved, path)[name]
+            part = formats.held_as({name: mine}, saved, path)[name]
             _local(mine).copy_(_local(part))
             saved.release(name)
 
