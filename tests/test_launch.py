@@ -13,6 +13,7 @@ from conftest import FAST, REPO, assert_ok, checked, read_metrics, run_entry
 from parallab.cli import JobFailed
 from parallab.config.errors import ConfigError
 from parallab.launching import forking, in_place, launch, slurm
+from parallab.parallel.layout import Layout
 
 LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                  "TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT", "SUBMITIT_LOCAL_NTASKS",
@@ -32,6 +33,7 @@ TORCHRUN_WORKER = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WOR
                    "TORCHELASTIC_RESTART_COUNT": "0", "MASTER_ADDR": "127.0.0.1",
                    "MASTER_PORT": "29500"}
 SLURM_TASK = {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_TASK_PID": str(os.getpid())}
+TWO = Layout(2, ("dp_replicate", "dp_shard", "tp"), True, dp_replicate=2)  # parallel=ddp's
 
 
 @pytest.fixture
@@ -173,7 +175,7 @@ def test_the_launcher_listens_on_loopback_only(monkeypatch):
 
     monkeypatch.delenv("MASTER_PORT", raising=False)
     cfg = typed("parallel=ddp", "parallel.world_size=2")
-    addresses = launch.elastic(listening_addresses, (), 2, 0, launch.worker_env(cfg))
+    addresses = launch.elastic(listening_addresses, (), 2, 0, launch.worker_env(cfg, TWO))
     assert addresses == ["127.0.0.1"]
 
 
@@ -243,14 +245,14 @@ def test_a_rank_starts_processes_as_a_freshly_started_one_would(tmp_path, monkey
     """Forked from the fork server, a rank still starts its own processes (a DataLoader's
     workers) by the platform's default method, not through the server: each DataLoader
     worker would be sent the pickled data set and import the main module (20 MNIST steps
-    with data.num_workers=2 took 7.2 s there, 1.2 s forked). And numpy's global random numbers are its
-    own, not the server's: two launches from one server drew the same ones."""
+    with data.num_workers=2 took 7.2 s there, 1.2 s forked). And numpy's global random
+    numbers are its own, not the server's: two launches from one server drew the same ones."""
     import multiprocessing
 
     from conftest import typed
 
     monkeypatch.delenv("MASTER_PORT", raising=False)
-    env = launch.worker_env(typed("parallel=ddp", "parallel.world_size=2"))
+    env = launch.worker_env(typed("parallel=ddp", "parallel.world_size=2"), TWO)
     (method, drawn), (_, again) = (launch.elastic(a_rank, (os.getpid(), str(tmp_path)), 2, 0,
                                                   env) for _ in range(2))
     assert method == multiprocessing.get_all_start_methods()[0]  # fork on Linux before 3.14
@@ -275,7 +277,7 @@ def test_launches_share_a_fork_server_while_the_environment_stays(tmp_path, monk
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     monkeypatch.delenv("MASTER_PORT", raising=False)
     monkeypatch.delenv("PARALLAB_LAUNCH_MARK", raising=False)
-    env = launch.worker_env(typed("parallel=ddp", "parallel.world_size=2"))
+    env = launch.worker_env(typed("parallel=ddp", "parallel.world_size=2"), TWO)
 
     def launched(imports: str = "") -> tuple[str | None, int]:
         seen = launch.elastic(seen_by_a_rank, ("PARALLAB_LAUNCH_MARK",), 2, 0,

@@ -72,12 +72,13 @@ def _train_and_report(spec: run.RunSpec, in_place: InPlace | None) -> dict[str, 
         if in_place is not None or not spec.layout.processes:
             metrics = run.train(spec)
         else:
-            log.info("launching %d workers (parallel=%s, backend=%s) in %s", p.world_size,
-                     p.name, spec.cfg.backend.name, spec.run_dir)
+            log.info("launching %d workers (parallel=%s, backend=%s) in %s",
+                     spec.layout.world_size, p.name, spec.cfg.backend.name, spec.run_dir)
             with worker.one_line_failures() as failures:
                 metrics = launch.elastic(
                     worker.main, (run.train, dataclasses.replace(spec, failures=failures)),
-                    p.world_size, p.max_restarts, launch.worker_env(spec.cfg),
+                    spec.layout.world_size, p.max_restarts,
+                    launch.worker_env(spec.cfg, spec.layout),
                     slurm.requeue_signals(spec.cfg.trainer.requeue_signal),
                     worker.stop_file(failures))
     # the whole story in one line: a value found wrong once data is built, in this process

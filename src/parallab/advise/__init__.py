@@ -254,7 +254,7 @@ def _measure(candidates: list[Candidate], run_dir: Path) -> dict[int, Link]:
                                      cfg.parallel.threads_per_worker)
             results = measure.measure_all(jobs, dist)
         else:
-            answer = _launched(jobs, n, cfg)
+            answer = _launched(jobs, n, cfg, group[0].layout)
             results = answer["results"]
             links[n] = Link(answer["bandwidth_gbps"], answer["latency_s"], answer["cores"],
                             answer["threads"])
@@ -264,17 +264,17 @@ def _measure(candidates: list[Candidate], run_dir: Path) -> dict[int, Link]:
     return links
 
 
-def _launched(jobs: list, n: int, cfg) -> dict[str, Any]:
-    """The candidates `jobs` (run specs) measured by `n` launched workers (`cfg`: the
-    first's config); a rank's one-line error (a signal stopped it: measure.Stopped) is
-    raised here as that line."""
+def _launched(jobs: list, n: int, cfg, layout) -> dict[str, Any]:
+    """The candidates `jobs` (run specs) measured by `n` launched workers (`cfg`, `layout`:
+    the first's config and layout); a rank's one-line error (a signal stopped it:
+    measure.Stopped) is raised here as that line."""
     from parallab.advise import measure
     from parallab.launching import launch, worker
 
     with worker.one_line_failures() as failures:
         job = measure.Job(jobs, cfg.device.value, cfg.backend.name, cfg.backend.timeout_s,
                           cfg.parallel.threads_per_worker, failures)
-        return launch.elastic(measure.worker, (job,), n, 0, launch.worker_env(cfg))
+        return launch.elastic(measure.worker, (job,), n, 0, launch.worker_env(cfg, layout))
 
 
 def _dirname(candidate: Candidate) -> str:

@@ -124,7 +124,7 @@ def _predict(candidate: Candidate, budget_mb: float, batches: dict[int, Any]) ->
     size = cfg.data.batch_size
     if size not in batches:
         batches[size] = trial.one_batch(cfg, size)
-    ranks = range(cfg.parallel.world_size) if candidate.layout.cuts_model else [0]
+    ranks = range(candidate.layout.world_size) if candidate.layout.cuts_model else [0]
     try:
         per_rank = [memory.predict(cfg, candidate.layout, batches[size], rank)
                     for rank in ranks]

@@ -70,7 +70,7 @@ def predict(cfg, layout, batch: Any, rank: int) -> tuple[float, float]:
     from parallab.loss import build_loss
     from parallab.precision import Precision
 
-    world = cfg.parallel.world_size
+    world = layout.world_size
     device = torch.device("cuda" if cfg.device.value == "cuda" else "cpu")
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     with fake_group(rank, world):
@@ -118,7 +118,7 @@ def _predict_part(cfg, strategy, model: nn.Module, batch: Any, precision
 
     p = cfg.parallel
     micro = batches.take(batch, batches.rows(batch) // p.microbatches)
-    cut = Cut(model, p, strategy.pp, strategy.stage_index)
+    cut = Cut(model, p, strategy.layout, strategy.stage_index)
     with precision.autocast():
         received = cut.inputs(batches.inputs_of(micro))
     model = speed_up(strategy.part(model), cfg.trainer, p.stages)

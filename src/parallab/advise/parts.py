@@ -85,7 +85,7 @@ def _own_parts(model: torch.nn.Module, spec: run.RunSpec, dist: distributed.Dist
     the batch through the parts before it."""
     from parallab.parallel.split import Cut
 
-    cut = Cut(model, spec.cfg.parallel, spec.layout.pp, spec.layout.part_of(dist.rank))
+    cut = Cut(model, spec.cfg.parallel, spec.layout, spec.layout.part_of(dist.rank))
     with precision.autocast():
         received = cut.inputs(inputs)
     cut.keep(model)

@@ -58,13 +58,14 @@ def validate(figures: dict[str, Any], cfg, layout, link, one_rank_step_s: float 
     run); one process driving n devices: world size 1's step shared by min(n, devices)
     devices (CPU ranks share one set of cores), and its bubble (None where that step was
     not measured)."""
-    n = cfg.parallel.world_size
+    n = layout.world_size
     share = figures.get("share_s")
     if share is None or not layout.processes:
-        return one_rank_step_s and one_rank_step_s / min(n, devices) * layout.plan.bubble(cfg)
+        return one_rank_step_s and one_rank_step_s / min(n, devices) * layout.plan.bubble(
+            cfg, layout)
     if layout.cuts_model:
         share = pipeline_s(share, figures.get("share_alone_s") or share, n,
                            cfg.parallel.microbatches, cpu_rate(link.cores, link.threads),
-                           layout.plan.bubble(cfg))
+                           layout.plan.bubble(cfg, layout))
     return share + (figures.get("collectives_s") or 0.0) + \
         (figures.get("loop_time_ms") or 0.0) / 1e3

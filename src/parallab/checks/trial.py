@@ -23,6 +23,7 @@ from parallab.config.errors import ConfigError, first_line
 from parallab.loss import AUTO, CROSS_ENTROPY, Objective
 from parallab.models import build_on_meta
 from parallab.parallel import stages as stages_of
+from parallab.parallel.layout import Layout
 
 OURS = "parallab."
 
@@ -148,18 +149,18 @@ def run(cfg, layout, probe: Probe | None = None) -> list[nn.Module] | None:
     return stages
 
 
-def tp_split_problem(cfg, probe: Probe) -> str | None:
-    """Where a user's model is split by a plan: does the plan compose (plans.split_problem,
-    on the probe's model and batch)?"""
+def tp_split_problem(cfg, layout: Layout, probe: Probe) -> str | None:
+    """Where a user's model is split by a plan over the layout's tp ranks: does the plan
+    compose (plans.split_problem, on the probe's model and batch)?"""
     p = cfg.parallel
-    if probe.model is None or getattr(p, "tp", 1) == 1 or getattr(p, "sequence_parallel", False):
+    if probe.model is None or layout.tp == 1 or getattr(p, "sequence_parallel", False):
         return None
     from parallab.parallel import plans
 
     model, batch = probe.model, probe.batch
     from_model = loss_of.build_loss(cfg.loss).from_model
     with torch.no_grad():
-        return plans.split_problem(model, plans.plan_of(model, p.tp_plan or None), p.tp,
+        return plans.split_problem(model, plans.plan_of(model, p.tp_plan or None), layout.tp,
                                    lambda m: batches.call(m, batch, with_targets=from_model))
 
 

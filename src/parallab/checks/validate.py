@@ -270,7 +270,7 @@ def check_strategy(cfg: Config, layout: Layout, probe: trial.Probe) -> None:
     """One batch tried where a user's part is in play, then the strategy's own checks (with
     the model's stages where it cuts the model into parts)."""
     layout.plan.check(cfg, layout, trial.run(cfg, layout, probe))
-    _refuse(trial.tp_split_problem(cfg, probe))  # after the strategy's: the plan divides
+    _refuse(trial.tp_split_problem(cfg, layout, probe))  # after the strategy's: the plan divides
     _refuse(activations.stages_problem(cfg))
 
 

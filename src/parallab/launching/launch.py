@@ -65,13 +65,13 @@ def register_resolvers() -> None:
     OmegaConf.register_new_resolver("rank_zero", _rank_zero, replace=True)
 
 
-def worker_env(cfg) -> dict[str, str]:
-    """The environment of the workers a job of `cfg` starts: their threads, gloo on
-    loopback (the built-in launcher starts one node), and what their fork server imports."""
+def worker_env(cfg, layout) -> dict[str, str]:
+    """The environment of the workers a job of `cfg` starts with the resolved `layout`
+    (parallel.layout.Layout): their threads, gloo on loopback (the built-in launcher starts
+    one node), and what their fork server imports."""
     from parallab.launching.distributed import threads_for
 
-    p = cfg.parallel
-    threads = threads_for(p.world_size // p.nnodes, p.threads_per_worker)
+    threads = threads_for(layout.per_node, cfg.parallel.threads_per_worker)
     return {"OMP_NUM_THREADS": str(threads), **server_env(cfg)}
 
 

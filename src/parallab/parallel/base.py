@@ -237,12 +237,12 @@ class Plan:
         return [["parallel.world_size=1"]] if world_size == 1 else []
 
     @classmethod
-    def bubble(cls, cfg) -> float:
+    def bubble(cls, cfg, layout: Layout) -> float:
         """Compute time relative to a step without idle ranks (a pipeline's fill and drain)."""
         return 1.0
 
     @classmethod
-    def node_local_kinds(cls, cfg) -> tuple[str, ...]:
+    def node_local_kinds(cls, layout: Layout) -> tuple[str, ...]:
         """Collective kinds (comm.KINDS) whose groups stay within one node however many
         nodes the job spans (hsdp's shard groups)."""
         return ()

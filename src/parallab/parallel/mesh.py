@@ -155,7 +155,7 @@ class MeshStrategy(Strategy):
         compile then wrap the split blocks, and the plan's module names stay as declared."""
         p = self.p
         model = self.on_device(self.part(model))
-        if p.tp > 1:
+        if self.layout.tp > 1:
             from torch.distributed.tensor.parallel import parallelize_module
 
             plan = plans.plan_of(model, p.tp_plan or None, p.sequence_parallel)
@@ -232,10 +232,10 @@ class MeshPlan(Plan):
         return {dim: getattr(p, dim) for dim in cls.dims}
 
     @classmethod
-    def node_local_kinds(cls, cfg) -> tuple[str, ...]:
+    def node_local_kinds(cls, layout: Layout) -> tuple[str, ...]:
         """With replicas, the shard groups' all-gather and reduce-scatter stay in a node;
         only the replicas' all-reduce crosses nodes."""
-        return ("all_gather", "reduce_scatter") if cfg.parallel.dp_replicate > 1 else ()
+        return ("all_gather", "reduce_scatter") if layout.dp_replicate > 1 else ()
 
     @classmethod
     def overlapped_kinds(cls, layout: Layout) -> tuple[str, ...]:
@@ -270,11 +270,11 @@ class MeshPlan(Plan):
                               f"{layout.dp_shard}): FSDP2 shards contiguous parameters only, "
                               "and channels-last lays a convolution's weights out NHWC: set "
                               "trainer.channels_last=false, or use parallel=ddp")
-        if p.sequence_parallel and p.tp == 1:
+        if p.sequence_parallel and layout.tp == 1:
             raise ConfigError("parallel.sequence_parallel=true cuts a tensor-parallel "
                               "group's activations: it needs parallel.tp > 1 (or set it "
                               "false)")
-        refuse_tp(cfg, p.tp, p.sequence_parallel)
+        refuse_tp(cfg, layout.tp, p.sequence_parallel)
 
     @staticmethod
     def refuse_sharded(cfg, layout: Layout) -> None:

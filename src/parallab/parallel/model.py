@@ -77,5 +77,5 @@ class ModelParallelPlan(Plan):
     @classmethod
     def check(cls, cfg, layout: Layout, stages=None) -> None:
         super().check(cfg, layout)
-        check_parts(cfg, stages)
+        check_parts(cfg, layout, stages)
         refuse_finder(cfg)

@@ -81,7 +81,7 @@ class PipelineStrategy(MeshStrategy):
     @property
     def per_rank(self) -> int:
         """Parts each rank holds (v): the model is cut into pp x v."""
-        return self.p.stages_per_rank
+        return self.layout.stages_per_rank
 
     @property
     def stage_index(self) -> int:
@@ -150,7 +150,7 @@ class PipelineStrategy(MeshStrategy):
         p = self.p
         self.pp_group, self.dp_group = (self.mesh["pp"].get_group(),
                                         self.mesh["dp_replicate"].get_group())
-        self.cut = Cut(model, p, self.pp, self.stage_index)
+        self.cut = Cut(model, p, self.layout, self.stage_index)
         self.cut.keep(model)
         self.parts: list[nn.Module] | None = None
         if self.loss.from_model:  # a transformers causal LM's own loss, of its logits
@@ -363,16 +363,16 @@ class PipelinePlan(MeshPlan):
 
             model = build_on_meta(cfg.model)
             stages = stages if stages is not None else hf.pipeline_stages(model)
-        v = p.stages_per_rank
-        check_parts(cfg, stages, layout.pp * v, v,
-                    lambda part: schedules.rank_of(p, layout.pp, part))
+        v = layout.stages_per_rank
+        check_parts(cfg, layout, stages, layout.pp * v, v,
+                    lambda part: schedules.rank_of(p.schedule, layout.pp, v, part))
         if layout.dp_shard > 1 and v > 1:
-            refuse_shared_parts(p, stages, part_ranges(stages, layout.pp * v, p.split))
+            refuse_shared_parts(layout, stages, part_ranges(stages, layout.pp * v, p.split))
         if from_model(cfg.loss) and not hf.shifts_labels(model):
             raise ConfigError("loss=model with parallel=pipeline: the last stage computes the "
                               "loss from the output, which a model returning its own loss does "
                               "not give: use a loss of output and targets")
-        schedules.check_microbatches(cfg, layout.pp)
+        schedules.check_microbatches(cfg, layout)
         refuse_split_backward(cfg)
 
     @classmethod
@@ -391,12 +391,10 @@ class PipelinePlan(MeshPlan):
                 for micro in options.microbatches]
 
     @classmethod
-    def bubble(cls, cfg) -> float:
-        """schedules.bubble of the config's schedule (its stages per rank, where a config
-        of the pipeline's keys names none, what the schedule needs)."""
+    def bubble(cls, cfg, layout: Layout) -> float:
+        """schedules.bubble of the config's schedule over the layout's pipeline."""
         p = cfg.parallel
-        v = schedules.stages_per_rank(p.schedule, getattr(p, "stages_per_rank", None))
-        return bubble(p.schedule, p.pp, v, p.microbatches)
+        return bubble(p.schedule, layout.pp, layout.stages_per_rank, p.microbatches)
 
 
 def refuse_split_backward(cfg) -> None:

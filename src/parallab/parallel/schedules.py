@@ -128,10 +128,9 @@ def activations_held(schedule: str, pp: int, stages_per_rank: int, microbatches:
     raise ValueError(f"unknown schedule {schedule}")
 
 
-def rank_of(p, pp: int, part: int) -> int:
-    """The pipeline rank holding `part` under the run's schedule."""
-    v = p.stages_per_rank
-    return next(r for r in range(pp) if part in stages_of_rank(p.schedule, pp, v, r))
+def rank_of(schedule: str, pp: int, v: int, part: int) -> int:
+    """The pipeline rank holding `part` under `schedule` (pp ranks, v parts each)."""
+    return next(r for r in range(pp) if part in stages_of_rank(schedule, pp, v, r))
 
 
 def check(p) -> None:
@@ -157,14 +156,15 @@ def check(p) -> None:
                           "or use parallel.schedule=1f1b")
 
 
-def check_microbatches(cfg, pp: int) -> None:
-    """parallel.microbatches: as torch's schedule takes them, and data.batch_size cut into
-    that many equal micro-batches."""
+def check_microbatches(cfg, layout) -> None:
+    """parallel.microbatches: as torch's schedule takes them over the layout's pipeline, and
+    data.batch_size cut into that many equal micro-batches."""
     p, d = cfg.parallel, cfg.data
-    problem = microbatches_problem(p.schedule, pp, p.stages_per_rank, p.microbatches)
+    pp, v = layout.pp, layout.stages_per_rank
+    problem = microbatches_problem(p.schedule, pp, v, p.microbatches)
     if problem:
-        fits = [m for m in range(1, 4 * pp * p.stages_per_rank + 1)
-                if not microbatches_problem(p.schedule, pp, p.stages_per_rank, m)]
+        fits = [m for m in range(1, 4 * pp * v + 1)
+                if not microbatches_problem(p.schedule, pp, v, m)]
         near = sorted(fits, key=lambda m: (abs(m - p.microbatches), m))[:2]
         raise ConfigError(f"parallel.microbatches={p.microbatches} does not suit "
                           f"parallel.schedule={p.schedule} at parallel.pp={pp}: {problem}; use "

@@ -53,14 +53,14 @@ def part_ranges(stages: list[nn.Module], parts: int, cuts: list[int] | None) -> 
     return [range(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
-def check_parts(cfg, stages: list[nn.Module] | None, parts: int | None = None,
+def check_parts(cfg, layout, stages: list[nn.Module] | None, parts: int | None = None,
                 per_rank: int = 1, rank_of=None) -> None:
-    """parallel=model/pipeline: the model has stages enough for `parts` (parallel.world_size)
-    parts, `per_rank` of them on each rank (a pipeline's stages_per_rank; `rank_of`: the
-    rank holding each part), and parallel.split (if set) cuts them into that many; no
+    """parallel=model/pipeline: the model has stages enough for `parts` (the layout's world
+    size) parts, `per_rank` of them on each rank (a pipeline's stages_per_rank; `rank_of`:
+    the rank holding each part), and parallel.split (if set) cuts them into that many; no
     parameter is shared by parts on different ranks. ConfigError otherwise."""
     p = cfg.parallel
-    parts = parts or p.world_size
+    parts = parts or layout.world_size
     if stages is None:
         raise ConfigError(f"parallel={p.name} cuts the model into parts at its stages, and "
                           "this model declares none: set parallel.stages to its submodules in "
@@ -68,7 +68,7 @@ def check_parts(cfg, stages: list[nn.Module] | None, parts: int | None = None,
                           "give it a stages() method, or use parallel=ddp, fsdp, tp or "
                           "fsdp_tp, which need no cut")
     ranks = parts // per_rank
-    said = _said(p, ranks)
+    said = _said(layout, ranks)
     making = f"{said} x parallel.stages_per_rank={per_rank}" if per_rank > 1 else said
     if ranks < 2:
         raise ConfigError(f"{said}: parallel={p.name} needs at least 2 parts; use "
@@ -94,14 +94,14 @@ def check_parts(cfg, stages: list[nn.Module] | None, parts: int | None = None,
                           "parallel=ddp or fsdp")
 
 
-def _said(p, parts: int) -> str:
+def _said(layout, parts: int) -> str:
     """The key that sets the number of parts: parallel.pp, where it is not the world size."""
-    others = [f"parallel.{k}={getattr(p, k)}" for k in ("dp_replicate", "dp_shard", "tp")
-              if (getattr(p, k, None) or 1) > 1]
-    if parts != p.world_size and others:
-        return (f"parallel.pp={parts} (parallel.world_size={p.world_size} over "
+    others = [f"parallel.{k}={getattr(layout, k)}" for k in ("dp_replicate", "dp_shard", "tp")
+              if getattr(layout, k) > 1]
+    if parts != layout.world_size and others:
+        return (f"parallel.pp={parts} (parallel.world_size={layout.world_size} over "
                 f"{' x '.join(others)})")
-    return f"parallel.world_size={p.world_size}"
+    return f"parallel.world_size={layout.world_size}"
 
 
 def shared_across(stages: list[nn.Module], parts: list[range], rank_of=None
@@ -132,14 +132,15 @@ def keep_only(model: nn.Module, stages: list[nn.Module], keep,
 
 class Cut:
     """A pipeline's cut of `model` (whole, when made): its chain of stages in pp x v parts
-    (parallel.split's, or even), and the parts the pipeline's rank `rank` holds (where the
-    schedule places them: schedules.stages_of_rank)."""
+    (the layout's; parallel.split's cut, or even), and the parts the pipeline's rank `rank`
+    holds (where the schedule places them: schedules.stages_of_rank)."""
 
-    def __init__(self, model: nn.Module, p, pp: int, rank: int):
+    def __init__(self, model: nn.Module, p, layout, rank: int):
+        pp, v = layout.pp, layout.stages_per_rank
         self.stages = stages_of.chain(model, p.stages)
         self.names = {id(module): name for name, module in model.named_modules()}
-        self.ranges = part_ranges(self.stages, pp * p.stages_per_rank, p.split)
-        self.held = schedules.stages_of_rank(p.schedule, pp, p.stages_per_rank, rank)
+        self.ranges = part_ranges(self.stages, pp * v, p.split)
+        self.held = schedules.stages_of_rank(p.schedule, pp, v, rank)
 
     def keep(self, model: nn.Module, parts: list[int] | None = None) -> None:
         """Keep the stages of `parts` (the rank's where None), the others nn.Identity."""
@@ -166,11 +167,11 @@ class Cut:
         return received
 
 
-def refuse_shared_parts(p, stages: list[nn.Module], ranges: list[range]) -> None:
+def refuse_shared_parts(layout, stages: list[nn.Module], ranges: list[range]) -> None:
     """FSDP2 shards each Part as a root of its own, and a parameter in one root only: two
     parts of a rank may not share one (a V's first and last, tied embeddings)."""
     shared = shared_across(stages, ranges)
     if shared:
-        raise ConfigError(f"parallel.dp_shard={p.dp_shard} shards each of a rank's parts "
+        raise ConfigError(f"parallel.dp_shard={layout.dp_shard} shards each of a rank's parts "
                           f"apart, but stages {shared[0]} and {shared[1]} share a parameter "
                           "(tied weights): untie them, or use parallel.dp_shard=1")
