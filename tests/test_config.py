@@ -107,20 +107,20 @@ def test_an_option_sets_only_what_differs_from_its_schema(group):
 
 
 def test_defaults_are_the_seed_recipe():
-    cfg, _ = validate.prepare(typed("device=cpu"), in_place=None)
+    cfg, layout = validate.prepare(typed("device=cpu"), in_place=None)
     assert (model_name(cfg.model), cfg.data.name, cfg.parallel.name) == ("MnistCNN", "mnist",
                                                                           "none")
     assert cfg.model == {"_target_": "parallab.models.mnist_cnn.MnistCNN", "num_classes": 10,
                          "dropout": 0.5}
     assert (cfg.optim.name, cfg.optim.lr, cfg.optim.momentum) == ("sgd", 0.01, 0.5)
     assert (cfg.data.batch_size, cfg.trainer.epochs) == (64, 10)
-    assert (cfg.backend.name, cfg.parallel.world_size) == ("gloo", 1)
+    assert (cfg.backend.name, layout.world_size) == ("gloo", 1)
 
 
 def test_auto_values_resolve_for_cpu():
-    cfg, _ = validate.prepare(typed("parallel=ddp"), in_place=None)
+    cfg, layout = validate.prepare(typed("parallel=ddp"), in_place=None)
     assert cfg.device.value == "cpu" and cfg.backend.name == "gloo"
-    assert cfg.parallel.world_size == 2  # null = one per GPU, or 2 on CPU
+    assert layout.world_size == 2  # null = one per GPU, or 2 on CPU
 
 
 @pytest.mark.parametrize("overrides,message", [

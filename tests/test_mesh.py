@@ -76,6 +76,37 @@ def test_a_layout_is_resolved_once_and_says_what_its_degrees_imply(overrides, sh
         c[layout.dims.index("pp")] if layout.cuts_model else 0 for c in coordinates]
 
 
+@pytest.mark.parametrize("overrides, resolved", [
+    (["parallel=ddp"], dict(world_size=2, dp_replicate=2, dp_shard=1, tp=1)),
+    (["parallel=fsdp_tp", "parallel.world_size=4", "parallel.tp=2", "model=mlp"],
+     dict(world_size=4, dp_replicate=1, dp_shard=2, tp=2)),
+    (["parallel=pipeline", "parallel.schedule=zbv", "model=gpt", "data=bytes",
+      "model.layers=2", "model.heads=2", "model.width=32", "model.context=32"],
+     dict(world_size=2, dp_replicate=1, pp=2, stages_per_rank=2)),
+    (["parallel=pipeline", "parallel.world_size=4", "parallel.dp_replicate=2", "model=mlp",
+      "model.hidden=[64,64,64]", "parallel.microbatches=2"],
+     dict(world_size=4, dp_replicate=2, pp=2, stages_per_rank=1)),
+    (["parallel=model", "model=mlp"], dict(world_size=2, pp=2)),
+])
+def test_the_checks_leave_the_parallel_config_as_composed(overrides, resolved):
+    """What the checks resolve (the world size, a null degree, a pipeline's stages per rank,
+    the node count) is the Layout's alone, as torchtitan's ParallelDims holds it beside its
+    job config: cfg.parallel after the checks is what the user composed."""
+    import copy
+
+    from conftest import typed
+
+    from parallab.checks import validate
+
+    cfg = typed(*overrides)
+    composed = copy.deepcopy(cfg.parallel)
+    assert composed.world_size is None or "parallel.world_size=4" in overrides
+    cfg, layout = validate.prepare(cfg, in_place=None)
+    assert cfg.parallel == composed
+    assert {key: getattr(layout, key) for key in resolved} == resolved
+    assert layout.nnodes == 1
+
+
 def test_a_run_resolves_its_layout_once_and_trains_with_that_one(train_here, monkeypatch):
     """The checks resolve the layout (degrees, plan, GPUs) once; the run builds its
     runtime strategy from that value, with no second lookup by parallel.name nor

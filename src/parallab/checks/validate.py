@@ -25,7 +25,7 @@ from parallab.launching.in_place import InPlace
 from parallab.launching.launch import master_port_problem
 from parallab.observe import loggers, memory
 from parallab.parallel import activations, parallelize
-from parallab.parallel.layout import Layout, write_back
+from parallab.parallel.layout import Layout
 from parallab.training import checkpoint, monitor
 
 __all__ = ["ConfigError", "prepare"]
@@ -189,42 +189,42 @@ def visible_gpus(cfg: Config, plan) -> int:
 
 
 def resolve_parallel(cfg: Config, in_place: InPlace | None) -> Layout:
-    """The run's layout, resolved here once (the world size, the degrees, the plan, the
-    GPUs) and carried to every rank."""
+    """The run's layout, resolved here once (the world size, the node count, the degrees,
+    the plan, the GPUs) and carried to every rank; cfg.parallel keeps what the user
+    composed (torchtitan's ParallelDims beside its job config)."""
     from parallab.parallel import PLANS
 
     p = cfg.parallel
     plan = PLANS[p.name]
     gpus = visible_gpus(cfg, plan)
+    world, nnodes = p.world_size, p.nnodes
     if in_place is not None:
         launching = [name for name, kind in PLANS.items() if kind.processes]
         _require(plan.processes or in_place.world_size == 1, f"parallel={p.name} "
                  f"runs one process, but {in_place.launcher} started {in_place.world_size}: "
                  f"use parallel={' or '.join(launching)}, or launch one process")
-        _require(p.world_size in (None, in_place.world_size), f"parallel.world_size="
-                 f"{p.world_size}, but {in_place.launcher} started {in_place.world_size} "
+        _require(world in (None, in_place.world_size), f"parallel.world_size="
+                 f"{world}, but {in_place.launcher} started {in_place.world_size} "
                  f"tasks: drop parallel.world_size (each task is a rank) or start "
-                 f"{p.world_size} tasks")
-        p.world_size, p.nnodes = in_place.world_size, in_place.nnodes
-    elif p.world_size is None:
-        p.world_size = plan.default_world_size(gpus)
-    _require(p.world_size % p.nnodes == 0, f"parallel.world_size={p.world_size} does not split "
-             f"evenly over parallel.nnodes={p.nnodes}: use a multiple of {p.nnodes}")
-    _require(in_place is not None or p.nnodes == 1,
-             f"parallel.nnodes={p.nnodes}: start one agent per node with torchrun, SLURM or "
+                 f"{world} tasks")
+        world, nnodes = in_place.world_size, in_place.nnodes
+    elif world is None:
+        world = plan.default_world_size(gpus)
+    _require(world % nnodes == 0, f"parallel.world_size={world} does not split "
+             f"evenly over parallel.nnodes={nnodes}: use a multiple of {nnodes}")
+    _require(in_place is not None or nnodes == 1,
+             f"parallel.nnodes={nnodes}: start one agent per node with torchrun, SLURM or "
              "mpirun (docs/parallel.md: several nodes); the built-in launcher starts one node")
-    per_node = p.world_size // p.nnodes
+    per_node = world // nnodes
     cores = cpu_cores()
     if p.threads_per_worker is not None and p.threads_per_worker * per_node > cores:
         log.warning("parallel.threads_per_worker=%d x %d workers per node is more threads than "
                     "the %d cores here: they will contend (null gives each its share)",
                     p.threads_per_worker, per_node, cores)
     if gpus and not (in_place is not None and gpus == 1):  # in place: one GPU per task will do
-        _require(per_node <= gpus, f"parallel.world_size={p.world_size} needs {per_node} GPUs "
-                 f"per node but {gpus} are visible: set parallel.world_size<={gpus * p.nnodes}")
-    layout = plan.resolve(p, cfg.device.value, p.world_size, p.nnodes)  # checked
-    write_back(p, layout)
-    return layout
+        _require(per_node <= gpus, f"parallel.world_size={world} needs {per_node} GPUs "
+                 f"per node but {gpus} are visible: set parallel.world_size<={gpus * nnodes}")
+    return plan.resolve(p, cfg.device.value, world, nnodes)  # a null degree resolved, checked
 
 
 def resolve_global_batch(cfg: Config, layout: Layout) -> None:

@@ -1,6 +1,8 @@
-"""A run's layout: how many ranks, how they are arranged, and what follows from that for
-the rest of parallab (torchtitan's ParallelDims). Made once per config by its strategy
-(Plan.layout_of), which resolves a null degree from the world size.
+"""A run's layout: how many ranks on how many nodes, how they are arranged, and what
+follows from that for the rest of parallab (torchtitan's ParallelDims). Made once by the
+checks (Plan.resolve: the world size and node count, a null degree, a pipeline's stages
+per rank resolved) and carried to every rank; every reader after the checks takes it,
+while the parallel config keeps what the user composed.
 
 The mesh's degrees, outermost first: dp_replicate (replicas, gradients all-reduced),
 dp_shard (FSDP2 shards), pp (pipeline parts), tp (tensor-parallel slices, innermost so
@@ -119,12 +121,3 @@ class Layout:
         """The model's stages matter: each is an FSDP2 unit, or the model is cut at them."""
         return self.processes or self.cuts_model
 
-
-def write_back(p, layout: Layout) -> None:
-    """The resolved degrees and a pipeline's stages per rank written into the parallel
-    config `p`, for the readers that do not take the Layout yet."""
-    if layout.processes:
-        for dim in layout.dims:
-            setattr(p, dim, getattr(layout, dim))
-    if layout.pipelined:
-        p.stages_per_rank = layout.stages_per_rank

@@ -27,7 +27,6 @@ def check(cfg) -> Any:
     from parallab.checks import validate
     from parallab.config.schema import Device
     from parallab.parallel import PLANS
-    from parallab.parallel.layout import write_back
 
     search.refuse(clusters.problem(cfg.cluster))
     search.refuse(_own_problem(cfg.simulate))
@@ -56,7 +55,6 @@ def check(cfg) -> Any:
     if p.name == "auto":
         return None
     layout = PLANS[p.name].resolve(p, "cuda", p.world_size)
-    write_back(p, layout)
     validate.resolve_global_batch(cfg, layout)
     stages = None
     if layout.cuts_model:
