@@ -134,7 +134,9 @@ def load_held(model: nn.Module, path: str | Path, device: torch.device) -> None:
         for name, value in buffers.items():
             model.get_buffer(name).copy_(value)
     reader = formats.format_of(path)
-    if not isinstance(reader, formats.FileFormat):  # read whole into the rank's template
+    # a format not read tensor by tensor (a .dcp) is a checkpoint format that reshards
+    # into the rank's own parts itself
+    if not isinstance(reader, formats.FileFormat):
         held = get_model_state_dict(model)
         reader.read_state({"model": held})
         set_model_state_dict(model, held)
