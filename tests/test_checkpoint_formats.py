@@ -80,3 +80,18 @@ def test_a_sharded_checkpoint_is_written_and_read_by_its_format(tmp_path):
     state = checkpoint.read_state(path, template)
     assert torch.equal(state["model"]["fc.weight"], torch.full((2, 2), 5.0))
     assert state["optimizer"]["state.fc.weight.step"].item() == 5.0
+
+
+def test_a_sharded_index_read_for_weights_goes_through_the_allow_list(tmp_path):
+    """Reading a .dcp's shapes (trainer.init_from, evaluate, export) unpickled its index with
+    torch's own reader, which runs whatever class the index names."""
+    import fractions
+    import pickle
+
+    from parallab.training.checkpoint import CheckpointError
+
+    index = tmp_path / "evil.dcp"
+    index.mkdir()
+    (index / ".metadata").write_bytes(pickle.dumps(fractions.Fraction(1, 3)))
+    with pytest.raises(CheckpointError, match="refusing to load"):
+        formats.Sharded(index).shapes()

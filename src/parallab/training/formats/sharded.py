@@ -39,9 +39,7 @@ class Sharded(CheckpointFormat):
         return path.is_dir() and (path.suffix == ".dcp" or (path / ".metadata").exists())
 
     def _shapes(self) -> dict[str, tuple[int, ...]]:
-        from torch.distributed.checkpoint import FileSystemReader
-
-        entries = FileSystemReader(str(self.path)).read_metadata().state_dict_metadata
+        entries = _read_index(self.path).state_dict_metadata  # through the allow-list
         return {plain_name(k[len("model."):]): tuple(v.size) for k, v in entries.items()
                 if k.startswith("model.") and hasattr(v, "size")}
 
