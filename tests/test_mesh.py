@@ -105,6 +105,13 @@ def test_the_checks_leave_the_parallel_config_as_composed(overrides, resolved):
     assert cfg.parallel == composed
     assert {key: getattr(layout, key) for key in resolved} == resolved
     assert layout.nnodes == 1
+    # what the run records (its checkpoints' config, its loggers' params) is what it ran at
+    from parallab.observe import loggers
+
+    ran = loggers.as_run(cfg, layout)["parallel"]
+    assert {key: ran[key] for key in resolved if key in ran} == {
+        key: value for key, value in resolved.items() if key in ran}
+    assert ran["world_size"] == resolved["world_size"] and ran["nnodes"] == 1
 
 
 def test_a_run_resolves_its_layout_once_and_trains_with_that_one(train_here, monkeypatch):

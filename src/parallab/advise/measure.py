@@ -85,7 +85,8 @@ def measure(spec: run.RunSpec, dist: distributed.Dist) -> dict[str, Any]:
     reset_peak_memory(dist.device)
     try:
         with Preemption() as preemption:
-            logger.start(loggers.run_info(cfg, run_dir, overrides, None, dist.world_size))
+            logger.start(loggers.run_info(cfg, run_dir, overrides, None, dist.world_size,
+                                          spec.layout))
             probe = ActivationProbe()
             trainer, lr = run.build_trainer(cfg, spec.layout, dist, logger, None, preemption,
                                             probe=probe)

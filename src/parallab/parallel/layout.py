@@ -74,6 +74,21 @@ class Layout:
         if self.nnodes < 1 or self.world_size % self.nnodes:
             raise ValueError(f"world_size={self.world_size} over nnodes={self.nnodes}")
 
+    def as_run(self, given: dict[str, Any]) -> dict[str, Any]:
+        """The parallel config `given` (as composed) with what this layout resolved written
+        in: the world size and nodes a launcher started, the degrees, a pipeline's stages per
+        rank. What a run records (its checkpoints' config, its loggers' params), so that a
+        sweep's runs compare by the values they ran at, not the nulls they were given."""
+        ran = dict(given)
+        if self.processes:
+            ran.update(world_size=self.world_size, nnodes=self.nnodes)
+        elif ran.get("world_size") is None:  # one process: its devices (dp on a CPU: one)
+            ran["world_size"] = self.world_size
+        ran.update({dim: getattr(self, dim) for dim in self.dims if dim in ran})
+        if self.pipelined and "stages_per_rank" in ran:
+            ran["stages_per_rank"] = self.stages_per_rank
+        return ran
+
     @property
     def shape(self) -> tuple[int, ...]:
         """The device mesh's shape, by `dims`."""

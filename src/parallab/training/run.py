@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
-from omegaconf import OmegaConf
 
 from parallab.config import naming
 from parallab.config.schema import Config, TrainerConfig, model_name
@@ -193,7 +192,7 @@ def train(spec: RunSpec, store=None) -> dict[str, Any]:
                              cfg.parallel.threads_per_worker, store=store or hosted)
     reset_peak_memory(dist.device)  # this run's own peak, not an earlier job's in the process
     logger = loggers.started(cfg, spec.run_dir, dist.is_main, spec.overrides, spec.sweep,
-                             dist.world_size)
+                             dist.world_size, spec.layout)
     log.info("rank %d/%d on %s, %d threads, optim.lr=%g, data.batch_size=%d", dist.rank,
              dist.world_size, dist.device, torch.get_num_threads(), cfg.optim.lr,
              cfg.data.batch_size)
@@ -317,8 +316,8 @@ def build_trainer(cfg: Config, layout: Layout, dist: distributed.Dist, logger: R
                        dist.is_main)
     checkpointer = None
     if checkpoints is not None:
-        config = OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
-        checkpointer = Checkpointer(checkpoints, dist, config, cfg.trainer.keep_last_k,
+        checkpointer = Checkpointer(checkpoints, dist, loggers.as_run(cfg, layout),
+                                    cfg.trainer.keep_last_k,
                                     sharded=strategy.layout.sharded)
     trainer = Trainer(cfg.trainer, model, strategy, optimizer, precision, data, dist, logger,
                       checkpointer, preemption, cfg.metrics, cfg.scheduler, probe)

@@ -86,10 +86,19 @@ def flatten(node: Any, prefix: str = "") -> dict[str, Any]:
             else str(node)}
 
 
-def run_info(cfg: Any, run_dir: str | Path, overrides: list[str], sweep: str | None,
-             world_size: int) -> RunInfo:
-    run_dir = Path(run_dir)
+def as_run(cfg: Any, layout: Any = None) -> dict[str, Any]:
+    """The run's config as a plain dict, its parallel keys as `layout` (the checks'
+    Layout) resolved them: what its record holds."""
     config = OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
+    if layout is not None:
+        config["parallel"] = layout.as_run(config["parallel"])
+    return config
+
+
+def run_info(cfg: Any, run_dir: str | Path, overrides: list[str], sweep: str | None,
+             world_size: int, layout: Any = None) -> RunInfo:
+    run_dir = Path(run_dir)
+    config = as_run(cfg, layout)
     return RunInfo(
         run_dir=run_dir, name=run_dir.name if sweep else f"{run_dir.parent.name}/{run_dir.name}",
         sweep=sweep, params=flatten(config), config_yaml=OmegaConf.to_yaml(config),
@@ -154,9 +163,9 @@ class RunLogger:
 
 
 def started(cfg: Any, run_dir: str | Path, active: bool, overrides: list[str] = (),
-            sweep: str | None = None, world_size: int = 1) -> RunLogger:
+            sweep: str | None = None, world_size: int = 1, layout: Any = None) -> RunLogger:
     """The run's logger of the loggers its config names, started on its run (rank 0 only
     writes; every rank may call it alike)."""
     logger = RunLogger(run_dir, active, cfg.logger)
-    logger.start(run_info(cfg, run_dir, list(overrides), sweep, world_size))
+    logger.start(run_info(cfg, run_dir, list(overrides), sweep, world_size, layout))
     return logger
