@@ -5,7 +5,7 @@ holds at its peak.
     python bench/bench_pipeline.py [--pp 2 4] [--microbatches 4 8] [--steps 8] [-- overrides]
 
 Each setting runs pp ranks (gloo, spawned here) through parallab's pipeline as a run lays
-it out (the checks, parallelize, the strategy's step), a real batch of data=bytes each
+it out (the checks, parallelize, the runtime's step), a real batch of data=bytes each
 step. On each rank, the time inside torch's stage computations (a forward, a backward or
 its halves) is its busy time; the rest of the step it waits (its share of the step: idle).
 The memory a step holds at its peak: the rank's resident memory above its level at the
@@ -106,9 +106,9 @@ def rank_main(rank: int, world: int, port: int, cfg, layout, steps: int, out) ->
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model)
     precision = Precision(cfg.precision, dist.device, sharded=layout.sharded)
-    strategy = layout.plan.runtime(cfg.parallel, layout, dist, precision,
+    runtime = layout.plan.runtime(cfg.parallel, layout, dist, precision,
                                    build_loss(cfg.loss).bind(model))
-    model = parallelize(model, strategy, cfg.trainer, cfg.parallel.stages)
+    model = parallelize(model, runtime, cfg.trainer, cfg.parallel.stages)
     optimizer = build_optimizer(cfg.optim, model)
     batch = trial.one_batch(cfg, cfg.data.batch_size)
     times, busies, peaks = [], [], []
@@ -118,7 +118,7 @@ def rank_main(rank: int, world: int, port: int, cfg, layout, steps: int, out) ->
         rss = PeakRSS()
         rss.start()
         busy[0], start = 0.0, time.perf_counter()
-        strategy.forward_backward(model, batch, precision, None)
+        runtime.forward_backward(model, batch, precision, None)
         torch.distributed.barrier()
         elapsed = time.perf_counter() - start
         if step >= 2:

@@ -118,10 +118,10 @@ def test_a_run_resolves_its_layout_once_and_trains_with_that_one(train_here, mon
     """The checks resolve the layout (degrees, plan, GPUs) once; the run builds its
     runtime strategy from that value, with no second lookup by parallel.name nor
     resolution."""
-    from parallab.parallel.model import ModelParallelPlan, ModelParallelStrategy
+    from parallab.parallel.model import ModelParallelPlan, ModelParallelRuntime
 
     resolved, given = [], []
-    layout_of, init = ModelParallelPlan.layout_of.__func__, ModelParallelStrategy.__init__
+    layout_of, init = ModelParallelPlan.layout_of.__func__, ModelParallelRuntime.__init__
 
     def counted(cls, p, world_size):
         resolved.append(layout_of(cls, p, world_size))
@@ -132,7 +132,7 @@ def test_a_run_resolves_its_layout_once_and_trains_with_that_one(train_here, mon
         init(self, p, layout, *args)
 
     monkeypatch.setattr(ModelParallelPlan, "layout_of", classmethod(counted))
-    monkeypatch.setattr(ModelParallelStrategy, "__init__", kept)
+    monkeypatch.setattr(ModelParallelRuntime, "__init__", kept)
     train_here(*FAST, "parallel=model", "parallel.world_size=2", "model=mlp",
                "trainer.max_steps=2")
     assert len(resolved) == 1 and len(given) == 1

@@ -78,27 +78,27 @@ def test_a_transformers_model_trains_under_a_layout_as_on_one_device(case, tmp_p
 
 def test_its_own_plans_are_read():
     from parallab.models import hf
-    from parallab.parallel import plans
+    from parallab.parallel import tp_plans
 
     llama, gpt2 = built("my_llama"), built("my_gpt2")
     assert [type(b).__name__ for b in hf.blocks(llama)] == ["LlamaDecoderLayer"] * 2
     assert hf.shifts_labels(llama) and hf.shifts_labels(gpt2)
     assert not llama.config.use_cache  # built for training
-    plan = plans.plan_of(llama, None)
+    plan = tp_plans.plan_of(llama, None)
     assert {n for n in plan if n.startswith("model.layers.1.")} == {
         f"model.layers.1.{m}" for m in ("self_attn.q_proj", "self_attn.k_proj",
                                         "self_attn.v_proj", "self_attn.o_proj",
                                         "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
     assert "lm_head" in plan and "model.embed_tokens" in plan
-    given = plans.plan_of(llama, {"model.layers.*.mlp.up_proj": "colwise",
+    given = tp_plans.plan_of(llama, {"model.layers.*.mlp.up_proj": "colwise",
                                   "model.layers.*.mlp.down_proj": "rowwise"})
     assert sorted(given) == ["model.layers.0.mlp.down_proj", "model.layers.0.mlp.up_proj",
                              "model.layers.1.mlp.down_proj", "model.layers.1.mlp.up_proj"]
-    with pytest.raises(plans.PlanError, match="names layers.*.mlp.nope, which matches no"):
-        plans.plan_of(llama, {"layers.*.mlp.nope": "colwise"})
-    with pytest.raises(plans.PlanError, match="is not a style parallab splits by"):
-        plans.plan_of(llama, {"lm_head": "diagonal"})
-    assert plans.source(gpt2, None) is None
+    with pytest.raises(tp_plans.PlanError, match="names layers.*.mlp.nope, which matches no"):
+        tp_plans.plan_of(llama, {"layers.*.mlp.nope": "colwise"})
+    with pytest.raises(tp_plans.PlanError, match="is not a style parallab splits by"):
+        tp_plans.plan_of(llama, {"lm_head": "diagonal"})
+    assert tp_plans.source(gpt2, None) is None
 
 
 @pytest.mark.parametrize("name", ["my_llama", "my_gpt2"])

@@ -42,7 +42,7 @@ from parallab.launching.in_place import InPlace, prepare_in_place, restarted
 from parallab.launching.preemption import ended_by_interrupt
 from parallab.observe import summary
 
-# torch and what needs it (the launched worker, the checks, the strategies, the run) are
+# torch and what needs it (the launched worker, the checks, the layouts, the run) are
 # imported once a job has passed the schema: Hydra's refusals, the schema's, --cfg and shell
 # completion answer without them (1 s instead of 3.5 here; --help reads the model's class,
 # which needs torch; tests/test_config.py checks that none of them loads it)

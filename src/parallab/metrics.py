@@ -115,7 +115,7 @@ def evaluate(model: nn.Module, loader: ShardLoader, dist: Dist, precision: Preci
     """eval_loss (and eval_accuracy where the loss classifies, and the configured metrics)
     over the whole split: the sum of every term (each valid label of each sample, counted
     once) over their number, summed over ranks, so the batch size never changes them.
-    `forward` (a strategy's eval_forward) returns None on ranks that do not score."""
+    `forward` (a runtime's eval_forward) returns None on ranks that do not score."""
     was_training = model.training
     model.eval()
     extra = Metrics(metric_specs or {}, dist.device)

@@ -1,4 +1,4 @@
-"""The grid `parallab advise` searches: every layout the strategies offer for each world
+"""The grid `parallab advise` searches: every layout the plans offer for each world
 size (Plan.layouts), x precision x activation checkpointing x gradient accumulation,
 each checked as `python train.py` would check it, its memory predicted, and pruned with a
 reason where it cannot run or is not needed."""
@@ -25,7 +25,7 @@ KEPT = ("parallel.stages=", "parallel.threads_per_worker=")  # the model's and t
 class Candidate:
     world_size: int
     parallel: str
-    settings: list[str]  # the strategy's overrides after parallel=NAME
+    settings: list[str]  # the plan's overrides after parallel=NAME
     precision: str
     activation_checkpointing: str
     accumulation: int
@@ -79,7 +79,7 @@ def enumerate_grid(options, world_sizes: list[int], device_type: str) -> list[Ca
     accumulations = [2**k for k in range(int(math.log2(options.max_accumulation)) + 1)]
     return [Candidate(n, name, settings, precision, ac, accumulation)
             for n in world_sizes for name in names
-            for settings in PLANS[name].layouts(n, device_type, options)
+            for settings in PLANS[name].candidates(n, device_type, options)
             for precision in options.precisions for ac in options.activation_checkpointing
             for accumulation in accumulations]
 

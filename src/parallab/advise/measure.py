@@ -2,7 +2,7 @@
 
 Candidates that share a world size run inside one launched job (or, at world size 1, in
 the controlling process): the process group is made once, and each candidate builds its
-own model, strategy (its own device mesh and groups), data and optimizer on it, as a
+own model, runtime (its own device mesh and groups), data and optimizer on it, as a
 worker of `python train.py` with its settings would (run.build_trainer). Each writes a
 TensorBoard run with its hparams into its own dir.
 """
@@ -69,7 +69,7 @@ class ActivationProbe:
     def counted_step(self, trainer, batches: list) -> Iterator[None]:
         with activations.saved_for_backward(trainer.model) as counted:
             yield
-            self.bytes = counted.held(trainer.strategy.activation_share) / len(batches)
+            self.bytes = counted.held(trainer.runtime.activation_share) / len(batches)
 
 
 def normalises_by_batch(model: torch.nn.Module) -> bool:

@@ -1,6 +1,6 @@
 """Memory per rank, predicted before anything runs and measured the same way in a run.
 
-The prediction lays the candidate out as a worker would (the strategy's split, activation
+The prediction lays the candidate out as a worker would (the runtime's split, activation
 checkpointing, wrap, the optimizer and one step of it), but on fake tensors (torch's
 FakeTensorMode) under torch's fake process group, as rank r of the candidate's world size:
 no memory is allocated, no collective runs, and the shapes are exactly a worker's. From it:
@@ -77,17 +77,17 @@ def predict(cfg, layout, batch: Any, rank: int) -> tuple[float, float]:
         dist = Dist(rank, rank, world, world, device, "fake")
         precision = Precision(cfg.precision, device)
         model = fake_model(cfg, fake, device)  # the mesh and wrappers are built outside
-        strategy = layout.plan.runtime(cfg.parallel, layout, dist, precision,
+        runtime = layout.plan.runtime(cfg.parallel, layout, dist, precision,
                                        build_loss(cfg.loss).bind(model))
         # cloned: a batch sliced from a data set held in memory is a view of all of it
         batch = batches.apply(batch, lambda t: fake.from_tensor(t.clone()))
-        if strategy.layout.cuts_model:
-            return _predict_part(cfg, strategy, model, batch, precision)
-        model = parallelize(model, strategy, cfg.trainer, cfg.parallel.stages)
+        if runtime.layout.cuts_model:
+            return _predict_part(cfg, runtime, model, batch, precision)
+        model = parallelize(model, runtime, cfg.trainer, cfg.parallel.stages)
         _reduce_locally(model)
         optimizer = build_optimizer(cfg.optim, model)
         with saved_for_backward(model) as saved:
-            strategy.forward_backward(model, batch, precision, 1)  # (the loss's scale)
+            runtime.forward_backward(model, batch, precision, 1)  # (the loss's scale)
             activations = saved()
         optimizer.step()  # its state, laid out like the parameters
         return held_state_mb(model, optimizer), activations / MB
@@ -107,9 +107,9 @@ def _reduce_locally(model: nn.Module) -> None:
         model.register_comm_hook(None, local)
 
 
-def _predict_part(cfg, strategy, model: nn.Module, batch: Any, precision
+def _predict_part(cfg, runtime, model: nn.Module, batch: Any, precision
                   ) -> tuple[float, float]:
-    """A pipeline rank: its parts of the model (as the strategy keeps them), the optimizer
+    """A pipeline rank: its parts of the model (as the runtime keeps them), the optimizer
     over them, and its parts' activations for one micro-batch, times the micro-batches it
     holds at once (its schedule's), plus one copy of its parameters' autocast casts. The
     stage-to-stage exchange needs real shapes, which the fake group does not pass on, so the
@@ -118,19 +118,19 @@ def _predict_part(cfg, strategy, model: nn.Module, batch: Any, precision
 
     p = cfg.parallel
     micro = batches.take(batch, batches.rows(batch) // p.microbatches)
-    cut = Cut(model, p, strategy.layout, strategy.stage_index)
+    cut = Cut(model, p, runtime.layout, runtime.stage_index)
     with precision.autocast():
         received = cut.inputs(batches.inputs_of(micro))
-    model = speed_up(strategy.part(model), cfg.trainer, p.stages)
+    model = speed_up(runtime.part(model), cfg.trainer, p.stages)
     optimizer = build_optimizer(cfg.optim, model)
-    loss, targets = strategy.loss, batches.labels_of(micro)
+    loss, targets = runtime.loss, batches.labels_of(micro)
     with saved_for_backward(model) as saved:
-        for k, part, (args, kwargs) in zip(cut.held, strategy.runs(model), received):
+        for k, part, (args, kwargs) in zip(cut.held, runtime.runs(model), received):
             with precision.autocast():
                 out = part(*args, **kwargs)
                 out = loss(loss.scored(out), targets) if k == len(cut.ranges) - 1 else \
                     out.float().sum()
             out.backward()
-    activations = saved.held(p.microbatches * strategy.activation_share)
+    activations = saved.held(p.microbatches * runtime.activation_share)
     optimizer.step()
     return held_state_mb(model, optimizer), activations / MB

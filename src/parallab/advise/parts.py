@@ -50,7 +50,7 @@ def _alone(model: torch.nn.Module, spec: run.RunSpec, dist: distributed.Dist, on
     (_forward_backward). Not compiled: that would be a second compile per candidate."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    from parallab.parallel import plans
+    from parallab.parallel import tp_plans
     from parallab.parallel.fsdp import shard
     from parallab.parallel.parallelize import speed_up
 
@@ -62,7 +62,7 @@ def _alone(model: torch.nn.Module, spec: run.RunSpec, dist: distributed.Dist, on
     if cut and layout.tp > 1:
         from torch.distributed.tensor.parallel import parallelize_module
 
-        parallelize_module(model, mesh["tp"], plans.plan_of(model, p.tp_plan or None,
+        parallelize_module(model, mesh["tp"], tp_plans.plan_of(model, p.tp_plan or None,
                                                             p.sequence_parallel))
     model = speed_up(model, dataclasses.replace(cfg.trainer, compile=False), p.stages)
     if cut and layout.replicas_only:

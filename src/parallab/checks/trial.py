@@ -155,12 +155,12 @@ def tp_split_problem(cfg, layout: Layout, probe: Probe) -> str | None:
     p = cfg.parallel
     if probe.model is None or layout.tp == 1 or getattr(p, "sequence_parallel", False):
         return None
-    from parallab.parallel import plans
+    from parallab.parallel import tp_plans
 
     model, batch = probe.model, probe.batch
     from_model = loss_of.build_loss(cfg.loss).from_model
     with torch.no_grad():
-        return plans.split_problem(model, plans.plan_of(model, p.tp_plan or None), layout.tp,
+        return tp_plans.split_problem(model, tp_plans.plan_of(model, p.tp_plan or None), layout.tp,
                                    lambda m: batches.call(m, batch, with_targets=from_model))
 
 

@@ -1,7 +1,7 @@
 """Fail fast: the checks and `auto` resolutions of a whole config, run in order.
 
 Runs once in the controlling process, before any worker starts. Each part checks its own
-config (a data set's problem(), a model's check_data, a strategy's check); this module runs
+config (a data set's problem(), a model's check_data, a plan's check); this module runs
 them in order and checks the keys that belong to no one part (trainer, optim, backend). A
 problem is a ConfigError whose message is one line: the key, its value, what is allowed,
 and the fix.
@@ -228,7 +228,7 @@ def resolve_parallel(cfg: Config, in_place: InPlace | None) -> Layout:
 
 
 def resolve_global_batch(cfg: Config, layout: Layout) -> None:
-    """data.global_batch_size: the per-rank data.batch_size that gives it, so strategies
+    """data.global_batch_size: the per-rank data.batch_size that gives it, so layouts
     compare at equal samples per optimizer step."""
     d = cfg.data
     if d.global_batch_size is None:
@@ -266,11 +266,11 @@ def check_run_length(cfg: Config, layout: Layout) -> None:
     schedule.multiplier(cfg.scheduler, total)  # ConfigError for a warmup or decay too long
 
 
-def check_strategy(cfg: Config, layout: Layout, probe: trial.Probe) -> None:
-    """One batch tried where a user's part is in play, then the strategy's own checks (with
+def check_layout(cfg: Config, layout: Layout, probe: trial.Probe) -> None:
+    """One batch tried where a user's part is in play, then the plan's own checks (with
     the model's stages where it cuts the model into parts)."""
     layout.plan.check(cfg, layout, trial.run(cfg, layout, probe))
-    _refuse(trial.tp_split_problem(cfg, layout, probe))  # after the strategy's: the plan divides
+    _refuse(trial.tp_split_problem(cfg, layout, probe))  # after the plan's: the tp plan divides
     _refuse(activations.stages_problem(cfg))
 
 
@@ -408,7 +408,7 @@ def prepare(cfg: Config, in_place: InPlace | None, run_dir: str | None = None
                                          layout.dp_shard))
         _refuse(memory.snapshot_problem(cfg.trainer.memory_snapshot, cfg.device.value))
         resolve_global_batch(cfg, layout)
-        check_strategy(cfg, layout, probe)
+        check_layout(cfg, layout, probe)
         check_adapter(cfg, layout)
         check_run_length(cfg, layout)
         resolve_backend(cfg, layout)

@@ -76,15 +76,15 @@ class LossWindow:
 
 
 class Meter:
-    """Timing, throughput and memory of one rank's run (cfg: the trainer config; strategy:
+    """Timing, throughput and memory of one rank's run (cfg: the trainer config; runtime:
     the run's layout at run time, whose devices MFU counts, whose data-parallel ranks read
     different samples and whose readers read each batch; model: the unwrapped model, whose
     shape gives a language model's FLOPs)."""
 
-    def __init__(self, cfg, dist, precision, strategy, model, logger):
+    def __init__(self, cfg, dist, precision, runtime, model, logger):
         self.cfg, self.dist, self.model, self.logger = cfg, dist, model, logger
-        self.world_size, self.readers = strategy.world_size, strategy.readers
-        self.data_world = strategy.data_dist.world_size
+        self.world_size, self.readers = runtime.world_size, runtime.readers
+        self.data_world = runtime.data_dist.world_size
         self.step_times: list[float] = []  # seconds per step, data loading included
         # of each, the loop's own: from the last step's end to this one's start (the batch
         # loaded, the last log step's figures and checkpoint): no layout changes it

@@ -1,5 +1,5 @@
 """trainer.activation_checkpointing: keep fewer activations for backward and recompute the
-rest, per stage (the first memory lever before a change of strategy).
+rest, per stage (the first memory lever before a change of layout).
 
 `full` recomputes each stage's forward in backward and keeps only its input; `selective`
 keeps the outputs of the matmul-like ops of a stage (the costliest to recompute per byte,

@@ -17,5 +17,5 @@ class AutoPlan(Plan):
                           "or give a layout (parallel=ddp, fsdp, ...)")
 
     @classmethod
-    def layouts(cls, world_size: int, device_type: str, options) -> list[list[str]]:
+    def candidates(cls, world_size: int, device_type: str, options) -> list[list[str]]:
         return []  # advise measures layouts; auto is none of them

@@ -1,6 +1,6 @@
 """A layout's two halves, and the single device's: its Plan (pure: the degrees resolved
 from the parallel config, its checks, the candidates advise enumerates, its compute and
-communication model) and its Strategy (the runtime, built on a rank with the resolved
+communication model) and its Runtime (built on a rank with the resolved
 layout: it lays the model out, runs the step, gives and takes checkpoint state)."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from parallab.parallel.layout import Layout
 from parallab.precision import Precision
 
 
-class Strategy:
+class Runtime:
     """Single device: the model on this rank's device, unwrapped."""
 
     def __init__(self, p, layout: Layout, dist: Dist, precision: Precision, loss: Objective):
@@ -174,11 +174,11 @@ class Strategy:
 
 class Plan:
     """Single device. A plan's class methods see the whole config (`cfg`) or the parallel
-    node (`p`), never the one under the other's name; `runtime` is its Strategy."""
+    node (`p`), never the one under the other's name; `runtime` is its Runtime class."""
 
     dims: tuple[str, ...] = ()  # the degrees its ranks are arranged by (Layout.dims)
     processes = False  # a process per rank, started by the launcher, in a process group
-    runtime = Strategy
+    runtime = Runtime
 
     @classmethod
     def resolve(cls, p, device_type: str, world_size: int, nnodes: int = 1) -> Layout:
@@ -226,7 +226,7 @@ class Plan:
         that cuts the model checks its parts); ConfigError on the first problem."""
 
     @classmethod
-    def layouts(cls, world_size: int, device_type: str, options) -> list[list[str]]:
+    def candidates(cls, world_size: int, device_type: str, options) -> list[list[str]]:
         """This layout's settings (overrides after parallel=NAME) that use `world_size`
         ranks or devices: the candidates `parallab advise` tries (`options`: its config)."""
         if cls.processes:

@@ -6,13 +6,13 @@ import logging
 
 from torch import nn
 
-from parallab.parallel.base import Plan, Strategy
+from parallab.parallel.base import Plan, Runtime
 from parallab.parallel.layout import Layout
 
 log = logging.getLogger(__name__)
 
 
-class DataParallelStrategy(Strategy):
+class DataParallelRuntime(Runtime):
     """One process, a replica on each of the layout's GPUs."""
 
     @property
@@ -35,7 +35,7 @@ class DataParallelStrategy(Strategy):
 
 class DataParallelPlan(Plan):
     dims = ("dp_replicate",)  # one process, a replica on each of world_size GPUs
-    runtime = DataParallelStrategy
+    runtime = DataParallelRuntime
 
     @classmethod
     def layout_of(cls, p, world_size: int) -> Layout:

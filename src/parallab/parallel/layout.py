@@ -47,7 +47,7 @@ def resolve_degrees(given: dict[str, int | None], world_size: int) -> dict[str, 
 @dataclass(frozen=True)
 class Layout:
     """The degrees of a run's ranks and what they imply; checked here once more (a bug, not
-    a user's error, if they do not fit: Strategy.layout refused those with one line)."""
+    a user's error, if they do not fit: Plan.layout_of refused those with one line)."""
 
     world_size: int = 1
     dims: tuple[str, ...] = ()  # the degrees the ranks are arranged by, outermost first
@@ -59,7 +59,7 @@ class Layout:
     nnodes: int = 1  # the nodes the ranks span (one agent each: torchrun, SLURM, mpirun)
     stages_per_rank: int = 1  # the parts a pipeline's rank holds (its schedule's v)
     # set once by the checks (Plan.resolve) and carried to every rank: the plan, whose
-    # runtime Strategy runs this layout, and the CUDA ordinals a one-process layout puts
+    # Runtime runs this layout, and the CUDA ordinals a one-process layout puts
     # its replicas or parts on
     plan: Any = field(default=None, compare=False)
     gpus: tuple[int, ...] = ()

@@ -28,8 +28,8 @@ from torch import nn
 from parallab.config.errors import ConfigError
 from parallab.launching.distributed import Dist
 from parallab.models import hf
-from parallab.parallel import plans
-from parallab.parallel.base import Plan, Strategy
+from parallab.parallel import tp_plans
+from parallab.parallel.base import Plan, Runtime
 from parallab.parallel.fsdp import norm_squares, shard
 from parallab.parallel.layout import DEGREES, Layout, resolve_degrees
 from parallab.precision import compute_dtype
@@ -42,7 +42,7 @@ def tp_problem(model: nn.Module, tp: int, given: dict[str, str] | None = None) -
     sizes and attention heads divide by `tp`, else one line."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    if plans.source(model, given) is None:
+    if tp_plans.source(model, given) is None:
         return (f"parallel.tp={tp}: {type(model).__name__} declares no tensor-parallel plan "
                 "(a tp_plan() method as gpt and mlp have, or a transformers config's "
                 "base_model_tp_plan): give one as parallel.tp_plan='{q_proj: colwise, "
@@ -52,14 +52,14 @@ def tp_problem(model: nn.Module, tp: int, given: dict[str, str] | None = None) -
     if problem:
         return problem
     try:
-        plan = plans.plan_of(model, given)
-    except plans.PlanError as error:
+        plan = tp_plans.plan_of(model, given)
+    except tp_plans.PlanError as error:
         return str(error)
     for name, style in plan.items():
         try:
             module = model.get_submodule(name)
         except AttributeError:
-            return (f"the tensor-parallel plan ({plans.source(model, given)}) names {name}, "
+            return (f"the tensor-parallel plan ({tp_plans.source(model, given)}) names {name}, "
                     f"which is not a module of {type(model).__name__}: name its modules")
         dim = {ColwiseParallel: "out_features", RowwiseParallel: "in_features"}.get(type(style))
         if isinstance(module, nn.Embedding):
@@ -78,9 +78,9 @@ def tp_problem(model: nn.Module, tp: int, given: dict[str, str] | None = None) -
 def sp_problem(model: nn.Module, data, tp: int, given: dict[str, str] | None = None
                ) -> str | None:
     """None if `model` has a sequence-parallel plan and data's sequences split over `tp`."""
-    if not plans.takes_sequence_parallel(model, given):
+    if not tp_plans.takes_sequence_parallel(model, given):
         return (f"parallel.sequence_parallel=true: the plan of {type(model).__name__} "
-                f"({plans.source(model, given)}) takes no sequence_parallel argument (gpt's "
+                f"({tp_plans.source(model, given)}) takes no sequence_parallel argument (gpt's "
                 "tp_plan() does): set it false")
     seq_len = getattr(data, "seq_len", None)
     if seq_len is not None and seq_len % tp:
@@ -121,8 +121,8 @@ def _shown(value) -> str:
     return "{}" if value == {} else str(value).replace("'", "")
 
 
-class MeshStrategy(Strategy):
-    """One device mesh of the layout's degrees, made with the strategy: tensor parallel
+class MeshRuntime(Runtime):
+    """One device mesh of the layout's degrees, made with the runtime: tensor parallel
     over its tp dimension, FSDP2 over dp_shard (HSDP with replicas), or DDP where every
     rank holds the whole model."""
 
@@ -158,7 +158,7 @@ class MeshStrategy(Strategy):
         if self.layout.tp > 1:
             from torch.distributed.tensor.parallel import parallelize_module
 
-            plan = plans.plan_of(model, p.tp_plan or None, p.sequence_parallel)
+            plan = tp_plans.plan_of(model, p.tp_plan or None, p.sequence_parallel)
             parallelize_module(model, self.mesh["tp"], self.part_plan(model, plan))
         if self.dist.is_main:
             log.info("parallel=%s: mesh %s%s", p.name,
@@ -219,7 +219,7 @@ class MeshPlan(Plan):
 
     dims: tuple[str, ...] = DEGREES
     processes = True
-    runtime = MeshStrategy
+    runtime = MeshRuntime
 
     @classmethod
     def layout_of(cls, p, world_size: int) -> Layout:
@@ -239,7 +239,7 @@ class MeshPlan(Plan):
 
     @classmethod
     def overlapped_kinds(cls, layout: Layout) -> tuple[str, ...]:
-        """Replicas only run as DDP (MeshStrategy.wrap), whose bucket all-reduces run
+        """Replicas only run as DDP (MeshRuntime.wrap), whose bucket all-reduces run
         beside the rest of backward."""
         return ("all_reduce",) if layout.replicas_only else ()
 
@@ -250,10 +250,10 @@ class MeshPlan(Plan):
         return None
 
     @classmethod
-    def layouts(cls, world_size: int, device_type: str, options) -> list[list[str]]:
+    def candidates(cls, world_size: int, device_type: str, options) -> list[list[str]]:
         degrees = cls.degrees(world_size)
         if degrees is None:
-            return super().layouts(world_size, device_type, options)
+            return super().candidates(world_size, device_type, options)
         return [[f"parallel.world_size={world_size}",
                  *(f"parallel.{k}={v}" for k, v in zip(DEGREES, d))] for d in degrees]
 

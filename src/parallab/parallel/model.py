@@ -15,7 +15,7 @@ from torch import nn
 
 from parallab.config.errors import ConfigError
 from parallab.parallel import stages as stages_of
-from parallab.parallel.base import Plan, Strategy
+from parallab.parallel.base import Plan, Runtime
 from parallab.parallel.layout import Layout
 from parallab.parallel.split import check_parts, part_ranges
 
@@ -41,7 +41,7 @@ def refuse_finder(cfg) -> None:
                           "ddp, fsdp, a mesh layout or pipeline")
 
 
-class ModelParallelStrategy(Strategy):
+class ModelParallelRuntime(Runtime):
     """One process, the model's parts on world_size devices."""
 
     @property
@@ -68,7 +68,7 @@ class ModelParallelStrategy(Strategy):
 
 class ModelParallelPlan(Plan):
     dims = ("pp",)  # one process, the model's parts on world_size devices
-    runtime = ModelParallelStrategy
+    runtime = ModelParallelRuntime
 
     @classmethod
     def layout_of(cls, p, world_size: int) -> Layout:

@@ -11,14 +11,14 @@ from torch import nn
 from parallab.parallel import activations
 
 
-def parallelize(model: nn.Module, strategy, trainer, stages: list[str] | None = None
+def parallelize(model: nn.Module, runtime, trainer, stages: list[str] | None = None
                 ) -> nn.Module:
-    """`model` as this rank runs it under `strategy` (trainer: the trainer config; stages:
+    """`model` as this rank runs it under `runtime` (trainer: the trainer config; stages:
     parallel.stages, the units activation checkpointing wraps)."""
-    model = strategy.precision.convert(model)  # fp8's Float8Linear, before any split
-    model = strategy.split(model)
-    model = speed_up(model, trainer, stages, strategy.runs)
-    return strategy.wrap(model)
+    model = runtime.precision.convert(model)  # fp8's Float8Linear, before any split
+    model = runtime.split(model)
+    model = speed_up(model, trainer, stages, runtime.runs)
+    return runtime.wrap(model)
 
 
 def speed_up(model: nn.Module, trainer, stages: list[str] | None = None, runs=None

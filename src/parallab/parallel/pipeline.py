@@ -39,7 +39,7 @@ from parallab.models import hf
 from parallab.parallel import schedules
 from parallab.parallel.fsdp import norm_squares, shard
 from parallab.parallel.layout import Layout
-from parallab.parallel.mesh import MeshPlan, MeshStrategy
+from parallab.parallel.mesh import MeshPlan, MeshRuntime
 from parallab.parallel.schedules import SCHEDULES, activations_held, bubble  # noqa: F401
 from parallab.parallel.split import Cut, check_parts, part_ranges, refuse_shared_parts
 from parallab.precision import Precision
@@ -70,7 +70,7 @@ class LogitsLoss(FromModel):
                                               else max(count, 1))
 
 
-class PipelineStrategy(MeshStrategy):
+class PipelineRuntime(MeshRuntime):
     """The mesh with a pp degree: the model's parts on the pp dimension's ranks."""
 
     @property
@@ -331,7 +331,7 @@ class PipelinePlan(MeshPlan):
     """The mesh with a pp degree: one pipeline, or pipelines over replicas and shards."""
 
     dims = ("dp_replicate", "dp_shard", "pp", "tp")
-    runtime = PipelineStrategy
+    runtime = PipelineRuntime
 
     @classmethod
     def layout_of(cls, p, world_size: int) -> Layout:
@@ -376,7 +376,7 @@ class PipelinePlan(MeshPlan):
         refuse_split_backward(cfg)
 
     @classmethod
-    def layouts(cls, world_size: int, device_type: str, options) -> list[list[str]]:
+    def candidates(cls, world_size: int, device_type: str, options) -> list[list[str]]:
         """pp x dp for every pp > 1 dividing the world size, by schedule (the multi-stage
         ones at 2 stages per rank) and micro-batches; the checks prune those the model has
         too few stages for, or whose micro-batches the schedule does not take."""

@@ -1,5 +1,5 @@
 """A model's stages: submodules in forward order, each taking and returning one tensor,
-whose chain is the model's forward. Strategies build on them: fsdp shards each stage, model
+whose chain is the model's forward. Layouts build on them: fsdp shards each stage, model
 parallelism places stages on devices, the pipeline keeps a run of stages per rank.
 
 Found in this order: the module names parallel.stages lists ("blocks.*" expands over the

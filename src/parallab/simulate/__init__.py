@@ -45,7 +45,7 @@ class Facts:
     def of(cls, cfg) -> "Facts":
         from parallab.models import build_on_meta
         from parallab.observe import mfu
-        from parallab.parallel import plans
+        from parallab.parallel import tp_plans
         from parallab.parallel import stages as stages_of
 
         model = build_on_meta(cfg.model)
@@ -60,7 +60,7 @@ class Facts:
                    mfu.flops_per_token(model, cfg.data.seq_len),
                    len(stages) if stages else None,
                    float(sum(p.numel() for p in model.parameters())),
-                   plans.takes_sequence_parallel(model, given))
+                   tp_plans.takes_sequence_parallel(model, given))
 
     def tp_problem(self, tp: int) -> str | None:
         from parallab.parallel.mesh import tp_problem

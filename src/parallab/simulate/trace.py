@@ -151,14 +151,15 @@ def _fake_batch(fake, shape: Shape, vocab: int) -> tuple[torch.Tensor, torch.Ten
 
 
 def _split(model: nn.Module, cfg, tp: int, sequence_parallel: bool) -> None:
-    """Tensor parallel as the mesh layouts split a model (MeshStrategy.split): the model's
+    """Tensor parallel as the mesh layouts split a model (MeshRuntime.split): the model's
     plan over a mesh of tp ranks, its entries for modules the cut model holds."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from parallab.parallel import plans
+    from parallab.parallel import tp_plans
 
-    plan = plans.plan_of(model, getattr(cfg.parallel, "tp_plan", None) or None, sequence_parallel)
+    plan = tp_plans.plan_of(model, getattr(cfg.parallel, "tp_plan", None) or None,
+                            sequence_parallel)
     names = {name for name, _ in model.named_modules()}
     kept = {name: style for name, style in plan.items() if name in names}
     mesh = init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))

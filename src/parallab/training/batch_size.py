@@ -1,7 +1,7 @@
 """Batch-size finder: grow the per-rank batch until just under the limit.
 
 Doubles data.batch_size while the trial fits (no out-of-memory, under trainer.max_memory_mb)
-and samples/s still improves by 5%. Trials run the strategy's trial step (Strategy.trial_step)
+and samples/s still improves by 5%. Trials run the runtime's trial step (Runtime.trial_step)
 on each rank's own shard: under ddp the plain module, with no collective inside a trial, so
 an out-of-memory on one rank cannot leave the others waiting in an all-reduce; under the
 sharded layouts the module itself (its real memory), whose steps do gather across ranks;

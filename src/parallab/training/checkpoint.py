@@ -66,7 +66,7 @@ def saved_model(meta: dict[str, Any], path: str | Path) -> dict[str, Any]:
 
 
 def saved_parallel(meta: dict[str, Any]) -> str | None:
-    """The strategy (parallel.name) a checkpoint was saved under."""
+    """The layout (parallel.name) a checkpoint was saved under."""
     parallel = saved_config(meta).get("parallel")
     return parallel.get("name") if isinstance(parallel, dict) else None
 

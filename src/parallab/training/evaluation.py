@@ -14,7 +14,7 @@ from parallab.config.schema import TrainerConfig
 from parallab.data import Data
 from parallab.launching.distributed import Dist
 from parallab.observe.loggers import RunLogger
-from parallab.parallel.base import Strategy
+from parallab.parallel.base import Runtime
 from parallab.precision import Precision
 from parallab.training.monitor import Monitor
 
@@ -22,11 +22,11 @@ log = logging.getLogger("parallab.training.trainer")  # its lines read as the lo
 
 
 class Evaluation:
-    def __init__(self, cfg: TrainerConfig, model: nn.Module, strategy: Strategy,
+    def __init__(self, cfg: TrainerConfig, model: nn.Module, runtime: Runtime,
                  precision: Precision, data: Data, dist: Dist, logger: RunLogger,
                  metric_specs: dict[str, Any] | None = None):
         self.model = model  # the unwrapped model: same weights, fewest collectives
-        self.strategy, self.precision, self.data, self.dist = strategy, precision, data, dist
+        self.runtime, self.precision, self.data, self.dist = runtime, precision, data, dist
         self.logger, self.metric_specs = logger, metric_specs or {}
         self.by_step = cfg.eval_every_n_steps
         self.figures: dict[str, float] = {}
@@ -42,8 +42,8 @@ class Evaluation:
         """Evaluate the weights of `step`, log the figures; True where the monitored figure
         improved."""
         self.figures = metrics.evaluate(self.model, self.data.eval, self.dist, self.precision,
-                                        self.strategy.loss, self.metric_specs,
-                                        self.strategy.eval_forward)
+                                        self.runtime.loss, self.metric_specs,
+                                        self.runtime.eval_forward)
         self.step = step
         improved = self.monitor.update(self.figures, step)
         self.logger.scalars({"eval/" + k.removeprefix(metrics.PREFIX): v

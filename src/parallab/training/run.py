@@ -1,4 +1,4 @@
-"""What one rank does: join the job, build data, model, strategy and optimizer, train."""
+"""What one rank does: join the job, build data, model, runtime and optimizer, train."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ class RunSpec:
     """Everything a worker needs, resolved and checked by the controlling process."""
 
     cfg: Config
-    layout: Layout  # resolved once by the checks: degrees, strategy, GPUs
+    layout: Layout  # resolved once by the checks: degrees, plan, GPUs
     run_dir: str
     overrides: list[str] = field(default_factory=list)  # what the command line changed
     started: float = field(default_factory=time.time)
@@ -115,15 +115,15 @@ def use_scaled_lr(cfg: Config, optimizer, global_batch_size: int, main: bool) ->
     return lr
 
 
-def tune_batch_size(model, strategy, optimizer, precision, data, dist, cfg: TrainerConfig,
+def tune_batch_size(model, runtime, optimizer, precision, data, dist, cfg: TrainerConfig,
                     logger: RunLogger):
     """trainer.auto_batch_size: the training loader at the size the finder chose."""
     def step(batch) -> None:
-        strategy.trial_step(model, batch, precision)
+        runtime.trial_step(model, batch, precision)
 
-    size, trials = batch_size.find_batch_size(strategy.unwrap(model), optimizer, step,
+    size, trials = batch_size.find_batch_size(runtime.unwrap(model), optimizer, step,
                                               data.train, dist, cfg.max_memory_mb,
-                                              strategy.readers, cfg.compile)
+                                              runtime.readers, cfg.compile)
     report = batch_size.table(trials, size)
     logger.text("batch_size_finder", report)
     if dist.is_main:
@@ -158,11 +158,11 @@ def resumed_rate(trainer: Trainer, lr: float, cfg: Config, main: bool) -> float:
     return used
 
 
-def read_checkpoint(path: Path, strategy, model, optimizer) -> dict[str, Any]:
+def read_checkpoint(path: Path, runtime, model, optimizer) -> dict[str, Any]:
     """A checkpoint's whole state shaped as this rank holds the model under this layout,
     whichever layout and world size wrote it, read by its format (a sharded one resharded by
     DCP, a one-file one cut to this rank's part)."""
-    model_state, optimizer_state = strategy.state_dict(model, optimizer)
+    model_state, optimizer_state = runtime.state_dict(model, optimizer)
     return checkpoint.read_state(path, {"model": model_state, "optimizer": optimizer_state})
 
 
@@ -290,36 +290,36 @@ def start_model(cfg: Config, dist: distributed.Dist, layout: Layout, init_from: 
 def build_trainer(cfg: Config, layout: Layout, dist: distributed.Dist, logger: RunLogger,
                   checkpoints: Path | None, preemption: Preemption,
                   init_from: str | None = None, probe: Any = None) -> tuple[Trainer, float]:
-    """Model, strategy, data, optimizer and trainer on this rank (a checkpointer saving
+    """Model, runtime, data, optimizer and trainer on this rank (a checkpointer saving
     into `checkpoints`, if given; the weights at `init_from`, if given); the trainer and the
     learning rate it uses."""
     model, held_only = start_model(cfg, dist, layout, init_from)
     precision = Precision(cfg.precision, dist.device, sharded=layout.sharded)
-    strategy = layout.plan.runtime(cfg.parallel, layout, dist, precision,
+    runtime = layout.plan.runtime(cfg.parallel, layout, dist, precision,
                                build_loss(cfg.loss).bind(model))
-    torch.manual_seed(cfg.seed + strategy.seed_rank)  # dropout masks differ between ranks
-    model = parallelize(model, strategy, cfg.trainer, cfg.parallel.stages)
+    torch.manual_seed(cfg.seed + runtime.seed_rank)  # dropout masks differ between ranks
+    model = parallelize(model, runtime, cfg.trainer, cfg.parallel.stages)
     if held_only:
         from parallab.training import weights
 
-        weights.load_held(strategy.unwrap(model), init_from, dist.device)
+        weights.load_held(runtime.unwrap(model), init_from, dist.device)
         if dist.is_main:
             log.info("started from the weights in %s, each rank reading its part", init_from)
-    data = build_data(cfg.data, strategy.data_dist, cfg.seed,
-                      batch_scale=strategy.devices_per_process)
-    data.train.drop_last = strategy.layout.pipelined
+    data = build_data(cfg.data, runtime.data_dist, cfg.seed,
+                      batch_scale=runtime.devices_per_process)
+    data.train.drop_last = runtime.layout.pipelined
     optimizer = build_optimizer(cfg.optim, model)
     if cfg.trainer.auto_batch_size:
-        data.train = tune_batch_size(model, strategy, optimizer, precision, data, dist,
+        data.train = tune_batch_size(model, runtime, optimizer, precision, data, dist,
                                      cfg.trainer, logger)
-    lr = use_scaled_lr(cfg, optimizer, global_batch_size(data.train, cfg.trainer, strategy),
+    lr = use_scaled_lr(cfg, optimizer, global_batch_size(data.train, cfg.trainer, runtime),
                        dist.is_main)
     checkpointer = None
     if checkpoints is not None:
         checkpointer = Checkpointer(checkpoints, dist, loggers.as_run(cfg, layout),
                                     cfg.trainer.keep_last_k,
-                                    sharded=strategy.layout.sharded)
-    trainer = Trainer(cfg.trainer, model, strategy, optimizer, precision, data, dist, logger,
+                                    sharded=runtime.layout.sharded)
+    trainer = Trainer(cfg.trainer, model, runtime, optimizer, precision, data, dist, logger,
                       checkpointer, preemption, cfg.metrics, cfg.scheduler, probe)
     return trainer, lr
 
@@ -334,7 +334,7 @@ def _fit(spec: RunSpec, dist: distributed.Dist, logger: RunLogger,
         trainer, lr = build_trainer(cfg, spec.layout, dist, logger,
                                     Path(spec.run_dir) / "checkpoints", preemption, None if resume_from else cfg.trainer.init_from)
         if resume_from is not None:
-            trainer.load_state_dict(read_checkpoint(resume_from, trainer.strategy,
+            trainer.load_state_dict(read_checkpoint(resume_from, trainer.runtime,
                                                     trainer.model, trainer.optimizer))
             log.info("resumed from %s at step %d%s", resume_from, trainer.step,
                      f" (SLURM job {slurm.job_name()}, restart {slurm.restart_count()})"
@@ -348,7 +348,7 @@ def _fit(spec: RunSpec, dist: distributed.Dist, logger: RunLogger,
     if trainer.stopped:
         return _stopped(trainer, preemption, spec, dist.is_main)
     metrics.update(lr=lr, wall_time_s=time.time() - spec.started, start_memory_mb=start_mb,
-                   world_size=trainer.strategy.world_size,
+                   world_size=trainer.runtime.world_size,
                    precision_dtype=trainer.precision.dtype_name, backend=backend or "none",
                    parallel=cfg.parallel.name)
     trainer.checkpointer.save(trainer.state_dict(), "last")

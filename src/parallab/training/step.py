@@ -17,7 +17,7 @@ from parallab.config.errors import OneLineError
 from parallab.config.schema import TrainerConfig
 from parallab.launching.distributed import Dist
 from parallab.observe.meter import LossWindow
-from parallab.parallel.base import Strategy
+from parallab.parallel.base import Runtime
 from parallab.precision import Precision
 
 log = logging.getLogger("parallab.training.trainer")  # its lines read as the loop's
@@ -41,13 +41,13 @@ class Step:
     """Runs optimizer steps over a rank's micro-batches (`all_valid`: the training data's
     labels all count, so the global count follows from shapes)."""
 
-    def __init__(self, cfg: TrainerConfig, model: nn.Module, strategy: Strategy,
+    def __init__(self, cfg: TrainerConfig, model: nn.Module, runtime: Runtime,
                  optimizer: torch.optim.Optimizer, precision: Precision, dist: Dist,
                  all_valid: bool, window: LossWindow, scheduler: Any = None):
-        self.cfg, self.model, self.strategy = cfg, model, strategy
+        self.cfg, self.model, self.runtime = cfg, model, runtime
         self.optimizer, self.precision, self.dist = optimizer, precision, dist
         self.all_valid, self.window, self.scheduler = all_valid, window, scheduler
-        self.data_world = strategy.data_dist.world_size  # ranks reading different samples
+        self.data_world = runtime.data_dist.world_size  # ranks reading different samples
         self.skipped = 0  # steps dropped: non-finite gradients (on_nan=skip), or no label
         self.recent_skips: deque[bool] = deque(maxlen=SKIP_HORIZON)  # dropped or not, per step
         self.lr: float | None = None  # the rate the last step used, before its schedule moved
@@ -66,13 +66,13 @@ class Step:
                 batch = to_channels_last(batch)
             last = index == len(batches) - 1
             # reduce gradients across ranks once per step, on its last micro-batch
-            with contextlib.nullcontext() if last else self.strategy.no_sync(self.model):
-                loss = self.strategy.forward_backward(self.model, batch, self.precision, items)
+            with contextlib.nullcontext() if last else self.runtime.no_sync(self.model):
+                loss = self.runtime.forward_backward(self.model, batch, self.precision, items)
             total = loss if total is None else total + loss
         skip = self.cfg.on_nan == "skip"
         if self.cfg.clip_grad_norm is not None or skip:
             self.precision.unscale_(self.optimizer)
-            norm = self.strategy.clip_grad_norm(self.model, self.cfg.clip_grad_norm)
+            norm = self.runtime.clip_grad_norm(self.model, self.cfg.clip_grad_norm)
             # gradients are already reduced, so every rank decides alike
             dropped = skip and not bool(torch.isfinite(norm))
             if dropped:
@@ -99,14 +99,14 @@ class Step:
         step's: no counting, as a hand-written loop)."""
         if len(batches) == 1 and self.data_world == 1 and self.all_valid:
             return None
-        counts = [self.strategy.loss.count(batch_of.labels_of(b)) for b in batches]
+        counts = [self.runtime.loss.count(batch_of.labels_of(b)) for b in batches]
         n = counts[0] if len(counts) == 1 else sum(counts)
         if self.all_valid:  # every rank's shard of one split batched alike:
             n = n * self.data_world  # the global count follows from this rank's shapes
         elif self.data_world > 1:  # one all-reduce of a scalar; tp/pipeline ranks count alike
             n = self.dist.all_reduce_sum(torch.as_tensor(n, dtype=torch.float64,
                                                          device=self.dist.device))
-            n = n / self.strategy.readers
+            n = n / self.runtime.readers
         if isinstance(n, torch.Tensor) and n.device.type == "cpu":
             n = n.item()  # free on the CPU: an exact skip of an empty step, a plain divisor
         if isinstance(n, torch.Tensor):  # on a GPU: no sync; an empty step's gradients are 0

@@ -24,7 +24,7 @@ from parallab.observe.meter import LossWindow, Meter
 from parallab.observe.loggers import RunLogger
 from parallab.observe.profiling import profiled
 from parallab.observe.progress import Progress
-from parallab.parallel.base import Strategy
+from parallab.parallel.base import Runtime
 from parallab.precision import Precision
 from parallab.training import checkpoint
 from parallab.training.checkpoint import Checkpointer
@@ -34,13 +34,13 @@ from parallab.training.step import Batch, Step, diverged
 log = logging.getLogger(__name__)
 
 
-def global_batch_size(loader, cfg: TrainerConfig, strategy: Strategy) -> int:
+def global_batch_size(loader, cfg: TrainerConfig, runtime: Runtime) -> int:
     """Samples per optimizer step, over all ranks."""
-    return loader.batch_size * cfg.accumulate_grad_batches * strategy.data_dist.world_size
+    return loader.batch_size * cfg.accumulate_grad_batches * runtime.data_dist.world_size
 
 
 class Trainer:
-    def __init__(self, cfg: TrainerConfig, model: nn.Module, strategy: Strategy,
+    def __init__(self, cfg: TrainerConfig, model: nn.Module, runtime: Runtime,
                  optimizer: torch.optim.Optimizer, precision: Precision, data: Data,
                  dist: Dist, logger: RunLogger, checkpointer: Checkpointer | None = None,
                  preemption: Preemption | None = None,
@@ -50,8 +50,8 @@ class Trainer:
         self.checkpointer = checkpointer
         self.preemption = preemption or Preemption()
         self.model = model
-        self.strategy = strategy
-        self.eval_model = strategy.unwrap(model)  # same weights, fewest collectives
+        self.runtime = runtime
+        self.eval_model = runtime.unwrap(model)  # same weights, fewest collectives
         self.optimizer = optimizer
         self.precision = precision
         self.data = data
@@ -64,7 +64,7 @@ class Trainer:
         self.stop_agreed = False  # every rank has seen the stop request
         self.window = LossWindow(dist.device)
         self.last_train_loss = math.nan
-        self.evaluation = Evaluation(cfg, self.eval_model, strategy, precision, data, dist,
+        self.evaluation = Evaluation(cfg, self.eval_model, runtime, precision, data, dist,
                                      logger, metric_specs)
         self.first_step = 0  # where this process's training starts (after a resume: later)
         self.probe = probe  # its counted_step(trainer, batches) wraps the counted step (advise)
@@ -75,9 +75,9 @@ class Trainer:
         # the learning rate of each step: over this run's steps (a continued run's new horizon)
         self.scheduler = (schedule.build(scheduler_cfg, optimizer, self.total_steps)
                           if scheduler_cfg is not None else None)
-        self.stepper = Step(cfg, model, strategy, optimizer, precision, dist,
+        self.stepper = Step(cfg, model, runtime, optimizer, precision, dist,
                             data.train.all_valid, self.window, self.scheduler)
-        self.meter = Meter(cfg, dist, precision, strategy, self.eval_model, logger)
+        self.meter = Meter(cfg, dist, precision, runtime, self.eval_model, logger)
 
     def done(self) -> bool:
         return self.step >= self.total_steps
@@ -133,7 +133,7 @@ class Trainer:
         if self.cfg.quantize:
             # metrics.evaluate: `evaluate` here is fit's own flag
             summary.update(self.meter.quantized(self.eval_model, lambda model: metrics.evaluate(
-                model, self.data.eval, self.dist, None, self.strategy.loss),
+                model, self.data.eval, self.dist, None, self.runtime.loss),
                 self.evaluation.figures[metrics.LOSS], self.step))
         return summary
 
@@ -232,7 +232,7 @@ class Trainer:
         self.stop_agreed = self.stop_agreed or stops > 0
         if requeues > 0:  # every rank stops to requeue, whichever received the warning
             self.preemption.requeue_agreed()
-        loss = self.window.close(loss_sum, self.strategy.loss_ranks)
+        loss = self.window.close(loss_sum, self.runtime.loss_ranks)
         if loss is not None and not math.isfinite(loss) and self.cfg.on_nan == "stop":
             raise diverged(loss, self.step)
         figures = self.meter.window(steps, tokens, self.global_batch_size)
@@ -251,7 +251,7 @@ class Trainer:
 
     @property
     def global_batch_size(self) -> int:
-        return global_batch_size(self.data.train, self.cfg, self.strategy)
+        return global_batch_size(self.data.train, self.cfg, self.runtime)
 
     def run_eval(self) -> None:
         with self.preemption.busy():
@@ -281,7 +281,7 @@ class Trainer:
 
     def state_dict(self) -> dict[str, Any]:
         """All a run needs to continue exactly: weights, optimizer, scaler, position."""
-        model_state, optimizer_state = self.strategy.state_dict(self.model, self.optimizer)
+        model_state, optimizer_state = self.runtime.state_dict(self.model, self.optimizer)
         return {"model": model_state, "optimizer": optimizer_state,
                 "grad_scaler": self.precision.state_dict(), "step": self.step,
                 "epoch": self.epoch, "epoch_step": self.epoch_step,
@@ -292,7 +292,7 @@ class Trainer:
                 "total_steps": self.total_steps}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.strategy.load_state_dict(self.model, self.optimizer, state["model"],
+        self.runtime.load_state_dict(self.model, self.optimizer, state["model"],
                                       state["optimizer"])
         self.precision.load_state_dict(state["grad_scaler"])
         self.step, self.epoch, self.epoch_step = state["step"], state["epoch"], state["epoch_step"]
