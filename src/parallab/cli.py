@@ -44,14 +44,14 @@ from parallab.observe import summary
 
 # torch and what needs it (the launched worker, the checks, the layouts, the run) are
 # imported once a job has passed the schema: Hydra's refusals, the schema's, --cfg and shell
-# completion answer without them (1 s instead of 3.5 here; --help reads the model's class,
+# completion answer without them (a third of the time; --help reads the model's class,
 # which needs torch; tests/test_config.py checks that none of them loads it)
 if TYPE_CHECKING:
     from parallab.training import run
 
 log = logging.getLogger("parallab")
 # at exit, everything left is frozen out of the interpreter's last garbage collections: they
-# would walk the million objects of torch and the run (0.5-1 s of a command's end) only to
+# would walk the million objects of torch and the run (most of a command's end) only to
 # free memory the process hands back anyway (atexit: never in a process that goes on)
 atexit.register(gc.freeze)
 
@@ -322,7 +322,7 @@ def _register_configs() -> None:
     """parallab's schemas, its launchers that check every job of a sweep first, and its
     submitit_slurm launcher where the plugin is installed: once a process (Hydra's
     ConfigStore keeps them; each compose of a process that composes many, a test suite's or
-    advise's, spent 65 ms storing them again)."""
+    advise's, stored them again)."""
     from hydra_plugins.parallab_launchers import checked
 
     register_configs()

@@ -5,7 +5,7 @@ handed over in PARALLAB_PRELOAD): transformers' model classes, peft. A name that
 import is left to the workers, whose own import then says why.
 
 When its controller ends, the fork server leaves at once instead of tearing down the
-torch it imported (2 s of CPU here). Until then it holds the controller's stdout and stderr,
+torch it imported (seconds of CPU). Until then it holds the controller's stdout and stderr,
 which it hands to every worker, so a caller reading the job's output to its end (a test, a
 pipe, a CI log) waited for that teardown. Its workers never run this: a forked worker
 leaves by os._exit in multiprocessing's forkserver, skipping atexit; and nothing of the

@@ -34,7 +34,7 @@ def server_env(cfg: Any = None) -> dict[str, str]:
 
 def ready() -> bool:
     """Workers forked from a server that imported torch and parallab once, instead of each
-    spawned worker importing them (2 s of CPU each): needs the server's stop (CPython 3.8+),
+    spawned worker importing them (seconds of CPU each): needs the server's stop (CPython 3.8+),
     the main thread, where kept_running() can start it with SIGTERM ignored, and a socket
     path that fits the temporary dir; else spawn."""
     from multiprocessing import forkserver
@@ -62,7 +62,7 @@ _server_environment: dict[str, str] | None = None  # what the running fork serve
 _server_imports: set[str] = set()  # and the job imports it made (PRELOAD_VAR)
 # imported once by the fork server, not by each worker: parallab's worker code, and what
 # DDP, FSDP2, tensor parallelism, DCP and rank 0's TensorBoard writer import lazily
-# (torch._dynamo alone: 1 s of CPU; the writer 0.6 s a job); and the server's quick exit
+# (torch._dynamo and the writer the costliest); and the server's quick exit
 # (fork_server.py)
 PRELOAD = ["parallab.training.run", "torch._dynamo", "torch.distributed.fsdp",
            "torch.distributed.tensor.parallel", "torch.distributed.checkpoint",
@@ -95,8 +95,8 @@ def warm_up(cfg: Any, starts_workers: bool) -> None:
 def job_imports(cfg: Any) -> list[str]:
     """What each worker of a job of `cfg` (composed or typed) would import to build its
     parts, for the fork server to import once instead: what its model, data and loss name
-    by `_target_` (transformers' model classes) and what its adapter declares (peft: 2 s
-    of CPU a rank here); installed ones only, not a project's own
+    by `_target_` (transformers' model classes) and what its adapter declares (peft: seconds
+    of CPU a rank); installed ones only, not a project's own
     files, which may change between two launches that share the server. Not data's own
     `_target_`: typing sets it where the composed config has none, and both must give the
     same list. Only for a job on the CPU (device=cpu): a module may initialize CUDA at
@@ -148,7 +148,7 @@ def _targets(node: Any, own: bool = True) -> Iterator[str]:
 # left out when the fork server's environment is compared: the workers' threads (set by
 # the agent and distributed.setup), pytest's name of the running test, which differs for
 # every test of a suite that runs parallab in its process (each launch would start a new
-# server: 3 s of imports instead of 0.5 s), the job's imports (compared as a set), and the
+# server, its imports paid again), the job's imports (compared as a set), and the
 # address of an object in this process that inductor hands its C++ loader through the
 # environment once a run here has compiled (meaningless in any other process)
 PER_CALL = ("OMP_NUM_THREADS", "PYTEST_CURRENT_TEST", PRELOAD_VAR,

@@ -72,8 +72,8 @@ def as_started_afresh() -> None:
     a launcher starts afresh (torchrun's) does (its signals: preemption.hold):
     multiprocessing's start method, 'forkserver' in the server's
     children: a DataLoader's workers were started through it, each sent the pickled data
-    set and importing the main module, not forked (20 steps of MNIST under ddp with
-    data.num_workers=2: 7.2 s against 1.0 s with none); and numpy's global random state,
+    set and importing the main module, not forked (a short ddp run with data.num_workers=2
+    took seven times as long as with none); and numpy's global random state,
     which a fork keeps (Python's own `random` reseeds itself): every rank of every launch
     from one server drew the same numbers, in a user's data augmentation say."""
     import multiprocessing

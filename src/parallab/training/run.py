@@ -170,7 +170,7 @@ def read_checkpoint(path: Path, runtime, model, optimizer) -> dict[str, Any]:
 def heap_frozen() -> Iterator[None]:
     """What exists before a run (the imports, torch's among them, and a launched worker's
     inherited from the fork server: about a million objects) left out of Python's garbage
-    collection while it runs: a full collection walks the whole heap (0.3-0.5 s each, one
+    collection while it runs: a full collection walks the whole heap (a large part of a second, one
     at a worker's start, more in a long-lived process), while the run's own garbage is
     collected as before; put back after, unless frozen before."""
     frozen_before = gc.get_freeze_count()
