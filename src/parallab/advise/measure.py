@@ -28,6 +28,7 @@ from parallab.observe import loggers
 from parallab.observe.comm import MB
 from parallab.observe.loggers import RunLogger
 from parallab.observe.memory import reset_peak_memory
+from parallab.observe.observer import StepObserver
 from parallab.parallel import activations
 from parallab.training import run
 
@@ -57,7 +58,7 @@ class LossRecorder(RunLogger):
         super().scalars(values, step)
 
 
-class ActivationProbe:
+class ActivationProbe(StepObserver):
     """Counts, on the trainer's counted step, the bytes one micro-batch keeps for backward:
     the share of its micro-batches' activations a rank holds at once (1F1B: not all). Off in
     a training run: it keeps that step's activations until the step ends."""
@@ -66,7 +67,7 @@ class ActivationProbe:
         self.bytes = 0.0
 
     @contextlib.contextmanager
-    def counted_step(self, trainer, batches: list) -> Iterator[None]:
+    def counting(self, trainer, batches: list) -> Iterator[None]:
         with activations.saved_for_backward(trainer.model) as counted:
             yield
             self.bytes = counted.held(trainer.runtime.activation_share) / len(batches)
@@ -89,7 +90,7 @@ def measure(spec: run.RunSpec, dist: distributed.Dist) -> dict[str, Any]:
                                           spec.layout))
             probe = ActivationProbe()
             trainer, lr = run.build_trainer(cfg, spec.layout, dist, logger, None, preemption,
-                                            probe=probe)
+                                            observers=[probe])
             figures = trainer.fit(evaluate=False, report=False)  # the run's own steps
         if trainer.stopped:
             raise Stopped(preemption.signum, run_dir)

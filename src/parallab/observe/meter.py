@@ -1,14 +1,13 @@
 """What a run counts and reports, in one place the Trainer calls at fixed points (as
 torchtitan's trainer calls its MetricsProcessor): each step's time and samples, a language
 model's tokens and MFU, the bytes its counted step sends, the figures of a log window and of
-the run's summary, and the quantization report (Meter); the train loss between log steps
-and over the epoch (LossWindow)."""
+the run's summary, and the quantization report (Meter: a step observer, as
+observe/observer.py's protocol has it; the loss it logs is training/loss_window.py's)."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import statistics
 import time
 from typing import Any, Iterator
@@ -19,63 +18,12 @@ from parallab import batch as batch_of
 from parallab.observe import mfu
 from parallab.observe.comm import CommCounter
 from parallab.observe.memory import held_state_mb, peak_memory_mb
+from parallab.observe.observer import StepObserver
 
 log = logging.getLogger("parallab.training.trainer")  # its lines read as the loop's
 
 
-class LossWindow:
-    """This rank's train loss between log steps, kept on the device (an add per step costs
-    more) and summed at the log step, and the epoch's mean loss from the windows' means."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.losses: list[torch.Tensor] = []
-        self.skipped = 0  # steps of the window dropped (on_nan=skip) or with no label
-        self.empty = 0  # of those, steps whose labels were all ignored
-        self.epoch_loss = 0.0  # the epoch's windows' losses, weighted by their trained steps
-        self.epoch_steps = 0
-
-    def __len__(self) -> int:
-        return len(self.losses)
-
-    def add(self, loss: torch.Tensor) -> None:
-        self.losses.append(loss)
-
-    def skip(self, empty: bool = False) -> None:
-        self.skipped += 1
-        self.empty += empty
-
-    def sum(self) -> torch.Tensor:
-        """This rank's summed loss of the steps since the last log step."""
-        if not self.losses:
-            return torch.zeros((), device=self.device)
-        return torch.stack(self.losses).float().sum()
-
-    def close(self, loss_sum: float, loss_ranks: int) -> float | None:
-        """The window's mean train loss over its trained steps and all ranks (`loss_sum`:
-        summed over the ranks, `loss_ranks` of which hold a loss each step), added to the
-        epoch's where finite; None where every step had nothing to learn from (all labels
-        ignored). The next window starts empty."""
-        steps, trained = len(self.losses), len(self.losses) - self.skipped
-        mean = None
-        if trained or self.empty != steps:
-            mean = loss_sum / (trained * loss_ranks) if trained else math.nan
-        if mean is not None and math.isfinite(mean):
-            self.epoch_loss += mean * trained
-            self.epoch_steps += trained
-        self.losses.clear()
-        self.skipped = self.empty = 0
-        return mean
-
-    def epoch_started(self) -> None:
-        self.epoch_loss, self.epoch_steps = 0.0, 0
-
-    def epoch_mean(self) -> float:
-        """The epoch's train loss; NaN where no step computed one."""
-        return self.epoch_loss / self.epoch_steps if self.epoch_steps else math.nan
-
-
-class Meter:
+class Meter(StepObserver):
     """Timing, throughput and memory of one rank's run (cfg: the trainer config; runtime:
     the run's layout at run time, whose devices MFU counts, whose data-parallel ranks read
     different samples and whose readers read each batch; model: the unwrapped model, whose
@@ -135,8 +83,9 @@ class Meter:
         self.epoch_times.append(time.perf_counter() - self.started)
 
     @contextlib.contextmanager
-    def counting(self, step: int) -> Iterator[None]:
-        """The counted step: the bytes it sends, by kind (comm.py), logged at `step`."""
+    def counting(self, trainer, batches: list) -> Iterator[None]:
+        """The counted step: the bytes it sends, by kind (comm.py), logged at its step."""
+        step = trainer.step + 1
         with CommCounter() as counter:
             yield
         self.comm = counter.figures()

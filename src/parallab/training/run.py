@@ -11,7 +11,7 @@ import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -289,10 +289,11 @@ def start_model(cfg: Config, dist: distributed.Dist, layout: Layout, init_from: 
 
 def build_trainer(cfg: Config, layout: Layout, dist: distributed.Dist, logger: RunLogger,
                   checkpoints: Path | None, preemption: Preemption,
-                  init_from: str | None = None, probe: Any = None) -> tuple[Trainer, float]:
+                  init_from: str | None = None, observers: Sequence[Any] = ()
+                  ) -> tuple[Trainer, float]:
     """Model, runtime, data, optimizer and trainer on this rank (a checkpointer saving
     into `checkpoints`, if given; the weights at `init_from`, if given); the trainer and the
-    learning rate it uses."""
+    learning rate it uses; `observers` watch its steps beside its Meter)."""
     model, held_only = start_model(cfg, dist, layout, init_from)
     precision = Precision(cfg.precision, dist.device, sharded=layout.sharded)
     runtime = layout.plan.runtime(cfg.parallel, layout, dist, precision,
@@ -320,7 +321,7 @@ def build_trainer(cfg: Config, layout: Layout, dist: distributed.Dist, logger: R
                                     cfg.trainer.keep_last_k,
                                     sharded=runtime.layout.sharded)
     trainer = Trainer(cfg.trainer, model, runtime, optimizer, precision, data, dist, logger,
-                      checkpointer, preemption, cfg.metrics, cfg.scheduler, probe)
+                      checkpointer, preemption, cfg.metrics, cfg.scheduler, observers)
     return trainer, lr
 
 

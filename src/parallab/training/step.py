@@ -16,7 +16,7 @@ from parallab import batch as batch_of
 from parallab.config.errors import OneLineError
 from parallab.config.schema import TrainerConfig
 from parallab.launching.distributed import Dist
-from parallab.observe.meter import LossWindow
+from parallab.training.loss_window import LossWindow
 from parallab.parallel.base import Runtime
 from parallab.precision import Precision
 

@@ -1,13 +1,15 @@
 """The training loop: epochs, log steps, checkpoints, stopping and the run's final
 figures; each optimizer step is step.py's, each evaluation evaluation.py's, and what the
-loop counts and reports observe/meter.py's."""
+loop counts and reports observe/meter.py's. A step is told to the loop's observers at two
+points (started, done; observe/observer.py), and the one it counts runs inside each's
+`counting`."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
 import math
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from torch import nn
@@ -20,7 +22,8 @@ from parallab.data.stream import refuse_partial_epoch, run_length
 from parallab.launching.distributed import Dist
 from parallab.launching.preemption import Preemption
 from parallab.observe import memory
-from parallab.observe.meter import LossWindow, Meter
+from parallab.observe.meter import Meter
+from parallab.observe.observer import StepObserver, Stepped
 from parallab.observe.loggers import RunLogger
 from parallab.observe.profiling import profiled
 from parallab.observe.progress import Progress
@@ -29,6 +32,7 @@ from parallab.precision import Precision
 from parallab.training import checkpoint
 from parallab.training.checkpoint import Checkpointer
 from parallab.training.evaluation import Evaluation
+from parallab.training.loss_window import LossWindow
 from parallab.training.step import Batch, Step, diverged
 
 log = logging.getLogger(__name__)
@@ -45,7 +49,7 @@ class Trainer:
                  dist: Dist, logger: RunLogger, checkpointer: Checkpointer | None = None,
                  preemption: Preemption | None = None,
                  metric_specs: dict[str, Any] | None = None, scheduler_cfg: Any = None,
-                 probe: Any = None):
+                 observers: Sequence[StepObserver] = ()):
         self.cfg = cfg
         self.checkpointer = checkpointer
         self.preemption = preemption or Preemption()
@@ -67,9 +71,6 @@ class Trainer:
         self.evaluation = Evaluation(cfg, self.eval_model, runtime, precision, data, dist,
                                      logger, metric_specs)
         self.first_step = 0  # where this process's training starts (after a resume: later)
-        self.probe = probe  # its counted_step(trainer, batches) wraps the counted step (advise)
-        # fit()'s recorders stepped after each step (torch.profiler, the memory snapshot)
-        self.recorders: list[Any] = []
 
         self.steps_per_epoch, self.total_steps = run_length(cfg, data.train)
         # the learning rate of each step: over this run's steps (a continued run's new horizon)
@@ -78,6 +79,8 @@ class Trainer:
         self.stepper = Step(cfg, model, runtime, optimizer, precision, dist,
                             data.train.all_valid, self.window, self.scheduler)
         self.meter = Meter(cfg, dist, precision, runtime, self.eval_model, logger)
+        # told of every step, in this order (fit() adds its profiler and memory snapshot)
+        self.observers: list[StepObserver] = [self.meter, *observers]
 
     def done(self) -> bool:
         return self.step >= self.total_steps
@@ -87,14 +90,14 @@ class Trainer:
         return self.stepper(batches, self.step)
 
     def counted_step(self, batches: list[Batch]) -> torch.Tensor:
-        """train_step; this process's second step (the first may set things up) also counts
-        the bytes it sends (comm.py), and runs inside the probe's counted_step, if any; not
-        under compile: a dispatch mode would trip its guards into recompiling."""
+        """train_step; this process's second step (the first may set things up) runs inside
+        each observer's `counting` (the Meter's counts the bytes it sends); not under
+        compile: a dispatch mode would trip its guards into recompiling."""
         if self.step != self.first_step + 1 or self.cfg.compile:
             return self.train_step(batches)
-        probe = (self.probe.counted_step(self, batches) if self.probe is not None
-                 else contextlib.nullcontext())
-        with self.meter.counting(self.step + 1), probe:
+        with contextlib.ExitStack() as counting:
+            for observer in self.observers:
+                counting.enter_context(observer.counting(self, batches))
             return self.train_step(batches)
 
     def fit(self, evaluate: bool = True, report: bool = True) -> dict[str, Any]:
@@ -110,20 +113,14 @@ class Trainer:
                          self.dist.is_main) as profiler, \
                 memory.snapshot(self.cfg.memory_snapshot, self.logger.run_dir, self.dist.rank,
                                 self.dist.is_main) as snapshot:
-            self.recorders = [r for r in (profiler, snapshot) if r is not None]
-            while self.epoch < self.cfg.epochs and not self.done():
-                finished = self.train_epoch(progress)
-                if self.stopped:
+            watching = self.observers
+            recorders = [Stepped(r) for r in (profiler, snapshot) if r is not None]
+            self.observers = [*watching, *recorders]
+            try:
+                if not self.train_epochs(progress, evaluate):
                     return {}
-                if not finished or self.evaluation.monitor.stopped_early:  # max_steps or
-                    break  # early stopping ended it: resuming goes on from here
-                self.epoch += 1
-                self.epoch_step = 0
-                if evaluate and self.cfg.eval_every_n_steps is None and \
-                        self.epoch % self.cfg.eval_every_n_epochs == 0 and self.scheduled_eval():
-                    break
-                if not self.done():  # the last one is `last`, saved by the caller
-                    self.save_checkpoint()
+            finally:
+                self.observers = watching
         if not evaluate:
             return self.summary()
         if not self.evaluation.scored(self.step):  # the final weights, off the schedule
@@ -136,6 +133,24 @@ class Trainer:
                 model, self.data.eval, self.dist, None, self.runtime.loss),
                 self.evaluation.figures[metrics.LOSS], self.step))
         return summary
+
+    def train_epochs(self, progress: Progress, evaluate: bool) -> bool:
+        """Epoch after epoch to the end of the run, evaluating and saving between them;
+        False where a signal stopped it."""
+        while self.epoch < self.cfg.epochs and not self.done():
+            finished = self.train_epoch(progress)
+            if self.stopped:
+                return False
+            if not finished or self.evaluation.monitor.stopped_early:  # max_steps or
+                break  # early stopping ended it: resuming goes on from here
+            self.epoch += 1
+            self.epoch_step = 0
+            if evaluate and self.cfg.eval_every_n_steps is None and \
+                    self.epoch % self.cfg.eval_every_n_epochs == 0 and self.scheduled_eval():
+                break
+            if not self.done():  # the last one is `last`, saved by the caller
+                self.save_checkpoint()
+        return True
 
     def train_epoch(self, progress: Progress) -> bool:
         """Train to the end of the epoch, or until the run is done or stopped; True if the
@@ -150,14 +165,14 @@ class Trainer:
         for batches in micro_batches(loader, self.cfg.accumulate_grad_batches):
             if self.epoch_step == 0 and len(batches) < self.cfg.accumulate_grad_batches:
                 refuse_partial_epoch(self.cfg.accumulate_grad_batches, len(batches))
-            self.meter.step_started()
+            for observer in self.observers:
+                observer.step_started()
             self.window.add(self.counted_step(batches))
             self.step += 1
             self.epoch_step += 1
             self.preemption.step_done()
-            self.meter.step_done(self.step, batches, self.done())
-            for recorder in self.recorders:
-                recorder.step()
+            for observer in self.observers:
+                observer.step_done(self.step, batches, self.done())
             progress.update()
             if self.step % self.cfg.log_every_n_steps == 0 or self.done():
                 self.log_window(progress)
@@ -280,15 +295,16 @@ class Trainer:
         }
 
     def state_dict(self) -> dict[str, Any]:
-        """All a run needs to continue exactly: weights, optimizer, scaler, position."""
+        """All a run needs to continue exactly: weights and optimizer (as the runtime holds
+        them), each stateful part's own state by its name, the loop's position."""
         model_state, optimizer_state = self.runtime.state_dict(self.model, self.optimizer)
+        parts = {"grad_scaler": self.precision, "monitor": self.evaluation,
+                 "scheduler": self.scheduler}
         return {"model": model_state, "optimizer": optimizer_state,
-                "grad_scaler": self.precision.state_dict(), "step": self.step,
-                "epoch": self.epoch, "epoch_step": self.epoch_step,
-                "epoch_loss": self.window.epoch_loss, "epoch_steps": self.window.epoch_steps,
-                "skipped_steps": self.stepper.skipped,
-                "monitor": self.evaluation.state_dict(),
-                "scheduler": self.scheduler.state_dict() if self.scheduler else None,
+                **{name: part.state_dict() if part is not None else None
+                   for name, part in parts.items()},
+                **self.window.state_dict(), "skipped_steps": self.stepper.skipped,
+                "step": self.step, "epoch": self.epoch, "epoch_step": self.epoch_step,
                 "total_steps": self.total_steps}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -296,7 +312,7 @@ class Trainer:
                                       state["optimizer"])
         self.precision.load_state_dict(state["grad_scaler"])
         self.step, self.epoch, self.epoch_step = state["step"], state["epoch"], state["epoch_step"]
-        self.window.epoch_loss, self.window.epoch_steps = state["epoch_loss"], state["epoch_steps"]
+        self.window.load_state_dict(state)
         self.stepper.skipped = state["skipped_steps"]
         self.evaluation.load_state_dict(state.get("monitor"))
         if self.scheduler is not None and state.get("scheduler"):  # its step count

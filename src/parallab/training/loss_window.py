@@ -1,0 +1,68 @@
+"""The train loss between log steps and over the epoch: what the loop reports as train/loss
+and carries in its checkpoints (a resumed epoch's mean goes on from its steps so far)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+
+class LossWindow:
+    """This rank's train loss between log steps, kept on the device (an add per step costs
+    more) and summed at the log step, and the epoch's mean loss from the windows' means."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.losses: list[torch.Tensor] = []
+        self.skipped = 0  # steps of the window dropped (on_nan=skip) or with no label
+        self.empty = 0  # of those, steps whose labels were all ignored
+        self.epoch_loss = 0.0  # the epoch's windows' losses, weighted by their trained steps
+        self.epoch_steps = 0
+
+    def __len__(self) -> int:
+        return len(self.losses)
+
+    def add(self, loss: torch.Tensor) -> None:
+        self.losses.append(loss)
+
+    def skip(self, empty: bool = False) -> None:
+        self.skipped += 1
+        self.empty += empty
+
+    def sum(self) -> torch.Tensor:
+        """This rank's summed loss of the steps since the last log step."""
+        if not self.losses:
+            return torch.zeros((), device=self.device)
+        return torch.stack(self.losses).float().sum()
+
+    def close(self, loss_sum: float, loss_ranks: int) -> float | None:
+        """The window's mean train loss over its trained steps and all ranks (`loss_sum`:
+        summed over the ranks, `loss_ranks` of which hold a loss each step), added to the
+        epoch's where finite; None where every step had nothing to learn from (all labels
+        ignored). The next window starts empty."""
+        steps, trained = len(self.losses), len(self.losses) - self.skipped
+        mean = None
+        if trained or self.empty != steps:
+            mean = loss_sum / (trained * loss_ranks) if trained else math.nan
+        if mean is not None and math.isfinite(mean):
+            self.epoch_loss += mean * trained
+            self.epoch_steps += trained
+        self.losses.clear()
+        self.skipped = self.empty = 0
+        return mean
+
+    def epoch_started(self) -> None:
+        self.epoch_loss, self.epoch_steps = 0.0, 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """The epoch's loss so far (a window is always closed before a checkpoint)."""
+        return {"epoch_loss": self.epoch_loss, "epoch_steps": self.epoch_steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.epoch_loss, self.epoch_steps = state["epoch_loss"], state["epoch_steps"]
+
+    def epoch_mean(self) -> float:
+        """The epoch's train loss; NaN where no step computed one."""
+        return self.epoch_loss / self.epoch_steps if self.epoch_steps else math.nan
