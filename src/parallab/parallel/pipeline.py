@@ -71,7 +71,23 @@ class LogitsLoss(FromModel):
 
 
 class PipelineRuntime(MeshRuntime):
-    """The mesh with a pp degree: the model's parts on the pp dimension's ranks."""
+    """The mesh with a pp degree: the model's parts on the pp dimension's ranks. Its groups
+    and the step's state are made here; the cut, once it has the model (part), and the
+    schedules, once they have a batch's shape."""
+
+    def __init__(self, p, layout, dist, precision, loss):
+        super().__init__(p, layout, dist, precision, loss)
+        self.pp_group, self.dp_group = (self.mesh["pp"].get_group(),
+                                        self.mesh["dp_replicate"].get_group())
+        self.cut: Cut | None = None
+        self.parts: list[nn.Module] | None = None
+        self.model: nn.Module | None = None
+        self.syncing = True  # no_sync: gradients averaged over the replicas at the last
+        self.items = 1  # the step's terms per data-parallel rank (Objective.step_loss)
+        self.train_schedule = None  # built for each batch shape (the finder tries several)
+        self.train_rows = 0
+        self.eval_schedule = None  # built at the first evaluation, for its batch shape
+        self.eval_rows = 0
 
     @property
     def pp(self) -> int:
@@ -148,11 +164,8 @@ class PipelineRuntime(MeshRuntime):
     def part(self, model: nn.Module) -> nn.Module:
         """This rank's stages (the others nn.Identity), before tensor parallelism."""
         p = self.p
-        self.pp_group, self.dp_group = (self.mesh["pp"].get_group(),
-                                        self.mesh["dp_replicate"].get_group())
         self.cut = Cut(model, p, self.layout, self.stage_index)
         self.cut.keep(model)
-        self.parts: list[nn.Module] | None = None
         if self.loss.from_model:  # a transformers causal LM's own loss, of its logits
             self.loss = LogitsLoss(self.loss, model)
         if self.dist.is_main:
@@ -185,13 +198,7 @@ class PipelineRuntime(MeshRuntime):
             for part in self.parts:
                 shard(part, self.data_parallel_mesh(), p, self.precision.dtype,
                       self.dist.is_main, False)
-        self.syncing = True
         self.model = model
-        self.items = 1  # the step's terms per data-parallel rank (Objective.step_loss)
-        self.train_schedule = None  # built for each batch shape (the finder tries several)
-        self.train_rows = 0
-        self.eval_schedule = None  # built at the first evaluation, for its batch shape
-        self.eval_rows = 0
         return self.model
 
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
