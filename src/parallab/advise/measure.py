@@ -58,7 +58,7 @@ class LossRecorder(RunLogger):
         super().scalars(values, step)
 
 
-class ActivationProbe(StepObserver):
+class ActivationCounter(StepObserver):
     """Counts, on the trainer's counted step, the bytes one micro-batch keeps for backward:
     the share of its micro-batches' activations a rank holds at once (1F1B: not all). Off in
     a training run: it keeps that step's activations until the step ends."""
@@ -88,14 +88,14 @@ def measure(spec: run.RunSpec, dist: distributed.Dist) -> dict[str, Any]:
         with Preemption() as preemption:
             logger.start(loggers.run_info(cfg, run_dir, overrides, None, dist.world_size,
                                           spec.layout))
-            probe = ActivationProbe()
+            counter = ActivationCounter()
             trainer, lr = run.build_trainer(cfg, spec.layout, dist, logger, None, preemption,
-                                            observers=[probe])
+                                            observers=[counter])
             figures = trainer.fit(evaluate=False, report=False)  # the run's own steps
         if trainer.stopped:
             raise Stopped(preemption.signum, run_dir)
         state = max_over_ranks(dist, figures["state_memory_mb"] or 0.0)
-        act = max_over_ranks(dist, probe.bytes / MB)
+        act = max_over_ranks(dist, counter.bytes / MB)
         figures.update(losses=logger.losses, state_mb=state, activation_mb=act,
                        measured_memory_mb=state + act, lr=lr, world_size=dist.world_size,
                        precision_dtype=trainer.precision.dtype_name,

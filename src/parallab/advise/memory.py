@@ -7,7 +7,7 @@ no memory is allocated, no collective runs, and the shapes are exactly a worker'
 the training state the rank holds (memory.held_state_mb: its parameters, gradients and
 optimizer state) and the activations one training step keeps for backward
 (activations.saved_for_backward over a forward and backward of one micro-batch). A run
-measures the same two figures on its real second step (measure.ActivationProbe).
+measures the same two figures on its real second step (measure.ActivationCounter).
 """
 
 from __future__ import annotations
