@@ -118,7 +118,7 @@ def rank_main(rank: int, world: int, port: int, cfg, layout, steps: int, out) ->
         rss = PeakRSS()
         rss.start()
         busy[0], start = 0.0, time.perf_counter()
-        runtime.forward_backward(model, batch, precision, None)
+        runtime.forward_backward(model, batch, None)
         torch.distributed.barrier()
         elapsed = time.perf_counter() - start
         if step >= 2:

@@ -87,7 +87,7 @@ def predict(cfg, layout, batch: Any, rank: int) -> tuple[float, float]:
         _reduce_locally(model)
         optimizer = build_optimizer(cfg.optim, model)
         with saved_for_backward(model) as saved:
-            runtime.forward_backward(model, batch, precision, 1)  # (the loss's scale)
+            runtime.forward_backward(model, batch, 1)  # (the loss's scale)
             activations = saved()
         optimizer.step()  # its state, laid out like the parameters
         return held_state_mb(model, optimizer), activations / MB

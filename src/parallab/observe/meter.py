@@ -29,7 +29,7 @@ class Meter(StepObserver):
     different samples and whose readers read each batch; model: the unwrapped model, whose
     shape gives a language model's FLOPs)."""
 
-    def __init__(self, cfg, dist, precision, runtime, model, logger):
+    def __init__(self, cfg, dist, runtime, model, logger):
         self.cfg, self.dist, self.model, self.logger = cfg, dist, model, logger
         self.world_size, self.readers = runtime.world_size, runtime.readers
         self.data_world = runtime.data_dist.world_size
@@ -45,7 +45,7 @@ class Meter(StepObserver):
         self.window_tokens: list[torch.Tensor | int] = []
         self.tokens_per_sample = 0.0  # over the logged windows: tokens / samples
         self.flops_per_token = 0.0  # for MFU; 0 where the model cannot say
-        self.peak_flops = (mfu.peak_flops_of(dist.device, precision)
+        self.peak_flops = (mfu.peak_flops_of(dist.device, runtime.precision)
                            if dist.device.type == "cuda" else None)
         self.started = self.tick = time.perf_counter()
 

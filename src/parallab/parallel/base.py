@@ -106,20 +106,19 @@ class Runtime:
         """Where gradients are reduced across ranks: skip it for an accumulation micro-step."""
         return contextlib.nullcontext()
 
-    def forward_backward(self, model: nn.Module, batch: Any, precision: Precision,
-                         items) -> torch.Tensor:
+    def forward_backward(self, model: nn.Module, batch: Any, items) -> torch.Tensor:
         """One (micro-)batch's share of the step's loss (the sum of its terms / `items`, the
         step's terms per data-parallel rank), gradients accumulated; detached."""
-        with precision.autocast():
+        with self.precision.autocast():
             loss = self.loss.step_loss(model, batch, items)[1]
-        precision.backward(loss)
+        self.precision.backward(loss)
         return loss.detach()
 
-    def trial_step(self, model: nn.Module, batch: Any, precision: Precision) -> None:
+    def trial_step(self, model: nn.Module, batch: Any) -> None:
         """Forward and backward of a batch-size finder trial (training/batch_size.py): the unwrapped
         module, so that DDP's all-reduce does not run inside a trial (a sharded module
         still gathers: it is its own unwrapped form)."""
-        with precision.autocast():
+        with self.precision.autocast():
             loss = self.loss.step_loss(self.unwrap(model), batch, 1)[1]
         loss.backward()
 

@@ -42,7 +42,6 @@ from parallab.parallel.layout import Layout
 from parallab.parallel.mesh import MeshPlan, MeshRuntime
 from parallab.parallel.schedules import SCHEDULES, activations_held, bubble  # noqa: F401
 from parallab.parallel.split import Cut, check_parts, part_ranges, refuse_shared_parts
-from parallab.precision import Precision
 
 log = logging.getLogger(__name__)
 
@@ -253,15 +252,14 @@ class PipelineRuntime(MeshRuntime):
             stage_to_rank=placed.__getitem__, num_stages=len(placed))
         return schedule
 
-    def forward_backward(self, model: nn.Module, batch: Any, precision: Precision,
-                         items) -> torch.Tensor:
+    def forward_backward(self, model: nn.Module, batch: Any, items) -> torch.Tensor:
         inputs, targets = batches.inputs_of(batch), batches.labels_of(batch)
         losses: list[torch.Tensor] = []
         # what _loss divides by, this step (the batch's own count where the trainer left it)
         self.items = self.loss.count(targets) if items is None else items
 
         def step() -> None:
-            with precision.autocast():
+            with self.precision.autocast():
                 self.train_schedule.step(*self.first_args(inputs), **self.kwargs(inputs),
                                          target=targets if self.is_last else None,
                                          losses=losses, return_outputs=False)
@@ -294,9 +292,9 @@ class PipelineRuntime(MeshRuntime):
         them as the model does, a transformers block its attention mask."""
         return dict(inputs) if isinstance(inputs, Mapping) else {}
 
-    def trial_step(self, model: nn.Module, batch: Any, precision: Precision) -> None:
+    def trial_step(self, model: nn.Module, batch: Any) -> None:
         """The whole schedule: a part alone has no loss to run backward from."""
-        self.forward_backward(model, batch, precision, 1)
+        self.forward_backward(model, batch, 1)
 
     def dry_run(self, step) -> None:
         """Run the first step once and undo it: its shape inference feeds each stage

@@ -15,7 +15,6 @@ from parallab.data import Data
 from parallab.launching.distributed import Dist
 from parallab.observe.loggers import RunLogger
 from parallab.parallel.base import Runtime
-from parallab.precision import Precision
 from parallab.training.monitor import Monitor
 
 log = logging.getLogger("parallab.training.trainer")  # its lines read as the loop's
@@ -23,10 +22,10 @@ log = logging.getLogger("parallab.training.trainer")  # its lines read as the lo
 
 class Evaluation:
     def __init__(self, cfg: TrainerConfig, model: nn.Module, runtime: Runtime,
-                 precision: Precision, data: Data, dist: Dist, logger: RunLogger,
+                 data: Data, dist: Dist, logger: RunLogger,
                  metric_specs: dict[str, Any] | None = None):
         self.model = model  # the unwrapped model: same weights, fewest collectives
-        self.runtime, self.precision, self.data, self.dist = runtime, precision, data, dist
+        self.runtime, self.precision, self.data, self.dist = runtime, runtime.precision, data, dist
         self.logger, self.metric_specs = logger, metric_specs or {}
         self.by_step = cfg.eval_every_n_steps
         self.figures: dict[str, float] = {}

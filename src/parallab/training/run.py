@@ -115,11 +115,11 @@ def use_scaled_lr(cfg: Config, optimizer, global_batch_size: int, main: bool) ->
     return lr
 
 
-def tune_batch_size(model, runtime, optimizer, precision, data, dist, cfg: TrainerConfig,
+def tune_batch_size(model, runtime, optimizer, data, dist, cfg: TrainerConfig,
                     logger: RunLogger):
     """trainer.auto_batch_size: the training loader at the size the finder chose."""
     def step(batch) -> None:
-        runtime.trial_step(model, batch, precision)
+        runtime.trial_step(model, batch)
 
     size, trials = batch_size.find_batch_size(runtime.unwrap(model), optimizer, step,
                                               data.train, dist, cfg.max_memory_mb,
@@ -311,7 +311,7 @@ def build_trainer(cfg: Config, layout: Layout, dist: distributed.Dist, logger: R
     data.train.drop_last = runtime.layout.pipelined
     optimizer = build_optimizer(cfg.optim, model)
     if cfg.trainer.auto_batch_size:
-        data.train = tune_batch_size(model, runtime, optimizer, precision, data, dist,
+        data.train = tune_batch_size(model, runtime, optimizer, data, dist,
                                      cfg.trainer, logger)
     lr = use_scaled_lr(cfg, optimizer, global_batch_size(data.train, cfg.trainer, runtime),
                        dist.is_main)
@@ -320,7 +320,7 @@ def build_trainer(cfg: Config, layout: Layout, dist: distributed.Dist, logger: R
         checkpointer = Checkpointer(checkpoints, dist, loggers.as_run(cfg, layout),
                                     cfg.trainer.keep_last_k,
                                     sharded=runtime.layout.sharded)
-    trainer = Trainer(cfg.trainer, model, runtime, optimizer, precision, data, dist, logger,
+    trainer = Trainer(cfg.trainer, model, runtime, optimizer, data, dist, logger,
                       checkpointer, preemption, cfg.metrics, cfg.scheduler, observers)
     return trainer, lr
 

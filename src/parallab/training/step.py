@@ -18,7 +18,6 @@ from parallab.config.schema import TrainerConfig
 from parallab.launching.distributed import Dist
 from parallab.training.loss_window import LossWindow
 from parallab.parallel.base import Runtime
-from parallab.precision import Precision
 
 log = logging.getLogger("parallab.training.trainer")  # its lines read as the loop's
 
@@ -42,10 +41,10 @@ class Step:
     labels all count, so the global count follows from shapes)."""
 
     def __init__(self, cfg: TrainerConfig, model: nn.Module, runtime: Runtime,
-                 optimizer: torch.optim.Optimizer, precision: Precision, dist: Dist,
+                 optimizer: torch.optim.Optimizer, dist: Dist,
                  all_valid: bool, window: LossWindow, scheduler: Any = None):
         self.cfg, self.model, self.runtime = cfg, model, runtime
-        self.optimizer, self.precision, self.dist = optimizer, precision, dist
+        self.optimizer, self.precision, self.dist = optimizer, runtime.precision, dist
         self.all_valid, self.window, self.scheduler = all_valid, window, scheduler
         self.data_world = runtime.data_dist.world_size  # ranks reading different samples
         self.skipped = 0  # steps dropped: non-finite gradients (on_nan=skip), or no label
@@ -67,7 +66,7 @@ class Step:
             last = index == len(batches) - 1
             # reduce gradients across ranks once per step, on its last micro-batch
             with contextlib.nullcontext() if last else self.runtime.no_sync(self.model):
-                loss = self.runtime.forward_backward(self.model, batch, self.precision, items)
+                loss = self.runtime.forward_backward(self.model, batch, items)
             total = loss if total is None else total + loss
         skip = self.cfg.on_nan == "skip"
         if self.cfg.clip_grad_norm is not None or skip:

@@ -28,7 +28,6 @@ from parallab.observe.loggers import RunLogger
 from parallab.observe.profiling import profiled
 from parallab.observe.progress import Progress
 from parallab.parallel.base import Runtime
-from parallab.precision import Precision
 from parallab.training import checkpoint
 from parallab.training.checkpoint import Checkpointer
 from parallab.training.evaluation import Evaluation
@@ -45,7 +44,7 @@ def global_batch_size(loader, cfg: TrainerConfig, runtime: Runtime) -> int:
 
 class Trainer:
     def __init__(self, cfg: TrainerConfig, model: nn.Module, runtime: Runtime,
-                 optimizer: torch.optim.Optimizer, precision: Precision, data: Data,
+                 optimizer: torch.optim.Optimizer, data: Data,
                  dist: Dist, logger: RunLogger, checkpointer: Checkpointer | None = None,
                  preemption: Preemption | None = None,
                  metric_specs: dict[str, Any] | None = None, scheduler_cfg: Any = None,
@@ -57,7 +56,7 @@ class Trainer:
         self.runtime = runtime
         self.eval_model = runtime.unwrap(model)  # same weights, fewest collectives
         self.optimizer = optimizer
-        self.precision = precision
+        self.precision = runtime.precision  # given to the runtime once, read from it
         self.data = data
         self.dist = dist
         self.logger = logger
@@ -68,7 +67,7 @@ class Trainer:
         self.stop_agreed = False  # every rank has seen the stop request
         self.window = LossWindow(dist.device)
         self.last_train_loss = math.nan
-        self.evaluation = Evaluation(cfg, self.eval_model, runtime, precision, data, dist,
+        self.evaluation = Evaluation(cfg, self.eval_model, runtime, data, dist,
                                      logger, metric_specs)
         self.first_step = 0  # where this process's training starts (after a resume: later)
 
@@ -76,9 +75,9 @@ class Trainer:
         # the learning rate of each step: over this run's steps (a continued run's new horizon)
         self.scheduler = (schedule.build(scheduler_cfg, optimizer, self.total_steps)
                           if scheduler_cfg is not None else None)
-        self.stepper = Step(cfg, model, runtime, optimizer, precision, dist,
+        self.stepper = Step(cfg, model, runtime, optimizer, dist,
                             data.train.all_valid, self.window, self.scheduler)
-        self.meter = Meter(cfg, dist, precision, runtime, self.eval_model, logger)
+        self.meter = Meter(cfg, dist, runtime, self.eval_model, logger)
         # told of every step, in this order (fit() adds its profiler and memory snapshot)
         self.observers: list[StepObserver] = [self.meter, *observers]
 
