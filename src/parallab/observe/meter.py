@@ -31,8 +31,9 @@ class Meter(StepObserver):
 
     def __init__(self, cfg, dist, runtime, model, logger):
         self.cfg, self.dist, self.model, self.logger = cfg, dist, model, logger
-        self.world_size, self.readers = runtime.world_size, runtime.readers
-        self.data_world = runtime.data_dist.world_size
+        ranks = runtime.ranks
+        self.world_size, self.readers, self.data_world = (ranks.world_size, ranks.readers,
+                                                          ranks.data.world_size)
         self.step_times: list[float] = []  # seconds per step, data loading included
         # of each, the loop's own: from the last step's end to this one's start (the batch
         # loaded, the last log step's figures and checkpoint): no layout changes it

@@ -21,6 +21,18 @@ from parallab.parallel.layout import Layout
 from parallab.precision import Precision
 
 
+@dataclasses.dataclass(frozen=True)
+class Ranks:
+    """This rank's view of the layout that its data, step, meter and checkpoints read, made
+    once with its runtime (whose properties of the same names define it)."""
+
+    world_size: int  # devices the job uses (metrics.json's world_size)
+    data: Dist  # the data-parallel ranks, each reading its own samples, and this one's place
+    readers: int  # ranks reading each batch (a tp group's, a pipeline's)
+    loss_ranks: int  # ranks holding a loss each step
+    devices_per_process: int  # devices one process feeds, data.batch_size samples each
+
+
 class Runtime:
     """Single device: the model on this rank's device, unwrapped."""
 
@@ -31,6 +43,8 @@ class Runtime:
         self.dist = dist
         self.precision = precision
         self.loss = loss
+        self.ranks = Ranks(self.world_size, self.data_dist, self.readers, self.loss_ranks,
+                           self.devices_per_process)
 
     @property
     def devices_per_process(self) -> int:

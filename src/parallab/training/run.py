@@ -123,7 +123,7 @@ def tune_batch_size(model, runtime, optimizer, data, dist, cfg: TrainerConfig,
 
     size, trials = batch_size.find_batch_size(runtime.unwrap(model), optimizer, step,
                                               data.train, dist, cfg.max_memory_mb,
-                                              runtime.readers, cfg.compile)
+                                              runtime.ranks.readers, cfg.compile)
     report = batch_size.table(trials, size)
     logger.text("batch_size_finder", report)
     if dist.is_main:
@@ -306,8 +306,8 @@ def build_trainer(cfg: Config, layout: Layout, dist: distributed.Dist, logger: R
         weights.load_held(runtime.unwrap(model), init_from, dist.device)
         if dist.is_main:
             log.info("started from the weights in %s, each rank reading its part", init_from)
-    data = build_data(cfg.data, runtime.data_dist, cfg.seed,
-                      batch_scale=runtime.devices_per_process)
+    data = build_data(cfg.data, runtime.ranks.data, cfg.seed,
+                      batch_scale=runtime.ranks.devices_per_process)
     data.train.drop_last = runtime.layout.pipelined
     optimizer = build_optimizer(cfg.optim, model)
     if cfg.trainer.auto_batch_size:
@@ -349,7 +349,7 @@ def _fit(spec: RunSpec, dist: distributed.Dist, logger: RunLogger,
     if trainer.stopped:
         return _stopped(trainer, preemption, spec, dist.is_main)
     metrics.update(lr=lr, wall_time_s=time.time() - spec.started, start_memory_mb=start_mb,
-                   world_size=trainer.runtime.world_size,
+                   world_size=trainer.runtime.ranks.world_size,
                    precision_dtype=trainer.precision.dtype_name, backend=backend or "none",
                    parallel=cfg.parallel.name)
     trainer.checkpointer.save(trainer.state_dict(), "last")

@@ -46,7 +46,7 @@ class Step:
         self.cfg, self.model, self.runtime = cfg, model, runtime
         self.optimizer, self.precision, self.dist = optimizer, runtime.precision, dist
         self.all_valid, self.window, self.scheduler = all_valid, window, scheduler
-        self.data_world = runtime.data_dist.world_size  # ranks reading different samples
+        self.data_world = runtime.ranks.data.world_size  # ranks reading different samples
         self.skipped = 0  # steps dropped: non-finite gradients (on_nan=skip), or no label
         self.recent_skips: deque[bool] = deque(maxlen=SKIP_HORIZON)  # dropped or not, per step
         self.lr: float | None = None  # the rate the last step used, before its schedule moved
@@ -105,7 +105,7 @@ class Step:
         elif self.data_world > 1:  # one all-reduce of a scalar; tp/pipeline ranks count alike
             n = self.dist.all_reduce_sum(torch.as_tensor(n, dtype=torch.float64,
                                                          device=self.dist.device))
-            n = n / self.runtime.readers
+            n = n / self.runtime.ranks.readers
         if isinstance(n, torch.Tensor) and n.device.type == "cpu":
             n = n.item()  # free on the CPU: an exact skip of an empty step, a plain divisor
         if isinstance(n, torch.Tensor):  # on a GPU: no sync; an empty step's gradients are 0

@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 
 def global_batch_size(loader, cfg: TrainerConfig, runtime: Runtime) -> int:
     """Samples per optimizer step, over all ranks."""
-    return loader.batch_size * cfg.accumulate_grad_batches * runtime.data_dist.world_size
+    return loader.batch_size * cfg.accumulate_grad_batches * runtime.ranks.data.world_size
 
 
 class Trainer:
@@ -246,7 +246,7 @@ class Trainer:
         self.stop_agreed = self.stop_agreed or stops > 0
         if requeues > 0:  # every rank stops to requeue, whichever received the warning
             self.preemption.requeue_agreed()
-        loss = self.window.close(loss_sum, self.runtime.loss_ranks)
+        loss = self.window.close(loss_sum, self.runtime.ranks.loss_ranks)
         if loss is not None and not math.isfinite(loss) and self.cfg.on_nan == "stop":
             raise diverged(loss, self.step)
         figures = self.meter.window(steps, tokens, self.global_batch_size)
