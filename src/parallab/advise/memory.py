@@ -121,7 +121,7 @@ def _predict_part(cfg, runtime, model: nn.Module, batch: Any, precision
     cut = Cut(model, p, runtime.layout, runtime.stage_index)
     with precision.autocast():
         received = cut.inputs(batches.inputs_of(micro))
-    model = speed_up(runtime.part(model), cfg.trainer, p.stages)
+    model = speed_up(runtime.part(model, cut), cfg.trainer, p.stages)
     optimizer = build_optimizer(cfg.optim, model)
     loss, targets = runtime.loss, batches.labels_of(micro)
     with saved_for_backward(model) as saved:

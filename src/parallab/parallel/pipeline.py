@@ -105,9 +105,8 @@ class PipelineRuntime(MeshRuntime):
 
     @property
     def held(self) -> list[int]:
-        """The parts (of pp x v) this rank holds, in the model's order."""
-        return schedules.stages_of_rank(self.p.schedule, self.pp, self.per_rank,
-                                        self.stage_index)
+        """The parts (of pp x v) this rank holds, in the model's order (its cut's)."""
+        return self.cut.held
 
     @property
     def activation_share(self) -> float:
@@ -160,10 +159,12 @@ class PipelineRuntime(MeshRuntime):
         for grad, averaged in zip(grads, _unflatten_dense_tensors(flat, grads)):
             grad.copy_(averaged)
 
-    def part(self, model: nn.Module) -> nn.Module:
-        """This rank's stages (the others nn.Identity), before tensor parallelism."""
+    def part(self, model: nn.Module, cut: Cut | None = None) -> nn.Module:
+        """This rank's stages (the others nn.Identity), before tensor parallelism; `cut`:
+        this rank's, made already (advise's memory predictor runs the earlier stages through
+        it first)."""
         p = self.p
-        self.cut = Cut(model, p, self.layout, self.stage_index)
+        self.cut = cut or Cut(model, p, self.layout, self.stage_index)
         self.cut.keep(model)
         if self.loss.from_model:  # a transformers causal LM's own loss, of its logits
             self.loss = LogitsLoss(self.loss, model)
