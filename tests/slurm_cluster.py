@@ -155,7 +155,16 @@ class Cluster:
         self.wait_for(lambda: self.job(job_id).get("JobState") == "PENDING" and
                       int(self.job(job_id).get("Restarts", 0)) >= restarts,
                       30, f"job {job_id} to be requeued")
-        self.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
+        # said again while it stays pending: once, on a loaded machine, a requeued job
+        # stayed pending past a test's 150 s after the first (its reason unseen: the
+        # cluster was gone with the run); a job pending on a busy node is not harmed by it
+        deadline = time.monotonic() + 60
+        while (job := self.job(job_id)).get("JobState") == "PENDING":
+            if time.monotonic() > deadline:
+                raise AssertionError(f"job {job_id} stayed pending after its requeue "
+                                     f"(Reason={job.get('Reason')})")
+            self.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
+            time.sleep(3)
 
     def stop(self) -> None:
         self.run("scancel", "--user", "root", check=False)
