@@ -16,8 +16,12 @@ def parallelize(model: nn.Module, runtime, trainer, stages: list[str] | None = N
     """`model` as this rank runs it under `runtime` (trainer: the trainer config; stages:
     parallel.stages, the units activation checkpointing wraps)."""
     model = runtime.precision.convert(model)  # fp8's Float8Linear, before any split
+    # a pipeline keeps its part (its rank on mesh["pp"]), then tensor parallel over mesh["tp"]
     model = runtime.split(model)
+    # checkpointing and compile of the blocks each rank runs, inside the wrapper below
     model = speed_up(model, trainer, stages, runtime.runs)
+    # FSDP2 over mesh["dp_shard"] (HSDP: mesh["dp_replicate", "dp_shard"]), or DDP over the
+    # replicas; the one-process layouts their own (DataParallel, stages on devices)
     return runtime.wrap(model)
 
 
