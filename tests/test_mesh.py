@@ -116,7 +116,7 @@ def test_the_checks_leave_the_parallel_config_as_composed(overrides, resolved):
 
 def test_a_run_resolves_its_layout_once_and_trains_with_that_one(train_here, monkeypatch):
     """The checks resolve the layout (degrees, plan, GPUs) once; the run builds its
-    runtime strategy from that value, with no second lookup by parallel.name nor
+    runtime from that value, with no second lookup by parallel.name nor
     resolution."""
     from parallab.parallel.model import ModelParallelPlan, ModelParallelRuntime
 

@@ -177,7 +177,7 @@ def test_a_sharded_index_naming_other_code_is_refused(tmp_path):
     checkpoint.save(ckpt / checkpoint.SHARDED_META, {"step": 1, "config": {}})
     (ckpt / ".metadata").write_bytes(pickle.dumps(print))  # a global outside the allow-list
     with pytest.raises(checkpoint.CheckpointError, match="builtins.print"):
-        checkpoint.load_sharded(ckpt, {"model": {}})
+        checkpoint.read_state(ckpt, {"model": {}})
 
 
 def test_one_process_layouts_place_their_parts_by_the_devices_named():

@@ -52,10 +52,10 @@ def job_label(idx: int, overrides: Sequence[str]) -> str:
     return f"job #{idx} ({' '.join(filter_overrides(overrides))})"
 
 
-def checked_jobs(launcher, job_overrides: Sequence[Sequence[str]],
-                 initial_job_idx: int) -> list[DictConfig]:
-    return [checked_job(launcher, overrides, idx)
-            for idx, overrides in enumerate(job_overrides, initial_job_idx)]
+def checked_jobs(launcher, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> None:
+    """Every job of the sweep checked, before the first one runs or is submitted."""
+    for idx, overrides in enumerate(job_overrides, initial_job_idx):
+        checked_job(launcher, overrides, idx)
 
 
 class BasicLauncher(HydraBasicLauncher):

@@ -1,5 +1,5 @@
 """The grid `parallab advise` searches: every layout the plans offer for each world
-size (Plan.layouts), x precision x activation checkpointing x gradient accumulation,
+size (Plan.candidates), x precision x activation checkpointing x gradient accumulation,
 each checked as `python train.py` would check it, its memory predicted, and pruned with a
 reason where it cannot run or is not needed."""
 

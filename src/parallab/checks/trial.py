@@ -151,7 +151,7 @@ def run(cfg, layout, probe: Probe | None = None) -> list[nn.Module] | None:
 
 def tp_split_problem(cfg, layout: Layout, probe: Probe) -> str | None:
     """Where a user's model is split by a plan over the layout's tp ranks: does the plan
-    compose (plans.split_problem, on the probe's model and batch)?"""
+    compose (tp_plans.split_problem, on the probe's model and batch)?"""
     p = cfg.parallel
     if probe.model is None or layout.tp == 1 or getattr(p, "sequence_parallel", False):
         return None

@@ -24,7 +24,7 @@ from parallab.precision import Precision
 @dataclasses.dataclass(frozen=True)
 class Ranks:
     """This rank's view of the layout that its data, step, meter and checkpoints read, made
-    once with its runtime (whose properties of the same names define it)."""
+    once with its runtime (whose properties define it: `data` is its `data_dist`)."""
 
     world_size: int  # devices the job uses (metrics.json's world_size)
     data: Dist  # the data-parallel ranks, each reading its own samples, and this one's place
@@ -253,12 +253,6 @@ class Plan:
     def bubble(cls, cfg, layout: Layout) -> float:
         """Compute time relative to a step without idle ranks (a pipeline's fill and drain)."""
         return 1.0
-
-    @classmethod
-    def node_local_kinds(cls, layout: Layout) -> tuple[str, ...]:
-        """Collective kinds (comm.KINDS) whose groups stay within one node however many
-        nodes the job spans (hsdp's shard groups)."""
-        return ()
 
     @classmethod
     def overlapped_kinds(cls, layout: Layout) -> tuple[str, ...]:

@@ -144,7 +144,7 @@ class MeshRuntime(Runtime):
     @property
     def loss_ranks(self) -> int:
         # each rank of a tp group holds its loss (under a pipeline, those of its last part)
-        return self.data_dist.world_size * self.layout.tp
+        return self.layout.dp * self.layout.tp
 
     @property
     def seed_rank(self) -> int:
@@ -230,12 +230,6 @@ class MeshPlan(Plan):
     def given_degrees(cls, p) -> dict[str, int | None]:
         """The degrees the parallel config `p` sets (one may be null), by name."""
         return {dim: getattr(p, dim) for dim in cls.dims}
-
-    @classmethod
-    def node_local_kinds(cls, layout: Layout) -> tuple[str, ...]:
-        """With replicas, the shard groups' all-gather and reduce-scatter stay in a node;
-        only the replicas' all-reduce crosses nodes."""
-        return ("all_gather", "reduce_scatter") if layout.dp_replicate > 1 else ()
 
     @classmethod
     def overlapped_kinds(cls, layout: Layout) -> tuple[str, ...]:

@@ -330,7 +330,7 @@ class PipelineRuntime(MeshRuntime):
         squares = norm_squares(model, self.dist.device)  # this rank's, whole on its tp ranks
         self.dist.all_reduce_sum(squares)
         # each part counted once: not once per replica, shard group and tp rank holding it
-        return (squares / (self.data_dist.world_size * self.layout.tp)).sqrt()
+        return (squares / (self.layout.dp * self.layout.tp)).sqrt()
 
 
 class PipelinePlan(MeshPlan):

@@ -22,7 +22,7 @@ from parallab.training.formats import SHARDED_META, CheckpointError, load, save
 log = logging.getLogger(__name__)
 
 __all__ = ["SHARDED_META", "CheckpointError", "Checkpointer", "load", "save", "latest",
-           "load_meta", "load_sharded", "read_state", "resumable", "by_name", "periodic_name",
+           "load_meta", "read_state", "resumable", "by_name", "periodic_name",
            "saved_config", "saved_model", "saved_parallel", "same_model"]
 
 
@@ -41,12 +41,6 @@ def read_state(path: str | Path, template: dict[str, Any]) -> dict[str, Any]:
     """A checkpoint's whole state, its {"model": ..., "optimizer": ...} shaped as `template`
     (this rank's, under whichever layout and world size reads it)."""
     return formats.state_format(path).read_state(template)
-
-
-def load_sharded(path: Path, template: dict[str, Any]) -> dict[str, Any]:
-    """A .dcp checkpoint read into `template` ({"model": ..., "optimizer": ...} shaped as
-    this rank holds them); works without a process group too (one process reads all)."""
-    return formats.Sharded(path).read_state(template)
 
 
 def saved_config(meta: dict[str, Any]) -> dict[str, Any]:

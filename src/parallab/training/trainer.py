@@ -78,7 +78,8 @@ class Trainer:
         self.stepper = Step(cfg, model, runtime, optimizer, dist,
                             data.train.all_valid, self.window, self.scheduler)
         self.meter = Meter(cfg, dist, runtime, self.eval_model, logger)
-        # told of every step, in this order (fit() adds its profiler and memory snapshot)
+        # told of every step, in this order (fit() adds its profiler and memory snapshot;
+        # theirs is no counting of the counted step)
         self.observers: list[StepObserver] = [self.meter, *observers]
 
     def done(self) -> bool:
@@ -112,14 +113,9 @@ class Trainer:
                          self.dist.is_main) as profiler, \
                 memory.snapshot(self.cfg.memory_snapshot, self.logger.run_dir, self.dist.rank,
                                 self.dist.is_main) as snapshot:
-            watching = self.observers
             recorders = [Stepped(r) for r in (profiler, snapshot) if r is not None]
-            self.observers = [*watching, *recorders]
-            try:
-                if not self.train_epochs(progress, evaluate):
-                    return {}
-            finally:
-                self.observers = watching
+            if not self.train_epochs(progress, evaluate, [*self.observers, *recorders]):
+                return {}
         if not evaluate:
             return self.summary()
         if not self.evaluation.scored(self.step):  # the final weights, off the schedule
@@ -133,11 +129,12 @@ class Trainer:
                 self.evaluation.figures[metrics.LOSS], self.step))
         return summary
 
-    def train_epochs(self, progress: Progress, evaluate: bool) -> bool:
-        """Epoch after epoch to the end of the run, evaluating and saving between them;
-        False where a signal stopped it."""
+    def train_epochs(self, progress: Progress, evaluate: bool,
+                     observers: list[StepObserver]) -> bool:
+        """Epoch after epoch to the end of the run, evaluating and saving between them, each
+        step told to `observers`; False where a signal stopped it."""
         while self.epoch < self.cfg.epochs and not self.done():
-            finished = self.train_epoch(progress)
+            finished = self.train_epoch(progress, observers)
             if self.stopped:
                 return False
             if not finished or self.evaluation.monitor.stopped_early:  # max_steps or
@@ -151,9 +148,12 @@ class Trainer:
                 self.save_checkpoint()
         return True
 
-    def train_epoch(self, progress: Progress) -> bool:
-        """Train to the end of the epoch, or until the run is done or stopped; True if the
-        epoch's batches were all trained."""
+    def train_epoch(self, progress: Progress,
+                    observers: list[StepObserver] | None = None) -> bool:
+        """Train to the end of the epoch, or until the run is done or stopped, each step told
+        to `observers` (the trainer's own where None); True if the epoch's batches were all
+        trained."""
+        observers = self.observers if observers is None else observers
         loader = self.data.train
         loader.set_epoch(self.epoch, skip_batches=self.epoch_step * self.cfg.accumulate_grad_batches)
         self.model.train()
@@ -164,14 +164,15 @@ class Trainer:
         for batches in micro_batches(loader, self.cfg.accumulate_grad_batches):
             if self.epoch_step == 0 and len(batches) < self.cfg.accumulate_grad_batches:
                 refuse_partial_epoch(self.cfg.accumulate_grad_batches, len(batches))
-            for observer in self.observers:
+            for observer in observers:
                 observer.step_started()
             self.window.add(self.counted_step(batches))
             self.step += 1
             self.epoch_step += 1
             self.preemption.step_done()
-            for observer in self.observers:
-                observer.step_done(self.step, batches, self.done())
+            last = self.done()
+            for observer in observers:
+                observer.step_done(self.step, batches, last)
             progress.update()
             if self.step % self.cfg.log_every_n_steps == 0 or self.done():
                 self.log_window(progress)

@@ -134,9 +134,7 @@ def load_held(model: nn.Module, path: str | Path, device: torch.device) -> None:
         for name, value in buffers.items():
             model.get_buffer(name).copy_(value)
     reader = formats.format_of(path)
-    # a format not read tensor by tensor (a .dcp) is a checkpoint format that reshards
-    # into the rank's own parts itself
-    if not isinstance(reader, formats.FileFormat):
+    if isinstance(reader, formats.CheckpointFormat) and reader.sharded:  # reshards itself
         held = get_model_state_dict(model)
         reader.read_state({"model": held})
         set_model_state_dict(model, held)

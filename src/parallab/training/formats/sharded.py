@@ -6,6 +6,7 @@ reader would unpickle anything."""
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import shutil
@@ -38,8 +39,14 @@ class Sharded(CheckpointFormat):
         """A DCP directory (not a folder of exported weights)."""
         return path.is_dir() and (path.suffix == ".dcp" or (path / ".metadata").exists())
 
+    @functools.cached_property
+    def index(self) -> Any:
+        """Its .metadata, read once (through the allow-list) for the shapes, the shards'
+        check and DCP's reader alike."""
+        return _read_index(self.path)
+
     def _shapes(self) -> dict[str, tuple[int, ...]]:
-        entries = _read_index(self.path).state_dict_metadata  # through the allow-list
+        entries = self.index.state_dict_metadata
         return {plain_name(k[len("model."):]): tuple(v.size) for k, v in entries.items()
                 if k.startswith("model.") and hasattr(v, "size")}
 
@@ -52,7 +59,7 @@ class Sharded(CheckpointFormat):
 
     def record(self) -> dict[str, Any]:
         """trainer.pt, its shards checked against the index first."""
-        check_shards(self.path)
+        check_shards(self.path, self.index)
         return load(self.path / SHARDED_META)
 
     def resumable(self, meta: dict[str, Any]) -> bool:
@@ -69,7 +76,7 @@ class Sharded(CheckpointFormat):
         import torch.distributed.checkpoint as dcp
 
         meta = self.record()
-        reader = _safe_reader(self.path)
+        reader = _safe_reader(self.path, self.index)
         with warnings.catch_warnings():  # "assuming ... a single process": yes, that is meant
             warnings.filterwarnings("ignore", message=".*single process")
             dcp.load(template, storage_reader=reader)
@@ -123,12 +130,12 @@ def _read_index(path: Path) -> Any:
                               f"({type(error).__name__}): the checkpoint is damaged") from None
 
 
-def check_shards(path: Path) -> None:
-    """Every shard file the index names is there and long enough for what it should hold:
-    a missing or truncated shard is one line before anything starts, not a traceback from
-    every rank inside torch.distributed.checkpoint."""
+def check_shards(path: Path, index: Any) -> None:
+    """Every shard file the index (path's .metadata) names is there and long enough for what
+    it should hold: a missing or truncated shard is one line before anything starts, not a
+    traceback from every rank inside torch.distributed.checkpoint."""
     needed: dict[str, int] = {}
-    for info in getattr(_read_index(path), "storage_data", {}).values():
+    for info in getattr(index, "storage_data", {}).values():
         name = str(info.relative_path)
         needed[name] = max(needed.get(name, 0), int(info.offset) + int(info.length))
     for name, size in sorted(needed.items()):
@@ -159,13 +166,11 @@ class _MetadataUnpickler(pickle.Unpickler):
                               "which is not checkpoint metadata; refusing to load it")
 
 
-def _safe_reader(path: Path):
-    """torch's FileSystemReader, with the index read once, through _MetadataUnpickler (a
-    refusal surfaces here in one line, not deep inside dcp.load)."""
+def _safe_reader(path: Path, metadata: Any):
+    """torch's FileSystemReader, handed the index read through _MetadataUnpickler (a
+    refusal surfaces there in one line, not deep inside dcp.load)."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
-
-    metadata = _read_index(path)
 
     class SafeReader(FileSystemReader):
         def read_metadata(self, *args: Any, **kwargs: Any):
