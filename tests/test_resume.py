@@ -201,7 +201,7 @@ import os, signal, sys, time
 from parallab.launching.preemption import MIN_STUCK_S, Preemption
 
 with Preemption() as preemption:
-    preemption.step_done()
+    preemption.step_done(1, [], False)
     with preemption.busy():  # an evaluation longer than the patience is not a hang
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(MIN_STUCK_S + 1)

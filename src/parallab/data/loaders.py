@@ -47,7 +47,8 @@ class ShardSampler(Sampler[int]):
             order = torch.arange(self.size)
         total = self.per_rank * self.world_size
         if total > self.size:  # pad with the head, repeated if the set is tiny
-            order = torch.cat([order, order.repeat(math.ceil(total / self.size))[: total - self.size]])
+            head = order.repeat(math.ceil(total / self.size))[: total - self.size]
+            order = torch.cat([order, head])
         return order[self.rank:total:self.world_size][self.offset:]
 
     def __iter__(self) -> Iterator[int]:
@@ -81,7 +82,8 @@ class ShardLoader:
     def batches(self, order: torch.Tensor) -> list[torch.Tensor]:
         """`order` in batches, the last one short or, with drop_last, dropped."""
         chunks = list(order.split(self.batch_size))
-        return chunks[:-1] if self.drop_last and chunks and len(chunks[-1]) < self.batch_size else chunks
+        short = self.drop_last and chunks and len(chunks[-1]) < self.batch_size
+        return chunks[:-1] if short else chunks
 
     def resized(self, batch_size: int) -> ShardLoader:
         """The same shard in batches of another size."""
@@ -228,3 +230,10 @@ def micro_batches(loader, size: int) -> Iterator[list]:
             group = []
     if group:
         yield group
+
+
+def to_channels_last(batch: Any) -> Any:
+    """trainer.channels_last: a pair's image inputs (N, C, H, W) in NHWC memory format."""
+    if batches.is_pair(batch) and isinstance(batch[0], torch.Tensor) and batch[0].dim() == 4:
+        return batch[0].contiguous(memory_format=torch.channels_last), batch[1]
+    return batch

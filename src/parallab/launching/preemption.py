@@ -34,6 +34,7 @@ from types import FrameType
 from typing import Iterator
 
 from parallab.launching import slurm
+from parallab.observe.observer import StepObserver
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 STUCK_STEPS = 5  # no step finished for this many slowest steps after a signal: stuck
@@ -42,7 +43,10 @@ GRACE_S = 120.0  # the longest a stop, checkpoint included, may take
 SAME_REQUEST_S = 2.0  # a repeat this soon after the first signal is the same request
 
 
-class Preemption:
+class Preemption(StepObserver):
+    """The run's stop request, and its watchdog, which times the loop's steps as one of its
+    observers (step_done)."""
+
     def __init__(self, requeue: tuple[int, ...] = ()) -> None:
         self.signals = (*SIGNALS, *requeue)
         self.requeue = requeue  # signals that also ask the job to requeue itself
@@ -81,7 +85,7 @@ class Preemption:
                 self.signum = self.requeue[0]
                 slurm.note(self.signum)
 
-    def step_done(self) -> None:
+    def step_done(self, step: int, batches: list, last: bool) -> None:
         now = time.monotonic()
         if self._last_step is not None:  # the first step's time holds start-up and compiling
             self._slowest_step = max(self._slowest_step, now - self._last_step)

@@ -1,8 +1,8 @@
 """What watches a training loop's steps. The loop holds its observers in one list (the
-Meter, a profiler, the memory snapshot, advise's activation counter) and tells each when a
-step starts and when it is done, and lets each wrap the one step it counts (a process's
-second: the first may set things up). Each call is a no-op here: an observer defines those
-it needs."""
+preemption's watchdog, the Meter, a profiler, the memory snapshot, advise's activation
+counter) and tells each when a step starts and when it is done, and lets each wrap the one
+step it counts (a process's second: the first may set things up). Each call is a no-op
+here: an observer defines those it needs."""
 
 from __future__ import annotations
 

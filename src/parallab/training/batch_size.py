@@ -32,6 +32,11 @@ TIMED_STEPS = 3
 Step = Callable[[Any], None]  # forward and backward of one batch
 
 
+def global_batch_size(loader, cfg, runtime) -> int:
+    """Samples per optimizer step, over all ranks (cfg: the trainer config)."""
+    return loader.batch_size * cfg.accumulate_grad_batches * runtime.ranks.data.world_size
+
+
 @dataclass
 class Trial:
     batch_size: int

@@ -111,6 +111,19 @@ def latest(directory: Path) -> Path | None:
     return None
 
 
+def restore_rng(state: dict[str, Any], dist) -> None:
+    """This rank's RNG state as the checkpoint's Checkpointer gathered it, where the run has
+    as many ranks."""
+    rng = state.get("rng", [])
+    if len(rng) == dist.world_size:
+        torch.set_rng_state(rng[dist.rank])
+    else:
+        # its line reads as the loop's, whose resume it is part of
+        logging.getLogger("parallab.training.trainer").warning(
+            "the checkpoint holds RNG states for %d ranks, this run has %d: dropout draws "
+            "will differ from the original run", len(rng), dist.world_size)
+
+
 class Checkpointer:
     """Saves the trainer's state with every rank's RNG state, in the checkpoint format of
     the layout (`sharded`: Layout.sharded): rank 0 writes the file, or under a sharded

@@ -1,5 +1,6 @@
 """The train loss between log steps and over the epoch: what the loop reports as train/loss
-and carries in its checkpoints (a resumed epoch's mean goes on from its steps so far)."""
+and carries in its checkpoints (a resumed epoch's mean goes on from its steps so far), and
+the error that ends a run whose train loss went non-finite (Diverged)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,20 @@ import math
 from typing import Any
 
 import torch
+
+from parallab.config.errors import OneLineError
+from parallab.launching.distributed import Dist
+
+
+class Diverged(OneLineError, RuntimeError):
+    """The train loss went NaN or inf under trainer.on_nan=stop (or most steps were
+    dropped under on_nan=skip)."""
+
+
+def diverged(loss: float, step: int) -> Diverged:
+    return Diverged(f"train loss is {loss} at step {step}: stopped; every checkpoint kept "
+                    "holds finite weights; lower optim.lr, set trainer.clip_grad_norm, or set "
+                    "trainer.on_nan=skip to drop such steps")
 
 
 class LossWindow:
@@ -36,6 +51,14 @@ class LossWindow:
         if not self.losses:
             return torch.zeros((), device=self.device)
         return torch.stack(self.losses).float().sum()
+
+    def check_finite(self, dist: Dist, step: int) -> None:
+        """Diverged where any step since the last log step, on any rank, had a non-finite
+        loss: the weights may be non-finite too (one all-reduce)."""
+        if self.losses:
+            bad = torch.tensor(float(not torch.isfinite(self.sum())), device=dist.device)
+            if dist.all_reduce_sum(bad).item() > 0:
+                raise diverged(math.nan, step)
 
     def close(self, loss_sum: float, loss_ranks: int) -> float | None:
         """The window's mean train loss over its trained steps and all ranks (`loss_sum`:

@@ -31,7 +31,8 @@ from parallab.parallel.parallelize import parallelize
 from parallab.precision import Precision
 from parallab.training import batch_size, checkpoint
 from parallab.training.checkpoint import Checkpointer
-from parallab.training.trainer import Trainer, global_batch_size
+from parallab.training.batch_size import global_batch_size
+from parallab.training.trainer import Trainer
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,8 @@ class RunSpec:
         # the weights it started from are in its checkpoints now
         kept = [o for o in self.overrides if not o.startswith(
             ("hydra.run.dir=", "trainer.resume=", "trainer.init_from="))]
-        return shlex.join([*self.command, *kept, f"hydra.run.dir={naming.hydra_value(self.run_dir)}",
+        return shlex.join([*self.command, *kept,
+                           f"hydra.run.dir={naming.hydra_value(self.run_dir)}",
                            "trainer.resume=auto"])
 
 
@@ -333,7 +335,8 @@ def _fit(spec: RunSpec, dist: distributed.Dist, logger: RunLogger,
         # a resumed run has its weights (its start's included) from its checkpoint
         resume_from = resume_path(cfg.trainer.resume, spec.run_dir)
         trainer, lr = build_trainer(cfg, spec.layout, dist, logger,
-                                    Path(spec.run_dir) / "checkpoints", preemption, None if resume_from else cfg.trainer.init_from)
+                                    Path(spec.run_dir) / "checkpoints", preemption,
+                                    None if resume_from else cfg.trainer.init_from)
         if resume_from is not None:
             trainer.load_state_dict(read_checkpoint(resume_from, trainer.runtime,
                                                     trainer.model, trainer.optimizer))

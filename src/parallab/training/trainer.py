@@ -1,23 +1,27 @@
-"""The training loop: epochs, log steps, checkpoints, stopping and the run's final
-figures; each optimizer step is step.py's, each evaluation evaluation.py's, and what the
-loop counts and reports observe/meter.py's. A step is told to the loop's observers at two
-points (started, done; observe/observer.py), and the one it counts runs inside each's
-`counting`."""
+"""The training loop, read top to bottom: fit, its epochs, an epoch's steps, and each
+optimizer step (the global batch's loss terms counted, each micro-batch's forward and
+backward, clipping and trainer.on_nan=skip, the optimizer and the learning-rate schedule);
+then log steps, stopping, checkpoints and the run's final figures. Each evaluation is
+evaluation.py's, the train loss between log steps loss_window.py's, and what the loop
+counts and reports observe/meter.py's. A step is told to the loop's observers at two points
+(started, done; observe/observer.py), and the one it counts runs inside each's `counting`."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
 import math
+from collections import deque
 from typing import Any, Sequence
 
 import torch
 from torch import nn
 
+from parallab import batch as batch_of
 from parallab import metrics, schedule
 from parallab.config.schema import TrainerConfig
 from parallab.data import Data
-from parallab.data.loaders import micro_batches
+from parallab.data.loaders import micro_batches, to_channels_last
 from parallab.data.stream import refuse_partial_epoch, run_length
 from parallab.launching.distributed import Dist
 from parallab.launching.preemption import Preemption
@@ -29,17 +33,15 @@ from parallab.observe.profiling import profiled
 from parallab.observe.progress import Progress
 from parallab.parallel.base import Runtime
 from parallab.training import checkpoint
+from parallab.training.batch_size import global_batch_size
 from parallab.training.checkpoint import Checkpointer
 from parallab.training.evaluation import Evaluation
-from parallab.training.loss_window import LossWindow
-from parallab.training.step import Batch, Step, diverged
+from parallab.training.loss_window import Diverged, LossWindow, diverged
 
 log = logging.getLogger(__name__)
 
-
-def global_batch_size(loader, cfg: TrainerConfig, runtime: Runtime) -> int:
-    """Samples per optimizer step, over all ranks."""
-    return loader.batch_size * cfg.accumulate_grad_batches * runtime.ranks.data.world_size
+Batch = Any  # as the data gives it (batch.py): an (inputs, targets) pair, a dict, ...
+SKIP_HORIZON = 20  # on_nan=skip stops when it drops over half of this many recent steps
 
 
 class Trainer:
@@ -70,35 +72,25 @@ class Trainer:
         self.evaluation = Evaluation(cfg, self.eval_model, runtime, data, dist,
                                      logger, metric_specs)
         self.first_step = 0  # where this process's training starts (after a resume: later)
+        # the step's: the training data's labels all count (the global count follows from
+        # shapes), and the ranks reading different samples
+        self.all_valid = data.train.all_valid
+        self.data_world = runtime.ranks.data.world_size
+        self.skipped = 0  # steps dropped: non-finite gradients (on_nan=skip), or no label
+        self.recent_skips: deque[bool] = deque(maxlen=SKIP_HORIZON)  # dropped or not, per step
+        self.lr: float | None = None  # the rate the last step used, before its schedule moved
 
         self.steps_per_epoch, self.total_steps = run_length(cfg, data.train)
         # the learning rate of each step: over this run's steps (a continued run's new horizon)
         self.scheduler = (schedule.build(scheduler_cfg, optimizer, self.total_steps)
                           if scheduler_cfg is not None else None)
-        self.stepper = Step(cfg, model, runtime, optimizer, dist,
-                            data.train.all_valid, self.window, self.scheduler)
         self.meter = Meter(cfg, dist, runtime, self.eval_model, logger)
         # told of every step, in this order (fit() adds its profiler and memory snapshot;
-        # theirs is no counting of the counted step)
-        self.observers: list[StepObserver] = [self.meter, *observers]
+        # theirs is no counting of the counted step); the preemption's watchdog times steps
+        self.observers: list[StepObserver] = [self.preemption, self.meter, *observers]
 
     def done(self) -> bool:
         return self.step >= self.total_steps
-
-    def train_step(self, batches: list[Batch]) -> torch.Tensor:
-        """One optimizer step over `batches` (step.py); this rank's share of its loss."""
-        return self.stepper(batches, self.step)
-
-    def counted_step(self, batches: list[Batch]) -> torch.Tensor:
-        """train_step; this process's second step (the first may set things up) runs inside
-        each observer's `counting` (the Meter's counts the bytes it sends); not under
-        compile: a dispatch mode would trip its guards into recompiling."""
-        if self.step != self.first_step + 1 or self.cfg.compile:
-            return self.train_step(batches)
-        with contextlib.ExitStack() as counting:
-            for observer in self.observers:
-                counting.enter_context(observer.counting(self, batches))
-            return self.train_step(batches)
 
     def fit(self, evaluate: bool = True, report: bool = True) -> dict[str, Any]:
         """Train to the end of the run; its final figures ({} if a signal stopped it).
@@ -155,7 +147,8 @@ class Trainer:
         trained."""
         observers = self.observers if observers is None else observers
         loader = self.data.train
-        loader.set_epoch(self.epoch, skip_batches=self.epoch_step * self.cfg.accumulate_grad_batches)
+        loader.set_epoch(self.epoch,
+                         skip_batches=self.epoch_step * self.cfg.accumulate_grad_batches)
         self.model.train()
         if self.epoch_step == 0:  # else resumed mid-epoch with its loss so far restored
             self.window.epoch_started()
@@ -169,7 +162,6 @@ class Trainer:
             self.window.add(self.counted_step(batches))
             self.step += 1
             self.epoch_step += 1
-            self.preemption.step_done()
             last = self.done()
             for observer in observers:
                 observer.step_done(self.step, batches, last)
@@ -199,6 +191,103 @@ class Trainer:
         self.last_train_loss = self.window.epoch_mean()
         return finished or self.epoch_step == self.steps_per_epoch
 
+    def counted_step(self, batches: list[Batch]) -> torch.Tensor:
+        """train_step; this process's second step (the first may set things up) runs inside
+        each observer's `counting` (the Meter's counts the bytes it sends); not under
+        compile: a dispatch mode would trip its guards into recompiling."""
+        if self.step != self.first_step + 1 or self.cfg.compile:
+            return self.train_step(batches)
+        with contextlib.ExitStack() as counting:
+            for observer in self.observers:
+                counting.enter_context(observer.counting(self, batches))
+            return self.train_step(batches)
+
+    def train_step(self, batches: list[Batch]) -> torch.Tensor:
+        """One optimizer step over `batches` (gradient accumulation when more than one);
+        returns this rank's share of the step's loss, detached: the sum of its terms over the
+        count of the global batch's terms (all micro-batches, all data-parallel ranks), times
+        the data-parallel ranks, which average it."""
+        items = self.loss_terms(batches)
+        if isinstance(items, float) and not items:  # (a tensor on a GPU: no host check)
+            return self.skip_empty()
+        total = None
+        for index, batch in enumerate(batches):
+            if self.cfg.channels_last:
+                batch = to_channels_last(batch)
+            last = index == len(batches) - 1
+            # reduce gradients across ranks once per step, on its last micro-batch
+            with contextlib.nullcontext() if last else self.runtime.no_sync(self.model):
+                loss = self.runtime.forward_backward(self.model, batch, items)
+            total = loss if total is None else total + loss
+        if self.cfg.clip_grad_norm is not None or self.cfg.on_nan == "skip":
+            total = self.clip(total)
+        self.precision.step(self.optimizer)
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.scheduler is not None:
+            self.lr = self.optimizer.param_groups[0]["lr"]  # the rate this step used
+            self.scheduler.step()
+        return total
+
+    def clip(self, total: torch.Tensor) -> torch.Tensor:
+        """Gradients clipped to trainer.clip_grad_norm; under on_nan=skip a step whose
+        gradients are not finite is dropped (its loss 0 in the window); the step's loss."""
+        skip = self.cfg.on_nan == "skip"
+        self.precision.unscale_(self.optimizer)
+        norm = self.runtime.clip_grad_norm(self.model, self.cfg.clip_grad_norm)
+        # gradients are already reduced, so every rank decides alike
+        dropped = skip and not bool(torch.isfinite(norm))
+        if dropped:
+            self.skipped += 1
+            self.window.skip()
+            total = torch.zeros_like(total)
+            if not self.precision.scaler.is_enabled():  # a scaler skips it by itself
+                self.optimizer.zero_grad(set_to_none=True)
+        # a GradScaler's overflow steps are its calibration, not divergence
+        if skip and not self.precision.scaler.is_enabled():
+            self.recent_skips.append(dropped)
+            self.check_skips()
+        return total
+
+    def loss_terms(self, batches: list[Batch]):
+        """The global batch's loss terms (valid labels) per data-parallel rank: what each
+        micro-batch's sum is divided by; 0 where there are none (the step is skipped); None
+        where the one batch of a one-rank step holds every label (its own mean is the
+        step's: no counting, as a hand-written loop)."""
+        if len(batches) == 1 and self.data_world == 1 and self.all_valid:
+            return None
+        counts = [self.runtime.loss.count(batch_of.labels_of(b)) for b in batches]
+        n = counts[0] if len(counts) == 1 else sum(counts)
+        if self.all_valid:  # every rank's shard of one split batched alike:
+            n = n * self.data_world  # the global count follows from this rank's shapes
+        elif self.data_world > 1:  # one all-reduce of a scalar; tp/pipeline ranks count alike
+            n = self.dist.all_reduce_sum(torch.as_tensor(n, dtype=torch.float64,
+                                                         device=self.dist.device))
+            n = n / self.runtime.ranks.readers
+        if isinstance(n, torch.Tensor) and n.device.type == "cpu":
+            n = n.item()  # free on the CPU: an exact skip of an empty step, a plain divisor
+        if isinstance(n, torch.Tensor):  # on a GPU: no sync; an empty step's gradients are 0
+            return n.clamp(min=1).float() / self.data_world
+        return n / self.data_world
+
+    def skip_empty(self) -> torch.Tensor:
+        """A global batch whose labels are all ignored (-100): nothing to learn; the
+        optimizer does not step."""
+        self.skipped += 1
+        self.window.skip(empty=True)
+        if self.dist.is_main:
+            log.warning("step %d: no label of its global batch counts (all are -100): the "
+                        "step is skipped", self.step + 1)
+        return torch.zeros((), device=self.dist.device)
+
+    def check_skips(self) -> None:
+        """on_nan=skip that drops most of the recent steps learns nothing: stop as `stop`."""
+        recent = self.recent_skips
+        if len(recent) >= SKIP_HORIZON // 2 and sum(recent) * 2 > len(recent):
+            raise Diverged(f"trainer.on_nan=skip dropped {sum(recent)} of the last "
+                           f"{len(recent)} steps (non-finite gradients) at step {self.step}: "
+                           "stopped, every checkpoint kept holds finite weights; lower "
+                           "optim.lr or set trainer.clip_grad_norm")
+
     def stop_requested(self) -> bool:
         """One process stops as soon as it is signalled; several stop together, when the
         next log step has shared the request (no extra collective per step)."""
@@ -223,11 +312,7 @@ class Trainer:
         (on any rank) means the weights may be NaN too (one all-reduce per checkpoint)."""
         if self.checkpointer is None:
             return
-        if len(self.window):
-            bad = torch.tensor(float(not torch.isfinite(self.window.sum())),
-                               device=self.dist.device)
-            if self.dist.all_reduce_sum(bad).item() > 0:
-                raise diverged(math.nan, self.step)
+        self.window.check_finite(self.dist, self.step)
         with self.preemption.busy():
             self.checkpointer.save(self.state_dict(), name or checkpoint.periodic_name(self.step))
 
@@ -253,10 +338,10 @@ class Trainer:
         figures = self.meter.window(steps, tokens, self.global_batch_size)
         self.logger.scalars({
             **({"train/loss": loss} if loss is not None else {}),
-            "train/lr": self.stepper.lr or self.optimizer.param_groups[0]["lr"],
+            "train/lr": self.lr or self.optimizer.param_groups[0]["lr"],
             **{f"train/{k}": v for k, v in figures.items()},
             "train/epoch": self.epoch,
-            "train/skipped_steps": self.stepper.skipped,
+            "train/skipped_steps": self.skipped,
         }, self.step)
         if progress is not None:
             shown = "-" if loss is None else f"{loss:.4f}"
@@ -303,7 +388,7 @@ class Trainer:
         return {"model": model_state, "optimizer": optimizer_state,
                 **{name: part.state_dict() if part is not None else None
                    for name, part in parts.items()},
-                **self.window.state_dict(), "skipped_steps": self.stepper.skipped,
+                **self.window.state_dict(), "skipped_steps": self.skipped,
                 "step": self.step, "epoch": self.epoch, "epoch_step": self.epoch_step,
                 "total_steps": self.total_steps}
 
@@ -313,16 +398,10 @@ class Trainer:
         self.precision.load_state_dict(state["grad_scaler"])
         self.step, self.epoch, self.epoch_step = state["step"], state["epoch"], state["epoch_step"]
         self.window.load_state_dict(state)
-        self.stepper.skipped = state["skipped_steps"]
+        self.skipped = state["skipped_steps"]
         self.evaluation.load_state_dict(state.get("monitor"))
         if self.scheduler is not None and state.get("scheduler"):  # its step count
             schedule.resume(self.scheduler, self.optimizer, state["scheduler"],
                             state.get("total_steps"), self.total_steps, self.step,
                             self.dist.is_main)
-        rng = state.get("rng", [])
-        if len(rng) == self.dist.world_size:
-            torch.set_rng_state(rng[self.dist.rank])
-        else:
-            log.warning("the checkpoint holds RNG states for %d ranks, this run has %d: "
-                        "dropout draws will differ from the original run", len(rng),
-                        self.dist.world_size)
+        checkpoint.restore_rng(state, self.dist)
