@@ -80,7 +80,6 @@ class PipelineRuntime(MeshRuntime):
                                         self.mesh["dp_replicate"].get_group())
         self.cut: Cut | None = None
         self.parts: list[nn.Module] | None = None
-        self.model: nn.Module | None = None
         self.syncing = True  # no_sync: gradients averaged over the replicas at the last
         self.items = 1  # the step's terms per data-parallel rank (Objective.step_loss)
         self.train_schedule = None  # built for each batch shape (the finder tries several)
@@ -132,25 +131,25 @@ class PipelineRuntime(MeshRuntime):
         finally:
             self.syncing = True
 
-    def sum_partial_gradients(self) -> None:
+    def sum_partial_gradients(self, model: nn.Module) -> None:
         """Sequence parallelism leaves the norms' gradients partial on the tp ranks (each
         rank's share from its slice of the sequence): summed over them once per optimizer
         step, as the parameters they update are whole on every tp rank."""
         from torch.distributed.tensor import DTensor
 
-        for param in self.model.parameters():
+        for param in model.parameters():
             grad = param.grad
             if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
                 param.grad = grad.redistribute(placements=param.placements)
 
-    def average_gradients(self) -> None:
+    def average_gradients(self, model: nn.Module) -> None:
         """One all-reduce of this rank's gradients over its replicas (pp x dp)."""
         import torch.distributed as torch_dist
         from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
         # a tp-split gradient's replicas hold the same shard: its local tensor is averaged
         grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-                 for p in self.model.parameters() if p.grad is not None]
+                 for p in model.parameters() if p.grad is not None]
         if not grads:
             return
         flat = _flatten_dense_tensors(grads)
@@ -198,8 +197,7 @@ class PipelineRuntime(MeshRuntime):
             for part in self.parts:
                 shard(part, self.data_parallel_mesh(), p, self.precision.dtype,
                       self.dist.is_main, False)
-        self.model = model
-        return self.model
+        return model
 
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """A micro-batch's share of the step's loss: its terms' sum / the step's count, so
@@ -269,14 +267,14 @@ class PipelineRuntime(MeshRuntime):
         if rows != self.train_rows:  # its stages infer their shapes at the first step
             self.train_schedule = self._schedule(self._loss)
             self.train_rows = rows
-            self.dry_run(step)
+            self.dry_run(model, step)
             losses.clear()
         step()
         if self.layout.dp_shard == 1 and self.syncing:  # (FSDP2 reduces its own)
             if self.p.sequence_parallel:
-                self.sum_partial_gradients()
+                self.sum_partial_gradients(model)
             if self.layout.dp_replicate > 1:
-                self.average_gradients()
+                self.average_gradients(model)
         if not self.is_last:  # its share of the logged loss: nothing
             return torch.zeros((), device=self.dist.device)
         return torch.stack(losses).detach().sum()  # this batch's share of the step's loss
@@ -297,21 +295,21 @@ class PipelineRuntime(MeshRuntime):
         """The whole schedule: a part alone has no loss to run backward from."""
         self.forward_backward(model, batch, 1)
 
-    def dry_run(self, step) -> None:
+    def dry_run(self, model: nn.Module, step) -> None:
         """Run the first step once and undo it: its shape inference feeds each stage
         uninitialised tensors in training mode, which would leave garbage in BatchNorm
         statistics; buffers, RNG states and gradients are restored after."""
-        buffers = {name: b.clone() for name, b in self.model.named_buffers()}
+        buffers = {name: b.clone() for name, b in model.named_buffers()}
         cpu_rng = torch.get_rng_state()
         cuda_rng = torch.cuda.get_rng_state_all() if self.dist.device.type == "cuda" else None
         step()
         with torch.no_grad():
-            for name, buffer in self.model.named_buffers():
+            for name, buffer in model.named_buffers():
                 buffer.copy_(buffers[name])
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
-        self.model.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
 
     def eval_forward(self, model: nn.Module, batch: Any) -> Any:
         inputs = batches.inputs_of(batch)
