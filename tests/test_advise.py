@@ -228,7 +228,7 @@ def test_a_budget_too_small_for_every_candidate_names_the_smallest_need(tmp_path
     assert not (tmp_path / "advise" / "candidates").exists()  # nothing ran
 
 
-def test_the_grid_comes_from_each_strategy():
+def test_the_grid_comes_from_each_layout():
     from parallab.advise.candidates import enumerate_grid
     from parallab.config.schema import AdviseConfig
 

@@ -122,9 +122,9 @@ def test_a_model_written_as_nanogpt_trains_with_its_own_loss(tmp_path, model):
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_a_rank_whose_eval_batch_is_only_padding_runs_the_sharded_forward_too(tmp_path):
-    """Three eval windows on two fsdp ranks, one a batch: rank 1's second batch is sampler
+    """Three eval sequences on two fsdp ranks, one a batch: rank 1's second batch is sampler
     padding, and its forward's all-gather is the one rank 0 waits in (before: a deadlock until
-    backend.timeout_s). The eval loss counts the three real windows once each."""
+    backend.timeout_s). The eval loss counts the three real sequences once each."""
     run = ["model=gpt", "data=bytes", "data.seq_len=32", "model._target_=own_parts.NextTokenModel",
            "~model.context", "~model.layers", "~model.heads", "~model.width", "~model.dropout",
            "~model.tie_embeddings", "trainer.max_steps=2", "device=cpu", "loss=model",

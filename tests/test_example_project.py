@@ -1,6 +1,6 @@
 """examples/own_model as its user runs it: a copy outside the repository with its own model
 (a plain nn.Module, stages named in YAML), its own Dataset and YAML, loss=mse, trained by the
-installed `parallab` command under every strategy, swept, and evaluated."""
+installed `parallab` command under every layout, swept, and evaluated."""
 
 from __future__ import annotations
 
@@ -47,15 +47,15 @@ def test_the_project_trains_a_regression_without_accuracy(one_device):
 @pytest.mark.slow
 @pytest.mark.distributed
 @ON_ONE_WORKER
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "pipeline"])
-def test_every_layout_gives_the_one_device_losses(project, one_device, strategy, monkeypatch):
+@pytest.mark.parametrize("layout", ["ddp", "fsdp", "pipeline"])
+def test_every_layout_gives_the_one_device_losses(project, one_device, layout, monkeypatch):
     """The training function on the copy's config dir and modules, in this process (its
     workers import the project as the command's would): no interpreter start-up per run."""
     from parallab.cli import train_in_process
 
     monkeypatch.syspath_prepend(str(project))
-    run_dir = project / "outputs" / strategy
-    metrics = train_in_process([*SAME[2:], f"parallel={strategy}", "parallel.world_size=2"],
+    run_dir = project / "outputs" / layout
+    metrics = train_in_process([*SAME[2:], f"parallel={layout}", "parallel.world_size=2"],
                                run_dir, project / "conf")
     assert metrics["world_size"] == 2
     assert losses(run_dir) == pytest.approx(losses(one_device), abs=1e-4)

@@ -255,13 +255,13 @@ def small_disk(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["none", "fsdp"])
-def test_a_full_disk_ends_in_one_line_and_keeps_the_earlier_checkpoints(small_disk, strategy):
+@pytest.mark.parametrize("layout", ["none", "fsdp"])
+def test_a_full_disk_ends_in_one_line_and_keeps_the_earlier_checkpoints(small_disk, layout):
     from parallab.cli import train_in_process
 
     run_dir = small_disk / "run"
     with pytest.raises(JobFailed) as failed:
-        train_in_process([*FAST, f"parallel={strategy}", "trainer.max_steps=30",
+        train_in_process([*FAST, f"parallel={layout}", "trainer.max_steps=30",
                           "trainer.checkpoint_every_n_steps=5", "trainer.keep_last_k=5"], run_dir)
     said = str(failed.value)
     assert failed.value.status == 1 and "\n" not in said, said  # one line, no traceback

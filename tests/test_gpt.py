@@ -1,4 +1,4 @@
-"""model=gpt on data=bytes: the transformer's shapes and causality, byte windows, peak FLOP/s
+"""model=gpt on data=bytes: the transformer's shapes and causality, byte sequences, peak FLOP/s
 for MFU, and a short real training run that learns."""
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def test_default_size_and_flops_estimate():
     assert std == pytest.approx(0.02 / math.sqrt(2 * cfg.layers), rel=0.1)
 
 
-def test_byte_windows_shift_by_one_and_hold_out_the_tail(tmp_path):
+def test_byte_sequences_shift_by_one_and_hold_out_the_tail(tmp_path):
     (tmp_path / "b.txt").write_bytes(bytes(range(100, 150)))
     (tmp_path / "a.txt").write_bytes(bytes(range(0, 50)))
     (tmp_path / "notes.md").write_bytes(b"not read")
@@ -83,7 +83,7 @@ def test_byte_windows_shift_by_one_and_hold_out_the_tail(tmp_path):
     text = torch.tensor(list(range(0, 50)) + list(range(100, 150)))  # sorted: a.txt, b.txt
     assert train.inputs.dtype == torch.uint8 and train.targets.dtype == torch.int64
     assert train.inputs.shape == (9, 8) and test.inputs.shape == (2, 8)  # 80 | 20 bytes
-    assert train.inputs.flatten().tolist() == text[:72].tolist()  # non-overlapping windows
+    assert train.inputs.flatten().tolist() == text[:72].tolist()  # non-overlapping sequences
     assert train.targets.flatten().tolist() == text[1:73].tolist()
     assert test.inputs[0].tolist() == text[80:88].tolist()  # eval = the tail
     assert train.prepare(train.inputs[:2]).dtype == torch.int64

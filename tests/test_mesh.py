@@ -314,7 +314,7 @@ def test_the_batch_size_finder_agrees_across_a_tp_group_and_a_pipeline(train_her
     trains as one started at the chosen size does."""
     from parallab.data.bytetext import DEFAULT_TEXT
 
-    text = tmp_path / "text.txt"  # 1,700 windows: the doubling ends by 256 (shard too small)
+    text = tmp_path / "text.txt"  # 1,700 sequences: the doubling ends by 256 (shard too small)
     text.write_bytes(DEFAULT_TEXT.read_bytes()[:64_000])
     run = [*GPT_RUN, "trainer.max_steps=3", f"parallel={layout}", "parallel.world_size=2",
            "trainer.log_every_n_steps=1", f"data.path={text}", "data.eval_fraction=0.1"]

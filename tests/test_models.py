@@ -1,5 +1,5 @@
 """The recipes' models and data: the LSTM text classifier, ResNet-18 fine-tuning,
-CIFAR-10 and image folders, the shipped text set, and every model x strategy x precision."""
+CIFAR-10 and image folders, the shipped text set, and every model x layout x precision."""
 
 from __future__ import annotations
 

@@ -72,7 +72,7 @@ ON_DDP_REFERENCE = pytest.mark.xdist_group("ddp_reference")
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
-    """Uninterrupted runs, made on first use: {strategy name: run dir}."""
+    """Uninterrupted runs, made on first use: {layout name: run dir}."""
     made = {}
 
     def reference(parallel: list[str]):

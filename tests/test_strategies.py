@@ -41,10 +41,10 @@ def test_clip_grad_norm_null_measures_without_touching_the_gradients():
     grads = [p.grad for p in model.parameters()]
     versions = [g._version for g in grads]  # bumped by any in-place write
     expected = torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads]))
-    strategy = Runtime.__new__(Runtime)
-    assert strategy.clip_grad_norm(model, None) == pytest.approx(expected.item(), rel=1e-6)
+    runtime = Runtime.__new__(Runtime)
+    assert runtime.clip_grad_norm(model, None) == pytest.approx(expected.item(), rel=1e-6)
     assert [g._version for g in grads] == versions
-    strategy.clip_grad_norm(model, expected.item() / 2)
+    runtime.clip_grad_norm(model, expected.item() / 2)
     assert torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads])).item() == \
         pytest.approx(expected.item() / 2, rel=1e-4)
 
@@ -82,7 +82,7 @@ def test_clipping_is_active_in_the_reference(single_device):
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.xdist_group("single_device")  # one reference per run, not per xdist worker
-@pytest.mark.parametrize("strategy", [
+@pytest.mark.parametrize("layout", [
     ["parallel=fsdp", "parallel.world_size=2", "data.batch_size=32"],  # same global batch
     ["parallel=fsdp", "parallel.world_size=2", "data.batch_size=16", *ACCUMULATE_AND_CLIP],
     ["parallel=fsdp", "parallel.world_size=2", "data.batch_size=32",
@@ -93,9 +93,9 @@ def test_clipping_is_active_in_the_reference(single_device):
      *ACCUMULATE_AND_CLIP],
 ], ids=["fsdp", "fsdp-accumulate-clip", "fsdp-keep-gathered", "model-accumulate-clip",
         "pipeline-gpipe", "pipeline-1f1b-accumulate-clip"])
-def test_strategy_trains_as_one_device_does(train_here, single_device, strategy):
-    _, run_dir = train_here(*EQUIVALENCE, *strategy)
-    reference = single_device["accumulate-clip" if "trainer.clip_grad_norm=0.1" in strategy
+def test_layout_trains_as_one_device_does(train_here, single_device, layout):
+    _, run_dir = train_here(*EQUIVALENCE, *layout)
+    reference = single_device["accumulate-clip" if "trainer.clip_grad_norm=0.1" in layout
                               else "plain"]
     expected, got = scalars(reference, "train/loss"), scalars(run_dir, "train/loss")
     assert [step for step, _ in got] == list(range(1, 21))

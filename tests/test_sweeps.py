@@ -127,7 +127,7 @@ def test_every_experiment_preset_runs(tmp_path):
 
 
 @pytest.mark.distributed
-def test_strategies_preset_trains_every_strategy_at_one_global_batch(tmp_path):
+def test_strategies_preset_trains_every_layout_at_one_global_batch(tmp_path):
     from omegaconf import OmegaConf
 
     from parallab.parallel import PLANS

@@ -153,13 +153,13 @@ def _train_job(dict_cfg: DictConfig, call: Invocation) -> float | None:
 
 def _checked_and_trained(dict_cfg: DictConfig, call: Invocation) -> float | None:
     hydra_cfg = HydraConfig.get()
-    if restarted() and (done := summary.read_metrics(Path(
+    if restarted() and (finished := summary.read_metrics(Path(
             hydra_cfg.runtime.output_dir))) is not None:
         from parallab import metrics
 
         log.info("the run in %s had finished (its metrics.json is complete): this restart "
                  "of it leaves it as it was", hydra_cfg.runtime.output_dir)
-        return metrics.objective_of(done, dict_cfg.objective)
+        return metrics.objective_of(finished, dict_cfg.objective)
     if call.advising or dict_cfg.advise.run:
         from hydra import compose as hydra_compose
 
@@ -266,11 +266,11 @@ def _sweep_job(dict_cfg: DictConfig, run_dir: Path, call: Invocation) -> float |
         return None
     # a sweep SLURM requeued goes on where it stopped
     skip_completed = dict_cfg.sweep.skip_completed or slurm.restart_count() > 0
-    done = summary.read_metrics(run_dir) if skip_completed else None
-    if done is not None:
+    finished = summary.read_metrics(run_dir) if skip_completed else None
+    if finished is not None:
         status_file.write_text(json.dumps({"status": "skipped"}) + "\n")
         log.info("skipped: %s already holds complete metrics", run_dir)
-        return metrics.objective_of(done, dict_cfg.objective)
+        return metrics.objective_of(finished, dict_cfg.objective)
     if skip_completed and dict_cfg.trainer.resume is None:
         dict_cfg.trainer.resume = "auto"  # a job that did not finish continues (or starts)
     try:

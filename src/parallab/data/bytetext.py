@@ -1,8 +1,8 @@
 """Byte-level text: the bytes of one or more text files are the tokens (0..255).
 
 The tail `eval_fraction` of the text is the eval split; each split is cut into
-non-overlapping windows of seq_len + 1 bytes: inputs the first seq_len, targets the same
-window shifted by one (the next byte at every position).
+non-overlapping sequences of seq_len + 1 bytes: inputs the first seq_len, targets the same
+sequence shifted by one (the next byte at every position).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def text_files(path: str | None) -> list[Path]:
 
 
 def problem(cfg: Bytes) -> str | None:
-    """None if data.path and the split settings give both splits a window, else one line."""
+    """None if data.path and the split settings give both splits a sequence, else one line."""
     if cfg.seq_len < 1:
         return f"data.seq_len={cfg.seq_len} is out of range: it must be >= 1"
     if cfg.loader is Loader.dataloader:  # loaders.SampleDataset turns uint8 into images
@@ -42,7 +42,7 @@ def problem(cfg: Bytes) -> str | None:
                 "files (or data.path=null for the shipped text)")
     size = sum(f.stat().st_size for f in files)
     if min(int(size * cfg.eval_fraction), size - int(size * cfg.eval_fraction)) <= cfg.seq_len:
-        return (f"data.path={cfg.path} holds {size} bytes, too few for a window of "
+        return (f"data.path={cfg.path} holds {size} bytes, too few for a sequence of "
                 f"data.seq_len={cfg.seq_len} in both splits (data.eval_fraction="
                 f"{cfg.eval_fraction}): give more text or a shorter model.context")
     return None
@@ -54,8 +54,8 @@ def read_text(path: str | None) -> torch.Tensor:
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
 
 
-def windows(data: torch.Tensor, seq_len: int) -> TokenSplit:
-    """Non-overlapping windows: (N, seq_len) uint8 inputs and their next bytes as int64."""
+def sequences(data: torch.Tensor, seq_len: int) -> TokenSplit:
+    """Non-overlapping sequences: (N, seq_len) uint8 inputs and their next bytes as int64."""
     n = (len(data) - 1) // seq_len
     inputs = data[: n * seq_len].view(n, seq_len).clone()
     targets = data[1: n * seq_len + 1].view(n, seq_len).long()
@@ -64,7 +64,7 @@ def windows(data: torch.Tensor, seq_len: int) -> TokenSplit:
 
 @dataclass
 class Bytes(DataConfig):
-    """Byte-level text: every byte a token, windows of seq_len inputs and next-byte targets."""
+    """Byte-level text: every byte a token, sequences of seq_len inputs and next-byte targets."""
 
     _target_: str = "parallab.data.bytetext.Bytes"
     path: Optional[str] = None  # a text file or a directory of *.txt; null = the shipped text
@@ -86,7 +86,7 @@ class Bytes(DataConfig):
         return problem(self)
 
     def train_length(self) -> int:
-        """The training text's windows, as make() cuts them."""
+        """The training text's sequences, as make() cuts them."""
         size = sum(f.stat().st_size for f in text_files(self.path))
         cut = size - int(size * self.eval_fraction)
         return max(0, (cut - 1) // self.seq_len)
@@ -94,4 +94,4 @@ class Bytes(DataConfig):
     def make(self, seed: int) -> tuple[TokenSplit, TokenSplit]:
         data = read_text(self.path)
         cut = len(data) - int(len(data) * self.eval_fraction)
-        return windows(data[:cut], self.seq_len), windows(data[cut:], self.seq_len)
+        return sequences(data[:cut], self.seq_len), sequences(data[cut:], self.seq_len)

@@ -59,7 +59,7 @@ class Tokens(DataConfig):
 
 def sequences(cfg: Tokens, follows: torch.Tensor, size: int,
               generator: torch.Generator) -> TokenSplit:
-    """`size` windows of seq_len + 1 tokens: inputs the first seq_len, targets the next."""
+    """`size` sequences of seq_len + 1 tokens: inputs the first seq_len, targets the next."""
     length = cfg.seq_len + 1
     tokens = torch.empty(size, length, dtype=torch.int64)
     tokens[:, 0] = torch.randint(cfg.vocab_size, (size,), generator=generator)

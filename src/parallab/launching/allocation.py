@@ -65,12 +65,12 @@ class Partition:
         if sinfo is None:
             raise ConfigError("hydra/launcher=submitit_slurm: SLURM's sinfo is not on PATH: run "
                               "the sweep where SLURM's commands are (a login node)")
-        done = subprocess.run([sinfo, "-h", "-o", "%P|%c|%G|%D"], capture_output=True,
-                              text=True, timeout=60)
-        rows = [line.split("|") for line in done.stdout.splitlines() if line.count("|") == 3]
-        if done.returncode != 0 or not rows:
+        result = subprocess.run([sinfo, "-h", "-o", "%P|%c|%G|%D"], capture_output=True,
+                                text=True, timeout=60)
+        rows = [line.split("|") for line in result.stdout.splitlines() if line.count("|") == 3]
+        if result.returncode != 0 or not rows:
             raise ConfigError(f"hydra/launcher=submitit_slurm: sinfo found no partition "
-                              f"({(done.stderr or done.stdout).strip()[:200]})")
+                              f"({(result.stderr or result.stdout).strip()[:200]})")
         default = next((r[0].rstrip("*") for r in rows if r[0].endswith("*")), rows[0][0])
         wanted = name or default
         mine = [r for r in rows if r[0].rstrip("*") == wanted]

@@ -175,9 +175,9 @@ def requeue() -> str | None:
     if scontrol is None:
         return "scontrol is not on PATH"
     try:
-        done = subprocess.run([scontrol, "requeue", job_name()], capture_output=True,
-                              text=True, timeout=60)
+        result = subprocess.run([scontrol, "requeue", job_name()], capture_output=True,
+                                text=True, timeout=60)
     except subprocess.TimeoutExpired:
         return "scontrol requeue did not answer within 60 s"
-    said = (done.stderr or done.stdout).strip().splitlines()
-    return None if done.returncode == 0 else (said[-1] if said else f"exit {done.returncode}")
+    said = (result.stderr or result.stdout).strip().splitlines()
+    return None if result.returncode == 0 else (said[-1] if said else f"exit {result.returncode}")

@@ -99,18 +99,18 @@ class Meter(StepObserver):
         self.window_tokens.clear()
         return tokens
 
-    def window(self, steps: int, tokens: float, global_batch: int) -> dict[str, float]:
+    def log_figures(self, steps: int, tokens: float, global_batch: int) -> dict[str, float]:
         """A log window's figures over its `steps`: step time, samples/s, memory, and a
         language model's tokens/s and MFU (`tokens`: over every rank)."""
         step_time = sum(self.step_times[-steps:]) / steps
         samples_per_sec = global_batch / step_time
-        window_tokens = None
+        per_sample = None
         if tokens:  # per sample, over the window's global batches (each counted once)
-            window_tokens = tokens / self.readers / (global_batch * steps)
-            self.tokens_per_sample = window_tokens
+            per_sample = tokens / self.readers / (global_batch * steps)
+            self.tokens_per_sample = per_sample
         return {"samples_per_sec": samples_per_sec, "step_time_ms": step_time * 1e3,
                 "peak_memory_mb": peak_memory_mb(self.dist.device),
-                **self.throughput(samples_per_sec, window_tokens)}
+                **self.throughput(samples_per_sec, per_sample)}
 
     def throughput(self, samples_per_sec: float, tokens_per_sample: float | None = None
                    ) -> dict[str, float]:

@@ -96,11 +96,11 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     numeric = ("samples_per_sec", "global_batch_size", "world_size")
-    done = [r for r in rows if r["status"] in ("completed", "skipped")
-            and all(isinstance(r[k], (int, float)) and r[k] for k in numeric)]
+    finished = [r for r in rows if r["status"] in ("completed", "skipped")
+                and all(isinstance(r[k], (int, float)) and r[k] for k in numeric)]
     fig, (speed, efficiency, accuracy) = plt.subplots(1, 3, figsize=(15, 4.2))
     by_batch: dict[int, list[tuple[int, float]]] = {}
-    for r in done:
+    for r in finished:
         per_rank = r["global_batch_size"] // max(r["world_size"], 1)
         by_batch.setdefault(per_rank, []).append((r["world_size"], r["samples_per_sec"]))
     for per_rank, points in sorted(by_batch.items()):
@@ -112,8 +112,8 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
                         label=f"batch {per_rank}/rank")
     # accuracy where the runs report it, else the eval loss (a regression, say)
     quality = "eval_accuracy" if all(isinstance(r["eval_accuracy"], (int, float))
-                                     for r in done) else "eval_loss"
-    accuracy.scatter([r["global_batch_size"] for r in done], [r[quality] for r in done])
+                                     for r in finished) else "eval_loss"
+    accuracy.scatter([r["global_batch_size"] for r in finished], [r[quality] for r in finished])
     for axes, title, ylabel in ((speed, "throughput", "samples/s"),
                                 (efficiency, "scaling efficiency", "efficiency"),
                                 (accuracy, quality.replace("_", " ")[5:], quality.replace("_", " "))):

@@ -87,9 +87,9 @@ class Runtime:
     def gpus(self) -> list[int]:
         return list(self.layout.gpus)
 
-    def split(self, model: nn.Module) -> nn.Module:
-        """What the layout does to the model before activation checkpointing and compile
-        (tensor parallel); wrap() does the rest after them."""
+    def cut_model(self, model: nn.Module) -> nn.Module:
+        """The layout's cut of the model, before activation checkpointing and compile
+        (tensor parallel; a pipeline's part); wrap() does the rest after them."""
         return model
 
     def runs(self, model: nn.Module) -> list[nn.Module]:

@@ -150,7 +150,7 @@ class MeshRuntime(Runtime):
     def seed_rank(self) -> int:
         return self.dist.rank // self.layout.tp  # a tp group draws one dropout mask for its batch
 
-    def split(self, model: nn.Module) -> nn.Module:
+    def cut_model(self, model: nn.Module) -> nn.Module:
         """Tensor parallel, first of all (torchtitan's order): activation checkpointing and
         compile then wrap the split blocks, and the plan's module names stay as declared."""
         p = self.p

@@ -17,7 +17,7 @@ def parallelize(model: nn.Module, runtime, trainer, stages: list[str] | None = N
     parallel.stages, the units activation checkpointing wraps)."""
     model = runtime.precision.convert(model)  # fp8's Float8Linear, before any split
     # a pipeline keeps its part (its rank on mesh["pp"]), then tensor parallel over mesh["tp"]
-    model = runtime.split(model)
+    model = runtime.cut_model(model)
     # checkpointing and compile of the blocks each rank runs, inside the wrapper below
     model = speed_up(model, trainer, stages, runtime.runs)
     # FSDP2 over mesh["dp_shard"] (HSDP: mesh["dp_replicate", "dp_shard"]), or DDP over the

@@ -335,7 +335,7 @@ class Trainer:
         loss = self.window.close(loss_sum, self.runtime.ranks.loss_ranks)
         if loss is not None and not math.isfinite(loss) and self.cfg.on_nan == "stop":
             raise diverged(loss, self.step)
-        figures = self.meter.window(steps, tokens, self.global_batch_size)
+        figures = self.meter.log_figures(steps, tokens, self.global_batch_size)
         self.logger.scalars({
             **({"train/loss": loss} if loss is not None else {}),
             "train/lr": self.lr or self.optimizer.param_groups[0]["lr"],
