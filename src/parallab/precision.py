@@ -53,6 +53,15 @@ def problem(cfg: PrecisionConfig) -> str | None:
     return None
 
 
+def device_hint(cfg: PrecisionConfig, device_type: str) -> str | None:
+    """A warning for a run that works but slowly on its device (given by the checks, once:
+    a trace of a GPU's step on this CPU, as parallab simulate makes one, is not a run)."""
+    if compute_dtype(cfg.name, device_type) == torch.float16 and device_type == "cpu":
+        return (f"precision={cfg.name} computes in float16 on CPU, which is slower than fp32 "
+                "here; precision=bf16 (or amp) is the fast one on CPU")
+    return None
+
+
 def device_problem(cfg: PrecisionConfig, device_type: str, tp: int = 1,
                    dp_shard: int = 1) -> str | None:
     """What the resolved device and layout rule out of cfg (fp8's needs; dp_shard: the
@@ -108,9 +117,6 @@ class Precision:
         self.device_type = device.type
         self.tf32 = cfg.tf32 and device.type == "cuda"
         self.dtype = compute_dtype(cfg.name, device.type)
-        if self.dtype == torch.float16 and device.type == "cpu":
-            log.warning("precision=%s computes in float16 on CPU, which is slower than fp32 "
-                        "here; precision=bf16 (or amp) is the fast one on CPU", cfg.name)
         # scaled loss keeps small float16 gradients from flushing to zero; a step whose
         # gradients overflowed is skipped and the scale lowered
         scaled = self.dtype == torch.float16

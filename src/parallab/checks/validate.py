@@ -406,6 +406,8 @@ def prepare(cfg: Config, in_place: InPlace | None, run_dir: str | None = None
             _refuse(master_port_problem())
         _refuse(precision.device_problem(cfg.precision, cfg.device.value, layout.tp,
                                          layout.dp_shard))
+        if hint := precision.device_hint(cfg.precision, cfg.device.value):
+            log.warning(hint)
         _refuse(memory.snapshot_problem(cfg.trainer.memory_snapshot, cfg.device.value))
         resolve_global_batch(cfg, layout)
         check_layout(cfg, layout, probe)
