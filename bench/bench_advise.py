@@ -183,9 +183,10 @@ def step_time(names: list[str], extra: list[str]) -> None:
     world sizes 2 and 4 predicted from the parts its launched job measured (its compute
     share over a one-rank group, what its collectives add to a replay of its step, a
     pipeline's parts through its schedule: docs/parallel.md, advise)."""
-    ratios, twice = [], {}
-    print("| model | world size | layout | measured ms | predicted ms | measured / predicted |")
-    print("|---|---|---|---|---|---|")
+    ratios, twice, simulated = [], {}, []
+    print("| model | world size | layout | measured ms | predicted ms | measured / predicted | "
+          "simulated ms | measured / simulated |")
+    print("|---|---|---|---|---|---|---|---|")
     for name in names:
         cwd, config_dir, overrides = CASES[name]
         flags = ["--config-dir", config_dir] if config_dir else []
@@ -200,12 +201,21 @@ def step_time(names: list[str], extra: list[str]) -> None:
                                                                    "predicted_step_ms_here"))
                     ratios.append(measured / predicted)
                     twice.setdefault((name, row["layout"]), []).append(measured)
+                    sim = float(row.get("simulated_step_ms_here") or NAN)
+                    if sim == sim:
+                        simulated.append(measured / sim)
                     print(f"| {name} | {n} | {row['layout']} | {measured:.1f} | "
-                          f"{predicted:.1f} | {ratios[-1]:.2f} |", flush=True)
+                          f"{predicted:.1f} | {ratios[-1]:.2f} | {sim:.1f} | "
+                          f"{measured / sim:.2f} |", flush=True)
     errors = [abs(r - 1) for r in ratios]
     print(f"\nmedian |error| {statistics.median(errors):.1%} over {len(ratios)} candidates; "
           f"measured / predicted {min(ratios):.2f} to {max(ratios):.2f} (goal: median <= 10%, "
           "every one within 1.3x)")
+    if simulated:  # cluster=this's simulation, from the traced step alone: no part measured
+        print(f"simulated here (cluster=this): median |error| "
+              f"{statistics.median(abs(r - 1) for r in simulated):.1%} over {len(simulated)} "
+              f"candidates; measured / simulated {min(simulated):.2f} to {max(simulated):.2f} "
+              "(goal on the gpt: median <= 25%)")
     # a layout advise measured in both jobs (at world size 2 and among world size 4's
     # candidates): how far apart two measurements of one step are here, in one sitting
     apart = [max(ms) / min(ms) for ms in twice.values() if len(ms) > 1]

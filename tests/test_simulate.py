@@ -122,6 +122,39 @@ def test_a_pipelines_step_is_its_bubble_times_its_slots():
     assert sum(predicted.parts.values()) == pytest.approx(predicted.step_time_s)
 
 
+def test_this_machines_measured_costs_stand_for_nccls_and_a_gpus():
+    """cluster=this: a collective at the fixed cost and rate its kind was measured at, and
+    a pipeline's schedule paying its own time on each pass through a stage (and in the
+    idle slots, which last as long as a busy one); the figures measured for real by two
+    processes over gloo."""
+    from parallab.config.schema import NcclLatency
+    from parallab.simulate import step, together
+    from parallab.simulate.cluster import Group, Rates
+    from parallab.simulate.trace import Op, Shape, Trace
+
+    links = {"all_reduce": (1e-3, 1e9), "p2p": (0.0, 2e9)}
+    rates = Rates({"bf16": 1e12, "fp32": 1e12}, 1.0, 1e18, 1e12, 1e12, 1, 2**40, 0.0,
+                  NcclLatency(), overhead_adds=True, stage_s=5e-3, links=links)
+    assert rates.collective_s("all_reduce", 4e6, Group(2, 2)) == pytest.approx(1e-3 + 4e-3)
+    found = Trace(Shape(), ops=[Op("forward", "block", "matmul", 1e9, (), ()),
+                                Op("backward", "block", "matmul", 2e9, (), ())],
+                  params={"before": 0.0, "block": 10.0, "after": 0.0}, boundary_bytes=2e6)
+    layout = step.Layout(world_size=2, pp=2, microbatches=4, bubble=1 + 1 / 4, schedule="gpipe")
+    predicted = step.predict(found, step.costs(found, rates, False, False), layout, rates, 4)
+    assert predicted.parts["schedule_s"] == pytest.approx(4 * 5e-3)
+    assert predicted.parts["p2p_s"] == pytest.approx(4 * 2 * 2e6 / 2e9)
+    slot = 2 * 3e9 / 1e12 + 2 * 2e6 / 2e9 + 5e-3
+    assert predicted.parts["bubble_s"] == pytest.approx(slot)
+
+    measured = together.measure(2, 1, 5e-6)
+    assert set(measured["links"]) == set(together.KINDS)
+    assert all(rate > 0 and fixed >= 0 for fixed, rate in measured["links"].values())
+    # FSDP2's hooks and DTensor's dispatch cost a CPU's cores something beyond the
+    # collectives they call; a schedule's own time may come out as nothing at all
+    assert measured["fsdp_unit_s"] > 0 and measured["dtensor_op_s"] > 0
+    assert measured["stage_s"] >= 0 and measured["in_step"] >= 1
+
+
 def test_memory_at_64_ranks_is_the_fake_tensor_layouts():
     """The composed figure (a block's state and activations, times the blocks) against
     the whole model laid out by FSDP2 at world size 64 on fake tensors, as advise predicts

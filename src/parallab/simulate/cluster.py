@@ -105,6 +105,10 @@ class Rates:
     overhead_adds: bool = False
     dtensor_op_s: float = 0.0  # there: what DTensor's dispatch adds to an op
     fsdp_unit_s: float = 0.0  # there: what FSDP2's hooks add to a unit's forward and backward
+    stage_s: float = 0.0  # there: what a pipeline's schedule adds to a micro-batch's pass
+    # there: each collective kind's (fixed seconds, bus bytes per second) as measured,
+    # which stand for NCCL's model (a CPU's gloo follows none of its rules)
+    links: Any = None
     # an op's seconds measured by running it (cluster=this), None where it cannot be
     timed: Any = None
 
@@ -136,6 +140,9 @@ class Rates:
         bytes (comm.py's bus bytes), over `group`: NCCL's fastest algorithm and protocol."""
         if group.ranks < 2 or sent <= 0:
             return 0.0
+        if self.links and kind in self.links:
+            fixed, rate = self.links[kind]
+            return fixed + sent / rate
         n, nodes = group.ranks, group.nodes
         # over nodes, NCCL's rings (a channel a NIC) cross the network at every node's
         # edge: a rank gets its node's share of the NICs its group uses there

@@ -19,8 +19,9 @@ spans, overlapped as each layout overlaps it:
 - DDP: the gradients all-reduced in buckets as backward makes them, exposed where they
   outlast it (the last bucket at least);
 - a pipeline: each micro-batch's activations sent on and their gradients back at every
-  cut, exposed; its schedule's idle slots (PipelinePlan.bubble); its replicas'
-  gradient all-reduce once a step, after the flush.
+  cut, exposed; its schedule's own time a micro-batch's pass where a CPU pays it
+  (Rates.stage_s); its idle slots (PipelinePlan.bubble); its replicas' gradient
+  all-reduce once a step, after the flush.
 The optimizer's step moves each state once (a fused kernel's bytes) at the memory's
 bandwidth.
 
@@ -236,7 +237,9 @@ def predict(trace: Trace, c: Costs, layout: Layout, rates: Rates, blocks: int,
         hop = Group(2, 2 if Group.of(layout.pp, layout.tp, G).nodes > 1 else 1)
         send = rates.collective_s("p2p", trace.boundary_bytes, hop) * busiest.parts
         expose("p2p", 2 * send * m)
-        slot = compute["forward"] + compute["backward"] + 2 * send + sum(
+        schedule = rates.stage_s * busiest.parts  # its own time a pass (0 on a GPU: hidden)
+        expose("schedule", schedule * m)
+        slot = compute["forward"] + compute["backward"] + 2 * send + schedule + sum(
             v for kind, v in exposed.items() if kind.startswith("tp_")) / m
         parts["bubble_s"] = (layout.bubble - 1) * m * slot
     held = (k * trace.params["block"] + sum(trace.params[r] for r in busiest.ends)) / \

@@ -151,7 +151,7 @@ def _fake_batch(fake, shape: Shape, vocab: int) -> tuple[torch.Tensor, torch.Ten
 
 
 def _split(model: nn.Module, cfg, tp: int, sequence_parallel: bool) -> None:
-    """Tensor parallel as the mesh layouts split a model (MeshRuntime.split): the model's
+    """Tensor parallel as the mesh layouts split a model (MeshRuntime.cut_model): the model's
     plan over a mesh of tp ranks, its entries for modules the cut model holds."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module

@@ -1,0 +1,265 @@
+"""cluster=this at n ranks: what this machine's processes cost one another, measured once
+by n processes over gloo, as a job of n ranks runs (each with its share of the cores).
+
+A CPU's ranks run their collectives, FSDP2's hooks, DTensor's dispatch and a pipeline's
+schedule on the cores that compute, and each waits for the others to be scheduled: costs a
+GPU hides behind its kernels, which here grow with the ranks sharing the cores (an
+all-gather's median at 4 ranks on 2 cores is ten times its least at 2). So each is
+measured at the job's own rank count, and its median taken (a step waits as often as the
+ranks do, not only when they are lucky):
+- each collective kind (all_reduce, all_gather, reduce_scatter): its fixed cost (a tiny
+  tensor amid compute) and its bus bytes per second (a 2 MiB one, fixed cost and all: a
+  difference of two medians this noisy can come out at any rate), as comm.py counts the
+  bytes a rank sends; a send's bytes per second (p2p: its fixed cost is the stage's);
+- how much longer ops take inside a step than alone while every rank runs one
+  (timing.in_step);
+- what FSDP2 adds to a unit's forward and backward and DTensor to an op, beyond the
+  collectives they call (counted by comm.py's CommCounter) at the fixed costs above, and
+  what a pipeline's schedule adds to a micro-batch's pass through a stage, its sends'
+  fixed costs with it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
+WHOLE = 2 * 2**20 // 4  # a large collective's elements (2 MiB of float32)
+
+
+def _median(work, repeats: int) -> float:
+    """The median of `repeats` runs after a first: each rank runs the same count, so that
+    the collectives inside meet."""
+    work()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        work()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _pair(rank: int, world: int):
+    """(peer, sends first) of a rank's pair (0-1, 2-3, ...); None for an odd one out."""
+    peer = rank ^ 1
+    return None if peer >= world else (peer, rank % 2 == 0)
+
+
+def _collective(kind: str, elements: int, rank: int, world: int):
+    """A call of `kind` over `elements` float32 (the whole tensor: what is all-reduced,
+    gathered into, scattered from or sent), and the bus bytes it sends per rank."""
+    import torch.distributed as dist
+
+    whole = torch.ones(elements // world * world)
+    part = torch.ones(whole.numel() // world)
+    n, size = world, whole.numel() * 4
+    if kind == "all_reduce":
+        return (lambda: dist.all_reduce(whole)), 2 * (n - 1) / n * size
+    if kind == "all_gather":
+        return (lambda: dist.all_gather_into_tensor(whole, part)), (n - 1) / n * size
+    if kind == "reduce_scatter":
+        return (lambda: dist.reduce_scatter_tensor(part, whole)), (n - 1) / n * size
+    pair = _pair(rank, world)
+
+    def exchange() -> None:  # there and back: a send's time is half of it
+        if pair is None:
+            return
+        peer, first = pair
+        for sending in (first, not first):
+            (dist.send if sending else dist.recv)(whole, peer)
+    return exchange, 2 * size
+
+
+def _compute():
+    """A piece of a step's compute between two collectives (a few matmuls)."""
+    a = torch.randn(256, 256)
+    return lambda: [a @ a for _ in range(4)]
+
+
+def links(rank: int, world: int) -> tuple[dict[str, list[float]], dict[str, float]]:
+    """Each kind's [fixed seconds, bus bytes per second], and its fixed seconds back to
+    back. The fixed cost is a tiny collective's amid compute, as a step calls it: what
+    (compute, collective) takes beyond the compute alone, several times its cost back to
+    back here (a rank wakes to its peers' messages, and they to its own, as each is
+    scheduled). A send's fixed cost is left to the stage's (stage_s), whose schedule posts
+    it."""
+    found, back_to_back = {}, {}
+    compute = _compute()
+    alone = _median(compute, 20)
+    for kind in KINDS:
+        large, large_bytes = _collective(kind, WHOLE, rank, world)
+        rate = large_bytes / max(1e-9, _median(large, 5))
+        if kind == "p2p":  # there and back
+            found[kind] = [0.0, rate]
+            continue
+        small, _ = _collective(kind, 64 * world, rank, world)
+        back_to_back[kind] = _median(small, 20)
+        amid = _median(lambda small=small: (compute(), small()), 20) - alone
+        found[kind] = [max(back_to_back[kind], amid), rate]
+    return found, back_to_back
+
+
+def _counted(step) -> dict[str, int]:
+    from parallab.observe.comm import CommCounter
+
+    with CommCounter() as counter:
+        step()
+    return dict(counter.calls)
+
+
+def _beyond(step, plain: float, fixed: dict[str, float], repeats: int) -> float:
+    """What `step` takes beyond `plain` seconds and its collectives' fixed costs (back to
+    back: its tiny layers leave nothing between them)."""
+    calls = _counted(step)
+    spent = _median(step, repeats) - plain
+    return max(0.0, spent - sum(fixed[kind] * count for kind, count in calls.items()
+                                if kind in fixed))
+
+
+def framework(rank: int, world: int, fixed: dict[str, float]) -> dict[str, float]:
+    """fsdp_unit_s, dtensor_op_s and stage_s (module docstring) on two small Linears."""
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+
+    x = torch.randn(4, 16)
+
+    def pair() -> nn.Module:
+        return nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16))
+
+    def stepper(model: nn.Module):
+        return lambda: model(x).sum().backward()
+
+    mesh = init_device_mesh("cpu", (world,))
+    plain = _median(stepper(pair()), 30)
+    sharded = pair()
+    for layer in sharded:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(sharded, mesh=mesh)  # the root unit, as a model's: three units' hooks
+    fsdp = _beyond(stepper(sharded), plain, fixed, 20) / 3
+    split = parallelize_module(pair(), mesh, {"0": ColwiseParallel(), "1": RowwiseParallel()})
+    dtensor = _beyond(stepper(split), plain, fixed, 20) / _dtensor_ops(stepper(split))
+    return {"fsdp_unit_s": fsdp, "dtensor_op_s": dtensor, "stage_s": _stage(rank, world)}
+
+
+def _dtensor_ops(step) -> int:
+    """The ops of `step` dispatched with a DTensor among their inputs (as the trace counts
+    them: ops.Op.dtensor)."""
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not func.is_view and any(isinstance(a, DTensor)
+                                        for a in tree_flatten((args, kwargs))[0]):
+                Count.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        step()
+    return max(1, Count.ops)
+
+
+def _stage(rank: int, world: int) -> float:
+    """What GPipe's schedule adds to a micro-batch's forward and backward on a stage of a
+    two-stage pipeline (pairs of ranks), its two sends' fixed costs with it, beyond its
+    compute: the slope over 2 to 8 micro-batches."""
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    groups = [dist.new_group([r, r + 1]) for r in range(0, world - 1, 2)]  # every rank makes each
+    pair = _pair(rank, world)
+    if pair is None:  # the odd one out: no pipeline of its own
+        return 0.0
+    # a stage that computes something, so that its sends meet it as a step's do
+    stage, layer = rank % 2, nn.Sequential(*[nn.Linear(256, 256) for _ in range(4)])
+    x = torch.randn(4, 256)
+    slopes = []
+    for m in (2, 8):
+        schedule = ScheduleGPipe(PipelineStage(layer, stage, 2, torch.device("cpu"),
+                                               group=groups[rank // 2]),
+                                 m, loss_fn=lambda out, target: out.sum())
+        batch = torch.randn(4 * m, 256)
+
+        def step(schedule=schedule, batch=batch) -> None:
+            if stage == 0:
+                schedule.step(batch)
+            else:
+                schedule.step(target=batch, losses=[])
+        alone = _median(lambda m=m: [layer(x).sum().backward() for _ in range(m)], 10)
+        slopes.append(_median(step, 10) - alone)
+    return max(0.0, (slopes[1] - slopes[0]) / 6)
+
+
+def slower(rank: int, threads: int, op_s: float) -> float:
+    """timing.in_step for the job's ranks: the reference step's ops timed alone by rank 0
+    while the others wait, then its step run by every rank at once."""
+    import torch.distributed as dist
+
+    from parallab.simulate import timing
+
+    def together(step) -> float:
+        dist.barrier()  # rank 0 alone is done: all at once from here
+        return _median(step, 10)
+
+    if rank == 0:
+        return timing.in_step(threads, op_s, together)
+    dist.barrier()
+    step, _ = timing.reference_step()
+    _median(step, 10)
+    return 0.0
+
+
+def _job(rank: int, world: int, path: str, threads: int, op_s: float) -> None:
+    """One of the processes measure() starts: rank 0 prints the figures."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
+    found, back_to_back = links(rank, world)
+    figures = {"links": found, **framework(rank, world, back_to_back),
+               "in_step": slower(rank, threads, op_s)}
+    if rank == 0:
+        print(json.dumps(figures))
+    dist.destroy_process_group()
+
+
+def measure(world: int, threads: int, op_s: float) -> dict:
+    """The figures of `world` processes of this module's own (`python -m`: no caller's main
+    module run again in them, as multiprocessing's spawn would), each with `threads`;
+    `op_s`: an eager op's own time in a step (here.op_seconds)."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "store")
+        env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+        procs = [subprocess.Popen([sys.executable, "-m", __name__, str(rank), str(world), path,
+                                   str(threads), str(op_s)], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True, env=env)
+                 for rank in range(world)]
+        try:
+            said = [p.communicate(timeout=300) for p in procs]
+        finally:
+            for p in procs:  # none left behind, whatever happened
+                p.kill()
+    lines = said[0][0].strip().splitlines()
+    if not lines:
+        why = next((s[1].strip().splitlines()[-1] for s in said if s[1].strip()), "no figure")
+        raise RuntimeError(f"{world} local processes over gloo were not measured: {why}")
+    return json.loads(lines[-1])
+
+
+if __name__ == "__main__":  # a rank of measure()
+    _job(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), float(sys.argv[5]))
