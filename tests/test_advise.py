@@ -7,6 +7,7 @@ import csv
 import statistics
 
 import pytest
+from conftest import checked
 
 from parallab.cli import JobFailed, advise_in_process
 
@@ -107,6 +108,22 @@ def test_autocast_casts_are_counted_apart_from_each_passs_activations():
     with activations.saved_for_backward(model) as fp32:  # no autocast: no casts
         model(x).sum().backward()
     assert fp32.casts() == 0 and fp32.per_pass() > one.per_pass()
+
+
+def test_a_pipelines_parts_run_their_stages_checkpointed():
+    """A pipeline's runtime makes its Parts with the model's stages before activation
+    checkpointing wraps them (runs() puts the wrappers in): each rank's parts are predicted
+    to keep a fraction of what they keep without it."""
+    from parallab.advise import memory
+    from parallab.checks import trial
+
+    kept = {}
+    for mode in ("none", "full"):
+        cfg, layout = checked(*TINY, "parallel=pipeline", "parallel.world_size=2",
+                              f"trainer.activation_checkpointing={mode}")
+        batch = trial.one_batch(cfg, cfg.data.batch_size)
+        kept[mode] = [memory.predict(cfg, layout, batch, rank)[1] for rank in range(2)]
+    assert all(full < none / 2 for full, none in zip(kept["full"], kept["none"])), kept
 
 
 def test_a_losing_layout_is_judged_differs_with_its_worst_step():

@@ -78,12 +78,12 @@ def predict(cfg, layout, batch: Any, rank: int) -> tuple[float, float]:
         precision = Precision(cfg.precision, device)
         model = fake_model(cfg, fake, device)  # the mesh and wrappers are built outside
         runtime = layout.plan.runtime(cfg.parallel, layout, dist, precision,
-                                       build_loss(cfg.loss).bind(model))
+                                      build_loss(cfg.loss).bind(model), model)
         # cloned: a batch sliced from a data set held in memory is a view of all of it
         batch = batches.apply(batch, lambda t: fake.from_tensor(t.clone()))
         if runtime.layout.cuts_model:
             return _predict_part(cfg, runtime, model, batch, precision)
-        model = parallelize(model, runtime, cfg.trainer, cfg.parallel.stages)
+        model = parallelize(precision.convert(model), runtime, cfg.trainer, cfg.parallel.stages)
         _reduce_locally(model)
         optimizer = build_optimizer(cfg.optim, model)
         with saved_for_backward(model) as saved:
@@ -114,14 +114,11 @@ def _predict_part(cfg, runtime, model: nn.Module, batch: Any, precision
     holds at once (its schedule's), plus one copy of its parameters' autocast casts. The
     stage-to-stage exchange needs real shapes, which the fake group does not pass on, so the
     earlier parts run here to give each of its parts its input."""
-    from parallab.parallel.split import Cut
-
-    p = cfg.parallel
+    p, cut = cfg.parallel, runtime.cut
     micro = batches.take(batch, batches.rows(batch) // p.microbatches)
-    cut = Cut(model, p, runtime.layout, runtime.stage_index)
     with precision.autocast():
         received = cut.inputs(batches.inputs_of(micro))
-    model = speed_up(runtime.part(model, cut), cfg.trainer, p.stages)
+    model = speed_up(runtime.part(model), cfg.trainer, p.stages)
     optimizer = build_optimizer(cfg.optim, model)
     loss, targets = runtime.loss, batches.labels_of(micro)
     with saved_for_backward(model) as saved:

@@ -36,8 +36,11 @@ class Ranks:
 class Runtime:
     """Single device: the model on this rank's device, unwrapped."""
 
-    def __init__(self, p, layout: Layout, dist: Dist, precision: Precision, loss: Objective):
-        """p: the parallel config; layout: the one the checks resolved (Plan.resolve)."""
+    def __init__(self, p, layout: Layout, dist: Dist, precision: Precision, loss: Objective,
+                 model: nn.Module):
+        """p: the parallel config; layout: the one the checks resolved (Plan.resolve); model:
+        the one it lays out, whole, converted by its precision already (a pipeline records
+        its cut of the model's modules here, and puts those back when it cuts)."""
         self.p = p
         self.layout = layout
         self.dist = dist

@@ -126,8 +126,8 @@ class MeshRuntime(Runtime):
     over its tp dimension, FSDP2 over dp_shard (HSDP with replicas), or DDP where every
     rank holds the whole model."""
 
-    def __init__(self, p, layout: Layout, dist: Dist, precision, loss):
-        super().__init__(p, layout, dist, precision, loss)
+    def __init__(self, p, layout: Layout, dist: Dist, precision, loss, model: nn.Module):
+        super().__init__(p, layout, dist, precision, loss, model)
         from torch.distributed.device_mesh import init_device_mesh
 
         self.mesh = None if layout.replicas_only else init_device_mesh(

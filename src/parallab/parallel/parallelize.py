@@ -13,9 +13,9 @@ from parallab.parallel import activations
 
 def parallelize(model: nn.Module, runtime, trainer, stages: list[str] | None = None
                 ) -> nn.Module:
-    """`model` as this rank runs it under `runtime` (trainer: the trainer config; stages:
-    parallel.stages, the units activation checkpointing wraps)."""
-    model = runtime.precision.convert(model)  # fp8's Float8Linear, before any split
+    """`model` (the one `runtime` was made with: converted by its precision already) as this
+    rank runs it under `runtime` (trainer: the trainer config; stages: parallel.stages, the
+    units activation checkpointing wraps)."""
     # a pipeline keeps its part (its rank on mesh["pp"]), then tensor parallel over mesh["tp"]
     model = runtime.cut_model(model)
     # checkpointing and compile of the blocks each rank runs, inside the wrapper below

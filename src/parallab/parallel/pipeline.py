@@ -70,16 +70,18 @@ class LogitsLoss(FromModel):
 
 
 class PipelineRuntime(MeshRuntime):
-    """The mesh with a pp degree: the model's parts on the pp dimension's ranks. Its groups
-    and the step's state are made here; the cut, once it has the model (part), and the
-    schedules, once they have a batch's shape."""
+    """The mesh with a pp degree: the model's parts on the pp dimension's ranks. Its groups,
+    its cut of the model, the parts it holds and the step's state are made here; the
+    schedules once they have a batch's shape."""
 
-    def __init__(self, p, layout, dist, precision, loss):
-        super().__init__(p, layout, dist, precision, loss)
+    def __init__(self, p, layout, dist, precision, loss, model: nn.Module):
+        # loss=model: a transformers causal LM's own loss, of the last part's logits
+        super().__init__(p, layout, dist, precision,
+                         LogitsLoss(loss, model) if loss.from_model else loss, model)
         self.pp_group, self.dp_group = (self.mesh["pp"].get_group(),
                                         self.mesh["dp_replicate"].get_group())
-        self.cut: Cut | None = None
-        self.parts: list[nn.Module] | None = None
+        self.cut = Cut(model, p, layout, self.stage_index)  # recorded whole; part() cuts
+        self.parts = self.cut.parts(model)  # the schedules' modules (runs() refreshes them)
         self.syncing = True  # no_sync: gradients averaged over the replicas at the last
         self.items = 1  # the step's terms per data-parallel rank (Objective.step_loss)
         self.train_schedule = None  # built for each batch shape (the finder tries several)
@@ -158,15 +160,11 @@ class PipelineRuntime(MeshRuntime):
         for grad, averaged in zip(grads, _unflatten_dense_tensors(flat, grads)):
             grad.copy_(averaged)
 
-    def part(self, model: nn.Module, cut: Cut | None = None) -> nn.Module:
-        """This rank's stages (the others nn.Identity), before tensor parallelism; `cut`:
-        this rank's, made already (advise's memory predictor runs the earlier stages through
-        it first)."""
+    def part(self, model: nn.Module) -> nn.Module:
+        """This rank's stages (the others nn.Identity), before tensor parallelism (advise's
+        memory predictor runs the earlier stages through the cut before it)."""
         p = self.p
-        self.cut = cut or Cut(model, p, self.layout, self.stage_index)
         self.cut.keep(model)
-        if self.loss.from_model:  # a transformers causal LM's own loss, of its logits
-            self.loss = LogitsLoss(self.loss, model)
         if self.dist.is_main:
             log.info("parallel=pipeline (%s, %d micro-batches): stages %s in parts, a "
                      "pipeline's ranks holding parts %s", p.schedule, p.microbatches,
@@ -184,17 +182,17 @@ class PipelineRuntime(MeshRuntime):
 
     def runs(self, model: nn.Module) -> list[nn.Module]:
         """The modules this rank's schedule calls, compiled where the run compiles: its
-        Parts, made once, of its stages as they are then (checkpoint-wrapped)."""
-        if self.parts is None:
-            self.parts = self.cut.parts(model)
+        Parts, holding its stages as the model holds them now (activation checkpointing
+        wraps them after the cut)."""
+        self.cut.refresh(self.parts, model)
         return self.parts
 
     def wrap(self, model: nn.Module) -> nn.Module:
         p = self.p
-        self.runs(model)
+        parts = self.runs(model)  # the schedules' modules, checkpointing's wrappers in them
         # each part gathered once per step, not once per micro-batch (torchtitan)
         if self.layout.dp_shard > 1:
-            for part in self.parts:
+            for part in parts:
                 shard(part, self.data_parallel_mesh(), p, self.precision.dtype,
                       self.dist.is_main, False)
         return model

@@ -298,8 +298,11 @@ def build_trainer(cfg: Config, layout: Layout, dist: distributed.Dist, logger: R
     learning rate it uses; `observers` watch its steps beside its Meter)."""
     model, held_only = start_model(cfg, dist, layout, init_from)
     precision = Precision(cfg.precision, dist.device, sharded=layout.sharded)
+    # fp8's Float8Linear in place of Linear, before any cut: a pipeline's runtime records the
+    # model's modules when made, and puts those back when it cuts
+    model = precision.convert(model)
     runtime = layout.plan.runtime(cfg.parallel, layout, dist, precision,
-                               build_loss(cfg.loss).bind(model))
+                                  build_loss(cfg.loss).bind(model), model)
     torch.manual_seed(cfg.seed + runtime.seed_rank)  # dropout masks differ between ranks
     model = parallelize(model, runtime, cfg.trainer, cfg.parallel.stages)
     if held_only:
