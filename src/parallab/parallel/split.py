@@ -160,8 +160,7 @@ class Cut:
         stages = stages_of.refreshed(model, self.stages, self.names)
         for k, part in zip(self.held, parts):
             for j, i in enumerate(self.ranges[k]):
-                if part.chain[j] is not stages[i]:
-                    part.chain[j] = stages[i]
+                part.chain[j] = stages[i]
 
     @torch.no_grad()
     def inputs(self, inputs: Any) -> list[tuple[tuple, dict]]:
