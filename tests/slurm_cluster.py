@@ -138,14 +138,17 @@ class Cluster:
         text = self.run("scontrol", "-o", "show", "job", job_id).stdout
         return dict(item.split("=", 1) for item in text.split() if "=" in item)
 
-    def wait_for(self, ready, timeout_s: float, what: str):
+    def wait_for(self, ready, timeout_s: float, what: str, state=None):
+        """`ready()`'s first true value within `timeout_s`; else a failure naming `what`
+        and, where given, `state()` (what the cluster says of the job then)."""
         deadline = time.monotonic() + timeout_s
         while True:
             found = ready()
             if found:
                 return found
             if time.monotonic() > deadline:
-                raise AssertionError(f"timed out waiting for {what}")
+                raise AssertionError(f"timed out waiting for {what}" +
+                                     (f": {state()}" if state else ""))
             time.sleep(0.1)
 
     def release_requeued(self, job_id: str, restarts: int) -> None:
@@ -155,9 +158,12 @@ class Cluster:
         self.wait_for(lambda: self.job(job_id).get("JobState") == "PENDING" and
                       int(self.job(job_id).get("Restarts", 0)) >= restarts,
                       30, f"job {job_id} to be requeued")
-        # said again while it stays pending: once, on a loaded machine, a requeued job
-        # stayed pending past a test's 150 s after the first (its reason unseen: the
-        # cluster was gone with the run); a job pending on a busy node is not harmed by it
+        # slurmd refuses a job whose credential is no newer, to the second, than the
+        # revocation of its previous run's ("Killing non-startable batch job: Job credential
+        # revoked", the job FAILED): started again within the second of its requeue, it
+        # fails, which is what SLURM's two minutes guard against
+        time.sleep(2)
+        # said again while it stays pending (a job pending on a busy node is not harmed)
         deadline = time.monotonic() + 60
         while (job := self.job(job_id)).get("JobState") == "PENDING":
             if time.monotonic() > deadline:
