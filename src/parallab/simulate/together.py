@@ -3,8 +3,7 @@ by n processes over gloo, as a job of n ranks runs (each with its share of the c
 
 A CPU's ranks run their collectives, FSDP2's hooks, DTensor's dispatch and a pipeline's
 schedule on the cores that compute, and each waits for the others to be scheduled: costs a
-GPU hides behind its kernels, which here grow with the ranks sharing the cores (an
-all-gather's median at 4 ranks on 2 cores is ten times its least at 2). So each is
+GPU hides behind its kernels, which here grow with the ranks sharing the cores. So each is
 measured at the job's own rank count, and its median taken (a step waits as often as the
 ranks do, not only when they are lucky):
 - each collective kind (all_reduce, all_gather, reduce_scatter): its fixed cost (a tiny
