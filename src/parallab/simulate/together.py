@@ -114,13 +114,21 @@ def _counted(step) -> dict[str, int]:
     return dict(counter.calls)
 
 
-def _beyond(step, plain: float, fixed: dict[str, float], repeats: int) -> float:
-    """What `step` takes beyond `plain` seconds and its collectives' fixed costs (back to
-    back: its tiny layers leave nothing between them)."""
+def _beyond(step, plain, fixed: dict[str, float], repeats: int) -> float:
+    """What `step` takes beyond the `plain` step and its collectives' fixed costs (back to
+    back: its tiny layers leave nothing between them): the median of the two timed in
+    turns, so that a machine slowing down meanwhile slows both."""
     calls = _counted(step)
-    spent = _median(step, repeats) - plain
-    return max(0.0, spent - sum(fixed[kind] * count for kind, count in calls.items()
-                                if kind in fixed))
+    step(), plain()
+    spent = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step()
+        middle = time.perf_counter()
+        plain()
+        spent.append((middle - start) - (time.perf_counter() - middle))
+    return max(0.0, statistics.median(spent) - sum(fixed[kind] * count for kind, count
+                                                   in calls.items() if kind in fixed))
 
 
 def framework(rank: int, world: int, fixed: dict[str, float]) -> dict[str, float]:
@@ -140,7 +148,7 @@ def framework(rank: int, world: int, fixed: dict[str, float]) -> dict[str, float
         return lambda: model(x).sum().backward()
 
     mesh = init_device_mesh("cpu", (world,))
-    plain = _median(stepper(pair()), 30)
+    plain = stepper(pair())
     sharded = pair()
     for layer in sharded:
         fully_shard(layer, mesh=mesh)
