@@ -122,6 +122,7 @@ def test_a_pipelines_step_is_its_bubble_times_its_slots():
     assert sum(predicted.parts.values()) == pytest.approx(predicted.step_time_s)
 
 
+@pytest.mark.distributed
 def test_this_machines_measured_costs_stand_for_nccls_and_a_gpus():
     """cluster=this: a collective at the fixed cost and rate its kind was measured at, and
     a pipeline's schedule paying its own time on each pass through a stage (and in the

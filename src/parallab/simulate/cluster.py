@@ -137,7 +137,10 @@ class Rates:
 
     def collective_s(self, kind: str, sent: float, group: Group) -> float:
         """Seconds of one collective of `kind` (comm.KINDS) in which each rank sends `sent`
-        bytes (comm.py's bus bytes), over `group`: NCCL's fastest algorithm and protocol."""
+        bytes (comm.py's bus bytes), over `group`: NCCL's fastest algorithm and protocol;
+        where this machine's kind was measured (links), its fixed cost and rate at the job's
+        rank count, whatever the group (its ranks share the same cores) and the YAML's
+        link keys."""
         if group.ranks < 2 or sent <= 0:
             return 0.0
         if self.links and kind in self.links:

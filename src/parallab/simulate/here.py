@@ -29,6 +29,10 @@ from parallab.simulate.cluster import GBIT, Rates
 from parallab.simulate.timing import Timer, fastest, in_step
 
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "parallab"
+# what is measured, and how: raised with any change to it here, in timing.py or together.py,
+# so that figures measured the former way are measured again, not served
+FIGURES = 2
+MOST_RANKS = 16
 
 
 def matmul_flops(dtype: torch.dtype, threads: int, size: int = 768) -> float:
@@ -100,16 +104,18 @@ def measured() -> dict[str, float]:
 
 def together_at(world: int) -> dict:
     """What `world` ranks here cost one another (together.py), measured once per rank
-    count and kept with this machine's other figures. Past twice the cores (a plot's
-    counts, not a job one runs here) the figures of twice the cores stand for them: each
-    count measured costs its processes' start, and those a second a process or more."""
+    count and kept with this machine's other figures. Past twice the cores, or 16 ranks (a
+    plot's counts, not a job one runs here), the figures of the largest count measured
+    stand for them: each count measured starts that many processes importing torch."""
     from parallab.simulate import together
 
     figures = measured()
-    world = min(world, 2 * figures["cores"])
+    world = min(world, 2 * figures["cores"], MOST_RANKS)
     if "in_step" not in figures["ranks"].get(str(world), {}):
-        figures["ranks"][str(world)] = together.measure(world, _threads(figures, world),
-                                                        figures["op_s"])
+        # an op's own time as a rank sharing the cores pays it (rates() charges it so), so
+        # that in_step's ratio does not count that slowing a second time
+        op_s = figures["op_s"] / _share(figures, world)
+        figures["ranks"][str(world)] = together.measure(world, _threads(figures, world), op_s)
         path = CACHE / "cluster_this.json"
         known = json.loads(path.read_text()) if path.is_file() else {}
         _keep(path, known, _key(figures["cores"]), figures)
@@ -117,11 +123,16 @@ def together_at(world: int) -> dict:
 
 
 def _key(cores: int) -> str:
-    return f"{platform.node()}-{cores}-{torch.__version__}"
+    return f"{platform.node()}-{cores}-{torch.__version__}-v{FIGURES}"
 
 
 def _threads(figures: dict, world: int) -> int:
     return max(1, figures["cores"] // max(1, world))
+
+
+def _share(figures: dict, world: int) -> float:
+    """Of its threads' speed, what a rank gets while all `world` ranks compute."""
+    return min(1.0, figures["cores"] / (max(1, world) * _threads(figures, world)))
 
 
 def _keep(path: Path, known: dict, key: str, figures: dict) -> None:
@@ -139,6 +150,7 @@ def _available_memory() -> float:
     return 8 * 2**30
 
 
+ALONE = {"links": {}, "fsdp_unit_s": 0.0, "dtensor_op_s": 0.0, "stage_s": 0.0}  # one rank
 _TIMERS: dict[tuple[int, float], Timer] = {}  # one a rank's threads and slowing, a process
 
 
@@ -147,10 +159,8 @@ def rates(cfg: ClusterConfig, world_size: int) -> Rates:
     parallel.threads_per_worker=null gives them); the YAML's figures where it gives any."""
     f = measured()
     cores, n = f["cores"], max(1, world_size)
-    threads = _threads(f, n)
-    share = min(1.0, cores / (n * threads))  # of its threads' speed, while all ranks compute
-    ranks = together_at(n) if n > 1 else {"links": {}, "fsdp_unit_s": 0.0, "in_step":
-                                          f["in_step"], "dtensor_op_s": 0.0, "stage_s": 0.0}
+    threads, share = _threads(f, n), _share(f, n)
+    ranks = together_at(n) if n > 1 else {**ALONE, "in_step": f["in_step"]}
 
     def rate(kind: str) -> float:
         one, every = f[f"{kind}_1"], f[f"{kind}_all"]

@@ -12,7 +12,9 @@ from typing import Any
 
 from parallab.simulate.search import Candidate
 
-PARTS = ("compute_s", "bubble_s", "optimizer_s")  # the rest: exposed collectives by kind
+# the rest: exposed collectives by kind, and a pipeline schedule's own time (schedule_s,
+# where a CPU pays it)
+PARTS = ("compute_s", "bubble_s", "optimizer_s")
 
 
 def entry(c: Candidate, fits: bool, command: str) -> dict[str, Any]:

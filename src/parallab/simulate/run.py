@@ -204,7 +204,8 @@ def _head(cfg, facts: Facts, seconds: float) -> dict[str, Any]:
 def _notes(lines: list[str]) -> list[str]:
     return ["Parts: seconds of a step on the busiest GPU: compute (forward, backward and "
             "any recompute), the collectives each layout leaves exposed by kind (tp_: inside "
-            "the blocks), the pipeline's idle slots (bubble) and the optimizer.", "",
+            "the blocks), the pipeline's idle slots (bubble), its schedule's own time where "
+            "the cores that compute pay it (schedule: cluster=this) and the optimizer.", "",
             "The best layout's allocation:", "", "```bash", *lines, "```"]
 
 

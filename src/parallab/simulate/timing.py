@@ -74,8 +74,6 @@ class Timer:
             torch.set_num_threads(before)
 
 
-
-
 def reference_step():
     """A small gpt's training step (the module docstring's) and the replays of its ops as
     the trace records them (ops.Op.replay)."""

@@ -13,13 +13,14 @@ ranks do, not only when they are lucky):
 - how much longer ops take inside a step than alone while every rank runs one
   (timing.in_step);
 - what FSDP2 adds to a unit's forward and backward and DTensor to an op, beyond the
-  collectives they call (counted by comm.py's CommCounter) at the fixed costs above, and
+  collectives they call (counted by comm.py's CommCounter) at their back-to-back costs, and
   what a pipeline's schedule adds to a micro-batch's pass through a stage, its sends'
   fixed costs with it.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import statistics
@@ -225,8 +226,8 @@ def slower(rank: int, threads: int, op_s: float) -> float:
 
     if rank == 0:
         return timing.in_step(threads, op_s, together)
+    step, _ = timing.reference_step()  # made before rank 0 starts timing the whole step
     dist.barrier()
-    step, _ = timing.reference_step()
     _median(step, 10)
     return 0.0
 
@@ -236,7 +237,9 @@ def _job(rank: int, world: int, path: str, threads: int, op_s: float) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
-    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
+    # a rank that failed ends the others in a minute, not gloo's half hour
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
     found, back_to_back = links(rank, world)
     figures = {"links": found, **framework(rank, world, back_to_back),
                "in_step": slower(rank, threads, op_s)}
@@ -258,9 +261,12 @@ def measure(world: int, threads: int, op_s: float) -> dict:
                  for rank in range(world)]
         try:
             said = [p.communicate(timeout=300) for p in procs]
+        except subprocess.TimeoutExpired:
+            said = [("", "timed out after 300 s")]
         finally:
             for p in procs:  # none left behind, whatever happened
                 p.kill()
+                p.wait()
     lines = said[0][0].strip().splitlines()
     if not lines:
         why = next((s[1].strip().splitlines()[-1] for s in said if s[1].strip()), "no figure")
