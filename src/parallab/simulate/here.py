@@ -17,6 +17,7 @@ bandwidth while they all compute.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import platform
@@ -26,7 +27,7 @@ import torch
 
 from parallab.config.schema import ClusterConfig, NcclLatency
 from parallab.simulate.cluster import GBIT, Rates
-from parallab.simulate.timing import Timer, fastest, in_step
+from parallab.simulate.timing import Timer, fastest, in_step, ops_in
 
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "parallab"
 # what is measured, and how: raised with any change to it here, in timing.py or together.py,
@@ -55,16 +56,7 @@ def op_seconds() -> float:
     """An eager op's own time in a training step: a gpt so small its ops compute nothing,
     its forward and backward timed and shared among the ops a dispatch mode counts (the
     module calls and autograd's bookkeeping around each op included)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from parallab.models.gpt import GPT
-
-    class Count(TorchDispatchMode):
-        ops = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Count.ops += 1
-            return func(*args, **(kwargs or {}))
 
     model = GPT(vocab_size=8, context=8, layers=2, heads=1, width=8)
     tokens = torch.zeros(1, 8, dtype=torch.long)
@@ -72,13 +64,14 @@ def op_seconds() -> float:
     def step() -> None:
         model(tokens).sum().backward()
 
-    with Count():
-        step()
-    return fastest(step, 20) / Count.ops
+    ops = ops_in(step)
+    return fastest(step, 20) / ops
 
 
+@functools.cache  # read once a process: rates() asks it for every layout it prices
 def measured() -> dict[str, float]:
-    """This machine's figures, measured once (the cache keyed by machine and torch)."""
+    """This machine's figures, measured once (the cache keyed by machine and torch);
+    together_at adds each rank count's to the same dict as it measures them."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     key = _key(cores)
     path = CACHE / "cluster_this.json"

@@ -18,6 +18,38 @@ import time
 import torch
 
 
+def median_time(work, repeats: int) -> float:
+    """The median of `repeats` runs after a first (a step waits as often as its ranks do,
+    not only when they are lucky); where ranks time collectives, each runs the same count,
+    so that they meet."""
+    work()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        work()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def ops_in(step, counted=lambda func, args: True) -> int:
+    """The ops a dispatch mode sees `step` run (views among them) for which
+    `counted(func, its flattened arguments)`."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if counted(func, tree_flatten((args, kwargs))[0]):
+                Count.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        step()
+    return Count.ops
+
+
 def fastest(work, repeats: int = 5) -> float:
     work()  # first: allocation, kernel choice
     times = []
@@ -116,17 +148,7 @@ def in_step(threads: int, op_s: float, together=None) -> float:
     torch.set_num_threads(threads)
     try:
         alone = sum(Timer(threads)(op) or 0.0 for op in recorded)
-        if together is not None:
-            whole = together(step)
-        else:
-            step()
-            whole = statistics.median(_once(step) for _ in range(10))
+        whole = together(step) if together is not None else median_time(step, 10)
     finally:
         torch.set_num_threads(before)
     return max(1.0, (whole - len(recorded) * op_s) / max(alone, 1e-9))
-
-
-def _once(work) -> float:
-    start = time.perf_counter()
-    work()
-    return time.perf_counter() - start

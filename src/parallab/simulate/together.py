@@ -31,20 +31,11 @@ import time
 
 import torch
 
+from parallab.simulate import timing
+from parallab.simulate.timing import median_time
+
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
 WHOLE = 2 * 2**20 // 4  # a large collective's elements (2 MiB of float32)
-
-
-def _median(work, repeats: int) -> float:
-    """The median of `repeats` runs after a first: each rank runs the same count, so that
-    the collectives inside meet."""
-    work()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        work()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def _pair(rank: int, world: int):
@@ -93,16 +84,16 @@ def links(rank: int, world: int) -> tuple[dict[str, list[float]], dict[str, floa
     it."""
     found, back_to_back = {}, {}
     compute = _compute()
-    alone = _median(compute, 20)
+    alone = median_time(compute, 20)
     for kind in KINDS:
         large, large_bytes = _collective(kind, WHOLE, rank, world)
-        rate = large_bytes / max(1e-9, _median(large, 5))
+        rate = large_bytes / max(1e-9, median_time(large, 5))
         if kind == "p2p":  # there and back
             found[kind] = [0.0, rate]
             continue
         small, _ = _collective(kind, 64 * world, rank, world)
-        back_to_back[kind] = _median(small, 20)
-        amid = _median(lambda small=small: (compute(), small()), 20) - alone
+        back_to_back[kind] = median_time(small, 20)
+        amid = median_time(lambda small=small: (compute(), small()), 20) - alone
         found[kind] = [max(back_to_back[kind], amid), rate]
     return found, back_to_back
 
@@ -164,21 +155,9 @@ def _dtensor_ops(step) -> int:
     """The ops of `step` dispatched with a DTensor among their inputs (as the trace counts
     them: ops.Op.dtensor)."""
     from torch.distributed.tensor import DTensor
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_flatten
 
-    class Count(TorchDispatchMode):
-        ops = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if not func.is_view and any(isinstance(a, DTensor)
-                                        for a in tree_flatten((args, kwargs))[0]):
-                Count.ops += 1
-            return func(*args, **(kwargs or {}))
-
-    with Count():
-        step()
-    return max(1, Count.ops)
+    return max(1, timing.ops_in(step, lambda func, args: not func.is_view and any(
+        isinstance(a, DTensor) for a in args)))
 
 
 def _stage(rank: int, world: int) -> float:
@@ -208,8 +187,8 @@ def _stage(rank: int, world: int) -> float:
                 schedule.step(batch)
             else:
                 schedule.step(target=batch, losses=[])
-        alone = _median(lambda m=m: [layer(x).sum().backward() for _ in range(m)], 10)
-        slopes.append(_median(step, 10) - alone)
+        alone = median_time(lambda m=m: [layer(x).sum().backward() for _ in range(m)], 10)
+        slopes.append(median_time(step, 10) - alone)
     return max(0.0, (slopes[1] - slopes[0]) / 6)
 
 
@@ -218,17 +197,15 @@ def slower(rank: int, threads: int, op_s: float) -> float:
     while the others wait, then its step run by every rank at once."""
     import torch.distributed as dist
 
-    from parallab.simulate import timing
-
     def together(step) -> float:
         dist.barrier()  # rank 0 alone is done: all at once from here
-        return _median(step, 10)
+        return median_time(step, 10)
 
     if rank == 0:
         return timing.in_step(threads, op_s, together)
     step, _ = timing.reference_step()  # made before rank 0 starts timing the whole step
     dist.barrier()
-    _median(step, 10)
+    median_time(step, 10)
     return 0.0
 
 

@@ -166,7 +166,7 @@ class Trainer:
             for observer in observers:
                 observer.step_done(self.step, batches, last)
             progress.update()
-            if self.step % self.cfg.log_every_n_steps == 0 or self.done():
+            if self.step % self.cfg.log_every_n_steps == 0 or last:
                 self.log_window(progress)
             if self.stop_requested():  # before the periodic save: it saves this step once
                 self.stop()
@@ -178,9 +178,9 @@ class Trainer:
                 if stop:
                     break  # early stopping: fit() ends the run
             every = self.cfg.checkpoint_every_n_steps
-            if every and self.step % every == 0 and not self.done():
+            if every and self.step % every == 0 and not last:
                 self.save_checkpoint()
-            if self.done():
+            if last:
                 break
         else:
             finished = True
