@@ -14,15 +14,20 @@ from parallab.testing import textbook_volume
 
 
 def test_checkpointing_keeps_fewer_activations():
-    """full keeps each block's input only; selective also its matmul outputs."""
+    """full keeps each block's input only; selective also its matmul outputs,
+    selective_alternate every second Linear's; checkpointing every second block keeps
+    what the two kinds of block keep, half and half."""
     kept = {}
-    for mode in activations.MODES:
+    for mode, every in [(mode, 1) for mode in activations.MODES] + [("full", 2)]:
         torch.manual_seed(0)
-        model = activations.apply(GPT(layers=2, width=64, heads=2, context=64), mode)
+        model = activations.apply(GPT(layers=2, width=64, heads=2, context=64), mode,
+                                  every=every)
         tokens = torch.randint(0, 256, (4, 64))
-        kept[mode] = activations.saved_bytes(model, lambda: model(tokens).sum())
-    assert kept["full"] < 0.4 * kept["none"]
-    assert kept["full"] < kept["selective"] < kept["none"]
+        kept[mode, every] = activations.saved_bytes(model, lambda: model(tokens).sum())
+    none, full = kept["none", 1], kept["full", 1]
+    assert full < 0.4 * none
+    assert full < kept["selective_alternate", 1] < kept["selective", 1] < none
+    assert kept["full", 2] == pytest.approx((none + full) / 2, rel=0.05)
 
 
 def test_a_run_checkpoints_each_block_before_any_parallel_wrapper():
@@ -35,9 +40,11 @@ def test_a_run_checkpoints_each_block_before_any_parallel_wrapper():
     from parallab.config.schema import TrainerConfig
     from parallab.parallel.parallelize import speed_up
 
-    for mode, wrapped in (("none", 0), ("full", 3), ("selective", 3)):
+    for mode, every, wrapped in (("none", 1, 0), ("full", 1, 3), ("selective", 1, 3),
+                                 ("full", 2, 2), ("selective_alternate", 3, 1)):
         model = speed_up(GPT(layers=3, width=32, heads=2, context=16),
-                         TrainerConfig(activation_checkpointing=mode))
+                         TrainerConfig(activation_checkpointing=mode,
+                                       activation_checkpointing_every=every))
         assert sum(isinstance(m, CheckpointWrapper) for m in model.modules()) == wrapped
 
 
@@ -62,7 +69,7 @@ def test_a_run_compiles_with_the_backend_it_names():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout,modes", [
-    ([], ["full", "selective"]),
+    ([], ["full", "selective", "selective_alternate"]),
     (["parallel=ddp", "parallel.world_size=2"], ["selective"]),
     (["parallel=fsdp", "parallel.world_size=2"], ["full"]),
     (["parallel=pipeline", "parallel.world_size=2"], ["full"]),

@@ -155,7 +155,10 @@ def test_auto_values_resolve_for_cpu():
     (["trainer.accumulate_grad_batches=0"], "trainer.accumulate_grad_batches=0"),
     (["trainer.clip_grad_norm=0"], "trainer.clip_grad_norm=0"),
     (["trainer.activation_checkpointing=some"], "trainer.activation_checkpointing=some is "
-                                                "unknown: use none, full or selective"),
+                                                "unknown: use none, full, selective or "
+                                                "selective_alternate"),
+    (["trainer.activation_checkpointing_every=0"],
+     "trainer.activation_checkpointing_every=0 is out of range"),
     (["trainer.monitor_mode=up"], "trainer.monitor_mode=up is unknown: use min or max"),
     (["trainer.early_stop_patience=0"], "trainer.early_stop_patience=0 is out of range"),
     (["trainer.monitor=eval_acc"], "trainer.monitor=eval_acc is not a figure this run reports"),

@@ -177,6 +177,28 @@ def test_memory_at_64_ranks_is_the_fake_tensor_layouts():
     assert parts["activations"] * 1024 == pytest.approx(activations_mb, rel=0.15)
 
 
+def test_checkpointing_every_second_block_costs_and_keeps_the_mean():
+    """trainer.activation_checkpointing_every=2: half the blocks recompute their forward and
+    keep their input, half keep all: the step's compute and its activations the mean of the
+    two."""
+    from parallab.simulate import run
+
+    def given(*overrides):
+        return run.given(configured(*GPT, "model.layers=4", "parallel=fsdp",
+                                    "parallel.world_size=8", "precision=bf16",
+                                    *overrides))[0].prediction
+
+    none, full = given(), given("trainer.activation_checkpointing=full")
+    half = given("trainer.activation_checkpointing=full",
+                 "trainer.activation_checkpointing_every=2")
+    assert full.parts["compute_s"] > none.parts["compute_s"]
+    assert half.parts["compute_s"] == pytest.approx(
+        (none.parts["compute_s"] + full.parts["compute_s"]) / 2, rel=1e-6)
+    assert full.memory["activations"] < half.memory["activations"] < none.memory["activations"]
+    assert half.memory["activations"] == pytest.approx(
+        (none.memory["activations"] + full.memory["activations"]) / 2, rel=1e-6)
+
+
 @pytest.mark.parametrize("name", sorted(p.stem for p in (REPO / "conf" / "cluster").glob("*.yaml")))
 def test_every_cluster_preset_composes_and_is_sound(name):
     from parallab.simulate import cluster
@@ -213,6 +235,10 @@ def test_auto_ranks_every_layout_and_writes_its_answer(tmp_path):
     said = (tmp_path / "simulate.md").read_text()
     assert best["layout"] in said and "srun --kill-on-bad-exit=1 parallab train" in said
     assert (tmp_path / "simulate.png").stat().st_size > 0
+    # none that train refuses: a zero-bubble schedule's split backward checkpointed selectively
+    split = [e for e in found if any(f"parallel.schedule={s} " in e["command"]
+                                     for s in ("interleaved_zb", "zbv", "dualpipev"))]
+    assert split and not [e for e in split if "=selective" in e["command"]]
     # the command of the fastest of each kind passes train's checks as it is printed
     import shlex
 

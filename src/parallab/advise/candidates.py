@@ -14,7 +14,7 @@ from parallab.config.errors import ConfigError, first_line
 
 log = logging.getLogger(__name__)
 # the cost order of the memory savers: each next one trades more time for memory
-SAVERS = {"none": 0.0, "selective": 0.5, "full": 1.5}
+SAVERS = {"none": 0.0, "selective": 0.5, "selective_alternate": 1.0, "full": 1.5}
 # what advise decides: the user's own settings of these keys give way to each candidate's
 DECIDED = ("parallel=", "parallel.", "precision=", "trainer.activation_checkpointing=",
            "trainer.accumulate_grad_batches=", "advise.", "experiment=advise", "hydra.")

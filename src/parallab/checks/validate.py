@@ -94,7 +94,7 @@ def check_values(cfg: Config) -> None:
         _require(cfg.precision.name != "fp8", f"trainer.quantize={t.quantize} with "
                  "precision=fp8: the trained Linear layers are float8 ones, which int8 "
                  "quantization does not take: use precision=bf16")
-    _refuse(activations.problem(t.activation_checkpointing))
+    _refuse(activations.problem(t.activation_checkpointing, t.activation_checkpointing_every))
     _refuse(optim.problem(cfg.optim))
     _refuse(schedule.problem(cfg.scheduler))
     _refuse(loggers.problem(cfg.logger))

@@ -363,8 +363,11 @@ class TrainerConfig:
     init_strict: bool = True
     # stop: end with a clear message, the last good checkpoint kept | skip: drop the step
     on_nan: str = "stop"
-    # none | full | selective: recompute activations in backward, per stage (parallel/activations.py)
+    # none | full | selective | selective_alternate: recompute activations in backward, per
+    # stage (parallel/activations.py)
     activation_checkpointing: str = "none"
+    # checkpoint every Nth stage only, the others keeping all (torchtitan's layer-level: 2)
+    activation_checkpointing_every: int = 1
     # the eval figure that picks best.pt and early stopping: eval_loss, eval_accuracy, or any
     # eval_<metric> the run reports
     monitor: str = "eval_loss"

@@ -4,9 +4,14 @@ rest, per stage (the first memory lever before a change of layout).
 `full` recomputes each stage's forward in backward and keeps only its input; `selective`
 keeps the outputs of the matmul-like ops of a stage (the costliest to recompute per byte,
 torch.utils.checkpoint's selective policy, as torchtitan's op list) and recomputes the
-rest (norms, activations, dropout, adds). Each stage is wrapped with torch's
-checkpoint_wrapper, whose state_dict hooks keep the parameter names of checkpoints as they
-are, before compile and before any parallel wrapper (fsdp shards the wrapped stage).
+rest (norms, activations, dropout, adds); `selective_alternate` keeps only every second
+Linear's matmul output of those (torchtitan's op-level policy, its default: a Llama block's
+q, v, gate and down projections kept, k, o and up recomputed), less memory than selective
+for more recompute. trainer.activation_checkpointing_every=N checkpoints every Nth stage
+only, the others keeping all (torchtitan's layer-level policy is full with 2). Each stage
+is wrapped with torch's checkpoint_wrapper, whose state_dict hooks keep the parameter names of
+checkpoints as they are, before compile and before any parallel wrapper (fsdp shards the
+wrapped stage).
 The stages: parallel.stages where given, else the model's checkpoint_stages() (gpt: its
 transformer blocks, as torchtitan), else its stages, else a transformers model's blocks.
 """
@@ -28,7 +33,7 @@ from torch.utils.checkpoint import (
 
 from parallab.parallel import stages as stages_of
 
-MODES = ("none", "full", "selective")
+MODES = ("none", "full", "selective", "selective_alternate")
 _aten = torch.ops.aten
 # ops whose outputs selective keeps; the names torch has on this build
 SAVED_OPS = frozenset(getattr(_aten, name).default for name in (
@@ -37,11 +42,16 @@ SAVED_OPS = frozenset(getattr(_aten, name).default for name in (
     "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
     if hasattr(_aten, name))
 
+LINEAR_OPS = frozenset((_aten.mm.default, _aten.addmm.default))  # what nn.Linear calls
 
-def problem(mode: str) -> str | None:
+
+def problem(mode: str, every: int = 1) -> str | None:
     if mode not in MODES:
-        return (f"trainer.activation_checkpointing={mode} is unknown: use none, full or "
-                "selective")
+        return (f"trainer.activation_checkpointing={mode} is unknown: use none, full, "
+                "selective or selective_alternate")
+    if not (isinstance(every, int) and every >= 1):
+        return (f"trainer.activation_checkpointing_every={every} is out of range: checkpoint "
+                "every Nth stage, N >= 1 (1: every stage)")
     return None
 
 
@@ -51,6 +61,25 @@ def _keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 
 def _selective_contexts():
     return create_selective_checkpoint_contexts(_keep_matmuls)
+
+
+def _alternate_contexts():
+    """selective, every second Linear's matmul (mm, addmm) recomputed: counted apart in the
+    forward and in the recompute, so both make the same choices (the count is the
+    stage's, from one call)."""
+    counts = {False: 0, True: 0}
+
+    def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        if op in LINEAR_OPS:
+            counts[ctx.is_recompute] += 1
+            if counts[ctx.is_recompute] % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        return _keep_matmuls(ctx, op)
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+CONTEXTS = {"selective": _selective_contexts, "selective_alternate": _alternate_contexts}
 
 
 def units(model: nn.Module, names: list[str] | None) -> list[nn.Module] | None:
@@ -82,8 +111,10 @@ def stages_problem(cfg) -> str | None:
             "give the model a stages() method, or use none")
 
 
-def apply(model: nn.Module, mode: str, names: list[str] | None = None) -> nn.Module:
-    """`model` with each unit replaced, in its parent, by its checkpoint-wrapped self."""
+def apply(model: nn.Module, mode: str, names: list[str] | None = None, every: int = 1
+          ) -> nn.Module:
+    """`model` with each unit (every `every`th: the 1st, the N+1th, ...) replaced, in its
+    parent, by its checkpoint-wrapped self."""
     if mode == "none":
         return model
     found = units(model, names)
@@ -93,9 +124,9 @@ def apply(model: nn.Module, mode: str, names: list[str] | None = None) -> nn.Mod
                for name, child in parent.named_children()}
     # selective's kept outputs go through saved_tensors_hooks like any saved tensor (torch's
     # coming default), so save_on_cpu and saved_for_backward see them
-    kwargs = ({"context_fn": _selective_contexts, "respect_saved_tensors_hooks": True}
-              if mode == "selective" else {})
-    for unit in found:
+    kwargs = ({"context_fn": CONTEXTS[mode], "respect_saved_tensors_hooks": True}
+              if mode in CONTEXTS else {})
+    for unit in found[::every]:
         if id(unit) not in parents:  # the model itself: nothing to put it into
             raise ValueError("a stage is the whole model; list its submodules as stages")
         parent, name = parents[id(unit)]

@@ -33,7 +33,8 @@ def speed_up(model: nn.Module, trainer, stages: list[str] | None = None, runs=No
     keeps the state_dict keys unprefixed, so checkpoints load anywhere."""
     if trainer.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    model = activations.apply(model, trainer.activation_checkpointing, stages)
+    model = activations.apply(model, trainer.activation_checkpointing, stages,
+                              trainer.activation_checkpointing_every)
     if trainer.compile:
         for module in runs(model) if runs else [model]:
             module.compile(backend=trainer.compile_backend, mode=trainer.compile_mode)

@@ -411,8 +411,8 @@ def refuse_split_backward(cfg) -> None:
                           "splits each backward into input and weight halves, which torch "
                           "does not do for compiled stages: set trainer.compile=false, or "
                           "use parallel.schedule=interleaved_1f1b")
-    if t.activation_checkpointing == "selective":
-        raise ConfigError(f"trainer.activation_checkpointing=selective with "
+    if t.activation_checkpointing.startswith("selective"):
+        raise ConfigError(f"trainer.activation_checkpointing={t.activation_checkpointing} with "
                           f"parallel.schedule={p.schedule}: it splits each backward into input "
                           "and weight halves, and torch recomputes a selectively checkpointed "
                           "stage for one backward only: use full (or none), or "

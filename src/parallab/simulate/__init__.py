@@ -11,6 +11,7 @@ rates (step.py), so the 405B model's whole grid at 16,384 GPUs costs a handful o
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -160,8 +161,13 @@ def optimizer_of(cfg) -> str:
 
 
 def predict(cfg, c: Candidate, traces: Traces, rates: clusters.Rates) -> step.Prediction:
-    found, priced = traces.of(shape_of(cfg, c), rates, cfg.trainer.compile, cfg.precision.tf32)
-    return step.predict(found, priced, layout_of(cfg, c), rates, traces.facts.blocks,
+    shape, every = shape_of(cfg, c), cfg.trainer.activation_checkpointing_every
+    priced = traces.of(shape, rates, cfg.trainer.compile, cfg.precision.tf32)
+    if every > 1 and c.checkpointing != "none":  # every Nth block checkpointed
+        plain = traces.of(dataclasses.replace(shape, checkpointing="none"), rates,
+                          cfg.trainer.compile, cfg.precision.tf32)
+        priced = step.blend(priced, plain, 1 / every)
+    return step.predict(*priced, layout_of(cfg, c), rates, traces.facts.blocks,
                         traces.facts.flops_per_token)
 
 

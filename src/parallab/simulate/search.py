@@ -15,7 +15,7 @@ from parallab.config.errors import ConfigError
 from parallab.parallel import schedules
 from parallab.simulate.step import Prediction
 
-CHECKPOINTING = ("none", "selective", "full")
+CHECKPOINTING = ("none", "selective", "selective_alternate", "full")
 # what a candidate sets: the user's own settings of these give way to it in its command
 # (the layout's other keys, such as parallel.bucket_cap_mb, stay as the user set them)
 DECIDED = ("parallel=", "parallel.world_size=", "parallel.dp_replicate=",
@@ -150,6 +150,8 @@ def grid(cfg, facts, gpus_per_node: int) -> list[Candidate]:
                             pp=pp, batch_size=batch or 1, given_global=cfg.data.global_batch_size)
                 for way in _ways(pp, batch or 1, facts):
                     for ac in CHECKPOINTING:
+                        if _refused(way.get("schedule"), ac, cfg.trainer.compile):
+                            continue
                         c = Candidate(**base, **way, checkpointing=ac)
                         c.reason = tp_reason or batch_reason
                         found.append(c)
@@ -158,6 +160,13 @@ def grid(cfg, facts, gpus_per_node: int) -> list[Candidate]:
                             found.append(Candidate(**base, **way, checkpointing=ac,
                                                    sequence_parallel=True))
     return found
+
+
+def _refused(schedule: str | None, checkpointing: str, compile: bool) -> bool:
+    """A zero-bubble schedule's split backward, which train refuses compiled or checkpointed
+    selectively (pipeline.refuse_split_backward)."""
+    return schedule is not None and schedules.SCHEDULES[schedule].splits_backward and (
+        compile or checkpointing.startswith("selective"))
 
 
 def _ways(pp: int, batch: int, facts) -> list[dict[str, Any]]:

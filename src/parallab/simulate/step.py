@@ -34,8 +34,10 @@ traced step reached beyond them (the loss's logits and their gradients).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
+
 from parallab.simulate.cluster import Group, Rates
 from parallab.simulate.trace import Op, Trace
 
@@ -124,6 +126,25 @@ class Costs:
     def seconds(self, phase: str, region: str) -> float:
         return self.compute.get((phase, region), 0.0) + sum(
             self.collectives.get((phase, region), {}).values())
+
+
+def _mix(a: dict, b: dict, share: float) -> dict:
+    return {key: _mix(a.get(key, {}), b.get(key, {}), share) if isinstance(
+        a.get(key, b.get(key)), dict) else share * a.get(key, 0.0) + (1 - share) * b.get(key, 0.0)
+        for key in a.keys() | b.keys()}
+
+
+def blend(checkpointed: tuple[Trace, Costs], plain: tuple[Trace, Costs], share: float
+          ) -> tuple[Trace, Costs]:
+    """A block as `share` of the blocks checkpointed and the rest plain cost and keep on
+    average (trainer.activation_checkpointing_every: every Nth checkpointed, the others
+    keeping all)."""
+    (a, a_costs), (b, b_costs) = checkpointed, plain
+    found = dataclasses.replace(a, saved=_mix(a.saved, b.saved, share),
+                                saved_compiled=_mix(a.saved_compiled, b.saved_compiled, share),
+                                peak_transient=max(a.peak_transient, b.peak_transient))
+    return found, Costs(_mix(a_costs.compute, b_costs.compute, share),
+                        _mix(a_costs.collectives, b_costs.collectives, share))
 
 
 def costs(trace: Trace, rates: Rates, compile: bool, tf32: bool) -> Costs:
