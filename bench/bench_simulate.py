@@ -124,7 +124,16 @@ def overrides_of(row: dict) -> list[str]:
     precision = row["precision"] or "fp16"
     if precision == "fp16" and int(row["pp"] or 1) > 1:
         precision = "bf16"
-    ac = row["checkpointing"] or ("full" if "Megatron" in row["source"] else "none")
+    ac = [f"trainer.activation_checkpointing="
+          f"{row['checkpointing'] or ('full' if 'Megatron' in row['source'] else 'none')}"]
+    if row["checkpointing"] == "selective" and "torchtitan" in row["source"].lower():
+        # torchtitan's selective: op-level, every second matmul kept (its default), or
+        # layer-level, every Nth block checkpointed whole (N not published: 2, the
+        # selective_ac_option its example configs set)
+        ac = ["trainer.activation_checkpointing=full",
+              "trainer.activation_checkpointing_every=2"] \
+            if "selective layer" in row["notes"] else \
+            ["trainer.activation_checkpointing=selective_alternate"]
     layout = [f"parallel.world_size={n}", f"parallel.dp_replicate={R}", f"parallel.dp_shard={F}",
               f"parallel.tp={T}"]
     if P > 1:
@@ -135,7 +144,7 @@ def overrides_of(row: dict) -> list[str]:
         layout = [f"parallel={preset}", *layout, f"data.batch_size={local // micro}",
                   f"trainer.accumulate_grad_batches={micro}"]
     return [*model, *layout, f"data.seq_len={seq}", f"precision={precision}", "optim=adamw",
-            f"trainer.activation_checkpointing={ac}",
+            *ac,
             f"trainer.compile={compiled}", f"cluster={cluster_of(row)}"]
 
 
