@@ -62,6 +62,29 @@ def test_a_traced_block_counts_its_matmuls_and_attention_as_by_hand():
     assert full.saved["block"] == tokens * width * 4 < plain.saved["block"]
 
 
+def test_a_compiled_step_keeps_and_pays_what_its_eager_loss_does():
+    """trainer.compile compiles the model, not the loss: the loss's ops (outside the model)
+    are priced one by one and what they keep for backward, the log-probabilities over the
+    vocabulary, a compiled step keeps too; the model's own pointwise outputs it recomputes."""
+    from parallab.simulate import step
+    from parallab.simulate.cluster import Rates
+    from parallab.simulate.trace import Shape
+
+    found = traced(Shape(rows=2, seq_len=32, precision="fp32"))
+    loss_ops = [op for op in found.ops if not op.in_model]
+    assert loss_ops and {op.region for op in loss_ops} == {"after"}
+    assert all(op.in_model for op in found.ops if op.region == "block")
+    log_probabilities = 2 * 32 * 256 * 4
+    assert found.saved_compiled["after"] >= log_probabilities
+    assert found.saved_compiled["block"] < found.saved["block"]
+    rates = Rates.of(configured("cluster=a100").cluster)
+    alone = [step.op_seconds(op, rates, rates.peaks["fp32"]) for op in found.ops
+             if (op.phase, op.region) == ("forward", "after")
+             and (not op.in_model or op.kind == "matmul")]  # the loss's and the head's
+    compiled = step.costs(found, rates, True, False).compute["forward", "after"]
+    assert len(alone) > 2 and compiled >= sum(alone)
+
+
 def test_tensor_parallel_halves_a_blocks_matmuls_and_adds_its_all_reduces():
     from parallab.simulate.trace import Shape
 

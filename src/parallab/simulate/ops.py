@@ -35,6 +35,9 @@ class Op:
     group: int = 1  # ranks of the collective's group
     wide: bool = False  # its output is 4-byte floats (float32 matmuls run at the fp32 peak)
     dtensor: bool = False  # dispatched through DTensor (tensor parallel): its own overhead
+    # run by the model's forward or backward, which trainer.compile compiles; the loss's
+    # ops (outside the model) run eager, compiled or not
+    in_model: bool = True
     # the op and its arguments, tensors as (shape, stride, dtype): run again on this machine
     # (cluster=this times each op for real)
     replay: Any = None
@@ -110,7 +113,8 @@ class Recorder(TorchDispatchMode):
         self.tracker, self.block, self.causal_lm = tracker, block, causal_lm
         self.phase = "forward"
         self.ops: list[Op] = []
-        self.produced: dict[int, tuple[str, str]] = {}  # storage -> (region, kind) of its op
+        # storage -> (region, kind, in_model) of the op that made it
+        self.produced: dict[int, tuple[str, str, bool]] = {}
         # bytes of the storages the step made that are alive, and their most at once (each
         # storage held weakly: freed when the step lets it go)
         self.live = self.peak = 0
@@ -161,6 +165,7 @@ class Recorder(TorchDispatchMode):
         op = Op(self.phase, self._region(), *self._cost(func, args, kwargs, out),
                 self._ids(flat_in), self._ids(flat_out), wide=wide,
                 dtensor=any(isinstance(a, DTensor) for a in flat_in),
+                in_model=any(p != "Global" for p in self.tracker.parents),
                 replay=(func, tree_map(_spec, args), tree_map(_spec, kwargs)))
         self.ops.append(op)
         for value in flat_out:
@@ -171,7 +176,7 @@ class Recorder(TorchDispatchMode):
 
     def _made(self, storage: torch.UntypedStorage, op: Op) -> None:
         key = storage._cdata
-        self.produced[key] = (op.region, op.kind)
+        self.produced[key] = (op.region, op.kind, op.in_model)
         if key in self.held:
             return
         size = storage.nbytes()

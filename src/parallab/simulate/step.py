@@ -1,12 +1,12 @@
 """A training step on a cluster, from one traced block: its time by part and its memory.
 
-Compute: each traced op as a roofline, the longer of its FLOPs at the GPU's peak (the
-op's precision) x cluster.matmul_efficiency and its bytes at the memory's bandwidth, and
-no shorter than a kernel's launch (cluster.op_overhead_us). With trainer.compile, a chain
-of memory-bound ops in a row is one kernel that reads what the chain takes in and writes
-what it hands on, once. A rank's micro-batch is its blocks' forward and backward
-(activation checkpointing's recompute inside) and the embeddings', the head's and the
-loss's where the rank holds them.
+Compute: each traced op as a roofline, the longer of its FLOPs at the GPU's peak (the op's
+precision) x cluster.matmul_efficiency and its bytes at the memory's bandwidth, and no
+shorter than a kernel's launch (cluster.op_overhead_us). With trainer.compile, a chain of
+the model's memory-bound ops in a row is one kernel that reads what the chain takes in and
+writes what it hands on, once (the loss, outside the model, runs eager). A rank's
+micro-batch is its blocks' forward and backward (activation checkpointing's recompute
+inside) and the embeddings', the head's and the loss's where the rank holds them.
 
 Communication, each collective by NCCL's model (cluster.py) over the ranks its group
 spans, overlapped as each layout overlaps it:
@@ -175,7 +175,7 @@ def costs(trace: Trace, rates: Rates, compile: bool, tf32: bool) -> Costs:
             kinds[op.collective] = kinds.get(op.collective, 0.0) + rates.collective_s(
                 op.collective, op.sent, tp_group)
             continue
-        if compile and op.kind == "memory" and rates.timed is None:
+        if compile and op.kind == "memory" and op.in_model and rates.timed is None:
             if chain and (chain[0].phase, chain[0].region) != key:
                 close(index)
             chain.append(op)

@@ -253,7 +253,8 @@ class _SavedByRegion:
     out: they are the state, counted apart), each storage once; and of them, those a
     compiled block keeps: torch.compile's partitioner recomputes in backward what a chain
     of memory-bound ops made inside the block, and saves the rest (matmul and attention
-    outputs, what came in from before the block)."""
+    outputs, what came in from before the block); the loss, outside the compiled model,
+    keeps what it keeps eager (a language model's log-probabilities over its vocabulary)."""
 
     def __init__(self, model: nn.Module, tracker, recorder: "Recorder"):
         self.tracker, self.recorder = tracker, recorder
@@ -267,8 +268,8 @@ class _SavedByRegion:
             inside = any(p.startswith(self.recorder.block) for p in self.tracker.parents)
             # outside the block: the embeddings' before the block ran, the head's after
             region = "block" if inside else ("after" if self.recorder.block_seen else "before")
-            made_in, kind = self.recorder.produced.get(key, ("", ""))
-            recomputed = kind == "memory" and (made_in == "block") == inside
+            made_in, kind, in_model = self.recorder.produced.get(key, ("", "", False))
+            recomputed = kind == "memory" and in_model and (made_in == "block") == inside
             self.seen[key] = (region, storage.nbytes(), not recomputed)
         return tensor
 
