@@ -1,5 +1,5 @@
-"""Activation checkpointing: activations kept for backward and step time, none / full /
-selective, side by side.
+"""Activation checkpointing: activations kept for backward and step time, each mode
+(none / full / selective / selective_alternate), side by side.
 
     python bench/bench_activations.py [--repeats 3] [--steps 40] [-- extra overrides]
 

@@ -32,6 +32,13 @@ def half_mse(output: torch.Tensor, targets: torch.Tensor, scale: float = 0.5) ->
     return scale * F.mse_loss(output, targets)
 
 
+class TokenCrossEntropy(nn.Module):
+    """A loss of one's own that is a module: a language model's next tokens scored."""
+
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
 def gpt_noting_peft(noted: str, **kwargs) -> nn.Module:
     """parallab's gpt, once a line saying which process builds it and whether peft was
     imported in it already (by the fork server a rank was forked from)."""

@@ -147,6 +147,8 @@ BAD = [
     ([*PIPE, *GPT, "parallel.schedule=interleaved_zb",
       "trainer.activation_checkpointing=selective"],
      "trainer.activation_checkpointing=selective with parallel.schedule=interleaved_zb"),
+    ([*PIPE, *GPT, "parallel.schedule=zbv", "trainer.activation_checkpointing=selective_alternate"],
+     "trainer.activation_checkpointing=selective_alternate with parallel.schedule=zbv"),
     ([*PIPE, *GPT, "parallel.schedule=interleaved_1f1b", "model.tie_embeddings=true"],
      "puts stages 0 and 3 on different ranks, but they share a parameter"),
     (["parallel=pipeline", "parallel.world_size=4", "parallel.pp=2", "parallel.dp_shard=2",

@@ -74,6 +74,11 @@ def test_a_compiled_step_keeps_and_pays_what_its_eager_loss_does():
     loss_ops = [op for op in found.ops if not op.in_model]
     assert loss_ops and {op.region for op in loss_ops} == {"after"}
     assert all(op.in_model for op in found.ops if op.region == "block")
+    # a loss of one's own that is a module is no part of the model either
+    own = traced(Shape(rows=2, seq_len=32, precision="fp32"),
+                 "loss._target_=own_parts.TokenCrossEntropy")
+    scoring = [op for op in own.ops if "log_softmax" in str(op.replay[0])]
+    assert scoring and not [op for op in scoring if op.in_model]
     log_probabilities = 2 * 32 * 256 * 4
     assert found.saved_compiled["after"] >= log_probabilities
     assert found.saved_compiled["block"] < found.saved["block"]
@@ -220,6 +225,9 @@ def test_checkpointing_every_second_block_costs_and_keeps_the_mean():
     assert full.memory["activations"] < half.memory["activations"] < none.memory["activations"]
     assert half.memory["activations"] == pytest.approx(
         (none.memory["activations"] + full.memory["activations"]) / 2, rel=1e-6)
+    # the step's temporaries beyond them are no more than either kind of block's
+    assert half.memory["temporary"] <= max(none.memory["temporary"],
+                                           full.memory["temporary"]) * (1 + 1e-9)
 
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in (REPO / "conf" / "cluster").glob("*.yaml")))

@@ -397,6 +397,7 @@ class AdviseConfig:
     layouts: Optional[list[str]] = None
     # null = fp32 and bf16 (CPU); fp32, bf16, amp and, with float8 tensor cores, fp8 (CUDA)
     precisions: Optional[list[str]] = None
+    # the trainer.activation_checkpointing modes tried (selective_alternate where listed)
     activation_checkpointing: list[str] = field(
         default_factory=lambda: ["none", "selective", "full"])
     max_accumulation: int = 4  # gradient accumulation tried: 1, 2, 4 ... up to this

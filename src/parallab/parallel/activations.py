@@ -3,15 +3,17 @@ rest, per stage (the first memory lever before a change of layout).
 
 `full` recomputes each stage's forward in backward and keeps only its input; `selective`
 keeps the outputs of the matmul-like ops of a stage (the costliest to recompute per byte,
-torch.utils.checkpoint's selective policy, as torchtitan's op list) and recomputes the
-rest (norms, activations, dropout, adds); `selective_alternate` keeps only every second
-Linear's matmul output of those (torchtitan's op-level policy, its default: a Llama block's
-q, v, gate and down projections kept, k, o and up recomputed), less memory than selective
-for more recompute. trainer.activation_checkpointing_every=N checkpoints every Nth stage
-only, the others keeping all (torchtitan's layer-level policy is full with 2). Each stage
-is wrapped with torch's checkpoint_wrapper, whose state_dict hooks keep the parameter names of
-checkpoints as they are, before compile and before any parallel wrapper (fsdp shards the
-wrapped stage).
+torch.utils.checkpoint's selective policy, as torchtitan's op list) and recomputes the rest
+(norms, activations, dropout, adds); `selective_alternate` keeps only every second Linear's
+matmul output of those (torchtitan's op-level policy, its default: a Llama block's q, v,
+gate and down projections kept, k, o and up recomputed), less memory than selective for
+more recompute (an adapter's own Linear layers count in the alternation too).
+trainer.activation_checkpointing_every=N checkpoints every Nth stage only, the 1st, the
+N+1th, ... of those the model lists (a pipeline rank's gpt lists its placeholders too, a
+transformers model its own blocks), the others keeping all (torchtitan's layer-level policy
+is full with 2). Each stage is wrapped with torch's checkpoint_wrapper, whose state_dict
+hooks keep the parameter names of checkpoints as they are, before compile and before any
+parallel wrapper (fsdp shards the wrapped stage).
 The stages: parallel.stages where given, else the model's checkpoint_stages() (gpt: its
 transformer blocks, as torchtitan), else its stages, else a transformers model's blocks.
 """

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -163,10 +164,11 @@ def optimizer_of(cfg) -> str:
 def predict(cfg, c: Candidate, traces: Traces, rates: clusters.Rates) -> step.Prediction:
     shape, every = shape_of(cfg, c), cfg.trainer.activation_checkpointing_every
     priced = traces.of(shape, rates, cfg.trainer.compile, cfg.precision.tf32)
-    if every > 1 and c.checkpointing != "none":  # every Nth block checkpointed
+    if every > 1 and c.checkpointing != "none":  # the 1st, the N+1th, ... checkpointed
         plain = traces.of(dataclasses.replace(shape, checkpointing="none"), rates,
                           cfg.trainer.compile, cfg.precision.tf32)
-        priced = step.blend(priced, plain, 1 / every)
+        blocks = traces.facts.blocks
+        priced = step.blend(priced, plain, math.ceil(blocks / every) / blocks)
     return step.predict(*priced, layout_of(cfg, c), rates, traces.facts.blocks,
                         traces.facts.flops_per_token)
 

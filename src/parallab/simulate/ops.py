@@ -134,6 +134,12 @@ class Recorder(TorchDispatchMode):
                 found.append((self.serials[value], _nbytes(value)))
         return tuple(found)
 
+    def _in_model(self) -> bool:
+        """Run by the model (its root's name or under it), not by a loss of its own, module
+        or not, nor outside any module."""
+        root = self.block.split(".")[0]
+        return any(p == root or p.startswith(root + ".") for p in self.tracker.parents)
+
     def _region(self) -> str:
         if any(p.startswith(self.block) for p in self.tracker.parents):
             self.block_seen = self.block_seen or self.phase == "forward"
@@ -165,7 +171,7 @@ class Recorder(TorchDispatchMode):
         op = Op(self.phase, self._region(), *self._cost(func, args, kwargs, out),
                 self._ids(flat_in), self._ids(flat_out), wide=wide,
                 dtensor=any(isinstance(a, DTensor) for a in flat_in),
-                in_model=any(p != "Global" for p in self.tracker.parents),
+                in_model=self._in_model(),
                 replay=(func, tree_map(_spec, args), tree_map(_spec, kwargs)))
         self.ops.append(op)
         for value in flat_out:

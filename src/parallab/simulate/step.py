@@ -140,9 +140,12 @@ def blend(checkpointed: tuple[Trace, Costs], plain: tuple[Trace, Costs], share: 
     average (trainer.activation_checkpointing_every: every Nth checkpointed, the others
     keeping all)."""
     (a, a_costs), (b, b_costs) = checkpointed, plain
-    found = dataclasses.replace(a, saved=_mix(a.saved, b.saved, share),
+    saved = _mix(a.saved, b.saved, share)
+    # the peak's temporaries beyond what is kept (the larger of the two) on the blend's
+    beyond = max(x.peak_transient - sum(x.saved.values()) for x in (a, b))
+    found = dataclasses.replace(a, saved=saved,
                                 saved_compiled=_mix(a.saved_compiled, b.saved_compiled, share),
-                                peak_transient=max(a.peak_transient, b.peak_transient))
+                                peak_transient=beyond + sum(saved.values()))
     return found, Costs(_mix(a_costs.compute, b_costs.compute, share),
                         _mix(a_costs.collectives, b_costs.collectives, share))
 
