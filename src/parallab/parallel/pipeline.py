@@ -404,14 +404,13 @@ def refuse_split_backward(cfg) -> None:
     which torch does not do through a compiled stage, nor through one checkpointed
     selectively (it recomputes such a region for one backward only)."""
     p, t = cfg.parallel, cfg.trainer
-    if not SCHEDULES[p.schedule].splits_backward:
-        return
-    if t.compile:
+    clash = schedules.split_backward_clash(p.schedule, t.activation_checkpointing, t.compile)
+    if clash == "compile":
         raise ConfigError(f"trainer.compile=true with parallel.schedule={p.schedule}: it "
                           "splits each backward into input and weight halves, which torch "
                           "does not do for compiled stages: set trainer.compile=false, or "
                           "use parallel.schedule=interleaved_1f1b")
-    if t.activation_checkpointing.startswith("selective"):
+    if clash == "checkpointing":
         raise ConfigError(f"trainer.activation_checkpointing={t.activation_checkpointing} with "
                           f"parallel.schedule={p.schedule}: it splits each backward into input "
                           "and weight halves, and torch recomputes a selectively checkpointed "

@@ -46,6 +46,18 @@ SCHEDULES = {s.name: s for s in (
 )}
 
 
+def split_backward_clash(schedule: str, checkpointing: str, compile: bool) -> str | None:
+    """What of a run a zero-bubble schedule cannot take: it runs each backward as an input-
+    and a weight-gradient half, which torch does not do through a compiled stage
+    ("compile"), nor through one checkpointed selectively, which it recomputes for one
+    backward only ("checkpointing"); None where nothing clashes."""
+    if not SCHEDULES[schedule].splits_backward:
+        return None
+    if compile:
+        return "compile"
+    return "checkpointing" if checkpointing.startswith("selective") else None
+
+
 def stages_per_rank(schedule: str, given: int | None) -> int:
     """v: `given` (parallel.stages_per_rank), or what the schedule needs where null."""
     if given is not None:

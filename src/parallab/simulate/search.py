@@ -150,8 +150,9 @@ def grid(cfg, facts, gpus_per_node: int) -> list[Candidate]:
                             pp=pp, batch_size=batch or 1, given_global=cfg.data.global_batch_size)
                 for way in _ways(pp, batch or 1, facts):
                     for ac in CHECKPOINTING:
-                        if _refused(way.get("schedule"), ac, cfg.trainer.compile):
-                            continue
+                        if way.get("schedule") and schedules.split_backward_clash(
+                                way["schedule"], ac, cfg.trainer.compile):
+                            continue  # train refuses it
                         c = Candidate(**base, **way, checkpointing=ac)
                         c.reason = tp_reason or batch_reason
                         found.append(c)
@@ -160,13 +161,6 @@ def grid(cfg, facts, gpus_per_node: int) -> list[Candidate]:
                             found.append(Candidate(**base, **way, checkpointing=ac,
                                                    sequence_parallel=True))
     return found
-
-
-def _refused(schedule: str | None, checkpointing: str, compile: bool) -> bool:
-    """A zero-bubble schedule's split backward, which train refuses compiled or checkpointed
-    selectively (pipeline.refuse_split_backward)."""
-    return schedule is not None and schedules.SCHEDULES[schedule].splits_backward and (
-        compile or checkpointing.startswith("selective"))
 
 
 def _ways(pp: int, batch: int, facts) -> list[dict[str, Any]]:
