@@ -211,7 +211,7 @@ def sbatch(cluster, workdir: Path, script: str, *options: str) -> str:
                        *options, str(path)).stdout.strip()
 
 
-def said(cluster, workdir: Path, job: str) -> str:
+def job_report(cluster, workdir: Path, job: str) -> str:
     """A job's state and the end of its output, for a test's failure message."""
     record = cluster.job(job)
     out = workdir / f"slurm-{job}.out"
@@ -319,7 +319,7 @@ def test_a_requeued_job_whose_run_had_finished_leaves_it_as_it_was(cluster, tmp_
     cluster.run("scontrol", "requeue", job)
     cluster.release_requeued(job, restarts=1)
     cluster.wait_for(lambda: cluster.job(job).get("JobState") == "COMPLETED", 150,
-                     "the requeued job to complete", lambda: said(cluster, tmp_path, job))
+                     "the requeued job to complete", lambda: job_report(cluster, tmp_path, job))
     assert (run_dir / "metrics.json").read_bytes() == record
     assert "had finished (its metrics.json is complete)" in (run_dir / "train.log").read_text()
 

@@ -35,7 +35,6 @@ from torch.utils.checkpoint import (
 
 from parallab.parallel import stages as stages_of
 
-MODES = ("none", "full", "selective", "selective_alternate")
 _aten = torch.ops.aten
 # ops whose outputs selective keeps; the names torch has on this build
 SAVED_OPS = frozenset(getattr(_aten, name).default for name in (
@@ -81,7 +80,9 @@ def _alternate_contexts():
     return create_selective_checkpoint_contexts(policy)
 
 
+# the selective modes' checkpoint policies: the modes are these, none and full
 CONTEXTS = {"selective": _selective_contexts, "selective_alternate": _alternate_contexts}
+MODES = ("none", "full", *CONTEXTS)
 
 
 def units(model: nn.Module, names: list[str] | None) -> list[nn.Module] | None:

@@ -37,6 +37,7 @@ from parallab.config.errors import ConfigError
 from parallab.loss import FromModel, from_model, scores
 from parallab.models import hf
 from parallab.parallel import schedules
+from parallab.parallel.activations import CONTEXTS
 from parallab.parallel.fsdp import norm_squares, shard
 from parallab.parallel.layout import Layout
 from parallab.parallel.mesh import MeshPlan, MeshRuntime
@@ -81,7 +82,7 @@ class PipelineRuntime(MeshRuntime):
         self.pp_group, self.dp_group = (self.mesh["pp"].get_group(),
                                         self.mesh["dp_replicate"].get_group())
         self.cut = Cut(model, p, layout, self.stage_index)  # recorded whole; part() cuts
-        self.parts = self.cut.parts(model)  # the schedules' modules (runs() refreshes them)
+        self.parts = None  # the schedules' modules, made at the first runs()
         self.syncing = True  # no_sync: gradients averaged over the replicas at the last
         self.items = 1  # the step's terms per data-parallel rank (Objective.step_loss)
         self.train_schedule = None  # built for each batch shape (the finder tries several)
@@ -182,9 +183,10 @@ class PipelineRuntime(MeshRuntime):
 
     def runs(self, model: nn.Module) -> list[nn.Module]:
         """The modules this rank's schedule calls, compiled where the run compiles: its
-        Parts, holding its stages as the model holds them now (activation checkpointing
-        wraps them after the cut)."""
-        self.cut.refresh(self.parts, model)
+        Parts, made the first time it is asked, holding its stages as the model holds them
+        then (speed_up asks after activation checkpointing has wrapped them)."""
+        if self.parts is None:
+            self.parts = self.cut.parts(model)
         return self.parts
 
     def wrap(self, model: nn.Module) -> nn.Module:
@@ -404,7 +406,8 @@ def refuse_split_backward(cfg) -> None:
     which torch does not do through a compiled stage, nor through one checkpointed
     selectively (it recomputes such a region for one backward only)."""
     p, t = cfg.parallel, cfg.trainer
-    clash = schedules.split_backward_clash(p.schedule, t.activation_checkpointing, t.compile)
+    clash = schedules.split_backward_clash(p.schedule, t.activation_checkpointing in CONTEXTS,
+                                           t.compile)
     if clash == "compile":
         raise ConfigError(f"trainer.compile=true with parallel.schedule={p.schedule}: it "
                           "splits each backward into input and weight halves, which torch "

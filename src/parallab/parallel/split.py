@@ -153,15 +153,6 @@ class Cut:
         stages = stages_of.refreshed(model, self.stages, self.names)
         return [stages_of.Part([stages[i] for i in self.ranges[k]], k == 0) for k in self.held]
 
-    def refresh(self, parts: list[stages_of.Part], model: nn.Module) -> None:
-        """`parts` (this cut's `parts`, made before) holding the rank's stages as `model`
-        holds them now: activation checkpointing puts its wrappers in the model's modules,
-        not in the parts, so a part would run its stages unwrapped."""
-        stages = stages_of.refreshed(model, self.stages, self.names)
-        for k, part in zip(self.held, parts):
-            for j, i in enumerate(self.ranges[k]):
-                part.chain[j] = stages[i]
-
     @torch.no_grad()
     def inputs(self, inputs: Any) -> list[tuple[tuple, dict]]:
         """The positional and keyword arguments each held part gets for `inputs` (the

@@ -30,9 +30,10 @@ from parallab.simulate.cluster import GBIT, Rates
 from parallab.simulate.timing import Timer, fastest, in_step, ops_in
 
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "parallab"
+FILE = CACHE / "cluster_this.json"
 # what is measured, and how: raised with any change to it here, in timing.py or together.py,
 # so that figures measured the former way are measured again, not served
-FIGURES = 2
+FIGURES = 3
 MOST_RANKS = 16
 
 
@@ -74,9 +75,8 @@ def measured() -> dict[str, float]:
     together_at adds each rank count's to the same dict as it measures them."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     key = _key(cores)
-    path = CACHE / "cluster_this.json"
-    known = json.loads(path.read_text()) if path.is_file() else {}
-    if "in_step" in known.get(key, {}):  # an older set of figures lacks it: measure again
+    known = _known()
+    if key in known:
         return known[key]
     before = torch.get_num_threads()
     torch.set_num_threads(cores)  # as a process alone here runs them
@@ -91,7 +91,7 @@ def measured() -> dict[str, float]:
                "bf16_1": matmul_flops(torch.bfloat16, 1),
                "bf16_all": matmul_flops(torch.bfloat16, cores),
                "copy": copy_bytes_per_s(), "op_s": op_s, "ranks": {}}
-    _keep(path, known, key, figures)
+    _keep(known, key, figures)
     return figures
 
 
@@ -104,14 +104,15 @@ def together_at(world: int) -> dict:
 
     figures = measured()
     world = min(world, 2 * figures["cores"], MOST_RANKS)
-    if "in_step" not in figures["ranks"].get(str(world), {}):
+    if str(world) not in figures["ranks"]:
         # an op's own time as a rank sharing the cores pays it (rates() charges it so), so
         # that in_step's ratio does not count that slowing a second time
         op_s = figures["op_s"] / _share(figures, world)
         figures["ranks"][str(world)] = together.measure(world, _threads(figures, world), op_s)
-        path = CACHE / "cluster_this.json"
-        known = json.loads(path.read_text()) if path.is_file() else {}
-        _keep(path, known, _key(figures["cores"]), figures)
+        known, key = _known(), _key(figures["cores"])
+        # the rank counts another process kept meanwhile stay beside this one's
+        figures["ranks"] = {**known.get(key, {}).get("ranks", {}), **figures["ranks"]}
+        _keep(known, key, figures)
     return figures["ranks"][str(world)]
 
 
@@ -128,12 +129,16 @@ def _share(figures: dict, world: int) -> float:
     return min(1.0, figures["cores"] / (max(1, world) * _threads(figures, world)))
 
 
-def _keep(path: Path, known: dict, key: str, figures: dict) -> None:
+def _known() -> dict:
+    return json.loads(FILE.read_text()) if FILE.is_file() else {}
+
+
+def _keep(known: dict, key: str, figures: dict) -> None:
     known[key] = figures
     CACHE.mkdir(parents=True, exist_ok=True)
-    written = path.with_suffix(f".{os.getpid()}.tmp")  # whole or not at all, for any reader
+    written = FILE.with_suffix(f".{os.getpid()}.tmp")  # whole or not at all, for any reader
     written.write_text(json.dumps(known, indent=2) + "\n")
-    os.replace(written, path)
+    os.replace(written, FILE)
 
 
 def _available_memory() -> float:

@@ -63,6 +63,12 @@ FREE = {aten.view.default, aten._unsafe_view.default, aten.t.default, aten.trans
         aten.new_empty.default}
 
 
+def moves_data(func) -> bool:
+    """An op that does work of its own: not a view, nor metadata, nor a primitive torch
+    decomposes into (what the trace records, and what cluster=this counts and times)."""
+    return not (func in FREE or func.is_view or func.namespace == "prim")
+
+
 def attention_flops(q: torch.Tensor, k: torch.Tensor, causal: bool, backward: bool) -> float:
     """FLOPs of fused attention over (batch, heads, seq, dim) queries and keys: two matmuls
     forward (QK^T, PV), five backward (QK^T again, then dV, dP, dQ, dK), each 2·b·h·s·t·d;
@@ -149,7 +155,7 @@ class Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if func in FREE or func.is_view or func.namespace == "prim":
+        if not moves_data(func):
             return out
         flat_in, _ = tree_flatten((args, kwargs))
         flat_out, _ = tree_flatten(out)

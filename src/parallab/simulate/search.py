@@ -13,6 +13,7 @@ import torch
 
 from parallab.config.errors import ConfigError
 from parallab.parallel import schedules
+from parallab.parallel.activations import CONTEXTS
 from parallab.simulate.step import Prediction
 
 CHECKPOINTING = ("none", "selective", "selective_alternate", "full")
@@ -151,7 +152,7 @@ def grid(cfg, facts, gpus_per_node: int) -> list[Candidate]:
                 for way in _ways(pp, batch or 1, facts):
                     for ac in CHECKPOINTING:
                         if way.get("schedule") and schedules.split_backward_clash(
-                                way["schedule"], ac, cfg.trainer.compile):
+                                way["schedule"], ac in CONTEXTS, cfg.trainer.compile):
                             continue  # train refuses it
                         c = Candidate(**base, **way, checkpointing=ac)
                         c.reason = tp_reason or batch_reason

@@ -18,17 +18,22 @@ import time
 import torch
 
 
-def median_time(work, repeats: int) -> float:
-    """The median of `repeats` runs after a first (a step waits as often as its ranks do,
-    not only when they are lucky); where ranks time collectives, each runs the same count,
-    so that they meet."""
+def _runs(work, repeats: int) -> list[float]:
+    """The seconds of `repeats` runs of `work` after a first (allocation, kernel choice)."""
     work()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         work()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return times
+
+
+def median_time(work, repeats: int) -> float:
+    """The median of `repeats` runs after a first (a step waits as often as its ranks do,
+    not only when they are lucky); where ranks time collectives, each runs the same count,
+    so that they meet."""
+    return statistics.median(_runs(work, repeats))
 
 
 def ops_in(step, counted=lambda func, args: True) -> int:
@@ -51,13 +56,8 @@ def ops_in(step, counted=lambda func, args: True) -> int:
 
 
 def fastest(work, repeats: int = 5) -> float:
-    work()  # first: allocation, kernel choice
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        work()
-        times.append(time.perf_counter() - start)
-    return min(times)  # the least: a shared machine only ever slows a run down
+    """The least of `repeats` runs after a first: a shared machine only ever slows one."""
+    return min(_runs(work, repeats))
 
 
 class Timer:
@@ -114,7 +114,7 @@ def reference_step():
     from torch.utils._pytree import tree_map
 
     from parallab.models.gpt import GPT
-    from parallab.simulate.ops import FREE, Op, _spec
+    from parallab.simulate.ops import Op, _spec, moves_data
 
     model = GPT(vocab_size=256, context=64, layers=2, heads=4, width=128, dropout=0.0)
     tokens = torch.randint(0, 256, (8, 65))
@@ -128,7 +128,7 @@ def reference_step():
     class Record(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
-            if not (func in FREE or func.is_view or func.namespace == "prim"):
+            if moves_data(func):
                 recorded.append(Op("", "", "", 0.0, (), (), replay=(
                     func, tree_map(_spec, args), tree_map(_spec, kwargs))))
             return func(*args, **kwargs)

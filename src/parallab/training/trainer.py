@@ -72,10 +72,6 @@ class Trainer:
         self.evaluation = Evaluation(cfg, self.eval_model, runtime, data, dist,
                                      logger, metric_specs)
         self.first_step = 0  # where this process's training starts (after a resume: later)
-        # the step's: the training data's labels all count (the global count follows from
-        # shapes), and the ranks reading different samples
-        self.all_valid = data.train.all_valid
-        self.data_world = runtime.ranks.data.world_size
         self.skipped = 0  # steps dropped: non-finite gradients (on_nan=skip), or no label
         self.recent_skips: deque[bool] = deque(maxlen=SKIP_HORIZON)  # dropped or not, per step
         self.lr: float | None = None  # the rate the last step used, before its schedule moved
@@ -253,21 +249,24 @@ class Trainer:
         micro-batch's sum is divided by; 0 where there are none (the step is skipped); None
         where the one batch of a one-rank step holds every label (its own mean is the
         step's: no counting, as a hand-written loop)."""
-        if len(batches) == 1 and self.data_world == 1 and self.all_valid:
+        # the training data's labels all count (the global count follows from shapes), and
+        # the ranks reading different samples
+        all_valid, world = self.data.train.all_valid, self.runtime.ranks.data.world_size
+        if len(batches) == 1 and world == 1 and all_valid:
             return None
         counts = [self.runtime.loss.count(batch_of.labels_of(b)) for b in batches]
         n = counts[0] if len(counts) == 1 else sum(counts)
-        if self.all_valid:  # every rank's shard of one split batched alike:
-            n = n * self.data_world  # the global count follows from this rank's shapes
-        elif self.data_world > 1:  # one all-reduce of a scalar; tp/pipeline ranks count alike
+        if all_valid:  # every rank's shard of one split batched alike:
+            n = n * world  # the global count follows from this rank's shapes
+        elif world > 1:  # one all-reduce of a scalar; tp/pipeline ranks count alike
             n = self.dist.all_reduce_sum(torch.as_tensor(n, dtype=torch.float64,
                                                          device=self.dist.device))
             n = n / self.runtime.ranks.readers
         if isinstance(n, torch.Tensor) and n.device.type == "cpu":
             n = n.item()  # free on the CPU: an exact skip of an empty step, a plain divisor
         if isinstance(n, torch.Tensor):  # on a GPU: no sync; an empty step's gradients are 0
-            return n.clamp(min=1).float() / self.data_world
-        return n / self.data_world
+            return n.clamp(min=1).float() / world
+        return n / world
 
     def skip_empty(self) -> torch.Tensor:
         """A global batch whose labels are all ignored (-100): nothing to learn; the
