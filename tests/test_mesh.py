@@ -182,7 +182,9 @@ def final_weights(run_dir, model: torch.nn.Module) -> dict[str, torch.Tensor]:
 @pytest.mark.distributed
 @pytest.mark.parametrize("model,layout,data_ranks", [
     ("gpt", ["parallel=tp", "parallel.world_size=2"], 1),
-    ("gpt", ["parallel=hsdp", "parallel.world_size=4"], 4),  # 2 replicas x 2 shards
+    # 2 replicas x 2 shards, each micro-batch's gradients reduce-scattered, the replicas'
+    # all-reduce once a step
+    ("gpt", ["parallel=hsdp", "parallel.world_size=4", ACCUMULATE_AND_CLIP[0]], 4),
     ("mlp", ["parallel=fsdp_tp", "parallel.world_size=4"], 2),  # mlp's own plan, sharded
     ("mlp", ["parallel=pipeline", "parallel.world_size=4", "parallel.pp=2"], 2),
     ("gpt", ["parallel=fsdp_tp", "parallel.world_size=4", *ACCUMULATE_AND_CLIP],
@@ -193,14 +195,14 @@ def final_weights(run_dir, model: torch.nn.Module) -> dict[str, torch.Tensor]:
      1),  # each part split by the plan's entries for it; slices of sequences between parts
     ("gpt", ["parallel=pipeline", "parallel.world_size=4", "parallel.pp=2",
              "parallel.dp_shard=2", "parallel.dp_replicate=1"], 2),  # each part FSDP2-sharded
-], ids=["tp2-gpt", "hsdp2x2-gpt", "fsdp_tp2x2-mlp", "pp2xdp2-mlp",
+], ids=["tp2-gpt", "hsdp2x2-gpt-accumulate", "fsdp_tp2x2-mlp", "pp2xdp2-mlp",
         "fsdp_tp2x2-gpt-accumulate-clip",
         "pp2xdp2-gpt", "pp2xtp2sp-gpt-accumulate-clip", "pp2xfsdp2-gpt"])
 def test_each_layout_trains_as_one_device_does(train_here, one_device, model, layout,
                                                data_ranks):
     run = GPT_RUN if model == "gpt" else MLP_RUN
-    clip = ACCUMULATE_AND_CLIP[0] in layout
-    batch = BATCH[model] // data_ranks // (2 if clip else 1)
+    accumulate, clip = (setting in layout for setting in ACCUMULATE_AND_CLIP)
+    batch = BATCH[model] // data_ranks // (2 if accumulate else 1)
     metrics, run_dir = train_here(*run, *STEPS, *layout, f"data.batch_size={batch}")
     reference = one_device[f"{model}-clip" if clip else model]
     if clip:  # the clipping changes the run
@@ -215,23 +217,23 @@ def test_each_layout_trains_as_one_device_does(train_here, one_device, model, la
     assert read_metrics(run_dir)["eval_loss"] == pytest.approx(
         read_metrics(reference)["eval_loss"], rel=1e-4)
     if model == "gpt":
-        assert_textbook_volume(metrics, layout[0].split("=")[1], batch)
+        assert_textbook_volume(metrics, layout[0].split("=")[1], batch, 2 if accumulate else 1)
 
 
 MB = 2**20
 GPT_BYTES = 4 * sum(p.numel() for p in GPT(layers=2, heads=4, width=32, context=32).parameters())
 
 
-def assert_textbook_volume(metrics, layout: str, batch: int) -> None:
+def assert_textbook_volume(metrics, layout: str, batch: int, micro: int) -> None:
     """comm_*_mb of the run against the volumes a textbook gives (ring algorithms; ddp's
-    and fsdp's are test_activations')."""
+    and fsdp's are test_activations'), of `micro` accumulated micro-batches a step."""
     sent = {k: metrics.get(f"comm_{k}_mb", 0.0) * MB for k in ("all_reduce", "all_gather",
                                                                  "reduce_scatter")}
     near = lambda expected: pytest.approx(expected, rel=0.01, abs=64)  # noqa: E731 - a loss
     expected = {  # 2 ranks each: tp 2 of 2 layers; hsdp 2 replicas x 2 shards
         "tp": textbook_volume(GPT_BYTES, tp=2, layers=2, activation=batch * 32 * 32 * 4,
                               logits=batch * 32 * 256 * 4),
-        "hsdp": textbook_volume(GPT_BYTES, replicas=2, shards=2),
+        "hsdp": textbook_volume(GPT_BYTES, replicas=2, shards=2, micro=micro),
     }.get(layout)
     if layout == "pipeline":  # activations sent, and each stage's gradients reduced
         assert metrics["comm_p2p_mb"] > 0 and sent["all_reduce"] + sent["reduce_scatter"] > 0

@@ -187,6 +187,29 @@ def test_this_machines_measured_costs_stand_for_nccls_and_a_gpus():
     assert measured["in_step"] >= 1
 
 
+def test_fsdp_reduces_each_accumulated_micro_batch_and_keeps_only_shards():
+    """Gradient accumulation under FSDP2: each micro-batch's gradients reduce-scattered (with
+    no compute to hide behind, every gather and reduction exposed: 2 gathers and one
+    reduction a block and micro-batch), and no whole gradients kept between them."""
+    from parallab.config.schema import NcclLatency
+    from parallab.simulate import step
+    from parallab.simulate.cluster import Rates
+    from parallab.simulate.trace import Shape, Trace
+
+    rates = Rates({"bf16": 1e12, "fp32": 1e12}, 1.0, 1e18, 1e9, 1e9, 8, 2**40, 0.0,
+                  NcclLatency(0, 0, 0, 0, 0, 0))
+    found = Trace(Shape(), ops=[], params={"before": 0.0, "block": 1e6, "after": 0.0})
+    gather, scatter = 1e6 / 2 * 2 / 1e9, 1e6 / 2 * 4 / 1e9  # half of it, bf16 and float32
+    one = None
+    for m in (1, 4):
+        layout = step.Layout(world_size=2, dp_shard=2, microbatches=m)
+        predicted = step.predict(found, step.costs(found, rates, False, False), layout, rates, 3)
+        assert predicted.parts["all_gather_s"] == pytest.approx(2 * m * 3 * gather)
+        assert predicted.parts["reduce_scatter_s"] == pytest.approx(m * 3 * scatter)
+        one = one or predicted.memory
+        assert predicted.memory == one
+
+
 def test_memory_at_64_ranks_is_the_fake_tensor_layouts():
     """The composed figure (a block's state and activations, times the blocks) against
     the whole model laid out by FSDP2 at world size 64 on fake tensors, as advise predicts

@@ -16,6 +16,7 @@ from parallab.cli import train_in_process
 from parallab.commands import _export, evaluate_in_process
 from parallab.models.mlp import MLP
 from parallab.parallel.split import even_cuts, part_ranges
+from parallab.testing import textbook_volume
 from parallab.training import checkpoint, weights
 
 BIN = Path(sys.executable).parent
@@ -106,6 +107,12 @@ def test_layout_trains_as_one_device_does(train_here, single_device, layout):
         torch.testing.assert_close(weights[name], expected_weights[name], rtol=1e-4, atol=1e-5)
     metrics = read_metrics(run_dir)
     assert metrics["global_batch_size"] == 64 and metrics["world_size"] == 2
+    if layout[0] == "parallel=fsdp":  # each micro-batch's gradients reduce-scattered: the
+        # shards accumulate, not the whole model's gradients
+        params = 4 * sum(p.numel() for p in MLP(input_dim=64, hidden=[64, 64, 32]).parameters())
+        micro = 2 if ACCUMULATE_AND_CLIP[0] in layout else 1
+        assert metrics["comm_reduce_scatter_mb"] * 2**20 == pytest.approx(
+            textbook_volume(params, shards=2, micro=micro)["reduce_scatter"], rel=1e-6)
     assert metrics["eval_accuracy"] == pytest.approx(read_metrics(reference)["eval_accuracy"])
 
 

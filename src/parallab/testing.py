@@ -97,12 +97,13 @@ def scratch_dir(prefix: str) -> Path:
 
 def textbook_volume(param_bytes: float, replicas: int = 1, shards: int = 1, tp: int = 1,
                     layers: int = 0, activation: float = 0.0, logits: float = 0.0,
-                    sequence_parallel: bool = False) -> dict[str, float]:
+                    sequence_parallel: bool = False, micro: int = 1) -> dict[str, float]:
     """Bytes one rank sends per step by collective kind, as ring algorithms send them
     (all-reduce 2(n-1)/n x the tensor, all-gather (n-1)/n x the whole, reduce-scatter
     (n-1)/n x the input), for the layouts whose volume a textbook gives: data parallel over
     `replicas` x `shards` (FSDP gathers the parameters twice and scatters the gradients
-    once within a shard group; the replicas all-reduce one gradient shard), or tensor
+    once within a shard group, each of `micro` accumulated micro-batches; the replicas
+    all-reduce one gradient shard, once a step), or tensor
     parallel alone over `tp` ranks on gpt (`layers` blocks of 4 all-reduces of an
     `activation` of (B, T, C) bytes, forward and backward of attention and MLP, 2 more for
     the embedding and the head's input gradient, the `logits` gathered; with sequence
@@ -111,8 +112,8 @@ def textbook_volume(param_bytes: float, replicas: int = 1, shards: int = 1, tp: 
     ring = lambda n: (n - 1) / n  # noqa: E731 - the ring's share
     volume = {"all_reduce": 0.0, "all_gather": 0.0, "reduce_scatter": 0.0}
     if shards > 1:
-        volume["all_gather"] += 2 * ring(shards) * param_bytes
-        volume["reduce_scatter"] += ring(shards) * param_bytes
+        volume["all_gather"] += 2 * micro * ring(shards) * param_bytes
+        volume["reduce_scatter"] += micro * ring(shards) * param_bytes
     if replicas > 1:
         volume["all_reduce"] += 2 * ring(replicas) * param_bytes / shards
     if tp > 1:

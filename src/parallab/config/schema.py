@@ -327,7 +327,7 @@ class TrainerConfig:
     # renamed: trainer.timing_skip_steps (timing), scheduler.warmup_steps (learning rate)
     warmup_steps: Any = None
     progress_bar: Optional[bool] = None  # null = only on an interactive terminal
-    # micro-batches per optimizer step (DDP reduces once per step)
+    # micro-batches per optimizer step (DDP reduces once per step; FSDP each micro-batch)
     accumulate_grad_batches: int = 1
     clip_grad_norm: Optional[float] = None  # max global gradient norm; null = no clipping
     channels_last: bool = False  # NHWC memory format for conv models (not under FSDP2 or pipeline)

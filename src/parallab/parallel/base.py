@@ -120,7 +120,7 @@ class Runtime:
         return model
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager:
-        """Where gradients are reduced across ranks: skip it for an accumulation micro-step."""
+        """Where gradients are reduced across ranks: what of it an accumulation micro-step skips."""
         return contextlib.nullcontext()
 
     def forward_backward(self, model: nn.Module, batch: Any, items) -> torch.Tensor:

@@ -202,11 +202,19 @@ class MeshRuntime(Runtime):
             with model.no_sync():
                 yield
             return
-        model.set_requires_gradient_sync(False)
+        # each micro-batch's gradients are reduce-scattered all the same, so what accumulates
+        # is this rank's shard: skipping it would keep the whole model's gradients unsharded
+        # on every rank till the last (a 70B's 260 GB), what sharding is there to avoid (as
+        # torchtitan does, FSDP2's advice where memory counts). Only HSDP's all-reduce over
+        # the replicas waits for the last micro-batch.
+        replicated = self.layout.dp_replicate > 1
+        if replicated:
+            model.set_requires_all_reduce(False)
         try:
             yield
         finally:
-            model.set_requires_gradient_sync(True)
+            if replicated:
+                model.set_requires_all_reduce(True)
 
     def grad_norm(self, model: nn.Module) -> torch.Tensor:
         if self.layout.replicas_only:  # whole gradients: the plain norm, as ddp had

@@ -14,8 +14,9 @@ spans, overlapped as each layout overlaps it:
 - FSDP2: each block's weights gathered (in the compute dtype) for its forward and again
   for its backward, the next block's gather running beside this block's compute, and
   its gradients reduce-scattered (in float32) beside the previous block's backward; the
-  root's (what the blocks leave) gathered once at the start and reduced at the end; HSDP
-  adds the replicas' all-reduce of each shard to the backward's stream;
+  root's (what the blocks leave) gathered once at the start and reduced at the end; each
+  accumulated micro-batch reduce-scatters its own (the shards accumulate), and HSDP adds
+  the replicas' all-reduce of each shard to the last one's backward stream;
 - DDP: the gradients all-reduced in buckets as backward makes them, exposed where they
   outlast it (the last bucket at least);
 - a pipeline: each micro-batch's activations sent on and their gradients back at every
@@ -296,20 +297,22 @@ def _data_parallel(trace: Trace, c: Costs, layout: Layout, rates: Rates, busiest
         gather = rates.collective_s("all_gather", (n - 1) / n * block_params *
                                     layout.compute_bytes, shard)
         scatter = rates.collective_s("reduce_scatter", (n - 1) / n * block_params * 4, shard)
+        reduce = 0.0
         if layout.dp_replicate > 1:  # HSDP: each shard's gradient all-reduced over replicas
             r = layout.dp_replicate
-            scatter += rates.collective_s("all_reduce", 2 * (r - 1) / r * block_params / n * 4,
-                                          replicas)
+            reduce = rates.collective_s("all_reduce", 2 * (r - 1) / r * block_params / n * 4,
+                                        replicas)
         gathers = m if layout.reshard_after_forward else 1  # else gathered once a step
         expose("all_gather", gathers * (gather + (k - 1) * rates.hidden(gather, block_f)))
-        # the backward's gathers (where freed after the forward) and the last micro-batch's
-        # reductions share the links beside each block's backward
+        # the backward's gathers (where freed after the forward) and each micro-batch's
+        # reductions (the replicas' only in the last) share the links beside each block's
+        # backward; the first block's reduction is left after it
         again = gather if layout.reshard_after_forward else 0.0
-        expose("all_gather", (m - 1) * k * rates.hidden(again, block_b))
-        beside = rates.hidden(again + scatter, block_b)
-        share = again / (again + scatter) if again + scatter else 0.0
-        expose("all_gather", k * beside * share)
-        expose("reduce_scatter", scatter + (k - 1) * beside * (1 - share))
+        for times, reduced in ((m - 1, scatter), (1, scatter + reduce)):
+            beside = rates.hidden(again + reduced, block_b)
+            share = again / (again + reduced) if again + reduced else 0.0
+            expose("all_gather", times * k * beside * share)
+            expose("reduce_scatter", times * (reduced + (k - 1) * beside * (1 - share)))
         # FSDP2's hooks around each unit (the blocks and the root), forward and backward
         expose("fsdp_hooks", m * (k + 1) * rates.fsdp_unit_s)
         expose("all_gather", rates.collective_s(
@@ -341,8 +344,6 @@ def _memory(trace: Trace, layout: Layout, load: Load) -> dict[str, float]:
         # they stay gathered from the forward), the root's, a gradient reduced
         blocks_held = 2 if layout.reshard_after_forward else load.blocks
         gathered = (blocks_held * block + held_ends) * layout.compute_bytes + block * 4
-        if layout.microbatches > 1 and layout.pp == 1:  # accumulated unsharded till the last
-            gathered += (load.blocks * block + held_ends) * 4
     saved = trace.saved_compiled if layout.compile else trace.saved
     kept = load.blocks * saved.get("block", 0.0) + sum(saved.get(r, 0.0) for r in load.ends)
     in_flight = 1.0 if layout.pp == 1 else schedules.activations_held(
