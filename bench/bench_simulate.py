@@ -99,9 +99,11 @@ def overrides_of(row: dict) -> list[str]:
     L, h, heads = int(row["layers"]), int(row["hidden"]), int(row["heads"])
     seq, vocab = int(row["seq_len"]), int(row["vocab"])
     compiled = row["compile"] or "false"
-    if "GPT" in row["model"]:
+    if "GPT" in row["model"] or "MPT" in row["model"]:
         model = ["model=gpt", f"model.layers={L}", f"model.width={h}", f"model.heads={heads}",
                  f"model.vocab_size={vocab}", f"model.context={seq}"]
+        if "MPT" in row["model"]:  # its head is its embedding
+            model += ["model.tie_embeddings=true"]
         if MEGATRON_2021 in row["source"]:
             # its kernels: attention's scores in memory (no flash attention yet) through a
             # fused scale-mask-softmax, fused bias-GeLU and bias-dropout-add: the manual
@@ -143,9 +145,11 @@ def overrides_of(row: dict) -> list[str]:
         preset = "fsdp_tp" if T > 1 else ("ddp" if F == 1 else "fsdp" if R == 1 else "hsdp")
         layout = [f"parallel={preset}", *layout, f"data.batch_size={local // micro}",
                   f"trainer.accumulate_grad_batches={micro}"]
+    # the 40 GB A100: its memory and its HBM2's 1,555 GB/s (NVIDIA A100 datasheet)
+    small = ["cluster.memory_gb=39", "cluster.hbm_gbps=12440"] if "A100 40GB" in row["hardware"] \
+        else []
     return [*model, *layout, f"data.seq_len={seq}", f"precision={precision}", "optim=adamw",
-            *ac,
-            f"trainer.compile={compiled}", f"cluster={cluster_of(row)}"]
+            *ac, f"trainer.compile={compiled}", f"cluster={cluster_of(row)}", *small]
 
 
 def published_figure(row: dict) -> tuple[float, str]:
