@@ -208,6 +208,14 @@ def test_fsdp_reduces_each_accumulated_micro_batch_and_keeps_only_shards():
         assert predicted.parts["reduce_scatter_s"] == pytest.approx(m * 3 * scatter)
         one = one or predicted.memory
         assert predicted.memory == one
+    # a pipeline's sharded part (torch's stages) keeps its weights and gradients whole from
+    # the first micro-batch to the flush, and reduces them once
+    layout = step.Layout(world_size=4, dp_shard=2, pp=2, microbatches=4, bubble=1.25,
+                         schedule="1f1b", reshard_after_forward=False)
+    predicted = step.predict(found, step.costs(found, rates, False, False), layout, rates, 4)
+    assert predicted.parts["reduce_scatter_s"] == pytest.approx(2 * scatter)  # its 2 blocks
+    assert predicted.parts["all_gather_s"] == pytest.approx(2 * gather)
+    assert predicted.memory["gathered"] * 2**30 == pytest.approx(2 * 1e6 * (2 + 4))
 
 
 def test_memory_at_64_ranks_is_the_fake_tensor_layouts():

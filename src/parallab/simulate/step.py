@@ -306,9 +306,12 @@ def _data_parallel(trace: Trace, c: Costs, layout: Layout, rates: Rates, busiest
         expose("all_gather", gathers * (gather + (k - 1) * rates.hidden(gather, block_f)))
         # the backward's gathers (where freed after the forward) and each micro-batch's
         # reductions (the replicas' only in the last) share the links beside each block's
-        # backward; the first block's reduction is left after it
+        # backward; the first block's reduction is left after it. A pipeline's sharded
+        # parts reduce once, after the flush (torch's stages keep their gradients whole
+        # till then)
         again = gather if layout.reshard_after_forward else 0.0
-        for times, reduced in ((m - 1, scatter), (1, scatter + reduce)):
+        earlier = m - 1 if layout.pp == 1 else 0
+        for times, reduced in ((earlier, scatter), (1, scatter + reduce)):
             beside = rates.hidden(again + reduced, block_b)
             share = again / (again + reduced) if again + reduced else 0.0
             expose("all_gather", times * k * beside * share)
@@ -344,6 +347,8 @@ def _memory(trace: Trace, layout: Layout, load: Load) -> dict[str, float]:
         # they stay gathered from the forward), the root's, a gradient reduced
         blocks_held = 2 if layout.reshard_after_forward else load.blocks
         gathered = (blocks_held * block + held_ends) * layout.compute_bytes + block * 4
+        if layout.pp > 1:  # a pipeline's stage keeps its gradients whole till the flush
+            gathered += (load.blocks * block + held_ends) * 4 - block * 4
     saved = trace.saved_compiled if layout.compile else trace.saved
     kept = load.blocks * saved.get("block", 0.0) + sum(saved.get(r, 0.0) for r in load.ends)
     in_flight = 1.0 if layout.pp == 1 else schedules.activations_held(
