@@ -187,6 +187,24 @@ def test_this_machines_measured_costs_stand_for_nccls_and_a_gpus():
     assert measured["in_step"] >= 1
 
 
+def test_this_machine_runs_only_an_op_it_can_afford():
+    """cluster=this runs a traced op for real only where it is quick and small; one that
+    this machine's rates say would take minutes, or whose tensors would fill its memory,
+    is left to the rates (None: the roofline of them), not run."""
+    import torch
+
+    from parallab.simulate.ops import Op, _spec
+    from parallab.simulate.timing import Timer
+
+    a = torch.randn(64, 64)
+    op = Op("forward", "block", "matmul", 2 * 64.0**3, ((0, a.nbytes), (1, a.nbytes)),
+            ((2, a.nbytes),), replay=(torch.ops.aten.mm.default, (_spec(a), _spec(a)), {}))
+    assert Timer(1)(op) > 0
+    assert Timer(1, flops=1e3)(op) is None  # 9 minutes at a thousand FLOP/s
+    assert Timer(1, bytes_per_s=1e3)(op) is None
+    assert Timer(1, memory=a.nbytes)(op) is None  # three of them
+
+
 def test_fsdp_reduces_each_accumulated_micro_batch_and_keeps_only_shards():
     """Gradient accumulation under FSDP2: each micro-batch's gradients reduce-scattered (with
     no compute to hide behind, every gather and reduction exposed: 2 gathers and one
