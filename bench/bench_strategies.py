@@ -11,7 +11,9 @@ Part 3 (--layouts), the mesh layouts on the default gpt at a global batch of 8: 
 state held per rank and the bytes each rank sends per step by collective kind (comm.py,
 counted on the second step), next to the textbook volumes of ring algorithms. Targets:
 ddp, fsdp and tp within 10% of the textbook; tp 2 holds <= 0.55 x ddp's state per rank;
-hsdp 2x2 holds fsdp 2's state, its replicas all-reduce one half-size gradient shard.
+hsdp 2x2 holds fsdp 2's state, its replicas all-reduce one half-size gradient shard;
+accumulating, fsdp and hsdp reduce-scatter each micro-batch's gradients, hsdp's replicas
+all-reduce once.
 """
 
 from __future__ import annotations
@@ -48,8 +50,9 @@ def memory(work: Path) -> None:
         held = {}
         for parallel in ("ddp", "fsdp"):
             metrics = run([f"parallel={parallel}", f"parallel.world_size={world}",
-                           "data.batch_size=2", "trainer.max_steps=3", "trainer.timing_skip_steps=0",
-                           "data.eval_fraction=0.002"], work / f"{parallel}{world}")
+                           "data.batch_size=2", "trainer.max_steps=3",
+                           "trainer.timing_skip_steps=0", "data.eval_fraction=0.002"],
+                          work / f"{parallel}{world}")
             held[parallel] = metrics["state_memory_mb"]
         ratio = held["fsdp"] / held["ddp"]
         print(f"| {world} | {held['ddp']:.1f} | {held['fsdp']:.1f} | {ratio:.3f} | "
@@ -62,8 +65,9 @@ def throughput(work: Path, steps: int) -> None:
     print("|---|---|---|---|---|---|")
     base = None
     for name, overrides in STRATEGIES.items():
-        metrics = run([*SMALL, *overrides, f"trainer.max_steps={steps}", "trainer.timing_skip_steps=2",
-                       "data.eval_fraction=0.005"], work / name.replace(" ", "_"))
+        metrics = run([*SMALL, *overrides, f"trainer.max_steps={steps}",
+                       "trainer.timing_skip_steps=2", "data.eval_fraction=0.005"],
+                      work / name.replace(" ", "_"))
         speed = metrics["samples_per_sec"]
         base = base or speed
         print(f"| {name} | {speed:,.1f} | {speed / base:.2f} | {metrics['peak_memory_mb']:,.0f} | "
@@ -80,6 +84,9 @@ def textbook(layout: str, params: float, batch: int) -> dict[str, float]:
         "ddp 4": lambda: textbook_volume(params, replicas=4),
         "fsdp 4": lambda: textbook_volume(params, shards=4),
         "fsdp 2": lambda: textbook_volume(params, shards=2),
+        "fsdp 2 accumulating 2": lambda: textbook_volume(params, shards=2, micro=2),
+        "hsdp 2x2 accumulating 2": lambda: textbook_volume(params, replicas=2, shards=2,
+                                                             micro=2),
         "hsdp 2x2": lambda: textbook_volume(params, replicas=2, shards=2),
         "ddp 2 x fsdp 2": lambda: textbook_volume(params, replicas=2, shards=2),
         "tp 2": lambda: textbook_volume(params, **tp),
@@ -92,6 +99,12 @@ LAYOUTS = {  # name -> (overrides, sequences per rank); a global batch of 8 each
     "fsdp 4": (["parallel=fsdp", "parallel.world_size=4"], 2),
     "fsdp 2": (["parallel=fsdp", "parallel.world_size=2"], 4),
     "hsdp 2x2": (["parallel=hsdp", "parallel.world_size=4"], 2),
+    # each micro-batch's gradients reduce-scattered (the shards accumulate), the replicas'
+    # all-reduce once a step
+    "fsdp 2 accumulating 2": (["parallel=fsdp", "parallel.world_size=2",
+                                 "trainer.accumulate_grad_batches=2"], 2),
+    "hsdp 2x2 accumulating 2": (["parallel=hsdp", "parallel.world_size=4",
+                                   "trainer.accumulate_grad_batches=2"], 1),
     "tp 2": (["parallel=tp", "parallel.world_size=2"], 8),
     "tp 2 sequence parallel": (["parallel=tp", "parallel.world_size=2",
                                 "parallel.sequence_parallel=true"], 8),
