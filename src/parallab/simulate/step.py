@@ -344,11 +344,11 @@ def _memory(trace: Trace, layout: Layout, load: Load) -> dict[str, float]:
     state = held * (4 + 4 + STATE_BYTES[layout.optimizer])
     gathered = 0.0
     if layout.dp_shard > 1:  # this block's and the next one's weights (every block's where
-        # they stay gathered from the forward), the root's, a gradient reduced
+        # they stay gathered from the forward), the root's, and a block's gradient as it is
+        # reduced (a pipeline's part keeps all of its whole till the flush)
         blocks_held = 2 if layout.reshard_after_forward else load.blocks
-        gathered = (blocks_held * block + held_ends) * layout.compute_bytes + block * 4
-        if layout.pp > 1:  # a pipeline's stage keeps its gradients whole till the flush
-            gathered += (load.blocks * block + held_ends) * 4 - block * 4
+        whole = load.blocks * block + held_ends if layout.pp > 1 else block
+        gathered = (blocks_held * block + held_ends) * layout.compute_bytes + whole * 4
     saved = trace.saved_compiled if layout.compile else trace.saved
     kept = load.blocks * saved.get("block", 0.0) + sum(saved.get(r, 0.0) for r in load.ends)
     in_flight = 1.0 if layout.pp == 1 else schedules.activations_held(
