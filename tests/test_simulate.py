@@ -62,6 +62,19 @@ def test_a_traced_block_counts_its_matmuls_and_attention_as_by_hand():
     assert full.saved["block"] == tokens * width * 4 < plain.saved["block"]
 
 
+def test_a_tied_head_is_held_once():
+    """model.tie_embeddings=true: the head's matrix is the embedding's, held (and so
+    gathered, reduced and stepped) once, where laying the model out on fake tensors had
+    made it two."""
+    from parallab.simulate.trace import Shape
+
+    shape = Shape(rows=2, seq_len=32, precision="fp32")
+    untied, tied = traced(shape), traced(shape, "model.tie_embeddings=true")
+    held = lambda found: sum(found.params.values())  # noqa: E731 - one count
+    assert held(untied) - held(tied) == 256 * 64  # vocabulary x width
+    assert tied.params["block"] == untied.params["block"]
+
+
 def test_a_compiled_step_keeps_and_pays_what_its_eager_loss_does():
     """trainer.compile compiles the model, not the loss: the loss's ops (outside the model)
     are priced one by one and what they keep for backward, the log-probabilities over the
@@ -206,9 +219,10 @@ def test_this_machine_runs_only_an_op_it_can_afford():
 
 
 def test_fsdp_reduces_each_accumulated_micro_batch_and_keeps_only_shards():
-    """Gradient accumulation under FSDP2: each micro-batch's gradients reduce-scattered (with
-    no compute to hide behind, every gather and reduction exposed: 2 gathers and one
-    reduction a block and micro-batch), and no whole gradients kept between them."""
+    """Gradient accumulation under FSDP2: each micro-batch's gradients reduce-scattered, the
+    blocks' and the root's (with no compute to hide behind, every gather and reduction
+    exposed: 2 gathers and one reduction a block and micro-batch, one of each for the
+    root), HSDP's all-reduce over the replicas once, and no whole gradients kept."""
     from parallab.config.schema import NcclLatency
     from parallab.simulate import step
     from parallab.simulate.cluster import Rates
@@ -216,18 +230,26 @@ def test_fsdp_reduces_each_accumulated_micro_batch_and_keeps_only_shards():
 
     rates = Rates({"bf16": 1e12, "fp32": 1e12}, 1.0, 1e18, 1e9, 1e9, 8, 2**40, 0.0,
                   NcclLatency(0, 0, 0, 0, 0, 0))
-    found = Trace(Shape(), ops=[], params={"before": 0.0, "block": 1e6, "after": 0.0})
-    gather, scatter = 1e6 / 2 * 2 / 1e9, 1e6 / 2 * 4 / 1e9  # half of it, bf16 and float32
+    found = Trace(Shape(), ops=[], params={"before": 1e5, "block": 1e6, "after": 0.0})
+    # half of it each over 2 ranks: gathered in bf16, reduced in float32; HSDP's replicas
+    # (2) all-reduce each shard's half, 2 x 1/2 of it in float32
+    gather, scatter, reduce = 1e6 / 2 * 2 / 1e9, 1e6 / 2 * 4 / 1e9, 1e6 / 2 * 4 / 1e9
+    root = 0.1  # the root's share of a block's
     one = None
     for m in (1, 4):
-        layout = step.Layout(world_size=2, dp_shard=2, microbatches=m)
-        predicted = step.predict(found, step.costs(found, rates, False, False), layout, rates, 3)
-        assert predicted.parts["all_gather_s"] == pytest.approx(2 * m * 3 * gather)
-        assert predicted.parts["reduce_scatter_s"] == pytest.approx(m * 3 * scatter)
-        one = one or predicted.memory
-        assert predicted.memory == one
+        for r in (1, 2):
+            layout = step.Layout(world_size=2 * r, dp_replicate=r, dp_shard=2, microbatches=m)
+            predicted = step.predict(found, step.costs(found, rates, False, False), layout,
+                                     rates, 3)
+            assert predicted.parts["all_gather_s"] == pytest.approx(
+                m * (2 * 3 + root) * gather)
+            assert predicted.parts["reduce_scatter_s"] == pytest.approx(
+                m * (3 + root) * scatter + (r - 1) * (3 + root) * reduce)
+            one = one or predicted.memory
+            assert predicted.memory == one or r > 1
     # a pipeline's sharded part (torch's stages) keeps its weights and gradients whole from
     # the first micro-batch to the flush, and reduces them once
+    found = Trace(Shape(), ops=[], params={"before": 0.0, "block": 1e6, "after": 0.0})
     layout = step.Layout(world_size=4, dp_shard=2, pp=2, microbatches=4, bubble=1.25,
                          schedule="1f1b", reshard_after_forward=False)
     predicted = step.predict(found, step.costs(found, rates, False, False), layout, rates, 4)

@@ -11,12 +11,13 @@ inside) and the embeddings', the head's and the loss's where the rank holds them
 Communication, each collective by NCCL's model (cluster.py) over the ranks its group
 spans, overlapped as each layout overlaps it:
 - tensor parallel: the collectives the plan calls inside each block, exposed;
-- FSDP2: each block's weights gathered (in the compute dtype) for its forward and again
-  for its backward, the next block's gather running beside this block's compute, and
-  its gradients reduce-scattered (in float32) beside the previous block's backward; the
-  root's (what the blocks leave) gathered once at the start and reduced at the end; each
-  accumulated micro-batch reduce-scatters its own (the shards accumulate), and HSDP adds
-  the replicas' all-reduce of each shard to the last one's backward stream;
+- FSDP2, for each accumulated micro-batch: each block's weights gathered (in the compute
+  dtype) for its forward and again for its backward, the next block's gather beside this
+  block's compute, and its gradients reduce-scattered (in float32) beside the previous
+  block's backward, so that the shards accumulate; the root's (what the blocks leave)
+  gathered at the start and reduced at the end; HSDP's all-reduce of each shard over the
+  replicas only in the last micro-batch's backward. A pipeline's sharded part is gathered
+  once a step and reduced once, after the flush (torch's stages);
 - DDP: the gradients all-reduced in buckets as backward makes them, exposed where they
   outlast it (the last bucket at least);
 - a pipeline: each micro-batch's activations sent on and their gradients back at every
@@ -28,7 +29,9 @@ bandwidth.
 
 Memory: the training state a rank holds (float32 weights, gradients and optimizer
 state, sharded by FSDP2, cut by tensor and pipeline parallel), FSDP2's gathered
-weights (this block's and the next one's), the activations each block keeps for backward
+weights (this block's and the next one's) and a block's whole gradient as it is reduced
+(a pipeline part's weights and gradients all, till the flush), the activations each block
+keeps for backward
 times the micro-batches the schedule holds at once, and the peak of temporaries the
 traced step reached beyond them (the loss's logits and their gradients).
 """
@@ -286,44 +289,14 @@ def _data_parallel(trace: Trace, c: Costs, layout: Layout, rates: Rates, busiest
                    compute: dict[str, float], expose) -> None:
     """FSDP2's gathers and reductions (HSDP's all-reduce with them), or DDP's buckets, as
     they are left exposed beside the busiest rank's compute."""
-    G = rates.gpus_per_node
-    shard = Group.of(layout.dp_shard, layout.tp * layout.pp, G)
-    replicas = Group.of(layout.dp_replicate, layout.dp_shard * layout.tp * layout.pp, G)
-    block_params, k, m = trace.params["block"], busiest.blocks, layout.microbatches
+    block_params, k = trace.params["block"], busiest.blocks
     held_ends = sum(trace.params[r] for r in busiest.ends)
-    block_f, block_b = c.seconds("forward", "block"), c.seconds("backward", "block")
     if layout.dp_shard > 1:
-        n = layout.dp_shard
-        gather = rates.collective_s("all_gather", (n - 1) / n * block_params *
-                                    layout.compute_bytes, shard)
-        scatter = rates.collective_s("reduce_scatter", (n - 1) / n * block_params * 4, shard)
-        reduce = 0.0
-        if layout.dp_replicate > 1:  # HSDP: each shard's gradient all-reduced over replicas
-            r = layout.dp_replicate
-            reduce = rates.collective_s("all_reduce", 2 * (r - 1) / r * block_params / n * 4,
-                                        replicas)
-        gathers = m if layout.reshard_after_forward else 1  # else gathered once a step
-        expose("all_gather", gathers * (gather + (k - 1) * rates.hidden(gather, block_f)))
-        # the backward's gathers (where freed after the forward) and each micro-batch's
-        # reductions (the replicas' only in the last) share the links beside each block's
-        # backward; the first block's reduction is left after it. A pipeline's sharded
-        # parts reduce once, after the flush (torch's stages keep their gradients whole
-        # till then)
-        again = gather if layout.reshard_after_forward else 0.0
-        earlier = m - 1 if layout.pp == 1 else 0
-        for times, reduced in ((earlier, scatter), (1, scatter + reduce)):
-            beside = rates.hidden(again + reduced, block_b)
-            share = again / (again + reduced) if again + reduced else 0.0
-            expose("all_gather", times * k * beside * share)
-            expose("reduce_scatter", times * (reduced + (k - 1) * beside * (1 - share)))
-        # FSDP2's hooks around each unit (the blocks and the root), forward and backward
-        expose("fsdp_hooks", m * (k + 1) * rates.fsdp_unit_s)
-        expose("all_gather", rates.collective_s(
-            "all_gather", (n - 1) / n * held_ends * layout.compute_bytes, shard))
-        expose("reduce_scatter", rates.collective_s(
-            "reduce_scatter", (n - 1) / n * held_ends * 4, shard))
+        _sharded(layout, rates, block_params, held_ends, k, (
+            c.seconds("forward", "block"), c.seconds("backward", "block")), expose)
     elif layout.dp_replicate > 1:
         r = layout.dp_replicate
+        replicas = Group.of(r, layout.tp * layout.pp, rates.gpus_per_node)
         grads = (k * block_params + held_ends) * 4
         buckets = max(1, math.ceil(grads / (layout.bucket_mb * 2**20)))
         one = rates.collective_s("all_reduce", 2 * (r - 1) / r * grads / buckets, replicas)
@@ -331,6 +304,44 @@ def _data_parallel(trace: Trace, c: Costs, layout: Layout, rates: Rates, busiest
             expose("all_reduce", one * buckets)
         else:
             expose("all_reduce", max(one, rates.hidden(one * buckets, compute["backward"])))
+
+
+def _sharded(layout: Layout, rates: Rates, block_params: float, held_ends: float, k: int,
+             block: tuple[float, float], expose) -> None:
+    """FSDP2 over dp_shard ranks (HSDP: and dp_replicate replicas) of `k` blocks and the
+    root unit (`held_ends`: what the blocks leave), `block`'s forward and backward seconds
+    beside them."""
+    n, r, m = layout.dp_shard, layout.dp_replicate, layout.microbatches
+    shard = Group.of(n, layout.tp * layout.pp, rates.gpus_per_node)
+    replicas = Group.of(r, n * layout.tp * layout.pp, rates.gpus_per_node)
+
+    def collectives(params: float) -> tuple[float, float, float]:
+        """A unit's gather (compute dtype), reduce-scatter and replicas' all-reduce (fp32)."""
+        return (rates.collective_s("all_gather", (n - 1) / n * params * layout.compute_bytes,
+                                   shard),
+                rates.collective_s("reduce_scatter", (n - 1) / n * params * 4, shard),
+                rates.collective_s("all_reduce", 2 * (r - 1) / r * params / n * 4, replicas))
+
+    gather, scatter, reduce = collectives(block_params)
+    # every micro-batch's forward gathers (FSDP2 reshards after each backward), the next
+    # block's beside this one's compute; a pipeline's part once a step, kept till the
+    # flush, its gradients kept whole till then and reduced once (torch's stages)
+    passes = m if layout.pp == 1 else 1
+    expose("all_gather", passes * (gather + (k - 1) * rates.hidden(gather, block[0])))
+    # the backward's gathers (where freed after the forward) and each pass's reductions
+    # (the replicas' only in the last) share the links beside each block's backward; the
+    # first block's reduction is left after it
+    again = gather if layout.reshard_after_forward else 0.0
+    for times, reduced in ((passes - 1, scatter), (1, scatter + reduce)):
+        beside = rates.hidden(again + reduced, block[1])
+        share = again / (again + reduced) if again + reduced else 0.0
+        expose("all_gather", times * k * beside * share)
+        expose("reduce_scatter", times * (reduced + (k - 1) * beside * (1 - share)))
+    # FSDP2's hooks around each unit (the blocks and the root), forward and backward
+    expose("fsdp_hooks", m * (k + 1) * rates.fsdp_unit_s)
+    root_gather, root_scatter, root_reduce = collectives(held_ends)  # exposed: nothing beside
+    expose("all_gather", passes * root_gather)
+    expose("reduce_scatter", passes * root_scatter + root_reduce)
 
 
 def _memory(trace: Trace, layout: Layout, load: Load) -> dict[str, float]:

@@ -186,6 +186,7 @@ def trace(cfg, template: nn.Module, block: str, vocab: int, shape: Shape) -> Tra
         model = model.to(precision.dtype)  # FSDP2 gathers weights in the compute dtype
     with fake:
         model = model.to_empty(device="cpu")
+    _tie_again(template, model)
     found = Trace(shape)
     inputs: list[torch.Tensor] = []
     the_block = model.get_submodule(block)
@@ -225,6 +226,19 @@ def trace(cfg, template: nn.Module, block: str, vocab: int, shape: Shape) -> Tra
 def _fqn(model: nn.Module, block: str) -> str:
     """The block's name as ModTracker names modules: the root's class, then the path."""
     return f"{type(model).__name__}.{block}"
+
+
+def _tie_again(template: nn.Module, model: nn.Module) -> None:
+    """to_empty on fake tensors gives each name of a tied parameter (a head sharing the
+    embedding's matrix) a tensor of its own: share them again as `template` does, so that
+    the model holds, gathers and steps that matrix once."""
+    first: dict[int, str] = {}
+    for name, param in template.named_parameters(remove_duplicate=False):
+        if id(param) not in first:
+            first[id(param)] = name
+            continue
+        owner, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(owner), attr, model.get_parameter(first[id(param)]))
 
 
 def _params_by_region(model: nn.Module, block: nn.Module, called: list[nn.Module]

@@ -211,7 +211,7 @@ class Trainer:
             if self.cfg.channels_last:
                 batch = to_channels_last(batch)
             last = index == len(batches) - 1
-            # reduce gradients across ranks once per step, on its last micro-batch
+            # the micro-steps before the last skip what the layout defers (runtime.no_sync)
             with contextlib.nullcontext() if last else self.runtime.no_sync(self.model):
                 loss = self.runtime.forward_backward(self.model, batch, items)
             total = loss if total is None else total + loss
