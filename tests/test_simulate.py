@@ -206,16 +206,34 @@ def test_this_machine_runs_only_an_op_it_can_afford():
     is left to the rates (None: the roofline of them), not run."""
     import torch
 
+    from parallab.config.schema import NcclLatency
+    from parallab.simulate import step
+    from parallab.simulate.cluster import Rates
     from parallab.simulate.ops import Op, _spec
     from parallab.simulate.timing import Timer
 
     a = torch.randn(64, 64)
     op = Op("forward", "block", "matmul", 2 * 64.0**3, ((0, a.nbytes), (1, a.nbytes)),
             ((2, a.nbytes),), replay=(torch.ops.aten.mm.default, (_spec(a), _spec(a)), {}))
-    assert Timer(1)(op) > 0
-    assert Timer(1, flops=1e3)(op) is None  # 9 minutes at a thousand FLOP/s
-    assert Timer(1, bytes_per_s=1e3)(op) is None
-    assert Timer(1, memory=a.nbytes)(op) is None  # three of them
+    calls = []
+
+    def timed(found):
+        calls.append(found)
+        return Timer(1)(found)
+
+    def rates(flops=1e12, bytes_per_s=1e12, memory=2.0**40):
+        return Rates({"bf16": flops, "fp32": flops}, 1.0, bytes_per_s, 1e9, 1e9, 1, memory,
+                     0.0, NcclLatency(), overhead_adds=True, timed=timed)
+
+    def ran(given) -> bool:
+        calls.clear()
+        step.op_seconds(op, given, given.peaks["fp32"])
+        return bool(calls)
+
+    assert ran(rates()) and Timer(1)(op) > 0
+    assert not ran(rates(flops=1e3))  # 9 minutes at a thousand FLOP/s
+    assert not ran(rates(bytes_per_s=1e3))
+    assert not ran(rates(memory=a.nbytes))  # three of them
 
 
 def test_fsdp_reduces_each_accumulated_micro_batch_and_keeps_only_shards():

@@ -109,7 +109,7 @@ def test_layout_trains_as_one_device_does(train_here, single_device, layout):
     assert metrics["global_batch_size"] == 64 and metrics["world_size"] == 2
     if layout[0] == "parallel=fsdp":  # each micro-batch's gradients reduce-scattered: the
         # shards accumulate, not the whole model's gradients
-        params = 4 * sum(p.numel() for p in MLP(input_dim=64, hidden=[64, 64, 32]).parameters())
+        params = 4 * sum(w.numel() for w in weights.values())
         micro = 2 if ACCUMULATE_AND_CLIP[0] in layout else 1
         assert metrics["comm_reduce_scatter_mb"] * 2**20 == pytest.approx(
             textbook_volume(params, shards=2, micro=micro)["reduce_scatter"], rel=1e-6)

@@ -204,9 +204,9 @@ class MeshRuntime(Runtime):
             return
         # each micro-batch's gradients are reduce-scattered all the same, so what accumulates
         # is this rank's shard: skipping it would keep the whole model's gradients unsharded
-        # on every rank till the last (a 70B's 260 GB), what sharding is there to avoid (as
-        # torchtitan does, FSDP2's advice where memory counts). Only HSDP's all-reduce over
-        # the replicas waits for the last micro-batch.
+        # on every rank till the last (a 70B's: 280 GB in float32), what sharding avoids;
+        # torchtitan's way, and FSDP2's advice where memory counts. Only HSDP's all-reduce
+        # over the replicas waits for the last micro-batch.
         replicated = self.layout.dp_replicate > 1
         if replicated:
             model.set_requires_all_reduce(False)

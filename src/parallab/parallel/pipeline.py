@@ -37,7 +37,6 @@ from parallab.config.errors import ConfigError
 from parallab.loss import FromModel, from_model, scores
 from parallab.models import hf
 from parallab.parallel import schedules
-from parallab.parallel.activations import CONTEXTS
 from parallab.parallel.fsdp import norm_squares, shard
 from parallab.parallel.layout import Layout
 from parallab.parallel.mesh import MeshPlan, MeshRuntime
@@ -406,7 +405,7 @@ def refuse_split_backward(cfg) -> None:
     which torch does not do through a compiled stage, nor through one checkpointed
     selectively (it recomputes such a region for one backward only)."""
     p, t = cfg.parallel, cfg.trainer
-    clash = schedules.split_backward_clash(p.schedule, t.activation_checkpointing in CONTEXTS,
+    clash = schedules.split_backward_clash(p.schedule, t.activation_checkpointing,
                                            t.compile)
     if clash == "compile":
         raise ConfigError(f"trainer.compile=true with parallel.schedule={p.schedule}: it "

@@ -46,17 +46,19 @@ SCHEDULES = {s.name: s for s in (
 )}
 
 
-def split_backward_clash(schedule: str, selective: bool, compile: bool) -> str | None:
+def split_backward_clash(schedule: str, checkpointing: str, compile: bool) -> str | None:
     """What of a run a zero-bubble schedule cannot take: it runs each backward as an input-
     and a weight-gradient half, which torch does not do through a compiled stage
-    ("compile"), nor through one checkpointed selectively (`selective`: a mode with a
+    ("compile"), nor through one checkpointed selectively (a `checkpointing` mode with a
     checkpoint policy, activations.CONTEXTS), which it recomputes for one backward only
     ("checkpointing"); None where nothing clashes."""
+    from parallab.parallel.activations import CONTEXTS  # (torch's: imported when asked)
+
     if not SCHEDULES[schedule].splits_backward:
         return None
     if compile:
         return "compile"
-    return "checkpointing" if selective else None
+    return "checkpointing" if checkpointing in CONTEXTS else None
 
 
 def stages_per_rank(schedule: str, given: int | None) -> int:

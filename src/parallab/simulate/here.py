@@ -177,7 +177,6 @@ def rates(cfg: ClusterConfig, world_size: int) -> Rates:
                  f["memory_bytes"] / n, f["op_s"] / share, NcclLatency(*[0.0] * 6),
                  overhead_adds=True, dtensor_op_s=ranks["dtensor_op_s"],
                  fsdp_unit_s=ranks["fsdp_unit_s"], stage_s=ranks["stage_s"], links=links,
-                 timed=_TIMERS.setdefault((threads, ranks["in_step"]), Timer(
-                     threads, ranks["in_step"], min(rate("fp32"), rate("bf16")),
-                     f["copy"] / n, f["memory_bytes"])))
+                 timed=_TIMERS.setdefault((threads, ranks["in_step"]),
+                                          Timer(threads, ranks["in_step"])))
     return dataclasses.replace(base, **{scaled[k][0]: v * scaled[k][1] for k, v in given.items()})

@@ -117,6 +117,7 @@ class Recorder(TorchDispatchMode):
     def __init__(self, tracker, block: str, causal_lm: bool):
         super().__init__()
         self.tracker, self.block, self.causal_lm = tracker, block, causal_lm
+        self.root = block.split(".")[0]  # the model's root module's name
         self.phase = "forward"
         self.ops: list[Op] = []
         # storage -> (region, kind, in_model) of the op that made it
@@ -143,8 +144,8 @@ class Recorder(TorchDispatchMode):
     def _in_model(self) -> bool:
         """Run by the model (its root's name or under it), not by a loss of its own, module
         or not, nor outside any module."""
-        root = self.block.split(".")[0]
-        return any(p == root or p.startswith(root + ".") for p in self.tracker.parents)
+        return any(p == self.root or p.startswith(self.root + ".")
+                   for p in self.tracker.parents)
 
     def _region(self) -> str:
         if any(p.startswith(self.block) for p in self.tracker.parents):

@@ -16,7 +16,8 @@ from parallab.parallel import schedules
 from parallab.parallel.activations import CONTEXTS
 from parallab.simulate.step import Prediction
 
-CHECKPOINTING = ("none", "selective", "selective_alternate", "full")
+# the modes in order of what they recompute: none, the selective ones, full
+CHECKPOINTING = ("none", *CONTEXTS, "full")
 # what a candidate sets: the user's own settings of these give way to it in its command
 # (the layout's other keys, such as parallel.bucket_cap_mb, stay as the user set them)
 DECIDED = ("parallel=", "parallel.world_size=", "parallel.dp_replicate=",
@@ -152,7 +153,7 @@ def grid(cfg, facts, gpus_per_node: int) -> list[Candidate]:
                 for way in _ways(pp, batch or 1, facts):
                     for ac in CHECKPOINTING:
                         if way.get("schedule") and schedules.split_backward_clash(
-                                way["schedule"], ac in CONTEXTS, cfg.trainer.compile):
+                                way["schedule"], ac, cfg.trainer.compile):
                             continue  # train refuses it
                         c = Candidate(**base, **way, checkpointing=ac)
                         c.reason = tp_reason or batch_reason

@@ -89,18 +89,28 @@ class Prediction:
     memory: dict[str, float] = field(default_factory=dict)  # GiB by kind
 
 
+LONGEST_S = 0.5  # an op run for real here at most this long by its roofline, ...
+MEMORY_SHARE = 0.25  # ... its tensors at most this share of a rank's memory
+
+
 def op_seconds(op: Op, rates: Rates, fp32_peak: float) -> float:
     """One op's roofline: its FLOPs at the peak of its precision x the matmul efficiency,
     or its bytes at the memory's bandwidth, whichever is longer; at least a launch. Where
-    the cluster is this machine, the op run for real (here.py), its roofline the fallback."""
-    timed = rates.timed(op) if rates.timed is not None else None
-    if timed is not None:
-        return timed + rates.op_overhead_s + rates.dtensor_op_s * op.dtensor
+    the cluster is this machine, the op run for real (here.py), its roofline the fallback;
+    an op the roofline says would run over LONGEST_S, or whose tensors would take over
+    MEMORY_SHARE of the memory, is not run: at that size a CPU runs at the measured rates
+    the roofline prices it by, and a model too large for the machine ends in its refusal,
+    not in hours of ops or an exhausted memory."""
     moved = sum(b for _, b in op.reads) + sum(b for _, b in op.writes)
     seconds = moved / rates.hbm
     if op.flops:
         peak = fp32_peak if op.wide else rates.peaks["bf16"]
         seconds = max(seconds, op.flops / (peak * rates.matmul_efficiency))
+    if rates.timed is not None and seconds <= LONGEST_S and \
+            moved <= MEMORY_SHARE * rates.memory_bytes:
+        timed = rates.timed(op)
+        if timed is not None:
+            return timed + rates.op_overhead_s + rates.dtensor_op_s * op.dtensor
     return _with_overhead(seconds, rates) + rates.dtensor_op_s * op.dtensor
 
 
@@ -365,6 +375,8 @@ def _memory(trace: Trace, layout: Layout, load: Load) -> dict[str, float]:
     in_flight = 1.0 if layout.pp == 1 else schedules.activations_held(
         layout.schedule, layout.pp, layout.stages_per_rank, layout.microbatches, load.rank)
     eager = sum(trace.saved.values())
+    # (blend stores its peak as what goes beyond the eager saved bytes plus them: this
+    # subtraction is what it counts on)
     temporary = max(0.0, trace.peak_transient - eager) if load.after else 0.0
     return {name: value / 2**30 for name, value in (
         ("state", state), ("gathered", gathered), ("activations", in_flight * kept),

@@ -60,32 +60,17 @@ def fastest(work, repeats: int = 5) -> float:
     return min(_runs(work, repeats))
 
 
-LONGEST_S = 0.5  # an op run for real at most this long (by the rates' guess), ...
-MEMORY_SHARE = 0.25  # ... its tensors at most this share of the memory
-
-
 class Timer:
     """Each distinct op of a trace (ops.Op.replay) run for real here, with a rank's
     threads, once: its fastest run, times `slower` (in_step's ratio for the job's ranks).
-    None for an op that cannot be run from its shapes alone, or that the rates given
-    (`flops`, `bytes_per_s` and `memory` bytes: this machine's, measured) say would run
-    longer than LONGEST_S or hold more than MEMORY_SHARE of the memory: at that size a CPU
-    runs at those rates, which price the op instead, and a model too large for the machine
-    ends in its refusal, not in hours of ops or an exhausted memory."""
+    None for an op that cannot be run from its shapes alone."""
 
-    def __init__(self, threads: int, slower: float = 1.0, flops: float = float("inf"),
-                 bytes_per_s: float = float("inf"), memory: float = float("inf")):
+    def __init__(self, threads: int, slower: float = 1.0):
         self.threads, self.slower = threads, slower
-        self.flops, self.bytes_per_s, self.memory = flops, bytes_per_s, memory
         self.known: dict[str, float | None] = {}
 
-    def affordable(self, op) -> bool:
-        moved = sum(b for _, b in op.reads) + sum(b for _, b in op.writes)
-        guess = max(op.flops / self.flops, moved / self.bytes_per_s)
-        return guess <= LONGEST_S and moved <= MEMORY_SHARE * self.memory
-
     def __call__(self, op) -> float | None:
-        if op.replay is None or not self.affordable(op):
+        if op.replay is None:
             return None
         key = repr(op.replay)
         if key not in self.known:

@@ -232,13 +232,11 @@ def _tie_again(template: nn.Module, model: nn.Module) -> None:
     """to_empty on fake tensors gives each name of a tied parameter (a head sharing the
     embedding's matrix) a tensor of its own: share them again as `template` does, so that
     the model holds, gathers and steps that matrix once."""
-    first: dict[int, str] = {}
-    for name, param in template.named_parameters(remove_duplicate=False):
-        if id(param) not in first:
-            first[id(param)] = name
-            continue
+    from parallab.training.weights import tied_names
+
+    for name, first in tied_names(template).items():
         owner, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(owner), attr, model.get_parameter(first[id(param)]))
+        setattr(model.get_submodule(owner), attr, model.get_parameter(first))
 
 
 def _params_by_region(model: nn.Module, block: nn.Module, called: list[nn.Module]

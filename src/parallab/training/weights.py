@@ -54,7 +54,7 @@ def read(path: str | Path, model: nn.Module) -> dict[str, torch.Tensor]:
     return formats.format_of(path).read(model)
 
 
-def _aliases(model: nn.Module) -> dict[str, str]:
+def tied_names(model: nn.Module) -> dict[str, str]:
     """Each tied parameter's other names -> the first name it has."""
     first: dict[int, str] = {}
     aliases = {}
@@ -69,7 +69,7 @@ def fit(model: nn.Module, saved: dict[str, tuple[int, ...]],
     """(missing, unexpected, mis-shaped) names between `model` (meta will do) and saved
     shapes, of the model's weights that the format `covers` (a peft adapter folder: the
     adapters alone); a tied weight saved under any of its names is present."""
-    aliases = _aliases(model)
+    aliases = tied_names(model)
     own = {name: tuple(v.shape) for k, v in model.state_dict().items()
            if covers(name := plain_name(k))}
     present = set(saved) | {alias for alias, first in aliases.items() if first in saved} | {
@@ -140,7 +140,7 @@ def load_held(model: nn.Module, path: str | Path, device: torch.device) -> None:
         set_model_state_dict(model, held)
         return
     saved = reader.lazy()
-    for alias, first in _aliases(model).items():  # a tied weight, saved under one name
+    for alias, first in tied_names(model).items():  # a tied weight, saved under one name
         if alias not in saved.where and first in saved.where:
             saved.where[alias] = saved.where[first]
         elif first not in saved.where and alias in saved.where:
@@ -170,7 +170,7 @@ def load_into(model: nn.Module, path: str | Path, strict: bool = True) -> list[s
     """`model` (whole, on the CPU) given the weights at `path`; returns the names left at
     their initial values (strict=False), after fit_problem said they may be."""
     saved = read(path, model)
-    aliases = _aliases(model)
+    aliases = tied_names(model)
     for alias, first in aliases.items():  # a tied weight written under one of its names
         if first not in saved and alias in saved:
             saved[first] = saved[alias]
