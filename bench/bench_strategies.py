@@ -77,9 +77,8 @@ def throughput(work: Path, steps: int) -> None:
 def textbook(layout: str, params: float, batch: int) -> dict[str, float]:
     """Bytes per rank and step by kind for the default gpt (4 layers, width 256, context
     256, vocabulary 256), parameters of `params` bytes, `batch` sequences per rank."""
-    context, width, vocab = 256, 256, 256
-    tp = dict(tp=2, layers=4, activation=batch * context * width * 4,
-              logits=batch * context * vocab * 4)
+    context, width = 256, 256
+    tp = dict(tp=2, layers=4, activation=batch * context * width * 4)
     return {
         "ddp 4": lambda: textbook_volume(params, replicas=4),
         "fsdp 4": lambda: textbook_volume(params, shards=4),

@@ -5,6 +5,7 @@ the cluster presets, the command as a user runs it, and its refusals."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -115,6 +116,27 @@ def test_tensor_parallel_halves_a_blocks_matmuls_and_adds_its_all_reduces():
     assert [op.collective for op in forward] == ["all_reduce", "all_reduce"]
     assert all(op.sent == tokens * width * 4 and op.group == 2 for op in forward)
     assert split.params["block"] == pytest.approx(12 * width**2 / 2 + 13 * width, rel=0.1)
+
+
+def test_tensor_parallel_keeps_the_logits_cut_by_vocabulary():
+    """The head's logits stay cut over the tp ranks and the cross-entropy runs on each
+    rank's slice (loss_parallel): the loss reads half the logits a rank of tp 1 reads, and
+    nothing gathers them; a label-smoothed cross-entropy, which loss_parallel does not
+    compute, gets them gathered whole."""
+    from parallab.simulate.trace import Shape
+
+    shape = Shape(rows=2, seq_len=32, precision="fp32")
+    whole, split = traced(shape), traced(dataclasses.replace(shape, tp=2))
+    smoothed = traced(dataclasses.replace(shape, tp=2), "loss=cross_entropy",
+                      "+loss.label_smoothing=0.1")
+    read = lambda found: sum(b for op in found.ops if not op.in_model  # noqa: E731
+                             and op.phase == "forward" for _, b in op.reads)
+    gathers = lambda found: [op for op in found.ops  # noqa: E731
+                             if op.collective == "all_gather" and op.region == "after"]
+    logits = 2 * 32 * 256 * 4
+    assert read(whole) > 2 * logits and read(split) == pytest.approx(read(whole) / 2, rel=0.05)
+    assert not gathers(split)
+    assert [op.sent for op in gathers(smoothed)] == [logits / 2]
 
 
 def test_a_collective_takes_nccls_time():

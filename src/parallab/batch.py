@@ -248,6 +248,14 @@ def logits_in(output: Any) -> torch.Tensor | None:
     return found
 
 
+def whole(output: Any) -> Any:
+    """The output with each DTensor in it gathered whole (logits cut by vocabulary)."""
+    from torch.distributed.tensor import DTensor
+    from torch.utils._pytree import tree_map_only
+
+    return tree_map_only(DTensor, lambda t: t.full_tensor(), output)
+
+
 def weight(labels: torch.Tensor) -> torch.Tensor | int:
     """What a batch's figure is weighted by when figures are averaged over batches: a
     language model's valid labels (tokens), else its samples."""

@@ -36,6 +36,8 @@ class Objective:
 
     classifies = False  # targets are class indices: evaluation reports eval_accuracy
     from_model = False  # the forward gets the targets and returns the loss
+    # takes logits cut by class over the tp ranks, a DTensor (tp_plans.shard_logits)
+    takes_sharded_logits = False
 
     def __call__(self, output: Any, targets: torch.Tensor) -> torch.Tensor:
         raise TypeError(f"{type(self).__name__} does not say how to compute its loss")
@@ -85,6 +87,8 @@ class CrossEntropy(Objective):
 
     def __init__(self, label_smoothing: float = 0.0):
         self.label_smoothing = label_smoothing
+        # torch's loss_parallel computes the plain cross-entropy only
+        self.takes_sharded_logits = label_smoothing == 0
 
     def __call__(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return self._loss(output, targets, "mean")
@@ -92,9 +96,11 @@ class CrossEntropy(Objective):
     def _loss(self, output: torch.Tensor, targets: torch.Tensor, reduction: str) -> torch.Tensor:
         # (B, C) vs (B,), or (B, T, V) vs (B, T): every target position counts once, but the
         # ignored ones (-100)
-        return F.cross_entropy(output.flatten(0, -2).float(), targets.flatten(),
+        loss = F.cross_entropy(output.flatten(0, -2).float(), targets.flatten(),
                                label_smoothing=self.label_smoothing, reduction=reduction,
                                ignore_index=batches.IGNORE_INDEX)
+        # of logits cut by class (loss_parallel), a DTensor each tp rank holds whole
+        return loss.to_local() if hasattr(loss, "to_local") else loss
 
     def count(self, targets: torch.Tensor) -> torch.Tensor:
         return batches.valid(targets).sum()

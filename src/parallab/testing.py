@@ -34,7 +34,8 @@ def run_entry(script: str, args: list[str], run_dir: Path | None = None, timeout
     result = subprocess.run(command, cwd=cwd or REPO, env=full_env, capture_output=True,
                             text=True, timeout=timeout)
     if check and result.returncode != 0:
-        raise RuntimeError(f"{' '.join(command)} failed:\n{(result.stdout + result.stderr)[-4000:]}")
+        said = (result.stdout + result.stderr)[-4000:]
+        raise RuntimeError(f"{' '.join(command)} failed:\n{said}")
     return result
 
 
@@ -96,7 +97,7 @@ def scratch_dir(prefix: str) -> Path:
 
 
 def textbook_volume(param_bytes: float, replicas: int = 1, shards: int = 1, tp: int = 1,
-                    layers: int = 0, activation: float = 0.0, logits: float = 0.0,
+                    layers: int = 0, activation: float = 0.0,
                     sequence_parallel: bool = False, micro: int = 1) -> dict[str, float]:
     """Bytes one rank sends per step by collective kind, as ring algorithms send them
     (all-reduce 2(n-1)/n x the tensor, all-gather (n-1)/n x the whole, reduce-scatter
@@ -106,9 +107,12 @@ def textbook_volume(param_bytes: float, replicas: int = 1, shards: int = 1, tp: 
     all-reduce one gradient shard, once a step), or tensor
     parallel alone over `tp` ranks on gpt (`layers` blocks of 4 all-reduces of an
     `activation` of (B, T, C) bytes, forward and backward of attention and MLP, 2 more for
-    the embedding and the head's input gradient, the `logits` gathered; with sequence
-    parallelism each block all-reduce becomes an all-gather and a reduce-scatter, the head
-    gathers its input and scatters its gradient, the embedding still all-reduces)."""
+    the embedding and the head's input gradient, nothing for the logits, which stay cut by
+    vocabulary; with sequence parallelism each block all-reduce becomes an all-gather and a
+    reduce-scatter, the head gathers its input and scatters its gradient, the embedding
+    still all-reduces). Not counted, as comm.py cannot see them: the loss's all-reduces of
+    three float32 a token (their largest logit, their exponentials' sum, the target's
+    logit), which DTensor calls inside its own dispatch of the loss's ops."""
     ring = lambda n: (n - 1) / n  # noqa: E731 - the ring's share
     volume = {"all_reduce": 0.0, "all_gather": 0.0, "reduce_scatter": 0.0}
     if shards > 1:
@@ -117,7 +121,6 @@ def textbook_volume(param_bytes: float, replicas: int = 1, shards: int = 1, tp: 
     if replicas > 1:
         volume["all_reduce"] += 2 * ring(replicas) * param_bytes / shards
     if tp > 1:
-        volume["all_gather"] += ring(tp) * logits
         split = (4 * layers + 2) * activation  # the tensors tp all-reduces without SP
         if sequence_parallel:
             volume["all_reduce"] += 2 * ring(tp) * activation

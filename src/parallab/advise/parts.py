@@ -7,6 +7,7 @@ for each other to be scheduled.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import statistics
 import time
@@ -42,11 +43,13 @@ def loopback_gbps(dist: distributed.Dist, megabytes: int = 16, repeats: int = 5)
     return sent * 8 / statistics.median(times[1:]) / 1e9
 
 
-def _alone(model: torch.nn.Module, spec: run.RunSpec, dist: distributed.Dist, one):
+def _alone(model: torch.nn.Module, spec: run.RunSpec, dist: distributed.Dist, one, loss
+           ) -> tuple[torch.nn.Module, bool]:
     """`model` laid out as parallelize() lays out the candidate's (tensor parallel, then
     activation checkpointing, then FSDP2 or DDP), but over the one-rank group `one`: the
     layout's own work (FSDP2's copies and hooks, DTensor's dispatch per op, DDP's buckets,
-    recomputation), no peer. A pipeline's parts (_own_parts) are run by a schedule
+    recomputation), no peer; and whether its logits stay cut by vocabulary, as the
+    trainer leaves them for `loss`. A pipeline's parts (_own_parts) are run by a schedule
     (_forward_backward). Not compiled: that would be a second compile per candidate."""
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -59,11 +62,12 @@ def _alone(model: torch.nn.Module, spec: run.RunSpec, dist: distributed.Dist, on
     mesh = DeviceMesh.from_group([one, one], dist.device.type, mesh=[[dist.rank]],
                                  mesh_dim_names=("dp_shard", "tp")) if layout.sharded and cut \
         else None
+    sharded = False
     if cut and layout.tp > 1:
         from torch.distributed.tensor.parallel import parallelize_module
 
-        parallelize_module(model, mesh["tp"], tp_plans.plan_of(model, p.tp_plan or None,
-                                                            p.sequence_parallel))
+        plan, sharded = tp_plans.plan_for(model, p.tp_plan or None, p.sequence_parallel, loss)
+        parallelize_module(model, mesh["tp"], plan)
     model = speed_up(model, dataclasses.replace(cfg.trainer, compile=False), p.stages)
     if cut and layout.replicas_only:
         from torch.nn.parallel import DistributedDataParallel
@@ -71,11 +75,11 @@ def _alone(model: torch.nn.Module, spec: run.RunSpec, dist: distributed.Dist, on
         return DistributedDataParallel(model, process_group=one,
                                        bucket_cap_mb=p.bucket_cap_mb,
                                        find_unused_parameters=p.find_unused_parameters,
-                                       gradient_as_bucket_view=p.gradient_as_bucket_view)
+                                       gradient_as_bucket_view=p.gradient_as_bucket_view), False
     if cut:
         shard(model, mesh["dp_shard"], p, compute_dtype(cfg.precision.name, dist.device.type),
               False, p.reshard_after_forward)
-    return model
+    return model, sharded
 
 
 def _own_parts(model: torch.nn.Module, spec: run.RunSpec, dist: distributed.Dist,
@@ -93,19 +97,23 @@ def _own_parts(model: torch.nn.Module, spec: run.RunSpec, dist: distributed.Dist
 
 
 def _forward_backward(model: torch.nn.Module, spec: run.RunSpec, loss, precision,
-                      dist: distributed.Dist, one, cut=None) -> Callable[[Any], None]:
+                      dist: distributed.Dist, one, cut=None, sharded: bool = False
+                      ) -> Callable[[Any], None]:
     """A rank's forward and backward of one batch: each pipeline part it holds (of `cut`)
     through a schedule of one stage over the one-rank group `one` (the schedule's work
     per micro-batch, no sends; a batch: what each part receives); any other layout's as the
-    trainer's step runs it."""
+    trainer's step runs it (`sharded`: its loss over logits cut by vocabulary)."""
+    from torch.distributed.tensor.parallel import loss_parallel
+
     from parallab import batch as batches
 
     p = spec.cfg.parallel
     if not spec.layout.cuts_model:
         def step(batch: Any) -> None:
-            with precision.autocast():
-                value = loss.step_loss(model, batch, None)[1]
-            value.backward()
+            with loss_parallel() if sharded else contextlib.nullcontext():
+                with precision.autocast():
+                    value = loss.step_loss(model, batch, None)[1]
+                value.backward()
         return step
     import torch.distributed.pipelining as pipelining
 
@@ -196,10 +204,11 @@ def share_s(spec: run.RunSpec, dist: distributed.Dist, one, steps: int = 5) -> d
     cut = None
     if layout.cuts_model:
         cut, batch = _own_parts(model, spec, dist, batches.inputs_of(batch), precision)
-    model = _alone(model, spec, dist, one)
-    loss = build_loss(cfg.loss).bind(model)
+    loss = build_loss(cfg.loss)
+    model, sharded = _alone(model, spec, dist, one, loss)
+    loss = loss.bind(model)
     optimizer = build_optimizer(cfg.optim, model)
-    step = _forward_backward(model, spec, loss, precision, dist, one, cut)
+    step = _forward_backward(model, spec, loss, precision, dist, one, cut, sharded)
     together = _by_part(_step_times(step, batch, optimizer, accumulate, steps, True),
                         layout, True)
     if not layout.cuts_model:

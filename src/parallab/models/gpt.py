@@ -126,10 +126,15 @@ class GPT(Model):
     def stages(self) -> list[nn.Module]:
         return [self.embed, *self.blocks, self.head]
 
+    def get_output_embeddings(self) -> nn.Module:
+        """The layer that makes the logits (transformers' name for it)."""
+        return self.head.out
+
     def tp_plan(self, sequence_parallel: bool = False) -> dict[str, Any]:
         """Tensor parallel, as torchtitan's llama plan: q/k/v and the MLP's first linear
         split by columns (whole heads per rank), the output projections by rows, the token
-        embedding by vocabulary rows, the head by columns gathered to full logits.
+        embedding by vocabulary rows, the head by columns gathered to full logits (kept cut by
+        vocabulary where the loss takes them so: tp_plans.shard_logits).
 
         Without sequence parallelism the norms and positions are replicated and each output
         projection ends in one all-reduce. With it (Megatron-LM's sequence parallelism) the

@@ -36,6 +36,9 @@ class Ranks:
 class Runtime:
     """Single device: the model on this rank's device, unwrapped."""
 
+    # the head's logits stay cut by vocabulary over the tp ranks (tp_plans.shard_logits)
+    sharded_logits = False
+
     def __init__(self, p, layout: Layout, dist: Dist, precision: Precision, loss: Objective,
                  model: nn.Module):
         """p: the parallel config; layout: the one the checks resolved (Plan.resolve); model:
@@ -126,22 +129,35 @@ class Runtime:
     def forward_backward(self, model: nn.Module, batch: Any, items) -> torch.Tensor:
         """One (micro-)batch's share of the step's loss (the sum of its terms / `items`, the
         step's terms per data-parallel rank), gradients accumulated; detached."""
-        with self.precision.autocast():
-            loss = self.loss.step_loss(model, batch, items)[1]
-        self.precision.backward(loss)
+        with self.loss_context():
+            with self.precision.autocast():
+                loss = self.loss.step_loss(model, batch, items)[1]
+            self.precision.backward(loss)
         return loss.detach()
+
+    def loss_context(self) -> contextlib.AbstractContextManager:
+        """Where the loss and its backward run: under torch's loss_parallel where the logits
+        are cut by vocabulary (its cross-entropy over the shards, backward included)."""
+        if not self.sharded_logits:
+            return contextlib.nullcontext()
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
 
     def trial_step(self, model: nn.Module, batch: Any) -> None:
         """Forward and backward of a batch-size finder trial (training/batch_size.py): the unwrapped
         module, so that DDP's all-reduce does not run inside a trial (a sharded module
         still gathers: it is its own unwrapped form)."""
-        with self.precision.autocast():
-            loss = self.loss.step_loss(self.unwrap(model), batch, 1)[1]
-        loss.backward()
+        with self.loss_context():
+            with self.precision.autocast():
+                loss = self.loss.step_loss(self.unwrap(model), batch, 1)[1]
+            loss.backward()
 
     def eval_forward(self, model: nn.Module, batch: Any) -> Any:
-        """Evaluation outputs on the rank that scores them (None on the others)."""
-        return batches.call(model, batch, with_targets=False)
+        """Evaluation outputs on the rank that scores them (None on the others), their
+        logits whole (accuracy and metrics read every class)."""
+        output = batches.call(model, batch, with_targets=False)
+        return batches.whole(output) if self.sharded_logits else output
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float | None) -> torch.Tensor:
         """Clip to `max_norm` (None: only measure, leaving the gradients untouched); the norm

@@ -158,7 +158,8 @@ class MeshRuntime(Runtime):
         if self.layout.tp > 1:
             from torch.distributed.tensor.parallel import parallelize_module
 
-            plan = tp_plans.plan_of(model, p.tp_plan or None, p.sequence_parallel)
+            plan, self.sharded_logits = tp_plans.plan_for(model, p.tp_plan or None,
+                                                          p.sequence_parallel, self.loss)
             parallelize_module(model, self.mesh["tp"], self.part_plan(model, plan))
         if self.dist.is_main:
             log.info("parallel=%s: mesh %s%s", p.name,

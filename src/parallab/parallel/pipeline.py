@@ -256,8 +256,8 @@ class PipelineRuntime(MeshRuntime):
         # what _loss divides by, this step (the batch's own count where the trainer left it)
         self.items = self.loss.count(targets) if items is None else items
 
-        def step() -> None:
-            with self.precision.autocast():
+        def step() -> None:  # its last stage's loss and backward under the loss's context
+            with self.loss_context(), self.precision.autocast():
                 self.train_schedule.step(*self.first_args(inputs), **self.kwargs(inputs),
                                          target=targets if self.is_last else None,
                                          losses=losses, return_outputs=False)
@@ -320,7 +320,9 @@ class PipelineRuntime(MeshRuntime):
         # pad with copies of the first sample, dropped below
         inputs = batches.pad_rows(inputs, self.eval_rows)
         output = self.eval_schedule.eval(*self.first_args(inputs), **self.kwargs(inputs))
-        return output[:rows] if self.is_last else None
+        if not self.is_last:
+            return None
+        return batches.whole(output[:rows]) if self.sharded_logits else output[:rows]
 
     def grad_norm(self, model: nn.Module) -> torch.Tensor:
         """The norm over every part's gradients (each rank holds its parts')."""

@@ -103,6 +103,38 @@ def expand(model: nn.Module, patterns: dict[str, str], where: str | None) -> dic
 
 
 
+def plan_for(model: nn.Module, given: dict[str, str] | None, sequence_parallel: bool,
+             loss) -> tuple[dict[str, Any], bool]:
+    """The plan a run splits the model by (plan_of's), its head's logits left cut by
+    vocabulary where `loss` (an Objective) takes them so (shard_logits), and whether they
+    are: the one rule for the trainer, advise's measured parts and simulate's trace."""
+    plan = plan_of(model, given, sequence_parallel)
+    return shard_logits(model, plan) if loss.takes_sharded_logits else (plan, False)
+
+
+def shard_logits(model: nn.Module, plan: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    """The plan with the model's head (its get_output_embeddings(), as transformers names
+    it) left cut by vocabulary: its logits a DTensor sharded on their last dimension, which
+    the cross-entropy takes under torch's loss_parallel (a max, a sum and each target's
+    logit all-reduced: a few floats a token). Gathered, every tp rank would hold the whole
+    vocabulary's logits and their gradient and repeat the loss over them (torchtitan keeps
+    them cut). The plan as it was, and False, where it gathers no head split by columns."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    try:
+        head = model.get_output_embeddings()
+    except AttributeError:  # none, or a pipeline's part without it
+        return plan, False
+    name = next((n for n, m in model.named_modules() if m is head and n), None)
+    style = plan.get(name)
+    if not isinstance(style, ColwiseParallel) or style.output_layouts[0] != Replicate():
+        return plan, False
+    cut = ColwiseParallel(input_layouts=style.input_layouts[0], output_layouts=Shard(-1),
+                          use_local_output=False)
+    return {**plan, name: cut}, True
+
+
 def split_problem(model: nn.Module, plan: dict[str, Any], tp: int,
                   forward: Callable[[nn.Module], Any]) -> str | None:
     """None if the plan's pieces compose: `forward(model)` run with each split layer holding

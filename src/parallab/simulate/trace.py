@@ -150,20 +150,22 @@ def _fake_batch(fake, shape: Shape, vocab: int) -> tuple[torch.Tensor, torch.Ten
         return inputs, torch.randint(0, vocab, (shape.rows, shape.seq_len))
 
 
-def _split(model: nn.Module, cfg, tp: int, sequence_parallel: bool) -> None:
+def _split(model: nn.Module, cfg, tp: int, sequence_parallel: bool, loss) -> bool:
     """Tensor parallel as the mesh layouts split a model (MeshRuntime.cut_model): the model's
-    plan over a mesh of tp ranks, its entries for modules the cut model holds."""
+    plan over a mesh of tp ranks, its entries for modules the cut model holds; whether the
+    logits stay cut by vocabulary (where the loss takes them so)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
     from parallab.parallel import tp_plans
 
-    plan = tp_plans.plan_of(model, getattr(cfg.parallel, "tp_plan", None) or None,
-                            sequence_parallel)
+    plan, sharded = tp_plans.plan_for(model, getattr(cfg.parallel, "tp_plan", None) or None,
+                                      sequence_parallel, loss)
     names = {name for name, _ in model.named_modules()}
     kept = {name: style for name, style in plan.items() if name in names}
     mesh = init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))
     parallelize_module(model, mesh, kept)
+    return sharded
 
 
 def trace(cfg, template: nn.Module, block: str, vocab: int, shape: Shape) -> Trace:
@@ -171,6 +173,7 @@ def trace(cfg, template: nn.Module, block: str, vocab: int, shape: Shape) -> Tra
     one block named `block`) as a rank of `shape` computes it, on fake tensors."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mod_tracker import ModTracker
+    from torch.distributed.tensor.parallel import loss_parallel
 
     from parallab.loss import build_loss, resolve
     from parallab.models import hf
@@ -194,17 +197,18 @@ def trace(cfg, template: nn.Module, block: str, vocab: int, shape: Shape) -> Tra
         lambda _, args: inputs.append(_local(args[0])) if not inputs else None)
     called: list[nn.Module] = []
     with fake_group(shape.tp):
-        if shape.tp > 1:
-            _split(model, cfg, shape.tp, shape.sequence_parallel)
+        loss = build_loss(resolve(dict(cfg.loss), None, None))
+        sharded = shape.tp > 1 and _split(model, cfg, shape.tp, shape.sequence_parallel, loss)
         model = activations.apply(model, shape.checkpointing, getattr(cfg.parallel, "stages", None))
-        loss = build_loss(resolve(dict(cfg.loss), None, None)).bind(model)
+        loss = loss.bind(model)
         batch = _fake_batch(fake, shape, vocab)
         tracker = ModTracker()
         recorder = Recorder(tracker, _fqn(model, block), hf.shifts_labels(model))
         saved = _SavedByRegion(model, tracker, recorder)
         calls = register_module_forward_pre_hook(lambda module, _: called.append(module))
         try:
-            with fake, tracker, recorder, _masks_as_on_a_device():
+            with fake, tracker, recorder, _masks_as_on_a_device(), \
+                    loss_parallel() if sharded else contextlib.nullcontext():
                 with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
                     with precision.autocast():
                         value = loss.step_loss(model, batch, shape.rows * shape.seq_len)[1]
