@@ -138,6 +138,8 @@ def overrides_of(row: dict) -> list[str]:
             ["trainer.activation_checkpointing=selective_alternate"]
     layout = [f"parallel.world_size={n}", f"parallel.dp_replicate={R}", f"parallel.dp_shard={F}",
               f"parallel.tp={T}"]
+    if T > 1 and "torchtitan" in row["source"].lower():  # its plans cut the sequence
+        layout += ["parallel.sequence_parallel=true"]
     if P > 1:
         layout = ["parallel=pipeline", *layout, f"parallel.pp={P}", *schedule_of(row),
                   f"parallel.microbatches={micro}", f"data.batch_size={local}"]

@@ -139,6 +139,40 @@ def test_tensor_parallel_keeps_the_logits_cut_by_vocabulary():
     assert [op.sent for op in gathers(smoothed)] == [logits / 2]
 
 
+LLAMA = ["model=llama3_8b", "model.config.vocab_size=512", "model.config.hidden_size=64",
+         "model.config.intermediate_size=128", "model.config.num_hidden_layers=2",
+         "model.config.num_attention_heads=4", "model.config.num_key_value_heads=2",
+         "model.config.bos_token_id=1", "model.config.eos_token_id=2", "data.seq_len=32",
+         "data.batch_size=2"]
+
+
+def test_a_transformers_llama_under_sequence_parallel_gathers_each_input_once():
+    """Its own plan made sequence parallel (tp_plans.sequence_plan): a block's attention
+    and MLP each gather the sequence once and reduce-scatter their output, and backward
+    reduce-scatters each input's gradient once, where the plain plan all-reduces the
+    gradient of q, k, v, gate and up one by one (5 a block) besides the two outputs."""
+    from parallab.simulate import Facts, trace
+    from parallab.simulate.trace import Shape
+
+    def block(sequence_parallel: bool) -> list[tuple[str, str]]:
+        cfg = configured(*LLAMA)
+        facts = Facts.of(cfg)
+        facts.cut()
+        found = trace.trace(cfg, facts.model, facts.block, facts.vocab,
+                            Shape(tp=2, sequence_parallel=sequence_parallel, rows=2, seq_len=32,
+                                  precision="fp32"))
+        return [(op.phase, op.collective) for op in found.ops
+                if op.kind == "collective" and op.region == "block"]
+
+    plain, cut = block(False), block(True)
+    assert plain.count(("backward", "all_reduce")) == 5
+    assert plain.count(("forward", "all_reduce")) == 2
+    assert sorted(cut) == sorted([("forward", "all_gather")] * 2 +
+                                 [("forward", "reduce_scatter")] * 2 +
+                                 [("backward", "all_gather")] * 2 +
+                                 [("backward", "reduce_scatter")] * 2)
+
+
 def test_a_collective_takes_nccls_time():
     from parallab.config.schema import NcclLatency
     from parallab.simulate.cluster import Group, Rates

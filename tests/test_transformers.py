@@ -49,6 +49,10 @@ LAYOUTS = {
     # its own plan (base_model_tp_plan) inside FSDP2, its decoder layers recomputed
     "llama-fsdp_tp2x2-ac_full": ["parallel=fsdp_tp", "parallel.world_size=4", "parallel.tp=2",
                                  "data.batch_size=8", "trainer.activation_checkpointing=full"],
+    # the stream between its blocks cut along the sequence (its plan made sequence
+    # parallel: sequence_plan), padded verses and its own loss over the gathered logits
+    "llama-tp2-sp": ["parallel=tp", "parallel.world_size=2", "data.batch_size=16",
+                     "parallel.sequence_parallel=true"],
     # GPT2Block units; the tied embedding and head stay in the root's unit
     "gpt2-fsdp2-ac_selective": ["model=my_gpt2", "parallel=fsdp", "parallel.world_size=2",
                                 "data.batch_size=8",
@@ -183,8 +187,12 @@ BAD = [
       "colwise, model.layers.*.mlp.up_proj: colwise, model.layers.*.mlp.down_proj: colwise}"],
      "the tensor-parallel plan does not compose at parallel.tp=2: split as planned, the forward "
      "fails in model.layers.0.mlp.down_proj (RuntimeError: mat1 and mat2 shapes"),
-    (["parallel=tp", "parallel.world_size=2", "parallel.sequence_parallel=true"],
-     "parallel.sequence_parallel=true: the plan of LlamaForCausalLM"),
+    (["parallel=pipeline", "parallel.world_size=4", "parallel.tp=2",
+      "parallel.sequence_parallel=true"],
+     "parallel.sequence_parallel=true with parallel=pipeline: a transformers model's"),
+    (["parallel=tp", "parallel.world_size=2", "parallel.sequence_parallel=true",
+      "parallel.tp_plan={model.layers.*.mlp.up_proj: colwise, model.layers.*.mlp.down_proj: "
+      "rowwise}"], "the plan of LlamaForCausalLM (parallel.tp_plan) takes no sequence_parallel"),
     (["model.config.vocab_size=100"], "model.config.vocab_size=100 is smaller than the 256 "
                                       "tokens of data=datasets's vocabulary"),
     (["model.config.vocab_size=100", "~data.vocab_size"],  # nothing says: the forward tells

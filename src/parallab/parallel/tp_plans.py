@@ -13,6 +13,7 @@ rowwise_split_input, sequence_parallel.
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any, Callable, Iterator
 
@@ -63,12 +64,16 @@ def source(model: nn.Module, given: dict[str, str] | None) -> str | None:
 
 def takes_sequence_parallel(model: nn.Module, given: dict[str, str] | None) -> bool:
     """The plan can cut the sequence between its split layers: a tp_plan() method with a
-    sequence_parallel argument (gpt's)."""
+    sequence_parallel argument (gpt's), or a transformers model's own plan
+    (sequence_plan: whether its layers are laid out for it, sequence_problem)."""
     import inspect
 
     own = getattr(model, "tp_plan", None)
-    return not given and callable(own) and \
-        "sequence_parallel" in inspect.signature(own).parameters
+    if given:
+        return False
+    if callable(own):
+        return "sequence_parallel" in inspect.signature(own).parameters
+    return bool(hf.tp_plan(model))
 
 
 def plan_of(model: nn.Module, given: dict[str, str] | None,
@@ -79,7 +84,8 @@ def plan_of(model: nn.Module, given: dict[str, str] | None,
     if not given and callable(own):  # a plan without sequence parallelism need not know it
         return own(sequence_parallel=True) if sequence_parallel else own()
     patterns = given or hf.tp_plan(model) or {}
-    return expand(model, patterns, "parallel.tp_plan" if given else source(model, None))
+    plan = expand(model, patterns, "parallel.tp_plan" if given else source(model, None))
+    return sequence_plan(model, plan) if sequence_parallel else plan
 
 
 def expand(model: nn.Module, patterns: dict[str, str], where: str | None) -> dict[str, Any]:
@@ -133,6 +139,88 @@ def shard_logits(model: nn.Module, plan: dict[str, Any]) -> tuple[dict[str, Any]
     cut = ColwiseParallel(input_layouts=style.input_layouts[0], output_layouts=Shard(-1),
                           use_local_output=False)
     return {**plan, name: cut}, True
+
+
+@functools.cache
+def _gather_sequence() -> type:
+    """GatherSequence, a ParallelStyle (torch.distributed's, imported when first asked)."""
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    class GatherSequence(ParallelStyle):
+        """For the module whose split layers take the whole sequence (a transformers
+        block's attention or MLP): its hidden states, cut along the sequence, gathered
+        whole once as it is called (their gradient reduce-scattered once), where each of
+        its column-split layers would gather its own input and reduce its gradient (q, k
+        and v: three times)."""
+
+        def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+            def gather(_, args, kwargs):
+                if args:
+                    return (_whole(args[0], device_mesh), *args[1:]), kwargs
+                if "hidden_states" in kwargs:  # transformers' attention, called by keyword
+                    return args, {**kwargs, "hidden_states": _whole(kwargs["hidden_states"],
+                                                                    device_mesh)}
+                return args, kwargs
+
+            module.register_forward_pre_hook(gather, with_kwargs=True)
+            return module
+
+    return GatherSequence
+
+
+def _whole(x: Any, mesh) -> Any:
+    from torch.distributed.tensor import DTensor, Replicate
+
+    return x.redistribute(mesh, (Replicate(),)) if isinstance(x, DTensor) else x
+
+
+def sequence_plan(model: nn.Module, plan: dict[str, Any]) -> dict[str, Any]:
+    """A transformers model's plan (column- and row-split layers inside its blocks'
+    attention and MLP) with the residual stream between them cut along the sequence, as
+    torchtitan splits Llama: the embedding's output scattered, every norm on its slice
+    (SequenceParallel), the attention's and the MLP's input gathered once (GatherSequence),
+    the row-split layers' outputs reduce-scattered, the head gathering its input. The
+    stream stays a DTensor, so that what the model reads of its shape (the causal mask,
+    the positions) is the whole sequence's. PlanError where the model is not laid out so."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleOutput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    seq, modules = Shard(1), dict(model.named_modules())
+    names = {id(m): n for n, m in modules.items()}
+    blocks = [names[id(b)] for b in hf.blocks(model) or ()]
+    head = names.get(id(model.get_output_embeddings()))
+    embedding = names.get(id(model.get_input_embeddings()))
+    if head not in plan or embedding is None or not blocks:
+        raise PlanError("parallel.sequence_parallel=true: the plan splits no head, or the "
+                        f"model has no input embeddings or blocks ({type(model).__name__}): "
+                        "set it false")
+    cut: dict[str, Any] = {}
+    for name, style in plan.items():
+        parent = name.rpartition(".")[0]
+        if name in (head, embedding):
+            continue
+        if parent in blocks or not any(name.startswith(b + ".") for b in blocks):
+            raise PlanError(f"parallel.sequence_parallel=true: the plan splits {name}, not "
+                            "inside a block's attention or MLP, whose input is gathered "
+                            "whole: set it false")
+        cut.setdefault(parent, _gather_sequence()())
+        cut[name] = ColwiseParallel() if isinstance(style, ColwiseParallel) else \
+            RowwiseParallel(output_layouts=seq, use_local_output=False)
+    gathered = tuple(n + "." for n, style in cut.items()
+                     if isinstance(style, _gather_sequence()))
+    cut.update({n: SequenceParallel() for n, m in modules.items()
+                if "Norm" in type(m).__name__ and not n.startswith(gathered)})
+    cut[embedding] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq,
+                                     use_local_output=False) if embedding in plan else \
+        PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=seq,
+                            use_local_output=False)
+    cut[head] = ColwiseParallel(input_layouts=seq, output_layouts=Replicate())
+    return cut
 
 
 def split_problem(model: nn.Module, plan: dict[str, Any], tp: int,

@@ -126,6 +126,7 @@ class Recorder(TorchDispatchMode):
         # storage held weakly: freed when the step lets it go)
         self.live = self.peak = 0
         self.block_seen = False  # the block's forward has begun (what is after it, after)
+        self.block_done = False  # the block's input has its gradient: backward left it
         self.held: dict[int, weakref.ref] = {}
         # a serial number per tensor, held weakly: the trace frees what the step frees
         self.serials = WeakIdKeyDictionary()
@@ -148,6 +149,8 @@ class Recorder(TorchDispatchMode):
                    for p in self.tracker.parents)
 
     def _region(self) -> str:
+        if self.block_done:
+            return "outside"
         if any(p.startswith(self.block) for p in self.tracker.parents):
             self.block_seen = self.block_seen or self.phase == "forward"
             return "block"

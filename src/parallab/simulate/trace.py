@@ -193,8 +193,18 @@ def trace(cfg, template: nn.Module, block: str, vocab: int, shape: Shape) -> Tra
     found = Trace(shape)
     inputs: list[torch.Tensor] = []
     the_block = model.get_submodule(block)
-    the_block.register_forward_pre_hook(
-        lambda _, args: inputs.append(_local(args[0])) if not inputs else None)
+
+    def entered(_, args) -> None:  # the block's input: its bytes, and where its backward ends
+        if inputs:
+            return
+        inputs.append(_local(args[0]))
+        if isinstance(args[0], torch.Tensor) and args[0].requires_grad:
+            # ModTracker holds the block open past its input's gradient, so that what
+            # backward then runs for the input's maker (the gather of a sequence-cut
+            # embedding's output) would count once per block
+            args[0].register_hook(lambda _: setattr(recorder, "block_done", True))
+
+    the_block.register_forward_pre_hook(entered)
     called: list[nn.Module] = []
     with fake_group(shape.tp):
         loss = build_loss(resolve(dict(cfg.loss), None, None))
