@@ -354,6 +354,8 @@ def torch_loaded(tmp_path):
                                     "tensorboard, wandb)", True),
     (["device=gpu"], "device", True),  # not one of the enum's values
     (["data.batch_size=[1"], "data.batch_size=[1", True),  # Hydra cannot parse it
+    # nor a run dir with an unquoted '=' (read for its earlier record before Hydra runs)
+    (["hydra.run.dir=/tmp/a=b"], "hydra.run.dir=/tmp/a=b; mismatched input '='", True),
     (["precision=null"], "precision=null: the precision group takes one of its options", True),
 ])
 def test_bad_input_exits_with_one_line_naming_the_key(args, key, before_torch, tmp_path,

@@ -46,14 +46,14 @@ def run_dirs_named(args: list[str]) -> Iterator[str]:
     backslash before a comma), or with `+` or `++`; one Hydra cannot parse, it refuses
     itself."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import OverrideParseException
+    from hydra.errors import HydraException
 
     parser = OverridesParser.create()
     for arg in args:
         if "hydra.run.dir" in arg:
             try:
                 override = parser.parse_override(arg)
-            except OverrideParseException:
+            except HydraException:  # its syntax errors too, not only OverrideParseException
                 continue
             if override.key_or_group == "hydra.run.dir" and isinstance(override.value(), str):
                 yield override.value()
