@@ -146,16 +146,18 @@ LLAMA = ["model=llama3_8b", "model.config.vocab_size=512", "model.config.hidden_
          "data.batch_size=2"]
 
 
-def test_a_transformers_llama_under_sequence_parallel_gathers_each_input_once():
+def test_a_transformers_model_under_sequence_parallel_gathers_each_input_once():
     """Its own plan made sequence parallel (tp_plans.sequence_plan): a block's attention
     and MLP each gather the sequence once and reduce-scatter their output, and backward
     reduce-scatters each input's gradient once, where the plain plan all-reduces the
-    gradient of q, k, v, gate and up one by one (5 a block) besides the two outputs."""
+    gradient of q, k, v, gate and up one by one (5 a block) besides the two outputs. A
+    column-split output the plan gathers stays gathered (OLMo 2's q and k, normed whole)."""
     from parallab.simulate import Facts, trace
     from parallab.simulate.trace import Shape
 
-    def block(sequence_parallel: bool) -> list[tuple[str, str]]:
-        cfg = configured(*LLAMA)
+    def block(sequence_parallel: bool, kind: str = "Llama") -> list[tuple[str, str]]:
+        cfg = configured(*LLAMA, f"model._target_=transformers.{kind}ForCausalLM",
+                         f"model.config._target_=transformers.{kind}Config")
         facts = Facts.of(cfg)
         facts.cut()
         found = trace.trace(cfg, facts.model, facts.block, facts.vocab,
@@ -164,13 +166,16 @@ def test_a_transformers_llama_under_sequence_parallel_gathers_each_input_once():
         return [(op.phase, op.collective) for op in found.ops
                 if op.kind == "collective" and op.region == "block"]
 
-    plain, cut = block(False), block(True)
+    plain, cut, olmo = block(False), block(True), block(True, "Olmo2")
     assert plain.count(("backward", "all_reduce")) == 5
     assert plain.count(("forward", "all_reduce")) == 2
     assert sorted(cut) == sorted([("forward", "all_gather")] * 2 +
                                  [("forward", "reduce_scatter")] * 2 +
                                  [("backward", "all_gather")] * 2 +
                                  [("backward", "reduce_scatter")] * 2)
+    # OLMo 2's plan gathers q, k and v whole (its norms read them so): they stay gathered
+    assert olmo.count(("forward", "all_gather")) == 2 + 3 and ("backward", "all_reduce") \
+        not in olmo
 
 
 def test_a_collective_takes_nccls_time():

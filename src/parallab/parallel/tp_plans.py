@@ -209,8 +209,13 @@ def sequence_plan(model: nn.Module, plan: dict[str, Any]) -> dict[str, Any]:
                             "inside a block's attention or MLP, whose input is gathered "
                             "whole: set it false")
         cut.setdefault(parent, _gather_sequence()())
-        cut[name] = ColwiseParallel() if isinstance(style, ColwiseParallel) else \
-            RowwiseParallel(output_layouts=seq, use_local_output=False)
+        # as the plan has them but for the sequence: a column-split output it gathers
+        # (OLMo 2's q and k, normed whole) stays gathered, as a row-split input it splits
+        cut[name] = ColwiseParallel(output_layouts=style.output_layouts[0],
+                                    use_local_output=style.use_local_output) \
+            if isinstance(style, ColwiseParallel) else \
+            RowwiseParallel(input_layouts=style.input_layouts[0], output_layouts=seq,
+                            use_local_output=False)
     gathered = tuple(n + "." for n, style in cut.items()
                      if isinstance(style, _gather_sequence()))
     cut.update({n: SequenceParallel() for n, m in modules.items()
