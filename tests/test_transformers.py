@@ -80,6 +80,47 @@ def test_a_transformers_model_trains_under_a_layout_as_on_one_device(case, tmp_p
     assert many["tokens_per_sec"] > 0 and "eval_accuracy" not in many
 
 
+QWEN3 = ["model=llama3_8b", "model._target_=transformers.Qwen3ForCausalLM",
+         "model.config._target_=transformers.Qwen3Config", "model.config.vocab_size=512",
+         "model.config.hidden_size=64", "model.config.intermediate_size=128",
+         "model.config.num_hidden_layers=2", "model.config.num_attention_heads=4",
+         "model.config.num_key_value_heads=2", "model.config.bos_token_id=1",
+         "model.config.eos_token_id=2", "data=tokens", "data.seq_len=32", "data.batch_size=8",
+         "device=cpu", "trainer.max_steps=3", "trainer.log_every_n_steps=1"]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_qwen3s_norms_over_its_heads_train_under_tensor_and_sequence_parallel(tmp_path):
+    """Qwen 3's own plan keeps its q and k norms replicated, their gradient summed over the
+    tp ranks (replicated_with_grad_allreduce): each rank norms its own heads, so a
+    gradient left as it is would be half of it. The same weights as one device, to the
+    last bits, under tp with the sequence cut too."""
+    from parallab.training import weights
+
+    def final(run_dir):
+        model = hf_model(QWEN3)
+        return weights.model_from(checkpoint.latest(run_dir / "checkpoints"), model).state_dict()
+
+    train_in_process(QWEN3, tmp_path / "one")
+    train_in_process([*QWEN3, "parallel=tp", "parallel.world_size=2",
+                      "parallel.sequence_parallel=true"], tmp_path / "tp")
+    expected, got = final(tmp_path / "one"), final(tmp_path / "tp")
+    moved = [n for n in expected if "q_norm" in n and not torch.all(expected[n] == 1)]
+    assert moved  # the norms trained
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-7)
+
+
+def hf_model(overrides: list[str]):
+    from conftest import typed
+
+    from parallab import models
+
+    cfg = typed(*overrides)
+    return models.build_model(models.check(cfg.model, cfg.data))
+
+
 def test_its_own_plans_are_read():
     from parallab.models import hf
     from parallab.parallel import tp_plans

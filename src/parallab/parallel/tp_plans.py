@@ -40,11 +40,17 @@ def _styles() -> dict[str, Any]:
         "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
         "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate()),
         "sequence_parallel": SequenceParallel,
+        # weights each tp rank applies to its own slice (Qwen 3's q and k norms, over its
+        # heads): replicated, their gradient summed over the tp ranks; as a DTensor any
+        # dimension but the normed last one can be the slice's
+        "replicated_with_grad_allreduce": lambda: SequenceParallel(sequence_dim=0,
+                                                                   use_local_output=True),
     }
 
 
 STYLE_NAMES = ("colwise", "rowwise", "colwise_gather_output", "colwise_rep",
-               "embedding_rowwise", "rowwise_split_input", "rowwise_rep", "sequence_parallel")
+               "embedding_rowwise", "rowwise_split_input", "rowwise_rep", "sequence_parallel",
+               "replicated_with_grad_allreduce")
 
 
 class PlanError(ValueError):
@@ -210,12 +216,14 @@ def sequence_plan(model: nn.Module, plan: dict[str, Any]) -> dict[str, Any]:
                             "whole: set it false")
         cut.setdefault(parent, _gather_sequence()())
         # as the plan has them but for the sequence: a column-split output it gathers
-        # (OLMo 2's q and k, normed whole) stays gathered, as a row-split input it splits
+        # (OLMo 2's q and k, normed whole) stays gathered, as a row-split input it splits;
+        # any other style (Qwen 3's norms over its heads) as it is
         cut[name] = ColwiseParallel(output_layouts=style.output_layouts[0],
                                     use_local_output=style.use_local_output) \
             if isinstance(style, ColwiseParallel) else \
             RowwiseParallel(input_layouts=style.input_layouts[0], output_layouts=seq,
-                            use_local_output=False)
+                            use_local_output=False) if isinstance(style, RowwiseParallel) \
+            else style
     gathered = tuple(n + "." for n, style in cut.items()
                      if isinstance(style, _gather_sequence()))
     cut.update({n: SequenceParallel() for n, m in modules.items()
