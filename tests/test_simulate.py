@@ -5,7 +5,6 @@ the cluster presets, the command as a user runs it, and its refusals."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
@@ -102,80 +101,6 @@ def test_a_compiled_step_keeps_and_pays_what_its_eager_loss_does():
              and (not op.in_model or op.kind == "matmul")]  # the loss's and the head's
     compiled = step.costs(found, rates, True, False).compute["forward", "after"]
     assert len(alone) > 2 and compiled >= sum(alone)
-
-
-def test_tensor_parallel_halves_a_blocks_matmuls_and_adds_its_all_reduces():
-    from parallab.simulate.trace import Shape
-
-    tokens, width = 64, 64
-    split = traced(Shape(tp=2, rows=2, seq_len=32, precision="fp32"))
-    assert flops(split, "forward", "block", "matmul") == 2 * tokens * 12 * width**2 / 2
-    sends = [op for op in split.ops if op.kind == "collective" and op.region == "block"]
-    forward = [op for op in sends if op.phase == "forward"]
-    # the two row-wise layers' outputs, all-reduced over the pair: 2(n-1)/n of each
-    assert [op.collective for op in forward] == ["all_reduce", "all_reduce"]
-    assert all(op.sent == tokens * width * 4 and op.group == 2 for op in forward)
-    assert split.params["block"] == pytest.approx(12 * width**2 / 2 + 13 * width, rel=0.1)
-
-
-def test_tensor_parallel_keeps_the_logits_cut_by_vocabulary():
-    """The head's logits stay cut over the tp ranks and the cross-entropy runs on each
-    rank's slice (loss_parallel): the loss reads half the logits a rank of tp 1 reads, and
-    nothing gathers them; a label-smoothed cross-entropy, which loss_parallel does not
-    compute, gets them gathered whole."""
-    from parallab.simulate.trace import Shape
-
-    shape = Shape(rows=2, seq_len=32, precision="fp32")
-    whole, split = traced(shape), traced(dataclasses.replace(shape, tp=2))
-    smoothed = traced(dataclasses.replace(shape, tp=2), "loss=cross_entropy",
-                      "+loss.label_smoothing=0.1")
-    read = lambda found: sum(b for op in found.ops if not op.in_model  # noqa: E731
-                             and op.phase == "forward" for _, b in op.reads)
-    gathers = lambda found: [op for op in found.ops  # noqa: E731
-                             if op.collective == "all_gather" and op.region == "after"]
-    logits = 2 * 32 * 256 * 4
-    assert read(whole) > 2 * logits and read(split) == pytest.approx(read(whole) / 2, rel=0.05)
-    assert not gathers(split)
-    assert [op.sent for op in gathers(smoothed)] == [logits / 2]
-
-
-LLAMA = ["model=llama3_8b", "model.config.vocab_size=512", "model.config.hidden_size=64",
-         "model.config.intermediate_size=128", "model.config.num_hidden_layers=2",
-         "model.config.num_attention_heads=4", "model.config.num_key_value_heads=2",
-         "model.config.bos_token_id=1", "model.config.eos_token_id=2", "data.seq_len=32",
-         "data.batch_size=2"]
-
-
-def test_a_transformers_model_under_sequence_parallel_gathers_each_input_once():
-    """Its own plan made sequence parallel (tp_plans.sequence_plan): a block's attention
-    and MLP each gather the sequence once and reduce-scatter their output, and backward
-    reduce-scatters each input's gradient once, where the plain plan all-reduces the
-    gradient of q, k, v, gate and up one by one (5 a block) besides the two outputs. A
-    column-split output the plan gathers stays gathered (OLMo 2's q and k, normed whole)."""
-    from parallab.simulate import Facts, trace
-    from parallab.simulate.trace import Shape
-
-    def block(sequence_parallel: bool, kind: str = "Llama") -> list[tuple[str, str]]:
-        cfg = configured(*LLAMA, f"model._target_=transformers.{kind}ForCausalLM",
-                         f"model.config._target_=transformers.{kind}Config")
-        facts = Facts.of(cfg)
-        facts.cut()
-        found = trace.trace(cfg, facts.model, facts.block, facts.vocab,
-                            Shape(tp=2, sequence_parallel=sequence_parallel, rows=2, seq_len=32,
-                                  precision="fp32"))
-        return [(op.phase, op.collective) for op in found.ops
-                if op.kind == "collective" and op.region == "block"]
-
-    plain, cut, olmo = block(False), block(True), block(True, "Olmo2")
-    assert plain.count(("backward", "all_reduce")) == 5
-    assert plain.count(("forward", "all_reduce")) == 2
-    assert sorted(cut) == sorted([("forward", "all_gather")] * 2 +
-                                 [("forward", "reduce_scatter")] * 2 +
-                                 [("backward", "all_gather")] * 2 +
-                                 [("backward", "reduce_scatter")] * 2)
-    # OLMo 2's plan gathers q, k and v whole (its norms read them so): they stay gathered
-    assert olmo.count(("forward", "all_gather")) == 2 + 3 and ("backward", "all_reduce") \
-        not in olmo
 
 
 def test_a_collective_takes_nccls_time():

@@ -94,8 +94,8 @@ QWEN3 = ["model=llama3_8b", "model._target_=transformers.Qwen3ForCausalLM",
 def test_qwen3s_norms_over_its_heads_train_under_tensor_and_sequence_parallel(tmp_path):
     """Qwen 3's own plan keeps its q and k norms replicated, their gradient summed over the
     tp ranks (replicated_with_grad_allreduce): each rank norms its own heads, so a
-    gradient left as it is would be half of it. The same weights as one device, to the
-    last bits, under tp with the sequence cut too."""
+    gradient left as it is would be half of it. The same weights as one device (to float
+    rounding) under tp with the sequence cut too."""
     from parallab.training import weights
 
     def final(run_dir):
@@ -228,6 +228,9 @@ BAD = [
       "colwise, model.layers.*.mlp.up_proj: colwise, model.layers.*.mlp.down_proj: colwise}"],
      "the tensor-parallel plan does not compose at parallel.tp=2: split as planned, the forward "
      "fails in model.layers.0.mlp.down_proj (RuntimeError: mat1 and mat2 shapes"),
+    # each split as its own parameter, a tied pair would part ways (it did, silently)
+    (["parallel=tp", "parallel.world_size=2", "+model.config.tie_word_embeddings=true"],
+     "parallel.tp=2 splits lm_head and model.embed_tokens, which share one weight"),
     (["parallel=pipeline", "parallel.world_size=4", "parallel.tp=2",
       "parallel.sequence_parallel=true"],
      "parallel.sequence_parallel=true with parallel=pipeline: a transformers model's"),

@@ -87,8 +87,9 @@ class CrossEntropy(Objective):
 
     def __init__(self, label_smoothing: float = 0.0):
         self.label_smoothing = label_smoothing
-        # torch's loss_parallel computes the plain cross-entropy only
-        self.takes_sharded_logits = label_smoothing == 0
+        # torch's loss_parallel computes the plain cross-entropy only, as _loss calls it (a
+        # subclass of one's own may read the logits otherwise: they come whole)
+        self.takes_sharded_logits = label_smoothing == 0 and type(self) in (CrossEntropy, Auto)
 
     def __call__(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return self._loss(output, targets, "mean")

@@ -100,9 +100,9 @@ def compute_dtype(name: str, device_type: str) -> torch.dtype:
 
 
 def output_layer(model: torch.nn.Module) -> str | None:
-    """The name of the Linear layer that gives the model's output: a transformers model's
-    output embeddings, else the last Linear registered (gpt's head.out, a classifier's
-    last layer)."""
+    """The name of the Linear layer that gives the model's output: its output embeddings
+    (a transformers model's, gpt's head.out), else the last Linear registered (a
+    classifier's last layer)."""
     names = {m: name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     head = getattr(model, "get_output_embeddings", lambda: None)()
     if head in names:

@@ -7,7 +7,6 @@ for each other to be scheduled.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import statistics
 import time
@@ -103,14 +102,13 @@ def _forward_backward(model: torch.nn.Module, spec: run.RunSpec, loss, precision
     through a schedule of one stage over the one-rank group `one` (the schedule's work
     per micro-batch, no sends; a batch: what each part receives); any other layout's as the
     trainer's step runs it (`sharded`: its loss over logits cut by vocabulary)."""
-    from torch.distributed.tensor.parallel import loss_parallel
-
     from parallab import batch as batches
+    from parallab.parallel import tp_plans
 
     p = spec.cfg.parallel
     if not spec.layout.cuts_model:
         def step(batch: Any) -> None:
-            with loss_parallel() if sharded else contextlib.nullcontext():
+            with tp_plans.loss_context(sharded):
                 with precision.autocast():
                     value = loss.step_loss(model, batch, None)[1]
                 value.backward()

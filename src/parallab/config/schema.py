@@ -179,8 +179,8 @@ class MeshConfig(ParallelConfig):
     # transformers config's base_model_tp_plan). Any: a mapping given whole on the command
     # line (Hydra merges into an Optional dict that is null only with ++)
     tp_plan: Any = None
-    # tp > 1: the activations between the split layers cut along the sequence too (the
-    # model's tp_plan(sequence_parallel=True); gpt has one)
+    # tp > 1: the activations between the split layers cut along the sequence too (gpt's
+    # tp_plan(sequence_parallel=True), a transformers model's own plan made so)
     sequence_parallel: bool = False
     reshard_after_forward: bool = True  # free gathered parameters after forward (ZeRO-3)
     # replicas only (dp_shard = tp = 1): DistributedDataParallel's settings

@@ -20,6 +20,16 @@ from parallab.config.errors import ConfigError
 KEY = "model"
 
 
+def tied_names(model: nn.Module) -> dict[str, str]:
+    """Each tied parameter's other names -> the first name it has."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        aliases.update({name: first[id(param)]} if id(param) in first else {})
+        first.setdefault(id(param), name)
+    return aliases
+
+
 def build_model(spec: dict[str, Any]) -> nn.Module:
     from parallab.models import hf
 

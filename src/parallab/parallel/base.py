@@ -138,11 +138,14 @@ class Runtime:
     def loss_context(self) -> contextlib.AbstractContextManager:
         """Where the loss and its backward run: under torch's loss_parallel where the logits
         are cut by vocabulary (its cross-entropy over the shards, backward included)."""
-        if not self.sharded_logits:
-            return contextlib.nullcontext()
-        from torch.distributed.tensor.parallel import loss_parallel
+        from parallab.parallel import tp_plans
 
-        return loss_parallel()
+        return tp_plans.loss_context(self.sharded_logits)
+
+    def scored(self, output: Any) -> Any:
+        """An evaluation output as evaluation reads it: its logits whole (accuracy and
+        metrics read every class)."""
+        return batches.whole(output) if self.sharded_logits else output
 
     def trial_step(self, model: nn.Module, batch: Any) -> None:
         """Forward and backward of a batch-size finder trial (training/batch_size.py): the unwrapped
@@ -154,10 +157,8 @@ class Runtime:
             loss.backward()
 
     def eval_forward(self, model: nn.Module, batch: Any) -> Any:
-        """Evaluation outputs on the rank that scores them (None on the others), their
-        logits whole (accuracy and metrics read every class)."""
-        output = batches.call(model, batch, with_targets=False)
-        return batches.whole(output) if self.sharded_logits else output
+        """Evaluation outputs on the rank that scores them (None on the others)."""
+        return self.scored(batches.call(model, batch, with_targets=False))
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float | None) -> torch.Tensor:
         """Clip to `max_norm` (None: only measure, leaving the gradients untouched); the norm

@@ -27,7 +27,7 @@ from torch import nn
 
 from parallab.config.errors import ConfigError
 from parallab.launching.distributed import Dist
-from parallab.models import hf
+from parallab.models import hf, tied_names
 from parallab.parallel import tp_plans
 from parallab.parallel.base import Plan, Runtime
 from parallab.parallel.fsdp import norm_squares, shard
@@ -55,6 +55,13 @@ def tp_problem(model: nn.Module, tp: int, given: dict[str, str] | None = None) -
         plan = tp_plans.plan_of(model, given)
     except tp_plans.PlanError as error:
         return str(error)
+    tied = sorted({n.rpartition(".")[0] for pair in tied_names(model).items() for n in pair}
+                  & set(plan))
+    if tied:  # each would become a parameter of its own: the shared weight would part ways
+        return (f"parallel.tp={tp} splits {' and '.join(tied)}, which share one weight (tied "
+                "embeddings): untie them (a transformers model: "
+                "model.config.tie_word_embeddings=false) for tensor parallel, or use "
+                "parallel=fsdp or ddp")
     for name, style in plan.items():
         try:
             module = model.get_submodule(name)

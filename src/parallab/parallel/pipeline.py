@@ -320,9 +320,7 @@ class PipelineRuntime(MeshRuntime):
         # pad with copies of the first sample, dropped below
         inputs = batches.pad_rows(inputs, self.eval_rows)
         output = self.eval_schedule.eval(*self.first_args(inputs), **self.kwargs(inputs))
-        if not self.is_last:
-            return None
-        return batches.whole(output[:rows]) if self.sharded_logits else output[:rows]
+        return self.scored(output[:rows]) if self.is_last else None
 
     def grad_norm(self, model: nn.Module) -> torch.Tensor:
         """The norm over every part's gradients (each rank holds its parts')."""

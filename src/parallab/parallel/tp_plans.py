@@ -8,7 +8,8 @@ model's own tp_plan() method (gpt, mlp: ParallelStyle objects), or a transformer
 transformers': colwise and rowwise (the pair a block is split by: the first's output cut by
 columns feeds the second's rows, one all-reduce after it), colwise_gather_output (a head
 whose whole output every rank needs), embedding_rowwise (a vocabulary split embedding),
-rowwise_split_input, sequence_parallel.
+rowwise_split_input, sequence_parallel, replicated_with_grad_allreduce (weights each rank
+applies to its own slice, their gradient summed).
 """
 
 from __future__ import annotations
@@ -48,9 +49,6 @@ def _styles() -> dict[str, Any]:
     }
 
 
-STYLE_NAMES = ("colwise", "rowwise", "colwise_gather_output", "colwise_rep",
-               "embedding_rowwise", "rowwise_split_input", "rowwise_rep", "sequence_parallel",
-               "replicated_with_grad_allreduce")
 
 
 class PlanError(ValueError):
@@ -71,7 +69,7 @@ def source(model: nn.Module, given: dict[str, str] | None) -> str | None:
 def takes_sequence_parallel(model: nn.Module, given: dict[str, str] | None) -> bool:
     """The plan can cut the sequence between its split layers: a tp_plan() method with a
     sequence_parallel argument (gpt's), or a transformers model's own plan
-    (sequence_plan: whether its layers are laid out for it, sequence_problem)."""
+    (sequence_plan; whether its layers are laid out for it: mesh.sp_problem)."""
     import inspect
 
     own = getattr(model, "tp_plan", None)
@@ -102,7 +100,7 @@ def expand(model: nn.Module, patterns: dict[str, str], where: str | None) -> dic
     for pattern, style in patterns.items():
         if style not in styles:
             raise PlanError(f"{where}: {pattern}={style} is not a style parallab splits by: "
-                            f"use one of {', '.join(STYLE_NAMES)}")
+                            f"use one of {', '.join(styles)}")
         regex = re.compile(r"[^.]+".join(map(re.escape, str(pattern).split("*"))))
         matched = [name for name in names if regex.fullmatch(name)]
         if not matched:
@@ -113,6 +111,31 @@ def expand(model: nn.Module, patterns: dict[str, str], where: str | None) -> dic
         plan.update({name: styles[style]() for name in matched})
     return plan
 
+
+
+def _named(model: nn.Module, getter: str) -> str | None:
+    """The name of the Linear or Embedding a transformers-style getter gives
+    (get_output_embeddings, get_input_embeddings); None where there is none (a pipeline's
+    part holds nn.Identity in its place, a model may not implement it)."""
+    try:
+        found = getattr(model, getter)()
+    except (AttributeError, NotImplementedError):
+        return None
+    if not isinstance(found, (nn.Linear, nn.Embedding)):
+        return None
+    return next((n for n, m in model.named_modules() if m is found and n), None)
+
+
+def loss_context(sharded: bool):
+    """Where a loss and its backward run: under torch's loss_parallel where the logits are
+    cut by vocabulary (its cross-entropy over the shards), else as they are."""
+    import contextlib
+
+    if not sharded:
+        return contextlib.nullcontext()
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel()
 
 
 def plan_for(model: nn.Module, given: dict[str, str] | None, sequence_parallel: bool,
@@ -134,11 +157,7 @@ def shard_logits(model: nn.Module, plan: dict[str, Any]) -> tuple[dict[str, Any]
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel
 
-    try:
-        head = model.get_output_embeddings()
-    except AttributeError:  # none, or a pipeline's part without it
-        return plan, False
-    name = next((n for n, m in model.named_modules() if m is head and n), None)
+    name = _named(model, "get_output_embeddings")
     style = plan.get(name)
     if not isinstance(style, ColwiseParallel) or style.output_layouts[0] != Replicate():
         return plan, False
@@ -199,8 +218,8 @@ def sequence_plan(model: nn.Module, plan: dict[str, Any]) -> dict[str, Any]:
     seq, modules = Shard(1), dict(model.named_modules())
     names = {id(m): n for n, m in modules.items()}
     blocks = [names[id(b)] for b in hf.blocks(model) or ()]
-    head = names.get(id(model.get_output_embeddings()))
-    embedding = names.get(id(model.get_input_embeddings()))
+    head = _named(model, "get_output_embeddings")
+    embedding = _named(model, "get_input_embeddings")
     if head not in plan or embedding is None or not blocks:
         raise PlanError("parallel.sequence_parallel=true: the plan splits no head, or the "
                         f"model has no input embeddings or blocks ({type(model).__name__}): "

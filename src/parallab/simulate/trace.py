@@ -173,11 +173,9 @@ def trace(cfg, template: nn.Module, block: str, vocab: int, shape: Shape) -> Tra
     one block named `block`) as a rank of `shape` computes it, on fake tensors."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mod_tracker import ModTracker
-    from torch.distributed.tensor.parallel import loss_parallel
-
     from parallab.loss import build_loss, resolve
     from parallab.models import hf
-    from parallab.parallel import activations
+    from parallab.parallel import activations, tp_plans
     from parallab.precision import Precision
 
     from parallab.config.schema import PrecisionConfig
@@ -191,19 +189,8 @@ def trace(cfg, template: nn.Module, block: str, vocab: int, shape: Shape) -> Tra
         model = model.to_empty(device="cpu")
     _tie_again(template, model)
     found = Trace(shape)
-    inputs: list[torch.Tensor] = []
     the_block = model.get_submodule(block)
-
-    def entered(_, args) -> None:  # the block's input: its bytes, and where its backward ends
-        if inputs:
-            return
-        inputs.append(_local(args[0]))
-        if isinstance(args[0], torch.Tensor) and args[0].requires_grad:
-            # ModTracker holds the block open past its input's gradient, so that what
-            # backward then runs for the input's maker (the gather of a sequence-cut
-            # embedding's output) would count once per block
-            args[0].register_hook(lambda _: setattr(recorder, "block_done", True))
-
+    entered = _BlockInput()
     the_block.register_forward_pre_hook(entered)
     called: list[nn.Module] = []
     with fake_group(shape.tp):
@@ -213,12 +200,13 @@ def trace(cfg, template: nn.Module, block: str, vocab: int, shape: Shape) -> Tra
         loss = loss.bind(model)
         batch = _fake_batch(fake, shape, vocab)
         tracker = ModTracker()
-        recorder = Recorder(tracker, _fqn(model, block), hf.shifts_labels(model))
+        recorder = entered.recorder = Recorder(tracker, _fqn(model, block),
+                                               hf.shifts_labels(model))
         saved = _SavedByRegion(model, tracker, recorder)
         calls = register_module_forward_pre_hook(lambda module, _: called.append(module))
         try:
             with fake, tracker, recorder, _masks_as_on_a_device(), \
-                    loss_parallel() if sharded else contextlib.nullcontext():
+                    tp_plans.loss_context(sharded):
                 with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
                     with precision.autocast():
                         value = loss.step_loss(model, batch, shape.rows * shape.seq_len)[1]
@@ -232,9 +220,29 @@ def trace(cfg, template: nn.Module, block: str, vocab: int, shape: Shape) -> Tra
     found.params = _params_by_region(model, the_block, called)
     found.saved = saved.by_region()
     found.saved_compiled = saved.by_region(compiled=True)
-    found.boundary_bytes = float(_nbytes(inputs[0])) if inputs else 0.0
+    found.boundary_bytes = float(_nbytes(entered.tensor)) if entered.tensor is not None \
+        else 0.0
     found.peak_transient = float(recorder.peak)
     return found
+
+
+class _BlockInput:
+    """The traced block's forward pre-hook: its input, whose bytes a pipeline stage sends
+    on, and where its backward ends. ModTracker holds the block open past its input's
+    gradient, so that what backward then runs for the input's maker (the embedding's
+    backward, the gather of a sequence-cut embedding's output) would count once per block:
+    the recorder is told when the input has its gradient."""
+
+    def __init__(self):
+        self.tensor: torch.Tensor | None = None
+        self.recorder: Recorder | None = None
+
+    def __call__(self, _, args) -> None:
+        if self.tensor is not None:
+            return
+        self.tensor = _local(args[0])
+        if isinstance(args[0], torch.Tensor) and args[0].requires_grad:
+            args[0].register_hook(lambda _: setattr(self.recorder, "block_done", True))
 
 
 def _fqn(model: nn.Module, block: str) -> str:
@@ -246,7 +254,7 @@ def _tie_again(template: nn.Module, model: nn.Module) -> None:
     """to_empty on fake tensors gives each name of a tied parameter (a head sharing the
     embedding's matrix) a tensor of its own: share them again as `template` does, so that
     the model holds, gathers and steps that matrix once."""
-    from parallab.training.weights import tied_names
+    from parallab.models import tied_names
 
     for name, first in tied_names(template).items():
         owner, _, attr = name.rpartition(".")

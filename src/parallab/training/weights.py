@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from parallab.config.errors import ConfigError
+from parallab.models import tied_names
 from parallab.training import formats
 from parallab.training.formats import plain_name
 
@@ -52,16 +53,6 @@ def read(path: str | Path, model: nn.Module) -> dict[str, torch.Tensor]:
     """The saved weights by plain name, whole tensors on the CPU (`model`, whole: the
     template a sharded checkpoint is read into)."""
     return formats.format_of(path).read(model)
-
-
-def tied_names(model: nn.Module) -> dict[str, str]:
-    """Each tied parameter's other names -> the first name it has."""
-    first: dict[int, str] = {}
-    aliases = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        aliases.update({name: first[id(param)]} if id(param) in first else {})
-        first.setdefault(id(param), name)
-    return aliases
 
 
 def fit(model: nn.Module, saved: dict[str, tuple[int, ...]],
