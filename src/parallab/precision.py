@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from parallab.config.schema import PrecisionConfig
+from parallab.models import named_layer
 
 log = logging.getLogger(__name__)
 
@@ -103,11 +104,11 @@ def output_layer(model: torch.nn.Module) -> str | None:
     """The name of the Linear layer that gives the model's output: its output embeddings
     (a transformers model's, gpt's head.out), else the last Linear registered (a
     classifier's last layer)."""
-    names = {m: name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-    head = getattr(model, "get_output_embeddings", lambda: None)()
-    if head in names:
-        return names[head]
-    return list(names.values())[-1] if names else None
+    head = named_layer(model, "get_output_embeddings")
+    if head is not None:
+        return head
+    names = [name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    return names[-1] if names else None
 
 
 class Precision:

@@ -30,6 +30,20 @@ def tied_names(model: nn.Module) -> dict[str, str]:
     return aliases
 
 
+def named_layer(model: nn.Module, getter: str) -> str | None:
+    """The name of the Linear or Embedding a transformers-style getter gives
+    (get_output_embeddings, get_input_embeddings: a transformers model's, gpt's); None
+    where there is none (a model without the getter, or one that does not implement it; a
+    pipeline's part holding nn.Identity in its place)."""
+    try:
+        found = getattr(model, getter)()
+    except (AttributeError, NotImplementedError):
+        return None
+    if not isinstance(found, (nn.Linear, nn.Embedding)):
+        return None
+    return next((n for n, m in model.named_modules() if m is found and n), None)
+
+
 def build_model(spec: dict[str, Any]) -> nn.Module:
     from parallab.models import hf
 

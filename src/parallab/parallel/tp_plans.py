@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator
 from torch import nn
 
 from parallab.config.errors import first_line
-from parallab.models import hf
+from parallab.models import hf, named_layer
 
 
 def _styles() -> dict[str, Any]:
@@ -47,8 +47,6 @@ def _styles() -> dict[str, Any]:
         "replicated_with_grad_allreduce": lambda: SequenceParallel(sequence_dim=0,
                                                                    use_local_output=True),
     }
-
-
 
 
 class PlanError(ValueError):
@@ -112,20 +110,6 @@ def expand(model: nn.Module, patterns: dict[str, str], where: str | None) -> dic
     return plan
 
 
-
-def _named(model: nn.Module, getter: str) -> str | None:
-    """The name of the Linear or Embedding a transformers-style getter gives
-    (get_output_embeddings, get_input_embeddings); None where there is none (a pipeline's
-    part holds nn.Identity in its place, a model may not implement it)."""
-    try:
-        found = getattr(model, getter)()
-    except (AttributeError, NotImplementedError):
-        return None
-    if not isinstance(found, (nn.Linear, nn.Embedding)):
-        return None
-    return next((n for n, m in model.named_modules() if m is found and n), None)
-
-
 def loss_context(sharded: bool):
     """Where a loss and its backward run: under torch's loss_parallel where the logits are
     cut by vocabulary (its cross-entropy over the shards), else as they are."""
@@ -157,7 +141,7 @@ def shard_logits(model: nn.Module, plan: dict[str, Any]) -> tuple[dict[str, Any]
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel
 
-    name = _named(model, "get_output_embeddings")
+    name = named_layer(model, "get_output_embeddings")
     style = plan.get(name)
     if not isinstance(style, ColwiseParallel) or style.output_layouts[0] != Replicate():
         return plan, False
@@ -218,8 +202,8 @@ def sequence_plan(model: nn.Module, plan: dict[str, Any]) -> dict[str, Any]:
     seq, modules = Shard(1), dict(model.named_modules())
     names = {id(m): n for n, m in modules.items()}
     blocks = [names[id(b)] for b in hf.blocks(model) or ()]
-    head = _named(model, "get_output_embeddings")
-    embedding = _named(model, "get_input_embeddings")
+    head = named_layer(model, "get_output_embeddings")
+    embedding = named_layer(model, "get_input_embeddings")
     if head not in plan or embedding is None or not blocks:
         raise PlanError("parallel.sequence_parallel=true: the plan splits no head, or the "
                         f"model has no input embeddings or blocks ({type(model).__name__}): "

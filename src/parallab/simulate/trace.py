@@ -173,6 +173,7 @@ def trace(cfg, template: nn.Module, block: str, vocab: int, shape: Shape) -> Tra
     one block named `block`) as a rank of `shape` computes it, on fake tensors."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mod_tracker import ModTracker
+
     from parallab.loss import build_loss, resolve
     from parallab.models import hf
     from parallab.parallel import activations, tp_plans
