@@ -1,12 +1,14 @@
 """A training step on a cluster, from one traced block: its time by part and its memory.
 
 Compute: each traced op as a roofline, the longer of its FLOPs at the GPU's peak (the op's
-precision) x cluster.matmul_efficiency and its bytes at the memory's bandwidth, and no
-shorter than a kernel's launch (cluster.op_overhead_us). With trainer.compile, a chain of
-the model's memory-bound ops in a row is one kernel that reads what the chain takes in and
-writes what it hands on, once (the loss, outside the model, runs eager). A rank's
-micro-batch is its blocks' forward and backward (activation checkpointing's recompute
-inside) and the embeddings', the head's and the loss's where the rank holds them.
+precision) x cluster.matmul_efficiency and its bytes at the memory's bandwidth (a matmul:
+the two added, its kernel not hiding its tiles' first load and its output's write behind
+its multiplies), and no shorter than a kernel's launch (cluster.op_overhead_us). With
+trainer.compile, a chain of the model's memory-bound ops in a row is one kernel that
+reads what the chain takes in and writes what it hands on, once (the loss, outside the
+model, runs eager). A rank's micro-batch is its blocks' forward and backward (activation
+checkpointing's recompute inside) and the embeddings', the head's and the loss's where
+the rank holds them.
 
 Communication, each collective by NCCL's model (cluster.py) over the ranks its group
 spans, overlapped as each layout overlaps it:
@@ -95,7 +97,13 @@ MEMORY_SHARE = 0.25  # ... its tensors at most this share of a rank's memory
 
 def op_seconds(op: Op, rates: Rates, fp32_peak: float) -> float:
     """One op's roofline: its FLOPs at the peak of its precision x the matmul efficiency,
-    or its bytes at the memory's bandwidth, whichever is longer; at least a launch. Where
+    or its bytes at the memory's bandwidth, whichever is longer; a matmul both, added: a
+    GEMM kernel overlaps loading its operands' tiles with its multiplies only once its
+    pipeline runs, not its first tiles' load nor its output's write, so that a matmul with
+    little work per byte (a narrow model's: a small inner dimension) runs further below
+    the peak: with the longer-of, published runs of models from 125M to 18B came out the
+    further over the narrower the model (10-20% at the narrowest); summed, 3-10% (docs/
+    benchmarks.md: "parallab simulate against published runs"). At least a launch. Where
     the cluster is this machine, the op run for real (here.py), its roofline the fallback;
     an op the roofline says would run over LONGEST_S, or whose tensors would take over
     MEMORY_SHARE of the memory, is not run: at that size a CPU runs at the measured rates
@@ -105,7 +113,8 @@ def op_seconds(op: Op, rates: Rates, fp32_peak: float) -> float:
     seconds = moved / rates.hbm
     if op.flops:
         peak = fp32_peak if op.wide else rates.peaks["bf16"]
-        seconds = max(seconds, op.flops / (peak * rates.matmul_efficiency))
+        multiplies = op.flops / (peak * rates.matmul_efficiency)
+        seconds = seconds + multiplies if op.kind == "matmul" else max(seconds, multiplies)
     if rates.timed is not None and seconds <= LONGEST_S and \
             moved <= MEMORY_SHARE * rates.memory_bytes:
         timed = rates.timed(op)
