@@ -34,6 +34,9 @@ def check(cfg) -> Any:
     if p.world_size is None:
         raise ConfigError("parallel.world_size is not set: give the GPU count to simulate, "
                           "e.g. parallel.world_size=64")
+    if p.world_size < 1:
+        raise ConfigError(f"parallel.world_size={p.world_size} is out of range: it must be "
+                          ">= 1 (the GPUs to simulate)")
     if p.name == "auto" and p.world_size < 2:
         raise ConfigError(f"parallel=auto with parallel.world_size={p.world_size}: one GPU has "
                           "one layout; give the cluster's GPU count (2 or more)")
@@ -104,6 +107,9 @@ def candidates_of(cfg, layout, facts: Facts, rates) -> tuple[list[Candidate], li
     if not found:
         raise ConfigError(f"no layout of parallel.world_size={cfg.parallel.world_size} GPUs "
                           "takes this model and batch: use a power-of-two GPU count")
+    if all(c.reason for c in found):  # refused before anything is traced
+        raise ConfigError(f"no layout of parallel.world_size={cfg.parallel.world_size} GPUs "
+                          f"can run this model: {found[0].reason}")
     return found, notes
 
 

@@ -126,7 +126,7 @@ def per_rank_batch(cfg, dp: int) -> tuple[int | None, str | None]:
         return d.batch_size, None
     if d.global_batch_size % dp:
         return None, (f"data.global_batch_size={d.global_batch_size} does not split over "
-                      f"{dp} data-parallel ranks")
+                      f"{dp} data-parallel ranks: give a multiple of {dp}")
     return d.global_batch_size // dp, None
 
 
