@@ -53,6 +53,9 @@ LAYOUTS = {
     # parallel: sequence_plan), padded verses and its own loss over the gathered logits
     "llama-tp2-sp": ["parallel=tp", "parallel.world_size=2", "data.batch_size=16",
                      "parallel.sequence_parallel=true"],
+    # its head tied to its embedding: both cut by vocabulary, one parameter
+    "llama-tied-tp2": ["parallel=tp", "parallel.world_size=2", "data.batch_size=16",
+                       "++model.config.tie_word_embeddings=true"],
     # GPT2Block units; the tied embedding and head stay in the root's unit
     "gpt2-fsdp2-ac_selective": ["model=my_gpt2", "parallel=fsdp", "parallel.world_size=2",
                                 "data.batch_size=8",
@@ -71,7 +74,7 @@ LAYOUTS = {
 @pytest.mark.parametrize("case", LAYOUTS)
 def test_a_transformers_model_trains_under_a_layout_as_on_one_device(case, tmp_path):
     layout = LAYOUTS[case]
-    model = [o for o in layout if o.startswith("model=")]
+    model = [o for o in layout if o.lstrip("+").startswith("model")]
     one = train(tmp_path / "one", *model, "data.batch_size=16")
     many = train(tmp_path / "many", *layout)
     assert losses(tmp_path / "many") == pytest.approx(losses(tmp_path / "one"), abs=1e-3)
@@ -228,9 +231,11 @@ BAD = [
       "colwise, model.layers.*.mlp.up_proj: colwise, model.layers.*.mlp.down_proj: colwise}"],
      "the tensor-parallel plan does not compose at parallel.tp=2: split as planned, the forward "
      "fails in model.layers.0.mlp.down_proj (RuntimeError: mat1 and mat2 shapes"),
-    # each split as its own parameter, a tied pair would part ways (it did, silently)
-    (["parallel=tp", "parallel.world_size=2", "+model.config.tie_word_embeddings=true"],
-     "parallel.tp=2 splits lm_head and model.embed_tokens, which share one weight"),
+    # split otherwise than alike, a tied pair would be two parameters, parting ways
+    (["parallel=tp", "parallel.world_size=2", "++model.config.tie_word_embeddings=true",
+      "parallel.tp_plan={lm_head: rowwise}"],
+     "parallel.tp=2 splits lm_head and model.embed_tokens, which share one weight (tied "
+     "embeddings), differently"),
     (["parallel=pipeline", "parallel.world_size=4", "parallel.tp=2",
       "parallel.sequence_parallel=true"],
      "parallel.sequence_parallel=true with parallel=pipeline: a transformers model's"),

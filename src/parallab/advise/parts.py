@@ -63,10 +63,8 @@ def _alone(model: torch.nn.Module, spec: run.RunSpec, dist: distributed.Dist, on
         else None
     sharded = False
     if cut and layout.tp > 1:
-        from torch.distributed.tensor.parallel import parallelize_module
-
         plan, sharded = tp_plans.plan_for(model, p.tp_plan or None, p.sequence_parallel, loss)
-        parallelize_module(model, mesh["tp"], plan)
+        tp_plans.split(model, mesh["tp"], plan)
     model = speed_up(model, dataclasses.replace(cfg.trainer, compile=False), p.stages)
     if cut and layout.replicas_only:
         from torch.nn.parallel import DistributedDataParallel

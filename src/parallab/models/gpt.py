@@ -177,9 +177,6 @@ class GPT(Model):
         if self.cfg.heads % tp:
             return (f"parallel.tp={tp} does not divide model.heads={self.cfg.heads}: each rank "
                     "computes whole heads; pick a tp that divides the heads")
-        if self.cfg.tie_embeddings:
-            return (f"model.tie_embeddings=true with parallel.tp={tp}: the embedding is split "
-                    "by rows and the head by columns; untie them for tensor parallel")
         return None
 
     def checkpoint_stages(self) -> list[nn.Module]:

@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator
 from torch import nn
 
 from parallab.config.errors import first_line
-from parallab.models import hf, named_layer
+from parallab.models import hf, named_layer, tied_names
 
 
 def _styles() -> dict[str, Any]:
@@ -86,8 +86,49 @@ def plan_of(model: nn.Module, given: dict[str, str] | None,
     if not given and callable(own):  # a plan without sequence parallelism need not know it
         return own(sequence_parallel=True) if sequence_parallel else own()
     patterns = given or hf.tp_plan(model) or {}
-    plan = expand(model, patterns, "parallel.tp_plan" if given else source(model, None))
+    plan = tied_split(model, expand(model, patterns,
+                                    "parallel.tp_plan" if given else source(model, None)))
     return sequence_plan(model, plan) if sequence_parallel else plan
+
+
+def tied_split(model: nn.Module, plan: dict[str, Any]) -> dict[str, Any]:
+    """The plan with an input embedding tied to a head it splits by columns split by
+    vocabulary rows as well (torchtitan splits it so): the shared (vocabulary, width)
+    matrix then cut alike in both, by rows, so that it stays one parameter (split())."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import RowwiseParallel
+
+    head = named_layer(model, "get_output_embeddings")
+    embedding = named_layer(model, "get_input_embeddings")
+    if head in plan and embedding is not None and embedding not in plan and \
+            cut_dim(model.get_submodule(head), plan[head]) == 0 and \
+            tied_names(model).get(f"{head}.weight") == f"{embedding}.weight":
+        return {**plan, embedding: RowwiseParallel(input_layouts=Replicate())}
+    return plan
+
+
+def cut_dim(module: nn.Module, style: Any) -> int | None:
+    """The dimension of `module`'s weight a style cuts it along (a Linear's weight is (out,
+    in), an Embedding's (vocabulary, width)); None where it is not cut by columns or rows."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    if type(style) not in (ColwiseParallel, RowwiseParallel):
+        return None
+    return int(isinstance(style, ColwiseParallel) == isinstance(module, nn.Embedding))
+
+
+def split(model: nn.Module, mesh, plan: dict[str, Any]) -> None:
+    """parallelize_module, each tied weight kept one parameter: split, each module it is
+    part of would hold a parameter of its own (the pair parting ways as they train); cut
+    alike (mesh.tp_problem refuses a plan that cuts them otherwise), the first's is given
+    to the others."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    tied = tied_names(model)
+    parallelize_module(model, mesh, plan)
+    for alias, first in tied.items():
+        owner, _, attr = alias.rpartition(".")
+        setattr(model.get_submodule(owner), attr, model.get_parameter(first))
 
 
 def expand(model: nn.Module, patterns: dict[str, str], where: str | None) -> dict[str, Any]:

@@ -155,7 +155,6 @@ def _split(model: nn.Module, cfg, tp: int, sequence_parallel: bool, loss) -> boo
     plan over a mesh of tp ranks, its entries for modules the cut model holds; whether the
     logits stay cut by vocabulary (where the loss takes them so)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import parallelize_module
 
     from parallab.parallel import tp_plans
 
@@ -164,7 +163,7 @@ def _split(model: nn.Module, cfg, tp: int, sequence_parallel: bool, loss) -> boo
     names = {name for name, _ in model.named_modules()}
     kept = {name: style for name, style in plan.items() if name in names}
     mesh = init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))
-    parallelize_module(model, mesh, kept)
+    tp_plans.split(model, mesh, kept)
     return sharded
 
 
