@@ -143,11 +143,8 @@ def test_a_plan_is_checked_against_the_widths():
     with torch.device("meta"):
         assert tp_problem(GPT(heads=4, width=64), 2) is None
         assert "does not divide model.heads=4" in tp_problem(GPT(heads=4, width=96), 3)
-        # a tied head and embedding, both cut by vocabulary, stay one parameter; a
-        # pipeline's parts are split one by one, so there they would part
+        # a tied head and embedding, both cut by vocabulary, stay one parameter
         assert tp_problem(GPT(tie_embeddings=True), 2) is None
-        assert "in a pipeline splits embed.tokens and head.out" in tp_problem(
-            GPT(tie_embeddings=True), 2, pipeline=True)
         assert "layers.0.1.out_features=63" in tp_problem(MLP(64, hidden=[63, 64]), 2)
         assert tp_problem(MLP(64, hidden=[64, 64, 32]), 2) is None
 

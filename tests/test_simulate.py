@@ -332,8 +332,8 @@ def test_auto_ranks_every_layout_and_writes_its_answer(tmp_path):
     (["parallel=auto", "parallel.world_size=-8"],
      "parallel.world_size=-8 is out of range: it must be >= 1"),
     (["parallel=auto", "parallel.world_size=8", "data.global_batch_size=3"],
-     "can run this model: data.global_batch_size=3 does not split over 8 data-parallel ranks: "
-     "give a multiple of 8"),
+     "takes this model and batch: data.global_batch_size=3 does not split over 8 "
+     "data-parallel ranks: give a multiple of 8"),
     (["parallel=auto", "parallel.world_size=8", "simulate.rows=0"],
      "simulate.rows=0 is out of range: it must be >= 1"),
     (["parallel=auto", "parallel.world_size=8", "simulate.world_sizes=[0,8]"],

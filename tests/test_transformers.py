@@ -53,9 +53,11 @@ LAYOUTS = {
     # parallel: sequence_plan), padded verses and its own loss over the gathered logits
     "llama-tp2-sp": ["parallel=tp", "parallel.world_size=2", "data.batch_size=16",
                      "parallel.sequence_parallel=true"],
-    # its head tied to its embedding: both cut by vocabulary, one parameter
-    "llama-tied-tp2": ["parallel=tp", "parallel.world_size=2", "data.batch_size=16",
-                       "++model.config.tie_word_embeddings=true"],
+    # its head tied to its embedding, both cut by vocabulary (one parameter) on the V's
+    # first rank, whose last part holds no block its plan names
+    "llama-tied-zbv-tp2": ["parallel=pipeline", "parallel.world_size=4", "parallel.tp=2",
+                           "parallel.schedule=zbv", "data.batch_size=16",
+                           "++model.config.tie_word_embeddings=true"],
     # GPT2Block units; the tied embedding and head stay in the root's unit
     "gpt2-fsdp2-ac_selective": ["model=my_gpt2", "parallel=fsdp", "parallel.world_size=2",
                                 "data.batch_size=8",

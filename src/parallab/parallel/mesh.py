@@ -37,18 +37,13 @@ from parallab.precision import compute_dtype
 log = logging.getLogger(__name__)
 
 
-def _tied_problem(model: nn.Module, plan: dict, tp: int, pipeline: bool) -> str | None:
+def _tied_problem(model: nn.Module, plan: dict, tp: int) -> str | None:
     """None if each tied weight the plan splits is cut alike in every module sharing it (so
-    that it stays one parameter: tp_plans.split), and not in a pipeline (whose parts are
-    split one by one), else one line."""
+    that it stays one parameter: tp_plans.split), else one line. (A pipeline that would
+    hold the pair on two ranks is refused by the cut: split.shared_across.)"""
     for alias, first in tied_names(model).items():
         pair = [name.rpartition(".")[0] for name in (first, alias)]
         cuts = {tp_plans.cut_dim(model.get_submodule(n), plan.get(n)) for n in pair}
-        if cuts != {None} and pipeline:
-            return (f"parallel.tp={tp} in a pipeline splits {' and '.join(sorted(pair))}, "
-                    "which share one weight (tied embeddings), in parts of their own: untie "
-                    "them (a transformers model: model.config.tie_word_embeddings=false), or "
-                    "use parallel=tp or fsdp_tp")
         if cuts != {None} and (len(cuts) > 1 or not set(pair) <= set(plan)):
             return (f"parallel.tp={tp} splits {' and '.join(sorted(pair))}, which share one "
                     "weight (tied embeddings), differently: split the embedding by rows and "
@@ -57,11 +52,9 @@ def _tied_problem(model: nn.Module, plan: dict, tp: int, pipeline: bool) -> str 
     return None
 
 
-def tp_problem(model: nn.Module, tp: int, given: dict[str, str] | None = None,
-               pipeline: bool = False) -> str | None:
+def tp_problem(model: nn.Module, tp: int, given: dict[str, str] | None = None) -> str | None:
     """None if `model` (built on meta) has a tensor-parallel plan (plans.py) whose split
-    sizes and attention heads divide by `tp` (and, under a pipeline, that splits no tied
-    weight), else one line."""
+    sizes and attention heads divide by `tp`, else one line."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     if tp_plans.source(model, given) is None:
@@ -77,7 +70,7 @@ def tp_problem(model: nn.Module, tp: int, given: dict[str, str] | None = None,
         plan = tp_plans.plan_of(model, given)
     except tp_plans.PlanError as error:
         return str(error)
-    problem = _tied_problem(model, plan, tp, pipeline)
+    problem = _tied_problem(model, plan, tp)
     if problem:
         return problem
     for name, style in plan.items():
@@ -141,7 +134,7 @@ def refuse_tp(cfg, tp: int, sequence_parallel: bool = False, pipeline: bool = Fa
     from parallab.models import build_on_meta
 
     model = build_on_meta(cfg.model)
-    problem = tp_problem(model, tp, given, pipeline) or sequence_parallel and sp_problem(
+    problem = tp_problem(model, tp, given) or sequence_parallel and sp_problem(
         model, cfg.data, tp, given, pipeline)
     if problem:
         raise ConfigError(problem)
@@ -191,8 +184,9 @@ class MeshRuntime(Runtime):
         p = self.p
         model = self.on_device(self.part(model))
         if self.layout.tp > 1:
-            plan, self.sharded_logits = tp_plans.plan_for(model, p.tp_plan or None,
-                                                          p.sequence_parallel, self.loss)
+            plan, self.sharded_logits = tp_plans.plan_for(
+                model, p.tp_plan or None, p.sequence_parallel, self.loss,
+                whole=not self.layout.cuts_model)  # checked whole before launch
             tp_plans.split(model, self.mesh["tp"], self.part_plan(model, plan))
         if self.dist.is_main:
             log.info("parallel=%s: mesh %s%s", p.name,

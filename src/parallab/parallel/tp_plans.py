@@ -79,15 +79,17 @@ def takes_sequence_parallel(model: nn.Module, given: dict[str, str] | None) -> b
 
 
 def plan_of(model: nn.Module, given: dict[str, str] | None,
-            sequence_parallel: bool = False) -> dict[str, Any]:
-    """Module name -> ParallelStyle; PlanError where a pattern names no module or a style
-    is unknown; {} where the model has no plan."""
+            sequence_parallel: bool = False, whole: bool = True) -> dict[str, Any]:
+    """Module name -> ParallelStyle; PlanError where a pattern names no module of the
+    `whole` model or a style is unknown; {} where the model has no plan. A pipeline
+    rank's part (not whole) may hold no module a pattern names (no block, say)."""
     own = getattr(model, "tp_plan", None)
     if not given and callable(own):  # a plan without sequence parallelism need not know it
         return own(sequence_parallel=True) if sequence_parallel else own()
     patterns = given or hf.tp_plan(model) or {}
     plan = tied_split(model, expand(model, patterns,
-                                    "parallel.tp_plan" if given else source(model, None)))
+                                    "parallel.tp_plan" if given else source(model, None),
+                                    whole))
     return sequence_plan(model, plan) if sequence_parallel else plan
 
 
@@ -100,9 +102,11 @@ def tied_split(model: nn.Module, plan: dict[str, Any]) -> dict[str, Any]:
 
     head = named_layer(model, "get_output_embeddings")
     embedding = named_layer(model, "get_input_embeddings")
+    tied = tied_names(model)
+    pair = {f"{head}.weight", f"{embedding}.weight"}
     if head in plan and embedding is not None and embedding not in plan and \
             cut_dim(model.get_submodule(head), plan[head]) == 0 and \
-            tied_names(model).get(f"{head}.weight") == f"{embedding}.weight":
+            any({alias, first} == pair for alias, first in tied.items()):
         return {**plan, embedding: RowwiseParallel(input_layouts=Replicate())}
     return plan
 
@@ -112,7 +116,7 @@ def cut_dim(module: nn.Module, style: Any) -> int | None:
     in), an Embedding's (vocabulary, width)); None where it is not cut by columns or rows."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    if type(style) not in (ColwiseParallel, RowwiseParallel):
+    if not isinstance(style, (ColwiseParallel, RowwiseParallel)):
         return None
     return int(isinstance(style, ColwiseParallel) == isinstance(module, nn.Embedding))
 
@@ -131,7 +135,8 @@ def split(model: nn.Module, mesh, plan: dict[str, Any]) -> None:
         setattr(model.get_submodule(owner), attr, model.get_parameter(first))
 
 
-def expand(model: nn.Module, patterns: dict[str, str], where: str | None) -> dict[str, Any]:
+def expand(model: nn.Module, patterns: dict[str, str], where: str | None,
+           whole: bool = True) -> dict[str, Any]:
     """The patterns matched against the model's module names, each style built."""
     styles = _styles()
     names = [name for name, _ in model.named_modules() if name]
@@ -142,7 +147,7 @@ def expand(model: nn.Module, patterns: dict[str, str], where: str | None) -> dic
                             f"use one of {', '.join(styles)}")
         regex = re.compile(r"[^.]+".join(map(re.escape, str(pattern).split("*"))))
         matched = [name for name in names if regex.fullmatch(name)]
-        if not matched:
+        if not matched and whole:
             raise PlanError(f"{where} names {pattern}, which matches no module of "
                             f"{type(model).__name__} (its top-level modules: "
                             f"{', '.join(n for n, _ in model.named_children())}): give module "
@@ -164,11 +169,11 @@ def loss_context(sharded: bool):
 
 
 def plan_for(model: nn.Module, given: dict[str, str] | None, sequence_parallel: bool,
-             loss) -> tuple[dict[str, Any], bool]:
+             loss, whole: bool = True) -> tuple[dict[str, Any], bool]:
     """The plan a run splits the model by (plan_of's), its head's logits left cut by
     vocabulary where `loss` (an Objective) takes them so (shard_logits), and whether they
     are: the one rule for the trainer, advise's measured parts and simulate's trace."""
-    plan = plan_of(model, given, sequence_parallel)
+    plan = plan_of(model, given, sequence_parallel, whole)
     return shard_logits(model, plan) if loss.takes_sharded_logits else (plan, False)
 
 

@@ -41,7 +41,7 @@ class Facts:
     stages: int | None  # a pipeline's cut points, where the model has them
     params: float  # elements of the model's parameters
     takes_sequence_parallel: bool
-    _tp: dict[tuple[int, bool], str | None] = field(default_factory=dict)
+    _tp: dict[int, str | None] = field(default_factory=dict)
     _sp: dict[tuple[int, bool], str | None] = field(default_factory=dict)
 
     @classmethod
@@ -65,15 +65,15 @@ class Facts:
                    float(sum(p.numel() for p in model.parameters())),
                    tp_plans.takes_sequence_parallel(model, given))
 
-    def tp_problem(self, tp: int, pipeline: bool = False) -> str | None:
+    def tp_problem(self, tp: int) -> str | None:
         from parallab.parallel.mesh import tp_problem
 
         if tp == 1:
             return None
-        if (tp, pipeline) not in self._tp:
+        if tp not in self._tp:
             given = getattr(self.cfg.parallel, "tp_plan", None) or None
-            self._tp[tp, pipeline] = tp_problem(self.model, tp, given, pipeline)
-        return self._tp[tp, pipeline]
+            self._tp[tp] = tp_problem(self.model, tp, given)
+        return self._tp[tp]
 
     def sp_problem(self, tp: int, pipeline: bool = False) -> str | None:
         from parallab.parallel.mesh import sp_problem

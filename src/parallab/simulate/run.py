@@ -109,7 +109,7 @@ def candidates_of(cfg, layout, facts: Facts, rates) -> tuple[list[Candidate], li
                           "takes this model and batch: use a power-of-two GPU count")
     if all(c.reason for c in found):  # refused before anything is traced
         raise ConfigError(f"no layout of parallel.world_size={cfg.parallel.world_size} GPUs "
-                          f"can run this model: {found[0].reason}")
+                          f"takes this model and batch: {found[0].reason}")
     return found, notes
 
 

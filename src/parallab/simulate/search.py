@@ -140,6 +140,7 @@ def grid(cfg, facts, gpus_per_node: int) -> list[Candidate]:
     scaled_loss = compute_dtype(cfg.precision.name, "cuda") == torch.float16
     found: list[Candidate] = []
     for tp in [t for t in powers_of_two(min(n, gpus_per_node)) if n % t == 0]:
+        tp_reason = facts.tp_problem(tp)
         for pp in [p for p in powers_of_two(n // tp) if (n // tp) % p == 0]:
             if pp > 1 and (scaled_loss or facts.pipeline_problem(pp) is not None):
                 continue  # said once, in the notes
@@ -155,7 +156,7 @@ def grid(cfg, facts, gpus_per_node: int) -> list[Candidate]:
                                 way["schedule"], ac, cfg.trainer.compile):
                             continue  # train refuses it
                         c = Candidate(**base, **way, checkpointing=ac)
-                        c.reason = facts.tp_problem(tp, pp > 1) or batch_reason
+                        c.reason = tp_reason or batch_reason
                         found.append(c)
                         if tp > 1 and facts.takes_sequence_parallel and not c.reason and \
                                 facts.sp_problem(tp, pp > 1) is None:

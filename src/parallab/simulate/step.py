@@ -97,13 +97,14 @@ MEMORY_SHARE = 0.25  # ... its tensors at most this share of a rank's memory
 
 def op_seconds(op: Op, rates: Rates, fp32_peak: float) -> float:
     """One op's roofline: its FLOPs at the peak of its precision x the matmul efficiency,
-    or its bytes at the memory's bandwidth, whichever is longer; a matmul both, added: a
-    GEMM kernel overlaps loading its operands' tiles with its multiplies only once its
-    pipeline runs, not its first tiles' load nor its output's write, so that a matmul with
-    little work per byte (a narrow model's: a small inner dimension) runs further below
-    the peak: with the longer-of, published runs of models from 125M to 18B came out the
-    further over the narrower the model (10-20% at the narrowest); summed, 3-10% (docs/
-    benchmarks.md: "parallab simulate against published runs"). At least a launch. Where
+    or its bytes at the memory's bandwidth, whichever is longer; a matmul (every op with a
+    FLOP formula) both, added: a bound, chosen on the published runs, for a GEMM kernel
+    hides only part of what it moves behind its multiplies (not its first tiles' load nor
+    its output's write), the more of it the less work a byte has (a narrow model's small
+    inner dimension). With the longer-of, published runs of models from 125M to 18B came
+    out the further over the narrower the model (10-20% at the narrowest); summed, 3-10%
+    (docs/benchmarks.md: "parallab simulate against published runs"). At least a launch.
+    Where
     the cluster is this machine, the op run for real (here.py), its roofline the fallback;
     an op the roofline says would run over LONGEST_S, or whose tensors would take over
     MEMORY_SHARE of the memory, is not run: at that size a CPU runs at the measured rates
