@@ -84,13 +84,20 @@ def test_a_transformers_model_under_sequence_parallel_gathers_each_input_once():
         not in olmo
 
 
-def test_auto_cuts_a_transformers_models_sequence_outside_pipelines_only():
-    """parallel=auto tries sequence parallelism with a transformers model's own plan under
-    tp, and not under a pipeline, which refuses it (its stages send plain tensors)."""
-    from parallab.simulate import Facts, search
+def test_auto_cuts_a_transformers_models_sequence_under_tp_pipelines_too():
+    """parallel=auto tries sequence parallelism with a transformers model's own plan
+    wherever tp splits it, a pipeline's too (each part hands on its slice of the
+    sequence), and the pipeline's sends are that slice: a tp-th of a block's input."""
+    from parallab.simulate import Facts, search, trace
+    from parallab.simulate.trace import Shape
 
     cfg = configured(*LLAMA, "parallel=auto", "parallel.world_size=8", "cluster=h100")
-    found = search.grid(cfg, Facts.of(cfg), 8)
+    facts = Facts.of(cfg)
+    found = search.grid(cfg, facts, 8)
     cut = [c for c in found if c.sequence_parallel]
-    assert cut and all(c.tp > 1 and c.pp == 1 for c in cut)
-    assert any(c.tp > 1 and c.pp > 1 for c in found)
+    assert cut and all(c.tp > 1 for c in cut) and any(c.pp > 1 for c in cut)
+    facts.cut()
+    whole, sliced = (trace.trace(cfg, facts.model, facts.block, facts.vocab, Shape(
+        tp=2, sequence_parallel=sp, rows=2, seq_len=32, precision="fp32")).boundary_bytes
+        for sp in (False, True))
+    assert whole > 0 and sliced == whole / 2

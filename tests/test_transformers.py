@@ -54,10 +54,12 @@ LAYOUTS = {
     "llama-tp2-sp": ["parallel=tp", "parallel.world_size=2", "data.batch_size=16",
                      "parallel.sequence_parallel=true"],
     # its head tied to its embedding, both cut by vocabulary (one parameter) on the V's
-    # first rank, whose last part holds no block its plan names
-    "llama-tied-zbv-tp2": ["parallel=pipeline", "parallel.world_size=4", "parallel.tp=2",
-                           "parallel.schedule=zbv", "data.batch_size=16",
-                           "++model.config.tie_word_embeddings=true"],
+    # first rank, whose last part holds no block its plan names; the sequence cut between
+    # the split layers, each part handing on its slice (its stream is a DTensor)
+    "llama-tied-zbv-tp2-sp": ["parallel=pipeline", "parallel.world_size=4", "parallel.tp=2",
+                              "parallel.schedule=zbv", "data.batch_size=16",
+                              "parallel.sequence_parallel=true",
+                              "++model.config.tie_word_embeddings=true"],
     # GPT2Block units; the tied embedding and head stay in the root's unit
     "gpt2-fsdp2-ac_selective": ["model=my_gpt2", "parallel=fsdp", "parallel.world_size=2",
                                 "data.batch_size=8",
@@ -238,9 +240,6 @@ BAD = [
       "parallel.tp_plan={lm_head: rowwise}"],
      "parallel.tp=2 splits lm_head and model.embed_tokens, which share one weight (tied "
      "embeddings), differently"),
-    (["parallel=pipeline", "parallel.world_size=4", "parallel.tp=2",
-      "parallel.sequence_parallel=true"],
-     "parallel.sequence_parallel=true with parallel=pipeline: a transformers model's"),
     (["parallel=tp", "parallel.world_size=2", "parallel.sequence_parallel=true",
       "parallel.tp_plan={model.layers.*.mlp.up_proj: colwise, model.layers.*.mlp.down_proj: "
       "rowwise}"], "the plan of LlamaForCausalLM (parallel.tp_plan) takes no sequence_parallel"),

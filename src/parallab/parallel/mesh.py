@@ -93,19 +93,14 @@ def tp_problem(model: nn.Module, tp: int, given: dict[str, str] | None = None) -
     return None
 
 
-def sp_problem(model: nn.Module, data, tp: int, given: dict[str, str] | None = None,
-               pipeline: bool = False) -> str | None:
-    """None if `model` has a sequence-parallel plan (under a pipeline, one that hands its
-    stages plain tensors: a tp_plan() of its own) and data's sequences split over `tp`."""
+def sp_problem(model: nn.Module, data, tp: int, given: dict[str, str] | None = None
+               ) -> str | None:
+    """None if `model` has a sequence-parallel plan and data's sequences split over `tp`."""
     if not tp_plans.takes_sequence_parallel(model, given):
         return (f"parallel.sequence_parallel=true: the plan of {type(model).__name__} "
                 f"({tp_plans.source(model, given)}) takes no sequence_parallel argument (gpt's "
                 "tp_plan() does): set it false")
     if hf.tp_plan(model):
-        if pipeline:  # its stream between blocks is a DTensor, which stages do not send
-            return ("parallel.sequence_parallel=true with parallel=pipeline: a transformers "
-                    "model's sequence-parallel plan runs under tp and fsdp_tp, not between "
-                    "a pipeline's stages: set it false, or use parallel=fsdp_tp")
         try:
             tp_plans.plan_of(model, None, sequence_parallel=True)
         except tp_plans.PlanError as error:
@@ -118,7 +113,7 @@ def sp_problem(model: nn.Module, data, tp: int, given: dict[str, str] | None = N
     return None
 
 
-def refuse_tp(cfg, tp: int, sequence_parallel: bool = False, pipeline: bool = False) -> None:
+def refuse_tp(cfg, tp: int, sequence_parallel: bool = False) -> None:
     """ConfigError where tp > 1 and the model (built on meta) has no plan that splits over
     `tp` ranks, or no sequence-parallel one where asked."""
     given = getattr(cfg.parallel, "tp_plan", None)
@@ -135,7 +130,7 @@ def refuse_tp(cfg, tp: int, sequence_parallel: bool = False, pipeline: bool = Fa
 
     model = build_on_meta(cfg.model)
     problem = tp_problem(model, tp, given) or sequence_parallel and sp_problem(
-        model, cfg.data, tp, given, pipeline)
+        model, cfg.data, tp, given)
     if problem:
         raise ConfigError(problem)
 
@@ -304,7 +299,7 @@ class MeshPlan(Plan):
             raise ConfigError("parallel.sequence_parallel=true cuts a tensor-parallel "
                               "group's activations: it needs parallel.tp > 1 (or set it "
                               "false)")
-        refuse_tp(cfg, layout.tp, p.sequence_parallel, layout.cuts_model)
+        refuse_tp(cfg, layout.tp, p.sequence_parallel)
 
     @staticmethod
     def refuse_sharded(cfg, layout: Layout) -> None:

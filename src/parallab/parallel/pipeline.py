@@ -36,7 +36,7 @@ from parallab import batch as batches
 from parallab.config.errors import ConfigError
 from parallab.loss import FromModel, from_model, scores
 from parallab.models import hf
-from parallab.parallel import schedules
+from parallab.parallel import schedules, tp_plans
 from parallab.parallel.fsdp import norm_squares, shard
 from parallab.parallel.layout import Layout
 from parallab.parallel.mesh import MeshPlan, MeshRuntime
@@ -186,6 +186,10 @@ class PipelineRuntime(MeshRuntime):
         then (speed_up asks after activation checkpointing has wrapped them)."""
         if self.parts is None:
             self.parts = self.cut.parts(model)
+            if self.p.sequence_parallel and tp_plans.keeps_stream_whole(model,
+                                                                        self.p.tp_plan):
+                for part in self.parts:
+                    tp_plans.send_sequence_slices(part, self.mesh["tp"])
         return self.parts
 
     def wrap(self, model: nn.Module) -> nn.Module:

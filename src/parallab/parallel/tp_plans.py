@@ -64,6 +64,14 @@ def source(model: nn.Module, given: dict[str, str] | None) -> str | None:
     return None
 
 
+def keeps_stream_whole(model: nn.Module, given: dict[str, str] | None) -> bool:
+    """Its sequence-parallel plan keeps the stream between blocks a DTensor of the whole
+    sequence (sequence_plan, a transformers model's own), where a tp_plan() of the model's
+    own hands on local slices (gpt's)."""
+    return not given and not callable(getattr(model, "tp_plan", None)) and \
+        bool(hf.tp_plan(model))
+
+
 def takes_sequence_parallel(model: nn.Module, given: dict[str, str] | None) -> bool:
     """The plan can cut the sequence between its split layers: a tp_plan() method with a
     sequence_parallel argument (gpt's), or a transformers model's own plan
@@ -90,7 +98,7 @@ def plan_of(model: nn.Module, given: dict[str, str] | None,
     plan = tied_split(model, expand(model, patterns,
                                     "parallel.tp_plan" if given else source(model, None),
                                     whole))
-    return sequence_plan(model, plan) if sequence_parallel else plan
+    return sequence_plan(model, plan, whole) if sequence_parallel else plan
 
 
 def tied_split(model: nn.Module, plan: dict[str, Any]) -> dict[str, Any]:
@@ -121,6 +129,33 @@ def cut_dim(module: nn.Module, style: Any) -> int | None:
     return int(isinstance(style, ColwiseParallel) == isinstance(module, nn.Embedding))
 
 
+def send_sequence_slices(part: nn.Module, mesh) -> None:
+    """A pipeline part of a model whose sequence-parallel plan keeps the stream between its
+    blocks a DTensor (a transformers model's: sequence_plan), which a pipeline stage cannot
+    send: what the part hands on is its rank's slice of the sequence (a tp-th of the
+    activation, as Megatron-LM's scatter-gather sends), what it is handed made the DTensor
+    of the whole sequence again (the model reads its shape: the mask, the positions)."""
+    import torch
+    from torch.distributed.tensor import DTensor, Shard
+
+    def received(_, args):
+        if args and torch.is_tensor(args[0]) and args[0].is_floating_point() and \
+                not isinstance(args[0], DTensor):  # the first part takes token ids
+            return (DTensor.from_local(args[0], mesh, [Shard(1)], run_check=False),
+                    *args[1:])
+        return args
+
+    def sent(_, args, output):
+        # not logits cut by vocabulary (Shard(-1)): the loss takes them so. A copy, not
+        # to_local's view: the split backward's schedules detach a stage's output in place
+        if isinstance(output, DTensor) and output.placements == (Shard(1),):
+            return output.to_local().clone()
+        return output
+
+    part.register_forward_pre_hook(received)
+    part.register_forward_hook(sent)
+
+
 def split(model: nn.Module, mesh, plan: dict[str, Any]) -> None:
     """parallelize_module, each tied weight kept one parameter: split, each module it is
     part of would hold a parameter of its own (the pair parting ways as they train); cut
@@ -137,9 +172,11 @@ def split(model: nn.Module, mesh, plan: dict[str, Any]) -> None:
 
 def expand(model: nn.Module, patterns: dict[str, str], where: str | None,
            whole: bool = True) -> dict[str, Any]:
-    """The patterns matched against the model's module names, each style built."""
+    """The patterns matched against the model's module names, each style built (a part,
+    not `whole`: against the modules it holds, not the nn.Identity left for the others)."""
     styles = _styles()
-    names = [name for name, _ in model.named_modules() if name]
+    names = [name for name, module in model.named_modules()
+             if name and (whole or not isinstance(module, nn.Identity))]
     plan: dict[str, Any] = {}
     for pattern, style in patterns.items():
         if style not in styles:
@@ -229,14 +266,16 @@ def _whole(x: Any, mesh) -> Any:
     return x.redistribute(mesh, (Replicate(),)) if isinstance(x, DTensor) else x
 
 
-def sequence_plan(model: nn.Module, plan: dict[str, Any]) -> dict[str, Any]:
+def sequence_plan(model: nn.Module, plan: dict[str, Any], whole: bool = True
+                  ) -> dict[str, Any]:
     """A transformers model's plan (column- and row-split layers inside its blocks'
     attention and MLP) with the residual stream between them cut along the sequence, as
     torchtitan splits Llama: the embedding's output scattered, every norm on its slice
     (SequenceParallel), the attention's and the MLP's input gathered once (GatherSequence),
     the row-split layers' outputs reduce-scattered, the head gathering its input. The
     stream stays a DTensor, so that what the model reads of its shape (the causal mask,
-    the positions) is the whole sequence's. PlanError where the model is not laid out so."""
+    the positions) is the whole sequence's. PlanError where the model is not laid out so
+    (a pipeline rank's part, not `whole`, may hold no head, embeddings or blocks)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -250,7 +289,7 @@ def sequence_plan(model: nn.Module, plan: dict[str, Any]) -> dict[str, Any]:
     blocks = [names[id(b)] for b in hf.blocks(model) or ()]
     head = named_layer(model, "get_output_embeddings")
     embedding = named_layer(model, "get_input_embeddings")
-    if head not in plan or embedding is None or not blocks:
+    if whole and (head not in plan or embedding is None or not blocks):
         raise PlanError("parallel.sequence_parallel=true: the plan splits no head, or the "
                         f"model has no input embeddings or blocks ({type(model).__name__}): "
                         "set it false")
@@ -277,11 +316,13 @@ def sequence_plan(model: nn.Module, plan: dict[str, Any]) -> dict[str, Any]:
                      if isinstance(style, _gather_sequence()))
     cut.update({n: SequenceParallel() for n, m in modules.items()
                 if "Norm" in type(m).__name__ and not n.startswith(gathered)})
-    cut[embedding] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq,
-                                     use_local_output=False) if embedding in plan else \
-        PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=seq,
-                            use_local_output=False)
-    cut[head] = ColwiseParallel(input_layouts=seq, output_layouts=Replicate())
+    if embedding is not None:
+        cut[embedding] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq,
+                                         use_local_output=False) if embedding in plan else \
+            PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=seq,
+                                use_local_output=False)
+    if head is not None:
+        cut[head] = ColwiseParallel(input_layouts=seq, output_layouts=Replicate())
     return cut
 
 

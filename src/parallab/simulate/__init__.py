@@ -42,7 +42,7 @@ class Facts:
     params: float  # elements of the model's parameters
     takes_sequence_parallel: bool
     _tp: dict[int, str | None] = field(default_factory=dict)
-    _sp: dict[tuple[int, bool], str | None] = field(default_factory=dict)
+    _sp: dict[int, str | None] = field(default_factory=dict)
 
     @classmethod
     def of(cls, cfg) -> "Facts":
@@ -75,14 +75,13 @@ class Facts:
             self._tp[tp] = tp_problem(self.model, tp, given)
         return self._tp[tp]
 
-    def sp_problem(self, tp: int, pipeline: bool = False) -> str | None:
+    def sp_problem(self, tp: int) -> str | None:
         from parallab.parallel.mesh import sp_problem
 
-        if (tp, pipeline) not in self._sp:  # a transformers model's plan is built to check it
-            self._sp[tp, pipeline] = sp_problem(
-                self.model, self.cfg.data, tp,
-                getattr(self.cfg.parallel, "tp_plan", None) or None, pipeline)
-        return self._sp[tp, pipeline]
+        if tp not in self._sp:  # a transformers model's plan is built to check it
+            self._sp[tp] = sp_problem(self.model, self.cfg.data, tp,
+                                      getattr(self.cfg.parallel, "tp_plan", None) or None)
+        return self._sp[tp]
 
     def pipeline_problem(self, pp: int) -> str | None:
         if self.stages is None:

@@ -159,7 +159,7 @@ def grid(cfg, facts, gpus_per_node: int) -> list[Candidate]:
                         c.reason = tp_reason or batch_reason
                         found.append(c)
                         if tp > 1 and facts.takes_sequence_parallel and not c.reason and \
-                                facts.sp_problem(tp, pp > 1) is None:
+                                facts.sp_problem(tp) is None:
                             found.append(Candidate(**base, **way, checkpointing=ac,
                                                    sequence_parallel=True))
     return found
