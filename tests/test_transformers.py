@@ -243,6 +243,9 @@ BAD = [
     (["parallel=tp", "parallel.world_size=2", "parallel.sequence_parallel=true",
       "parallel.tp_plan={model.layers.*.mlp.up_proj: colwise, model.layers.*.mlp.down_proj: "
       "rowwise}"], "the plan of LlamaForCausalLM (parallel.tp_plan) takes no sequence_parallel"),
+    # the dict data's own sequence length (its train set's), not only data.seq_len
+    (["parallel=tp", "parallel.world_size=2", "parallel.sequence_parallel=true",
+      "data.train.seq_len=63"], "which data.train.seq_len=63 does not divide by"),
     (["model.config.vocab_size=100"], "model.config.vocab_size=100 is smaller than the 256 "
                                       "tokens of data=datasets's vocabulary"),
     (["model.config.vocab_size=100", "~data.vocab_size"],  # nothing says: the forward tells

@@ -105,12 +105,22 @@ def sp_problem(model: nn.Module, data, tp: int, given: dict[str, str] | None = N
             tp_plans.plan_of(model, None, sequence_parallel=True)
         except tp_plans.PlanError as error:
             return str(error)
-    seq_len = getattr(data, "seq_len", None)
-    if seq_len is not None and seq_len % tp:
-        return (f"parallel.sequence_parallel=true cuts each sequence over parallel.tp={tp} "
-                f"ranks, which data.seq_len={seq_len} does not divide by: pick a tp or "
-                "seq_len that divide")
+    # the data's own keys and its train and eval sets' (a dict data's, the example's)
+    for key, owner in (("data", data), ("data.train", getattr(data, "train", None)),
+                       ("data.eval", getattr(data, "eval", None))):
+        seq_len = _get(owner, "seq_len")
+        if isinstance(seq_len, int) and seq_len % tp:
+            return (f"parallel.sequence_parallel=true cuts each sequence over parallel.tp="
+                    f"{tp} ranks, which {key}.seq_len={seq_len} does not divide by: pick a "
+                    "tp or seq_len that divide")
     return None
+
+
+def _get(owner, key: str):
+    """`owner`'s `key`: an attribute, a mapping's entry (a DictConfig's), or None."""
+    if isinstance(owner, Mapping):
+        return owner.get(key)
+    return getattr(owner, key, None)
 
 
 def refuse_tp(cfg, tp: int, sequence_parallel: bool = False) -> None:

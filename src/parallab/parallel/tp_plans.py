@@ -131,10 +131,11 @@ def cut_dim(module: nn.Module, style: Any) -> int | None:
 
 def send_sequence_slices(part: nn.Module, mesh) -> None:
     """A pipeline part of a model whose sequence-parallel plan keeps the stream between its
-    blocks a DTensor (a transformers model's: sequence_plan), which a pipeline stage cannot
-    send: what the part hands on is its rank's slice of the sequence (a tp-th of the
-    activation, as Megatron-LM's scatter-gather sends), what it is handed made the DTensor
-    of the whole sequence again (the model reads its shape: the mask, the positions)."""
+    blocks a DTensor (a transformers model's: sequence_plan): what the part hands on is its
+    rank's slice of the sequence as a plain tensor (a tp-th of the activation, as
+    Megatron-LM's scatter-gather sends), what it is handed made the DTensor of the whole
+    sequence again (the model reads its shape: the mask, the positions). The slices are
+    even: mesh.sp_problem refuses a sequence length tp does not divide."""
     import torch
     from torch.distributed.tensor import DTensor, Shard
 
