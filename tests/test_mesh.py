@@ -149,6 +149,42 @@ def test_a_plan_is_checked_against_the_widths():
         assert tp_problem(MLP(64, hidden=[64, 64, 32]), 2) is None
 
 
+def test_a_pipeline_part_hands_on_its_slice_of_the_sequence():
+    """Under a transformers model's sequence parallelism (its stream a DTensor) a pipeline
+    part hands on its rank's slice as a plain tensor and takes what it is handed as the
+    whole sequence's DTensor; token ids pass as they are; a sequence tp does not split
+    evenly (a dataset's own length) ends in why, not in a send of a mismatched size."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from parallab.parallel import tp_plans
+    from parallab.simulate.trace import fake_group
+
+    class Part(torch.nn.Module):
+        def __init__(self, output=None):
+            super().__init__()
+            self.seen, self.output = [], output
+
+        def forward(self, x):
+            self.seen.append(x)
+            return x * 2 if self.output is None else self.output
+
+    with fake_group(2):
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+        part = Part()
+        tp_plans.send_sequence_slices(part, mesh)
+        sent = part(torch.ones(1, 4, 8))
+        assert isinstance(part.seen[0], DTensor) and part.seen[0].shape == (1, 8, 8)
+        assert not isinstance(sent, DTensor) and sent.shape == (1, 4, 8)
+        part(torch.zeros(1, 8, dtype=torch.long))
+        assert not isinstance(part.seen[1], DTensor)
+        odd = Part(DTensor.from_local(torch.ones(1, 3, 8), mesh, [Shard(1)], run_check=False,
+                                      shape=torch.Size([1, 5, 8]), stride=(40, 8, 1)))
+        tp_plans.send_sequence_slices(odd, mesh)
+        with pytest.raises(ValueError, match="5 tokens does not split evenly over tp=2"):
+            odd(torch.zeros(1, 5, dtype=torch.long))
+
+
 GPT_RUN = ["data=bytes", "data.eval_fraction=0.002", "model=gpt", "model.layers=2",
            "model.heads=4", "model.width=32", "model.context=32"]
 MLP_RUN = [*FAST, "model=mlp", "model.hidden=[64,64,32]", "data.shape=[1,8,8]"]

@@ -135,7 +135,8 @@ def send_sequence_slices(part: nn.Module, mesh) -> None:
     rank's slice of the sequence as a plain tensor (a tp-th of the activation, as
     Megatron-LM's scatter-gather sends), what it is handed made the DTensor of the whole
     sequence again (the model reads its shape: the mask, the positions). The slices are
-    even: mesh.sp_problem refuses a sequence length tp does not divide."""
+    even: mesh.sp_problem refuses a sequence length tp does not divide before launch, a
+    part sending one of a length it could not see there fails with why."""
     import torch
     from torch.distributed.tensor import DTensor, Shard
 
@@ -150,6 +151,11 @@ def send_sequence_slices(part: nn.Module, mesh) -> None:
         # not logits cut by vocabulary (Shard(-1)): the loss takes them so. A copy, not
         # to_local's view: the split backward's schedules detach a stage's output in place
         if isinstance(output, DTensor) and output.placements == (Shard(1),):
+            if output.shape[1] % mesh.size():  # a dataset's own length, no key checked
+                raise ValueError(f"parallel.sequence_parallel=true under a pipeline: a "
+                                 f"sequence of {output.shape[1]} tokens does not split "
+                                 f"evenly over tp={mesh.size()}: pad the data's sequences "
+                                 "to a multiple of it")
             return output.to_local().clone()
         return output
 
