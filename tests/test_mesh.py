@@ -149,6 +149,25 @@ def test_a_plan_is_checked_against_the_widths():
         assert tp_problem(MLP(64, hidden=[64, 64, 32]), 2) is None
 
 
+def test_a_tied_head_and_embedding_split_by_tp_stay_one_parameter():
+    """Split, each module would hold a parameter of its own; both cut by vocabulary rows,
+    the head is given the embedding's back (the pair training as one, as on one device)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+
+    from parallab.loss import CrossEntropy
+    from parallab.parallel import tp_plans
+    from parallab.simulate.trace import fake_group
+
+    with fake_group(2):
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+        model = GPT(vocab_size=64, context=32, layers=1, heads=4, width=32,
+                    tie_embeddings=True)
+        assert tp_plans.split(model, mesh, None, False, CrossEntropy())  # logits left cut
+        assert model.head.out.weight is model.embed.tokens.weight
+        assert model.embed.tokens.weight.placements == (Shard(0),)
+
+
 def test_a_pipeline_part_hands_on_its_slice_of_the_sequence():
     """Under a transformers model's sequence parallelism (its stream a DTensor) a pipeline
     part hands on its rank's slice as a plain tensor and takes what it is handed as the

@@ -35,11 +35,17 @@ def train(run_dir, *overrides: str, base: list[str] = RUN) -> dict:
 
 def built(name: str):
     """The example's model `name` (my_llama, my_gpt2), built as a run builds it."""
+    return hf_model([*RUN, f"model={name}"], config_dir=CONF)
+
+
+def hf_model(overrides: list[str], **where):
+    """The model `overrides` compose, built as a run builds it (`where`: conftest.typed's
+    config_dir)."""
     from conftest import typed
 
     from parallab import models
 
-    cfg = typed(*RUN, f"model={name}", config_dir=CONF)
+    cfg = typed(*overrides, **where)
     return models.build_model(models.check(cfg.model, cfg.data))
 
 
@@ -117,15 +123,6 @@ def test_qwen3s_norms_over_its_heads_train_under_tensor_and_sequence_parallel(tm
     assert moved  # the norms trained
     for name in expected:
         torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-7)
-
-
-def hf_model(overrides: list[str]):
-    from conftest import typed
-
-    from parallab import models
-
-    cfg = typed(*overrides)
-    return models.build_model(models.check(cfg.model, cfg.data))
 
 
 def test_its_own_plans_are_read():

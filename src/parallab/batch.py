@@ -248,6 +248,13 @@ def logits_in(output: Any) -> torch.Tensor | None:
     return found
 
 
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of `tensor` (a DTensor's local shard; a tensor as it is)."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 def whole(output: Any) -> Any:
     """The output with each DTensor in it gathered whole (logits cut by vocabulary)."""
     from torch.distributed.tensor import DTensor

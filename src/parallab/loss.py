@@ -87,9 +87,12 @@ class CrossEntropy(Objective):
 
     def __init__(self, label_smoothing: float = 0.0):
         self.label_smoothing = label_smoothing
+
+    @property
+    def takes_sharded_logits(self) -> bool:
         # torch's loss_parallel computes the plain cross-entropy only, as _loss calls it (a
         # subclass of one's own may read the logits otherwise: they come whole)
-        self.takes_sharded_logits = label_smoothing == 0 and type(self) in (CrossEntropy, Auto)
+        return self.label_smoothing == 0 and type(self) in (CrossEntropy, Auto)
 
     def __call__(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return self._loss(output, targets, "mean")
@@ -101,7 +104,7 @@ class CrossEntropy(Objective):
                                label_smoothing=self.label_smoothing, reduction=reduction,
                                ignore_index=batches.IGNORE_INDEX)
         # of logits cut by class (loss_parallel), a DTensor each tp rank holds whole
-        return loss.to_local() if hasattr(loss, "to_local") else loss
+        return batches.local(loss)
 
     def count(self, targets: torch.Tensor) -> torch.Tensor:
         return batches.valid(targets).sum()

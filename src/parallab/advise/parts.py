@@ -63,8 +63,8 @@ def _alone(model: torch.nn.Module, spec: run.RunSpec, dist: distributed.Dist, on
         else None
     sharded = False
     if cut and layout.tp > 1:
-        plan, sharded = tp_plans.plan_for(model, p.tp_plan or None, p.sequence_parallel, loss)
-        tp_plans.split(model, mesh["tp"], plan)
+        sharded = tp_plans.split(model, mesh["tp"], p.tp_plan or None, p.sequence_parallel,
+                                 loss)
     model = speed_up(model, dataclasses.replace(cfg.trainer, compile=False), p.stages)
     if cut and layout.replicas_only:
         from torch.nn.parallel import DistributedDataParallel

@@ -138,9 +138,11 @@ class Runtime:
     def loss_context(self) -> contextlib.AbstractContextManager:
         """Where the loss and its backward run: under torch's loss_parallel where the logits
         are cut by vocabulary (its cross-entropy over the shards, backward included)."""
+        if not self.sharded_logits:  # every run but tp's with the logits cut: no import
+            return contextlib.nullcontext()
         from parallab.parallel import tp_plans
 
-        return tp_plans.loss_context(self.sharded_logits)
+        return tp_plans.loss_context(True)
 
     def scored(self, output: Any) -> Any:
         """An evaluation output as evaluation reads it: its logits whole (accuracy and

@@ -189,10 +189,9 @@ class MeshRuntime(Runtime):
         p = self.p
         model = self.on_device(self.part(model))
         if self.layout.tp > 1:
-            plan, self.sharded_logits = tp_plans.plan_for(
-                model, p.tp_plan or None, p.sequence_parallel, self.loss,
+            self.sharded_logits = tp_plans.split(
+                model, self.mesh["tp"], p.tp_plan or None, p.sequence_parallel, self.loss,
                 whole=not self.layout.cuts_model)  # checked whole before launch
-            tp_plans.split(model, self.mesh["tp"], self.part_plan(model, plan))
         if self.dist.is_main:
             log.info("parallel=%s: mesh %s%s", p.name,
                      " x ".join(f"{d}={n}" for d, n in zip(self.layout.dims, self.layout.shape)),
@@ -203,9 +202,6 @@ class MeshRuntime(Runtime):
     def part(self, model: nn.Module) -> nn.Module:
         """What of the model this rank holds before tensor parallelism (all of it)."""
         return model
-
-    def part_plan(self, model: nn.Module, plan: dict) -> dict:
-        return plan
 
     def data_parallel_mesh(self):
         """The mesh FSDP2 shards over: dp_shard, or replicate x shard (HSDP)."""

@@ -173,13 +173,6 @@ class PipelineRuntime(MeshRuntime):
                       for r in range(self.pp)])
         return model
 
-    def part_plan(self, model: nn.Module, plan: dict) -> dict:
-        """The entries of the tensor-parallel plan for modules this part holds (the others
-        are nn.Identity, or gone with the stage they belonged to)."""
-        kept = {name for name, module in model.named_modules()
-                if not isinstance(module, nn.Identity)}
-        return {name: style for name, style in plan.items() if name in kept}
-
     def runs(self, model: nn.Module) -> list[nn.Module]:
         """The modules this rank's schedule calls, compiled where the run compiles: its
         Parts, made the first time it is asked, holding its stages as the model holds them

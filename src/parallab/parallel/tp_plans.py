@@ -163,18 +163,27 @@ def send_sequence_slices(part: nn.Module, mesh) -> None:
     part.register_forward_hook(sent)
 
 
-def split(model: nn.Module, mesh, plan: dict[str, Any]) -> None:
-    """parallelize_module, each tied weight kept one parameter: split, each module it is
-    part of would hold a parameter of its own (the pair parting ways as they train); cut
-    alike (mesh.tp_problem refuses a plan that cuts them otherwise), the first's is given
-    to the others."""
+def split(model: nn.Module, mesh, given: dict[str, str] | None, sequence_parallel: bool,
+          loss, whole: bool = True) -> bool:
+    """The model split over `mesh` by its plan (plan_for's) as the trainer, advise's
+    measured parts and simulate's trace split it: the plan's entries for the modules it
+    holds (a pipeline rank's part, or simulate's model cut to a block: not the others, nor
+    the nn.Identity left in their place), each tied weight kept one parameter (split, each
+    module it is part of would hold a parameter of its own, the pair parting ways as they
+    train; cut alike, as mesh.tp_problem makes sure, the first's is given to the others).
+    Whether the logits stay cut by vocabulary."""
     from torch.distributed.tensor.parallel import parallelize_module
 
+    plan, sharded = plan_for(model, given, sequence_parallel, loss, whole)
+    held = {name for name, module in model.named_modules()
+            if not isinstance(module, nn.Identity)}
     tied = tied_names(model)
-    parallelize_module(model, mesh, plan)
+    parallelize_module(model, mesh, {name: style for name, style in plan.items()
+                                     if name in held})
     for alias, first in tied.items():
         owner, _, attr = alias.rpartition(".")
         setattr(model.get_submodule(owner), attr, model.get_parameter(first))
+    return sharded
 
 
 def expand(model: nn.Module, patterns: dict[str, str], where: str | None,
@@ -216,7 +225,7 @@ def plan_for(model: nn.Module, given: dict[str, str] | None, sequence_parallel: 
              loss, whole: bool = True) -> tuple[dict[str, Any], bool]:
     """The plan a run splits the model by (plan_of's), its head's logits left cut by
     vocabulary where `loss` (an Objective) takes them so (shard_logits), and whether they
-    are: the one rule for the trainer, advise's measured parts and simulate's trace."""
+    are (split() applies it)."""
     plan = plan_of(model, given, sequence_parallel, whole)
     return shard_logits(model, plan) if loss.takes_sharded_logits else (plan, False)
 

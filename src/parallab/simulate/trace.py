@@ -151,20 +151,16 @@ def _fake_batch(fake, shape: Shape, vocab: int) -> tuple[torch.Tensor, torch.Ten
 
 
 def _split(model: nn.Module, cfg, tp: int, sequence_parallel: bool, loss) -> bool:
-    """Tensor parallel as the mesh layouts split a model (MeshRuntime.cut_model): the model's
-    plan over a mesh of tp ranks, its entries for modules the cut model holds; whether the
-    logits stay cut by vocabulary (where the loss takes them so)."""
+    """Tensor parallel as the mesh layouts split a model (MeshRuntime.cut_model), over a
+    mesh of tp ranks; whether the logits stay cut by vocabulary (where the loss takes them
+    so)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from parallab.parallel import tp_plans
 
-    plan, sharded = tp_plans.plan_for(model, getattr(cfg.parallel, "tp_plan", None) or None,
-                                      sequence_parallel, loss)
-    names = {name for name, _ in model.named_modules()}
-    kept = {name: style for name, style in plan.items() if name in names}
     mesh = init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))
-    tp_plans.split(model, mesh, kept)
-    return sharded
+    return tp_plans.split(model, mesh, getattr(cfg.parallel, "tp_plan", None) or None,
+                          sequence_parallel, loss)
 
 
 def trace(cfg, template: nn.Module, block: str, vocab: int, shape: Shape) -> Trace:

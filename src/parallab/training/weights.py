@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from parallab import batch as batches
 from parallab.config.errors import ConfigError
 from parallab.models import tied_names
 from parallab.training import formats
@@ -140,15 +141,8 @@ def load_held(model: nn.Module, path: str | Path, device: torch.device) -> None:
         for key, mine in model.state_dict().items():  # views of the parameters themselves
             name = plain_name(key)
             part = formats.held_as({name: mine}, saved, path)[name]
-            _local(mine).copy_(_local(part))
+            batches.local(mine).copy_(batches.local(part))
             saved.release(name)
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """What this rank holds of `tensor`."""
-    from torch.distributed.tensor import DTensor
-
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def model_from(path: str | Path, model: nn.Module) -> nn.Module:
