@@ -22,6 +22,11 @@ FAST = ["data=synthetic", "data.train_size=2048", "data.eval_size=512", "trainer
         "trainer.log_every_n_steps=5", "device=cpu"]
 
 # a small gpt with dropout, every step logged: recomputation must redraw the same masks
+# a transformers Llama with Llama 3's config, tiny (built from its config, nothing loaded)
+TINY_LLAMA = ["model=llama3_8b", "model.config.vocab_size=512", "model.config.hidden_size=64",
+              "model.config.intermediate_size=128", "model.config.num_hidden_layers=2",
+              "model.config.num_attention_heads=4", "model.config.num_key_value_heads=2",
+              "model.config.bos_token_id=1", "model.config.eos_token_id=2"]
 GPT_RUN = ["data=bytes", "data.eval_fraction=0.002", "model=gpt", "model.layers=2",
            "model.heads=2", "model.width=32", "model.context=32", "model.dropout=0.1",
            "data.batch_size=8", "trainer.max_steps=20", "trainer.log_every_n_steps=1",

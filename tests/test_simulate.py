@@ -25,10 +25,10 @@ def configured(*overrides: str):
     return typed_config(compose(list(overrides), None, "simulate"), list(overrides))
 
 
-def traced(shape, *overrides: str):
+def traced(shape, *overrides: str, base: list[str] = GPT):
     from parallab.simulate import Facts, trace
 
-    cfg = configured(*GPT, *overrides)
+    cfg = configured(*base, *overrides)
     facts = Facts.of(cfg)
     facts.cut()
     return trace.trace(cfg, facts.model, facts.block, facts.vocab, shape)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from conftest import TINY_LLAMA
 from test_simulate import configured, flops, traced
 
 
@@ -45,11 +46,7 @@ def test_tensor_parallel_keeps_the_logits_cut_by_vocabulary():
     assert [op.sent for op in gathers(smoothed)] == [logits / 2]
 
 
-LLAMA = ["model=llama3_8b", "model.config.vocab_size=512", "model.config.hidden_size=64",
-         "model.config.intermediate_size=128", "model.config.num_hidden_layers=2",
-         "model.config.num_attention_heads=4", "model.config.num_key_value_heads=2",
-         "model.config.bos_token_id=1", "model.config.eos_token_id=2", "data.seq_len=32",
-         "data.batch_size=2"]
+LLAMA = [*TINY_LLAMA, "data.seq_len=32", "data.batch_size=2"]
 
 
 def test_a_transformers_model_under_sequence_parallel_gathers_each_input_once():
@@ -58,17 +55,12 @@ def test_a_transformers_model_under_sequence_parallel_gathers_each_input_once():
     reduce-scatters each input's gradient once, where the plain plan all-reduces the
     gradient of q, k, v, gate and up one by one (5 a block) besides the two outputs. A
     column-split output the plan gathers stays gathered (OLMo 2's q and k, normed whole)."""
-    from parallab.simulate import Facts, trace
     from parallab.simulate.trace import Shape
 
     def block(sequence_parallel: bool, kind: str = "Llama") -> list[tuple[str, str]]:
-        cfg = configured(*LLAMA, f"model._target_=transformers.{kind}ForCausalLM",
-                         f"model.config._target_=transformers.{kind}Config")
-        facts = Facts.of(cfg)
-        facts.cut()
-        found = trace.trace(cfg, facts.model, facts.block, facts.vocab,
-                            Shape(tp=2, sequence_parallel=sequence_parallel, rows=2, seq_len=32,
-                                  precision="fp32"))
+        found = traced(Shape(tp=2, sequence_parallel=sequence_parallel, rows=2, seq_len=32,
+                             precision="fp32"), f"model._target_=transformers.{kind}ForCausalLM",
+                       f"model.config._target_=transformers.{kind}Config", base=LLAMA)
         return [(op.phase, op.collective) for op in found.ops
                 if op.kind == "collective" and op.region == "block"]
 
@@ -88,16 +80,14 @@ def test_auto_cuts_a_transformers_models_sequence_under_tp_pipelines_too():
     """parallel=auto tries sequence parallelism with a transformers model's own plan
     wherever tp splits it, a pipeline's too (each part hands on its slice of the
     sequence), and the pipeline's sends are that slice: a tp-th of a block's input."""
-    from parallab.simulate import Facts, search, trace
+    from parallab.simulate import Facts, search
     from parallab.simulate.trace import Shape
 
     cfg = configured(*LLAMA, "parallel=auto", "parallel.world_size=8", "cluster=h100")
-    facts = Facts.of(cfg)
-    found = search.grid(cfg, facts, 8)
+    found = search.grid(cfg, Facts.of(cfg), 8)
     cut = [c for c in found if c.sequence_parallel]
     assert cut and all(c.tp > 1 for c in cut) and any(c.pp > 1 for c in cut)
-    facts.cut()
-    whole, sliced = (trace.trace(cfg, facts.model, facts.block, facts.vocab, Shape(
-        tp=2, sequence_parallel=sp, rows=2, seq_len=32, precision="fp32")).boundary_bytes
-        for sp in (False, True))
+    whole, sliced = (traced(Shape(tp=2, sequence_parallel=sp, rows=2, seq_len=32,
+                                  precision="fp32"), base=LLAMA).boundary_bytes
+                     for sp in (False, True))
     assert whole > 0 and sliced == whole / 2

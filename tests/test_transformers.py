@@ -12,7 +12,7 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, losses
+from conftest import REPO, TINY_LLAMA, losses
 
 from parallab.cli import train_in_process
 from parallab.training import checkpoint
@@ -93,13 +93,9 @@ def test_a_transformers_model_trains_under_a_layout_as_on_one_device(case, tmp_p
     assert many["tokens_per_sec"] > 0 and "eval_accuracy" not in many
 
 
-QWEN3 = ["model=llama3_8b", "model._target_=transformers.Qwen3ForCausalLM",
-         "model.config._target_=transformers.Qwen3Config", "model.config.vocab_size=512",
-         "model.config.hidden_size=64", "model.config.intermediate_size=128",
-         "model.config.num_hidden_layers=2", "model.config.num_attention_heads=4",
-         "model.config.num_key_value_heads=2", "model.config.bos_token_id=1",
-         "model.config.eos_token_id=2", "data=tokens", "data.seq_len=32", "data.batch_size=8",
-         "device=cpu", "trainer.max_steps=3", "trainer.log_every_n_steps=1"]
+QWEN3 = [*TINY_LLAMA, "model._target_=transformers.Qwen3ForCausalLM",
+         "model.config._target_=transformers.Qwen3Config", "data=tokens", "data.seq_len=32",
+         "data.batch_size=8", "device=cpu", "trainer.max_steps=3", "trainer.log_every_n_steps=1"]
 
 
 @pytest.mark.slow
