@@ -340,6 +340,10 @@ def test_auto_ranks_every_layout_and_writes_its_answer(tmp_path):
      "simulate.world_sizes=[0, 8]: each must be a GPU count >= 1"),
     (["parallel=auto", "parallel.world_size=8", "simulate.measured=/no/such/runs"],
      "simulate.measured=/no/such/runs is not a directory"),
+    # train's data on the cluster, not here: the way out named beside the data's own
+    (["parallel=auto", "parallel.world_size=8", "data=bytes", "data.path=/on/the/cluster"],
+     "no file /on/the/cluster: give a text file or a directory of *.txt files (or data.path="
+     "null for the shipped text); or leave data= out: parallab simulate reads no data"),
 ])
 def test_bad_input_ends_in_one_line(tmp_path, overrides, says):
     from parallab.commands import simulate_in_process

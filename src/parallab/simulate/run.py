@@ -51,8 +51,11 @@ def check(cfg) -> Any:
         if value is not None and value < 1:
             raise ConfigError(f"data.{key}={value} is out of range: it must be >= 1 (sequences "
                               "per data-parallel rank, or per step)")
-    search.refuse(cfg.data.problem())
     _refuse_no_sequences(cfg.data)
+    said = cfg.data.problem()
+    if said and cfg.data.name != "tokens":  # its files, say: train's, never read here
+        said += "; or leave data= out: parallab simulate reads no data, its own takes data.seq_len"
+    search.refuse(said)
     cfg.model = models.check(cfg.model, cfg.data)
     cfg.device = Device.cuda  # the cluster's: its compute dtypes, not this machine's
     if p.name == "auto":
