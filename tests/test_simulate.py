@@ -140,6 +140,28 @@ def test_this_machines_measured_costs_stand_for_nccls_and_a_gpus():
     assert measured["in_step"] >= 1
 
 
+def test_this_machine_shares_its_cores_among_more_ranks_than_it_measured(monkeypatch):
+    """cluster=this past the rank counts measured together (twice the cores): an op run
+    for real slows as the cores' share a rank gets does, as the rates' peaks do, so that a
+    step never computes faster than its peak (an MFU beyond 100%)."""
+    from parallab.config.schema import ClusterConfig
+    from parallab.simulate import here
+
+    four = {"links": {}, "fsdp_unit_s": 0.0, "dtensor_op_s": 0.0, "stage_s": 0.0,
+            "in_step": 1.5}
+    figures = {"cores": 2, "memory_bytes": 2**34, "in_step": 1.2, "fp32_1": 1e10,
+               "fp32_all": 2e10, "bf16_1": 1e10, "bf16_all": 2e10, "copy": 1e10,
+               "op_s": 1e-5, "ranks": {"4": four}}
+    monkeypatch.setattr(here, "measured", lambda: figures)
+    cluster = ClusterConfig(name="this", gpu="this", memory_gb=None, hbm_gbps=None,
+                            gpus_per_node=None, intra_node_gbps=None, inter_node_gbps=None,
+                            matmul_efficiency=None, op_overhead_us=None)
+    at4, at64 = here.rates(cluster, 4), here.rates(cluster, 64)
+    assert at4.timed.slower == pytest.approx(1.5)  # as measured: four ranks, two cores
+    assert at4.peaks["fp32"] / at64.peaks["fp32"] == pytest.approx(16)
+    assert at64.timed.slower / at4.timed.slower == pytest.approx(16)
+
+
 def test_this_machine_runs_only_an_op_it_can_afford():
     """cluster=this runs a traced op for real only where it is quick and small; one that
     this machine's rates say would take minutes, or whose tensors would fill its memory,

@@ -159,6 +159,9 @@ def rates(cfg: ClusterConfig, world_size: int) -> Rates:
     cores, n = f["cores"], max(1, world_size)
     threads, share = _threads(f, n), _share(f, n)
     ranks = together_at(n) if n > 1 else {**ALONE, "in_step": f["in_step"]}
+    # past the counts together_at measures, more ranks share the cores than its in_step
+    # saw: an op run for real slows by that too, as the rates below do (share)
+    slower = ranks["in_step"] * _share(f, min(n, 2 * cores, MOST_RANKS)) / share
 
     def rate(kind: str) -> float:
         one, every = f[f"{kind}_1"], f[f"{kind}_all"]
@@ -177,6 +180,5 @@ def rates(cfg: ClusterConfig, world_size: int) -> Rates:
                  f["memory_bytes"] / n, f["op_s"] / share, NcclLatency(*[0.0] * 6),
                  overhead_adds=True, dtensor_op_s=ranks["dtensor_op_s"],
                  fsdp_unit_s=ranks["fsdp_unit_s"], stage_s=ranks["stage_s"], links=links,
-                 timed=_TIMERS.setdefault((threads, ranks["in_step"]),
-                                          Timer(threads, ranks["in_step"])))
+                 timed=_TIMERS.setdefault((threads, slower), Timer(threads, slower)))
     return dataclasses.replace(base, **{scaled[k][0]: v * scaled[k][1] for k, v in given.items()})
