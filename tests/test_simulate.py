@@ -299,9 +299,9 @@ def test_every_cluster_preset_composes_and_is_sound(name):
 def test_auto_ranks_every_layout_and_writes_its_answer(tmp_path):
     from parallab.commands import simulate_in_process
 
-    answer = simulate_in_process([*GPT, "parallel=auto", "parallel.world_size=8",
+    answer = simulate_in_process([*GPT, "parallel=auto", "parallel.world_size=4",
                                   "data.batch_size=2", "cluster=a100",
-                                  "cluster.gpus_per_node=4"], tmp_path)
+                                  "cluster.gpus_per_node=2"], tmp_path)
     found = json.loads((tmp_path / "simulate.json").read_text())["layouts"]
     fits = [e for e in found if e["fits"]]
     assert fits and found[:len(fits)] == fits  # those that fit first, fastest first
@@ -315,7 +315,7 @@ def test_auto_ranks_every_layout_and_writes_its_answer(tmp_path):
     assert best["command"] == answer["command"] and "parallel=auto" not in best["command"]
     assert best["command"].startswith("parallab train data=tokens model=gpt")
     assert sum(best["parts"].values()) == pytest.approx(best["step_time_s"])
-    assert "#SBATCH --nodes=2" in answer["sbatch"] and "#SBATCH --gpus-per-node=4" in \
+    assert "#SBATCH --nodes=2" in answer["sbatch"] and "#SBATCH --gpus-per-node=2" in \
         answer["sbatch"]
     said = (tmp_path / "simulate.md").read_text()
     assert best["layout"] in said and "srun --kill-on-bad-exit=1 parallab train" in said
@@ -334,7 +334,7 @@ def test_auto_ranks_every_layout_and_writes_its_answer(tmp_path):
         words = shlex.split(first["command"])
         assert words[:2] == ["parallab", "train"]
         cfg, layout = checked(*words[2:], "device=cpu")
-        assert layout.world_size == 8 and cfg.parallel.name == kind
+        assert layout.world_size == 4 and cfg.parallel.name == kind
 
 
 @pytest.mark.parametrize("overrides, says", [
