@@ -21,6 +21,37 @@ class SelfScoring(nn.Module):
         return F.mse_loss(self.net(inputs), targets)
 
 
+class WrappedStages(SelfScoring):
+    """Its stages() wraps its layers in a module made on each call: one the model does not
+    hold, which activation checkpointing cannot put in a parent's place."""
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.net(inputs)
+
+    def stages(self) -> list[nn.Module]:
+        return [nn.Sequential(*self.net)]
+
+
+class LooseStagesLM(nn.Module):
+    """A language model whose stages() wraps its embedding in a module made on each call."""
+
+    def __init__(self, vocab_size: int = 64, width: int = 16, layers: int = 2):
+        super().__init__()
+        self.emb = nn.Embedding(vocab_size, width)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.GELU())
+                                    for _ in range(layers))
+        self.head = nn.Linear(width, vocab_size)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+    def stages(self) -> list[nn.Module]:
+        return [nn.Sequential(self.emb), *self.blocks, self.head]
+
+
 def sequential(in_features: int = 8, width: int = 32) -> nn.Sequential:
     """A factory returning an nn.Sequential: its children are its stages."""
     return nn.Sequential(nn.Linear(in_features, width), nn.ReLU(), nn.Linear(width, width),

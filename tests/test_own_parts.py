@@ -68,6 +68,11 @@ BAD = [
      "trainer.monitor=eval_mae: say whether higher is better with trainer.monitor_mode=max"),
     (["parallel.stages=null", "trainer.activation_checkpointing=full"],
      "trainer.activation_checkpointing=full: the model declares no stages"),
+    (["model._target_=own_parts.WrappedStages", "~model.out_features", "~model.width",
+      "~model.depth", "~model.expansion", "parallel.stages=null",
+      "trainer.activation_checkpointing=full"],
+     "trainer.activation_checkpointing=full: the model's stages() gives Sequential, no "
+     "submodule of the model, which it cannot wrap in a parent's place"),
     (["loss=model", "model._target_=own_parts.SelfScoring", "~model.out_features",
       "~model.width", "~model.depth", "~model.expansion", "parallel=pipeline",
       "parallel.stages=[net.0,net.1,net.2]"],

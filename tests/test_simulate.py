@@ -337,6 +337,23 @@ def test_auto_ranks_every_layout_and_writes_its_answer(tmp_path):
         assert layout.world_size == 4 and cfg.parallel.name == kind
 
 
+def test_a_model_whose_stages_are_made_on_each_call_is_simulated_without_checkpointing(
+        tmp_path):
+    """A user's model whose stages() wraps a layer in a module made on each call: no
+    checkpointed layout offered (train refuses one), the reason in the notes, its blocks
+    the ones the model holds."""
+    from parallab.commands import simulate_in_process
+
+    simulate_in_process(["model._target_=own_parts.LooseStagesLM", "~model.num_classes",
+                         "~model.dropout", "data.vocab_size=64", "data.seq_len=32",
+                         "parallel=auto", "parallel.world_size=4"], tmp_path)
+    found = json.loads((tmp_path / "simulate.json").read_text())["layouts"]
+    assert found and all("activation_checkpointing=none" in e["command"] for e in found)
+    assert "No activation checkpointing: trainer.activation_checkpointing=full: the " \
+        "model's stages() gives Sequential, no submodule of the model" in \
+        (tmp_path / "simulate.md").read_text()
+
+
 @pytest.mark.parametrize("overrides, says", [
     (["cluster.hbm_gbps=-1"], "cluster.hbm_gbps=-1.0 is out of range: it must be > 0"),
     (["cluster.hbm_gbps=null"], "cluster.hbm_gbps=null: only cluster.gpu=this measures"),

@@ -104,14 +104,30 @@ def stages_problem(cfg) -> str | None:
 
     model = build_on_meta(cfg.model)
     try:
-        found = units(model, cfg.parallel.stages)
+        return units_problem(model, cfg.parallel.stages, mode)
     except KeyError:
-        found = stages_of.configured(model, cfg.parallel.stages)  # raises its one-line ConfigError
-    if found:
+        stages_of.configured(model, cfg.parallel.stages)  # raises its one-line ConfigError
+        raise
+
+
+def units_problem(model: nn.Module, names: list[str] | None, mode: str) -> str | None:
+    """None if the model has units to checkpoint one by one, each a submodule of it: apply()
+    puts each unit's checkpointed self in its parent's place, which the model itself or a
+    wrapper its stages() makes on each call has not. KeyError for a name it lacks."""
+    found = units(model, names)
+    if not found:
+        return (f"trainer.activation_checkpointing={mode}: the model declares no stages to "
+                "checkpoint one by one: list its submodules in forward order in "
+                "parallel.stages, give the model a stages() method, or use none")
+    held = {id(m) for m in model.modules() if m is not model}
+    loose = next((unit for unit in found if id(unit) not in held), None)
+    if loose is None:
         return None
-    return (f"trainer.activation_checkpointing={mode}: the model declares no stages to "
-            "checkpoint one by one: list its submodules in forward order in parallel.stages, "
-            "give the model a stages() method, or use none")
+    what = "the model itself" if loose is model else \
+        f"{type(loose).__name__}, no submodule of the model"
+    return (f"trainer.activation_checkpointing={mode}: {stages_of.source(model, names)} gives "
+            f"{what}, which it cannot wrap in a parent's place: give the model's own "
+            "submodules in forward order (parallel.stages), or use none")
 
 
 def apply(model: nn.Module, mode: str, names: list[str] | None = None, every: int = 1

@@ -41,6 +41,7 @@ class Facts:
     stages: int | None  # a pipeline's cut points, where the model has them
     params: float  # elements of the model's parameters
     takes_sequence_parallel: bool
+    checkpoint_problem: str | None  # why activation checkpointing cannot wrap its units
     _tp: dict[int, str | None] = field(default_factory=dict)
     _sp: dict[int, str | None] = field(default_factory=dict)
 
@@ -48,7 +49,7 @@ class Facts:
     def of(cls, cfg) -> "Facts":
         from parallab.models import build_on_meta
         from parallab.observe import mfu
-        from parallab.parallel import tp_plans
+        from parallab.parallel import activations, tp_plans
         from parallab.parallel import stages as stages_of
 
         model = build_on_meta(cfg.model)
@@ -63,7 +64,9 @@ class Facts:
                    mfu.flops_per_token(model, cfg.data.seq_len),
                    len(stages) if stages else None,
                    float(sum(p.numel() for p in model.parameters())),
-                   tp_plans.takes_sequence_parallel(model, given))
+                   tp_plans.takes_sequence_parallel(model, given),
+                   activations.units_problem(model, getattr(cfg.parallel, "stages", None),
+                                             "full"))
 
     def tp_problem(self, tp: int) -> str | None:
         from parallab.parallel.mesh import tp_problem

@@ -104,9 +104,18 @@ def candidates_of(cfg, layout, facts: Facts, rates) -> tuple[list[Candidate], li
     if layout is not None:
         return [search.given(cfg, layout)], notes
     found = search.grid(cfg, facts, rates.gpus_per_node)
-    why = facts.pipeline_problem(2)
+    import torch
+
+    from parallab.precision import compute_dtype
+
+    why = facts.pipeline_problem(2) or (
+        f"precision={cfg.precision.name} computes in float16 with a GradScaler, whose scaled "
+        "loss a pipeline's schedule does not take" if
+        compute_dtype(cfg.precision.name, "cuda") == torch.float16 else None)
     if why:
         notes.append(f"No pipeline layouts: {why}.")
+    if facts.checkpoint_problem:
+        notes.append(f"No activation checkpointing: {facts.checkpoint_problem}.")
     if not found:
         raise ConfigError(f"no layout of parallel.world_size={cfg.parallel.world_size} GPUs "
                           "takes this model and batch: use a power-of-two GPU count")

@@ -151,7 +151,7 @@ def grid(cfg, facts, gpus_per_node: int) -> list[Candidate]:
                 base = dict(world_size=n, dp_replicate=dp // shard, dp_shard=shard, tp=tp,
                             pp=pp, batch_size=batch or 1, given_global=cfg.data.global_batch_size)
                 for way in _ways(pp, batch or 1, facts):
-                    for ac in CHECKPOINTING:
+                    for ac in ("none",) if facts.checkpoint_problem else CHECKPOINTING:
                         if way.get("schedule") and schedules.split_backward_clash(
                                 way["schedule"], ac, cfg.trainer.compile):
                             continue  # train refuses it

@@ -124,8 +124,9 @@ def blocks_of(model: nn.Module, stages: list[str] | None) -> list[nn.Module]:
     from parallab.parallel import activations
 
     found = activations.units(model, stages) or []
+    held = {id(m) for m in model.modules()}  # not a wrapper a stages() makes on each call
     return [m for m in found if next(m.parameters(), None) is not None and
-            type(m) is type(found[len(found) // 2])]
+            type(m) is type(found[len(found) // 2]) and id(m) in held]
 
 
 def _region(ops: list[Op]) -> None:
