@@ -162,6 +162,19 @@ def test_this_machine_shares_its_cores_among_more_ranks_than_it_measured(monkeyp
     assert at64.timed.slower / at4.timed.slower == pytest.approx(16)
 
 
+def test_measured_points_come_from_each_readable_metrics_file(tmp_path):
+    """simulate.measured: a run's tokens/s per GPU beside the predictions; a metrics.json cut
+    short (a run still writing it) is left out, not the end of the simulation."""
+    from parallab.simulate.run import _measured
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "metrics.json").write_text(json.dumps(
+        {"tokens_per_sec": 800.0, "world_size": 4}))
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "metrics.json").write_text('{"tokens_per_sec": 8')
+    assert _measured(str(tmp_path)) == [(4, 200.0, "a (measured)")]
+
+
 def test_this_machine_runs_only_an_op_it_can_afford():
     """cluster=this runs a traced op for real only where it is quick and small; one that
     this machine's rates say would take minutes, or whose tensors would fill its memory,
@@ -379,6 +392,17 @@ def test_a_model_whose_stages_are_made_on_each_call_is_simulated_without_checkpo
      "simulate.world_sizes=[0, 8]: each must be a GPU count >= 1"),
     (["parallel=auto", "parallel.world_size=8", "simulate.measured=/no/such/runs"],
      "simulate.measured=/no/such/runs is not a directory"),
+    # the printed command is one train takes: not both a fixed and a found batch
+    (["parallel=auto", "parallel.world_size=8", "data.global_batch_size=64",
+      "trainer.auto_batch_size=true"],
+     "data.global_batch_size=64 fixes the samples of each step, which "
+     "trainer.auto_batch_size=true would change: drop one of them"),
+    (["adapter=lora", "parallel=fsdp", "parallel.world_size=8"],
+     "adapter=lora: parallab simulate trains every weight"),
+    (["parallel=pipeline", "parallel.world_size=8", "parallel.pp=2", "parallel.microbatches=2",
+      "trainer.accumulate_grad_batches=2"],
+     "trainer.accumulate_grad_batches=2 with parallel=pipeline: parallab simulate takes a "
+     "pipeline's accumulation as its micro-batches"),
     # train's data on the cluster, not here: the way out named beside the data's own
     (["parallel=auto", "parallel.world_size=8", "data=bytes", "data.path=/on/the/cluster"],
      "no file /on/the/cluster: give a text file or a directory of *.txt files (or data.path="

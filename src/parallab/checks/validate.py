@@ -227,15 +227,21 @@ def resolve_parallel(cfg: Config, in_place: InPlace | None) -> Layout:
     return plan.resolve(p, cfg.device.value, world, nnodes)  # a null degree resolved, checked
 
 
+def check_fixed_batch(cfg: Config) -> None:
+    """data.global_batch_size and trainer.auto_batch_size are not both asked for."""
+    d = cfg.data
+    _require(d.global_batch_size is None or not cfg.trainer.auto_batch_size,
+             f"data.global_batch_size={d.global_batch_size} fixes the samples of each step, "
+             "which trainer.auto_batch_size=true would change: drop one of them")
+
+
 def resolve_global_batch(cfg: Config, layout: Layout) -> None:
     """data.global_batch_size: the per-rank data.batch_size that gives it, so layouts
     compare at equal samples per optimizer step."""
     d = cfg.data
     if d.global_batch_size is None:
         return
-    _require(not cfg.trainer.auto_batch_size, f"data.global_batch_size={d.global_batch_size} "
-             "fixes the samples of each step, which trainer.auto_batch_size=true would change: "
-             "drop one of them")
+    check_fixed_batch(cfg)
     _require(d.global_batch_size > 0, f"data.global_batch_size={d.global_batch_size} is out "
              "of range: it is the samples of each step, >= 1")
     ranks = layout.dp

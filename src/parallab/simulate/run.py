@@ -46,6 +46,11 @@ def check(cfg) -> Any:
                           "(torchao's float8 kernels do not trace on fake tensors): use "
                           "precision=bf16")
     validate.check_values(cfg)
+    validate.check_fixed_batch(cfg)  # auto's commands too: train refuses them otherwise
+    if cfg.adapter.name != "none":
+        raise ConfigError(f"adapter={cfg.adapter.name}: parallab simulate trains every weight "
+                          "(its gradient and optimizer states), not an adapter beside frozen "
+                          "ones: simulate without adapter= for the whole model's figures")
     for key in ("batch_size", "global_batch_size"):
         value = getattr(cfg.data, key)
         if value is not None and value < 1:
@@ -61,6 +66,11 @@ def check(cfg) -> Any:
     if p.name == "auto":
         return None
     layout = PLANS[p.name].resolve(p, "cuda", p.world_size)
+    if layout.pp > 1 and cfg.trainer.accumulate_grad_batches > 1:
+        raise ConfigError(f"trainer.accumulate_grad_batches={cfg.trainer.accumulate_grad_batches}"
+                          " with parallel=pipeline: parallab simulate takes a pipeline's "
+                          "accumulation as its micro-batches: raise parallel.microbatches and "
+                          "the batch instead, or leave trainer.accumulate_grad_batches at 1")
     validate.resolve_global_batch(cfg, layout)
     stages = None
     if layout.cuts_model:
@@ -206,9 +216,14 @@ def _nothing_fits(cfg, ranked: list[Candidate], rates) -> str:
     need = least.memory_gb
     return (f"no layout of parallel.world_size={cfg.parallel.world_size} GPUs fits "
             f"{cfg.model['_target_'].rpartition('.')[2]} on cluster={cfg.cluster.name}: the "
-            f"smallest needs {need:,.1f} GiB per GPU ({least.label}) and a GPU has "
-            f"{rates.memory_bytes / 2**30:,.1f} GiB; use more GPUs, a shorter data.seq_len or "
+            f"smallest needs {_gib(need)} GiB per GPU ({least.label}) and a GPU has "
+            f"{_gib(rates.memory_bytes / 2**30)} GiB; use more GPUs, a shorter data.seq_len or "
             "a smaller data.batch_size")
+
+
+def _gib(size: float) -> str:
+    """A size to tenths, small ones to two figures (not 0.0 beside 0.0)."""
+    return f"{size:,.1f}" if size >= 1 else f"{size:.2g}"
 
 
 def _head(cfg, facts: Facts, seconds: float) -> dict[str, Any]:
@@ -259,7 +274,11 @@ def _measured(where: str | None) -> list[tuple[int, float, str]]:
         return []
     found = []
     for path in sorted(Path(where).rglob("metrics.json")):
-        figures = json.loads(path.read_text())
+        try:
+            figures = json.loads(path.read_text())
+        except (OSError, ValueError):  # a run still writing it, or cut short: not a point
+            log.warning("simulate.measured: %s cannot be read as JSON; left out", path)
+            continue
         tokens = figures.get("tokens_per_sec")
         if tokens and figures.get("world_size"):
             found.append((figures["world_size"], tokens / figures["world_size"],
