@@ -162,6 +162,17 @@ def test_this_machine_shares_its_cores_among_more_ranks_than_it_measured(monkeyp
     assert at64.timed.slower / at4.timed.slower == pytest.approx(16)
 
 
+def test_a_pipelines_given_split_is_the_one_simulated():
+    """parallel.split cuts the simulated pipeline where train cuts it, not evenly."""
+    from parallab.simulate import step
+
+    params = {"before": 1.0, "block": 1.0, "after": 1.0}
+    even = step.loads(8, step.Layout(world_size=2, pp=2, schedule="1f1b"), params)
+    given = step.loads(8, step.Layout(world_size=2, pp=2, schedule="1f1b", split=(2,)), params)
+    assert [load.blocks for load in even] == [4, 4]
+    assert [load.blocks for load in given] == [1, 7] and given[0].ends == ["before"]
+
+
 def test_measured_points_come_from_each_readable_metrics_file(tmp_path):
     """simulate.measured: a run's tokens/s per GPU beside the predictions; a metrics.json cut
     short (a run still writing it) is left out, not the end of the simulation."""

@@ -158,7 +158,8 @@ def layout_of(cfg, c: Candidate) -> step.Layout:
                        c.rows, cfg.data.seq_len, bubble, c.stages_per_rank, c.schedule,
                        cfg.trainer.compile, optimizer_of(cfg), dtype.itemsize, reshard,
                        cfg.trainer.clip_grad_norm is not None,
-                       getattr(p, "bucket_cap_mb", 25.0), cfg.precision.tf32)
+                       getattr(p, "bucket_cap_mb", 25.0), cfg.precision.tf32,
+                       tuple(p.split) if c.pp > 1 and getattr(p, "split", None) else None)
 
 
 def optimizer_of(cfg) -> str:

@@ -112,6 +112,11 @@ def candidates_of(cfg, layout, facts: Facts, rates) -> tuple[list[Candidate], li
     """The given layout alone, or parallel=auto's grid; notes on what the grid leaves out."""
     notes = []
     if layout is not None:
+        if getattr(cfg.parallel, "split", None) and facts.stages != facts.blocks + 2:
+            raise ConfigError(f"parallel.split={list(cfg.parallel.split)}: parallab simulate "
+                              "cuts a model whose stages are its embeddings, each block and its "
+                              f"head, where this one has {facts.stages} stages for "
+                              f"{facts.blocks} blocks: leave parallel.split out")
         return [search.given(cfg, layout)], notes
     found = search.grid(cfg, facts, rates.gpus_per_node)
     import torch

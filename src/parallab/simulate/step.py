@@ -75,6 +75,7 @@ class Layout:
     clip: bool = False
     bucket_mb: float = 25.0  # DDP's parallel.bucket_cap_mb
     tf32: bool = False  # float32 matmuls on TF32 tensor cores (precision.tf32)
+    split: tuple[int, ...] | None = None  # a pipeline's cuts as parallel.split gives them
 
     @property
     def dp(self) -> int:
@@ -230,16 +231,17 @@ class Load:
 
 def loads(blocks: int, layout: Layout, params: dict[str, float]) -> list[Load]:
     """Each rank's load: without a pipeline, everything; with one, the model's stages (the
-    embeddings, each block, the head) cut into pp x v parts at an even share of
-    parameters (parallel/split.py's even_cuts), placed as the schedule places them
-    (parallel/schedules.py: round-robin, or a V)."""
+    embeddings, each block, the head) cut into pp x v parts where parallel.split cuts
+    them, else at an even share of parameters (parallel/split.py's even_cuts), placed as
+    the schedule places them (parallel/schedules.py: round-robin, or a V)."""
     from parallab.parallel import schedules
     from parallab.parallel.split import even_cuts
 
     if layout.pp == 1:
         return [Load(0, blocks, True, True)]
     sizes = [params["before"], *[params["block"]] * blocks, params["after"]]
-    bounds = [0, *even_cuts(sizes, layout.pp * layout.stages_per_rank), len(sizes)]
+    cuts = layout.split or even_cuts(sizes, layout.pp * layout.stages_per_rank)
+    bounds = [0, *cuts, len(sizes)]
     parts = [range(a, b) for a, b in zip(bounds, bounds[1:])]
     found = []
     for rank in range(layout.pp):
