@@ -17,6 +17,7 @@ latency) for small messages.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -80,10 +81,23 @@ class Group:
     @classmethod
     def of(cls, size: int, stride: int, gpus_per_node: int) -> "Group":
         """A mesh dimension of `size` ranks `stride` apart (the product of the inner
-        dimensions' degrees): neighbours share a node while the stride is below a node's
-        GPUs."""
-        per_node = max(1, min(size, gpus_per_node // stride)) if stride < gpus_per_node else 1
-        return cls(size, math.ceil(size / per_node))
+        dimensions' degrees), over the nodes its most spread group spans: neighbours share
+        a node while the stride is below a node's GPUs, and a group that does not sit
+        evenly on nodes (tp 4 on 6 GPUs a node: ranks 4-7) crosses one."""
+        return cls(size, _nodes_spanned(size, stride, gpus_per_node))
+
+
+@functools.lru_cache(maxsize=None)
+def _nodes_spanned(size: int, stride: int, gpus_per_node: int) -> int:
+    """The most nodes a group spans, over the groups of one period of the layout (after
+    which groups and nodes line up again as they began)."""
+    span = size * stride
+    worst = 1
+    for block in range(0, math.lcm(span, gpus_per_node), span):
+        for inner in range(stride):
+            worst = max(worst, len({(block + inner + j * stride) // gpus_per_node
+                                    for j in range(size)}))
+    return worst
 
 
 @dataclass(frozen=True, eq=False)  # hashed by identity: a Traces' priced costs key on it
