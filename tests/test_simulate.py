@@ -173,6 +173,19 @@ def test_a_pipelines_given_split_is_the_one_simulated():
     assert [load.blocks for load in given] == [1, 7] and given[0].ends == ["before"]
 
 
+def test_a_given_split_moves_the_simulated_step(tmp_path):
+    from parallab.commands import simulate_in_process
+
+    def step_s(*split: str) -> float:
+        run = tmp_path / str(len(split))
+        simulate_in_process([*GPT, "parallel=pipeline", "parallel.world_size=2",
+                             "parallel.pp=2", "parallel.microbatches=2", *split], run)
+        return json.loads((run / "simulate.json").read_text())["layouts"][0]["step_time_s"]
+
+    # the embedding alone on the first rank, both blocks and the head on the second
+    assert step_s("parallel.split=[1]") > step_s()
+
+
 def test_measured_points_come_from_each_readable_metrics_file(tmp_path):
     """simulate.measured: a run's tokens/s per GPU beside the predictions; a metrics.json cut
     short (a run still writing it) is left out, not the end of the simulation."""
@@ -376,6 +389,12 @@ def test_a_model_whose_stages_are_made_on_each_call_is_simulated_without_checkpo
     assert "No activation checkpointing: trainer.activation_checkpointing=full: the " \
         "model's stages() gives Sequential, no submodule of the model" in \
         (tmp_path / "simulate.md").read_text()
+    with pytest.raises(ConfigError, match="^trainer.activation_checkpointing=selective: the "
+                       "model's stages.. gives Sequential, no submodule of the model"):
+        simulate_in_process(["model._target_=own_parts.LooseStagesLM", "~model.num_classes",
+                             "~model.dropout", "data.vocab_size=64", "data.seq_len=32",
+                             "parallel=fsdp", "parallel.world_size=4",
+                             "trainer.activation_checkpointing=selective"], tmp_path / "given")
 
 
 @pytest.mark.parametrize("overrides, says", [

@@ -125,7 +125,9 @@ def units_problem(model: nn.Module, names: list[str] | None, mode: str) -> str |
         return None
     what = "the model itself" if loose is model else \
         f"{type(loose).__name__}, no submodule of the model"
-    return (f"trainer.activation_checkpointing={mode}: {stages_of.source(model, names)} gives "
+    source = "the model's checkpoint_stages()" if not names and callable(
+        getattr(model, "checkpoint_stages", None)) else stages_of.source(model, names)
+    return (f"trainer.activation_checkpointing={mode}: {source} gives "
             f"{what}, which it cannot wrap in a parent's place: give the model's own "
             "submodules in forward order (parallel.stages), or use none")
 

@@ -68,6 +68,16 @@ class Facts:
                    activations.units_problem(model, getattr(cfg.parallel, "stages", None),
                                              "full"))
 
+    def split_problem(self) -> str | None:
+        """None unless parallel.split cuts a chain simulate does not lay out as its stages
+        (step.loads: the embeddings, each block, the head)."""
+        split = getattr(self.cfg.parallel, "split", None)
+        if not split or self.stages == self.blocks + 2:
+            return None
+        return (f"parallel.split={list(split)}: parallab simulate cuts a model whose stages "
+                f"are its embeddings, each block and its head, where this one has "
+                f"{self.stages} stages for {self.blocks} blocks: leave parallel.split out")
+
     def tp_problem(self, tp: int) -> str | None:
         from parallab.parallel.mesh import tp_problem
 
@@ -104,7 +114,11 @@ def rates_of(cluster, world_size: int = 1) -> clusters.Rates:
     """The cluster's rates; this machine's measured (here.py) for ranks sharing its cores
     `world_size` ways, a figure the cluster's YAML gives kept over the measured one."""
     if cluster.gpu != clusters.THIS:
-        return clusters.Rates.of(cluster)
+        rates = clusters.Rates.of(cluster)
+        if world_size >= rates.gpus_per_node:
+            return rates
+        # a job smaller than a node sits on one: none of its groups crosses to another
+        return dataclasses.replace(rates, gpus_per_node=world_size)
     from parallab.simulate import here
 
     return here.rates(cluster, world_size)
@@ -142,9 +156,9 @@ def shape_of(cfg, c: Candidate) -> trace.Shape:
                        c.gathered, cfg.precision.name)
 
 
-def layout_of(cfg, c: Candidate) -> step.Layout:
+def layout_of(cfg, c: Candidate, facts: Facts) -> step.Layout:
     """The step model's view of a candidate (a pipeline's bubble and activations held by its
-    schedule's own counts, parallel/schedules.py)."""
+    schedule's own counts, parallel/schedules.py; its cuts parallel.split's, where given)."""
     from parallab.parallel import schedules
     from parallab.precision import compute_dtype
 
@@ -159,7 +173,15 @@ def layout_of(cfg, c: Candidate) -> step.Layout:
                        cfg.trainer.compile, optimizer_of(cfg), dtype.itemsize, reshard,
                        cfg.trainer.clip_grad_norm is not None,
                        getattr(p, "bucket_cap_mb", 25.0), cfg.precision.tf32,
-                       tuple(p.split) if c.pp > 1 and getattr(p, "split", None) else None)
+                       _split(p, c, facts))
+
+
+def _split(p, c: Candidate, facts: Facts) -> tuple[int, ...] | None:
+    if c.pp == 1 or not getattr(p, "split", None):
+        return None
+    if facts.split_problem():
+        raise ConfigError(facts.split_problem())
+    return tuple(p.split)
 
 
 def optimizer_of(cfg) -> str:
@@ -176,7 +198,7 @@ def predict(cfg, c: Candidate, traces: Traces, rates: clusters.Rates) -> step.Pr
                           cfg.trainer.compile, cfg.precision.tf32)
         blocks = traces.facts.blocks
         priced = step.blend(priced, plain, math.ceil(blocks / every) / blocks)
-    return step.predict(*priced, layout_of(cfg, c), rates, traces.facts.blocks,
+    return step.predict(*priced, layout_of(cfg, c, traces.facts), rates, traces.facts.blocks,
                         traces.facts.flops_per_token)
 
 

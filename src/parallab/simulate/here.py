@@ -149,7 +149,7 @@ def _available_memory() -> float:
 
 
 ALONE = {"links": {}, "fsdp_unit_s": 0.0, "dtensor_op_s": 0.0, "stage_s": 0.0}  # one rank
-_TIMERS: dict[tuple[int, float], Timer] = {}  # one a rank's threads and slowing, a process
+_TIMES: dict[int, dict] = {}  # each op's own time by a rank's threads, once a process
 
 
 def rates(cfg: ClusterConfig, world_size: int) -> Rates:
@@ -180,5 +180,5 @@ def rates(cfg: ClusterConfig, world_size: int) -> Rates:
                  f["memory_bytes"] / n, f["op_s"] / share, NcclLatency(*[0.0] * 6),
                  overhead_adds=True, dtensor_op_s=ranks["dtensor_op_s"],
                  fsdp_unit_s=ranks["fsdp_unit_s"], stage_s=ranks["stage_s"], links=links,
-                 timed=_TIMERS.setdefault((threads, slower), Timer(threads, slower)))
+                 timed=Timer(threads, slower, _TIMES.setdefault(threads, {})))
     return dataclasses.replace(base, **{scaled[k][0]: v * scaled[k][1] for k, v in given.items()})

@@ -58,8 +58,9 @@ def check(cfg) -> Any:
                               "per data-parallel rank, or per step)")
     _refuse_no_sequences(cfg.data)
     said = cfg.data.problem()
-    if said and cfg.data.name != "tokens":  # its files, say: train's, never read here
-        said += "; or leave data= out: parallab simulate reads no data, its own takes data.seq_len"
+    if said and any(f"data.{key}" in said for key in ("path", "files", "root")):  # train's
+        said += ("; or leave data= out: parallab simulate reads no data, its own takes "
+                 f"data.seq_len={cfg.data.seq_len} data.batch_size={cfg.data.batch_size}")
     search.refuse(said)
     cfg.model = models.check(cfg.model, cfg.data)
     cfg.device = Device.cuda  # the cluster's: its compute dtypes, not this machine's
@@ -112,11 +113,13 @@ def candidates_of(cfg, layout, facts: Facts, rates) -> tuple[list[Candidate], li
     """The given layout alone, or parallel=auto's grid; notes on what the grid leaves out."""
     notes = []
     if layout is not None:
-        if getattr(cfg.parallel, "split", None) and facts.stages != facts.blocks + 2:
-            raise ConfigError(f"parallel.split={list(cfg.parallel.split)}: parallab simulate "
-                              "cuts a model whose stages are its embeddings, each block and its "
-                              f"head, where this one has {facts.stages} stages for "
-                              f"{facts.blocks} blocks: leave parallel.split out")
+        search.refuse(facts.split_problem())
+        mode = cfg.trainer.activation_checkpointing
+        if mode != "none" and facts.checkpoint_problem:  # train refuses it before launch
+            from parallab.parallel import activations
+
+            search.refuse(activations.units_problem(
+                facts.model, getattr(cfg.parallel, "stages", None), mode))
         return [search.given(cfg, layout)], notes
     found = search.grid(cfg, facts, rates.gpus_per_node)
     import torch

@@ -65,9 +65,10 @@ class Timer:
     threads, once: its fastest run, times `slower` (in_step's ratio for the job's ranks).
     None for an op that cannot be run from its shapes alone."""
 
-    def __init__(self, threads: int, slower: float = 1.0):
+    def __init__(self, threads: int, slower: float = 1.0,
+                 known: dict[str, float | None] | None = None):
         self.threads, self.slower = threads, slower
-        self.known: dict[str, float | None] = {}
+        self.known = {} if known is None else known  # shared by timers of one thread count
 
     def __call__(self, op) -> float | None:
         if op.replay is None:

@@ -124,7 +124,8 @@ def blocks_of(model: nn.Module, stages: list[str] | None) -> list[nn.Module]:
     from parallab.parallel import activations
 
     found = activations.units(model, stages) or []
-    held = {id(m) for m in model.modules()}  # not a wrapper a stages() makes on each call
+    # not the model itself, nor a wrapper its stages() makes on each call
+    held = {id(m) for m in model.modules() if m is not model}
     return [m for m in found if next(m.parameters(), None) is not None and
             type(m) is type(found[len(found) // 2]) and id(m) in held]
 
