@@ -42,13 +42,12 @@ def peak_memory_mb(device: torch.device) -> float:
 def held_state_mb(model: nn.Module, optimizer: torch.optim.Optimizer) -> float:
     """Parameters, gradients (one like each trainable parameter) and optimizer state this
     rank holds: its shards under fsdp, its part under pipeline, everything under ddp."""
-    from torch.distributed.tensor import DTensor
+    from parallab.batch import local
 
     params = list(model.parameters())
     tensors = params + [p for p in params if p.requires_grad] + [
         v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
-    local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
-    return sum(t.numel() * t.element_size() for t in local) / 2**20
+    return sum(local(t).numel() * local(t).element_size() for t in tensors) / 2**20
 
 
 def snapshot_problem(enabled: bool, device_type: str) -> str | None:

@@ -104,21 +104,22 @@ def stages_problem(cfg) -> str | None:
 
     model = build_on_meta(cfg.model)
     try:
-        return units_problem(model, cfg.parallel.stages, mode)
+        why = units_problem(model, cfg.parallel.stages)
     except KeyError:
         stages_of.configured(model, cfg.parallel.stages)  # raises its one-line ConfigError
         raise
+    return why and f"trainer.activation_checkpointing={mode}: {why}"
 
 
-def units_problem(model: nn.Module, names: list[str] | None, mode: str) -> str | None:
+def units_problem(model: nn.Module, names: list[str] | None) -> str | None:
     """None if the model has units to checkpoint one by one, each a submodule of it: apply()
     puts each unit's checkpointed self in its parent's place, which the model itself or a
     wrapper its stages() makes on each call has not. KeyError for a name it lacks."""
     found = units(model, names)
     if not found:
-        return (f"trainer.activation_checkpointing={mode}: the model declares no stages to "
-                "checkpoint one by one: list its submodules in forward order in "
-                "parallel.stages, give the model a stages() method, or use none")
+        return ("the model declares no stages to checkpoint one by one: list its submodules "
+                "in forward order in parallel.stages, give the model a stages() method, or "
+                "use none")
     held = {id(m) for m in model.modules() if m is not model}
     loose = next((unit for unit in found if id(unit) not in held), None)
     if loose is None:
@@ -127,9 +128,8 @@ def units_problem(model: nn.Module, names: list[str] | None, mode: str) -> str |
         f"{type(loose).__name__}, no submodule of the model"
     source = "the model's checkpoint_stages()" if not names and callable(
         getattr(model, "checkpoint_stages", None)) else stages_of.source(model, names)
-    return (f"trainer.activation_checkpointing={mode}: {source} gives "
-            f"{what}, which it cannot wrap in a parent's place: give the model's own "
-            "submodules in forward order (parallel.stages), or use none")
+    return (f"{source} gives {what}, which it cannot wrap in a parent's place: give the "
+            "model's own submodules in forward order (parallel.stages), or use none")
 
 
 def apply(model: nn.Module, mode: str, names: list[str] | None = None, every: int = 1

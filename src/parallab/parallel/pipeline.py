@@ -150,8 +150,7 @@ class PipelineRuntime(MeshRuntime):
         from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
         # a tp-split gradient's replicas hold the same shard: its local tensor is averaged
-        grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-                 for p in model.parameters() if p.grad is not None]
+        grads = [batches.local(p.grad) for p in model.parameters() if p.grad is not None]
         if not grads:
             return
         flat = _flatten_dense_tensors(grads)

@@ -65,8 +65,7 @@ class Facts:
                    len(stages) if stages else None,
                    float(sum(p.numel() for p in model.parameters())),
                    tp_plans.takes_sequence_parallel(model, given),
-                   activations.units_problem(model, getattr(cfg.parallel, "stages", None),
-                                             "full"))
+                   activations.units_problem(model, getattr(cfg.parallel, "stages", None)))
 
     def split_problem(self) -> str | None:
         """None unless parallel.split cuts a chain simulate does not lay out as its stages
@@ -179,8 +178,9 @@ def layout_of(cfg, c: Candidate, facts: Facts) -> step.Layout:
 def _split(p, c: Candidate, facts: Facts) -> tuple[int, ...] | None:
     if c.pp == 1 or not getattr(p, "split", None):
         return None
-    if facts.split_problem():
-        raise ConfigError(facts.split_problem())
+    problem = facts.split_problem()
+    if problem:
+        raise ConfigError(problem)
     return tuple(p.split)
 
 

@@ -103,7 +103,7 @@ def together_at(world: int) -> dict:
     from parallab.simulate import together
 
     figures = measured()
-    world = min(world, 2 * figures["cores"], MOST_RANKS)
+    world = _counted(figures, world)
     if str(world) not in figures["ranks"]:
         # an op's own time as a rank sharing the cores pays it (rates() charges it so), so
         # that in_step's ratio does not count that slowing a second time
@@ -114,6 +114,11 @@ def together_at(world: int) -> dict:
         figures["ranks"] = {**known.get(key, {}).get("ranks", {}), **figures["ranks"]}
         _keep(known, key, figures)
     return figures["ranks"][str(world)]
+
+
+def _counted(figures: dict, world: int) -> int:
+    """The rank count whose figures together_at measures for `world` ranks."""
+    return min(world, 2 * figures["cores"], MOST_RANKS)
 
 
 def _key(cores: int) -> str:
@@ -161,7 +166,7 @@ def rates(cfg: ClusterConfig, world_size: int) -> Rates:
     ranks = together_at(n) if n > 1 else {**ALONE, "in_step": f["in_step"]}
     # past the counts together_at measures, more ranks share the cores than its in_step
     # saw: an op run for real slows by that too, as the rates below do (share)
-    slower = ranks["in_step"] * _share(f, min(n, 2 * cores, MOST_RANKS)) / share
+    slower = ranks["in_step"] * _share(f, _counted(f, n)) / share
 
     def rate(kind: str) -> float:
         one, every = f[f"{kind}_1"], f[f"{kind}_all"]

@@ -51,17 +51,7 @@ def check(cfg) -> Any:
         raise ConfigError(f"adapter={cfg.adapter.name}: parallab simulate trains every weight "
                           "(its gradient and optimizer states), not an adapter beside frozen "
                           "ones: simulate without adapter= for the whole model's figures")
-    for key in ("batch_size", "global_batch_size"):
-        value = getattr(cfg.data, key)
-        if value is not None and value < 1:
-            raise ConfigError(f"data.{key}={value} is out of range: it must be >= 1 (sequences "
-                              "per data-parallel rank, or per step)")
-    _refuse_no_sequences(cfg.data)
-    said = cfg.data.problem()
-    if said and any(f"data.{key}" in said for key in ("path", "files", "root")):  # train's
-        said += ("; or leave data= out: parallab simulate reads no data, its own takes "
-                 f"data.seq_len={cfg.data.seq_len} data.batch_size={cfg.data.batch_size}")
-    search.refuse(said)
+    _check_data(cfg.data)
     cfg.model = models.check(cfg.model, cfg.data)
     cfg.device = Device.cuda  # the cluster's: its compute dtypes, not this machine's
     if p.name == "auto":
@@ -80,6 +70,22 @@ def check(cfg) -> Any:
         stages = stages_on_meta(cfg)
     layout.plan.check(cfg, layout, stages)
     return layout
+
+
+def _check_data(data) -> None:
+    """The data's keys a simulation reads (its batch, its sequences), and the data's own
+    check, its files named as train's, which a simulation never reads."""
+    for key in ("batch_size", "global_batch_size"):
+        value = getattr(data, key)
+        if value is not None and value < 1:
+            raise ConfigError(f"data.{key}={value} is out of range: it must be >= 1 (sequences "
+                              "per data-parallel rank, or per step)")
+    _refuse_no_sequences(data)
+    said = data.problem()
+    if said and any(f"data.{key}" in said for key in ("path", "files", "root")):
+        said += ("; or leave data= out: parallab simulate reads no data, its own takes "
+                 f"data.seq_len={data.seq_len} data.batch_size={data.batch_size}")
+    search.refuse(said)
 
 
 def _own_problem(s) -> str | None:
@@ -116,24 +122,16 @@ def candidates_of(cfg, layout, facts: Facts, rates) -> tuple[list[Candidate], li
         search.refuse(facts.split_problem())
         mode = cfg.trainer.activation_checkpointing
         if mode != "none" and facts.checkpoint_problem:  # train refuses it before launch
-            from parallab.parallel import activations
-
-            search.refuse(activations.units_problem(
-                facts.model, getattr(cfg.parallel, "stages", None), mode))
+            raise ConfigError(f"trainer.activation_checkpointing={mode}: "
+                              f"{facts.checkpoint_problem}")
         return [search.given(cfg, layout)], notes
     found = search.grid(cfg, facts, rates.gpus_per_node)
-    import torch
-
-    from parallab.precision import compute_dtype
-
-    why = facts.pipeline_problem(2) or (
-        f"precision={cfg.precision.name} computes in float16 with a GradScaler, whose scaled "
-        "loss a pipeline's schedule does not take" if
-        compute_dtype(cfg.precision.name, "cuda") == torch.float16 else None)
+    why = facts.pipeline_problem(2) or search.float16_problem(cfg)
     if why:
         notes.append(f"No pipeline layouts: {why}.")
-    if facts.checkpoint_problem:
-        notes.append(f"No activation checkpointing: {facts.checkpoint_problem}.")
+    if facts.checkpoint_problem:  # the grid's first mode past none named, as train says it
+        notes.append("No activation checkpointing: trainer.activation_checkpointing=full: "
+                     f"{facts.checkpoint_problem}.")
     if not found:
         raise ConfigError(f"no layout of parallel.world_size={cfg.parallel.world_size} GPUs "
                           "takes this model and batch: use a power-of-two GPU count")

@@ -134,10 +134,8 @@ def grid(cfg, facts, gpus_per_node: int) -> list[Candidate]:
     """Every layout of parallel.world_size GPUs for the model (`facts`: simulate.Facts);
     those the model or the batch cannot take carry their reason. No pipeline computes in
     float16: its schedules take no scaled loss (train refuses it)."""
-    from parallab.precision import compute_dtype
-
     n = cfg.parallel.world_size
-    scaled_loss = compute_dtype(cfg.precision.name, "cuda") == torch.float16
+    scaled_loss = float16_problem(cfg) is not None
     found: list[Candidate] = []
     for tp in [t for t in powers_of_two(min(n, gpus_per_node)) if n % t == 0]:
         tp_reason = facts.tp_problem(tp)
@@ -163,6 +161,16 @@ def grid(cfg, facts, gpus_per_node: int) -> list[Candidate]:
                             found.append(Candidate(**base, **way, checkpointing=ac,
                                                    sequence_parallel=True))
     return found
+
+
+def float16_problem(cfg) -> str | None:
+    """Why no pipeline computes in float16 (train refuses it), or None."""
+    from parallab.precision import compute_dtype
+
+    if compute_dtype(cfg.precision.name, "cuda") != torch.float16:
+        return None
+    return (f"precision={cfg.precision.name} computes in float16 with a GradScaler, whose "
+            "scaled loss a pipeline's schedule does not take")
 
 
 def _ways(pp: int, batch: int, facts) -> list[dict[str, Any]]:
