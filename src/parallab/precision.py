@@ -166,6 +166,11 @@ class Precision:
     def backward(self, loss: torch.Tensor) -> None:
         self.scaler.scale(loss).backward()
 
+    def loss_scale(self) -> torch.Tensor | None:
+        """What backward() multiplies the loss by (float16's GradScaler); None: nothing. A
+        gradient added beside the loss (an MoE router's loss) is scaled alike."""
+        return self.scaler._scale if self.scaler.is_enabled() else None
+
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Bring gradients back to their true scale (before clipping them)."""
         self.scaler.unscale_(optimizer)

@@ -155,6 +155,10 @@ class ParallelConfig:
     # the model's stages by module name in forward order ("blocks.*": a ModuleList's
     # children); null = the model's stages(), or an nn.Sequential's children
     stages: Optional[list[str]] = None
+    # expert parallelism: each MoE layer's experts split over ep ranks carved from the
+    # data-parallel shard ranks (and tp's); 1: every rank holds every expert
+    # (parallel/experts.py). The sharded layouts take it: fsdp, hsdp, tp, fsdp_tp, pipeline
+    ep: int = 1
 
 
 @dataclass

@@ -1,11 +1,14 @@
 """A small decoder-only transformer language model, after nanoGPT: pre-LayerNorm blocks of
 causal self-attention and a GELU MLP, learned position embeddings, an output head untied
 by default (tie_embeddings=true shares the token embedding, as GPT-2 and nanoGPT do; the
-two then span the first and the last stage, which model and pipeline parallelism refuse)."""
+two then span the first and the last stage, which model and pipeline parallelism refuse).
+With model.moe.experts set, the MLP of every `moe.every`-th block is a mixture of experts
+(models/moe.py)."""
 
 from __future__ import annotations
 
 import math
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from parallab.models import moe as moes
 from parallab.models.base import Model, in_range
 
 
@@ -26,6 +30,7 @@ class GptConfig:
     dropout: float = 0.0
     tie_embeddings: bool = False
     attention: str = "sdpa"
+    moe: moes.MoeConfig = dataclasses.field(default_factory=moes.MoeConfig)
 
 
 ATTENTION = ("sdpa", "manual")
@@ -79,13 +84,17 @@ class SelfAttention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: GptConfig):
+    def __init__(self, cfg: GptConfig, index: int = 0):
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.width)
         self.attn = SelfAttention(cfg)
         self.ln2 = nn.LayerNorm(cfg.width)
-        self.mlp = nn.Sequential(nn.Linear(cfg.width, 4 * cfg.width), nn.GELU(),
-                                 nn.Linear(4 * cfg.width, cfg.width), nn.Dropout(cfg.dropout))
+        if cfg.moe.is_moe(index):
+            self.mlp = moes.MoE(cfg.width, cfg.moe, index)
+        else:
+            self.mlp = nn.Sequential(nn.Linear(cfg.width, 4 * cfg.width), nn.GELU(),
+                                     nn.Linear(4 * cfg.width, cfg.width),
+                                     nn.Dropout(cfg.dropout))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -109,17 +118,22 @@ class GPT(Model):
 
     def __init__(self, vocab_size: int = 256, context: int = 256, layers: int = 4,
                  heads: int = 4, width: int = 256, dropout: float = 0.0,
-                 tie_embeddings: bool = False, attention: str = "sdpa"):
+                 tie_embeddings: bool = False, attention: str = "sdpa",
+                 moe: dict[str, Any] | None = None):
         super().__init__()
         self.cfg = cfg = GptConfig(vocab_size, context, layers, heads, width, dropout,
-                                   tie_embeddings, attention)
+                                   tie_embeddings, attention, moes.config_of(moe))
         self.embed = Embed(cfg)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.layers))
         self.head = Head(cfg)
         self.apply(_init_weights)
-        for block in self.blocks:  # GPT-2: residual projections scaled by 1/sqrt(2 layers)
-            for proj in (block.attn.proj, block.mlp[2]):
-                nn.init.normal_(proj.weight, std=0.02 / math.sqrt(2 * cfg.layers))
+        out_std = 0.02 / math.sqrt(2 * cfg.layers)  # GPT-2: residual projections scaled
+        for block in self.blocks:
+            nn.init.normal_(block.attn.proj.weight, std=out_std)
+            if isinstance(block.mlp, moes.MoE):
+                moes.init_weights(block.mlp, 0.02, out_std)
+            else:
+                nn.init.normal_(block.mlp[2].weight, std=out_std)
         if tie_embeddings:
             self.head.out.weight = self.embed.tokens.weight
 
@@ -159,10 +173,20 @@ class GPT(Model):
         plan = {"embed.tokens": RowwiseParallel(input_layouts=Replicate()),
                 "head.out": ColwiseParallel(input_layouts=seq, output_layouts=Replicate())}
         for i in range(self.cfg.layers):
+            # an MoE block's router and experts stay whole on each tp rank (expert
+            # parallelism splits the experts: parallel/experts.py); its shared experts split
+            # as the dense MLP does
+            into, out = ("mlp.shared.gate", "mlp.shared.up"), "mlp.shared.down"
+            if not self.cfg.moe.is_moe(i):
+                into, out = ("mlp.0",), "mlp.2"
+            elif not self.cfg.moe.shared:
+                into, out = (), None
             plan.update({f"blocks.{i}.attn.qkv": ColwiseParallel(input_layouts=seq),
                          f"blocks.{i}.attn.proj": RowwiseParallel(output_layouts=seq),
-                         f"blocks.{i}.mlp.0": ColwiseParallel(input_layouts=seq),
-                         f"blocks.{i}.mlp.2": RowwiseParallel(output_layouts=seq)})
+                         **{f"blocks.{i}.{name}": ColwiseParallel(input_layouts=seq)
+                            for name in into},
+                         **({f"blocks.{i}.{out}": RowwiseParallel(output_layouts=seq)}
+                            if out else {})})
             if sequence_parallel:
                 plan.update({f"blocks.{i}.ln1": SequenceParallel(),
                              f"blocks.{i}.ln2": SequenceParallel()})
@@ -193,7 +217,10 @@ class GPT(Model):
                                  "width": 1}, below_one=("dropout",))
         if problem:
             return problem
-        cfg = GptConfig(**cfg)
+        problem = moes.problem(cfg.get("moe"), cfg["layers"])
+        if problem:
+            return problem
+        cfg = GptConfig(**{**cfg, "moe": moes.config_of(cfg.get("moe"))})
         if cfg.attention not in ATTENTION:
             return (f"model.attention={cfg.attention} is unknown: use sdpa (the fused kernel) "
                     "or manual (the scores in memory)")
@@ -224,8 +251,13 @@ def flops_per_token(cfg: GptConfig, seq_len: int | None = None) -> float:
     """Training FLOPs (forward + backward) per token, the PaLM estimate that nanoGPT's MFU
     uses: 6 per weight a token is multiplied by (embedding look-ups are not), plus
     12·layers·seq_len·width for the attention scores and their use (seq_len: the full
-    context unless given)."""
+    context unless given). An MoE block counts the weights a token meets: the router, its
+    top_k experts and the shared ones, not every expert's."""
     C = cfg.width
-    per_block = 12 * C * C + 13 * C  # qkv, proj, 2 MLP linears with biases; 2 LayerNorms
-    multiplied = cfg.layers * per_block + 2 * C + C * cfg.vocab_size  # + final LN, head
+    attention = 4 * C * C + 4 * C + 4 * C  # qkv, proj with biases; 2 LayerNorms
+    moe_blocks = sum(cfg.moe.is_moe(i) for i in range(cfg.layers))
+    mlps = (cfg.layers - moe_blocks) * (8 * C * C + 5 * C)  # 2 MLP linears with biases
+    if moe_blocks:
+        mlps += moe_blocks * moes.active_weights(cfg.moe, C)
+    multiplied = cfg.layers * attention + mlps + 2 * C + C * cfg.vocab_size  # + final LN, head
     return 6.0 * multiplied + 12.0 * cfg.layers * (seq_len or cfg.context) * C

@@ -29,6 +29,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     checkpoint_wrapper,
 )
 from torch.utils.checkpoint import (
+    SAC_IGNORED_OPS,
     CheckpointPolicy,
     create_selective_checkpoint_contexts,
 )
@@ -44,6 +45,13 @@ SAVED_OPS = frozenset(getattr(_aten, name).default for name in (
     if hasattr(_aten, name))
 
 LINEAR_OPS = frozenset((_aten.mm.default, _aten.addmm.default))  # what nn.Linear calls
+
+# profiler markers are not computation, yet selective checkpointing matches every op of a
+# recompute to the forward's: FSDP2's hooks of a unit inside a checkpointed stage (an MoE
+# layer's experts, sharded apart under expert parallelism) mark the forward and its
+# recompute differently, which torch then refuses as a nondeterministic region
+SAC_IGNORED_OPS.update({torch.ops.profiler._record_function_enter_new.default,
+                        torch.ops.profiler._record_function_exit._RecordFunction})
 
 
 def problem(mode: str, every: int = 1) -> str | None:

@@ -213,6 +213,7 @@ class Plan:
 
     dims: tuple[str, ...] = ()  # the degrees its ranks are arranged by (Layout.dims)
     processes = False  # a process per rank, started by the launcher, in a process group
+    splits_experts = False  # its ranks may hold a share of each MoE layer's experts (ep)
     runtime = Runtime
 
     @classmethod
@@ -220,6 +221,15 @@ class Plan:
         """The run's layout, made once by the checks from the parallel config `p` and the
         world size and node count they resolved: the degrees (a null one resolved), this
         plan, and the GPUs a one-process layout uses."""
+        ep = getattr(p, "ep", 1)
+        if ep < 1:
+            raise ConfigError(f"parallel.ep={ep} is out of range: it is >= 1 (1: every rank "
+                              "holds every expert)")
+        if ep > 1 and not cls.splits_experts:
+            raise ConfigError(f"parallel.ep={ep} with parallel={p.name}: one process holds "
+                              "the whole model here; experts are split over the ranks of a "
+                              "sharded layout: use parallel=fsdp, hsdp, fsdp_tp or pipeline, "
+                              "or parallel.ep=1")
         layout = cls.layout_of(p, world_size)
         return dataclasses.replace(layout, nnodes=nnodes, plan=cls,
                                    gpus=cls.gpus_of(p, world_size))

@@ -25,15 +25,14 @@ def shard(model: nn.Module, mesh, cfg, dtype: torch.dtype, is_main: bool,
           reshard_after_forward: bool) -> nn.Module:
     """fully_shard each stage (parallel.stages), then the root, over `mesh` (2-D: replicate
     x shard, HSDP)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import fully_shard
 
     # FSDP2 warns at every forward whose output is a view (transformers' logits are a slice
     # of the head's output) that an in-place op on it would skip its hook: parallab reads
     # outputs out of place only
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
 
-    # compute in the precision group's dtype, reduce gradients in float32
-    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    policy = mixed_precision(dtype)
     stages = stages_of.units(model, cfg.stages)
     if stages is None and is_main:
         log.info("parallel=%s: the model declares no stages, so it is sharded as one unit "
@@ -51,6 +50,13 @@ def shard(model: nn.Module, mesh, cfg, dtype: torch.dtype, is_main: bool,
     # the root: whatever the stages leave; kept gathered, it is used again at once
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
     return model
+
+
+def mixed_precision(dtype: torch.dtype):
+    """FSDP2's policy: compute in the precision group's dtype, reduce gradients in float32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
 
 
 def norm_squares(model: nn.Module, device: torch.device) -> torch.Tensor:

@@ -58,6 +58,7 @@ class Layout:
     tp: int = 1
     nnodes: int = 1  # the nodes the ranks span (one agent each: torchrun, SLURM, mpirun)
     stages_per_rank: int = 1  # the parts a pipeline's rank holds (its schedule's v)
+    ep: int = 1  # ranks each MoE layer's experts are split over (carved from dp_shard x tp)
     # set once by the checks (Plan.resolve) and carried to every rank: the plan, whose
     # Runtime runs this layout, and the CUDA ordinals a one-process layout puts
     # its replicas or parts on
@@ -73,6 +74,8 @@ class Layout:
                              f"world_size={self.world_size}")
         if self.nnodes < 1 or self.world_size % self.nnodes:
             raise ValueError(f"world_size={self.world_size} over nnodes={self.nnodes}")
+        if self.ep < 1 or self.dp_shard * self.tp % self.ep:
+            raise ValueError(f"ep={self.ep} is not carved from dp_shard x tp={self.shape}")
 
     def as_run(self, given: dict[str, Any]) -> dict[str, Any]:
         """The parallel config `given` (as composed) with what this layout resolved written
@@ -84,7 +87,7 @@ class Layout:
             ran.update(world_size=self.world_size, nnodes=self.nnodes)
         elif ran.get("world_size") is None:  # one process: its devices (dp on a CPU: one)
             ran["world_size"] = self.world_size
-        ran.update({dim: getattr(self, dim) for dim in self.dims if dim in ran})
+        ran.update({dim: getattr(self, dim) for dim in (*self.dims, "ep") if dim in ran})
         if self.pipelined and "stages_per_rank" in ran:
             ran["stages_per_rank"] = self.stages_per_rank
         return ran

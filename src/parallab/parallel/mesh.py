@@ -27,10 +27,10 @@ from torch import nn
 
 from parallab.config.errors import ConfigError
 from parallab.launching.distributed import Dist
-from parallab.models import hf, tied_names
-from parallab.parallel import tp_plans
+from parallab.models import hf, moe, tied_names
+from parallab.parallel import experts, tp_plans
 from parallab.parallel.base import Plan, Runtime
-from parallab.parallel.fsdp import norm_squares, shard
+from parallab.parallel.fsdp import mixed_precision, norm_squares, shard
 from parallab.parallel.layout import DEGREES, Layout, resolve_degrees
 from parallab.precision import compute_dtype
 
@@ -165,6 +165,10 @@ class MeshRuntime(Runtime):
 
         self.mesh = None if layout.replicas_only else init_device_mesh(
             dist.device.type, layout.shape, mesh_dim_names=layout.dims)
+        # a mixture of experts (known of the whole model, before a pipeline cuts it: every
+        # rank makes its groups, whether or not its part holds an MoE layer)
+        self.mixes = bool(moe.layers(model)) or experts.count(model) is not None
+        self.ep = None  # the expert-parallel meshes, made where the model is cut
 
     @property
     def data_dist(self) -> Dist:
@@ -192,6 +196,8 @@ class MeshRuntime(Runtime):
             self.sharded_logits = tp_plans.split(
                 model, self.mesh["tp"], p.tp_plan or None, p.sequence_parallel, self.loss,
                 whole=not self.layout.cuts_model)  # checked whole before launch
+        if self.mixes:  # the routers' data-parallel group; the experts split over ep
+            self.ep = experts.attach(model, self.mesh, self.layout)
         if self.dist.is_main:
             log.info("parallel=%s: mesh %s%s", p.name,
                      " x ".join(f"{d}={n}" for d, n in zip(self.layout.dims, self.layout.shape)),
@@ -219,6 +225,9 @@ class MeshRuntime(Runtime):
                 model, device_ids=device_ids, bucket_cap_mb=p.bucket_cap_mb,
                 find_unused_parameters=p.find_unused_parameters,
                 gradient_as_bucket_view=p.gradient_as_bucket_view)
+        if self.ep is not None:  # the experts' own units first, over the ranks ep leaves
+            experts.shard(model, self.ep, mixed_precision(self.precision.dtype),
+                          p.reshard_after_forward)
         return shard(model, self.data_parallel_mesh(), p, self.precision.dtype,
                      self.dist.is_main, p.reshard_after_forward)
 
@@ -256,12 +265,24 @@ class MeshPlan(Plan):
 
     dims: tuple[str, ...] = DEGREES
     processes = True
+    splits_experts = True
     runtime = MeshRuntime
 
     @classmethod
     def layout_of(cls, p, world_size: int) -> Layout:
-        return Layout(world_size, cls.dims, True,
-                      **resolve_degrees(cls.given_degrees(p), world_size))
+        degrees = resolve_degrees(cls.given_degrees(p), world_size)
+        ep = getattr(p, "ep", 1)
+        if ep > 1 and degrees["dp_shard"] == degrees["tp"] == 1:
+            raise ConfigError(f"parallel.ep={ep} with parallel={p.name}: every rank holds the "
+                              "whole model (replicas), with no shard or tp ranks to carve ep "
+                              "from: use parallel=fsdp, hsdp, fsdp_tp or pipeline with "
+                              "dp_shard > 1, or parallel.ep=1")
+        if ep > 1 and degrees["dp_shard"] * degrees["tp"] % ep:
+            raise ConfigError(f"parallel.ep={ep} is carved from the data-parallel shard and "
+                              f"tp ranks (parallel.dp_shard={degrees['dp_shard']} x parallel.tp="
+                              f"{degrees['tp']}), which it does not divide: set dp_shard (or "
+                              "tp) so that ep divides their product")
+        return Layout(world_size, cls.dims, True, **degrees, ep=ep)
 
     @classmethod
     def given_degrees(cls, p) -> dict[str, int | None]:
@@ -291,6 +312,8 @@ class MeshPlan(Plan):
     @classmethod
     def check(cls, cfg, layout: Layout, stages=None) -> None:
         p = cfg.parallel
+        if layout.ep > 1:
+            experts.refuse(cfg, layout)
         if layout.replicas_only and not p.bucket_cap_mb > 0:
             raise ConfigError(f"parallel.bucket_cap_mb={p.bucket_cap_mb} is out of range: it "
                               "must be > 0 (DDP's default is 25)")

@@ -35,9 +35,9 @@ from torch import nn
 from parallab import batch as batches
 from parallab.config.errors import ConfigError
 from parallab.loss import FromModel, from_model, scores
-from parallab.models import hf
-from parallab.parallel import schedules, tp_plans
-from parallab.parallel.fsdp import norm_squares, shard
+from parallab.models import hf, moe
+from parallab.parallel import experts, schedules, tp_plans
+from parallab.parallel.fsdp import mixed_precision, norm_squares, shard
 from parallab.parallel.layout import Layout
 from parallab.parallel.mesh import MeshPlan, MeshRuntime
 from parallab.parallel.schedules import SCHEDULES, activations_held, bubble  # noqa: F401
@@ -190,6 +190,8 @@ class PipelineRuntime(MeshRuntime):
         # each part gathered once per step, not once per micro-batch (torchtitan)
         if self.layout.dp_shard > 1:
             for part in parts:
+                if self.ep is not None:  # the experts' own units first (MeshRuntime.wrap)
+                    experts.shard(part, self.ep, mixed_precision(self.precision.dtype), False)
                 shard(part, self.data_parallel_mesh(), p, self.precision.dtype,
                       self.dist.is_main, False)
         return model
@@ -253,7 +255,8 @@ class PipelineRuntime(MeshRuntime):
         self.items = self.loss.count(targets) if items is None else items
 
         def step() -> None:  # its last stage's loss and backward under the loss's context
-            with self.loss_context(), self.precision.autocast():
+            with self.loss_context(), self.precision.autocast(), \
+                    moe.split_share(self.p.microbatches):
                 self.train_schedule.step(*self.first_args(inputs), **self.kwargs(inputs),
                                          target=targets if self.is_last else None,
                                          losses=losses, return_outputs=False)
@@ -305,6 +308,7 @@ class PipelineRuntime(MeshRuntime):
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
         model.zero_grad(set_to_none=True)
+        moe.reset(model)  # its routers' counts of uninitialised tensors
 
     def eval_forward(self, model: nn.Module, batch: Any) -> Any:
         inputs = batches.inputs_of(batch)

@@ -25,7 +25,9 @@ from parallab.data.loaders import micro_batches, to_channels_last
 from parallab.data.stream import refuse_partial_epoch, run_length
 from parallab.launching.distributed import Dist
 from parallab.launching.preemption import Preemption
+from parallab.models import moe
 from parallab.observe import memory
+from parallab.observe.experts import ExpertLoad
 from parallab.observe.meter import Meter
 from parallab.observe.observer import StepObserver, Stepped
 from parallab.observe.loggers import RunLogger
@@ -81,6 +83,10 @@ class Trainer:
         self.scheduler = (schedule.build(scheduler_cfg, optimizer, self.total_steps)
                           if scheduler_cfg is not None else None)
         self.meter = Meter(cfg, dist, runtime, self.eval_model, logger)
+        # a mixture of experts' layers on this rank: their balancing after each step, their
+        # load at each log step
+        self.routers = moe.layers(self.eval_model)
+        self.expert_load = ExpertLoad.of(self.eval_model, runtime.ranks.data.world_size)
         # told of every step, in this order (fit() adds its profiler and memory snapshot;
         # theirs is no counting of the counted step); the preemption's watchdog times steps
         self.observers: list[StepObserver] = [self.preemption, self.meter, *observers]
@@ -207,18 +213,23 @@ class Trainer:
         if isinstance(items, float) and not items:  # (a tensor on a GPU: no host check)
             return self.skip_empty()
         total = None
+        rows = [batch_of.rows(b) for b in batches] if len(batches) > 1 else [1]
         for index, batch in enumerate(batches):
             if self.cfg.channels_last:
                 batch = to_channels_last(batch)
             last = index == len(batches) - 1
-            # the micro-steps before the last skip what the layout defers (runtime.no_sync)
-            with contextlib.nullcontext() if last else self.runtime.no_sync(self.model):
+            # the micro-steps before the last skip what the layout defers (runtime.no_sync);
+            # a router loss counts each micro-batch by its share of the step's tokens
+            with contextlib.nullcontext() if last else self.runtime.no_sync(self.model), \
+                    moe.micro_batch(rows[index] / sum(rows), self.precision.loss_scale):
                 loss = self.runtime.forward_backward(self.model, batch, items)
             total = loss if total is None else total + loss
         if self.cfg.clip_grad_norm is not None or self.cfg.on_nan == "skip":
             total = self.clip(total)
         self.precision.step(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
+        if self.routers:
+            moe.step_done(self.routers)
         if self.scheduler is not None:
             self.lr = self.optimizer.param_groups[0]["lr"]  # the rate this step used
             self.scheduler.step()
@@ -327,7 +338,10 @@ class Trainer:
                                            device=self.dist.device),
                               torch.as_tensor(self.meter.take_window_tokens(),
                                               dtype=torch.float32, device=self.dist.device)])
-        loss_sum, stops, requeues, tokens = self.dist.all_reduce_sum(shared).tolist()
+        if self.expert_load is not None:  # the experts' load rides the same all-reduce
+            shared = torch.cat([shared, self.expert_load.window(self.dist.device)])
+        shared = self.dist.all_reduce_sum(shared)
+        loss_sum, stops, requeues, tokens = shared[:4].tolist()
         self.stop_agreed = self.stop_agreed or stops > 0
         if requeues > 0:  # every rank stops to requeue, whichever received the warning
             self.preemption.requeue_agreed()
@@ -335,8 +349,12 @@ class Trainer:
         if loss is not None and not math.isfinite(loss) and self.cfg.on_nan == "stop":
             raise diverged(loss, self.step)
         figures = self.meter.log_figures(steps, tokens, self.global_batch_size)
+        experts, histograms = ({}, {}) if self.expert_load is None else \
+            self.expert_load.figures(shared[4:], steps)
+        self.logger.histograms(histograms, self.step)
         self.logger.scalars({
             **({"train/loss": loss} if loss is not None else {}),
+            **experts,
             "train/lr": self.lr or self.optimizer.param_groups[0]["lr"],
             **{f"train/{k}": v for k, v in figures.items()},
             "train/epoch": self.epoch,
@@ -376,6 +394,7 @@ class Trainer:
                                  self.optimizer),
             **self.evaluation.monitor.summary(),
             **self.meter.comm,
+            **(self.expert_load.summary() if self.expert_load is not None else {}),
         }
 
     def state_dict(self) -> dict[str, Any]:

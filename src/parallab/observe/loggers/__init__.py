@@ -141,6 +141,10 @@ class RunLogger:
         if self.loggers:
             self.each("scalars", values, step)
 
+    def histograms(self, values: dict[str, list[float]], step: int) -> None:
+        for tag, counts in values.items():
+            self.each("histogram", tag, counts, step)
+
     def text(self, tag: str, markdown: str) -> None:
         self.each("text", tag, markdown)
 

@@ -2,8 +2,8 @@
 
 A logger (TensorBoard, CSV, MLflow, W&B, or a user's own by `_target_`) lives on rank 0
 only. Each receives the same calls at the same steps: start (the run's hyperparameters
-and tags), scalars (train figures at each log step, evaluations, comm volume), text, finish
-(the final figures) and close.
+and tags), scalars (train figures at each log step, evaluations, comm volume), histograms
+(an MoE layer's tokens per expert), text, finish (the final figures) and close.
 """
 
 from __future__ import annotations
@@ -56,6 +56,10 @@ class Logger:
 
     def scalars(self, values: dict[str, float], step: int) -> None:
         """Figures at an optimizer step (train/*, eval/*, comm/*); must not slow the step."""
+
+    def histogram(self, tag: str, counts: list[float], step: int) -> None:
+        """Counts by bin 0, 1, ... at an optimizer step (an MoE layer's tokens per expert);
+        a logger without histograms leaves them out (its scalars carry their summary)."""
 
     def text(self, tag: str, markdown: str) -> None:
         """A table or note (the batch-size finder's trials)."""

@@ -26,6 +26,16 @@ class TensorBoardLogger(Logger):
         for tag, value in values.items():
             self.writer.add_scalar(tag, value, step)
 
+    def histogram(self, tag: str, counts: list[float], step: int) -> None:
+        # bin i holds what fell on i: its edges i - 0.5 and i + 0.5, its count the weight
+        total = sum(counts)
+        self.writer.add_histogram_raw(
+            tag, min=0, max=len(counts) - 1, num=total,
+            sum=sum(i * c for i, c in enumerate(counts)),
+            sum_squares=sum(i * i * c for i, c in enumerate(counts)),
+            bucket_limits=[i + 0.5 for i in range(len(counts))], bucket_counts=counts,
+            global_step=step)
+
     def text(self, tag: str, markdown: str) -> None:
         self.writer.add_text(tag, markdown, 0)
 

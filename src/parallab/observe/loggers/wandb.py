@@ -55,6 +55,13 @@ class WandbLogger(Logger):
     def scalars(self, values: dict[str, float], step: int) -> None:
         self.sender.submit(lambda: self.run.log(values, step=step))
 
+    def histogram(self, tag: str, counts: list[float], step: int) -> None:
+        import wandb
+
+        edges = [i - 0.5 for i in range(len(counts) + 1)]
+        histogram = wandb.Histogram(np_histogram=(counts, edges))
+        self.sender.submit(lambda: self.run.log({tag: histogram}, step=step))
+
     def text(self, tag: str, markdown: str) -> None:
         self.run.summary[tag] = markdown
 

@@ -1,0 +1,447 @@
+"""Mixture of experts for parallab's gpt: a router picks each token's top_k of `experts`
+SwiGLU feed-forward networks, whose outputs it sums weighted by their scores (Switch,
+Mixtral, DeepSeek-V3, Qwen3-MoE). Shared experts run on every token beside them.
+
+    x (N, C) -> Router: fp32 scores (N, E), top_k ids and weights (N, k)
+             -> Experts(x, ids, weights): tokens sorted by expert, each expert's rows
+                multiplied by its 3-D weights (experts x out x in) in one grouped matmul
+                (a loop over experts where grouped_mm does not apply), weighted, summed
+             (+ shared experts) -> (N, C)
+
+Experts take transformers' call (hidden_states, top_k_index, top_k_weights), so expert
+parallelism (parallel/experts.py) replaces the same forward of parallab's experts and a
+transformers MoE model's alike: the tokens go to the ranks holding their experts and back
+around the module's own compute.
+
+The router's load-balancing loss (Switch's, model.moe.aux_loss) does not travel with the
+task loss: it is attached to the layer's output (Megatron-Core's way), so that its gradient
+flows wherever the backward runs, a pipeline's stage included. Each micro-batch's share of
+it is its share of the step's tokens (micro_batch()); the experts' load is counted for the
+logged figures and for DeepSeek-V3's bias balancing (model.moe.bias_update).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from parallab.batch import local
+
+ROUTERS = ("softmax", "sigmoid")
+
+
+@dataclass
+class MoeConfig:
+    experts: int | None = None  # routed experts; null: dense blocks
+    top_k: int = 2  # experts each token is sent to
+    width: int | None = None  # each expert's hidden width; null: the dense MLP's, 4 x width
+    shared: int = 0  # shared experts every token runs (one SwiGLU, shared x width wide)
+    every: int = 1  # block i is an MoE block where (i + 1) % every == 0; the others dense
+    router: str = "softmax"  # softmax | sigmoid (DeepSeek-V3)
+    aux_loss: float = 0.0  # Switch's load-balancing loss coefficient (0: none)
+    bias_update: float = 0.0  # DeepSeek-V3's balancing bias step per optimizer step (0: none)
+    capacity: float | None = None  # null: dropless; else tokens an expert takes, x fair share
+
+    @property
+    def on(self) -> bool:
+        return self.experts is not None
+
+    def is_moe(self, block: int) -> bool:
+        return self.on and (block + 1) % self.every == 0
+
+    def hidden(self, width: int) -> int:
+        return self.width or 4 * width
+
+
+def config_of(given: Any) -> MoeConfig:
+    """model.moe as its dataclass (a mapping, None, or one already)."""
+    if isinstance(given, MoeConfig):
+        return given
+    return MoeConfig(**dict(given or {}))
+
+
+def problem(given: Any, layers: int) -> str | None:
+    """One line on what is wrong with model.moe (`layers`: the model's blocks), else None."""
+    try:
+        cfg = config_of(given)
+    except TypeError as error:
+        keys = ", ".join(f.name for f in dataclasses.fields(MoeConfig))
+        return f"model.moe: {error} (its keys: {keys})"
+    if not cfg.on:
+        changed = [f.name for f in dataclasses.fields(MoeConfig)
+                   if getattr(cfg, f.name) != f.default]
+        return (f"model.moe.{changed[0]}={getattr(cfg, changed[0])} is set but "
+                "model.moe.experts=null (dense blocks): set model.moe.experts, or leave "
+                f"model.moe.{changed[0]} out") if changed else None
+    for key, low in (("experts", 1), ("top_k", 1), ("width", 1), ("shared", 0), ("every", 1)):
+        value = getattr(cfg, key)
+        if value is not None and value < low:
+            return f"model.moe.{key}={value} is out of range: it must be >= {low}"
+    if cfg.top_k > cfg.experts:
+        return (f"model.moe.top_k={cfg.top_k} is above model.moe.experts={cfg.experts}: a "
+                "token picks at most every expert once; lower top_k")
+    if cfg.every > layers:
+        return (f"model.moe.every={cfg.every} leaves none of the {layers} blocks an MoE block "
+                f"(block i is one where (i + 1) % every == 0): set every <= {layers}")
+    if cfg.router not in ROUTERS:
+        return f"model.moe.router={cfg.router} is unknown: use softmax or sigmoid (DeepSeek-V3)"
+    for key in ("aux_loss", "bias_update"):
+        if not 0 <= getattr(cfg, key) < math.inf:
+            return f"model.moe.{key}={getattr(cfg, key)} is out of range: it must be >= 0"
+    if cfg.capacity is not None and not 0 < cfg.capacity < math.inf:
+        return (f"model.moe.capacity={cfg.capacity} is out of range: a capacity factor is > 0 "
+                "(1.25: each expert takes 1.25 x its fair share), or null for dropless")
+    return None
+
+
+# --- each micro-batch's share of its step's router loss ---------------------------------
+
+@dataclass
+class _Share:
+    tokens: float = 1.0  # this micro-batch's share of the step's tokens
+    loss_scale: Callable[[], Any] | None = None  # float16's GradScaler scale, read in backward
+
+
+_SHARE = _Share()
+
+
+@contextlib.contextmanager
+def micro_batch(tokens: float, loss_scale: Callable[[], Any] | None = None) -> Iterator[None]:
+    """The forwards inside count as `tokens` of their step (a share in (0, 1]): their router
+    loss is weighted so, as the task loss's terms are over the step's count."""
+    saved = dataclasses.replace(_SHARE)
+    _SHARE.tokens, _SHARE.loss_scale = tokens, loss_scale
+    try:
+        yield
+    finally:
+        _SHARE.tokens, _SHARE.loss_scale = saved.tokens, saved.loss_scale
+
+
+def split_share(n: int) -> contextlib.AbstractContextManager[None]:
+    """The forwards inside each run one of `n` equal slices of the current micro-batch (a
+    pipeline's micro-batches of the trainer's batch)."""
+    return micro_batch(_SHARE.tokens / n, _SHARE.loss_scale)
+
+
+def reset(model: nn.Module) -> None:
+    """Forget what the model's MoE layers counted (a pipeline's shape-finding dry run)."""
+    for layer in layers(model):
+        layer.load = Load(layer.cfg.experts)
+
+
+class _AttachAux(torch.autograd.Function):
+    """The layer's output as it is; in backward, the router loss's gradient (its weight in
+    the objective, times float16's loss scale) beside the output's."""
+
+    @staticmethod
+    def forward(ctx, output, aux, weight, loss_scale):
+        ctx.weight, ctx.loss_scale = weight, loss_scale
+        ctx.save_for_backward(aux)
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (aux,) = ctx.saved_tensors
+        scale = ctx.loss_scale() if ctx.loss_scale is not None else None
+        weight = ctx.weight * (scale if scale is not None else 1.0)
+        return grad, torch.ones_like(aux) * weight, None, None
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """grouped_mm's backward on a CPU takes a contiguous output gradient only (a sum's
+    expanded one fails with 'Invalid strides')."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
+class _ScaledGrad(torch.autograd.Function):
+    """Identity forward; the gradient times `scale` (an expert's, by expert parallelism)."""
+
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
+
+
+def in_backward() -> bool:
+    """A forward running again inside backward (activation checkpointing's recompute): its
+    load is not counted twice."""
+    return torch._C._current_graph_task_id() != -1
+
+
+# --- routing ---------------------------------------------------------------------------
+
+class Router(nn.Module):
+    """Scores in float32 whatever the run computes in (a bfloat16 softmax over many experts
+    ties and flips its top_k); top_k ids by score (plus the balancing bias, which picks but
+    does not weigh), their weights normalised to sum to 1 where k > 1."""
+
+    def __init__(self, width: int, experts: int, top_k: int, kind: str = "softmax",
+                 bias: bool = False):
+        super().__init__()
+        self.top_k, self.kind = top_k, kind
+        self.gate = nn.Linear(width, experts, bias=False)
+        # DeepSeek-V3's balancing bias: moved by the load after each step, never by gradients
+        self.register_buffer("bias", torch.zeros(experts) if bias else None)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (N, C) -> ids (N, k), weights (N, k) float32, scores (N, E) float32."""
+        with torch.autocast(x.device.type, enabled=False):
+            logits = F.linear(x.float(), local(self.gate.weight).float())
+        scores = logits.softmax(-1) if self.kind == "softmax" else logits.sigmoid()
+        picked = scores.detach() + self.bias if self.bias is not None else scores
+        ids = picked.topk(self.top_k, dim=-1).indices
+        weights = scores.gather(-1, ids)
+        if self.top_k > 1:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return ids, weights, scores
+
+
+# --- the experts -------------------------------------------------------------------------
+
+def sort_by_expert(ids: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (token, k) pairs of `ids` (N, k) in expert order, flat (ids >= experts: dropped,
+    left out), and each expert's count."""
+    flat = ids.flatten()
+    counts = torch.bincount(flat, minlength=experts + 1)[:experts]
+    order = flat.argsort(stable=True)[:int(counts.sum())]  # the dropped sort last
+    return order, counts
+
+
+def combine(out: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, top_k: int,
+            tokens: int) -> torch.Tensor:
+    """Each sorted pair's output weighted and summed back onto its token: (tokens, C)."""
+    weighted = out * weights.flatten()[order].unsqueeze(-1).to(out.dtype)
+    return out.new_zeros(tokens, out.shape[-1]).index_add_(0, order // top_k, weighted)
+
+
+def grouped_mm_applies(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """torch's grouped_mm takes these: bfloat16 (or float32 on a CPU, not traced: the
+    compiler's shape rule takes 16-bit inputs only) with every stride a multiple of 16
+    bytes; on a GPU the fast kernel is bfloat16's (Hopper and newer)."""
+    fp32 = not x.is_cuda and not torch.compiler.is_compiling()
+    dtypes = (torch.bfloat16, torch.float32) if fp32 else (torch.bfloat16,)
+    if not hasattr(F, "grouped_mm") or x.dtype not in dtypes:
+        return False
+    if x.is_cuda and torch.cuda.get_device_capability(x.device) < (9, 0):
+        return False
+    align = 16 // x.element_size()
+    return all(w.shape[-1] % align == 0 and w.shape[-2] % align == 0 for w in weights)
+
+
+class Experts(nn.Module):
+    """`experts` SwiGLU networks, each projection one 3-D weight (experts x out x in):
+    gate and up (hidden x width), down (width x hidden)."""
+
+    def __init__(self, experts: int, width: int, hidden: int, top_k: int):
+        super().__init__()
+        self.num_experts, self.top_k = experts, top_k  # transformers' attribute name
+        self.gate = nn.Parameter(torch.empty(experts, hidden, width))
+        self.up = nn.Parameter(torch.empty(experts, hidden, width))
+        self.down = nn.Parameter(torch.empty(experts, width, hidden))
+        self.grouped = True  # grouped_mm where it applies; False: the loop over experts
+        self.grad_scale = 1.0  # expert parallelism's share of each expert's gradient
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+                ) -> torch.Tensor:
+        """x (N, C), ids and weights (N, k) -> (N, C): each token's experts, weighted."""
+        order, counts = sort_by_expert(ids, self.num_experts)
+        out = self.compute(x[order // ids.shape[-1]], counts)
+        return combine(out, order, weights, ids.shape[-1], len(x))
+
+    def compute(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Rows of x grouped by expert, counts[e] of them for expert e (of those this rank
+        holds) -> each row through its expert."""
+        weights = [local(w) for w in (self.gate, self.up, self.down)]
+        if self.grad_scale != 1.0:
+            weights = [_ScaledGrad.apply(w, self.grad_scale) for w in weights]
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(
+            x.device.type) else x.dtype
+        x, (gate, up, down) = x.to(dtype), [w.to(dtype) for w in weights]
+        if self.grouped and grouped_mm_applies(x, gate, up, down):
+            offsets = counts.cumsum(0).to(torch.int32)
+            mm = lambda a, w: F.grouped_mm(a, w.transpose(-2, -1), offs=offsets)  # noqa: E731
+            h = F.silu(mm(x, gate)) * mm(x, up)
+            return _ContiguousGrad.apply(mm(h, down))
+        outs, start = [], 0
+        for e, n in enumerate(counts.tolist()):
+            rows = x[start:start + n]
+            outs.append(F.linear(F.silu(F.linear(rows, gate[e])) * F.linear(rows, up[e]),
+                                 down[e]))
+            start += n
+        return torch.cat(outs) if outs else x.new_zeros(0, down.shape[1])
+
+
+class SwiGLU(nn.Module):
+    """The shared experts: one SwiGLU feed-forward network every token runs."""
+
+    def __init__(self, width: int, hidden: int):
+        super().__init__()
+        self.gate = nn.Linear(width, hidden, bias=False)
+        self.up = nn.Linear(width, hidden, bias=False)
+        self.down = nn.Linear(hidden, width, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class MoE(nn.Module):
+    """An MoE feed-forward layer: (B, T, C) -> (B, T, C)."""
+
+    def __init__(self, width: int, cfg: MoeConfig, index: int = 0):
+        super().__init__()
+        self.index = index  # the block it sits in: its figures' name
+        self.cfg = cfg
+        hidden = cfg.hidden(width)
+        self.router = Router(width, cfg.experts, cfg.top_k, cfg.router, cfg.bias_update > 0)
+        self.experts = Experts(cfg.experts, width, hidden, cfg.top_k)
+        self.shared = SwiGLU(width, cfg.shared * hidden) if cfg.shared else None
+        self.load = Load(cfg.experts)
+        # the data-parallel ranks' group, where the aux loss's load is counted globally (set
+        # by the layout; None: this rank's tokens are the batch's)
+        self.data_group = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        ids, weights, scores = self.router(x)
+        counts = torch.bincount(ids.flatten(), minlength=self.cfg.experts).float()
+        kept = self._capacity(ids)
+        y = self.experts(x, kept, weights)
+        if self.shared is not None:
+            y = y + self.shared(x)
+        if self.training and not in_backward():
+            self.load.add(counts, dropped=(kept >= self.cfg.experts).sum(), routed=ids.numel())
+        if self.training and self.cfg.aux_loss and torch.is_grad_enabled():
+            aux = self._aux(scores, counts)
+            if not in_backward():
+                self.load.add_aux(aux.detach() * _SHARE.tokens)
+            y = _AttachAux.apply(y, aux, self.cfg.aux_loss * _SHARE.tokens, _SHARE.loss_scale)
+        return y.view(shape)
+
+    def _capacity(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids with the pairs past each expert's capacity set to `experts` (dropped: the
+        token passes on by the residual alone); first come, first kept."""
+        capacity = self.cfg.capacity
+        if capacity is None:
+            return ids
+        E = self.cfg.experts
+        limit = math.ceil(capacity * ids.numel() / E)
+        one_hot = F.one_hot(ids.flatten(), E)
+        place = (one_hot.cumsum(0) * one_hot).sum(-1) - 1  # its place in its expert's queue
+        return torch.where(place < limit, ids.flatten(), E).view_as(ids)
+
+    def _aux(self, scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Switch's loss E x sum_i f_i P_i: f_i the share of (token, k) pairs expert i got,
+        counted over every data-parallel rank's micro-batch (as one device would), P_i its
+        mean score over this rank's tokens (scores normalised per token)."""
+        if self.data_group is not None:
+            counts = counts.clone()
+            torch.distributed.all_reduce(counts, group=self.data_group)
+        f = counts / counts.sum()
+        p = (scores / scores.sum(-1, keepdim=True)).mean(0)
+        return self.cfg.experts * (f * p).sum()
+
+    def update_bias(self, counts: torch.Tensor) -> None:
+        """DeepSeek-V3's auxiliary-loss-free balancing: each expert's bias stepped up where
+        it got fewer tokens than the mean, down where more (`counts`: the step's, every
+        data-parallel rank's)."""
+        self.router.bias += self.cfg.bias_update * torch.sign(counts.mean() - counts)
+
+
+class Load:
+    """What an MoE layer saw since it was last read: tokens per expert, pairs dropped and
+    routed, and its router loss (each micro-batch's weighted by its share of its step)."""
+
+    def __init__(self, experts: int):
+        self.experts = experts
+        self.step = torch.zeros(experts)  # this step's tokens per expert (bias balancing)
+        self.window = torch.zeros(experts + 3)  # tokens per expert, dropped, routed, aux
+
+    def add(self, counts: torch.Tensor, dropped: torch.Tensor, routed: int) -> None:
+        if self.step.device != counts.device:
+            self.step, self.window = self.step.to(counts.device), self.window.to(counts.device)
+        self.step += counts
+        self.window[:self.experts] += counts
+        self.window[self.experts] += dropped
+        self.window[self.experts + 1] += routed
+
+    def add_aux(self, aux: torch.Tensor) -> None:
+        self.window[self.experts + 2] += aux.to(self.window.device)
+
+    def take_step(self) -> torch.Tensor:
+        counts, self.step = self.step, torch.zeros_like(self.step)
+        return counts
+
+    def take_window(self) -> torch.Tensor:
+        window, self.window = self.window, torch.zeros_like(self.window)
+        return window
+
+
+def layers(model: nn.Module) -> list[MoE]:
+    """The model's MoE layers (a pipeline rank's: those of its parts)."""
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def shape_of(model: nn.Module) -> tuple[int, int, float] | None:
+    """(blocks, experts per MoE layer, router loss coefficient) of a model mixing experts
+    (the whole model's, whatever part of it a rank holds); None for a dense one."""
+    cfg = getattr(model, "cfg", None)
+    if isinstance(getattr(cfg, "moe", None), MoeConfig) and cfg.moe.on:
+        return cfg.layers, cfg.moe.experts, cfg.moe.aux_loss
+    return None
+
+
+def step_done(layers: list[MoE]) -> None:
+    """After an optimizer step: each balanced layer's bias stepped by the step's load,
+    counted over every data-parallel rank (one all-reduce for all of them)."""
+    counts = [layer.load.take_step() for layer in layers]
+    balanced = [(layer, c) for layer, c in zip(layers, counts) if layer.router.bias is not None]
+    if not balanced:
+        return
+    stacked = torch.stack([c.to(layer.router.bias.device) for layer, c in balanced])
+    group = balanced[0][0].data_group
+    if group is not None:
+        torch.distributed.all_reduce(stacked, group=group)
+    with torch.no_grad():
+        for (layer, _), step in zip(balanced, stacked):
+            layer.update_bias(step)
+
+
+def init_weights(layer: MoE, std: float, out_std: float) -> None:
+    """gpt's initialisation: normal(std), the projections back into the residual stream
+    (the experts' and shared experts' down) normal(out_std), as GPT-2 scales them."""
+    for weight in (layer.router.gate.weight, layer.experts.gate, layer.experts.up,
+                   *([layer.shared.gate.weight, layer.shared.up.weight] if layer.shared else [])):
+        nn.init.normal_(weight, std=std)
+    for weight in (layer.experts.down, *([layer.shared.down.weight] if layer.shared else [])):
+        nn.init.normal_(weight, std=out_std)
+
+
+def active_weights(cfg: MoeConfig, width: int) -> int:
+    """Weights one token is multiplied by in an MoE layer: the router, its top_k experts
+    and the shared ones (MFU counts these, not every expert's)."""
+    hidden = cfg.hidden(width)
+    return width * cfg.experts + 3 * width * hidden * (cfg.top_k + cfg.shared)
+
+
+def all_weights(cfg: MoeConfig, width: int) -> int:
+    hidden = cfg.hidden(width)
+    return width * cfg.experts + 3 * width * hidden * (cfg.experts + cfg.shared)

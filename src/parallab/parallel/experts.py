@@ -1,0 +1,296 @@
+"""Expert parallelism (parallel.ep): each MoE layer's experts split over `ep` ranks, each
+token sent to the ranks holding its experts and back by an all-to-all (torchtitan's and
+Megatron-Core's layout).
+
+The ep ranks are carved out of the data-parallel shard ranks, and out of the tensor-parallel
+ones where tp > 1 (ep a multiple of tp), as torchtitan carves them: the mesh's dp_shard is
+cut into efsdp x ep_shard, and ep = ep_shard x tp. Each expert's weights are a DTensor
+sharded by expert over the ep ranks (so any layout reads a checkpoint another wrote), and
+FSDP2 shards each expert further over the efsdp ranks (and replicas) that ep leaves.
+
+Per MoE layer and micro-batch, forward:
+    tokens sorted by expert -> token counts all-to-all (E integers) -> tokens all-to-all
+    (uneven, dropless) -> regrouped by local expert -> the experts' own compute -> back by
+    the reverse all-to-all -> weighted and summed onto their tokens
+and the reverse in backward. Where ep takes tp's ranks, each tp rank sends its slice of the
+tokens (the tp group holds them all alike) and gathers the others' outputs after.
+
+An expert's gradient sums over every token sent to it, from every ep rank: FSDP2 then
+averages it over the efsdp ranks (and replicas) only, so it is scaled by 1 / ep_shard to be
+the data-parallel mean the other weights' are. It is never reduced over ranks holding other
+experts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+from typing import Any
+
+import torch
+from torch import nn
+
+from parallab.config.errors import ConfigError
+from parallab.models import moe
+
+DISPATCHED = "ep_dispatch_experts"  # a transformers ep plan's style for an experts module
+
+
+# --- what the model holds ----------------------------------------------------------------
+
+def experts_of(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The model's experts modules by name: parallab's (models/moe.py) and those a
+    transformers model's ep plan dispatches to (its `ep_dispatch_experts`), each taking
+    (hidden_states, top_k_index, top_k_weights) and holding weights of experts x ..."""
+    patterns = [p for p, style in (getattr(model, "ep_plan", None) or {}).items()
+                if style == DISPATCHED]
+    regexes = [re.compile(r"[^.]+".join(map(re.escape, p.split("*")))) for p in patterns]
+    return [(name, m) for name, m in model.named_modules()
+            if isinstance(m, moe.Experts) or any(r.fullmatch(name) for r in regexes)]
+
+
+def count(model: nn.Module) -> int | None:
+    """The experts each MoE layer holds (None: the model has none)."""
+    found = experts_of(model)
+    return int(found[0][1].num_experts) if found else None
+
+
+def problem(model: nn.Module, layout) -> str | None:
+    """Why `layout` (its ep > 1) cannot split `model`'s experts, in one line; None if it can."""
+    ep, tp = layout.ep, layout.tp
+    experts = count(model)
+    if experts is None:
+        return (f"parallel.ep={ep}: {type(model).__name__} has no experts to split (gpt: set "
+                "model.moe.experts; a transformers MoE model: its config's ep plan): set "
+                "parallel.ep=1")
+    if experts % ep:
+        return (f"parallel.ep={ep} does not divide the model's {experts} experts: each rank "
+                "holds an equal share; pick an ep that divides them")
+    if tp > 1 and ep % tp:
+        return (f"parallel.ep={ep} with parallel.tp={tp}: ep is carved from the tp ranks "
+                "first, then from the data-parallel shards (torchtitan's layout): make ep a "
+                f"multiple of {tp}")
+    shards = ep // tp if tp > 1 else ep
+    if layout.dp_shard % shards:
+        return (f"parallel.ep={ep} takes {shards} of the data-parallel shard ranks "
+                f"(parallel.dp_shard={layout.dp_shard}), which do not divide by it: pick an "
+                f"ep whose share of them divides dp_shard, or set parallel.dp_shard to a "
+                f"multiple of {shards}")
+    return None
+
+
+def refuse(cfg, layout) -> None:
+    """ConfigError where the layout's ep cannot split the model's experts (checked before
+    any worker starts, on the model built on meta)."""
+    if layout.ep == 1:
+        return
+    from parallab.models import build_on_meta
+
+    said = problem(build_on_meta(cfg.model), layout)
+    if said:
+        raise ConfigError(said)
+
+
+# --- the ranks -----------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Meshes:
+    """A rank's expert-parallel groups, cut from the layout's mesh."""
+
+    ep: Any  # DeviceMesh of the ranks splitting each layer's experts
+    fsdp: Any  # DeviceMesh each expert is sharded over by FSDP2 (efsdp; replicas first)
+    tp: Any  # the tp group whose ranks each send a slice of the tokens; None: ep has no tp
+    shards: int  # ep ranks carved from the data-parallel shards (ep_shard)
+
+    @property
+    def size(self) -> int:
+        return self.ep.size()
+
+
+def meshes(mesh, layout) -> Meshes:
+    """`mesh` (dp_replicate, dp_shard, [pp,] tp) with dp_shard cut into efsdp x ep_shard."""
+    tp = layout.tp if layout.tp > 1 else 1
+    shards = layout.ep // tp
+    cut = mesh._unflatten("dp_shard", (layout.dp_shard // shards, shards),
+                          ("efsdp", "ep_shard"))
+    ep = cut["ep_shard", "tp"]._flatten("ep") if tp > 1 else cut["ep_shard"]
+    fsdp = cut["dp_replicate", "efsdp"] if layout.dp_replicate > 1 else cut["efsdp"]
+    return Meshes(ep, fsdp, mesh["tp"].get_group() if tp > 1 else None, shards)
+
+
+def data_group(mesh, layout):
+    """The data-parallel ranks' group (replicas x shards: those reading different samples),
+    where a router's load is counted over the whole batch; None for one data rank."""
+    if layout.dp == 1:
+        return None
+    if mesh is None:  # replicas only (DDP): every rank
+        return torch.distributed.group.WORLD
+    names = [d for d in ("dp_replicate", "dp_shard") if getattr(layout, d) > 1]
+    sub = mesh[tuple(names)]
+    return (sub._flatten("dp") if len(names) > 1 else sub).get_group()
+
+
+# --- laying the model out --------------------------------------------------------------------
+
+def attach(model: nn.Module, mesh, layout) -> Meshes | None:
+    """The MoE layers told their data-parallel group; where ep > 1, each experts module's
+    weights sharded by expert over the ep ranks and its forward dispatching tokens to them.
+    The meshes, for the experts' FSDP2 units (shard())."""
+    group = data_group(mesh, layout)
+    for layer in moe.layers(model):
+        layer.data_group = group
+    if layout.ep == 1:
+        return None
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    ep = meshes(mesh, layout)
+    for _, module in experts_of(model):
+        total = int(module.num_experts)
+        for name, param in list(module.named_parameters(recurse=False)):
+            if param.dim() and param.shape[0] == total:
+                sharded = distribute_tensor(param.data, ep.ep, [Shard(0)], src_data_rank=None)
+                setattr(module, name, nn.Parameter(sharded, param.requires_grad))
+        module.num_experts = total // ep.size  # what its own compute sees: its share
+        module.forward = functools.partial(_dispatched, module, total, ep)
+        if isinstance(module, moe.Experts):
+            module.grad_scale = 1.0 / ep.shards
+    return ep
+
+
+def shard(model: nn.Module, ep: Meshes, policy, reshard_after_forward: bool) -> None:
+    """Each experts module an FSDP2 unit of its own over the efsdp ranks, before the blocks
+    holding it: FSDP2 shards a parameter in one unit, and theirs lives on the ep mesh.
+    Experts are cut along dim 0 while there are enough of them on a rank, else along the
+    next (torchtitan's choice: padding a dim of 1 to efsdp ranks would waste memory)."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+
+    ranks = ep.fsdp.size()
+
+    def placement(param: nn.Parameter):
+        return Shard(0) if param.to_local().shape[0] >= ranks else Shard(1)
+
+    for _, module in experts_of(model):
+        if next(module.parameters(), None) is not None:
+            fully_shard(module, mesh=ep.fsdp, mp_policy=policy,
+                        reshard_after_forward=reshard_after_forward,
+                        shard_placement_fn=placement)
+
+
+# --- the dispatch ----------------------------------------------------------------------------
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single of rows, uneven splits; backward the reverse exchange."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group):
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x.new_empty(sum(out_splits), *x.shape[1:])
+        torch.distributed.all_to_all_single(out, x.contiguous(), out_splits, in_splits,
+                                            group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        return _AllToAll.apply(grad, in_splits, out_splits, ctx.group), None, None, None
+
+
+class _SumGradOverTp(torch.autograd.Function):
+    """Identity forward; backward the gradient summed over the tp ranks (Megatron's copy to
+    the tensor-parallel region): each rank used its own slice of the tokens."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        torch.distributed.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _GatherOverTp(torch.autograd.Function):
+    """Each tp rank's rows gathered (all equal in number); backward its own rows' gradient
+    (the ranks hold the same gradient of the whole: the layers after run alike on each)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group, ctx.rows = group, len(x)
+        parts = [torch.empty_like(x) for _ in range(torch.distributed.get_world_size(group))]
+        torch.distributed.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        start = torch.distributed.get_rank(ctx.group) * ctx.rows
+        return grad[start:start + ctx.rows], None
+
+
+def _tp_slice(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, group):
+    """This tp rank's slice of the tokens, ids and weights (tokens padded to divide)."""
+    n, size = torch.distributed.get_world_size(group), len(x)
+    rank, rows = torch.distributed.get_rank(group), -(-size // n)
+    pad = rows * n - size
+    if pad:  # padding routes nowhere: its ids past every expert (dropped)
+        x = torch.cat([x, x.new_zeros(pad, x.shape[-1])])
+        ids = torch.cat([ids, ids.new_full((pad, ids.shape[-1]), torch.iinfo(ids.dtype).max)])
+        weights = torch.cat([weights, weights.new_zeros(pad, weights.shape[-1])])
+    # each rank's slice gives its rows' gradients only: summed, every rank has them all
+    x, weights = _SumGradOverTp.apply(x, group), _SumGradOverTp.apply(weights, group)
+    cut = slice(rank * rows, (rank + 1) * rows)
+    return x[cut], ids[cut], weights[cut]
+
+
+def _dispatched(module: nn.Module, total: int, ep: Meshes, x: torch.Tensor, ids: torch.Tensor,
+                weights: torch.Tensor) -> torch.Tensor:
+    """The experts module's forward under expert parallelism: (N, C), (N, k), (N, k) -> (N, C)."""
+    size = len(x)
+    if ep.tp is not None:
+        x, ids, weights = _tp_slice(x, ids, weights, ep.tp)
+    ids = ids.clamp(max=total)  # padding's and capacity's dropped pairs: one past the last
+    order, counts = moe.sort_by_expert(ids, total)
+    out = _exchange(module, x[order // ids.shape[-1]], counts, ep)
+    y = moe.combine(out, order, weights, ids.shape[-1], len(x))
+    if ep.tp is not None:
+        y = _GatherOverTp.apply(y, ep.tp)[:size]
+    return y
+
+
+def _exchange(module: nn.Module, routed: torch.Tensor, counts: torch.Tensor, ep: Meshes
+              ) -> torch.Tensor:
+    """Rows sorted by (global) expert to the ranks holding their experts, through them and
+    back, in the order they came."""
+    group, n = ep.ep.get_group(), ep.size
+    local = len(counts) // n
+    received_counts = torch.empty_like(counts)  # [source rank, my local expert]
+    torch.distributed.all_to_all_single(received_counts, counts, group=group)
+    sent = counts.view(n, local).sum(1).tolist()
+    received = received_counts.view(n, local)
+    got = received.sum(1).tolist()
+    rows = _AllToAll.apply(routed, got, sent, group)
+    # rows come by source rank, each source's by local expert: regrouped by expert
+    expert_of_row = torch.arange(local, device=rows.device).repeat(n).repeat_interleave(
+        received.flatten())
+    perm = expert_of_row.argsort(stable=True)
+    out = _compute(module, rows[perm], received.sum(0))
+    return _AllToAll.apply(out[perm.argsort()], sent, got, group)
+
+
+def _compute(module: nn.Module, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Rows grouped by this rank's experts through them: parallab's experts' grouped compute,
+    or a transformers experts module's own forward (its weights as this rank holds them,
+    every row weighted 1)."""
+    if isinstance(module, moe.Experts):
+        return module.compute(rows, counts)
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    from parallab.batch import local
+
+    ids = torch.arange(len(counts), device=rows.device).repeat_interleave(counts)[:, None]
+    held = {name: local(p) for name, p in module.named_parameters(recurse=False)}
+    with _reparametrize_module(module, held):
+        return type(module).forward(module, rows, ids, rows.new_ones(len(rows), 1))
