@@ -42,9 +42,35 @@ class Objective:
     def __call__(self, output: Any, targets: torch.Tensor) -> torch.Tensor:
         raise TypeError(f"{type(self).__name__} does not say how to compute its loss")
 
+    router_coefficient = 0.0  # a transformers MoE model's router_aux_loss_coef, where it outputs it
+    aux: Any = 0.0  # its router loss term since last taken (observe/experts.py)
+
     def bind(self, model: nn.Module) -> Objective:
-        """Learn what the model says of its own loss (FromModel); returns self."""
+        """Learn what the model says of its own loss (FromModel) and of its router's (a
+        transformers MoE model with output_router_logits); returns self."""
+        config = getattr(batches.inner(model), "config", None)
+        if getattr(config, "output_router_logits", False):
+            self.router_coefficient = float(getattr(config, "router_aux_loss_coef", 0) or 0)
         return self
+
+    def with_router_loss(self, output: Any, loss: torch.Tensor, added: bool = False
+                         ) -> torch.Tensor:
+        """The loss with a transformers MoE model's router loss (coefficient x aux_loss, as it
+        computes it) weighted by this micro-batch's share of the step's tokens, as
+        parallab's own routers' is (models/moe.py). `added`: the model's loss holds the
+        term once already (its forward adds it to a loss of labels)."""
+        aux = getattr(output, "aux_loss", None)
+        if not self.router_coefficient or aux is None:
+            return loss
+        from parallab.models import moe
+
+        term = self.router_coefficient * aux
+        self.aux = self.aux + (term * moe.share()).detach()
+        return loss + term * (moe.share() - (1 if added else 0))
+
+    def take_aux(self) -> Any:
+        aux, self.aux = self.aux, 0.0
+        return aux
 
     def count(self, targets: torch.Tensor | None) -> torch.Tensor | int:
         """How many terms the loss of a batch with these targets averages: one per sample."""
@@ -65,8 +91,8 @@ class Objective:
         output = batches.call(model, batch, with_targets=False)
         scored, labels = self.scored(output), batches.labels_of(batch)
         if items is None:
-            return output, self(scored, labels)
-        return output, self.total(scored, labels) / items
+            return output, self.with_router_loss(output, self(scored, labels))
+        return output, self.with_router_loss(output, self.total(scored, labels) / items)
 
 
 class OutputError(TypeError):
@@ -166,7 +192,7 @@ class FromModel(Objective):
 
         self.takes_items = batches.takes_items(model)
         self.shifts = hf.shifts_labels(batches.inner(model))
-        return self
+        return super().bind(model)
 
     def __call__(self, output: Any, targets: torch.Tensor | None = None) -> torch.Tensor:
         loss = batches.loss_in(output)
@@ -187,10 +213,10 @@ class FromModel(Objective):
     def step_loss(self, model: nn.Module, batch: Any, items) -> tuple[Any, torch.Tensor]:
         if self.takes_items and items is not None:
             output = batches.call(model, batch, with_targets=True, num_items_in_batch=items)
-            return output, self(output)
+            return output, self.with_router_loss(output, self(output), added=True)
         output = batches.call(model, batch, with_targets=True)
         if items is None:
-            return output, self(output)
+            return output, self.with_router_loss(output, self(output), added=True)
         return output, self(output) * self.count(batches.labels_of(batch)) / items
 
 

@@ -246,6 +246,10 @@ def _collective(kind: str, sent: float, n: int, device: torch.device, group,
     if kind == "broadcast":
         tensor = ones(sent / ((n - 1) / n) / 4)
         return lambda: torch_dist.broadcast(tensor, group=group, group_src=0)
+    if kind == "all_to_all":  # expert parallelism's tokens, even splits
+        tokens = ones(sent / ((n - 1) / n) / 4 / n, n)
+        out = torch.empty_like(tokens)
+        return lambda: torch_dist.all_to_all_single(out, tokens, group=group)
     tensor = ones(sent / (2 * (n - 1) / n) / 4)
     return lambda: torch_dist.all_reduce(tensor, group=group, async_op=overlapped)
 

@@ -157,7 +157,7 @@ class ParallelConfig:
     stages: Optional[list[str]] = None
     # expert parallelism: each MoE layer's experts split over ep ranks carved from the
     # data-parallel shard ranks (and tp's); 1: every rank holds every expert
-    # (parallel/experts.py). The sharded layouts take it: fsdp, hsdp, tp, fsdp_tp, pipeline
+    # (parallel/expert_parallel.py). The sharded layouts take it: fsdp, hsdp, tp, fsdp_tp, pipeline
     ep: int = 1
 
 

@@ -174,7 +174,7 @@ class GPT(Model):
                 "head.out": ColwiseParallel(input_layouts=seq, output_layouts=Replicate())}
         for i in range(self.cfg.layers):
             # an MoE block's router and experts stay whole on each tp rank (expert
-            # parallelism splits the experts: parallel/experts.py); its shared experts split
+            # parallelism splits the experts: parallel/expert_parallel.py); its shared experts split
             # as the dense MLP does
             into, out = ("mlp.shared.gate", "mlp.shared.up"), "mlp.shared.down"
             if not self.cfg.moe.is_moe(i):

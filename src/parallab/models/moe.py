@@ -8,10 +8,10 @@ Mixtral, DeepSeek-V3, Qwen3-MoE). Shared experts run on every token beside them.
                 (a loop over experts where grouped_mm does not apply), weighted, summed
              (+ shared experts) -> (N, C)
 
-Experts take transformers' call (hidden_states, top_k_index, top_k_weights), so expert
-parallelism (parallel/experts.py) replaces the same forward of parallab's experts and a
-transformers MoE model's alike: the tokens go to the ranks holding their experts and back
-around the module's own compute.
+Experts (models/experts.py) take transformers' call (hidden_states, top_k_index,
+top_k_weights), so expert parallelism (parallel/expert_parallel.py) replaces the same
+forward of parallab's experts and a transformers MoE model's alike: the tokens go to the
+ranks holding their experts and back around the module's own compute.
 
 The router's load-balancing loss (Switch's, model.moe.aux_loss) does not travel with the
 task loss: it is attached to the layer's output (Megatron-Core's way), so that its gradient
@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -33,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from parallab.batch import local
+from parallab.models.experts import Experts, experts_of
 
 ROUTERS = ("softmax", "sigmoid")
 
@@ -124,6 +126,11 @@ def micro_batch(tokens: float, loss_scale: Callable[[], Any] | None = None) -> I
         _SHARE.tokens, _SHARE.loss_scale = saved.tokens, saved.loss_scale
 
 
+def share() -> float:
+    """The current micro-batch's share of its step's tokens."""
+    return _SHARE.tokens
+
+
 def split_share(n: int) -> contextlib.AbstractContextManager[None]:
     """The forwards inside each run one of `n` equal slices of the current micro-batch (a
     pipeline's micro-batches of the trainer's batch)."""
@@ -152,32 +159,6 @@ class _AttachAux(torch.autograd.Function):
         scale = ctx.loss_scale() if ctx.loss_scale is not None else None
         weight = ctx.weight * (scale if scale is not None else 1.0)
         return grad, torch.ones_like(aux) * weight, None, None
-
-
-class _ContiguousGrad(torch.autograd.Function):
-    """grouped_mm's backward on a CPU takes a contiguous output gradient only (a sum's
-    expanded one fails with 'Invalid strides')."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad.contiguous()
-
-
-class _ScaledGrad(torch.autograd.Function):
-    """Identity forward; the gradient times `scale` (an expert's, by expert parallelism)."""
-
-    @staticmethod
-    def forward(ctx, x, scale):
-        ctx.scale = scale
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * ctx.scale, None
 
 
 def in_backward() -> bool:
@@ -212,81 +193,6 @@ class Router(nn.Module):
         if self.top_k > 1:
             weights = weights / weights.sum(-1, keepdim=True)
         return ids, weights, scores
-
-
-# --- the experts -------------------------------------------------------------------------
-
-def sort_by_expert(ids: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (token, k) pairs of `ids` (N, k) in expert order, flat (ids >= experts: dropped,
-    left out), and each expert's count."""
-    flat = ids.flatten()
-    counts = torch.bincount(flat, minlength=experts + 1)[:experts]
-    order = flat.argsort(stable=True)[:int(counts.sum())]  # the dropped sort last
-    return order, counts
-
-
-def combine(out: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, top_k: int,
-            tokens: int) -> torch.Tensor:
-    """Each sorted pair's output weighted and summed back onto its token: (tokens, C)."""
-    weighted = out * weights.flatten()[order].unsqueeze(-1).to(out.dtype)
-    return out.new_zeros(tokens, out.shape[-1]).index_add_(0, order // top_k, weighted)
-
-
-def grouped_mm_applies(x: torch.Tensor, *weights: torch.Tensor) -> bool:
-    """torch's grouped_mm takes these: bfloat16 (or float32 on a CPU, not traced: the
-    compiler's shape rule takes 16-bit inputs only) with every stride a multiple of 16
-    bytes; on a GPU the fast kernel is bfloat16's (Hopper and newer)."""
-    fp32 = not x.is_cuda and not torch.compiler.is_compiling()
-    dtypes = (torch.bfloat16, torch.float32) if fp32 else (torch.bfloat16,)
-    if not hasattr(F, "grouped_mm") or x.dtype not in dtypes:
-        return False
-    if x.is_cuda and torch.cuda.get_device_capability(x.device) < (9, 0):
-        return False
-    align = 16 // x.element_size()
-    return all(w.shape[-1] % align == 0 and w.shape[-2] % align == 0 for w in weights)
-
-
-class Experts(nn.Module):
-    """`experts` SwiGLU networks, each projection one 3-D weight (experts x out x in):
-    gate and up (hidden x width), down (width x hidden)."""
-
-    def __init__(self, experts: int, width: int, hidden: int, top_k: int):
-        super().__init__()
-        self.num_experts, self.top_k = experts, top_k  # transformers' attribute name
-        self.gate = nn.Parameter(torch.empty(experts, hidden, width))
-        self.up = nn.Parameter(torch.empty(experts, hidden, width))
-        self.down = nn.Parameter(torch.empty(experts, width, hidden))
-        self.grouped = True  # grouped_mm where it applies; False: the loop over experts
-        self.grad_scale = 1.0  # expert parallelism's share of each expert's gradient
-
-    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
-                ) -> torch.Tensor:
-        """x (N, C), ids and weights (N, k) -> (N, C): each token's experts, weighted."""
-        order, counts = sort_by_expert(ids, self.num_experts)
-        out = self.compute(x[order // ids.shape[-1]], counts)
-        return combine(out, order, weights, ids.shape[-1], len(x))
-
-    def compute(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """Rows of x grouped by expert, counts[e] of them for expert e (of those this rank
-        holds) -> each row through its expert."""
-        weights = [local(w) for w in (self.gate, self.up, self.down)]
-        if self.grad_scale != 1.0:
-            weights = [_ScaledGrad.apply(w, self.grad_scale) for w in weights]
-        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(
-            x.device.type) else x.dtype
-        x, (gate, up, down) = x.to(dtype), [w.to(dtype) for w in weights]
-        if self.grouped and grouped_mm_applies(x, gate, up, down):
-            offsets = counts.cumsum(0).to(torch.int32)
-            mm = lambda a, w: F.grouped_mm(a, w.transpose(-2, -1), offs=offsets)  # noqa: E731
-            h = F.silu(mm(x, gate)) * mm(x, up)
-            return _ContiguousGrad.apply(mm(h, down))
-        outs, start = [], 0
-        for e, n in enumerate(counts.tolist()):
-            rows = x[start:start + n]
-            outs.append(F.linear(F.silu(F.linear(rows, gate[e])) * F.linear(rows, up[e]),
-                                 down[e]))
-            start += n
-        return torch.cat(outs) if outs else x.new_zeros(0, down.shape[1])
 
 
 class SwiGLU(nn.Module):
@@ -401,12 +307,58 @@ def layers(model: nn.Module) -> list[MoE]:
 
 
 def shape_of(model: nn.Module) -> tuple[int, int, float] | None:
-    """(blocks, experts per MoE layer, router loss coefficient) of a model mixing experts
-    (the whole model's, whatever part of it a rank holds); None for a dense one."""
+    """(blocks, experts per MoE layer, router loss coefficient) of a model mixing experts,
+    from its config (the whole model's, whatever part of it a rank holds): gpt's, or a
+    transformers MoE model's (its coefficient where it outputs its router logits); None
+    for a dense one."""
     cfg = getattr(model, "cfg", None)
-    if isinstance(getattr(cfg, "moe", None), MoeConfig) and cfg.moe.on:
-        return cfg.layers, cfg.moe.experts, cfg.moe.aux_loss
-    return None
+    if isinstance(getattr(cfg, "moe", None), MoeConfig):
+        return (cfg.layers, cfg.moe.experts, cfg.moe.aux_loss) if cfg.moe.on else None
+    config = getattr(model, "config", None)
+    experts = next((getattr(config, k) for k in ("num_experts", "num_local_experts",
+                                                 "n_routed_experts")
+                    if isinstance(getattr(config, k, None), int)), None)
+    blocks = getattr(config, "num_hidden_layers", None)
+    if not experts or not isinstance(blocks, int) or not getattr(model, "ep_plan", None):
+        return None
+    own_loss = getattr(config, "output_router_logits", False)
+    return blocks, experts, float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0) \
+        if own_loss else 0.0
+
+
+def active_shares(model: nn.Module) -> dict[int, float]:
+    """The share of each expert weight a token is multiplied by (top_k of the experts), by
+    the parameter's id, for a transformers MoE model's experts (gpt counts its own)."""
+    shape, top_k = shape_of(model), getattr(getattr(model, "config", None),
+                                            "num_experts_per_tok", None)
+    if not shape or not isinstance(top_k, int):
+        return {}
+    return {id(p): top_k / shape[1] for _, module in experts_of(model)
+            for p in module.parameters(recurse=False)}
+
+
+def loads(model: nn.Module, experts: int) -> list[tuple[int, Load]]:
+    """Each MoE layer's counter by the block it sits in: parallab's layers' own, and for a
+    transformers model's experts modules one made here, counted from the ids their router
+    picks (a hook on their call, which expert parallelism keeps)."""
+    found = [(layer.index, layer.load) for layer in layers(model)]
+    for name, module in experts_of(model):
+        if isinstance(module, Experts):
+            continue
+        if not hasattr(module, "parallab_load"):
+            module.parallab_load = Load(experts)
+            module.register_forward_pre_hook(_count_ids)
+        block = re.search(r"(?:^|\.)(\d+)\.", name)
+        found.append((int(block.group(1)) if block else 0, module.parallab_load))
+    return found
+
+
+def _count_ids(module: nn.Module, args: tuple) -> None:
+    """A transformers experts module's call (hidden_states, top_k_index, top_k_weights)
+    counted: the tokens its router sent each expert (dropless: none dropped)."""
+    if module.training and not in_backward():
+        load, ids = module.parallab_load, args[1]
+        load.add(torch.bincount(ids.flatten(), minlength=load.experts).float(), 0, ids.numel())
 
 
 def step_done(layers: list[MoE]) -> None:
@@ -428,11 +380,12 @@ def step_done(layers: list[MoE]) -> None:
 def init_weights(layer: MoE, std: float, out_std: float) -> None:
     """gpt's initialisation: normal(std), the projections back into the residual stream
     (the experts' and shared experts' down) normal(out_std), as GPT-2 scales them."""
-    for weight in (layer.router.gate.weight, layer.experts.gate, layer.experts.up,
+    layer.experts.reset_parameters(std, out_std)
+    for weight in (layer.router.gate.weight,
                    *([layer.shared.gate.weight, layer.shared.up.weight] if layer.shared else [])):
         nn.init.normal_(weight, std=std)
-    for weight in (layer.experts.down, *([layer.shared.down.weight] if layer.shared else [])):
-        nn.init.normal_(weight, std=out_std)
+    if layer.shared:
+        nn.init.normal_(layer.shared.down.weight, std=out_std)
 
 
 def active_weights(cfg: MoeConfig, width: int) -> int:

@@ -5,7 +5,8 @@ all-reduce from C++, FSDP2's all-gather and reduce-scatter, pipeline sends) or a
 collective (DTensor's, tensor parallel), so one TorchDispatchMode sees them all. Each is
 counted as the bytes a rank sends under the usual ring algorithms, the "bus bytes" of
 nccl-tests: all-reduce 2(n-1)/n x the tensor, all-gather (n-1) x the input shard,
-reduce-scatter (n-1)/n x the input, a send its tensor. The figure depends on the layout,
+reduce-scatter (n-1)/n x the input, an all-to-all (n-1)/n x its input (expert
+parallelism's tokens: the share that stays on the rank is an even one), a send its tensor. The figure depends on the layout,
 the model and the batch, not on the device, so layouts compare on any machine.
 """
 
@@ -17,7 +18,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p", "broadcast")
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p", "broadcast")
 MB = 2**20
 
 
@@ -60,6 +61,8 @@ _OPS = {
     "_c10d_functional.reduce_scatter_tensor": ("reduce_scatter", 0, lambda n: (n - 1) / n),
     "_c10d_functional.reduce_scatter_tensor_coalesced": ("reduce_scatter", 0,
                                                          lambda n: (n - 1) / n),
+    "c10d.alltoall_base_": ("all_to_all", 1, lambda n: (n - 1) / n),  # (output, input, ...)
+    "_c10d_functional.all_to_all_single": ("all_to_all", 0, lambda n: (n - 1) / n),
     "c10d.send": ("p2p", 0, lambda n: 1),
     "_c10d_functional.isend": ("p2p", 0, lambda n: 1),
     "c10d.broadcast_": ("broadcast", 0, lambda n: (n - 1) / n),

@@ -22,32 +22,40 @@ from parallab.models import moe
 class ExpertLoad:
     """The counts of the MoE layers a rank holds, read at each log step."""
 
-    def __init__(self, model: nn.Module, data_ranks: int):
+    def __init__(self, model: nn.Module, runtime, loss=None):
         self.blocks, self.experts, self.coefficient = moe.shape_of(model)
-        self.layers = moe.layers(model)
-        self.data_ranks = data_ranks
+        self.loads = moe.loads(model, self.experts)
+        self.data_ranks, self.loss_ranks = runtime.ranks.data.world_size, runtime.ranks.loss_ranks
+        self.loss = loss  # a transformers model's own router loss, which its loss takes
         self.run = torch.zeros(self.blocks, self.experts + 3)  # the run's sums, by block
+        self.run_model_aux = 0.0
         self.steps = 0
 
     @classmethod
-    def of(cls, model: nn.Module, data_ranks: int) -> ExpertLoad | None:
+    def of(cls, model: nn.Module, runtime, loss=None) -> ExpertLoad | None:
         """Its counter where the model mixes experts, else None."""
-        return cls(model, data_ranks) if moe.shape_of(model) else None
+        return cls(model, runtime, loss) if moe.shape_of(model) else None
 
     def window(self, device: torch.device) -> torch.Tensor:
         """This rank's counts since the last read, flat: per block its tokens per expert,
-        pairs dropped, pairs routed, router loss, and 1 where this rank holds the block."""
+        pairs dropped, pairs routed, router loss, and 1 where this rank holds the block;
+        last, the model's own router loss (its objective's term) summed over the window."""
         rows = torch.zeros(self.blocks, self.experts + 4, device=device)
-        for layer in self.layers:
-            rows[layer.index, :-1] = layer.load.take_window().to(device)
-            rows[layer.index, -1] = 1
-        return rows.flatten()
+        for block, load in self.loads:
+            rows[block, :-1] = load.take_window().to(device)
+            rows[block, -1] = 1
+        taken = getattr(self.loss, "take_aux", None)
+        model_aux = torch.as_tensor(taken() if taken else 0.0, dtype=rows.dtype, device=device)
+        return torch.cat([rows.flatten(), model_aux.reshape(1)])
 
     def figures(self, reduced: torch.Tensor, steps: int
                 ) -> tuple[dict[str, float], dict[str, list[float]]]:
         """The window's scalars and histograms from every rank's `window()` summed
         (`steps`: the optimizer steps it spans)."""
-        rows = reduced.view(self.blocks, -1).cpu()
+        reduced = reduced.cpu()
+        model_aux = float(reduced[-1]) / self.loss_ranks  # each rank holding a loss, alike
+        self.run_model_aux += model_aux
+        rows = reduced[:-1].view(self.blocks, -1)
         held = rows[:, -1].clamp(min=1)[:, None]
         # a block's holders (its data-parallel ranks, each tp rank alike) averaged; its
         # tokens the sum over the data-parallel ranks
@@ -64,7 +72,7 @@ class ExpertLoad:
             if self.coefficient:
                 scalars[f"{name}/aux"] = float(rows[block, -1]) / steps
         if self.coefficient:
-            scalars["train/aux"] = self._aux(rows, steps)
+            scalars["train/aux"] = self._aux(rows, steps) + model_aux / steps
         return scalars, histograms
 
     def summary(self) -> dict[str, Any]:
@@ -74,7 +82,8 @@ class ExpertLoad:
         if not blocks or not self.steps:
             return {}
         total = self.run[blocks].sum(0)
-        return {**({"train_aux": self._aux(self.run, self.steps)} if self.coefficient else {}),
+        aux = self._aux(self.run, self.steps) + self.run_model_aux / self.steps
+        return {**({"train_aux": aux} if self.coefficient else {}),
                 "expert_max_mean": sum(_max_mean(self.run[b, :self.experts])
                                        for b in blocks) / len(blocks),
                 "expert_dropped": _share(total)}
@@ -83,8 +92,9 @@ class ExpertLoad:
         return [b for b in range(self.blocks) if rows[b, self.experts + 1] > 0]
 
     def _aux(self, rows: torch.Tensor, steps: int) -> float:
-        """The objective's router term per step: coefficient x the layers' losses (each
-        rank's is the global batch's: their mean over the data ranks is it)."""
+        """The objective's router term per step from parallab's layers: the coefficient x
+        their losses (each rank's is the global batch's: their mean over the data ranks is
+        it; a transformers model's rows hold none, its loss's term is apart)."""
         return self.coefficient * float(rows[:, -1].sum()) / steps
 
 

@@ -79,8 +79,8 @@ def flops_per_token(model: torch.nn.Module, seq_len: int | None) -> float:
     """Training FLOPs (forward + backward) per token of `seq_len`-token sequences: the
     model's own flops_per_token where it has one (gpt), else the PaLM estimate nanoGPT uses:
     6 per weight a token is multiplied by (embedding look-ups are not; a head tied to them
-    is), plus 12·layers·seq_len·width for attention where the model's config gives its
-    shape (a transformers model); 0 for a model whose weights say nothing (no parameters).
+    is; of an MoE layer's experts, the top_k a token meets), plus 12·layers·seq_len·width for
+    attention where the model's config gives its shape (a transformers model); 0 for a model whose weights say nothing (no parameters).
     A frozen weight of a Linear layer (the base beside adapters) costs 4, not 6: its
     backward computes its input's gradient, not its own."""
     frozen = sum(m.weight.numel() for m in model.modules() if (
@@ -91,10 +91,13 @@ def flops_per_token(model: torch.nn.Module, seq_len: int | None) -> float:
         return float(own(seq_len)) - 2.0 * frozen
     from parallab.models import hf
 
+    from parallab.models import moe
+
     looked_up = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     multiplied = {id(m.weight) for m in model.modules()
                   if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D"}
-    weights = sum(p.numel() for p in model.parameters()
+    active = moe.active_shares(model)  # a token meets top_k of an MoE layer's experts
+    weights = sum(p.numel() * active.get(id(p), 1.0) for p in model.parameters()
                   if id(p) not in looked_up or id(p) in multiplied)
     flops = 6.0 * weights - 2.0 * frozen
     shape = hf.shape(model)

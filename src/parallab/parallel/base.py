@@ -198,13 +198,20 @@ class Runtime:
             set_state_dict,
         )
 
+        # the kernels this run chose for its parameters (optim.kernels: a multi-tensor one
+        # takes DTensors or plain tensors, not both), which a layout holding them otherwise
+        # saved in its param_groups, and loading would put back
+        kernels = [{k: group[k] for k in ("foreach", "fused") if k in group}
+                   for group in optimizer.param_groups]
         if isinstance(optimizer_state.get("param_groups"), list):  # a one-file checkpoint
             self.unwrap(model).load_state_dict(model_state)  # by an earlier parallab: its
             optimizer.load_state_dict(optimizer_state)  # optimizer state by parameter index
-            return
-        set_state_dict(self.unwrap(model), optimizer, model_state_dict=model_state,
-                       optim_state_dict=optimizer_state,
-                       options=StateDictOptions(flatten_optimizer_state_dict=True))
+        else:
+            set_state_dict(self.unwrap(model), optimizer, model_state_dict=model_state,
+                           optim_state_dict=optimizer_state,
+                           options=StateDictOptions(flatten_optimizer_state_dict=True))
+        for group, kept in zip(optimizer.param_groups, kernels):
+            group.update(kept)
 
 
 class Plan:

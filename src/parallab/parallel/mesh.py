@@ -27,8 +27,8 @@ from torch import nn
 
 from parallab.config.errors import ConfigError
 from parallab.launching.distributed import Dist
-from parallab.models import hf, moe, tied_names
-from parallab.parallel import experts, tp_plans
+from parallab.models import experts, hf, tied_names
+from parallab.parallel import expert_parallel, tp_plans
 from parallab.parallel.base import Plan, Runtime
 from parallab.parallel.fsdp import mixed_precision, norm_squares, shard
 from parallab.parallel.layout import DEGREES, Layout, resolve_degrees
@@ -96,6 +96,10 @@ def tp_problem(model: nn.Module, tp: int, given: dict[str, str] | None = None) -
 def sp_problem(model: nn.Module, data, tp: int, given: dict[str, str] | None = None
                ) -> str | None:
     """None if `model` has a sequence-parallel plan and data's sequences split over `tp`."""
+    if experts.count(model) is not None:
+        return ("parallel.sequence_parallel=true with a mixture of experts: its MoE layers "
+                "route every token of the sequence on each tp rank (expert parallelism "
+                "splits them over the tp ranks itself): set parallel.sequence_parallel=false")
     if not tp_plans.takes_sequence_parallel(model, given):
         return (f"parallel.sequence_parallel=true: the plan of {type(model).__name__} "
                 f"({tp_plans.source(model, given)}) takes no sequence_parallel argument (gpt's "
@@ -167,7 +171,7 @@ class MeshRuntime(Runtime):
             dist.device.type, layout.shape, mesh_dim_names=layout.dims)
         # a mixture of experts (known of the whole model, before a pipeline cuts it: every
         # rank makes its groups, whether or not its part holds an MoE layer)
-        self.mixes = bool(moe.layers(model)) or experts.count(model) is not None
+        self.mixes = experts.count(model) is not None
         self.ep = None  # the expert-parallel meshes, made where the model is cut
 
     @property
@@ -197,7 +201,7 @@ class MeshRuntime(Runtime):
                 model, self.mesh["tp"], p.tp_plan or None, p.sequence_parallel, self.loss,
                 whole=not self.layout.cuts_model)  # checked whole before launch
         if self.mixes:  # the routers' data-parallel group; the experts split over ep
-            self.ep = experts.attach(model, self.mesh, self.layout)
+            self.ep = expert_parallel.attach(model, self.mesh, self.layout)
         if self.dist.is_main:
             log.info("parallel=%s: mesh %s%s", p.name,
                      " x ".join(f"{d}={n}" for d, n in zip(self.layout.dims, self.layout.shape)),
@@ -226,7 +230,7 @@ class MeshRuntime(Runtime):
                 find_unused_parameters=p.find_unused_parameters,
                 gradient_as_bucket_view=p.gradient_as_bucket_view)
         if self.ep is not None:  # the experts' own units first, over the ranks ep leaves
-            experts.shard(model, self.ep, mixed_precision(self.precision.dtype),
+            expert_parallel.shard(model, self.ep, mixed_precision(self.precision.dtype),
                           p.reshard_after_forward)
         return shard(model, self.data_parallel_mesh(), p, self.precision.dtype,
                      self.dist.is_main, p.reshard_after_forward)
@@ -313,7 +317,7 @@ class MeshPlan(Plan):
     def check(cls, cfg, layout: Layout, stages=None) -> None:
         p = cfg.parallel
         if layout.ep > 1:
-            experts.refuse(cfg, layout)
+            expert_parallel.refuse(cfg, layout)
         if layout.replicas_only and not p.bucket_cap_mb > 0:
             raise ConfigError(f"parallel.bucket_cap_mb={p.bucket_cap_mb} is out of range: it "
                               "must be > 0 (DDP's default is 25)")

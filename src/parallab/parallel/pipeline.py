@@ -36,7 +36,7 @@ from parallab import batch as batches
 from parallab.config.errors import ConfigError
 from parallab.loss import FromModel, from_model, scores
 from parallab.models import hf, moe
-from parallab.parallel import experts, schedules, tp_plans
+from parallab.parallel import expert_parallel, schedules, tp_plans
 from parallab.parallel.fsdp import mixed_precision, norm_squares, shard
 from parallab.parallel.layout import Layout
 from parallab.parallel.mesh import MeshPlan, MeshRuntime
@@ -191,7 +191,7 @@ class PipelineRuntime(MeshRuntime):
         if self.layout.dp_shard > 1:
             for part in parts:
                 if self.ep is not None:  # the experts' own units first (MeshRuntime.wrap)
-                    experts.shard(part, self.ep, mixed_precision(self.precision.dtype), False)
+                    expert_parallel.shard(part, self.ep, mixed_precision(self.precision.dtype), False)
                 shard(part, self.data_parallel_mesh(), p, self.precision.dtype,
                       self.dist.is_main, False)
         return model
@@ -377,6 +377,11 @@ class PipelinePlan(MeshPlan):
                               "not give: use a loss of output and targets")
         schedules.check_microbatches(cfg, layout)
         refuse_split_backward(cfg)
+        if (cfg.model.get("config") or {}).get("output_router_logits"):
+            raise ConfigError("model.config.output_router_logits=true with parallel=pipeline: "
+                              "the last stage computes the loss from the logits alone, and "
+                              "the earlier stages' router logits do not reach it: set it "
+                              "false (or use parallel=fsdp with parallel.ep)")
 
     @classmethod
     def candidates(cls, world_size: int, device_type: str, options) -> list[list[str]]:

@@ -86,7 +86,7 @@ class Trainer:
         # a mixture of experts' layers on this rank: their balancing after each step, their
         # load at each log step
         self.routers = moe.layers(self.eval_model)
-        self.expert_load = ExpertLoad.of(self.eval_model, runtime.ranks.data.world_size)
+        self.expert_load = ExpertLoad.of(self.eval_model, runtime, runtime.loss)
         # told of every step, in this order (fit() adds its profiler and memory snapshot;
         # theirs is no counting of the counted step); the preemption's watchdog times steps
         self.observers: list[StepObserver] = [self.preemption, self.meter, *observers]

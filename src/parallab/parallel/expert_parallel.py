@@ -25,47 +25,26 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import re
 from typing import Any
 
 import torch
 from torch import nn
 
 from parallab.config.errors import ConfigError
-from parallab.models import moe
-
-DISPATCHED = "ep_dispatch_experts"  # a transformers ep plan's style for an experts module
-
+from parallab.models import experts, moe
 
 # --- what the model holds ----------------------------------------------------------------
-
-def experts_of(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The model's experts modules by name: parallab's (models/moe.py) and those a
-    transformers model's ep plan dispatches to (its `ep_dispatch_experts`), each taking
-    (hidden_states, top_k_index, top_k_weights) and holding weights of experts x ..."""
-    patterns = [p for p, style in (getattr(model, "ep_plan", None) or {}).items()
-                if style == DISPATCHED]
-    regexes = [re.compile(r"[^.]+".join(map(re.escape, p.split("*")))) for p in patterns]
-    return [(name, m) for name, m in model.named_modules()
-            if isinstance(m, moe.Experts) or any(r.fullmatch(name) for r in regexes)]
-
-
-def count(model: nn.Module) -> int | None:
-    """The experts each MoE layer holds (None: the model has none)."""
-    found = experts_of(model)
-    return int(found[0][1].num_experts) if found else None
-
 
 def problem(model: nn.Module, layout) -> str | None:
     """Why `layout` (its ep > 1) cannot split `model`'s experts, in one line; None if it can."""
     ep, tp = layout.ep, layout.tp
-    experts = count(model)
-    if experts is None:
+    held = experts.count(model)
+    if held is None:
         return (f"parallel.ep={ep}: {type(model).__name__} has no experts to split (gpt: set "
                 "model.moe.experts; a transformers MoE model: its config's ep plan): set "
                 "parallel.ep=1")
-    if experts % ep:
-        return (f"parallel.ep={ep} does not divide the model's {experts} experts: each rank "
+    if held % ep:
+        return (f"parallel.ep={ep} does not divide the model's {held} experts: each rank "
                 "holds an equal share; pick an ep that divides them")
     if tp > 1 and ep % tp:
         return (f"parallel.ep={ep} with parallel.tp={tp}: ep is carved from the tp ranks "
@@ -145,7 +124,7 @@ def attach(model: nn.Module, mesh, layout) -> Meshes | None:
     from torch.distributed.tensor import Shard, distribute_tensor
 
     ep = meshes(mesh, layout)
-    for _, module in experts_of(model):
+    for _, module in experts.experts_of(model):
         total = int(module.num_experts)
         for name, param in list(module.named_parameters(recurse=False)):
             if param.dim() and param.shape[0] == total:
@@ -153,8 +132,7 @@ def attach(model: nn.Module, mesh, layout) -> Meshes | None:
                 setattr(module, name, nn.Parameter(sharded, param.requires_grad))
         module.num_experts = total // ep.size  # what its own compute sees: its share
         module.forward = functools.partial(_dispatched, module, total, ep)
-        if isinstance(module, moe.Experts):
-            module.grad_scale = 1.0 / ep.shards
+        module.grad_scale = 1.0 / ep.shards
     return ep
 
 
@@ -171,7 +149,7 @@ def shard(model: nn.Module, ep: Meshes, policy, reshard_after_forward: bool) -> 
     def placement(param: nn.Parameter):
         return Shard(0) if param.to_local().shape[0] >= ranks else Shard(1)
 
-    for _, module in experts_of(model):
+    for _, module in experts.experts_of(model):
         if next(module.parameters(), None) is not None:
             fully_shard(module, mesh=ep.fsdp, mp_policy=policy,
                         reshard_after_forward=reshard_after_forward,
@@ -252,9 +230,9 @@ def _dispatched(module: nn.Module, total: int, ep: Meshes, x: torch.Tensor, ids:
     if ep.tp is not None:
         x, ids, weights = _tp_slice(x, ids, weights, ep.tp)
     ids = ids.clamp(max=total)  # padding's and capacity's dropped pairs: one past the last
-    order, counts = moe.sort_by_expert(ids, total)
+    order, counts = experts.sort_by_expert(ids, total)
     out = _exchange(module, x[order // ids.shape[-1]], counts, ep)
-    y = moe.combine(out, order, weights, ids.shape[-1], len(x))
+    y = experts.combine(out, order, weights, ids.shape[-1], len(x))
     if ep.tp is not None:
         y = _GatherOverTp.apply(y, ep.tp)[:size]
     return y
@@ -284,13 +262,14 @@ def _compute(module: nn.Module, rows: torch.Tensor, counts: torch.Tensor) -> tor
     """Rows grouped by this rank's experts through them: parallab's experts' grouped compute,
     or a transformers experts module's own forward (its weights as this rank holds them,
     every row weighted 1)."""
-    if isinstance(module, moe.Experts):
+    if isinstance(module, experts.Experts):
         return module.compute(rows, counts)
     from torch.nn.utils.stateless import _reparametrize_module
 
     from parallab.batch import local
 
     ids = torch.arange(len(counts), device=rows.device).repeat_interleave(counts)[:, None]
-    held = {name: local(p) for name, p in module.named_parameters(recurse=False)}
+    held = {name: experts.scale_grad(local(p), module.grad_scale)
+            for name, p in module.named_parameters(recurse=False)}
     with _reparametrize_module(module, held):
         return type(module).forward(module, rows, ids, rows.new_ones(len(rows), 1))
