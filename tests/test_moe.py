@@ -255,3 +255,91 @@ def test_a_capacity_factor_logs_the_tokens_it_drops(train_here):
                                   "trainer.max_steps=3", "data.batch_size=4")
     assert metrics["expert_dropped"] >= 0.5  # half of each expert's fair share, at most
     assert all(v >= 0.5 for _, v in scalars(run_dir, "expert/block0/dropped"))
+
+
+QWEN3_MOE = ["model=qwen3_moe_30b", "model.config.vocab_size=512", "model.config.hidden_size=64",
+             "model.config.intermediate_size=128", "model.config.moe_intermediate_size=32",
+             "model.config.num_hidden_layers=2", "model.config.num_attention_heads=4",
+             "model.config.num_key_value_heads=2", "model.config.head_dim=16",
+             "model.config.num_experts=4", "model.config.num_experts_per_tok=2", "data=tokens",
+             "data.seq_len=32", "device=cpu", "trainer.max_steps=6", "trainer.log_every_n_steps=1",
+             "trainer.checkpoint_every_n_steps=null", "trainer.save_best=false"]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_transformers_moe_model_trains_under_ep_as_one_device_does(train_here):
+    """Qwen3-MoE as written: its experts module's own forward on the tokens parallab's
+    dispatch sends it, split over 2 ranks; its own router loss, where its config outputs
+    it, weighted by each micro-batch's share and logged."""
+    one, one_dir = train_here(*QWEN3_MOE, "data.batch_size=8", name="one")
+    ep, ep_dir = train_here(*QWEN3_MOE, "data.batch_size=4", "parallel=fsdp",
+                            "parallel.world_size=2", "parallel.ep=2", name="ep")
+    assert losses(ep_dir) == pytest.approx(losses(one_dir), rel=1e-5)
+    assert ep["expert_max_mean"] == pytest.approx(one["expert_max_mean"], rel=1e-5)
+    assert ep["comm_all_to_all_mb"] > 0 and "train_aux" not in one
+    own, _ = train_here(*QWEN3_MOE, "data.batch_size=4", "trainer.accumulate_grad_batches=2",
+                        "+model.config.output_router_logits=true", name="own")
+    # Switch's loss near its floor, k = 2 (transformers' form), times the coefficient
+    assert own["train_aux"] == pytest.approx(0.001 * 2, rel=0.1)
+
+
+def _dispatch_as_one(rank: int, store: str) -> None:
+    """On one of 2 gloo ranks, for each family: a tiny transformers model's first experts
+    module called on this rank's half of the tokens through parallab's dispatch, against
+    the module's own forward on all of them (its output on this half; its gradient, halved
+    by the share ep takes, on the experts this rank holds)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from parallab.parallel import expert_parallel
+    from parallab.parallel.layout import Layout
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    layout = Layout(2, ("dp_replicate", "dp_shard", "tp"), True, dp_shard=2, ep=2)
+    for family in FAMILIES:
+        torch.manual_seed(0)
+        model = _tiny(family)
+        _, module = experts_of.experts_of(model)[0]
+        for p in module.parameters():
+            torch.nn.init.normal_(p, std=0.1)
+        _, ids, weights = routed(n=16, experts=4, k=2, seed=1)
+        x, probe = torch.randn(16, 32), torch.arange(32.0)
+        y = module(x, ids, weights)
+        (y * probe).sum().backward()
+        want = {n: p.grad.clone() for n, p in module.named_parameters()}
+        mesh = init_device_mesh("cpu", (1, 2, 1), mesh_dim_names=layout.dims)
+        expert_parallel.attach(model, mesh, layout)
+        half = slice(8 * rank, 8 * rank + 8)
+        got = module(x[half], ids[half], weights[half])
+        torch.testing.assert_close(got, y[half].detach(), rtol=1e-4, atol=1e-5)
+        (got * probe).sum().backward()
+        for n, p in module.named_parameters():
+            held = want[n][2 * rank:2 * rank + 2]
+            torch.testing.assert_close(p.grad.to_local() * 2, held, rtol=1e-4, atol=1e-5)
+    dist.destroy_process_group()
+
+
+FAMILIES = ("qwen3_moe", "mixtral", "olmoe")
+
+
+def _tiny(family: str) -> torch.nn.Module:
+    import transformers
+
+    shape = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                 num_attention_heads=2, num_key_value_heads=2, num_experts_per_tok=2)
+    config = {"qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+                  **shape, num_experts=4, moe_intermediate_size=16, head_dim=16),
+              "mixtral": lambda: transformers.MixtralConfig(**shape, num_local_experts=4),
+              "olmoe": lambda: transformers.OlmoeConfig(**shape, num_experts=4)}[family]()
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_transformers_experts_modules_are_dispatched_as_written(tmp_path):
+    """Qwen3-MoE's, Mixtral's and OLMoE's experts modules (their ep plan's
+    ep_dispatch_experts), each split over 2 ranks, compute what they compute whole."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_dispatch_as_one, args=(str(tmp_path / "store"),), nprocs=2)
