@@ -1,7 +1,7 @@
 """`parallab simulate` held against published training runs (bench/published.csv; where
 each figure comes from: bench/published_notes.md).
 
-    python bench/bench_simulate.py [--fit] [--only SUBSTRING] [--all]
+    python bench/bench_simulate.py [--fit] [--only SUBSTRING] [--all] [--moe]
 
 Each row that parallab can run as published (its layout a parallab layout, bf16 or fp16,
 no context parallelism, a schedule parallab has) is simulated as `parallab simulate`
@@ -13,7 +13,8 @@ cluster.matmul_efficiency is fitted to exactly one of them (FIT), every other ro
 prediction. --fit prints the efficiency each fitting row gives (bisection on it), to be
 written into its preset; --all adds the rows beyond the principal table. A row that
 measures another implementation's cost more than its layout's (OTHER_IMPLEMENTATION) is
-simulated as parallab's layout and its error counted apart.
+simulated as parallab's layout and its error counted apart. --moe prints the
+mixture-of-experts rows instead (published_moe.py), the ones the MoE goal names apart.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import re
 import statistics
 import time
 from pathlib import Path
+
+import published_moe
 
 REPO = Path(__file__).resolve().parent.parent
 CSV = REPO / "bench" / "published.csv"
@@ -225,12 +228,16 @@ def main() -> None:
     parser.add_argument("--fit", action="store_true")
     parser.add_argument("--all", action="store_true", help="the rows beyond the principal table")
     parser.add_argument("--only", default=None)
+    parser.add_argument("--moe", action="store_true", help="the mixture-of-experts rows")
     args = parser.parse_args()
     rows = list(csv.DictReader(CSV.open()))
+    moe = [i for i, row in enumerate(rows) if row["experts"]]
     places = principal_rows(rows)
     picked = sorted(places, key=places.get)
     if args.all:
-        picked += [i for i in range(len(rows)) if i not in places]
+        picked += [i for i in range(len(rows)) if i not in places and i not in moe]
+    if args.moe:
+        picked = moe
     picked = [(rows[i], places.get(i)) for i in picked]
     if args.only:
         picked = [(r, i) for r, i in picked
@@ -239,16 +246,17 @@ def main() -> None:
           " role |\n|---|---|---|---|---|---|---|---|")
     # MosaicML's 34 rows are one source's one layout: the other rows beyond are summed alone too
     errors = {"principal": [], "beyond": [], "beyond but MosaicML's": [],
-              "another implementation": []}
+              "another implementation": [], "MoE, named": [], "MoE, not named": []}
     memory_errors = []
     for row, index in picked:
         label = f"{row['source'].split(' ')[0]} {row['table'][:40]} {row['model']} " \
                 f"compile={row['compile'] or '-'}"
-        reason = why_not(row)
+        mixed = bool(row["experts"])
+        reason = published_moe.why_not(row) if mixed else why_not(row)
         if reason:
             print(f"| {label} | | | | not simulated: {reason} | | | |")
             continue
-        overrides = overrides_of(row)
+        overrides = published_moe.overrides_of(row) if mixed else overrides_of(row)
         cluster = cluster_of(row)
         fitted = index is not None and FIT.get(cluster) == index
         if fitted and args.fit:
@@ -270,6 +278,8 @@ def main() -> None:
         if not fitted:
             kind = "principal" if index is not None else \
                 "another implementation" if other else "beyond"
+            if mixed:
+                kind = "MoE, named" if published_moe.is_named(row) else "MoE, not named"
             errors[kind].append(abs(error))
             if kind == "beyond" and not row["source"].startswith("MosaicML"):
                 errors["beyond but MosaicML's"].append(abs(error))

@@ -12,7 +12,9 @@ the ranks holding their experts in between.
 
 from __future__ import annotations
 
+import contextlib
 import re
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -52,9 +54,38 @@ def scale_grad(x: torch.Tensor, scale: float) -> torch.Tensor:
     return x if scale == 1.0 else _ScaledGrad.apply(x, scale)
 
 
+_UNIFORM = [False]  # routing read from nothing: every expert an even share (a trace)
+
+
+@contextlib.contextmanager
+def uniform_routing() -> Iterator[None]:
+    """Inside, each expert gets an even share of the (token, expert) pairs, whatever the
+    router picked: a step traced on fake tensors, whose values cannot be read, routes as
+    vendor benchmarks force it (parallab simulate)."""
+    _UNIFORM[0] = True
+    try:
+        yield
+    finally:
+        _UNIFORM[0] = False
+
+
+def uniform() -> bool:
+    return _UNIFORM[0]
+
+
+def even_counts(pairs: int, experts: int, like: torch.Tensor) -> torch.Tensor:
+    """Each of `experts` an even share of `pairs` (the first ones one more where it does
+    not divide), on `like`'s device."""
+    share, rest = divmod(pairs, experts)
+    return torch.tensor([share + (e < rest) for e in range(experts)], device=like.device)
+
+
 def sort_by_expert(ids: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The (token, k) pairs of `ids` (N, k) in expert order, flat (ids >= experts: dropped,
     left out), and each expert's count."""
+    if uniform():  # the pairs as they come, taken as sorted
+        return torch.arange(ids.numel(), device=ids.device), even_counts(ids.numel(),
+                                                                          experts, ids)
     flat = ids.flatten()
     counts = torch.bincount(flat, minlength=experts + 1)[:experts]
     order = flat.argsort(stable=True)[:int(counts.sum())]  # the dropped sort last

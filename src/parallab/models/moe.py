@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from parallab.batch import local
-from parallab.models.experts import Experts, experts_of
+from parallab.models.experts import Experts, even_counts, experts_of, uniform
 
 ROUTERS = ("softmax", "sigmoid")
 
@@ -228,16 +228,18 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         ids, weights, scores = self.router(x)
-        counts = torch.bincount(ids.flatten(), minlength=self.cfg.experts).float()
+        counts = even_counts(ids.numel(), self.cfg.experts, ids).float() if uniform() else \
+            torch.bincount(ids.flatten(), minlength=self.cfg.experts).float()
         kept = self._capacity(ids)
         y = self.experts(x, kept, weights)
         if self.shared is not None:
             y = y + self.shared(x)
-        if self.training and not in_backward():
+        counted = self.training and not in_backward() and not uniform()  # not a trace's
+        if counted:
             self.load.add(counts, dropped=(kept >= self.cfg.experts).sum(), routed=ids.numel())
         if self.training and self.cfg.aux_loss and torch.is_grad_enabled():
             aux = self._aux(scores, counts)
-            if not in_backward():
+            if counted:
                 self.load.add_aux(aux.detach() * _SHARE.tokens)
             y = _AttachAux.apply(y, aux, self.cfg.aux_loss * _SHARE.tokens, _SHARE.loss_scale)
         return y.view(shape)

@@ -22,7 +22,7 @@ from torch import nn
 
 from parallab.config.errors import ConfigError
 from parallab.simulate import cluster as clusters
-from parallab.simulate import step, trace
+from parallab.simulate import experts, step, trace
 from parallab.simulate.search import Candidate
 
 log = logging.getLogger("parallab")
@@ -42,6 +42,9 @@ class Facts:
     params: float  # elements of the model's parameters
     takes_sequence_parallel: bool
     checkpoint_problem: str | None  # why activation checkpointing cannot wrap its units
+    mix: experts.Mix | None = None  # its mixture of experts (None: dense)
+    dense_model: nn.Module | None = None  # a mixture's, cut to its first dense block
+    dense_block: str = ""
     _tp: dict[int, str | None] = field(default_factory=dict)
     _sp: dict[int, str | None] = field(default_factory=dict)
 
@@ -65,7 +68,8 @@ class Facts:
                    len(stages) if stages else None,
                    float(sum(p.numel() for p in model.parameters())),
                    tp_plans.takes_sequence_parallel(model, given),
-                   activations.units_problem(model, getattr(cfg.parallel, "stages", None)))
+                   activations.units_problem(model, getattr(cfg.parallel, "stages", None)),
+                   experts.mix_of(model, blocks))
 
     def split_problem(self) -> str | None:
         """None unless parallel.split cuts a chain simulate does not lay out as its stages
@@ -104,8 +108,22 @@ class Facts:
         return None
 
     def cut(self) -> None:
-        """Keep the first block only (after every check that needs the whole model)."""
+        """Keep the first block only (after every check that needs the whole model): of a
+        mixture of experts, its first MoE block, and in a copy its first dense one where it
+        has dense blocks too."""
+        import copy
+
         blocks = trace.blocks_of(self.model, getattr(self.cfg.parallel, "stages", None))
+        if self.mix is not None:
+            moe, dense = experts.first_of_each(self.model, blocks)
+            if dense is not None:
+                self.dense_model = copy.deepcopy(self.model)
+                index = blocks.index(dense)
+                copies = trace.blocks_of(self.dense_model,
+                                         getattr(self.cfg.parallel, "stages", None))
+                self.dense_block = trace.cut_to_one_block(
+                    self.dense_model, [copies[index], *copies[:index], *copies[index + 1:]])
+            blocks = [moe, *(b for b in blocks if b is not moe)]
         self.block = trace.cut_to_one_block(self.model, blocks)
 
 
@@ -139,14 +157,17 @@ class Traces:
         self.costs: dict[tuple, step.Costs] = {}
 
     def of(self, shape: trace.Shape, rates: clusters.Rates, compile: bool = False,
-           tf32: bool = False) -> tuple[trace.Trace, step.Costs]:
-        """The shape's trace (made once), and its ops priced on the cluster."""
+           tf32: bool = False, ep: int = 1) -> tuple[trace.Trace, step.Costs]:
+        """The shape's trace (made once), and its ops priced on the cluster (its experts'
+        weights a rank's 1/ep of them)."""
         if shape not in self.found:
-            self.found[shape] = trace.trace(self.cfg, self.facts.model, self.facts.block,
-                                            self.facts.vocab, shape)
-        key = (shape, rates, compile, tf32)
+            facts = self.facts
+            model, block = (facts.dense_model, facts.dense_block) if shape.dense else \
+                (facts.model, facts.block)
+            self.found[shape] = trace.trace(self.cfg, model, block, facts.vocab, shape)
+        key = (shape, rates, compile, tf32, ep)
         if key not in self.costs:
-            self.costs[key] = step.costs(self.found[shape], rates, compile, tf32)
+            self.costs[key] = step.costs(self.found[shape], rates, compile, tf32, ep)
         return self.found[shape], self.costs[key]
 
 
@@ -167,12 +188,14 @@ def layout_of(cfg, c: Candidate, facts: Facts) -> step.Layout:
     p = cfg.parallel
     # a pipeline's sharded parts stay gathered from their forward to their backward
     reshard = getattr(p, "reshard_after_forward", True) and c.pp == 1
+    split = experts.Split.of(facts.mix, c.ep, c.tp, c.dp_shard, c.rows, cfg.data.seq_len,
+                             facts.blocks, dtype.itemsize)
     return step.Layout(c.world_size, c.dp_replicate, c.dp_shard, c.tp, c.pp, c.microbatches,
                        c.rows, cfg.data.seq_len, bubble, c.stages_per_rank, c.schedule,
                        cfg.trainer.compile, optimizer_of(cfg), dtype.itemsize, reshard,
                        cfg.trainer.clip_grad_norm is not None,
                        getattr(p, "bucket_cap_mb", 25.0), cfg.precision.tf32,
-                       _split(p, c, facts))
+                       _split(p, c, facts), split, c.checkpointing != "none")
 
 
 def _split(p, c: Candidate, facts: Facts) -> tuple[int, ...] | None:
@@ -191,22 +214,37 @@ def optimizer_of(cfg) -> str:
 
 
 def predict(cfg, c: Candidate, traces: Traces, rates: clusters.Rates) -> step.Prediction:
-    shape, every = shape_of(cfg, c), cfg.trainer.activation_checkpointing_every
-    priced = traces.of(shape, rates, cfg.trainer.compile, cfg.precision.tf32)
-    if every > 1 and c.checkpointing != "none":  # the 1st, the N+1th, ... checkpointed
+    facts = traces.facts
+    priced = _block(cfg, shape_of(cfg, c), traces, rates, c.ep)
+    if facts.dense_model is not None:  # a mixture's dense blocks beside its MoE ones
+        dense = _block(cfg, dataclasses.replace(shape_of(cfg, c), dense=True), traces, rates)
+        priced = step.blend(priced, dense, facts.mix.moe_blocks / facts.blocks)
+    return step.predict(*priced, layout_of(cfg, c, facts), rates, facts.blocks,
+                        facts.flops_per_token)
+
+
+def _block(cfg, shape: trace.Shape, traces: Traces, rates: clusters.Rates, ep: int = 1):
+    """A block of `shape` traced and priced (its experts ep's share); under
+    activation_checkpointing_every, the 1st, the N+1th, ... checkpointed and the others
+    not, blended."""
+    every = cfg.trainer.activation_checkpointing_every
+    priced = traces.of(shape, rates, cfg.trainer.compile, cfg.precision.tf32, ep)
+    if every > 1 and shape.checkpointing != "none":
         plain = traces.of(dataclasses.replace(shape, checkpointing="none"), rates,
-                          cfg.trainer.compile, cfg.precision.tf32)
+                          cfg.trainer.compile, cfg.precision.tf32, ep)
         blocks = traces.facts.blocks
         priced = step.blend(priced, plain, math.ceil(blocks / every) / blocks)
-    return step.predict(*priced, layout_of(cfg, c, traces.facts), rates, traces.facts.blocks,
-                        traces.facts.flops_per_token)
+    return priced
 
 
 def state_gb(c: Candidate, facts: Facts, optimizer: str) -> float:
     """The least a rank of `c` holds: its share of the float32 weights and gradients and
     the optimizer's states, before any activation."""
     per_element = 8 + step.STATE_BYTES[optimizer]
-    return facts.params / (c.tp * c.pp * c.dp_shard) * per_element / 2**30
+    routed = facts.mix.params if facts.mix else 0.0  # experts: whole on each tp rank but ep's
+    ep_tp = c.tp if c.ep > 1 and c.tp > 1 else 1
+    held = (facts.params - routed) / c.tp + routed / ep_tp
+    return held / (c.pp * c.dp_shard) * per_element / 2**30
 
 
 def rank(candidates: list[Candidate], rates: clusters.Rates) -> list[Candidate]:

@@ -161,6 +161,8 @@ class Rates:
             fixed, rate = self.links[kind]
             return fixed + sent / rate
         n, nodes = group.ranks, group.nodes
+        if kind == "all_to_all":
+            return self._all_to_all_s(sent, n, nodes)
         # over nodes, NCCL's rings (a channel a NIC) cross the network at every node's
         # edge: a rank gets its node's share of the NICs its group uses there
         bandwidth = self.intra if nodes == 1 else min(self.intra, n // nodes * self.inter)
@@ -179,4 +181,16 @@ class Rates:
                 # 2(n-1)/n of it
                 options.append(tree * 1e-6 + sent * n / (n - 1) / (bandwidth * share))
         return min(options)
+
+    def _all_to_all_s(self, sent: float, n: int, nodes: int) -> float:
+        """NCCL's all-to-all: each rank's sends to every peer at once, its bus bytes
+        ((n-1)/n of its input) to its node's other ranks over NVLink and to the other nodes'
+        through its own NIC, the longer of the two; one step's latency, over the network
+        where it crosses it."""
+        whole = sent * n / (n - 1)
+        per_node = n // nodes
+        inside = whole * (per_node - 1) / n / self.intra
+        outside = whole * (n - per_node) / n / self.inter
+        hop = self.nccl.inter_hop_us if nodes > 1 else self.nccl.intra_hop_us
+        return (self.nccl.base_us + hop) * 1e-6 + max(inside, outside)
 

@@ -38,6 +38,8 @@ class Op:
     # run by the model's forward or backward, which trainer.compile compiles; the loss's
     # ops (outside the model) run eager, compiled or not
     in_model: bool = True
+    experts: bool = False  # run inside an MoE layer's experts module (expert parallelism's)
+    weight_bytes: int = 0  # of its bytes, its experts' weights (3-D) and their gradients
     # the op and its arguments, tensors as (shape, stride, dtype): run again on this machine
     # (cluster=this times each op for real)
     replay: Any = None
@@ -114,9 +116,11 @@ class Recorder(TorchDispatchMode):
     """Each op as Op: its FLOPs and bytes on the local tensors a rank holds (a DTensor's
     shard), its region from `tracker` (ModTracker) and the phase set from outside."""
 
-    def __init__(self, tracker, block: str, causal_lm: bool):
+    def __init__(self, tracker, block: str, causal_lm: bool, experts: tuple[str, ...] = ()):
         super().__init__()
         self.tracker, self.block, self.causal_lm = tracker, block, causal_lm
+        # the block's experts modules by their path in it (a checkpoint wrapper between)
+        self.experts = tuple(f".{name}" for name in experts)
         self.root = block.split(".")[0]  # the model's root module's name
         self.phase = "forward"
         self.ops: list[Op] = []
@@ -158,7 +162,7 @@ class Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        out = _run(func, args, kwargs)
         if not moves_data(func):
             return out
         flat_in, _ = tree_flatten((args, kwargs))
@@ -178,10 +182,15 @@ class Recorder(TorchDispatchMode):
 
         first = _local(flat_out[0]) if flat_out else None
         wide = isinstance(first, torch.Tensor) and first.element_size() >= 4
+        experts = bool(self.experts) and any(p.startswith(self.block) and p.endswith(self.experts)
+                                             for p in self.tracker.parents)
         op = Op(self.phase, self._region(), *self._cost(func, args, kwargs, out),
                 self._ids(flat_in), self._ids(flat_out), wide=wide,
                 dtensor=any(isinstance(a, DTensor) for a in flat_in),
-                in_model=self._in_model(),
+                in_model=self._in_model(), experts=experts,
+                weight_bytes=sum(_nbytes(_local(t)) for t in (*flat_in, *flat_out)
+                                 if isinstance(_local(t), torch.Tensor) and
+                                 _local(t).dim() == 3) if experts else 0,
                 replay=(func, tree_map(_spec, args), tree_map(_spec, kwargs)))
         self.ops.append(op)
         for value in flat_out:
@@ -217,6 +226,8 @@ class Recorder(TorchDispatchMode):
             causal = bool(kwargs.get("is_causal", _causal_arg(func, args))) or (
                 self.causal_lm and q.shape[-2] == k.shape[-2])
             return "attention", attention_flops(q, k, causal, backward)
+        if func is aten._grouped_mm.default:  # experts' rows by their groups' weights
+            return "matmul", _grouped_mm_flops(_local(args[0]), _local(out))
         packet = func._overloadpacket
         if packet in flop_registry:
             local_args = [_local(a) for a in args]
@@ -227,6 +238,26 @@ class Recorder(TorchDispatchMode):
                 flops = 0
             return "matmul", float(flops)
         return "memory", 0.0
+
+
+def _run(func, args: tuple, kwargs: dict) -> Any:
+    """The op on the fake tensors. A float32 grouped matmul (a transformers model's experts
+    whose weights stay float32 beside autocast, where a GPU runs it float32) has a shape
+    rule for 16-bit inputs only: its output's shape from a bfloat16 one."""
+    if func is aten._grouped_mm.default and args[0].dtype == torch.float32:
+        half = [a.to(torch.bfloat16) if isinstance(a, torch.Tensor) and a.is_floating_point()
+                else a for a in args]
+        return func(*half, **kwargs).to(torch.float32)
+    return func(*args, **kwargs)
+
+
+def _grouped_mm_flops(a: torch.Tensor, out: torch.Tensor) -> float:
+    """2 per multiply-add of a grouped matmul: rows (M, K) by each group's (K, N) into (M,
+    N); or a weight's gradient, (K, M) by (M, N) into each group's (K, N), its M rows cut
+    among the groups."""
+    if out.dim() == 3 and a.dim() == 2:
+        return 2.0 * out[0].numel() * a.shape[-1]
+    return 2.0 * out.numel() * a.shape[-1]
 
 
 def _causal_arg(func, args) -> bool:

@@ -116,8 +116,15 @@ def _refuse_no_sequences(data) -> None:
 
 
 def candidates_of(cfg, layout, facts: Facts, rates) -> tuple[list[Candidate], list[str]]:
-    """The given layout alone, or parallel=auto's grid; notes on what the grid leaves out."""
+    """The given layout alone, or parallel=auto's grid; notes on what the grid leaves out
+    and what the simulation assumed."""
     notes = []
+    if facts.mix is not None:
+        notes.append(f"Routing: each of the {facts.mix.experts} experts takes an even share "
+                     "of the tokens (uniform, as vendor benchmarks force it); a real router's "
+                     "busiest expert makes its rank, and every rank of its all-to-all, "
+                     "wait. The all-to-all is NCCL's (no node-level deduplication, as "
+                     "DeepEP's).")
     if layout is not None:
         search.refuse(facts.split_problem())
         mode = cfg.trainer.activation_checkpointing

@@ -23,7 +23,7 @@ CHECKPOINTING = ("none", *CONTEXTS, "full")
 DECIDED = ("parallel=", "parallel.world_size=", "parallel.dp_replicate=",
            "parallel.dp_shard=", "parallel.tp=", "parallel.pp=", "parallel.schedule=",
            "parallel.microbatches=", "parallel.stages_per_rank=",
-           "parallel.sequence_parallel=", "trainer.activation_checkpointing=",
+           "parallel.sequence_parallel=", "parallel.ep=", "trainer.activation_checkpointing=",
            "trainer.accumulate_grad_batches=", "data.batch_size=", "cluster=", "cluster.",
            "simulate.", "hydra.", "advise.")
 
@@ -45,6 +45,7 @@ class Candidate:
     reason: str | None = None  # why it cannot run
     prediction: Prediction | None = None
     state_gb: float | None = None  # not traced: its training state alone is over the memory
+    ep: int = 1  # ranks each MoE layer's experts are split over (carved from dp_shard x tp)
 
     @property
     def memory_gb(self) -> float | None:
@@ -94,6 +95,8 @@ class Candidate:
                 found.append(f"parallel.stages_per_rank={self.stages_per_rank}")
         if self.sequence_parallel:
             found.append("parallel.sequence_parallel=true")
+        if self.ep > 1:
+            found.append(f"parallel.ep={self.ep}")
         accumulate = 1 if self.pp > 1 else self.microbatches
         if self.given_global is None:
             found.append(f"data.batch_size={self.batch_size // accumulate}")
@@ -105,7 +108,8 @@ class Candidate:
     @property
     def label(self) -> str:
         degrees = [f"{k}{v}" for k, v in (("R", self.dp_replicate), ("F", self.dp_shard),
-                                          ("T", self.tp), ("P", self.pp)) if v > 1]
+                                          ("T", self.tp), ("P", self.pp), ("E", self.ep))
+                   if v > 1]
         v = f" v{self.stages_per_rank}" if self.stages_per_rank > 1 else ""
         way = f" {self.schedule}{v} m{self.microbatches}" if self.pp > 1 else (
             f" accum{self.microbatches}" if self.microbatches > 1 else "")
@@ -153,14 +157,25 @@ def grid(cfg, facts, gpus_per_node: int) -> list[Candidate]:
                         if way.get("schedule") and schedules.split_backward_clash(
                                 way["schedule"], ac, cfg.trainer.compile):
                             continue  # train refuses it
-                        c = Candidate(**base, **way, checkpointing=ac)
-                        c.reason = tp_reason or batch_reason
-                        found.append(c)
-                        if tp > 1 and facts.takes_sequence_parallel and not c.reason and \
-                                facts.sp_problem(tp) is None:
-                            found.append(Candidate(**base, **way, checkpointing=ac,
-                                                   sequence_parallel=True))
+                        for ep in expert_degrees(facts.mix, tp, shard):
+                            c = Candidate(**base, **way, checkpointing=ac, ep=ep)
+                            c.reason = tp_reason or batch_reason
+                            found.append(c)
+                            if tp > 1 and facts.takes_sequence_parallel and not c.reason \
+                                    and facts.sp_problem(tp) is None:
+                                found.append(Candidate(**base, **way, checkpointing=ac, ep=ep,
+                                                       sequence_parallel=True))
     return found
+
+
+def expert_degrees(mix, tp: int, shards: int) -> list[int]:
+    """The ep a layout of `tp` and `shards` may take for a mixture (`mix`; none: [1]): 1, and
+    tp x each power of two of the shards, where it divides the experts (train's rule:
+    parallel/expert_parallel.py)."""
+    if mix is None:
+        return [1]
+    carved = [tp * s for s in powers_of_two(shards) if shards % s == 0 and tp * s > 1]
+    return [1, *(ep for ep in carved if mix.experts % ep == 0)]
 
 
 def float16_problem(cfg) -> str | None:
@@ -203,7 +218,8 @@ def given(cfg, layout) -> Candidate:
         else 1
     return Candidate(layout.world_size, layout.dp_replicate, layout.dp_shard, layout.tp, pp,
                      batch, micro, schedule, v, cfg.trainer.activation_checkpointing,
-                     bool(getattr(p, "sequence_parallel", False)), cfg.data.global_batch_size)
+                     bool(getattr(p, "sequence_parallel", False)), cfg.data.global_batch_size,
+                     ep=layout.ep)
 
 
 def scaled(cfg, layout, world_size: int) -> Candidate:

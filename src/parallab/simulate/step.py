@@ -44,7 +44,9 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from parallab.simulate import experts
 from parallab.simulate.cluster import Group, Rates
+from parallab.simulate.experts import Split
 from parallab.simulate.trace import Op, Trace
 
 # bytes a fused optimizer kernel reads and writes per element: weight, gradient and each
@@ -76,6 +78,8 @@ class Layout:
     bucket_mb: float = 25.0  # DDP's parallel.bucket_cap_mb
     tf32: bool = False  # float32 matmuls on TF32 tensor cores (precision.tf32)
     split: tuple[int, ...] | None = None  # a pipeline's cuts as parallel.split gives them
+    experts: Split = Split()  # how expert parallelism splits an MoE block's experts
+    recompute: bool = False  # activation checkpointing runs a block's forward again
 
     @property
     def dp(self) -> int:
@@ -96,7 +100,7 @@ LONGEST_S = 0.5  # an op run for real here at most this long by its roofline, ..
 MEMORY_SHARE = 0.25  # ... its tensors at most this share of a rank's memory
 
 
-def op_seconds(op: Op, rates: Rates, fp32_peak: float) -> float:
+def op_seconds(op: Op, rates: Rates, fp32_peak: float, experts_held: float = 1.0) -> float:
     """One op's roofline: its FLOPs at the peak of its precision x the matmul efficiency,
     or its bytes at the memory's bandwidth, whichever is longer; a matmul (every op with a
     FLOP formula) both, added: a bound, chosen on the published runs, for a GEMM kernel
@@ -110,8 +114,10 @@ def op_seconds(op: Op, rates: Rates, fp32_peak: float) -> float:
     an op the roofline says would run over LONGEST_S, or whose tensors would take over
     MEMORY_SHARE of the memory, is not run: at that size a CPU runs at the measured rates
     the roofline prices it by, and a model too large for the machine ends in its refusal,
-    not in hours of ops or an exhausted memory."""
-    moved = sum(b for _, b in op.reads) + sum(b for _, b in op.writes)
+    not in hours of ops or an exhausted memory. An experts' op moves `experts_held` of the
+    experts' weights it was traced with (expert parallelism's share of them)."""
+    moved = sum(b for _, b in op.reads) + sum(b for _, b in op.writes) - \
+        op.weight_bytes * (1 - experts_held)
     seconds = moved / rates.hbm
     if op.flops:
         peak = fp32_peak if op.wide else rates.peaks["bf16"]
@@ -147,6 +153,7 @@ class Costs:
 
     compute: dict[tuple[str, str], float] = field(default_factory=dict)
     collectives: dict[tuple[str, str], dict[str, float]] = field(default_factory=dict)
+    experts: dict[str, float] = field(default_factory=dict)  # of compute, the experts' by phase
 
     def seconds(self, phase: str, region: str) -> float:
         return self.compute.get((phase, region), 0.0) + sum(
@@ -163,21 +170,25 @@ def blend(checkpointed: tuple[Trace, Costs], plain: tuple[Trace, Costs], share: 
           ) -> tuple[Trace, Costs]:
     """A block as `share` of the blocks checkpointed and the rest plain cost and keep on
     average (trainer.activation_checkpointing_every: every Nth checkpointed, the others
-    keeping all)."""
+    keeping all); as well, `share` of a mixture's blocks holding experts, the others
+    dense."""
     (a, a_costs), (b, b_costs) = checkpointed, plain
     saved = _mix(a.saved, b.saved, share)
     # the peak's temporaries beyond what is kept (the larger of the two) on the blend's
     beyond = max(x.peak_transient - sum(x.saved.values()) for x in (a, b))
     found = dataclasses.replace(a, saved=saved,
                                 saved_compiled=_mix(a.saved_compiled, b.saved_compiled, share),
-                                peak_transient=beyond + sum(saved.values()))
+                                peak_transient=beyond + sum(saved.values()),
+                                params=_mix(a.params, b.params, share))
     return found, Costs(_mix(a_costs.compute, b_costs.compute, share),
-                        _mix(a_costs.collectives, b_costs.collectives, share))
+                        _mix(a_costs.collectives, b_costs.collectives, share),
+                        _mix(a_costs.experts, b_costs.experts, share))
 
 
-def costs(trace: Trace, rates: Rates, compile: bool, tf32: bool) -> Costs:
+def costs(trace: Trace, rates: Rates, compile: bool, tf32: bool, ep: int = 1) -> Costs:
     """The trace's ops priced on the cluster: each compute op its roofline (a compiled run's
-    chains of memory-bound ops fused), each collective NCCL's time over the tp group."""
+    chains of memory-bound ops fused; an experts' op with a rank's 1/ep of their weights),
+    each collective NCCL's time over the tp group."""
     fp32_peak = rates.fp32_peak(tf32)
     found = Costs()
     tp_group = Group.of(trace.shape.tp, 1, rates.gpus_per_node)
@@ -209,7 +220,10 @@ def costs(trace: Trace, rates: Rates, compile: bool, tf32: bool) -> Costs:
             chain.append(op)
             continue
         close(index)
-        found.compute[key] = found.compute.get(key, 0.0) + op_seconds(op, rates, fp32_peak)
+        seconds = op_seconds(op, rates, fp32_peak, 1 / ep if op.experts else 1.0)
+        found.compute[key] = found.compute.get(key, 0.0) + seconds
+        if op.experts:
+            found.experts[op.phase] = found.experts.get(op.phase, 0.0) + seconds
     close(len(ops))
     return found
 
@@ -264,6 +278,7 @@ def predict(trace: Trace, c: Costs, layout: Layout, rates: Rates, blocks: int,
     """The step of `layout` from its traced micro-batch priced on the cluster (`c`:
     costs(trace)); `blocks`: the model's; `flops_per_token`: its training FLOPs, for MFU.
     A pipeline's step is its busiest rank's."""
+    c = experts.costs_under(c, c.experts, layout.experts)
     ranks = loads(blocks, layout, trace.params)
     busiest = max(ranks, key=lambda load: _compute(c, load, "forward") +
                   _compute(c, load, "backward"))
@@ -281,6 +296,8 @@ def predict(trace: Trace, c: Costs, layout: Layout, rates: Rates, blocks: int,
             for kind, seconds in c.collectives.get((phase, region), {}).items():
                 expose(f"tp_{kind}", times * seconds * m)
     parts = {"compute_s": m * (compute["forward"] + compute["backward"])}
+    expose("all_to_all", m * k * experts.all_to_all_s(layout.experts, rates, layout.tp,
+                                                      layout.pp, layout.recompute))
     _data_parallel(trace, c, layout, rates, busiest, compute, expose)
     if layout.pp > 1:  # the sends at each of its parts' cuts, and the schedule's idle slots
         G = rates.gpus_per_node
@@ -292,7 +309,7 @@ def predict(trace: Trace, c: Costs, layout: Layout, rates: Rates, blocks: int,
         slot = compute["forward"] + compute["backward"] + 2 * send + schedule + sum(
             v for kind, v in exposed.items() if kind.startswith("tp_")) / m
         parts["bubble_s"] = (layout.bubble - 1) * m * slot
-    held = (k * trace.params["block"] + sum(trace.params[r] for r in busiest.ends)) / \
+    held = (k * _stored(trace, layout) + sum(trace.params[r] for r in busiest.ends)) / \
         layout.dp_shard
     parts["optimizer_s"] = held * (OPTIMIZER_BYTES[layout.optimizer] + 4 * layout.clip) / \
         rates.hbm
@@ -311,15 +328,17 @@ def _data_parallel(trace: Trace, c: Costs, layout: Layout, rates: Rates, busiest
                    compute: dict[str, float], expose) -> None:
     """FSDP2's gathers and reductions (HSDP's all-reduce with them), or DDP's buckets, as
     they are left exposed beside the busiest rank's compute."""
-    block_params, k = trace.params["block"], busiest.blocks
+    k = busiest.blocks
     held_ends = sum(trace.params[r] for r in busiest.ends)
     if layout.dp_shard > 1:
-        _sharded(layout, rates, block_params, held_ends, k, (
+        units = experts.units(trace.params["block"], trace.params.get("experts", 0.0),
+                              layout.experts, layout.dp_shard)
+        _sharded(layout, rates, units, held_ends, k, (
             c.seconds("forward", "block"), c.seconds("backward", "block")), expose)
     elif layout.dp_replicate > 1:
         r = layout.dp_replicate
         replicas = Group.of(r, layout.tp * layout.pp, rates.gpus_per_node)
-        grads = (k * block_params + held_ends) * 4
+        grads = (k * _stored(trace, layout) + held_ends) * 4
         buckets = max(1, math.ceil(grads / (layout.bucket_mb * 2**20)))
         one = rates.collective_s("all_reduce", 2 * (r - 1) / r * grads / buckets, replicas)
         if layout.pp > 1:  # the pipeline's replicas average once, after the flush
@@ -328,23 +347,24 @@ def _data_parallel(trace: Trace, c: Costs, layout: Layout, rates: Rates, busiest
             expose("all_reduce", max(one, rates.hidden(one * buckets, compute["backward"])))
 
 
-def _sharded(layout: Layout, rates: Rates, block_params: float, held_ends: float, k: int,
-             block: tuple[float, float], expose) -> None:
-    """FSDP2 over dp_shard ranks (HSDP: and dp_replicate replicas) of `k` blocks and the
-    root unit (`held_ends`: what the blocks leave), `block`'s forward and backward seconds
-    beside them."""
-    n, r, m = layout.dp_shard, layout.dp_replicate, layout.microbatches
-    shard = Group.of(n, layout.tp * layout.pp, rates.gpus_per_node)
-    replicas = Group.of(r, n * layout.tp * layout.pp, rates.gpus_per_node)
+def _sharded(layout: Layout, rates: Rates, units: list[tuple[float, int]], held_ends: float,
+             k: int, block: tuple[float, float], expose) -> None:
+    """FSDP2 over dp_shard ranks (HSDP: and dp_replicate replicas) of `k` blocks, each of
+    its units (`units`: elements gathered whole, ranks sharding them: experts.units) and
+    the root unit (`held_ends`: what the blocks leave), `block`'s forward and backward
+    seconds beside them."""
+    r, m, inner = layout.dp_replicate, layout.microbatches, layout.tp * layout.pp
 
-    def collectives(params: float) -> tuple[float, float, float]:
+    def collectives(params: float, n: int) -> tuple[float, float, float]:
         """A unit's gather (compute dtype), reduce-scatter and replicas' all-reduce (fp32)."""
+        shard = Group.of(n, inner, rates.gpus_per_node)
+        replicas = Group.of(r, layout.dp_shard * inner, rates.gpus_per_node)
         return (rates.collective_s("all_gather", (n - 1) / n * params * layout.compute_bytes,
                                    shard),
                 rates.collective_s("reduce_scatter", (n - 1) / n * params * 4, shard),
                 rates.collective_s("all_reduce", 2 * (r - 1) / r * params / n * 4, replicas))
 
-    gather, scatter, reduce = collectives(block_params)
+    gather, scatter, reduce = (sum(each) for each in zip(*(collectives(*u) for u in units)))
     # every micro-batch's forward gathers (FSDP2 reshards after each backward), the next
     # block's beside this one's compute; a pipeline's part once a step, kept till the
     # flush, its gradients kept whole till then and reduced once (torch's stages)
@@ -360,10 +380,16 @@ def _sharded(layout: Layout, rates: Rates, block_params: float, held_ends: float
         expose("all_gather", times * k * beside * share)
         expose("reduce_scatter", times * (reduced + (k - 1) * beside * (1 - share)))
     # FSDP2's hooks around each unit (the blocks and the root), forward and backward
-    expose("fsdp_hooks", m * (k + 1) * rates.fsdp_unit_s)
-    root_gather, root_scatter, root_reduce = collectives(held_ends)  # exposed: nothing beside
+    expose("fsdp_hooks", m * (k * len(units) + 1) * rates.fsdp_unit_s)
+    root_gather, root_scatter, root_reduce = collectives(held_ends, layout.dp_shard)
     expose("all_gather", passes * root_gather)
     expose("reduce_scatter", passes * root_scatter + root_reduce)
+
+
+def _stored(trace: Trace, layout: Layout) -> float:
+    """Elements of a block a rank keeps before FSDP2 shards them (experts.stored)."""
+    return experts.stored(trace.params["block"], trace.params.get("experts", 0.0),
+                          layout.experts)
 
 
 def _memory(trace: Trace, layout: Layout, load: Load) -> dict[str, float]:
@@ -371,14 +397,18 @@ def _memory(trace: Trace, layout: Layout, load: Load) -> dict[str, float]:
     docstring)."""
     from parallab.parallel import schedules
 
-    block = trace.params["block"]
+    block = _stored(trace, layout)
     held_ends = sum(trace.params[r] for r in load.ends)
     held = (load.blocks * block + held_ends) / layout.dp_shard
     state = held * (4 + 4 + STATE_BYTES[layout.optimizer])
     gathered = 0.0
     if layout.dp_shard > 1:  # this block's and the next one's weights (every block's where
         # they stay gathered from the forward), the root's, and a block's gradient as it is
-        # reduced (a pipeline's part keeps all of its whole till the flush)
+        # reduced (a pipeline's part keeps all of its whole till the flush); of its experts,
+        # this rank's ep share
+        block = sum(elements for elements, _ in experts.units(
+            trace.params["block"], trace.params.get("experts", 0.0), layout.experts,
+            layout.dp_shard))
         blocks_held = 2 if layout.reshard_after_forward else load.blocks
         whole = load.blocks * block + held_ends if layout.pp > 1 else block
         gathered = (blocks_held * block + held_ends) * layout.compute_bytes + whole * 4

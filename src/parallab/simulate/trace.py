@@ -12,7 +12,10 @@ collectives tensor parallelism calls; ModTracker says whether
 an op belongs to the block, to what comes before it (embeddings) or after it (the head
 and the loss). Saved-for-backward bytes per region come from autograd's hooks, and the
 peak of the bytes the step's ops made and held at once (activations, temporaries, the
-gradients of the one block), each storage followed until it is freed (ops.py).
+gradients of the one block), each storage followed until it is freed (ops.py). An MoE
+block's router sends each expert an even share of the tokens (models/experts.py's uniform
+routing: fake values cannot be read, and vendor benchmarks force it so); its experts' ops
+and weights are marked, for expert parallelism's share of them (simulate/experts.py).
 
 Nothing is allocated and no collective runs: a 405B model's block traces in a second.
 """
@@ -48,6 +51,7 @@ class Shape:
     checkpointing: str = "none"
     gathered: bool = False  # FSDP2 gathers the weights in the compute dtype (no casts)
     precision: str = "bf16"  # the precision group's option
+    dense: bool = False  # a mixture of experts' dense block, not its MoE one
 
 
 @dataclass
@@ -57,7 +61,8 @@ class Trace:
     saved: dict[str, float] = field(default_factory=dict)  # bytes kept for backward, by region
     saved_compiled: dict[str, float] = field(default_factory=dict)  # those a compiled step keeps
     peak_transient: float = 0.0  # activations and temporaries at the step's peak, bytes
-    params: dict[str, float] = field(default_factory=dict)  # elements a rank holds, by region
+    # elements a rank holds, by region; "experts": those of the block's experts modules
+    params: dict[str, float] = field(default_factory=dict)
     boundary_bytes: float = 0.0  # a block's input: what a pipeline stage sends on
 
 
@@ -98,6 +103,31 @@ def _masks_as_on_a_device() -> Iterator[None]:
         yield
     finally:
         masking.find_packed_sequence_indices = original
+
+
+@contextlib.contextmanager
+def _attention_as_on_a_device() -> Iterator[None]:
+    """A value head narrower than the query's (DeepSeek's latent attention: 128 against
+    192), which a GPU's fused kernels take (cuDNN's, the memory-efficient one; flash
+    attention once the value is padded, as transformers pads it) and a CPU's does not (it
+    falls back to the scores in memory): padded to the query's width, the output cut back,
+    so that the trace runs the fused kernel a GPU runs."""
+    import torch.nn.functional as F
+
+    original = F.scaled_dot_product_attention
+
+    def fused(query, key, value, *args, **kwargs):
+        width = value.shape[-1]
+        if width >= query.shape[-1]:
+            return original(query, key, value, *args, **kwargs)
+        value = F.pad(value, (0, query.shape[-1] - width))
+        return original(query, key, value, *args, **kwargs)[..., :width]
+
+    F.scaled_dot_product_attention = fused
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original
 
 
 @contextlib.contextmanager
@@ -173,6 +203,7 @@ def trace(cfg, template: nn.Module, block: str, vocab: int, shape: Shape) -> Tra
 
     from parallab.loss import build_loss, resolve
     from parallab.models import hf
+    from parallab.models.experts import experts_of, uniform_routing
     from parallab.parallel import activations, tp_plans
     from parallab.precision import Precision
 
@@ -194,17 +225,23 @@ def trace(cfg, template: nn.Module, block: str, vocab: int, shape: Shape) -> Tra
     with fake_group(shape.tp):
         loss = build_loss(resolve(dict(cfg.loss), None, None))
         sharded = shape.tp > 1 and _split(model, cfg, shape.tp, shape.sequence_parallel, loss)
+        # the block's experts modules, by their path in it (a transformers model's ep plan
+        # names them from the model's root, before a checkpoint wrapper comes between)
+        held = [(name.removeprefix(f"{block}."), m) for name, m in experts_of(model)
+                if name.startswith(f"{block}.")]
         model = activations.apply(model, shape.checkpointing, getattr(cfg.parallel, "stages", None))
         loss = loss.bind(model)
         batch = _fake_batch(fake, shape, vocab)
         tracker = ModTracker()
         recorder = entered.recorder = Recorder(tracker, _fqn(model, block),
-                                               hf.shifts_labels(model))
+                                               hf.shifts_labels(model),
+                                               tuple(name for name, _ in held))
         saved = _SavedByRegion(model, tracker, recorder)
         calls = register_module_forward_pre_hook(lambda module, _: called.append(module))
         try:
             with fake, tracker, recorder, _masks_as_on_a_device(), \
-                    tp_plans.loss_context(sharded):
+                    tp_plans.loss_context(sharded), uniform_routing(), \
+                    _attention_as_on_a_device():
                 with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
                     with precision.autocast():
                         value = loss.step_loss(model, batch, shape.rows * shape.seq_len)[1]
@@ -216,6 +253,8 @@ def trace(cfg, template: nn.Module, block: str, vocab: int, shape: Shape) -> Tra
     found.ops = recorder.ops
     _region(found.ops)
     found.params = _params_by_region(model, the_block, called)
+    found.params["experts"] = float(sum(_local(p).numel() for _, m in held
+                                        for p in m.parameters()))
     found.saved = saved.by_region()
     found.saved_compiled = saved.by_region(compiled=True)
     found.boundary_bytes = float(_nbytes(entered.tensor)) if entered.tensor is not None \
