@@ -24,7 +24,8 @@ NEEDS_MORE_THAN_THIS_MACHINE = {("backend", "nccl"): "backend=nccl",  # CUDA
 TRAIN_REFUSES = {("parallel", "auto"): "rank them with `parallab simulate parallel=auto"}
 # models too large to build whole on this machine (the controller's trial would): composed,
 # and checked as parallab simulate checks them, on meta
-LARGE = {"llama3_8b", "llama3_70b", "llama3_405b"}
+LARGE = {"llama3_8b", "llama3_70b", "llama3_405b", "deepseek_v3", "qwen3_moe_30b",
+         "qwen3_moe_235b", "mixtral_8x7b"}
 
 
 def options(group: str) -> list[str]:
@@ -34,7 +35,9 @@ def options(group: str) -> list[str]:
 # the class each model option builds (model._target_'s last part)
 MODEL_CLASSES = {"gpt": "GPT", "lstm": "LSTMClassifier", "mlp": "MLP", "mnist_cnn": "MnistCNN",
                  "resnet18": "ResNet18", "convnet": "ConvNet",
-                 **{name: "LlamaForCausalLM" for name in LARGE}}
+                 **{name: "LlamaForCausalLM" for name in LARGE if name.startswith("llama")},
+                 "deepseek_v3": "DeepseekV3ForCausalLM", "qwen3_moe_30b": "Qwen3MoeForCausalLM",
+                 "qwen3_moe_235b": "Qwen3MoeForCausalLM", "mixtral_8x7b": "MixtralForCausalLM"}
 
 # options that only make sense with a partner from another group
 PARTNERS = {("model", "gpt"): ["data=bytes"], ("data", "bytes"): ["model=gpt"],
@@ -594,3 +597,25 @@ def test_composing_shares_hydras_config_store_only_while_it_composes():
         assert copy.deepcopy(store) is store  # the inner one leaves it to the outer
     assert typed("device=cpu").device.value == "cpu"
     assert copy.deepcopy(store) is not store
+
+
+def test_a_users_option_wins_over_a_built_in_of_its_name(tmp_path, train):
+    """A project's own conf/data/tokens.yaml is the one composed for data=tokens, not
+    parallab's built-in of that name (Hydra's search path put parallab's conf/ first), as
+    a test composes it and as a user runs it, with one line naming the built-in passed
+    over; the built-ins the project has no file for stay parallab's."""
+    conf = tmp_path / "conf"
+    (conf / "data").mkdir(parents=True)
+    (conf / "data" / "tokens.yaml").write_text(
+        "# the project's own tokens: its bytes\n_target_: parallab.data.bytetext.Bytes\n"
+        "seq_len: 32\nbatch_size: 4\neval_fraction: 0.002\n")
+    gpt = ["model=gpt", "model.context=32", "model.layers=1", "model.width=32",
+           "model.heads=2", "device=cpu"]
+    cfg = typed("data=tokens", *gpt, config_dir=conf)
+    assert cfg.data._target_ == "parallab.data.bytetext.Bytes" and cfg.data.batch_size == 4
+    assert typed("data=synthetic", config_dir=conf).data.name == "synthetic"  # not shadowed
+    result, _ = train("--config-dir", str(conf), "data=tokens", *gpt, "trainer.max_steps=1",
+                      "trainer.checkpoint_every_n_steps=null")
+    assert result.returncode == 0, output(result)[-2000:]
+    said = [line for line in output(result).splitlines() if "built-ins" in line]
+    assert len(said) == 1 and said[0].endswith(f"data=tokens from {conf}")

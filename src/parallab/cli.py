@@ -361,16 +361,17 @@ def advise(argv: list[str] | None = None) -> None:
 def compose(overrides: list[str], config_dir: str | Path | None = None,
             config_name: str = "config") -> DictConfig:
     """conf/ composed with `overrides` as train.py composes it, a project's config dir's
-    groups added (as --config-dir adds them)."""
+    groups added (as --config-dir adds them), its options over built-ins of their names."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from parallab.config.hydra_internals import one_store
+    from parallab.config.hydra_internals import one_store, users_first
 
     launch.register_resolvers()
     _register_configs()
     extra = [f"hydra.searchpath=[file://{Path(config_dir).resolve()}]"] if config_dir else []
-    with initialize_config_dir(config_dir=CONF_DIR, version_base=None), one_store():
+    with users_first(), initialize_config_dir(config_dir=CONF_DIR, version_base=None), \
+            one_store():
         return hydra_compose(config_name, overrides=[*overrides, *extra])
 
 

@@ -79,7 +79,10 @@ def hydra_app(config_name: str, task, call):
 
     from parallab.config import hydra_internals as hydra
 
+    shadowed: list[dict[str, str]] = []  # the user's options over built-ins, once known
+
     def job(dict_cfg: DictConfig):
+        say_shadowed(shadowed[0] if shadowed else {})
         return task(dict_cfg, call)
 
     def app() -> None:
@@ -90,11 +93,30 @@ def hydra_app(config_name: str, task, call):
             job(hydra.rerun_conf(args.experimental_rerun, args.overrides))
             hydra.flush_loggers()
             return
-        with hydra.one_store() if args.help else contextlib.nullcontext():
+        with hydra.one_store() if args.help else contextlib.nullcontext(), \
+                hydra.users_first() as found:
+            shadowed.append(found)  # filled as Hydra builds its search path, before any job
             hydra.run_hydra(args=args, args_parser=parser, task_function=job,
                             config_path="pkg://parallab/conf", config_name=config_name)
 
     return app
+
+
+def say_shadowed(shadowed: dict[str, str]) -> None:
+    """One line naming the built-in options this job's choices passed over for a user's of
+    the same group and name (hydra_internals.users_first)."""
+    import logging
+
+    from hydra.core.hydra_config import HydraConfig
+
+    if not shadowed or not HydraConfig.initialized():
+        return
+    choices = HydraConfig.get().runtime.choices
+    passed = [f"{group}={option} from {shadowed[f'{group}/{option}']}"
+              for group, option in choices.items() if f"{group}/{option}" in shadowed]
+    if passed:
+        logging.getLogger("parallab").info(
+            "your options over parallab's built-ins of the same name: %s", ", ".join(passed))
 
 
 def hydra_line(error: Exception) -> str:

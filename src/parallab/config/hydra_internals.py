@@ -7,13 +7,65 @@ lacks any of them."""
 import contextlib
 from typing import Iterator
 
+from hydra._internal.config_repository import ConfigRepository
 from hydra._internal.utils import _run_hydra as run_hydra
 from hydra._internal.utils import get_args_parser
 from hydra.core.config_store import ConfigStore
+from hydra.core.object_type import ObjectType
 from hydra.core.utils import _flush_loggers as flush_loggers
 from hydra.main import _get_rerun_conf as rerun_conf
 
-__all__ = ["flush_loggers", "get_args_parser", "rerun_conf", "run_hydra", "one_store"]
+__all__ = ["flush_loggers", "get_args_parser", "rerun_conf", "run_hydra", "one_store",
+           "users_first"]
+
+# the search path's providers that are not a user's: Hydra's own configs, parallab's conf/
+# (the app's primary config dir) and the schemas
+BUILT_IN = ("hydra", "main", "schema")
+
+
+@contextlib.contextmanager
+def users_first() -> Iterator[dict[str, str]]:
+    """While inside, a user's config dirs (--config-dir, hydra.searchpath) come before
+    parallab's conf/ in every search path Hydra builds, so that a user's option wins over
+    a built-in of the same group and name (Hydra puts them after the primary config dir,
+    and the first dir holding a name gives it). Yields group/option -> the user's dir that
+    shadows a built-in of that name, filled as the paths are built."""
+    shadowed: dict[str, str] = {}
+    original = ConfigRepository.initialize_sources
+    if getattr(original, "users_first", False):  # nested: the outer one orders them
+        yield shadowed
+        return
+
+    def ordered(repository: ConfigRepository, search_path) -> None:
+        original(repository, search_path)
+        sources = repository.sources
+        users = [s for s in sources if s.provider not in BUILT_IN]
+        first_built_in = next((i for i, s in enumerate(sources) if s.provider == "main"), None)
+        if not users or first_built_in is None:
+            return
+        rest = [s for s in sources if s not in users]
+        repository.sources = [*rest[:first_built_in], *users, *rest[first_built_in:]]
+        shadowed.update(_shadowed(users, sources[first_built_in]))
+
+    ordered.users_first = True
+    ConfigRepository.initialize_sources = ordered
+    try:
+        yield shadowed
+    finally:
+        ConfigRepository.initialize_sources = original
+
+
+def _shadowed(users: list, built_in) -> dict[str, str]:
+    """group/option -> the user's source path, for each option a user's source holds that
+    parallab's holds too."""
+    found = {}
+    for group in built_in.list("", ObjectType.GROUP):
+        for option in built_in.list(group, ObjectType.CONFIG):
+            name = f"{group}/{option}"
+            source = next((u for u in users if u.is_config(name)), None)
+            if source is not None:
+                found[name] = source.path
+    return found
 
 
 @contextlib.contextmanager
