@@ -171,7 +171,17 @@ def full_grid(cfg, overrides: list[str]) -> tuple[list[Candidate], list[int]]:
         raise ConfigError(found)
     world = _world_size(cfg, overrides, device_type)
     sizes = options.world_sizes or [d for d in range(1, world + 1) if world % d == 0]
-    return grid.enumerate_grid(options, sizes, device_type), sizes
+    return grid.enumerate_grid(options, sizes, device_type, _experts(cfg)), sizes
+
+
+def _experts(cfg) -> int | None:
+    """The experts of each MoE layer of the model (None: dense), on meta."""
+    from parallab.models import build_on_meta, experts
+
+    try:
+        return experts.count(build_on_meta(cfg.model))
+    except Exception:  # noqa: BLE001 - a model that does not build is the checks' to say
+        return None
 
 
 def plan(cfg, overrides: list[str], configure: Callable[[list[str]], Any],

@@ -72,16 +72,32 @@ def user_overrides(overrides: list[str]) -> list[str]:
     return [o for o in overrides if o.startswith(KEPT) or not o.lstrip("+~").startswith(DECIDED)]
 
 
-def enumerate_grid(options, world_sizes: list[int], device_type: str) -> list[Candidate]:
+# the layouts whose shards (and tp ranks) expert parallelism is carved from
+EXPERT_LAYOUTS = ("fsdp", "hsdp", "tp", "fsdp_tp")
+
+
+def enumerate_grid(options, world_sizes: list[int], device_type: str,
+                   experts: int | None = None) -> list[Candidate]:
+    """The grid; for a model of `experts` experts a layer, the sharded layouts each also
+    with every power-of-two ep of its ranks that divides them (the checks prune those its
+    degrees cannot carve)."""
     from parallab.parallel import PLANS
 
     names = options.layouts or list(PLANS)
     accumulations = [2**k for k in range(int(math.log2(options.max_accumulation)) + 1)]
-    return [Candidate(n, name, settings, precision, ac, accumulation)
+    return [Candidate(n, name, [*settings, *ep], precision, ac, accumulation)
             for n in world_sizes for name in names
             for settings in PLANS[name].candidates(n, device_type, options)
+            for ep in _expert_settings(name, n, experts)
             for precision in options.precisions for ac in options.activation_checkpointing
             for accumulation in accumulations]
+
+
+def _expert_settings(name: str, n: int, experts: int | None) -> list[list[str]]:
+    if not experts or name not in EXPERT_LAYOUTS:
+        return [[]]
+    return [[], *([f"parallel.ep={ep}"] for ep in (2**k for k in range(1, int(math.log2(n)) + 1))
+                  if experts % ep == 0)]
 
 
 def settle(candidates: list[Candidate], configure: Callable[[list[str]], Any],

@@ -70,10 +70,14 @@ def predict(cfg, layout, batch: Any, rank: int) -> tuple[float, float]:
     from parallab.loss import build_loss
     from parallab.precision import Precision
 
+    from parallab.models.experts import uniform_routing
+
     world = layout.world_size
     device = torch.device("cuda" if cfg.device.value == "cuda" else "cpu")
     fake = FakeTensorMode(allow_non_fake_inputs=True)
-    with fake_group(rank, world):
+    # an MoE layer's router picks from values fake tensors do not have: each expert an even
+    # share of the tokens (as simulate traces it)
+    with fake_group(rank, world), uniform_routing():
         dist = Dist(rank, rank, world, world, device, "fake")
         precision = Precision(cfg.precision, device)
         model = fake_model(cfg, fake, device)  # the mesh and wrappers are built outside

@@ -75,9 +75,13 @@ def uniform() -> bool:
 
 def even_counts(pairs: int, experts: int, like: torch.Tensor) -> torch.Tensor:
     """Each of `experts` an even share of `pairs` (the first ones one more where it does
-    not divide), on `like`'s device."""
+    not divide), on `like`'s device; real even beside fake tensors: counts a step reads."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
     share, rest = divmod(pairs, experts)
-    return torch.tensor([share + (e < rest) for e in range(experts)], device=like.device)
+    with unset_fake_temporarily():
+        return torch.tensor([share + (e < rest) for e in range(experts)],
+                            device="cpu" if like.device.type == "meta" else like.device)
 
 
 def sort_by_expert(ids: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,10 +104,15 @@ def combine(out: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, top_k
 
 
 def grouped_mm_applies(x: torch.Tensor, *weights: torch.Tensor) -> bool:
-    """torch's grouped_mm takes these: bfloat16 (or float32 on a CPU, not traced: the
-    compiler's shape rule takes 16-bit inputs only) with every stride a multiple of 16
-    bytes; on a GPU the fast kernel is bfloat16's (Hopper and newer)."""
-    fp32 = not x.is_cuda and not torch.compiler.is_compiling()
+    """torch's grouped_mm takes these: bfloat16 (or float32 on a CPU, not compiled nor
+    fake: the compiler's and the fake tensors' shape rule takes 16-bit inputs only) with
+    every stride a multiple of 16 bytes; on a GPU the fast kernel is bfloat16's (Hopper
+    and newer)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    # a GPU's rule where the tensors are fake (a trace, advise's memory): its shape rule
+    # is the 16-bit one
+    fp32 = not x.is_cuda and not torch.compiler.is_compiling() and not isinstance(x, FakeTensor)
     dtypes = (torch.bfloat16, torch.float32) if fp32 else (torch.bfloat16,)
     if not hasattr(F, "grouped_mm") or x.dtype not in dtypes:
         return False

@@ -244,11 +244,15 @@ def _exchange(module: nn.Module, routed: torch.Tensor, counts: torch.Tensor, ep:
     back, in the order they came."""
     group, n = ep.ep.get_group(), ep.size
     local = len(counts) // n
-    received_counts = torch.empty_like(counts)  # [source rank, my local expert]
-    torch.distributed.all_to_all_single(received_counts, counts, group=group)
-    sent = counts.view(n, local).sum(1).tolist()
-    received = received_counts.view(n, local)
-    got = received.sum(1).tolist()
+    if experts.uniform():  # every rank sends alike (a step on fake tensors: advise's memory)
+        received = counts.view(n, local)
+        sent = got = [len(routed) // n] * n
+    else:
+        received_counts = torch.empty_like(counts)  # [source rank, my local expert]
+        torch.distributed.all_to_all_single(received_counts, counts, group=group)
+        sent = counts.view(n, local).sum(1).tolist()
+        received = received_counts.view(n, local)
+        got = received.sum(1).tolist()
     rows = _AllToAll.apply(routed, got, sent, group)
     # rows come by source rank, each source's by local expert: regrouped by expert
     expert_of_row = torch.arange(local, device=rows.device).repeat(n).repeat_interleave(
