@@ -282,6 +282,42 @@ def test_a_transformers_moe_model_trains_under_ep_as_one_device_does(train_here)
                         "+model.config.output_router_logits=true", name="own")
     # Switch's loss near its floor, k = 2 (transformers' form), times the coefficient
     assert own["train_aux"] == pytest.approx(0.001 * 2, rel=0.1)
+    assert_exported_as_published(ep_dir, train_here)
+
+
+def assert_exported_as_published(run_dir, train_here) -> None:
+    """The ep run's sharded checkpoint exported as a transformers folder in the family's
+    published names (each expert's projections apart: what from_pretrained reads), and
+    read back (trainer.init_from) through the model's class into its fused experts."""
+    from safetensors import safe_open
+
+    from parallab.testing import run_entry
+
+    out = run_dir.parent / "exported"
+    ckpt = checkpoint.latest(run_dir / "checkpoints")
+    assert run_entry("parallab", ["export", str(ckpt), str(out)]).returncode == 0
+    with safe_open(str(out / "model.safetensors"), "pt") as saved:
+        names = set(saved.keys())
+    assert "model.layers.0.mlp.experts.3.gate_proj.weight" in names
+    assert not any(name.endswith("experts.gate_up_proj") for name in names)
+    model = _tiny_qwen3()
+    trained = weights.read(ckpt, model)
+    for name, value in weights.read(out, model).items():
+        torch.testing.assert_close(value, trained[name])
+    metrics, _ = train_here(*QWEN3_MOE, "data.batch_size=4", "parallel=fsdp",
+                            "parallel.world_size=2", "parallel.ep=2", "trainer.max_steps=1",
+                            f"trainer.init_from={out}", name="from_exported")
+    assert metrics["steps"] == 1
+
+
+def _tiny_qwen3() -> torch.nn.Module:
+    """QWEN3_MOE's model, built as a run builds it."""
+    from conftest import typed
+
+    from parallab import models
+
+    cfg = typed(*QWEN3_MOE)
+    return models.build_model(models.check(cfg.model, cfg.data))
 
 
 def _dispatch_as_one(rank: int, store: str) -> None:

@@ -131,6 +131,31 @@ def _first(config: Any, *keys: str) -> int | None:
     return None
 
 
+def converts_checkpoints(model: nn.Module) -> bool:
+    """A transformers model whose saved weights transformers converts as it loads them (an
+    MoE model's experts, published one by one, fused into 3-D weights in the model), so
+    that their names are not the model's own."""
+    if not is_transformers(model):
+        return False
+    from transformers.conversion_mapping import extract_weight_conversions_for_model
+
+    return bool(extract_weight_conversions_for_model(model))
+
+
+def pretrained(folder, model: nn.Module, meta: bool = False) -> tuple[dict[str, Any], dict]:
+    """A transformers folder's weights as `model`'s class loads them, converted to its own
+    names (its state_dict; on meta: the names alone), and transformers' loading info
+    (missing, unexpected and mis-shaped keys)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    # the model's own class, not the one FSDP2 made of it (its class's first base)
+    own = next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
+    loaded, info = own.from_pretrained(str(folder), config=model.config,
+                                       output_loading_info=True,
+                                       **({"device_map": "meta"} if meta else {}))
+    return loaded.state_dict(), info
+
+
 def summed_loss(model: nn.Module, logits, labels):
     """The model's own loss of `logits` against `labels`, summed over its terms (its
     loss_function, the labels shifted by a causal LM's, given one item to divide by)."""

@@ -23,7 +23,7 @@ from torch import nn
 
 from parallab import batch as batches
 from parallab.config.errors import ConfigError
-from parallab.models import tied_names
+from parallab.models import hf, tied_names
 from parallab.training import formats
 from parallab.training.formats import plain_name
 
@@ -53,7 +53,17 @@ def shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
 def read(path: str | Path, model: nn.Module) -> dict[str, torch.Tensor]:
     """The saved weights by plain name, whole tensors on the CPU (`model`, whole: the
     template a sharded checkpoint is read into)."""
+    if _converted(model, path):
+        return {plain_name(k): v for k, v in hf.pretrained(path, model)[0].items()}
     return formats.format_of(path).read(model)
+
+
+def _converted(model: nn.Module, path: str | Path) -> bool:
+    """A transformers folder whose names transformers converts for `model` (an MoE model's
+    experts published one by one): read through the model's class, as from_pretrained
+    reads it."""
+    return isinstance(formats.format_of(path), formats.WeightsFolder) and \
+        hf.converts_checkpoints(model) and bool(sum(map(len, fit(model, shapes(path)))))
 
 
 def fit(model: nn.Module, saved: dict[str, tuple[int, ...]],
@@ -78,6 +88,10 @@ def fit_problem(model: nn.Module, path: str | Path, key: str, strict: bool) -> s
     shape; else: some weight must match)."""
     covers = formats.format_of(path).covers
     missing, unexpected, wrong = fit(model, shapes(path), covers)
+    if _converted(model, path):  # as the model's class reads it: its own names
+        info = hf.pretrained(path, model, meta=True)[1]
+        missing, unexpected = info["missing_keys"], info["unexpected_keys"]
+        wrong = [str(k) for k in info.get("mismatched_keys", [])]
     said = [f"{len(found)} {what} ({', '.join(found[:5])})" for what, found in
             (("missing", missing), ("unexpected", unexpected), ("mis-shaped", wrong)) if found]
     held = [k for k in model.state_dict() if covers(plain_name(k))]
@@ -132,6 +146,9 @@ def load_held(model: nn.Module, path: str | Path, device: torch.device) -> None:
         set_model_state_dict(model, held)
         return
     saved = reader.lazy()
+    if _converted(model, path):  # whole through the model's class: each rank cuts its part
+        converted = {plain_name(k): v for k, v in hf.pretrained(path, model)[0].items()}
+        saved = formats.Lazy({k: k for k in converted}, converted.__getitem__)
     for alias, first in tied_names(model).items():  # a tied weight, saved under one name
         if alias not in saved.where and first in saved.where:
             saved.where[alias] = saved.where[first]
