@@ -109,7 +109,8 @@ def test_a_model_written_as_nanogpt_trains_with_its_own_loss(tmp_path, model):
     labels, **kwargs) returning its mean, which is given no num_items_in_batch."""
     run = ["model=gpt", "data=bytes", "data.seq_len=32", f"model._target_=own_parts.{model}",
            "~model.context", "~model.layers", "~model.heads", "~model.width", "~model.dropout",
-           "~model.tie_embeddings", "trainer.max_steps=20", "trainer.log_every_n_steps=1",
+           "~model.tie_embeddings", "~model.moe", "trainer.max_steps=20",
+           "trainer.log_every_n_steps=1",
            "device=cpu", "optim=adam", "optim.lr=0.01", "loss=model"]
     whole = train_in_process([*run, "data.batch_size=8"], tmp_path / "whole")
     train_in_process([*run, "data.batch_size=4", "trainer.accumulate_grad_batches=2"],
@@ -127,7 +128,7 @@ def test_a_rank_whose_eval_batch_is_only_padding_runs_the_sharded_forward_too(tm
     backend.timeout_s). The eval loss counts the three real sequences once each."""
     run = ["model=gpt", "data=bytes", "data.seq_len=32", "model._target_=own_parts.NextTokenModel",
            "~model.context", "~model.layers", "~model.heads", "~model.width", "~model.dropout",
-           "~model.tie_embeddings", "trainer.max_steps=2", "device=cpu", "loss=model",
+           "~model.tie_embeddings", "~model.moe", "trainer.max_steps=2", "device=cpu", "loss=model",
            "data.eval_fraction=2.56e-05", "data.eval_batch_size=1", "backend.timeout_s=60"]
     started = time.monotonic()
     sharded = train_in_process([*run, "parallel=fsdp", "parallel.world_size=2",

@@ -220,6 +220,10 @@ def test_expert_parallel_trains_as_one_device_does_across_ep_degrees(train_here,
         {"blocks.1.mlp.router.bias", "blocks.3.mlp.router.bias"} if reference == "bias" else set())
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-5)
+    # the experts' load is every rank's, counted once (a pipeline's shape-finding run not)
+    block = "expert/block1/max_mean"
+    assert [v for _, v in scalars(run_dir, block)] == pytest.approx(
+        [v for _, v in scalars(expected, block)], rel=1e-6)
     if reference == "aux":
         assert [v for _, v in scalars(run_dir, "train/aux")] == pytest.approx(
             [v for _, v in scalars(expected, "train/aux")], rel=1e-4)
@@ -262,7 +266,7 @@ QWEN3_MOE = ["model=qwen3_moe_30b", "model.config.vocab_size=512", "model.config
              "model.config.num_hidden_layers=2", "model.config.num_attention_heads=4",
              "model.config.num_key_value_heads=2", "model.config.head_dim=16",
              "model.config.num_experts=4", "model.config.num_experts_per_tok=2", "data=tokens",
-             "data.seq_len=32", "device=cpu", "trainer.max_steps=6", "trainer.log_every_n_steps=1",
+             "data.seq_len=32", "device=cpu", "trainer.max_steps=4", "trainer.log_every_n_steps=1",
              "trainer.checkpoint_every_n_steps=null", "trainer.save_best=false"]
 
 
@@ -291,11 +295,11 @@ def assert_exported_as_published(run_dir, train_here) -> None:
     read back (trainer.init_from) through the model's class into its fused experts."""
     from safetensors import safe_open
 
-    from parallab.testing import run_entry
+    from parallab.commands import _export
 
     out = run_dir.parent / "exported"
     ckpt = checkpoint.latest(run_dir / "checkpoints")
-    assert run_entry("parallab", ["export", str(ckpt), str(out)]).returncode == 0
+    _export(ckpt, out)  # what `parallab export CKPT OUT` does
     with safe_open(str(out / "model.safetensors"), "pt") as saved:
         names = set(saved.keys())
     assert "model.layers.0.mlp.experts.3.gate_proj.weight" in names
@@ -304,8 +308,7 @@ def assert_exported_as_published(run_dir, train_here) -> None:
     trained = weights.read(ckpt, model)
     for name, value in weights.read(out, model).items():
         torch.testing.assert_close(value, trained[name])
-    metrics, _ = train_here(*QWEN3_MOE, "data.batch_size=4", "parallel=fsdp",
-                            "parallel.world_size=2", "parallel.ep=2", "trainer.max_steps=1",
+    metrics, _ = train_here(*QWEN3_MOE, "data.batch_size=8", "trainer.max_steps=1",
                             f"trainer.init_from={out}", name="from_exported")
     assert metrics["steps"] == 1
 

@@ -23,35 +23,27 @@ from torch import nn
 from parallab.batch import local
 
 
-class _ContiguousGrad(torch.autograd.Function):
-    """grouped_mm's backward on a CPU takes a contiguous output gradient only (a sum's
-    expanded one fails with 'Invalid strides')."""
+class _OnGrad(torch.autograd.Function):
+    """Identity forward; backward `fn` of the gradient."""
 
     @staticmethod
-    def forward(ctx, x):
+    def forward(ctx, x, fn):
+        ctx.fn = fn
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad.contiguous()
+        return ctx.fn(grad), None
 
 
-class _ScaledGrad(torch.autograd.Function):
-    """Identity forward; the gradient times `scale` (an expert's, by expert parallelism)."""
-
-    @staticmethod
-    def forward(ctx, x, scale):
-        ctx.scale = scale
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * ctx.scale, None
+def on_grad(x: torch.Tensor, fn) -> torch.Tensor:
+    """x, whose gradient backward hands on as `fn` of it."""
+    return _OnGrad.apply(x, fn)
 
 
 def scale_grad(x: torch.Tensor, scale: float) -> torch.Tensor:
     """x, whose gradient is multiplied by `scale` (1: x as it is)."""
-    return x if scale == 1.0 else _ScaledGrad.apply(x, scale)
+    return x if scale == 1.0 else on_grad(x, lambda grad: grad * scale)
 
 
 _UNIFORM = [False]  # routing read from nothing: every expert an even share (a trace)
@@ -161,7 +153,9 @@ class Experts(nn.Module):
             offsets = counts.cumsum(0).to(torch.int32)
             mm = lambda a, w: F.grouped_mm(a, w.transpose(-2, -1), offs=offsets)  # noqa: E731
             h = F.silu(mm(x, gate)) * mm(x, up)
-            return _ContiguousGrad.apply(mm(h, down))
+            # grouped_mm's backward on a CPU takes a contiguous output gradient only (a
+            # sum's expanded one fails with 'Invalid strides')
+            return on_grad(mm(h, down), torch.Tensor.contiguous)
         outs, start = [], 0
         for e, n in enumerate(counts.tolist()):
             rows = x[start:start + n]

@@ -138,9 +138,13 @@ def split_share(n: int) -> contextlib.AbstractContextManager[None]:
 
 
 def reset(model: nn.Module) -> None:
-    """Forget what the model's MoE layers counted (a pipeline's shape-finding dry run)."""
-    for layer in layers(model):
-        layer.load = Load(layer.cfg.experts)
+    """Forget what the model's MoE layers counted (a pipeline's shape-finding dry run): in
+    place, as the run's counter reads the same ones."""
+    held = [layer.load for layer in layers(model)] + [
+        m.parallab_load for _, m in experts_of(model) if hasattr(m, "parallab_load")]
+    for load in held:
+        load.take_step()
+        load.take_window()
 
 
 class _AttachAux(torch.autograd.Function):

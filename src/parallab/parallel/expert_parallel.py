@@ -175,20 +175,14 @@ class _AllToAll(torch.autograd.Function):
         return _AllToAll.apply(grad, in_splits, out_splits, ctx.group), None, None, None
 
 
-class _SumGradOverTp(torch.autograd.Function):
-    """Identity forward; backward the gradient summed over the tp ranks (Megatron's copy to
-    the tensor-parallel region): each rank used its own slice of the tokens."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
+def _summed_over(group):
+    """The gradient summed over `group` (Megatron's copy to the tensor-parallel region's
+    backward): each tp rank used its own slice of the tokens."""
+    def summed(grad: torch.Tensor) -> torch.Tensor:
         grad = grad.contiguous()
-        torch.distributed.all_reduce(grad, group=ctx.group)
-        return grad, None
+        torch.distributed.all_reduce(grad, group=group)
+        return grad
+    return summed
 
 
 class _GatherOverTp(torch.autograd.Function):
@@ -218,7 +212,7 @@ def _tp_slice(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, group):
         ids = torch.cat([ids, ids.new_full((pad, ids.shape[-1]), torch.iinfo(ids.dtype).max)])
         weights = torch.cat([weights, weights.new_zeros(pad, weights.shape[-1])])
     # each rank's slice gives its rows' gradients only: summed, every rank has them all
-    x, weights = _SumGradOverTp.apply(x, group), _SumGradOverTp.apply(weights, group)
+    x, weights = (experts.on_grad(t, _summed_over(group)) for t in (x, weights))
     cut = slice(rank * rows, (rank + 1) * rows)
     return x[cut], ids[cut], weights[cut]
 
