@@ -274,11 +274,14 @@ QWEN3_MOE = ["model=qwen3_moe_30b", "model.config.vocab_size=512", "model.config
 @pytest.mark.distributed
 def test_a_transformers_moe_model_trains_under_ep_as_one_device_does(train_here):
     """Qwen3-MoE as written: its experts module's own forward on the tokens parallab's
-    dispatch sends it, split over 2 ranks; its own router loss, where its config outputs
-    it, weighted by each micro-batch's share and logged."""
+    dispatch sends it, split over 2 ranks, its attention by its own tp plan; its own router
+    loss, where its config outputs it, weighted by each micro-batch's share and logged."""
     one, one_dir = train_here(*QWEN3_MOE, "data.batch_size=8", name="one")
-    ep, ep_dir = train_here(*QWEN3_MOE, "data.batch_size=4", "parallel=fsdp",
-                            "parallel.world_size=2", "parallel.ep=2", name="ep")
+    # its attention split by its plan over tp 2, its experts over ep 2 carved from the tp
+    # ranks (the plan's styles for them left out), FSDP2 over 2 shards
+    ep, ep_dir = train_here(*QWEN3_MOE, "data.batch_size=4", "parallel=fsdp_tp",
+                            "parallel.world_size=4", "parallel.tp=2", "parallel.ep=2",
+                            name="ep")
     assert losses(ep_dir) == pytest.approx(losses(one_dir), rel=1e-5)
     assert ep["expert_max_mean"] == pytest.approx(one["expert_max_mean"], rel=1e-5)
     assert ep["comm_all_to_all_mb"] > 0 and "train_aux" not in one
@@ -343,20 +346,51 @@ def _dispatch_as_one(rank: int, store: str) -> None:
         for p in module.parameters():
             torch.nn.init.normal_(p, std=0.1)
         _, ids, weights = routed(n=16, experts=4, k=2, seed=1)
-        x, probe = torch.randn(16, 32), torch.arange(32.0)
+        x, probe = torch.randn(16, 32, requires_grad=True), torch.arange(32.0)
+        weights.requires_grad_()
         y = module(x, ids, weights)
         (y * probe).sum().backward()
         want = {n: p.grad.clone() for n, p in module.named_parameters()}
+        want_inputs = (x.grad.clone(), weights.grad.clone())
         mesh = init_device_mesh("cpu", (1, 2, 1), mesh_dim_names=layout.dims)
         expert_parallel.attach(model, mesh, layout)
         half = slice(8 * rank, 8 * rank + 8)
-        got = module(x[half], ids[half], weights[half])
+        got = module(x.detach()[half], ids[half], weights.detach()[half])
         torch.testing.assert_close(got, y[half].detach(), rtol=1e-4, atol=1e-5)
         (got * probe).sum().backward()
         for n, p in module.named_parameters():
             held = want[n][2 * rank:2 * rank + 2]
             torch.testing.assert_close(p.grad.to_local() * 2, held, rtol=1e-4, atol=1e-5)
+        _tensor_parallel_as_one(family, x.detach(), ids, weights.detach(), probe, y, want,
+                                want_inputs)
     dist.destroy_process_group()
+
+
+def _tensor_parallel_as_one(family, x, ids, weights, probe, y, want, want_inputs) -> None:
+    """The same experts split over 2 tp ranks by the model's own plan (its packed_colwise
+    gate_up_proj, rowwise down_proj, moe_tp_experts): the whole output on every rank, the
+    weights' gradients whole once gathered, the tokens' and routing weights' whole too."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from parallab.parallel import tp_plans
+
+    torch.manual_seed(0)
+    model = _tiny(family)
+    _, module = experts_of.experts_of(model)[0]
+    for p in module.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    plan = tp_plans.plan_of(model, None)
+    name = next(n for n, style in plan.items() if "Experts" in type(style).__name__)
+    parallelize_module(model.get_submodule(name), init_device_mesh("cpu", (2,)), plan[name])
+    x, weights = x.clone().requires_grad_(), weights.clone().requires_grad_()
+    got = module(x, ids, weights)
+    torch.testing.assert_close(got, y.detach(), rtol=1e-4, atol=1e-5)
+    (got * probe).sum().backward()
+    for n, p in module.named_parameters():
+        torch.testing.assert_close(p.grad.full_tensor(), want[n], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(x.grad, want_inputs[0], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(weights.grad, want_inputs[1], rtol=1e-4, atol=1e-5)
 
 
 FAMILIES = ("qwen3_moe", "mixtral", "olmoe")
@@ -378,7 +412,8 @@ def _tiny(family: str) -> torch.nn.Module:
 @pytest.mark.distributed
 def test_transformers_experts_modules_are_dispatched_as_written(tmp_path):
     """Qwen3-MoE's, Mixtral's and OLMoE's experts modules (their ep plan's
-    ep_dispatch_experts), each split over 2 ranks, compute what they compute whole."""
+    ep_dispatch_experts), each split over 2 ranks by expert (ep) and by their tp plan's
+    packed styles, compute what they compute whole."""
     import torch.multiprocessing as mp
 
     mp.spawn(_dispatch_as_one, args=(str(tmp_path / "store"),), nprocs=2)

@@ -262,12 +262,92 @@ def _compute(module: nn.Module, rows: torch.Tensor, counts: torch.Tensor) -> tor
     every row weighted 1)."""
     if isinstance(module, experts.Experts):
         return module.compute(rows, counts)
+    ids = torch.arange(len(counts), device=rows.device).repeat_interleave(counts)[:, None]
+    return _own_forward(module, rows, ids, rows.new_ones(len(rows), 1))
+
+
+# --- a transformers plan's experts over tp ranks (its moe_tp_experts) ------------------------
+
+# each weight of an experts module by its name: the placement over tp its plan gives it (a
+# packed_colwise gate_up_proj holds gate and up halves, each cut by rows; a rowwise
+# down_proj is cut along its input)
+TP_PLACEMENTS = {"gate_up_proj": ("strided", 1), "down_proj": ("shard", 2)}
+
+
+def tp_problem(module: nn.Module, tp: int) -> str | None:
+    """Why a transformers experts module cannot be split over `tp` ranks as its plan's
+    moe_tp_experts splits it, in one line; None if it can."""
+    names = {name for name, _ in module.named_parameters(recurse=False)}
+    if names != set(TP_PLACEMENTS):
+        return (f"parallel.tp={tp}: the plan splits the experts of {type(module).__name__}, "
+                f"whose weights ({', '.join(sorted(names))}) parallab does not split by its "
+                "packed styles: set parallel.ep to split the experts over ranks instead")
+    inner = module.down_proj.shape[2]
+    if inner % tp:
+        return (f"parallel.tp={tp} does not divide the experts' width {inner}: pick a tp "
+                "that divides it, or split the experts with parallel.ep")
+    return None
+
+
+@functools.cache
+def tp_style():
+    """The ParallelStyle of a transformers plan's moe_tp_experts (torch's imported when
+    first asked; one class)."""
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    class ExpertsTensorParallel(ParallelStyle):
+        """Each expert cut over the tp ranks as Megatron cuts an MLP: gate and up by rows
+        (the packed gate_up_proj's halves each), down by its input; every rank runs all
+        its tokens through its slices, the outputs summed over the ranks (and the tokens'
+        and routing weights' gradients, each rank's being its slices')."""
+
+        def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+            from torch.distributed.tensor import Shard, distribute_tensor
+            from torch.distributed.tensor.placement_types import _StridedShard
+
+            for name, (kind, dim) in TP_PLACEMENTS.items():
+                placement = _StridedShard(dim, split_factor=2) if kind == "strided" else \
+                    Shard(dim)
+                param = getattr(module, name)
+                setattr(module, name, nn.Parameter(distribute_tensor(
+                    param.data, device_mesh, [placement], src_data_rank=None),
+                    param.requires_grad))
+            module.forward = functools.partial(_tp_forward, module, device_mesh.get_group())
+            return module
+
+    return ExpertsTensorParallel
+
+
+class _SumOver(torch.autograd.Function):
+    """Forward the sum over `group` (each rank's slices' part of the output); backward the
+    gradient as it is (every rank runs what follows alike)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.contiguous()
+        torch.distributed.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def _tp_forward(module: nn.Module, group, x: torch.Tensor, ids: torch.Tensor,
+                weights: torch.Tensor) -> torch.Tensor:
+    x, weights = (experts.on_grad(t, _summed_over(group)) for t in (x, weights))
+    return _SumOver.apply(_own_forward(module, x, ids, weights), group)
+
+
+def _own_forward(module: nn.Module, x: torch.Tensor, ids: torch.Tensor,
+                 weights: torch.Tensor) -> torch.Tensor:
+    """A transformers experts module's own forward, on the weights as this rank holds them
+    (their gradients scaled by its grad_scale: expert parallelism's share)."""
     from torch.nn.utils.stateless import _reparametrize_module
 
     from parallab.batch import local
 
-    ids = torch.arange(len(counts), device=rows.device).repeat_interleave(counts)[:, None]
-    held = {name: experts.scale_grad(local(p), module.grad_scale)
+    held = {name: experts.scale_grad(local(p), getattr(module, "grad_scale", 1.0))
             for name, p in module.named_parameters(recurse=False)}
     with _reparametrize_module(module, held):
-        return type(module).forward(module, rows, ids, rows.new_ones(len(rows), 1))
+        return type(module).forward(module, x, ids, weights)

@@ -52,9 +52,11 @@ def _tied_problem(model: nn.Module, plan: dict, tp: int) -> str | None:
     return None
 
 
-def tp_problem(model: nn.Module, tp: int, given: dict[str, str] | None = None) -> str | None:
+def tp_problem(model: nn.Module, tp: int, given: dict[str, str] | None = None,
+               ep: int = 1) -> str | None:
     """None if `model` (built on meta) has a tensor-parallel plan (plans.py) whose split
-    sizes and attention heads divide by `tp`, else one line."""
+    sizes and attention heads divide by `tp`, else one line (its experts' too, where ep
+    does not split them)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     if tp_plans.source(model, given) is None:
@@ -79,6 +81,11 @@ def tp_problem(model: nn.Module, tp: int, given: dict[str, str] | None = None) -
         except AttributeError:
             return (f"the tensor-parallel plan ({tp_plans.source(model, given)}) names {name}, "
                     f"which is not a module of {type(model).__name__}: name its modules")
+        if isinstance(style, expert_parallel.tp_style()):
+            problem = None if ep > 1 else expert_parallel.tp_problem(module, tp)
+            if problem:
+                return problem
+            continue
         dim = {ColwiseParallel: "out_features", RowwiseParallel: "in_features"}.get(type(style))
         if isinstance(module, nn.Embedding):
             dim = "num_embeddings"
@@ -127,7 +134,7 @@ def _get(owner, key: str):
     return getattr(owner, key, None)
 
 
-def refuse_tp(cfg, tp: int, sequence_parallel: bool = False) -> None:
+def refuse_tp(cfg, tp: int, sequence_parallel: bool = False, ep: int = 1) -> None:
     """ConfigError where tp > 1 and the model (built on meta) has no plan that splits over
     `tp` ranks, or no sequence-parallel one where asked."""
     given = getattr(cfg.parallel, "tp_plan", None)
@@ -143,7 +150,7 @@ def refuse_tp(cfg, tp: int, sequence_parallel: bool = False) -> None:
     from parallab.models import build_on_meta
 
     model = build_on_meta(cfg.model)
-    problem = tp_problem(model, tp, given) or sequence_parallel and sp_problem(
+    problem = tp_problem(model, tp, given, ep) or sequence_parallel and sp_problem(
         model, cfg.data, tp, given)
     if problem:
         raise ConfigError(problem)
@@ -199,7 +206,8 @@ class MeshRuntime(Runtime):
         if self.layout.tp > 1:
             self.sharded_logits = tp_plans.split(
                 model, self.mesh["tp"], p.tp_plan or None, p.sequence_parallel, self.loss,
-                whole=not self.layout.cuts_model)  # checked whole before launch
+                whole=not self.layout.cuts_model,  # checked whole before launch
+                ep=self.layout.ep)
         if self.mixes:  # the routers' data-parallel group; the experts split over ep
             self.ep = expert_parallel.attach(model, self.mesh, self.layout)
         if self.dist.is_main:
@@ -332,7 +340,7 @@ class MeshPlan(Plan):
             raise ConfigError("parallel.sequence_parallel=true cuts a tensor-parallel "
                               "group's activations: it needs parallel.tp > 1 (or set it "
                               "false)")
-        refuse_tp(cfg, layout.tp, p.sequence_parallel)
+        refuse_tp(cfg, layout.tp, p.sequence_parallel, layout.ep)
 
     @staticmethod
     def refuse_sharded(cfg, layout: Layout) -> None:

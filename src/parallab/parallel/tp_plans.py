@@ -22,6 +22,7 @@ from torch import nn
 
 from parallab.config.errors import first_line
 from parallab.models import hf, named_layer, tied_names
+from parallab.parallel import expert_parallel
 
 
 def _styles() -> dict[str, Any]:
@@ -46,7 +47,13 @@ def _styles() -> dict[str, Any]:
         # dimension but the normed last one can be the slice's
         "replicated_with_grad_allreduce": lambda: SequenceParallel(sequence_dim=0,
                                                                    use_local_output=True),
+        # an MoE model's experts module, its packed_colwise gate_up_proj and rowwise
+        # down_proj (entries of their own in the plan, which this style lays out)
+        EXPERTS: expert_parallel.tp_style(),
     }
+
+
+EXPERTS = "moe_tp_experts"  # a transformers plan's style for an experts module
 
 
 class PlanError(ValueError):
@@ -97,7 +104,7 @@ def plan_of(model: nn.Module, given: dict[str, str] | None,
     patterns = given or hf.tp_plan(model) or {}
     plan = tied_split(model, expand(model, patterns,
                                     "parallel.tp_plan" if given else source(model, None),
-                                    whole))
+                                    whole, strict=bool(given)))
     return sequence_plan(model, plan, whole) if sequence_parallel else plan
 
 
@@ -164,17 +171,21 @@ def send_sequence_slices(part: nn.Module, mesh) -> None:
 
 
 def split(model: nn.Module, mesh, given: dict[str, str] | None, sequence_parallel: bool,
-          loss, whole: bool = True) -> bool:
+          loss, whole: bool = True, ep: int = 1) -> bool:
     """The model split over `mesh` by its plan (plan_for's) as the trainer, advise's
     measured parts and simulate's trace split it: the plan's entries for the modules it
     holds (a pipeline rank's part, or simulate's model cut to a block: not the others, nor
     the nn.Identity left in their place), each tied weight kept one parameter (split, each
     module it is part of would hold a parameter of its own, the pair parting ways as they
-    train; cut alike, as mesh.tp_problem makes sure, the first's is given to the others).
-    Whether the logits stay cut by vocabulary."""
+    train; cut alike, as mesh.tp_problem makes sure, the first's is given to the others);
+    its entries for experts modules left out where `ep` > 1 splits them. Whether the
+    logits stay cut by vocabulary."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     plan, sharded = plan_for(model, given, sequence_parallel, loss, whole)
+    if ep > 1:  # expert parallelism splits the experts: the plan's styles for them stay out
+        plan = {name: style for name, style in plan.items()
+                if not isinstance(style, _styles()[EXPERTS])}
     held = {name for name, module in model.named_modules()
             if not isinstance(module, nn.Identity)}
     tied = tied_names(model)
@@ -187,20 +198,26 @@ def split(model: nn.Module, mesh, given: dict[str, str] | None, sequence_paralle
 
 
 def expand(model: nn.Module, patterns: dict[str, str], where: str | None,
-           whole: bool = True) -> dict[str, Any]:
+           whole: bool = True, strict: bool = True) -> dict[str, Any]:
     """The patterns matched against the model's module names, each style built (a part,
-    not `whole`: against the modules it holds, not the nn.Identity left for the others)."""
+    not `whole`: against the modules it holds, not the nn.Identity left for the others).
+    Not `strict` (a model's own plan): a pattern may name modules this configuration of
+    the model does not build (Qwen3-MoE's plan names its dense MLP's too, for the blocks
+    a config leaves dense)."""
     styles = _styles()
     names = [name for name, module in model.named_modules()
              if name and (whole or not isinstance(module, nn.Identity))]
     plan: dict[str, Any] = {}
+    experts = {p for p, style in patterns.items() if style == EXPERTS}
     for pattern, style in patterns.items():
+        if str(pattern).rpartition(".")[0] in experts:  # an experts' weight: its module's
+            continue
         if style not in styles:
             raise PlanError(f"{where}: {pattern}={style} is not a style parallab splits by: "
                             f"use one of {', '.join(styles)}")
         regex = re.compile(r"[^.]+".join(map(re.escape, str(pattern).split("*"))))
         matched = [name for name in names if regex.fullmatch(name)]
-        if not matched and whole:
+        if not matched and whole and strict:
             raise PlanError(f"{where} names {pattern}, which matches no module of "
                             f"{type(model).__name__} (its top-level modules: "
                             f"{', '.join(n for n, _ in model.named_children())}): give module "
