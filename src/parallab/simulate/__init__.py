@@ -173,7 +173,8 @@ class Traces:
 
 def shape_of(cfg, c: Candidate) -> trace.Shape:
     return trace.Shape(c.tp, c.sequence_parallel, c.rows, cfg.data.seq_len, c.checkpointing,
-                       c.gathered, cfg.precision.name)
+                       c.gathered, cfg.precision.name,
+                       experts_split=c.ep > 1 and c.tp > 1)
 
 
 def layout_of(cfg, c: Candidate, facts: Facts) -> step.Layout:

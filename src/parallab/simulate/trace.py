@@ -52,6 +52,7 @@ class Shape:
     gathered: bool = False  # FSDP2 gathers the weights in the compute dtype (no casts)
     precision: str = "bf16"  # the precision group's option
     dense: bool = False  # a mixture of experts' dense block, not its MoE one
+    experts_split: bool = False  # ep splits the experts: the plan's tp styles for them out
 
 
 @dataclass
@@ -182,17 +183,17 @@ def _fake_batch(fake, shape: Shape, vocab: int) -> tuple[torch.Tensor, torch.Ten
         return inputs, torch.randint(0, vocab, (shape.rows, shape.seq_len))
 
 
-def _split(model: nn.Module, cfg, tp: int, sequence_parallel: bool, loss) -> bool:
+def _split(model: nn.Module, cfg, shape: "Shape", loss) -> bool:
     """Tensor parallel as the mesh layouts split a model (MeshRuntime.cut_model), over a
-    mesh of tp ranks; whether the logits stay cut by vocabulary (where the loss takes them
-    so)."""
+    mesh of tp ranks (the plan's styles for experts left out where ep splits them);
+    whether the logits stay cut by vocabulary (where the loss takes them so)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from parallab.parallel import tp_plans
 
-    mesh = init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))
+    mesh = init_device_mesh("cpu", (shape.tp,), mesh_dim_names=("tp",))
     return tp_plans.split(model, mesh, getattr(cfg.parallel, "tp_plan", None) or None,
-                          sequence_parallel, loss)
+                          shape.sequence_parallel, loss, ep=2 if shape.experts_split else 1)
 
 
 def trace(cfg, template: nn.Module, block: str, vocab: int, shape: Shape) -> Trace:
@@ -224,7 +225,7 @@ def trace(cfg, template: nn.Module, block: str, vocab: int, shape: Shape) -> Tra
     called: list[nn.Module] = []
     with fake_group(shape.tp):
         loss = build_loss(resolve(dict(cfg.loss), None, None))
-        sharded = shape.tp > 1 and _split(model, cfg, shape.tp, shape.sequence_parallel, loss)
+        sharded = shape.tp > 1 and _split(model, cfg, shape, loss)
         # the block's experts modules, by their path in it (a transformers model's ep plan
         # names them from the model's root, before a checkpoint wrapper comes between)
         held = [(name.removeprefix(f"{block}."), m) for name, m in experts_of(model)
