@@ -250,3 +250,14 @@ class DrawnWaves(torch.utils.data.Dataset):
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.x[index], self.y[index]
+
+
+class CheckedLM(LooseStagesLM):
+    """A language model whose forward checks its token ids' values (as a user's may)."""
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        assert (idx < self.emb.num_embeddings).all(), "a token id past the vocabulary"
+        return super().forward(idx)
+
+    def stages(self) -> list[nn.Module]:
+        return [self.emb, *self.blocks, self.head]

@@ -352,3 +352,14 @@ def test_a_finished_run_resumed_or_requeued_keeps_its_record(train_here, caplog)
     assert (run_dir / "metrics.json").read_bytes() == record
     assert again == json.loads(record)
     assert f"the run in {run_dir} had finished at step 3" in caplog.text
+
+
+def test_a_save_cut_short_leaves_no_temporary_for_good(train_here):
+    """A second Ctrl-C (or a kill) while a checkpoint is written leaves its temporary: the
+    run's next start removes it, and resumes from the last complete checkpoint."""
+    run = [*FAST, "trainer.max_steps=2", "trainer.checkpoint_every_n_steps=null"]
+    _, run_dir = train_here(*run)
+    left = run_dir / "checkpoints" / ".step_3.pt.tmp"
+    left.write_bytes(b"\\0" * 1024)  # a write cut short
+    metrics, _ = train_here(*run[:-2], "trainer.max_steps=3", "trainer.resume=auto")
+    assert metrics["steps"] == 3 and not left.exists()

@@ -196,6 +196,12 @@ def test_measured_points_come_from_each_readable_metrics_file(tmp_path):
         {"tokens_per_sec": 800.0, "world_size": 4}))
     (tmp_path / "b").mkdir()
     (tmp_path / "b" / "metrics.json").write_text('{"tokens_per_sec": 8')
+    # another file of that name: a list, a string, a figure not finite or negative
+    for name, text in (("c", "[1, 2]"), ("d", '"runs"'),
+                       ("e", '{"tokens_per_sec": NaN, "world_size": 2}'),
+                       ("f", '{"tokens_per_sec": -5.0, "world_size": 2}')):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.json").write_text(text)
     assert _measured(str(tmp_path)) == [(4, 200.0, "a (measured)")]
 
 
@@ -374,6 +380,18 @@ def test_auto_ranks_every_layout_and_writes_its_answer(tmp_path):
         assert layout.world_size == 4 and cfg.parallel.name == kind
 
 
+def test_a_forward_that_reads_its_values_is_one_line(tmp_path):
+    """A user's forward asserting on its token ids' values cannot run on fake tensors: one
+    line saying so, not the fake tensor's traceback from inside the trace."""
+    from parallab.commands import simulate_in_process
+
+    with pytest.raises(ConfigError, match="^CheckedLM's forward reads its tensors' values "
+                       r"\(aten._local_scalar_dense.default: an assert on them"):
+        simulate_in_process(["model._target_=own_parts.CheckedLM", "~model.num_classes",
+                             "~model.dropout", "data.vocab_size=64", "data.seq_len=32",
+                             "parallel=fsdp", "parallel.world_size=4"], tmp_path)
+
+
 def test_a_model_whose_stages_are_made_on_each_call_is_simulated_without_checkpointing(
         tmp_path):
     """A user's model whose stages() wraps a layer in a module made on each call: no
@@ -397,8 +415,38 @@ def test_a_model_whose_stages_are_made_on_each_call_is_simulated_without_checkpo
                              "trainer.activation_checkpointing=selective"], tmp_path / "given")
 
 
+def test_a_learned_position_table_shorter_than_the_sequence_is_refused(tmp_path):
+    """The example's GPT-2 (64 learned positions) at data.seq_len=1024: refused as train
+    refuses it, not predicted with a command that then fails."""
+    from parallab.commands import simulate_in_process
+
+    with pytest.raises(ConfigError, match=r"^data.seq_len=1024 is longer than the model's 64 "
+                       r"learned positions \(model.config.n_positions\)"):
+        simulate_in_process(["model=my_gpt2", "data.seq_len=1024", "data.vocab_size=256",
+                             "parallel=fsdp",
+                             "parallel.world_size=8"], tmp_path,
+                            config_dir=REPO / "examples" / "hf_llama" / "conf")
+
+
+@pytest.mark.parametrize("model", ["mnist_cnn", "resnet18"])
+def test_a_model_of_images_is_told_simulate_traces_sequences(tmp_path, model):
+    """Told at once, not sent round data keys (data.shape, data=cifar10) that simulate then
+    refuses in turn."""
+    from parallab.commands import simulate_in_process
+
+    name = {"mnist_cnn": "MnistCNN", "resnet18": "ResNet18"}[model]
+    with pytest.raises(ConfigError, match="^parallab simulate traces a language model's "
+                       f"block on token sequences, which {name} does not take"):
+        simulate_in_process([f"model={model}", "parallel=fsdp", "parallel.world_size=8"],
+                            tmp_path)
+
+
 @pytest.mark.parametrize("overrides, says", [
     (["cluster.hbm_gbps=-1"], "cluster.hbm_gbps=-1.0 is out of range: it must be > 0"),
+    # infinite or vanishing rates: no step of infinite seconds, no Infinity in JSON
+    (["cluster.op_overhead_us=inf"], "cluster.op_overhead_us=inf is out of range: give a "
+                                     "finite rate"),
+    (["cluster.hbm_gbps=1e-320"], "cluster.hbm_gbps=1e-320 is out of range"),
     (["cluster.hbm_gbps=null"], "cluster.hbm_gbps=null: only cluster.gpu=this measures"),
     (["cluster.memory_gb=???"], "cluster.memory_gb is missing: set it"),
     (["cluster.gpu=RTX-9090"], "cluster.gpu=RTX-9090 is not in mfu.py's table"),

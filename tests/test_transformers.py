@@ -239,6 +239,10 @@ BAD = [
     # the dict data's own sequence length (its train set's), not only data.seq_len
     (["parallel=tp", "parallel.world_size=2", "parallel.sequence_parallel=true",
       "data.train.seq_len=63"], "which data.train.seq_len=63 does not divide by"),
+    # learned positions (the example's GPT-2: 64 of them) shorter than the sequences: its
+    # embedding would index past its table (an IndexError in a worker)
+    (["model=my_gpt2", "data.train.seq_len=128"], "data.train.seq_len=128 is longer than "
+     "the model's 64 learned positions (model.config.n_positions): set data.train.seq_len<=64"),
     (["model.config.vocab_size=100"], "model.config.vocab_size=100 is smaller than the 256 "
                                       "tokens of data=datasets's vocabulary"),
     (["model.config.vocab_size=100", "~data.vocab_size"],  # nothing says: the forward tells

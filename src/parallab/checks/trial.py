@@ -82,7 +82,7 @@ class Probe:
                               "Module")
         from parallab.models import hf
 
-        problem = hf.vocab_problem(model, cfg.data)
+        problem = hf.vocab_problem(model, cfg.data) or hf.positions_problem(model, cfg.data)
         if problem:
             raise ConfigError(problem)
         self.model, self.batch = hf.for_training(model).eval(), one_batch(cfg)

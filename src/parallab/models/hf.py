@@ -113,6 +113,39 @@ def vocab_problem(model: nn.Module, data) -> str | None:
     return None
 
 
+def positions_problem(model: nn.Module, data) -> str | None:
+    """A transformers model of learned positions (a table of them: GPT-2's n_positions)
+    shorter than the data's sequences: one line before launch (its embedding would index
+    past the table). Rotary positions (Llama's) take a longer sequence: not refused."""
+    from collections.abc import Mapping
+
+    config = getattr(model, "config", None)
+    key = next((k for k in ("n_positions", "max_position_embeddings")
+                if isinstance(getattr(config, k, None), int)), None)
+    if key is None:
+        return None
+    limit = getattr(config, key)
+
+    def length(owner) -> int | None:  # a data config's, or a dict data's train or eval set's
+        value = owner.get("seq_len") if isinstance(owner, Mapping) else \
+            getattr(owner, "seq_len", None)
+        return value if isinstance(value, int) else None
+
+    said, seq_len = next(((k, length(o)) for k, o in (
+        ("data", data), ("data.train", getattr(data, "train", None)),
+        ("data.eval", getattr(data, "eval", None))) if (length(o) or 0) > limit), (None, 0))
+    if said is None:
+        return None
+    tokens = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    learned = any(isinstance(m, nn.Embedding) and m is not tokens and
+                  limit <= m.num_embeddings <= limit + 2 for m in model.modules())
+    if not learned:
+        return None
+    return (f"{said}.seq_len={seq_len} is longer than the model's {limit} learned positions "
+            f"(model.config.{key}): set {said}.seq_len<={limit}, or model.config.{key}="
+            f"{seq_len} (new positions train from scratch)")
+
+
 def shape(model: nn.Module) -> dict[str, Any] | None:
     """(layers, width) of a transformer's config, for the attention term of its FLOPs."""
     config = getattr(model, "config", None)

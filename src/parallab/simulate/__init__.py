@@ -55,7 +55,12 @@ class Facts:
         from parallab.parallel import activations, tp_plans
         from parallab.parallel import stages as stages_of
 
+        from parallab.models import hf
+
         model = build_on_meta(cfg.model)
+        problem = hf.positions_problem(model, cfg.data)  # as train's trial refuses it
+        if problem:
+            raise ConfigError(problem)
         blocks = trace.blocks_of(model, getattr(cfg.parallel, "stages", None))
         if len(blocks) < 1:
             raise ConfigError(f"model {type(model).__name__} declares no repeated blocks for "
@@ -164,11 +169,29 @@ class Traces:
             facts = self.facts
             model, block = (facts.dense_model, facts.dense_block) if shape.dense else \
                 (facts.model, facts.block)
-            self.found[shape] = trace.trace(self.cfg, model, block, facts.vocab, shape)
+            self.found[shape] = _traced(self.cfg, model, block, facts.vocab, shape)
         key = (shape, rates, compile, tf32, ep)
         if key not in self.costs:
             self.costs[key] = step.costs(self.found[shape], rates, compile, tf32, ep)
         return self.found[shape], self.costs[key]
+
+
+def _traced(cfg, model: nn.Module, block: str, vocab: int, shape: trace.Shape) -> trace.Trace:
+    """trace.trace; one line where the forward reads its tensors' values (a check of its
+    inputs, a size computed from them), which fake tensors do not have."""
+    from torch._subclasses.fake_tensor import (
+        DataDependentOutputException,
+        DynamicOutputShapeException,
+    )
+
+    try:
+        return trace.trace(cfg, model, block, vocab, shape)
+    except (DataDependentOutputException, DynamicOutputShapeException) as error:
+        raise ConfigError(f"{type(model).__name__}'s forward reads its tensors' values "
+                          f"({getattr(error, 'func', error)}: an assert on them, or a shape "
+                          "computed from them), which parallab simulate cannot: it traces a "
+                          "step on fake tensors, shapes without values; move the check out "
+                          "of the forward to simulate it") from None
 
 
 def shape_of(cfg, c: Candidate) -> trace.Shape:

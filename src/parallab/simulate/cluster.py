@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +53,12 @@ def problem(cfg: ClusterConfig) -> str | None:
                     f"cluster={cfg.name} a value")
         if value is not None and not (value > 0 or key == "op_overhead_us" and value == 0):
             return f"cluster.{key}={value} is out of range: it must be > 0"
+        # infinite, or so small a step takes forever (its seconds infinite, its figures 0
+        # and Infinity, which JSON does not hold)
+        if value is not None and not (math.isfinite(value) and (
+                value == 0 or value >= sys.float_info.min)):
+            return (f"cluster.{key}={value} is out of range: give a finite rate (a GPU's "
+                    "figure in the key's unit)")
     if cfg.matmul_efficiency is not None and cfg.matmul_efficiency > 1:
         return (f"cluster.matmul_efficiency={cfg.matmul_efficiency} is out of range: it is a "
                 "share of the peak, in (0, 1]")

@@ -52,7 +52,16 @@ def check(cfg) -> Any:
                           "(its gradient and optimizer states), not an adapter beside frozen "
                           "ones: simulate without adapter= for the whole model's figures")
     _check_data(cfg.data)
-    cfg.model = models.check(cfg.model, cfg.data)
+    try:
+        cfg.model = models.check(cfg.model, cfg.data)
+    except ConfigError as error:  # not a model of token sequences: said first, not data keys
+        if "data" not in str(error):
+            raise
+        name = cfg.model["_target_"].rpartition(".")[2]
+        raise ConfigError(f"parallab simulate traces a language model's block on token "
+                          f"sequences, which {name} does not take: simulate gpt, a "
+                          "transformers causal LM (model=llama3_8b, qwen3_moe_30b, ...) or "
+                          "your own sequence model") from None
     cfg.device = Device.cuda  # the cluster's: its compute dtypes, not this machine's
     if p.name == "auto":
         return None
@@ -292,11 +301,27 @@ def _measured(where: str | None) -> list[tuple[int, float, str]]:
         except (OSError, ValueError):  # a run still writing it, or cut short: not a point
             log.warning("simulate.measured: %s cannot be read as JSON; left out", path)
             continue
-        tokens = figures.get("tokens_per_sec")
-        if tokens and figures.get("world_size"):
-            found.append((figures["world_size"], tokens / figures["world_size"],
-                          f"{path.parent.name} (measured)"))
+        point = _measured_point(figures)
+        if point is None:
+            log.warning("simulate.measured: %s holds no run's tokens/s and world size (a "
+                        "metrics.json parallab wrote has them); left out", path)
+            continue
+        found.append((*point, f"{path.parent.name} (measured)"))
     return found
+
+
+def _measured_point(figures) -> tuple[int, float] | None:
+    """(world size, tokens/s per GPU) of a run's metrics.json, or None where it holds no
+    such pair (another file of that name, a run without tokens, a figure not finite)."""
+    import math
+
+    if not isinstance(figures, dict):
+        return None
+    tokens, world = figures.get("tokens_per_sec"), figures.get("world_size")
+    if not isinstance(world, int) or isinstance(world, bool) or world < 1 or \
+            not isinstance(tokens, (int, float)) or not math.isfinite(tokens) or tokens <= 0:
+        return None
+    return world, tokens / world
 
 
 def _say(best: Candidate, command: str, lines: list[str], rates, out: Path) -> None:

@@ -136,6 +136,16 @@ class Checkpointer:
         self.dist = dist
         self.config = config
         self.keep_last_k = keep_last_k
+        if dist.is_main:
+            self._remove_temporaries()
+
+    def _remove_temporaries(self) -> None:
+        """What a save cut short left (a second Ctrl-C, a kill while it wrote): its
+        temporary, never a checkpoint, removed as the run starts again."""
+        for left in self.directory.glob(".*.tmp"):
+            log.info("checkpoints: removing %s, which a save cut short left", left.name)
+            shutil.rmtree(left, ignore_errors=True) if left.is_dir() else \
+                left.unlink(missing_ok=True)
 
     def _rng_states(self) -> list[torch.Tensor]:
         import torch.distributed as torch_dist
