@@ -222,21 +222,24 @@ def test_after_a_signal_a_hang_ends_the_process_but_an_evaluation_does_not():
 
 @ON_DDP_REFERENCE
 @pytest.mark.distributed
-@pytest.mark.parametrize("who,action", [
+@pytest.mark.parametrize("who,signum", [
     # Ctrl-C: the terminal signals the whole process group, controller and workers alike
-    ("the group", "os.killpg(os.getpgid(0), signal.SIGINT)"),
+    ("the group", signal.SIGINT),
+    # a closed terminal or a dropped ssh session: the whole group too
+    ("the group", signal.SIGHUP),
     # a scheduler that signals the controller alone (setsid made it the group's leader); it
     # passes the request on
-    ("the controller", "os.kill(os.getpgid(0), signal.SIGTERM)")])
+    ("the controller", signal.SIGTERM)], ids=["ctrl-c", "hang-up", "scheduler"])
 def test_a_signalled_ddp_job_stops_together_saves_once_and_says_it_was_stopped(
-        tmp_path, references, who, action):
-    """Its exit status is 128 + the signal (130 for Ctrl-C), and its record (status.json)
-    says it was stopped: a script or a scheduler took an exit status 0 for a finished run."""
+        tmp_path, references, who, signum):
+    """Its exit status is 128 + the signal (130 for Ctrl-C, 129 for a closed terminal), and
+    its record (status.json) says it was stopped: a script or a scheduler took an exit
+    status 0 for a finished run."""
     reference = references(DDP)
     run_dir = tmp_path / "run"
+    action = f"os.kill{'pg' if who == 'the group' else ''}(os.getpgid(0), {int(signum)})"
     stopped = run_entry("train.py", [*RUN, *DDP], run_dir, prefix=["setsid", sys.executable],
                         env=inject(tmp_path, 23, action, condition="os.environ['RANK'] == '0'"))
-    signum = signal.SIGINT if who == "the group" else signal.SIGTERM
     assert stopped.returncode == 128 + signum, output(stopped)[-3000:]
     assert "Traceback" not in output(stopped) and "SignalException" not in output(stopped)
     assert output(stopped).count("resume with: python train.py") == 1  # rank 0, once
@@ -247,7 +250,7 @@ def test_a_signalled_ddp_job_stops_together_saves_once_and_says_it_was_stopped(
     # the group's ranks all hold the request at step 24's all-reduce; one forwarded by the
     # controller may reach the workers a step or a few later (a 3 ms step on a busy machine)
     assert (steps[-1] == 24) if who == "the group" else (24 <= steps[-1] < 30), steps
-    if who == "the group":  # the controller's case saves the same way; one resume suffices
+    if signum == signal.SIGINT:  # the others save the same way; one resume suffices
         train_in_process([*RUN, *DDP, "trainer.resume=auto"], run_dir)
         # at the next log step, all ranks together (rank 0's log, the resumed run's lines)
         assert resumed_at((run_dir / "train.log").read_text()) == [24]

@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 
 from parallab.config.errors import environment_set
 
-AGENT_SIGNALS = "SIGHUP,SIGQUIT"  # the signals torch's agent handles itself
+AGENT_SIGNALS = "SIGQUIT"  # the signals torch's agent handles itself
 PRELOAD_VAR = "PARALLAB_PRELOAD"  # the job's own imports, which fork_server.py makes
 
 
@@ -178,10 +178,11 @@ def start_fork_server() -> None:
                                                    or needed != _server_imports):
             server._stop()
         forkserver.set_forkserver_preload(PRELOAD)
-        # both ignored from its start (a Ctrl-C during its imports printed their traceback,
-        # then the controller's EOFError): multiprocessing ignores SIGINT only after them
+        # ignored from its start (a Ctrl-C during its imports printed their traceback, then
+        # the controller's EOFError): multiprocessing ignores SIGINT only after them; a
+        # closed terminal's SIGHUP is the run's to take, as its workers save
         previous = {signum: signal.signal(signum, signal.SIG_IGN)
-                    for signum in (signal.SIGTERM, signal.SIGINT)}
+                    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
         try:
             with environment_set({PRELOAD_VAR: " ".join(sorted(needed))}):
                 forkserver.ensure_running()

@@ -111,8 +111,9 @@ def launch_config(config_class, world_size: int, max_restarts: int, logs: str | 
     port = os.environ.get("MASTER_PORT") or 0  # 0: a free port per job
     newer = {
         "shutdown_timeout": 30,  # a stopping worker's time to save before SIGKILL
-        # not SIGINT/SIGTERM: torch's agent would turn them into an exception that stops
-        # the workers before they save; _forwarding_stop_signals passes them on instead
+        # not SIGINT/SIGTERM/SIGHUP: torch's agent would turn them into an exception that
+        # stops the workers before they save (tracebacks, nothing saved);
+        # _forwarding_stop_signals passes them on instead
         "signals_to_handle": AGENT_SIGNALS,
     }
     fields = config_class.__dataclass_fields__
@@ -180,7 +181,8 @@ def stopped_by() -> int | None:
 @contextlib.contextmanager
 def _forwarding_stop_signals(requeue: tuple[int, ...] = (),
                              stop_file: Path | None = None) -> Iterator[None]:
-    """While the workers run, a SIGINT or SIGTERM to this process is passed on to them: they
+    """While the workers run, a SIGINT, SIGTERM or SIGHUP (a closed terminal) to this process
+    is passed on to them: they
     save at the next step the ranks agree on and end normally, and the job ends with them.
     Ctrl-C signals the whole group, so the workers see it twice, at once, and count it once
     (preemption.SAME_REQUEST_S); a scheduler that signals this process alone reaches them
@@ -203,10 +205,10 @@ def _forwarding_stop_signals(requeue: tuple[int, ...] = (),
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signum)
 
-    # torch's agent installs its own SIGHUP/SIGQUIT handlers and leaves them: put ours back
-    previous = {signum: signal.getsignal(signum) for signum in (signal.SIGHUP, signal.SIGQUIT)}
+    # torch's agent installs its own SIGQUIT handler and leaves it: put ours back
+    previous = {signal.SIGQUIT: signal.getsignal(signal.SIGQUIT)}
     previous.update({signum: signal.signal(signum, forward) for signum in (
-        signal.SIGINT, signal.SIGTERM, *requeue)})
+        signal.SIGINT, signal.SIGTERM, signal.SIGHUP, *requeue)})
     try:
         yield
     finally:

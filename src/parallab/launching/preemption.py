@@ -1,4 +1,5 @@
-"""SIGTERM / SIGINT (a cluster pre-empting the job, Ctrl-C): save, then stop cleanly.
+"""SIGTERM / SIGINT / SIGHUP (a cluster pre-empting the job, Ctrl-C, a closed terminal or
+a dropped ssh session): save, then stop cleanly.
 
 Under SLURM the time-limit warning (trainer.requeue_signal, USR1; the submitit launcher's
 USR2) stops the run the same way, and is noted so that the job requeues itself once every
@@ -36,7 +37,7 @@ from typing import Iterator
 from parallab.launching import slurm
 from parallab.observe.observer import StepObserver
 
-SIGNALS = (signal.SIGTERM, signal.SIGINT)
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 STUCK_STEPS = 5  # no step finished for this many slowest steps after a signal: stuck
 MIN_STUCK_S = 3.0
 GRACE_S = 120.0  # the longest a stop, checkpoint included, may take
@@ -184,8 +185,8 @@ _held: list[int] = []  # stop signals a starting rank received, for its Preempti
 
 
 def hold(requeue: tuple[int, ...], stop_file: Path | None) -> None:
-    """A launched rank, from its start until its run's Preemption takes over: SIGINT and
-    the requeue signals are held for the Preemption (the rank stops with the others once
+    """A launched rank, from its start until its run's Preemption takes over: SIGINT,
+    SIGHUP and the requeue signals are held for the Preemption (the rank stops with the others once
     they all run, at once if none has stepped yet), where they would else end it in a
     traceback, or not at all (the fork server it is forked from ignores SIGINT and SIGTERM).
     SIGTERM is held too where the controller was asked to stop (`stop_file`, written before

@@ -23,9 +23,9 @@ log = logging.getLogger(__name__)
 
 # signals no process can catch: asking SLURM for one as the warning kills the job instead
 UNCATCHABLE = {signal.SIGKILL, signal.SIGSTOP}
-# a stop without a requeue already: Ctrl-C, and SIGTERM (scancel, preemption, the time limit
-# itself), after which the job ends or SLURM itself requeues it
-STOPPING = {signal.SIGINT, signal.SIGTERM}
+# a stop without a requeue already: Ctrl-C, a closed terminal, and SIGTERM (scancel,
+# preemption, the time limit itself), after which the job ends or SLURM itself requeues it
+STOPPING = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
 
 
 def in_job() -> bool:
