@@ -366,3 +366,31 @@ def test_a_save_cut_short_leaves_no_temporary_for_good(train_here):
     left.write_bytes(b"\\0" * 1024)  # a write cut short
     metrics, _ = train_here(*run[:-2], "trainer.max_steps=3", "trainer.resume=auto")
     assert metrics["steps"] == 3 and not left.exists()
+
+
+# sitecustomize for the `parallab` command: Ctrl-C while it imports the CLI
+AT_IMPORT = """
+import os, signal, sys
+
+class Interrupting:
+    def find_spec(self, name, path=None, target=None):
+        if name == "parallab.cli":
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+
+sys.meta_path.insert(0, Interrupting())
+"""
+
+
+def test_ctrl_c_while_the_command_imports_is_one_line(tmp_path):
+    """`parallab train` interrupted while it imports its modules: one line, 130, not the
+    traceback of the import it cut short."""
+    folder = tmp_path / "inject"
+    folder.mkdir()
+    (folder / "sitecustomize.py").write_text(textwrap.dedent(AT_IMPORT))
+    stopped = run_entry("parallab", ["train", *RUN], tmp_path / "run",
+                        prefix=None, env={"PYTHONPATH": str(folder)})
+    said = output(stopped)
+    assert stopped.returncode == 130, said[-3000:]
+    assert "Traceback" not in said and "KeyboardInterrupt" not in said, said[-3000:]
+    assert len(re.findall(r"stopped by SIGINT", said)) == 1, said[-3000:]

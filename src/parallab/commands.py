@@ -11,16 +11,21 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf, open_dict
+from parallab.launching.preemption import ended_by_interrupt
 
-from parallab.cli import Invocation, _fail, advise, compose, train
-from parallab.config import help
-from parallab.config.errors import ConfigError
-from parallab.config.hydra_app import config_flags, hydra_app, run_app, typed_config
-from parallab.config.schema import register_configs
-from parallab.launching import launch
-from parallab.observe import summary
+# the `parallab` command's own imports (this module is its entry): Ctrl-C while they run
+# ends it in one line, as train.py's does, where Python printed the import's traceback
+with ended_by_interrupt():
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import DictConfig, OmegaConf, open_dict
+
+    from parallab.cli import Invocation, _fail, advise, compose, train
+    from parallab.config import help
+    from parallab.config.errors import ConfigError
+    from parallab.config.hydra_app import config_flags, hydra_app, run_app, typed_config
+    from parallab.config.schema import register_configs
+    from parallab.launching import launch
+    from parallab.observe import summary
 
 log = logging.getLogger("parallab")
 
