@@ -104,3 +104,16 @@ def test_a_run_dir_that_cannot_be_made_ends_the_command_in_one_line(tmp_path, wh
     [line] = done.stderr.strip().splitlines()
     assert line.startswith(f"hydra.run.dir={outputs}/") and said in line, line
     assert outputs.is_file() if where == "a file" else not list(outputs.iterdir())
+
+
+def test_a_file_system_that_takes_no_dir_is_refused_and_a_writable_dir_keeps_no_probe(tmp_path):
+    """/proc and /sys pass access() for root but take no new directory: Hydra ended in a
+    FileNotFoundError or PermissionError traceback; the probe that finds it leaves nothing
+    behind where a dir can be made."""
+    from parallab.launching.start import dir_problem
+
+    for mount in ("/proc", "/sys"):
+        said = dir_problem("hydra.run.dir", f"{mount}/runs/x")
+        assert said and f"{mount} takes no new directory" in said, said
+    assert dir_problem("hydra.run.dir", tmp_path / "runs" / "x") is None
+    assert not list(tmp_path.iterdir())

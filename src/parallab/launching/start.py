@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -28,7 +29,8 @@ from parallab.launching import in_place
 
 def dir_problem(key: str, path: str | Path) -> str | None:
     """Why the dir `path` (given as `key`) cannot be made, or written once made, in one
-    line; None where it can. A few stat calls: the dir, or its nearest existing parent."""
+    line; None where it can. A few stat calls on the dir, or its nearest existing parent, and
+    one probe dir made and removed there."""
     path = Path(path).absolute()
     found = path
     while not (found.exists() or found.is_symlink()) and found != found.parent:
@@ -40,6 +42,12 @@ def dir_problem(key: str, path: str | Path) -> str | None:
     if not os.access(found, os.W_OK | os.X_OK):
         return (f"{key}={path} cannot be made: {found} is not writable here (read-only, or "
                 f"another user's): give a {key} where this user can write")
+    try:  # what access() does not see: a file system that takes no new directory (/proc,
+        # /sys), whose permissions root is not held to
+        os.rmdir(tempfile.mkdtemp(prefix=".parallab-probe-", dir=found))
+    except OSError as error:
+        return (f"{key}={path} cannot be made: {found} takes no new directory "
+                f"({error.strerror}): give a {key} where this user can write")
     return None
 
 
