@@ -17,7 +17,8 @@ def test_no_command_writes_over_a_training_run(train_here, command):
     _, run_dir = train_here(*TINY)
     (run_dir / ".hydra").mkdir()  # as train.py leaves it
     (run_dir / ".hydra" / "config.yaml").write_text("the training run's\n")
-    files = {p: p.read_bytes() for p in (run_dir / "metrics.json",
+    (run_dir / "train.log").write_text("the training run's last line\n")
+    files = {p: p.read_bytes() for p in (run_dir / "metrics.json", run_dir / "train.log",
                                          run_dir / ".hydra" / "config.yaml")}
     if command == "evaluate":
         result = run_entry("evaluate.py", [f"ckpt={run_dir}/checkpoints/last.pt", "device=cpu"],
@@ -29,9 +30,9 @@ def test_no_command_writes_over_a_training_run(train_here, command):
     errors = [line for line in output(result).splitlines() if "ERROR" in line]
     assert len(errors) == 1 and "holds a run (metrics.json" in errors[0], errors
     assert "Traceback" not in output(result)
-    for path, content in files.items():  # every file of the training run as it was
-        assert path.read_bytes() == content, path
-    assert not (run_dir / "advise.md").exists()
+    for path, content in files.items():  # every file of the training run as it was, its
+        assert path.read_bytes() == content, path  # log without the refusal's line
+    assert not (run_dir / "advise.md").exists() and not (run_dir / "evaluate.log").exists()
 
 
 @pytest.mark.slow
@@ -41,6 +42,7 @@ def test_a_refused_evaluate_leaves_no_record_and_the_corrected_one_runs_there(tr
     mistyped = run_entry("evaluate.py", [f"ckpt={run_dir}/checkpoints/lost.pt", "device=cpu"],
                          tmp_path / "eval")
     assert mistyped.returncode == 2 and not (tmp_path / "eval" / ".hydra").exists()
+    assert not (tmp_path / "eval" / "evaluate.log").exists()
     corrected = run_entry("evaluate.py", [f"ckpt={run_dir}/checkpoints/last.pt", "device=cpu"],
                           tmp_path / "eval")
     assert corrected.returncode == 0, output(corrected)[-2000:]
@@ -117,3 +119,34 @@ def test_a_file_system_that_takes_no_dir_is_refused_and_a_writable_dir_keeps_no_
         assert said and f"{mount} takes no new directory" in said, said
     assert dir_problem("hydra.run.dir", tmp_path / "runs" / "x") is None
     assert not list(tmp_path.iterdir())
+
+
+def test_a_full_disk_ends_simulate_in_one_line_and_leaves_no_half_answer(tmp_path):
+    """A run dir on a 16 KiB file system (mounted in a namespace of the command's own): room
+    for Hydra's record, none for the answer. simulate ended in OSError tracebacks and left
+    a 0-byte simulate.json; now one line, exit status 1, and no answer file at all."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode:
+        pytest.skip("no mount namespace here (unshare -m needs root or user namespaces)")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    gpt = ["model=gpt", "model.layers=2", "model.heads=4", "model.width=64", "model.context=64",
+           "data.seq_len=32", "parallel=fsdp", "parallel.world_size=64", "cluster=h100"]
+    command = [str(Path(sys.executable).parent / "parallab"), "simulate", *gpt,
+               f"hydra.run.dir={disk}/sim"]
+    shell = (f'mount -t tmpfs -o size=16k tmpfs "{disk}" && "$@"; code=$?; '
+             f'echo left: $(ls -A "{disk}/sim"); exit $code')
+    done = subprocess.run(["unshare", "-m", "sh", "-c", shell, "full", *command],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr[-2000:]
+    lines = (done.stdout + done.stderr).splitlines()
+    assert "Traceback" not in done.stderr and "Logging error" not in done.stderr
+    said = [line for line in lines if "ERROR" in line or "parallab:" in line]
+    assert any(line.endswith(f"could not be written to {disk}/sim (No space left on device): "
+                             "free space there, or give another hydra.run.dir")
+               for line in said), said
+    assert len(said) <= 2  # and, where the log filled first, the line saying so
+    assert [line for line in lines if line.startswith("left:")] == ["left: .hydra simulate.log"]

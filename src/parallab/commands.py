@@ -21,7 +21,7 @@ with ended_by_interrupt():
 
     from parallab.cli import Invocation, _fail, advise, compose, train
     from parallab.config import help
-    from parallab.config.errors import ConfigError
+    from parallab.config.errors import ConfigError, OneLineError
     from parallab.config.hydra_app import config_flags, hydra_app, run_app, typed_config
     from parallab.config.schema import register_configs
     from parallab.launching import launch
@@ -263,9 +263,10 @@ def _simulate_task(dict_cfg: DictConfig, call: Invocation) -> None:
         rundir.check_unused(Path(run_dir), "parallab simulate", call.held_before())
         run.run(typed_config(dict_cfg, overrides), overrides, run_dir,
                 ["parallab", "train", *config_flags(call.argv[1:])])
-    except ConfigError as error:
-        call.restore()
-        _fail(str(error), 2)
+    except OneLineError as error:  # a refusal puts the dir back; a full disk keeps its log
+        if isinstance(error, ConfigError):
+            call.restore()
+        _fail(str(error), error.status)
 
 
 def simulate_in_process(overrides: list[str], run_dir: str | Path,

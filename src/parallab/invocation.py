@@ -6,6 +6,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
+import os
 import shutil
 import signal
 from pathlib import Path
@@ -30,17 +32,20 @@ class Invocation:
     stopped_by: int | None = None
     stopped_sweep: str | None = None
     fresh: Path | None = None  # the .hydra/ this command writes in a dir that held none
+    logs: dict[Path, dict[Path, int]] = dataclasses.field(default_factory=dict)  # by dir
 
     @classmethod
     def read(cls, argv: list[str], advising: bool = False) -> "Invocation":
-        earlier, fresh = {}, None
+        earlier, fresh, logs = {}, None, {}
         for run_dir in naming.run_dirs_named(argv[1:]):
-            hydra_dir = Path(run_dir) / ".hydra"
+            hydra_dir = Path(run_dir).absolute() / ".hydra"
             if hydra_dir.is_dir():
                 earlier.update({p: p.read_bytes() for p in hydra_dir.iterdir() if p.is_file()})
             else:
                 fresh = hydra_dir
-        return cls(list(argv), earlier, advising, fresh=fresh)
+            logs[hydra_dir.parent] = {p: p.stat().st_size for p in
+                                      hydra_dir.parent.glob("*.log") if p.is_file()}
+        return cls(list(argv), earlier, advising, fresh=fresh, logs=logs)
 
     def held_before(self) -> list[str]:
         """The earlier run's record in the dir named on the command line, if it held one."""
@@ -53,6 +58,22 @@ class Invocation:
             path.write_bytes(content)
         if self.fresh is not None:
             shutil.rmtree(self.fresh, ignore_errors=True)
+        self._unlog()
+
+    def _unlog(self) -> None:
+        """The refused command's lines leave the dir's logs (its refusal still goes to the
+        console): an earlier run's log ends where it ended, a log the command began is gone."""
+        root = logging.getLogger()
+        for handler in list(root.handlers):
+            path = Path(getattr(handler, "baseFilename", "/"))
+            if path.parent not in self.logs:
+                continue
+            root.removeHandler(handler)
+            handler.close()
+            if path in self.logs[path.parent]:
+                os.truncate(path, self.logs[path.parent][path])
+            else:
+                path.unlink(missing_ok=True)
 
     @contextlib.contextmanager
     def refusing(self) -> Iterator[None]:

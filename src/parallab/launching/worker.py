@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterator
 from parallab.config import naming
 from parallab.config.errors import OneLineError
 from parallab.launching import distributed, preemption, slurm
+from parallab.observe.logfile import RunLog
 
 log = logging.getLogger(__name__)
 LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"  # Hydra's
@@ -130,7 +131,7 @@ def log_to_files(run_dir: str) -> None:
     """Rank 0 appends to the run's log (train.log); rank k writes train_rank{k}.log."""
     rank = distributed.rank_from_env()
     formatter = logging.Formatter(LOG_FORMAT)
-    file_handler = logging.FileHandler(Path(run_dir) / naming.log_file(rank))
+    file_handler = RunLog(Path(run_dir) / naming.log_file(rank))
     console = logging.StreamHandler(sys.stdout)
     console.setLevel(logging.INFO if rank == 0 else logging.WARNING)
     root = logging.getLogger()

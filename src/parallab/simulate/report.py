@@ -6,11 +6,15 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shlex
 from pathlib import Path
 from typing import Any
 
+from parallab.config.errors import OneLineError
 from parallab.simulate.search import Candidate
+
+ANSWER = ("simulate.json", "simulate.md", "simulate.png")
 
 # the rest: exposed collectives by kind, and a pipeline schedule's own time (schedule_s,
 # where a CPU pays it)
@@ -86,9 +90,22 @@ def markdown(head: dict[str, Any], entries: list[dict[str, Any]], rows: int,
 def write(out: Path, head: dict[str, Any], entries: list[dict[str, Any]], rows: int,
           notes: list[str], curves: dict[str, list[tuple[int, float]]],
           measured: list[tuple[int, float, str]]) -> None:
-    (out / "simulate.json").write_text(json.dumps({**head, "layouts": entries}, indent=2) + "\n")
-    (out / "simulate.md").write_text(markdown(head, entries, rows, notes))
-    plot(out / "simulate.png", head, curves, measured)
+    """The answer's three files, each written whole under a temporary name and all renamed
+    at the end: a full disk leaves no half answer, and ends the command in one line."""
+    made = {name: out / f".{name}.tmp" for name in ANSWER}
+    try:
+        made["simulate.json"].write_text(json.dumps({**head, "layouts": entries}, indent=2)
+                                         + "\n")
+        made["simulate.md"].write_text(markdown(head, entries, rows, notes))
+        plot(made["simulate.png"], head, curves, measured)
+        for name, temporary in made.items():
+            os.replace(temporary, out / name)
+    except OSError as error:
+        for temporary in made.values():
+            temporary.unlink(missing_ok=True)
+        raise OneLineError(f"parallab simulate: the answer could not be written to {out} "
+                           f"({error.strerror}): free space there, or give another "
+                           "hydra.run.dir") from None
 
 
 def plot(path: Path, head: dict[str, Any], curves: dict[str, list[tuple[int, float]]],
@@ -113,5 +130,5 @@ def plot(path: Path, head: dict[str, Any], curves: dict[str, list[tuple[int, flo
         ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, format="png")  # a temporary name: its suffix is not .png
     plt.close(fig)
