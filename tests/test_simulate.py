@@ -6,6 +6,7 @@ op's, a collective's and a pipeline's time by hand: test_simulate_costs.py)."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -140,6 +141,46 @@ def test_this_machines_measured_costs_stand_for_nccls_and_a_gpus():
     assert measured["in_step"] >= 1
 
 
+def test_rates_measured_while_the_machine_was_busy_are_measured_again_once_it_is_idle(
+        monkeypatch, tmp_path):
+    """cluster=this under load: other processes spinning on every core are seen as busy;
+    figures kept from a busy hour are served while the machine stays busy and measured
+    again, for real, once it is idle (rates 2.4x low otherwise, for good); the answer says
+    when and under what load they were measured."""
+    import subprocess
+    import sys
+
+    from parallab.simulate import here, report
+
+    spinning = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                for _ in range(os.cpu_count() or 1)]
+    try:
+        assert here.busy(0.5) > here.BUSY
+    finally:
+        for p in spinning:
+            p.kill()
+            p.wait()
+
+    monkeypatch.setattr(here, "FILE", tmp_path / "cluster_this.json")
+    monkeypatch.setattr(here, "CACHE", tmp_path)
+    cores = len(os.sched_getaffinity(0))
+    kept = {"cores": cores, "fp32_1": 1.0, "ranks": {}, "at": "earlier", "busy": 0.9}
+    here.FILE.write_text(json.dumps({here._key(cores): kept}))
+    for load, served in ((0.6, "kept"), (0.0, "measured")):
+        monkeypatch.setattr(here, "busy", lambda seconds=0.3, load=load: load)
+        here.measured.cache_clear()
+        here._idle.cache_clear()
+        figures = here.measured()
+        assert (figures == kept) == (served == "kept")
+    assert figures["busy"] == 0.0 and figures["fp32_1"] > 1e6 and figures["at"] != "earlier"
+    assert json.loads(here.FILE.read_text())[here._key(cores)]["at"] == figures["at"]
+    said = report._measured_when({"at": "earlier", "busy": 0.9})[0]
+    assert "measured earlier, while other work took 90% of its cores: the rates may be low" \
+        in said
+    here.measured.cache_clear()
+    here._idle.cache_clear()
+
+
 def test_this_machine_shares_its_cores_among_more_ranks_than_it_measured(monkeypatch):
     """cluster=this past the rank counts measured together (twice the cores): an op run
     for real slows as the cores' share a rank gets does, as the rates' peaks do, so that a
@@ -152,7 +193,7 @@ def test_this_machine_shares_its_cores_among_more_ranks_than_it_measured(monkeyp
     figures = {"cores": 2, "memory_bytes": 2**34, "in_step": 1.2, "fp32_1": 1e10,
                "fp32_all": 2e10, "bf16_1": 1e10, "bf16_all": 2e10, "copy": 1e10,
                "op_s": 1e-5, "ranks": {"4": four}}
-    monkeypatch.setattr(here, "measured", lambda: figures)
+    monkeypatch.setattr(here, "measured", lambda again=False: figures)
     cluster = ClusterConfig(name="this", gpu="this", memory_gb=None, hbm_gbps=None,
                             gpus_per_node=None, intra_node_gbps=None, inter_node_gbps=None,
                             matmul_efficiency=None, op_overhead_us=None)
@@ -450,6 +491,7 @@ def test_a_model_of_images_is_told_simulate_traces_sequences(tmp_path, model):
     (["cluster.hbm_gbps=null"], "cluster.hbm_gbps=null: only cluster.gpu=this measures"),
     (["cluster.memory_gb=???"], "cluster.memory_gb is missing: set it"),
     (["cluster.gpu=RTX-9090"], "cluster.gpu=RTX-9090 is not in mfu.py's table"),
+    (["cluster.remeasure=true"], "cluster.remeasure=true: cluster=h100's rates are given"),
     (["parallel=fsdp"], "parallel.world_size is not set: give the GPU count to simulate"),
     (["parallel=fsdp_tp", "parallel.world_size=8", "parallel.tp=3"],
      "multiply to 3 x ?, but parallel.world_size=8"),

@@ -451,6 +451,8 @@ class ClusterConfig:
     matmul_efficiency: Optional[float] = MISSING
     op_overhead_us: Optional[float] = 4.0  # the least time an eager kernel takes (its launch)
     source: str = ""  # where the figures come from
+    # cluster=this: measure this machine's rates again, not the ones kept (~/.cache/parallab)
+    remeasure: bool = False
 
 
 @dataclass

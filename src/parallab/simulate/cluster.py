@@ -46,6 +46,9 @@ def problem(cfg: ClusterConfig) -> str | None:
                 getattr(cfg, key) == MISSING:
             return f"cluster.{key} is missing: set it (docs/parallel.md: planning for a cluster)"
     measured = cfg.gpu == THIS
+    if cfg.remeasure and not measured:
+        return (f"cluster.remeasure=true: cluster={cfg.name}'s rates are given, not measured: "
+                "only cluster=this measures them (again)")
     for key in RATES:
         value = getattr(cfg, key)
         if value is None and not measured:

@@ -9,18 +9,23 @@ and a large copy's bytes per second (the rates where an op cannot be run from it
 shapes); and, once per rank count, what n processes over gloo cost one another
 (together.py: each collective kind, FSDP2's hooks, DTensor's dispatch, a pipeline's
 schedule, the slowing inside a step: a CPU pays them on its cores, where a GPU mostly
-hides them behind its kernels). A rank of a job of n processes gets its share: its
-threads, slowed where the n ranks' threads outnumber the cores, and 1/n of the memory's
-bandwidth while they all compute.
+hides them behind its kernels). Each figure keeps when it was measured and how busy other
+work kept the cores then: one measured busy (low rates, high overheads) is measured again
+once the machine is idle, and cluster.remeasure=true measures them all again. A rank of a
+job of n processes gets its share: its threads, slowed where the n ranks' threads outnumber
+the cores, and 1/n of the memory's bandwidth while they all compute.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import functools
 import json
+import logging
 import os
 import platform
+import time
 from pathlib import Path
 
 import torch
@@ -33,8 +38,55 @@ CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "parall
 FILE = CACHE / "cluster_this.json"
 # what is measured, and how: raised with any change to it here, in timing.py or together.py,
 # so that figures measured the former way are measured again, not served
-FIGURES = 3
+FIGURES = 4
 MOST_RANKS = 16
+# of the cores' time, what other work may take while figures are measured: past it they
+# come out low (2.4x lower rates, 4x the kernel overhead, seen under a test suite's load)
+BUSY = 0.2
+
+log = logging.getLogger("parallab")
+
+
+def busy(seconds: float = 0.3) -> float:
+    """The share of this machine's CPU time that other work took over `seconds`, this
+    process asleep meanwhile (/proc/stat's counters; the load average per core without)."""
+    def counters() -> tuple[int, int]:
+        cpu = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        return sum(cpu), cpu[3] + cpu[4]  # all, and idle + iowait
+
+    try:
+        total, idle = counters()
+        time.sleep(seconds)
+        total_after, idle_after = counters()
+    except (OSError, ValueError, IndexError):
+        return min(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
+    return max(0.0, 1 - (idle_after - idle) / max(1, total_after - total))
+
+
+def _stamp() -> dict:
+    """When figures are measured, and how busy other work keeps the cores then."""
+    share = busy()
+    if share > BUSY:
+        log.warning("cluster=this: other work takes %.0f%% of this machine's cores while its "
+                    "rates are measured: they come out low, and are measured again once it "
+                    "is idle (or with cluster.remeasure=true)", 100 * share)
+    return {"at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "busy": round(share, 3)}
+
+
+@functools.cache  # once a process: each layout priced asks
+def _idle() -> bool:
+    return busy() <= BUSY
+
+
+def _stale(figures: dict) -> bool:
+    """Figures measured while the machine was busy, where it is idle now."""
+    if figures.get("busy", 0.0) <= BUSY or not _idle():
+        return False
+    log.info("cluster=this: the figures kept from %s were measured with %.0f%% of the cores "
+             "busy; the machine is idle now: measuring them again", figures.get("at", "?"),
+             100 * figures["busy"])
+    return True
 
 
 def matmul_flops(dtype: torch.dtype, threads: int, size: int = 768) -> float:
@@ -70,14 +122,16 @@ def op_seconds() -> float:
 
 
 @functools.cache  # read once a process: rates() asks it for every layout it prices
-def measured() -> dict[str, float]:
-    """This machine's figures, measured once (the cache keyed by machine and torch);
+def measured(again: bool = False) -> dict[str, float]:
+    """This machine's figures, measured once (the cache keyed by machine and torch), and
+    `again` where asked, or where they were measured busy and the machine is idle now;
     together_at adds each rank count's to the same dict as it measures them."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     key = _key(cores)
     known = _known()
-    if key in known:
+    if key in known and not again and not _stale(known[key]):
         return known[key]
+    stamp = _stamp()
     before = torch.get_num_threads()
     torch.set_num_threads(cores)  # as a process alone here runs them
     try:
@@ -90,30 +144,41 @@ def measured() -> dict[str, float]:
                "fp32_all": matmul_flops(torch.float32, cores),
                "bf16_1": matmul_flops(torch.bfloat16, 1),
                "bf16_all": matmul_flops(torch.bfloat16, cores),
-               "copy": copy_bytes_per_s(), "op_s": op_s, "ranks": {}}
+               "copy": copy_bytes_per_s(), "op_s": op_s, "ranks": {}, **stamp}
     _keep(known, key, figures)
     return figures
 
 
-def together_at(world: int) -> dict:
+def together_at(figures: dict, world: int) -> dict:
     """What `world` ranks here cost one another (together.py), measured once per rank
     count and kept with this machine's other figures. Past twice the cores, or 16 ranks (a
     plot's counts, not a job one runs here), the figures of the largest count measured
     stand for them: each count measured starts that many processes importing torch."""
     from parallab.simulate import together
 
-    figures = measured()
     world = _counted(figures, world)
-    if str(world) not in figures["ranks"]:
+    kept = figures["ranks"].get(str(world))
+    if kept is None or _stale(kept):
         # an op's own time as a rank sharing the cores pays it (rates() charges it so), so
         # that in_step's ratio does not count that slowing a second time
         op_s = figures["op_s"] / _share(figures, world)
-        figures["ranks"][str(world)] = together.measure(world, _threads(figures, world), op_s)
+        stamp = _stamp()
+        figures["ranks"][str(world)] = {**together.measure(world, _threads(figures, world),
+                                                           op_s), **stamp}
         known, key = _known(), _key(figures["cores"])
         # the rank counts another process kept meanwhile stay beside this one's
         figures["ranks"] = {**known.get(key, {}).get("ranks", {}), **figures["ranks"]}
         _keep(known, key, figures)
     return figures["ranks"][str(world)]
+
+
+def when(cfg: ClusterConfig, world_size: int) -> dict:
+    """When the figures a job of `world_size` ranks is priced with were measured (the
+    earlier, where its rank count's came later), and the most other work took then."""
+    f = measured(cfg.remeasure)
+    both = [f, together_at(f, world_size)] if world_size > 1 else [f]
+    return {"at": min(x.get("at", "?") for x in both),
+            "busy": max(x.get("busy", 0.0) for x in both)}
 
 
 def _counted(figures: dict, world: int) -> int:
@@ -160,10 +225,10 @@ _TIMES: dict[int, dict] = {}  # each op's own time by a rank's threads, once a p
 def rates(cfg: ClusterConfig, world_size: int) -> Rates:
     """A rank's rates in a job of `world_size` processes here (threads: cores / ranks, as
     parallel.threads_per_worker=null gives them); the YAML's figures where it gives any."""
-    f = measured()
+    f = measured(cfg.remeasure)
     cores, n = f["cores"], max(1, world_size)
     threads, share = _threads(f, n), _share(f, n)
-    ranks = together_at(n) if n > 1 else {**ALONE, "in_step": f["in_step"]}
+    ranks = together_at(f, n) if n > 1 else {**ALONE, "in_step": f["in_step"]}
     # past the counts together_at measures, more ranks share the cores than its in_step
     # saw: an op run for real slows by that too, as the rates below do (share)
     slower = ranks["in_step"] * _share(f, _counted(f, n)) / share

@@ -67,6 +67,7 @@ def markdown(head: dict[str, Any], entries: list[dict[str, Any]], rows: int,
              f"Sequences of {head['seq_len']:,} tokens; {head['precision']}"
              f"{', compiled' if head['compile'] else ''}. A prediction, from one block traced "
              "on fake tensors (docs/parallel.md: planning for a cluster).", "",
+             *_measured_when(head.get("measured")),
              "| layout | tokens/s/GPU | step s | MFU | memory GiB | fits | "
              + " | ".join(n.removesuffix("_s") for n in names) + " |",
              "|" + "---|" * (6 + len(names))]
@@ -85,6 +86,18 @@ def markdown(head: dict[str, Any], entries: list[dict[str, Any]], rows: int,
                      f"{rows} here).")
     lines += ["", *notes]
     return "\n".join(lines) + "\n"
+
+
+def _measured_when(measured: dict[str, Any] | None) -> list[str]:
+    """cluster=this: when its rates were measured, and how busy the machine was then."""
+    if measured is None:
+        return []
+    from parallab.simulate.here import BUSY
+
+    low = ": the rates may be low, the overheads high" if measured["busy"] > BUSY else ""
+    return [f"This machine's rates were measured {measured['at']}, while other work took "
+            f"{measured['busy']:.0%} of its cores{low} (cluster.remeasure=true measures them "
+            "again).", ""]
 
 
 def write(out: Path, head: dict[str, Any], entries: list[dict[str, Any]], rows: int,

@@ -249,11 +249,16 @@ def _gib(size: float) -> str:
 
 
 def _head(cfg, facts: Facts, seconds: float) -> dict[str, Any]:
-    return {"model": cfg.model["_target_"].rpartition(".")[2], "cluster": cfg.cluster.name,
+    head = {"model": cfg.model["_target_"].rpartition(".")[2], "cluster": cfg.cluster.name,
             "gpu": cfg.cluster.gpu, "world_size": cfg.parallel.world_size,
             "seq_len": cfg.data.seq_len, "precision": cfg.precision.name,
             "compile": cfg.trainer.compile, "blocks": facts.blocks,
             "flops_per_token": facts.flops_per_token, "seconds": seconds}
+    if cfg.cluster.gpu == clusters.THIS:  # a figure of its hour: when, and under what load
+        from parallab.simulate import here
+
+        head["measured"] = here.when(cfg.cluster, cfg.parallel.world_size)
+    return head
 
 
 def _notes(lines: list[str]) -> list[str]:
