@@ -107,6 +107,36 @@ def test_a_one_process_layout_reads_no_rank_or_world_size(clean_env):
     assert (place.rank, place.world_size, place.local_world_size) == (0, 1, 1)
 
 
+def test_a_rank_gives_up_on_an_unreached_master_after_the_timeout_not_twice_it(clean_env):
+    """torch's client store retried for twice parallel.rendezvous_timeout before it gave up,
+    and the line then said "within" the timeout."""
+    import time
+
+    from conftest import free_port
+
+    from parallab.config.errors import OneLineError
+
+    clean_env.setenv("MASTER_ADDR", "127.0.0.1")
+    clean_env.setenv("MASTER_PORT", str(free_port()))
+    started = time.monotonic()
+    with pytest.raises(OneLineError, match="could not be reached within parallel."
+                                           "rendezvous_timeout=2 s"):
+        in_place.meet(in_place.InPlace("torchrun", 1, 1, 2, 2), 2.0, "MASTER_ADDR")
+    assert time.monotonic() - started < 3.5  # it took 4.5
+
+
+def test_a_one_process_layout_under_a_launchers_full_set_is_refused_without_a_wait(tmp_path):
+    """Open MPI's whole set (copied into a shell, or mpirun -np 2) under parallel=none: rank
+    0 hosted a rendezvous and waited the whole timeout for a rank 1 that a one-process
+    layout never has; now the layout's refusal at once."""
+    ompi = {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "0",
+            "OMPI_COMM_WORLD_LOCAL_RANK": "0", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}
+    result = run_entry("train.py", [*FAST, "parallel.rendezvous_timeout=300"], tmp_path,
+                       env=ompi, timeout=60)
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "parallel=none runs one process, but mpirun started 2" in result.stdout
+
+
 def test_a_restart_count_left_in_a_shell_resumes_nothing(clean_env, train_here):
     """TORCHELASTIC_RESTART_COUNT (or SLURM_RESTART_COUNT, with SLURM_JOB_ID) counts only
     under the launcher that set it: left in a shell, a new run in a dir holding a finished

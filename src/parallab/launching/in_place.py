@@ -205,18 +205,38 @@ def meet(ctx: InPlace, timeout_s: float, source: str):
     hosting = ctx.rank == 0 and not _agent_hosts()
     timeout = timedelta(seconds=timeout_s)
     try:
+        if not hosting:
+            _reach(host, port, timeout_s)
         with _c10d_quieted():
             if _agent_hosts():  # its store counts no workers
                 return TCPStore(host, port, is_master=False, timeout=timeout)
             return TCPStore(host, port, ctx.world_size, is_master=hosting, timeout=timeout,
                             wait_for_workers=True)
-    except DistError as error:
+    except (DistError, TimeoutError) as error:
         waited = (f"not every rank reached it ({str(error).strip().splitlines()[0]})"
                   if hosting else "it could not be reached")
         raise OneLineError(f"rank {ctx.rank}: {named}, port {port}: {waited} within "
                            f"parallel.rendezvous_timeout={timeout_s:g} s: check that every "
                            "rank started and that the port is open between the nodes (or "
                            "set MASTER_PORT)") from None
+
+
+def _reach(host: str, port: int, timeout_s: float) -> None:
+    """Wait until the master's port takes a connection, within `timeout_s` (TimeoutError
+    then): a client TCPStore given that timeout retried for twice as long before it said so."""
+    import socket
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=max(0.1, min(
+                    5.0, deadline - time.monotonic()))):
+                return
+        except OSError:
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"{host}:{port} refused or did not answer") from None
+            time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
 
 
 @contextlib.contextmanager

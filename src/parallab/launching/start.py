@@ -51,6 +51,13 @@ def dir_problem(key: str, path: str | Path) -> str | None:
     return None
 
 
+def _processes(config: DictConfig) -> bool:
+    """The layout runs a process per rank (its config class says so before torch loads)."""
+    if OmegaConf.select(config, "parallel") is None:
+        return True
+    return getattr(OmegaConf.get_type(config, "parallel"), "processes", True)
+
+
 def _end(error: OneLineError) -> NoReturn:
     print(error, file=sys.stderr, flush=True)
     raise SystemExit(error.status)
@@ -69,7 +76,10 @@ class RunStart(Callback):
     def _start(config: DictConfig, key: str) -> None:
         timeout = OmegaConf.select(config, "parallel.rendezvous_timeout", default=60.0)
         try:
-            if timeout > 0:  # else the checks refuse it on every rank, before anything runs
+            # else the checks refuse it on every rank, before anything runs: a timeout <= 0,
+            # or a launcher's ranks under a one-process layout, which reads no rank and
+            # whose ranks never meet (a launcher's variables left in a shell: no wait)
+            if timeout > 0 and _processes(config):
                 in_place.meet_in_place(timeout)
         except OneLineError as error:
             _end(error)

@@ -189,7 +189,8 @@ def train(spec: RunSpec, store=None) -> dict[str, Any]:
     """Train on this rank; returns the run's final metrics (every rank gets the same)."""
     cfg = spec.cfg
     backend = cfg.backend.name if spec.layout.processes else None
-    hosted = in_place.take_store(cfg.parallel.rendezvous_timeout)  # in place: rank 0 hosts it
+    # in place: rank 0 hosts it (a one-process layout's ranks, if any, never meet)
+    hosted = in_place.take_store(cfg.parallel.rendezvous_timeout) if backend else None
     dist = distributed.setup(cfg.device.value, backend, cfg.backend.timeout_s,
                              cfg.parallel.threads_per_worker, store=store or hosted)
     reset_peak_memory(dist.device)  # this run's own peak, not an earlier job's in the process
