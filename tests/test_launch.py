@@ -428,6 +428,48 @@ def test_ranks_end_with_a_controller_killed_alone(tmp_path):
                 pass
 
 
+CONTROLLER = """
+import multiprocessing, time
+from parallab.launching import forking
+forking.PRELOAD = ["parallab.launching.fork_server"]  # its watch, without torch's imports
+forking.start_fork_server()
+child = multiprocessing.get_context("forkserver").Process(target=time.sleep, args=(3600,))
+child.start()
+print(child.pid, flush=True)
+time.sleep(3600)
+"""
+
+
+def test_the_fork_server_and_a_child_it_forked_end_with_a_controller_killed_alone():
+    """A controller killed from outside (a test suite's `timeout`): its fork server, which
+    ignores SIGTERM, and a child forked from it that has not become a rank (and so ignores
+    it too) were left alive, reparented to init, for over an hour."""
+    import signal
+    import time
+
+    controller = subprocess.Popen([sys.executable, "-c", CONTROLLER], cwd=REPO,
+                                  stdout=subprocess.PIPE, text=True, start_new_session=True)
+    child = server = None
+    try:
+        child = int(controller.stdout.readline())
+        with open(f"/proc/{child}/stat") as f:
+            server = int(f.read().rsplit(")", 1)[1].split()[1])
+        assert server != controller.pid and alive(server)
+        controller.kill()
+        controller.wait()
+        deadline = time.monotonic() + 15
+        while (alive(server) or alive(child)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not alive(server) and not alive(child)
+    finally:  # nothing left behind, whatever happened
+        for pid in (controller.pid, server, child):
+            if pid is not None:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+
 def test_the_resume_command_is_the_one_the_user_ran():
     """After a stop, the command printed to continue: the entry the user ran, its config
     dir, the overrides less the run dir and resume, then those two."""

@@ -62,11 +62,11 @@ _server_environment: dict[str, str] | None = None  # what the running fork serve
 _server_imports: set[str] = set()  # and the job imports it made (PRELOAD_VAR)
 # imported once by the fork server, not by each worker: parallab's worker code, and what
 # DDP, FSDP2, tensor parallelism, DCP and rank 0's TensorBoard writer import lazily
-# (torch._dynamo and the writer the costliest); and the server's quick exit
-# (fork_server.py)
-PRELOAD = ["parallab.training.run", "torch._dynamo", "torch.distributed.fsdp",
-           "torch.distributed.tensor.parallel", "torch.distributed.checkpoint",
-           "torch.utils.tensorboard", "parallab.launching.fork_server"]
+# (torch._dynamo and the writer the costliest); first, the server's watch on its
+# controller, its quick exit and the job's own imports (fork_server.py)
+PRELOAD = ["parallab.launching.fork_server", "parallab.training.run", "torch._dynamo",
+           "torch.distributed.fsdp", "torch.distributed.tensor.parallel",
+           "torch.distributed.checkpoint", "torch.utils.tensorboard"]
 
 
 @contextlib.contextmanager
