@@ -6,6 +6,7 @@ import os
 import re
 
 import pytest
+import torch
 from conftest import REPO, checked, output, run_entry, typed
 from omegaconf import OmegaConf
 
@@ -182,8 +183,8 @@ def test_auto_values_resolve_for_cpu():
     (["model=gpt", "data=bytes", "data.seq_len=33", "model.context=64", "parallel=tp",
       "parallel.world_size=2", "parallel.sequence_parallel=true"],
      "parallel.tp=2 ranks, which data.seq_len=33 does not divide by"),
-    (["model=gpt", "data=bytes", "model.tie_embeddings=true", "parallel=pipeline"],
-     "parallel=pipeline puts stages 0 and 5 on different ranks, but they share a parameter"),
+    (["model=gpt", "data=bytes", "model.tie_embeddings=true", "parallel=model"],
+     "parallel=model puts stages 0 and 5 on different devices, but they share a parameter"),
     (["precision.name=fp4"], "precision.name=fp4 is unknown"),
     (["precision=fp8"], "precision=fp8 trains the Linear layers in float8, which pays on a "
                         "CUDA GPU"),
@@ -238,7 +239,6 @@ def test_auto_values_resolve_for_cpu():
      "to 6 x ?"),
     (["parallel=pipeline", "parallel.microbatches=1"], "parallel.microbatches=1"),
     (["parallel=pipeline", "parallel.schedule=zb"], "parallel.schedule=zb"),
-    (["parallel=pipeline", "precision=fp16"], "precision=fp16 with parallel=pipeline"),
     (["parallel=model", "trainer.auto_batch_size=true"], "trainer.auto_batch_size=true"),
     (["model=mlp", "model.input_dim=100"], "model.input_dim=100"),
     (["model=mlp", "model.hidden=[64,0]"], "model.hidden=[64, 0] holds a width < 1"),
@@ -507,27 +507,20 @@ def test_a_plus_key_the_schema_lacks_is_refused_not_dropped(override, message):
     typed_config(compose(["+model.extra=1"]), ["+model.extra=1"])  # a model argument: its check
 
 
-def test_amp_is_fp16_on_cuda_and_refused_where_a_pipeline_runs_the_backward():
-    """float16's scaled loss is the trainer's backward; a pipeline's schedule runs its own.
-    The sharded layouts take it (ShardedGradScaler)."""
+def test_amp_is_fp16_on_cuda_and_every_mesh_layout_takes_it():
+    """float16's scaled loss: the trainer's backward, or a pipeline's schedule's (its
+    _loss scales it); the sharded layouts' ranks agree on an overflow (ShardedGradScaler)."""
     from parallab.config.schema import Device
     from parallab.parallel import PLANS
+    from parallab.precision import compute_dtype
 
-    for name, refused in (("pipeline", True), ("fsdp", False)):
+    assert compute_dtype("amp", "cuda") == torch.float16
+    assert compute_dtype("amp", "cpu") == torch.bfloat16
+    for name in ("pipeline", "fsdp"):
         cfg = typed(f"parallel={name}", "precision=amp", "parallel.world_size=2")
-        plan = PLANS[name]
-        layout = plan.layout_of(cfg.parallel, cfg.parallel.world_size)
-        cfg.device = Device.cpu  # amp is bfloat16 there: allowed
-        plan.refuse_sharded(cfg, layout)
         cfg.device = Device.cuda  # resolved, as on a GPU machine
-        if refused:
-            with pytest.raises(validate.ConfigError, match=f"precision=amp with parallel={name}"
-                                                           ": it computes in float16"):
-                plan.refuse_sharded(cfg, layout)
-        else:
-            plan.refuse_sharded(cfg, layout)
-    cfg.device = Device.cpu  # amp is bfloat16 there: allowed
-    PLANS["fsdp"].check(cfg, layout)
+        plan = PLANS[name]
+        plan.refuse_sharded(cfg, plan.layout_of(cfg.parallel, cfg.parallel.world_size))
 
 
 @pytest.mark.parametrize("layout,devices,found,expected", [

@@ -149,8 +149,6 @@ BAD = [
      "trainer.activation_checkpointing=selective with parallel.schedule=interleaved_zb"),
     ([*PIPE, *GPT, "parallel.schedule=zbv", "trainer.activation_checkpointing=selective_alternate"],
      "trainer.activation_checkpointing=selective_alternate with parallel.schedule=zbv"),
-    ([*PIPE, *GPT, "parallel.schedule=interleaved_1f1b", "model.tie_embeddings=true"],
-     "puts stages 0 and 3 on different ranks, but they share a parameter"),
     (["parallel=pipeline", "parallel.world_size=4", "parallel.pp=2", "parallel.dp_shard=2",
       "parallel.dp_replicate=1", *GPT, "parallel.schedule=zbv", "model.tie_embeddings=true"],
      "parallel.dp_shard=2 shards each of a rank's parts apart, but stages 0 and 3 share"),
@@ -169,6 +167,36 @@ def test_a_v_shape_holds_tied_embeddings_on_one_rank():
     cfg, layout = checked(*PIPE, *GPT, "parallel.schedule=zbv", "model.tie_embeddings=true")
     assert layout.stages_per_rank == 2
     assert layout.plan.bubble(cfg, layout) == bubble("zbv", 2, 2, 4)
+
+
+# a gpt whose head is its embedding, in float16 with its scale and clipping
+TIED = [*GPT, "data.eval_fraction=0.002", "model.heads=2", "model.width=32",
+        "model.context=32", "model.tie_embeddings=true", "precision=fp16",
+        "trainer.clip_grad_norm=1.0", "trainer.log_every_n_steps=1", "optim=adamw",
+        "trainer.checkpoint_every_n_steps=null", "trainer.save_best=false", "data.batch_size=8"]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_tied_embeddings_and_float16_train_across_pipeline_ranks_as_one_device(train_here):
+    """Megatron-LM's pipelines: the embedding on rank 0 and the head that shares it on rank
+    1 (interleaved, v 2), each a copy whose gradients are summed, the norm counting it once,
+    AdamW's decay leaving the head's copy as it leaves the embedding; float16's scale on the schedule's loss, resumed at a scale the gradients overflow at,
+    so that steps are skipped, on every stage together, till it has come down. Both were
+    refused."""
+    _, start = train_here(*TIED, "trainer.max_steps=2", name="start")
+    ckpt = start / "checkpoints" / "last.pt"
+    state = torch.load(ckpt, weights_only=False)
+    state["grad_scaler"]["scale"] = 2.0 ** 40
+    torch.save(state, ckpt)
+    resumed = [*TIED, "trainer.max_steps=8", f"trainer.resume={ckpt}"]
+    _, one = train_here(*resumed, name="one")
+    _, pp = train_here(*resumed, *PIPE, "parallel.schedule=interleaved_1f1b", name="pp")
+    scale = torch.load(one / "checkpoints" / "last.pt", weights_only=False)["grad_scaler"]
+    assert scale["scale"] < 2.0 ** 40  # overflowed, and skipped
+    assert losses(pp) == pytest.approx(losses(one), rel=1e-4)
+    log = (pp / "train.log").read_text()
+    assert "a pipeline's ranks holding parts [[0, 2], [1, 3]]" in log
 
 
 # parallab's mlp on synthetic data, no dropout, every step logged, a checkpoint at the end

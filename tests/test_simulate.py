@@ -71,9 +71,23 @@ def test_a_tied_head_is_held_once():
 
     shape = Shape(rows=2, seq_len=32, precision="fp32")
     untied, tied = traced(shape), traced(shape, "model.tie_embeddings=true")
-    held = lambda found: sum(found.params.values())  # noqa: E731 - one count
+    held = lambda found: sum(v for k, v in found.params.items() if k != "tied")  # noqa: E731
     assert held(untied) - held(tied) == 256 * 64  # vocabulary x width
     assert tied.params["block"] == untied.params["block"]
+    # a pipeline whose first and last stage are on different ranks: the last keeps a copy
+    # (parallel/tied.py), whose gradient the two all-reduce once a step
+    assert tied.params["tied"] == 256 * 64 and untied.params["tied"] == 0
+    from parallab.simulate import rates_of, step
+
+    cfg = configured(*GPT, "model.tie_embeddings=true", "parallel=pipeline",
+                     "parallel.world_size=2")
+    rates = rates_of(cfg.cluster, 2)
+    layout = step.Layout(world_size=2, pp=2, microbatches=4, bubble=1.25, schedule="1f1b")
+    predicted = {name: step.predict(found, step.costs(found, rates, False, False), layout,
+                                    rates, 2) for name, found in (("untied", untied),
+                                                                  ("tied", tied))}
+    assert predicted["tied"].parts["all_reduce_s"] > 0
+    assert "all_reduce_s" not in predicted["untied"].parts
 
 
 def test_a_compiled_step_keeps_and_pays_what_its_eager_loss_does():

@@ -60,23 +60,26 @@ def kernels(implementation: str, params: list[torch.nn.Parameter]) -> dict[str, 
     return {"fused": implementation == "fused", "foreach": implementation == "foreach"}
 
 
-def param_groups(cfg, model: nn.Module) -> list[dict]:
+def param_groups(cfg, model: nn.Module, embeddings: set[int] = frozenset()) -> list[dict]:
     """The trainable parameters (a frozen backbone's left out). With optim.decay_all=false,
     weight decay only on weight matrices: none on biases, norm gains and embeddings (as
-    nanoGPT and torchtitan's recipes), which decay shrinks toward zero for no gain."""
+    nanoGPT and torchtitan's recipes), which decay shrinks toward zero for no gain; nor on
+    `embeddings`, ids of parameters held as embeddings elsewhere (a pipeline's tied head)."""
     params = [p for p in model.parameters() if p.requires_grad]
     if cfg.decay_all or cfg.weight_decay == 0:
         return [{"params": params}]
-    embeddings = {id(p) for m in model.modules()
-                  if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) for p in m.parameters()}
+    embeddings = set(embeddings) | {
+        id(p) for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))
+        for p in m.parameters()}
     decays = [p.ndim >= 2 and id(p) not in embeddings for p in params]
     groups = [{"params": [p for p, d in zip(params, decays) if d]},
               {"params": [p for p, d in zip(params, decays) if not d], "weight_decay": 0.0}]
     return [group for group in groups if group["params"]]
 
 
-def build_optimizer(cfg, model: nn.Module) -> torch.optim.Optimizer:
-    groups = param_groups(cfg, model)
+def build_optimizer(cfg, model: nn.Module, embeddings: set[int] = frozenset()
+                    ) -> torch.optim.Optimizer:
+    groups = param_groups(cfg, model, embeddings)
     how = kernels(cfg.implementation, [p for group in groups for p in group["params"]])
     if cfg.name == "sgd":
         return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum,

@@ -166,6 +166,21 @@ class Precision:
     def backward(self, loss: torch.Tensor) -> None:
         self.scaler.scale(loss).backward()
 
+    def scaled(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss as backward() runs it (times float16's scale): for a pipeline's
+        schedule, which runs the backward itself."""
+        if not self.scaler.is_enabled():
+            return loss  # itself: a view of it is one the zero-bubble schedules cannot detach
+        if self.loss_scale() is None:  # the scaler makes its scale at its first use
+            self.scaler.scale(loss.detach())
+        # a product of the loss's shape (the scaler's own is of the scale's, (1,))
+        return loss * self.loss_scale().to(loss.device).reshape(())
+
+    def unscaled(self, value: torch.Tensor) -> torch.Tensor:
+        """A scaled loss's own value."""
+        scale = self.loss_scale()
+        return value if scale is None else value / scale.reshape(())
+
     def loss_scale(self) -> torch.Tensor | None:
         """What backward() multiplies the loss by (float16's GradScaler); None: nothing. A
         gradient added beside the loss (an MoE router's loss) is scaled alike."""

@@ -117,6 +117,12 @@ class Runtime:
             return model._apply(lambda t: t if t.is_meta else t.to(self.dist.device))
         return model.to(self.dist.device)
 
+    def tied_embeddings(self) -> set[int]:
+        """Ids of parameters this rank holds outside an embedding that one device holds in
+        one (a pipeline's tied head: parallel/tied.py): optim leaves them undecayed, as it
+        leaves embeddings."""
+        return set()
+
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The module without a wrapper: what checkpoints hold and what evaluation runs (with
         the fewest collectives; an fsdp module is its own, its forward gathers parameters)."""
@@ -300,14 +306,16 @@ class Plan:
         return ()
 
 
-def params_by_mesh(model: nn.Module) -> dict[object, list[nn.Parameter]]:
+def params_by_mesh(model: nn.Module, leave: set[int] = frozenset()
+                   ) -> dict[object, list[nn.Parameter]]:
     """The parameters with gradients by the device mesh their gradients live on (None: plain
-    tensors); under 2-D layouts tp-split and FSDP-only parameters are on different ones."""
+    tensors); under 2-D layouts tp-split and FSDP-only parameters are on different ones.
+    `leave`: ids of parameters left out."""
     from torch.distributed.tensor import DTensor
 
     groups: dict[object, list[nn.Parameter]] = {}
     for param in model.parameters():
-        if param.grad is not None:
+        if param.grad is not None and id(param) not in leave:
             key = param.grad.device_mesh if isinstance(param.grad, DTensor) else None
             groups.setdefault(key, []).append(param)
     return groups

@@ -59,14 +59,16 @@ def mixed_precision(dtype: torch.dtype):
     return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
 
 
-def norm_squares(model: nn.Module, device: torch.device) -> torch.Tensor:
+def norm_squares(model: nn.Module, device: torch.device, leave: set[int] = frozenset()
+                 ) -> torch.Tensor:
     """The squared 2-norm of `model`'s gradients over every shard of them: one reduction
     per mesh the gradients live on (tp-split and replicated parameters of the mesh layouts
-    are on different ones); plain tensors count as this rank holds them."""
+    are on different ones); plain tensors count as this rank holds them. `leave`: ids of
+    parameters counted elsewhere."""
     from torch.distributed.tensor import DTensor
 
     squares = torch.zeros((), device=device)
-    for params in params_by_mesh(model).values():
+    for params in params_by_mesh(model, leave).values():
         norm = nn.utils.get_total_norm([p.grad for p in params])
         norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
         squares = squares + norm.float() ** 2

@@ -32,7 +32,6 @@ from parallab.parallel import expert_parallel, tp_plans
 from parallab.parallel.base import Plan, Runtime
 from parallab.parallel.fsdp import mixed_precision, norm_squares, shard
 from parallab.parallel.layout import DEGREES, Layout, resolve_degrees
-from parallab.precision import compute_dtype
 
 log = logging.getLogger(__name__)
 
@@ -344,15 +343,8 @@ class MeshPlan(Plan):
 
     @staticmethod
     def refuse_sharded(cfg, layout: Layout) -> None:
-        """What needs every rank to hold the whole model: post-training quantization; and
-        float16's loss scaling where a pipeline's schedule runs the backward (the sharded
-        layouts scale it with ShardedGradScaler: precision.py)."""
+        """What needs every rank to hold the whole model: post-training quantization."""
         p, t = cfg.parallel, cfg.trainer
-        if layout.cuts_model and compute_dtype(cfg.precision.name, cfg.device.value) == \
-                torch.float16:
-            raise ConfigError(f"precision={cfg.precision.name} with parallel={p.name}: it "
-                              "computes in float16 here, with a GradScaler, whose scaled loss "
-                              "the pipeline's schedule does not take: use precision=bf16")
         if t.quantize is not None:
             raise ConfigError(f"trainer.quantize={t.quantize} with parallel={p.name}: quantize "
                               "needs the whole model in one process: use parallel=none or ddp "

@@ -42,6 +42,7 @@ from parallab.parallel.layout import Layout
 from parallab.parallel.mesh import MeshPlan, MeshRuntime
 from parallab.parallel.schedules import SCHEDULES, activations_held, bubble  # noqa: F401
 from parallab.parallel.split import Cut, check_parts, part_ranges, refuse_shared_parts
+from parallab.parallel.tied import Tied, tied_sets
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +82,10 @@ class PipelineRuntime(MeshRuntime):
         self.pp_group, self.dp_group = (self.mesh["pp"].get_group(),
                                         self.mesh["dp_replicate"].get_group())
         self.cut = Cut(model, p, layout, self.stage_index)  # recorded whole; part() cuts
+        # parameters stages on other ranks share (tied embeddings): a copy each, kept equal
+        self.tied = Tied(tied_sets(self.cut.stages, self.cut.ranges, p.schedule, self.pp,
+                                   self.per_rank, self.stage_index, self.cut.names),
+                         self.mesh, self.stage_index)
         self.parts = None  # the schedules' modules, made at the first runs()
         self.syncing = True  # no_sync: gradients averaged over the replicas at the last
         self.items = 1  # the step's terms per data-parallel rank (Objective.step_loss)
@@ -199,7 +204,9 @@ class PipelineRuntime(MeshRuntime):
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """A micro-batch's share of the step's loss: its terms' sum / the step's count, so
         its gradients add up to those of the mean over every micro-batch of the step."""
-        return self.loss.total(self.loss.scored(output), target) / self.items
+        # float16: scaled here, where the schedule runs its backward from
+        return self.precision.scaled(self.loss.total(self.loss.scored(output), target)
+                                     / self.items)
 
     def _schedule(self, loss, name: str | None = None):
         """torch's schedule `name` (the run's), over a pipeline stage for each Part."""
@@ -263,6 +270,8 @@ class PipelineRuntime(MeshRuntime):
 
         rows = batches.rows(batch)
         if rows != self.train_rows:  # its stages infer their shapes at the first step
+            # float16's scale made on every rank, not only where the loss is: each unscales
+            self.precision.scaled(torch.zeros((), device=self.dist.device))
             self.train_schedule = self._schedule(self._loss)
             self.train_rows = rows
             self.dry_run(model, step)
@@ -273,9 +282,12 @@ class PipelineRuntime(MeshRuntime):
                 self.sum_partial_gradients(model)
             if self.layout.dp_replicate > 1:
                 self.average_gradients(model)
+        if self.syncing:
+            self.tied.reduce()
         if not self.is_last:  # its share of the logged loss: nothing
             return torch.zeros((), device=self.dist.device)
-        return torch.stack(losses).detach().sum()  # this batch's share of the step's loss
+        # this batch's share of the step's loss, as computed (float16's scale taken off)
+        return self.precision.unscaled(torch.stack(losses).detach().sum())
 
     def first_args(self, inputs: Any) -> tuple:
         """What the first stage takes positionally (the schedule cuts every tensor of it
@@ -322,9 +334,24 @@ class PipelineRuntime(MeshRuntime):
         output = self.eval_schedule.eval(*self.first_args(inputs), **self.kwargs(inputs))
         return self.scored(output[:rows]) if self.is_last else None
 
+    def tied_embeddings(self) -> set[int]:
+        return self.tied.embeddings()
+
+    def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer
+                   ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """MeshRuntime's, a tied copy's optimizer state under one device's name for it."""
+        model_state, optimizer_state = super().state_dict(model, optimizer)
+        return model_state, self.tied.renamed(optimizer_state)
+
+    def load_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                        model_state: dict[str, Any], optimizer_state: dict[str, Any]) -> None:
+        super().load_state_dict(model, optimizer, model_state,
+                                self.tied.renamed(optimizer_state, back=True))
+
     def grad_norm(self, model: nn.Module) -> torch.Tensor:
         """The norm over every part's gradients (each rank holds its parts')."""
-        squares = norm_squares(model, self.dist.device)  # this rank's, whole on its tp ranks
+        # this rank's, whole on its tp ranks; a tied parameter on the first of its ranks
+        squares = norm_squares(model, self.dist.device, leave=self.tied.uncounted())
         self.dist.all_reduce_sum(squares)
         # each part counted once: not once per replica, shard group and tp rank holding it
         return (squares / (self.layout.dp * self.layout.tp)).sqrt()

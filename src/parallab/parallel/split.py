@@ -57,8 +57,9 @@ def check_parts(cfg, layout, stages: list[nn.Module] | None, parts: int | None =
                 per_rank: int = 1, rank_of=None) -> None:
     """parallel=model/pipeline: the model has stages enough for `parts` (the layout's world
     size) parts, `per_rank` of them on each rank (a pipeline's stages_per_rank; `rank_of`:
-    the rank holding each part), and parallel.split (if set) cuts them into that many; no
-    parameter is shared by parts on different ranks. ConfigError otherwise."""
+    the rank holding each part), and parallel.split (if set) cuts them into that many; under
+    parallel=model no parameter is shared by parts on different devices. ConfigError
+    otherwise."""
     p = cfg.parallel
     parts = parts or layout.world_size
     if stages is None:
@@ -83,15 +84,14 @@ def check_parts(cfg, layout, stages: list[nn.Module] | None, parts: int | None =
         problem = check_cuts(list(p.split), len(stages), parts, making)
         if problem:
             raise ConfigError(problem)
-    shared = shared_across(stages, part_ranges(stages, parts, p.split), rank_of)
+    # a pipeline's ranks each keep a copy of a parameter shared across them, their
+    # gradients summed (parallel/tied.py); one process's devices cannot share one
+    shared = None if rank_of else shared_across(stages, part_ranges(stages, parts, p.split))
     if shared:
-        apart = ", put the first and last stage on one rank with a V-shaped schedule " \
-                "(parallel.schedule=zbv or dualpipev)" if p.name == "pipeline" else ""
-        where = "ranks" if rank_of else "parts"
         raise ConfigError(f"parallel={p.name} puts stages {shared[0]} and {shared[1]} on "
-                          f"different {where}, but they share a parameter (tied weights, such "
-                          f"as model.tie_embeddings=true): untie them{apart}, or use "
-                          "parallel=ddp or fsdp")
+                          "different devices, but they share a parameter (tied weights, such "
+                          "as model.tie_embeddings=true): untie them, or use parallel=pipeline "
+                          "(its ranks keep a copy each), ddp or fsdp")
 
 
 def _said(layout, parts: int) -> str:

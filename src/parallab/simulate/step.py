@@ -25,7 +25,8 @@ spans, overlapped as each layout overlaps it:
 - a pipeline: each micro-batch's activations sent on and their gradients back at every
   cut, exposed; its schedule's own time a micro-batch's pass where a CPU pays it
   (Rates.stage_s); its idle slots (PipelinePlan.bubble); its replicas' gradient
-  all-reduce once a step, after the flush.
+  all-reduce once a step, after the flush; and a tied embedding's, between the first
+  and the last stage's ranks where they differ (each holds a copy: parallel/tied.py).
 The optimizer's step moves each state once (a fused kernel's bytes) at the memory's
 bandwidth.
 
@@ -267,6 +268,13 @@ def loads(blocks: int, layout: Layout, params: dict[str, float]) -> list[Load]:
     return found
 
 
+def _ends(trace: Trace, load: Load) -> float:
+    """Elements of the ends a rank holds: and a tied embedding's copy, on a last stage
+    that does not hold the first (the head's weight is the embedding's, counted there)."""
+    copy = trace.params.get("tied", 0.0) if load.after and not load.before else 0.0
+    return sum(trace.params[r] for r in load.ends) + copy
+
+
 def _compute(c: Costs, load: Load, phase: str) -> float:
     """A micro-batch's compute on a rank: its blocks', the ends' it holds."""
     return load.blocks * c.compute.get((phase, "block"), 0.0) + sum(
@@ -309,8 +317,12 @@ def predict(trace: Trace, c: Costs, layout: Layout, rates: Rates, blocks: int,
         slot = compute["forward"] + compute["backward"] + 2 * send + schedule + sum(
             v for kind, v in exposed.items() if kind.startswith("tp_")) / m
         parts["bubble_s"] = (layout.bubble - 1) * m * slot
-    held = (k * _stored(trace, layout) + sum(trace.params[r] for r in busiest.ends)) / \
-        layout.dp_shard
+    if layout.pp > 1 and trace.params.get("tied") and not any(
+            load.before and load.after for load in ranks):
+        apart = Group.of(layout.pp, layout.tp, rates.gpus_per_node).nodes > 1
+        expose("all_reduce", rates.collective_s(
+            "all_reduce", 4 * trace.params["tied"] / layout.dp_shard, Group(2, 1 + apart)))
+    held = (k * _stored(trace, layout) + _ends(trace, busiest)) / layout.dp_shard
     parts["optimizer_s"] = held * (OPTIMIZER_BYTES[layout.optimizer] + 4 * layout.clip) / \
         rates.hbm
     parts.update({f"{kind}_s": seconds for kind, seconds in sorted(exposed.items())})
@@ -329,7 +341,7 @@ def _data_parallel(trace: Trace, c: Costs, layout: Layout, rates: Rates, busiest
     """FSDP2's gathers and reductions (HSDP's all-reduce with them), or DDP's buckets, as
     they are left exposed beside the busiest rank's compute."""
     k = busiest.blocks
-    held_ends = sum(trace.params[r] for r in busiest.ends)
+    held_ends = _ends(trace, busiest)
     if layout.dp_shard > 1:
         units = experts.units(trace.params["block"], trace.params.get("experts", 0.0),
                               layout.experts, layout.dp_shard)
@@ -398,7 +410,7 @@ def _memory(trace: Trace, layout: Layout, load: Load) -> dict[str, float]:
     from parallab.parallel import schedules
 
     block = _stored(trace, layout)
-    held_ends = sum(trace.params[r] for r in load.ends)
+    held_ends = _ends(trace, load)
     held = (load.blocks * block + held_ends) / layout.dp_shard
     state = held * (4 + 4 + STATE_BYTES[layout.optimizer])
     gathered = 0.0

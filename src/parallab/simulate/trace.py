@@ -307,16 +307,18 @@ def _params_by_region(model: nn.Module, block: nn.Module, called: list[nn.Module
     inside = {id(p) for p in block.parameters()}
     order = {id(m): i for i, m in reversed(list(enumerate(called)))}
     start = order.get(id(block), 0)
-    counts = {region: 0.0 for region in REGIONS}
-    seen: set[int] = set()
+    counts = {region: 0.0 for region in (*REGIONS, "tied")}
+    seen: dict[int, str] = {}
     for module in model.modules():
         for param in module.parameters(recurse=False):
-            if id(param) in seen:
-                continue
-            seen.add(id(param))
             region = "block" if id(param) in inside else (
                 "before" if order.get(id(module), start + 1) < start else "after")
-            counts[region] += _local(param).numel()
+            if id(param) not in seen:
+                seen[id(param)] = region
+                counts[region] += _local(param).numel()
+            elif {seen[id(param)], region} == {"before", "after"}:  # a head's tied weight
+                seen[id(param)] = "tied"
+                counts["tied"] += _local(param).numel()
     return counts
 
 

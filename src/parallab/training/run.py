@@ -315,7 +315,7 @@ def build_trainer(cfg: Config, layout: Layout, dist: distributed.Dist, logger: R
     data = build_data(cfg.data, runtime.ranks.data, cfg.seed,
                       batch_scale=runtime.ranks.devices_per_process)
     data.train.drop_last = runtime.layout.pipelined
-    optimizer = build_optimizer(cfg.optim, model)
+    optimizer = build_optimizer(cfg.optim, model, runtime.tied_embeddings())
     if cfg.trainer.auto_batch_size:
         data.train = tune_batch_size(model, runtime, optimizer, data, dist,
                                      cfg.trainer, logger)
