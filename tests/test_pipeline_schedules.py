@@ -179,11 +179,12 @@ TIED = [*GPT, "data.eval_fraction=0.002", "model.heads=2", "model.width=32",
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_tied_embeddings_and_float16_train_across_pipeline_ranks_as_one_device(train_here):
-    """Megatron-LM's pipelines: the embedding on rank 0 and the head that shares it on rank
-    1 (interleaved, v 2), each a copy whose gradients are summed, the norm counting it once,
-    AdamW's decay leaving the head's copy as it leaves the embedding; float16's scale on the schedule's loss, resumed at a scale the gradients overflow at,
-    so that steps are skipped, on every stage together, till it has come down. Both were
-    refused."""
+    """Megatron-LM's pipelines: the embedding on pipeline rank 0 and the head that shares it
+    on rank 1 (interleaved, v 2; tp 2 within each), each a copy whose gradients are summed,
+    the norm counting it once, AdamW's decay leaving the head's copy as it leaves the
+    embedding; float16's scale on the schedule's loss, resumed at a scale the gradients
+    overflow at, so that steps are skipped, on every stage together (DTensor weights and
+    plain norms alike), till it has come down. Both were refused."""
     _, start = train_here(*TIED, "trainer.max_steps=2", name="start")
     ckpt = start / "checkpoints" / "last.pt"
     state = torch.load(ckpt, weights_only=False)
@@ -191,7 +192,11 @@ def test_tied_embeddings_and_float16_train_across_pipeline_ranks_as_one_device(t
     torch.save(state, ckpt)
     resumed = [*TIED, "trainer.max_steps=8", f"trainer.resume={ckpt}"]
     _, one = train_here(*resumed, name="one")
-    _, pp = train_here(*resumed, *PIPE, "parallel.schedule=interleaved_1f1b", name="pp")
+    # each part split by tp 2 too, with sequence parallelism: the embedding's gradient
+    # comes whole, the head's cut by vocabulary rows as their weights are
+    _, pp = train_here(*resumed, "parallel=pipeline", "parallel.world_size=4", "parallel.pp=2",
+                       "parallel.tp=2", "parallel.sequence_parallel=true",
+                       "parallel.schedule=interleaved_1f1b", name="pp")
     scale = torch.load(one / "checkpoints" / "last.pt", weights_only=False)["grad_scaler"]
     assert scale["scale"] < 2.0 ** 40  # overflowed, and skipped
     assert losses(pp) == pytest.approx(losses(one), rel=1e-4)

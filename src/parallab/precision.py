@@ -122,12 +122,10 @@ class Precision:
         # gradients overflowed is skipped and the scale lowered
         scaled = self.dtype == torch.float16
         if sharded and scaled:
-            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
             # its found-inf flag (shape (1,)) meets DTensor gradients, which DTensor
             # replicates, as meant, warning each time
             warnings.filterwarnings("ignore", message="Found a non-scalar tensor with numel=1")
-            self.scaler = ShardedGradScaler(device.type)
+            self.scaler = _sharded_scaler(device.type)
         else:
             self.scaler = torch.amp.GradScaler(device.type, enabled=scaled)
         if device.type == "cuda":
@@ -199,3 +197,31 @@ class Precision:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.scaler.load_state_dict(state)
+
+
+def _sharded_scaler(device_type: str):
+    """torch's ShardedGradScaler, unscaling DTensor gradients apart from plain ones: one
+    foreach call cannot take both, and a pipeline's part under tp holds its norms and
+    positions plain beside its DTensor weights."""
+    from types import SimpleNamespace
+
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+    from torch.distributed.tensor import DTensor
+
+    class Scaler(ShardedGradScaler):
+        def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16=True):
+            kinds: dict[bool, list] = {}
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    kinds.setdefault(isinstance(param.grad, DTensor), []).append(param)
+            if len(kinds) < 2:
+                return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+            found: dict = {}
+            for params in kinds.values():  # each call flags a copy of found_inf: summed
+                part = SimpleNamespace(param_groups=[{"params": params}])
+                each = super()._unscale_grads_(part, inv_scale, found_inf, allow_fp16)
+                for device, flag in each.items():
+                    found[device] = found[device] + flag if device in found else flag
+            return found
+
+    return Scaler(device_type)

@@ -90,6 +90,11 @@ class Tied:
                 continue
             if param.grad is None:  # a holder whose copy took no gradient this step
                 param.grad = torch.zeros_like(param)
+            placements = getattr(param, "placements", None)
+            if placements is not None and param.grad.placements != placements:
+                # an embedding cut by rows takes its gradient whole (Replicate): each
+                # holder's slice of it is its shard's (a slice, no communication)
+                param.grad = param.grad.redistribute(placements=placements)
             dist.all_reduce(batches.local(param.grad), group=tied.group)
 
     def embeddings(self) -> set[int]:
