@@ -551,6 +551,21 @@ def test_bad_input_ends_in_one_line(tmp_path, overrides, says):
     assert not (tmp_path / "simulate.json").exists()
 
 
+def test_sbatch_lines_ask_for_what_the_slurm_launcher_asks_for():
+    """One rule: 12 GPUs on 8-GPU nodes are 2 nodes x 6 (the launcher's), not 8 + 4; a
+    world that no node count splits evenly gets no allocation, as the launcher refuses it."""
+    from parallab.simulate.report import sbatch
+    from parallab.simulate.search import Candidate
+
+    lines = sbatch(Candidate(world_size=12), 8, "parallab train")
+    assert "#SBATCH --nodes=2" in lines and "#SBATCH --ntasks-per-node=6" in lines
+    assert "#SBATCH --gpus-per-node=6" in lines and lines[-1].endswith("parallab train")
+    assert "#SBATCH --nodes=1" in sbatch(Candidate(world_size=4), 8, "x")
+    odd = sbatch(Candidate(world_size=9), 8, "x")
+    assert not [line for line in odd if line.startswith("#SBATCH")]
+    assert "does not split evenly over the 2 nodes" in odd[-1]
+
+
 def test_the_command_as_a_user_runs_it(tmp_path):
     """`parallab simulate` from a shell: the answer, its files; an unknown cluster refused in
     one line, exit status 2, before anything is traced."""
@@ -561,6 +576,7 @@ def test_the_command_as_a_user_runs_it(tmp_path):
     said = done.stdout.strip().splitlines()
     assert said[-2].startswith("parallab simulate: fsdp(F64) b2 ac=none: ")
     assert said[-1].startswith("parallab train data=tokens model=gpt")
+    assert "No artists with labels" not in done.stderr  # one layout: no empty legend
     layouts = json.loads((run_dir / "simulate.json").read_text())["layouts"]
     assert len(layouts) == 1 and layouts[0]["fits"]
     refused = run_entry("parallab", ["simulate", *GPT, "cluster=nope"], tmp_path / "bad",

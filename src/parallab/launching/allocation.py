@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
-from hydra_plugins.hydra_submitit_launcher.config import SlurmQueueConf
 from omegaconf import DictConfig
 
 from parallab.config.errors import ConfigError
@@ -29,20 +28,22 @@ from parallab.config.errors import ConfigError
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class AllocatingSlurmConf(SlurmQueueConf):
-    _target_: str = "hydra_plugins.parallab_launchers.submitit_slurm.SlurmLauncher"
-    # null: as many nodes as the job's ranks need, each holding what a node of the partition
-    # holds (its GPUs on CUDA, else its CPUs); set, either wins
-    nodes: Optional[int] = None  # type: ignore[assignment]
-    tasks_per_node: Optional[int] = None  # type: ignore[assignment]
-
-
 def register() -> None:
     """This launcher's config in the place of the plugin's `submitit_slurm`. Hydra's scan of
     its plugins runs their modules, registering theirs, whenever it first happens: it is
-    made to happen here, once, so that this registration comes after it and stays."""
+    made to happen here, once, so that this registration comes after it and stays. (The
+    plugin is the slurm extra's: imported here, so that simulate's sbatch lines can take
+    this module's rule without it.)"""
     from hydra.core.plugins import Plugins
+    from hydra_plugins.hydra_submitit_launcher.config import SlurmQueueConf
+
+    @dataclass
+    class AllocatingSlurmConf(SlurmQueueConf):
+        _target_: str = "hydra_plugins.parallab_launchers.submitit_slurm.SlurmLauncher"
+        # null: as many nodes as the job's ranks need, each holding what a node of the
+        # partition holds (its GPUs on CUDA, else its CPUs); set, either wins
+        nodes: Optional[int] = None  # type: ignore[assignment]
+        tasks_per_node: Optional[int] = None  # type: ignore[assignment]
 
     Plugins.instance()
     ConfigStore.instance().store(group="hydra/launcher", name="submitit_slurm",
@@ -118,7 +119,7 @@ def allocation(cfg: DictConfig, launcher: dict[str, Any], partition: Partition,
     if not plan.processes:  # one process drives every device
         needed = Allocation(1, 1, gpus or (world if cuda else None))
     else:
-        needed = _spread(world, launcher.get("nodes"), launcher.get("tasks_per_node"), held, job)
+        needed = spread(world, launcher.get("nodes"), launcher.get("tasks_per_node"), held, job)
         needed = Allocation(needed.nodes, needed.tasks_per_node,
                             gpus or (needed.tasks_per_node if cuda else None))
     if needed.nodes > partition.nodes or (cuda and (needed.gpus_per_node or 0) > partition.gpus):
@@ -133,9 +134,10 @@ def allocation(cfg: DictConfig, launcher: dict[str, Any], partition: Partition,
     return needed
 
 
-def _spread(world: int, nodes: int | None, per_node: int | None, held: int,
-            job: str) -> Allocation:
-    """`world` ranks over nodes: as the keys set say, else as few nodes as hold them."""
+def spread(world: int, nodes: int | None, per_node: int | None, held: int,
+           job: str) -> Allocation:
+    """`world` ranks over nodes: as the keys set say, else as few nodes as hold them, the
+    same number on each (the rule simulate's sbatch lines print too)."""
     if nodes is not None and per_node is not None:
         if nodes * per_node != world:
             raise ConfigError(f"{job}: parallel.world_size={world}, but hydra.launcher.nodes="

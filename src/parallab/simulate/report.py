@@ -5,13 +5,12 @@ sbatch lines), simulate.png (tokens/s per GPU against the GPU count for the best
 from __future__ import annotations
 
 import json
-import math
 import os
 import shlex
 from pathlib import Path
 from typing import Any
 
-from parallab.config.errors import OneLineError
+from parallab.config.errors import ConfigError, OneLineError
 from parallab.simulate.search import Candidate
 
 ANSWER = ("simulate.json", "simulate.md", "simulate.png")
@@ -43,14 +42,17 @@ def command_of(entry_words: list[str], user: list[str], c: Candidate) -> str:
 
 
 def sbatch(c: Candidate, gpus_per_node: int, command: str) -> list[str]:
-    """The lines that give the layout its allocation: a task per GPU, over as few nodes as
-    hold them (the last one part-filled where the GPUs do not fill whole nodes)."""
-    per_node = min(gpus_per_node, c.world_size)
-    nodes = math.ceil(c.world_size / per_node)
-    tasks = [f"#SBATCH --ntasks-per-node={per_node}"] if c.world_size % per_node == 0 else \
-        [f"#SBATCH --ntasks={c.world_size}"]
-    return ["#!/bin/bash", f"#SBATCH --nodes={nodes}", *tasks,
-            f"#SBATCH --gpus-per-node={per_node}", "#SBATCH --signal=USR1@90",
+    """The lines that give the layout its allocation: a task per GPU, spread over nodes as
+    parallab's SLURM launcher spreads the same layout (launching.allocation.spread)."""
+    from parallab.launching.allocation import spread
+
+    try:
+        held = spread(c.world_size, None, None, gpus_per_node, "this layout")
+    except ConfigError as error:  # no even spread: the launcher refuses it too
+        return ["#!/bin/bash", f"# {error}"]
+    return ["#!/bin/bash", f"#SBATCH --nodes={held.nodes}",
+            f"#SBATCH --ntasks-per-node={held.tasks_per_node}",
+            f"#SBATCH --gpus-per-node={held.tasks_per_node}", "#SBATCH --signal=USR1@90",
             "#SBATCH --requeue", f"srun --kill-on-bad-exit=1 {command}"]
 
 
@@ -139,7 +141,7 @@ def plot(path: Path, head: dict[str, Any], curves: dict[str, list[tuple[int, flo
     ax.set_xlabel("GPUs")
     ax.set_ylabel("tokens/s per GPU (predicted)")
     ax.set_title(f"{head['model']} on {head['cluster']}: seq {head['seq_len']:,}", fontsize=10)
-    if curves or measured:
+    if ax.get_legend_handles_labels()[0]:  # matplotlib warns of an empty legend
         ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
     fig.tight_layout()
