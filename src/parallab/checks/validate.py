@@ -275,6 +275,7 @@ def check_run_length(cfg: Config, layout: Layout) -> None:
 def check_layout(cfg: Config, layout: Layout, probe: trial.Probe) -> None:
     """One batch tried where a user's part is in play, then the plan's own checks (with
     the model's stages where it cuts the model into parts)."""
+    _refuse(cfg.data.layout_problem(layout))  # before the trial runs its stages
     layout.plan.check(cfg, layout, trial.run(cfg, layout, probe))
     _refuse(trial.tp_split_problem(cfg, layout, probe))  # after the plan's: the tp plan divides
     _refuse(activations.stages_problem(cfg))
@@ -335,6 +336,7 @@ def check_resume(cfg: Config, layout: Layout, run_dir: str | None) -> None:
              f"trainer.resume={resume} was saved from another model config than model "
              f"{config.model_name(cfg.model)} here: resume with the same model config")
     _refuse(changed_recipe(cfg, checkpoint.saved_config(meta), resume))
+    _refuse(cfg.data.resume_problem(meta.get("data"), resume))  # its files, unchanged
     # any layout continues any other's checkpoint, except a one-file one by an earlier
     # parallab, whose optimizer state is by parameter index: only a whole model reads it
     _require(not layout.sharded or checkpoint.by_name(resume, meta),
@@ -401,6 +403,7 @@ def prepare(cfg: Config, in_place: InPlace | None, run_dir: str | None = None
     it once; raises ConfigError on the first problem."""
     check_values(cfg)
     check_data(cfg)
+    cfg.data.fit_model(cfg.model)
     cfg.model = models.check(cfg.model, cfg.data)
     probe = trial.Probe(cfg)  # the user's model and a batch, where a trial is needed
     trial.resolve_loss(cfg, probe)

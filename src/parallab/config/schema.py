@@ -86,6 +86,20 @@ class DataConfig:
         """(train, eval): Splits (data/split.py) or torch Datasets."""
         raise TypeError(f"{type(self).__name__} does not say how to make its data")
 
+    def fit_model(self, model: dict[str, Any]) -> None:
+        """Settle what depends on the model (its `model` spec), before the model's own
+        checks read the data: data=token_files' samples, pairs for gpt or dicts for a
+        transformers model."""
+
+    def layout_problem(self, layout: Any) -> Optional[str]:
+        """None if the data's samples suit the resolved layout, else one line."""
+        return None
+
+    def resume_problem(self, saved: Any, resume: str) -> Optional[str]:
+        """None if the data a checkpoint recorded (`saved`: its "data" entry, if any) is
+        still the data here, else one line naming what changed."""
+        return None
+
 
 def data_defaults() -> dict[str, Any]:
     """The keys parallab owns in every data set's config, as the composed config's `data`

@@ -88,9 +88,12 @@ def build_data(cfg: DataConfig, dist: Dist, seed: int, batch_scale: int = 1) -> 
     (drawn_from); a process feeding several devices (dp) takes `batch_scale` times
     data.batch_size per step."""
     cfg.loader = resolve_loader(cfg)  # validate resolved it already, unless built directly
+    batch, eval_batch = cfg.batch_size * batch_scale, cfg.eval_batch_size * batch_scale
+    own = getattr(cfg, "loaders", None)  # a data set with loaders of its own (token_files)
+    if callable(own):
+        return Data(*own(dist, seed, batch, eval_batch))
     with drawn_from(seed):
         train, test = cfg.make(seed)
-    batch, eval_batch = cfg.batch_size * batch_scale, cfg.eval_batch_size * batch_scale
     if isinstance(train, IterableDataset) or isinstance(test, IterableDataset):
         return Data(_loader(train, dist, batch, True, seed, cfg),
                     _loader(test, dist, eval_batch, False, seed, cfg))
@@ -99,3 +102,21 @@ def build_data(cfg: DataConfig, dist: Dist, seed: int, batch_scale: int = 1) -> 
                     MemoryLoader(test, dist, eval_batch, False, seed))
     return Data(DataLoaderLoader(train, dist, batch, True, seed, cfg),
                 DataLoaderLoader(test, dist, eval_batch, False, seed, cfg))
+
+
+def position(loader) -> dict | None:
+    """What a checkpoint keeps of a loader that knows its place in the data (token_files':
+    the next global sample, the files' fingerprints); None for the others, whose place the
+    trainer's epoch and step give."""
+    return loader.state_dict() if callable(getattr(loader, "state_dict", None)) else None
+
+
+def restore_position(loader, state: dict | None) -> None:
+    if state is not None and callable(getattr(loader, "load_state_dict", None)):
+        loader.load_state_dict(state)
+
+
+def source_tokens(loader) -> dict[str, int]:
+    """Tokens each named source of a mixture gave the run so far ({} for other data)."""
+    counted = getattr(loader, "tokens_by_source", None)
+    return counted() if callable(counted) else {}

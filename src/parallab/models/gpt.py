@@ -36,22 +36,50 @@ class GptConfig:
 ATTENTION = ("sdpa", "manual")
 
 
+class Packing:
+    """The documents of the batch in flight (data.document_mask), shared by the embedding
+    and every attention layer: positions that restart at each document, and a (B, 1, T, T)
+    block-diagonal causal mask. Held until the next forward, so that activation
+    checkpointing's recompute in backward sees the same ones; None: plain causal."""
+
+    def __init__(self) -> None:
+        self.positions: torch.Tensor | None = None
+        self.mask: torch.Tensor | None = None
+
+    def update(self, documents: torch.Tensor | None) -> None:
+        if documents is None:
+            self.positions = self.mask = None
+            return
+        T = documents.shape[1]
+        index = torch.arange(T, device=documents.device).expand_as(documents)
+        starts = torch.ones_like(documents, dtype=torch.bool)
+        starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
+        first = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values
+        self.positions = index - first
+        causal = torch.ones(T, T, dtype=torch.bool, device=documents.device).tril()
+        same = documents[:, :, None] == documents[:, None, :]  # (B, T, T)
+        self.mask = (same & causal).unsqueeze(1)
+
+
 class Embed(nn.Module):
-    def __init__(self, cfg: GptConfig):
+    def __init__(self, cfg: GptConfig, packing: Packing | None = None):
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.packing = cfg, packing or Packing()
         self.tokens = nn.Embedding(cfg.vocab_size, cfg.width)
         self.positions = nn.Embedding(cfg.context, cfg.width)
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:  # (B, T) int64 -> (B, T, C)
-        positions = torch.arange(idx.shape[1], device=idx.device)
+        positions = self.packing.positions  # (B, T) where documents restart them
+        if positions is None:
+            positions = torch.arange(idx.shape[1], device=idx.device)
         return self.dropout(self.tokens(idx) + self.positions(positions))
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, cfg: GptConfig):
+    def __init__(self, cfg: GptConfig, packing: Packing | None = None):
         super().__init__()
+        self.packing = packing or Packing()
         self.head_dim, self.dropout = cfg.width // cfg.heads, cfg.dropout
         self.manual = cfg.attention == "manual"
         self.qkv = nn.Linear(cfg.width, 3 * cfg.width)
@@ -64,30 +92,34 @@ class SelfAttention(nn.Module):
         # q, k, v rows adjacent, so a column split of qkv (tensor parallel) gives each rank
         # whole heads: the head count is whatever this rank holds
         q, k, v = self.qkv(x).view(B, T, -1, 3, self.head_dim).permute(3, 0, 2, 1, 4)
+        mask = self.packing.mask  # (B, 1, T, T): causal within each document
         if self.manual:
-            y = self._manual(q, k, v)
+            y = self._manual(q, k, v, mask)
         else:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+            # a mask where documents are packed: torch's kernel for masks, not flash
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                                dropout_p=self.dropout if self.training else 0.0)
         return self.proj_dropout(self.proj(y.transpose(1, 2).flatten(2)))
 
-    def _manual(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _manual(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
         """nanoGPT's path without a fused kernel: the (T, T) scores made, masked and
         softmaxed in memory, as attention ran before flash attention (Megatron-LM's, GPT-2's
         own code)."""
         T = q.shape[-2]
         scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))
-        causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+        causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril() if mask is None \
+            else mask
         weights = F.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
         weights = F.dropout(weights, self.dropout, self.training)
         return weights @ v
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: GptConfig, index: int = 0):
+    def __init__(self, cfg: GptConfig, index: int = 0, packing: Packing | None = None):
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.width)
-        self.attn = SelfAttention(cfg)
+        self.attn = SelfAttention(cfg, packing)
         self.ln2 = nn.LayerNorm(cfg.width)
         if cfg.moe.is_moe(index):
             self.mlp = moes.MoE(cfg.width, cfg.moe, index)
@@ -123,8 +155,9 @@ class GPT(Model):
         super().__init__()
         self.cfg = cfg = GptConfig(vocab_size, context, layers, heads, width, dropout,
                                    tie_embeddings, attention, moes.config_of(moe))
-        self.embed = Embed(cfg)
-        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.layers))
+        self.packing = Packing()
+        self.embed = Embed(cfg, self.packing)
+        self.blocks = nn.ModuleList(Block(cfg, i, self.packing) for i in range(cfg.layers))
         self.head = Head(cfg)
         self.apply(_init_weights)
         out_std = 0.02 / math.sqrt(2 * cfg.layers)  # GPT-2: residual projections scaled
@@ -139,6 +172,14 @@ class GPT(Model):
 
     def stages(self) -> list[nn.Module]:
         return [self.embed, *self.blocks, self.head]
+
+    def forward(self, x: torch.Tensor, *, documents: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """(B, T) token ids -> (B, T, vocab) logits; `documents` (B, T): which document of
+        its packed window each token is in (data.document_mask), so that attention and
+        positions stay within each, as if each document were trained alone."""
+        self.packing.update(documents)
+        return super().forward(x)
 
     def get_output_embeddings(self) -> nn.Module:
         """The layer that makes the logits (transformers' name for it)."""

@@ -20,6 +20,7 @@ from torch import nn
 from parallab import batch as batch_of
 from parallab import metrics, schedule
 from parallab.config.schema import TrainerConfig
+from parallab import data as data_of
 from parallab.data import Data
 from parallab.data.loaders import micro_batches, to_channels_last
 from parallab.data.stream import refuse_partial_epoch, run_length
@@ -359,6 +360,8 @@ class Trainer:
             **{f"train/{k}": v for k, v in figures.items()},
             "train/epoch": self.epoch,
             "train/skipped_steps": self.skipped,
+            **{f"data/tokens/{name}": n
+               for name, n in data_of.source_tokens(self.data.train).items()},
         }, self.step)
         if progress is not None:
             shown = "-" if loss is None else f"{loss:.4f}"
@@ -395,6 +398,8 @@ class Trainer:
             **self.evaluation.monitor.summary(),
             **self.meter.comm,
             **(self.expert_load.summary() if self.expert_load is not None else {}),
+            **({"source_tokens": tokens} if (tokens := data_of.source_tokens(self.data.train))
+               else {}),
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -408,7 +413,7 @@ class Trainer:
                    for name, part in parts.items()},
                 **self.window.state_dict(), "skipped_steps": self.skipped,
                 "step": self.step, "epoch": self.epoch, "epoch_step": self.epoch_step,
-                "total_steps": self.total_steps}
+                "total_steps": self.total_steps, "data": data_of.position(self.data.train)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.runtime.load_state_dict(self.model, self.optimizer, state["model"],
@@ -416,6 +421,7 @@ class Trainer:
         self.precision.load_state_dict(state["grad_scaler"])
         self.step, self.epoch, self.epoch_step = state["step"], state["epoch"], state["epoch_step"]
         self.window.load_state_dict(state)
+        data_of.restore_position(self.data.train, state.get("data"))  # its global sample
         self.skipped = state["skipped_steps"]
         self.evaluation.load_state_dict(state.get("monitor"))
         if self.scheduler is not None and state.get("scheduler"):  # its step count

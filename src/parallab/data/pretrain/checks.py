@@ -1,0 +1,157 @@
+"""data=token_files' checks before launch, each a line that names the key and the fix:
+its keys, a mixture's names and weights, the files (there, readable, an .idx matching its
+.bin, at least one window long), a dtype that holds the model's vocabulary and token ids
+below it (a sampled check), document boundaries where asked for; and, resuming, files that
+changed since the checkpoint."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+
+from parallab.data.pretrain import files as token_files
+from parallab.data.pretrain.files import DTYPES, FileProblem, TokenFile
+
+SAMPLED_SLICES, SLICE_TOKENS = 16, 4096  # ids read per file: 64 Ki tokens, spread out
+
+
+def problem(cfg) -> Optional[str]:
+    return _keys(cfg) or _sources(cfg) or _files(cfg)
+
+
+def _keys(cfg) -> Optional[str]:
+    from parallab.data.token_files import SAMPLES
+
+    if cfg.dtype not in DTYPES:
+        return f"data.dtype={cfg.dtype} is unknown: use uint16 or uint32"
+    if cfg.sample not in SAMPLES:
+        return f"data.sample={cfg.sample} is unknown: use {', '.join(SAMPLES)}"
+    for key, low in (("seq_len", 1), ("prefetch", 0), ("eval_samples", 1)):
+        value = getattr(cfg, key)
+        if value is not None and value < low:
+            return f"data.{key}={value} is out of range: it must be >= {low}"
+    if cfg.eval_files is None and not 0 < cfg.eval_fraction < 1:
+        return (f"data.eval_fraction={cfg.eval_fraction} is out of range: it must be in (0, 1)"
+                " (or give data.eval_files)")
+    if (cfg.files is None) == (cfg.sources is None):
+        return ("data.files and data.sources are both set: give one (data.sources is a mixture "
+                "of several)" if cfg.files is not None else "data.files is not set: give "
+                "token files (a glob, a path or a list), or data.sources")
+    vocab = cfg.vocab_size
+    if cfg.eos_id is not None and (cfg.eos_id < 0 or (vocab is not None and cfg.eos_id >= vocab)):
+        return (f"data.eos_id={cfg.eos_id} is no token id of the vocabulary of {vocab}: give "
+                "the tokenizer's end-of-text id")
+    return None
+
+
+def _sources(cfg) -> Optional[str]:
+    if cfg.sources is None:
+        return None
+    if not isinstance(cfg.sources, (list, tuple)) or not cfg.sources or not all(
+            isinstance(s, dict) and {"name", "files"} <= set(s) for s in cfg.sources):
+        return ("data.sources is not a list of {name, files, weight}: give e.g. "
+                "data.sources='[{name: web, files: web/*.bin, weight: 0.7}, ...]'")
+    names = [str(s["name"]) for s in cfg.sources]
+    twice = next((n for n in names if names.count(n) > 1), None)
+    if twice is not None:
+        return f"data.sources names {twice} twice: give each source a name of its own"
+    for name, _, weight in cfg.named_sources():
+        if not isinstance(weight, (int, float)) or weight < 0 or weight != weight:
+            return (f"data.sources: {name}'s weight {weight} is not a share: give a number "
+                    ">= 0 (they need not sum to 1)")
+    if sum(w for _, _, w in cfg.named_sources()) <= 0:
+        return "data.sources' weights sum to 0: give at least one source a weight > 0"
+    return None
+
+
+def _files(cfg) -> Optional[str]:
+    specs = [(f"data.sources.{n}.files" if cfg.sources is not None else "data.files", s)
+             for n, s, _ in cfg.named_sources()]
+    if cfg.eval_files is not None:
+        specs.append(("data.eval_files", cfg.eval_files))
+    window = cfg.seq_len + 1
+    for key, spec in specs:
+        paths = token_files.paths(spec)
+        if not paths:
+            return (f"{key}={spec} matches no file: give token files (a glob, a path or a "
+                    "list); `parallab prepare-data` writes them from text")
+        try:
+            opened = cfg.opened(spec)
+        except FileProblem as error:
+            return f"{key}: {error}"
+        for file in opened:
+            found = _file_problem(cfg, file, window)
+            if found:
+                return f"{key}: {found}"
+    return None
+
+
+def _file_problem(cfg, file: TokenFile, window: int) -> Optional[str]:
+    if len(file) < window:
+        return (f"{file.path} holds {len(file)} tokens, fewer than one window of "
+                f"data.seq_len + 1 = {window}: give a longer file, or a shorter data.seq_len")
+    vocab = cfg.vocab_size
+    dtype = file.tokens.dtype
+    if vocab is not None and vocab - 1 > np.iinfo(dtype).max:
+        return (f"{file.path} holds {dtype} ids (below {np.iinfo(dtype).max + 1}), too few for "
+                f"the model's vocabulary of {vocab}: write the files as uint32 and set "
+                "data.dtype=uint32")
+    if vocab is not None:
+        high, at = sampled_max(file.tokens)
+        if high >= vocab or high < 0:
+            return (f"{file.path} holds token id {high} (at token {at}), not in the model's "
+                    f"vocabulary of {vocab}: give data.dtype as the file was written, or a "
+                    "model vocabulary that holds the tokenizer's")
+    if cfg.marks() and not file.marks_documents and cfg.eos_id is None:
+        key = "document_mask" if cfg.document_mask else "skip_boundary_target"
+        return (f"data.{key}=true needs document boundaries, which {file.path} does not mark: "
+                "set data.eos_id (the end-of-text id between documents) or give Megatron-LM "
+                ".bin/.idx pairs")
+    return None
+
+
+def sampled_max(tokens: np.ndarray) -> tuple[int, int]:
+    """The largest id (or a negative one) among SAMPLED_SLICES slices spread over the
+    file, and where it is: a wrong dtype shows in any slice, so a sample finds it."""
+    starts = np.linspace(0, max(0, len(tokens) - SLICE_TOKENS), SAMPLED_SLICES).astype(np.int64)
+    worst, where = -1, 0
+    for start in np.unique(starts).tolist():
+        chunk = np.asarray(tokens[start:start + SLICE_TOKENS])
+        low, high = int(chunk.min()), int(chunk.max())
+        if low < 0:
+            return low, start + int(chunk.argmin())
+        if high > worst:
+            worst, where = high, start + int(chunk.argmax())
+    return worst, where
+
+
+def changed(cfg, saved: Any, resume: str) -> Optional[str]:
+    """A checkpoint's data (its files' fingerprints, seq_len, a mixture's weights) that
+    differs here: one line naming what changed. A run must not go on on other data."""
+    if not isinstance(saved, dict) or "files" not in saved:
+        return None
+    before = {f["path"]: f for f in saved["files"]}
+    now = {f["path"]: f for f in cfg.fingerprints()}
+    for path, print_ in before.items():
+        if path not in now:
+            return (f"trainer.resume={resume} was saved training on {path}, which this run's "
+                    "data does not name (or no longer exists): train on the files it was saved "
+                    "with, or start a new run")
+        if print_ != now[path]:
+            return (f"trainer.resume={resume}: {path} changed since the checkpoint (its size or "
+                    "contents): the next samples would be others; put the file back as it was, "
+                    "or start a new run")
+    added = next((p for p in now if p not in before), None)
+    if added is not None:
+        return (f"trainer.resume={resume} was saved without {added}, which this run's data "
+                "adds: the order of samples would change; drop it, or start a new run")
+    if saved.get("seq_len") != cfg.seq_len:
+        return (f"trainer.resume={resume} was saved at data.seq_len={saved.get('seq_len')}: "
+                "give it again, or start a new run")
+    weights = {n: float(w) for n, _, w in cfg.named_sources()} if cfg.sources else None
+    if (saved.get("sources") or None) != weights:
+        return (f"trainer.resume={resume} was saved with data.sources weights "
+                f"{saved.get('sources')}, here {weights}: give them as saved, or start a new "
+                "run")
+    return None
