@@ -303,7 +303,8 @@ APPS = {"train": train, "evaluate": evaluate, "advise": advise,  # Hydra apps: a
 def parallab() -> None:
     """`parallab train [overrides]` = python train.py; `parallab evaluate ckpt=PATH` =
     python evaluate.py; `parallab summary DIR`: rebuild a finished multirun's summary;
-    `parallab export CKPT OUT`: a checkpoint's full model state as one file."""
+    `parallab export CKPT OUT`: a checkpoint's full model state as one file; `parallab
+    prepare-data FILES --tokenizer DIR --out DIR`: token files from text."""
     import argparse
 
     # as `python -m` does: a project's own modules (its model, its data) import from where
@@ -339,7 +340,19 @@ def parallab() -> None:
     export.add_argument("--merged", action="store_true", help="a checkpoint with LoRA adapters: "
                         "the base with the adapters folded in, in any format (without: a peft "
                         "adapter folder PeftModel.from_pretrained reads)")
+    said = ("token files from text: Megatron-LM .bin/.idx pairs that data=token_files reads "
+            "(OUT/train.bin, OUT/val.bin)")
+    from parallab.data.pretrain import prepare
+
+    prepare.arguments(commands.add_parser("prepare-data", help=said, description=said))
     args = parser.parse_args()
+    if args.command == "prepare-data":
+        try:
+            prepare.main(args)
+        except ConfigError as error:
+            print(error, file=sys.stderr)  # one line, as every refusal
+            raise SystemExit(2) from None
+        return
     if args.command == "export":
         from parallab.training.checkpoint import CheckpointError
 

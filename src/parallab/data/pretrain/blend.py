@@ -2,8 +2,9 @@
 (Megatron-LM's blend), a pure function of the sample's number g: what rank reads it, at
 what world size or layout, and where the run was resumed play no part.
 
-A mixture repeats a pattern of PERIOD samples in which source s holds its weight's share
-(largest remainders, each source with a weight at least one) in an even interleave: the
+A mixture repeats a pattern of a period of samples (the shortest in which the weights are
+whole counts, at most PERIOD) in which source s holds its weight's share (largest
+remainders where they are not whole, each source with a weight at least one) in an even interleave: the
 merged ticks (k + 1/2) / count_s, Sainte-Laguë's order. Sample g is slot g % PERIOD of
 pass g // PERIOD, so which source it is and which of that source's samples (its k-th) are
 two look-ups, and the tokens each source gave up to g a count: nothing is built or
@@ -14,13 +15,25 @@ Megatron-LM's blend).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from fractions import Fraction
 
 import numpy as np
 
 from parallab.data.pretrain.windows import Windows
 
 PERIOD = 1 << 16  # weights are honoured to 1 / PERIOD
+
+
+def period_of(weights: list[float]) -> int:
+    """The shortest period in which every share is a whole count (weights as written, 0.7
+    or 3: their decimals), else PERIOD: weights such as token counts are then honoured to
+    1 / PERIOD."""
+    shares = [Fraction(repr(float(w))) for w in weights]
+    total = sum(shares)
+    period = math.lcm(*((share / total).denominator for share in shares))
+    return period if period <= PERIOD else PERIOD
 
 
 def counts(weights: list[float], period: int) -> np.ndarray:
@@ -60,7 +73,7 @@ class Stream:
         self.sources, self.seed = sources, seed
         self.marks = documents  # read where each token's document is (data.document_mask)
         live = [s.weight > 0 for s in sources]
-        self.period = PERIOD if len(sources) > 1 else 1
+        self.period = period_of([s.weight for s in sources])
         self.per_period = counts([s.weight for s in sources], self.period)
         self.slot_source, self.slot_rank = interleave(self.per_period)
         # prefix[s][r]: source s's samples among a period's first r slots

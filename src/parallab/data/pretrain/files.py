@@ -131,26 +131,25 @@ def _hash(path: str) -> str:
     return digest.hexdigest()
 
 
-def write_indexed(prefix: str | Path, documents: list[np.ndarray] | np.ndarray,
-                  lengths: np.ndarray | None = None) -> tuple[Path, Path]:
-    """A Megatron-LM pair PREFIX.bin/.idx: the documents' tokens one after another, and the
-    index of where each starts (one sequence per document). `documents` is a list of
-    arrays, or one array cut by `lengths`."""
-    prefix = Path(prefix)
-    if lengths is None:
-        lengths = np.array([len(d) for d in documents], dtype=np.int64)
-        tokens = np.concatenate(documents) if len(documents) else np.zeros(0, np.uint16)
-    else:
-        tokens = np.asarray(documents)
-    code = IDX_CODE_OF[np.dtype(tokens.dtype)]
-    data, index = prefix.with_suffix(".bin"), prefix.with_suffix(".idx")
-    tokens.tofile(data)
-    pointers = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64) * \
-        tokens.dtype.itemsize
-    with open(index, "wb") as f:
-        f.write(IDX_HEADER + struct.pack("<QBQQ", IDX_VERSION, code, len(lengths),
-                                         len(lengths) + 1))
-        f.write(np.asarray(lengths, dtype=np.int32).tobytes())
+def write_index(path: Path, lengths: np.ndarray, dtype: np.dtype) -> None:
+    """Megatron-LM's index: header, version, dtype code, counts, each document's length
+    (int32) and byte pointer (int64), and the document index (one sequence each)."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    pointers = np.zeros(len(lengths), dtype=np.int64)
+    pointers[1:] = np.cumsum(lengths)[:-1] * np.dtype(dtype).itemsize
+    with open(path, "wb") as f:
+        f.write(IDX_HEADER + struct.pack("<QBQQ", IDX_VERSION, IDX_CODE_OF[np.dtype(dtype)],
+                                         len(lengths), len(lengths) + 1))
+        f.write(lengths.astype(np.int32).tobytes())
         f.write(pointers.tobytes())
         f.write(np.arange(len(lengths) + 1, dtype=np.int64).tobytes())
-    return data, index
+
+
+def write_indexed(prefix: str | Path, documents: list[np.ndarray]) -> Path:
+    """A Megatron-LM pair PREFIX.bin/.idx of `documents` (arrays of one dtype); the .bin."""
+    prefix = Path(prefix)
+    tokens = np.concatenate(documents)
+    tokens.tofile(prefix.with_suffix(".bin"))
+    write_index(prefix.with_suffix(".idx"), np.array([len(d) for d in documents]),
+                tokens.dtype)
+    return prefix.with_suffix(".bin")

@@ -1,0 +1,127 @@
+"""`parallab prepare-data`: text, jsonl or parquet files tokenized once, with the `datasets`
+library's own worker processes and progress bars and a tokenizer folder (as data=hf_text
+reads them), into Megatron-LM .bin/.idx pairs that data=token_files reads in place:
+OUT/train.bin, OUT/train.idx and OUT/val.bin, OUT/val.idx. Each document's tokens are
+followed by the tokenizer's end-of-text id (nanoGPT's and Megatron-LM's --append-eod), and
+the .idx keeps where each document starts, so data.document_mask works on them.
+
+    parallab prepare-data corpus/*.jsonl --tokenizer my_tokenizer --out tokens --num-proc 8
+    parallab train model=gpt data=token_files data.files=tokens/train.bin \
+        data.eval_files=tokens/val.bin
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from parallab.config.errors import ConfigError
+from parallab.data.pretrain.files import write_index
+
+BATCH = 1000  # documents tokenized per call, and written per write
+
+
+def arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("files", nargs="+", help="text (.txt, .md: a document a file), "
+                        ".json/.jsonl, .parquet or .csv files, or globs of them")
+    parser.add_argument("--tokenizer", required=True, help="a local tokenizer folder "
+                        "(AutoTokenizer.from_pretrained reads it)")
+    parser.add_argument("--out", required=True, type=Path, help="the folder to write "
+                        "train.bin/.idx and val.bin/.idx into")
+    parser.add_argument("--text-key", default="text", help="the column that holds the text "
+                        "(json, parquet, csv)")
+    parser.add_argument("--eval-fraction", type=float, default=0.0005, help="the share of "
+                        "documents held out as val (nanoGPT's 0.0005); 0: none")
+    parser.add_argument("--num-proc", type=int, default=max(1, (os.cpu_count() or 2) // 2),
+                        help="tokenizing processes (datasets' num_proc)")
+    parser.add_argument("--seed", type=int, default=2357, help="the seed of the val split")
+    parser.add_argument("--no-eos", action="store_true", help="write no end-of-text id "
+                        "after each document")
+
+
+def prepare(files: list[str], tokenizer: str, out: Path, text_key: str = "text",
+            eval_fraction: float = 0.0005, num_proc: int = 1, seed: int = 2357,
+            eos: bool = True) -> dict[str, Any]:
+    """Tokenize and write; returns what was written (paths, documents and tokens per
+    split, the dtype). ConfigError, one line, for bad input."""
+    from parallab.data import hf_text
+
+    paths = list(hf_text._paths(files))
+    problem = hf_text._files_problem("files", files, optional=False)
+    if problem:
+        raise ConfigError(f"parallab prepare-data: {problem.removeprefix('data.')}")
+    if not Path(tokenizer).expanduser().is_dir():
+        raise ConfigError(f"parallab prepare-data: --tokenizer {tokenizer} is not a folder: give "
+                          "a local tokenizer folder (saved by tokenizer.save_pretrained)")
+    if not 0 <= eval_fraction < 1:
+        raise ConfigError(f"parallab prepare-data: --eval-fraction {eval_fraction} is out of "
+                          "range: it must be in [0, 1)")
+    tok = hf_text._tokenizer(str(Path(tokenizer).expanduser()))
+    end = [tok.eos_token_id] if eos and tok.eos_token_id is not None else []
+    dtype = np.dtype(np.uint16 if len(tok) <= 1 << 16 else np.int32)  # Megatron-LM's rule
+    rows = _documents(paths, text_key)
+
+    def tokenize(batch: dict[str, list]) -> dict[str, list]:
+        ids = tok(batch[text_key], add_special_tokens=False)["input_ids"]
+        return {"ids": [i + end for i in ids], "length": [len(i) + len(end) for i in ids]}
+
+    tokens = rows.map(tokenize, batched=True, batch_size=BATCH, num_proc=num_proc,
+                      remove_columns=rows.column_names, desc="tokenizing")
+    held = max(1, int(len(tokens) * eval_fraction)) if eval_fraction and len(tokens) > 1 else 0
+    splits = {"train": tokens}
+    if held:
+        parts = tokens.train_test_split(test_size=held, seed=seed, shuffle=True)
+        splits = {"train": parts["train"], "val": parts["test"]}
+    out.mkdir(parents=True, exist_ok=True)
+    written = {name: write_split(split, out / name, dtype) for name, split in splits.items()}
+    return {"dtype": str(dtype), "vocab_size": len(tok), "eos_id": end[0] if end else None,
+            **written}
+
+
+def _documents(paths: list[str], text_key: str):
+    from datasets import load_dataset
+
+    from parallab.data.hf_text import BUILDERS
+
+    builder = BUILDERS[Path(paths[0]).suffix.lower()]
+    options = {"sample_by": "document"} if builder == "text" else {}
+    rows = load_dataset(builder, data_files=paths, split="train", **options)
+    if text_key not in rows.column_names:
+        raise ConfigError(f"parallab prepare-data: --text-key {text_key} is no column of "
+                          f"{paths[0]} (its columns: {', '.join(rows.column_names)})")
+    return rows.select_columns([text_key])
+
+
+def write_split(split, prefix: Path, dtype: np.dtype) -> dict[str, Any]:
+    """One split as PREFIX.bin/.idx, written a batch of documents at a time (never held
+    whole), with a progress bar."""
+    from tqdm.auto import tqdm
+
+    lengths = np.asarray(split["length"], dtype=np.int64)
+    with open(prefix.with_suffix(".bin"), "wb") as data, \
+            tqdm(total=int(lengths.sum()), unit="tok", unit_scale=True,
+                 desc=f"writing {prefix.name}.bin") as bar:
+        for batch in split.iter(batch_size=BATCH):
+            ids = np.fromiter((t for doc in batch["ids"] for t in doc), dtype=dtype)
+            ids.tofile(data)
+            bar.update(len(ids))
+    write_index(prefix.with_suffix(".idx"), lengths, dtype)
+    return {"path": str(prefix.with_suffix(".bin")), "documents": len(lengths),
+            "tokens": int(lengths.sum())}
+
+
+def main(args: argparse.Namespace) -> None:
+    found = prepare(args.files, args.tokenizer, args.out, args.text_key, args.eval_fraction,
+                    args.num_proc, args.seed, not args.no_eos)
+    for name in ("train", "val"):
+        if name in found:
+            split = found[name]
+            print(f"{split['path']}: {split['documents']:,} documents, {split['tokens']:,} "
+                  f"tokens ({found['dtype']})")
+    val = f" data.eval_files={args.out / 'val.bin'}" if "val" in found else ""
+    print(f"train with: parallab train data=token_files data.files={args.out / 'train.bin'}"
+          f"{val}")  # the .idx marks the documents: no data.eos_id needed

@@ -1,0 +1,286 @@
+"""data=token_files: token files read in place (nanoGPT's .bin, .npy, Megatron-LM's
+.bin/.idx), the global order of samples and a mixture's proportions, documents kept apart
+in a packed window, a resume that holds across world sizes, `parallab prepare-data`, and
+each bad input refused in one line before launch."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+from conftest import TINY_LLAMA, checked, losses, output, read_metrics, run_entry
+
+from parallab.config.errors import ConfigError
+from parallab.data.pretrain import files as token_files
+from parallab.data.pretrain.blend import PERIOD, Source, Stream
+from parallab.data.pretrain.loader import Samples, TokenLoader
+from parallab.data.pretrain.windows import Windows
+from parallab.launching.distributed import Dist
+
+SEQ = 16
+GPT = ["model=gpt", "model.layers=1", "model.heads=2", "model.width=16",
+       f"model.context={SEQ}", "model.vocab_size=256", "model.dropout=0", "data=token_files",
+       "data.eval_samples=16", "data.batch_size=4", "trainer.log_every_n_steps=1",
+       "trainer.checkpoint_every_n_steps=null", "device=cpu"]
+
+
+def learnable(n: int, seed: int, dtype=np.uint16) -> np.ndarray:
+    """Token ids below 256 that mostly follow a fixed map, so a model learns from them."""
+    rng = np.random.default_rng(seed)
+    follows, tokens = rng.permutation(256), np.empty(n, dtype=np.int64)
+    tokens[0] = 0
+    drawn, noisy = rng.integers(0, 256, n), rng.random(n) < 0.1
+    for i in range(1, n):
+        tokens[i] = drawn[i] if noisy[i] else follows[tokens[i - 1]]
+    return tokens.astype(dtype)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """nanoGPT's train.bin (np.memmap uint16, as its prepare.py writes it), a .npy of
+    uint32, and a Megatron-LM pair of documents ending in end-of-text (id 1)."""
+    root = tmp_path_factory.mktemp("tokens")
+    web = np.memmap(root / "web.bin", dtype=np.uint16, mode="w+", shape=(20_000,))
+    web[:] = learnable(20_000, 0)
+    web.flush()
+    np.save(root / "code.npy", learnable(8_000, 1, np.uint32))
+    rng = np.random.default_rng(2)
+    docs = [np.append(rng.integers(2, 256, rng.integers(3, 40)), 1).astype(np.uint16)
+            for _ in range(300)]
+    token_files.write_indexed(root / "docs", docs)
+    return root
+
+
+def loader(stream: Stream, rank: int, world: int, batch: int) -> TokenLoader:
+    dist = Dist(rank, rank, world, world, torch.device("cpu"), None)
+    return TokenLoader(stream, Samples("pair", False, False), dist, batch, 0, [], None)
+
+
+def test_windows_are_nanogpts_read_in_place_in_a_seeded_order(corpus):
+    tokens = np.memmap(corpus / "web.bin", dtype=np.uint16, mode="r")
+    windows = Windows([token_files.open_tokens(str(corpus / "web.bin"), "uint16")], SEQ)
+    assert len(windows) == (len(tokens) - 1) // SEQ
+    at = np.array([0, 7, len(windows) - 1])
+    expected = [tokens[i * SEQ:i * SEQ + SEQ + 1] for i in at]  # x the first SEQ, y shifted
+    assert np.array_equal(windows.read(at), np.stack(expected))
+    order = windows.order(seed=0, source=0, rounds=0)
+    assert sorted(order.tolist()) == list(range(len(windows)))
+    assert not np.array_equal(order, windows.order(seed=0, source=0, rounds=1))
+
+
+def test_the_global_order_is_the_same_at_every_world_size_and_starts_anywhere_at_once(corpus):
+    web = Windows([token_files.open_tokens(str(corpus / "web.bin"), "uint16")], SEQ)
+    stream = Stream([Source("web", web)], seed=3)
+    steps = {}
+    for world, batch in ((1, 8), (2, 4), (4, 2)):  # a global batch of 8 each time
+        ranks = [loader(stream, r, world, batch) for r in range(world)]
+        for r in ranks:
+            r.set_epoch(0)
+        per_rank = [list(r) for r in ranks]
+        steps[world] = [torch.cat([per_rank[r][i][0] for r in range(world)])
+                        for i in range(5)]
+    for world in (2, 4):
+        assert all(torch.equal(a, b) for a, b in zip(steps[1], steps[world]))
+    far = loader(stream, 0, 1, 8)
+    far.load_state_dict({"next_sample": 10**12})  # a position no run replays to
+    began = time.perf_counter()
+    far.set_epoch(10**12 // far.epoch_samples)
+    first = next(iter(far))
+    assert time.perf_counter() - began < 0.5
+    expected = stream.read(10**12, 8)[0]
+    assert torch.equal(first[0], torch.from_numpy(expected[:, :-1]))
+
+
+def test_a_mixture_draws_deterministically_in_proportion_to_its_weights(corpus):
+    opened = [token_files.open_tokens(str(corpus / name), "uint16")
+              for name in ("web.bin", "code.npy", "docs.bin")]
+    weights = [0.6, 0.3, 0.1]
+    stream = Stream([Source(n, Windows([f], SEQ), w)
+                     for n, f, w in zip(("web", "code", "docs"), opened, weights)], seed=0)
+    source, k = stream.locate(np.arange(100_000))
+    for g in (10, 997, 99_999):  # every prefix within a sample of its share
+        seen = np.bincount(source[:g], minlength=3)
+        assert np.abs(seen - g * np.array(weights)).max() < 1
+        assert np.array_equal(seen, stream.samples_before(g))
+    for s in range(3):  # each source's samples numbered 0, 1, 2, ... in order
+        assert np.array_equal(k[source == s], np.arange((source == s).sum()))
+    share = 0.123456789  # a share no short period holds: honoured to 1 / PERIOD
+    odd = Stream([Source("a", stream.sources[0].windows, share),
+                  Source("b", stream.sources[1].windows, 1 - share)], seed=0)
+    assert odd.period == PERIOD
+    assert abs(odd.samples_before(10**9)[0] / 10**9 - share) < 1 / PERIOD
+    again = Stream(stream.sources, seed=0)
+    assert np.array_equal(again.read(12345, 16)[0], stream.read(12345, 16)[0])
+
+
+def test_a_packed_window_with_the_document_mask_is_each_document_alone():
+    from parallab.models.gpt import GPT
+
+    torch.manual_seed(0)
+    for attention in ("sdpa", "manual"):
+        model = GPT(vocab_size=64, context=16, layers=2, heads=2, width=16,
+                    attention=attention).eval()
+        lengths = [5, 8, 3]
+        x = torch.randint(0, 64, (1, sum(lengths)))
+        documents = torch.repeat_interleave(torch.arange(3), torch.tensor(lengths))[None]
+        with torch.no_grad():
+            packed = model(x, documents=documents)
+            alone = torch.cat([model(part) for part in x.split(lengths, dim=1)], dim=1)
+            plain = model(x)
+        assert torch.allclose(packed, alone, atol=1e-5)
+        assert not torch.allclose(plain, alone, atol=1e-3)  # without it, they attend across
+
+
+def test_documents_from_an_idx_or_an_end_of_text_id_and_the_boundary_targets(corpus):
+    pair = token_files.open_tokens(str(corpus / "docs.bin"), "uint16")
+    flat = token_files.TokenFile(pair.path, pair.tokens)  # the same tokens, no .idx
+    at = np.arange(5)
+    by_index = Windows([pair], SEQ).documents(at, Windows([pair], SEQ).read(at))
+    by_eos = Windows([flat], SEQ, eos_id=1).documents(at, Windows([flat], SEQ).read(at))
+    assert np.array_equal(by_index, by_eos) and by_index.max() > 0
+    tokens = Windows([pair], SEQ).read(at)
+    (inputs, y) = Samples("pair", True, True)(tokens, by_index)
+    starts = by_index[:, 1:] != by_index[:, :-1]  # y's token begins a new document
+    assert torch.equal(y == -100, torch.from_numpy(starts))
+    assert torch.equal(inputs["documents"], torch.from_numpy(by_index[:, :-1]))
+    lm = Samples("causal_lm", True, True)(tokens, by_index)
+    assert lm["position_ids"][starts[:, :-1].nonzero()[0][0], :].min() == 0
+
+
+@pytest.fixture(scope="module")
+def mixture_runs(corpus, tmp_path_factory):
+    """A mixture trained 8 steps at one process, and cut at step 4 under ddp with two
+    ranks (half the batch each), then resumed at one process: the same global batch."""
+    from parallab.cli import train_in_process
+
+    root = tmp_path_factory.mktemp("mixture")
+    mix = [*GPT, f"data.sources=[{{name: web, files: {corpus}/web.bin, weight: 3}}, "
+           f"{{name: code, files: {corpus}/code.npy, weight: 1}}]"]
+    whole = train_in_process([*mix, "trainer.max_steps=8"], root / "whole")
+    train_in_process([*mix, "trainer.max_steps=4", "parallel=ddp", "parallel.world_size=2",
+                      "data.batch_size=2"], root / "cut")
+    resumed = train_in_process([*mix, "trainer.max_steps=8", "trainer.resume=auto"],
+                               root / "cut")
+    return (whole, root / "whole"), (resumed, root / "cut")
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_mixture_resumed_at_another_world_size_continues_the_uninterrupted_losses(
+        mixture_runs):
+    (whole, whole_dir), (resumed, cut_dir) = mixture_runs
+    expected, got = losses(whole_dir), losses(cut_dir)
+    assert len(expected) == len(got) == 8
+    assert got == pytest.approx(expected, rel=1e-5)
+    assert resumed["source_tokens"] == whole["source_tokens"] == {"web": 6 * 4 * SEQ,
+                                                                  "code": 2 * 4 * SEQ}
+
+
+def test_a_transformers_causal_lm_trains_on_documents_kept_apart(corpus, train_here):
+    metrics, _ = train_here(*TINY_LLAMA, "data=token_files", f"data.files={corpus}/docs.bin",
+                            f"data.seq_len={SEQ}", "data.document_mask=true",
+                            "data.skip_boundary_target=true", "data.eval_samples=8",
+                            "trainer.max_steps=2", "trainer.checkpoint_every_n_steps=null",
+                            "device=cpu")
+    assert metrics["steps"] == 2 and np.isfinite(metrics["eval_loss"])
+
+
+def test_a_resume_on_changed_files_is_refused_naming_the_file(corpus, train_here, tmp_path):
+    data = tmp_path / "train.bin"
+    data.write_bytes((corpus / "web.bin").read_bytes())
+    train_here(*GPT, f"data.files={data}", "trainer.max_steps=2")
+    with open(data, "r+b") as f:  # same size, other tokens
+        f.seek(1000)
+        f.write(b"\x07\x00" * 8)
+    with pytest.raises(ConfigError, match=rf"{data} changed since the checkpoint"):
+        train_here(*GPT, f"data.files={data}", "trainer.max_steps=4", "trainer.resume=auto")
+
+
+def bad_inputs(root) -> list:
+    short = root / "short.bin"
+    np.arange(10, dtype=np.uint16).tofile(short)
+    high = root / "high.bin"
+    np.full(100, 300, dtype=np.uint16).tofile(high)
+    (root / "cut.bin").write_bytes((root / "docs.bin").read_bytes()[:-2])
+    (root / "cut.idx").write_bytes((root / "docs.idx").read_bytes())
+    web = f"{root}/web.bin"
+    two = "[{{name: a, files: {w}, weight: {a}}}, {{name: {n}, files: {w}, weight: {b}}}]"
+    return [
+        ([f"data.files={root}/nothing*.bin"], "matches no file"),
+        ([f"data.files={web}", "model.vocab_size=100000"],
+         "uint16 ids .below 65536., too few for the model's vocabulary of 100000: write the "
+         "files as uint32 and set data.dtype=uint32"),
+        ([f"data.files={high}"], "holds token id 300 .at token 0., not in the model's "
+         "vocabulary of 256"),
+        ([f"data.files={short}"], "holds 10 tokens, fewer than one window of data.seq_len "
+         "\\+ 1 = 17"),
+        ([f"data.sources={two.format(w=web, a=1, n='b', b=-1)}"], "b's weight -1 is not a "
+         "share"),
+        ([f"data.sources={two.format(w=web, a=0, n='b', b=0)}"], "weights sum to 0"),
+        ([f"data.sources={two.format(w=web, a=1, n='a', b=1)}"], "names a twice"),
+        ([f"data.files={root}/cut.bin"], "cut.idx does not match .*cut.bin"),
+        ([f"data.files={web}", "data.document_mask=true"], "needs document boundaries"),
+    ]
+
+
+def test_each_bad_input_is_one_line_before_launch(corpus):
+    for overrides, said in bad_inputs(corpus):
+        with pytest.raises(ConfigError, match=said):
+            checked(*GPT, *overrides)
+
+
+def test_the_entrypoint_ends_a_bad_input_in_one_line_with_exit_status_2(corpus, tmp_path):
+    result = run_entry("train.py", [*GPT, f"data.files={corpus}/none*.bin"], tmp_path / "run")
+    assert result.returncode == 2, output(result)
+    said = output(result).strip().splitlines()
+    assert "Traceback" not in output(result)
+    assert said[-1].endswith(f"data.files={corpus}/none*.bin matches no file: give token "
+                             "files (a glob, a path or a list); `parallab prepare-data` "
+                             "writes them from text")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    """A byte-level BPE tokenizer of 300 tokens trained here (offline) on the shipped text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from parallab.data.bytetext import DEFAULT_TEXT
+
+    text = DEFAULT_TEXT.read_text(encoding="utf-8")[:30_000]
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator([text], trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<unk>", "<eos>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    folder = tmp_path_factory.mktemp("tokenizer")
+    PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="<unk>",
+                            eos_token="<eos>").save_pretrained(folder)
+    lines = [line for line in text.splitlines() if line.strip()]
+    (folder / "docs.jsonl").write_text("".join(f'{{"text": "{line}"}}\n' for line in lines))
+    return folder, lines
+
+
+def test_prepare_data_writes_the_documents_token_files_read(tokenizer, tmp_path, train_here):
+    from transformers import AutoTokenizer
+
+    from parallab.data.pretrain.prepare import prepare
+
+    folder, lines = tokenizer
+    found = prepare([str(folder / "docs.jsonl")], str(folder), tmp_path, eval_fraction=0.1,
+                    num_proc=2)
+    assert found["train"]["documents"] + found["val"]["documents"] == len(lines)
+    tok = AutoTokenizer.from_pretrained(folder)
+    written = token_files.open_tokens(str(tmp_path / "train.bin"), "uint16")
+    pointers = written.pointers.tolist() + [len(written) * 2]
+    docs = [written.tokens[a // 2:b // 2].tolist() for a, b in zip(pointers, pointers[1:])]
+    encoded = {tuple(tok(line, add_special_tokens=False)["input_ids"] + [tok.eos_token_id])
+               for line in lines}
+    assert all(tuple(d) in encoded for d in docs)
+    metrics, _ = train_here(*GPT, f"data.files={tmp_path}/train.bin",
+                            f"data.eval_files={tmp_path}/val.bin", "model.vocab_size=300",
+                            "data.document_mask=true", "trainer.max_steps=2")
+    assert metrics["steps"] == 2
