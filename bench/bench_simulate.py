@@ -3,8 +3,9 @@ each figure comes from: bench/published_notes.md).
 
     python bench/bench_simulate.py [--fit] [--only SUBSTRING] [--all] [--moe]
 
-Each row that parallab can run as published (its layout a parallab layout, bf16 or fp16,
-no context parallelism, a schedule parallab has) is simulated as `parallab simulate`
+Each row that parallab can run as published (its layout a parallab layout, bf16, fp16 or
+fp8 (torchao's float8 Linear layers: not with tp), no context parallelism, a schedule
+parallab has) is simulated as `parallab simulate`
 would, on the cluster preset of its hardware, and its prediction printed beside the
 published figure: tokens/s per GPU, or TFLOP/s per GPU counted by the row's own FLOP
 formula; memory where published. The rows of the principal table (the torchtitan and
@@ -74,8 +75,8 @@ def principal_rows(rows: list[dict]) -> dict[int, int]:
 
 def why_not(row: dict) -> str | None:
     """Why parallab cannot run the row as published, or None."""
-    if row["precision"] == "fp8":
-        return "float8"
+    if row["precision"] == "fp8" and int(row["tp"] or 1) > 1:
+        return "float8 with tensor parallel (train's float8 layers take no tp plan)"
     if (row["cp"] or "1") != "1":
         return "context parallel"
     if not row["layers"] or not row["tp"] or not row["seq_len"] or not row["local_batch"]:

@@ -63,6 +63,54 @@ def test_a_traced_block_counts_its_matmuls_and_attention_as_by_hand():
     assert full.saved["block"] == tokens * width * 4 < plain.saved["block"]
 
 
+def test_float8_prices_the_linear_layers_train_converts_and_nothing_else(tmp_path):
+    """precision=fp8, traced as its bf16 step: the block's Linear matmuls (forward, input
+    and weight gradients) marked float8, attention and the output layer not; priced at
+    the fp8 peak with their casts beside, the step comes out faster than bf16's but not
+    twice; FSDP2's fp8_all_gather gathers those weights in one byte; a GPU without
+    float8 tensor cores, and tp (which train's float8 layers refuse), are refused."""
+    from parallab.commands import simulate_in_process
+    from parallab.simulate.trace import Shape
+
+    found = traced(Shape(rows=2, seq_len=32, precision="fp8"))
+    marked = [op for op in found.ops if op.fp8]
+    assert {(op.phase, op.region, op.kind) for op in marked} == {
+        ("forward", "block", "matmul"), ("backward", "block", "matmul")}
+    linear = 2 * 64 * 12 * 64**2  # qkv, proj and the MLP's two: as counted above
+    assert sum(op.flops for op in marked) == 3 * linear
+    assert not [op for op in found.ops if op.kind == "matmul" and op.region == "after" and
+                op.fp8]
+    assert found.params["float8"] == 12 * 64**2
+    wide = ["model.width=2048", "model.heads=16", "model.context=1024", "data.seq_len=1024",
+            "data.batch_size=8",
+            "parallel=fsdp", "parallel.world_size=8", "cluster=h100"]
+    step = {}
+    for name in ("bf16", "fp8"):
+        answer = simulate_in_process([*GPT, *wide, f"precision={name}"], tmp_path / name)
+        step[name] = answer["layouts"][0]["parts"]
+    assert 1.1 < step["bf16"]["compute_s"] / step["fp8"]["compute_s"] < 2
+    gathered = simulate_in_process([*GPT, *wide, "precision=fp8", "precision.fp8_all_gather=true"],
+                                   tmp_path / "gathered")["layouts"][0]["parts"]
+    assert gathered["all_gather_s"] < step["fp8"]["all_gather_s"]
+    for refused, says in ((["cluster=a100"], "has no float8 tensor cores"),
+                          (["parallel=fsdp_tp", "parallel.tp=2"],
+                           "precision=fp8 with parallel.tp=2: float8 Linear layers take no")):
+        with pytest.raises(ConfigError, match=says):
+            simulate_in_process([*GPT, *wide, "precision=fp8", *refused], tmp_path / "no")
+
+
+def test_float16_pipelines_are_simulated_as_train_runs_them(tmp_path):
+    """precision=fp16 under a pipeline (train scales the schedule's loss): parallel=auto
+    ranks pipeline layouts beside the others, no longer leaving them out."""
+    from parallab.commands import simulate_in_process
+
+    simulate_in_process([*GPT, "parallel=auto", "parallel.world_size=2", "precision=fp16"],
+                        tmp_path)
+    found = json.loads((tmp_path / "simulate.json").read_text())["layouts"]
+    assert [e for e in found if e["layout"].startswith("pipeline") and e["fits"]]
+    assert "No pipeline layouts" not in (tmp_path / "simulate.md").read_text()
+
+
 def test_a_tied_head_is_held_once():
     """model.tie_embeddings=true: the head's matrix is the embedding's, held (and so
     gathered, reduced and stepped) once, where laying the model out on fake tensors had

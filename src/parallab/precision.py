@@ -63,16 +63,25 @@ def device_hint(cfg: PrecisionConfig, device_type: str) -> str | None:
     return None
 
 
-def device_problem(cfg: PrecisionConfig, device_type: str, tp: int = 1,
-                   dp_shard: int = 1) -> str | None:
-    """What the resolved device and layout rule out of cfg (fp8's needs; dp_shard: the
-    ranks FSDP2 shards over); None if nothing."""
+def layout_problem(cfg: PrecisionConfig, tp: int = 1, dp_shard: int = 1) -> str | None:
+    """What the layout rules out of cfg, wherever it runs (dp_shard: the ranks FSDP2 shards
+    over; simulate's layouts too); None if nothing."""
     if cfg.fp8_all_gather and dp_shard < 2:
         return ("precision.fp8_all_gather=true gathers FSDP2's sharded weights, and this "
                 "layout shards over no ranks: use parallel=fsdp or hsdp with 2 or more "
                 "ranks, or drop it")
+    if cfg.name == "fp8" and tp > 1:
+        return (f"precision=fp8 with parallel.tp={tp}: float8 Linear layers take no "
+                "tensor-parallel plan here: use parallel=fsdp or ddp (tp=1), or precision=bf16")
+    return None
+
+
+def device_problem(cfg: PrecisionConfig, device_type: str, tp: int = 1,
+                   dp_shard: int = 1) -> str | None:
+    """What the resolved device and layout rule out of cfg (fp8's needs; layout_problem);
+    None if nothing."""
     if cfg.name != "fp8":
-        return None
+        return layout_problem(cfg, tp, dp_shard)
     from parallab import quantize
 
     least = ".".join(map(str, FP8_CAPABILITY))
@@ -87,10 +96,7 @@ def device_problem(cfg: PrecisionConfig, device_type: str, tp: int = 1,
                 f"{found[0]}.{found[1]}: use precision=bf16")
     if not quantize.available():  # torchao, whose float8 training this is
         return "precision=fp8 needs torchao: pip install 'parallab[quantize]'"
-    if tp > 1:
-        return (f"precision=fp8 with parallel.tp={tp}: float8 Linear layers take no "
-                "tensor-parallel plan here: use parallel=fsdp or ddp (tp=1), or precision=bf16")
-    return None
+    return layout_problem(cfg, tp, dp_shard)
 
 
 def compute_dtype(name: str, device_type: str) -> torch.dtype:

@@ -463,6 +463,10 @@ class ClusterConfig:
     # the share of the peak a large matmul reaches: the one constant fitted per GPU kind,
     # from the one published run its YAML names
     matmul_efficiency: Optional[float] = MISSING
+    # the largest share of each precision's peak (bf16, fp8) a GEMM reached in a published
+    # sweep of shapes on this GPU: a float8 matmul runs at matmul_efficiency x fp8's share /
+    # bf16's (none given: at matmul_efficiency)
+    gemm_peak_share: dict[str, float] = field(default_factory=dict)
     op_overhead_us: Optional[float] = 4.0  # the least time an eager kernel takes (its launch)
     source: str = ""  # where the figures come from
     # cluster=this: measure this machine's rates again, not the ones kept (~/.cache/parallab)

@@ -35,16 +35,21 @@ T = 1e12
 # cores exist, FP16 runs at the same rate (no "fp16" entry then). Volta and Turing have no
 # TF32 or BF16 tensor cores: fp32 models run at the FP32 rate there.
 PEAKS: list[tuple[str, dict[str, float]]] = [
-    ("H100 NVL", {"fp32": 60 * T, "tf32": 835 / 2 * T, "bf16": 1671 / 2 * T}),
-    ("H100 PCIe", {"fp32": 51 * T, "tf32": 756 / 2 * T, "bf16": 1513 / 2 * T}),
-    ("H200 NVL", {"fp32": 60 * T, "tf32": 835 / 2 * T, "bf16": 1671 / 2 * T}),
+    ("H100 NVL", {"fp32": 60 * T, "tf32": 835 / 2 * T, "bf16": 1671 / 2 * T,
+                  "fp8": 3341 / 2 * T}),
+    ("H100 PCIe", {"fp32": 51 * T, "tf32": 756 / 2 * T, "bf16": 1513 / 2 * T,
+                   "fp8": 3026 / 2 * T}),
+    ("H200 NVL", {"fp32": 60 * T, "tf32": 835 / 2 * T, "bf16": 1671 / 2 * T,
+                  "fp8": 3341 / 2 * T}),
     # H100 SXM reports itself as e.g. "NVIDIA H100 80GB HBM3"; H200 SXM as "NVIDIA H200"
-    ("GH200|H200|H100", {"fp32": 67 * T, "tf32": 989 / 2 * T, "bf16": 1979 / 2 * T}),
-    ("B200", {"fp32": 75 * T, "tf32": 1125 * T, "bf16": 2250 * T}),
+    ("GH200|H200|H100", {"fp32": 67 * T, "tf32": 989 / 2 * T, "bf16": 1979 / 2 * T,
+                         "fp8": 3958 / 2 * T}),
+    ("B200", {"fp32": 75 * T, "tf32": 1125 * T, "bf16": 2250 * T, "fp8": 4500 * T}),
     ("A100", {"fp32": 19.5 * T, "tf32": 156 * T, "bf16": 312 * T}),
     ("A10G?", {"fp32": 31.2 * T, "tf32": 62.5 * T, "bf16": 125 * T}),
-    ("L40S", {"fp32": 91.6 * T, "tf32": 366 / 2 * T, "bf16": 733 / 2 * T}),
-    ("L4", {"fp32": 30.3 * T, "tf32": 120 / 2 * T, "bf16": 242 / 2 * T}),
+    ("L40S", {"fp32": 91.6 * T, "tf32": 366 / 2 * T, "bf16": 733 / 2 * T,
+              "fp8": 1466 / 2 * T}),
+    ("L4", {"fp32": 30.3 * T, "tf32": 120 / 2 * T, "bf16": 242 / 2 * T, "fp8": 485 / 2 * T}),
     ("V100S", {"fp32": 16.4 * T, "fp16": 130 * T}),
     (r"V100-SXM\d", {"fp32": 15.7 * T, "fp16": 125 * T}),
     ("V100-PCIE", {"fp32": 14 * T, "fp16": 112 * T}),
@@ -52,7 +57,8 @@ PEAKS: list[tuple[str, dict[str, float]]] = [
     ("RTX 4090", {"fp32": 82.6 * T, "tf32": 82.6 * T, "bf16": 165.2 * T}),
     ("RTX 3090", {"fp32": 35.6 * T, "tf32": 35.6 * T, "bf16": 71 * T}),
 ]
-DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
+          torch.float8_e4m3fn: "fp8"}
 
 
 def peak_flops(device_name: str, dtype: torch.dtype, tf32: bool = False) -> float | None:

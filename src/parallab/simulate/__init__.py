@@ -219,7 +219,8 @@ def layout_of(cfg, c: Candidate, facts: Facts) -> step.Layout:
                        cfg.trainer.compile, optimizer_of(cfg), dtype.itemsize, reshard,
                        cfg.trainer.clip_grad_norm is not None,
                        getattr(p, "bucket_cap_mb", 25.0), cfg.precision.tf32,
-                       _split(p, c, facts), split, c.checkpointing != "none")
+                       _split(p, c, facts), split, c.checkpointing != "none",
+                       cfg.precision.name == "fp8" and cfg.precision.fp8_all_gather)
 
 
 def _split(p, c: Candidate, facts: Facts) -> tuple[int, ...] | None:

@@ -65,6 +65,10 @@ def problem(cfg: ClusterConfig) -> str | None:
     if cfg.matmul_efficiency is not None and cfg.matmul_efficiency > 1:
         return (f"cluster.matmul_efficiency={cfg.matmul_efficiency} is out of range: it is a "
                 "share of the peak, in (0, 1]")
+    for key, value in cfg.gemm_peak_share.items():
+        if key not in ("bf16", "fp8") or not 0 < value <= 1:
+            return (f"cluster.gemm_peak_share.{key}={value} is out of range: give bf16's and "
+                    "fp8's shares of their peaks, each in (0, 1]")
     for key, value in vars(cfg.nccl).items() if not OmegaConf.is_config(cfg.nccl) else \
             cfg.nccl.items():
         if not value >= 0:
@@ -135,6 +139,7 @@ class Rates:
     links: Any = None
     # an op's seconds measured by running it (cluster=this), None where it cannot be
     timed: Any = None
+    float8_efficiency: float | None = None  # a float8 matmul's (None: matmul_efficiency)
 
     def fp32_peak(self, tf32: bool) -> float:
         """A float32 matmul's peak: TF32's tensor cores where asked and the GPU has them."""
@@ -152,12 +157,16 @@ class Rates:
         from parallab.observe import mfu
 
         peaks = {name: mfu.peak_flops(cfg.gpu, dtype) for name, dtype in
-                 (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16))}
+                 (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16),
+                  ("fp8", torch.float8_e4m3fn))}
         peaks["tf32"] = mfu.peak_flops(cfg.gpu, torch.float32, tf32=True)
         nccl = cfg.nccl if isinstance(cfg.nccl, NcclLatency) else NcclLatency(**cfg.nccl)
+        share = cfg.gemm_peak_share
+        float8 = cfg.matmul_efficiency * share["fp8"] / share["bf16"] \
+            if {"fp8", "bf16"} <= set(share) else None
         return cls(peaks, cfg.matmul_efficiency, cfg.hbm_gbps * GBIT, cfg.intra_node_gbps * GBIT,
                    cfg.inter_node_gbps * GBIT, cfg.gpus_per_node, cfg.memory_gb * 2**30,
-                   cfg.op_overhead_us * 1e-6, nccl)
+                   cfg.op_overhead_us * 1e-6, nccl, float8_efficiency=float8)
 
     def collective_s(self, kind: str, sent: float, group: Group) -> float:
         """Seconds of one collective of `kind` (comm.KINDS) in which each rank sends `sent`

@@ -40,6 +40,7 @@ class Op:
     in_model: bool = True
     experts: bool = False  # run inside an MoE layer's experts module (expert parallelism's)
     weight_bytes: int = 0  # of its bytes, its experts' weights (3-D) and their gradients
+    fp8: bool = False  # a matmul of a Linear layer precision=fp8 trains in float8 (float8.py)
     # the op and its arguments, tensors as (shape, stride, dtype): run again on this machine
     # (cluster=this times each op for real)
     replay: Any = None
@@ -116,9 +117,11 @@ class Recorder(TorchDispatchMode):
     """Each op as Op: its FLOPs and bytes on the local tensors a rank holds (a DTensor's
     shard), its region from `tracker` (ModTracker) and the phase set from outside."""
 
-    def __init__(self, tracker, block: str, causal_lm: bool, experts: tuple[str, ...] = ()):
+    def __init__(self, tracker, block: str, causal_lm: bool, experts: tuple[str, ...] = (),
+                 float8: frozenset[str] = frozenset()):
         super().__init__()
         self.tracker, self.block, self.causal_lm = tracker, block, causal_lm
+        self.float8 = float8  # the Linear layers precision=fp8 converts, as ModTracker names
         # the block's experts modules by their path in it (a checkpoint wrapper between)
         self.experts = tuple(f".{name}" for name in experts)
         self.root = block.split(".")[0]  # the model's root module's name
@@ -192,6 +195,7 @@ class Recorder(TorchDispatchMode):
                                  if isinstance(_local(t), torch.Tensor) and
                                  _local(t).dim() == 3) if experts else 0,
                 replay=(func, tree_map(_spec, args), tree_map(_spec, kwargs)))
+        op.fp8 = op.kind == "matmul" and bool(self.float8.intersection(self.tracker.parents))
         self.ops.append(op)
         for value in flat_out:
             value = _local(value)

@@ -8,7 +8,9 @@ from pathlib import Path
 from typing import Any
 
 from parallab.config.errors import ConfigError
-from parallab.simulate import Facts, Traces, clusters, rates_of, report, search, simulate_all
+from parallab import precision
+from parallab.simulate import (Facts, Traces, clusters, float8, rates_of, report, search,
+                               simulate_all)
 from parallab.simulate.search import Candidate
 
 log = logging.getLogger("parallab")
@@ -41,10 +43,6 @@ def check(cfg) -> Any:
         raise ConfigError(f"parallel=auto with parallel.world_size={p.world_size}: one GPU has "
                           "one layout; give the cluster's GPU count (2 or more)")
     _refuse_one_process(p.name)
-    if cfg.precision.name == "fp8":
-        raise ConfigError("precision=fp8: parallab simulate models fp32, bf16 and fp16 steps "
-                          "(torchao's float8 kernels do not trace on fake tensors): use "
-                          "precision=bf16")
     validate.check_values(cfg)
     validate.check_fixed_batch(cfg)  # auto's commands too: train refuses them otherwise
     if cfg.adapter.name != "none":
@@ -78,6 +76,7 @@ def check(cfg) -> Any:
 
         stages = stages_on_meta(cfg)
     layout.plan.check(cfg, layout, stages)
+    search.refuse(precision.layout_problem(cfg.precision, layout.tp, layout.dp_shard))
     return layout
 
 
@@ -142,7 +141,7 @@ def candidates_of(cfg, layout, facts: Facts, rates) -> tuple[list[Candidate], li
                               f"{facts.checkpoint_problem}")
         return [search.given(cfg, layout)], notes
     found = search.grid(cfg, facts, rates.gpus_per_node)
-    why = facts.pipeline_problem(2) or search.float16_problem(cfg)
+    why = facts.pipeline_problem(2)
     if why:
         notes.append(f"No pipeline layouts: {why}.")
     if facts.checkpoint_problem:  # the grid's first mode past none named, as train says it
@@ -171,6 +170,7 @@ def _simulated(cfg, layout):
     """The checked config's candidates simulated on its cluster: (ranked, the seconds it
     took, notes, the traces, the rates)."""
     rates = rates_of(cfg.cluster, cfg.parallel.world_size)
+    search.refuse(float8.problem(cfg.precision.name, rates))
     facts = Facts.of(cfg)
     candidates, notes = candidates_of(cfg, layout, facts, rates)
     facts.cut()

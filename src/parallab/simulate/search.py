@@ -9,7 +9,6 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 
 from parallab.config.errors import ConfigError
 from parallab.parallel import schedules
@@ -136,15 +135,16 @@ def per_rank_batch(cfg, dp: int) -> tuple[int | None, str | None]:
 
 def grid(cfg, facts, gpus_per_node: int) -> list[Candidate]:
     """Every layout of parallel.world_size GPUs for the model (`facts`: simulate.Facts);
-    those the model or the batch cannot take carry their reason. No pipeline computes in
-    float16: its schedules take no scaled loss (train refuses it)."""
+    those the model, the batch or the precision (precision=fp8 and tp) cannot take carry
+    their reason."""
+    from parallab.precision import layout_problem
+
     n = cfg.parallel.world_size
-    scaled_loss = float16_problem(cfg) is not None
     found: list[Candidate] = []
     for tp in [t for t in powers_of_two(min(n, gpus_per_node)) if n % t == 0]:
         tp_reason = facts.tp_problem(tp)
         for pp in [p for p in powers_of_two(n // tp) if (n // tp) % p == 0]:
-            if pp > 1 and (scaled_loss or facts.pipeline_problem(pp) is not None):
+            if pp > 1 and facts.pipeline_problem(pp) is not None:
                 continue  # said once, in the notes
             dp = n // (tp * pp)
             shards = sorted({f for f in powers_of_two(dp) if dp % f == 0} | {dp})
@@ -159,7 +159,8 @@ def grid(cfg, facts, gpus_per_node: int) -> list[Candidate]:
                             continue  # train refuses it
                         for ep in expert_degrees(facts.mix, tp, shard):
                             c = Candidate(**base, **way, checkpointing=ac, ep=ep)
-                            c.reason = tp_reason or batch_reason
+                            c.reason = tp_reason or batch_reason or \
+                                layout_problem(cfg.precision, tp, shard)
                             found.append(c)
                             if tp > 1 and facts.takes_sequence_parallel and not c.reason \
                                     and facts.sp_problem(tp) is None:
@@ -176,16 +177,6 @@ def expert_degrees(mix, tp: int, shards: int) -> list[int]:
         return [1]
     carved = [tp * s for s in powers_of_two(shards) if shards % s == 0 and tp * s > 1]
     return [1, *(ep for ep in carved if mix.experts % ep == 0)]
-
-
-def float16_problem(cfg) -> str | None:
-    """Why no pipeline computes in float16 (train refuses it), or None."""
-    from parallab.precision import compute_dtype
-
-    if compute_dtype(cfg.precision.name, "cuda") != torch.float16:
-        return None
-    return (f"precision={cfg.precision.name} computes in float16 with a GradScaler, whose "
-            "scaled loss a pipeline's schedule does not take")
 
 
 def _ways(pp: int, batch: int, facts) -> list[dict[str, Any]]:

@@ -45,7 +45,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from parallab.simulate import experts
+from parallab.simulate import experts, float8
 from parallab.simulate.cluster import Group, Rates
 from parallab.simulate.experts import Split
 from parallab.simulate.trace import Op, Trace
@@ -81,6 +81,7 @@ class Layout:
     split: tuple[int, ...] | None = None  # a pipeline's cuts as parallel.split gives them
     experts: Split = Split()  # how expert parallelism splits an MoE block's experts
     recompute: bool = False  # activation checkpointing runs a block's forward again
+    float8_gathered: bool = False  # FSDP2 gathers the float8 layers' weights in float8
 
     @property
     def dp(self) -> int:
@@ -221,7 +222,8 @@ def costs(trace: Trace, rates: Rates, compile: bool, tf32: bool, ep: int = 1) ->
             chain.append(op)
             continue
         close(index)
-        seconds = op_seconds(op, rates, fp32_peak, 1 / ep if op.experts else 1.0)
+        seconds = float8.seconds(op, rates, compile, lambda s: _with_overhead(s, rates)) \
+            if op.fp8 else op_seconds(op, rates, fp32_peak, 1 / ep if op.experts else 1.0)
         found.compute[key] = found.compute.get(key, 0.0) + seconds
         if op.experts:
             found.experts[op.phase] = found.experts.get(op.phase, 0.0) + seconds
@@ -346,7 +348,8 @@ def _data_parallel(trace: Trace, c: Costs, layout: Layout, rates: Rates, busiest
         units = experts.units(trace.params["block"], trace.params.get("experts", 0.0),
                               layout.experts, layout.dp_shard)
         _sharded(layout, rates, units, held_ends, k, (
-            c.seconds("forward", "block"), c.seconds("backward", "block")), expose)
+            c.seconds("forward", "block"), c.seconds("backward", "block")), expose,
+            _gathered_bytes(trace, layout))
     elif layout.dp_replicate > 1:
         r = layout.dp_replicate
         replicas = Group.of(r, layout.tp * layout.pp, rates.gpus_per_node)
@@ -360,23 +363,24 @@ def _data_parallel(trace: Trace, c: Costs, layout: Layout, rates: Rates, busiest
 
 
 def _sharded(layout: Layout, rates: Rates, units: list[tuple[float, int]], held_ends: float,
-             k: int, block: tuple[float, float], expose) -> None:
+             k: int, block: tuple[float, float], expose, element: float) -> None:
     """FSDP2 over dp_shard ranks (HSDP: and dp_replicate replicas) of `k` blocks, each of
     its units (`units`: elements gathered whole, ranks sharding them: experts.units) and
     the root unit (`held_ends`: what the blocks leave), `block`'s forward and backward
-    seconds beside them."""
+    seconds beside them; a block's weights gathered in `element` bytes each."""
     r, m, inner = layout.dp_replicate, layout.microbatches, layout.tp * layout.pp
 
-    def collectives(params: float, n: int) -> tuple[float, float, float]:
+    def collectives(params: float, n: int, element: float = layout.compute_bytes
+                    ) -> tuple[float, float, float]:
         """A unit's gather (compute dtype), reduce-scatter and replicas' all-reduce (fp32)."""
         shard = Group.of(n, inner, rates.gpus_per_node)
         replicas = Group.of(r, layout.dp_shard * inner, rates.gpus_per_node)
-        return (rates.collective_s("all_gather", (n - 1) / n * params * layout.compute_bytes,
-                                   shard),
+        return (rates.collective_s("all_gather", (n - 1) / n * params * element, shard),
                 rates.collective_s("reduce_scatter", (n - 1) / n * params * 4, shard),
                 rates.collective_s("all_reduce", 2 * (r - 1) / r * params / n * 4, replicas))
 
-    gather, scatter, reduce = (sum(each) for each in zip(*(collectives(*u) for u in units)))
+    gather, scatter, reduce = (sum(each) for each in zip(*(collectives(*u, element)
+                                                            for u in units)))
     # every micro-batch's forward gathers (FSDP2 reshards after each backward), the next
     # block's beside this one's compute; a pipeline's part once a step, kept till the
     # flush, its gradients kept whole till then and reduced once (torch's stages)
@@ -396,6 +400,13 @@ def _sharded(layout: Layout, rates: Rates, units: list[tuple[float, int]], held_
     root_gather, root_scatter, root_reduce = collectives(held_ends, layout.dp_shard)
     expose("all_gather", passes * root_gather)
     expose("reduce_scatter", passes * root_scatter + root_reduce)
+
+
+def _gathered_bytes(trace: Trace, layout: Layout) -> float:
+    """Bytes of a gathered block weight's element: float8.gathered_bytes."""
+    share = trace.params.get("float8", 0.0) / trace.params["block"] \
+        if layout.float8_gathered and trace.params["block"] else 0.0
+    return float8.gathered_bytes(layout.compute_bytes, share)
 
 
 def _stored(trace: Trace, layout: Layout) -> float:
@@ -423,7 +434,8 @@ def _memory(trace: Trace, layout: Layout, load: Load) -> dict[str, float]:
             layout.dp_shard))
         blocks_held = 2 if layout.reshard_after_forward else load.blocks
         whole = load.blocks * block + held_ends if layout.pp > 1 else block
-        gathered = (blocks_held * block + held_ends) * layout.compute_bytes + whole * 4
+        gathered = blocks_held * block * _gathered_bytes(trace, layout) + \
+            held_ends * layout.compute_bytes + whole * 4
     saved = trace.saved_compiled if layout.compile else trace.saved
     kept = load.blocks * saved.get("block", 0.0) + sum(saved.get(r, 0.0) for r in load.ends)
     in_flight = 1.0 if layout.pp == 1 else schedules.activations_held(

@@ -207,6 +207,7 @@ def trace(cfg, template: nn.Module, block: str, vocab: int, shape: Shape) -> Tra
     from parallab.models.experts import experts_of, uniform_routing
     from parallab.parallel import activations, tp_plans
     from parallab.precision import Precision
+    from parallab.simulate import float8
 
     from parallab.config.schema import PrecisionConfig
 
@@ -230,13 +231,16 @@ def trace(cfg, template: nn.Module, block: str, vocab: int, shape: Shape) -> Tra
         # names them from the model's root, before a checkpoint wrapper comes between)
         held = [(name.removeprefix(f"{block}."), m) for name, m in experts_of(model)
                 if name.startswith(f"{block}.")]
+        converted = float8.layers(model) if shape.precision == "fp8" else set()
         model = activations.apply(model, shape.checkpointing, getattr(cfg.parallel, "stages", None))
+        float8_names = frozenset(_fqn(model, name) for name, m in model.named_modules()
+                                 if m in converted)
         loss = loss.bind(model)
         batch = _fake_batch(fake, shape, vocab)
         tracker = ModTracker()
         recorder = entered.recorder = Recorder(tracker, _fqn(model, block),
                                                hf.shifts_labels(model),
-                                               tuple(name for name, _ in held))
+                                               tuple(name for name, _ in held), float8_names)
         saved = _SavedByRegion(model, tracker, recorder)
         calls = register_module_forward_pre_hook(lambda module, _: called.append(module))
         try:
@@ -256,6 +260,9 @@ def trace(cfg, template: nn.Module, block: str, vocab: int, shape: Shape) -> Tra
     found.params = _params_by_region(model, the_block, called)
     found.params["experts"] = float(sum(_local(p).numel() for _, m in held
                                         for p in m.parameters()))
+    inside = set(the_block.modules())
+    found.params["float8"] = float(sum(_local(m.weight).numel() for m in converted
+                                       if m in inside))
     found.saved = saved.by_region()
     found.saved_compiled = saved.by_region(compiled=True)
     found.boundary_bytes = float(_nbytes(entered.tensor)) if entered.tensor is not None \
