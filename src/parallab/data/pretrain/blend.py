@@ -103,6 +103,8 @@ class Stream:
     def read(self, first: int, n: int) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
         """Samples first .. first + n - 1: their (n, seq_len + 1) tokens, which document of
         its window each token is in (None where not asked), and each one's source."""
+        if len(self.sources) == 1 and not self.marks:
+            return self._read_one(first, n)
         source, k = self.locate(np.arange(first, first + n))
         tokens = np.empty((n, self.seq_len + 1), dtype=np.int64)
         documents = None
@@ -120,3 +122,16 @@ class Stream:
                 documents = np.zeros(tokens.shape, np.int32) if documents is None else documents
                 documents[rows] = found
         return tokens, documents, source
+
+    def _read_one(self, first: int, n: int) -> tuple[np.ndarray, None, np.ndarray]:
+        """read() of one source: its k-th sample is the g-th, a slice of this pass's order
+        where the batch lies in one pass (a batch's few look-ups are most of its cost)."""
+        windows = self.sources[0].windows
+        rounds, at = divmod(first, len(windows))
+        if at + n <= len(windows):
+            index = windows.order(self.seed, 0, rounds)[at:at + n]
+        else:
+            k = np.arange(first, first + n)
+            index = np.array([windows.order(self.seed, 0, r)[a]
+                              for r, a in zip(*(v.tolist() for v in np.divmod(k, len(windows))))])
+        return windows.read(index), None, np.zeros(n, dtype=np.int16)

@@ -63,7 +63,7 @@ class Samples:
 
 
 def _tensor(array: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(array))
+    return torch.from_numpy(array)  # a view as it is (x, y: strided views of the windows)
 
 
 def positions(documents: np.ndarray) -> np.ndarray:

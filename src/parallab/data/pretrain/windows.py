@@ -29,6 +29,7 @@ class Windows:
         self.first = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)  # per file
         self.lo = lo
         self.hi = int(self.first[-1]) if hi is None else hi
+        self.arrays = [f.tokens.view(np.ndarray) for f in files]  # the same mapped pages
 
     def __len__(self) -> int:
         return self.hi - self.lo
@@ -47,14 +48,20 @@ class Windows:
         file = np.searchsorted(self.first, number, side="right") - 1
         return file, (number - self.first[file]) * self.seq_len
 
-    def read(self, index: np.ndarray, out: Optional[np.ndarray] = None) -> np.ndarray:
+    def read(self, index: np.ndarray) -> np.ndarray:
         """(n, seq_len + 1) int64 tokens of the windows `index`: one slice of a memmap each,
-        the loop a hand-written loader runs (a gather of n x (T + 1) indices cost more)."""
+        the loop a hand-written loader runs (a gather of n x (T + 1) indices cost more),
+        on the memmaps' plain ndarray views (a memmap's own slicing costs a Python call)."""
         width = self.seq_len + 1
-        out = np.empty((len(index), width), dtype=np.int64) if out is None else out
+        out = np.empty((len(index), width), dtype=np.int64)
+        if len(self.files) == 1:  # one file: a window's first token by a multiply
+            tokens = self.arrays[0]
+            for row, start in enumerate(((np.asarray(index) + self.lo) * self.seq_len).tolist()):
+                out[row] = tokens[start:start + width]
+            return out
         files, starts = self.where(index)
         for row, (f, start) in enumerate(zip(files.tolist(), starts.tolist())):
-            out[row] = self.files[f].tokens[start:start + width]
+            out[row] = self.arrays[f][start:start + width]
         return out
 
     def documents(self, index: np.ndarray, tokens: np.ndarray) -> Optional[np.ndarray]:
