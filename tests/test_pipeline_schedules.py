@@ -78,6 +78,11 @@ def timeline(name: str, pp: int, v: int, m: int) -> tuple[float, list[float]]:
 GRID = [(name, pp, v, m) for name in MULTI for pp in (2, 3, 4)
         for v in ([2] if SCHEDULES[name].v_shape else [2, 3]) for m in range(1, 3 * pp + 1)
         if not schedules.microbatches_problem(name, pp, v, m)]
+# the deep pipelines of the largest published runs (Megatron-LM's v 12 over 8 ranks, Llama
+# 3's 16 ranks), whose held activations decide whether they fit
+GRID += [("interleaved_1f1b", 8, 12, 16), ("interleaved_1f1b", 16, 4, 32),
+         ("interleaved_1f1b", 12, 5, 24), ("interleaved_zb", 8, 4, 16), ("zbv", 8, 2, 16),
+         ("dualpipev", 8, 2, 16)]
 
 
 def test_each_schedules_idle_share_and_held_activations_are_torchs_own():

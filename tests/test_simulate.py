@@ -111,6 +111,26 @@ def test_float16_pipelines_are_simulated_as_train_runs_them(tmp_path):
     assert "No pipeline layouts" not in (tmp_path / "simulate.md").read_text()
 
 
+def test_autocasts_copies_of_weights_are_held_once_a_step_however_many_passes_fly():
+    """A pipeline rank holds each in-flight micro-batch's activations, but autocast's bf16
+    copies of its weights once: its cache serves every pass of the step (train's count,
+    parallel/activations.py). Counted per pass, a deep interleaved pipeline held its
+    weights again for every micro-batch in flight."""
+    from parallab.simulate import step
+    from parallab.simulate.trace import Shape
+
+    found = traced(Shape(rows=2, seq_len=32, precision="bf16"))
+    assert found.casts["block"] == 12 * 64**2 * 2  # qkv, proj and the MLP's two, in bf16
+    assert traced(Shape(rows=2, seq_len=32, precision="bf16", gathered=True)
+                  ).casts["block"] == 0  # FSDP2 gathers them in bf16: nothing to cast
+    layout = step.Layout(world_size=4, pp=4, microbatches=8, rows=2, seq_len=32,
+                         schedule="1f1b")
+    held = step._memory(found, layout, step.Load(0, 1, True, False))["activations"]
+    kept = sum(found.saved[r] for r in ("block", "before"))
+    casts = sum(found.casts[r] for r in ("block", "before"))
+    assert held * 2**30 == pytest.approx(4 * (kept - casts) + casts)  # 1F1B's first: 4
+
+
 def test_a_tied_head_is_held_once():
     """model.tie_embeddings=true: the head's matrix is the embedding's, held (and so
     gathered, reduced and stepped) once, where laying the model out on fake tensors had

@@ -185,19 +185,9 @@ class Saved:
         storage = tensor.untyped_storage()
         if storage._cdata not in self.storages:
             self.saved[storage._cdata] = storage
-            if self._is_cast(tensor):
+            if is_cast(tensor, self.params):
                 self.cast_ids.add(storage._cdata)
         return tensor
-
-    def _is_cast(self, tensor: torch.Tensor) -> bool:
-        """A parameter's copy (or a view of one, as linear saves the weight transposed):
-        made by _to_copy straight from the parameter's gradient accumulator."""
-        base = tensor if tensor._base is None else tensor._base
-        node = base.grad_fn
-        if node is None or node.name() != "ToCopyBackward0":
-            return False
-        source = node.next_functions[0][0]
-        return id(getattr(source, "variable", None)) in self.params
 
     def casts(self) -> int:
         return sum(s.nbytes() for k, s in self.saved.items() if k in self.cast_ids)
@@ -212,6 +202,18 @@ class Saved:
         """Bytes held at once over `passes` forward passes of what was counted (one): the
         activations of each, autocast's parameter casts once (shared by a step's passes)."""
         return self.per_pass() * passes + self.casts()
+
+
+def is_cast(tensor: torch.Tensor, params: set[int]) -> bool:
+    """A copy of one of `params` (their ids; or a view of one, as linear saves the weight
+    transposed): made by _to_copy straight from the parameter's gradient accumulator, as
+    autocast casts a weight (Saved, and simulate's trace, count it once a step)."""
+    base = tensor if tensor._base is None else tensor._base
+    node = base.grad_fn
+    if node is None or node.name() != "ToCopyBackward0":
+        return False
+    source = node.next_functions[0][0]
+    return id(getattr(source, "variable", None)) in params
 
 
 @contextlib.contextmanager

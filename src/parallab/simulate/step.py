@@ -180,6 +180,7 @@ def blend(checkpointed: tuple[Trace, Costs], plain: tuple[Trace, Costs], share: 
     beyond = max(x.peak_transient - sum(x.saved.values()) for x in (a, b))
     found = dataclasses.replace(a, saved=saved,
                                 saved_compiled=_mix(a.saved_compiled, b.saved_compiled, share),
+                                casts=_mix(a.casts, b.casts, share),
                                 peak_transient=beyond + sum(saved.values()),
                                 params=_mix(a.params, b.params, share))
     return found, Costs(_mix(a_costs.compute, b_costs.compute, share),
@@ -437,13 +438,21 @@ def _memory(trace: Trace, layout: Layout, load: Load) -> dict[str, float]:
         gathered = blocks_held * block * _gathered_bytes(trace, layout) + \
             held_ends * layout.compute_bytes + whole * 4
     saved = trace.saved_compiled if layout.compile else trace.saved
-    kept = load.blocks * saved.get("block", 0.0) + sum(saved.get(r, 0.0) for r in load.ends)
+
+    def held(by_region: dict[str, float]) -> float:
+        return load.blocks * by_region.get("block", 0.0) + sum(by_region.get(r, 0.0)
+                                                               for r in load.ends)
+
     in_flight = 1.0 if layout.pp == 1 else schedules.activations_held(
         layout.schedule, layout.pp, layout.stages_per_rank, layout.microbatches, load.rank)
+    # autocast's copies of weights: one a step, its cache every pass's (compiled, the
+    # partitioner makes them again in backward, a memory-bound op, not kept)
+    casts = 0.0 if layout.compile else held(trace.casts)
+    kept = held(saved) - casts
     eager = sum(trace.saved.values())
     # (blend stores its peak as what goes beyond the eager saved bytes plus them: this
     # subtraction is what it counts on)
     temporary = max(0.0, trace.peak_transient - eager) if load.after else 0.0
     return {name: value / 2**30 for name, value in (
-        ("state", state), ("gathered", gathered), ("activations", in_flight * kept),
+        ("state", state), ("gathered", gathered), ("activations", in_flight * kept + casts),
         ("temporary", temporary))}

@@ -61,6 +61,9 @@ class Trace:
     ops: list[Op] = field(default_factory=list)
     saved: dict[str, float] = field(default_factory=dict)  # bytes kept for backward, by region
     saved_compiled: dict[str, float] = field(default_factory=dict)  # those a compiled step keeps
+    # of them, autocast's low-precision copies of weights: its cache keeps one a step,
+    # however many of a pipeline's micro-batches are in flight
+    casts: dict[str, float] = field(default_factory=dict)
     peak_transient: float = 0.0  # activations and temporaries at the step's peak, bytes
     # elements a rank holds, by region; "experts": those of the block's experts modules
     params: dict[str, float] = field(default_factory=dict)
@@ -265,6 +268,7 @@ def trace(cfg, template: nn.Module, block: str, vocab: int, shape: Shape) -> Tra
                                        if m in inside))
     found.saved = saved.by_region()
     found.saved_compiled = saved.by_region(compiled=True)
+    found.casts = saved.by_region(casts=True)
     found.boundary_bytes = float(_nbytes(entered.tensor)) if entered.tensor is not None \
         else 0.0
     found.peak_transient = float(recorder.peak)
@@ -340,9 +344,13 @@ class _SavedByRegion:
     def __init__(self, model: nn.Module, tracker, recorder: "Recorder"):
         self.tracker, self.recorder = tracker, recorder
         self.params = {p.untyped_storage()._cdata for p in model.parameters()}
-        self.seen: dict[int, tuple[str, int, bool]] = {}
+        self.param_ids = {id(p) for p in model.parameters()}
+        # storage -> (region, bytes, kept compiled, a parameter's cast)
+        self.seen: dict[int, tuple[str, int, bool, bool]] = {}
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        from parallab.parallel.activations import is_cast
+
         storage = _local(tensor).untyped_storage()
         key = storage._cdata
         if key not in self.params and key not in self.seen:
@@ -351,12 +359,15 @@ class _SavedByRegion:
             region = "block" if inside else ("after" if self.recorder.block_seen else "before")
             made_in, kind, in_model = self.recorder.produced.get(key, ("", "", False))
             recomputed = kind == "memory" and in_model and (made_in == "block") == inside
-            self.seen[key] = (region, storage.nbytes(), not recomputed)
+            self.seen[key] = (region, storage.nbytes(), not recomputed,
+                              is_cast(tensor, self.param_ids))
         return tensor
 
-    def by_region(self, compiled: bool = False) -> dict[str, float]:
+    def by_region(self, compiled: bool = False, casts: bool = False) -> dict[str, float]:
+        """Bytes saved by region (`compiled`: those a compiled step keeps; `casts`: of
+        them, autocast's copies of weights, which a pipeline's micro-batches share)."""
         totals = {region: 0.0 for region in REGIONS}
-        for region, nbytes, kept in self.seen.values():
-            if kept or not compiled:
+        for region, nbytes, kept, cast in self.seen.values():
+            if (kept or not compiled) and (cast or not casts):
                 totals[region] += nbytes
         return totals
