@@ -127,7 +127,7 @@ def step_share(path: Path, args) -> None:
         for step in range(args.steps):
             began = time.perf_counter()
             x, y = next(batches)
-            x = x % 8192  # the file's ids are GPT-2's; the model's vocabulary is smaller
+            x, y = x % 8192, y % 8192  # the file's ids are GPT-2's; the model's are fewer
             got = time.perf_counter()
             loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
             loss.backward()

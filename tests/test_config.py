@@ -20,7 +20,8 @@ NEEDS_MORE_THAN_THIS_MACHINE = {("backend", "nccl"): "backend=nccl",  # CUDA
                                 ("precision", "fp8"): "precision=fp8",  # an H100-class GPU
                                 ("data", "cifar10"): "data.root",  # CIFAR-10 is not shipped
                                 ("data", "imagefolder"): "data.path",  # nor is a default folder
-                                ("data", "hf_text"): "data.files"}  # nor a tokenizer
+                                ("data", "hf_text"): "data.files",  # nor a tokenizer
+                                ("data", "token_files"): "data.files"}  # nor token files
 # options train refuses by design, and the line that says where they belong
 TRAIN_REFUSES = {("parallel", "auto"): "rank them with `parallab simulate parallel=auto"}
 # models too large to build whole on this machine (the controller's trial would): composed,
