@@ -79,8 +79,8 @@ def why_not(row: dict) -> str | None:
         return "float8 with tensor parallel (train's float8 layers take no tp plan)"
     if (row["cp"] or "1") != "1":
         return "context parallel"
-    if not row["layers"] or not row["tp"] or not row["seq_len"] or not row["local_batch"]:
-        return "layout, batch or sequence not published"
+    if not all(row[k] for k in ("layers", "tp", "seq_len", "local_batch", "vocab")):
+        return "layout, batch, sequence or vocabulary not published"
     pp = int(row["pp"] or 1)
     if pp > 1 and schedule_of(row) is None:
         return f"schedule {row['schedule']}"
