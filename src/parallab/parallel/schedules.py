@@ -23,6 +23,10 @@ from parallab.config.errors import ConfigError
 
 @dataclass(frozen=True)
 class Schedule:
+    """A schedule as parallab knows it: its torch class and stages per rank, and in numbers
+    its rules on micro-batches, its idle time and the activations its ranks hold (each
+    schedule below gives its own; adding one is a class and a line in SCHEDULES)."""
+
     name: str
     torch_class: str  # in torch.distributed.pipelining
     stages_per_rank: int | None  # what it must have (None: any v >= 2, default 2)
@@ -34,15 +38,94 @@ class Schedule:
         """Several stages per rank (a multi-stage torch schedule)."""
         return self.stages_per_rank != 1
 
+    def stages_of_rank(self, pp: int, v: int, rank: int) -> list[int]:
+        if self.v_shape:
+            return [rank, 2 * pp - 1 - rank]
+        return [rank + k * pp for k in range(v)]
+
+    def microbatches_rule(self, p: int, v: int, m: int) -> str | None:
+        """The rule of its own a count m >= 1 breaks (None: it takes it)."""
+        return None
+
+    def idle(self, p: int, v: int, m: int) -> float:
+        """The busiest rank's idle time, in units of a stage's forward (F = I = W)."""
+        return 3 * (p - 1)  # F + B = 3 a micro-batch: (p - 1) slots waiting, each end
+
+    def held(self, p: int, v: int, m: int, rank: int) -> float:
+        """Micro-batches' activations (of all its stages) `rank` keeps at once."""
+        return float(m)  # every forward before any backward
+
+
+class _OneFOneB(Schedule):
+    def microbatches_rule(self, p, v, m):
+        return f"1F1B needs at least as many micro-batches as stages ({p})" if m < p else None
+
+    def held(self, p, v, m, rank):
+        return float(min(p - rank, m))
+
+
+class _Rounds(Schedule):
+    """torch's interleaved schedules, which run their micro-batches in rounds of about pp."""
+
+    def microbatches_rule(self, p, v, m):
+        rounds = _rounds(p, m)
+        if m % rounds:
+            return (f"{self.name} runs them in max(1, microbatches // pp) = {rounds} "
+                    f"rounds, so it needs a multiple of {rounds}")
+        return None
+
+
+class _Interleaved1F1B(_Rounds):
+    def idle(self, p, v, m):
+        return 3 * ((p - 1) + (v - 1) * max(0, p - m))  # a wait between stages where m < p
+
+    def held(self, p, v, m, rank):  # its warm-up forwards, then one more
+        return min(m * v, (v - 1) * (m // _rounds(p, m)) + 2 * (p - 1 - rank) + 1) / v
+
+
+class _LoopedBFS(Schedule):
+    def idle(self, p, v, m):
+        return 3 * ((p - 1) + (v - 1) * max(0, p - m))
+
+
+class _InterleavedZB(_Rounds):
+    def idle(self, p, v, m):  # torch's ZB1P: a third of 1F1B's, its bubbles where m < pp
+        return (p - 1) + v * max(0, p - m) + (2 * v - 2) * max(0.0, p / 2 - m)
+
+    def held(self, p, v, m, rank):  # W deferred: every rank as loaded as the first
+        return min(m * v, (v - 1) * (m // _rounds(p, m)) + p) / v
+
+
+class _ZBV(Schedule):
+    def idle(self, p, v, m):
+        return max(p - 1, 2 * (2 * p - 1 - m))
+
+    def held(self, p, v, m, rank):
+        return min(2 * m, m + 1 + rank, 2 * p) / 2
+
+
+class _DualPipeV(Schedule):
+    def microbatches_rule(self, p, v, m):
+        if m < p * v:
+            return f"DualPipeV needs at least as many micro-batches as stages ({p * v})"
+        return None
+
+    def idle(self, p, v, m):
+        return p - 1
+
+    def held(self, p, v, m, rank):
+        return (2 * p + 1) / 2
+
 
 SCHEDULES = {s.name: s for s in (
     Schedule("gpipe", "ScheduleGPipe", 1),
-    Schedule("1f1b", "Schedule1F1B", 1),
-    Schedule("interleaved_1f1b", "ScheduleInterleaved1F1B", None),
-    Schedule("looped_bfs", "ScheduleLoopedBFS", None),
-    Schedule("interleaved_zb", "ScheduleInterleavedZeroBubble", None, splits_backward=True),
-    Schedule("zbv", "ScheduleZBVZeroBubble", 2, v_shape=True, splits_backward=True),
-    Schedule("dualpipev", "ScheduleDualPipeV", 2, v_shape=True, splits_backward=True),
+    _OneFOneB("1f1b", "Schedule1F1B", 1),
+    _Interleaved1F1B("interleaved_1f1b", "ScheduleInterleaved1F1B", None),
+    _LoopedBFS("looped_bfs", "ScheduleLoopedBFS", None),
+    _InterleavedZB("interleaved_zb", "ScheduleInterleavedZeroBubble", None,
+                   splits_backward=True),
+    _ZBV("zbv", "ScheduleZBVZeroBubble", 2, v_shape=True, splits_backward=True),
+    _DualPipeV("dualpipev", "ScheduleDualPipeV", 2, v_shape=True, splits_backward=True),
 )}
 
 
@@ -71,9 +154,7 @@ def stages_per_rank(schedule: str, given: int | None) -> int:
 
 def stages_of_rank(schedule: str, pp: int, v: int, rank: int) -> list[int]:
     """The stage indices (of pp x v) the pipeline's `rank` holds, in the model's order."""
-    if SCHEDULES[schedule].v_shape:
-        return [rank, 2 * pp - 1 - rank]
-    return [rank + k * pp for k in range(v)]
+    return SCHEDULES[schedule].stages_of_rank(pp, v, rank)
 
 
 def _rounds(pp: int, microbatches: int) -> int:
@@ -84,17 +165,9 @@ def _rounds(pp: int, microbatches: int) -> int:
 def microbatches_problem(schedule: str, pp: int, v: int, microbatches: int) -> str | None:
     """What torch's schedule refuses of this micro-batch count (None: it takes it), as the
     rule it breaks; its own ValueError would come only on a rank, after launch."""
-    m = microbatches
-    if m < 1:
+    if microbatches < 1:
         return "it must be >= 1"
-    if schedule == "1f1b" and m < pp:
-        return f"1F1B needs at least as many micro-batches as stages ({pp})"
-    if schedule == "dualpipev" and m < pp * v:
-        return f"DualPipeV needs at least as many micro-batches as stages ({pp * v})"
-    if schedule in ("interleaved_1f1b", "interleaved_zb") and m % _rounds(pp, m):
-        return (f"{schedule} runs them in max(1, microbatches // pp) = {_rounds(pp, m)} "
-                f"rounds, so it needs a multiple of {_rounds(pp, m)}")
-    return None
+    return SCHEDULES[schedule].microbatches_rule(pp, v, microbatches)
 
 
 def bubble(schedule: str, pp: int, stages_per_rank: int, microbatches: int) -> float:
@@ -102,21 +175,8 @@ def bubble(schedule: str, pp: int, stages_per_rank: int, microbatches: int) -> f
     of the busiest rank: (pp - 1) / m for gpipe and 1f1b, (pp - 1) / (v m) interleaved (with
     a further wait between a rank's stages where m < pp), a third of that zero-bubble (W
     fills the rest), and zbv's and dualpipev's own counts."""
-    p, v, m = pp, stages_per_rank, microbatches
-    short = max(0, p - m)  # ranks the first micro-batch's wave leaves idle at each turn
-    if schedule in ("gpipe", "1f1b"):
-        idle = 3 * (p - 1)  # in units of a stage's forward: F + B = 3 per micro-batch
-    elif schedule in ("interleaved_1f1b", "looped_bfs"):
-        idle = 3 * ((p - 1) + (v - 1) * short)
-    elif schedule == "interleaved_zb":  # torch's ZB1P, with its bubbles added where m < pp
-        idle = (p - 1) + v * short + (2 * v - 2) * max(0.0, p / 2 - m)
-    elif schedule == "zbv":
-        idle = max(p - 1, 2 * (2 * p - 1 - m))
-    elif schedule == "dualpipev":
-        idle = p - 1
-    else:
-        raise ValueError(f"unknown schedule {schedule}")
-    return 1 + idle / (3 * v * m)
+    v, m = stages_per_rank, microbatches
+    return 1 + SCHEDULES[schedule].idle(pp, v, m) / (3 * v * m)
 
 
 def activations_held(schedule: str, pp: int, stages_per_rank: int, microbatches: int,
@@ -124,23 +184,8 @@ def activations_held(schedule: str, pp: int, stages_per_rank: int, microbatches:
     """How many micro-batches' activations (of all the stages a rank holds) the pipeline's
     `rank` keeps at once, from a stage's forward of a micro-batch to its backward's end
     (its W for the zero-bubble ones); None: the most loaded rank's."""
-    p, v, m = pp, stages_per_rank, microbatches
-    if rank is None:
-        return max(activations_held(schedule, p, v, m, r) for r in range(p))
-    per_round = m // _rounds(p, m)
-    if schedule in ("gpipe", "looped_bfs"):  # every forward before any backward
-        return float(m)
-    if schedule == "1f1b":
-        return float(min(p - rank, m))
-    if schedule == "interleaved_1f1b":  # its warm-up forwards, then one more
-        return min(m * v, (v - 1) * per_round + 2 * (p - 1 - rank) + 1) / v
-    if schedule == "interleaved_zb":  # W deferred: every rank as loaded as the first
-        return min(m * v, (v - 1) * per_round + p) / v
-    if schedule == "zbv":
-        return min(2 * m, m + 1 + rank, 2 * p) / 2
-    if schedule == "dualpipev":
-        return (2 * p + 1) / 2
-    raise ValueError(f"unknown schedule {schedule}")
+    ranks = range(pp) if rank is None else [rank]
+    return max(SCHEDULES[schedule].held(pp, stages_per_rank, microbatches, r) for r in ranks)
 
 
 def rank_of(schedule: str, pp: int, v: int, part: int) -> int:
