@@ -5,7 +5,9 @@ The controller enumerates the candidates (candidates.py), checks each as train.p
 predicts its memory per rank on fake tensors (memory.py) and prunes what cannot run or is
 not needed; then measures the rest a few steps each, one launched job per world size
 (measure.py), judges their losses against the single-device reference, predicts their
-step time at a target world size (scaling.py), and writes the answer (report.py).
+step time at a target world size as parallab simulate does (advise.target_world_size on
+the cluster group) and here from the parts each job measured (scaling.py's replay), and
+writes the answer (report.py).
 """
 
 from __future__ import annotations

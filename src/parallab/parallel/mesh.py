@@ -4,7 +4,7 @@ pipeline adds pp before tp (parallel/pipeline.py).
 
 The model is first split by tensor parallelism over the `tp` dimension
 (torch.distributed.tensor.parallel.parallelize_module with its plan: parallel.tp_plan, the
-model's tp_plan(), or a transformers model's own; plans.py), then sharded with FSDP2 over
+model's tp_plan(), or a transformers model's own; tp_plans.py), then sharded with FSDP2 over
 the data-parallel dimensions: over dp_shard alone, or replicate x shard (HSDP: sharded
 within a group, gradients all-reduced across the groups). Replicas alone (dp_shard = tp =
 1) are DistributedDataParallel's, whose bucketed all-reduce overlaps the backward
@@ -53,7 +53,7 @@ def _tied_problem(model: nn.Module, plan: dict, tp: int) -> str | None:
 
 def tp_problem(model: nn.Module, tp: int, given: dict[str, str] | None = None,
                ep: int = 1) -> str | None:
-    """None if `model` (built on meta) has a tensor-parallel plan (plans.py) whose split
+    """None if `model` (built on meta) has a tensor-parallel plan (tp_plans.py) whose split
     sizes and attention heads divide by `tp`, else one line (its experts' too, where ep
     does not split them)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel

@@ -24,7 +24,7 @@ spans, overlapped as each layout overlaps it:
   outlast it (the last bucket at least);
 - a pipeline: each micro-batch's activations sent on and their gradients back at every
   cut, exposed; its schedule's own time a micro-batch's pass where a CPU pays it
-  (Rates.stage_s); its idle slots (PipelinePlan.bubble); its replicas' gradient
+  (Rates.stage_s); its idle slots (schedules.bubble); its replicas' gradient
   all-reduce once a step, after the flush; and a tied embedding's, between the first
   and the last stage's ranks where they differ (each holds a copy: parallel/tied.py).
 The optimizer's step moves each state once (a fused kernel's bytes) at the memory's
