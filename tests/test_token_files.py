@@ -5,12 +5,13 @@ each bad input refused in one line before launch."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import numpy as np
 import pytest
 import torch
-from conftest import TINY_LLAMA, checked, losses, output, read_metrics, run_entry
+from conftest import TINY_LLAMA, checked, losses, output, run_entry
 
 from parallab.config.errors import ConfigError
 from parallab.data.pretrain import files as token_files
@@ -222,6 +223,8 @@ def bad_inputs(root) -> list:
         ([f"data.sources={two.format(w=web, a=1, n='a', b=1)}"], "names a twice"),
         ([f"data.files={root}/cut.bin"], "cut.idx does not match .*cut.bin"),
         ([f"data.files={web}", "data.document_mask=true"], "needs document boundaries"),
+        ([f"data.files={root}/docs.bin", "data.document_mask=true", "parallel=pipeline",
+          "parallel.world_size=2"], "under a layout that cuts the model into stages"),
     ]
 
 
@@ -260,7 +263,8 @@ def tokenizer(tmp_path_factory):
     PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="<unk>",
                             eos_token="<eos>").save_pretrained(folder)
     lines = [line for line in text.splitlines() if line.strip()]
-    (folder / "docs.jsonl").write_text("".join(f'{{"text": "{line}"}}\n' for line in lines))
+    (folder / "docs.jsonl").write_text("".join(json.dumps({"text": line}) + "\n"
+                                               for line in lines))
     return folder, lines
 
 

@@ -29,8 +29,6 @@ from parallab.data.pretrain.files import TokenFile
 from parallab.data.pretrain.loader import Samples, TokenEvalLoader, TokenLoader
 from parallab.data.pretrain.windows import Joined, Windows
 
-SAMPLES = ("auto", "pair", "causal_lm")
-
 
 @dataclass
 class TokenFiles(DataConfig):

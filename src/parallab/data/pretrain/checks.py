@@ -12,6 +12,7 @@ import numpy as np
 
 from parallab.data.pretrain import files as token_files
 from parallab.data.pretrain.files import DTYPES, FileProblem, TokenFile
+from parallab.data.pretrain.loader import SAMPLES
 
 SAMPLED_SLICES, SLICE_TOKENS = 16, 4096  # ids read per file: 64 Ki tokens, spread out
 
@@ -21,8 +22,6 @@ def problem(cfg) -> Optional[str]:
 
 
 def _keys(cfg) -> Optional[str]:
-    from parallab.data.token_files import SAMPLES
-
     if cfg.dtype not in DTYPES:
         return f"data.dtype={cfg.dtype} is unknown: use uint16 or uint32"
     if cfg.sample not in SAMPLES:

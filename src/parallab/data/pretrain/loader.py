@@ -26,6 +26,7 @@ from parallab.data.pretrain.windows import Windows
 from parallab.launching.distributed import Dist
 
 IGNORE = batches.IGNORE_INDEX
+SAMPLES = ("auto", "pair", "causal_lm")  # data.sample: auto picks by the model
 
 
 class Samples:
