@@ -50,10 +50,18 @@ def prepare(files: list[str], tokenizer: str, out: Path, text_key: str = "text",
     split, the dtype). ConfigError, one line, for bad input."""
     from parallab.data import hf_text
 
+    try:
+        import datasets  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError as error:
+        raise ConfigError(f"parallab prepare-data needs {error.name}, which is not installed: "
+                          f"{hf_text.INSTALL}") from None
     paths = list(hf_text._paths(files))
     problem = hf_text._files_problem("files", files, optional=False)
-    if problem:
-        raise ConfigError(f"parallab prepare-data: {problem.removeprefix('data.')}")
+    if problem:  # its words name the data key; here they are the command's arguments
+        said = problem.split(": ", 1)[1] if ": " in problem else problem
+        raise ConfigError(f"parallab prepare-data {' '.join(map(str, files))}: {said}: give "
+                          "text, json/jsonl, parquet or csv files (or globs of them)")
     if not Path(tokenizer).expanduser().is_dir():
         raise ConfigError(f"parallab prepare-data: --tokenizer {tokenizer} is not a folder: give "
                           "a local tokenizer folder (saved by tokenizer.save_pretrained)")
