@@ -145,13 +145,13 @@ def test_a_tied_head_is_held_once():
     # a pipeline whose first and last stage are on different ranks: the last keeps a copy
     # (parallel/tied.py), whose gradient the two all-reduce once a step
     assert tied.params["tied"] == 256 * 64 and untied.params["tied"] == 0
-    from parallab.simulate import rates_of, step
+    from parallab.simulate import costs, rates_of, step
 
     cfg = configured(*GPT, "model.tie_embeddings=true", "parallel=pipeline",
                      "parallel.world_size=2")
     rates = rates_of(cfg.cluster, 2)
     layout = step.Layout(world_size=2, pp=2, microbatches=4, bubble=1.25, schedule="1f1b")
-    predicted = {name: step.predict(found, step.costs(found, rates, False, False), layout,
+    predicted = {name: step.predict(found, costs.costs(found, rates, False, False), layout,
                                     rates, 2) for name, found in (("untied", untied),
                                                                   ("tied", tied))}
     assert predicted["tied"].parts["all_reduce_s"] > 0
@@ -162,7 +162,7 @@ def test_a_compiled_step_keeps_and_pays_what_its_eager_loss_does():
     """trainer.compile compiles the model, not the loss: the loss's ops (outside the model)
     are priced one by one and what they keep for backward, the log-probabilities over the
     vocabulary, a compiled step keeps too; the model's own pointwise outputs it recomputes."""
-    from parallab.simulate import step
+    from parallab.simulate import costs
     from parallab.simulate.cluster import Rates
     from parallab.simulate.trace import Shape
 
@@ -179,10 +179,10 @@ def test_a_compiled_step_keeps_and_pays_what_its_eager_loss_does():
     assert found.saved_compiled["after"] >= log_probabilities
     assert found.saved_compiled["block"] < found.saved["block"]
     rates = Rates.of(configured("cluster=a100").cluster)
-    alone = [step.op_seconds(op, rates, rates.peaks["fp32"]) for op in found.ops
+    alone = [costs.op_seconds(op, rates, rates.peaks["fp32"]) for op in found.ops
              if (op.phase, op.region) == ("forward", "after")
              and (not op.in_model or op.kind == "matmul")]  # the loss's and the head's
-    compiled = step.costs(found, rates, True, False).compute["forward", "after"]
+    compiled = costs.costs(found, rates, True, False).compute["forward", "after"]
     assert len(alone) > 2 and compiled >= sum(alone)
 
 
@@ -193,7 +193,7 @@ def test_this_machines_measured_costs_stand_for_nccls_and_a_gpus():
     idle slots, which last as long as a busy one); the figures measured for real by two
     processes over gloo."""
     from parallab.config.schema import NcclLatency
-    from parallab.simulate import step, together
+    from parallab.simulate import costs, step, together
     from parallab.simulate.cluster import Group, Rates
     from parallab.simulate.trace import Op, Shape, Trace
 
@@ -205,7 +205,7 @@ def test_this_machines_measured_costs_stand_for_nccls_and_a_gpus():
                                 Op("backward", "block", "matmul", 2e9, (), ())],
                   params={"before": 0.0, "block": 10.0, "after": 0.0}, boundary_bytes=2e6)
     layout = step.Layout(world_size=2, pp=2, microbatches=4, bubble=1 + 1 / 4, schedule="gpipe")
-    predicted = step.predict(found, step.costs(found, rates, False, False), layout, rates, 4)
+    predicted = step.predict(found, costs.costs(found, rates, False, False), layout, rates, 4)
     assert predicted.parts["schedule_s"] == pytest.approx(4 * 5e-3)
     assert predicted.parts["p2p_s"] == pytest.approx(4 * 2 * 2e6 / 2e9)
     slot = 2 * 3e9 / 1e12 + 2 * 2e6 / 2e9 + 5e-3
@@ -335,7 +335,7 @@ def test_this_machine_runs_only_an_op_it_can_afford():
     import torch
 
     from parallab.config.schema import NcclLatency
-    from parallab.simulate import step
+    from parallab.simulate import costs
     from parallab.simulate.cluster import Rates
     from parallab.simulate.ops import Op, _spec
     from parallab.simulate.timing import Timer
@@ -355,7 +355,7 @@ def test_this_machine_runs_only_an_op_it_can_afford():
 
     def ran(given) -> bool:
         calls.clear()
-        step.op_seconds(op, given, given.peaks["fp32"])
+        costs.op_seconds(op, given, given.peaks["fp32"])
         return bool(calls)
 
     assert ran(rates()) and Timer(1)(op) > 0
@@ -370,7 +370,7 @@ def test_fsdp_reduces_each_accumulated_micro_batch_and_keeps_only_shards():
     exposed: 2 gathers and one reduction a block and micro-batch, one of each for the
     root), HSDP's all-reduce over the replicas once, and no whole gradients kept."""
     from parallab.config.schema import NcclLatency
-    from parallab.simulate import step
+    from parallab.simulate import costs, step
     from parallab.simulate.cluster import Rates
     from parallab.simulate.trace import Shape, Trace
 
@@ -385,7 +385,7 @@ def test_fsdp_reduces_each_accumulated_micro_batch_and_keeps_only_shards():
     for m in (1, 4):
         for r in (1, 2):
             layout = step.Layout(world_size=2 * r, dp_replicate=r, dp_shard=2, microbatches=m)
-            predicted = step.predict(found, step.costs(found, rates, False, False), layout,
+            predicted = step.predict(found, costs.costs(found, rates, False, False), layout,
                                      rates, 3)
             assert predicted.parts["all_gather_s"] == pytest.approx(
                 m * (2 * 3 + root) * gather)
@@ -398,7 +398,7 @@ def test_fsdp_reduces_each_accumulated_micro_batch_and_keeps_only_shards():
     found = Trace(Shape(), ops=[], params={"before": 0.0, "block": 1e6, "after": 0.0})
     layout = step.Layout(world_size=4, dp_shard=2, pp=2, microbatches=4, bubble=1.25,
                          schedule="1f1b", reshard_after_forward=False)
-    predicted = step.predict(found, step.costs(found, rates, False, False), layout, rates, 4)
+    predicted = step.predict(found, costs.costs(found, rates, False, False), layout, rates, 4)
     assert predicted.parts["reduce_scatter_s"] == pytest.approx(2 * scatter)  # its 2 blocks
     assert predicted.parts["all_gather_s"] == pytest.approx(2 * gather)
     assert predicted.memory["gathered"] * 2**30 == pytest.approx(2 * 1e6 * (2 + 4))

@@ -12,7 +12,7 @@ def test_a_matmul_pays_its_bytes_beside_its_flops_where_other_ops_pay_the_longer
     write); a memory-bound op's, and fused attention's, the longer of the two; none
     shorter than a launch."""
     from parallab.config.schema import NcclLatency
-    from parallab.simulate import step
+    from parallab.simulate import costs
     from parallab.simulate.cluster import Rates
     from parallab.simulate.ops import Op
 
@@ -21,15 +21,15 @@ def test_a_matmul_pays_its_bytes_beside_its_flops_where_other_ops_pay_the_longer
     moved = ((0, 2 * 10**9), (1, 10**9))
     flops = 1e12  # 2 ms at half the bf16 peak; its 3 GB, 1.5 ms at 2 TB/s
     matmul = Op("forward", "block", "matmul", flops, moved[:1], moved[1:])
-    assert step.op_seconds(matmul, rates, 1e14) == pytest.approx(2e-3 + 1.5e-3)
+    assert costs.op_seconds(matmul, rates, 1e14) == pytest.approx(2e-3 + 1.5e-3)
     attention = Op("forward", "block", "attention", flops, moved[:1], moved[1:])
-    assert step.op_seconds(attention, rates, 1e14) == pytest.approx(2e-3)
+    assert costs.op_seconds(attention, rates, 1e14) == pytest.approx(2e-3)
     wide = Op("forward", "block", "matmul", flops, moved[:1], moved[1:], wide=True)
-    assert step.op_seconds(wide, rates, 1e14) == pytest.approx(20e-3 + 1.5e-3)
+    assert costs.op_seconds(wide, rates, 1e14) == pytest.approx(20e-3 + 1.5e-3)
     memory = Op("forward", "block", "memory", 0.0, moved[:1], moved[1:])
-    assert step.op_seconds(memory, rates, 1e14) == pytest.approx(1.5e-3)
+    assert costs.op_seconds(memory, rates, 1e14) == pytest.approx(1.5e-3)
     tiny = Op("forward", "block", "matmul", 1e3, ((0, 64),), ((1, 64),))
-    assert step.op_seconds(tiny, rates, 1e14) == pytest.approx(5e-6)
+    assert costs.op_seconds(tiny, rates, 1e14) == pytest.approx(5e-6)
 
 
 def test_a_collective_takes_nccls_time():
@@ -63,7 +63,7 @@ def test_a_collective_takes_nccls_time():
 
 def test_a_pipelines_step_is_its_bubble_times_its_slots():
     from parallab.config.schema import NcclLatency
-    from parallab.simulate import step
+    from parallab.simulate import costs, step
     from parallab.simulate.cluster import Rates
     from parallab.simulate.trace import Op, Shape, Trace
 
@@ -73,7 +73,7 @@ def test_a_pipelines_step_is_its_bubble_times_its_slots():
                                 Op("backward", "block", "matmul", 2e9, (), ())],
                   params={"before": 0.0, "block": 10.0, "after": 0.0})
     layout = step.Layout(world_size=2, pp=2, microbatches=4, bubble=1 + 1 / 4, schedule="1f1b")
-    predicted = step.predict(found, step.costs(found, rates, False, False), layout, rates, 4)
+    predicted = step.predict(found, costs.costs(found, rates, False, False), layout, rates, 4)
     slot = 2 * (1e9 + 2e9) / 1e12  # two blocks a stage, forward and backward
     assert predicted.parts["compute_s"] == pytest.approx(4 * slot)
     assert predicted.parts["bubble_s"] == pytest.approx(slot * 1)  # (pp - 1) slots

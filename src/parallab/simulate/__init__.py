@@ -22,7 +22,7 @@ from torch import nn
 
 from parallab.config.errors import ConfigError
 from parallab.simulate import cluster as clusters
-from parallab.simulate import experts, step, trace
+from parallab.simulate import costs, experts, step, trace
 from parallab.simulate.search import Candidate
 
 log = logging.getLogger("parallab")
@@ -159,10 +159,10 @@ class Traces:
     def __init__(self, cfg, facts: Facts):
         self.cfg, self.facts = cfg, facts
         self.found: dict[trace.Shape, trace.Trace] = {}
-        self.costs: dict[tuple, step.Costs] = {}
+        self.costs: dict[tuple, costs.Costs] = {}
 
     def of(self, shape: trace.Shape, rates: clusters.Rates, compile: bool = False,
-           tf32: bool = False, ep: int = 1) -> tuple[trace.Trace, step.Costs]:
+           tf32: bool = False, ep: int = 1) -> tuple[trace.Trace, costs.Costs]:
         """The shape's trace (made once), and its ops priced on the cluster (its experts'
         weights a rank's 1/ep of them)."""
         if shape not in self.found:
@@ -172,7 +172,7 @@ class Traces:
             self.found[shape] = _traced(self.cfg, model, block, facts.vocab, shape)
         key = (shape, rates, compile, tf32, ep)
         if key not in self.costs:
-            self.costs[key] = step.costs(self.found[shape], rates, compile, tf32, ep)
+            self.costs[key] = costs.costs(self.found[shape], rates, compile, tf32, ep)
         return self.found[shape], self.costs[key]
 
 
@@ -243,7 +243,7 @@ def predict(cfg, c: Candidate, traces: Traces, rates: clusters.Rates) -> step.Pr
     priced = _block(cfg, shape_of(cfg, c), traces, rates, c.ep)
     if facts.dense_model is not None:  # a mixture's dense blocks beside its MoE ones
         dense = _block(cfg, dataclasses.replace(shape_of(cfg, c), dense=True), traces, rates)
-        priced = step.blend(priced, dense, facts.mix.moe_blocks / facts.blocks)
+        priced = costs.blend(priced, dense, facts.mix.moe_blocks / facts.blocks)
     return step.predict(*priced, layout_of(cfg, c, facts), rates, facts.blocks,
                         facts.flops_per_token)
 
@@ -258,7 +258,7 @@ def _block(cfg, shape: trace.Shape, traces: Traces, rates: clusters.Rates, ep: i
         plain = traces.of(dataclasses.replace(shape, checkpointing="none"), rates,
                           cfg.trainer.compile, cfg.precision.tf32, ep)
         blocks = traces.facts.blocks
-        priced = step.blend(priced, plain, math.ceil(blocks / every) / blocks)
+        priced = costs.blend(priced, plain, math.ceil(blocks / every) / blocks)
     return priced
 
 

@@ -46,7 +46,7 @@ def problem(precision: str, rates: Rates) -> str | None:
 
 def seconds(op: Op, rates: Rates, compile: bool, overhead) -> float:
     """A float8 Linear's matmul and its operands' casts (see the module's docstring);
-    `overhead`: a kernel's time with its launch (step._with_overhead)."""
+    `overhead`: a kernel's time with its launch (costs._with_overhead)."""
     operands = [b for _, b in op.reads]
     written = sum(b for _, b in op.writes)
     multiplies = op.flops / (rates.peaks[PEAK] * (rates.float8_efficiency or
