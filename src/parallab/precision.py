@@ -66,10 +66,18 @@ def device_hint(cfg: PrecisionConfig, device_type: str) -> str | None:
 def layout_problem(cfg: PrecisionConfig, tp: int = 1, dp_shard: int = 1) -> str | None:
     """What the layout rules out of cfg, wherever it runs (dp_shard: the ranks FSDP2 shards
     over; simulate's layouts too); None if nothing."""
+    return _gather_problem(cfg, dp_shard) or _tp_problem(cfg, tp)
+
+
+def _gather_problem(cfg: PrecisionConfig, dp_shard: int) -> str | None:
     if cfg.fp8_all_gather and dp_shard < 2:
         return ("precision.fp8_all_gather=true gathers FSDP2's sharded weights, and this "
                 "layout shards over no ranks: use parallel=fsdp or hsdp with 2 or more "
                 "ranks, or drop it")
+    return None
+
+
+def _tp_problem(cfg: PrecisionConfig, tp: int) -> str | None:
     if cfg.name == "fp8" and tp > 1:
         return (f"precision=fp8 with parallel.tp={tp}: float8 Linear layers take no "
                 "tensor-parallel plan here: use parallel=fsdp or ddp (tp=1), or precision=bf16")
@@ -78,10 +86,11 @@ def layout_problem(cfg: PrecisionConfig, tp: int = 1, dp_shard: int = 1) -> str 
 
 def device_problem(cfg: PrecisionConfig, device_type: str, tp: int = 1,
                    dp_shard: int = 1) -> str | None:
-    """What the resolved device and layout rule out of cfg (fp8's needs; layout_problem);
+    """What the resolved device and layout rule out of cfg (fp8's needs, layout_problem's);
     None if nothing."""
-    if cfg.name != "fp8":
-        return layout_problem(cfg, tp, dp_shard)
+    gathered = _gather_problem(cfg, dp_shard)
+    if gathered or cfg.name != "fp8":
+        return gathered
     from parallab import quantize
 
     least = ".".join(map(str, FP8_CAPABILITY))
@@ -96,7 +105,7 @@ def device_problem(cfg: PrecisionConfig, device_type: str, tp: int = 1,
                 f"{found[0]}.{found[1]}: use precision=bf16")
     if not quantize.available():  # torchao, whose float8 training this is
         return "precision=fp8 needs torchao: pip install 'parallab[quantize]'"
-    return layout_problem(cfg, tp, dp_shard)
+    return _tp_problem(cfg, tp)
 
 
 def compute_dtype(name: str, device_type: str) -> torch.dtype:
