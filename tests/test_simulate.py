@@ -99,16 +99,16 @@ def test_float8_prices_the_linear_layers_train_converts_and_nothing_else(tmp_pat
             simulate_in_process([*GPT, *wide, "precision=fp8", *refused], tmp_path / "no")
 
 
-def test_float16_pipelines_are_simulated_as_train_runs_them(tmp_path):
-    """precision=fp16 under a pipeline (train scales the schedule's loss): parallel=auto
-    ranks pipeline layouts beside the others, no longer leaving them out."""
-    from parallab.commands import simulate_in_process
+def test_float16_pipelines_are_simulated_as_train_runs_them():
+    """precision=fp16 under a pipeline (train scales the schedule's loss): parallel=auto's
+    grid holds pipeline layouts beside the others, no longer leaving them out."""
+    from parallab.simulate import Facts, rates_of, run
 
-    simulate_in_process([*GPT, "parallel=auto", "parallel.world_size=2", "precision=fp16"],
-                        tmp_path)
-    found = json.loads((tmp_path / "simulate.json").read_text())["layouts"]
-    assert [e for e in found if e["layout"].startswith("pipeline") and e["fits"]]
-    assert "No pipeline layouts" not in (tmp_path / "simulate.md").read_text()
+    cfg = configured(*GPT, "parallel=auto", "parallel.world_size=2", "precision=fp16")
+    run.check(cfg)
+    found, notes = run.candidates_of(cfg, None, Facts.of(cfg), rates_of(cfg.cluster, 2))
+    assert [c for c in found if c.pp == 2 and c.reason is None]
+    assert not [n for n in notes if n.startswith("No pipeline layouts")]
 
 
 def test_autocasts_copies_of_weights_are_held_once_a_step_however_many_passes_fly():
