@@ -10,8 +10,15 @@ import os
 # every run this process starts inherits it)
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+import signal  # noqa: E402
 import subprocess  # noqa: E402
 from pathlib import Path  # noqa: E402
+
+# Ctrl-C as a terminal delivers it: a suite started in the background (`make test &`, a
+# script's `cmd &`) begins with SIGINT ignored, which every command it starts would inherit
+# and keep (Python does), so the Ctrl-C tests would find their commands deaf to it
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 import pytest  # noqa: E402
 
