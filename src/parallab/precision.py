@@ -115,6 +115,13 @@ def compute_dtype(name: str, device_type: str) -> torch.dtype:
             "fp8": torch.bfloat16}[name]  # fp8: what Float8Linear leaves (and its output)
 
 
+def float8_converts(module: torch.nn.Module, name: str, output: str | None) -> bool:
+    """Whether precision=fp8 trains this Linear layer in float8: not the output layer
+    (`output`: output_layer's name), and only widths float8 matmuls take (multiples of 16).
+    simulate prices the same layers."""
+    return name != output and module.in_features % 16 == 0 and module.out_features % 16 == 0
+
+
 def output_layer(model: torch.nn.Module) -> str | None:
     """The name of the Linear layer that gives the model's output: its output embeddings
     (a transformers model's, gpt's head.out), else the last Linear registered (a
@@ -167,8 +174,7 @@ class Precision:
                                      enable_fsdp_float8_all_gather=self.fp8_all_gather)
         convert_to_float8_training(
             model, config=config,
-            module_filter_fn=lambda m, name: name != output and m.in_features % 16 == 0
-            and m.out_features % 16 == 0)
+            module_filter_fn=lambda m, name: float8_converts(m, name, output))
         return model
 
     def autocast(self) -> contextlib.AbstractContextManager:

@@ -1,5 +1,5 @@
 """SIGTERM / SIGINT / SIGHUP (a cluster pre-empting the job, Ctrl-C, a closed terminal or
-a dropped ssh session): save, then stop cleanly.
+a dropped ssh connection): save, then stop cleanly.
 
 Under SLURM the time-limit warning (trainer.requeue_signal, USR1; the submitit launcher's
 USR2) stops the run the same way, and is noted so that the job requeues itself once every

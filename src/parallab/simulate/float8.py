@@ -27,13 +27,12 @@ PEAK = "fp8"  # the Rates.peaks key of the GPU's dense float8 matmul rate
 
 
 def layers(model: nn.Module) -> set[nn.Module]:
-    """The Linear layers precision=fp8 converts (Precision.convert's rule): all but the
-    output layer, and those whose widths float8 matmuls take (multiples of 16)."""
-    from parallab.precision import output_layer
+    """The Linear layers precision=fp8 converts (precision.float8_converts)."""
+    from parallab.precision import float8_converts, output_layer
 
     output = output_layer(model)
     return {m for name, m in model.named_modules() if isinstance(m, nn.Linear)
-            and name != output and m.in_features % 16 == 0 and m.out_features % 16 == 0}
+            and float8_converts(m, name, output)}
 
 
 def problem(precision: str, rates: Rates) -> str | None:
