@@ -11,9 +11,9 @@ side by side, each pair `--repeats` times interleaved; their ratio. Goal: ep at 
 fast as fsdp.
 Part 2: one MoE layer's experts, forward and backward, grouped_mm against the loop over
 experts, float32 and bfloat16 (where grouped_mm takes them), in this process.
-Part 3: the all-to-all's share of an ep step: each rank's exchanges of one step (4 an MoE
-layer: tokens out and back, forward and backward), replayed alone over gloo at the step's
-sizes, against the step's measured time.
+Part 3: the all-to-all's share of an ep step: each rank's exchanges of one step (per MoE
+layer: counts and expert ids once, tokens out and back, forward and backward), replayed
+alone over gloo at the step's sizes, against the step's measured time.
 """
 
 from __future__ import annotations
@@ -87,22 +87,29 @@ def part2() -> None:
 
 
 def _exchanges(rank: int, world: int, store: str, out: str) -> None:
-    """A step's all-to-alls of an ep rank: per MoE layer, the (token, expert) pairs out
-    and back, forward and backward (their counts first), at even splits."""
+    """A step's all-to-alls of an ep rank, per MoE layer as the dispatch sends them: the
+    counts and the tokens' expert ids once, the tokens (with their router weights) out and
+    their outputs back, forward and backward; each token once to each rank holding any of
+    its experts (random routing's average of them), at even splits."""
     import torch.distributed as dist
+
+    from parallab.simulate.experts import ranks_a_token
 
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    pairs = GLOBAL // world * SEQ * TOP_K
-    rows = torch.randn(pairs, WIDTH)
-    got, counts = torch.empty_like(rows), torch.full((EXPERTS,), pairs // EXPERTS)
+    units = int(GLOBAL // world * SEQ * ranks_a_token(EXPERTS, TOP_K, world, "random"))
+    units -= units % world
+    rows, ids = torch.randn(units, WIDTH + TOP_K), torch.zeros(units, TOP_K, dtype=torch.long)
+    counts = torch.full((world,), units // world)
     times = []
     for _ in range(5):
         dist.barrier()
         start = time.perf_counter()
-        for _ in range(LAYERS * 4):
+        for _ in range(LAYERS):
             dist.all_to_all_single(torch.empty_like(counts), counts)
-            dist.all_to_all_single(got, rows)
+            dist.all_to_all_single(torch.empty_like(ids), ids)
+            for _ in range(4):
+                dist.all_to_all_single(torch.empty_like(rows), rows)
         dist.barrier()
         times.append(time.perf_counter() - start)
     if rank == 0:

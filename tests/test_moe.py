@@ -95,6 +95,21 @@ def test_capacity_drops_the_pairs_past_each_experts_share_and_counts_them():
     assert window[:4].tolist() == [12, 0, 0, 0] and window[4] == 9 and window[5] == 12
 
 
+def test_ep_sends_each_token_once_to_each_rank_holding_its_experts():
+    """8 experts over 2 ranks (4 each): a token whose experts share a rank crosses once,
+    with its routing there (the others' ids past the rank's last, weighted 0); a dropped
+    pair (id 8) goes nowhere."""
+    from parallab.parallel.expert_parallel import _units
+
+    ids = torch.tensor([[0, 1], [0, 5], [8, 8], [6, 7]])
+    weights = torch.tensor([[0.6, 0.4], [0.7, 0.3], [0.5, 0.5], [0.2, 0.8]])
+    tokens, own, share, sent = _units(ids, weights, 8, 2)
+    assert tokens.tolist() == [0, 1, 1, 3] and sent.tolist() == [2, 2]
+    assert own.tolist() == [[0, 1], [0, 4], [4, 1], [2, 3]]
+    torch.testing.assert_close(share, torch.tensor([[0.6, 0.4], [0.7, 0.0], [0.0, 0.3],
+                                                    [0.2, 0.8]]))
+
+
 def test_the_router_loss_adds_its_coefficient_times_its_share_to_the_gradient():
     """Attached to the layer's output, Switch's loss gives the router the gradient of
     task + coefficient x share x aux, share being the micro-batch's of the step."""

@@ -107,3 +107,24 @@ def test_auto_offers_ep_and_its_commands_are_trains():
     _, layout = checked(*[o for o in MOE if not o.startswith(("cluster", "precision"))],
                         "data=tokens", *best.overrides())
     assert (layout.ep, layout.tp, layout.dp_shard) == (8, 2, 4)
+
+
+def test_a_token_is_priced_once_for_each_rank_holding_its_experts():
+    """ep sends a token once to each rank holding any of its top_k: 8 experts, 2 a token,
+    over 2 ranks, random picks hit 2 x (1 - C(4,2)/C(8,2)) ranks on average; round_robin's
+    neighbours always sit on one; the all-to-all's bytes follow; a routing simulate does
+    not price is one line."""
+    from parallab.config.errors import ConfigError
+    from parallab.simulate import experts, run
+
+    assert experts.ranks_a_token(8, 2, 2, "random") == pytest.approx(2 * (1 - 6 / 28))
+    assert experts.ranks_a_token(8, 2, 2, "round_robin") == 1.0
+    assert experts.ranks_a_token(256, 8, 64, "round_robin") == 2.0  # DeepSeek-V3 at ep 64
+    _, facts = facts_of()
+    split = {routing: experts.Split.of(facts.mix, 2, 1, 2, 4, 32, 2, 2, routing)
+             for routing in run.ROUTINGS}
+    assert split["random"].routed_bytes == pytest.approx(
+        4 * 32 * 2 * (1 - 6 / 28) * 64 * 2)
+    assert split["round_robin"].routed_bytes == 4 * 32 * 64 * 2
+    with pytest.raises(ConfigError, match="simulate.routing=sorted is not a routing"):
+        run.check(configured(*MOE, "simulate.routing=sorted", "parallel.world_size=2"))

@@ -485,6 +485,11 @@ class SimulateConfig:
     # a dir of runs measured here (an advise run dir, a sweep's dir): its figures drawn
     # beside the predictions
     measured: Optional[str] = None
+    # how an MoE model's tokens pick their experts (each expert an even share either way):
+    # random (each token's top_k at random) | round_robin (token t's top_k are neighbours,
+    # t*k ... t*k+k-1: the forced balance of torchtitan's and NeMo's benchmarks), which
+    # sets the ranks a token is sent to under parallel.ep
+    routing: str = "random"
 
 
 @dataclass

@@ -9,9 +9,11 @@ sharded by expert over the ep ranks (so any layout reads a checkpoint another wr
 FSDP2 shards each expert further over the efsdp ranks (and replicas) that ep leaves.
 
 Per MoE layer and micro-batch, forward:
-    tokens sorted by expert -> token counts all-to-all (E integers) -> tokens all-to-all
-    (uneven, dropless) -> regrouped by local expert -> the experts' own compute -> back by
-    the reverse all-to-all -> weighted and summed onto their tokens
+    each token once to each rank holding any of its experts (DeepEP's dedup by rank) ->
+    counts all-to-all (ep integers) -> tokens all-to-all with their router weights (uneven,
+    dropless), and their expert ids -> each rank's pairs grouped by its own experts -> the
+    experts' own compute -> weighted and summed per token there -> back by the reverse
+    all-to-all -> summed onto their tokens
 and the reverse in backward. Where ep takes tp's ranks, each tp rank sends its slice of the
 tokens (the tp group holds them all alike) and gathers the others' outputs after.
 
@@ -224,36 +226,54 @@ def _dispatched(module: nn.Module, total: int, ep: Meshes, x: torch.Tensor, ids:
     if ep.tp is not None:
         x, ids, weights = _tp_slice(x, ids, weights, ep.tp)
     ids = ids.clamp(max=total)  # padding's and capacity's dropped pairs: one past the last
-    order, counts = experts.sort_by_expert(ids, total)
-    out = _exchange(module, x[order // ids.shape[-1]], counts, ep)
-    y = experts.combine(out, order, weights, ids.shape[-1], len(x))
+    y = _exchange(module, x, ids, weights, total, ep)
     if ep.tp is not None:
         y = _GatherOverTp.apply(y, ep.tp)[:size]
     return y
 
 
-def _exchange(module: nn.Module, routed: torch.Tensor, counts: torch.Tensor, ep: Meshes
-              ) -> torch.Tensor:
-    """Rows sorted by (global) expert to the ranks holding their experts, through them and
-    back, in the order they came."""
+def _units(ids: torch.Tensor, weights: torch.Tensor, total: int, n: int):
+    """Each token once to each rank holding any of its experts (DeepEP's dedup by rank: a
+    token whose k experts sit on one rank crosses once, not k times), in rank order: the
+    units' tokens, their ids among the rank's own experts (those on other ranks: past the
+    last, left out there) and weights (0 there), and each rank's count. On fake tensors
+    (uniform routing: nothing to read) every pair is a unit, an even share to each rank."""
+    local, k = total // n, ids.shape[-1]
+    if experts.uniform():
+        tokens = torch.arange(ids.numel(), device=ids.device) // k
+        return tokens, ids.new_zeros(ids.numel(), 1), weights.reshape(-1, 1), \
+            [ids.numel() // n] * n
+    rank_of = ids // local  # a dropped pair's: n
+    hit = torch.zeros(len(ids), n + 1, dtype=torch.bool, device=ids.device)
+    ranks, tokens = hit.scatter_(1, rank_of, True)[:, :n].T.nonzero(as_tuple=True)
+    mine = rank_of[tokens] == ranks[:, None]
+    own = torch.where(mine, ids[tokens] - ranks[:, None] * local, local)
+    return tokens, own, torch.where(mine, weights[tokens], 0), torch.bincount(ranks, minlength=n)
+
+
+def _exchange(module: nn.Module, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+              total: int, ep: Meshes) -> torch.Tensor:
+    """Tokens to the ranks holding their experts (once a rank, with their routing there),
+    through those experts, weighted and summed there, back and summed onto their tokens."""
     group, n = ep.ep.get_group(), ep.size
-    local = len(counts) // n
-    if experts.uniform():  # every rank sends alike (a step on fake tensors: advise's memory)
-        received = counts.view(n, local)
-        sent = got = [len(routed) // n] * n
+    local = total // n
+    tokens, own, share, sent = _units(ids, weights, total, n)
+    if not isinstance(sent, list):  # counts first: the receivers size their buffers
+        got = torch.empty_like(sent)
+        torch.distributed.all_to_all_single(got, sent, group=group)
+        sent, got = sent.tolist(), got.tolist()
     else:
-        received_counts = torch.empty_like(counts)  # [source rank, my local expert]
-        torch.distributed.all_to_all_single(received_counts, counts, group=group)
-        sent = counts.view(n, local).sum(1).tolist()
-        received = received_counts.view(n, local)
-        got = received.sum(1).tolist()
-    rows = _AllToAll.apply(routed, got, sent, group)
-    # rows come by source rank, each source's by local expert: regrouped by expert
-    expert_of_row = torch.arange(local, device=rows.device).repeat(n).repeat_interleave(
-        received.flatten())
-    perm = expert_of_row.argsort(stable=True)
-    out = _compute(module, rows[perm], received.sum(0))
-    return _AllToAll.apply(out[perm.argsort()], sent, got, group)
+        got = sent
+    # the router's weights travel beside the rows, in their dtype (combine casts them so)
+    rows = _AllToAll.apply(torch.cat([x[tokens], share.to(x.dtype)], 1), got, sent, group)
+    own_there = own.new_empty(sum(got), own.shape[1])
+    torch.distributed.all_to_all_single(own_there, own.contiguous(), got, sent, group=group)
+    rows, share_there = rows[:, :x.shape[1]], rows[:, x.shape[1]:]
+    order, counts = experts.sort_by_expert(own_there, local)
+    out = _compute(module, rows[order // own_there.shape[1]], counts)
+    summed = experts.combine(out, order, share_there, own_there.shape[1], len(rows))
+    back = _AllToAll.apply(summed, sent, got, group)
+    return back.new_zeros(len(x), back.shape[1]).index_add_(0, tokens, back)
 
 
 def _compute(module: nn.Module, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

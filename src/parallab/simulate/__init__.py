@@ -213,7 +213,7 @@ def layout_of(cfg, c: Candidate, facts: Facts) -> step.Layout:
     # a pipeline's sharded parts stay gathered from their forward to their backward
     reshard = getattr(p, "reshard_after_forward", True) and c.pp == 1
     split = experts.Split.of(facts.mix, c.ep, c.tp, c.dp_shard, c.rows, cfg.data.seq_len,
-                             facts.blocks, dtype.itemsize)
+                             facts.blocks, dtype.itemsize, cfg.simulate.routing)
     return step.Layout(c.world_size, c.dp_replicate, c.dp_shard, c.tp, c.pp, c.microbatches,
                        c.rows, cfg.data.seq_len, bubble, c.stages_per_rank, c.schedule,
                        cfg.trainer.compile, optimizer_of(cfg), dtype.itemsize, reshard,

@@ -17,6 +17,7 @@ as parallel/expert_parallel.py lays it out:
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from torch import nn
@@ -75,18 +76,33 @@ class Split:
     ep_tp: int = 1  # of them, a tp group's (each sending its slice of the tokens)
     efsdp: int = 1  # ranks each expert's weights are sharded over (FSDP2)
     share: float = 0.0  # MoE blocks over all blocks
-    routed_bytes: float = 0.0  # a micro-batch's (token, expert) pairs, as one MoE block sends them
+    routed_bytes: float = 0.0  # a micro-batch's tokens as one MoE block sends them
 
     @classmethod
     def of(cls, mix: Mix | None, ep: int, tp: int, dp_shard: int, rows: int, seq_len: int,
-           blocks: int, compute_bytes: int) -> "Split":
+           blocks: int, compute_bytes: int, routing: str = "random") -> "Split":
         if mix is None:
             return cls()
         ep_tp = tp if ep > 1 and tp > 1 else 1
         shards = ep // ep_tp
-        pairs = rows * seq_len * mix.top_k / ep_tp
+        units = rows * seq_len / ep_tp * ranks_a_token(mix.experts, mix.top_k, ep, routing)
         return cls(ep, ep_tp, max(1, dp_shard // shards), mix.moe_blocks / blocks,
-                   pairs * mix.width * compute_bytes)
+                   units * mix.width * compute_bytes)
+
+
+def ranks_a_token(experts: int, top_k: int, ep: int, routing: str) -> float:
+    """The ep ranks a token is sent to, on average: one copy to each rank holding any of
+    its top_k experts (parallel/expert_parallel.py's dedup), each rank experts / ep of them.
+    random: the top_k drawn at random, 1 - C(E - E/ep, k) / C(E, k) the chance a rank is
+    hit; round_robin: token t's experts t*k ... t*k + k - 1 (mod E), neighbours, as
+    torchtitan's and NeMo's forced balance pick them (a token's k often on one rank)."""
+    if ep == 1:
+        return 1.0
+    held = experts // ep
+    if routing == "round_robin":
+        return sum(len({(t * top_k + j) % experts // held for j in range(top_k)})
+                   for t in range(experts)) / experts
+    return ep * (1 - math.comb(experts - held, top_k) / math.comb(experts, top_k))
 
 
 def units(block: float, experts: float, split: Split, dp_shard: int) -> list[tuple[float, int]]:

@@ -96,6 +96,9 @@ def _check_data(data) -> None:
     search.refuse(said)
 
 
+ROUTINGS = ("random", "round_robin")  # simulate.routing (simulate/experts.ranks_a_token)
+
+
 def _own_problem(s) -> str | None:
     """simulate's own keys: None, or one line naming the key at fault."""
     if s.rows < 1 or s.plotted < 0:
@@ -103,6 +106,9 @@ def _own_problem(s) -> str | None:
         return f"simulate.{key}={value} is out of range: it must be >= {int(key == 'rows')}"
     if any(n < 1 for n in s.world_sizes or ()):
         return f"simulate.world_sizes={list(s.world_sizes)}: each must be a GPU count >= 1"
+    if s.routing not in ROUTINGS:
+        return (f"simulate.routing={s.routing} is not a routing parallab simulate prices: "
+                f"pick one of {', '.join(ROUTINGS)}")
     if s.measured and not Path(s.measured).is_dir():
         return (f"simulate.measured={s.measured} is not a directory: give a dir of runs "
                 "measured here (an advise run dir, a sweep's dir), or leave it null")
