@@ -168,8 +168,6 @@ def test_flops_count_the_experts_a_token_meets():
     (["parallel=fsdp", "parallel.world_size=2", "parallel.ep=2", "model.moe.experts=null",
       "model.moe.width=null"],
      "GPT has no experts to split"),
-    (["parallel=tp", "parallel.world_size=2", "parallel.sequence_parallel=true"],
-     "parallel.sequence_parallel=true with a mixture of experts"),
     (["parallel=fsdp", "parallel.world_size=2", "parallel.ep=0"], "parallel.ep=0 is out of range"),
 ])
 def test_bad_moe_input_is_one_line_before_launch(given, message):
@@ -197,12 +195,13 @@ def final_weights(run_dir, model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 # each leg: (layout, data-parallel ranks, the step it runs to)
 LEGS = {
-    # ep 4 over 4 shards with selective checkpointing, then ep 2 carved from tp 2 and 2
-    # shards of 2 (tokens sliced over the tp ranks) with full, then hsdp 2 x 2 with ep 2
+    # ep 4 over 4 shards with selective checkpointing, then ep 4 carved from tp 2 and 2
+    # shards (tokens sliced over the tp ranks) with sequence parallelism (the MoE layer
+    # takes the whole sequence) and full checkpointing, then hsdp 2 x 2 with ep 2
     "aux": [(["parallel=fsdp", "parallel.world_size=4", "parallel.ep=4",
               "trainer.activation_checkpointing=selective"], 4, 4),
             (["parallel=fsdp_tp", "parallel.world_size=4", "parallel.tp=2", "parallel.ep=4",
-              "trainer.activation_checkpointing=full"], 2, 7),
+              "parallel.sequence_parallel=true", "trainer.activation_checkpointing=full"], 2, 7),
             (["parallel=hsdp", "parallel.world_size=4", "parallel.ep=2"], 4, 10)],
     # pipelines: 2 parts x 2 shards, ep 2 of the shards, interleaved; then 2 parts x tp 2,
     # ep 2 of the tp ranks, 1F1B (the balancing bias all-reduced over the data ranks)
@@ -283,6 +282,14 @@ QWEN3_MOE = ["model=qwen3_moe_30b", "model.config.vocab_size=512", "model.config
              "model.config.num_experts=4", "model.config.num_experts_per_tok=2", "data=tokens",
              "data.seq_len=32", "device=cpu", "trainer.max_steps=4", "trainer.log_every_n_steps=1",
              "trainer.checkpoint_every_n_steps=null", "trainer.save_best=false"]
+
+
+def test_a_transformers_moe_model_refuses_sequence_parallelism_in_one_line():
+    """gpt's MoE layers take sequence parallelism; a transformers one's are not cut
+    around, said before launch."""
+    with pytest.raises(ConfigError, match="sequence_parallel=true with a transformers mixture"):
+        checked(*QWEN3_MOE, "parallel=fsdp_tp", "parallel.world_size=4", "parallel.tp=2",
+                "parallel.sequence_parallel=true")
 
 
 @pytest.mark.slow

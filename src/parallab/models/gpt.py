@@ -214,20 +214,7 @@ class GPT(Model):
         plan = {"embed.tokens": RowwiseParallel(input_layouts=Replicate()),
                 "head.out": ColwiseParallel(input_layouts=seq, output_layouts=Replicate())}
         for i in range(self.cfg.layers):
-            # an MoE block's router and experts stay whole on each tp rank (expert
-            # parallelism splits the experts: parallel/expert_parallel.py); its shared experts split
-            # as the dense MLP does
-            into, out = ("mlp.shared.gate", "mlp.shared.up"), "mlp.shared.down"
-            if not self.cfg.moe.is_moe(i):
-                into, out = ("mlp.0",), "mlp.2"
-            elif not self.cfg.moe.shared:
-                into, out = (), None
-            plan.update({f"blocks.{i}.attn.qkv": ColwiseParallel(input_layouts=seq),
-                         f"blocks.{i}.attn.proj": RowwiseParallel(output_layouts=seq),
-                         **{f"blocks.{i}.{name}": ColwiseParallel(input_layouts=seq)
-                            for name in into},
-                         **({f"blocks.{i}.{out}": RowwiseParallel(output_layouts=seq)}
-                            if out else {})})
+            plan.update(self._block_plan(i, seq))
             if sequence_parallel:
                 plan.update({f"blocks.{i}.ln1": SequenceParallel(),
                              f"blocks.{i}.ln2": SequenceParallel()})
@@ -236,6 +223,38 @@ class GPT(Model):
                                                       desired_output_layouts=Shard(1),
                                                       use_local_output=True),
                          "head.ln": SequenceParallel()})
+        return plan
+
+    def _block_plan(self, i: int, seq) -> dict[str, Any]:
+        """Block i's split layers, the residual stream between them laid out as `seq`. An
+        MoE block's router and experts stay whole on each tp rank (expert parallelism
+        splits the experts: parallel/expert_parallel.py); its shared experts split as the
+        dense MLP does. With sequence parallelism the MoE layer takes the whole sequence
+        (its router picks for every token on each rank, as without it) and hands the
+        stream back cut: inside it, plain tp."""
+        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            PrepareModuleInputOutput,
+            RowwiseParallel,
+        )
+
+        plan, mlp_seq = {}, seq
+        into, out = ("mlp.0",), "mlp.2"
+        if self.cfg.moe.is_moe(i):
+            into, out = (("mlp.shared.gate", "mlp.shared.up"), "mlp.shared.down") \
+                if self.cfg.moe.shared else ((), None)
+            if seq != Replicate():
+                mlp_seq = Replicate()
+                plan[f"blocks.{i}.mlp"] = PrepareModuleInputOutput(
+                    input_layouts=seq, desired_input_layouts=Replicate(), use_local_input=True,
+                    output_layouts=Replicate(), desired_output_layouts=seq)
+        plan.update({f"blocks.{i}.attn.qkv": ColwiseParallel(input_layouts=seq),
+                     f"blocks.{i}.attn.proj": RowwiseParallel(output_layouts=seq),
+                     **{f"blocks.{i}.{name}": ColwiseParallel(input_layouts=mlp_seq)
+                        for name in into}})
+        if out:
+            plan[f"blocks.{i}.{out}"] = RowwiseParallel(output_layouts=mlp_seq)
         return plan
 
     def tp_problem(self, tp: int) -> str | None:

@@ -102,10 +102,11 @@ def tp_problem(model: nn.Module, tp: int, given: dict[str, str] | None = None,
 def sp_problem(model: nn.Module, data, tp: int, given: dict[str, str] | None = None
                ) -> str | None:
     """None if `model` has a sequence-parallel plan and data's sequences split over `tp`."""
-    if experts.count(model) is not None:
-        return ("parallel.sequence_parallel=true with a mixture of experts: its MoE layers "
-                "route every token of the sequence on each tp rank (expert parallelism "
-                "splits them over the tp ranks itself): set parallel.sequence_parallel=false")
+    if experts.count(model) is not None and hf.tp_plan(model):
+        return ("parallel.sequence_parallel=true with a transformers mixture of experts: "
+                "parallab cuts the sequence around a transformers block's attention and MLP, "
+                "not around its MoE layer (gpt's model.moe takes it): set "
+                "parallel.sequence_parallel=false")
     if not tp_plans.takes_sequence_parallel(model, given):
         return (f"parallel.sequence_parallel=true: the plan of {type(model).__name__} "
                 f"({tp_plans.source(model, given)}) takes no sequence_parallel argument (gpt's "
