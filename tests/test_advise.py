@@ -217,7 +217,7 @@ def test_the_recommended_command_keeps_where_the_config_came_from():
                                 "sizes [1]; the others are savers it does not need"),
     (["advise.steps=0"], "advise.steps=0 is out of range"),
     (["advise.target_world_size=64", "cluster.gpu=RTX-2080"],
-     "cluster.gpu=RTX-2080 is not in mfu.py's table"),
+     "cluster.gpu=RTX-2080 is not in observe/gpus.yaml's peak FLOP/s"),
     (["advise.target_world_size=64", "cluster.matmul_efficiency=5"],
      "cluster.matmul_efficiency=5.0 is out of range: it is a share of the peak, in (0, 1]"),
     (["advise.budget_mb=-100"], "advise.budget_mb=-100.0 is out of range: it must be > 0"),

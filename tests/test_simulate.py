@@ -462,6 +462,24 @@ def test_every_cluster_preset_composes_and_is_sound(name):
         assert cfg.cluster.source  # each names where its figures come from
 
 
+def test_a_gpu_the_table_does_not_list_needs_its_cluster_yaml_alone():
+    """A cluster's own peak_tflops stand for gpus.yaml's entry: a GPU it does not list is
+    priced at them (fp16 at bf16's rate where not given), and the preset's peaks are the
+    table's, the same that train's MFU reads."""
+    import torch
+
+    from parallab.observe import mfu
+    from parallab.simulate import cluster
+
+    own = configured("cluster.gpu=MI300X", "+cluster.peak_tflops={bf16: 1307.4, fp32: 163.4}")
+    assert cluster.problem(own.cluster) is None
+    rates = cluster.Rates.of(own.cluster)
+    assert rates.peaks["bf16"] == rates.peaks["fp16"] == pytest.approx(1307.4e12)
+    assert rates.fp32_peak(tf32=True) == pytest.approx(163.4e12)
+    preset = cluster.Rates.of(configured("cluster=h100").cluster)
+    assert preset.peaks["bf16"] == mfu.peak_flops("NVIDIA H100 80GB HBM3", torch.bfloat16)
+
+
 def test_auto_ranks_every_layout_and_writes_its_answer(tmp_path):
     from parallab.commands import simulate_in_process
 
@@ -572,7 +590,9 @@ def test_a_model_of_images_is_told_simulate_traces_sequences(tmp_path, model):
     (["cluster.hbm_gbps=1e-320"], "cluster.hbm_gbps=1e-320 is out of range"),
     (["cluster.hbm_gbps=null"], "cluster.hbm_gbps=null: only cluster.gpu=this measures"),
     (["cluster.memory_gb=???"], "cluster.memory_gb is missing: set it"),
-    (["cluster.gpu=RTX-9090"], "cluster.gpu=RTX-9090 is not in mfu.py's table"),
+    (["cluster.gpu=RTX-9090"], "cluster.gpu=RTX-9090 is not in observe/gpus.yaml's peak FLOP/s"),
+    (["cluster.gpu=MI300X", "+cluster.peak_tflops={bf16: 1307, int4: 2}"],
+     "cluster.peak_tflops.int4=2.0 is out of range: give the GPU's dense TFLOP/s"),
     (["cluster.remeasure=true"], "cluster.remeasure=true: cluster=h100's rates are given"),
     (["parallel=fsdp"], "parallel.world_size is not set: give the GPU count to simulate"),
     (["parallel=fsdp_tp", "parallel.world_size=8", "parallel.tp=3"],

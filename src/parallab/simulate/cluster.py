@@ -39,8 +39,6 @@ def problem(cfg: ClusterConfig) -> str | None:
     """None if the cluster's keys can be used, else one line naming the key and the fix."""
     from omegaconf import OmegaConf
 
-    from parallab.observe import mfu
-
     for key in ("name", "gpu", *RATES):
         if OmegaConf.is_missing(cfg, key) if OmegaConf.is_config(cfg) else \
                 getattr(cfg, key) == MISSING:
@@ -73,16 +71,28 @@ def problem(cfg: ClusterConfig) -> str | None:
             cfg.nccl.items():
         if not value >= 0:
             return f"cluster.nccl.{key}={value} is out of range: it must be >= 0"
-    if not measured and mfu.peak_flops(cfg.gpu, _bf16()) is None:
-        return (f"cluster.gpu={cfg.gpu} is not in mfu.py's table of peak FLOP/s: name a GPU it "
-                "lists (H100 SXM, H200, B200, A100, ...) or `this`")
+    for key, value in cfg.peak_tflops.items():
+        if key not in PRECISIONS or not 0 < value < math.inf:
+            return (f"cluster.peak_tflops.{key}={value} is out of range: give the GPU's dense "
+                    f"TFLOP/s by precision ({', '.join(PRECISIONS)}), each > 0")
+    if not measured and not peaks_of(cfg).get("bf16"):
+        return (f"cluster.gpu={cfg.gpu} is not in observe/gpus.yaml's peak FLOP/s: name a GPU "
+                "it lists (H100 SXM, H200, B200, A100, ...), `this`, or give the GPU's "
+                "cluster.peak_tflops (bf16 at least)")
     return None
 
 
-def _bf16():
-    import torch
+PRECISIONS = ("fp32", "tf32", "bf16", "fp16", "fp8")  # cluster.peak_tflops's keys
 
-    return torch.bfloat16
+
+def peaks_of(cfg: ClusterConfig) -> dict[str, float]:
+    """The cluster GPU's dense peaks by precision, FLOP/s: its own peak_tflops where given,
+    else gpus.yaml's entry for its name (empty: neither knows it)."""
+    from parallab.observe import mfu
+
+    if cfg.peak_tflops:
+        return mfu.filled({k: float(v) * 1e12 for k, v in cfg.peak_tflops.items()})
+    return mfu.peaks_of(cfg.gpu) or {}
 
 
 @dataclass(frozen=True)
@@ -152,14 +162,7 @@ class Rates:
 
     @classmethod
     def of(cls, cfg: ClusterConfig) -> "Rates":
-        import torch
-
-        from parallab.observe import mfu
-
-        peaks = {name: mfu.peak_flops(cfg.gpu, dtype) for name, dtype in
-                 (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16),
-                  ("fp8", torch.float8_e4m3fn))}
-        peaks["tf32"] = mfu.peak_flops(cfg.gpu, torch.float32, tf32=True)
+        peaks = peaks_of(cfg)
         nccl = cfg.nccl if isinstance(cfg.nccl, NcclLatency) else NcclLatency(**cfg.nccl)
         share = cfg.gemm_peak_share
         float8 = cfg.matmul_efficiency * share["fp8"] / share["bf16"] \
