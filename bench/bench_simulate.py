@@ -4,7 +4,7 @@ each figure comes from: bench/published_notes.md).
     python bench/bench_simulate.py [--fit] [--only SUBSTRING] [--all] [--moe]
 
 Each row that parallab can run as published (its layout a parallab layout, bf16, fp16 or
-fp8 (torchao's float8 Linear layers: not with tp), no context parallelism, a schedule
+fp8 (torchao's float8 Linear layers), no context parallelism, a schedule
 parallab has) is simulated as `parallab simulate`
 would, on the cluster preset of its hardware, and its prediction printed beside the
 published figure: tokens/s per GPU, or TFLOP/s per GPU counted by the row's own FLOP
@@ -75,8 +75,6 @@ def principal_rows(rows: list[dict]) -> dict[int, int]:
 
 def why_not(row: dict) -> str | None:
     """Why parallab cannot run the row as published, or None."""
-    if row["precision"] == "fp8" and int(row["tp"] or 1) > 1:
-        return "float8 with tensor parallel (train's float8 layers take no tp plan)"
     if (row["cp"] or "1") != "1":
         return "context parallel"
     if not all(row[k] for k in ("layers", "tp", "seq_len", "local_batch", "vocab")):
@@ -84,7 +82,7 @@ def why_not(row: dict) -> str | None:
     pp = int(row["pp"] or 1)
     if pp > 1 and schedule_of(row) is None:
         return f"schedule {row['schedule']}"
-    if "async TP" in row["notes"] or "AsyncTP" in row["table"]:
+    if "async tp" in row["notes"].lower() or "AsyncTP" in row["table"]:
         return "asynchronous tensor parallel"
     if not row["precision"] and MEGATRON_2021 not in row["source"]:
         return "precision not published"

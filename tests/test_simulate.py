@@ -92,11 +92,13 @@ def test_float8_prices_the_linear_layers_train_converts_and_nothing_else(tmp_pat
     gathered = simulate_in_process([*GPT, *wide, "precision=fp8", "precision.fp8_all_gather=true"],
                                    tmp_path / "gathered")["layouts"][0]["parts"]
     assert gathered["all_gather_s"] < step["fp8"]["all_gather_s"]
-    for refused, says in ((["cluster=a100"], "has no float8 tensor cores"),
-                          (["parallel=fsdp_tp", "parallel.tp=2"],
-                           "precision=fp8 with parallel.tp=2: float8 Linear layers take no")):
-        with pytest.raises(ConfigError, match=says):
-            simulate_in_process([*GPT, *wide, "precision=fp8", *refused], tmp_path / "no")
+    with pytest.raises(ConfigError, match="has no float8 tensor cores"):
+        simulate_in_process([*GPT, *wide, "precision=fp8", "cluster=a100"], tmp_path / "no")
+    # float8 under tp, as train splits it (torchao's float8 styles): its matmuls too
+    split = {name: simulate_in_process([*GPT, *wide, f"precision={name}", "parallel=fsdp_tp",
+                                        "parallel.tp=2"], tmp_path / f"tp_{name}")
+             ["layouts"][0]["parts"] for name in ("bf16", "fp8")}
+    assert 1.1 < split["bf16"]["compute_s"] / split["fp8"]["compute_s"] < 2
 
 
 def test_float16_pipelines_are_simulated_as_train_runs_them():

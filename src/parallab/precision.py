@@ -63,10 +63,10 @@ def device_hint(cfg: PrecisionConfig, device_type: str) -> str | None:
     return None
 
 
-def layout_problem(cfg: PrecisionConfig, tp: int = 1, dp_shard: int = 1) -> str | None:
+def layout_problem(cfg: PrecisionConfig, dp_shard: int = 1) -> str | None:
     """What the layout rules out of cfg, wherever it runs (dp_shard: the ranks FSDP2 shards
     over; simulate's layouts too); None if nothing."""
-    return _gather_problem(cfg, dp_shard) or _tp_problem(cfg, tp)
+    return _gather_problem(cfg, dp_shard)
 
 
 def _gather_problem(cfg: PrecisionConfig, dp_shard: int) -> str | None:
@@ -77,15 +77,7 @@ def _gather_problem(cfg: PrecisionConfig, dp_shard: int) -> str | None:
     return None
 
 
-def _tp_problem(cfg: PrecisionConfig, tp: int) -> str | None:
-    if cfg.name == "fp8" and tp > 1:
-        return (f"precision=fp8 with parallel.tp={tp}: float8 Linear layers take no "
-                "tensor-parallel plan here: use parallel=fsdp or ddp (tp=1), or precision=bf16")
-    return None
-
-
-def device_problem(cfg: PrecisionConfig, device_type: str, tp: int = 1,
-                   dp_shard: int = 1) -> str | None:
+def device_problem(cfg: PrecisionConfig, device_type: str, dp_shard: int = 1) -> str | None:
     """What the resolved device and layout rule out of cfg (fp8's needs, layout_problem's);
     None if nothing."""
     gathered = _gather_problem(cfg, dp_shard)
@@ -105,7 +97,7 @@ def device_problem(cfg: PrecisionConfig, device_type: str, tp: int = 1,
                 f"{found[0]}.{found[1]}: use precision=bf16")
     if not quantize.available():  # torchao, whose float8 training this is
         return "precision=fp8 needs torchao: pip install 'parallab[quantize]'"
-    return _tp_problem(cfg, tp)
+    return None
 
 
 def compute_dtype(name: str, device_type: str) -> torch.dtype:
@@ -246,3 +238,31 @@ def _sharded_scaler(device_type: str):
             return found
 
     return Scaler(device_type)
+
+
+def float8_style(module: torch.nn.Module, style: Any) -> Any:
+    """A float8 Linear layer's (precision=fp8) column or row split as torchao's float8
+    styles, which cast its input to float8 before they gather it (a gather of one byte an
+    element, the layer's matmul in float8 on DTensors), as torchtitan splits them; where its
+    scaling is tensorwise (torchao's styles take that alone; rowwise keeps torch's)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    if type(style) not in (ColwiseParallel, RowwiseParallel) or \
+            type(module).__name__ != "Float8Linear" or not _tensorwise(module):
+        return style
+    from torchao.float8.float8_tensor_parallel import (
+        Float8ColwiseParallel,
+        Float8RowwiseParallel,
+    )
+
+    cls = Float8ColwiseParallel if type(style) is ColwiseParallel else Float8RowwiseParallel
+    return cls(input_layouts=style.input_layouts[0], output_layouts=style.output_layouts[0],
+               use_local_output=style.use_local_output)
+
+
+def _tensorwise(module: torch.nn.Module) -> bool:
+    from torchao.float8.config import ScalingGranularity
+
+    casts = (module.config.cast_config_input, module.config.cast_config_weight,
+             module.config.cast_config_grad_output)
+    return all(c.scaling_granularity == ScalingGranularity.TENSORWISE for c in casts)

@@ -413,8 +413,7 @@ def prepare(cfg: Config, in_place: InPlace | None, run_dir: str | None = None
         layout = resolve_parallel(cfg, in_place)
         if in_place is None and layout.processes:  # parallab's own launcher
             _refuse(master_port_problem())
-        _refuse(precision.device_problem(cfg.precision, cfg.device.value, layout.tp,
-                                         layout.dp_shard))
+        _refuse(precision.device_problem(cfg.precision, cfg.device.value, layout.dp_shard))
         if hint := precision.device_hint(cfg.precision, cfg.device.value):
             log.warning(hint)
         _refuse(memory.snapshot_problem(cfg.trainer.memory_snapshot, cfg.device.value))

@@ -182,15 +182,17 @@ def split(model: nn.Module, mesh, given: dict[str, str] | None, sequence_paralle
     logits stay cut by vocabulary."""
     from torch.distributed.tensor.parallel import parallelize_module
 
+    from parallab.precision import float8_style
+
     plan, sharded = plan_for(model, given, sequence_parallel, loss, whole)
     if ep > 1:  # expert parallelism splits the experts: the plan's styles for them stay out
         plan = {name: style for name, style in plan.items()
                 if not isinstance(style, _styles()[EXPERTS])}
-    held = {name for name, module in model.named_modules()
+    held = {name: module for name, module in model.named_modules()
             if not isinstance(module, nn.Identity)}
     tied = tied_names(model)
-    parallelize_module(model, mesh, {name: style for name, style in plan.items()
-                                     if name in held})
+    parallelize_module(model, mesh, {name: float8_style(held[name], style)
+                                     for name, style in plan.items() if name in held})
     for alias, first in tied.items():
         owner, _, attr = alias.rpartition(".")
         setattr(model.get_submodule(owner), attr, model.get_parameter(first))

@@ -76,7 +76,7 @@ def check(cfg) -> Any:
 
         stages = stages_on_meta(cfg)
     layout.plan.check(cfg, layout, stages)
-    search.refuse(precision.layout_problem(cfg.precision, layout.tp, layout.dp_shard))
+    search.refuse(precision.layout_problem(cfg.precision, layout.dp_shard))
     return layout
 
 

@@ -135,7 +135,7 @@ def per_rank_batch(cfg, dp: int) -> tuple[int | None, str | None]:
 
 def grid(cfg, facts, gpus_per_node: int) -> list[Candidate]:
     """Every layout of parallel.world_size GPUs for the model (`facts`: simulate.Facts);
-    those the model, the batch or the precision (precision=fp8 and tp) cannot take carry
+    those the model, the batch or the precision (float8 gathers without shards) cannot take carry
     their reason."""
     from parallab.precision import layout_problem
 
@@ -160,7 +160,7 @@ def grid(cfg, facts, gpus_per_node: int) -> list[Candidate]:
                         for ep in expert_degrees(facts.mix, tp, shard):
                             c = Candidate(**base, **way, checkpointing=ac, ep=ep)
                             c.reason = tp_reason or batch_reason or \
-                                layout_problem(cfg.precision, tp, shard)
+                                layout_problem(cfg.precision, shard)
                             found.append(c)
                             if tp > 1 and facts.takes_sequence_parallel and not c.reason \
                                     and facts.sp_problem(tp) is None:
