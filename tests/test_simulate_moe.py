@@ -128,3 +128,7 @@ def test_a_token_is_priced_once_for_each_rank_holding_its_experts():
     assert split["round_robin"].routed_bytes == 4 * 32 * 64 * 2
     with pytest.raises(ConfigError, match="simulate.routing=sorted is not a routing"):
         run.check(configured(*MOE, "simulate.routing=sorted", "parallel.world_size=2"))
+    dense = [o for o in MOE if not o.startswith("model.moe")]
+    with pytest.raises(ConfigError, match="this model has none: leave it out"):
+        run.given(configured(*dense, "simulate.routing=round_robin", "parallel=fsdp",
+                             "parallel.world_size=2"))

@@ -178,6 +178,9 @@ def _simulated(cfg, layout):
     rates = rates_of(cfg.cluster, cfg.parallel.world_size)
     search.refuse(float8.problem(cfg.precision.name, rates))
     facts = Facts.of(cfg)
+    if cfg.simulate.routing != "random" and facts.mix is None:
+        raise ConfigError(f"simulate.routing={cfg.simulate.routing} prices how tokens pick "
+                          "experts, and this model has none: leave it out")
     candidates, notes = candidates_of(cfg, layout, facts, rates)
     facts.cut()
     traces = Traces(cfg, facts)
