@@ -9,9 +9,10 @@ as parallel/expert_parallel.py lays it out:
 - its experts still compute every routed pair of its tokens' worth (uniform routing sends
   it as many as it sends away), but where ep takes tp's ranks each tp rank routes only
   its slice of the tokens, which the traced tp rank ran whole: its experts' ops / tp;
-- each MoE block's forward sends its tokens (x top_k) to their experts' ranks and takes
-  them back, two all-to-alls, and its backward two more (again in a recompute): each
-  priced by cluster.collective_s over the ranks the ep group spans, exposed.
+- each MoE block's forward sends each token once to each rank holding any of its experts
+  (ranks_a_token: how many, by simulate.routing) and takes the sums back, two all-to-alls,
+  and its backward two more (again in a recompute): each priced by cluster.collective_s
+  over the ranks the ep group spans, exposed.
 """
 
 from __future__ import annotations
