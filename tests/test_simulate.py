@@ -195,7 +195,7 @@ def test_this_machines_measured_costs_stand_for_nccls_and_a_gpus():
     idle slots, which last as long as a busy one); the figures measured for real by two
     processes over gloo."""
     from parallab.config.schema import NcclLatency
-    from parallab.simulate import costs, step, together
+    from parallab.simulate import costs, step, rank_costs
     from parallab.simulate.cluster import Group, Rates
     from parallab.simulate.trace import Op, Shape, Trace
 
@@ -215,11 +215,11 @@ def test_this_machines_measured_costs_stand_for_nccls_and_a_gpus():
 
     # measured for real by two processes: every kind a rate, every cost a figure (what a
     # loaded machine leaves of a difference may be nothing, never less)
-    measured = together.measure(2, 1, 5e-6)
-    assert set(measured["links"]) == set(together.KINDS)
+    measured = rank_costs.measure(2, 1, 5e-6)
+    assert set(measured["links"]) == set(rank_costs.KINDS)
     # a real collective between two processes costs something, whatever the machine's load
     # (a send's fixed cost is the stage's: stage_s)
-    assert all(measured["links"][kind][0] > 0 for kind in together.KINDS if kind != "p2p")
+    assert all(measured["links"][kind][0] > 0 for kind in rank_costs.KINDS if kind != "p2p")
     assert all(rate > 0 and fixed >= 0 for fixed, rate in measured["links"].values())
     assert all(measured[key] >= 0 for key in ("fsdp_unit_s", "dtensor_op_s", "stage_s"))
     assert measured["in_step"] >= 1
@@ -234,35 +234,36 @@ def test_rates_measured_while_the_machine_was_busy_are_measured_again_once_it_is
     import subprocess
     import sys
 
-    from parallab.simulate import here, report
+    from parallab.simulate import this_machine, report
 
     spinning = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
                 for _ in range(os.cpu_count() or 1)]
     try:
-        assert here.busy(0.5) > here.BUSY
+        assert this_machine.busy(0.5) > this_machine.BUSY
     finally:
         for p in spinning:
             p.kill()
             p.wait()
 
-    monkeypatch.setattr(here, "FILE", tmp_path / "cluster_this.json")
-    monkeypatch.setattr(here, "CACHE", tmp_path)
+    monkeypatch.setattr(this_machine, "FILE", tmp_path / "cluster_this.json")
+    monkeypatch.setattr(this_machine, "CACHE", tmp_path)
     cores = len(os.sched_getaffinity(0))
     kept = {"cores": cores, "fp32_1": 1.0, "ranks": {}, "at": "earlier", "busy": 0.9}
-    here.FILE.write_text(json.dumps({here._key(cores): kept}))
+    this_machine.FILE.write_text(json.dumps({this_machine._key(cores): kept}))
     for load, served in ((0.6, "kept"), (0.0, "measured")):
-        monkeypatch.setattr(here, "busy", lambda seconds=0.3, load=load: load)
-        here.measured.cache_clear()
-        here._idle.cache_clear()
-        figures = here.measured()
+        monkeypatch.setattr(this_machine, "busy", lambda seconds=0.3, load=load: load)
+        this_machine.measured.cache_clear()
+        this_machine._idle.cache_clear()
+        figures = this_machine.measured()
         assert (figures == kept) == (served == "kept")
     assert figures["busy"] == 0.0 and figures["fp32_1"] > 1e6 and figures["at"] != "earlier"
-    assert json.loads(here.FILE.read_text())[here._key(cores)]["at"] == figures["at"]
+    kept_now = json.loads(this_machine.FILE.read_text())
+    assert kept_now[this_machine._key(cores)]["at"] == figures["at"]
     said = report._measured_when({"at": "earlier", "busy": 0.9})[0]
     assert "measured earlier, while other work took 90% of its cores: the rates may be low" \
         in said
-    here.measured.cache_clear()
-    here._idle.cache_clear()
+    this_machine.measured.cache_clear()
+    this_machine._idle.cache_clear()
 
 
 def test_this_machine_shares_its_cores_among_more_ranks_than_it_measured(monkeypatch):
@@ -270,18 +271,18 @@ def test_this_machine_shares_its_cores_among_more_ranks_than_it_measured(monkeyp
     for real slows as the cores' share a rank gets does, as the rates' peaks do, so that a
     step never computes faster than its peak (an MFU beyond 100%)."""
     from parallab.config.schema import ClusterConfig
-    from parallab.simulate import here
+    from parallab.simulate import this_machine
 
     four = {"links": {}, "fsdp_unit_s": 0.0, "dtensor_op_s": 0.0, "stage_s": 0.0,
             "in_step": 1.5}
     figures = {"cores": 2, "memory_bytes": 2**34, "in_step": 1.2, "fp32_1": 1e10,
                "fp32_all": 2e10, "bf16_1": 1e10, "bf16_all": 2e10, "copy": 1e10,
                "op_s": 1e-5, "ranks": {"4": four}}
-    monkeypatch.setattr(here, "measured", lambda again=False: figures)
+    monkeypatch.setattr(this_machine, "measured", lambda again=False: figures)
     cluster = ClusterConfig(name="this", gpu="this", memory_gb=None, hbm_gbps=None,
                             gpus_per_node=None, intra_node_gbps=None, inter_node_gbps=None,
                             matmul_efficiency=None, op_overhead_us=None)
-    at4, at64 = here.rates(cluster, 4), here.rates(cluster, 64)
+    at4, at64 = this_machine.rates(cluster, 4), this_machine.rates(cluster, 64)
     assert at4.timed.slower == pytest.approx(1.5)  # as measured: four ranks, two cores
     assert at4.peaks["fp32"] / at64.peaks["fp32"] == pytest.approx(16)
     assert at64.timed.slower / at4.timed.slower == pytest.approx(16)
@@ -340,7 +341,7 @@ def test_this_machine_runs_only_an_op_it_can_afford():
     from parallab.simulate import costs
     from parallab.simulate.cluster import Rates
     from parallab.simulate.ops import Op, _spec
-    from parallab.simulate.timing import Timer
+    from parallab.simulate.op_times import Timer
 
     a = torch.randn(64, 64)
     op = Op("forward", "block", "matmul", 2 * 64.0**3, ((0, a.nbytes), (1, a.nbytes)),

@@ -133,7 +133,7 @@ class Facts:
 
 
 def rates_of(cluster, world_size: int = 1) -> clusters.Rates:
-    """The cluster's rates; this machine's measured (here.py) for ranks sharing its cores
+    """The cluster's rates; this machine's measured (this_machine.py) for ranks sharing its cores
     `world_size` ways, a figure the cluster's YAML gives kept over the measured one."""
     if cluster.gpu != clusters.THIS:
         rates = clusters.Rates.of(cluster)
@@ -141,9 +141,9 @@ def rates_of(cluster, world_size: int = 1) -> clusters.Rates:
             return rates
         # a job smaller than a node sits on one: none of its groups crosses to another
         return dataclasses.replace(rates, gpus_per_node=world_size)
-    from parallab.simulate import here
+    from parallab.simulate import this_machine
 
-    return here.rates(cluster, world_size)
+    return this_machine.rates(cluster, world_size)
 
 
 def vocab_of(model: nn.Module, cfg) -> int:

@@ -28,7 +28,7 @@ from omegaconf import MISSING
 from parallab.config.schema import ClusterConfig, NcclLatency
 
 GBIT = 1e9 / 8  # bytes per second in a gigabit per second
-THIS = "this"  # cluster.gpu: this machine, its rates measured (simulate/here.py)
+THIS = "this"  # cluster.gpu: this machine, its rates measured (simulate/this_machine.py)
 
 
 RATES = ("memory_gb", "hbm_gbps", "gpus_per_node", "intra_node_gbps", "inter_node_gbps",

@@ -36,7 +36,7 @@ def op_seconds(op: Op, rates: Rates, fp32_peak: float, experts_held: float = 1.0
     out the further over the narrower the model (10-20% at the narrowest); summed, 3-10%
     (docs/benchmarks.md: "parallab simulate against published runs"). At least a launch.
     Where
-    the cluster is this machine, the op run for real (here.py), its roofline the fallback;
+    the cluster is this machine, the op run for real (this_machine.py), its roofline the fallback;
     an op the roofline says would run over LONGEST_S, or whose tensors would take over
     MEMORY_SHARE of the memory, is not run: at that size a CPU runs at the measured rates
     the roofline prices it by, and a model too large for the machine ends in its refusal,

@@ -94,7 +94,7 @@ def _measured_when(measured: dict[str, Any] | None) -> list[str]:
     """cluster=this: when its rates were measured, and how busy the machine was then."""
     if measured is None:
         return []
-    from parallab.simulate.here import BUSY
+    from parallab.simulate.this_machine import BUSY
 
     low = ": the rates may be low, the overheads high" if measured["busy"] > BUSY else ""
     return [f"This machine's rates were measured {measured['at']}, while other work took "

@@ -264,9 +264,9 @@ def _head(cfg, facts: Facts, seconds: float) -> dict[str, Any]:
             "compile": cfg.trainer.compile, "blocks": facts.blocks,
             "flops_per_token": facts.flops_per_token, "seconds": seconds}
     if cfg.cluster.gpu == clusters.THIS:  # a figure of its hour: when, and under what load
-        from parallab.simulate import here
+        from parallab.simulate import this_machine
 
-        head["measured"] = here.when(cfg.cluster, cfg.parallel.world_size)
+        head["measured"] = this_machine.when(cfg.cluster, cfg.parallel.world_size)
     return head
 
 

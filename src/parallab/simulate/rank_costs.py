@@ -11,7 +11,7 @@ ranks do, not only when they are lucky):
   difference of two medians this noisy can come out at any rate), as comm.py counts the
   bytes a rank sends; a send's bytes per second (p2p: its fixed cost is the stage's);
 - how much longer ops take inside a step than alone while every rank runs one
-  (timing.in_step);
+  (op_times.in_step);
 - what FSDP2 adds to a unit's forward and backward and DTensor to an op, beyond the
   collectives they call (counted by comm.py's CommCounter) at their back-to-back costs, and
   what a pipeline's schedule adds to a micro-batch's pass through a stage, its sends'
@@ -31,8 +31,8 @@ import time
 
 import torch
 
-from parallab.simulate import timing
-from parallab.simulate.timing import median_time
+from parallab.simulate import op_times
+from parallab.simulate.op_times import median_time
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
 WHOLE = 2 * 2**20 // 4  # a large collective's elements (2 MiB of float32)
@@ -159,7 +159,7 @@ def _dtensor_ops(step) -> int:
 
     from parallab.simulate.ops import moves_data
 
-    return max(1, timing.ops_in(step, lambda func, args: moves_data(func) and any(
+    return max(1, op_times.ops_in(step, lambda func, args: moves_data(func) and any(
         isinstance(a, DTensor) for a in args)))
 
 
@@ -196,7 +196,7 @@ def _stage(rank: int, world: int) -> float:
 
 
 def slower(rank: int, threads: int, op_s: float) -> float:
-    """timing.in_step for the job's ranks: the reference step's ops timed alone by rank 0
+    """op_times.in_step for the job's ranks: the reference step's ops timed alone by rank 0
     while the others wait, then its step run by every rank at once."""
     import torch.distributed as dist
 
@@ -205,8 +205,8 @@ def slower(rank: int, threads: int, op_s: float) -> float:
         return median_time(step, 10)
 
     if rank == 0:
-        return timing.in_step(threads, op_s, together)
-    step, _ = timing.reference_step()  # made before rank 0 starts timing the whole step
+        return op_times.in_step(threads, op_s, together)
+    step, _ = op_times.reference_step()  # made before rank 0 starts timing the whole step
     dist.barrier()
     median_time(step, 10)
     return 0.0
@@ -231,7 +231,7 @@ def _job(rank: int, world: int, path: str, threads: int, op_s: float) -> None:
 def measure(world: int, threads: int, op_s: float) -> dict:
     """The figures of `world` processes of this module's own (`python -m`: no caller's main
     module run again in them, as multiprocessing's spawn would), each with `threads`;
-    `op_s`: an eager op's own time in a step (here.op_seconds)."""
+    `op_s`: an eager op's own time in a step (this_machine.op_seconds)."""
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "store")
         env = {**os.environ, "PYTHONWARNINGS": "ignore"}

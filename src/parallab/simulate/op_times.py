@@ -6,8 +6,8 @@ step each op reads what an op a while before wrote, and the ranks of a job shari
 cores compete for the caches and the memory. A small gpt's step (two blocks of width 128,
 8 sequences of 64 tokens: the models a CPU trains) is recorded op by op and its ops timed
 alone, then the step timed whole: their ratio, beyond each op's own time in a step
-(here.op_seconds), is what a traced op's time alone is multiplied by, measured for one
-process and for each rank count (together.py).
+(this_machine.op_seconds), is what a traced op's time alone is multiplied by, measured for one
+process and for each rank count (rank_costs.py).
 """
 
 from __future__ import annotations
@@ -143,7 +143,7 @@ def in_step(threads: int, op_s: float, together=None) -> float:
     """How many times longer the reference step's ops take inside it than alone (at least
     1): its median step, less each op's own time in a step (`op_s`), over its ops timed
     alone with `threads`. `together(step)`: the step's median as the job's ranks run it
-    all at once (together.py), where the ops alone are timed while the others wait."""
+    all at once (rank_costs.py), where the ops alone are timed while the others wait."""
     step, recorded = reference_step()
     before = torch.get_num_threads()
     torch.set_num_threads(threads)

@@ -4,10 +4,10 @@ Each op a trace records is run for real (Timer), its tensors made from their sha
 small matmuls, attention kernels and pointwise ops of a model a CPU trains take times that
 no rate of a large matmul or a copy gives. Measured once and kept (~/.cache/parallab):
 an eager op's own time in a training step (the module call and autograd around it), how
-much longer ops take inside a step than alone (timing.in_step), a square matmul's FLOP/s
+much longer ops take inside a step than alone (op_times.in_step), a square matmul's FLOP/s
 and a large copy's bytes per second (the rates where an op cannot be run from its
 shapes); and, once per rank count, what n processes over gloo cost one another
-(together.py: each collective kind, FSDP2's hooks, DTensor's dispatch, a pipeline's
+(rank_costs.py: each collective kind, FSDP2's hooks, DTensor's dispatch, a pipeline's
 schedule, the slowing inside a step: a CPU pays them on its cores, where a GPU mostly
 hides them behind its kernels). Each figure keeps when it was measured and how busy other
 work kept the cores then: one measured busy (low rates, high overheads) is measured again
@@ -32,11 +32,11 @@ import torch
 
 from parallab.config.schema import ClusterConfig, NcclLatency
 from parallab.simulate.cluster import GBIT, Rates
-from parallab.simulate.timing import Timer, fastest, in_step, ops_in
+from parallab.simulate.op_times import Timer, fastest, in_step, ops_in
 
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "parallab"
 FILE = CACHE / "cluster_this.json"
-# what is measured, and how: raised with any change to it here, in timing.py or together.py,
+# what is measured, and how: raised with any change to it here, in op_times.py or rank_costs.py,
 # so that figures measured the former way are measured again, not served
 FIGURES = 4
 MOST_RANKS = 16
@@ -150,11 +150,11 @@ def measured(again: bool = False) -> dict[str, float]:
 
 
 def together_at(figures: dict, world: int) -> dict:
-    """What `world` ranks here cost one another (together.py), measured once per rank
+    """What `world` ranks here cost one another (rank_costs.py), measured once per rank
     count and kept with this machine's other figures. Past twice the cores, or 16 ranks (a
     plot's counts, not a job one runs here), the figures of the largest count measured
     stand for them: each count measured starts that many processes importing torch."""
-    from parallab.simulate import together
+    from parallab.simulate import rank_costs
 
     world = _counted(figures, world)
     kept = figures["ranks"].get(str(world))
@@ -163,7 +163,7 @@ def together_at(figures: dict, world: int) -> dict:
         # that in_step's ratio does not count that slowing a second time
         op_s = figures["op_s"] / _share(figures, world)
         stamp = _stamp()
-        figures["ranks"][str(world)] = {**together.measure(world, _threads(figures, world),
+        figures["ranks"][str(world)] = {**rank_costs.measure(world, _threads(figures, world),
                                                            op_s), **stamp}
         known, key = _known(), _key(figures["cores"])
         # the rank counts another process kept meanwhile stay beside this one's
