@@ -225,7 +225,7 @@ def test_after_a_signal_a_hang_ends_the_process_but_an_evaluation_does_not():
 @pytest.mark.parametrize("who,signum", [
     # Ctrl-C: the terminal signals the whole process group, controller and workers alike
     ("the group", signal.SIGINT),
-    # a closed terminal or a dropped ssh session: the whole group too
+    # a closed terminal or a dropped ssh connection: the whole group too
     ("the group", signal.SIGHUP),
     # a scheduler that signals the controller alone (setsid made it the group's leader); it
     # passes the request on
