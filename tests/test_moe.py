@@ -104,7 +104,7 @@ def test_ep_sends_each_token_once_to_each_rank_holding_its_experts():
     ids = torch.tensor([[0, 1], [0, 5], [8, 8], [6, 7]])
     weights = torch.tensor([[0.6, 0.4], [0.7, 0.3], [0.5, 0.5], [0.2, 0.8]])
     tokens, own, share, sent = _units(ids, weights, 8, 2)
-    assert tokens.tolist() == [0, 1, 1, 3] and sent.tolist() == [2, 2]
+    assert tokens.tolist() == [0, 1, 1, 3] and sent == [2, 2]
     assert own.tolist() == [[0, 1], [0, 4], [4, 1], [2, 3]]
     torch.testing.assert_close(share, torch.tensor([[0.6, 0.4], [0.7, 0.0], [0.0, 0.3],
                                                     [0.2, 0.8]]))

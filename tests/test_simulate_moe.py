@@ -122,7 +122,7 @@ def test_a_token_is_priced_once_for_each_rank_holding_its_experts():
     assert experts.ranks_a_token(256, 8, 64, "round_robin") == 2.0  # DeepSeek-V3 at ep 64
     _, facts = facts_of()
     split = {routing: experts.Split.of(facts.mix, 2, 1, 2, 4, 32, 2, 2, routing)
-             for routing in run.ROUTINGS}
+             for routing in experts.ROUTINGS}
     assert split["random"].routed_bytes == pytest.approx(
         4 * 32 * 2 * (1 - 6 / 28) * 64 * 2)
     assert split["round_robin"].routed_bytes == 4 * 32 * 64 * 2

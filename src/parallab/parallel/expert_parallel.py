@@ -248,7 +248,8 @@ def _units(ids: torch.Tensor, weights: torch.Tensor, total: int, n: int):
     ranks, tokens = hit.scatter_(1, rank_of, True)[:, :n].T.nonzero(as_tuple=True)
     mine = rank_of[tokens] == ranks[:, None]
     own = torch.where(mine, ids[tokens] - ranks[:, None] * local, local)
-    return tokens, own, torch.where(mine, weights[tokens], 0), torch.bincount(ranks, minlength=n)
+    sent = torch.bincount(ranks, minlength=n).tolist()
+    return tokens, own, torch.where(mine, weights[tokens], 0), sent
 
 
 def _exchange(module: nn.Module, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
@@ -258,12 +259,7 @@ def _exchange(module: nn.Module, x: torch.Tensor, ids: torch.Tensor, weights: to
     group, n = ep.ep.get_group(), ep.size
     local = total // n
     tokens, own, share, sent = _units(ids, weights, total, n)
-    if not isinstance(sent, list):  # counts first: the receivers size their buffers
-        got = torch.empty_like(sent)
-        torch.distributed.all_to_all_single(got, sent, group=group)
-        sent, got = sent.tolist(), got.tolist()
-    else:
-        got = sent
+    got = sent if experts.uniform() else _counts_from(sent, group, x.device)
     # the router's weights travel beside the rows, in their dtype (combine casts them so)
     rows = _AllToAll.apply(torch.cat([x[tokens], share.to(x.dtype)], 1), got, sent, group)
     own_there = own.new_empty(sum(got), own.shape[1])
@@ -274,6 +270,14 @@ def _exchange(module: nn.Module, x: torch.Tensor, ids: torch.Tensor, weights: to
     summed = experts.combine(out, order, share_there, own_there.shape[1], len(rows))
     back = _AllToAll.apply(summed, sent, got, group)
     return back.new_zeros(len(x), back.shape[1]).index_add_(0, tokens, back)
+
+
+def _counts_from(sent: list[int], group, device: torch.device) -> list[int]:
+    """The rows each rank sends this one, told first: the receivers size their buffers
+    (on `device`: NCCL exchanges a GPU's tensors only)."""
+    got = torch.empty(len(sent), dtype=torch.long, device=device)
+    torch.distributed.all_to_all_single(got, torch.tensor(sent, device=device), group=group)
+    return got.tolist()
 
 
 def _compute(module: nn.Module, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

@@ -91,6 +91,9 @@ class Split:
                    units * mix.width * compute_bytes)
 
 
+ROUTINGS = ("random", "round_robin")  # simulate.routing: how ranks_a_token counts
+
+
 def ranks_a_token(experts: int, top_k: int, ep: int, routing: str) -> float:
     """The ep ranks a token is sent to, on average: one copy to each rank holding any of
     its top_k experts (parallel/expert_parallel.py's dedup), each rank experts / ep of them.

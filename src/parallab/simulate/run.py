@@ -9,8 +9,8 @@ from typing import Any
 
 from parallab.config.errors import ConfigError
 from parallab import precision
-from parallab.simulate import (Facts, Traces, clusters, float8, rates_of, report, search,
-                               simulate_all)
+from parallab.simulate import (Facts, Traces, clusters, experts, float8, rates_of, report,
+                               search, simulate_all)
 from parallab.simulate.search import Candidate
 
 log = logging.getLogger("parallab")
@@ -96,9 +96,6 @@ def _check_data(data) -> None:
     search.refuse(said)
 
 
-ROUTINGS = ("random", "round_robin")  # simulate.routing (simulate/experts.ranks_a_token)
-
-
 def _own_problem(s) -> str | None:
     """simulate's own keys: None, or one line naming the key at fault."""
     if s.rows < 1 or s.plotted < 0:
@@ -106,9 +103,9 @@ def _own_problem(s) -> str | None:
         return f"simulate.{key}={value} is out of range: it must be >= {int(key == 'rows')}"
     if any(n < 1 for n in s.world_sizes or ()):
         return f"simulate.world_sizes={list(s.world_sizes)}: each must be a GPU count >= 1"
-    if s.routing not in ROUTINGS:
+    if s.routing not in experts.ROUTINGS:
         return (f"simulate.routing={s.routing} is not a routing parallab simulate prices: "
-                f"pick one of {', '.join(ROUTINGS)}")
+                f"pick one of {', '.join(experts.ROUTINGS)}")
     if s.measured and not Path(s.measured).is_dir():
         return (f"simulate.measured={s.measured} is not a directory: give a dir of runs "
                 "measured here (an advise run dir, a sweep's dir), or leave it null")
@@ -137,8 +134,9 @@ def candidates_of(cfg, layout, facts: Facts, rates) -> tuple[list[Candidate], li
         notes.append(f"Routing: each of the {facts.mix.experts} experts takes an even share "
                      "of the tokens (uniform, as vendor benchmarks force it); a real router's "
                      "busiest expert makes its rank, and every rank of its all-to-all, "
-                     "wait. The all-to-all is NCCL's (no node-level deduplication, as "
-                     "DeepEP's).")
+                     "wait. Each token is sent once to each rank holding any of its experts, "
+                     f"which it picks as simulate.routing={cfg.simulate.routing} says. The "
+                     "all-to-all is NCCL's (no node-level deduplication, as DeepEP's).")
     if layout is not None:
         search.refuse(facts.split_problem())
         mode = cfg.trainer.activation_checkpointing
