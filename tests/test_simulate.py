@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from parallab.config.errors import ConfigError
+from parallab.parallel.layout import Layout
 from parallab.testing import REPO, run_entry
 
 # a gpt whose every weight splits evenly over 64 ranks (FSDP2 pads nothing)
@@ -109,7 +110,7 @@ def test_float16_pipelines_are_simulated_as_train_runs_them():
     cfg = configured(*GPT, "parallel=auto", "parallel.world_size=2", "precision=fp16")
     run.check(cfg)
     found, notes = run.candidates_of(cfg, None, Facts.of(cfg), rates_of(cfg.cluster, 2))
-    assert [c for c in found if c.pp == 2 and c.reason is None]
+    assert [c for c in found if c.layout.pp == 2 and c.reason is None]
     assert not [n for n in notes if n.startswith("No pipeline layouts")]
 
 
@@ -125,9 +126,9 @@ def test_autocasts_copies_of_weights_are_held_once_a_step_however_many_passes_fl
     assert found.casts["block"] == 12 * 64**2 * 2  # qkv, proj and the MLP's two, in bf16
     assert traced(Shape(rows=2, seq_len=32, precision="bf16", gathered=True)
                   ).casts["block"] == 0  # FSDP2 gathers them in bf16: nothing to cast
-    layout = step.Layout(world_size=4, pp=4, microbatches=8, rows=2, seq_len=32,
-                         schedule="1f1b")
-    held = step._memory(found, layout, step.Load(0, 1, True, False))["activations"]
+    layout = Layout.planned(4, pp=4, microbatches=8, batch_size=16, schedule="1f1b")
+    held = step._memory(found, layout, step.Run(seq_len=32),
+                        step.Load(0, 1, True, False))["activations"]
     kept = sum(found.saved[r] for r in ("block", "before"))
     casts = sum(found.casts[r] for r in ("block", "before"))
     assert held * 2**30 == pytest.approx(4 * (kept - casts) + casts)  # 1F1B's first: 4
@@ -152,10 +153,10 @@ def test_a_tied_head_is_held_once():
     cfg = configured(*GPT, "model.tie_embeddings=true", "parallel=pipeline",
                      "parallel.world_size=2")
     rates = rates_of(cfg.cluster, 2)
-    layout = step.Layout(world_size=2, pp=2, microbatches=4, bubble=1.25, schedule="1f1b")
+    layout = Layout.planned(2, pp=2, microbatches=4, batch_size=4, schedule="1f1b")
     predicted = {name: step.predict(found, costs.costs(found, rates, False, False), layout,
-                                    rates, 2) for name, found in (("untied", untied),
-                                                                  ("tied", tied))}
+                                    step.Run(), rates, 2)
+                 for name, found in (("untied", untied), ("tied", tied))}
     assert predicted["tied"].parts["all_reduce_s"] > 0
     assert "all_reduce_s" not in predicted["untied"].parts
 
@@ -206,8 +207,9 @@ def test_this_machines_measured_costs_stand_for_nccls_and_a_gpus():
     found = Trace(Shape(), ops=[Op("forward", "block", "matmul", 1e9, (), ()),
                                 Op("backward", "block", "matmul", 2e9, (), ())],
                   params={"before": 0.0, "block": 10.0, "after": 0.0}, boundary_bytes=2e6)
-    layout = step.Layout(world_size=2, pp=2, microbatches=4, bubble=1 + 1 / 4, schedule="gpipe")
-    predicted = step.predict(found, costs.costs(found, rates, False, False), layout, rates, 4)
+    layout = Layout.planned(2, pp=2, microbatches=4, batch_size=4, schedule="gpipe")
+    predicted = step.predict(found, costs.costs(found, rates, False, False), layout,
+                             step.Run(), rates, 4)
     assert predicted.parts["schedule_s"] == pytest.approx(4 * 5e-3)
     assert predicted.parts["p2p_s"] == pytest.approx(4 * 2 * 2e6 / 2e9)
     slot = 2 * 3e9 / 1e12 + 2 * 2e6 / 2e9 + 5e-3
@@ -293,8 +295,8 @@ def test_a_pipelines_given_split_is_the_one_simulated():
     from parallab.simulate import step
 
     params = {"before": 1.0, "block": 1.0, "after": 1.0}
-    even = step.loads(8, step.Layout(world_size=2, pp=2, schedule="1f1b"), params)
-    given = step.loads(8, step.Layout(world_size=2, pp=2, schedule="1f1b", split=(2,)), params)
+    layout = Layout.planned(2, pp=2, schedule="1f1b")
+    even, given = step.loads(8, layout, params), step.loads(8, layout, params, (2,))
     assert [load.blocks for load in even] == [4, 4]
     assert [load.blocks for load in given] == [1, 7] and given[0].ends == ["before"]
 
@@ -387,9 +389,9 @@ def test_fsdp_reduces_each_accumulated_micro_batch_and_keeps_only_shards():
     one = None
     for m in (1, 4):
         for r in (1, 2):
-            layout = step.Layout(world_size=2 * r, dp_replicate=r, dp_shard=2, microbatches=m)
+            layout = Layout.planned(2 * r, r, 2, microbatches=m, batch_size=m)
             predicted = step.predict(found, costs.costs(found, rates, False, False), layout,
-                                     rates, 3)
+                                     step.Run(), rates, 3)
             assert predicted.parts["all_gather_s"] == pytest.approx(
                 m * (2 * 3 + root) * gather)
             assert predicted.parts["reduce_scatter_s"] == pytest.approx(
@@ -399,9 +401,9 @@ def test_fsdp_reduces_each_accumulated_micro_batch_and_keeps_only_shards():
     # a pipeline's sharded part (torch's stages) keeps its weights and gradients whole from
     # the first micro-batch to the flush, and reduces them once
     found = Trace(Shape(), ops=[], params={"before": 0.0, "block": 1e6, "after": 0.0})
-    layout = step.Layout(world_size=4, dp_shard=2, pp=2, microbatches=4, bubble=1.25,
-                         schedule="1f1b", reshard_after_forward=False)
-    predicted = step.predict(found, costs.costs(found, rates, False, False), layout, rates, 4)
+    layout = Layout.planned(4, dp_shard=2, pp=2, microbatches=4, batch_size=4, schedule="1f1b")
+    predicted = step.predict(found, costs.costs(found, rates, False, False), layout,
+                             step.Run(reshard_after_forward=False), rates, 4)
     assert predicted.parts["reduce_scatter_s"] == pytest.approx(2 * scatter)  # its 2 blocks
     assert predicted.parts["all_gather_s"] == pytest.approx(2 * gather)
     assert predicted.memory["gathered"] * 2**30 == pytest.approx(2 * 1e6 * (2 + 4))
@@ -422,7 +424,7 @@ def test_memory_at_64_ranks_is_the_fake_tensor_layouts():
     state_mb, activations_mb = memory.predict(cfg, layout, trial.one_batch(cfg, 2), 0)
     sim = configured(*GPT, "parallel=fsdp", "parallel.world_size=64", "precision=fp32")
     candidate, _ = run.given(sim)
-    assert isinstance(candidate, search.Candidate) and candidate.dp_shard == 64
+    assert isinstance(candidate, search.Candidate) and candidate.layout.dp_shard == 64
     parts = candidate.prediction.memory  # GiB
     assert parts["state"] * 1024 == pytest.approx(state_mb, rel=0.01)
     assert parts["activations"] * 1024 == pytest.approx(activations_mb, rel=0.15)
@@ -648,11 +650,11 @@ def test_sbatch_lines_ask_for_what_the_slurm_launcher_asks_for():
     from parallab.simulate.report import sbatch
     from parallab.simulate.search import Candidate
 
-    lines = sbatch(Candidate(world_size=12), 8, "parallab train")
+    lines = sbatch(Candidate(Layout.planned(12, 12)), 8, "parallab train")
     assert "#SBATCH --nodes=2" in lines and "#SBATCH --ntasks-per-node=6" in lines
     assert "#SBATCH --gpus-per-node=6" in lines and lines[-1].endswith("parallab train")
-    assert "#SBATCH --nodes=1" in sbatch(Candidate(world_size=4), 8, "x")
-    odd = sbatch(Candidate(world_size=9), 8, "x")
+    assert "#SBATCH --nodes=1" in sbatch(Candidate(Layout.planned(4, 4)), 8, "x")
+    odd = sbatch(Candidate(Layout.planned(9, 9)), 8, "x")
     assert not [line for line in odd if line.startswith("#SBATCH")]
     assert "does not split evenly over the 2 nodes" in odd[-1]
 

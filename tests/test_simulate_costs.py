@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from parallab.parallel.layout import Layout
+
 
 def test_a_matmul_pays_its_bytes_beside_its_flops_where_other_ops_pay_the_longer():
     """A matmul's time is its FLOPs at the peak x the efficiency plus its bytes at the
@@ -72,8 +74,9 @@ def test_a_pipelines_step_is_its_bubble_times_its_slots():
     found = Trace(Shape(), ops=[Op("forward", "block", "matmul", 1e9, (), ()),
                                 Op("backward", "block", "matmul", 2e9, (), ())],
                   params={"before": 0.0, "block": 10.0, "after": 0.0})
-    layout = step.Layout(world_size=2, pp=2, microbatches=4, bubble=1 + 1 / 4, schedule="1f1b")
-    predicted = step.predict(found, costs.costs(found, rates, False, False), layout, rates, 4)
+    layout = Layout.planned(2, pp=2, microbatches=4, batch_size=4, schedule="1f1b")
+    predicted = step.predict(found, costs.costs(found, rates, False, False), layout,
+                             step.Run(), rates, 4)
     slot = 2 * (1e9 + 2e9) / 1e12  # two blocks a stage, forward and backward
     assert predicted.parts["compute_s"] == pytest.approx(4 * slot)
     assert predicted.parts["bubble_s"] == pytest.approx(slot * 1)  # (pp - 1) slots

@@ -7,6 +7,8 @@ ep candidates as train takes them."""
 from __future__ import annotations
 
 import pytest
+
+from parallab.parallel.layout import Layout
 from test_simulate import configured
 
 MOE = ["model=gpt", "model.layers=2", "model.heads=4", "model.width=64", "model.context=64",
@@ -64,13 +66,13 @@ def test_expert_parallelism_trades_gathered_experts_for_sent_tokens():
     cfg, facts = facts_of("parallel.world_size=8", "model.width=1024", "model.moe.width=2048",
                           "model.heads=8", "data.seq_len=64", "model.context=64")
     traces, rates = Traces(cfg, facts), rates_of(cfg.cluster, 8)
-    one, eight = (predict(cfg, search.Candidate(8, 1, 8, batch_size=4, ep=ep), traces, rates)
+    one, eight = (predict(cfg, Layout.planned(8, 1, 8, batch_size=4, ep=ep), traces, rates)
                   for ep in (1, 8))
     assert "all_to_all_s" not in one.parts and eight.parts["all_to_all_s"] > 0
     assert eight.memory["gathered"] < one.memory["gathered"]
     assert eight.memory["state"] == pytest.approx(one.memory["state"])
     assert eight.parts["compute_s"] < one.parts["compute_s"]  # the experts' weights read
-    full = predict(cfg, search.Candidate(8, 1, 8, batch_size=4, ep=8, checkpointing="full"),
+    full = predict(cfg, Layout.planned(8, 1, 8, batch_size=4, ep=8, checkpointing="full"),
                    traces, rates)
     assert full.parts["all_to_all_s"] == pytest.approx(1.5 * eight.parts["all_to_all_s"])
 
@@ -100,9 +102,10 @@ def test_auto_offers_ep_and_its_commands_are_trains():
     cfg = configured(*MOE, "parallel=auto", "parallel.world_size=8")
     facts = run.Facts.of(cfg)
     grid = search.grid(cfg, facts, 8)
-    eps = {(c.tp, c.dp_shard, c.ep) for c in grid if c.pp == 1}
-    assert {(1, 8, 8), (2, 4, 8), (1, 4, 4)} <= eps and not any(c.ep == 16 for c in grid)
-    best = next(c for c in grid if c.ep == 8 and c.tp == 2 and c.pp == 1)
+    layouts = [c.layout for c in grid]
+    eps = {(x.tp, x.dp_shard, x.ep) for x in layouts if x.pp == 1}
+    assert {(1, 8, 8), (2, 4, 8), (1, 4, 4)} <= eps and not any(x.ep == 16 for x in layouts)
+    best = next(c for c in grid if (c.layout.ep, c.layout.tp, c.layout.pp) == (8, 2, 1))
     assert "parallel.ep=8" in best.overrides() and "E8" in best.label
     _, layout = checked(*[o for o in MOE if not o.startswith(("cluster", "precision"))],
                         "data=tokens", *best.overrides())

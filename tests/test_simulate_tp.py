@@ -85,8 +85,8 @@ def test_auto_cuts_a_transformers_models_sequence_under_tp_pipelines_too():
 
     cfg = configured(*LLAMA, "parallel=auto", "parallel.world_size=8", "cluster=h100")
     found = search.grid(cfg, Facts.of(cfg), 8)
-    cut = [c for c in found if c.sequence_parallel]
-    assert cut and all(c.tp > 1 for c in cut) and any(c.pp > 1 for c in cut)
+    cut = [c.layout for c in found if c.layout.sequence_parallel]
+    assert cut and all(x.tp > 1 for x in cut) and any(x.pp > 1 for x in cut)
     whole, sliced = (traced(Shape(tp=2, sequence_parallel=sp, rows=2, seq_len=32,
                                   precision="fp32"), base=LLAMA).boundary_bytes
                      for sp in (False, True))

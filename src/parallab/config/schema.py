@@ -420,9 +420,9 @@ class AdviseConfig:
         default_factory=lambda: ["none", "selective", "full"])
     max_accumulation: int = 4  # gradient accumulation tried: 1, 2, 4 ... up to this
     microbatches: list[int] = field(default_factory=lambda: [2, 4])  # pipeline candidates'
-    # pipeline's (the multi-stage ones at 2 stages per rank, where the model has them)
-    schedules: list[str] = field(default_factory=lambda: [
-        "gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev"])
+    # pipeline's (the multi-stage ones at 2 stages per rank, where the model has them);
+    # null = every schedule parallab has (parallel/schedules.py)
+    schedules: Optional[list[str]] = None
     # true: a memory saver (activation checkpointing, accumulation) is measured only where
     # the candidate without it is predicted not to fit; false: the whole grid
     only_needed: bool = True

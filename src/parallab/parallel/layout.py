@@ -9,10 +9,15 @@ dp_shard (FSDP2 shards), pp (pipeline parts), tp (tensor-parallel slices, innerm
 that a tp group sits on one node's GPUs). Their product is the world size. The layouts of
 one process (dp's GPUs, model parallelism's devices) have degrees too, but no process
 group: one process drives every device.
+
+A planned layout (simulate's grid, Layout.planned) also fixes how a rank's batch is cut and
+what its blocks keep: the schedule and micro-batches, the batch per rank, activation
+checkpointing, sequence parallelism; `overrides` renders it as `parallab train`'s command.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +25,7 @@ from typing import Any
 from parallab.config.errors import ConfigError
 
 DEGREES = ("dp_replicate", "dp_shard", "tp")  # the mesh layouts' (the pipeline adds pp)
+PIPELINE_DEGREES = ("dp_replicate", "dp_shard", "pp", "tp")
 
 
 def resolve_degrees(given: dict[str, int | None], world_size: int) -> dict[str, int]:
@@ -44,6 +50,11 @@ def resolve_degrees(given: dict[str, int | None], world_size: int) -> dict[str, 
     return dict(given)
 
 
+def _planned_dims(world_size: int, pp: int) -> tuple[str, ...]:
+    """A planned layout's mesh: none for one rank, the pipeline's where pp > 1."""
+    return () if world_size == 1 else PIPELINE_DEGREES if pp > 1 else DEGREES
+
+
 @dataclass(frozen=True)
 class Layout:
     """The degrees of a run's ranks and what they imply; checked here once more (a bug, not
@@ -64,6 +75,29 @@ class Layout:
     # its replicas or parts on
     plan: Any = field(default=None, compare=False)
     gpus: tuple[int, ...] = ()
+    # what a planned layout fixes besides its degrees (Layout.planned; train's checks leave
+    # them to the config)
+    schedule: str | None = None  # a pipeline's (parallel.schedule)
+    microbatches: int = 1  # a pipeline's micro-batches, or gradient accumulation's steps
+    batch_size: int = 1  # sequences a data-parallel rank takes an optimizer step
+    checkpointing: str = "none"  # trainer.activation_checkpointing
+    sequence_parallel: bool = False
+
+    @classmethod
+    def planned(cls, world_size: int, dp_replicate: int = 1, dp_shard: int = 1, tp: int = 1,
+                pp: int = 1, **fixed: Any) -> "Layout":
+        """A layout as a grid plans it: a process per rank over the mesh of these degrees
+        (a pipeline's where pp > 1), and what else it fixes (`fixed`: the fields above)."""
+        return cls(world_size, _planned_dims(world_size, pp), world_size > 1,
+                   dp_replicate=dp_replicate, dp_shard=dp_shard, pp=pp, tp=tp, **fixed)
+
+    def regrown(self, dp_replicate: int, dp_shard: int) -> "Layout":
+        """This layout over other data-parallel degrees, its tp, pp and what it fixes kept,
+        as a grid plans it (a process per rank)."""
+        world = dp_replicate * dp_shard * self.tp * self.pp
+        return dataclasses.replace(self, world_size=world, dims=_planned_dims(world, self.pp),
+                                   processes=world > 1, dp_replicate=dp_replicate,
+                                   dp_shard=dp_shard, plan=None, gpus=())
 
     def __post_init__(self) -> None:
         for dim in ("dp_replicate", "dp_shard", "pp", "tp"):
@@ -139,3 +173,65 @@ class Layout:
         """The model's stages matter: each is an FSDP2 unit, or the model is cut at them."""
         return self.processes or self.cuts_model
 
+
+    @property
+    def rows(self) -> int:
+        """Sequences in a micro-batch."""
+        return self.batch_size // self.microbatches
+
+    @property
+    def gathered(self) -> bool:
+        """FSDP2 holds its weights, and gathers them in the compute dtype: any sharded mesh
+        layout, and a pipeline's parts sharded over dp_shard."""
+        return self.dp_shard > 1 or (self.tp > 1 and self.pp == 1)
+
+    @property
+    def preset(self) -> str:
+        """The parallel=NAME that trains this layout."""
+        if self.pp > 1:
+            return "pipeline"
+        if self.world_size == 1:
+            return "none"
+        if self.tp > 1:
+            return "tp" if self.dp == 1 else "fsdp_tp"
+        return "ddp" if self.dp_shard == 1 else "fsdp" if self.dp_replicate == 1 else "hsdp"
+
+    def overrides(self, global_batch: bool = False) -> list[str]:
+        """What `parallab train` needs beyond the user's overrides to train this way
+        (`global_batch`: the user gave data.global_batch_size, which sets the batch)."""
+        from parallab.parallel import schedules
+
+        found = [f"parallel={self.preset}"]
+        if self.preset != "none":
+            found += [f"parallel.world_size={self.world_size}",
+                      f"parallel.dp_replicate={self.dp_replicate}",
+                      f"parallel.dp_shard={self.dp_shard}", f"parallel.tp={self.tp}"]
+        if self.pp > 1:
+            found += [f"parallel.pp={self.pp}", f"parallel.schedule={self.schedule}",
+                      f"parallel.microbatches={self.microbatches}"]
+            if self.stages_per_rank != schedules.stages_per_rank(self.schedule, None):
+                found.append(f"parallel.stages_per_rank={self.stages_per_rank}")
+        if self.sequence_parallel:
+            found.append("parallel.sequence_parallel=true")
+        if self.ep > 1:
+            found.append(f"parallel.ep={self.ep}")
+        accumulate = 1 if self.pp > 1 else self.microbatches
+        if not global_batch:
+            found.append(f"data.batch_size={self.batch_size // accumulate}")
+        if accumulate > 1:
+            found.append(f"trainer.accumulate_grad_batches={accumulate}")
+        found.append(f"trainer.activation_checkpointing={self.checkpointing}")
+        return found
+
+    @property
+    def label(self) -> str:
+        """In a table's row: preset(degrees) schedule or accumulation, sp, batch, mode."""
+        degrees = [f"{k}{v}" for k, v in (("R", self.dp_replicate), ("F", self.dp_shard),
+                                          ("T", self.tp), ("P", self.pp), ("E", self.ep))
+                   if v > 1]
+        v = f" v{self.stages_per_rank}" if self.stages_per_rank > 1 else ""
+        way = f" {self.schedule}{v} m{self.microbatches}" if self.pp > 1 else (
+            f" accum{self.microbatches}" if self.microbatches > 1 else "")
+        sp = " sp" if self.sequence_parallel else ""
+        return (f"{self.preset}({'x'.join(degrees) or '1'}){way}{sp} b{self.batch_size} "
+                f"ac={self.checkpointing}")

@@ -421,7 +421,7 @@ class PipelinePlan(MeshPlan):
                  *([f"parallel.stages_per_rank={v}"] if v > 1 else []),
                  f"parallel.microbatches={micro}"]
                 for pp in range(2, n + 1) if n % pp == 0
-                for schedule in options.schedules
+                for schedule in options.schedules or SCHEDULES
                 for v in [schedules.stages_per_rank(schedule, None)]
                 for micro in options.microbatches]
 

@@ -3,6 +3,9 @@ puts its stages, which micro-batch counts it takes, how long its ranks idle and 
 micro-batches' activations a rank holds at once. Pure: no torch, so that a model of a
 cluster can weigh the schedules without building one.
 
+Its words are torch's: a stage here is a pipeline's part (torch's PipelineStage), not one
+of the model's stages (docs/architecture.md's glossary).
+
 A pipeline of `pp` ranks runs pp x v stages (v = parallel.stages_per_rank): one per rank
 for gpipe and 1f1b, v round-robin per rank for the interleaved ones (rank r holds stages r,
 r + pp, ...), two in a V for zbv and dualpipev (rank r holds r and 2pp - 1 - r, so the

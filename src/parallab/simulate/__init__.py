@@ -21,6 +21,7 @@ from typing import Any
 from torch import nn
 
 from parallab.config.errors import ConfigError
+from parallab.parallel.layout import Layout
 from parallab.simulate import cluster as clusters
 from parallab.simulate import costs, experts, step, trace
 from parallab.simulate.search import Candidate
@@ -194,37 +195,33 @@ def _traced(cfg, model: nn.Module, block: str, vocab: int, shape: trace.Shape) -
                           "of the forward to simulate it") from None
 
 
-def shape_of(cfg, c: Candidate) -> trace.Shape:
-    return trace.Shape(c.tp, c.sequence_parallel, c.rows, cfg.data.seq_len, c.checkpointing,
-                       c.gathered, cfg.precision.name,
-                       experts_split=c.ep > 1 and c.tp > 1)
+def shape_of(cfg, layout: Layout) -> trace.Shape:
+    return trace.Shape(layout.tp, layout.sequence_parallel, layout.rows, cfg.data.seq_len,
+                       layout.checkpointing, layout.gathered, cfg.precision.name,
+                       experts_split=layout.ep > 1 and layout.tp > 1)
 
 
-def layout_of(cfg, c: Candidate, facts: Facts) -> step.Layout:
-    """The step model's view of a candidate (a pipeline's bubble and activations held by its
-    schedule's own counts, parallel/schedules.py; its cuts parallel.split's, where given)."""
-    from parallab.parallel import schedules
+def run_of(cfg, layout: Layout, facts: Facts) -> step.Run:
+    """What the step model needs of the config besides the layout (a pipeline's cuts
+    parallel.split's, where given)."""
     from parallab.precision import compute_dtype
 
-    bubble = schedules.bubble(c.schedule, c.pp, c.stages_per_rank, c.microbatches) \
-        if c.pp > 1 else 1.0
     dtype = compute_dtype(cfg.precision.name, "cuda")
     p = cfg.parallel
     # a pipeline's sharded parts stay gathered from their forward to their backward
-    reshard = getattr(p, "reshard_after_forward", True) and c.pp == 1
-    split = experts.Split.of(facts.mix, c.ep, c.tp, c.dp_shard, c.rows, cfg.data.seq_len,
-                             facts.blocks, dtype.itemsize, cfg.simulate.routing)
-    return step.Layout(c.world_size, c.dp_replicate, c.dp_shard, c.tp, c.pp, c.microbatches,
-                       c.rows, cfg.data.seq_len, bubble, c.stages_per_rank, c.schedule,
-                       cfg.trainer.compile, optimizer_of(cfg), dtype.itemsize, reshard,
-                       cfg.trainer.clip_grad_norm is not None,
-                       getattr(p, "bucket_cap_mb", 25.0), cfg.precision.tf32,
-                       _split(p, c, facts), split, c.checkpointing != "none",
-                       cfg.precision.name == "fp8" and cfg.precision.fp8_all_gather)
+    reshard = getattr(p, "reshard_after_forward", True) and layout.pp == 1
+    split = experts.Split.of(facts.mix, layout.ep, layout.tp, layout.dp_shard, layout.rows,
+                             cfg.data.seq_len, facts.blocks, dtype.itemsize,
+                             cfg.simulate.routing)
+    return step.Run(cfg.data.seq_len, cfg.trainer.compile, optimizer_of(cfg), dtype.itemsize,
+                    reshard, cfg.trainer.clip_grad_norm is not None,
+                    getattr(p, "bucket_cap_mb", 25.0), cfg.precision.tf32,
+                    _split(p, layout, facts), split,
+                    cfg.precision.name == "fp8" and cfg.precision.fp8_all_gather)
 
 
-def _split(p, c: Candidate, facts: Facts) -> tuple[int, ...] | None:
-    if c.pp == 1 or not getattr(p, "split", None):
+def _split(p, layout: Layout, facts: Facts) -> tuple[int, ...] | None:
+    if layout.pp == 1 or not getattr(p, "split", None):
         return None
     problem = facts.split_problem()
     if problem:
@@ -238,13 +235,14 @@ def optimizer_of(cfg) -> str:
     return "sgd_momentum" if name == "sgd" and getattr(cfg.optim, "momentum", 0) else name
 
 
-def predict(cfg, c: Candidate, traces: Traces, rates: clusters.Rates) -> step.Prediction:
+def predict(cfg, layout: Layout, traces: Traces, rates: clusters.Rates) -> step.Prediction:
     facts = traces.facts
-    priced = _block(cfg, shape_of(cfg, c), traces, rates, c.ep)
+    priced = _block(cfg, shape_of(cfg, layout), traces, rates, layout.ep)
     if facts.dense_model is not None:  # a mixture's dense blocks beside its MoE ones
-        dense = _block(cfg, dataclasses.replace(shape_of(cfg, c), dense=True), traces, rates)
+        dense = _block(cfg, dataclasses.replace(shape_of(cfg, layout), dense=True), traces,
+                       rates)
         priced = costs.blend(priced, dense, facts.mix.moe_blocks / facts.blocks)
-    return step.predict(*priced, layout_of(cfg, c, facts), rates, facts.blocks,
+    return step.predict(*priced, layout, run_of(cfg, layout, facts), rates, facts.blocks,
                         facts.flops_per_token)
 
 
@@ -262,14 +260,15 @@ def _block(cfg, shape: trace.Shape, traces: Traces, rates: clusters.Rates, ep: i
     return priced
 
 
-def state_gb(c: Candidate, facts: Facts, optimizer: str) -> float:
-    """The least a rank of `c` holds: its share of the float32 weights and gradients and
-    the optimizer's states, before any activation."""
+def state_gb(layout: Layout, facts: Facts, optimizer: str) -> float:
+    """The least a rank of `layout` holds: its share of the float32 weights and gradients
+    and the optimizer's states, before any activation."""
     per_element = 8 + step.STATE_BYTES[optimizer]
     routed = facts.mix.params if facts.mix else 0.0  # experts: whole on each tp rank but ep's
-    ep_tp = c.tp if c.ep > 1 and c.tp > 1 else 1
-    held = (facts.params - routed) / c.tp + routed / ep_tp
-    return held / (c.pp * c.dp_shard) * per_element / 2**30
+    tp, ep = layout.tp, layout.ep
+    ep_tp = tp if ep > 1 and tp > 1 else 1
+    held = (facts.params - routed) / tp + routed / ep_tp
+    return held / (layout.pp * layout.dp_shard) * per_element / 2**30
 
 
 def rank(candidates: list[Candidate], rates: clusters.Rates) -> list[Candidate]:
@@ -290,11 +289,11 @@ def simulate_all(cfg, candidates: list[Candidate], traces: Traces, rates: cluste
     facts = traces.facts
     optimizer = optimizer_of(cfg)
     for c in candidates:
-        floor = state_gb(c, facts, optimizer)
+        floor = state_gb(c.layout, facts, optimizer)
         if c.reason is None and len(candidates) > 1 and floor * 2**30 > rates.memory_bytes:
             c.state_gb = floor  # cannot fit: not traced
         elif c.reason is None:
-            c.prediction = predict(cfg, c, traces, rates)
+            c.prediction = predict(cfg, c.layout, traces, rates)
     log.info("simulate: %d layouts from %d traces in %.1f s", len(candidates),
              len(traces.found), time.perf_counter() - start)
     return rank(candidates, rates), time.perf_counter() - start

@@ -47,7 +47,7 @@ def sbatch(c: Candidate, gpus_per_node: int, command: str) -> list[str]:
     from parallab.launching.allocation import spread
 
     try:
-        held = spread(c.world_size, None, None, gpus_per_node, "this layout")
+        held = spread(c.layout.world_size, None, None, gpus_per_node, "this layout")
     except ConfigError as error:  # no even spread: the launcher refuses it too
         return ["#!/bin/bash", f"# {error}"]
     return ["#!/bin/bash", f"#SBATCH --nodes={held.nodes}",

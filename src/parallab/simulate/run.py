@@ -207,7 +207,7 @@ def step_at(cfg, layout, world_size: int, cluster, known: dict | None = None):
         facts = Facts.of(cfg)
         facts.cut()
         known[key] = Traces(cfg, facts)
-    return predict(cfg, c, known[key], rates_of(cluster, world_size))
+    return predict(cfg, c.layout, known[key], rates_of(cluster, world_size))
 
 
 def run(cfg, overrides: list[str], run_dir: str, entry: list[str]) -> dict[str, Any]:
@@ -293,7 +293,7 @@ def _curves(cfg, best: list[Candidate], traces, rates) -> dict[str, list]:
                 other = search.grown(c, size)
             except ConfigError:  # the count does not split so
                 continue
-            found = predict(cfg, other, traces, rates_of(cfg.cluster, size))
+            found = predict(cfg, other.layout, traces, rates_of(cfg.cluster, size))
             points.append((size, found.tokens_per_sec_per_gpu))
         curves[c.label] = points
     return curves

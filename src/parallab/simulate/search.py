@@ -5,6 +5,7 @@ checks would check it, without a trial (the model on meta, nothing run)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -13,6 +14,7 @@ from typing import Any
 from parallab.config.errors import ConfigError
 from parallab.parallel import schedules
 from parallab.parallel.activations import CONTEXTS
+from parallab.parallel.layout import Layout
 from parallab.simulate.step import Prediction
 
 # the modes in order of what they recompute: none, the selective ones, full
@@ -29,22 +31,13 @@ DECIDED = ("parallel=", "parallel.world_size=", "parallel.dp_replicate=",
 
 @dataclass
 class Candidate:
-    world_size: int
-    dp_replicate: int = 1
-    dp_shard: int = 1
-    tp: int = 1
-    pp: int = 1
-    batch_size: int = 1  # sequences per data-parallel rank and optimizer step
-    microbatches: int = 1  # a pipeline's micro-batches, or gradient accumulation's steps
-    schedule: str | None = None
-    stages_per_rank: int = 1  # v: the model cut into pp x v parts, v on each rank
-    checkpointing: str = "none"
-    sequence_parallel: bool = False
-    given_global: int | None = None  # data.global_batch_size as the user gave it
+    """A layout simulate weighs, and what it found of it."""
+
+    layout: Layout
+    global_batch: bool = False  # the user gave data.global_batch_size (the batch is its)
     reason: str | None = None  # why it cannot run
     prediction: Prediction | None = None
     state_gb: float | None = None  # not traced: its training state alone is over the memory
-    ep: int = 1  # ranks each MoE layer's experts are split over (carved from dp_shard x tp)
 
     @property
     def memory_gb(self) -> float | None:
@@ -56,65 +49,13 @@ class Candidate:
         return self.prediction is not None and \
             self.prediction.memory_per_gpu_gb * 2**30 <= memory_bytes
 
-    @property
-    def dp(self) -> int:
-        return self.dp_replicate * self.dp_shard
-
-    @property
-    def rows(self) -> int:
-        return self.batch_size // self.microbatches
-
-    @property
-    def preset(self) -> str:
-        if self.pp > 1:
-            return "pipeline"
-        if self.world_size == 1:
-            return "none"
-        if self.tp > 1:
-            return "tp" if self.dp == 1 else "fsdp_tp"
-        return "ddp" if self.dp_shard == 1 else "fsdp" if self.dp_replicate == 1 else "hsdp"
-
-    @property
-    def gathered(self) -> bool:
-        """FSDP2 holds its weights, and gathers them in the compute dtype: any sharded mesh
-        layout, and a pipeline's parts sharded over dp_shard."""
-        return self.dp_shard > 1 or (self.tp > 1 and self.pp == 1)
-
     def overrides(self) -> list[str]:
         """What `parallab train` needs beyond the user's overrides to train this way."""
-        found = [f"parallel={self.preset}"]
-        if self.preset != "none":
-            found += [f"parallel.world_size={self.world_size}",
-                      f"parallel.dp_replicate={self.dp_replicate}",
-                      f"parallel.dp_shard={self.dp_shard}", f"parallel.tp={self.tp}"]
-        if self.pp > 1:
-            found += [f"parallel.pp={self.pp}", f"parallel.schedule={self.schedule}",
-                      f"parallel.microbatches={self.microbatches}"]
-            if self.stages_per_rank != schedules.stages_per_rank(self.schedule, None):
-                found.append(f"parallel.stages_per_rank={self.stages_per_rank}")
-        if self.sequence_parallel:
-            found.append("parallel.sequence_parallel=true")
-        if self.ep > 1:
-            found.append(f"parallel.ep={self.ep}")
-        accumulate = 1 if self.pp > 1 else self.microbatches
-        if self.given_global is None:
-            found.append(f"data.batch_size={self.batch_size // accumulate}")
-        if accumulate > 1:
-            found.append(f"trainer.accumulate_grad_batches={accumulate}")
-        found.append(f"trainer.activation_checkpointing={self.checkpointing}")
-        return found
+        return self.layout.overrides(self.global_batch)
 
     @property
     def label(self) -> str:
-        degrees = [f"{k}{v}" for k, v in (("R", self.dp_replicate), ("F", self.dp_shard),
-                                          ("T", self.tp), ("P", self.pp), ("E", self.ep))
-                   if v > 1]
-        v = f" v{self.stages_per_rank}" if self.stages_per_rank > 1 else ""
-        way = f" {self.schedule}{v} m{self.microbatches}" if self.pp > 1 else (
-            f" accum{self.microbatches}" if self.microbatches > 1 else "")
-        sp = " sp" if self.sequence_parallel else ""
-        return (f"{self.preset}({'x'.join(degrees) or '1'}){way}{sp} b{self.batch_size} "
-                f"ac={self.checkpointing}")
+        return self.layout.label
 
 
 def powers_of_two(limit: int) -> list[int]:
@@ -151,21 +92,23 @@ def grid(cfg, facts, gpus_per_node: int) -> list[Candidate]:
             batch, batch_reason = per_rank_batch(cfg, dp)
             for shard in shards:
                 base = dict(world_size=n, dp_replicate=dp // shard, dp_shard=shard, tp=tp,
-                            pp=pp, batch_size=batch or 1, given_global=cfg.data.global_batch_size)
+                            pp=pp, batch_size=batch or 1)
+                given = cfg.data.global_batch_size is not None
                 for way in _ways(pp, batch or 1, facts):
                     for ac in ("none",) if facts.checkpoint_problem else CHECKPOINTING:
                         if way.get("schedule") and schedules.split_backward_clash(
                                 way["schedule"], ac, cfg.trainer.compile):
                             continue  # train refuses it
                         for ep in expert_degrees(facts.mix, tp, shard):
-                            c = Candidate(**base, **way, checkpointing=ac, ep=ep)
+                            c = Candidate(Layout.planned(**base, **way, checkpointing=ac, ep=ep),
+                                          given)
                             c.reason = tp_reason or batch_reason or \
                                 layout_problem(cfg.precision, shard)
                             found.append(c)
                             if tp > 1 and facts.takes_sequence_parallel and not c.reason \
                                     and facts.sp_problem(tp) is None:
-                                found.append(Candidate(**base, **way, checkpointing=ac, ep=ep,
-                                                       sequence_parallel=True))
+                                found.append(Candidate(dataclasses.replace(
+                                    c.layout, sequence_parallel=True), given))
     return found
 
 
@@ -198,19 +141,18 @@ def _ways(pp: int, batch: int, facts) -> list[dict[str, Any]]:
     return found
 
 
-def given(cfg, layout) -> Candidate:
-    """The one layout the command gives (checked and resolved by its plan)."""
+def given(cfg, layout: Layout) -> Candidate:
+    """The one layout the command gives (checked and resolved by its plan), with what its
+    config fixes besides the degrees."""
     p = cfg.parallel
     pp = layout.pp
     micro = p.microbatches if pp > 1 else cfg.trainer.accumulate_grad_batches
-    batch = cfg.data.batch_size * (1 if pp > 1 else micro)
-    schedule = p.schedule if pp > 1 else None
-    v = schedules.stages_per_rank(schedule, getattr(p, "stages_per_rank", None)) if schedule \
-        else 1
-    return Candidate(layout.world_size, layout.dp_replicate, layout.dp_shard, layout.tp, pp,
-                     batch, micro, schedule, v, cfg.trainer.activation_checkpointing,
-                     bool(getattr(p, "sequence_parallel", False)), cfg.data.global_batch_size,
-                     ep=layout.ep)
+    return Candidate(dataclasses.replace(
+        layout, schedule=p.schedule if pp > 1 else None, microbatches=micro,
+        batch_size=cfg.data.batch_size * (1 if pp > 1 else micro),
+        checkpointing=cfg.trainer.activation_checkpointing,
+        sequence_parallel=bool(getattr(p, "sequence_parallel", False))),
+        cfg.data.global_batch_size is not None)
 
 
 def scaled(cfg, layout, world_size: int) -> Candidate:
@@ -222,18 +164,20 @@ def scaled(cfg, layout, world_size: int) -> Candidate:
 
 def grown(c: Candidate, world_size: int) -> Candidate:
     """`c` on `world_size` GPUs (see scaled)."""
-    import dataclasses
-
-    if world_size == c.world_size:
+    layout = c.layout
+    if world_size == layout.world_size:
         return c
-    if world_size % (c.tp * c.pp):
-        raise ConfigError(f"{world_size} GPUs do not split into tp={c.tp} x pp={c.pp}")
-    dp = world_size // (c.tp * c.pp)
-    shard = dp if c.dp_replicate == 1 and c.dp_shard > 1 else c.dp_shard
+    if world_size % (layout.tp * layout.pp):
+        raise ConfigError(f"{world_size} GPUs do not split into tp={layout.tp} x "
+                          f"pp={layout.pp}")
+    dp = world_size // (layout.tp * layout.pp)
+    shard = dp if layout.dp_replicate == 1 and layout.dp_shard > 1 else layout.dp_shard
     if dp % shard:
         raise ConfigError(f"{world_size} GPUs do not split into shard groups of {shard}")
-    return dataclasses.replace(c, world_size=world_size, dp_shard=shard,
-                               dp_replicate=dp // shard, prediction=None)
+    if shard * layout.tp % layout.ep:
+        raise ConfigError(f"{world_size} GPUs do not carve ep={layout.ep} from "
+                          f"{shard} shards x tp={layout.tp}")
+    return Candidate(layout.regrown(dp // shard, shard), c.global_batch)
 
 
 def user_overrides(overrides: list[str]) -> list[str]:
@@ -244,7 +188,7 @@ def user_overrides(overrides: list[str]) -> list[str]:
 def command_overrides(user: list[str], c: Candidate) -> list[str]:
     """The user's overrides as a candidate's command keeps them: a tensor-parallel plan only
     where it splits (train refuses one at tp 1)."""
-    return [o for o in user if c.tp > 1 or not o.lstrip("+~").startswith("parallel.tp_plan=")]
+    return [o for o in user if c.layout.tp > 1 or not o.lstrip("+~").startswith("parallel.tp_plan=")]
 
 
 def refuse(reason: str | None) -> None:

@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from parallab.parallel.layout import Layout
 from parallab.simulate import experts, float8
 from parallab.simulate.cluster import Group, Rates
 from parallab.simulate.costs import Costs
@@ -49,20 +50,11 @@ STATE_BYTES = {"adam": 8, "adamw": 8, "sgd_momentum": 4, "sgd": 0}  # per elemen
 
 
 @dataclass(frozen=True)
-class Layout:
-    """What a candidate is, as the step model needs it."""
+class Run:
+    """What prices a step besides its layout (a parallel.Layout): the run's config, as
+    the step model needs it."""
 
-    world_size: int
-    dp_replicate: int = 1
-    dp_shard: int = 1
-    tp: int = 1
-    pp: int = 1
-    microbatches: int = 1  # a pipeline's micro-batches, or gradient accumulation's steps
-    rows: int = 1  # sequences in a micro-batch
     seq_len: int = 1024
-    bubble: float = 1.0  # compute time over a step without idle ranks (schedules.bubble)
-    stages_per_rank: int = 1
-    schedule: str | None = None
     compile: bool = False
     optimizer: str = "adamw"
     compute_bytes: int = 2  # a gathered weight's element (the compute dtype)
@@ -72,12 +64,15 @@ class Layout:
     tf32: bool = False  # float32 matmuls on TF32 tensor cores (precision.tf32)
     split: tuple[int, ...] | None = None  # a pipeline's cuts as parallel.split gives them
     experts: Split = Split()  # how expert parallelism splits an MoE block's experts
-    recompute: bool = False  # activation checkpointing runs a block's forward again
     float8_gathered: bool = False  # FSDP2 gathers the float8 layers' weights in float8
 
-    @property
-    def dp(self) -> int:
-        return self.dp_replicate * self.dp_shard
+
+def bubble(layout: Layout) -> float:
+    """Compute time over a step without idle ranks (schedules.bubble; 1: no pipeline)."""
+    from parallab.parallel import schedules
+
+    return schedules.bubble(layout.schedule, layout.pp, layout.stages_per_rank,
+                            layout.microbatches) if layout.pp > 1 else 1.0
 
 
 @dataclass
@@ -105,7 +100,8 @@ class Load:
         return [r for r, held in (("before", self.before), ("after", self.after)) if held]
 
 
-def loads(blocks: int, layout: Layout, params: dict[str, float]) -> list[Load]:
+def loads(blocks: int, layout: Layout, params: dict[str, float],
+          split: tuple[int, ...] | None = None) -> list[Load]:
     """Each rank's load: without a pipeline, everything; with one, the model's stages (the
     embeddings, each block, the head) cut into pp x v parts where parallel.split cuts
     them, else at an even share of parameters (parallel/split.py's even_cuts), placed as
@@ -116,7 +112,7 @@ def loads(blocks: int, layout: Layout, params: dict[str, float]) -> list[Load]:
     if layout.pp == 1:
         return [Load(0, blocks, True, True)]
     sizes = [params["before"], *[params["block"]] * blocks, params["after"]]
-    cuts = layout.split or even_cuts(sizes, layout.pp * layout.stages_per_rank)
+    cuts = split or even_cuts(sizes, layout.pp * layout.stages_per_rank)
     bounds = [0, *cuts, len(sizes)]
     parts = [range(a, b) for a, b in zip(bounds, bounds[1:])]
     found = []
@@ -142,13 +138,13 @@ def _compute(c: Costs, load: Load, phase: str) -> float:
         c.compute.get((phase, region), 0.0) for region in load.ends)
 
 
-def predict(trace: Trace, c: Costs, layout: Layout, rates: Rates, blocks: int,
+def predict(trace: Trace, c: Costs, layout: Layout, run: Run, rates: Rates, blocks: int,
             flops_per_token: float = 0.0) -> Prediction:
     """The step of `layout` from its traced micro-batch priced on the cluster (`c`:
     costs(trace)); `blocks`: the model's; `flops_per_token`: its training FLOPs, for MFU.
     A pipeline's step is its busiest rank's."""
-    c = experts.costs_under(c, c.experts, layout.experts)
-    ranks = loads(blocks, layout, trace.params)
+    c = experts.costs_under(c, c.experts, run.experts)
+    ranks = loads(blocks, layout, trace.params, run.split)
     busiest = max(ranks, key=lambda load: _compute(c, load, "forward") +
                   _compute(c, load, "backward"))
     exposed: dict[str, float] = {}
@@ -165,9 +161,10 @@ def predict(trace: Trace, c: Costs, layout: Layout, rates: Rates, blocks: int,
             for kind, seconds in c.collectives.get((phase, region), {}).items():
                 expose(f"tp_{kind}", times * seconds * m)
     parts = {"compute_s": m * (compute["forward"] + compute["backward"])}
-    expose("all_to_all", m * k * experts.all_to_all_s(layout.experts, rates, layout.tp,
-                                                      layout.pp, layout.recompute))
-    _data_parallel(trace, c, layout, rates, busiest, compute, expose)
+    recompute = layout.checkpointing != "none"  # the forward's all-to-alls run again
+    expose("all_to_all", m * k * experts.all_to_all_s(run.experts, rates, layout.tp,
+                                                      layout.pp, recompute))
+    _data_parallel(trace, c, layout, run, rates, busiest, compute, expose)
     if layout.pp > 1:  # the sends at each of its parts' cuts, and the schedule's idle slots
         G = rates.gpus_per_node
         hop = Group(2, 2 if Group.of(layout.pp, layout.tp, G).nodes > 1 else 1)
@@ -177,43 +174,43 @@ def predict(trace: Trace, c: Costs, layout: Layout, rates: Rates, blocks: int,
         expose("schedule", schedule * m)
         slot = compute["forward"] + compute["backward"] + 2 * send + schedule + sum(
             v for kind, v in exposed.items() if kind.startswith("tp_")) / m
-        parts["bubble_s"] = (layout.bubble - 1) * m * slot
+        parts["bubble_s"] = (bubble(layout) - 1) * m * slot
     if layout.pp > 1 and trace.params.get("tied") and not any(
             load.before and load.after for load in ranks):
         apart = Group.of(layout.pp, layout.tp, rates.gpus_per_node).nodes > 1
         expose("all_reduce", rates.collective_s(
             "all_reduce", 4 * trace.params["tied"] / layout.dp_shard, Group(2, 1 + apart)))
-    held = (k * _stored(trace, layout) + _ends(trace, busiest)) / layout.dp_shard
-    parts["optimizer_s"] = held * (OPTIMIZER_BYTES[layout.optimizer] + 4 * layout.clip) / \
+    held = (k * _stored(trace, run) + _ends(trace, busiest)) / layout.dp_shard
+    parts["optimizer_s"] = held * (OPTIMIZER_BYTES[run.optimizer] + 4 * run.clip) / \
         rates.hbm
     parts.update({f"{kind}_s": seconds for kind, seconds in sorted(exposed.items())})
     step = sum(parts.values())
-    tokens = layout.rows * layout.seq_len * m * layout.dp
-    memory = max((_memory(trace, layout, load) for load in ranks),
+    tokens = layout.rows * run.seq_len * m * layout.dp
+    memory = max((_memory(trace, layout, run, load) for load in ranks),
                  key=lambda found: sum(found.values()))
     per_gpu = tokens / step / layout.world_size
-    peak = rates.peaks["bf16"] if layout.compute_bytes == 2 else rates.fp32_peak(layout.tf32)
+    peak = rates.peaks["bf16"] if run.compute_bytes == 2 else rates.fp32_peak(run.tf32)
     return Prediction(step, per_gpu, sum(memory.values()), per_gpu * flops_per_token / peak,
                       parts, memory)
 
 
-def _data_parallel(trace: Trace, c: Costs, layout: Layout, rates: Rates, busiest: Load,
-                   compute: dict[str, float], expose) -> None:
+def _data_parallel(trace: Trace, c: Costs, layout: Layout, run: Run, rates: Rates,
+                   busiest: Load, compute: dict[str, float], expose) -> None:
     """FSDP2's gathers and reductions (HSDP's all-reduce with them), or DDP's buckets, as
     they are left exposed beside the busiest rank's compute."""
     k = busiest.blocks
     held_ends = _ends(trace, busiest)
     if layout.dp_shard > 1:
         units = experts.units(trace.params["block"], trace.params.get("experts", 0.0),
-                              layout.experts, layout.dp_shard)
-        _sharded(layout, rates, units, held_ends, k, (
+                              run.experts, layout.dp_shard)
+        _sharded(layout, run, rates, units, held_ends, k, (
             c.seconds("forward", "block"), c.seconds("backward", "block")), expose,
-            _gathered_bytes(trace, layout))
+            _gathered_bytes(trace, run))
     elif layout.dp_replicate > 1:
         r = layout.dp_replicate
         replicas = Group.of(r, layout.tp * layout.pp, rates.gpus_per_node)
-        grads = (k * _stored(trace, layout) + held_ends) * 4
-        buckets = max(1, math.ceil(grads / (layout.bucket_mb * 2**20)))
+        grads = (k * _stored(trace, run) + held_ends) * 4
+        buckets = max(1, math.ceil(grads / (run.bucket_mb * 2**20)))
         one = rates.collective_s("all_reduce", 2 * (r - 1) / r * grads / buckets, replicas)
         if layout.pp > 1:  # the pipeline's replicas average once, after the flush
             expose("all_reduce", one * buckets)
@@ -221,15 +218,16 @@ def _data_parallel(trace: Trace, c: Costs, layout: Layout, rates: Rates, busiest
             expose("all_reduce", max(one, rates.hidden(one * buckets, compute["backward"])))
 
 
-def _sharded(layout: Layout, rates: Rates, units: list[tuple[float, int]], held_ends: float,
-             k: int, block: tuple[float, float], expose, element: float) -> None:
+def _sharded(layout: Layout, run: Run, rates: Rates, units: list[tuple[float, int]],
+             held_ends: float, k: int, block: tuple[float, float], expose,
+             element: float) -> None:
     """FSDP2 over dp_shard ranks (HSDP: and dp_replicate replicas) of `k` blocks, each of
     its units (`units`: elements gathered whole, ranks sharding them: experts.units) and
     the root unit (`held_ends`: what the blocks leave), `block`'s forward and backward
     seconds beside them; a block's weights gathered in `element` bytes each."""
     r, m, inner = layout.dp_replicate, layout.microbatches, layout.tp * layout.pp
 
-    def collectives(params: float, n: int, element: float = layout.compute_bytes
+    def collectives(params: float, n: int, element: float = run.compute_bytes
                     ) -> tuple[float, float, float]:
         """A unit's gather (compute dtype), reduce-scatter and replicas' all-reduce (fp32)."""
         shard = Group.of(n, inner, rates.gpus_per_node)
@@ -248,7 +246,7 @@ def _sharded(layout: Layout, rates: Rates, units: list[tuple[float, int]], held_
     # the backward's gathers (where freed after the forward) and each pass's reductions
     # (the replicas' only in the last) share the links beside each block's backward; the
     # first block's reduction is left after it
-    again = gather if layout.reshard_after_forward else 0.0
+    again = gather if run.reshard_after_forward else 0.0
     for times, reduced in ((passes - 1, scatter), (1, scatter + reduce)):
         beside = rates.hidden(again + reduced, block[1])
         share = again / (again + reduced) if again + reduced else 0.0
@@ -261,41 +259,41 @@ def _sharded(layout: Layout, rates: Rates, units: list[tuple[float, int]], held_
     expose("reduce_scatter", passes * root_scatter + root_reduce)
 
 
-def _gathered_bytes(trace: Trace, layout: Layout) -> float:
+def _gathered_bytes(trace: Trace, run: Run) -> float:
     """Bytes of a gathered block weight's element: float8.gathered_bytes."""
     share = trace.params.get("float8", 0.0) / trace.params["block"] \
-        if layout.float8_gathered and trace.params["block"] else 0.0
-    return float8.gathered_bytes(layout.compute_bytes, share)
+        if run.float8_gathered and trace.params["block"] else 0.0
+    return float8.gathered_bytes(run.compute_bytes, share)
 
 
-def _stored(trace: Trace, layout: Layout) -> float:
+def _stored(trace: Trace, run: Run) -> float:
     """Elements of a block a rank keeps before FSDP2 shards them (experts.stored)."""
     return experts.stored(trace.params["block"], trace.params.get("experts", 0.0),
-                          layout.experts)
+                          run.experts)
 
 
-def _memory(trace: Trace, layout: Layout, load: Load) -> dict[str, float]:
+def _memory(trace: Trace, layout: Layout, run: Run, load: Load) -> dict[str, float]:
     """GiB the rank of `load` holds at the step's peak, by kind (see the module's
     docstring)."""
     from parallab.parallel import schedules
 
-    block = _stored(trace, layout)
+    block = _stored(trace, run)
     held_ends = _ends(trace, load)
     held = (load.blocks * block + held_ends) / layout.dp_shard
-    state = held * (4 + 4 + STATE_BYTES[layout.optimizer])
+    state = held * (4 + 4 + STATE_BYTES[run.optimizer])
     gathered = 0.0
     if layout.dp_shard > 1:  # this block's and the next one's weights (every block's where
         # they stay gathered from the forward), the root's, and a block's gradient as it is
         # reduced (a pipeline's part keeps all of its whole till the flush); of its experts,
         # this rank's ep share
         block = sum(elements for elements, _ in experts.units(
-            trace.params["block"], trace.params.get("experts", 0.0), layout.experts,
+            trace.params["block"], trace.params.get("experts", 0.0), run.experts,
             layout.dp_shard))
-        blocks_held = 2 if layout.reshard_after_forward else load.blocks
+        blocks_held = 2 if run.reshard_after_forward else load.blocks
         whole = load.blocks * block + held_ends if layout.pp > 1 else block
-        gathered = blocks_held * block * _gathered_bytes(trace, layout) + \
-            held_ends * layout.compute_bytes + whole * 4
-    saved = trace.saved_compiled if layout.compile else trace.saved
+        gathered = blocks_held * block * _gathered_bytes(trace, run) + \
+            held_ends * run.compute_bytes + whole * 4
+    saved = trace.saved_compiled if run.compile else trace.saved
 
     def held(by_region: dict[str, float]) -> float:
         return load.blocks * by_region.get("block", 0.0) + sum(by_region.get(r, 0.0)
@@ -305,7 +303,7 @@ def _memory(trace: Trace, layout: Layout, load: Load) -> dict[str, float]:
         layout.schedule, layout.pp, layout.stages_per_rank, layout.microbatches, load.rank)
     # autocast's copies of weights: one a step, its cache every pass's (compiled, the
     # partitioner makes them again in backward, a memory-bound op, not kept)
-    casts = 0.0 if layout.compile else held(trace.casts)
+    casts = 0.0 if run.compile else held(trace.casts)
     kept = held(saved) - casts
     eager = sum(trace.saved.values())
     # (blend stores its peak as what goes beyond the eager saved bytes plus them: this
