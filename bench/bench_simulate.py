@@ -8,7 +8,8 @@ fp8 (torchao's float8 Linear layers), no context parallelism, a schedule
 parallab has) is simulated as `parallab simulate`
 would, on the cluster preset of its hardware, and its prediction printed beside the
 published figure: tokens/s per GPU, or TFLOP/s per GPU counted by the row's own FLOP
-formula; memory where published. The rows of the principal table (the torchtitan and
+formula; memory beside it (published where it is), and the rows predicted not to fit the
+GPUs they trained on. The rows of the principal table (the torchtitan and
 Megatron-LM rows named in docs/parallel.md) come first; each GPU kind's
 cluster.matmul_efficiency is fitted to exactly one of them (FIT), every other row is a
 prediction. --fit prints the efficiency each fitting row gives (bisection on it), to be
@@ -205,7 +206,7 @@ def simulate(overrides: list[str]):
 
     cfg = typed_config(compose(overrides, None, "simulate"), overrides)
     candidate, facts = run.given(cfg)
-    return candidate.prediction, facts
+    return candidate.prediction, facts, cfg.cluster.memory_gb
 
 
 def fit(row: dict, overrides: list[str]) -> float:
@@ -214,7 +215,7 @@ def fit(row: dict, overrides: list[str]) -> float:
     low, high = 0.05, 1.0
     for _ in range(18):
         mid = (low + high) / 2
-        prediction, facts = simulate([*overrides, f"cluster.matmul_efficiency={mid}"])
+        prediction, facts, _ = simulate([*overrides, f"cluster.matmul_efficiency={mid}"])
         if predicted_figure(row, prediction, facts) < target:
             low = mid
         else:
@@ -246,7 +247,7 @@ def main() -> None:
     # MosaicML's 34 rows are one source's one layout: the other rows beyond are summed alone too
     errors = {"principal": [], "beyond": [], "beyond but MosaicML's": [],
               "another implementation": [], "MoE, named": [], "MoE, not named": []}
-    memory_errors = []
+    memory_errors, ran, over = [], [], []
     for row, index in picked:
         label = f"{row['source'].split(' ')[0]} {row['table'][:40]} {row['model']} " \
                 f"compile={row['compile'] or '-'}"
@@ -263,7 +264,7 @@ def main() -> None:
                   flush=True)
         start = time.perf_counter()
         try:
-            prediction, facts = simulate(overrides)
+            prediction, facts, memory_gb = simulate(overrides)
         except Exception as error:  # noqa: BLE001 - the table says why
             said = str(error).splitlines()[0][:120]
             print(f"| {label} | {cluster} | | | refused: {said} | | | |")
@@ -282,11 +283,16 @@ def main() -> None:
             errors[kind].append(abs(error))
             if kind == "beyond" and not row["source"].startswith("MosaicML"):
                 errors["beyond but MosaicML's"].append(abs(error))
-        memory = ""
+        held = prediction.memory_per_gpu_gb
+        memory = f"- / {held:.1f}"
         if row["published_memory_gib"]:
             published = float(row["published_memory_gib"])
-            memory = f"{published:.1f} / {prediction.memory_per_gpu_gb:.1f}"
-            memory_errors.append(abs(prediction.memory_per_gpu_gb / published - 1))
+            memory = f"{published:.1f} / {held:.1f}"
+            memory_errors.append(abs(held / published - 1))
+        ran.append(label)
+        if held > memory_gb:  # a run that trained, predicted not to fit its GPUs
+            memory += f" (over {memory_gb:.0f})"
+            over.append(label)
         layout = " ".join(o.split("=", 1)[1] for o in overrides if o.startswith("parallel."))
         print(f"| {label} | {cluster} | {layout} | {figure:,.0f} {unit} | {guess:,.0f} | "
               f"{error:+.1%} | {memory} | {role} ({time.perf_counter() - start:.0f} s) |",
@@ -298,6 +304,8 @@ def main() -> None:
     if memory_errors:
         print(f"memory: median |error| {statistics.median(memory_errors):.1%}, largest "
               f"{max(memory_errors):.1%}, over {len(memory_errors)} rows")
+    print(f"predicted over their GPUs' memory: {len(over)} of {len(ran)} rows that trained"
+          + "".join(f"\n  {label}" for label in over))
 
 
 if __name__ == "__main__":

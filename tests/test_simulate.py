@@ -409,22 +409,25 @@ def test_fsdp_reduces_each_accumulated_micro_batch_and_keeps_only_shards():
     assert predicted.memory["gathered"] * 2**30 == pytest.approx(2 * 1e6 * (2 + 4))
 
 
-def test_memory_at_64_ranks_is_the_fake_tensor_layouts():
+@pytest.mark.parametrize("layout", [["parallel=fsdp", "parallel.world_size=64"],
+                                    ["parallel=tp", "parallel.world_size=2"]])
+def test_memory_is_the_fake_tensor_layouts(layout):
     """The composed figure (a block's state and activations, times the blocks) against
-    the whole model laid out by FSDP2 at world size 64 on fake tensors, as advise predicts
-    a rank's memory."""
+    the whole model laid out on fake tensors, as advise predicts a rank's memory: by FSDP2
+    at world size 64; split by tensor parallelism, whose weights' shards autograd saves
+    for backward are the state's, not activations."""
     from conftest import checked
 
     from parallab.advise import memory
     from parallab.checks import trial
     from parallab.simulate import run, search
 
-    overrides = [*GPT, "data=bytes", "parallel=fsdp", "parallel.world_size=64", "device=cpu"]
-    cfg, layout = checked(*overrides)
-    state_mb, activations_mb = memory.predict(cfg, layout, trial.one_batch(cfg, 2), 0)
-    sim = configured(*GPT, "parallel=fsdp", "parallel.world_size=64", "precision=fp32")
+    cfg, layout_here = checked(*GPT, "data=bytes", *layout, "device=cpu")
+    state_mb, activations_mb = memory.predict(cfg, layout_here, trial.one_batch(cfg, 2), 0)
+    sim = configured(*GPT, *layout, "precision=fp32")
     candidate, _ = run.given(sim)
-    assert isinstance(candidate, search.Candidate) and candidate.layout.dp_shard == 64
+    assert isinstance(candidate, search.Candidate)
+    assert candidate.layout.world_size == layout_here.world_size
     parts = candidate.prediction.memory  # GiB
     assert parts["state"] * 1024 == pytest.approx(state_mb, rel=0.01)
     assert parts["activations"] * 1024 == pytest.approx(activations_mb, rel=0.15)

@@ -343,7 +343,8 @@ class _SavedByRegion:
 
     def __init__(self, model: nn.Module, tracker, recorder: "Recorder"):
         self.tracker, self.recorder = tracker, recorder
-        self.params = {p.untyped_storage()._cdata for p in model.parameters()}
+        # a tensor-parallel weight's shard: what autograd saves a view of (its local tensor)
+        self.params = {_local(p).untyped_storage()._cdata for p in model.parameters()}
         self.param_ids = {id(p) for p in model.parameters()}
         # storage -> (region, bytes, kept compiled, a parameter's cast)
         self.seen: dict[int, tuple[str, int, bool, bool]] = {}
