@@ -49,6 +49,7 @@ FIT = {"h100_titan": 0, "a100": 2}  # the principal row each kind's efficiency c
 SCHEDULES = {"1F1B": "1f1b", "1f1b": "1f1b", "gpipe": "gpipe", "GPipe": "gpipe"}
 INTERLEAVED = re.compile(r"interleaved 1F1B \(v=(\d+)\)")  # Megatron-LM's, its stages a rank
 MEGATRON_2021 = "2104.04473"
+ZERO_1 = "distributed optimizer (zero-1"  # a row's notes stating Megatron's, lower-cased
 # Rows of an implementation whose cost is its own, not its layout's: shown, counted apart.
 # DeepSpeed's ZeRO-3 in Megatron-LM's Table 2 falls to 44 TFLOP/s/GPU at batch 1 a GPU over
 # 1,536 A100, where PyTorch's FSDP, the same layout with the same work and bytes a GPU,
@@ -137,6 +138,13 @@ def overrides_of(row: dict) -> list[str]:
                  f"model.config.num_key_value_heads={row['kv_heads'] or heads}",
                  f"model.config.vocab_size={vocab}"]
     R, F, T, P = (int(row[k] or 1) for k in ("dp_replicate", "dp_shard", "tp", "pp"))
+    notes = row["notes"].lower()
+    if P > 1 and ZERO_1 in notes:
+        # Megatron's distributed optimizer shards the optimizer's state over the replicas; a
+        # parallab pipeline's parts sharded over dp_shard stay gathered from the first
+        # micro-batch to the flush and reduce once after it: the same bytes a step, and the
+        # state sharded as ZeRO-1 shards it (the weights too)
+        R, F = 1, R * F
     n = R * F * T * P
     micro = int(row["microbatches"] or 1)
     local = int(row["local_batch"])
@@ -157,7 +165,9 @@ def overrides_of(row: dict) -> list[str]:
             ["trainer.activation_checkpointing=selective_alternate"]
     layout = [f"parallel.world_size={n}", f"parallel.dp_replicate={R}", f"parallel.dp_shard={F}",
               f"parallel.tp={T}"]
-    if T > 1 and "torchtitan" in row["source"].lower():  # its plans cut the sequence
+    if T > 1 and ("torchtitan" in row["source"].lower() or "tp_comm_overlap" in notes):
+        # torchtitan's plans cut the sequence; so does Transformer Engine's overlap of the
+        # tp collectives, which takes sequence parallelism
         layout += ["parallel.sequence_parallel=true"]
     if P > 1:
         layout = ["parallel=pipeline", *layout, f"parallel.pp={P}", *schedule_of(row),
