@@ -157,7 +157,7 @@ def test_a_tied_head_and_embedding_split_by_tp_stay_one_parameter():
 
     from parallab.loss import CrossEntropy
     from parallab.parallel import tp_plans
-    from parallab.simulate.trace import fake_group
+    from parallab.launching.distributed import fake_group
 
     with fake_group(2):
         mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
@@ -177,7 +177,7 @@ def test_a_pipeline_part_hands_on_its_slice_of_the_sequence():
     from torch.distributed.tensor import DTensor, Shard
 
     from parallab.parallel import tp_plans
-    from parallab.simulate.trace import fake_group
+    from parallab.launching.distributed import fake_group
 
     class Part(torch.nn.Module):
         def __init__(self, output=None):

@@ -12,38 +12,18 @@ measures the same two figures on its real second step (measure.ActivationCounter
 
 from __future__ import annotations
 
-import contextlib
-import logging
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch import nn
 
 from parallab import batch as batches
-from parallab.config.errors import quieted
+from parallab.launching.distributed import fake_group
 from parallab.observe.comm import MB
 from parallab.observe.memory import held_state_mb
 from parallab.optim import build_optimizer
 from parallab.parallel.activations import saved_for_backward
 from parallab.parallel.parallelize import parallelize, speed_up
-
-
-@contextlib.contextmanager
-def fake_group(rank: int, world_size: int) -> Iterator[None]:
-    """torch's fake process group as the default group: collectives return at once."""
-    import sys
-
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    hook = sys.excepthook  # which init_process_group wraps, to prefix a rank, for good
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-    try:
-        with quieted("parallab.parallel", logging.WARNING):  # start-up lines of real runs
-            yield
-    finally:
-        dist.destroy_process_group()
-        sys.excepthook = hook
 
 
 def fake_model(cfg, fake, device: torch.device) -> nn.Module:
@@ -77,7 +57,7 @@ def predict(cfg, layout, batch: Any, rank: int) -> tuple[float, float]:
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     # an MoE layer's router picks from values fake tensors do not have: each expert an even
     # share of the tokens (as simulate traces it)
-    with fake_group(rank, world), uniform_routing():
+    with fake_group(world, rank), uniform_routing():
         dist = Dist(rank, rank, world, world, device, "fake")
         precision = Precision(cfg.precision, device)
         model = fake_model(cfg, fake, device)  # the mesh and wrappers are built outside

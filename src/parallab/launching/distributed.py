@@ -6,15 +6,19 @@ everything else receives a `Dist` and asks it.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
 
-from parallab.config.errors import ConfigError
+from parallab.config.errors import ConfigError, quieted
 
 # how a peer's end shows on the ranks still running (gloo raises a plain RuntimeError)
 PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
@@ -168,3 +172,24 @@ def interfaces_problem(variable: str) -> str | None:
                 f"({', '.join(missing)}; it has {', '.join(present)}): unset it or name one "
                 "of those")
     return None
+
+
+@contextlib.contextmanager
+def fake_group(world_size: int, rank: int = 0) -> Iterator[None]:
+    """torch's fake process group as the default group, `rank` of `world_size`: collectives
+    return at once, so that a layout of any size is built and run on fake tensors in this
+    process (advise's memory, simulate's trace). An outer group (a test's) is left as it
+    is; the layouts' start-up lines of real runs are not said."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        yield
+        return
+    hook = sys.excepthook  # which init_process_group wraps, to prefix a rank, for good
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        with quieted("parallab.parallel", logging.WARNING):
+            yield
+    finally:
+        dist.destroy_process_group()
+        sys.excepthook = hook

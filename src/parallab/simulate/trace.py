@@ -33,6 +33,7 @@ import torch
 from torch import nn
 from torch.nn.modules.module import register_module_forward_pre_hook
 
+from parallab.launching.distributed import fake_group
 from parallab.simulate.ops import Op, Recorder, _local, _nbytes
 
 log = logging.getLogger(__name__)
@@ -132,24 +133,6 @@ def _attention_as_on_a_device() -> Iterator[None]:
         yield
     finally:
         F.scaled_dot_product_attention = original
-
-
-@contextlib.contextmanager
-def fake_group(world_size: int) -> Iterator[None]:
-    """torch's fake process group as the default group, rank 0 of `world_size`."""
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():  # an outer one (a test's): left as it is
-        yield
-        return
-    hook = sys.excepthook  # which init_process_group wraps, to prefix a rank, for good
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-        sys.excepthook = hook
 
 
 def blocks_of(model: nn.Module, stages: list[str] | None) -> list[nn.Module]:
