@@ -9,13 +9,33 @@ check_data too: the controller calls it the same way.
 from __future__ import annotations
 
 import abc
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
 
 class Model(nn.Module, abc.ABC):
+    """A family's model: its stages (required) and what it may declare of itself. Each
+    optional member is None here, where a family does not give it; parallab reads it where
+    it is defined, on a user's model too (a Module that is no Model may define the same
+    names, and is read alike)."""
+
+    # (sequence_parallel: bool = False) -> {module name: ParallelStyle}: its tensor-
+    # parallel plan (parallel/tp_plans.py); a sequence_parallel argument says it can cut the
+    # sequence between its split layers
+    tp_plan: Callable[..., dict[str, Any]] | None = None
+    # (tp: int) -> str | None: why it cannot be split over tp ranks, one line (mesh.py)
+    tp_problem: Callable[[int], str | None] | None = None
+    # () -> [Module]: what activation checkpointing wraps, where not its stages
+    # (parallel/activations.py)
+    checkpoint_stages: Callable[[], list[nn.Module]] | None = None
+    # (seq_len: int) -> float: training FLOPs per token, for MFU (observe/mfu.py), where
+    # counting its weights would not give them
+    flops_per_token: Callable[[int], float] | None = None
+    # adapter=lora's default layers by name (models/adapters.py)
+    lora_target_modules: tuple[str, ...] | None = None
+
     @abc.abstractmethod
     def stages(self) -> list[nn.Module]:
         """The model's submodules in forward order, each taking and returning one tensor."""
