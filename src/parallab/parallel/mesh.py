@@ -294,7 +294,8 @@ class MeshPlan(Plan):
                               f"tp ranks (parallel.dp_shard={degrees['dp_shard']} x parallel.tp="
                               f"{degrees['tp']}), which it does not divide: set dp_shard (or "
                               "tp) so that ep divides their product")
-        return Layout(world_size, cls.dims, True, **degrees, ep=ep)
+        return Layout(world_size, cls.dims, True, **degrees, ep=ep,
+                      sequence_parallel=p.sequence_parallel)
 
     @classmethod
     def given_degrees(cls, p) -> dict[str, int | None]:

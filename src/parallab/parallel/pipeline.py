@@ -365,10 +365,12 @@ class PipelinePlan(MeshPlan):
 
     @classmethod
     def layout_of(cls, p, world_size: int) -> Layout:
-        """The schedule's stages per rank resolved here too, where null."""
+        """The schedule and its micro-batches, and its stages per rank resolved here too,
+        where null."""
         schedules.check(p)
         v = schedules.stages_per_rank(p.schedule, p.stages_per_rank)
-        return dataclasses.replace(super().layout_of(p, world_size), stages_per_rank=v)
+        return dataclasses.replace(super().layout_of(p, world_size), stages_per_rank=v,
+                                   schedule=p.schedule, microbatches=p.microbatches)
 
     @classmethod
     def given_degrees(cls, p) -> dict[str, int | None]:

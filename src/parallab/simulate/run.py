@@ -14,7 +14,6 @@ from parallab.simulate import (Facts, Traces, clusters, experts, float8, rates_o
 from parallab.simulate.search import Candidate
 
 log = logging.getLogger("parallab")
-ONE_PROCESS = ("dp", "model")  # layouts of one process driving several GPUs
 
 
 class NothingFits(ConfigError):
@@ -113,7 +112,12 @@ def _own_problem(s) -> str | None:
 
 
 def _refuse_one_process(name: str) -> None:
-    if name in ONE_PROCESS:
+    """A layout of one process driving several devices (its plan's dims without a process
+    a rank: dp, model), which simulate's ranks-and-groups model does not price."""
+    from parallab.parallel import PLANS
+
+    plan = PLANS.get(name)
+    if plan is not None and plan.dims and not plan.processes:
         raise ConfigError(f"parallel={name} drives several GPUs from one process, which "
                           "parallab simulate does not model: simulate parallel=ddp, fsdp, hsdp, "
                           "tp, fsdp_tp, pipeline or auto")

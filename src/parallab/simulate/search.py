@@ -144,14 +144,11 @@ def _ways(pp: int, batch: int, facts) -> list[dict[str, Any]]:
 def given(cfg, layout: Layout) -> Candidate:
     """The one layout the command gives (checked and resolved by its plan), with what its
     config fixes besides the degrees."""
-    p = cfg.parallel
-    pp = layout.pp
-    micro = p.microbatches if pp > 1 else cfg.trainer.accumulate_grad_batches
+    pipelined = layout.pp > 1  # its micro-batches the plan's; else accumulation's steps
+    micro = layout.microbatches if pipelined else cfg.trainer.accumulate_grad_batches
     return Candidate(dataclasses.replace(
-        layout, schedule=p.schedule if pp > 1 else None, microbatches=micro,
-        batch_size=cfg.data.batch_size * (1 if pp > 1 else micro),
-        checkpointing=cfg.trainer.activation_checkpointing,
-        sequence_parallel=bool(getattr(p, "sequence_parallel", False))),
+        layout, microbatches=micro, batch_size=cfg.data.batch_size * (1 if pipelined else micro),
+        checkpointing=cfg.trainer.activation_checkpointing),
         cfg.data.global_batch_size is not None)
 
 
