@@ -75,8 +75,8 @@ class Layout:
     # its replicas or parts on
     plan: Any = field(default=None, compare=False)
     gpus: tuple[int, ...] = ()
-    # what a planned layout fixes besides its degrees (Layout.planned; train's checks leave
-    # them to the config)
+    # what a layout fixes besides its degrees: a plan writes its schedule, micro-batches and
+    # sequence parallelism; a planned one (Layout.planned) the batch and checkpointing too
     schedule: str | None = None  # a pipeline's (parallel.schedule)
     microbatches: int = 1  # a pipeline's micro-batches, or gradient accumulation's steps
     batch_size: int = 1  # sequences a data-parallel rank takes an optimizer step
