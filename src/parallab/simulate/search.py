@@ -93,7 +93,7 @@ def grid(cfg, facts, gpus_per_node: int) -> list[Candidate]:
             for shard in shards:
                 base = dict(world_size=n, dp_replicate=dp // shard, dp_shard=shard, tp=tp,
                             pp=pp, batch_size=batch or 1)
-                given = cfg.data.global_batch_size is not None
+                global_batch = cfg.data.global_batch_size is not None
                 for way in _ways(pp, batch or 1, facts):
                     for ac in ("none",) if facts.checkpoint_problem else CHECKPOINTING:
                         if way.get("schedule") and schedules.split_backward_clash(
@@ -101,14 +101,14 @@ def grid(cfg, facts, gpus_per_node: int) -> list[Candidate]:
                             continue  # train refuses it
                         for ep in expert_degrees(facts.mix, tp, shard):
                             c = Candidate(Layout.planned(**base, **way, checkpointing=ac, ep=ep),
-                                          given)
+                                          global_batch)
                             c.reason = tp_reason or batch_reason or \
                                 layout_problem(cfg.precision, shard)
                             found.append(c)
                             if tp > 1 and facts.takes_sequence_parallel and not c.reason \
                                     and facts.sp_problem(tp) is None:
                                 found.append(Candidate(dataclasses.replace(
-                                    c.layout, sequence_parallel=True), given))
+                                    c.layout, sequence_parallel=True), global_batch))
     return found
 
 
