@@ -308,8 +308,8 @@ def test_step_time_model_follows_the_bubble_and_the_measured_parts():
     pipeline = checked(*TINY, "parallel=pipeline", "parallel.world_size=2",
                        "parallel.microbatches=4")
     assert pipeline[1].plan is PLANS["pipeline"] and ddp[1].plan is PLANS["ddp"]
-    assert pipeline[1].plan.bubble(*pipeline) == 1 + 1 / 4
-    assert ddp[1].plan.bubble(*ddp) == 1.0
+    assert pipeline[1].bubble == 1 + 1 / 4
+    assert ddp[1].bubble == 1.0
     # here, a layout with a process per rank computes the share its launched job measured
     # and waits what its collectives added to its replayed step, their bytes included, and
     # the loop's own time its run measured; one process driving the devices, world size

@@ -61,11 +61,10 @@ def validate(figures: dict[str, Any], cfg, layout, link, one_rank_step_s: float 
     n = layout.world_size
     share = figures.get("share_s")
     if share is None or not layout.processes:
-        return one_rank_step_s and one_rank_step_s / min(n, devices) * layout.plan.bubble(
-            cfg, layout)
+        return one_rank_step_s and one_rank_step_s / min(n, devices) * layout.bubble
     if layout.cuts_model:
         share = pipeline_s(share, figures.get("share_alone_s") or share, n,
                            cfg.parallel.microbatches, cpu_rate(link.cores, link.threads),
-                           layout.plan.bubble(cfg, layout))
+                           layout.bubble)
     return share + (figures.get("collectives_s") or 0.0) + \
         (figures.get("loop_time_ms") or 0.0) / 1e3

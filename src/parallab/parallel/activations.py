@@ -34,6 +34,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from parallab.batch import local
 from parallab.parallel import stages as stages_of
 
 _aten = torch.ops.aten
@@ -164,14 +165,6 @@ def apply(model: nn.Module, mode: str, names: list[str] | None = None, every: in
     return model
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """What a rank holds of `tensor`: a DTensor's shard (its wrapper's storage is sized as
-    the whole tensor, and a view of a weight's shard is not a view of its wrapper)."""
-    from torch.distributed.tensor import DTensor
-
-    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
-
-
 class Saved:
     """The storages autograd saved for backward while counting, by identity (a StorageImpl,
     which fake tensors have too), parameters left out; their bytes as of the call: counted
@@ -185,12 +178,14 @@ class Saved:
 
     def __init__(self, model: nn.Module):
         self.params = {id(p) for p in model.parameters()}
-        self.storages = {_local(p).untyped_storage()._cdata for p in model.parameters()}
+        # a DTensor by its shard: its wrapper's storage is sized as the whole tensor, and a
+        # view of a weight's shard is not a view of its wrapper
+        self.storages = {local(p).untyped_storage()._cdata for p in model.parameters()}
         self.saved: dict[int, torch.UntypedStorage] = {}
         self.cast_ids: set[int] = set()
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        storage = _local(tensor).untyped_storage()
+        storage = local(tensor).untyped_storage()
         if storage._cdata not in self.storages:
             self.saved[storage._cdata] = storage
             if is_cast(tensor, self.params):

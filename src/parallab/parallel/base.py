@@ -295,11 +295,6 @@ class Plan:
         return [["parallel.world_size=1"]] if world_size == 1 else []
 
     @classmethod
-    def bubble(cls, cfg, layout: Layout) -> float:
-        """Compute time relative to a step without idle ranks (a pipeline's fill and drain)."""
-        return 1.0
-
-    @classmethod
     def overlapped_kinds(cls, layout: Layout) -> tuple[str, ...]:
         """Collective kinds (comm.KINDS) the step starts and leaves running beside its
         compute, waiting for them only at its end (DDP's bucket all-reduces)."""

@@ -173,6 +173,17 @@ class Layout:
         """The model's stages matter: each is an FSDP2 unit, or the model is cut at them."""
         return self.processes or self.cuts_model
 
+    @property
+    def bubble(self) -> float:
+        """Compute time over the same work without idle ranks: its pipeline schedule's fill
+        and drain (schedules.bubble); 1 where no schedule runs (model parallelism's parts
+        on one process's devices run one after another, each a full step)."""
+        from parallab.parallel import schedules
+
+        if self.schedule is None:
+            return 1.0
+        return schedules.bubble(self.schedule, self.pp, self.stages_per_rank,
+                                self.microbatches)
 
     @property
     def rows(self) -> int:

@@ -40,7 +40,7 @@ from parallab.parallel import expert_parallel, schedules, tp_plans
 from parallab.parallel.fsdp import mixed_precision, norm_squares, shard
 from parallab.parallel.layout import Layout
 from parallab.parallel.mesh import MeshPlan, MeshRuntime
-from parallab.parallel.schedules import SCHEDULES, activations_held, bubble  # noqa: F401
+from parallab.parallel.schedules import SCHEDULES, activations_held
 from parallab.parallel.split import Cut, check_parts, part_ranges, refuse_shared_parts
 from parallab.parallel.tied import Tied, tied_sets
 
@@ -426,12 +426,6 @@ class PipelinePlan(MeshPlan):
                 for schedule in options.schedules or SCHEDULES
                 for v in [schedules.stages_per_rank(schedule, None)]
                 for micro in options.microbatches]
-
-    @classmethod
-    def bubble(cls, cfg, layout: Layout) -> float:
-        """schedules.bubble of the config's schedule over the layout's pipeline."""
-        p = cfg.parallel
-        return bubble(p.schedule, layout.pp, layout.stages_per_rank, p.microbatches)
 
 
 def refuse_split_backward(cfg) -> None:

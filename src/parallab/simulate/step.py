@@ -67,14 +67,6 @@ class Run:
     float8_gathered: bool = False  # FSDP2 gathers the float8 layers' weights in float8
 
 
-def bubble(layout: Layout) -> float:
-    """Compute time over a step without idle ranks (schedules.bubble; 1: no pipeline)."""
-    from parallab.parallel import schedules
-
-    return schedules.bubble(layout.schedule, layout.pp, layout.stages_per_rank,
-                            layout.microbatches) if layout.pp > 1 else 1.0
-
-
 @dataclass
 class Prediction:
     step_time_s: float
@@ -174,7 +166,7 @@ def predict(trace: Trace, c: Costs, layout: Layout, run: Run, rates: Rates, bloc
         expose("schedule", schedule * m)
         slot = compute["forward"] + compute["backward"] + 2 * send + schedule + sum(
             v for kind, v in exposed.items() if kind.startswith("tp_")) / m
-        parts["bubble_s"] = (bubble(layout) - 1) * m * slot
+        parts["bubble_s"] = (layout.bubble - 1) * m * slot
     if layout.pp > 1 and trace.params.get("tied") and not any(
             load.before and load.after for load in ranks):
         apart = Group.of(layout.pp, layout.tp, rates.gpus_per_node).nodes > 1
