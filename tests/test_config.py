@@ -272,6 +272,9 @@ def test_auto_values_resolve_for_cpu():
     (["backend.timeout_s=1e9"], "backend.timeout_s=1000000000.0 is out of range"),
     (["backend.timeout_s=0.01"], "backend.timeout_s=0.01 is out of range"),
     (["parallel=ddp", "parallel.bucket_cap_mb=0"], "parallel.bucket_cap_mb=0.0"),
+    (["parallel=pipeline", "parallel.world_size=2", "model=gpt", "data=bytes",
+      "parallel.bucket_cap_mb=-1"], "parallel.bucket_cap_mb=-1.0 is out of range: it must "
+                                    "be > 0 (MiB of the replicas' gradients"),
     (["data=synthetic", "data.shape=[1,0,28]"], "data.shape=[1, 0, 28] must be sizes >= 1"),
     (["data.prefetch_factor=2"], "data.prefetch_factor=2 applies to DataLoader workers"),
     (["data.persistent_workers=true"], "data.persistent_workers=True applies to DataLoader"),

@@ -30,12 +30,13 @@ def built(name: str, pp: int, v: int, m: int):
         [stage() for _ in range(v)] if SCHEDULES[name].multi else stage(), m)
 
 
-def timeline(name: str, pp: int, v: int, m: int) -> tuple[float, list[float]]:
+def timeline(name: str, pp: int, v: int, m: int) -> tuple[float, list[float], list[float]]:
     """torch's own order of the schedule on each rank, run with a forward, an input- and
     a weight-gradient each one unit (a full backward two), every action as soon as its rank
-    is free and its inputs are there: the step's length over the busiest rank's work, and
-    each rank's most micro-batches in flight (from a stage's forward to its backward's end,
-    in units of the rank's v stages)."""
+    is free and its inputs are there: the step's length over the busiest rank's work, each
+    rank's most micro-batches in flight (from a stage's forward to its backward's end, in
+    units of the rank's v stages), and the time from each of the first rank's stages' last
+    backward to the step's end, in full backwards."""
     from torch.distributed.pipelining.schedules import _ComputationType as C
 
     kind = {C.FORWARD: "F", C.FULL_BACKWARD: "B", C.BACKWARD_INPUT: "B",
@@ -44,7 +45,7 @@ def timeline(name: str, pp: int, v: int, m: int) -> tuple[float, list[float]]:
     ops = [[a for action in rank if action is not None
             for a in (action.sub_actions or [action])]
            for rank in built(name, pp, v, m).pipeline_order.values()]
-    last, done, free, at = pp * v - 1, {}, [0] * pp, [0] * pp
+    last, done, free, at, ends = pp * v - 1, {}, [0] * pp, [0] * pp, {}
 
     def needs(a) -> list:
         s, i = a.stage_index, a.microbatch_index
@@ -61,6 +62,8 @@ def timeline(name: str, pp: int, v: int, m: int) -> tuple[float, list[float]]:
                 a = ops[r][at[r]]
                 free[r] = max([free[r]] + [done[d] for d in needs(a)]) + cost[a.computation_type]
                 done[(a.stage_index, kind[a.computation_type], a.microbatch_index)] = free[r]
+                if kind[a.computation_type] != "F":
+                    ends[a.stage_index] = free[r]
                 at[r], moved = at[r] + 1, True
         assert moved, "torch's order deadlocks"
     held = []
@@ -72,7 +75,8 @@ def timeline(name: str, pp: int, v: int, m: int) -> tuple[float, list[float]]:
                 step = -1
             flight.append(flight[-1] + step)
         held.append(max(flight) / v)
-    return max(free) / (3 * v * m), held
+    settled = [(max(free) - ends[s]) / 2 for s in schedules.stages_of_rank(name, pp, v, 0)]
+    return max(free) / (3 * v * m), held, settled
 
 
 GRID = [(name, pp, v, m) for name in MULTI for pp in (2, 3, 4)
@@ -90,7 +94,7 @@ def test_each_schedules_idle_share_and_held_activations_are_torchs_own():
     every schedule of several stages per rank at the micro-batch counts each takes (fewer
     than pp too, where torch adds bubbles); gpipe's and 1f1b's are the textbook's."""
     for name, pp, v, m in GRID:
-        ratio, held = timeline(name, pp, v, m)
+        ratio, held, _ = timeline(name, pp, v, m)
         assert bubble(name, pp, v, m) == pytest.approx(ratio), (name, pp, v, m)
         assert [activations_held(name, pp, v, m, r) for r in range(pp)] == \
             pytest.approx(held), (name, pp, v, m)
@@ -101,6 +105,21 @@ def test_each_schedules_idle_share_and_held_activations_are_torchs_own():
         assert bubble(name, 4, 1, 8) == 1 + 3 / 8
     assert activations_held("gpipe", 4, 1, 8) == 8
     assert [activations_held("1f1b", 4, 1, 8, r) for r in range(4)] == [4, 3, 2, 1]
+
+
+def test_the_first_ranks_stages_settle_their_gradients_as_torch_orders_them():
+    """Schedule.settled, how long before the step's end each of the first rank's stages
+    takes its last backward (its replicas' average runs beside the rest), equals torch's
+    order: an interleaved schedule's later stages pp backwards apart, looped BFS's a
+    stage's micro-batches apart; None where W adds the weight gradients by hand."""
+    for name, pp, v, m in GRID:
+        settled = SCHEDULES[name].settled(pp, v, m)
+        if SCHEDULES[name].splits_backward:
+            assert settled is None
+            continue
+        assert settled == pytest.approx(timeline(name, pp, v, m)[2]), (name, pp, v, m)
+    assert SCHEDULES["interleaved_1f1b"].settled(8, 12, 16)[-1] == 88  # 11 stages x pp
+    assert SCHEDULES["1f1b"].settled(4, 1, 8) == [0.0]
 
 
 def test_stages_are_placed_and_microbatches_taken_as_torch_does():
@@ -285,3 +304,45 @@ def test_advise_offers_each_schedule_and_replays_its_bubble():
             0.4 * bubble(name, 2, v, 4))
     # a bubble of None: GPipe's and 1F1B's pp - 1 slots, as before
     assert scaling.pipeline_s([0.4, 0.4], [0.4, 0.4], 2, 4, devices) == pytest.approx(0.5)
+
+
+def test_replicas_average_each_part_as_its_last_backward_lands():
+    """A pipeline rank's replicas' all-reduce: each bucket launched once its gradients have
+    taken the step's last micro-batch, the later part's first (while the earlier part still
+    runs its backwards), never out of that order (a replica reaching another bucket first
+    waits for it), and the rest at the flush; nothing before the step is armed."""
+    from parallab.launching.distributed import fake_group
+    from parallab.parallel.replicas import Replicas
+
+    def backward(part):
+        part(torch.ones(2, 4)).sum().backward()
+
+    with fake_group(2):
+        torch.manual_seed(0)
+        parts = [torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)]
+        replicas = Replicas(parts, None, 2, microbatches=2, bucket_mb=1e-6)  # a bucket each
+        assert [len(b) for b in replicas.buckets] == [1, 1, 1, 1]
+        backward(parts[1])  # not armed: a dry run's backward
+        assert replicas.launched == []
+        for part in parts:
+            part.zero_grad()
+        replicas.arm()
+        for later_first in (parts[1], parts[1], parts[0]):
+            backward(later_first)
+        assert len(replicas.launched) == 2  # the later part's weight and bias, in flight
+        backward(parts[0])
+        assert len(replicas.launched) == 4
+        replicas.finish()
+
+        replicas.arm()  # the earlier part's backwards first: held till the later one's land
+        backward(parts[0])
+        backward(parts[0])
+        assert replicas.launched == []
+        backward(parts[1])
+        backward(parts[1])
+        assert len(replicas.launched) == 4
+        replicas.arm()  # a backward without the hook (W added by hand): left to the flush
+        backward(parts[1])
+        assert replicas.launched == []
+        replicas.finish()
+        assert replicas.launched == [] and not replicas.armed

@@ -82,3 +82,37 @@ def test_a_pipelines_step_is_its_bubble_times_its_slots():
     assert predicted.parts["bubble_s"] == pytest.approx(slot * 1)  # (pp - 1) slots
     assert predicted.step_time_s == pytest.approx(1.25 * 4 * slot, rel=1e-6)
     assert sum(predicted.parts.values()) == pytest.approx(predicted.step_time_s)
+
+
+def test_a_pipelines_replicas_average_beside_the_first_ranks_last_backwards():
+    """The replicas' all-reduce of a pipeline rank's gradients starts, part by part, as the
+    part's last backward makes them (parallel/replicas.py): under interleaved 1F1B the
+    later part's runs beside the pp backwards after its last one, so that less outlasts
+    the compute than under 1F1B's one part; a zero-bubble schedule's waits for the flush."""
+    from parallab.config.schema import NcclLatency
+    from parallab.simulate import costs, step
+    from parallab.simulate.cluster import Rates
+    from parallab.simulate.trace import Op, Shape, Trace
+
+    rates = Rates({"bf16": 1e12, "fp32": 1e12}, 1.0, 1e18, 1e12, 1e10, 8, 2**40, 0.0,
+                  NcclLatency())
+    found = Trace(Shape(), ops=[Op("forward", "block", "matmul", 1e9, (), ()),
+                                Op("backward", "block", "matmul", 2e9, (), ())],
+                  params={"before": 0.0, "block": 5e6, "after": 0.0})
+
+    def exposed(schedule: str, v: int) -> float:
+        layout = Layout.planned(32, dp_replicate=4, pp=8, microbatches=16, batch_size=16,
+                                schedule=schedule, stages_per_rank=v)
+        predicted = step.predict(found, costs.costs(found, rates, False, False), layout,
+                                 step.Run(bucket_mb=1.0), rates, 16)
+        return predicted.parts["all_reduce_s"]
+
+    whole = exposed("interleaved_zb", 2)  # every bucket after the flush
+    assert whole > 2 * 3 / 4 * (2 * 5e6 * 4) / 1e10  # a ring over 4 replicas, float32
+    one_part, interleaved = exposed("1f1b", 1), exposed("interleaved_1f1b", 2)
+    backward = 2e9 / 1e12  # a block's backward of a micro-batch
+    # 1F1B: the rank's one part (two blocks) beside its last backward, a bucket at a time
+    assert one_part == pytest.approx(whole - 2 * backward, rel=0.1)
+    # interleaved, a block a part: the later part's half beside the pp = 8 backwards after
+    # its last one (hidden), the first part's half beside its own last backward
+    assert interleaved == pytest.approx(whole / 2 - backward, rel=0.1)

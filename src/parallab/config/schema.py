@@ -242,6 +242,9 @@ class PipelineConfig(ParallelConfig):
     tp: int = 1  # ranks each part is split over by the model's tensor-parallel plan
     tp_plan: Any = None  # as the mesh's: null = the model's own
     sequence_parallel: bool = False  # tp > 1: activations cut along the sequence too
+    # replicas (dp_shard = 1): MiB of gradients each all-reduce carries, launched as their
+    # last micro-batch's backward lands (parallel/replicas.py)
+    bucket_cap_mb: float = 25.0
 
 
 # --- adapter, precision, backend, optim, trainer ----------------------------------------

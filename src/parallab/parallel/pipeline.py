@@ -14,7 +14,8 @@ evaluation pads its last batch. A transformers causal LM runs as its own chain o
 dp x pp x tp, one mesh (dp_replicate, dp_shard, pp, tp), tp innermost as torchtitan orders
 it: dp_replicate x dp_shard pipelines side by side, each reading its own shard of every
 epoch. With dp_shard = 1 the ranks holding the same stage average their gradients once per
-optimizer step; with dp_shard > 1 each Part is sharded by FSDP2 over them as a root of its
+optimizer step, each bucket as its last micro-batch's backward lands (replicas.py); with
+dp_shard > 1 each Part is sharded by FSDP2 over them as a root of its
 own (HSDP with replicas too), which reduces the gradients itself. With parallel.tp > 1 each
 part is split by the model's tensor-parallel plan over tp neighbouring ranks (a node's GPUs),
 which read the same batches and form tp pipelines of their own.
@@ -40,6 +41,7 @@ from parallab.parallel import expert_parallel, schedules, tp_plans
 from parallab.parallel.fsdp import mixed_precision, norm_squares, shard
 from parallab.parallel.layout import Layout
 from parallab.parallel.mesh import MeshPlan, MeshRuntime
+from parallab.parallel.replicas import Replicas
 from parallab.parallel.schedules import SCHEDULES, activations_held
 from parallab.parallel.split import Cut, check_parts, part_ranges, refuse_shared_parts
 from parallab.parallel.tied import Tied, tied_sets
@@ -89,6 +91,7 @@ class PipelineRuntime(MeshRuntime):
         self.parts = None  # the schedules' modules, made at the first runs()
         self.syncing = True  # no_sync: gradients averaged over the replicas at the last
         self.items = 1  # the step's terms per data-parallel rank (Objective.step_loss)
+        self.averaging = None  # the replicas' gradient average, made with the parts
         self.train_schedule = None  # built for each batch shape (the finder tries several)
         self.train_rows = 0
         self.eval_schedule = None  # built at the first evaluation, for its batch shape
@@ -149,20 +152,15 @@ class PipelineRuntime(MeshRuntime):
             if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
                 param.grad = grad.redistribute(placements=param.placements)
 
-    def average_gradients(self, model: nn.Module) -> None:
-        """One all-reduce of this rank's gradients over its replicas (pp x dp)."""
-        import torch.distributed as torch_dist
-        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
-        # a tp-split gradient's replicas hold the same shard: its local tensor is averaged
-        grads = [batches.local(p.grad) for p in model.parameters() if p.grad is not None]
-        if not grads:
-            return
-        flat = _flatten_dense_tensors(grads)
-        torch_dist.all_reduce(flat, group=self.dp_group)
-        flat /= self.layout.dp_replicate
-        for grad, averaged in zip(grads, _unflatten_dense_tensors(flat, grads)):
-            grad.copy_(averaged)
+    def replicas(self) -> Replicas | None:
+        """The replicas' average of this rank's parts' gradients (dp_shard = 1: FSDP2
+        reduces its own), made once the parts are; None without replicas."""
+        if self.layout.dp_shard > 1 or self.layout.dp_replicate == 1:
+            return None
+        if self.averaging is None:
+            self.averaging = Replicas(self.parts, self.dp_group, self.layout.dp_replicate,
+                                      self.p.microbatches, self.p.bucket_cap_mb)
+        return self.averaging
 
     def part(self, model: nn.Module) -> nn.Module:
         """This rank's stages (the others nn.Identity), before tensor parallelism (advise's
@@ -276,12 +274,14 @@ class PipelineRuntime(MeshRuntime):
             self.train_rows = rows
             self.dry_run(model, step)
             losses.clear()
+        replicas = self.replicas() if self.syncing else None
+        if replicas is not None:  # each bucket reduced as its last micro-batch lands
+            replicas.arm()
         step()
-        if self.layout.dp_shard == 1 and self.syncing:  # (FSDP2 reduces its own)
-            if self.p.sequence_parallel:
-                self.sum_partial_gradients(model)
-            if self.layout.dp_replicate > 1:
-                self.average_gradients(model)
+        if replicas is not None:
+            replicas.finish()
+        if self.layout.dp_shard == 1 and self.syncing and self.p.sequence_parallel:
+            self.sum_partial_gradients(model)  # (after the replicas': both are sums)
         if self.syncing:
             self.tied.reduce()
         if not self.is_last:  # its share of the logged loss: nothing
@@ -405,6 +405,10 @@ class PipelinePlan(MeshPlan):
                               "loss from the output, which a model returning its own loss does "
                               "not give: use a loss of output and targets")
         schedules.check_microbatches(cfg, layout)
+        if not p.bucket_cap_mb > 0:
+            raise ConfigError(f"parallel.bucket_cap_mb={p.bucket_cap_mb} is out of range: it "
+                              "must be > 0 (MiB of the replicas' gradients each all-reduce "
+                              "carries)")
         refuse_split_backward(cfg)
         if (cfg.model.get("config") or {}).get("output_router_logits"):
             raise ConfigError("model.config.output_router_logits=true with parallel=pipeline: "

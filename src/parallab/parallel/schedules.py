@@ -58,6 +58,14 @@ class Schedule:
         """Micro-batches' activations (of all its stages) `rank` keeps at once."""
         return float(m)  # every forward before any backward
 
+    def settled(self, p: int, v: int, m: int) -> list[float] | None:
+        """For each stage of the first rank (the last to finish), in the model's order, the
+        time from its last backward to the end of the step, in a stage's backwards (F = 1,
+        B = 2): how long its replicas' gradient average runs beside the rest
+        (parallel/replicas.py). None where the weight gradients are added by hand (the
+        zero-bubble schedules' W), so that the average waits for the flush."""
+        return None if self.splits_backward else [0.0] * v
+
 
 class _OneFOneB(Schedule):
     def microbatches_rule(self, p, v, m):
@@ -85,10 +93,16 @@ class _Interleaved1F1B(_Rounds):
     def held(self, p, v, m, rank):  # its warm-up forwards, then one more
         return min(m * v, (v - 1) * (m // _rounds(p, m)) + 2 * (p - 1 - rank) + 1) / v
 
+    def settled(self, p, v, m):  # the last round's backwards, a round's (>= p) a stage
+        return [float(k * max(p, m // _rounds(p, m))) for k in range(v)]
+
 
 class _LoopedBFS(Schedule):
     def idle(self, p, v, m):
         return 3 * ((p - 1) + (v - 1) * max(0, p - m))
+
+    def settled(self, p, v, m):  # each stage's backwards all together, the later first
+        return [float(k * max(p, m)) for k in range(v)]
 
 
 class _InterleavedZB(_Rounds):

@@ -17,8 +17,10 @@ spans, overlapped as each layout overlaps it:
 - a pipeline: each micro-batch's activations sent on and their gradients back at every
   cut, exposed; its schedule's own time a micro-batch's pass where a CPU pays it
   (Rates.stage_s); its idle slots (schedules.bubble); its replicas' gradient
-  all-reduce once a step, after the flush; and a tied embedding's, between the first
-  and the last stage's ranks where they differ (each holds a copy: parallel/tied.py).
+  all-reduce once a step, in buckets, each part's from its last backward on (those of a
+  schedule that adds its weight gradients by hand after the flush); and a tied
+  embedding's, between the first and the last stage's ranks where they differ (each
+  holds a copy: parallel/tied.py).
 The optimizer's step moves each state once (a fused kernel's bytes) at the memory's
 bandwidth.
 
@@ -204,10 +206,33 @@ def _data_parallel(trace: Trace, c: Costs, layout: Layout, run: Run, rates: Rate
         grads = (k * _stored(trace, run) + held_ends) * 4
         buckets = max(1, math.ceil(grads / (run.bucket_mb * 2**20)))
         one = rates.collective_s("all_reduce", 2 * (r - 1) / r * grads / buckets, replicas)
-        if layout.pp > 1:  # the pipeline's replicas average once, after the flush
-            expose("all_reduce", one * buckets)
+        if layout.pp > 1:  # beside the first rank's last backwards
+            expose("all_reduce", _settling(layout, one, buckets,
+                                           compute["backward"] / busiest.parts, rates))
         else:
             expose("all_reduce", max(one, rates.hidden(one * buckets, compute["backward"])))
+
+
+def _settling(layout: Layout, bucket_s: float, buckets: int, backward: float,
+              rates: Rates) -> float:
+    """What of a pipeline rank's replicas' all-reduce (`buckets` of `bucket_s` seconds)
+    outlasts its compute (parallel/replicas.py): each part's buckets start as its last
+    backward (`backward` seconds, a part's of a micro-batch) makes their gradients, that
+    backward the schedule's settled slots before the end, one bucket at a time on the
+    links; the zero-bubble schedules' all after the flush."""
+    from parallab.parallel.schedules import SCHEDULES
+
+    settled = SCHEDULES[layout.schedule].settled(layout.pp, layout.stages_per_rank,
+                                                 layout.microbatches)
+    if settled is None or rates.overhead_adds:
+        return bucket_s * buckets
+    each = max(1, math.ceil(buckets / len(settled)))  # a part's buckets
+    seconds = bucket_s * buckets / (each * len(settled))
+    end = -math.inf  # the links' last bucket's end, from the compute's (0)
+    for slots in sorted(settled, reverse=True):  # the part done first, first
+        for i in range(1, each + 1):
+            end = max(end, -slots * backward - backward * (1 - i / each)) + seconds
+    return max(end, 0.0)
 
 
 def _sharded(layout: Layout, run: Run, rates: Rates, units: list[tuple[float, int]],

@@ -1,0 +1,97 @@
+"""A pipeline's replicas averaging their gradients beside the step's last backwards, as
+DistributedDataParallel's buckets and Megatron-LM's overlapped gradient reduction do: a
+bucket's all-reduce starts once each gradient in it has taken its last micro-batch, while
+the rank's other parts are still running theirs (an interleaved schedule's first rank runs
+its later parts' last backwards pp slots before its first part's: parallel/schedules.py,
+Schedule.settled), and the step waits for them all after the flush.
+
+Buckets are launched in one fixed order (the parts from the last held, each part's
+parameters from its last), a bucket only after the one before it, so that every replica
+issues the same collectives in the same order whatever its backward reached first. A
+gradient that takes no autograd accumulation hook (the zero-bubble schedules add their
+weight gradients by hand) or none at all leaves its bucket, and those after it, to the
+flush: the average is the same, only later.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from parallab import batch as batches
+
+
+class Replicas:
+    """The gradients of `parts` (a pipeline rank's, in the model's order) averaged over
+    `group`'s `size` replicas in buckets of about `bucket_mb` MiB, each launched as its
+    gradients have taken `microbatches` accumulations each (once per part holding it)."""
+
+    def __init__(self, parts: list[nn.Module], group, size: int, microbatches: int,
+                 bucket_mb: float):
+        self.group, self.size = group, size
+        uses: dict[nn.Parameter, int] = {}
+        for part in reversed(parts):  # a later part's last backward runs first
+            for param in reversed(list(part.parameters())):
+                if param.requires_grad:
+                    uses[param] = uses.get(param, 0) + microbatches
+        self.expected = uses
+        self.buckets: list[list[nn.Parameter]] = []
+        size_now, cap = 0.0, bucket_mb * 2**20
+        for param in uses:
+            if not self.buckets or size_now >= cap:
+                self.buckets.append([])
+                size_now = 0.0
+            self.buckets[-1].append(param)
+            size_now += batches.local(param).numel() * param.element_size()
+        self.bucket_of = {param: i for i, bucket in enumerate(self.buckets) for param in bucket}
+        self.counts: dict[nn.Parameter, int] = {}
+        self.launched: list[tuple[Any, torch.Tensor, list[torch.Tensor]]] = []
+        self.armed = False
+        for param in uses:
+            param.register_post_accumulate_grad_hook(self._landed)
+
+    def arm(self) -> None:
+        """The next backwards are the step's last before the optimizer: reduce as they land."""
+        self.counts = dict.fromkeys(self.expected, 0)
+        self.launched = []
+        self.armed = True
+
+    def _landed(self, param: nn.Parameter) -> None:
+        if not self.armed:
+            return
+        self.counts[param] += 1
+        while len(self.launched) < len(self.buckets) and all(
+                self.counts[p] >= self.expected[p] for p in self.buckets[len(self.launched)]):
+            self._launch(self.buckets[len(self.launched)])
+
+    def _launch(self, bucket: list[nn.Parameter]) -> None:
+        import torch.distributed as dist
+        from torch._utils import _flatten_dense_tensors
+
+        # a tp-split gradient's replicas hold the same shard: its local tensor is averaged
+        grads = [batches.local(p.grad) for p in bucket if p.grad is not None]
+        if not grads:
+            self.launched.append((None, torch.empty(0), []))
+            return
+        flat = _flatten_dense_tensors(grads)
+        self.launched.append((dist.all_reduce(flat, group=self.group, async_op=True),
+                              flat, grads))
+
+    def finish(self) -> None:
+        """The buckets not yet launched launched, every one waited for and its average
+        written back into the gradients."""
+        from torch._utils import _unflatten_dense_tensors
+
+        self.armed = False
+        for bucket in self.buckets[len(self.launched):]:
+            self._launch(bucket)
+        for work, flat, grads in self.launched:
+            if work is None:
+                continue
+            work.wait()
+            flat /= self.size
+            for grad, averaged in zip(grads, _unflatten_dense_tensors(flat, grads)):
+                grad.copy_(averaged)
+        self.launched = []
