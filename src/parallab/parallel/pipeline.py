@@ -41,6 +41,7 @@ from parallab.parallel import expert_parallel, schedules, tp_plans
 from parallab.parallel.fsdp import mixed_precision, norm_squares, shard
 from parallab.parallel.layout import Layout
 from parallab.parallel.mesh import MeshPlan, MeshRuntime
+from parallab.parallel.pipeline_step import ITEMS, SYNCING, Placed, Shaped, scoped
 from parallab.parallel.replicas import Replicas
 from parallab.parallel.schedules import SCHEDULES, activations_held
 from parallab.parallel.split import Cut, check_parts, part_ranges, refuse_shared_parts
@@ -75,7 +76,7 @@ class LogitsLoss(FromModel):
 class PipelineRuntime(MeshRuntime):
     """The mesh with a pp degree: the model's parts on the pp dimension's ranks. Its groups,
     its cut of the model, the parts it holds and the step's state are made here; the
-    schedules once they have a batch's shape."""
+    schedules once they have a batch's shape (pipeline_step.py)."""
 
     def __init__(self, p, layout, dist, precision, loss, model: nn.Module):
         # loss=model: a transformers causal LM's own loss, of the last part's logits
@@ -89,13 +90,9 @@ class PipelineRuntime(MeshRuntime):
                                    self.per_rank, self.stage_index, self.cut.names),
                          self.mesh, self.stage_index)
         self.parts = None  # the schedules' modules, made at the first runs()
-        self.syncing = True  # no_sync: gradients averaged over the replicas at the last
-        self.items = 1  # the step's terms per data-parallel rank (Objective.step_loss)
         self.averaging = None  # the replicas' gradient average, made with the parts
-        self.train_schedule = None  # built for each batch shape (the finder tries several)
-        self.train_rows = 0
-        self.eval_schedule = None  # built at the first evaluation, for its batch shape
-        self.eval_rows = 0
+        # training's schedule for the batch shape last seen, evaluation's for its first
+        self.shaped: dict[str, Shaped] = {}
 
     @property
     def pp(self) -> int:
@@ -135,11 +132,8 @@ class PipelineRuntime(MeshRuntime):
 
     @contextlib.contextmanager
     def no_sync(self, model: nn.Module) -> Iterator[None]:
-        self.syncing = False
-        try:
+        with scoped(SYNCING, False):
             yield
-        finally:
-            self.syncing = True
 
     def sum_partial_gradients(self, model: nn.Module) -> None:
         """Sequence parallelism leaves the norms' gradients partial on the tp ranks (each
@@ -204,85 +198,44 @@ class PipelineRuntime(MeshRuntime):
         its gradients add up to those of the mean over every micro-batch of the step."""
         # float16: scaled here, where the schedule runs its backward from
         return self.precision.scaled(self.loss.total(self.loss.scored(output), target)
-                                     / self.items)
+                                     / ITEMS.get())
 
-    def _schedule(self, loss, name: str | None = None):
-        """torch's schedule `name` (the run's), over a pipeline stage for each Part."""
-        import torch.distributed.pipelining as pipelining
-
-        schedule = SCHEDULES[name or self.p.schedule]
-        stages = [pipelining.PipelineStage(part, k, self.pp * self.per_rank, self.dist.device,
-                                           group=self.pp_group)
-                  for k, part in zip(self.held, self.parts)]
-        # not scale_grads: it divides all gradients held, those of earlier accumulated
-        # batches too; _loss scales each micro-batch's instead
-        return getattr(pipelining, schedule.torch_class)(
-            stages if schedule.multi else stages[0], n_microbatches=self.p.microbatches,
-            loss_fn=loss, scale_grads=False)
-
-    def _eval_schedule(self):
-        """Forward only: GPipe where each rank holds one part; else the run's own schedule
-        with its backward actions left out, lowered to sends and receives by torch (its
-        eval of a V-shaped schedule runs the backward actions and fails; a forward never
-        waits for a backward, so the order stays valid)."""
-        if self.per_rank == 1:
-            return self._schedule(None, "gpipe")
-        from torch.distributed.pipelining.schedules import (
-            _add_send_recv,
-            _add_unshard_reshard,
-            _ComputationType,
-            _PipelineScheduleRuntime,
-        )
-
-        train = self._schedule(None)
-        placed = train.stage_index_to_group_rank
-
-        def forwards(actions) -> list:
-            subs = [a for action in actions if action is not None
-                    for a in (action.sub_actions or [action])]
-            return _add_unshard_reshard(
-                [a for a in subs if a.computation_type == _ComputationType.FORWARD])
-
-        schedule = _PipelineScheduleRuntime(train._stages, self.p.microbatches,
-                                            scale_grads=False)
-        schedule.stage_index_to_group_rank = placed
-        for stage in train._stages:
-            stage.stage_index_to_group_rank = placed
-        schedule.pipeline_order_with_comms = _add_send_recv(
-            {rank: forwards(actions) for rank, actions in train.pipeline_order.items()},
-            stage_to_rank=placed.__getitem__, num_stages=len(placed))
-        return schedule
+    def placed(self) -> Placed:
+        return Placed(self.parts, self.held, self.pp, self.per_rank, self.dist.device,
+                      self.pp_group)
 
     def forward_backward(self, model: nn.Module, batch: Any, items) -> torch.Tensor:
         inputs, targets = batches.inputs_of(batch), batches.labels_of(batch)
         losses: list[torch.Tensor] = []
-        # what _loss divides by, this step (the batch's own count where the trainer left it)
-        self.items = self.loss.count(targets) if items is None else items
+        syncing = SYNCING.get()
 
-        def step() -> None:  # its last stage's loss and backward under the loss's context
+        def step(schedule) -> None:  # its last stage's loss and backward under its context
             with self.loss_context(), self.precision.autocast(), \
                     moe.split_share(self.p.microbatches):
-                self.train_schedule.step(*self.first_args(inputs), **self.kwargs(inputs),
-                                         target=targets if self.is_last else None,
-                                         losses=losses, return_outputs=False)
+                schedule.step(*self.first_args(inputs), **self.kwargs(inputs),
+                              target=targets if self.is_last else None, losses=losses,
+                              return_outputs=False)
 
-        rows = batches.rows(batch)
-        if rows != self.train_rows:  # its stages infer their shapes at the first step
-            # float16's scale made on every rank, not only where the loss is: each unscales
-            self.precision.scaled(torch.zeros((), device=self.dist.device))
-            self.train_schedule = self._schedule(self._loss)
-            self.train_rows = rows
-            self.dry_run(model, step)
-            losses.clear()
-        replicas = self.replicas() if self.syncing else None
-        if replicas is not None:  # each bucket reduced as its last micro-batch lands
-            replicas.arm()
-        step()
+        # what _loss divides by, this step (the batch's own count where the trainer left it)
+        with scoped(ITEMS, self.loss.count(targets) if items is None else items):
+            shaped = self.shaped.get("train")
+            if shaped is None or shaped.rows != batches.rows(batch):  # a shape's first step
+                # float16's scale made on every rank, not only where the loss is: each
+                # unscales
+                self.precision.scaled(torch.zeros((), device=self.dist.device))
+                shaped = self.shaped["train"] = Shaped(batches.rows(batch), self.placed(
+                    ).schedule(self.p.schedule, self.p.microbatches, self._loss))
+                self.dry_run(model, lambda: step(shaped.schedule))  # its shapes inferred
+                losses.clear()
+            replicas = self.replicas() if syncing else None
+            if replicas is not None:  # each bucket reduced as its last micro-batch lands
+                replicas.arm()
+            step(shaped.schedule)
         if replicas is not None:
             replicas.finish()
-        if self.layout.dp_shard == 1 and self.syncing and self.p.sequence_parallel:
+        if self.layout.dp_shard == 1 and syncing and self.p.sequence_parallel:
             self.sum_partial_gradients(model)  # (after the replicas': both are sums)
-        if self.syncing:
+        if syncing:
             self.tied.reduce()
         if not self.is_last:  # its share of the logged loss: nothing
             return torch.zeros((), device=self.dist.device)
@@ -325,13 +278,15 @@ class PipelineRuntime(MeshRuntime):
     def eval_forward(self, model: nn.Module, batch: Any) -> Any:
         inputs = batches.inputs_of(batch)
         rows = batches.rows(batch)
-        if self.eval_schedule is None:  # every evaluation batch takes the first one's shape
+        shaped = self.shaped.get("eval")
+        if shaped is None:  # every evaluation batch takes the first one's shape
             micro = self.p.microbatches
-            self.eval_rows = math.ceil(rows / micro) * micro
-            self.eval_schedule = self._eval_schedule()
+            shaped = self.shaped["eval"] = Shaped(math.ceil(rows / micro) * micro,
+                                                  self.placed().forward_only(
+                                                      self.p.schedule, micro))
         # pad with copies of the first sample, dropped below
-        inputs = batches.pad_rows(inputs, self.eval_rows)
-        output = self.eval_schedule.eval(*self.first_args(inputs), **self.kwargs(inputs))
+        inputs = batches.pad_rows(inputs, shaped.rows)
+        output = shaped.schedule.eval(*self.first_args(inputs), **self.kwargs(inputs))
         return self.scored(output[:rows]) if self.is_last else None
 
     def tied_embeddings(self) -> set[int]:
