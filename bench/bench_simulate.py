@@ -50,6 +50,7 @@ SCHEDULES = {"1F1B": "1f1b", "1f1b": "1f1b", "gpipe": "gpipe", "GPipe": "gpipe"}
 INTERLEAVED = re.compile(r"interleaved 1F1B \(v=(\d+)\)")  # Megatron-LM's, its stages a rank
 MEGATRON_2021 = "2104.04473"
 ZERO_1 = "distributed optimizer (zero-1"  # a row's notes stating Megatron's, lower-cased
+SEQUENCE_PARALLEL = "sequence parallel inferred"  # a row's notes, lower-cased
 # Rows of an implementation whose cost is its own, not its layout's: shown, counted apart.
 # DeepSpeed's ZeRO-3 in Megatron-LM's Table 2 falls to 44 TFLOP/s/GPU at batch 1 a GPU over
 # 1,536 A100, where PyTorch's FSDP, the same layout with the same work and bytes a GPU,
@@ -165,9 +166,10 @@ def overrides_of(row: dict) -> list[str]:
             ["trainer.activation_checkpointing=selective_alternate"]
     layout = [f"parallel.world_size={n}", f"parallel.dp_replicate={R}", f"parallel.dp_shard={F}",
               f"parallel.tp={T}"]
-    if T > 1 and ("torchtitan" in row["source"].lower() or "tp_comm_overlap" in notes):
+    if T > 1 and ("torchtitan" in row["source"].lower() or "tp_comm_overlap" in notes or
+                  SEQUENCE_PARALLEL in notes):
         # torchtitan's plans cut the sequence; so does Transformer Engine's overlap of the
-        # tp collectives, which takes sequence parallelism
+        # tp collectives, which takes sequence parallelism, and a row whose notes say so
         layout += ["parallel.sequence_parallel=true"]
     if P > 1:
         layout = ["parallel=pipeline", *layout, f"parallel.pp={P}", *schedule_of(row),

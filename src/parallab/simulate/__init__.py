@@ -62,19 +62,19 @@ class Facts:
         problem = hf.positions_problem(model, cfg.data)  # as train's trial refuses it
         if problem:
             raise ConfigError(problem)
-        blocks = trace.blocks_of(model, getattr(cfg.parallel, "stages", None))
+        blocks = trace.blocks_of(model, cfg.parallel.stages)
         if len(blocks) < 1:
             raise ConfigError(f"model {type(model).__name__} declares no repeated blocks for "
                               "parallab simulate to trace (a transformers model's "
                               "_no_split_modules, a stages() method, or parallel.stages)")
-        stages = stages_of.chain(model, getattr(cfg.parallel, "stages", None))
+        stages = stages_of.chain(model, cfg.parallel.stages)
         given = getattr(cfg.parallel, "tp_plan", None) or None
         return cls(cfg, model, "", len(blocks), vocab_of(model, cfg),
                    mfu.flops_per_token(model, cfg.data.seq_len),
                    len(stages) if stages else None,
                    float(sum(p.numel() for p in model.parameters())),
                    tp_plans.takes_sequence_parallel(model, given),
-                   activations.units_problem(model, getattr(cfg.parallel, "stages", None)),
+                   activations.units_problem(model, cfg.parallel.stages),
                    experts.mix_of(model, blocks))
 
     def split_problem(self) -> str | None:

@@ -205,7 +205,7 @@ def step_at(cfg, layout, world_size: int, cluster, known: dict | None = None):
     known = {} if known is None else known
     p = cfg.parallel  # what a trace reads of the config besides its shape
     key = json.dumps([cfg.model, cfg.data.seq_len, cfg.data.vocab_size, cfg.loss,
-                      getattr(p, "stages", None), getattr(p, "tp_plan", None)],
+                      p.stages, getattr(p, "tp_plan", None)],
                      sort_keys=True, default=str)
     if key not in known:
         facts = Facts.of(cfg)

@@ -218,7 +218,7 @@ def trace(cfg, template: nn.Module, block: str, vocab: int, shape: Shape) -> Tra
         held = [(name.removeprefix(f"{block}."), m) for name, m in experts_of(model)
                 if name.startswith(f"{block}.")]
         converted = float8.layers(model) if shape.precision == "fp8" else set()
-        model = activations.apply(model, shape.checkpointing, getattr(cfg.parallel, "stages", None))
+        model = activations.apply(model, shape.checkpointing, cfg.parallel.stages)
         float8_names = frozenset(_fqn(model, name) for name, m in model.named_modules()
                                  if m in converted)
         loss = loss.bind(model)
