@@ -204,8 +204,6 @@ def _advise(dict_cfg: DictConfig, overrides: list[str], run_dir: str, compose_wi
             with _claimed(run_dir, cfg, None, call, command="parallab advise"):
                 return advise.advise(cfg, overrides, run_dir, configure,
                                      [entry, *config_flags(call.argv[1:])])
-    except advise.NothingFits as error:
-        raise JobFailed(str(error), 1) from None
     except OneLineError as error:  # a signal stopped it (advise/measure.py: Stopped), ...
         raise JobFailed(str(error), error.status) from None
 

@@ -77,13 +77,13 @@ class Invocation:
 
     @contextlib.contextmanager
     def refusing(self) -> Iterator[None]:
-        """A ConfigError inside ends the job as a refusal: its one line, exit status 2,
-        and an earlier run's record put back."""
+        """A ConfigError inside ends the job as a refusal: its message, its exit status (2;
+        advise's NothingFits 1), and an earlier run's record put back."""
         try:
             yield
         except ConfigError as error:
             self.restore()
-            raise JobFailed(str(error), 2) from None
+            raise JobFailed(str(error), error.status) from None
 
     def entry(self) -> list[str]:
         return entry_command(self.argv)

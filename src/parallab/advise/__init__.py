@@ -27,13 +27,9 @@ from parallab.advise import candidates as grid
 from parallab.advise import report, scaling
 from parallab.advise.candidates import Candidate
 from parallab.config import targets
-from parallab.config.errors import ConfigError, first_line
+from parallab.config.errors import ConfigError, NothingFits, first_line
 
 log = logging.getLogger("parallab")
-
-
-class NothingFits(Exception):
-    """No candidate fits the memory budget: the table of reasons (exit status 1)."""
 
 
 def problem(options) -> str | None:
@@ -224,7 +220,8 @@ def plan(cfg, overrides: list[str], configure: Callable[[list[str]], Any],
         least = min((c for c in candidates if c.predicted_mb), key=lambda c: c.predicted_mb)
         table = "\n".join(f"  {c.label}: {c.reason}" for c in candidates)
         raise NothingFits(f"no candidate fits the memory budget; the smallest predicted need "
-                          f"is {least.predicted_mb:,.1f} MB per rank ({least.label}):\n{table}")
+                          f"is {least.predicted_mb:,.1f} MB per rank ({least.label}):\n{table}",
+                          status=1)
     return candidates, global_batch, user
 
 

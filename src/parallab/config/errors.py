@@ -22,6 +22,16 @@ class ConfigError(OneLineError, ValueError):
     status = 2
 
 
+class NothingFits(ConfigError):
+    """No layout fits the GPUs' memory: the smallest need first, and where every
+    candidate was weighed (advise's grid, whose exit status is 1) each one's reason on a
+    line of its own below."""
+
+    def __init__(self, message: str, status: int = 2):
+        super().__init__(message)
+        self.status = status
+
+
 def first_line(error: BaseException) -> str:
     """`Type: first line of the message`, for quoting an error inside a one-line message."""
     text = (str(error).strip().splitlines() or [""])[0]

@@ -7,17 +7,13 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from parallab.config.errors import ConfigError
+from parallab.config.errors import ConfigError, NothingFits
 from parallab import precision
 from parallab.simulate import (Facts, Traces, clusters, experts, float8, rates_of, report,
                                search, simulate_all)
 from parallab.simulate.search import Candidate
 
 log = logging.getLogger("parallab")
-
-
-class NothingFits(ConfigError):
-    """No layout fits the GPU's memory: the smallest need, one line."""
 
 
 def check(cfg) -> Any:
