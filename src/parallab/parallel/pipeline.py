@@ -201,6 +201,7 @@ class PipelineRuntime(MeshRuntime):
                                      / ITEMS.get())
 
     def placed(self) -> Placed:
+        """Where this rank's parts sit in its pipeline, which its schedules are built over."""
         return Placed(self.parts, self.held, self.pp, self.per_rank, self.dist.device,
                       self.pp_group)
 
