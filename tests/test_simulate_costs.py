@@ -116,3 +116,28 @@ def test_a_pipelines_replicas_average_beside_the_first_ranks_last_backwards():
     # interleaved, a block a part: the later part's half beside the pp = 8 backwards after
     # its last one (hidden), the first part's half beside its own last backward
     assert interleaved == pytest.approx(whole / 2 - backward, rel=0.1)
+
+
+def test_a_pipelines_sharded_part_reduces_after_its_last_backward_not_beside_it():
+    """FSDP2 under torch's schedules reduces a part's shards once its last backward is done
+    and makes the compute wait for them (REDUCE_GRAD, finalize_backward): a longer backward
+    hides none of it, where fsdp's blocks reduce beside the backward of the next."""
+    from parallab.config.schema import NcclLatency
+    from parallab.simulate import costs, step
+    from parallab.simulate.cluster import Rates
+    from parallab.simulate.trace import Op, Shape, Trace
+
+    rates = Rates({"bf16": 1e12, "fp32": 1e12}, 1.0, 1e18, 1e12, 1e10, 8, 2**40, 0.0,
+                  NcclLatency())
+
+    def reduced(layout: Layout, backward_flops: float) -> float:
+        found = Trace(Shape(), ops=[Op("forward", "block", "matmul", 1e9, (), ()),
+                                    Op("backward", "block", "matmul", backward_flops, (), ())],
+                      params={"before": 0.0, "block": 5e6, "after": 0.0})
+        return step.predict(found, costs.costs(found, rates, False, False), layout,
+                            step.Run(), rates, 4).parts["reduce_scatter_s"]
+
+    part = Layout.planned(4, dp_shard=2, pp=2, microbatches=4, batch_size=4, schedule="1f1b")
+    assert reduced(part, 2e11) == pytest.approx(reduced(part, 2e6))
+    fsdp = Layout.planned(2, dp_shard=2, batch_size=4)
+    assert reduced(fsdp, 2e11) < reduced(fsdp, 2e6) / 2

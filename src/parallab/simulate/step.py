@@ -11,7 +11,8 @@ spans, overlapped as each layout overlaps it:
   block's backward, so that the shards accumulate; the root's (what the blocks leave)
   gathered at the start and reduced at the end; HSDP's all-reduce of each shard over the
   replicas only in the last micro-batch's backward. A pipeline's sharded part is gathered
-  once a step and reduced once, after the flush (torch's stages);
+  once a step and reduced once, after its last backward, the compute waiting for it
+  (torch's REDUCE_GRAD action: FSDP2's finalize_backward waits for the reductions);
 - DDP: the gradients all-reduced in buckets as backward makes them, exposed where they
   outlast it (the last bucket at least);
 - a pipeline: each micro-batch's activations sent on and their gradients back at every
@@ -260,20 +261,29 @@ def _sharded(layout: Layout, run: Run, rates: Rates, units: list[tuple[float, in
     # flush, its gradients kept whole till then and reduced once (torch's stages)
     passes = m if layout.pp == 1 else 1
     expose("all_gather", passes * (gather + (k - 1) * rates.hidden(gather, block[0])))
-    # the backward's gathers (where freed after the forward) and each pass's reductions
-    # (the replicas' only in the last) share the links beside each block's backward; the
-    # first block's reduction is left after it
-    again = gather if run.reshard_after_forward else 0.0
-    for times, reduced in ((passes - 1, scatter), (1, scatter + reduce)):
-        beside = rates.hidden(again + reduced, block[1])
-        share = again / (again + reduced) if again + reduced else 0.0
-        expose("all_gather", times * k * beside * share)
-        expose("reduce_scatter", times * (reduced + (k - 1) * beside * (1 - share)))
+    if layout.pp > 1:  # a part's reductions once its last backward is done, waited for
+        # by the compute (torch's REDUCE_GRAD action, FSDP2's finalize_backward)
+        expose("reduce_scatter", k * (scatter + reduce))
+    else:  # beside the backward (again: its gathers, where freed after the forward)
+        again = gather if run.reshard_after_forward else 0.0
+        _beside_backward(passes, k, again, scatter, reduce, block[1], rates, expose)
     # FSDP2's hooks around each unit (the blocks and the root), forward and backward
     expose("fsdp_hooks", m * (k * len(units) + 1) * rates.fsdp_unit_s)
     root_gather, root_scatter, root_reduce = collectives(held_ends, layout.dp_shard)
     expose("all_gather", passes * root_gather)
     expose("reduce_scatter", passes * root_scatter + root_reduce)
+
+
+def _beside_backward(passes: int, k: int, again: float, scatter: float, reduce: float,
+                     backward: float, rates: Rates, expose) -> None:
+    """Each pass's backward gathers (`again`) and reductions (the replicas' `reduce` only
+    in the last) share the links beside each of the `k` blocks' `backward`; the first
+    block's reduction is left after it."""
+    for times, reduced in ((passes - 1, scatter), (1, scatter + reduce)):
+        beside = rates.hidden(again + reduced, backward)
+        share = again / (again + reduced) if again + reduced else 0.0
+        expose("all_gather", times * k * beside * share)
+        expose("reduce_scatter", times * (reduced + (k - 1) * beside * (1 - share)))
 
 
 def _gathered_bytes(trace: Trace, run: Run) -> float:
