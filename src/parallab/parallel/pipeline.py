@@ -231,9 +231,11 @@ class PipelineRuntime(MeshRuntime):
             replicas = self.replicas() if syncing else None
             if replicas is not None:  # each bucket reduced as its last micro-batch lands
                 replicas.arm()
-            step(shaped.schedule)
-        if replicas is not None:
-            replicas.finish()
+            try:
+                step(shaped.schedule)
+            finally:  # (raised: every bucket still issued once, as the other replicas do)
+                if replicas is not None:
+                    replicas.finish()
         if self.layout.dp_shard == 1 and syncing and self.p.sequence_parallel:
             self.sum_partial_gradients(model)  # (after the replicas': both are sums)
         if syncing:
@@ -365,7 +367,7 @@ class PipelinePlan(MeshPlan):
             raise ConfigError(f"parallel.bucket_cap_mb={p.bucket_cap_mb} is out of range: it "
                               "must be > 0 (MiB of the replicas' gradients each all-reduce "
                               "carries)")
-        refuse_split_backward(cfg)
+        schedules.refuse_split_backward(cfg)
         if (cfg.model.get("config") or {}).get("output_router_logits"):
             raise ConfigError("model.config.output_router_logits=true with parallel=pipeline: "
                               "the last stage computes the loss from the logits alone, and "
@@ -387,22 +389,3 @@ class PipelinePlan(MeshPlan):
                 for v in [schedules.stages_per_rank(schedule, None)]
                 for micro in options.microbatches]
 
-
-def refuse_split_backward(cfg) -> None:
-    """The zero-bubble schedules run each backward in an input- and a weight-gradient half,
-    which torch does not do through a compiled stage, nor through one checkpointed
-    selectively (it recomputes such a region for one backward only)."""
-    p, t = cfg.parallel, cfg.trainer
-    clash = schedules.split_backward_clash(p.schedule, t.activation_checkpointing,
-                                           t.compile)
-    if clash == "compile":
-        raise ConfigError(f"trainer.compile=true with parallel.schedule={p.schedule}: it "
-                          "splits each backward into input and weight halves, which torch "
-                          "does not do for compiled stages: set trainer.compile=false, or "
-                          "use parallel.schedule=interleaved_1f1b")
-    if clash == "checkpointing":
-        raise ConfigError(f"trainer.activation_checkpointing={t.activation_checkpointing} with "
-                          f"parallel.schedule={p.schedule}: it splits each backward into input "
-                          "and weight halves, and torch recomputes a selectively checkpointed "
-                          "stage for one backward only: use full (or none), or "
-                          "parallel.schedule=interleaved_1f1b")

@@ -2,7 +2,7 @@
 DistributedDataParallel's buckets and Megatron-LM's overlapped gradient reduction do: a
 bucket's all-reduce starts once each gradient in it has taken its last micro-batch, while
 the rank's other parts are still running theirs (an interleaved schedule's first rank runs
-its later parts' last backwards pp slots before its first part's: parallel/schedules.py,
+its later parts' last backwards at least pp slots apart: parallel/schedules.py,
 Schedule.settled), and the step waits for them all after the flush.
 
 Buckets are launched in one fixed order (the parts from the last held, each part's
@@ -10,7 +10,8 @@ parameters from its last), a bucket only after the one before it, so that every 
 issues the same collectives in the same order whatever its backward reached first. A
 gradient that takes no autograd accumulation hook (the zero-bubble schedules add their
 weight gradients by hand) or none at all leaves its bucket, and those after it, to the
-flush: the average is the same, only later.
+flush: the average is the same, only later. A parameter a replica's graph did not reach
+takes its place there as zeros (DDP's rule), and the average where another replica's did.
 """
 
 from __future__ import annotations
@@ -45,9 +46,8 @@ class Replicas:
                 size_now = 0.0
             self.buckets[-1].append(param)
             size_now += batches.local(param).numel() * param.element_size()
-        self.bucket_of = {param: i for i, bucket in enumerate(self.buckets) for param in bucket}
         self.counts: dict[nn.Parameter, int] = {}
-        self.launched: list[tuple[Any, torch.Tensor, list[torch.Tensor]]] = []
+        self.launched: list[tuple[Any, torch.Tensor, list[nn.Parameter], list[torch.Tensor]]] = []
         self.armed = False
         for param in uses:
             param.register_post_accumulate_grad_hook(self._landed)
@@ -70,28 +70,45 @@ class Replicas:
         import torch.distributed as dist
         from torch._utils import _flatten_dense_tensors
 
-        # a tp-split gradient's replicas hold the same shard: its local tensor is averaged
-        grads = [batches.local(p.grad) for p in bucket if p.grad is not None]
-        if not grads:
-            self.launched.append((None, torch.empty(0), []))
-            return
-        flat = _flatten_dense_tensors(grads)
-        self.launched.append((dist.all_reduce(flat, group=self.group, async_op=True),
-                              flat, grads))
+        # every parameter of the bucket has its place on every replica (a missing
+        # gradient's zeros) and one number more saying whether it had one, so that the
+        # buffers match whatever each replica's graph reached (DDP's rule); a tp-split
+        # gradient's replicas hold the same shard: its local tensor is averaged
+        held = [batches.local(p.grad) if p.grad is not None else
+                torch.zeros_like(batches.local(p)) for p in bucket]
+        had = held[0].new_tensor([float(p.grad is not None) for p in bucket])
+        flat = _flatten_dense_tensors([*held, had])
+        self.launched.append((dist.all_reduce(flat, group=self.group, async_op=True), flat,
+                              bucket, [*held, had]))
 
     def finish(self) -> None:
         """The buckets not yet launched launched, every one waited for and its average
-        written back into the gradients."""
+        written back into the gradients: a gradient none was made for here, but another
+        replica made one, takes the average too, so that the replicas stay one model.
+        Called after the step's schedule, whether or not it raised (every replica then
+        issues every bucket once, in order)."""
         from torch._utils import _unflatten_dense_tensors
 
         self.armed = False
         for bucket in self.buckets[len(self.launched):]:
             self._launch(bucket)
-        for work, flat, grads in self.launched:
-            if work is None:
-                continue
+        for work, flat, bucket, held in self.launched:
             work.wait()
             flat /= self.size
-            for grad, averaged in zip(grads, _unflatten_dense_tensors(flat, grads)):
-                grad.copy_(averaged)
+            *averages, had = _unflatten_dense_tensors(flat, held)
+            for param, here, averaged, anywhere in zip(bucket, held, averages, had.tolist()):
+                if param.grad is not None:
+                    here.copy_(averaged)
+                elif anywhere:
+                    param.grad = _as_gradient(param, averaged)
         self.launched = []
+
+
+def _as_gradient(param: nn.Parameter, local: torch.Tensor) -> torch.Tensor:
+    """`local` (this rank's share of `param`'s averaged gradient) as its gradient."""
+    from torch.distributed.tensor import DTensor
+
+    local = local.clone()
+    if isinstance(param, DTensor):
+        return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False)
+    return local

@@ -161,6 +161,24 @@ def split_backward_clash(schedule: str, checkpointing: str, compile: bool) -> st
     return "checkpointing" if checkpointing in CONTEXTS else None
 
 
+def refuse_split_backward(cfg) -> None:
+    """The zero-bubble schedules run each backward in an input- and a weight-gradient half,
+    which torch does not do through a compiled stage, nor through one checkpointed
+    selectively (it recomputes such a region for one backward only)."""
+    p, t = cfg.parallel, cfg.trainer
+    clash = split_backward_clash(p.schedule, t.activation_checkpointing, t.compile)
+    if clash == "compile":
+        raise ConfigError(f"trainer.compile=true with parallel.schedule={p.schedule}: it "
+                          "splits each backward into input and weight halves, which torch "
+                          "does not do for compiled stages: set trainer.compile=false, or "
+                          "use parallel.schedule=interleaved_1f1b")
+    if clash == "checkpointing":
+        raise ConfigError(f"trainer.activation_checkpointing={t.activation_checkpointing} with "
+                          f"parallel.schedule={p.schedule}: it splits each backward into input "
+                          "and weight halves, and torch recomputes a selectively checkpointed "
+                          "stage for one backward only: use full (or none), or "
+                          "parallel.schedule=interleaved_1f1b")
+
 def stages_per_rank(schedule: str, given: int | None) -> int:
     """v: `given` (parallel.stages_per_rank), or what the schedule needs where null."""
     if given is not None:
