@@ -352,6 +352,17 @@ def test_replicas_average_each_part_as_its_last_backward_lands():
         replicas.finish()
         assert replicas.launched == [] and not replicas.armed
 
+        shared = torch.nn.Linear(4, 4)  # one parameter in two parts (a V's tied ends)
+        tied = Replicas([torch.nn.Sequential(shared), torch.nn.Sequential(shared)], None, 2,
+                        microbatches=2, bucket_mb=1e-6)
+        tied.arm()
+        for _ in range(3):
+            backward(shared)
+        assert tied.launched == []  # 3 of its 2 parts x 2 micro-batches
+        backward(shared)
+        assert len(tied.launched) == 2
+        tied.finish()
+
 
 def _replicas_where_one_made_no_gradient(rank: int, store: str) -> None:
     """On one of 2 gloo replicas: a part's second layer reached by rank 0's graph only."""
