@@ -564,6 +564,33 @@ def test_a_model_whose_stages_are_made_on_each_call_is_simulated_without_checkpo
                              "trainer.activation_checkpointing=selective"], tmp_path / "given")
 
 
+def test_auto_splits_a_users_model_by_the_tensor_parallel_plan_given(tmp_path):
+    """A user's model with no plan of its own: parallel=auto takes parallel.tp_plan as the
+    mesh and the pipeline do, predicts its tp layouts (without it they carry the reason),
+    and prints the plan in their commands alone, which train's checks pass as printed."""
+    import shlex
+
+    from conftest import checked
+
+    from parallab.commands import simulate_in_process
+
+    own = ["model._target_=own_parts.LooseStagesLM", "~model.num_classes", "~model.dropout",
+           "data.vocab_size=64", "data.seq_len=32", "parallel=auto", "parallel.world_size=4"]
+    plan = "parallel.tp_plan={blocks.*.0:colwise_rep}"
+    for given, out in (([], "none"), ([plan], "given")):
+        simulate_in_process([*own, *given], tmp_path / out)
+    found = {out: json.loads((tmp_path / out / "simulate.json").read_text())["layouts"]
+             for out in ("none", "given")}
+    split = {out: [e for e in found[out] if "parallel.tp=1 " not in e["command"]]
+             for out in found}
+    assert split["none"] and not any(e["fits"] for e in split["none"])
+    fitting = [e for e in split["given"] if e["fits"]]
+    assert fitting and all(shlex.quote(plan) in e["command"] for e in split["given"])
+    assert not any("tp_plan" in e["command"] for e in found["given"] if e not in split["given"])
+    cfg, layout = checked(*shlex.split(fitting[0]["command"])[2:], "device=cpu")
+    assert layout.tp > 1 and cfg.parallel.tp_plan == {"blocks.*.0": "colwise_rep"}
+
+
 def test_a_learned_position_table_shorter_than_the_sequence_is_refused(tmp_path):
     """The example's GPT-2 (64 learned positions) at data.seq_len=1024: refused as train
     refuses it, not predicted with a command that then fails."""

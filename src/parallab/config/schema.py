@@ -213,6 +213,9 @@ class AutoConfig(ParallelConfig):
     # of them (the command simulate prints)
     name: str = "auto"
     world_size: Optional[int] = None  # GPUs of the cluster the layouts are ranked for
+    # the tensor-parallel plan of the layouts with tp > 1, as the mesh's (null = the
+    # model's own); their commands carry it
+    tp_plan: Any = None
 
 
 @dataclass
