@@ -575,7 +575,7 @@ def test_auto_splits_a_users_model_by_the_tensor_parallel_plan_given(tmp_path):
     from parallab.commands import simulate_in_process
 
     own = ["model._target_=own_parts.LooseStagesLM", "~model.num_classes", "~model.dropout",
-           "data.vocab_size=64", "data.seq_len=32", "parallel=auto", "parallel.world_size=4"]
+           "data.vocab_size=64", "data.seq_len=32", "parallel=auto", "parallel.world_size=2"]
     plan = "parallel.tp_plan={blocks.*.0:colwise_rep}"
     for given, out in (([], "none"), ([plan], "given")):
         simulate_in_process([*own, *given], tmp_path / out)
