@@ -217,15 +217,16 @@ class PipelineRuntime(MeshRuntime):
                               target=targets if self.is_last else None, losses=losses,
                               return_outputs=False)
 
+        rows = batches.rows(batch)
         # what _loss divides by, this step (the batch's own count where the trainer left it)
         with scoped(ITEMS, self.loss.count(targets) if items is None else items):
             shaped = self.shaped.get("train")
-            if shaped is None or shaped.rows != batches.rows(batch):  # a shape's first step
+            if shaped is None or shaped.rows != rows:  # a shape's first step
                 # float16's scale made on every rank, not only where the loss is: each
                 # unscales
                 self.precision.scaled(torch.zeros((), device=self.dist.device))
-                shaped = self.shaped["train"] = Shaped(batches.rows(batch), self.placed(
-                    ).schedule(self.p.schedule, self.p.microbatches, self._loss))
+                shaped = self.shaped["train"] = Shaped(rows, self.placed().schedule(
+                    self.p.schedule, self.p.microbatches, self._loss))
                 self.dry_run(model, lambda: step(shaped.schedule))  # its shapes inferred
                 losses.clear()
             replicas = self.replicas() if syncing else None

@@ -46,7 +46,9 @@ class Replicas:
                 size_now = 0.0
             self.buckets[-1].append(param)
             size_now += batches.local(param).numel() * param.element_size()
+        self.bucket_of = {p: i for i, bucket in enumerate(self.buckets) for p in bucket}
         self.counts: dict[nn.Parameter, int] = {}
+        self.waiting: list[int] = []  # each bucket's gradients still short of their count
         self.launched: list[tuple[Any, torch.Tensor, list[nn.Parameter], list[torch.Tensor]]] = []
         self.armed = False
         for param in uses:
@@ -55,15 +57,19 @@ class Replicas:
     def arm(self) -> None:
         """The next backwards are the step's last before the optimizer: reduce as they land."""
         self.counts = dict.fromkeys(self.expected, 0)
+        self.waiting = [len(bucket) for bucket in self.buckets]
         self.launched = []
         self.armed = True
 
     def _landed(self, param: nn.Parameter) -> None:
+        """One accumulation of `param`'s gradient (a constant time on each: it runs in
+        every micro-batch's backward)."""
         if not self.armed:
             return
         self.counts[param] += 1
-        while len(self.launched) < len(self.buckets) and all(
-                self.counts[p] >= self.expected[p] for p in self.buckets[len(self.launched)]):
+        if self.counts[param] == self.expected[param]:
+            self.waiting[self.bucket_of[param]] -= 1
+        while len(self.launched) < len(self.buckets) and not self.waiting[len(self.launched)]:
             self._launch(self.buckets[len(self.launched)])
 
     def _launch(self, bucket: list[nn.Parameter]) -> None:
@@ -96,10 +102,10 @@ class Replicas:
             work.wait()
             flat /= self.size
             *averages, had = _unflatten_dense_tensors(flat, held)
-            for param, here, averaged, anywhere in zip(bucket, held, averages, had.tolist()):
+            for i, (param, here, averaged) in enumerate(zip(bucket, held, averages)):
                 if param.grad is not None:
                     here.copy_(averaged)
-                elif anywhere:
+                elif had[i].item():  # (read on the host only where a gradient is missing)
                     param.grad = _as_gradient(param, averaged)
         self.launched = []
 
