@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import math
 import re
 import statistics
 import time
@@ -35,15 +36,16 @@ CSV = REPO / "bench" / "published.csv"
 # hardware as the CSV gives it -> cluster preset
 CLUSTERS = (("96GB 500W", "h100_titan"), ("H100 SXM HBM2e", "h100_titan"), ("A100", "a100"),
             ("H200", "h200"), ("H100", "h100"), ("B200", "b200"))
-# (source substring, table substring, model substring, compile) of the principal rows
+# (source substring, table substring, model substring, compile, precision) of the principal
+# rows (a row without a precision: Megatron-LM's 2021 fp16)
 PRINCIPAL = [
-    ("llama3_h100_202412", "Table 1 ", "8B", "false"),
-    ("llama3_h100_202412", "Table 1 ", "8B", "true"),
-    ("performance.md @3faaa1a0", "64 A100", "Llama 3 8B", "false"),
-    ("performance.md @3faaa1a0", "64 A100", "Llama 3 70B", "false"),
-    ("Megatron-LM) + Megatron", "Table 1", "GPT 1.7B", ""),
-    ("Megatron-LM) + Megatron", "Table 1", "GPT 3.6B", ""),
-    ("Megatron-LM) + Megatron", "Table 1", "GPT 7.5B", ""),
+    ("llama3_h100_202412", "Table 1 ", "8B", "false", "bf16"),
+    ("llama3_h100_202412", "Table 1 ", "8B", "true", "bf16"),
+    ("performance.md @3faaa1a0", "64 A100", "Llama 3 8B", "false", "bf16"),
+    ("performance.md @3faaa1a0", "64 A100", "Llama 3 70B", "false", "bf16"),
+    ("Megatron-LM) + Megatron", "Table 1", "GPT 1.7B", "", "fp16"),
+    ("Megatron-LM) + Megatron", "Table 1", "GPT 3.6B", "", "fp16"),
+    ("Megatron-LM) + Megatron", "Table 1", "GPT 7.5B", "", "fp16"),
 ]
 FIT = {"h100_titan": 0, "a100": 2}  # the principal row each kind's efficiency comes from
 SCHEDULES = {"1F1B": "1f1b", "1f1b": "1f1b", "gpipe": "gpipe", "GPipe": "gpipe"}
@@ -51,6 +53,13 @@ INTERLEAVED = re.compile(r"interleaved 1F1B \(v=(\d+)\)")  # Megatron-LM's, its 
 MEGATRON_2021 = "2104.04473"
 ZERO_1 = "distributed optimizer (zero-1"  # a row's notes stating Megatron's, lower-cased
 SEQUENCE_PARALLEL = "sequence parallel inferred"  # a row's notes, lower-cased
+# the first N blocks recomputed whole (Megatron's recompute_method=block), a row's notes
+BLOCKS_RECOMPUTED = re.compile(r"recompute_num_layers=(\d+)")
+# Megatron-Core on Transformer Engine: its normalization, activation, RoPE and cross-entropy
+# run as fused kernels (the Llama providers' bias_activation_fusion, apply_rope_fusion,
+# persist_layer_norm; cross_entropy_fusion_impl=te; GPT's fused bias-GeLU and softmax), which
+# trainer.compile's fused chains of memory-bound ops stand for where a row says nothing
+TRANSFORMER_ENGINE = ("NeMo docs", "Megatron-Bridge docs", "MLPerf Training")
 # Rows of an implementation whose cost is its own, not its layout's: shown, counted apart.
 # DeepSpeed's ZeRO-3 in Megatron-LM's Table 2 falls to 44 TFLOP/s/GPU at batch 1 a GPU over
 # 1,536 A100, where PyTorch's FSDP, the same layout with the same work and bytes a GPU,
@@ -64,13 +73,13 @@ def cluster_of(row: dict) -> str:
 
 
 def principal_rows(rows: list[dict]) -> dict[int, int]:
-    """Row index -> its place in PRINCIPAL: the first bf16 or fp16 row each names."""
+    """Row index -> its place in PRINCIPAL: the first row of its precision each names."""
     found: dict[int, int] = {}
-    for i, (source, table, model, compiled) in enumerate(PRINCIPAL):
+    for i, (source, table, model, compiled, precision) in enumerate(PRINCIPAL):
         for index, row in enumerate(rows):
             if source in row["source"] and table in row["table"] and model in row["model"] \
                     and (not compiled or row["compile"] == compiled) and \
-                    row["precision"] != "fp8" and index not in found:
+                    (row["precision"] or "fp16") == precision and index not in found:
                 found[index] = i
                 break
     return found
@@ -118,6 +127,8 @@ def overrides_of(row: dict) -> list[str]:
     L, h, heads = int(row["layers"]), int(row["hidden"]), int(row["heads"])
     seq, vocab = int(row["seq_len"]), int(row["vocab"])
     compiled = row["compile"] or "false"
+    if not row["compile"] and row["source"].startswith(TRANSFORMER_ENGINE):
+        compiled = "true"
     if "GPT" in row["model"] or "MPT" in row["model"]:
         model = ["model=gpt", f"model.layers={L}", f"model.width={h}", f"model.heads={heads}",
                  f"model.vocab_size={vocab}", f"model.context={seq}"]
@@ -156,6 +167,10 @@ def overrides_of(row: dict) -> list[str]:
         precision = "bf16"
     ac = [f"trainer.activation_checkpointing="
           f"{row['checkpointing'] or ('full' if 'Megatron' in row['source'] else 'none')}"]
+    if (blocks := BLOCKS_RECOMPUTED.search(row["notes"])) is not None:
+        every = math.ceil(L / int(blocks[1]))  # as many blocks checkpointed, spread
+        assert math.ceil(L / every) == int(blocks[1]), row["model"]
+        ac += [f"trainer.activation_checkpointing_every={every}"]
     if row["checkpointing"] == "selective" and "torchtitan" in row["source"].lower():
         # torchtitan's selective: op-level, every second matmul kept (its default), or
         # layer-level, every Nth block checkpointed whole (N not published: 2, the
