@@ -591,6 +591,35 @@ def test_auto_splits_a_users_model_by_the_tensor_parallel_plan_given(tmp_path):
     assert layout.tp > 1 and cfg.parallel.tp_plan == {"blocks.*.0": "colwise_rep"}
 
 
+def test_auto_prices_and_carries_the_replicas_buckets_given(tmp_path):
+    """parallel=auto takes parallel.bucket_cap_mb as the mesh and the pipeline do: the
+    replicas' all-reduce priced by its buckets (the smaller, the more of them, each its
+    latency), and every command carries the value, which train's checks pass as printed."""
+    import shlex
+
+    from conftest import checked
+
+    from parallab.commands import simulate_in_process
+
+    auto = [*GPT, "parallel=auto", "parallel.world_size=2", "data.batch_size=2",
+            "cluster=a100"]
+    for given, out in (([], "default"), (["parallel.bucket_cap_mb=0.01"], "small")):
+        simulate_in_process([*auto, *given], tmp_path / out)
+    found = {out: json.loads((tmp_path / out / "simulate.json").read_text())["layouts"]
+             for out in ("default", "small")}
+
+    def replicas(out: str) -> dict:
+        return next(e for e in found[out] if "parallel=ddp" in e["command"] and
+                    "accumulate_grad_batches" not in e["command"] and
+                    "activation_checkpointing=none" in e["command"])
+
+    assert replicas("small")["parts"]["all_reduce_s"] > replicas("default")["parts"]["all_reduce_s"]
+    assert all("parallel.bucket_cap_mb=0.01" in e["command"] for e in found["small"])
+    assert not any("bucket_cap_mb" in e["command"] for e in found["default"])
+    cfg, layout = checked(*shlex.split(replicas("small")["command"])[2:], "device=cpu")
+    assert layout.replicas_only and cfg.parallel.bucket_cap_mb == 0.01
+
+
 def test_a_learned_position_table_shorter_than_the_sequence_is_refused(tmp_path):
     """The example's GPT-2 (64 learned positions) at data.seq_len=1024: refused as train
     refuses it, not predicted with a command that then fails."""
@@ -643,6 +672,8 @@ def test_a_model_of_images_is_told_simulate_traces_sequences(tmp_path, model):
     (["parallel=auto", "parallel.world_size=8", "data.global_batch_size=3"],
      "takes this model and batch: data.global_batch_size=3 does not split over 8 "
      "data-parallel ranks: give a multiple of 8"),
+    (["parallel=auto", "parallel.world_size=8", "parallel.bucket_cap_mb=0"],
+     "parallel.bucket_cap_mb=0.0 is out of range: it must be > 0"),
     (["parallel=auto", "parallel.world_size=8", "simulate.rows=0"],
      "simulate.rows=0 is out of range: it must be >= 1"),
     (["parallel=auto", "parallel.world_size=8", "simulate.world_sizes=[0,8]"],

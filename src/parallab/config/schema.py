@@ -216,6 +216,9 @@ class AutoConfig(ParallelConfig):
     # the tensor-parallel plan of the layouts with tp > 1, as the mesh's (null = the
     # model's own); their commands carry it
     tp_plan: Any = None
+    # the gradient buckets of the layouts whose replicas average them (DDP's, a pipeline's
+    # replicas'), as the mesh's and the pipeline's; their commands carry it where given
+    bucket_cap_mb: float = 25.0
 
 
 @dataclass

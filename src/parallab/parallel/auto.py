@@ -17,5 +17,13 @@ class AutoPlan(Plan):
                           "or give a layout (parallel=ddp, fsdp, ...)")
 
     @classmethod
+    def problem(cls, p) -> str | None:
+        """The keys auto passes on to the layouts it ranks, checked as their plans would."""
+        if not p.bucket_cap_mb > 0:
+            return (f"parallel.bucket_cap_mb={p.bucket_cap_mb} is out of range: it must be > 0 "
+                    "(DDP's default is 25)")
+        return None
+
+    @classmethod
     def candidates(cls, world_size: int, device_type: str, options) -> list[list[str]]:
         return []  # advise measures layouts; auto is none of them

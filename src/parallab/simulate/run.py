@@ -57,6 +57,7 @@ def check(cfg) -> Any:
                           "your own sequence model") from None
     cfg.device = Device.cuda  # the cluster's: its compute dtypes, not this machine's
     if p.name == "auto":
+        search.refuse(PLANS[p.name].problem(p))
         return None
     layout = PLANS[p.name].resolve(p, "cuda", p.world_size)
     if layout.pp > 1 and cfg.trainer.accumulate_grad_batches > 1:
