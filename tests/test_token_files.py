@@ -234,6 +234,19 @@ def test_each_bad_input_is_one_line_before_launch(corpus):
             checked(*GPT, *overrides)
 
 
+def test_simulate_refuses_the_document_mask_under_a_pipeline_as_train_does(corpus, tmp_path):
+    """simulate checks a layout by the check train's runs pass (the data's rule for it
+    included): it refuses what train refuses, not print a command train then refuses."""
+    from parallab.commands import simulate_in_process
+
+    masked = [*GPT, f"data.files={corpus}/docs.bin",
+              "data.document_mask=true", "parallel.world_size=2"]
+    with pytest.raises(ConfigError, match="under a layout that cuts the model into stages"):
+        simulate_in_process([*masked, "parallel=pipeline"], tmp_path / "pipeline")
+    simulate_in_process([*masked, "parallel=fsdp"], tmp_path / "fsdp")  # a whole model: taken
+    assert (tmp_path / "fsdp" / "simulate.json").exists()
+
+
 def test_the_entrypoint_ends_a_bad_input_in_one_line_with_exit_status_2(corpus, tmp_path):
     result = run_entry("train.py", [*GPT, f"data.files={corpus}/none*.bin"], tmp_path / "run")
     assert result.returncode == 2, output(result)

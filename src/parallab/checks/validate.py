@@ -272,11 +272,21 @@ def check_run_length(cfg: Config, layout: Layout) -> None:
     schedule.multiplier(cfg.scheduler, total)  # ConfigError for a warmup or decay too long
 
 
+def check_resolved(cfg: Config, layout: Layout, stages_of) -> None:
+    """A resolved layout against the rest of the config, one check for a run train starts
+    and a layout a simulation prices: the batch it splits, the data's rule for it, the
+    plan's own checks (with the model's stages, `stages_of()`: train's trial, a
+    simulation's model on meta) and what it rules out of the precision."""
+    resolve_global_batch(cfg, layout)
+    _refuse(cfg.data.layout_problem(layout))  # before the stages: a trial runs them
+    layout.plan.check(cfg, layout, stages_of())
+    _refuse(precision.layout_problem(cfg.precision, layout.dp_shard))
+
+
 def check_layout(cfg: Config, layout: Layout, probe: trial.Probe) -> None:
-    """One batch tried where a user's part is in play, then the plan's own checks (with
-    the model's stages where it cuts the model into parts)."""
-    _refuse(cfg.data.layout_problem(layout))  # before the trial runs its stages
-    layout.plan.check(cfg, layout, trial.run(cfg, layout, probe))
+    """The resolved layout's check, one batch tried where a user's part is in play; then
+    what the tried model says of the tp plan and of activation checkpointing's stages."""
+    check_resolved(cfg, layout, lambda: trial.run(cfg, layout, probe))
     _refuse(trial.tp_split_problem(cfg, layout, probe))  # after the plan's: the tp plan divides
     _refuse(activations.stages_problem(cfg))
 
@@ -417,7 +427,6 @@ def prepare(cfg: Config, in_place: InPlace | None, run_dir: str | None = None
         if hint := precision.device_hint(cfg.precision, cfg.device.value):
             log.warning(hint)
         _refuse(memory.snapshot_problem(cfg.trainer.memory_snapshot, cfg.device.value))
-        resolve_global_batch(cfg, layout)
         check_layout(cfg, layout, probe)
         check_adapter(cfg, layout)
         check_run_length(cfg, layout)

@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 from parallab.config.errors import ConfigError, NothingFits
-from parallab import precision
 from parallab.simulate import (Facts, Traces, clusters, experts, float8, rates_of, report,
                                search, simulate_all)
 from parallab.simulate.search import Candidate
@@ -65,14 +64,10 @@ def check(cfg) -> Any:
                           " with parallel=pipeline: parallab simulate takes a pipeline's "
                           "accumulation as its micro-batches: raise parallel.microbatches and "
                           "the batch instead, or leave trainer.accumulate_grad_batches at 1")
-    validate.resolve_global_batch(cfg, layout)
-    stages = None
-    if layout.cuts_model:
-        from parallab.checks.trial import stages_on_meta
+    from parallab.checks.trial import stages_on_meta
 
-        stages = stages_on_meta(cfg)
-    layout.plan.check(cfg, layout, stages)
-    search.refuse(precision.layout_problem(cfg.precision, layout.dp_shard))
+    validate.check_resolved(cfg, layout,
+                            lambda: stages_on_meta(cfg) if layout.cuts_model else None)
     return layout
 
 
