@@ -100,6 +100,8 @@ def why_not(row: dict) -> str | None:
         return "precision not published"
     if pp > 1 and not row["microbatches"]:
         return "micro-batches not published"
+    if recomputed_every(row) == 0:
+        return "recomputed blocks that no checkpointing frequency spreads"
     if not (row["published_tokens_per_sec_per_gpu"] or row["published_tflops_per_gpu"]):
         return "no throughput figure"
     return None
@@ -165,20 +167,7 @@ def overrides_of(row: dict) -> list[str]:
     precision = row["precision"] or "fp16"
     if precision == "fp16" and int(row["pp"] or 1) > 1:
         precision = "bf16"
-    ac = [f"trainer.activation_checkpointing="
-          f"{row['checkpointing'] or ('full' if 'Megatron' in row['source'] else 'none')}"]
-    if (blocks := BLOCKS_RECOMPUTED.search(row["notes"])) is not None:
-        every = math.ceil(L / int(blocks[1]))  # as many blocks checkpointed, spread
-        assert math.ceil(L / every) == int(blocks[1]), row["model"]
-        ac += [f"trainer.activation_checkpointing_every={every}"]
-    if row["checkpointing"] == "selective" and "torchtitan" in row["source"].lower():
-        # torchtitan's selective: op-level, every second matmul kept (its default), or
-        # layer-level, every Nth block checkpointed whole (N not published: 2, the
-        # selective_ac_option its example configs set)
-        ac = ["trainer.activation_checkpointing=full",
-              "trainer.activation_checkpointing_every=2"] \
-            if "selective layer" in row["notes"] else \
-            ["trainer.activation_checkpointing=selective_alternate"]
+    ac = checkpointing_of(row)
     layout = [f"parallel.world_size={n}", f"parallel.dp_replicate={R}", f"parallel.dp_shard={F}",
               f"parallel.tp={T}"]
     if T > 1 and ("torchtitan" in row["source"].lower() or "tp_comm_overlap" in notes or
@@ -199,6 +188,36 @@ def overrides_of(row: dict) -> list[str]:
         else []
     return [*model, *layout, f"data.seq_len={seq}", f"precision={precision}", "optim=adamw",
             *ac, f"trainer.compile={compiled}", f"cluster={cluster_of(row)}", *small]
+
+
+def checkpointing_of(row: dict) -> list[str]:
+    """The row's activation checkpointing as parallab's overrides."""
+    if row["checkpointing"] == "selective" and "torchtitan" in row["source"].lower():
+        # torchtitan's selective: op-level, every second matmul kept (its default), or
+        # layer-level, every Nth block checkpointed whole (N not published: 2, the
+        # selective_ac_option its example configs set)
+        return ["trainer.activation_checkpointing=full",
+                "trainer.activation_checkpointing_every=2"] \
+            if "selective layer" in row["notes"] else \
+            ["trainer.activation_checkpointing=selective_alternate"]
+    mode = row["checkpointing"] or ("full" if "Megatron" in row["source"] else "none")
+    every = recomputed_every(row)
+    return [f"trainer.activation_checkpointing={mode}",
+            *([f"trainer.activation_checkpointing_every={every}"] if every else [])]
+
+
+def recomputed_every(row: dict) -> int | None:
+    """Where the notes name Megatron's recompute of the first N blocks of each pipeline
+    part: the N of trainer.activation_checkpointing_every that checkpoints as many blocks
+    (spread over the model rather than first in each part: the same recompute), 0 where no
+    N does; None where the notes name none."""
+    found = BLOCKS_RECOMPUTED.search(row["notes"])
+    if found is None:
+        return None
+    interleaved = INTERLEAVED.fullmatch(row["schedule"] or "")
+    blocks = int(found[1]) * int(row["pp"] or 1) * int(interleaved[1] if interleaved else 1)
+    every = math.ceil(int(row["layers"]) / blocks)
+    return every if math.ceil(int(row["layers"]) / every) == blocks else 0
 
 
 def published_figure(row: dict) -> tuple[float, str]:

@@ -245,6 +245,12 @@ def test_simulate_refuses_the_document_mask_under_a_pipeline_as_train_does(corpu
         simulate_in_process([*masked, "parallel=pipeline"], tmp_path / "pipeline")
     simulate_in_process([*masked, "parallel=fsdp"], tmp_path / "fsdp")  # a whole model: taken
     assert (tmp_path / "fsdp" / "simulate.json").exists()
+    simulate_in_process([*masked, "model.layers=2", "parallel=auto", "simulate.plotted=0"],
+                        tmp_path / "auto")
+    ranked = json.loads((tmp_path / "auto" / "simulate.json").read_text())["layouts"]
+    pipelines = [e for e in ranked if "parallel=pipeline" in e["command"]]
+    assert pipelines and all("cuts the model into stages" in e["reason"] for e in pipelines)
+    assert ranked[0]["fits"] and "parallel=pipeline" not in ranked[0]["command"]
 
 
 def test_the_entrypoint_ends_a_bad_input_in_one_line_with_exit_status_2(corpus, tmp_path):

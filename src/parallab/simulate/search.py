@@ -103,7 +103,8 @@ def grid(cfg, facts, gpus_per_node: int) -> list[Candidate]:
                             c = Candidate(Layout.planned(**base, **way, checkpointing=ac, ep=ep),
                                           global_batch)
                             c.reason = tp_reason or batch_reason or \
-                                layout_problem(cfg.precision, shard)
+                                layout_problem(cfg.precision, shard) or \
+                                cfg.data.layout_problem(c.layout)
                             found.append(c)
                             if tp > 1 and facts.takes_sequence_parallel and not c.reason \
                                     and facts.sp_problem(tp) is None:
