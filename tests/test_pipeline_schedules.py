@@ -122,6 +122,25 @@ def test_the_first_ranks_stages_settle_their_gradients_as_torch_orders_them():
     assert SCHEDULES["1f1b"].settled(4, 1, 8) == [0.0]
 
 
+def test_advise_replays_the_replicas_average_beside_the_backwards_it_settles_before():
+    """advise's replay runs a pipeline's replicas' all-reduce beside its compute where the
+    schedule settles some part before the step's end, as the replicas launch it; exposed
+    where it waits for the flush (one part a rank, W by hand) or no replicas average."""
+    from parallab.parallel.layout import Layout
+    from parallab.parallel.pipeline import PipelinePlan
+
+    def kinds(schedule: str, v: int, replicas: int = 2, shards: int = 1) -> tuple[str, ...]:
+        layout = Layout.planned(4 * replicas * shards // 2, dp_replicate=replicas,
+                                dp_shard=shards, pp=2, schedule=schedule, stages_per_rank=v,
+                                microbatches=4)
+        return PipelinePlan.overlapped_kinds(layout)
+
+    assert kinds("interleaved_1f1b", 2) == kinds("looped_bfs", 2) == ("all_reduce",)
+    assert kinds("1f1b", 1) == kinds("gpipe", 1) == kinds("interleaved_zb", 2) == ()
+    assert kinds("interleaved_1f1b", 2, replicas=1) == ()
+    assert kinds("interleaved_1f1b", 2, shards=2) == ()
+
+
 def test_stages_are_placed_and_microbatches_taken_as_torch_does():
     from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 

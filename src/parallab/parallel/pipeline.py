@@ -323,6 +323,15 @@ class PipelinePlan(MeshPlan):
     runtime = PipelineRuntime
 
     @classmethod
+    def overlapped_kinds(cls, layout: Layout) -> tuple[str, ...]:
+        """The replicas' average runs beside the backwards left once the schedule settles a
+        part (replicas.py); with one part a rank, or W by hand, it waits for the flush."""
+        settled = layout.dp_replicate > 1 and layout.dp_shard == 1 and layout.schedule and \
+            SCHEDULES[layout.schedule].settled(layout.pp, layout.stages_per_rank,
+                                               layout.microbatches)
+        return ("all_reduce",) if settled and any(settled) else ()
+
+    @classmethod
     def layout_of(cls, p, world_size: int) -> Layout:
         """The schedule and its micro-batches, and its stages per rank resolved here too,
         where null."""
