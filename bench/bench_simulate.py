@@ -153,11 +153,14 @@ def overrides_of(row: dict) -> list[str]:
                  f"model.config.vocab_size={vocab}"]
     R, F, T, P = (int(row[k] or 1) for k in ("dp_replicate", "dp_shard", "tp", "pp"))
     notes = row["notes"].lower()
-    if P > 1 and ZERO_1 in notes:
+    zero_1 = ZERO_1 in notes
+    if zero_1:
         # Megatron's distributed optimizer shards the optimizer's state over the replicas; a
         # parallab pipeline's parts sharded over dp_shard stay gathered from the first
         # micro-batch to the flush and reduce once after it: the same bytes a step, and the
-        # state sharded as ZeRO-1 shards it (the weights too)
+        # state sharded as ZeRO-1 shards it (the weights too). Without a pipeline, fsdp
+        # whose weights stay gathered from forward to backward holds the same; it gathers
+        # and reduces each accumulated micro-batch where ZeRO-1 reduces once a step
         R, F = 1, R * F
     n = R * F * T * P
     micro = int(row["microbatches"] or 1)
@@ -181,7 +184,8 @@ def overrides_of(row: dict) -> list[str]:
     else:
         preset = "fsdp_tp" if T > 1 else ("ddp" if F == 1 else "fsdp" if R == 1 else "hsdp")
         layout = [f"parallel={preset}", *layout, f"data.batch_size={local // micro}",
-                  f"trainer.accumulate_grad_batches={micro}"]
+                  f"trainer.accumulate_grad_batches={micro}",
+                  *(["parallel.reshard_after_forward=false"] if zero_1 else [])]
     # the 40 GB A100: its HBM2's 1,555 GB/s (NVIDIA A100 datasheet) and 39 GiB of memory
     # (its device query reports 40,441 MiB), as the 80 GB preset keeps 79
     small = ["cluster.memory_gb=39", "cluster.hbm_gbps=12440"] if "A100 40GB" in row["hardware"] \
