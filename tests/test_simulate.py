@@ -591,33 +591,45 @@ def test_auto_splits_a_users_model_by_the_tensor_parallel_plan_given(tmp_path):
     assert layout.tp > 1 and cfg.parallel.tp_plan == {"blocks.*.0": "colwise_rep"}
 
 
-def test_auto_prices_and_carries_the_replicas_buckets_given(tmp_path):
-    """parallel=auto takes parallel.bucket_cap_mb as the mesh and the pipeline do: the
-    replicas' all-reduce priced by its buckets (the smaller, the more of them, each its
-    latency), and every command carries the value, which train's checks pass as printed."""
+def test_auto_prices_and_carries_the_layout_keys_given(tmp_path):
+    """parallel=auto takes the keys of the layouts it ranks, as the mesh and the pipeline
+    do: the replicas' buckets (the smaller, the more all-reduces, each its latency) and
+    FSDP's resharding (weights kept gathered to backward: more held), each priced and
+    carried in the commands of the layouts that take it, which train's checks pass as
+    printed."""
     import shlex
 
     from conftest import checked
 
     from parallab.commands import simulate_in_process
 
-    auto = [*GPT, "parallel=auto", "parallel.world_size=2", "data.batch_size=2",
-            "cluster=a100"]
-    for given, out in (([], "default"), (["parallel.bucket_cap_mb=0.01"], "small")):
-        simulate_in_process([*auto, *given], tmp_path / out)
+    auto = [*GPT, "model.layers=4", "parallel=auto", "parallel.world_size=2",
+            "data.batch_size=2", "cluster=a100"]  # 4 blocks: more than FSDP's 2 gathered
+    given = ["parallel.bucket_cap_mb=0.01", "parallel.reshard_after_forward=false"]
+    for keys, out in (([], "default"), (given, "given")):
+        simulate_in_process([*auto, *keys], tmp_path / out)
     found = {out: json.loads((tmp_path / out / "simulate.json").read_text())["layouts"]
-             for out in ("default", "small")}
+             for out in ("default", "given")}
 
-    def replicas(out: str) -> dict:
-        return next(e for e in found[out] if "parallel=ddp" in e["command"] and
+    def one(out: str, preset: str) -> dict:
+        return next(e for e in found[out] if f"parallel={preset} " in e["command"] and
                     "accumulate_grad_batches" not in e["command"] and
                     "activation_checkpointing=none" in e["command"])
 
-    assert replicas("small")["parts"]["all_reduce_s"] > replicas("default")["parts"]["all_reduce_s"]
-    assert all("parallel.bucket_cap_mb=0.01" in e["command"] for e in found["small"])
+    assert one("given", "ddp")["parts"]["all_reduce_s"] > \
+        one("default", "ddp")["parts"]["all_reduce_s"]
+    assert one("given", "fsdp")["memory_gb"]["gathered"] > \
+        one("default", "fsdp")["memory_gb"]["gathered"]
+    meshes = [e for e in found["given"] if "parallel=pipeline" not in e["command"]]
+    assert meshes and all(all(k in e["command"] for k in given) for e in meshes)
+    pipelines = [e for e in found["given"] if e not in meshes]
+    assert pipelines and not any("reshard" in e["command"] for e in pipelines)
     assert not any("bucket_cap_mb" in e["command"] for e in found["default"])
-    cfg, layout = checked(*shlex.split(replicas("small")["command"])[2:], "device=cpu")
-    assert layout.replicas_only and cfg.parallel.bucket_cap_mb == 0.01
+    for preset in ("ddp", "fsdp"):
+        cfg, _ = checked(*shlex.split(one("given", preset)["command"])[2:], "device=cpu")
+        assert cfg.parallel.bucket_cap_mb == 0.01 and not cfg.parallel.reshard_after_forward
+    cfg, _ = checked(*shlex.split(pipelines[0]["command"])[2:], "device=cpu")
+    assert cfg.parallel.bucket_cap_mb == 0.01
 
 
 def test_a_learned_position_table_shorter_than_the_sequence_is_refused(tmp_path):

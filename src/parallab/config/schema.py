@@ -219,6 +219,9 @@ class AutoConfig(ParallelConfig):
     # the gradient buckets of the layouts whose replicas average them (DDP's, a pipeline's
     # replicas'), as the mesh's and the pipeline's; their commands carry it where given
     bucket_cap_mb: float = 25.0
+    # the sharded layouts without a pipeline: free gathered parameters after forward
+    # (ZeRO-3), or keep them to backward (false), as the mesh's; their commands carry it
+    reshard_after_forward: bool = True
 
 
 @dataclass
