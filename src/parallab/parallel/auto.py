@@ -4,7 +4,7 @@ ranks them for a cluster); a run trains one of them."""
 from __future__ import annotations
 
 from parallab.config.errors import ConfigError
-from parallab.parallel.base import Plan
+from parallab.parallel.base import Plan, bucket_problem
 from parallab.parallel.layout import Layout
 
 
@@ -19,10 +19,7 @@ class AutoPlan(Plan):
     @classmethod
     def problem(cls, p) -> str | None:
         """The keys auto passes on to the layouts it ranks, checked as their plans would."""
-        if not p.bucket_cap_mb > 0:
-            return (f"parallel.bucket_cap_mb={p.bucket_cap_mb} is out of range: it must be > 0 "
-                    "(DDP's default is 25)")
-        return None
+        return bucket_problem(p.bucket_cap_mb)
 
     @classmethod
     def candidates(cls, world_size: int, device_type: str, options) -> list[list[str]]:

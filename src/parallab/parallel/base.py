@@ -301,6 +301,15 @@ class Plan:
         return ()
 
 
+def bucket_problem(mb: float) -> str | None:
+    """parallel.bucket_cap_mb, the replicas' gradient buckets (DDP's, a pipeline's), as
+    every plan that takes it checks it."""
+    if mb > 0:
+        return None
+    return (f"parallel.bucket_cap_mb={mb} is out of range: it must be > 0 (MiB of the "
+            "replicas' gradients each all-reduce carries; DDP's default is 25)")
+
+
 def params_by_mesh(model: nn.Module, leave: set[int] = frozenset()
                    ) -> dict[object, list[nn.Parameter]]:
     """The parameters with gradients by the device mesh their gradients live on (None: plain

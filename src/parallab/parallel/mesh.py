@@ -29,7 +29,7 @@ from parallab.config.errors import ConfigError
 from parallab.launching.distributed import Dist
 from parallab.models import experts, hf, tied_names
 from parallab.parallel import expert_parallel, tp_plans
-from parallab.parallel.base import Plan, Runtime
+from parallab.parallel.base import Plan, Runtime, bucket_problem
 from parallab.parallel.fsdp import mixed_precision, norm_squares, shard
 from parallab.parallel.layout import DEGREES, Layout, resolve_degrees
 
@@ -327,9 +327,8 @@ class MeshPlan(Plan):
         p = cfg.parallel
         if layout.ep > 1:
             expert_parallel.refuse(cfg, layout)
-        if layout.replicas_only and not p.bucket_cap_mb > 0:
-            raise ConfigError(f"parallel.bucket_cap_mb={p.bucket_cap_mb} is out of range: it "
-                              "must be > 0 (DDP's default is 25)")
+        if layout.replicas_only and bucket_problem(p.bucket_cap_mb):
+            raise ConfigError(bucket_problem(p.bucket_cap_mb))
         if layout.sharded:
             cls.refuse_sharded(cfg, layout)
         if layout.dp_shard > 1 and cfg.trainer.channels_last:

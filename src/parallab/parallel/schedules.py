@@ -179,6 +179,7 @@ def refuse_split_backward(cfg) -> None:
                           "stage for one backward only: use full (or none), or "
                           "parallel.schedule=interleaved_1f1b")
 
+
 def stages_per_rank(schedule: str, given: int | None) -> int:
     """v: `given` (parallel.stages_per_rank), or what the schedule needs where null."""
     if given is not None:
