@@ -16,6 +16,15 @@ TINY = ["model=gpt", "data=bytes", "optim=adamw", "model.layers=2", "model.width
 SHORT = ["advise.steps=3", "advise.warmup_steps=1", "advise.precisions=[fp32]"]
 
 
+def planned(name: str, n: int):
+    """The layout of preset `name` at `n` ranks as advise's grid plans it."""
+    from parallab.config.schema import AdviseConfig
+    from parallab.parallel import PLANS
+
+    return next(layout for layout in PLANS[name].candidates(n, "cpu", AdviseConfig())
+                if layout.preset == name)
+
+
 @pytest.mark.distributed
 def test_advise_measures_predicts_and_recommends_a_matching_layout(tmp_path):
     """With dropout on too (the MNIST recipe's CNN has it): its masks are drawn per rank, so
@@ -130,11 +139,11 @@ def test_a_losing_layout_is_judged_differs_with_its_worst_step():
     from parallab.advise import report
     from parallab.advise.candidates import Candidate
 
-    reference = Candidate(1, "none", ["parallel.world_size=1"], "fp32", "none", 1,
+    reference = Candidate(planned("none", 1), "fp32", "none", 1,
                           figures={"losses": [2.0, 1.5, 1.2], "samples_per_sec": 10.0})
-    same = Candidate(2, "ddp", ["parallel.world_size=2"], "fp32", "none", 1,
+    same = Candidate(planned("ddp", 2), "fp32", "none", 1,
                      figures={"losses": [2.0, 1.5001, 1.2], "samples_per_sec": 12.0})
-    wrong = Candidate(2, "fsdp", ["parallel.world_size=2"], "fp32", "none", 1,
+    wrong = Candidate(planned("fsdp", 2), "fp32", "none", 1,
                       figures={"losses": [2.0, 1.5, 1.3], "samples_per_sec": 50.0})
     report.judge([reference, same, wrong], 1e-3)
     assert reference.verdict == "reference" and same.verdict == "matches"
@@ -173,7 +182,7 @@ def test_a_batchnorm_models_split_batch_is_said_to_differ_by_design():
     from parallab.models import build_model
 
     def candidate(parallel: str, n: int, losses: list[float], model: str) -> Candidate:
-        measured = Candidate(n, parallel, [f"parallel.world_size={n}"], "fp32", "none", 1)
+        measured = Candidate(planned(parallel, n), "fp32", "none", 1)
         measured.cfg, measured.layout = checked(model, "data=synthetic", f"parallel={parallel}",
                                                 f"parallel.world_size={n}", "device=cpu")
         measured.figures = {"losses": losses, "samples_per_sec": 1.0,  # as its run gives
@@ -197,7 +206,7 @@ def test_the_recommended_command_keeps_where_the_config_came_from():
     argv = ["advise", "--config-dir", "conf", "experiment=waves", "-cn=mine",
             "data.global_batch_size=64"]
     assert config_flags(argv) == ["--config-dir", "conf", "-cn=mine"]
-    chosen = Candidate(2, "ddp", ["parallel.world_size=2"], "fp32", "none", 1)
+    chosen = Candidate(planned("ddp", 2), "fp32", "none", 1)
     line = report.command(["parallab train", *config_flags(argv)],
                           ["experiment=waves", "data.global_batch_size=64"], chosen, 64)
     assert line == ("parallab train --config-dir conf -cn=mine experiment=waves "

@@ -311,7 +311,8 @@ def test_advise_offers_each_schedule_and_replays_its_bubble():
     from parallab.parallel.pipeline import PipelinePlan
 
     options = SimpleNamespace(schedules=list(SCHEDULES), microbatches=[4])
-    settings = {" ".join(c[3:]) for c in PipelinePlan.candidates(2, "cpu", options)}
+    settings = {" ".join(PipelinePlan.settings(layout)[3:])
+                for layout in PipelinePlan.candidates(2, "cpu", options)}
     assert "parallel.schedule=zbv parallel.stages_per_rank=2 parallel.microbatches=4" in \
         settings and "parallel.schedule=1f1b parallel.microbatches=4" in settings
     assert len(settings) == len(SCHEDULES)

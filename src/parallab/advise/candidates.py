@@ -5,12 +5,14 @@ reason where it cannot run or is not needed."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from parallab.config.errors import ConfigError, first_line
+from parallab.parallel.layout import Layout
 
 log = logging.getLogger(__name__)
 # the cost order of the memory savers: each next one trades more time for memory
@@ -23,9 +25,7 @@ KEPT = ("parallel.stages=", "parallel.threads_per_worker=")  # the model's and t
 
 @dataclass
 class Candidate:
-    world_size: int
-    parallel: str
-    settings: list[str]  # the plan's overrides after parallel=NAME
+    planned: Layout  # the grid's (Plan.candidates): a plan's layout of its world size
     precision: str
     activation_checkpointing: str
     accumulation: int
@@ -36,6 +36,20 @@ class Candidate:
     reason: str | None = None  # why it was pruned or failed
     figures: dict[str, Any] = field(default_factory=dict)  # measured
     verdict: str | None = None
+
+    @property
+    def world_size(self) -> int:
+        return self.planned.world_size
+
+    @property
+    def parallel(self) -> str:
+        return self.planned.preset
+
+    @property
+    def settings(self) -> list[str]:
+        """The plan's overrides after parallel=NAME (Plan.settings), and its ep."""
+        ep = [f"parallel.ep={self.planned.ep}"] if self.planned.ep > 1 else []
+        return [*self.planned.plan.settings(self.planned), *ep]
 
     @property
     def overrides(self) -> list[str]:
@@ -78,26 +92,29 @@ EXPERT_LAYOUTS = ("fsdp", "hsdp", "tp", "fsdp_tp")
 
 def enumerate_grid(options, world_sizes: list[int], device_type: str,
                    experts: int | None = None) -> list[Candidate]:
-    """The grid; for a model of `experts` experts a layer, the sharded layouts each also
-    with every power-of-two ep of its ranks that divides them (the checks prune those its
-    degrees cannot carve)."""
+    """The grid: each plan's layouts (Plan.candidates) of the presets asked for; for a
+    model of `experts` experts a layer, the sharded layouts each also with every power-of-two
+    ep of its ranks that divides them and their shards x tp."""
     from parallab.parallel import PLANS
 
     names = options.layouts or list(PLANS)
     accumulations = [2**k for k in range(int(math.log2(options.max_accumulation)) + 1)]
-    return [Candidate(n, name, [*settings, *ep], precision, ac, accumulation)
-            for n in world_sizes for name in names
-            for settings in PLANS[name].candidates(n, device_type, options)
-            for ep in _expert_settings(name, n, experts)
+    return [Candidate(layout, precision, ac, accumulation)
+            for n in world_sizes for plan in dict.fromkeys(PLANS.values())
+            for planned in plan.candidates(n, device_type, options)
+            if planned.preset in names
+            for layout in _with_experts(planned, experts)
             for precision in options.precisions for ac in options.activation_checkpointing
             for accumulation in accumulations]
 
 
-def _expert_settings(name: str, n: int, experts: int | None) -> list[list[str]]:
-    if not experts or name not in EXPERT_LAYOUTS:
-        return [[]]
-    return [[], *([f"parallel.ep={ep}"] for ep in (2**k for k in range(1, int(math.log2(n)) + 1))
-                  if experts % ep == 0)]
+def _with_experts(layout: Layout, experts: int | None) -> list[Layout]:
+    if not experts or layout.preset not in EXPERT_LAYOUTS:
+        return [layout]
+    carved = layout.dp_shard * layout.tp
+    return [layout, *(dataclasses.replace(layout, ep=ep)
+                      for ep in (2**k for k in range(1, int(math.log2(layout.world_size)) + 1))
+                      if experts % ep == 0 and carved % ep == 0)]
 
 
 def settle(candidates: list[Candidate], configure: Callable[[list[str]], Any],
@@ -109,8 +126,7 @@ def settle(candidates: list[Candidate], configure: Callable[[list[str]], Any],
     neither checked nor predicted."""
     groups: dict[tuple, list[Candidate]] = {}
     for candidate in candidates:
-        key = (candidate.world_size, candidate.parallel, tuple(candidate.settings),
-               candidate.precision)
+        key = (candidate.planned, candidate.precision)
         groups.setdefault(key, []).append(candidate)
     batches: dict[int, Any] = {}
     for group in groups.values():

@@ -22,5 +22,5 @@ class AutoPlan(Plan):
         return bucket_problem(p.bucket_cap_mb)
 
     @classmethod
-    def candidates(cls, world_size: int, device_type: str, options) -> list[list[str]]:
+    def candidates(cls, world_size: int, device_type: str, options) -> list[Layout]:
         return []  # advise measures layouts; auto is none of them

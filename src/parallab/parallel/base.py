@@ -284,15 +284,20 @@ class Plan:
         that cuts the model checks its parts); ConfigError on the first problem."""
 
     @classmethod
-    def candidates(cls, world_size: int, device_type: str, options) -> list[list[str]]:
-        """This layout's settings (overrides after parallel=NAME) that use `world_size`
-        ranks or devices: the candidates `parallab advise` tries (`options`: its config)."""
-        if cls.processes:
-            return [[f"parallel.world_size={world_size}"]] if world_size > 1 else []
+    def candidates(cls, world_size: int, device_type: str, options) -> list[Layout]:
+        """This plan's layouts of `world_size` ranks or devices that `parallab advise` tries
+        (`options`: its config), each rendered as a command by `settings`."""
         if cls.dims:  # devices of one process: GPUs
             several = device_type == "cuda" and world_size > 1
-            return [[f"parallel.world_size={world_size}"]] if several else []
-        return [["parallel.world_size=1"]] if world_size == 1 else []
+            return [dataclasses.replace(cls.layout_of(None, world_size), plan=cls)] \
+                if several else []
+        return [Layout(plan=cls)] if world_size == 1 else []
+
+    @classmethod
+    def settings(cls, layout: Layout) -> list[str]:
+        """The overrides after parallel=NAME (Layout.preset) that train `layout` with this
+        plan: those its preset's config does not already fix."""
+        return [f"parallel.world_size={layout.world_size}"]
 
     @classmethod
     def overlapped_kinds(cls, layout: Layout) -> tuple[str, ...]:

@@ -199,6 +199,8 @@ class Layout:
     @property
     def preset(self) -> str:
         """The parallel=NAME that trains this layout."""
+        if self.dims and not self.processes:  # one process's devices
+            return "model" if self.cuts_model else "dp"
         if self.pp > 1:
             return "pipeline"
         if self.world_size == 1:

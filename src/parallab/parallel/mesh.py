@@ -311,16 +311,24 @@ class MeshPlan(Plan):
     @classmethod
     def degrees(cls, n: int) -> list[tuple[int, int, int]] | None:
         """The preset's (dp_replicate, dp_shard, tp) settings for n ranks (advise's
-        candidates); None: the preset's own degrees, from the world size alone."""
+        candidates); None: the preset's own degrees, from the world size alone (ddp's
+        replicas, fsdp's shards)."""
         return None
 
     @classmethod
-    def candidates(cls, world_size: int, device_type: str, options) -> list[list[str]]:
-        degrees = cls.degrees(world_size)
+    def candidates(cls, world_size: int, device_type: str, options) -> list[Layout]:
+        n = world_size
+        degrees = cls.degrees(n)
         if degrees is None:
-            return super().candidates(world_size, device_type, options)
-        return [[f"parallel.world_size={world_size}",
-                 *(f"parallel.{k}={v}" for k, v in zip(DEGREES, d))] for d in degrees]
+            degrees = [(n, 1, 1), (1, n, 1)] if n > 1 else []
+        return [Layout.planned(n, *d, plan=cls) for d in degrees]
+
+    @classmethod
+    def settings(cls, layout: Layout) -> list[str]:
+        if cls.degrees(layout.world_size) is None:  # ddp's and fsdp's configs fix them
+            return super().settings(layout)
+        return [*super().settings(layout),
+                *(f"parallel.{k}={getattr(layout, k)}" for k in DEGREES)]
 
     @classmethod
     def check(cls, cfg, layout: Layout, stages=None) -> None:

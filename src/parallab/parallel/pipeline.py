@@ -384,17 +384,23 @@ class PipelinePlan(MeshPlan):
                               "false (or use parallel=fsdp with parallel.ep)")
 
     @classmethod
-    def candidates(cls, world_size: int, device_type: str, options) -> list[list[str]]:
+    def candidates(cls, world_size: int, device_type: str, options) -> list[Layout]:
         """pp x dp for every pp > 1 dividing the world size, by schedule (the multi-stage
         ones at 2 stages per rank) and micro-batches; the checks prune those the model has
         too few stages for, or whose micro-batches the schedule does not take."""
         n = world_size
-        return [[f"parallel.world_size={n}", f"parallel.pp={pp}",
-                 f"parallel.dp_replicate={n // pp}", f"parallel.schedule={schedule}",
-                 *([f"parallel.stages_per_rank={v}"] if v > 1 else []),
-                 f"parallel.microbatches={micro}"]
+        return [Layout.planned(n, dp_replicate=n // pp, pp=pp, plan=cls, schedule=schedule,
+                               stages_per_rank=schedules.stages_per_rank(schedule, None),
+                               microbatches=micro)
                 for pp in range(2, n + 1) if n % pp == 0
                 for schedule in options.schedules or SCHEDULES
-                for v in [schedules.stages_per_rank(schedule, None)]
                 for micro in options.microbatches]
 
+    @classmethod
+    def settings(cls, layout: Layout) -> list[str]:
+        v = layout.stages_per_rank
+        return [*super().settings(layout), f"parallel.pp={layout.pp}",
+                f"parallel.dp_replicate={layout.dp_replicate}",
+                f"parallel.schedule={layout.schedule}",
+                *([f"parallel.stages_per_rank={v}"] if v > 1 else []),
+                f"parallel.microbatches={layout.microbatches}"]
