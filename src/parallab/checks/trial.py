@@ -152,16 +152,16 @@ def run(cfg, layout, probe: Probe | None = None) -> list[nn.Module] | None:
 def tp_split_problem(cfg, layout: Layout, probe: Probe) -> str | None:
     """Where a user's model is split by a plan over the layout's tp ranks: does the plan
     compose (tp_plans.split_problem, on the probe's model and batch)?"""
-    p = cfg.parallel
-    if probe.model is None or layout.tp == 1 or getattr(p, "sequence_parallel", False):
+    if probe.model is None or layout.tp == 1 or layout.sequence_parallel:
         return None
-    from parallab.parallel import tp_plans
+    from parallab.parallel import options_of, tp_plans
 
     model, batch = probe.model, probe.batch
     from_model = loss_of.build_loss(cfg.loss).from_model
+    plan = tp_plans.plan_of(model, options_of(cfg.parallel).tp_plan)
     with torch.no_grad():
-        return tp_plans.split_problem(model, tp_plans.plan_of(model, p.tp_plan or None), layout.tp,
-                                   lambda m: batches.call(m, batch, with_targets=from_model))
+        return tp_plans.split_problem(model, plan, layout.tp, lambda m: batches.call(
+            m, batch, with_targets=from_model))
 
 
 def _loss_of(model: nn.Module, loss: Objective, batch: Any):

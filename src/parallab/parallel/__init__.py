@@ -4,7 +4,7 @@ candidates) whose Runtime lays a model out for its way of splitting the work."""
 from __future__ import annotations
 
 from parallab.parallel.auto import AutoPlan
-from parallab.parallel.base import Plan
+from parallab.parallel.base import Options, Plan
 from parallab.parallel.dp import DataParallelPlan
 from parallab.parallel.mesh import FSDPTPPlan, HSDPPlan, MeshPlan, TPPlan
 from parallab.parallel.model import ModelParallelPlan
@@ -22,3 +22,8 @@ PLANS: dict[str, type[Plan]] = {
     "fsdp_tp": FSDPTPPlan,
     "auto": AutoPlan,  # parallab simulate's: every layout, ranked
 }
+
+
+def options_of(p) -> Options:
+    """The parallel config `p`'s settings beyond its degrees, as its plan reads them."""
+    return PLANS[p.name].options(p)

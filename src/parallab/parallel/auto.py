@@ -4,7 +4,7 @@ ranks them for a cluster); a run trains one of them."""
 from __future__ import annotations
 
 from parallab.config.errors import ConfigError
-from parallab.parallel.base import Plan, bucket_problem
+from parallab.parallel.base import Options, Plan, bucket_problem
 from parallab.parallel.layout import Layout
 
 
@@ -20,6 +20,12 @@ class AutoPlan(Plan):
     def problem(cls, p) -> str | None:
         """The keys auto passes on to the layouts it ranks, checked as their plans would."""
         return bucket_problem(p.bucket_cap_mb)
+
+    @classmethod
+    def options(cls, p) -> Options:
+        """The keys auto carries to the layouts it ranks (each where its layout takes it:
+        simulate/search.py's WHERE)."""
+        return Options(p.tp_plan or None, p.bucket_cap_mb, p.reshard_after_forward)
 
     @classmethod
     def candidates(cls, world_size: int, device_type: str, options) -> list[Layout]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -220,6 +221,19 @@ class Runtime:
             group.update(kept)
 
 
+@dataclass(frozen=True)
+class Options:
+    """What a parallel config sets beyond its degrees that shapes each step: the
+    tensor-parallel plan (None: the model's own), the replicas' gradient buckets (MiB),
+    FSDP2's freeing of gathered weights after forward, a pipeline's cuts (parallel.split).
+    A plan whose config has no such key runs as these defaults, its schema's own."""
+
+    tp_plan: Any = None
+    bucket_cap_mb: float = 25.0
+    reshard_after_forward: bool = True
+    split: tuple[int, ...] | None = None
+
+
 class Plan:
     """Single device. A plan's class methods see the whole config (`cfg`) or the parallel
     node (`p`), never the one under the other's name; `runtime` is its Runtime class."""
@@ -234,7 +248,7 @@ class Plan:
         """The run's layout, made once by the checks from the parallel config `p` and the
         world size and node count they resolved: the degrees (a null one resolved), this
         plan, and the GPUs a one-process layout uses."""
-        ep = getattr(p, "ep", 1)
+        ep = p.ep
         if ep < 1:
             raise ConfigError(f"parallel.ep={ep} is out of range: it is >= 1 (1: every rank "
                               "holds every expert)")
@@ -271,11 +285,16 @@ class Plan:
         """The CUDA ordinals a one-process layout places its replicas or parts on: those of
         parallel.devices among the visible GPUs (named twice: the same one twice), the
         first world_size of them."""
-        ids = getattr(p, "devices", None)
+        ids = p.devices
         if ids is None:
             return tuple(range(world_size))
         visible = list(dict.fromkeys(ids))  # as validate made them visible, in this order
         return tuple(visible.index(i) for i in ids)[:world_size]
+
+    @classmethod
+    def options(cls, p) -> Options:
+        """The parallel config `p`'s Options: a plan whose config sets none, the defaults."""
+        return Options()
 
     @classmethod
     def check(cls, cfg, layout: Layout, stages: list[nn.Module] | None = None) -> None:

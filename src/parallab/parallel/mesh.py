@@ -29,7 +29,7 @@ from parallab.config.errors import ConfigError
 from parallab.launching.distributed import Dist
 from parallab.models import experts, hf, tied_names
 from parallab.parallel import expert_parallel, tp_plans
-from parallab.parallel.base import Plan, Runtime, bucket_problem
+from parallab.parallel.base import Options, Plan, Runtime, bucket_problem
 from parallab.parallel.fsdp import mixed_precision, norm_squares, shard
 from parallab.parallel.layout import DEGREES, Layout, resolve_degrees
 
@@ -137,7 +137,7 @@ def _get(owner, key: str):
 def refuse_tp(cfg, tp: int, sequence_parallel: bool = False, ep: int = 1) -> None:
     """ConfigError where tp > 1 and the model (built on meta) has no plan that splits over
     `tp` ranks, or no sequence-parallel one where asked."""
-    given = getattr(cfg.parallel, "tp_plan", None)
+    given = cfg.parallel.tp_plan  # the mesh's and the pipeline's configs hold one
     if given is not None and (not isinstance(given, Mapping) or not given):
         raise ConfigError(f"parallel.tp_plan={_shown(given)} is not a plan: give module "
                           "patterns and their styles, e.g. parallel.tp_plan='{q_proj: colwise, "
@@ -283,7 +283,7 @@ class MeshPlan(Plan):
     @classmethod
     def layout_of(cls, p, world_size: int) -> Layout:
         degrees = resolve_degrees(cls.given_degrees(p), world_size)
-        ep = getattr(p, "ep", 1)
+        ep = p.ep
         if ep > 1 and degrees["dp_shard"] == degrees["tp"] == 1:
             raise ConfigError(f"parallel.ep={ep} with parallel={p.name}: every rank holds the "
                               "whole model (replicas), with no shard or tp ranks to carve ep "
@@ -296,6 +296,10 @@ class MeshPlan(Plan):
                               "tp) so that ep divides their product")
         return Layout(world_size, cls.dims, True, **degrees, ep=ep,
                       sequence_parallel=p.sequence_parallel)
+
+    @classmethod
+    def options(cls, p) -> Options:
+        return Options(p.tp_plan or None, p.bucket_cap_mb, p.reshard_after_forward)
 
     @classmethod
     def given_degrees(cls, p) -> dict[str, int | None]:

@@ -38,7 +38,7 @@ from parallab.config.errors import ConfigError
 from parallab.loss import FromModel, from_model, scores
 from parallab.models import hf, moe
 from parallab.parallel import expert_parallel, schedules, tp_plans
-from parallab.parallel.base import bucket_problem
+from parallab.parallel.base import Options, bucket_problem
 from parallab.parallel.fsdp import mixed_precision, norm_squares, shard
 from parallab.parallel.layout import Layout
 from parallab.parallel.mesh import MeshPlan, MeshRuntime
@@ -382,6 +382,13 @@ class PipelinePlan(MeshPlan):
                               "the last stage computes the loss from the logits alone, and "
                               "the earlier stages' router logits do not reach it: set it "
                               "false (or use parallel=fsdp with parallel.ep)")
+
+    @classmethod
+    def options(cls, p) -> Options:
+        """A pipeline's sharded parts stay gathered from their forward to their backward
+        (torch's stages reshard at the flush)."""
+        return Options(p.tp_plan or None, p.bucket_cap_mb, False,
+                       tuple(p.split) if p.split else None)
 
     @classmethod
     def candidates(cls, world_size: int, device_type: str, options) -> list[Layout]:

@@ -21,6 +21,7 @@ from typing import Any
 from torch import nn
 
 from parallab.config.errors import ConfigError
+from parallab.parallel import options_of
 from parallab.parallel.layout import Layout
 from parallab.simulate import cluster as clusters
 from parallab.simulate import costs, experts, step, trace
@@ -68,7 +69,7 @@ class Facts:
                               "parallab simulate to trace (a transformers model's "
                               "_no_split_modules, a stages() method, or parallel.stages)")
         stages = stages_of.chain(model, cfg.parallel.stages)
-        given = getattr(cfg.parallel, "tp_plan", None) or None
+        given = options_of(cfg.parallel).tp_plan
         return cls(cfg, model, "", len(blocks), vocab_of(model, cfg),
                    mfu.flops_per_token(model, cfg.data.seq_len),
                    len(stages) if stages else None,
@@ -80,7 +81,7 @@ class Facts:
     def split_problem(self) -> str | None:
         """None unless parallel.split cuts a chain simulate does not lay out as its stages
         (step.loads: the embeddings, each block, the head)."""
-        split = getattr(self.cfg.parallel, "split", None)
+        split = options_of(self.cfg.parallel).split
         if not split or self.stages == self.blocks + 2:
             return None
         return (f"parallel.split={list(split)}: parallab simulate cuts a model whose stages "
@@ -93,8 +94,7 @@ class Facts:
         if tp == 1:
             return None
         if tp not in self._tp:
-            given = getattr(self.cfg.parallel, "tp_plan", None) or None
-            self._tp[tp] = tp_problem(self.model, tp, given)
+            self._tp[tp] = tp_problem(self.model, tp, options_of(self.cfg.parallel).tp_plan)
         return self._tp[tp]
 
     def sp_problem(self, tp: int) -> str | None:
@@ -102,7 +102,7 @@ class Facts:
 
         if tp not in self._sp:  # a transformers model's plan is built to check it
             self._sp[tp] = sp_problem(self.model, self.cfg.data, tp,
-                                      getattr(self.cfg.parallel, "tp_plan", None) or None)
+                                      options_of(self.cfg.parallel).tp_plan)
         return self._sp[tp]
 
     def pipeline_problem(self, pp: int) -> str | None:
@@ -207,26 +207,28 @@ def run_of(cfg, layout: Layout, facts: Facts) -> step.Run:
     from parallab.precision import compute_dtype
 
     dtype = compute_dtype(cfg.precision.name, "cuda")
-    p = cfg.parallel
-    # a pipeline's sharded parts stay gathered from their forward to their backward
-    reshard = getattr(p, "reshard_after_forward", True) and layout.pp == 1
+    options = options_of(cfg.parallel)
+    # a pipeline's sharded parts stay gathered from their forward to their backward (auto's
+    # pipelines too)
+    reshard = options.reshard_after_forward and layout.pp == 1
     split = experts.Split.of(facts.mix, layout.ep, layout.tp, layout.dp_shard, layout.rows,
                              cfg.data.seq_len, facts.blocks, dtype.itemsize,
                              cfg.simulate.routing)
     return step.Run(cfg.data.seq_len, cfg.trainer.compile, optimizer_of(cfg), dtype.itemsize,
                     reshard, cfg.trainer.clip_grad_norm is not None,
-                    getattr(p, "bucket_cap_mb", 25.0), cfg.precision.tf32,
-                    _split(p, layout, facts), split,
+                    options.bucket_cap_mb, cfg.precision.tf32,
+                    _split(options.split, layout, facts), split,
                     cfg.precision.name == "fp8" and cfg.precision.fp8_all_gather)
 
 
-def _split(p, layout: Layout, facts: Facts) -> tuple[int, ...] | None:
-    if layout.pp == 1 or not getattr(p, "split", None):
+def _split(split: tuple[int, ...] | None, layout: Layout, facts: Facts
+           ) -> tuple[int, ...] | None:
+    if layout.pp == 1 or not split:
         return None
     problem = facts.split_problem()
     if problem:
         raise ConfigError(problem)
-    return tuple(p.split)
+    return split
 
 
 def optimizer_of(cfg) -> str:

@@ -188,6 +188,7 @@ def step_at(cfg, layout, world_size: int, cluster, known: dict | None = None):
     by model, shared between calls. ConfigError where it cannot be simulated."""
     import json
 
+    from parallab.parallel import options_of
     from parallab.simulate import predict
 
     _refuse_no_sequences(cfg.data)
@@ -197,7 +198,7 @@ def step_at(cfg, layout, world_size: int, cluster, known: dict | None = None):
     known = {} if known is None else known
     p = cfg.parallel  # what a trace reads of the config besides its shape
     key = json.dumps([cfg.model, cfg.data.seq_len, cfg.data.vocab_size, cfg.loss,
-                      p.stages, getattr(p, "tp_plan", None)],
+                      p.stages, options_of(p).tp_plan],
                      sort_keys=True, default=str)
     if key not in known:
         facts = Facts.of(cfg)

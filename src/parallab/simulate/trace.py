@@ -175,10 +175,10 @@ def _split(model: nn.Module, cfg, shape: "Shape", loss) -> bool:
     whether the logits stay cut by vocabulary (where the loss takes them so)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from parallab.parallel import tp_plans
+    from parallab.parallel import options_of, tp_plans
 
     mesh = init_device_mesh("cpu", (shape.tp,), mesh_dim_names=("tp",))
-    return tp_plans.split(model, mesh, getattr(cfg.parallel, "tp_plan", None) or None,
+    return tp_plans.split(model, mesh, options_of(cfg.parallel).tp_plan,
                           shape.sequence_parallel, loss, ep=2 if shape.experts_split else 1)
 
 
