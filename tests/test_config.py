@@ -272,6 +272,8 @@ def test_auto_values_resolve_for_cpu():
     (["backend.timeout_s=1e9"], "backend.timeout_s=1000000000.0 is out of range"),
     (["backend.timeout_s=0.01"], "backend.timeout_s=0.01 is out of range"),
     (["parallel=ddp", "parallel.bucket_cap_mb=0"], "parallel.bucket_cap_mb=0.0"),
+    # where no replicas read it (fsdp), a bad size is still the user's error
+    (["parallel=fsdp", "parallel.bucket_cap_mb=-3"], "parallel.bucket_cap_mb=-3.0 is out"),
     (["parallel=pipeline", "parallel.world_size=2", "model=gpt", "data=bytes",
       "parallel.bucket_cap_mb=-1"], "parallel.bucket_cap_mb=-1.0 is out of range: it must "
                                     "be > 0 (MiB of the replicas' gradients"),

@@ -339,7 +339,7 @@ class MeshPlan(Plan):
         p = cfg.parallel
         if layout.ep > 1:
             expert_parallel.refuse(cfg, layout)
-        if layout.replicas_only and bucket_problem(p.bucket_cap_mb):
+        if bucket_problem(p.bucket_cap_mb):  # refused where it would not be read too
             raise ConfigError(bucket_problem(p.bucket_cap_mb))
         if layout.sharded:
             cls.refuse_sharded(cfg, layout)

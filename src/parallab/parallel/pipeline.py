@@ -38,7 +38,7 @@ from parallab.config.errors import ConfigError
 from parallab.loss import FromModel, from_model, scores
 from parallab.models import hf, moe
 from parallab.parallel import expert_parallel, schedules, tp_plans
-from parallab.parallel.base import Options, bucket_problem
+from parallab.parallel.base import Options
 from parallab.parallel.fsdp import mixed_precision, norm_squares, shard
 from parallab.parallel.layout import Layout
 from parallab.parallel.mesh import MeshPlan, MeshRuntime
@@ -374,8 +374,6 @@ class PipelinePlan(MeshPlan):
                               "loss from the output, which a model returning its own loss does "
                               "not give: use a loss of output and targets")
         schedules.check_microbatches(cfg, layout)
-        if bucket_problem(p.bucket_cap_mb):
-            raise ConfigError(bucket_problem(p.bucket_cap_mb))
         schedules.refuse_split_backward(cfg)
         if (cfg.model.get("config") or {}).get("output_router_logits"):
             raise ConfigError("model.config.output_router_logits=true with parallel=pipeline: "

@@ -72,7 +72,10 @@ def problem(cfg: ClusterConfig) -> str | None:
         if not value >= 0:
             return f"cluster.nccl.{key}={value} is out of range: it must be >= 0"
     for key, value in cfg.peak_tflops.items():
-        if key not in PRECISIONS or not 0 < value < math.inf:
+        if key not in PRECISIONS:
+            return (f"cluster.peak_tflops.{key} names no precision: give the GPU's dense "
+                    f"TFLOP/s by {', '.join(PRECISIONS)}")
+        if not 0 < value < math.inf:
             return (f"cluster.peak_tflops.{key}={value} is out of range: give the GPU's dense "
                     f"TFLOP/s by precision ({', '.join(PRECISIONS)}), each > 0")
     if not measured and not peaks_of(cfg).get("bf16"):
