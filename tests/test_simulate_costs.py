@@ -141,3 +141,25 @@ def test_a_pipelines_sharded_part_reduces_after_its_last_backward_not_beside_it(
     assert reduced(part, 2e11) == pytest.approx(reduced(part, 2e6))
     fsdp = Layout.planned(2, dp_shard=2, batch_size=4)
     assert reduced(fsdp, 2e11) < reduced(fsdp, 2e6) / 2
+
+
+def test_a_freed_storage_takes_its_record_with_it():
+    """The trace knows what made each storage by its address; a storage the step frees
+    takes that record with it, so that the next storage at its address (made by an op the
+    trace does not record, an empty one) is not taken for the freed one: a compiled step's
+    activations hung on what had run in the process before (one NeMo row 51-62 GiB)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mod_tracker import ModTracker
+
+    from parallab.simulate.ops import Recorder
+
+    recorder = Recorder(ModTracker(), "block", causal_lm=False)
+    with FakeTensorMode(), recorder:
+        ones = torch.ones(1024)
+        doubled = ones * 2  # a memory-bound op's output: recorded as made by it
+        key = doubled.untyped_storage()._cdata
+        assert recorder.produced[key][1] == "memory"
+        del doubled
+        assert key not in recorder.produced and key not in recorder.held
+        assert recorder.live == 1024 * 4  # the ones alone

@@ -215,6 +215,8 @@ class Recorder(TorchDispatchMode):
         def freed(_, key=key, size=size) -> None:
             self.live -= size
             self.held.pop(key, None)
+            # its address is free for the next storage, which this op did not make
+            self.produced.pop(key, None)
 
         self.held[key] = weakref.ref(storage, freed)
 
