@@ -18,11 +18,9 @@ SHORT = ["advise.steps=3", "advise.warmup_steps=1", "advise.precisions=[fp32]"]
 
 def planned(name: str, n: int):
     """The layout of preset `name` at `n` ranks as advise's grid plans it."""
-    from parallab.config.schema import AdviseConfig
-    from parallab.parallel import PLANS
+    from parallab.parallel import grid
 
-    return next(layout for layout in PLANS[name].candidates(n, "cpu", AdviseConfig())
-                if layout.preset == name)
+    return next(layout for layout in grid.layouts(n, grid.Space()) if layout.preset == name)
 
 
 @pytest.mark.distributed

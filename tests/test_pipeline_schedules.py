@@ -308,11 +308,13 @@ def test_advise_offers_each_schedule_and_replays_its_bubble():
     rank (the checks prune those the model has too few stages for); the step-time check
     replays the schedule's own idle slots (with a device per rank: bubble x the step)."""
     from parallab.advise import scaling
-    from parallab.parallel.pipeline import PipelinePlan
+    from parallab.advise.candidates import enumerate_grid
+    from parallab.config.schema import AdviseConfig
 
-    options = SimpleNamespace(schedules=list(SCHEDULES), microbatches=[4])
-    settings = {" ".join(PipelinePlan.settings(layout)[3:])
-                for layout in PipelinePlan.candidates(2, "cpu", options)}
+    options = AdviseConfig(layouts=["pipeline"], schedules=list(SCHEDULES), microbatches=[4],
+                           precisions=["fp32"], activation_checkpointing=["none"],
+                           max_accumulation=1)
+    settings = {" ".join(c.settings[3:]) for c in enumerate_grid(options, [2], "cpu")}
     assert "parallel.schedule=zbv parallel.stages_per_rank=2 parallel.microbatches=4" in \
         settings and "parallel.schedule=1f1b parallel.microbatches=4" in settings
     assert len(settings) == len(SCHEDULES)

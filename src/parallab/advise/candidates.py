@@ -1,7 +1,7 @@
-"""The grid `parallab advise` searches: every layout the plans offer for each world
-size (Plan.candidates), x precision x activation checkpointing x gradient accumulation,
-each checked as `python train.py` would check it, its memory predicted, and pruned with a
-reason where it cannot run or is not needed."""
+"""The grid `parallab advise` searches: the presets' layouts of the one grid
+(parallel/grid.py) at each world size, x precision x activation checkpointing x gradient
+accumulation, each checked as `python train.py` would check it, its memory predicted, and
+pruned with a reason where it cannot run or is not needed."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ KEPT = ("parallel.stages=", "parallel.threads_per_worker=")  # the model's and t
 
 @dataclass
 class Candidate:
-    planned: Layout  # the grid's (Plan.candidates): a plan's layout of its world size
+    planned: Layout  # the grid's (parallel/grid.py), its preset's plan set
     precision: str
     activation_checkpointing: str
     accumulation: int
@@ -92,20 +92,37 @@ EXPERT_LAYOUTS = ("fsdp", "hsdp", "tp", "fsdp_tp")
 
 def enumerate_grid(options, world_sizes: list[int], device_type: str,
                    experts: int | None = None) -> list[Candidate]:
-    """The grid: each plan's layouts (Plan.candidates) of the presets asked for; for a
-    model of `experts` experts a layer, the sharded layouts each also with every power-of-two
-    ep of its ranks that divides them and their shards x tp."""
-    from parallab.parallel import PLANS
+    """The grid: the presets' layouts of the one grid (parallel/grid.py) that `options`
+    name, by preset; for a model of `experts` experts a layer, the sharded layouts each also
+    with every power-of-two ep of its ranks that divides them and their shards x tp."""
+    from parallab.parallel import PLANS, grid
 
     names = options.layouts or list(PLANS)
+    order = {name: i for i, name in enumerate(PLANS)}
     accumulations = [2**k for k in range(int(math.log2(options.max_accumulation)) + 1)]
+    space = grid.Space(ways=lambda pp, dp: _ways(pp, options),
+                       devices=device_type == "cuda")
     return [Candidate(layout, precision, ac, accumulation)
-            for n in world_sizes for plan in dict.fromkeys(PLANS.values())
-            for planned in plan.candidates(n, device_type, options)
+            for n in world_sizes
+            for planned in sorted(grid.layouts(n, space), key=lambda l: order[l.preset])
             if planned.preset in names
             for layout in _with_experts(planned, experts)
             for precision in options.precisions for ac in options.activation_checkpointing
             for accumulation in accumulations]
+
+
+def _ways(pp: int, options) -> list[dict[str, Any]]:
+    """A pipeline's: every schedule asked for (the multi-stage ones at their own stages per
+    rank) by each count of micro-batches asked for; the checks prune those the model has
+    too few stages for, or whose micro-batches the schedule does not take."""
+    from parallab.parallel import schedules
+
+    if pp == 1:
+        return [{}]
+    return [{"schedule": name, "stages_per_rank": schedules.stages_per_rank(name, None),
+             "microbatches": micro}
+            for name in options.schedules or schedules.SCHEDULES
+            for micro in options.microbatches]
 
 
 def _with_experts(layout: Layout, experts: int | None) -> list[Layout]:

@@ -1,5 +1,5 @@
-"""Parallel layouts by name (parallel=NAME): each a Plan (pure: degrees, checks, advise's
-candidates) whose Runtime lays a model out for its way of splitting the work."""
+"""Parallel layouts by name (parallel=NAME): each a Plan (pure: degrees, checks, the command
+of a grid's layout) whose Runtime lays a model out for its way of splitting the work."""
 
 from __future__ import annotations
 

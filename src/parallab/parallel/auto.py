@@ -26,7 +26,3 @@ class AutoPlan(Plan):
         """The keys auto carries to the layouts it ranks (each where its layout takes it:
         simulate/search.py's WHERE)."""
         return Options(p.tp_plan or None, p.bucket_cap_mb, p.reshard_after_forward)
-
-    @classmethod
-    def candidates(cls, world_size: int, device_type: str, options) -> list[Layout]:
-        return []  # advise measures layouts; auto is none of them

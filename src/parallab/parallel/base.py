@@ -1,5 +1,5 @@
 """A layout's two halves, and the single device's: its Plan (pure: the degrees resolved
-from the parallel config, its checks, the candidates advise enumerates, its compute and
+from the parallel config, its checks, the command of a layout of the grid, its compute and
 communication model) and its Runtime (built on a rank with the resolved
 layout: it lays the model out, runs the step, gives and takes checkpoint state)."""
 
@@ -301,16 +301,6 @@ class Plan:
         """This layout's own checks of the whole config and its resolved layout, before
         any worker starts, with the model's stages where the trial found them (a layout
         that cuts the model checks its parts); ConfigError on the first problem."""
-
-    @classmethod
-    def candidates(cls, world_size: int, device_type: str, options) -> list[Layout]:
-        """This plan's layouts of `world_size` ranks or devices that `parallab advise` tries
-        (`options`: its config), each rendered as a command by `settings`."""
-        if cls.dims:  # devices of one process: GPUs
-            several = device_type == "cuda" and world_size > 1
-            return [dataclasses.replace(cls.layout_of(None, world_size), plan=cls)] \
-                if several else []
-        return [Layout(plan=cls)] if world_size == 1 else []
 
     @classmethod
     def settings(cls, layout: Layout) -> list[str]:

@@ -279,6 +279,9 @@ class MeshPlan(Plan):
     processes = True
     splits_experts = True
     runtime = MeshRuntime
+    # a command names the degrees (hsdp, tp, fsdp_tp); ddp's and fsdp's presets fix theirs
+    # from the world size
+    names_degrees = False
 
     @classmethod
     def layout_of(cls, p, world_size: int) -> Layout:
@@ -313,23 +316,8 @@ class MeshPlan(Plan):
         return ("all_reduce",) if layout.replicas_only else ()
 
     @classmethod
-    def degrees(cls, n: int) -> list[tuple[int, int, int]] | None:
-        """The preset's (dp_replicate, dp_shard, tp) settings for n ranks (advise's
-        candidates); None: the preset's own degrees, from the world size alone (ddp's
-        replicas, fsdp's shards)."""
-        return None
-
-    @classmethod
-    def candidates(cls, world_size: int, device_type: str, options) -> list[Layout]:
-        n = world_size
-        degrees = cls.degrees(n)
-        if degrees is None:
-            degrees = [(n, 1, 1), (1, n, 1)] if n > 1 else []
-        return [Layout.planned(n, *d, plan=cls) for d in degrees]
-
-    @classmethod
     def settings(cls, layout: Layout) -> list[str]:
-        if cls.degrees(layout.world_size) is None:  # ddp's and fsdp's configs fix them
+        if not cls.names_degrees:  # ddp's and fsdp's configs fix them
             return super().settings(layout)
         return [*super().settings(layout),
                 *(f"parallel.{k}={getattr(layout, k)}" for k in DEGREES)]
@@ -364,25 +352,13 @@ class MeshPlan(Plan):
                               "(dp_shard=1, tp=1)")
 
 
-def _inner_divisors(n: int) -> list[int]:
-    return [d for d in range(2, n) if n % d == 0]
-
-
 class HSDPPlan(MeshPlan):
-    @classmethod
-    def degrees(cls, n: int) -> list[tuple[int, int, int]]:
-        """replicas x shards, both > 1 (1 x n is fsdp, n x 1 ddp)."""
-        return [(r, n // r, 1) for r in _inner_divisors(n)]
+    names_degrees = True
 
 
 class TPPlan(MeshPlan):
-    @classmethod
-    def degrees(cls, n: int) -> list[tuple[int, int, int]]:
-        return [(1, 1, n)] if n > 1 else []
+    names_degrees = True
 
 
 class FSDPTPPlan(MeshPlan):
-    @classmethod
-    def degrees(cls, n: int) -> list[tuple[int, int, int]]:
-        """shards x tp, both > 1 (its 1-D cases are fsdp and tp)."""
-        return [(1, n // t, t) for t in _inner_divisors(n)]
+    names_degrees = True

@@ -389,19 +389,6 @@ class PipelinePlan(MeshPlan):
                        tuple(p.split) if p.split else None)
 
     @classmethod
-    def candidates(cls, world_size: int, device_type: str, options) -> list[Layout]:
-        """pp x dp for every pp > 1 dividing the world size, by schedule (the multi-stage
-        ones at 2 stages per rank) and micro-batches; the checks prune those the model has
-        too few stages for, or whose micro-batches the schedule does not take."""
-        n = world_size
-        return [Layout.planned(n, dp_replicate=n // pp, pp=pp, plan=cls, schedule=schedule,
-                               stages_per_rank=schedules.stages_per_rank(schedule, None),
-                               microbatches=micro)
-                for pp in range(2, n + 1) if n % pp == 0
-                for schedule in options.schedules or SCHEDULES
-                for micro in options.microbatches]
-
-    @classmethod
     def settings(cls, layout: Layout) -> list[str]:
         v = layout.stages_per_rank
         return [*super().settings(layout), f"parallel.pp={layout.pp}",

@@ -278,10 +278,11 @@ def _curves(cfg, best: list[Candidate], traces, rates) -> dict[str, list]:
     tp, pp and batch per data-parallel rank; fsdp's shards, hsdp's and ddp's replicas
     grown), on the cluster's rates at each count (simulate.world_sizes, else powers of 2
     from 8)."""
+    from parallab.parallel import grid
     from parallab.simulate import predict
 
     n = cfg.parallel.world_size
-    sizes = cfg.simulate.world_sizes or [s for s in search.powers_of_two(max(n, 8)) if s >= 8]
+    sizes = cfg.simulate.world_sizes or [s for s in grid.powers_of_two(max(n, 8)) if s >= 8]
     curves: dict[str, list] = {}
     for c in best:
         points = []

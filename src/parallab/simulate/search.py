@@ -1,12 +1,12 @@
 """The layouts a simulation weighs: the one the command gives, or under parallel=auto every
-layout of the GPU count (dp_replicate x dp_shard x tp x pp, the pipeline's schedules and
-micro-batches, gradient accumulation, activation checkpointing), each checked as train's
-checks would check it, without a trial (the model on meta, nothing run)."""
+layout of the GPU count (the one grid's dp_replicate x dp_shard x tp x pp, the pipeline's
+schedules and micro-batches, gradient accumulation; by activation checkpointing), each
+checked as train's checks would check it, without a trial (the model on meta, nothing
+run)."""
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +14,7 @@ from typing import Any
 from parallab.config.errors import ConfigError
 from parallab.parallel import schedules
 from parallab.parallel.activations import CONTEXTS
+from parallab.parallel.grid import powers_of_two_dividing
 from parallab.parallel.layout import Layout
 from parallab.simulate.step import Prediction
 
@@ -58,10 +59,6 @@ class Candidate:
         return self.layout.label
 
 
-def powers_of_two(limit: int) -> list[int]:
-    return [2**k for k in range(int(math.log2(limit)) + 1)] if limit >= 1 else []
-
-
 def per_rank_batch(cfg, dp: int) -> tuple[int | None, str | None]:
     """The sequences a data-parallel rank takes a step: data.global_batch_size / dp where
     given (None and why where it does not divide), else data.batch_size."""
@@ -75,41 +72,33 @@ def per_rank_batch(cfg, dp: int) -> tuple[int | None, str | None]:
 
 
 def grid(cfg, facts, gpus_per_node: int) -> list[Candidate]:
-    """Every layout of parallel.world_size GPUs for the model (`facts`: simulate.Facts);
-    those the model, the batch or the precision (float8 gathers without shards) cannot take carry
-    their reason."""
+    """Every layout of parallel.world_size GPUs for the model (`facts`: simulate.Facts): the
+    one grid's every product of powers of two (tp within a node; parallel/grid.py), by
+    activation checkpointing, ep and sequence parallelism; those the model, the batch or
+    the precision (float8 gathers without shards) cannot take carry their reason."""
+    from parallab.parallel import grid as one
     from parallab.precision import layout_problem
 
-    n = cfg.parallel.world_size
+    global_batch = cfg.data.global_batch_size is not None
+    space = one.Space(one.powers_of_two_dividing, gpus_per_node, mixed=True,
+                      ways=lambda pp, dp: _ways(pp, per_rank_batch(cfg, dp)[0] or 1, facts))
     found: list[Candidate] = []
-    for tp in [t for t in powers_of_two(min(n, gpus_per_node)) if n % t == 0]:
-        tp_reason = facts.tp_problem(tp)
-        for pp in [p for p in powers_of_two(n // tp) if (n // tp) % p == 0]:
-            if pp > 1 and facts.pipeline_problem(pp) is not None:
-                continue  # said once, in the notes
-            dp = n // (tp * pp)
-            shards = sorted({f for f in powers_of_two(dp) if dp % f == 0} | {dp})
-            batch, batch_reason = per_rank_batch(cfg, dp)
-            for shard in shards:
-                base = dict(world_size=n, dp_replicate=dp // shard, dp_shard=shard, tp=tp,
-                            pp=pp, batch_size=batch or 1)
-                global_batch = cfg.data.global_batch_size is not None
-                for way in _ways(pp, batch or 1, facts):
-                    for ac in ("none",) if facts.checkpoint_problem else CHECKPOINTING:
-                        if way.get("schedule") and schedules.split_backward_clash(
-                                way["schedule"], ac, cfg.trainer.compile):
-                            continue  # train refuses it
-                        for ep in expert_degrees(facts.mix, tp, shard):
-                            c = Candidate(Layout.planned(**base, **way, checkpointing=ac, ep=ep),
-                                          global_batch)
-                            c.reason = tp_reason or batch_reason or \
-                                layout_problem(cfg.precision, shard) or \
-                                cfg.data.layout_problem(c.layout)
-                            found.append(c)
-                            if tp > 1 and facts.takes_sequence_parallel and not c.reason \
-                                    and facts.sp_problem(tp) is None:
-                                found.append(Candidate(dataclasses.replace(
-                                    c.layout, sequence_parallel=True), global_batch))
+    for layout in one.layouts(cfg.parallel.world_size, space):
+        reason = facts.tp_problem(layout.tp) or per_rank_batch(cfg, layout.dp)[1] or \
+            layout_problem(cfg.precision, layout.dp_shard)
+        for ac in ("none",) if facts.checkpoint_problem else CHECKPOINTING:
+            if layout.schedule and schedules.split_backward_clash(
+                    layout.schedule, ac, cfg.trainer.compile):
+                continue  # train refuses it
+            for ep in expert_degrees(facts.mix, layout.tp, layout.dp_shard):
+                c = Candidate(dataclasses.replace(layout, checkpointing=ac, ep=ep),
+                              global_batch)
+                c.reason = reason or cfg.data.layout_problem(c.layout)
+                found.append(c)
+                if layout.tp > 1 and facts.takes_sequence_parallel and not c.reason \
+                        and facts.sp_problem(layout.tp) is None:
+                    found.append(Candidate(dataclasses.replace(
+                        c.layout, sequence_parallel=True), global_batch))
     return found
 
 
@@ -119,24 +108,29 @@ def expert_degrees(mix, tp: int, shards: int) -> list[int]:
     parallel/expert_parallel.py)."""
     if mix is None:
         return [1]
-    carved = [tp * s for s in powers_of_two(shards) if shards % s == 0 and tp * s > 1]
+    carved = [tp * s for s in powers_of_two_dividing(shards) if tp * s > 1]
     return [1, *(ep for ep in carved if mix.experts % ep == 0)]
 
 
 def _ways(pp: int, batch: int, facts) -> list[dict[str, Any]]:
-    """How a rank's batch is cut: a pipeline's micro-batches (pp, 2pp, 4pp: at least one
+    """How a rank's `batch` is cut: a pipeline's micro-batches (pp, 2pp, 4pp: at least one
     per part) by schedule and stages per rank (the schedule's own, and 4 for the
-    interleaved ones), those torch's schedules take and the model has stages for; or
-    accumulation's steps (1, 2, 4, 8)."""
+    interleaved ones), those torch's schedules take and the model has stages for (none
+    where it has too few for pp parts: said once, in the notes); or accumulation's steps
+    (1, 2, 4, 8)."""
     if pp == 1:
-        return [{"microbatches": a} for a in (1, 2, 4, 8) if batch % a == 0 and a <= batch]
+        return [{"microbatches": a, "batch_size": batch} for a in (1, 2, 4, 8)
+                if batch % a == 0 and a <= batch]
+    if facts.pipeline_problem(pp) is not None:
+        return []
     found = []
     for name, schedule in schedules.SCHEDULES.items():
         default = schedules.stages_per_rank(name, None)
         for v in sorted({default, *(() if schedule.stages_per_rank else (4,))}):
             if facts.pipeline_problem(pp * v) is not None:
                 continue
-            found += [{"microbatches": m, "schedule": name, "stages_per_rank": v}
+            found += [{"microbatches": m, "schedule": name, "stages_per_rank": v,
+                       "batch_size": batch}
                       for m in (pp, 2 * pp, 4 * pp) if batch % m == 0 and
                       schedules.microbatches_problem(name, pp, v, m) is None]
     return found

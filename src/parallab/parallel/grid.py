@@ -1,0 +1,80 @@
+"""The one grid of layouts: every way a count of ranks splits into replicas, FSDP2 shards,
+tensor-parallel slices and pipeline parts (a pipeline's by schedule, stages per rank and
+micro-batches too), each a parallel.Layout that its preset's plan trains (Layout.preset,
+Plan.settings). `parallab advise` measures the presets' shapes of it on this machine;
+`parallab simulate` prices every product on a cluster. What differs between them is the
+span (a Space), never the layouts or how they are enumerated."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from parallab.parallel.layout import Layout
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def powers_of_two(limit: int) -> list[int]:
+    return [2**k for k in range(int(math.log2(limit)) + 1)] if limit >= 1 else []
+
+
+def powers_of_two_dividing(n: int) -> list[int]:
+    return [d for d in powers_of_two(n) if n % d == 0]
+
+
+@dataclass(frozen=True)
+class Space:
+    """What a grid spans: the degrees a count of ranks splits into (`splits`: each divides
+    it; the shards may also take every data-parallel rank), tp within `max_tp`, every
+    product of the degrees (`mixed`) or only the presets' own shapes (ddp, fsdp, hsdp, tp,
+    fsdp_tp: replicas and tp not both; a pipeline of replicas alone), the ways a rank's
+    batch is taken for pp parts over dp data-parallel ranks (`ways(pp, dp)`: the Layout
+    fields each fixes, such as the schedule, micro-batches and batch; none: left out), and
+    whether one process may drive several GPUs (dp's replicas, model's parts)."""
+
+    splits: Callable[[int], list[int]] = divisors
+    max_tp: int | None = None
+    mixed: bool = False
+    ways: Callable[[int, int], list[dict[str, Any]]] = lambda pp, dp: [{}]
+    devices: bool = False
+
+
+def layouts(world_size: int, space: Space) -> list[Layout]:
+    """The grid at `world_size` ranks, by tp, then pp, then shards (ascending), then the
+    ways; each Layout with its preset's plan set."""
+    from parallab.parallel import PLANS
+
+    n = world_size
+    if n == 1:
+        return [Layout(plan=PLANS["none"])]
+    found = []
+    limit = min(n, space.max_tp or n)
+    for tp in [t for t in space.splits(n) if t <= limit]:
+        for pp in space.splits(n // tp):
+            dp = n // (tp * pp)
+            for shard in sorted({*space.splits(dp), dp}):
+                if space.mixed or _a_presets(dp // shard, shard, tp, pp):
+                    found += [_planned(n, dp // shard, shard, tp, pp, way)
+                              for way in space.ways(pp, dp)]
+    if space.devices:  # one process's GPUs: dp's replicas, model's parts
+        found += [Layout(n, ("dp_replicate",), dp_replicate=n, plan=PLANS["dp"]),
+                  Layout(n, ("pp",), pp=n, plan=PLANS["model"])]
+    return found
+
+
+def _a_presets(r: int, f: int, t: int, p: int) -> bool:
+    """A shape a preset's config takes with its own degrees: no replicas beside tp (fsdp_tp
+    keeps one replica), and a pipeline of replicas alone."""
+    return not (r > 1 and t > 1) if p == 1 else f == t == 1
+
+
+def _planned(n: int, r: int, f: int, t: int, p: int, way: dict[str, Any]) -> Layout:
+    from parallab.parallel import PLANS
+
+    layout = Layout.planned(n, dp_replicate=r, dp_shard=f, tp=t, pp=p, **way)
+    return dataclasses.replace(layout, plan=PLANS[layout.preset])
