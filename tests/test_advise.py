@@ -266,6 +266,38 @@ def test_the_grid_comes_from_each_layout():
     assert not any(label.startswith(("dp(", "model(")) for label in labels)  # GPUs only
 
 
+def test_one_grid_spans_the_presets_for_advise_and_every_product_for_simulate():
+    """parallel/grid.py: advise spans the presets' shapes over every divisor, simulate every
+    product of powers of two with tp within a node; each layout names its preset's plan;
+    advise crosses ep where it carves a layout's shards x tp, in the order of
+    advise.layouts."""
+    from parallab.advise.candidates import enumerate_grid
+    from parallab.config.schema import AdviseConfig
+    from parallab.parallel import PLANS, grid
+
+    def degrees(space: grid.Space, n: int) -> list[tuple[int, ...]]:
+        found = grid.layouts(n, space)
+        assert all(layout.plan is PLANS[layout.preset] for layout in found)
+        return [(lay.dp_replicate, lay.dp_shard, lay.tp, lay.pp) for lay in found]
+
+    assert sorted(degrees(grid.Space(), 6)) == sorted([
+        (6, 1, 1, 1), (3, 2, 1, 1), (2, 3, 1, 1), (1, 6, 1, 1), (1, 3, 2, 1), (1, 2, 3, 1),
+        (1, 1, 6, 1), (3, 1, 1, 2), (2, 1, 1, 3), (1, 1, 1, 6)])
+    everything = grid.Space(grid.powers_of_two_dividing, max_tp=4, mixed=True)
+    assert degrees(everything, 8) == [  # by tp, then pp, then shards
+        (8, 1, 1, 1), (4, 2, 1, 1), (2, 4, 1, 1), (1, 8, 1, 1), (4, 1, 1, 2), (2, 2, 1, 2),
+        (1, 4, 1, 2), (2, 1, 1, 4), (1, 2, 1, 4), (1, 1, 1, 8), (4, 1, 2, 1), (2, 2, 2, 1),
+        (1, 4, 2, 1), (2, 1, 2, 2), (1, 2, 2, 2), (1, 1, 2, 4), (2, 1, 4, 1), (1, 2, 4, 1),
+        (1, 1, 4, 2)]
+    options = AdviseConfig(layouts=["hsdp", "fsdp"], precisions=["fp32"],
+                           activation_checkpointing=["none"], max_accumulation=1)
+    labels = [c.label.split(" ")[0] for c in enumerate_grid(options, [8], "cpu", experts=8)]
+    assert labels[0].startswith("hsdp(") and labels[-1].startswith("fsdp(")
+    assert "hsdp(n=8,dp_replicate=2,dp_shard=4,tp=1,ep=4)" in labels
+    assert "hsdp(n=8,dp_replicate=2,dp_shard=4,tp=1,ep=8)" not in labels  # 4 shards
+    assert "fsdp(n=8,ep=8)" in labels
+
+
 @pytest.mark.parametrize("fp8_problem", [None, "no float8 tensor cores"])
 def test_fp8_is_tried_only_where_the_device_has_it(monkeypatch, fp8_problem):
     from parallab import precision

@@ -98,14 +98,14 @@ def enumerate_grid(options, world_sizes: list[int], device_type: str,
     from parallab.parallel import PLANS, grid
 
     names = options.layouts or list(PLANS)
-    order = {name: i for i, name in enumerate(PLANS)}
+    order = {name: i for i, name in enumerate(names)}  # the user's order of advise.layouts
     accumulations = [2**k for k in range(int(math.log2(options.max_accumulation)) + 1)]
     space = grid.Space(ways=lambda pp, dp: _ways(pp, options),
                        devices=device_type == "cuda")
     return [Candidate(layout, precision, ac, accumulation)
             for n in world_sizes
-            for planned in sorted(grid.layouts(n, space), key=lambda l: order[l.preset])
-            if planned.preset in names
+            for planned in sorted((layout for layout in grid.layouts(n, space)
+                                   if layout.preset in names), key=lambda layout: order[layout.preset])
             for layout in _with_experts(planned, experts)
             for precision in options.precisions for ac in options.activation_checkpointing
             for accumulation in accumulations]

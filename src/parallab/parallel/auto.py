@@ -23,6 +23,8 @@ class AutoPlan(Plan):
 
     @classmethod
     def options(cls, p) -> Options:
-        """The keys auto carries to the layouts it ranks (each where its layout takes it:
-        simulate/search.py's WHERE)."""
-        return Options(p.tp_plan or None, p.bucket_cap_mb, p.reshard_after_forward)
+        """The mesh's keys, which auto carries to the layouts it ranks (each where its
+        layout takes it: simulate/search.py's WHERE)."""
+        from parallab.parallel.mesh import MeshPlan
+
+        return MeshPlan.options(p)

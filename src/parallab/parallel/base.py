@@ -16,6 +16,7 @@ from torch import nn
 
 from parallab import batch as batches
 from parallab.config.errors import ConfigError
+from parallab.config.schema import MeshConfig
 from parallab.launching.distributed import Dist
 from parallab.loss import Objective
 from parallab.parallel.layout import Layout
@@ -226,11 +227,11 @@ class Options:
     """What a parallel config sets beyond its degrees that shapes each step: the
     tensor-parallel plan (None: the model's own), the replicas' gradient buckets (MiB),
     FSDP2's freeing of gathered weights after forward, a pipeline's cuts (parallel.split).
-    A plan whose config has no such key runs as these defaults, its schema's own."""
+    A plan whose config has no such key runs as these defaults, the mesh's schema's."""
 
     tp_plan: Any = None
-    bucket_cap_mb: float = 25.0
-    reshard_after_forward: bool = True
+    bucket_cap_mb: float = MeshConfig.bucket_cap_mb
+    reshard_after_forward: bool = MeshConfig.reshard_after_forward
     split: tuple[int, ...] | None = None
 
 
@@ -304,8 +305,9 @@ class Plan:
 
     @classmethod
     def settings(cls, layout: Layout) -> list[str]:
-        """The overrides after parallel=NAME (Layout.preset) that train `layout` with this
-        plan: those its preset's config does not already fix."""
+        """The overrides after parallel=NAME (Layout.preset) that train `layout`, a layout of
+        its preset's shape (grid.Space's presets: ddp's replicas, a pipeline of replicas),
+        with this plan: those its preset's config does not already fix."""
         return [f"parallel.world_size={layout.world_size}"]
 
     @classmethod

@@ -50,27 +50,25 @@ def layouts(world_size: int, space: Space) -> list[Layout]:
     from parallab.parallel import PLANS
 
     n = world_size
-    if n == 1:
-        return [Layout(plan=PLANS["none"])]
     found = []
-    limit = min(n, space.max_tp or n)
+    limit = n if space.max_tp is None else min(n, space.max_tp)
     for tp in [t for t in space.splits(n) if t <= limit]:
         for pp in space.splits(n // tp):
             dp = n // (tp * pp)
             for shard in sorted({*space.splits(dp), dp}):
-                if space.mixed or _a_presets(dp // shard, shard, tp, pp):
+                if space.mixed or _a_presets_shape(dp // shard, shard, tp, pp):
                     found += [_planned(n, dp // shard, shard, tp, pp, way)
                               for way in space.ways(pp, dp)]
-    if space.devices:  # one process's GPUs: dp's replicas, model's parts
+    if space.devices and n > 1:  # one process's GPUs: dp's replicas, model's parts
         found += [Layout(n, ("dp_replicate",), dp_replicate=n, plan=PLANS["dp"]),
                   Layout(n, ("pp",), pp=n, plan=PLANS["model"])]
     return found
 
 
-def _a_presets(r: int, f: int, t: int, p: int) -> bool:
+def _a_presets_shape(replicas: int, shards: int, tp: int, pp: int) -> bool:
     """A shape a preset's config takes with its own degrees: no replicas beside tp (fsdp_tp
     keeps one replica), and a pipeline of replicas alone."""
-    return not (r > 1 and t > 1) if p == 1 else f == t == 1
+    return not (replicas > 1 and tp > 1) if pp == 1 else shards == tp == 1
 
 
 def _planned(n: int, r: int, f: int, t: int, p: int, way: dict[str, Any]) -> Layout:

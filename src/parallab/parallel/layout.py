@@ -10,7 +10,7 @@ that a tp group sits on one node's GPUs). Their product is the world size. The l
 one process (dp's GPUs, model parallelism's devices) have degrees too, but no process
 group: one process drives every device.
 
-A planned layout (simulate's grid, Layout.planned) also fixes how a rank's batch is cut and
+A planned layout (the grid's, parallel/grid.py: Layout.planned) also fixes how a rank's batch is cut and
 what its blocks keep: the schedule and micro-batches, the batch per rank, activation
 checkpointing, sequence parallelism; `overrides` renders it as `parallab train`'s command.
 """

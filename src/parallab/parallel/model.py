@@ -15,7 +15,7 @@ from torch import nn
 
 from parallab.config.errors import ConfigError
 from parallab.parallel import stages as stages_of
-from parallab.parallel.base import Plan, Runtime
+from parallab.parallel.base import Options, Plan, Runtime
 from parallab.parallel.layout import Layout
 from parallab.parallel.split import check_parts, part_ranges
 
@@ -73,6 +73,10 @@ class ModelParallelPlan(Plan):
     @classmethod
     def layout_of(cls, p, world_size: int) -> Layout:
         return Layout(world_size, cls.dims, pp=world_size)
+
+    @classmethod
+    def options(cls, p) -> Options:
+        return Options(split=tuple(p.split) if p.split else None)
 
     @classmethod
     def check(cls, cfg, layout: Layout, stages=None) -> None:

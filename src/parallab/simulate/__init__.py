@@ -119,14 +119,14 @@ class Facts:
         has dense blocks too."""
         import copy
 
-        blocks = trace.blocks_of(self.model, getattr(self.cfg.parallel, "stages", None))
+        blocks = trace.blocks_of(self.model, self.cfg.parallel.stages)
         if self.mix is not None:
             moe, dense = experts.first_of_each(self.model, blocks)
             if dense is not None:
                 self.dense_model = copy.deepcopy(self.model)
                 index = blocks.index(dense)
                 copies = trace.blocks_of(self.dense_model,
-                                         getattr(self.cfg.parallel, "stages", None))
+                                         self.cfg.parallel.stages)
                 self.dense_block = trace.cut_to_one_block(
                     self.dense_model, [copies[index], *copies[:index], *copies[index + 1:]])
             blocks = [moe, *(b for b in blocks if b is not moe)]

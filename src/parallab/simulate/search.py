@@ -14,7 +14,7 @@ from typing import Any
 from parallab.config.errors import ConfigError
 from parallab.parallel import schedules
 from parallab.parallel.activations import CONTEXTS
-from parallab.parallel.grid import powers_of_two_dividing
+from parallab.parallel.grid import Space, layouts, powers_of_two_dividing
 from parallab.parallel.layout import Layout
 from parallab.simulate.step import Prediction
 
@@ -76,14 +76,13 @@ def grid(cfg, facts, gpus_per_node: int) -> list[Candidate]:
     one grid's every product of powers of two (tp within a node; parallel/grid.py), by
     activation checkpointing, ep and sequence parallelism; those the model, the batch or
     the precision (float8 gathers without shards) cannot take carry their reason."""
-    from parallab.parallel import grid as one
     from parallab.precision import layout_problem
 
     global_batch = cfg.data.global_batch_size is not None
-    space = one.Space(one.powers_of_two_dividing, gpus_per_node, mixed=True,
-                      ways=lambda pp, dp: _ways(pp, per_rank_batch(cfg, dp)[0] or 1, facts))
+    space = Space(powers_of_two_dividing, max_tp=gpus_per_node, mixed=True,
+                  ways=lambda pp, dp: _ways(pp, per_rank_batch(cfg, dp)[0] or 1, facts))
     found: list[Candidate] = []
-    for layout in one.layouts(cfg.parallel.world_size, space):
+    for layout in layouts(cfg.parallel.world_size, space):
         reason = facts.tp_problem(layout.tp) or per_rank_batch(cfg, layout.dp)[1] or \
             layout_problem(cfg.precision, layout.dp_shard)
         for ac in ("none",) if facts.checkpoint_problem else CHECKPOINTING:
