@@ -45,7 +45,7 @@ def test_advise_measures_predicts_and_recommends_a_matching_layout(tmp_path):
         assert abs(float(row["memory_error"])) <= 0.15, row
         # simulated on 16 GPUs of the default cluster, and here as the simulation has it
         assert float(row["predicted_step_ms"]) > 0 and float(row["simulated_step_ms_here"]) > 0
-        if "n=2" in row["layout"]:  # its step here, from the parts its job measured
+        if row["world_size"] == "2":  # its step here, from the parts its job measured
             ratios.append(float(row["step_time_ms"]) / float(row["predicted_step_ms_here"]))
     # loose, and over the candidates: the parts and the run are timed apart on a machine
     # the suite shares, where another test's burst can slow one candidate's run 5x
@@ -53,8 +53,8 @@ def test_advise_measures_predicts_and_recommends_a_matching_layout(tmp_path):
     assert all(0.1 < ratio < 10 for ratio in ratios), ratios
     # full checkpointing keeps less than none for the same layout, as predicted
     by_layout = {r["layout"]: r for r in rows}
-    assert (float(by_layout["ddp(n=2) fp32 ac=full accum=1"]["predicted_memory_mb"])
-            < float(by_layout["ddp(n=2) fp32 ac=none accum=1"]["predicted_memory_mb"]))
+    assert (float(by_layout["ddp(R2) b4 ac=full fp32"]["predicted_memory_mb"])
+            < float(by_layout["ddp(R2) b4 ac=none fp32"]["predicted_memory_mb"]))
     best = max(rows, key=lambda r: float(r["samples_per_sec"]))
     assert float(best["ratio_to_best"]) == 1.0 and answer["recommended"] == best["layout"]
     command = answer["command"]
@@ -135,13 +135,13 @@ def test_a_pipelines_parts_run_their_stages_checkpointed():
 
 def test_a_losing_layout_is_judged_differs_with_its_worst_step():
     from parallab.advise import report
-    from parallab.advise.candidates import Candidate
+    from parallab.parallel.grid import Candidate
 
-    reference = Candidate(planned("none", 1), "fp32", "none", 1,
+    reference = Candidate(planned("none", 1), "fp32",
                           figures={"losses": [2.0, 1.5, 1.2], "samples_per_sec": 10.0})
-    same = Candidate(planned("ddp", 2), "fp32", "none", 1,
+    same = Candidate(planned("ddp", 2), "fp32",
                      figures={"losses": [2.0, 1.5001, 1.2], "samples_per_sec": 12.0})
-    wrong = Candidate(planned("fsdp", 2), "fp32", "none", 1,
+    wrong = Candidate(planned("fsdp", 2), "fp32",
                       figures={"losses": [2.0, 1.5, 1.3], "samples_per_sec": 50.0})
     report.judge([reference, same, wrong], 1e-3)
     assert reference.verdict == "reference" and same.verdict == "matches"
@@ -175,13 +175,13 @@ def test_a_batchnorm_models_split_batch_is_said_to_differ_by_design():
     from conftest import checked
 
     from parallab.advise import report
-    from parallab.advise.candidates import Candidate
     from parallab.advise.measure import normalises_by_batch
     from parallab.models import build_model
+    from parallab.parallel.grid import Candidate
 
     def candidate(parallel: str, n: int, losses: list[float], model: str) -> Candidate:
-        measured = Candidate(planned(parallel, n), "fp32", "none", 1)
-        measured.cfg, measured.layout = checked(model, "data=synthetic", f"parallel={parallel}",
+        measured = Candidate(planned(parallel, n), "fp32")
+        measured.cfg, measured.resolved = checked(model, "data=synthetic", f"parallel={parallel}",
                                                 f"parallel.world_size={n}", "device=cpu")
         measured.figures = {"losses": losses, "samples_per_sec": 1.0,  # as its run gives
                             "batchnorm": normalises_by_batch(build_model(measured.cfg.model))}
@@ -198,19 +198,20 @@ def test_the_recommended_command_keeps_where_the_config_came_from():
     """A user's project (`parallab advise --config-dir conf ...`) gets a command that
     composes the same config: the flags kept, the user's overrides, the candidate's."""
     from parallab.advise import report
-    from parallab.advise.candidates import Candidate
     from parallab.config.hydra_app import config_flags
+    from parallab.parallel.grid import Candidate
 
     argv = ["advise", "--config-dir", "conf", "experiment=waves", "-cn=mine",
             "data.global_batch_size=64"]
     assert config_flags(argv) == ["--config-dir", "conf", "-cn=mine"]
-    chosen = Candidate(planned("ddp", 2), "fp32", "none", 1)
+    chosen = Candidate(planned("ddp", 2), "fp32", global_batch=True)
     line = report.command(["parallab train", *config_flags(argv)],
                           ["experiment=waves", "data.global_batch_size=64"], chosen, 64)
     assert line == ("parallab train --config-dir conf -cn=mine experiment=waves "
                     "data.global_batch_size=64 parallel=ddp parallel.world_size=2 "
-                    "precision=fp32 trainer.activation_checkpointing=none "
-                    "trainer.accumulate_grad_batches=1")
+                    "parallel.dp_replicate=2 parallel.dp_shard=1 parallel.tp=1 "
+                    "trainer.accumulate_grad_batches=1 trainer.activation_checkpointing=none "
+                    "precision=fp32")
 
 
 @pytest.mark.parametrize("overrides, says", [
@@ -220,7 +221,7 @@ def test_the_recommended_command_keeps_where_the_config_came_from():
      "data.global_batch_size=7 does not split over any layout"),
     (["advise.world_sizes=[1]", "advise.activation_checkpointing=[none]",
       "advise.max_accumulation=1"], "only one candidate"),
-    (["parallel.world_size=1"], "only one candidate (none(n=1) fp32 ac=none accum=1) at world "
+    (["parallel.world_size=1"], "only one candidate (none(1) b8 ac=none fp32) at world "
                                 "sizes [1]; the others are savers it does not need"),
     (["advise.steps=0"], "advise.steps=0 is out of range"),
     (["advise.target_world_size=64", "cluster.gpu=RTX-2080"],
@@ -259,10 +260,10 @@ def test_the_grid_comes_from_each_layout():
     options = AdviseConfig(precisions=["fp32"], activation_checkpointing=["none"],
                            max_accumulation=1, schedules=["1f1b"], microbatches=[4])
     labels = {c.label for c in enumerate_grid(options, [1, 4], "cpu")}
-    assert "none(n=1) fp32 ac=none accum=1" in labels
-    assert "hsdp(n=4,dp_replicate=2,dp_shard=2,tp=1) fp32 ac=none accum=1" in labels
-    assert "fsdp_tp(n=4,dp_replicate=1,dp_shard=2,tp=2) fp32 ac=none accum=1" in labels
-    assert any(label.startswith("pipeline(n=4,pp=2,dp_replicate=2") for label in labels)
+    assert "none(1) b1 ac=none fp32" in labels
+    assert "hsdp(R2xF2) b1 ac=none fp32" in labels
+    assert "fsdp_tp(F2xT2) b1 ac=none fp32" in labels
+    assert "pipeline(R2xP2) 1f1b m4 b1 ac=none fp32" in labels
     assert not any(label.startswith(("dp(", "model(")) for label in labels)  # GPUs only
 
 
@@ -293,9 +294,9 @@ def test_one_grid_spans_the_presets_for_advise_and_every_product_for_simulate():
                            activation_checkpointing=["none"], max_accumulation=1)
     labels = [c.label.split(" ")[0] for c in enumerate_grid(options, [8], "cpu", experts=8)]
     assert labels[0].startswith("hsdp(") and labels[-1].startswith("fsdp(")
-    assert "hsdp(n=8,dp_replicate=2,dp_shard=4,tp=1,ep=4)" in labels
-    assert "hsdp(n=8,dp_replicate=2,dp_shard=4,tp=1,ep=8)" not in labels  # 4 shards
-    assert "fsdp(n=8,ep=8)" in labels
+    assert "hsdp(R2xF4xE4)" in labels
+    assert "hsdp(R2xF4xE8)" not in labels  # 4 shards
+    assert "fsdp(F8xE8)" in labels
 
 
 @pytest.mark.parametrize("fp8_problem", [None, "no float8 tensor cores"])
@@ -320,7 +321,7 @@ def test_only_needed_measures_the_cheapest_saver_that_fits():
     found = grid.enumerate_grid(options, [1], "cpu")
     grid.settle(found, lambda extra: checked(*TINY, *extra), lambda n: 1e6, True)
     kept = [c for c in found if c.reason is None]
-    assert [c.label for c in kept] == ["none(n=1) fp32 ac=none accum=1"]
+    assert [c.label for c in kept] == ["none(1) b1 ac=none fp32"]
     assert kept[0].predicted_mb > 0
     others = [c for c in found if c is not kept[0]]
     assert len(others) == 5 and all(c.reason.startswith("not needed") and c.cfg is None
@@ -332,7 +333,7 @@ def test_only_needed_measures_the_cheapest_saver_that_fits():
     assert "> budget" in tight[0].reason and tight[0].predicted_mb == pytest.approx(
         kept[0].predicted_mb)
     fits = [c for c in tight if c.reason is None]
-    assert len(fits) == 1 and fits[0].cost > 0 and fits[0].predicted_mb < kept[0].predicted_mb
+    assert len(fits) == 1 and grid.cost(fits[0]) > 0 and fits[0].predicted_mb < kept[0].predicted_mb
 
 
 def test_step_time_model_follows_the_bubble_and_the_measured_parts():

@@ -389,7 +389,7 @@ def test_fsdp_reduces_each_accumulated_micro_batch_and_keeps_only_shards():
     one = None
     for m in (1, 4):
         for r in (1, 2):
-            layout = Layout.planned(2 * r, r, 2, microbatches=m, batch_size=m)
+            layout = Layout.planned(2 * r, r, 2, accumulation=m, batch_size=m)
             predicted = step.predict(found, costs.costs(found, rates, False, False), layout,
                                      step.Run(), rates, 3)
             assert predicted.parts["all_gather_s"] == pytest.approx(
@@ -613,7 +613,7 @@ def test_auto_prices_and_carries_the_layout_keys_given(tmp_path):
 
     def one(out: str, preset: str) -> dict:
         return next(e for e in found[out] if f"parallel={preset} " in e["command"] and
-                    "accumulate_grad_batches" not in e["command"] and
+                    "accumulate_grad_batches=1 " in e["command"] and
                     "activation_checkpointing=none" in e["command"])
 
     assert one("given", "ddp")["parts"]["all_reduce_s"] > \
@@ -723,7 +723,7 @@ def test_sbatch_lines_ask_for_what_the_slurm_launcher_asks_for():
     """One rule: 12 GPUs on 8-GPU nodes are 2 nodes x 6 (the launcher's), not 8 + 4; a
     world that no node count splits evenly gets no allocation, as the launcher refuses it."""
     from parallab.simulate.report import sbatch
-    from parallab.simulate.search import Candidate
+    from parallab.parallel.grid import Candidate
 
     lines = sbatch(Candidate(Layout.planned(12, 12)), 8, "parallab train")
     assert "#SBATCH --nodes=2" in lines and "#SBATCH --ntasks-per-node=6" in lines

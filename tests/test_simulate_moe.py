@@ -106,9 +106,9 @@ def test_auto_offers_ep_and_its_commands_are_trains():
     eps = {(x.tp, x.dp_shard, x.ep) for x in layouts if x.pp == 1}
     assert {(1, 8, 8), (2, 4, 8), (1, 4, 4)} <= eps and not any(x.ep == 16 for x in layouts)
     best = next(c for c in grid if (c.layout.ep, c.layout.tp, c.layout.pp) == (8, 2, 1))
-    assert "parallel.ep=8" in best.overrides() and "E8" in best.label
+    assert "parallel.ep=8" in best.overrides and "E8" in best.label
     _, layout = checked(*[o for o in MOE if not o.startswith(("cluster", "precision"))],
-                        "data=tokens", *best.overrides())
+                        "data=tokens", *best.overrides)
     assert (layout.ep, layout.tp, layout.dp_shard) == (8, 2, 4)
 
 

@@ -25,7 +25,7 @@ import yaml
 
 from parallab.advise import candidates as grid
 from parallab.advise import report, scaling
-from parallab.advise.candidates import Candidate
+from parallab.parallel.grid import Candidate
 from parallab.config import targets
 from parallab.config.errors import ConfigError, NothingFits, first_line
 
@@ -169,7 +169,8 @@ def full_grid(cfg, overrides: list[str]) -> tuple[list[Candidate], list[int]]:
         raise ConfigError(found)
     world = _world_size(cfg, overrides, device_type)
     sizes = options.world_sizes or [d for d in range(1, world + 1) if world % d == 0]
-    return grid.enumerate_grid(options, sizes, device_type, _experts(cfg)), sizes
+    batch = cfg.data.global_batch_size or cfg.data.batch_size
+    return grid.enumerate_grid(options, sizes, device_type, _experts(cfg), batch), sizes
 
 
 def _experts(cfg) -> int | None:
@@ -249,7 +250,7 @@ def _measure(candidates: list[Candidate], run_dir: Path) -> dict[int, Link]:
     links: dict[int, Link] = {}
     for n in sorted({c.world_size for c in todo}):
         group = [c for c in todo if c.world_size == n]
-        jobs = [run.RunSpec(c.cfg, c.layout, str(run_dir / "candidates" /
+        jobs = [run.RunSpec(c.cfg, c.resolved, str(run_dir / "candidates" /
                                                  f"{number[id(c)]:02d}_{_dirname(c)}"),
                             c.overrides) for c in group]
         for spec, c in zip(jobs, group):  # what the candidate was, to rerun
@@ -263,7 +264,7 @@ def _measure(candidates: list[Candidate], run_dir: Path) -> dict[int, Link]:
                                      cfg.parallel.threads_per_worker)
             results = measure.measure_all(jobs, dist)
         else:
-            answer = _launched(jobs, n, cfg, group[0].layout)
+            answer = _launched(jobs, n, cfg, group[0].resolved)
             results = answer["results"]
             links[n] = Link(answer["bandwidth_gbps"], answer["latency_s"], answer["cores"],
                             answer["threads"])
@@ -309,17 +310,17 @@ def _predict_times(candidates: list[Candidate], cfg, links: dict[int, Link]) -> 
     for c in ran:
         one = report.reference_of(candidates, c.precision)
         alone = one.figures["step_time_ms"] / 1e3 if one and one.world_size == 1 else None
-        here = c.world_size in links and scaling.validate(c.figures, c.cfg, c.layout,
+        here = c.world_size in links and scaling.validate(c.figures, c.cfg, c.resolved,
                                                           links[c.world_size], alone, devices)
         if here:
             c.figures["predicted_step_ms_here"] = 1e3 * here
             errors.append(abs(1e3 * here / c.figures["step_time_ms"] - 1))
         try:
-            step = simulation.step_at(c.cfg, c.layout, c.world_size, this, known)
+            step = simulation.step_at(c.cfg, c.resolved, c.world_size, this, known)
             c.figures["simulated_step_ms_here"] = 1e3 * step.step_time_s
             simulated.append(abs(1e3 * step.step_time_s / c.figures["step_time_ms"] - 1))
             if options.target_world_size:
-                step = simulation.step_at(c.cfg, c.layout, options.target_world_size,
+                step = simulation.step_at(c.cfg, c.resolved, options.target_world_size,
                                           cfg.cluster, known)
                 c.figures["predicted_step_ms"] = 1e3 * step.step_time_s
         except Exception as error:  # noqa: BLE001 - advise's answer stands without it

@@ -8,10 +8,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from parallab.config.errors import ConfigError, first_line
+from parallab.parallel.grid import Candidate
 from parallab.parallel.layout import Layout
 
 log = logging.getLogger(__name__)
@@ -21,64 +21,6 @@ SAVERS = {"none": 0.0, "selective": 0.5, "selective_alternate": 1.0, "full": 1.5
 DECIDED = ("parallel=", "parallel.", "precision=", "trainer.activation_checkpointing=",
            "trainer.accumulate_grad_batches=", "advise.", "experiment=advise", "hydra.")
 KEPT = ("parallel.stages=", "parallel.threads_per_worker=")  # the model's and the machine's
-
-
-@dataclass
-class Candidate:
-    planned: Layout  # the grid's (parallel/grid.py), its preset's plan set
-    precision: str
-    activation_checkpointing: str
-    accumulation: int
-    cfg: Any = None  # the checked Config
-    layout: Any = None  # and the Layout the checks resolved from it
-    predicted_state_mb: float | None = None
-    predicted_activation_mb: float | None = None
-    reason: str | None = None  # why it was pruned or failed
-    figures: dict[str, Any] = field(default_factory=dict)  # measured
-    verdict: str | None = None
-
-    @property
-    def world_size(self) -> int:
-        return self.planned.world_size
-
-    @property
-    def parallel(self) -> str:
-        return self.planned.preset
-
-    @property
-    def settings(self) -> list[str]:
-        """The plan's overrides after parallel=NAME (Plan.settings), and its ep."""
-        ep = [f"parallel.ep={self.planned.ep}"] if self.planned.ep > 1 else []
-        return [*self.planned.plan.settings(self.planned), *ep]
-
-    @property
-    def overrides(self) -> list[str]:
-        """What `python train.py` needs beyond the user's overrides to train this way."""
-        return [f"parallel={self.parallel}", *self.settings, f"precision={self.precision}",
-                f"trainer.activation_checkpointing={self.activation_checkpointing}",
-                f"trainer.accumulate_grad_batches={self.accumulation}"]
-
-    @property
-    def label(self) -> str:
-        degrees = [s.removeprefix("parallel.").replace("world_size=", "n=")
-                   for s in self.settings]
-        return (f"{self.parallel}({','.join(degrees)}) {self.precision} "
-                f"ac={self.activation_checkpointing} accum={self.accumulation}")
-
-    @property
-    def predicted_mb(self) -> float | None:
-        if self.predicted_state_mb is None or self.predicted_activation_mb is None:
-            return None
-        return self.predicted_state_mb + self.predicted_activation_mb
-
-    @property
-    def cost(self) -> float:
-        """How much time its memory savers are expected to cost (0: none)."""
-        return SAVERS[self.activation_checkpointing] + math.log2(self.accumulation)
-
-    @property
-    def measured(self) -> bool:
-        return bool(self.figures) and "error" not in self.figures
 
 
 def user_overrides(overrides: list[str]) -> list[str]:
@@ -91,10 +33,12 @@ EXPERT_LAYOUTS = ("fsdp", "hsdp", "tp", "fsdp_tp")
 
 
 def enumerate_grid(options, world_sizes: list[int], device_type: str,
-                   experts: int | None = None) -> list[Candidate]:
+                   experts: int | None = None, batch: int = 1) -> list[Candidate]:
     """The grid: the presets' layouts of the one grid (parallel/grid.py) that `options`
     name, by preset; for a model of `experts` experts a layer, the sharded layouts each also
-    with every power-of-two ep of its ranks that divides them and their shards x tp."""
+    with every power-of-two ep of its ranks that divides them and their shards x tp; each
+    by precision, activation checkpointing and accumulation, its data-parallel ranks
+    splitting the global `batch` (data.global_batch_size, which its command keeps)."""
     from parallab.parallel import PLANS, grid
 
     names = options.layouts or list(PLANS)
@@ -102,7 +46,9 @@ def enumerate_grid(options, world_sizes: list[int], device_type: str,
     accumulations = [2**k for k in range(int(math.log2(options.max_accumulation)) + 1)]
     space = grid.Space(ways=lambda pp, dp: _ways(pp, options),
                        devices=device_type == "cuda")
-    return [Candidate(layout, precision, ac, accumulation)
+    return [Candidate(dataclasses.replace(layout, checkpointing=ac, accumulation=accumulation,
+                                          batch_size=max(1, batch // layout.dp)),
+                      precision, global_batch=True)
             for n in world_sizes
             for planned in sorted((layout for layout in grid.layouts(n, space)
                                    if layout.preset in names), key=lambda layout: order[layout.preset])
@@ -143,24 +89,31 @@ def settle(candidates: list[Candidate], configure: Callable[[list[str]], Any],
     neither checked nor predicted."""
     groups: dict[tuple, list[Candidate]] = {}
     for candidate in candidates:
-        key = (candidate.planned, candidate.precision)
+        key = (dataclasses.replace(candidate.layout, checkpointing="none", accumulation=1),
+               candidate.precision)
         groups.setdefault(key, []).append(candidate)
     batches: dict[int, Any] = {}
     for group in groups.values():
         fits = None
-        for candidate in sorted(group, key=lambda c: c.cost):
+        for candidate in sorted(group, key=cost):
             if fits is not None and only_needed:
                 candidate.reason = (f"not needed: {fits.label} fits (advise.only_needed="
                                     "false measures it)")
                 continue
             try:
-                candidate.cfg, candidate.layout = configure(candidate.overrides)
+                candidate.cfg, candidate.resolved = configure(candidate.overrides)
             except ConfigError as error:
                 candidate.reason = str(error)
                 continue
             _predict(candidate, budget_of(candidate.world_size), batches)
             if candidate.reason is None and fits is None:
                 fits = candidate
+
+
+def cost(candidate: Candidate) -> float:
+    """How much time its memory savers are expected to cost (0: none)."""
+    layout = candidate.layout
+    return SAVERS[layout.checkpointing] + math.log2(layout.accumulation)
 
 
 def _predict(candidate: Candidate, budget_mb: float, batches: dict[int, Any]) -> None:
@@ -173,15 +126,15 @@ def _predict(candidate: Candidate, budget_mb: float, batches: dict[int, Any]) ->
     size = cfg.data.batch_size
     if size not in batches:
         batches[size] = trial.one_batch(cfg, size)
-    ranks = range(candidate.layout.world_size) if candidate.layout.cuts_model else [0]
+    layout = candidate.resolved
+    ranks = range(layout.world_size) if layout.cuts_model else [0]
     try:
-        per_rank = [memory.predict(cfg, candidate.layout, batches[size], rank)
+        per_rank = [memory.predict(cfg, layout, batches[size], rank)
                     for rank in ranks]
     except Exception as error:  # noqa: BLE001 - a layout fake tensors cannot trace
         log.warning("%s: memory not predicted (%s)", candidate.label, first_line(error))
         return
-    state, act = max(per_rank, key=sum)
-    candidate.predicted_state_mb, candidate.predicted_activation_mb = state, act
+    state, act = candidate.memory_mb = max(per_rank, key=sum)
     if state + act > budget_mb:
         candidate.reason = (f"predicted {state + act:,.1f} MB per rank (state {state:,.1f} + "
                             f"activations {act:,.1f}) > budget {budget_mb:,.1f} MB")

@@ -8,7 +8,8 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from parallab.advise.candidates import Candidate
+from parallab.advise.candidates import cost
+from parallab.parallel.grid import Candidate
 
 # the measured step time beside its prediction from its measured parts (the model's check)
 COLUMNS = ["layout", "world_size", "predicted_memory_mb", "measured_memory_mb",
@@ -20,7 +21,8 @@ COLUMNS = ["layout", "world_size", "predicted_memory_mb", "measured_memory_mb",
 def reference_of(candidates: list[Candidate], precision: str) -> Candidate | None:
     """The single-device (or smallest) measured layout in `precision`, fewest savers."""
     ran = [c for c in candidates if c.measured and c.precision == precision]
-    return min(ran, key=lambda c: (c.world_size, c.parallel != "none", c.cost), default=None)
+    return min(ran, key=lambda c: (c.world_size, c.layout.preset != "none", cost(c)),
+               default=None)
 
 
 def judge(candidates: list[Candidate], rtol: float) -> None:
@@ -48,9 +50,8 @@ def judge(candidates: list[Candidate], rtol: float) -> None:
 
 def _splits_rows(candidate: Candidate, reference: Candidate) -> bool:
     """The candidate's forward sees fewer rows at once than its reference's."""
-    def split(c: Candidate) -> int:
-        return c.layout.dp * c.accumulation * (c.layout.pipelined and
-                                               c.cfg.parallel.microbatches or 1)
+    def split(c: Candidate) -> int:  # a pipeline's micro-batches, each accumulated
+        return c.layout.dp * c.layout.passes
     return split(candidate) > split(reference)
 
 

@@ -1,25 +1,25 @@
-"""Parallel layouts by name (parallel=NAME): each a Plan (pure: degrees, checks, the command
-of a grid's layout) whose Runtime lays a model out for its way of splitting the work."""
+"""Parallel layouts by name (parallel=NAME): each a Plan (pure: degrees, checks, options)
+whose Runtime lays a model out for its way of splitting the work."""
 
 from __future__ import annotations
 
 from parallab.parallel.auto import AutoPlan
 from parallab.parallel.base import Options, Plan
 from parallab.parallel.dp import DataParallelPlan
-from parallab.parallel.mesh import FSDPTPPlan, HSDPPlan, MeshPlan, TPPlan
+from parallab.parallel.mesh import MeshPlan
 from parallab.parallel.model import ModelParallelPlan
 from parallab.parallel.pipeline import PipelinePlan
 
 PLANS: dict[str, type[Plan]] = {
     "none": Plan,
     "dp": DataParallelPlan,
-    "ddp": MeshPlan,  # the mesh's presets: ddp and fsdp set dp_replicate or dp_shard
+    "ddp": MeshPlan,  # the mesh's presets, each setting some of its degrees
     "fsdp": MeshPlan,
     "model": ModelParallelPlan,
     "pipeline": PipelinePlan,
-    "hsdp": HSDPPlan,
-    "tp": TPPlan,
-    "fsdp_tp": FSDPTPPlan,
+    "hsdp": MeshPlan,
+    "tp": MeshPlan,
+    "fsdp_tp": MeshPlan,
     "auto": AutoPlan,  # parallab simulate's: every layout, ranked
 }
 

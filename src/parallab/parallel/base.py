@@ -304,13 +304,6 @@ class Plan:
         that cuts the model checks its parts); ConfigError on the first problem."""
 
     @classmethod
-    def settings(cls, layout: Layout) -> list[str]:
-        """The overrides after parallel=NAME (Layout.preset) that train `layout`, a layout of
-        its preset's shape (grid.Space's presets: ddp's replicas, a pipeline of replicas),
-        with this plan: those its preset's config does not already fix."""
-        return [f"parallel.world_size={layout.world_size}"]
-
-    @classmethod
     def overlapped_kinds(cls, layout: Layout) -> tuple[str, ...]:
         """Collective kinds (comm.KINDS) the step starts and leaves running beside its
         compute, waiting for them only at its end (DDP's bucket all-reduces)."""

@@ -1,15 +1,16 @@
 """The one grid of layouts: every way a count of ranks splits into replicas, FSDP2 shards,
 tensor-parallel slices and pipeline parts (a pipeline's by schedule, stages per rank and
 micro-batches too), each a parallel.Layout that its preset's plan trains (Layout.preset,
-Plan.settings). `parallab advise` measures the presets' shapes of it on this machine;
+Layout.overrides). `parallab advise` measures the presets' shapes of it on this machine;
 `parallab simulate` prices every product on a cluster. What differs between them is the
-span (a Space), never the layouts or how they are enumerated."""
+span (a Space), never the layouts or how they are enumerated, nor the Candidate each
+judges a layout as."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from parallab.parallel.layout import Layout
@@ -76,3 +77,60 @@ def _planned(n: int, r: int, f: int, t: int, p: int, way: dict[str, Any]) -> Lay
 
     layout = Layout.planned(n, dp_replicate=r, dp_shard=f, tp=t, pp=p, **way)
     return dataclasses.replace(layout, plan=PLANS[layout.preset])
+
+
+@dataclass(eq=False)
+class Candidate:
+    """A layout of the grid as a command trains it, and what became of it: why it cannot
+    run (the checks, the memory), and what a judge found of it: advise measures it here
+    (`figures`, `verdict`), simulate predicts it on a cluster (`prediction`)."""
+
+    layout: Layout  # the grid's: its degrees and all it fixes, its preset's plan set
+    precision: str | None = None  # its precision=NAME (advise crosses them); None: the config's
+    global_batch: bool = False  # data.global_batch_size is given: it, not the layout, sets the batch
+    reason: str | None = None  # why it cannot run, or why its run failed
+    cfg: Any = None  # the config train's checks made of its command, and
+    resolved: Layout | None = None  # the layout they resolved from it (what a run launches)
+    # a rank's training state and activations in MB, predicted before anything runs (the
+    # activations None where only the state was: it alone is over the memory)
+    memory_mb: tuple[float, float | None] | None = None
+    prediction: Any = None  # simulate's: its step (simulate/step.Prediction)
+    figures: dict[str, Any] = field(default_factory=dict)  # advise's: what its run measured
+    verdict: str | None = None  # advise's: its losses against one device's
+
+    @property
+    def label(self) -> str:
+        return f"{self.layout.label}{f' {self.precision}' if self.precision else ''}"
+
+    @property
+    def overrides(self) -> list[str]:
+        """What `parallab train` needs beyond the user's overrides to train this way."""
+        precision = [f"precision={self.precision}"] if self.precision else []
+        return [*self.layout.overrides(self.global_batch), *precision]
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+    @property
+    def predicted_mb(self) -> float | None:
+        """MB a rank holds as predicted before anything runs, where all of it was."""
+        if self.memory_mb is None or self.memory_mb[1] is None:
+            return None
+        return sum(self.memory_mb)
+
+    @property
+    def memory_gb(self) -> float | None:
+        """GiB a GPU holds: the prediction's, else the training state's alone, if known."""
+        if self.prediction is not None:
+            return self.prediction.memory_per_gpu_gb
+        return self.memory_mb[0] / 1024 if self.memory_mb else None
+
+    def fits(self, memory_bytes: float) -> bool:
+        """Predicted, and within a GPU's memory."""
+        return self.prediction is not None and \
+            self.prediction.memory_per_gpu_gb * 2**30 <= memory_bytes
+
+    @property
+    def measured(self) -> bool:
+        return bool(self.figures) and "error" not in self.figures

@@ -10,9 +10,10 @@ that a tp group sits on one node's GPUs). Their product is the world size. The l
 one process (dp's GPUs, model parallelism's devices) have degrees too, but no process
 group: one process drives every device.
 
-A planned layout (the grid's, parallel/grid.py: Layout.planned) also fixes how a rank's batch is cut and
-what its blocks keep: the schedule and micro-batches, the batch per rank, activation
-checkpointing, sequence parallelism; `overrides` renders it as `parallab train`'s command.
+A planned layout (the grid's, parallel/grid.py: Layout.planned) also fixes how a rank's
+batch is cut and what its blocks keep: the schedule and micro-batches, gradient
+accumulation, the batch per rank, activation checkpointing, sequence parallelism;
+`overrides` renders it as `parallab train`'s command.
 """
 
 from __future__ import annotations
@@ -76,9 +77,11 @@ class Layout:
     plan: Any = field(default=None, compare=False)
     gpus: tuple[int, ...] = ()
     # what a layout fixes besides its degrees: a plan writes its schedule, micro-batches and
-    # sequence parallelism; a planned one (Layout.planned) the batch and checkpointing too
+    # sequence parallelism; a planned one (Layout.planned) the accumulation, the batch and
+    # checkpointing too
     schedule: str | None = None  # a pipeline's (parallel.schedule)
-    microbatches: int = 1  # a pipeline's micro-batches, or gradient accumulation's steps
+    microbatches: int = 1  # a pipeline's micro-batches a pass (parallel.microbatches)
+    accumulation: int = 1  # passes an optimizer step (trainer.accumulate_grad_batches)
     batch_size: int = 1  # sequences a data-parallel rank takes an optimizer step
     checkpointing: str = "none"  # trainer.activation_checkpointing
     sequence_parallel: bool = False
@@ -186,9 +189,14 @@ class Layout:
                                 self.microbatches)
 
     @property
+    def passes(self) -> int:
+        """Micro-batches a rank runs an optimizer step: its pipeline's, each accumulated."""
+        return self.microbatches * self.accumulation
+
+    @property
     def rows(self) -> int:
         """Sequences in a micro-batch."""
-        return self.batch_size // self.microbatches
+        return self.batch_size // self.passes
 
     @property
     def gathered(self) -> bool:
@@ -215,11 +223,13 @@ class Layout:
         from parallab.parallel import schedules
 
         found = [f"parallel={self.preset}"]
-        if self.preset != "none":
+        if self.dims and not self.processes:  # one process's devices: its preset fixes them
+            found.append(f"parallel.world_size={self.world_size}")
+        elif self.processes:
             found += [f"parallel.world_size={self.world_size}",
                       f"parallel.dp_replicate={self.dp_replicate}",
                       f"parallel.dp_shard={self.dp_shard}", f"parallel.tp={self.tp}"]
-        if self.pp > 1:
+        if self.pipelined:
             found += [f"parallel.pp={self.pp}", f"parallel.schedule={self.schedule}",
                       f"parallel.microbatches={self.microbatches}"]
             if self.stages_per_rank != schedules.stages_per_rank(self.schedule, None):
@@ -228,12 +238,11 @@ class Layout:
             found.append("parallel.sequence_parallel=true")
         if self.ep > 1:
             found.append(f"parallel.ep={self.ep}")
-        accumulate = 1 if self.pp > 1 else self.microbatches
         if not global_batch:
-            found.append(f"data.batch_size={self.batch_size // accumulate}")
-        if accumulate > 1:
-            found.append(f"trainer.accumulate_grad_batches={accumulate}")
-        found.append(f"trainer.activation_checkpointing={self.checkpointing}")
+            found.append(f"data.batch_size={self.batch_size // self.accumulation}")
+        # both said even at their defaults, which the user's config files may not keep
+        found += [f"trainer.accumulate_grad_batches={self.accumulation}",
+                  f"trainer.activation_checkpointing={self.checkpointing}"]
         return found
 
     @property
@@ -243,8 +252,8 @@ class Layout:
                                           ("T", self.tp), ("P", self.pp), ("E", self.ep))
                    if v > 1]
         v = f" v{self.stages_per_rank}" if self.stages_per_rank > 1 else ""
-        way = f" {self.schedule}{v} m{self.microbatches}" if self.pp > 1 else (
-            f" accum{self.microbatches}" if self.microbatches > 1 else "")
+        way = (f" {self.schedule}{v} m{self.microbatches}" if self.pp > 1 else "") + (
+            f" accum{self.accumulation}" if self.accumulation > 1 else "")
         sp = " sp" if self.sequence_parallel else ""
         return (f"{self.preset}({'x'.join(degrees) or '1'}){way}{sp} b{self.batch_size} "
                 f"ac={self.checkpointing}")

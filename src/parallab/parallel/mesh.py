@@ -279,9 +279,6 @@ class MeshPlan(Plan):
     processes = True
     splits_experts = True
     runtime = MeshRuntime
-    # a command names the degrees (hsdp, tp, fsdp_tp); ddp's and fsdp's presets fix theirs
-    # from the world size
-    names_degrees = False
 
     @classmethod
     def layout_of(cls, p, world_size: int) -> Layout:
@@ -316,13 +313,6 @@ class MeshPlan(Plan):
         return ("all_reduce",) if layout.replicas_only else ()
 
     @classmethod
-    def settings(cls, layout: Layout) -> list[str]:
-        if not cls.names_degrees:  # ddp's and fsdp's configs fix them
-            return super().settings(layout)
-        return [*super().settings(layout),
-                *(f"parallel.{k}={getattr(layout, k)}" for k in DEGREES)]
-
-    @classmethod
     def check(cls, cfg, layout: Layout, stages=None) -> None:
         p = cfg.parallel
         if layout.ep > 1:
@@ -351,14 +341,3 @@ class MeshPlan(Plan):
                               "needs the whole model in one process: use parallel=none or ddp "
                               "(dp_shard=1, tp=1)")
 
-
-class HSDPPlan(MeshPlan):
-    names_degrees = True
-
-
-class TPPlan(MeshPlan):
-    names_degrees = True
-
-
-class FSDPTPPlan(MeshPlan):
-    names_degrees = True

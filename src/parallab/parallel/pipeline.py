@@ -387,12 +387,3 @@ class PipelinePlan(MeshPlan):
         (torch's stages reshard at the flush)."""
         return Options(p.tp_plan or None, p.bucket_cap_mb, False,
                        tuple(p.split) if p.split else None)
-
-    @classmethod
-    def settings(cls, layout: Layout) -> list[str]:
-        v = layout.stages_per_rank
-        return [*super().settings(layout), f"parallel.pp={layout.pp}",
-                f"parallel.dp_replicate={layout.dp_replicate}",
-                f"parallel.schedule={layout.schedule}",
-                *([f"parallel.stages_per_rank={v}"] if v > 1 else []),
-                f"parallel.microbatches={layout.microbatches}"]

@@ -25,7 +25,7 @@ from parallab.parallel import options_of
 from parallab.parallel.layout import Layout
 from parallab.simulate import cluster as clusters
 from parallab.simulate import costs, experts, step, trace
-from parallab.simulate.search import Candidate
+from parallab.parallel.grid import Candidate
 
 log = logging.getLogger("parallab")
 
@@ -293,7 +293,7 @@ def simulate_all(cfg, candidates: list[Candidate], traces: Traces, rates: cluste
     for c in candidates:
         floor = state_gb(c.layout, facts, optimizer)
         if c.reason is None and len(candidates) > 1 and floor * 2**30 > rates.memory_bytes:
-            c.state_gb = floor  # cannot fit: not traced
+            c.memory_mb = (floor * 1024, None)  # cannot fit: not traced
         elif c.reason is None:
             c.prediction = predict(cfg, c.layout, traces, rates)
     log.info("simulate: %d layouts from %d traces in %.1f s", len(candidates),

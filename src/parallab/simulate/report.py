@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from parallab.config.errors import ConfigError, OneLineError
-from parallab.simulate.search import Candidate
+from parallab.parallel.grid import Candidate
 
 ANSWER = ("simulate.json", "simulate.md", "simulate.png")
 
@@ -38,7 +38,7 @@ def entry(c: Candidate, fits: bool, command: str) -> dict[str, Any]:
 def command_of(entry_words: list[str], user: list[str], c: Candidate) -> str:
     from parallab.simulate.search import command_overrides
 
-    return shlex.join([*entry_words, *command_overrides(user, c), *c.overrides()])
+    return shlex.join([*entry_words, *command_overrides(user, c), *c.overrides])
 
 
 def sbatch(c: Candidate, gpus_per_node: int, command: str) -> list[str]:

@@ -10,7 +10,7 @@ from typing import Any
 from parallab.config.errors import ConfigError, NothingFits
 from parallab.simulate import (Facts, Traces, clusters, experts, float8, rates_of, report,
                                search, simulate_all)
-from parallab.simulate.search import Candidate
+from parallab.parallel.grid import Candidate
 
 log = logging.getLogger("parallab")
 

@@ -7,16 +7,13 @@ run)."""
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from typing import Any
-
 
 from parallab.config.errors import ConfigError
 from parallab.parallel import schedules
 from parallab.parallel.activations import CONTEXTS
-from parallab.parallel.grid import Space, layouts, powers_of_two_dividing
+from parallab.parallel.grid import Candidate, Space, layouts, powers_of_two_dividing
 from parallab.parallel.layout import Layout
-from parallab.simulate.step import Prediction
 
 # the modes in order of what they recompute: none, the selective ones, full
 CHECKPOINTING = ("none", *CONTEXTS, "full")
@@ -28,35 +25,6 @@ DECIDED = ("parallel=", "parallel.world_size=", "parallel.dp_replicate=",
            "parallel.sequence_parallel=", "parallel.ep=", "trainer.activation_checkpointing=",
            "trainer.accumulate_grad_batches=", "data.batch_size=", "cluster=", "cluster.",
            "simulate.", "hydra.", "advise.")
-
-
-@dataclass
-class Candidate:
-    """A layout simulate weighs, and what it found of it."""
-
-    layout: Layout
-    global_batch: bool = False  # the user gave data.global_batch_size (the batch is its)
-    reason: str | None = None  # why it cannot run
-    prediction: Prediction | None = None
-    state_gb: float | None = None  # not traced: its training state alone is over the memory
-
-    @property
-    def memory_gb(self) -> float | None:
-        """GiB a GPU holds: the prediction's, else the training state's alone, if known."""
-        return self.prediction.memory_per_gpu_gb if self.prediction else self.state_gb
-
-    def fits(self, memory_bytes: float) -> bool:
-        """Predicted, and within a GPU's memory."""
-        return self.prediction is not None and \
-            self.prediction.memory_per_gpu_gb * 2**30 <= memory_bytes
-
-    def overrides(self) -> list[str]:
-        """What `parallab train` needs beyond the user's overrides to train this way."""
-        return self.layout.overrides(self.global_batch)
-
-    @property
-    def label(self) -> str:
-        return self.layout.label
 
 
 def per_rank_batch(cfg, dp: int) -> tuple[int | None, str | None]:
@@ -91,13 +59,13 @@ def grid(cfg, facts, gpus_per_node: int) -> list[Candidate]:
                 continue  # train refuses it
             for ep in expert_degrees(facts.mix, layout.tp, layout.dp_shard):
                 c = Candidate(dataclasses.replace(layout, checkpointing=ac, ep=ep),
-                              global_batch)
+                              global_batch=global_batch)
                 c.reason = reason or cfg.data.layout_problem(c.layout)
                 found.append(c)
                 if layout.tp > 1 and facts.takes_sequence_parallel and not c.reason \
                         and facts.sp_problem(layout.tp) is None:
                     found.append(Candidate(dataclasses.replace(
-                        c.layout, sequence_parallel=True), global_batch))
+                        c.layout, sequence_parallel=True), global_batch=global_batch))
     return found
 
 
@@ -118,7 +86,7 @@ def _ways(pp: int, batch: int, facts) -> list[dict[str, Any]]:
     where it has too few for pp parts: said once, in the notes); or accumulation's steps
     (1, 2, 4, 8)."""
     if pp == 1:
-        return [{"microbatches": a, "batch_size": batch} for a in (1, 2, 4, 8)
+        return [{"accumulation": a, "batch_size": batch} for a in (1, 2, 4, 8)
                 if batch % a == 0 and a <= batch]
     if facts.pipeline_problem(pp) is not None:
         return []
@@ -138,12 +106,11 @@ def _ways(pp: int, batch: int, facts) -> list[dict[str, Any]]:
 def given(cfg, layout: Layout) -> Candidate:
     """The one layout the command gives (checked and resolved by its plan), with what its
     config fixes besides the degrees."""
-    pipelined = layout.pp > 1  # its micro-batches the plan's; else accumulation's steps
-    micro = layout.microbatches if pipelined else cfg.trainer.accumulate_grad_batches
+    accumulation = cfg.trainer.accumulate_grad_batches
     return Candidate(dataclasses.replace(
-        layout, microbatches=micro, batch_size=cfg.data.batch_size * (1 if pipelined else micro),
+        layout, accumulation=accumulation, batch_size=cfg.data.batch_size * accumulation,
         checkpointing=cfg.trainer.activation_checkpointing),
-        cfg.data.global_batch_size is not None)
+        global_batch=cfg.data.global_batch_size is not None)
 
 
 def scaled(cfg, layout, world_size: int) -> Candidate:
@@ -168,7 +135,7 @@ def grown(c: Candidate, world_size: int) -> Candidate:
     if shard * layout.tp % layout.ep:
         raise ConfigError(f"{world_size} GPUs do not carve ep={layout.ep} from "
                           f"{shard} shards x tp={layout.tp}")
-    return Candidate(layout.regrown(dp // shard, shard), c.global_batch)
+    return Candidate(layout.regrown(dp // shard, shard), global_batch=c.global_batch)
 
 
 def user_overrides(overrides: list[str]) -> list[str]:

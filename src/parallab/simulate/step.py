@@ -148,7 +148,7 @@ def predict(trace: Trace, c: Costs, layout: Layout, run: Run, rates: Rates, bloc
         if seconds > 0:
             exposed[kind] = exposed.get(kind, 0.0) + seconds
 
-    m, k = layout.microbatches, busiest.blocks
+    m, k = layout.passes, busiest.blocks
     compute = {phase: _compute(c, busiest, phase) for phase in ("forward", "backward")}
     for phase in ("forward", "backward"):
         for region in ["block", *busiest.ends]:
@@ -243,7 +243,7 @@ def _sharded(layout: Layout, run: Run, rates: Rates, units: list[tuple[float, in
     its units (`units`: elements gathered whole, ranks sharding them: experts.units) and
     the root unit (`held_ends`: what the blocks leave), `block`'s forward and backward
     seconds beside them; a block's weights gathered in `element` bytes each."""
-    r, m, inner = layout.dp_replicate, layout.microbatches, layout.tp * layout.pp
+    r, m, inner = layout.dp_replicate, layout.passes, layout.tp * layout.pp
 
     def collectives(params: float, n: int, element: float = run.compute_bytes
                     ) -> tuple[float, float, float]:
