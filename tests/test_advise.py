@@ -354,7 +354,7 @@ def test_step_time_model_follows_the_bubble_and_the_measured_parts():
     # and waits what its collectives added to its replayed step, their bytes included, and
     # the loop's own time its run measured; one process driving the devices, world size
     # 1's step
-    from parallab.advise import Link
+    from parallab.advise.measure import Link
 
     link = Link(gbps=100.0, latency_s=0.002, cores=None, threads=1)
     ran = {"comm_all_reduce_mb": 1.0, "comm_all_reduce_calls": 3, "share_s": 0.1,

@@ -16,12 +16,10 @@ import logging
 import math
 import statistics
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
-import yaml
 
 from parallab.advise import candidates as grid
 from parallab.advise import report, scaling
@@ -226,102 +224,38 @@ def plan(cfg, overrides: list[str], configure: Callable[[list[str]], Any],
     return candidates, global_batch, user
 
 
-@dataclass
-class Link:
-    """What a launched job measured besides its candidates, for the step-time model."""
-
-    gbps: float  # all-reduce bus bandwidth
-    latency_s: float  # one collective's fixed cost, timed back to back
-    cores: int | None  # the cores its ranks share (None: a device per rank)
-    threads: int  # a rank's intra-op threads
-
-
-def _measure(candidates: list[Candidate], run_dir: Path) -> dict[int, Link]:
-    """Every candidate left, one job per world size (world size 1: in this process), each
-    launched one with its step's parts (advise/parts.py); the links each launched job
-    measured (bandwidth, latency, cores), by world size."""
-    from parallab.advise import measure
-    from parallab.launching import distributed
-    from parallab.training import run
-
-    todo = [c for c in candidates if c.reason is None]
-    todo.sort(key=lambda c: c.world_size)  # measured by world size: numbered in that order
-    number = {id(c): i for i, c in enumerate(todo)}  # one numbering over every world size
-    links: dict[int, Link] = {}
-    for n in sorted({c.world_size for c in todo}):
-        group = [c for c in todo if c.world_size == n]
-        jobs = [run.RunSpec(c.cfg, c.resolved, str(run_dir / "candidates" /
-                                                 f"{number[id(c)]:02d}_{_dirname(c)}"),
-                            c.overrides) for c in group]
-        for spec, c in zip(jobs, group):  # what the candidate was, to rerun
-            Path(spec.run_dir).mkdir(parents=True, exist_ok=True)
-            (Path(spec.run_dir) / "overrides.yaml").write_text(
-                yaml.safe_dump({"layout": c.label, "overrides": spec.overrides}))
-        cfg = group[0].cfg
-        log.info("advise: measuring %d candidate(s) at world size %d", len(group), n)
-        if n == 1:
-            dist = distributed.setup(cfg.device.value, None, cfg.backend.timeout_s,
-                                     cfg.parallel.threads_per_worker)
-            results = measure.measure_all(jobs, dist)
-        else:
-            answer = _launched(jobs, n, cfg, group[0].resolved)
-            results = answer["results"]
-            links[n] = Link(answer["bandwidth_gbps"], answer["latency_s"], answer["cores"],
-                            answer["threads"])
-        for candidate, figures in zip(group, results):
-            candidate.figures = figures
-            candidate.reason = figures.get("error")
-    return links
-
-
-def _launched(jobs: list, n: int, cfg, layout) -> dict[str, Any]:
-    """The candidates `jobs` (run specs) measured by `n` launched workers (`cfg`, `layout`:
-    the first's config and layout); a rank's one-line error (a signal stopped it:
-    measure.Stopped) is raised here as that line."""
-    from parallab.advise import measure
-    from parallab.launching import launch, worker
-
-    with worker.one_line_failures() as failures:
-        job = measure.Job(jobs, cfg.device.value, cfg.backend.name, cfg.backend.timeout_s,
-                          cfg.parallel.threads_per_worker, failures)
-        return launch.elastic(measure.worker, (job,), n, 0, launch.worker_env(cfg, layout))
-
-
-def _dirname(candidate: Candidate) -> str:
-    return "".join(ch if ch.isalnum() or ch in "=.-" else "_" for ch in candidate.label)
-
-
-def _predict_times(candidates: list[Candidate], cfg, links: dict[int, Link]) -> list[str]:
+def _predict_times(candidates: list[Candidate], cfg, links: dict[int, Any]) -> list[str]:
     """Each measured candidate's step: simulated at advise.target_world_size on the cluster
     group's GPUs, and here (cluster=this) at its own world size, as parallab simulate
     predicts it; and here from the parts its job measured (the replay's check). Notes for
     advise.md."""
     from parallab.config.schema import ClusterConfig
+    from parallab.simulate import Predict
     from parallab.simulate import cluster as clusters
-    from parallab.simulate import run as simulation
 
     options = cfg.advise
     ran = [c for c in candidates if c.measured]
     devices = torch.cuda.device_count() or 1 if ran and ran[0].cfg.device.value == "cuda" else 1
     notes, errors, simulated, unsimulated = [], [], [], set()
-    known: dict = {}
-    # cluster=this: this machine, every rate measured
-    this = ClusterConfig(name=clusters.THIS, gpu=clusters.THIS, **dict.fromkeys(clusters.RATES))
+    # simulate's judge here (cluster=this: this machine, every rate measured) and on the
+    # cluster group's GPUs, sharing the model's traces
+    here = Predict(ClusterConfig(name=clusters.THIS, gpu=clusters.THIS,
+                                 **dict.fromkeys(clusters.RATES)))
+    there = Predict(cfg.cluster, here.traces)
     for c in ran:
         one = report.reference_of(candidates, c.precision)
         alone = one.figures["step_time_ms"] / 1e3 if one and one.world_size == 1 else None
-        here = c.world_size in links and scaling.validate(c.figures, c.cfg, c.resolved,
-                                                          links[c.world_size], alone, devices)
-        if here:
-            c.figures["predicted_step_ms_here"] = 1e3 * here
-            errors.append(abs(1e3 * here / c.figures["step_time_ms"] - 1))
+        replayed = c.world_size in links and scaling.validate(
+            c.figures, c.cfg, c.resolved, links[c.world_size], alone, devices)
+        if replayed:
+            c.figures["predicted_step_ms_here"] = 1e3 * replayed
+            errors.append(abs(1e3 * replayed / c.figures["step_time_ms"] - 1))
         try:
-            step = simulation.step_at(c.cfg, c.resolved, c.world_size, this, known)
+            step = here.of(c)
             c.figures["simulated_step_ms_here"] = 1e3 * step.step_time_s
             simulated.append(abs(1e3 * step.step_time_s / c.figures["step_time_ms"] - 1))
             if options.target_world_size:
-                step = simulation.step_at(c.cfg, c.resolved, options.target_world_size,
-                                          cfg.cluster, known)
+                step = there.of(c, options.target_world_size)
                 c.figures["predicted_step_ms"] = 1e3 * step.step_time_s
         except Exception as error:  # noqa: BLE001 - advise's answer stands without it
             unsimulated.add(str(error) if isinstance(error, ConfigError) else first_line(error))
@@ -351,7 +285,11 @@ def advise(cfg, overrides: list[str], run_dir: str, configure: Callable[[list[st
     out.mkdir(parents=True, exist_ok=True)
     off = dropout_off(cfg.model)
     candidates, global_batch, user = plan(cfg, overrides, configure, off)
-    links = _measure(candidates, out)
+    from parallab.advise.measure import Measure
+
+    measure = Measure(out)
+    measure.judge(candidates)
+    links = measure.links
     report.judge(candidates, cfg.advise.rtol)
     notes = _predict_times(candidates, cfg, links)
     if off:  # what the verdicts rest on, and what the command keeps

@@ -1,4 +1,5 @@
-"""Measuring candidates: a few optimizer steps each, one after another in one job.
+"""Measuring candidates, advise's judge (simulate.Predict is the other: parallel/grid.py):
+a few optimizer steps each, one after another in one job.
 
 Candidates that share a world size run inside one launched job (or, at world size 1, in
 the controlling process): the process group is made once, and each candidate builds its
@@ -12,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -30,6 +31,7 @@ from parallab.observe.loggers import RunLogger
 from parallab.observe.memory import reset_peak_memory
 from parallab.observe.observer import StepObserver
 from parallab.parallel import activations
+from parallab.parallel.grid import Candidate
 from parallab.training import run
 
 log = logging.getLogger(__name__)
@@ -183,3 +185,71 @@ def worker(job: Job) -> dict[str, Any]:
     return {"results": results, "bandwidth_gbps": bandwidth, "latency_s": latency,
             "cores": distributed.cpu_cores() if dist.device.type == "cpu" else None,
             "threads": threads}
+
+
+@dataclass
+class Link:
+    """What a launched job measured besides its candidates, for the step-time model."""
+
+    gbps: float  # all-reduce bus bandwidth
+    latency_s: float  # one collective's fixed cost, timed back to back
+    cores: int | None  # the cores its ranks share (None: a device per rank)
+    threads: int  # a rank's intra-op threads
+
+
+@dataclass
+class Measure:
+    """advise's judge: each candidate left (no reason) run here, one job per world size
+    (world size 1: in this process), each launched one with its step's parts
+    (advise/parts.py); its figures its run's, a failed one's error its reason. `links`:
+    what each launched job measured of its links (bandwidth, latency, cores), by world
+    size; `run_dir`: where each candidate's run writes (candidates/NN_label)."""
+
+    run_dir: Path
+    links: dict[int, Link] = field(default_factory=dict)
+
+    def judge(self, candidates: list[Candidate]) -> None:
+        import yaml
+
+        todo = sorted((c for c in candidates if c.reason is None),
+                      key=lambda c: c.world_size)  # measured by world size: numbered so
+        number = {id(c): i for i, c in enumerate(todo)}  # one numbering over every size
+        for n in sorted({c.world_size for c in todo}):
+            group = [c for c in todo if c.world_size == n]
+            jobs = [run.RunSpec(c.cfg, c.resolved, str(
+                self.run_dir / "candidates" / f"{number[id(c)]:02d}_{_dirname(c)}"),
+                c.overrides) for c in group]
+            for spec, c in zip(jobs, group):  # what the candidate was, to rerun
+                Path(spec.run_dir).mkdir(parents=True, exist_ok=True)
+                (Path(spec.run_dir) / "overrides.yaml").write_text(
+                    yaml.safe_dump({"layout": c.label, "overrides": spec.overrides}))
+            cfg = group[0].cfg
+            log.info("advise: measuring %d candidate(s) at world size %d", len(group), n)
+            if n == 1:
+                dist = distributed.setup(cfg.device.value, None, cfg.backend.timeout_s,
+                                         cfg.parallel.threads_per_worker)
+                results = measure_all(jobs, dist)
+            else:
+                answer = _launched(jobs, n, cfg, group[0].resolved)
+                results = answer["results"]
+                self.links[n] = Link(answer["bandwidth_gbps"], answer["latency_s"],
+                                     answer["cores"], answer["threads"])
+            for candidate, figures in zip(group, results):
+                candidate.figures = figures
+                candidate.reason = figures.get("error")
+
+
+def _launched(jobs: list[run.RunSpec], n: int, cfg, layout) -> dict[str, Any]:
+    """The candidates `jobs` (run specs) measured by `n` launched workers (`cfg`, `layout`:
+    the first's config and layout); a rank's one-line error (a signal stopped it: Stopped)
+    is raised here as that line."""
+    from parallab.launching import launch, worker as workers
+
+    with workers.one_line_failures() as failures:
+        job = Job(jobs, cfg.device.value, cfg.backend.name, cfg.backend.timeout_s,
+                  cfg.parallel.threads_per_worker, failures)
+        return launch.elastic(worker, (job,), n, 0, launch.worker_env(cfg, layout))
+
+
+def _dirname(candidate: Candidate) -> str:
+    return "".join(ch if ch.isalnum() or ch in "=.-" else "_" for ch in candidate.label)

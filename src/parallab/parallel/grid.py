@@ -4,14 +4,15 @@ micro-batches too), each a parallel.Layout that its preset's plan trains (Layout
 Layout.overrides). `parallab advise` measures the presets' shapes of it on this machine;
 `parallab simulate` prices every product on a cluster. What differs between them is the
 span (a Space), never the layouts or how they are enumerated, nor the Candidate each
-judges a layout as."""
+holds a layout in, nor what judges it (a Judge: advise's measurement, simulate's
+prediction)."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 from parallab.parallel.layout import Layout
 
@@ -134,3 +135,13 @@ class Candidate:
     @property
     def measured(self) -> bool:
         return bool(self.figures) and "error" not in self.figures
+
+
+class Judge(Protocol):
+    """What a candidate comes to, a layout in and figures out, written into each candidate
+    it is given that can run (no reason yet): advise measures them on this machine
+    (advise/measure.py Measure: Candidate.figures, a failed run's reason); simulate
+    predicts them on a cluster, cluster=this included (simulate.Predict:
+    Candidate.prediction, or the training state alone where it is over a GPU)."""
+
+    def judge(self, candidates: list[Candidate]) -> None: ...

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -283,19 +282,76 @@ def rank(candidates: list[Candidate], rates: clusters.Rates) -> list[Candidate]:
     return sorted(candidates, key=key)
 
 
-def simulate_all(cfg, candidates: list[Candidate], traces: Traces, rates: clusters.Rates
-                 ) -> tuple[list[Candidate], float]:
-    """Each runnable candidate predicted (its state alone over the GPU's memory: not
-    traced); all of them ranked, and the seconds it took."""
-    start = time.perf_counter()
-    facts = traces.facts
-    optimizer = optimizer_of(cfg)
-    for c in candidates:
-        floor = state_gb(c.layout, facts, optimizer)
-        if c.reason is None and len(candidates) > 1 and floor * 2**30 > rates.memory_bytes:
-            c.memory_mb = (floor * 1024, None)  # cannot fit: not traced
-        elif c.reason is None:
-            c.prediction = predict(cfg, c.layout, traces, rates)
-    log.info("simulate: %d layouts from %d traces in %.1f s", len(candidates),
-             len(traces.found), time.perf_counter() - start)
-    return rank(candidates, rates), time.perf_counter() - start
+def refuse_one_process(name: str) -> None:
+    """A layout of one process driving several devices (its plan's dims without a process
+    a rank: dp, model), which simulate's ranks-and-groups model does not price."""
+    from parallab.parallel import PLANS
+
+    plan = PLANS.get(name)
+    if plan is not None and plan.dims and not plan.processes:
+        raise ConfigError(f"parallel={name} drives several GPUs from one process, which "
+                          "parallab simulate does not model: simulate parallel=ddp, fsdp, hsdp, "
+                          "tp, fsdp_tp, pipeline or auto")
+
+
+def refuse_no_sequences(data) -> None:
+    if getattr(data, "seq_len", None) is None:
+        raise ConfigError(f"data={data.name} holds no sequences (no data.seq_len): "
+                          "parallab simulate traces a sequence model's block: use data=tokens "
+                          "(its default) with a language model")
+
+
+def trace_key(cfg) -> str:
+    """What a trace reads of a config besides its shape: configs alike in it (differing in
+    layout, precision or checkpointing) share their traces."""
+    import json
+
+    p = cfg.parallel
+    return json.dumps([cfg.model, cfg.data.seq_len, cfg.data.vocab_size, cfg.loss, p.stages,
+                       options_of(p).tp_plan], sort_keys=True, default=str)
+
+
+@dataclass
+class Predict:
+    """simulate's judge of candidates (advise's measurement is the other, parallel/grid.py):
+    a candidate's step (`of`: step.Prediction) on the GPUs of `cluster` (a cluster group's
+    config, cluster=this included), from its config's traces (`traces`, by trace_key: made
+    once) on the cluster's rates at its GPU count (`rates`)."""
+
+    cluster: Any
+    traces: dict[str, Traces] = field(default_factory=dict)
+    rates: dict[int, clusters.Rates] = field(default_factory=dict)
+
+    def of(self, c: Candidate, world_size: int | None = None) -> step.Prediction:
+        """`c`'s step on its own GPU count, or on `world_size` GPUs (its layout grown as
+        search.grown grows it: ConfigError where it does not grow so)."""
+        from parallab.simulate import search
+
+        refuse_no_sequences(c.cfg.data)
+        refuse_one_process(c.cfg.parallel.name)
+        search.refuse(clusters.problem(self.cluster))
+        layout = (c if world_size is None else search.grown(c, world_size)).layout
+        return predict(c.cfg, layout, self._traces(c.cfg), self.rates_at(layout.world_size))
+
+    def judge(self, candidates: list[Candidate], skim: bool = False) -> None:
+        """Each runnable candidate's prediction; with `skim`, one whose training state
+        alone is over a GPU's memory is not traced (its memory_mb: that state)."""
+        for c in (c for c in candidates if c.reason is None):
+            floor = state_gb(c.layout, self._traces(c.cfg).facts, optimizer_of(c.cfg))
+            if skim and floor * 2**30 > self.rates_at(c.layout.world_size).memory_bytes:
+                c.memory_mb = (floor * 1024, None)  # cannot fit: not traced
+            else:
+                c.prediction = self.of(c)
+
+    def rates_at(self, world_size: int) -> clusters.Rates:
+        if world_size not in self.rates:
+            self.rates[world_size] = rates_of(self.cluster, world_size)
+        return self.rates[world_size]
+
+    def _traces(self, cfg) -> Traces:
+        key = trace_key(cfg)
+        if key not in self.traces:
+            facts = Facts.of(cfg)
+            facts.cut()
+            self.traces[key] = Traces(cfg, facts)
+        return self.traces[key]

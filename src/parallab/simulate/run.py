@@ -4,12 +4,14 @@ simulated and ranked, the answer written (report.py) and printed."""
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
 from parallab.config.errors import ConfigError, NothingFits
-from parallab.simulate import (Facts, Traces, clusters, experts, float8, rates_of, report,
-                               search, simulate_all)
+from parallab.simulate import (Facts, Predict, Traces, clusters, experts, float8, rank,
+                               rates_of, refuse_no_sequences, refuse_one_process, report,
+                               search, trace_key)
 from parallab.parallel.grid import Candidate
 
 log = logging.getLogger("parallab")
@@ -36,7 +38,7 @@ def check(cfg) -> Any:
     if p.name == "auto" and p.world_size < 2:
         raise ConfigError(f"parallel=auto with parallel.world_size={p.world_size}: one GPU has "
                           "one layout; give the cluster's GPU count (2 or more)")
-    _refuse_one_process(p.name)
+    refuse_one_process(p.name)
     validate.check_values(cfg)
     validate.check_fixed_batch(cfg)  # auto's commands too: train refuses them otherwise
     if cfg.adapter.name != "none":
@@ -79,7 +81,7 @@ def _check_data(data) -> None:
         if value is not None and value < 1:
             raise ConfigError(f"data.{key}={value} is out of range: it must be >= 1 (sequences "
                               "per data-parallel rank, or per step)")
-    _refuse_no_sequences(data)
+    refuse_no_sequences(data)
     said = data.problem()
     if said and any(f"data.{key}" in said for key in ("path", "files", "root")):
         said += ("; or leave data= out: parallab simulate reads no data, its own takes "
@@ -101,25 +103,6 @@ def _own_problem(s) -> str | None:
         return (f"simulate.measured={s.measured} is not a directory: give a dir of runs "
                 "measured here (an advise run dir, a sweep's dir), or leave it null")
     return None
-
-
-def _refuse_one_process(name: str) -> None:
-    """A layout of one process driving several devices (its plan's dims without a process
-    a rank: dp, model), which simulate's ranks-and-groups model does not price."""
-    from parallab.parallel import PLANS
-
-    plan = PLANS.get(name)
-    if plan is not None and plan.dims and not plan.processes:
-        raise ConfigError(f"parallel={name} drives several GPUs from one process, which "
-                          "parallab simulate does not model: simulate parallel=ddp, fsdp, hsdp, "
-                          "tp, fsdp_tp, pipeline or auto")
-
-
-def _refuse_no_sequences(data) -> None:
-    if getattr(data, "seq_len", None) is None:
-        raise ConfigError(f"data={data.name} holds no sequences (no data.seq_len): "
-                          "parallab simulate traces a sequence model's block: use data=tokens "
-                          "(its default) with a language model")
 
 
 def candidates_of(cfg, layout, facts: Facts, rates) -> tuple[list[Candidate], list[str]]:
@@ -178,33 +161,13 @@ def _simulated(cfg, layout):
     candidates, notes = candidates_of(cfg, layout, facts, rates)
     facts.cut()
     traces = Traces(cfg, facts)
-    ranked, seconds = simulate_all(cfg, candidates, traces, rates)
-    return ranked, seconds, notes, traces, rates
-
-
-def step_at(cfg, layout, world_size: int, cluster, known: dict | None = None):
-    """A layout advise measured (its checked config and resolved layout) on `world_size`
-    GPUs of `cluster` (a cluster group's config): its step.Prediction. `known`: Facts
-    by model, shared between calls. ConfigError where it cannot be simulated."""
-    import json
-
-    from parallab.parallel import options_of
-    from parallab.simulate import predict
-
-    _refuse_no_sequences(cfg.data)
-    _refuse_one_process(cfg.parallel.name)
-    search.refuse(clusters.problem(cluster))
-    c = search.scaled(cfg, layout, world_size)
-    known = {} if known is None else known
-    p = cfg.parallel  # what a trace reads of the config besides its shape
-    key = json.dumps([cfg.model, cfg.data.seq_len, cfg.data.vocab_size, cfg.loss,
-                      p.stages, options_of(p).tp_plan],
-                     sort_keys=True, default=str)
-    if key not in known:
-        facts = Facts.of(cfg)
-        facts.cut()
-        known[key] = Traces(cfg, facts)
-    return predict(cfg, c.layout, known[key], rates_of(cluster, world_size))
+    start = time.perf_counter()
+    judge = Predict(cfg.cluster, {trace_key(cfg): traces}, {cfg.parallel.world_size: rates})
+    judge.judge(candidates, skim=len(candidates) > 1)  # the given layout alone: traced
+    seconds = time.perf_counter() - start
+    log.info("simulate: %d layouts from %d traces in %.1f s", len(candidates),
+             len(traces.found), seconds)
+    return rank(candidates, rates), seconds, notes, traces, rates
 
 
 def run(cfg, overrides: list[str], run_dir: str, entry: list[str]) -> dict[str, Any]:
@@ -279,19 +242,18 @@ def _curves(cfg, best: list[Candidate], traces, rates) -> dict[str, list]:
     grown), on the cluster's rates at each count (simulate.world_sizes, else powers of 2
     from 8)."""
     from parallab.parallel import grid
-    from parallab.simulate import predict
 
     n = cfg.parallel.world_size
     sizes = cfg.simulate.world_sizes or [s for s in grid.powers_of_two(max(n, 8)) if s >= 8]
+    judge = Predict(cfg.cluster, {trace_key(cfg): traces}, {n: rates})
     curves: dict[str, list] = {}
     for c in best:
         points = []
         for size in sorted(set(sizes)):
             try:
-                other = search.grown(c, size)
+                found = judge.of(c, size)
             except ConfigError:  # the count does not split so
                 continue
-            found = predict(cfg, other.layout, traces, rates_of(cfg.cluster, size))
             points.append((size, found.tokens_per_sec_per_gpu))
         curves[c.label] = points
     return curves

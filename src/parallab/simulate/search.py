@@ -59,13 +59,13 @@ def grid(cfg, facts, gpus_per_node: int) -> list[Candidate]:
                 continue  # train refuses it
             for ep in expert_degrees(facts.mix, layout.tp, layout.dp_shard):
                 c = Candidate(dataclasses.replace(layout, checkpointing=ac, ep=ep),
-                              global_batch=global_batch)
+                              global_batch=global_batch, cfg=cfg)
                 c.reason = reason or cfg.data.layout_problem(c.layout)
                 found.append(c)
                 if layout.tp > 1 and facts.takes_sequence_parallel and not c.reason \
                         and facts.sp_problem(layout.tp) is None:
                     found.append(Candidate(dataclasses.replace(
-                        c.layout, sequence_parallel=True), global_batch=global_batch))
+                        c.layout, sequence_parallel=True), global_batch=global_batch, cfg=cfg))
     return found
 
 
@@ -110,7 +110,7 @@ def given(cfg, layout: Layout) -> Candidate:
     return Candidate(dataclasses.replace(
         layout, accumulation=accumulation, batch_size=cfg.data.batch_size * accumulation,
         checkpointing=cfg.trainer.activation_checkpointing),
-        global_batch=cfg.data.global_batch_size is not None)
+        global_batch=cfg.data.global_batch_size is not None, cfg=cfg)
 
 
 def scaled(cfg, layout, world_size: int) -> Candidate:
@@ -135,7 +135,8 @@ def grown(c: Candidate, world_size: int) -> Candidate:
     if shard * layout.tp % layout.ep:
         raise ConfigError(f"{world_size} GPUs do not carve ep={layout.ep} from "
                           f"{shard} shards x tp={layout.tp}")
-    return Candidate(layout.regrown(dp // shard, shard), global_batch=c.global_batch)
+    return Candidate(layout.regrown(dp // shard, shard), c.precision, c.global_batch,
+                     cfg=c.cfg)
 
 
 def user_overrides(overrides: list[str]) -> list[str]:
