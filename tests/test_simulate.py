@@ -752,3 +752,30 @@ def test_the_command_as_a_user_runs_it(tmp_path):
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
     assert len(refused.stderr.strip().splitlines()) == 1 and "cluster" in refused.stderr
     assert not Path(tmp_path / "bad" / "simulate.json").exists()
+
+
+def test_a_pipelines_accumulated_passes_are_each_priced_and_said():
+    """Layout.accumulation apart from a pipeline's micro-batches: each of a step's passes
+    runs the schedule (its compute, sends and idle slots) on its share of the batch, the
+    memory stays one pass's, and the command says both; simulate's judge prices the
+    layout a candidate holds, as advise hands it its own."""
+    import dataclasses
+
+    from parallab.parallel.grid import Candidate
+    from parallab.simulate import Predict
+
+    cfg = configured(*GPT, "cluster=h100", "precision=bf16")
+    one = Candidate(Layout.planned(2, pp=2, schedule="1f1b", microbatches=2, batch_size=4),
+                    cfg=cfg)
+    two = Candidate(dataclasses.replace(one.layout, accumulation=2, batch_size=8), cfg=cfg)
+    judge = Predict(cfg.cluster)
+    once, twice = judge.of(one), judge.of(two)
+    for part in ("compute_s", "bubble_s", "p2p_s"):
+        assert twice.parts[part] == pytest.approx(2 * once.parts[part])
+    assert twice.parts["optimizer_s"] == once.parts["optimizer_s"]  # once a step
+    assert twice.memory == once.memory
+    assert twice.tokens_per_sec_per_gpu == pytest.approx(
+        2 * once.step_time_s / twice.step_time_s * once.tokens_per_sec_per_gpu)
+    said = two.overrides
+    assert {"parallel.microbatches=2", "trainer.accumulate_grad_batches=2",
+            "data.batch_size=4"} <= set(said) and "accum2" in two.label
