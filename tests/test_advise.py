@@ -181,8 +181,9 @@ def test_a_batchnorm_models_split_batch_is_said_to_differ_by_design():
 
     def candidate(parallel: str, n: int, losses: list[float], model: str) -> Candidate:
         measured = Candidate(planned(parallel, n), "fp32")
-        measured.cfg, measured.resolved = checked(model, "data=synthetic", f"parallel={parallel}",
-                                                f"parallel.world_size={n}", "device=cpu")
+        measured.cfg, measured.resolved = checked(
+            model, "data=synthetic", f"parallel={parallel}", f"parallel.world_size={n}",
+            "device=cpu")
         measured.figures = {"losses": losses, "samples_per_sec": 1.0,  # as its run gives
                             "batchnorm": normalises_by_batch(build_model(measured.cfg.model))}
         return measured
@@ -265,6 +266,10 @@ def test_the_grid_comes_from_each_layout():
     assert "fsdp_tp(F2xT2) b1 ac=none fp32" in labels
     assert "pipeline(R2xP2) 1f1b m4 b1 ac=none fp32" in labels
     assert not any(label.startswith(("dp(", "model(")) for label in labels)  # GPUs only
+    # one process's GPUs: its preset fixes the degrees, the command says the world size
+    on_gpus = {c.label: c.overrides for c in enumerate_grid(options, [2], "cuda")}
+    assert on_gpus["model(P2) b1 ac=none fp32"][:2] == ["parallel=model", "parallel.world_size=2"]
+    assert on_gpus["dp(R2) b1 ac=none fp32"][:2] == ["parallel=dp", "parallel.world_size=2"]
 
 
 def test_one_grid_spans_the_presets_for_advise_and_every_product_for_simulate():

@@ -703,8 +703,8 @@ def test_a_model_of_images_is_told_simulate_traces_sequences(tmp_path, model):
      "adapter=lora: parallab simulate trains every weight"),
     (["parallel=pipeline", "parallel.world_size=8", "parallel.pp=2", "parallel.microbatches=2",
       "trainer.accumulate_grad_batches=2"],
-     "trainer.accumulate_grad_batches=2 with parallel=pipeline: parallab simulate takes a "
-     "pipeline's accumulation as its micro-batches"),
+     "trainer.accumulate_grad_batches=2 with parallel=pipeline: parallab simulate does not "
+     "price a pipeline's accumulated passes"),
     # train's data on the cluster, not here: the way out named beside the data's own
     (["parallel=auto", "parallel.world_size=8", "data=bytes", "data.path=/on/the/cluster"],
      "no file /on/the/cluster: give a text file or a directory of *.txt files (or data.path="
@@ -779,3 +779,18 @@ def test_a_pipelines_accumulated_passes_are_each_priced_and_said():
     said = two.overrides
     assert {"parallel.microbatches=2", "trainer.accumulate_grad_batches=2",
             "data.batch_size=4"} <= set(said) and "accum2" in two.label
+
+
+def test_a_mesh_preset_on_one_gpu_prints_a_command_train_takes():
+    """parallel=ddp at one GPU resolves to one process (parallel=none), whose config has no
+    degrees to set: the command says the world size alone, and train composes and checks
+    it."""
+    from conftest import checked
+
+    from parallab.simulate import run, search
+
+    cfg = configured(*GPT, "parallel=ddp", "parallel.world_size=1")
+    said = search.given(cfg, run.check(cfg)).overrides
+    assert said[:2] == ["parallel=none", "parallel.world_size=1"] and \
+        not any(o.startswith("parallel.dp_") for o in said)
+    assert checked(*GPT, "data=bytes", "device=cpu", *said)[1].world_size == 1

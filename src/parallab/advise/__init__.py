@@ -230,7 +230,7 @@ def _predict_times(candidates: list[Candidate], cfg, links: dict[int, Any]) -> l
     predicts it; and here from the parts its job measured (the replay's check). Notes for
     advise.md."""
     from parallab.config.schema import ClusterConfig
-    from parallab.simulate import Predict
+    from parallab.simulate import Predict, search
     from parallab.simulate import cluster as clusters
 
     options = cfg.advise
@@ -250,12 +250,13 @@ def _predict_times(candidates: list[Candidate], cfg, links: dict[int, Any]) -> l
         if replayed:
             c.figures["predicted_step_ms_here"] = 1e3 * replayed
             errors.append(abs(1e3 * replayed / c.figures["step_time_ms"] - 1))
-        try:
-            step = here.of(c)
+        try:  # the layout the checks resolved from its command, as it ran
+            ran_as = search.given(c.cfg, c.resolved)
+            step = here.of(ran_as)
             c.figures["simulated_step_ms_here"] = 1e3 * step.step_time_s
             simulated.append(abs(1e3 * step.step_time_s / c.figures["step_time_ms"] - 1))
             if options.target_world_size:
-                step = there.of(c, options.target_world_size)
+                step = there.of(ran_as, options.target_world_size)
                 c.figures["predicted_step_ms"] = 1e3 * step.step_time_s
         except Exception as error:  # noqa: BLE001 - advise's answer stands without it
             unsimulated.add(str(error) if isinstance(error, ConfigError) else first_line(error))

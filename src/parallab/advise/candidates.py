@@ -51,7 +51,8 @@ def enumerate_grid(options, world_sizes: list[int], device_type: str,
                       precision, global_batch=True)
             for n in world_sizes
             for planned in sorted((layout for layout in grid.layouts(n, space)
-                                   if layout.preset in names), key=lambda layout: order[layout.preset])
+                                   if layout.preset in names),
+                                  key=lambda layout: order[layout.preset])
             for layout in _with_experts(planned, experts)
             for precision in options.precisions for ac in options.activation_checkpointing
             for accumulation in accumulations]

@@ -88,7 +88,7 @@ class Candidate:
 
     layout: Layout  # the grid's: its degrees and all it fixes, its preset's plan set
     precision: str | None = None  # its precision=NAME (advise crosses them); None: the config's
-    global_batch: bool = False  # data.global_batch_size is given: it, not the layout, sets the batch
+    global_batch: bool = False  # data.global_batch_size given: it sets the batch, not the layout
     reason: str | None = None  # why it cannot run, or why its run failed
     cfg: Any = None  # the config train's checks made of its command, and
     resolved: Layout | None = None  # the layout they resolved from it (what a run launches)

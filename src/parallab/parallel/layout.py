@@ -223,9 +223,9 @@ class Layout:
         from parallab.parallel import schedules
 
         found = [f"parallel={self.preset}"]
-        if self.dims and not self.processes:  # one process's devices: its preset fixes them
+        if self.preset == "none" or not self.processes:  # its preset fixes the degrees
             found.append(f"parallel.world_size={self.world_size}")
-        elif self.processes:
+        else:
             found += [f"parallel.world_size={self.world_size}",
                       f"parallel.dp_replicate={self.dp_replicate}",
                       f"parallel.dp_shard={self.dp_shard}", f"parallel.tp={self.tp}"]
@@ -252,7 +252,7 @@ class Layout:
                                           ("T", self.tp), ("P", self.pp), ("E", self.ep))
                    if v > 1]
         v = f" v{self.stages_per_rank}" if self.stages_per_rank > 1 else ""
-        way = (f" {self.schedule}{v} m{self.microbatches}" if self.pp > 1 else "") + (
+        way = (f" {self.schedule}{v} m{self.microbatches}" if self.pipelined else "") + (
             f" accum{self.accumulation}" if self.accumulation > 1 else "")
         sp = " sp" if self.sequence_parallel else ""
         return (f"{self.preset}({'x'.join(degrees) or '1'}){way}{sp} b{self.batch_size} "

@@ -340,4 +340,3 @@ class MeshPlan(Plan):
             raise ConfigError(f"trainer.quantize={t.quantize} with parallel={p.name}: quantize "
                               "needs the whole model in one process: use parallel=none or ddp "
                               "(dp_shard=1, tp=1)")
-

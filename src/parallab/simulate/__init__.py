@@ -316,11 +316,13 @@ class Predict:
     """simulate's judge of candidates (advise's measurement is the other, parallel/grid.py):
     a candidate's step (`of`: step.Prediction) on the GPUs of `cluster` (a cluster group's
     config, cluster=this included), from its config's traces (`traces`, by trace_key: made
-    once) on the cluster's rates at its GPU count (`rates`)."""
+    once) on the cluster's rates at its GPU count (`rates`). With `skim`, a candidate whose
+    training state alone is over a GPU's memory is not traced (its memory_mb: that state)."""
 
     cluster: Any
     traces: dict[str, Traces] = field(default_factory=dict)
     rates: dict[int, clusters.Rates] = field(default_factory=dict)
+    skim: bool = False
 
     def of(self, c: Candidate, world_size: int | None = None) -> step.Prediction:
         """`c`'s step on its own GPU count, or on `world_size` GPUs (its layout grown as
@@ -333,12 +335,11 @@ class Predict:
         layout = (c if world_size is None else search.grown(c, world_size)).layout
         return predict(c.cfg, layout, self._traces(c.cfg), self.rates_at(layout.world_size))
 
-    def judge(self, candidates: list[Candidate], skim: bool = False) -> None:
-        """Each runnable candidate's prediction; with `skim`, one whose training state
-        alone is over a GPU's memory is not traced (its memory_mb: that state)."""
+    def judge(self, candidates: list[Candidate]) -> None:
+        """Each runnable candidate's prediction (grid.Judge)."""
         for c in (c for c in candidates if c.reason is None):
             floor = state_gb(c.layout, self._traces(c.cfg).facts, optimizer_of(c.cfg))
-            if skim and floor * 2**30 > self.rates_at(c.layout.world_size).memory_bytes:
+            if self.skim and floor * 2**30 > self.rates_at(c.layout.world_size).memory_bytes:
                 c.memory_mb = (floor * 1024, None)  # cannot fit: not traced
             else:
                 c.prediction = self.of(c)

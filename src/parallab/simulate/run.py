@@ -9,10 +9,10 @@ from pathlib import Path
 from typing import Any
 
 from parallab.config.errors import ConfigError, NothingFits
+from parallab.parallel.grid import Candidate, Judge
 from parallab.simulate import (Facts, Predict, Traces, clusters, experts, float8, rank,
                                rates_of, refuse_no_sequences, refuse_one_process, report,
                                search, trace_key)
-from parallab.parallel.grid import Candidate
 
 log = logging.getLogger("parallab")
 
@@ -63,9 +63,10 @@ def check(cfg) -> Any:
     layout = PLANS[p.name].resolve(p, "cuda", p.world_size)
     if layout.pp > 1 and cfg.trainer.accumulate_grad_batches > 1:
         raise ConfigError(f"trainer.accumulate_grad_batches={cfg.trainer.accumulate_grad_batches}"
-                          " with parallel=pipeline: parallab simulate takes a pipeline's "
-                          "accumulation as its micro-batches: raise parallel.microbatches and "
-                          "the batch instead, or leave trainer.accumulate_grad_batches at 1")
+                          " with parallel=pipeline: parallab simulate does not price a "
+                          "pipeline's accumulated passes (its sharded parts gathered and reduced "
+                          "each pass): raise parallel.microbatches and the batch instead, or "
+                          "leave trainer.accumulate_grad_batches at 1")
     from parallab.checks.trial import stages_on_meta
 
     validate.check_resolved(cfg, layout,
@@ -141,7 +142,7 @@ def candidates_of(cfg, layout, facts: Facts, rates) -> tuple[list[Candidate], li
 
 def given(cfg) -> tuple[Candidate, Facts]:
     """The layout a checked config gives, predicted on its cluster; nothing written (the
-    benchmark against published runs, advise's target)."""
+    benchmark against published runs)."""
     layout = check(cfg)
     if layout is None:
         raise ConfigError("parallel=auto: give one layout to predict")
@@ -162,8 +163,10 @@ def _simulated(cfg, layout):
     facts.cut()
     traces = Traces(cfg, facts)
     start = time.perf_counter()
-    judge = Predict(cfg.cluster, {trace_key(cfg): traces}, {cfg.parallel.world_size: rates})
-    judge.judge(candidates, skim=len(candidates) > 1)  # the given layout alone: traced
+    # the given layout alone is traced whatever its state
+    judge: Judge = Predict(cfg.cluster, {trace_key(cfg): traces},
+                           {cfg.parallel.world_size: rates}, skim=len(candidates) > 1)
+    judge.judge(candidates)
     seconds = time.perf_counter() - start
     log.info("simulate: %d layouts from %d traces in %.1f s", len(candidates),
              len(traces.found), seconds)
@@ -237,7 +240,7 @@ def _notes(lines: list[str]) -> list[str]:
 
 
 def _curves(cfg, best: list[Candidate], traces, rates) -> dict[str, list]:
-    """Each of the best layouts at other GPU counts, as search.scaled grows it (the same
+    """Each of the best layouts at other GPU counts, as search.grown grows it (the same
     tp, pp and batch per data-parallel rank; fsdp's shards, hsdp's and ddp's replicas
     grown), on the cluster's rates at each count (simulate.world_sizes, else powers of 2
     from 8)."""
@@ -251,10 +254,10 @@ def _curves(cfg, best: list[Candidate], traces, rates) -> dict[str, list]:
         points = []
         for size in sorted(set(sizes)):
             try:
-                found = judge.of(c, size)
+                other = search.grown(c, size)
             except ConfigError:  # the count does not split so
                 continue
-            points.append((size, found.tokens_per_sec_per_gpu))
+            points.append((size, judge.of(other).tokens_per_sec_per_gpu))
         curves[c.label] = points
     return curves
 

@@ -113,15 +113,10 @@ def given(cfg, layout: Layout) -> Candidate:
         global_batch=cfg.data.global_batch_size is not None, cfg=cfg)
 
 
-def scaled(cfg, layout, world_size: int) -> Candidate:
-    """The layout of a checked config on `world_size` GPUs: its tp, pp and batch per
-    data-parallel rank kept, its data-parallel degrees grown (fsdp's shards, hsdp's and
-    ddp's replicas). ConfigError where the GPUs do not split so."""
-    return grown(given(cfg, layout), world_size)
-
-
 def grown(c: Candidate, world_size: int) -> Candidate:
-    """`c` on `world_size` GPUs (see scaled)."""
+    """`c` on `world_size` GPUs: its tp, pp and batch per data-parallel rank kept, its
+    data-parallel degrees grown (fsdp's shards, hsdp's and ddp's replicas). ConfigError
+    where the GPUs do not split so."""
     layout = c.layout
     if world_size == layout.world_size:
         return c
