@@ -701,10 +701,6 @@ def test_a_model_of_images_is_told_simulate_traces_sequences(tmp_path, model):
      "trainer.auto_batch_size=true would change: drop one of them"),
     (["adapter=lora", "parallel=fsdp", "parallel.world_size=8"],
      "adapter=lora: parallab simulate trains every weight"),
-    (["parallel=pipeline", "parallel.world_size=8", "parallel.pp=2", "parallel.microbatches=2",
-      "trainer.accumulate_grad_batches=2"],
-     "trainer.accumulate_grad_batches=2 with parallel=pipeline: parallab simulate does not "
-     "price a pipeline's accumulated passes"),
     # train's data on the cluster, not here: the way out named beside the data's own
     (["parallel=auto", "parallel.world_size=8", "data=bytes", "data.path=/on/the/cluster"],
      "no file /on/the/cluster: give a text file or a directory of *.txt files (or data.path="
@@ -754,31 +750,43 @@ def test_the_command_as_a_user_runs_it(tmp_path):
     assert not Path(tmp_path / "bad" / "simulate.json").exists()
 
 
-def test_a_pipelines_accumulated_passes_are_each_priced_and_said():
+def test_a_pipelines_accumulated_passes_are_each_priced_and_said(tmp_path):
     """Layout.accumulation apart from a pipeline's micro-batches: each of a step's passes
-    runs the schedule (its compute, sends and idle slots) on its share of the batch, the
-    memory stays one pass's, and the command says both; simulate's judge prices the
-    layout a candidate holds, as advise hands it its own."""
+    runs the schedule (its compute, sends and idle slots) on its share of the batch, and
+    its sharded parts are gathered and reduced at each flush, as torch's stages do; the
+    memory stays one pass's, and the command says both, which train takes."""
     import dataclasses
+    import shlex
 
+    from conftest import checked
+
+    from parallab.commands import simulate_in_process
     from parallab.parallel.grid import Candidate
     from parallab.simulate import Predict
 
     cfg = configured(*GPT, "cluster=h100", "precision=bf16")
-    one = Candidate(Layout.planned(2, pp=2, schedule="1f1b", microbatches=2, batch_size=4),
-                    cfg=cfg)
-    two = Candidate(dataclasses.replace(one.layout, accumulation=2, batch_size=8), cfg=cfg)
     judge = Predict(cfg.cluster)
-    once, twice = judge.of(one), judge.of(two)
-    for part in ("compute_s", "bubble_s", "p2p_s"):
-        assert twice.parts[part] == pytest.approx(2 * once.parts[part])
-    assert twice.parts["optimizer_s"] == once.parts["optimizer_s"]  # once a step
-    assert twice.memory == once.memory
-    assert twice.tokens_per_sec_per_gpu == pytest.approx(
-        2 * once.step_time_s / twice.step_time_s * once.tokens_per_sec_per_gpu)
+    for shards in (1, 2):
+        one = Candidate(Layout.planned(2 * shards, dp_shard=shards, pp=2, schedule="1f1b",
+                                       microbatches=2, batch_size=4), cfg=cfg)
+        two = Candidate(dataclasses.replace(one.layout, accumulation=2, batch_size=8), cfg=cfg)
+        once, twice = judge.of(one), judge.of(two)
+        each = ("compute_s", "bubble_s", "p2p_s", *(("all_gather_s", "reduce_scatter_s")
+                                                    if shards > 1 else ()))
+        for part in each:
+            assert twice.parts[part] == pytest.approx(2 * once.parts[part]), part
+        assert twice.parts["optimizer_s"] == once.parts["optimizer_s"]  # once a step
+        assert twice.memory == once.memory
     said = two.overrides
     assert {"parallel.microbatches=2", "trainer.accumulate_grad_batches=2",
             "data.batch_size=4"} <= set(said) and "accum2" in two.label
+    answer = simulate_in_process([*GPT, "parallel=pipeline", "parallel.world_size=4",
+                                  "parallel.pp=2", "parallel.dp_shard=2",
+                                  "parallel.dp_replicate=1", "parallel.microbatches=2",
+                                  "trainer.accumulate_grad_batches=2"], tmp_path)
+    assert "trainer.accumulate_grad_batches=2" in answer["command"]
+    ran, layout = checked(*shlex.split(answer["command"])[2:], "device=cpu")
+    assert layout.pp == 2 and ran.trainer.accumulate_grad_batches == 2
 
 
 def test_a_mesh_preset_on_one_gpu_prints_a_command_train_takes():

@@ -61,12 +61,6 @@ def check(cfg) -> Any:
         search.refuse(PLANS[p.name].problem(p))
         return None
     layout = PLANS[p.name].resolve(p, "cuda", p.world_size)
-    if layout.pp > 1 and cfg.trainer.accumulate_grad_batches > 1:
-        raise ConfigError(f"trainer.accumulate_grad_batches={cfg.trainer.accumulate_grad_batches}"
-                          " with parallel=pipeline: parallab simulate does not price a "
-                          "pipeline's accumulated passes (its sharded parts gathered and reduced "
-                          "each pass): raise parallel.microbatches and the batch instead, or "
-                          "leave trainer.accumulate_grad_batches at 1")
     from parallab.checks.trial import stages_on_meta
 
     validate.check_resolved(cfg, layout,

@@ -257,13 +257,15 @@ def _sharded(layout: Layout, run: Run, rates: Rates, units: list[tuple[float, in
     gather, scatter, reduce = (sum(each) for each in zip(*(collectives(*u, element)
                                                             for u in units)))
     # every micro-batch's forward gathers (FSDP2 reshards after each backward), the next
-    # block's beside this one's compute; a pipeline's part once a step, kept till the
-    # flush, its gradients kept whole till then and reduced once (torch's stages)
-    passes = m if layout.pp == 1 else 1
+    # block's beside this one's compute; a pipeline's part once a pass of its schedule,
+    # kept till its flush, its gradients kept whole till then and reduced (torch's stages
+    # reshard and reduce, the replicas' all-reduce too, at every flush: an accumulated
+    # pass's as well)
+    passes = m if layout.pp == 1 else layout.accumulation
     expose("all_gather", passes * (gather + (k - 1) * rates.hidden(gather, block[0])))
     if layout.pp > 1:  # a part's reductions once its last backward is done, waited for
         # by the compute (torch's REDUCE_GRAD action, FSDP2's finalize_backward)
-        expose("reduce_scatter", k * (scatter + reduce))
+        expose("reduce_scatter", passes * k * (scatter + reduce))
     else:  # beside the backward (again: its gathers, where freed after the forward)
         again = gather if run.reshard_after_forward else 0.0
         _beside_backward(passes, k, again, scatter, reduce, block[1], rates, expose)
@@ -271,7 +273,10 @@ def _sharded(layout: Layout, run: Run, rates: Rates, units: list[tuple[float, in
     expose("fsdp_hooks", m * (k * len(units) + 1) * rates.fsdp_unit_s)
     root_gather, root_scatter, root_reduce = collectives(held_ends, layout.dp_shard)
     expose("all_gather", passes * root_gather)
-    expose("reduce_scatter", passes * root_scatter + root_reduce)
+    # the replicas' all-reduce of the root: the last pass's where the mesh's no_sync holds
+    # it back (parallel/mesh.py), every flush's in a pipeline
+    expose("reduce_scatter", passes * root_scatter +
+           (passes if layout.pp > 1 else 1) * root_reduce)
 
 
 def _beside_backward(passes: int, k: int, again: float, scatter: float, reduce: float,
