@@ -238,10 +238,10 @@ def _predict_times(candidates: list[Candidate], cfg, links: dict[int, Any]) -> l
     devices = torch.cuda.device_count() or 1 if ran and ran[0].cfg.device.value == "cuda" else 1
     notes, errors, simulated, unsimulated = [], [], [], set()
     # simulate's judge here (cluster=this: this machine, every rate measured) and on the
-    # cluster group's GPUs, sharing the model's traces
+    # cluster group's GPUs (checked with the advise keys), sharing the model's traces
     here = Predict(ClusterConfig(name=clusters.THIS, gpu=clusters.THIS,
                                  **dict.fromkeys(clusters.RATES)))
-    there = Predict(cfg.cluster, here.traces)
+    there = Predict(cfg.cluster, here.traces) if options.target_world_size else None
     for c in ran:
         one = report.reference_of(candidates, c.precision)
         alone = one.figures["step_time_ms"] / 1e3 if one and one.world_size == 1 else None
@@ -255,7 +255,7 @@ def _predict_times(candidates: list[Candidate], cfg, links: dict[int, Any]) -> l
             step = here.of(ran_as)
             c.figures["simulated_step_ms_here"] = 1e3 * step.step_time_s
             simulated.append(abs(1e3 * step.step_time_s / c.figures["step_time_ms"] - 1))
-            if options.target_world_size:
+            if there is not None:
                 step = there.of(ran_as, options.target_world_size)
                 c.figures["predicted_step_ms"] = 1e3 * step.step_time_s
         except Exception as error:  # noqa: BLE001 - advise's answer stands without it
@@ -282,12 +282,12 @@ def advise(cfg, overrides: list[str], run_dir: str, configure: Callable[[list[st
            entry: list[str] | None = None) -> dict[str, Any]:
     """The whole advice for the composed `cfg` (advise.run=true); returns its summary.
     `entry`: how the recommended command starts (python train.py, and any --config-dir)."""
+    from parallab.advise.measure import Measure
+
     out = Path(run_dir)
     out.mkdir(parents=True, exist_ok=True)
     off = dropout_off(cfg.model)
     candidates, global_batch, user = plan(cfg, overrides, configure, off)
-    from parallab.advise.measure import Measure
-
     measure = Measure(out)
     measure.judge(candidates)
     links = measure.links

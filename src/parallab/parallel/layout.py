@@ -222,12 +222,9 @@ class Layout:
         (`global_batch`: the user gave data.global_batch_size, which sets the batch)."""
         from parallab.parallel import schedules
 
-        found = [f"parallel={self.preset}"]
-        if self.preset == "none" or not self.processes:  # its preset fixes the degrees
-            found.append(f"parallel.world_size={self.world_size}")
-        else:
-            found += [f"parallel.world_size={self.world_size}",
-                      f"parallel.dp_replicate={self.dp_replicate}",
+        found = [f"parallel={self.preset}", f"parallel.world_size={self.world_size}"]
+        if self.processes and self.preset != "none":  # else its preset fixes the degrees
+            found += [f"parallel.dp_replicate={self.dp_replicate}",
                       f"parallel.dp_shard={self.dp_shard}", f"parallel.tp={self.tp}"]
         if self.pipelined:
             found += [f"parallel.pp={self.pp}", f"parallel.schedule={self.schedule}",

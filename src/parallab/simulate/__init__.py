@@ -317,12 +317,18 @@ class Predict:
     a candidate's step (`of`: step.Prediction) on the GPUs of `cluster` (a cluster group's
     config, cluster=this included), from its config's traces (`traces`, by trace_key: made
     once) on the cluster's rates at its GPU count (`rates`). With `skim`, a candidate whose
-    training state alone is over a GPU's memory is not traced (its memory_mb: that state)."""
+    training state alone is over a GPU's memory is not traced (its memory_mb: that state).
+    A cluster config with a bad key is refused when the judge is made, once."""
 
     cluster: Any
     traces: dict[str, Traces] = field(default_factory=dict)
     rates: dict[int, clusters.Rates] = field(default_factory=dict)
     skim: bool = False
+
+    def __post_init__(self) -> None:
+        from parallab.simulate import search
+
+        search.refuse(clusters.problem(self.cluster))
 
     def of(self, c: Candidate, world_size: int | None = None) -> step.Prediction:
         """`c`'s step on its own GPU count, or on `world_size` GPUs (its layout grown as
@@ -331,7 +337,6 @@ class Predict:
 
         refuse_no_sequences(c.cfg.data)
         refuse_one_process(c.cfg.parallel.name)
-        search.refuse(clusters.problem(self.cluster))
         layout = (c if world_size is None else search.grown(c, world_size)).layout
         return predict(c.cfg, layout, self._traces(c.cfg), self.rates_at(layout.world_size))
 
