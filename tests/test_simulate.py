@@ -701,6 +701,9 @@ def test_a_model_of_images_is_told_simulate_traces_sequences(tmp_path, model):
      "trainer.auto_batch_size=true would change: drop one of them"),
     (["adapter=lora", "parallel=fsdp", "parallel.world_size=8"],
      "adapter=lora: parallab simulate trains every weight"),
+    # a sequence model's own limit, said as train says it (not "GPT does not take sequences")
+    (["parallel=fsdp", "parallel.world_size=8", "data.seq_len=4096"],
+     "data.seq_len=4096 is longer than model.context="),
     # train's data on the cluster, not here: the way out named beside the data's own
     (["parallel=auto", "parallel.world_size=8", "data=bytes", "data.path=/on/the/cluster"],
      "no file /on/the/cluster: give a text file or a directory of *.txt files (or data.path="

@@ -48,8 +48,12 @@ def check(cfg) -> Any:
     _check_data(cfg.data)
     try:
         cfg.model = models.check(cfg.model, cfg.data)
-    except ConfigError as error:  # not a model of token sequences: said first, not data keys
-        if "data" not in str(error):
+    except ConfigError as error:
+        # a model of other data (its refusal names the data group, data=, and no key of its
+        # own) said so; a sequence model's own limits (model.context against data.seq_len,
+        # model.vocab_size) as train says them
+        said = str(error)
+        if "data=" not in said or "model." in said:
             raise
         name = cfg.model["_target_"].rpartition(".")[2]
         raise ConfigError(f"parallab simulate traces a language model's block on token "
