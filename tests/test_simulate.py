@@ -704,6 +704,8 @@ def test_a_model_of_images_is_told_simulate_traces_sequences(tmp_path, model):
     # a sequence model's own limit, said as train says it (not "GPT does not take sequences")
     (["parallel=fsdp", "parallel.world_size=8", "data.seq_len=4096"],
      "data.seq_len=4096 is longer than model.context="),
+    (["parallel=fsdp", "parallel.world_size=8", "trainer.fused_norms=true"],
+     "trainer.fused_norms=true: GPT has no RMSNorm written out as torch's rms_norm"),
     # train's data on the cluster, not here: the way out named beside the data's own
     (["parallel=auto", "parallel.world_size=8", "data=bytes", "data.path=/on/the/cluster"],
      "no file /on/the/cluster: give a text file or a directory of *.txt files (or data.path="

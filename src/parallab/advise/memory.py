@@ -33,10 +33,10 @@ def fake_model(cfg, fake, device: torch.device) -> nn.Module:
 
     if not adapters.enabled(cfg.adapter):
         with fake:
-            return build_model(cfg.model)
+            return build_model(cfg.model, cfg.trainer.fused_norms)
     # peft moves each adapter to its layer's device, which a fake parameter refuses: the
     # adapters go on the model on meta, given fake storage after
-    model = adapters.apply(build_on_meta(cfg.model), cfg.adapter)
+    model = adapters.apply(build_on_meta(cfg.model, cfg.trainer.fused_norms), cfg.adapter)
     with fake:
         return model.to_empty(device=device)
 

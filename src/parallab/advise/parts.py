@@ -191,7 +191,7 @@ def share_s(spec: run.RunSpec, dist: distributed.Dist, one, steps: int = 5) -> d
     cfg, layout = spec.cfg, spec.layout
     torch.manual_seed(cfg.seed)
     precision = Precision(cfg.precision, dist.device)
-    model = precision.convert(build_model(cfg.model)).to(dist.device)
+    model = precision.convert(build_model(cfg.model, cfg.trainer.fused_norms)).to(dist.device)
     accumulate = cfg.trainer.accumulate_grad_batches
     micro, parts = (cfg.parallel.microbatches, layout.pp) if layout.cuts_model else (1, 1)
     rows = max(1, cfg.data.global_batch_size // (dist.world_size // parts) // accumulate

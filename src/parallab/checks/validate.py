@@ -305,6 +305,12 @@ def check_adapter(cfg: Config, layout: Layout) -> None:
     _refuse(adapters.problem(cfg.adapter, models.build_on_meta(cfg.model)))
 
 
+def check_norms(cfg: Config) -> None:
+    """trainer.fused_norms=true: the model has a written-out RMSNorm to fuse (built on meta)."""
+    if cfg.trainer.fused_norms:
+        models.build_on_meta(cfg.model, fused_norms=True)  # ConfigError where it has none
+
+
 def resolve_backend(cfg: Config, layout: Layout) -> None:
     import torch.distributed as dist
 
@@ -429,6 +435,7 @@ def prepare(cfg: Config, in_place: InPlace | None, run_dir: str | None = None
         _refuse(memory.snapshot_problem(cfg.trainer.memory_snapshot, cfg.device.value))
         check_layout(cfg, layout, probe)
         check_adapter(cfg, layout)
+        check_norms(cfg)
         check_run_length(cfg, layout)
         resolve_backend(cfg, layout)
         check_resume(cfg, layout, run_dir)

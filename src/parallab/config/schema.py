@@ -362,6 +362,9 @@ class TrainerConfig:
     clip_grad_norm: Optional[float] = None  # max global gradient norm; null = no clipping
     channels_last: bool = False  # NHWC memory format for conv models (not under FSDP2 or pipeline)
     compile: bool = False  # torch.compile the model (before the parallel wrapper)
+    # a transformers model's RMSNorm layers (Llama's, Qwen's, ...) as torch's nn.RMSNorm: one
+    # kernel on a GPU, keeping its input alone for backward (models/norms.py)
+    fused_norms: bool = False
     # null = torch's default; reduce-overhead, max-autotune, ...
     compile_mode: Optional[str] = None
     # torch.compile's backend: aot_eager (or eager) tells a tracing failure from inductor's

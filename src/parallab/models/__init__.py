@@ -44,24 +44,30 @@ def named_layer(model: nn.Module, getter: str) -> str | None:
     return next((n for n, m in model.named_modules() if m is found and n), None)
 
 
-def build_model(spec: dict[str, Any]) -> nn.Module:
-    from parallab.models import hf
+def build_model(spec: dict[str, Any], fused_norms: bool = False) -> nn.Module:
+    """The model `spec` names, as a run trains it (trainer.fused_norms: its written-out
+    RMSNorms as torch's)."""
+    from parallab.models import hf, norms
 
     model = targets.build(spec)
     if not isinstance(model, nn.Module):
         raise TypeError(f"model._target_={spec.get(targets.TARGET)} returned "
                         f"{type(model).__name__}, not a torch.nn.Module")
+    if fused_norms and not norms.fuse(model):
+        raise ConfigError(norms.NONE.format(type(model).__name__))
     return hf.for_training(model)
 
 
-def build_on_meta(spec: dict[str, Any]) -> nn.Module:
+def build_on_meta(spec: dict[str, Any], fused_norms: bool = False) -> nn.Module:
     """The model, built without allocating its weights where it can be (transformers'
     from_pretrained refuses meta: it is built whole then)."""
     try:
         with torch.device("meta"):
-            return build_model(spec)
+            return build_model(spec, fused_norms)
+    except ConfigError:  # the model's own keys: said, not built again whole
+        raise
     except Exception:  # noqa: BLE001 - Hydra wraps the model's own refusal of meta
-        return build_model(spec)
+        return build_model(spec, fused_norms)
 
 
 def check(spec: dict[str, Any], data) -> dict[str, Any]:

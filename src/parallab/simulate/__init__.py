@@ -58,7 +58,7 @@ class Facts:
 
         from parallab.models import hf
 
-        model = build_on_meta(cfg.model)
+        model = build_on_meta(cfg.model, cfg.trainer.fused_norms)
         problem = hf.positions_problem(model, cfg.data)  # as train's trial refuses it
         if problem:
             raise ConfigError(problem)

@@ -135,6 +135,41 @@ def _attention_as_on_a_device() -> Iterator[None]:
         F.scaled_dot_product_attention = original
 
 
+class _FusedRMSNorm(torch.autograd.Function):
+    """torch's rms_norm as a GPU runs it (`_fused_rms_norm`, one kernel each way), where a
+    CPU's runs its composite ops and keeps float32 copies: what it keeps for backward (its
+    input, weight and one float a row) and its bytes (the input read and the output
+    written; backward, the gradient read twice and the input once, for the input's
+    gradient and the weight's)."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        rstd = x.new_empty((*x.shape[:-1], 1), dtype=torch.float32)
+        ctx.save_for_backward(x, weight, rstd)
+        return x * weight if weight is not None else x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, rstd = ctx.saved_tensors
+        if weight is None:
+            return grad.clone(), None
+        return grad * weight, (grad * x).flatten(0, -2).sum(0)
+
+
+@contextlib.contextmanager
+def _norms_as_on_a_device() -> Iterator[None]:
+    """F.rms_norm (nn.RMSNorm's, a model's own, trainer.fused_norms') traced as the fused
+    kernel a GPU runs: see _FusedRMSNorm."""
+    import torch.nn.functional as F
+
+    original = F.rms_norm
+    F.rms_norm = lambda x, shape, weight=None, eps=None: _FusedRMSNorm.apply(x, weight)
+    try:
+        yield
+    finally:
+        F.rms_norm = original
+
+
 def blocks_of(model: nn.Module, stages: list[str] | None) -> list[nn.Module]:
     """The model's repeated blocks: those activation checkpointing wraps one by one (gpt's
     transformer blocks, a transformers model's _no_split_modules), else its stages."""
@@ -232,7 +267,7 @@ def trace(cfg, template: nn.Module, block: str, vocab: int, shape: Shape) -> Tra
         try:
             with fake, tracker, recorder, _masks_as_on_a_device(), \
                     tp_plans.loss_context(sharded), uniform_routing(), \
-                    _attention_as_on_a_device():
+                    _attention_as_on_a_device(), _norms_as_on_a_device():
                 with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
                     with precision.autocast():
                         value = loss.step_loss(model, batch, shape.rows * shape.seq_len)[1]

@@ -272,11 +272,11 @@ def start_model(cfg: Config, dist: distributed.Dist, layout: Layout, init_from: 
             adapters.enabled(cfg.adapter) and layout.sharded:
         try:
             with weights.parameters_on_meta():
-                return build_model(cfg.model), True
+                return build_model(cfg.model, cfg.trainer.fused_norms), True
         except Exception:  # noqa: BLE001 - a model that must be built whole (from_pretrained)
             pass
     torch.manual_seed(cfg.seed)
-    model = build_model(cfg.model)  # identical initial weights (and adapters) on every rank
+    model = build_model(cfg.model, cfg.trainer.fused_norms)  # identical initial weights (and adapters) on every rank
     adapted = init_from is not None and weights.holds_adapters(init_from)
     left = []
     if init_from is not None and not adapted:
