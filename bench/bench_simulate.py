@@ -53,6 +53,8 @@ INTERLEAVED = re.compile(r"interleaved 1F1B \(v=(\d+)\)")  # Megatron-LM's, its 
 MEGATRON_2021 = "2104.04473"
 ZERO_1 = "distributed optimizer (zero-1"  # a row's notes stating Megatron's, lower-cased
 SEQUENCE_PARALLEL = "sequence parallel inferred"  # a row's notes, lower-cased
+# torchtitan's Triton RMSNorm (norm_type "fused_rmsnorm"), a row's notes: trainer.fused_norms
+FUSED_NORMS = "fused_rmsnorm"
 # the first N blocks recomputed whole (Megatron's recompute_method=block), a row's notes
 BLOCKS_RECOMPUTED = re.compile(r"recompute_num_layers=(\d+)")
 # Megatron-Core on Transformer Engine: its normalization, activation, RoPE and cross-entropy
@@ -190,8 +192,9 @@ def overrides_of(row: dict) -> list[str]:
     # (its device query reports 40,441 MiB), as the 80 GB preset keeps 79
     small = ["cluster.memory_gb=39", "cluster.hbm_gbps=12440"] if "A100 40GB" in row["hardware"] \
         else []
+    fused = ["trainer.fused_norms=true"] if FUSED_NORMS in notes else []
     return [*model, *layout, f"data.seq_len={seq}", f"precision={precision}", "optim=adamw",
-            *ac, f"trainer.compile={compiled}", f"cluster={cluster_of(row)}", *small]
+            *ac, *fused, f"trainer.compile={compiled}", f"cluster={cluster_of(row)}", *small]
 
 
 def checkpointing_of(row: dict) -> list[str]:
