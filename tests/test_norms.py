@@ -39,9 +39,54 @@ def test_llamas_norms_are_fused_and_gemmas_are_not():
     names = [n for n, m in written.named_modules() if type(m).__name__ == "Qwen3RMSNorm"]
     assert len(names) == 2 * 4 + 1  # a block's two and its q and k norms; the final one
     kinds = {n: type(m) for n, m in fused.named_modules()}
-    assert all(kinds[n] is torch.nn.RMSNorm for n in names)
+    assert all(kinds[n] is norms.FusedRMSNorm for n in names)
     assert list(fused.state_dict()) == list(written.state_dict())
     assert not norms.fusable(GemmaRMSNorm(8, 1e-6))
+
+
+class FlaggedRMSNorm(torch.nn.Module):
+    """Llama's norm, or with a flag Gemma's (scaled by 1 + weight): one class, two forms."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, plus_one: bool = False):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon, self.plus_one = eps, plus_one
+
+    def forward(self, x):
+        normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return (1 + self.weight if self.plus_one else self.weight) * normed
+
+
+def test_each_form_of_a_class_is_tried_and_a_model_built_on_meta_is_fused():
+    """A flag that changes the form is tried apart; a model whose parameters are made on
+    meta (as a sharded run starting from weights builds it) is fused as a real one is, its
+    output in its input's dtype outside autocast."""
+    from parallab.models import norms
+    from parallab.training import weights
+
+    assert norms.fusable(FlaggedRMSNorm(8)) and not norms.fusable(FlaggedRMSNorm(8, plus_one=True))
+    norms._TRIED.clear()  # tried afresh, under the meta parameters
+    with weights.parameters_on_meta():
+        model = torch.nn.Sequential(FlaggedRMSNorm(8), torch.nn.Linear(8, 8))
+        assert norms.fuse(model) == 1 and model[0].weight.is_meta
+    norm = norms.FusedRMSNorm(8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert norm(torch.ones(2, 8, dtype=torch.bfloat16)).dtype == torch.bfloat16
+
+
+def test_the_trace_takes_rms_norm_as_torch_does():
+    """Any normalized shape, any input's rank, keywords: the weight's gradient its shape."""
+    from torch.nn import functional as F
+
+    from parallab.simulate import on_a_device
+
+    with on_a_device.norms():
+        for shape, normed in (((3, 4, 8), (4, 8)), ((8,), (8,)), ((2, 5, 8), 8)):
+            x = torch.ones(shape, requires_grad=True)
+            weight = torch.ones(normed if isinstance(normed, tuple) else (normed,),
+                                requires_grad=True)
+            F.rms_norm(input=x, normalized_shape=normed, weight=weight, eps=1e-6).sum().backward()
+            assert x.grad.shape == x.shape and weight.grad.shape == weight.shape
 
 
 @pytest.mark.slow

@@ -22,18 +22,16 @@ Nothing is allocated and no collective runs: a 405B model's block traces in a se
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import logging
-import sys
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import torch
 from torch import nn
 from torch.nn.modules.module import register_module_forward_pre_hook
 
 from parallab.launching.distributed import fake_group
+from parallab.simulate import on_a_device
 from parallab.simulate.ops import Op, Recorder, _local, _nbytes
 
 log = logging.getLogger(__name__)
@@ -90,84 +88,6 @@ def cut_to_one_block(model: nn.Module, blocks: list[nn.Module]) -> str:
     parent._modules.clear()
     parent.extend(kept)
     return next(name for name, m in model.named_modules() if m is blocks[0])
-
-
-@contextlib.contextmanager
-def _masks_as_on_a_device() -> Iterator[None]:
-    """transformers looks for packed sequences in the position ids, which it cannot read
-    from fake tensors, and then builds the whole causal mask, which on a device it leaves to
-    the attention kernel's is_causal: the simulated batch packs none (its positions are
-    0..T-1), so the trace runs the device's ops, no mask."""
-    masking = sys.modules.get("transformers.masking_utils")
-    original = getattr(masking, "find_packed_sequence_indices", None)
-    if original is None:
-        yield
-        return
-    masking.find_packed_sequence_indices = lambda position_ids: None
-    try:
-        yield
-    finally:
-        masking.find_packed_sequence_indices = original
-
-
-@contextlib.contextmanager
-def _attention_as_on_a_device() -> Iterator[None]:
-    """A value head narrower than the query's (DeepSeek's latent attention: 128 against
-    192), which a GPU's fused kernels take (cuDNN's, the memory-efficient one; flash
-    attention once the value is padded, as transformers pads it) and a CPU's does not (it
-    falls back to the scores in memory): padded to the query's width, the output cut back,
-    so that the trace runs the fused kernel a GPU runs."""
-    import torch.nn.functional as F
-
-    original = F.scaled_dot_product_attention
-
-    def fused(query, key, value, *args, **kwargs):
-        width = value.shape[-1]
-        if width >= query.shape[-1]:
-            return original(query, key, value, *args, **kwargs)
-        value = F.pad(value, (0, query.shape[-1] - width))
-        return original(query, key, value, *args, **kwargs)[..., :width]
-
-    F.scaled_dot_product_attention = fused
-    try:
-        yield
-    finally:
-        F.scaled_dot_product_attention = original
-
-
-class _FusedRMSNorm(torch.autograd.Function):
-    """torch's rms_norm as a GPU runs it (`_fused_rms_norm`, one kernel each way), where a
-    CPU's runs its composite ops and keeps float32 copies: what it keeps for backward (its
-    input, weight and one float a row) and its bytes (the input read and the output
-    written; backward, the gradient read twice and the input once, for the input's
-    gradient and the weight's)."""
-
-    @staticmethod
-    def forward(ctx, x, weight):
-        rstd = x.new_empty((*x.shape[:-1], 1), dtype=torch.float32)
-        ctx.save_for_backward(x, weight, rstd)
-        return x * weight if weight is not None else x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight, rstd = ctx.saved_tensors
-        if weight is None:
-            return grad.clone(), None
-        return grad * weight, (grad * x).flatten(0, -2).sum(0)
-
-
-@contextlib.contextmanager
-def _norms_as_on_a_device() -> Iterator[None]:
-    """F.rms_norm (nn.RMSNorm's, a model's own, trainer.fused_norms') traced as the fused
-    kernel a GPU runs: see _FusedRMSNorm."""
-    import torch.nn.functional as F
-
-    original = F.rms_norm
-    F.rms_norm = lambda x, shape, weight=None, eps=None: _FusedRMSNorm.apply(x, weight)
-    try:
-        yield
-    finally:
-        F.rms_norm = original
 
 
 def blocks_of(model: nn.Module, stages: list[str] | None) -> list[nn.Module]:
@@ -265,9 +185,9 @@ def trace(cfg, template: nn.Module, block: str, vocab: int, shape: Shape) -> Tra
         saved = _SavedByRegion(model, tracker, recorder)
         calls = register_module_forward_pre_hook(lambda module, _: called.append(module))
         try:
-            with fake, tracker, recorder, _masks_as_on_a_device(), \
+            with fake, tracker, recorder, on_a_device.masks(), \
                     tp_plans.loss_context(sharded), uniform_routing(), \
-                    _attention_as_on_a_device(), _norms_as_on_a_device():
+                    on_a_device.attention(), on_a_device.norms():
                 with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
                     with precision.autocast():
                         value = loss.step_loss(model, batch, shape.rows * shape.seq_len)[1]
