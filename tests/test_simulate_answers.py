@@ -364,3 +364,21 @@ def test_a_mesh_preset_on_one_gpu_prints_a_command_train_takes():
     assert said[:2] == ["parallel=none", "parallel.world_size=1"] and \
         not any(o.startswith("parallel.dp_") for o in said)
     assert checked(*GPT, "data=bytes", "device=cpu", *said)[1].world_size == 1
+
+
+def test_a_first_simulation_is_told_the_defaults_it_took(tmp_path, caplog):
+    """A sequence as long as the model's whole context and float32 matmuls, taken from
+    train's defaults unasked, are said (and written into simulate.md); given, nothing is."""
+    from conftest import TINY_LLAMA
+
+    from parallab.commands import simulate_in_process
+
+    run = [*TINY_LLAMA, "parallel=fsdp", "parallel.world_size=8", "cluster=h100"]
+    simulate_in_process(run, tmp_path / "defaults")
+    said = ("data.seq_len=131072 is the model's whole context",
+            "precision=fp32 (train's default) prices float32 matmuls")
+    written = (tmp_path / "defaults" / "simulate.md").read_text()
+    assert all(s in caplog.text and s in written for s in said)
+    caplog.clear()
+    simulate_in_process([*run, "data.seq_len=512", "precision=bf16"], tmp_path / "given")
+    assert not any(s in caplog.text for s in said)

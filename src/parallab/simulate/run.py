@@ -174,7 +174,11 @@ def _simulated(cfg, layout):
 def run(cfg, overrides: list[str], run_dir: str, entry: list[str]) -> dict[str, Any]:
     """The whole simulation of the composed, typed `cfg`; its summary."""
     layout = check(cfg)
+    taken = _defaults_taken(cfg, overrides)
+    for line in taken:
+        log.warning(line)
     ranked, seconds, notes, traces, rates = _simulated(cfg, layout)
+    notes = [*taken, *([""] if taken else []), *notes]
     user = search.user_overrides(overrides)
     if not any(o.lstrip("+~").startswith("data=") for o in user):
         user = ["data=tokens", *user]  # simulate's data; train's default is another
@@ -195,6 +199,22 @@ def run(cfg, overrides: list[str], run_dir: str, entry: list[str]) -> dict[str, 
                  _measured(cfg.simulate.measured))
     _say(best, command, lines, rates, out)
     return {"best": best.label, "command": command, "sbatch": lines, "layouts": entries}
+
+
+def _defaults_taken(cfg, overrides: list[str]) -> list[str]:
+    """What a first simulation of a cluster takes from train's defaults unasked and rarely
+    means: a sequence as long as the model's whole context, float32 matmuls."""
+    given = {o.lstrip("+~").partition("=")[0] for o in overrides}
+    said = []
+    if "data.seq_len" not in given and cfg.data.seq_len > 8192:
+        said.append(f"data.seq_len={cfg.data.seq_len} is the model's whole context, taken as "
+                    "every sequence's length: give the length you train (torchtitan's Llama 3 "
+                    "runs 8192), e.g. data.seq_len=8192")
+    if "precision" not in given and cfg.precision.name == "fp32" and \
+            cfg.cluster.gpu != clusters.THIS:
+        said.append("precision=fp32 (train's default) prices float32 matmuls: runs on such "
+                    "GPUs train in bf16 or fp8: give precision=bf16")
+    return said
 
 
 def _nothing_fits(cfg, ranked: list[Candidate], rates) -> str:
