@@ -15,9 +15,9 @@ import os
 
 from parallab import models, optim, precision, schedule
 from parallab.models import adapters
-from parallab.checks import trial
-from parallab.config import schema as config
-from parallab.config.errors import ConfigError, environment_kept_if_refused
+from parallab.checks import starts, trial
+from parallab.config.errors import (ConfigError, environment_kept_if_refused, refuse,
+                                     require)
 from parallab.config.schema import Config, Device
 from parallab.launching.distributed import cpu_cores, interfaces_problem
 from parallab.launching import slurm
@@ -26,38 +26,28 @@ from parallab.launching.launch import master_port_problem
 from parallab.observe import loggers, memory
 from parallab.parallel import activations, parallelize
 from parallab.parallel.layout import Layout
-from parallab.training import checkpoint, monitor
+from parallab.training import monitor
 
 __all__ = ["ConfigError", "prepare"]
 log = logging.getLogger(__name__)
 MIN_TIMEOUT_S, MAX_TIMEOUT_S = 1.0, 7 * 24 * 3600.0
 
 
-def _require(ok: bool, message: str | None) -> None:
-    if not ok:
-        raise ConfigError(message)
-
-
-def _refuse(problem: str | None) -> None:
-    """An owner's problem() (None: nothing wrong) as the ConfigError it names."""
-    _require(problem is None, problem)
-
-
 def _at_least(key: str, value, low, optional: bool = False) -> None:
     if optional and value is None:
         return
-    _require(value >= low, f"{key}={value} is out of range: it must be >= {low}")
+    require(value >= low, f"{key}={value} is out of range: it must be >= {low}")
 
 
 def check_values(cfg: Config) -> None:
     """The keys of the trainer, optimizer, backend and launcher, and the seed."""
     t, p = cfg.trainer, cfg.parallel
     _at_least("seed", cfg.seed, 0)
-    _require(t.epochs >= 1, f"trainer.epochs={t.epochs} is out of range: it must be >= 1 "
+    require(t.epochs >= 1, f"trainer.epochs={t.epochs} is out of range: it must be >= 1 "
              "(to score a saved model without training, run evaluate.py ckpt=<checkpoint>)")
     _at_least("trainer.max_steps", t.max_steps, 1, optional=True)
     _at_least("trainer.log_every_n_steps", t.log_every_n_steps, 1)
-    _require(t.warmup_steps is None, f"trainer.warmup_steps={t.warmup_steps} is renamed: "
+    require(t.warmup_steps is None, f"trainer.warmup_steps={t.warmup_steps} is renamed: "
              "trainer.timing_skip_steps leaves the first steps out of throughput figures, "
              "scheduler.warmup_steps warms the learning rate up; set the one you mean")
     _at_least("trainer.eval_every_n_epochs", t.eval_every_n_epochs, 1)
@@ -67,44 +57,44 @@ def check_values(cfg: Config) -> None:
     _at_least("parallel.nnodes", p.nnodes, 1)
     _at_least("parallel.threads_per_worker", p.threads_per_worker, 1, optional=True)
     _at_least("parallel.max_restarts", p.max_restarts, 0)
-    _require(p.rendezvous_timeout > 0, f"parallel.rendezvous_timeout={p.rendezvous_timeout} "
+    require(p.rendezvous_timeout > 0, f"parallel.rendezvous_timeout={p.rendezvous_timeout} "
              "is out of range: it must be > 0 (seconds a rank waits to reach rank 0)")
     slurm.parse_signal(t.requeue_signal)
     _at_least("trainer.accumulate_grad_batches", t.accumulate_grad_batches, 1)
-    _require(not (t.overwrite and t.resume is not None), f"trainer.overwrite=true starts "
+    require(not (t.overwrite and t.resume is not None), f"trainer.overwrite=true starts "
              f"afresh, deleting the run dir's checkpoints, and trainer.resume={t.resume} "
              "continues from them: drop one")
-    _require(t.clip_grad_norm is None or t.clip_grad_norm > 0,
+    require(t.clip_grad_norm is None or t.clip_grad_norm > 0,
              f"trainer.clip_grad_norm={t.clip_grad_norm} is out of range: it must be > 0 (or "
              "null for no clipping)")
-    _refuse(precision.problem(cfg.precision))
-    _require(t.max_memory_mb is None or t.max_memory_mb > 0, f"trainer.max_memory_mb="
+    refuse(precision.problem(cfg.precision))
+    require(t.max_memory_mb is None or t.max_memory_mb > 0, f"trainer.max_memory_mb="
              f"{t.max_memory_mb} is out of range: it must be > 0 (or null for no budget)")
     _at_least("trainer.checkpoint_every_n_steps", t.checkpoint_every_n_steps, 1, optional=True)
     _at_least("trainer.keep_last_k", t.keep_last_k, 1)
-    _require(t.on_nan in ("stop", "skip"),
+    require(t.on_nan in ("stop", "skip"),
              f"trainer.on_nan={t.on_nan} is unknown: use trainer.on_nan=stop or skip")
     if t.quantize is not None:
         from parallab import quantize
 
-        _require(t.quantize in quantize.METHODS, f"trainer.quantize={t.quantize} is unknown: "
+        require(t.quantize in quantize.METHODS, f"trainer.quantize={t.quantize} is unknown: "
                  f"use one of {', '.join(quantize.METHODS)} (or null)")
-        _require(quantize.available(), f"trainer.quantize={t.quantize} needs torchao: "
+        require(quantize.available(), f"trainer.quantize={t.quantize} needs torchao: "
                  "pip install 'parallab[quantize]'")
-        _require(cfg.precision.name != "fp8", f"trainer.quantize={t.quantize} with "
+        require(cfg.precision.name != "fp8", f"trainer.quantize={t.quantize} with "
                  "precision=fp8: the trained Linear layers are float8 ones, which int8 "
                  "quantization does not take: use precision=bf16")
-    _refuse(activations.problem(t.activation_checkpointing, t.activation_checkpointing_every))
-    _refuse(optim.problem(cfg.optim))
-    _refuse(schedule.problem(cfg.scheduler))
-    _refuse(loggers.problem(cfg.logger))
+    refuse(activations.problem(t.activation_checkpointing, t.activation_checkpointing_every))
+    refuse(optim.problem(cfg.optim))
+    refuse(schedule.problem(cfg.scheduler))
+    refuse(loggers.problem(cfg.logger))
     timeout = cfg.backend.timeout_s
-    _require(math.isfinite(timeout) and MIN_TIMEOUT_S <= timeout <= MAX_TIMEOUT_S,
+    require(math.isfinite(timeout) and MIN_TIMEOUT_S <= timeout <= MAX_TIMEOUT_S,
              f"backend.timeout_s={timeout} is out of range: a collective may wait between "
              f"{MIN_TIMEOUT_S:g} s and {MAX_TIMEOUT_S:g} s (a week) before the job fails")
-    _require(cfg.seed < 2**63, f"seed={cfg.seed} is out of range: it must be < 2**63 (torch "
+    require(cfg.seed < 2**63, f"seed={cfg.seed} is out of range: it must be < 2**63 (torch "
              "seeds take 64 bits, and each rank adds its rank)")
-    _refuse(parallelize.compile_problem(t))
+    refuse(parallelize.compile_problem(t))
 
 
 def check_config(cfg: Config) -> None:
@@ -125,8 +115,8 @@ def check_data(cfg: Config) -> None:
     """The data set's own keys and files (fetched here if asked), and the loader keys."""
     from parallab.data import loader_problem, resolve_loader
 
-    _refuse(loader_problem(cfg.data) or cfg.data.problem())
-    _require(cfg.data.sized() or cfg.trainer.max_steps is not None, f"data={cfg.data.name} "
+    refuse(loader_problem(cfg.data) or cfg.data.problem())
+    require(cfg.data.sized() or cfg.trainer.max_steps is not None, f"data={cfg.data.name} "
              "streams samples with no known length (an IterableDataset without __len__), so "
              "an epoch has no known number of steps: set trainer.max_steps")
     cfg.data.loader = resolve_loader(cfg.data)
@@ -138,14 +128,14 @@ def check_objective(cfg: Config) -> None:
 
     loss.check(cfg.loss)
     metrics.check(cfg.metrics)
-    _require(not (cfg.metrics and loss.from_model(cfg.loss)), "metrics with loss=model: the "
+    require(not (cfg.metrics and loss.from_model(cfg.loss)), "metrics with loss=model: the "
              "model returns its loss, not an output a metric could score: drop metrics, or "
              "use a loss of output and targets")
     names = metrics.names(loss.build_loss(cfg.loss), cfg.metrics)
     if cfg.objective is not None:
-        _require(cfg.objective in names, f"objective={cfg.objective} is not a figure this run "
+        require(cfg.objective in names, f"objective={cfg.objective} is not a figure this run "
                  f"reports ({', '.join(names)}): pick one of them")
-    _refuse(monitor.problem(cfg.trainer, names))
+    refuse(monitor.problem(cfg.trainer, names))
 
 
 def resolve_device(cfg: Config) -> None:
@@ -159,9 +149,9 @@ def resolve_device(cfg: Config) -> None:
     has_cuda = torch.cuda.is_available()
     if cfg.device is Device.auto:
         cfg.device = Device.cuda if has_cuda else Device.cpu
-    _require(cfg.device is Device.cpu or has_cuda,
+    require(cfg.device is Device.cpu or has_cuda,
              "device=cuda but PyTorch sees no CUDA device: use device=cpu (or device=auto)")
-    _require(cfg.parallel.devices is None or cfg.device is Device.cuda,
+    require(cfg.parallel.devices is None or cfg.device is Device.cuda,
              f"parallel.devices={cfg.parallel.devices} picks GPUs, but device=cpu: "
              "drop parallel.devices or run on CUDA")
 
@@ -178,10 +168,10 @@ def visible_gpus(cfg: Config, plan) -> int:
     if p.devices is None:
         return found
     named = list(dict.fromkeys(p.devices))
-    _require(len(named) <= found, f"parallel.devices={p.devices} names {len(named)} GPUs, but "
+    require(len(named) <= found, f"parallel.devices={p.devices} names {len(named)} GPUs, but "
              f"{found} of them are visible here (CUDA counts ids up to the first one it does "
              "not have): name GPUs this machine has (nvidia-smi -L)")
-    _require(not plan.processes or len(named) == len(p.devices),
+    require(not plan.processes or len(named) == len(p.devices),
              f"parallel.devices={p.devices} names a GPU twice, and parallel={p.name} runs a "
              "process per GPU (NCCL takes one rank per GPU): name each once (parallel=dp and "
              "model may share one)")
@@ -200,19 +190,19 @@ def resolve_parallel(cfg: Config, in_place: InPlace | None) -> Layout:
     world, nnodes = p.world_size, p.nnodes
     if in_place is not None:
         launching = [name for name, kind in PLANS.items() if kind.processes]
-        _require(plan.processes or in_place.world_size == 1, f"parallel={p.name} "
+        require(plan.processes or in_place.world_size == 1, f"parallel={p.name} "
                  f"runs one process, but {in_place.launcher} started {in_place.world_size}: "
                  f"use parallel={' or '.join(launching)}, or launch one process")
-        _require(world in (None, in_place.world_size), f"parallel.world_size="
+        require(world in (None, in_place.world_size), f"parallel.world_size="
                  f"{world}, but {in_place.launcher} started {in_place.world_size} "
                  f"tasks: drop parallel.world_size (each task is a rank) or start "
                  f"{world} tasks")
         world, nnodes = in_place.world_size, in_place.nnodes
     elif world is None:
         world = plan.default_world_size(gpus)
-    _require(world % nnodes == 0, f"parallel.world_size={world} does not split "
+    require(world % nnodes == 0, f"parallel.world_size={world} does not split "
              f"evenly over parallel.nnodes={nnodes}: use a multiple of {nnodes}")
-    _require(in_place is not None or nnodes == 1,
+    require(in_place is not None or nnodes == 1,
              f"parallel.nnodes={nnodes}: start one agent per node with torchrun, SLURM or "
              "mpirun (docs/parallel.md: several nodes); the built-in launcher starts one node")
     per_node = world // nnodes
@@ -222,7 +212,7 @@ def resolve_parallel(cfg: Config, in_place: InPlace | None) -> Layout:
                     "the %d cores here: they will contend (null gives each its share)",
                     p.threads_per_worker, per_node, cores)
     if gpus and not (in_place is not None and gpus == 1):  # in place: one GPU per task will do
-        _require(per_node <= gpus, f"parallel.world_size={world} needs {per_node} GPUs "
+        require(per_node <= gpus, f"parallel.world_size={world} needs {per_node} GPUs "
                  f"per node but {gpus} are visible: set parallel.world_size<={gpus * nnodes}")
     return plan.resolve(p, cfg.device.value, world, nnodes)  # a null degree resolved, checked
 
@@ -230,7 +220,7 @@ def resolve_parallel(cfg: Config, in_place: InPlace | None) -> Layout:
 def check_fixed_batch(cfg: Config) -> None:
     """data.global_batch_size and trainer.auto_batch_size are not both asked for."""
     d = cfg.data
-    _require(d.global_batch_size is None or not cfg.trainer.auto_batch_size,
+    require(d.global_batch_size is None or not cfg.trainer.auto_batch_size,
              f"data.global_batch_size={d.global_batch_size} fixes the samples of each step, "
              "which trainer.auto_batch_size=true would change: drop one of them")
 
@@ -242,11 +232,11 @@ def resolve_global_batch(cfg: Config, layout: Layout) -> None:
     if d.global_batch_size is None:
         return
     check_fixed_batch(cfg)
-    _require(d.global_batch_size > 0, f"data.global_batch_size={d.global_batch_size} is out "
+    require(d.global_batch_size > 0, f"data.global_batch_size={d.global_batch_size} is out "
              "of range: it is the samples of each step, >= 1")
     ranks = layout.dp
     per_step = ranks * cfg.trainer.accumulate_grad_batches
-    _require(d.global_batch_size % per_step == 0,
+    require(d.global_batch_size % per_step == 0,
              f"data.global_batch_size={d.global_batch_size} does not split over {ranks} "
              f"data-parallel ranks x trainer.accumulate_grad_batches="
              f"{cfg.trainer.accumulate_grad_batches}: use a multiple of {per_step}")
@@ -278,17 +268,17 @@ def check_resolved(cfg: Config, layout: Layout, stages_of) -> None:
     plan's own checks (with the model's stages, `stages_of()`: train's trial, a
     simulation's model on meta) and what it rules out of the precision."""
     resolve_global_batch(cfg, layout)
-    _refuse(cfg.data.layout_problem(layout))  # before the stages: a trial runs them
+    refuse(cfg.data.layout_problem(layout))  # before the stages: a trial runs them
     layout.plan.check(cfg, layout, stages_of())
-    _refuse(precision.layout_problem(cfg.precision, layout.dp_shard))
+    refuse(precision.layout_problem(cfg.precision, layout.dp_shard))
 
 
 def check_layout(cfg: Config, layout: Layout, probe: trial.Probe) -> None:
     """The resolved layout's check, one batch tried where a user's part is in play; then
     what the tried model says of the tp plan and of activation checkpointing's stages."""
     check_resolved(cfg, layout, lambda: trial.run(cfg, layout, probe))
-    _refuse(trial.tp_split_problem(cfg, layout, probe))  # after the plan's: the tp plan divides
-    _refuse(activations.stages_problem(cfg))
+    refuse(trial.tp_split_problem(cfg, layout, probe))  # after the plan's: the tp plan divides
+    refuse(activations.stages_problem(cfg))
 
 
 def check_adapter(cfg: Config, layout: Layout) -> None:
@@ -296,13 +286,13 @@ def check_adapter(cfg: Config, layout: Layout) -> None:
     modules that match layers LoRA wraps (tried on the model built on meta)."""
     if not adapters.enabled(cfg.adapter):
         return
-    _require(not layout.cuts_model and layout.tp == 1,
+    require(not layout.cuts_model and layout.tp == 1,
              f"adapter=lora with parallel={cfg.parallel.name}: peft's adapter layers are not "
              "cut by a tensor-parallel plan or into pipeline stages: use a data-parallel "
              "layout (none, dp, ddp, fsdp, hsdp)")
-    _require(cfg.precision.name != "fp8", "adapter=lora with precision=fp8: float8 training "
+    require(cfg.precision.name != "fp8", "adapter=lora with precision=fp8: float8 training "
              "swaps the Linear layers the adapters wrap: use precision=bf16")
-    _refuse(adapters.problem(cfg.adapter, models.build_on_meta(cfg.model)))
+    refuse(adapters.problem(cfg.adapter, models.build_on_meta(cfg.model)))
 
 
 def check_norms(cfg: Config) -> None:
@@ -317,100 +307,15 @@ def resolve_backend(cfg: Config, layout: Layout) -> None:
     name = cfg.backend.name
     if name == "auto":
         cfg.backend.name = name = "nccl" if cfg.device is Device.cuda else "gloo"
-    _require(name in ("gloo", "nccl", "mpi"), f"backend={name} is unknown: use auto, gloo, "
+    require(name in ("gloo", "nccl", "mpi"), f"backend={name} is unknown: use auto, gloo, "
              "nccl or mpi")
-    _require(name != "nccl" or cfg.device is Device.cuda,
+    require(name != "nccl" or cfg.device is Device.cuda,
              "backend=nccl needs CUDA, but device=cpu: use backend=gloo (or backend=auto)")
-    _require(name != "mpi" or dist.is_mpi_available(),
+    require(name != "mpi" or dist.is_mpi_available(),
              "backend=mpi: this PyTorch was built without MPI (PyPI wheels are); build PyTorch "
              "from source with MPI, or run under mpirun with backend=gloo or backend=nccl")
     if name == "gloo" and layout.processes:
-        _refuse(interfaces_problem("GLOO_SOCKET_IFNAME"))
-
-
-def check_resume(cfg: Config, layout: Layout, run_dir: str | None) -> None:
-    """trainer.resume names a readable parallab checkpoint of this model (auto: if any)."""
-    from pathlib import Path
-
-    resume = cfg.trainer.resume
-    if resume is None:
-        return
-    if resume == "auto":
-        found = checkpoint.latest(Path(run_dir) / "checkpoints") if run_dir else None
-        if found is None:
-            return
-        resume = str(found)
-    try:
-        meta = checkpoint.load_meta(resume)  # of a sharded one, all but the tensors
-    except checkpoint.CheckpointError as error:
-        raise ConfigError(f"trainer.resume: {error}: give an existing checkpoint, or "
-                          "trainer.resume=auto") from None
-    _require(checkpoint.resumable(resume, meta),
-             f"trainer.resume={resume} is not a parallab training checkpoint (no optimizer or "
-             "position in it): evaluate it with evaluate.py, or start afresh")
-    _require(checkpoint.same_model(meta, cfg.model),
-             f"trainer.resume={resume} was saved from another model config than model "
-             f"{config.model_name(cfg.model)} here: resume with the same model config")
-    _refuse(changed_recipe(cfg, checkpoint.saved_config(meta), resume))
-    _refuse(cfg.data.resume_problem(meta.get("data"), resume))  # its files, unchanged
-    # any layout continues any other's checkpoint, except a one-file one by an earlier
-    # parallab, whose optimizer state is by parameter index: only a whole model reads it
-    _require(not layout.sharded or checkpoint.by_name(resume, meta),
-             f"trainer.resume={resume} was saved by parallel={checkpoint.saved_parallel(meta)} "
-             f"of an earlier parallab, whose optimizer state only a whole model reads, not "
-             f"parallel={cfg.parallel.name} with these degrees: resume it under that layout "
-             "once (its next checkpoint is read by any)")
-
-
-def check_init(cfg: Config, probe: trial.Probe) -> None:
-    """trainer.init_from names weights that fit the model (names and shapes; some, with
-    trainer.init_strict=false), read without their tensors."""
-    from pathlib import Path
-
-    from parallab.training import formats, weights
-
-    path = cfg.trainer.init_from
-    if path is None:
-        return
-    _require(cfg.trainer.resume is None, f"trainer.init_from={path} starts a new run from "
-             f"weights, and trainer.resume={cfg.trainer.resume} continues one from its "
-             "checkpoint (which holds the weights it started from): drop one of them")
-    _require(Path(path).exists(), f"trainer.init_from={path} does not exist: give weights "
-             f"as {formats.read()}")
-    if adapters.is_folder(path):  # its adapters' shapes then, as any file's weights
-        _refuse(adapters.folder_problem(cfg.adapter, path))
-    try:
-        adapted = weights.holds_adapters(path)
-        _require(not adapted or adapters.enabled(cfg.adapter),
-                 f"trainer.init_from={path} holds a model with LoRA adapters: add adapter=lora "
-                 "with the adapter keys it was trained with")
-        model = probe.model if probe.model is not None and not adapted else \
-            models.build_on_meta(cfg.model)
-        if adapted:  # its names are those of the model with its adapters on
-            adapters.apply(model, cfg.adapter)
-        _refuse(weights.fit_problem(model, path, "trainer.init_from", cfg.trainer.init_strict))
-    except checkpoint.CheckpointError as error:
-        raise ConfigError(f"trainer.init_from: {error}") from None
-
-
-def changed_recipe(cfg: Config, saved: dict, resume: str) -> str | None:
-    """A resumed run continues the adapters, optimizer and schedule its checkpoint holds
-    (their shape, state and rates): an adapter, optim or scheduler key set otherwise here
-    would be ignored without a word, so the first one that differs is named."""
-    from omegaconf import OmegaConf
-
-    for group in ("adapter", "optim", "scheduler"):
-        here = OmegaConf.to_container(OmegaConf.structured(getattr(cfg, group)))
-        before = saved.get(group)
-        if not isinstance(before, dict):
-            continue  # a checkpoint that records none: nothing to compare
-        for key, value in here.items():
-            if key in before and before[key] != value:
-                return (f"trainer.resume={resume} continues the adapters, optimizer and "
-                        f"schedule it holds, and {group}.{key}={value} differs from its "
-                        f"{before[key]}: give {group}.{key}={before[key]} as when it was "
-                        "saved (or start a new run)")
-    return None
+        refuse(interfaces_problem("GLOO_SOCKET_IFNAME"))
 
 
 def prepare(cfg: Config, in_place: InPlace | None, run_dir: str | None = None
@@ -428,16 +333,16 @@ def prepare(cfg: Config, in_place: InPlace | None, run_dir: str | None = None
         resolve_device(cfg)
         layout = resolve_parallel(cfg, in_place)
         if in_place is None and layout.processes:  # parallab's own launcher
-            _refuse(master_port_problem())
-        _refuse(precision.device_problem(cfg.precision, cfg.device.value, layout.dp_shard))
+            refuse(master_port_problem())
+        refuse(precision.device_problem(cfg.precision, cfg.device.value, layout.dp_shard))
         if hint := precision.device_hint(cfg.precision, cfg.device.value):
             log.warning(hint)
-        _refuse(memory.snapshot_problem(cfg.trainer.memory_snapshot, cfg.device.value))
+        refuse(memory.snapshot_problem(cfg.trainer.memory_snapshot, cfg.device.value))
         check_layout(cfg, layout, probe)
         check_adapter(cfg, layout)
         check_norms(cfg)
         check_run_length(cfg, layout)
         resolve_backend(cfg, layout)
-        check_resume(cfg, layout, run_dir)
-        check_init(cfg, probe)
+        starts.check_resume(cfg, layout, run_dir)
+        starts.check_init(cfg, probe)
     return cfg, layout

@@ -22,6 +22,17 @@ class ConfigError(OneLineError, ValueError):
     status = 2
 
 
+def require(ok: bool, message: str | None) -> None:
+    """`message` as the ConfigError it names where `ok` is false."""
+    if not ok:
+        raise ConfigError(message)
+
+
+def refuse(problem: str | None) -> None:
+    """An owner's problem() (None: nothing wrong) as the ConfigError it names."""
+    require(not problem, problem)
+
+
 class NothingFits(ConfigError):
     """No layout fits the GPUs' memory: the smallest need first, and where every
     candidate was weighed (advise's grid, whose exit status is 1) each one's reason on a

@@ -19,7 +19,7 @@ from typing import Any
 
 from torch import nn
 
-from parallab.config.errors import ConfigError
+from parallab.config.errors import ConfigError, refuse
 from parallab.parallel import options_of
 from parallab.parallel.layout import Layout
 from parallab.simulate import cluster as clusters
@@ -326,9 +326,7 @@ class Predict:
     skim: bool = False
 
     def __post_init__(self) -> None:
-        from parallab.simulate import search
-
-        search.refuse(clusters.problem(self.cluster))
+        refuse(clusters.problem(self.cluster))
 
     def of(self, c: Candidate, world_size: int | None = None) -> step.Prediction:
         """`c`'s step on its own GPU count, or on `world_size` GPUs (its layout grown as

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from parallab.config.errors import ConfigError, NothingFits
+from parallab.config.errors import ConfigError, NothingFits, refuse
 from parallab.parallel.grid import Candidate, Judge
 from parallab.simulate import (Facts, Predict, Traces, clusters, experts, float8, rank,
                                rates_of, refuse_no_sequences, refuse_one_process, report,
@@ -26,8 +26,8 @@ def check(cfg) -> Any:
     from parallab.config.schema import Device
     from parallab.parallel import PLANS
 
-    search.refuse(clusters.problem(cfg.cluster))
-    search.refuse(_own_problem(cfg.simulate))
+    refuse(clusters.problem(cfg.cluster))
+    refuse(_own_problem(cfg.simulate))
     p = cfg.parallel
     if p.world_size is None:
         raise ConfigError("parallel.world_size is not set: give the GPU count to simulate, "
@@ -62,7 +62,7 @@ def check(cfg) -> Any:
                           "your own sequence model") from None
     cfg.device = Device.cuda  # the cluster's: its compute dtypes, not this machine's
     if p.name == "auto":
-        search.refuse(PLANS[p.name].problem(p))
+        refuse(PLANS[p.name].problem(p))
         return None
     layout = PLANS[p.name].resolve(p, "cuda", p.world_size)
     from parallab.checks.trial import stages_on_meta
@@ -85,7 +85,7 @@ def _check_data(data) -> None:
     if said and any(f"data.{key}" in said for key in ("path", "files", "root")):
         said += ("; or leave data= out: parallab simulate reads no data, its own takes "
                  f"data.seq_len={data.seq_len} data.batch_size={data.batch_size}")
-    search.refuse(said)
+    refuse(said)
 
 
 def _own_problem(s) -> str | None:
@@ -116,7 +116,7 @@ def candidates_of(cfg, layout, facts: Facts, rates) -> tuple[list[Candidate], li
                      f"which it picks as simulate.routing={cfg.simulate.routing} says. The "
                      "all-to-all is NCCL's (no node-level deduplication, as DeepEP's).")
     if layout is not None:
-        search.refuse(facts.split_problem())
+        refuse(facts.split_problem())
         mode = cfg.trainer.activation_checkpointing
         if mode != "none" and facts.checkpoint_problem:  # train refuses it before launch
             raise ConfigError(f"trainer.activation_checkpointing={mode}: "
@@ -152,7 +152,7 @@ def _simulated(cfg, layout):
     """The checked config's candidates simulated on its cluster: (ranked, the seconds it
     took, notes, the traces, the rates)."""
     rates = rates_of(cfg.cluster, cfg.parallel.world_size)
-    search.refuse(float8.problem(cfg.precision.name, rates))
+    refuse(float8.problem(cfg.precision.name, rates))
     facts = Facts.of(cfg)
     if cfg.simulate.routing != "random" and facts.mix is None:
         raise ConfigError(f"simulate.routing={cfg.simulate.routing} prices how tokens pick "

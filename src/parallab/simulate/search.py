@@ -150,8 +150,3 @@ def command_overrides(user: list[str], c: Candidate) -> list[str]:
     """The user's overrides as a candidate's command keeps them (WHERE)."""
     return [o for o in user if all(takes(c.layout) for key, takes in WHERE
                                    if o.lstrip("+~").startswith(key))]
-
-
-def refuse(reason: str | None) -> None:
-    if reason:
-        raise ConfigError(reason)

@@ -1,0 +1,99 @@
+"""Where a run starts from, checked before any worker starts: a checkpoint it resumes
+(readable, of this model, its recipe unchanged, its files unchanged, readable by this
+layout) or weights it starts from (names and shapes that fit the model)."""
+
+from __future__ import annotations
+
+from parallab import models
+from parallab.checks import trial
+from parallab.config import schema as config
+from parallab.config.errors import ConfigError, refuse, require
+from parallab.config.schema import Config
+from parallab.models import adapters
+from parallab.parallel.layout import Layout
+from parallab.training import checkpoint
+
+
+def check_resume(cfg: Config, layout: Layout, run_dir: str | None) -> None:
+    """trainer.resume names a readable parallab checkpoint of this model (auto: if any)."""
+    from pathlib import Path
+
+    resume = cfg.trainer.resume
+    if resume is None:
+        return
+    if resume == "auto":
+        found = checkpoint.latest(Path(run_dir) / "checkpoints") if run_dir else None
+        if found is None:
+            return
+        resume = str(found)
+    try:
+        meta = checkpoint.load_meta(resume)  # of a sharded one, all but the tensors
+    except checkpoint.CheckpointError as error:
+        raise ConfigError(f"trainer.resume: {error}: give an existing checkpoint, or "
+                          "trainer.resume=auto") from None
+    require(checkpoint.resumable(resume, meta),
+             f"trainer.resume={resume} is not a parallab training checkpoint (no optimizer or "
+             "position in it): evaluate it with evaluate.py, or start afresh")
+    require(checkpoint.same_model(meta, cfg.model),
+             f"trainer.resume={resume} was saved from another model config than model "
+             f"{config.model_name(cfg.model)} here: resume with the same model config")
+    refuse(changed_recipe(cfg, checkpoint.saved_config(meta), resume))
+    refuse(cfg.data.resume_problem(meta.get("data"), resume))  # its files, unchanged
+    # any layout continues any other's checkpoint, except a one-file one by an earlier
+    # parallab, whose optimizer state is by parameter index: only a whole model reads it
+    require(not layout.sharded or checkpoint.by_name(resume, meta),
+             f"trainer.resume={resume} was saved by parallel={checkpoint.saved_parallel(meta)} "
+             f"of an earlier parallab, whose optimizer state only a whole model reads, not "
+             f"parallel={cfg.parallel.name} with these degrees: resume it under that layout "
+             "once (its next checkpoint is read by any)")
+
+
+def check_init(cfg: Config, probe: trial.Probe) -> None:
+    """trainer.init_from names weights that fit the model (names and shapes; some, with
+    trainer.init_strict=false), read without their tensors."""
+    from pathlib import Path
+
+    from parallab.training import formats, weights
+
+    path = cfg.trainer.init_from
+    if path is None:
+        return
+    require(cfg.trainer.resume is None, f"trainer.init_from={path} starts a new run from "
+             f"weights, and trainer.resume={cfg.trainer.resume} continues one from its "
+             "checkpoint (which holds the weights it started from): drop one of them")
+    require(Path(path).exists(), f"trainer.init_from={path} does not exist: give weights "
+             f"as {formats.read()}")
+    if adapters.is_folder(path):  # its adapters' shapes then, as any file's weights
+        refuse(adapters.folder_problem(cfg.adapter, path))
+    try:
+        adapted = weights.holds_adapters(path)
+        require(not adapted or adapters.enabled(cfg.adapter),
+                 f"trainer.init_from={path} holds a model with LoRA adapters: add adapter=lora "
+                 "with the adapter keys it was trained with")
+        model = probe.model if probe.model is not None and not adapted else \
+            models.build_on_meta(cfg.model)
+        if adapted:  # its names are those of the model with its adapters on
+            adapters.apply(model, cfg.adapter)
+        refuse(weights.fit_problem(model, path, "trainer.init_from", cfg.trainer.init_strict))
+    except checkpoint.CheckpointError as error:
+        raise ConfigError(f"trainer.init_from: {error}") from None
+
+
+def changed_recipe(cfg: Config, saved: dict, resume: str) -> str | None:
+    """A resumed run continues the adapters, optimizer and schedule its checkpoint holds
+    (their shape, state and rates): an adapter, optim or scheduler key set otherwise here
+    would be ignored without a word, so the first one that differs is named."""
+    from omegaconf import OmegaConf
+
+    for group in ("adapter", "optim", "scheduler"):
+        here = OmegaConf.to_container(OmegaConf.structured(getattr(cfg, group)))
+        before = saved.get(group)
+        if not isinstance(before, dict):
+            continue  # a checkpoint that records none: nothing to compare
+        for key, value in here.items():
+            if key in before and before[key] != value:
+                return (f"trainer.resume={resume} continues the adapters, optimizer and "
+                        f"schedule it holds, and {group}.{key}={value} differs from its "
+                        f"{before[key]}: give {group}.{key}={before[key]} as when it was "
+                        "saved (or start a new run)")
+    return None
