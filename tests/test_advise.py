@@ -361,7 +361,7 @@ def test_step_time_model_follows_the_bubble_and_the_measured_parts():
     # 1's step
     from parallab.advise.measure import Link
 
-    link = Link(gbps=100.0, latency_s=0.002, cores=None, threads=1)
+    link = Link(cores=None, threads=1)
     ran = {"comm_all_reduce_mb": 1.0, "comm_all_reduce_calls": 3, "share_s": 0.1,
            "collectives_s": 0.01, "loop_time_ms": 5.0}
     assert scaling.validate(ran, *ddp, link, 0.4, 1) == pytest.approx(0.1 + 0.01 + 0.005)

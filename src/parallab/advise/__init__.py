@@ -224,6 +224,18 @@ def plan(cfg, overrides: list[str], configure: Callable[[list[str]], Any],
     return candidates, global_batch, user
 
 
+def _links_here(here, n: int) -> list[str]:
+    """This machine's all-reduce at world size n as simulate measured it (cluster=this: one
+    measurement of its collectives, kept between runs); none where it was not measured."""
+    try:
+        fixed, bus = here.rates_at(n).links["all_reduce"]
+    except Exception:  # noqa: BLE001 - a note: advise's answer stands without it
+        return []
+    return [f"At world size {n}: all-reduce {bus * 8 / 1e9:.2f} Gbit/s of bus bandwidth, "
+            f"{fixed * 1e6:.0f} us a call amid compute (this machine as cluster=this "
+            "measured it)."]
+
+
 def _predict_times(candidates: list[Candidate], cfg, links: dict[int, Any]) -> list[str]:
     """Each measured candidate's step: simulated at advise.target_world_size on the cluster
     group's GPUs, and here (cluster=this) at its own world size, as parallab simulate
@@ -264,9 +276,8 @@ def _predict_times(candidates: list[Candidate], cfg, links: dict[int, Any]) -> l
         notes.append(f"predicted_step_ms: each layout simulated on {options.target_world_size} "
                      f"x {cfg.cluster.gpu} (cluster={cfg.cluster.name}), as parallab simulate "
                      "predicts it (docs/parallel.md: planning for a cluster).")
-    for n, link in links.items():
-        notes.append(f"At world size {n}: loopback all-reduce {link.gbps:.2f} Gbit/s, "
-                     f"{link.latency_s * 1e6:.0f} us a call back to back.")
+    for n in links:
+        notes += _links_here(here, n)
     if errors:
         notes.append(f"Step time here predicted from its measured parts: median error "
                      f"{statistics.median(errors):.0%} over {len(errors)} layouts.")

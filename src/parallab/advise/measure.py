@@ -161,8 +161,9 @@ def _step_parts(spec: run.RunSpec, dist: distributed.Dist, figures: dict[str, An
 def worker(job: Job) -> dict[str, Any]:
     """A launched worker: join the group once, measure every candidate and, right after
     each (the same machine load), the parts of its step for the step-time check (its
-    compute share, what its collectives add: advise/parts.py); then the group's bandwidth,
-    one collective's latency and the cores its ranks share."""
+    compute share, what its collectives add: advise/parts.py); then the cores its ranks
+    share. This machine's collectives themselves are simulate's to measure, once
+    (cluster=this: simulate/rank_costs.py), not each job's."""
     import torch.distributed as torch_dist
 
     as_started_afresh()
@@ -179,20 +180,16 @@ def worker(job: Job) -> dict[str, Any]:
                 if "error" not in figures:
                     figures.update(_step_parts(spec, dist, figures, groups))
                 results.append(figures)
-        bandwidth, latency = parts.loopback_gbps(dist), parts.loopback_latency_s(dist)
         threads = torch.get_num_threads()
         distributed.teardown()
-    return {"results": results, "bandwidth_gbps": bandwidth, "latency_s": latency,
-            "cores": distributed.cpu_cores() if dist.device.type == "cpu" else None,
-            "threads": threads}
+    return {"results": results, "threads": threads,
+            "cores": distributed.cpu_cores() if dist.device.type == "cpu" else None}
 
 
 @dataclass
 class Link:
-    """What a launched job measured besides its candidates, for the step-time model."""
+    """What a launched job found besides its candidates, for the step-time model."""
 
-    gbps: float  # all-reduce bus bandwidth
-    latency_s: float  # one collective's fixed cost, timed back to back
     cores: int | None  # the cores its ranks share (None: a device per rank)
     threads: int  # a rank's intra-op threads
 
@@ -202,8 +199,7 @@ class Measure:
     """advise's judge: each candidate left (no reason) run here, one job per world size
     (world size 1: in this process), each launched one with its step's parts
     (advise/parts.py); its figures its run's, a failed one's error its reason. `links`:
-    what each launched job measured of its links (bandwidth, latency, cores), by world
-    size; `run_dir`: where each candidate's run writes (candidates/NN_label)."""
+    the cores and threads each launched job's ranks had, by world size; `run_dir`: where each candidate's run writes (candidates/NN_label)."""
 
     run_dir: Path
     links: dict[int, Link] = field(default_factory=dict)
@@ -232,8 +228,7 @@ class Measure:
             else:
                 answer = _launched(jobs, n, cfg, group[0].resolved)
                 results = answer["results"]
-                self.links[n] = Link(answer["bandwidth_gbps"], answer["latency_s"],
-                                     answer["cores"], answer["threads"])
+                self.links[n] = Link(answer["cores"], answer["threads"])
             for candidate, figures in zip(group, results):
                 candidate.figures = figures
                 candidate.reason = figures.get("error")

@@ -1,6 +1,5 @@
 """The step-time model's parts, measured on this machine by a launched job's ranks
-(advise/scaling.py's validate() adds them up): the loopback bandwidth and one collective's
-latency; each candidate's compute share, its layout's own work over a one-rank group; and
+(advise/scaling.py's validate() adds them up): each candidate's compute share, its layout's own work over a one-rank group; and
 what its collectives add to a replay of its step, where ranks that share cores also wait
 for each other to be scheduled.
 """
@@ -23,23 +22,6 @@ from parallab.training import run
 def max_over_ranks(dist: distributed.Dist, value: float) -> float:
     return dist.all_reduce_max(torch.tensor([value], dtype=torch.float64,
                                             device=dist.device)).item()
-
-
-def loopback_gbps(dist: distributed.Dist, megabytes: int = 16, repeats: int = 5) -> float:
-    """The job's all-reduce bus bandwidth in gigabits/s: 2(n-1)/n x the tensor per rank,
-    as comm.py counts it, over the median time of `repeats` all-reduces."""
-    import torch.distributed as torch_dist
-
-    tensor = torch.ones(megabytes * MB // 4, device=dist.device)
-    times = []
-    for _ in range(repeats + 1):
-        torch_dist.barrier()
-        start = time.perf_counter()
-        torch_dist.all_reduce(tensor)
-        times.append(time.perf_counter() - start)
-    n = dist.world_size
-    sent = 2 * (n - 1) / n * tensor.numel() * 4
-    return sent * 8 / statistics.median(times[1:]) / 1e9
 
 
 def _alone(model: torch.nn.Module, spec: run.RunSpec, dist: distributed.Dist, one, loss
@@ -264,8 +246,7 @@ def collectives_s(dist: distributed.Dist, figures: dict[str, Any], compute_s: fl
     over a pair), against the same work unbroken; the median of `repeats`,
     the slowest rank's. Where ranks share cores, a collective also waits for each rank of
     its group to be scheduled again, a cost that depends on the compute around it: one
-    collective timed back to back (loopback_latency_s) and the bandwidth of one large one
-    do not see it. The kinds in `overlapped` (the layout's plan's overlapped_kinds: DDP's
+    collective timed back to back and the bandwidth of one large one do not see it. The kinds in `overlapped` (the layout's plan's overlapped_kinds: DDP's
     all-reduce) run beside the rest of the replay and are waited for at its end."""
     import torch.distributed as torch_dist
 
@@ -314,19 +295,3 @@ def collectives_s(dist: distributed.Dist, figures: dict[str, Any], compute_s: fl
 
     extra = [replay(True) - replay(False) for _ in range(repeats)]
     return max(0.0, max_over_ranks(dist, statistics.median(extra)))
-
-
-def loopback_latency_s(dist: distributed.Dist, repeats: int = 30) -> float:
-    """The fixed cost of one collective in this job, whatever it carries: the median time
-    of an all-reduce of one number, the slowest rank's, timed back to back (advise's note;
-    the step-time check replays each candidate's collectives amid its compute instead:
-    collectives_s)."""
-    import torch.distributed as torch_dist
-
-    tensor = torch.ones(1, device=dist.device)
-    times = []
-    for _ in range(repeats + 3):
-        start = time.perf_counter()
-        torch_dist.all_reduce(tensor)
-        times.append(time.perf_counter() - start)
-    return max_over_ranks(dist, statistics.median(times[3:]))
