@@ -146,8 +146,9 @@ def overrides_of(row: dict) -> list[str]:
             compiled = "true"
         elif "minGPT" in row["model"]:  # its attention written out, dropout 0.1, eager
             model += ["+model.attention=manual", "model.dropout=0.1"]
-    else:
-        model = ["model=llama3_8b", f"model.config.num_hidden_layers={L}",
+    else:  # a Llama, or Nemotron-4's squared-ReLU MLP and zero-centred LayerNorm
+        preset = "nemotron4_340b" if "Nemotron" in row["model"] else "llama3_8b"
+        model = [f"model={preset}", f"model.config.num_hidden_layers={L}",
                  f"model.config.hidden_size={h}",
                  f"model.config.intermediate_size={row['ffn_hidden']}",
                  f"model.config.num_attention_heads={heads}",

@@ -28,7 +28,7 @@ TRAIN_REFUSES = {("parallel", "auto"): "rank them with `parallab simulate parall
 # models too large to build whole on this machine (the controller's trial would): composed,
 # and checked as parallab simulate checks them, on meta
 LARGE = {"llama3_8b", "llama3_70b", "llama3_405b", "deepseek_v3", "qwen3_moe_30b",
-         "qwen3_moe_235b", "mixtral_8x7b"}
+         "qwen3_moe_235b", "mixtral_8x7b", "nemotron4_340b"}
 
 
 def options(group: str) -> list[str]:
@@ -40,7 +40,8 @@ MODEL_CLASSES = {"gpt": "GPT", "lstm": "LSTMClassifier", "mlp": "MLP", "mnist_cn
                  "resnet18": "ResNet18", "convnet": "ConvNet",
                  **{name: "LlamaForCausalLM" for name in LARGE if name.startswith("llama")},
                  "deepseek_v3": "DeepseekV3ForCausalLM", "qwen3_moe_30b": "Qwen3MoeForCausalLM",
-                 "qwen3_moe_235b": "Qwen3MoeForCausalLM", "mixtral_8x7b": "MixtralForCausalLM"}
+                 "qwen3_moe_235b": "Qwen3MoeForCausalLM", "mixtral_8x7b": "MixtralForCausalLM",
+                 "nemotron4_340b": "NemotronForCausalLM"}
 
 # options that only make sense with a partner from another group
 PARTNERS = {("model", "gpt"): ["data=bytes"], ("data", "bytes"): ["model=gpt"],
