@@ -225,12 +225,13 @@ def plan(cfg, overrides: list[str], configure: Callable[[list[str]], Any],
 
 
 def _links_here(here, n: int) -> list[str]:
-    """This machine's all-reduce at world size n as simulate measured it (cluster=this: one
-    measurement of its collectives, kept between runs); none where it was not measured."""
-    try:
-        fixed, bus = here.rates_at(n).links["all_reduce"]
-    except Exception:  # noqa: BLE001 - a note: advise's answer stands without it
+    """This machine's all-reduce at world size n as simulate measured it for this run's
+    predictions (cluster=this: one measurement of its collectives, kept between runs); none
+    where no candidate of that size was simulated (nothing is measured for a note)."""
+    rates = here.rates.get(n)
+    if rates is None or "all_reduce" not in (rates.links or {}):
         return []
+    fixed, bus = rates.links["all_reduce"]
     return [f"At world size {n}: all-reduce {bus * 8 / 1e9:.2f} Gbit/s of bus bandwidth, "
             f"{fixed * 1e6:.0f} us a call amid compute (this machine as cluster=this "
             "measured it)."]

@@ -45,8 +45,8 @@ def _candidate(module: nn.Module) -> bool:
 def _settings(module: nn.Module) -> tuple:
     """What a module holds beside its tensors (its epsilon, a flag that changes its form):
     a class's modules are tried once for each set of these."""
-    return tuple(sorted((k, v) for k, v in vars(module).items()
-                        if not k.startswith("_") and isinstance(v, (bool, int, float, str))))
+    return tuple(sorted((k, v) for k, v in vars(module).items() if k != "training"
+                        and not k.startswith("_") and isinstance(v, (bool, int, float, str))))
 
 
 # (class, settings) -> whether the module computes torch's rms_norm (Gemma's: 1 + weight)
