@@ -11,7 +11,7 @@ from test_advise import TINY
 
 def test_the_grid_comes_from_each_layout():
     from parallab.advise.candidates import enumerate_grid
-    from parallab.config.schema import AdviseConfig
+    from parallab.config.planning import AdviseConfig
 
     options = AdviseConfig(precisions=["fp32"], activation_checkpointing=["none"],
                            max_accumulation=1, schedules=["1f1b"], microbatches=[4])
@@ -33,7 +33,7 @@ def test_one_grid_spans_the_presets_for_advise_and_every_product_for_simulate():
     advise crosses ep where it carves a layout's shards x tp, in the order of
     advise.layouts."""
     from parallab.advise.candidates import enumerate_grid
-    from parallab.config.schema import AdviseConfig
+    from parallab.config.planning import AdviseConfig
     from parallab.parallel import PLANS, grid
 
     def degrees(space: grid.Space, n: int) -> list[tuple[int, ...]]:
@@ -75,7 +75,7 @@ def test_only_needed_measures_the_cheapest_saver_that_fits():
     from conftest import checked
 
     from parallab.advise import candidates as grid
-    from parallab.config.schema import AdviseConfig
+    from parallab.config.planning import AdviseConfig
 
     options = AdviseConfig(precisions=["fp32"], layouts=["none"], max_accumulation=2)
     found = grid.enumerate_grid(options, [1], "cpu")

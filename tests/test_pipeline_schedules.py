@@ -309,7 +309,7 @@ def test_advise_offers_each_schedule_and_replays_its_bubble():
     replays the schedule's own idle slots (with a device per rank: bubble x the step)."""
     from parallab.advise import scaling
     from parallab.advise.candidates import enumerate_grid
-    from parallab.config.schema import AdviseConfig
+    from parallab.config.planning import AdviseConfig
 
     options = AdviseConfig(layouts=["pipeline"], schedules=list(SCHEDULES), microbatches=[4],
                            precisions=["fp32"], activation_checkpointing=["none"],

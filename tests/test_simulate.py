@@ -216,7 +216,7 @@ def test_fsdp_reduces_each_accumulated_micro_batch_and_keeps_only_shards():
     blocks' and the root's (with no compute to hide behind, every gather and reduction
     exposed: 2 gathers and one reduction a block and micro-batch, one of each for the
     root), HSDP's all-reduce over the replicas once, and no whole gradients kept."""
-    from parallab.config.schema import NcclLatency
+    from parallab.config.planning import NcclLatency
     from parallab.simulate import costs, step
     from parallab.simulate.cluster import Rates
     from parallab.simulate.trace import Shape, Trace

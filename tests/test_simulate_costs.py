@@ -13,7 +13,7 @@ def test_a_matmul_pays_its_bytes_beside_its_flops_where_other_ops_pay_the_longer
     memory's bandwidth (its kernel hides neither its first tiles' load nor its output's
     write); a memory-bound op's, and fused attention's, the longer of the two; none
     shorter than a launch."""
-    from parallab.config.schema import NcclLatency
+    from parallab.config.planning import NcclLatency
     from parallab.simulate import costs
     from parallab.simulate.cluster import Rates
     from parallab.simulate.ops import Op
@@ -35,7 +35,7 @@ def test_a_matmul_pays_its_bytes_beside_its_flops_where_other_ops_pay_the_longer
 
 
 def test_a_collective_takes_nccls_time():
-    from parallab.config.schema import NcclLatency
+    from parallab.config.planning import NcclLatency
     from parallab.simulate.cluster import Group, Rates
 
     rates = Rates({"bf16": 1e15, "fp32": 1e14}, 1.0, 3e12, 450e9, 50e9, 8, 80 * 2**30, 0.0,
@@ -64,7 +64,7 @@ def test_a_collective_takes_nccls_time():
 
 
 def test_a_pipelines_step_is_its_bubble_times_its_slots():
-    from parallab.config.schema import NcclLatency
+    from parallab.config.planning import NcclLatency
     from parallab.simulate import costs, step
     from parallab.simulate.cluster import Rates
     from parallab.simulate.trace import Op, Shape, Trace
@@ -89,7 +89,7 @@ def test_a_pipelines_replicas_average_beside_the_first_ranks_last_backwards():
     part's last backward makes them (parallel/replicas.py): under interleaved 1F1B the
     later part's runs beside the pp backwards after its last one, so that less outlasts
     the compute than under 1F1B's one part; a zero-bubble schedule's waits for the flush."""
-    from parallab.config.schema import NcclLatency
+    from parallab.config.planning import NcclLatency
     from parallab.simulate import costs, step
     from parallab.simulate.cluster import Rates
     from parallab.simulate.trace import Op, Shape, Trace
@@ -122,7 +122,7 @@ def test_a_pipelines_sharded_part_reduces_after_its_last_backward_not_beside_it(
     """FSDP2 under torch's schedules reduces a part's shards once its last backward is done
     and makes the compute wait for them (REDUCE_GRAD, finalize_backward): a longer backward
     hides none of it, where fsdp's blocks reduce beside the backward of the next."""
-    from parallab.config.schema import NcclLatency
+    from parallab.config.planning import NcclLatency
     from parallab.simulate import costs, step
     from parallab.simulate.cluster import Rates
     from parallab.simulate.trace import Op, Shape, Trace

@@ -18,7 +18,7 @@ def test_this_machines_measured_costs_stand_for_nccls_and_a_gpus():
     a pipeline's schedule paying its own time on each pass through a stage (and in the
     idle slots, which last as long as a busy one); the figures measured for real by two
     processes over gloo."""
-    from parallab.config.schema import NcclLatency
+    from parallab.config.planning import NcclLatency
     from parallab.simulate import costs, step, rank_costs
     from parallab.simulate.cluster import Group, Rates
     from parallab.simulate.trace import Op, Shape, Trace
@@ -95,7 +95,7 @@ def test_this_machine_shares_its_cores_among_more_ranks_than_it_measured(monkeyp
     """cluster=this past the rank counts measured together (twice the cores): an op run
     for real slows as the cores' share a rank gets does, as the rates' peaks do, so that a
     step never computes faster than its peak (an MFU beyond 100%)."""
-    from parallab.config.schema import ClusterConfig
+    from parallab.config.planning import ClusterConfig
     from parallab.simulate import this_machine
 
     four = {"links": {}, "fsdp_unit_s": 0.0, "dtensor_op_s": 0.0, "stage_s": 0.0,
@@ -138,7 +138,7 @@ def test_this_machine_runs_only_an_op_it_can_afford():
     is left to the rates (None: the roofline of them), not run."""
     import torch
 
-    from parallab.config.schema import NcclLatency
+    from parallab.config.planning import NcclLatency
     from parallab.simulate import costs
     from parallab.simulate.cluster import Rates
     from parallab.simulate.ops import Op, _spec

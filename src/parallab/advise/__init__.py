@@ -242,7 +242,7 @@ def _predict_times(candidates: list[Candidate], cfg, links: dict[int, Any]) -> l
     group's GPUs, and here (cluster=this) at its own world size, as parallab simulate
     predicts it; and here from the parts its job measured (the replay's check). Notes for
     advise.md."""
-    from parallab.config.schema import ClusterConfig
+    from parallab.config.planning import ClusterConfig
     from parallab.simulate import Predict, search
     from parallab.simulate import cluster as clusters
 

@@ -1,4 +1,5 @@
-"""Typed configuration: the schema of the groups parallab owns, and the base of data sets.
+"""Typed configuration: the schema of the groups parallab owns (the planners' in
+planning.py; the base of data sets, DataConfig, in data_config.py).
 
 Groups whose options are parallab's own (parallel, precision, backend, optim, trainer) start
 their defaults list with a schema from the ConfigStore (`/schema/<group>/<option>`), so
@@ -11,104 +12,24 @@ Value and cross-field checks live with their owners; validate.py runs them in or
 from __future__ import annotations
 
 import enum
-import inspect
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 
 from parallab.config import targets
+# DataConfig and Loader are also named from here: a user's data set subclasses
+# parallab.config.schema.DataConfig (docs/own-model.md)
+from parallab.config.data_config import DataConfig, Loader, data_config, data_defaults  # noqa: F401
 from parallab.config.errors import ConfigError
+from parallab.config.planning import AdviseConfig, ClusterConfig, SimulateConfig
 
 
 class Device(enum.Enum):
     auto = "auto"
     cpu = "cpu"
     cuda = "cuda"
-
-
-class Loader(enum.Enum):
-    auto = "auto"  # memory when the set is tensors that fit, no per-sample augmentation
-    memory = "memory"  # the whole split as one tensor, batches gathered by index
-    dataloader = "dataloader"  # torch DataLoader over a per-sample Dataset
-
-
-# --- data: the keys parallab owns; each data set's class adds its own (data/*.py) -------
-@dataclass
-class DataConfig:
-    """A data set's config, and the data set itself: problem() checks it before any worker
-    starts, make() builds its (train, eval) splits in each worker."""
-
-    _target_: str = MISSING  # the data set's config class (this one's subclass)
-    batch_size: int = 64  # per rank
-    # set: batch_size = this / (data-parallel ranks x trainer.accumulate_grad_batches)
-    global_batch_size: Optional[int] = None
-    eval_batch_size: int = 1000  # per rank
-    # auto | memory (the whole split as tensors held in memory) | dataloader; auto = memory
-    # where the set is tensors that fit and need no per-sample augmentation
-    loader: Loader = Loader.auto
-    num_workers: int = 0  # DataLoader worker processes per rank
-    # page-locked host batches, so the copy to a GPU overlaps compute; null = on CUDA
-    pin_memory: Optional[bool] = None
-    persistent_workers: bool = False  # keep the DataLoader's workers between epochs
-    prefetch_factor: Optional[int] = None  # batches each worker loads ahead; null = torch's 2
-    collate_fn: Any = None  # a function's dotted path, or a _target_ spec; null = torch's
-
-    name: ClassVar[str] = "data"  # in messages and hparams
-    tensors: ClassVar[bool] = True  # make() gives in-memory Splits (data.loader=memory works)
-    next_token: ClassVar[bool] = False  # targets are the next token of every input position
-
-    def problem(self) -> Optional[str]:
-        """None if the data can be made (files there, values in range), else one line
-        naming the key and the fix. May fetch files when the config asks to download."""
-        return None
-
-    def sized(self) -> bool:
-        """False for a stream of unknown length: then trainer.max_steps must bound the run."""
-        return True
-
-    def train_length(self) -> int | None:
-        """Training samples, where known without building the data (the run's length is
-        then checked before any worker starts); None: the workers check it."""
-        return None
-
-    def batch_said(self) -> str:
-        """The per-rank batch size as the user set it, for messages: data.batch_size, or
-        data.global_batch_size where that set it."""
-        if self.global_batch_size is not None:
-            return (f"data.global_batch_size={self.global_batch_size} ({self.batch_size} per "
-                    "rank)")
-        return f"data.batch_size={self.batch_size}"
-
-    def make(self, seed: int) -> tuple[Any, Any]:
-        """(train, eval): Splits (data/split.py) or torch Datasets."""
-        raise TypeError(f"{type(self).__name__} does not say how to make its data")
-
-    def fit_model(self, model: dict[str, Any]) -> None:
-        """Settle what depends on the model (its `model` spec), before the model's own
-        checks read the data: data=token_files' samples, pairs for gpt or dicts for a
-        transformers model."""
-
-    def layout_problem(self, layout: Any) -> Optional[str]:
-        """None if the data's samples suit the resolved layout, else one line."""
-        return None
-
-    def resume_problem(self, saved: Any, resume: str) -> Optional[str]:
-        """None if the data a checkpoint recorded (`saved`: its "data" entry, if any) is
-        still the data here, else one line naming what changed."""
-        return None
-
-
-def data_defaults() -> dict[str, Any]:
-    """The keys parallab owns in every data set's config, as the composed config's `data`
-    starts with them (a plain mapping: each data option adds its own keys, and validate
-    types the whole node by its data set's class)."""
-    import dataclasses
-
-    return {f.name: getattr(f.default, "value", f.default) for f in dataclasses.fields(DataConfig)
-            if f.default is not MISSING}
 
 
 def typed(dict_cfg) -> "Config":
@@ -125,26 +46,6 @@ def typed(dict_cfg) -> "Config":
     if not isinstance(cfg.data, DataConfig):  # a user's data node, typed by its _target_
         cfg.data = data_config(cfg.data)
     return cfg
-
-
-def data_config(node: dict[str, Any]) -> DataConfig:
-    """The composed `data` node as its typed config: the class its _target_ names, or for
-    a node with data.train / data.eval (Dataset specs) the generic Datasets."""
-    node = dict(node)
-    if targets.TARGET not in node and ("train" in node or "eval" in node):
-        node[targets.TARGET] = "parallab.data.datasets.Datasets"
-    cls = targets.locate(node.get(targets.TARGET), "data._target_")
-    if not (inspect.isclass(cls) and issubclass(cls, DataConfig)):
-        raise ConfigError(
-            f"data._target_={node.get(targets.TARGET)} is not a data set config (a "
-            "parallab.config.schema.DataConfig dataclass): give your torch Datasets as "
-            "data.train._target_ and data.eval._target_ instead")
-    try:
-        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls), node))
-    except OmegaConfBaseException as error:
-        message = str(error.msg).splitlines()[0].replace(f" in '{cls.__name__}'", "")
-        raise ConfigError(f"data.{error.full_key}: {message} (data set {cls.__name__}): fix "
-                          "the key or its value") from None
 
 
 # --- parallel ----------------------------------------------------------------------------
@@ -414,100 +315,6 @@ class TrainerConfig:
 class SweepConfig:
     # re-running a sweep: jobs whose dir holds a complete metrics.json are not rerun
     skip_completed: bool = False
-
-
-@dataclass
-class AdviseConfig:
-    """`parallab advise` (advise/): candidate layouts, how long each is measured, and the
-    hardware its step-time prediction is for."""
-
-    run: bool = False  # true (experiment=advise, parallab advise): advise instead of training
-    steps: int = 10  # optimizer steps measured per candidate, after warmup_steps
-    warmup_steps: int = 3  # steps per candidate left out of its figures
-    # null = 1 and each divisor of parallel.world_size (CPU: 2 if unset)
-    world_sizes: Optional[list[int]] = None
-    # parallel options to try, e.g. [ddp,fsdp]; null = every one that fits
-    layouts: Optional[list[str]] = None
-    # null = fp32 and bf16 (CPU); fp32, bf16, amp and, with float8 tensor cores, fp8 (CUDA)
-    precisions: Optional[list[str]] = None
-    # the trainer.activation_checkpointing modes tried (selective_alternate where listed)
-    activation_checkpointing: list[str] = field(
-        default_factory=lambda: ["none", "selective", "full"])
-    max_accumulation: int = 4  # gradient accumulation tried: 1, 2, 4 ... up to this
-    microbatches: list[int] = field(default_factory=lambda: [2, 4])  # pipeline candidates'
-    # pipeline's (the multi-stage ones at 2 stages per rank, where the model has them);
-    # null = every schedule parallab has (parallel/schedules.py)
-    schedules: Optional[list[str]] = None
-    # true: a memory saver (activation checkpointing, accumulation) is measured only where
-    # the candidate without it is predicted not to fit; false: the whole grid
-    only_needed: bool = True
-    rtol: float = 1e-3  # a candidate matches its reference when every loss is this close
-    budget_mb: Optional[float] = None  # per rank; null = trainer.max_memory_mb, else the device's
-    # each measured layout's step simulated on this many GPUs of the cluster group's
-    # (cluster=NAME; null = none), as parallab simulate predicts it
-    target_world_size: Optional[int] = None
-
-
-# --- cluster: the GPUs parallab simulate predicts a step on (simulate/cluster.py) ---
-@dataclass
-class NcclLatency:
-    """NCCL's latency constants (its tuning.cc): microseconds per call and per ring step,
-    inside a node (NVLink) and between nodes (the network), for its Simple protocol and its
-    low-latency LL protocol."""
-
-    base_us: float = 8.4
-    intra_hop_us: float = 3.4
-    inter_hop_us: float = 9.6
-    ll_base_us: float = 3.6
-    ll_intra_hop_us: float = 0.47
-    ll_inter_hop_us: float = 2.7
-
-
-@dataclass
-class ClusterConfig:
-    name: str = MISSING
-    # the GPU, as observe/gpus.yaml names it (its peak FLOP/s per precision); `this` = this
-    # machine, its rates measured
-    gpu: str = MISSING
-    # its dense peaks by precision (fp32, tf32, bf16, fp16, fp8), TFLOP/s, in place of
-    # gpus.yaml's entry: a GPU it does not list needs its cluster YAML alone
-    peak_tflops: dict[str, float] = field(default_factory=dict)
-    memory_gb: Optional[float] = MISSING  # a GPU's memory, GiB
-    hbm_gbps: Optional[float] = MISSING  # its memory bandwidth, Gbit/s (H100 SXM: 26,800)
-    gpus_per_node: Optional[int] = MISSING
-    intra_node_gbps: Optional[float] = MISSING  # a GPU to its node's peers, one direction
-    inter_node_gbps: Optional[float] = MISSING  # a GPU to other nodes (its NIC's share)
-    nccl: NcclLatency = field(default_factory=NcclLatency)
-    # the share of the peak a large matmul reaches: the one constant fitted per GPU kind,
-    # from the one published run its YAML names
-    matmul_efficiency: Optional[float] = MISSING
-    # the largest share of each precision's peak (bf16, fp8) a GEMM reached in a published
-    # sweep of shapes on this GPU: a float8 matmul runs at matmul_efficiency x fp8's share /
-    # bf16's (none given: at matmul_efficiency)
-    gemm_peak_share: dict[str, float] = field(default_factory=dict)
-    op_overhead_us: Optional[float] = 4.0  # the least time an eager kernel takes (its launch)
-    source: str = ""  # where the figures come from
-    # cluster=this: measure this machine's rates again, not the ones kept (~/.cache/parallab)
-    remeasure: bool = False
-
-
-@dataclass
-class SimulateConfig:
-    """parallab simulate's own keys (the layouts, the cluster and the shapes are the
-    parallel, cluster and data groups')."""
-
-    rows: int = 20  # layouts simulate.md lists, fastest first (simulate.json holds every one)
-    plotted: int = 4  # the best layouts simulate.png draws against the GPU count
-    # GPU counts simulate.png draws them at; null = powers of 2 from 8 up to parallel.world_size
-    world_sizes: Optional[list[int]] = None
-    # a dir of runs measured here (an advise run dir, a sweep's dir): its figures drawn
-    # beside the predictions
-    measured: Optional[str] = None
-    # how an MoE model's tokens pick their experts (each expert an even share either way):
-    # random (each token's top_k at random) | round_robin (token t's top_k are neighbours,
-    # t*k ... t*k+k-1: the forced balance of torchtitan's and NeMo's benchmarks), which
-    # sets the ranks a token is sent to under parallel.ep
-    routing: str = "random"
 
 
 @dataclass

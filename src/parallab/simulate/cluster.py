@@ -25,7 +25,7 @@ from typing import Any
 
 from omegaconf import MISSING
 
-from parallab.config.schema import ClusterConfig, NcclLatency
+from parallab.config.planning import ClusterConfig, NcclLatency
 
 GBIT = 1e9 / 8  # bytes per second in a gigabit per second
 THIS = "this"  # cluster.gpu: this machine, its rates measured (simulate/this_machine.py)

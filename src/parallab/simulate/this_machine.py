@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from parallab.config.schema import ClusterConfig, NcclLatency
+from parallab.config.planning import ClusterConfig, NcclLatency
 from parallab.simulate.cluster import GBIT, Rates
 from parallab.simulate.op_times import Timer, fastest, in_step, ops_in
 

@@ -1,0 +1,117 @@
+"""The base of data sets: the `data` keys parallab owns, and the composed `data` node typed
+by its data set's own config class (a DataConfig subclass; data/*.py, or a user's)."""
+
+from __future__ import annotations
+
+import enum
+import inspect
+from dataclasses import dataclass
+from typing import Any, ClassVar, Optional
+
+from omegaconf import MISSING, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from parallab.config import targets
+from parallab.config.errors import ConfigError
+
+
+class Loader(enum.Enum):
+    auto = "auto"  # memory when the set is tensors that fit, no per-sample augmentation
+    memory = "memory"  # the whole split as one tensor, batches gathered by index
+    dataloader = "dataloader"  # torch DataLoader over a per-sample Dataset
+
+
+# --- data: the keys parallab owns; each data set's class adds its own (data/*.py) -------
+@dataclass
+class DataConfig:
+    """A data set's config, and the data set itself: problem() checks it before any worker
+    starts, make() builds its (train, eval) splits in each worker."""
+
+    _target_: str = MISSING  # the data set's config class (this one's subclass)
+    batch_size: int = 64  # per rank
+    # set: batch_size = this / (data-parallel ranks x trainer.accumulate_grad_batches)
+    global_batch_size: Optional[int] = None
+    eval_batch_size: int = 1000  # per rank
+    # auto | memory (the whole split as tensors held in memory) | dataloader; auto = memory
+    # where the set is tensors that fit and need no per-sample augmentation
+    loader: Loader = Loader.auto
+    num_workers: int = 0  # DataLoader worker processes per rank
+    # page-locked host batches, so the copy to a GPU overlaps compute; null = on CUDA
+    pin_memory: Optional[bool] = None
+    persistent_workers: bool = False  # keep the DataLoader's workers between epochs
+    prefetch_factor: Optional[int] = None  # batches each worker loads ahead; null = torch's 2
+    collate_fn: Any = None  # a function's dotted path, or a _target_ spec; null = torch's
+
+    name: ClassVar[str] = "data"  # in messages and hparams
+    tensors: ClassVar[bool] = True  # make() gives in-memory Splits (data.loader=memory works)
+    next_token: ClassVar[bool] = False  # targets are the next token of every input position
+
+    def problem(self) -> Optional[str]:
+        """None if the data can be made (files there, values in range), else one line
+        naming the key and the fix. May fetch files when the config asks to download."""
+        return None
+
+    def sized(self) -> bool:
+        """False for a stream of unknown length: then trainer.max_steps must bound the run."""
+        return True
+
+    def train_length(self) -> int | None:
+        """Training samples, where known without building the data (the run's length is
+        then checked before any worker starts); None: the workers check it."""
+        return None
+
+    def batch_said(self) -> str:
+        """The per-rank batch size as the user set it, for messages: data.batch_size, or
+        data.global_batch_size where that set it."""
+        if self.global_batch_size is not None:
+            return (f"data.global_batch_size={self.global_batch_size} ({self.batch_size} per "
+                    "rank)")
+        return f"data.batch_size={self.batch_size}"
+
+    def make(self, seed: int) -> tuple[Any, Any]:
+        """(train, eval): Splits (data/split.py) or torch Datasets."""
+        raise TypeError(f"{type(self).__name__} does not say how to make its data")
+
+    def fit_model(self, model: dict[str, Any]) -> None:
+        """Settle what depends on the model (its `model` spec), before the model's own
+        checks read the data: data=token_files' samples, pairs for gpt or dicts for a
+        transformers model."""
+
+    def layout_problem(self, layout: Any) -> Optional[str]:
+        """None if the data's samples suit the resolved layout, else one line."""
+        return None
+
+    def resume_problem(self, saved: Any, resume: str) -> Optional[str]:
+        """None if the data a checkpoint recorded (`saved`: its "data" entry, if any) is
+        still the data here, else one line naming what changed."""
+        return None
+
+
+def data_defaults() -> dict[str, Any]:
+    """The keys parallab owns in every data set's config, as the composed config's `data`
+    starts with them (a plain mapping: each data option adds its own keys, and validate
+    types the whole node by its data set's class)."""
+    import dataclasses
+
+    return {f.name: getattr(f.default, "value", f.default) for f in dataclasses.fields(DataConfig)
+            if f.default is not MISSING}
+
+
+def data_config(node: dict[str, Any]) -> DataConfig:
+    """The composed `data` node as its typed config: the class its _target_ names, or for
+    a node with data.train / data.eval (Dataset specs) the generic Datasets."""
+    node = dict(node)
+    if targets.TARGET not in node and ("train" in node or "eval" in node):
+        node[targets.TARGET] = "parallab.data.datasets.Datasets"
+    cls = targets.locate(node.get(targets.TARGET), "data._target_")
+    if not (inspect.isclass(cls) and issubclass(cls, DataConfig)):
+        raise ConfigError(
+            f"data._target_={node.get(targets.TARGET)} is not a data set config (a "
+            "parallab.config.schema.DataConfig dataclass): give your torch Datasets as "
+            "data.train._target_ and data.eval._target_ instead")
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls), node))
+    except OmegaConfBaseException as error:
+        message = str(error.msg).splitlines()[0].replace(f" in '{cls.__name__}'", "")
+        raise ConfigError(f"data.{error.full_key}: {message} (data set {cls.__name__}): fix "
+                          "the key or its value") from None
