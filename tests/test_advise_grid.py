@@ -27,6 +27,35 @@ def test_the_grid_comes_from_each_layout():
     assert on_gpus["dp(R2) b1 ac=none fp32"][:2] == ["parallel=dp", "parallel.world_size=2"]
 
 
+def test_a_users_setting_of_a_key_a_layout_sets_gives_way_in_each_planners_command():
+    """Every key a layout's command sets is one a user's own setting of gives way to, in
+    advise's commands and simulate's alike; what each planner alone decides stays its own."""
+    import dataclasses
+
+    from parallab.advise.candidates import user_overrides as advise_keeps
+    from parallab.parallel import grid
+    from parallab.simulate.search import user_overrides as simulate_keeps
+
+    everything = grid.Space(grid.powers_of_two_dividing, max_tp=8, mixed=True,
+                            ways=lambda pp, dp: [{"schedule": "interleaved_1f1b",
+                                                  "stages_per_rank": 4, "microbatches": 8,
+                                                  "accumulation": 2}])
+    found = grid.layouts(16, everything)
+    found += [dataclasses.replace(lay, sequence_parallel=True, ep=2) for lay in found
+              if lay.tp > 1 and lay.dp_shard > 1]
+    said = {o for lay in found for o in [*lay.overrides(), *lay.overrides(global_batch=True)]}
+    assert {o.split("=")[0] for o in said} >= {"parallel.stages_per_rank", "parallel.ep",
+                                                "parallel.sequence_parallel", "data.batch_size"}
+    for keeps in (advise_keeps, simulate_keeps):
+        assert keeps(sorted(said)) == []
+    user = ["model.width=64", "parallel.bucket_cap_mb=10", "precision=bf16", "cluster=h100",
+            "simulate.rows=5", "advise.steps=3", "parallel.threads_per_worker=1"]
+    assert advise_keeps(user) == ["model.width=64", "cluster=h100", "simulate.rows=5",
+                                  "parallel.threads_per_worker=1"]
+    assert simulate_keeps(user) == ["model.width=64", "parallel.bucket_cap_mb=10",
+                                    "precision=bf16", "parallel.threads_per_worker=1"]
+
+
 def test_one_grid_spans_the_presets_for_advise_and_every_product_for_simulate():
     """parallel/grid.py: advise spans the presets' shapes over every divisor, simulate every
     product of powers of two with tp within a node; each layout names its preset's plan;

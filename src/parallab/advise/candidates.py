@@ -11,21 +11,21 @@ import math
 from typing import Any, Callable
 
 from parallab.config.errors import ConfigError, first_line
-from parallab.parallel.grid import Candidate
+from parallab.parallel.grid import Candidate, overrides_kept
 from parallab.parallel.layout import Layout
 
 log = logging.getLogger(__name__)
 # the cost order of the memory savers: each next one trades more time for memory
 SAVERS = {"none": 0.0, "selective": 0.5, "selective_alternate": 1.0, "full": 1.5}
-# what advise decides: the user's own settings of these keys give way to each candidate's
-DECIDED = ("parallel=", "parallel.", "precision=", "trainer.activation_checkpointing=",
-           "trainer.accumulate_grad_batches=", "advise.", "experiment=advise", "hydra.")
+# what advise decides beyond a layout's keys: every parallel key (a user's bucket size or
+# plan is for one preset), the precisions it crosses; its own experiment
+DECIDED = ("parallel.", "precision=", "experiment=advise")
 KEPT = ("parallel.stages=", "parallel.threads_per_worker=")  # the model's and the machine's
 
 
 def user_overrides(overrides: list[str]) -> list[str]:
     """The user's overrides less those advise decides per candidate."""
-    return [o for o in overrides if o.startswith(KEPT) or not o.lstrip("+~").startswith(DECIDED)]
+    return overrides_kept(overrides, DECIDED, KEPT)
 
 
 # the layouts whose shards (and tp ranks) expert parallelism is carved from

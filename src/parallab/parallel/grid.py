@@ -14,7 +14,16 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
-from parallab.parallel.layout import Layout
+from parallab.parallel.layout import SET_KEYS, Layout
+
+
+def overrides_kept(overrides: list[str], decided: tuple[str, ...],
+                   kept: tuple[str, ...] = ()) -> list[str]:
+    """The user's overrides a candidate's command keeps: all but those of the keys its
+    layout sets (layout.SET_KEYS), the planners' own (advise., hydra.) and what the planner
+    deciding also decides (`decided`), bar `kept`."""
+    gone = (*SET_KEYS, "advise.", "hydra.", *decided)
+    return [o for o in overrides if o.startswith(kept) or not o.lstrip("+~").startswith(gone)]
 
 
 def divisors(n: int) -> list[int]:

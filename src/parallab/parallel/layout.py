@@ -27,6 +27,13 @@ from parallab.config.errors import ConfigError
 
 DEGREES = ("dp_replicate", "dp_shard", "tp")  # the mesh layouts' (the pipeline adds pp)
 PIPELINE_DEGREES = ("dp_replicate", "dp_shard", "pp", "tp")
+# every key Layout.overrides may set: a user's own setting of one gives way to the
+# layout's in a planner's command (parallel/grid.py overrides_kept)
+SET_KEYS = ("parallel=", "parallel.world_size=", "parallel.dp_replicate=",
+            "parallel.dp_shard=", "parallel.tp=", "parallel.pp=", "parallel.schedule=",
+            "parallel.microbatches=", "parallel.stages_per_rank=",
+            "parallel.sequence_parallel=", "parallel.ep=", "data.batch_size=",
+            "trainer.accumulate_grad_batches=", "trainer.activation_checkpointing=")
 
 
 def resolve_degrees(given: dict[str, int | None], world_size: int) -> dict[str, int]:
@@ -219,7 +226,8 @@ class Layout:
 
     def overrides(self, global_batch: bool = False) -> list[str]:
         """What `parallab train` needs beyond the user's overrides to train this way
-        (`global_batch`: the user gave data.global_batch_size, which sets the batch)."""
+        (`global_batch`: the user gave data.global_batch_size, which sets the batch); each
+        of its keys is in SET_KEYS."""
         from parallab.parallel import schedules
 
         found = [f"parallel={self.preset}", f"parallel.world_size={self.world_size}"]

@@ -12,19 +12,14 @@ from typing import Any
 from parallab.config.errors import ConfigError
 from parallab.parallel import schedules
 from parallab.parallel.activations import CONTEXTS
-from parallab.parallel.grid import Candidate, Space, layouts, powers_of_two_dividing
+from parallab.parallel.grid import (Candidate, Space, layouts, overrides_kept,
+                                    powers_of_two_dividing)
 from parallab.parallel.layout import Layout
 
 # the modes in order of what they recompute: none, the selective ones, full
 CHECKPOINTING = ("none", *CONTEXTS, "full")
-# what a candidate sets: the user's own settings of these give way to it in its command
-# (the layout's other keys, such as parallel.bucket_cap_mb, stay as the user set them)
-DECIDED = ("parallel=", "parallel.world_size=", "parallel.dp_replicate=",
-           "parallel.dp_shard=", "parallel.tp=", "parallel.pp=", "parallel.schedule=",
-           "parallel.microbatches=", "parallel.stages_per_rank=",
-           "parallel.sequence_parallel=", "parallel.ep=", "trainer.activation_checkpointing=",
-           "trainer.accumulate_grad_batches=", "data.batch_size=", "cluster=", "cluster.",
-           "simulate.", "hydra.", "advise.")
+# what simulate decides beyond a layout's keys: the cluster, and its own keys
+DECIDED = ("cluster=", "cluster.", "simulate.")
 
 
 def per_rank_batch(cfg, dp: int) -> tuple[int | None, str | None]:
@@ -136,7 +131,7 @@ def grown(c: Candidate, world_size: int) -> Candidate:
 
 def user_overrides(overrides: list[str]) -> list[str]:
     """The user's overrides less those each candidate decides."""
-    return [o for o in overrides if not o.lstrip("+~").startswith(DECIDED)]
+    return overrides_kept(overrides, DECIDED)
 
 
 # the user's keys a candidate's command carries only where its layout takes them: a
