@@ -3,14 +3,14 @@
 Built in: auto (the default: the model's own loss where a dict batch's labels give it one,
 else cross_entropy), cross_entropy (class scores against class indices, or per-position
 scores against next tokens: every target position counts once, but ignored ones, -100),
-mse, bce_with_logits, and `model`, for a model whose forward takes the targets and returns
-the loss (nanoGPT's (logits, loss), a transformers output's .loss). The built-in losses read
+fused_cross_entropy (the same, keeping only the logits for backward), mse,
+bce_with_logits, and `model`, for a model whose forward takes the targets and returns the
+loss (nanoGPT's (logits, loss), a transformers output's .loss). The built-in losses read
 the logits of any output (.logits, ["logits"], a tuple's first element). Any other callable
 `(output, targets) -> scalar loss` comes by `_target_`: a class (built with the YAML's
 arguments, e.g. torch.nn.HuberLoss) or a function (its YAML arguments bound as keywords,
 e.g. torch.nn.functional.smooth_l1_loss with beta); it gets the output as the model returns
-it.
-"""
+it."""
 
 from __future__ import annotations
 
@@ -137,6 +137,67 @@ class CrossEntropy(Objective):
 
     def total(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return self._loss(output, targets, "sum")
+
+
+class FusedCrossEntropy(CrossEntropy):
+    """cross_entropy's loss, gradients and accuracy, computed as a fused kernel computes
+    them (flash-attn's, as MosaicML's runs take it; Liger's): in float32 a slice of rows at
+    a time, keeping for backward only the logits as the model gave them (bf16 under bf16
+    precision), the gradient made in the logits' own dtype. cross_entropy keeps the float32
+    log-probabilities of every position and class and makes their float32 gradient: over a
+    vocabulary of 50,000-250,000, a large share of a step's peak."""
+
+    takes_sharded_logits = False  # the logits come whole under tp (no loss_parallel)
+
+    def _loss(self, output: torch.Tensor, targets: torch.Tensor, reduction: str) -> torch.Tensor:
+        targets = targets.flatten()
+        total = _FusedSum.apply(output.flatten(0, -2), targets, self.label_smoothing)
+        return total if reduction == "sum" else total / batches.valid(targets).sum()
+
+
+class _FusedSum(torch.autograd.Function):
+    """The summed cross-entropy of logits (N, V) against targets (N,), ignored ones
+    (-100) adding nothing, a slice of rows at a time: each slice's float32 log-softmax (or
+    softmax, for the gradient) made from the logits in one pass and dropped. Torch's own
+    ops, for any device."""
+
+    SLICE_BYTES = 2**28  # a float32 slice of rows at most (the most held beside the logits)
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, smoothing: float):
+        valid = targets != batches.IGNORE_INDEX
+        picked_at = torch.where(valid, targets, 0).unsqueeze(1)
+        terms = torch.empty(len(targets), dtype=torch.float32, device=logits.device)
+        for rows in _FusedSum.slices(logits):
+            logp = torch.log_softmax(logits[rows], dim=-1, dtype=torch.float32)
+            terms[rows] = -(1 - smoothing) * logp.gather(1, picked_at[rows]).squeeze(1)
+            if smoothing:  # torch's: the mean over classes of -log p, weighted
+                terms[rows] -= smoothing * logp.mean(dim=-1)
+        ctx.save_for_backward(logits, picked_at, valid)
+        ctx.smoothing = smoothing
+        return torch.where(valid, terms, 0.0).sum()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        logits, picked_at, valid = ctx.saved_tensors
+        smoothing = ctx.smoothing
+        scale = torch.where(valid, grad.float(), 0.0).unsqueeze(1)
+        minus = torch.full(picked_at.shape, smoothing - 1, device=logits.device)  # at the target
+        out = torch.empty_like(logits)
+        for rows in _FusedSum.slices(logits):
+            g = torch.softmax(logits[rows], dim=-1, dtype=torch.float32)
+            g.scatter_add_(1, picked_at[rows], minus[rows])
+            if smoothing:
+                g -= smoothing / logits.shape[-1]
+            # cast as it is copied (mul's out= in another dtype is a slow path on CPU)
+            out[rows].copy_(g.mul_(scale[rows]))
+        return out, None, None
+
+    @staticmethod
+    def slices(logits: torch.Tensor) -> list[slice]:
+        n, classes = logits.shape
+        step = max(1, _FusedSum.SLICE_BYTES // (4 * classes))
+        return [slice(start, start + step) for start in range(0, n, step)]
 
 
 def _same_shape(name: str, output: torch.Tensor, targets: torch.Tensor) -> None:

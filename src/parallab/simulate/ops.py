@@ -63,7 +63,7 @@ FREE = {aten.view.default, aten._unsafe_view.default, aten.t.default, aten.trans
         aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int,
         aten.as_strided.default, aten._reshape_alias.default, aten.lift_fresh.default,
         aten.empty.memory_format, aten.empty_strided.default, aten.new_empty_strided.default,
-        aten.new_empty.default}
+        aten.new_empty.default, aten.empty_like.default}
 
 
 def moves_data(func) -> bool:
