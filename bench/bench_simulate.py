@@ -55,6 +55,8 @@ ZERO_1 = "distributed optimizer (zero-1"  # a row's notes stating Megatron's, lo
 SEQUENCE_PARALLEL = "sequence parallel inferred"  # a row's notes, lower-cased
 # torchtitan's Triton RMSNorm (norm_type "fused_rmsnorm"), a row's notes: trainer.fused_norms
 FUSED_NORMS = "fused_rmsnorm"
+# a fused cross-entropy (flash-attn's: MosaicML's loss_fn), a row's notes: that loss
+FUSED_LOSS = "fused_crossentropy"
 # the first N blocks recomputed whole (Megatron's recompute_method=block), a row's notes
 BLOCKS_RECOMPUTED = re.compile(r"recompute_num_layers=(\d+)")
 # Megatron-Core on Transformer Engine: its normalization, activation, RoPE and cross-entropy
@@ -194,6 +196,7 @@ def overrides_of(row: dict) -> list[str]:
     small = ["cluster.memory_gb=39", "cluster.hbm_gbps=12440"] if "A100 40GB" in row["hardware"] \
         else []
     fused = ["trainer.fused_norms=true"] if FUSED_NORMS in notes else []
+    fused += ["loss=fused_cross_entropy"] if FUSED_LOSS in notes else []
     return [*model, *layout, f"data.seq_len={seq}", f"precision={precision}", "optim=adamw",
             *ac, *fused, f"trainer.compile={compiled}", f"cluster={cluster_of(row)}", *small]
 

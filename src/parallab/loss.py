@@ -182,7 +182,8 @@ class _FusedSum(torch.autograd.Function):
         logits, picked_at, valid = ctx.saved_tensors
         smoothing = ctx.smoothing
         scale = torch.where(valid, grad.float(), 0.0).unsqueeze(1)
-        minus = torch.full(picked_at.shape, smoothing - 1, device=logits.device)  # at the target
+        minus = torch.full(picked_at.shape, smoothing - 1.0, dtype=torch.float32,
+                           device=logits.device)  # added at each target
         out = torch.empty_like(logits)
         for rows in _FusedSum.slices(logits):
             g = torch.softmax(logits[rows], dim=-1, dtype=torch.float32)
