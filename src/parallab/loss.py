@@ -152,7 +152,7 @@ class FusedCrossEntropy(CrossEntropy):
     def _loss(self, output: torch.Tensor, targets: torch.Tensor, reduction: str) -> torch.Tensor:
         targets = targets.flatten()
         total = _FusedSum.apply(output.flatten(0, -2), targets, self.label_smoothing)
-        return total if reduction == "sum" else total / batches.valid(targets).sum()
+        return total if reduction == "sum" else total / self.count(targets)
 
 
 class _FusedSum(torch.autograd.Function):

@@ -199,7 +199,8 @@ class Measure:
     """advise's judge: each candidate left (no reason) run here, one job per world size
     (world size 1: in this process), each launched one with its step's parts
     (advise/parts.py); its figures its run's, a failed one's error its reason. `links`:
-    the cores and threads each launched job's ranks had, by world size; `run_dir`: where each candidate's run writes (candidates/NN_label)."""
+    the cores and threads each launched job's ranks had, by world size; `run_dir`: where
+    each candidate's run writes (candidates/NN_label)."""
 
     run_dir: Path
     links: dict[int, Link] = field(default_factory=dict)

@@ -1,7 +1,7 @@
 """The step-time model's parts, measured on this machine by a launched job's ranks
-(advise/scaling.py's validate() adds them up): each candidate's compute share, its layout's own work over a one-rank group; and
-what its collectives add to a replay of its step, where ranks that share cores also wait
-for each other to be scheduled.
+(advise/scaling.py's validate() adds them up): each candidate's compute share, its layout's
+own work over a one-rank group; and what its collectives add to a replay of its step, where
+ranks that share cores also wait for each other to be scheduled.
 """
 
 from __future__ import annotations
@@ -246,7 +246,8 @@ def collectives_s(dist: distributed.Dist, figures: dict[str, Any], compute_s: fl
     over a pair), against the same work unbroken; the median of `repeats`,
     the slowest rank's. Where ranks share cores, a collective also waits for each rank of
     its group to be scheduled again, a cost that depends on the compute around it: one
-    collective timed back to back and the bandwidth of one large one do not see it. The kinds in `overlapped` (the layout's plan's overlapped_kinds: DDP's
+    collective timed back to back and the bandwidth of one large one do not see it. The
+    kinds in `overlapped` (the layout's plan's overlapped_kinds: DDP's
     all-reduce) run beside the rest of the replay and are waited for at its end."""
     import torch.distributed as torch_dist
 

@@ -32,20 +32,20 @@ def check_resume(cfg: Config, layout: Layout, run_dir: str | None) -> None:
         raise ConfigError(f"trainer.resume: {error}: give an existing checkpoint, or "
                           "trainer.resume=auto") from None
     require(checkpoint.resumable(resume, meta),
-             f"trainer.resume={resume} is not a parallab training checkpoint (no optimizer or "
-             "position in it): evaluate it with evaluate.py, or start afresh")
+            f"trainer.resume={resume} is not a parallab training checkpoint (no optimizer or "
+            "position in it): evaluate it with evaluate.py, or start afresh")
     require(checkpoint.same_model(meta, cfg.model),
-             f"trainer.resume={resume} was saved from another model config than model "
-             f"{config.model_name(cfg.model)} here: resume with the same model config")
+            f"trainer.resume={resume} was saved from another model config than model "
+            f"{config.model_name(cfg.model)} here: resume with the same model config")
     refuse(changed_recipe(cfg, checkpoint.saved_config(meta), resume))
     refuse(cfg.data.resume_problem(meta.get("data"), resume))  # its files, unchanged
     # any layout continues any other's checkpoint, except a one-file one by an earlier
     # parallab, whose optimizer state is by parameter index: only a whole model reads it
     require(not layout.sharded or checkpoint.by_name(resume, meta),
-             f"trainer.resume={resume} was saved by parallel={checkpoint.saved_parallel(meta)} "
-             f"of an earlier parallab, whose optimizer state only a whole model reads, not "
-             f"parallel={cfg.parallel.name} with these degrees: resume it under that layout "
-             "once (its next checkpoint is read by any)")
+            f"trainer.resume={resume} was saved by parallel={checkpoint.saved_parallel(meta)} "
+            f"of an earlier parallab, whose optimizer state only a whole model reads, not "
+            f"parallel={cfg.parallel.name} with these degrees: resume it under that layout "
+            "once (its next checkpoint is read by any)")
 
 
 def check_init(cfg: Config, probe: trial.Probe) -> None:
@@ -59,17 +59,17 @@ def check_init(cfg: Config, probe: trial.Probe) -> None:
     if path is None:
         return
     require(cfg.trainer.resume is None, f"trainer.init_from={path} starts a new run from "
-             f"weights, and trainer.resume={cfg.trainer.resume} continues one from its "
-             "checkpoint (which holds the weights it started from): drop one of them")
+            f"weights, and trainer.resume={cfg.trainer.resume} continues one from its "
+            "checkpoint (which holds the weights it started from): drop one of them")
     require(Path(path).exists(), f"trainer.init_from={path} does not exist: give weights "
-             f"as {formats.read()}")
+            f"as {formats.read()}")
     if adapters.is_folder(path):  # its adapters' shapes then, as any file's weights
         refuse(adapters.folder_problem(cfg.adapter, path))
     try:
         adapted = weights.holds_adapters(path)
         require(not adapted or adapters.enabled(cfg.adapter),
-                 f"trainer.init_from={path} holds a model with LoRA adapters: add adapter=lora "
-                 "with the adapter keys it was trained with")
+                f"trainer.init_from={path} holds a model with LoRA adapters: add adapter=lora "
+                "with the adapter keys it was trained with")
         model = probe.model if probe.model is not None and not adapted else \
             models.build_on_meta(cfg.model)
         if adapted:  # its names are those of the model with its adapters on

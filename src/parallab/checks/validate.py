@@ -17,7 +17,7 @@ from parallab import models, optim, precision, schedule
 from parallab.models import adapters
 from parallab.checks import starts, trial
 from parallab.config.errors import (ConfigError, environment_kept_if_refused, refuse,
-                                     require)
+                                    require)
 from parallab.config.schema import Config, Device
 from parallab.launching.distributed import cpu_cores, interfaces_problem
 from parallab.launching import slurm
@@ -44,12 +44,12 @@ def check_values(cfg: Config) -> None:
     t, p = cfg.trainer, cfg.parallel
     _at_least("seed", cfg.seed, 0)
     require(t.epochs >= 1, f"trainer.epochs={t.epochs} is out of range: it must be >= 1 "
-             "(to score a saved model without training, run evaluate.py ckpt=<checkpoint>)")
+            "(to score a saved model without training, run evaluate.py ckpt=<checkpoint>)")
     _at_least("trainer.max_steps", t.max_steps, 1, optional=True)
     _at_least("trainer.log_every_n_steps", t.log_every_n_steps, 1)
     require(t.warmup_steps is None, f"trainer.warmup_steps={t.warmup_steps} is renamed: "
-             "trainer.timing_skip_steps leaves the first steps out of throughput figures, "
-             "scheduler.warmup_steps warms the learning rate up; set the one you mean")
+            "trainer.timing_skip_steps leaves the first steps out of throughput figures, "
+            "scheduler.warmup_steps warms the learning rate up; set the one you mean")
     _at_least("trainer.eval_every_n_epochs", t.eval_every_n_epochs, 1)
     _at_least("trainer.eval_every_n_steps", t.eval_every_n_steps, 1, optional=True)
     _at_least("trainer.timing_skip_steps", t.timing_skip_steps, 0)
@@ -58,42 +58,42 @@ def check_values(cfg: Config) -> None:
     _at_least("parallel.threads_per_worker", p.threads_per_worker, 1, optional=True)
     _at_least("parallel.max_restarts", p.max_restarts, 0)
     require(p.rendezvous_timeout > 0, f"parallel.rendezvous_timeout={p.rendezvous_timeout} "
-             "is out of range: it must be > 0 (seconds a rank waits to reach rank 0)")
+            "is out of range: it must be > 0 (seconds a rank waits to reach rank 0)")
     slurm.parse_signal(t.requeue_signal)
     _at_least("trainer.accumulate_grad_batches", t.accumulate_grad_batches, 1)
     require(not (t.overwrite and t.resume is not None), f"trainer.overwrite=true starts "
-             f"afresh, deleting the run dir's checkpoints, and trainer.resume={t.resume} "
-             "continues from them: drop one")
+            f"afresh, deleting the run dir's checkpoints, and trainer.resume={t.resume} "
+            "continues from them: drop one")
     require(t.clip_grad_norm is None or t.clip_grad_norm > 0,
-             f"trainer.clip_grad_norm={t.clip_grad_norm} is out of range: it must be > 0 (or "
-             "null for no clipping)")
+            f"trainer.clip_grad_norm={t.clip_grad_norm} is out of range: it must be > 0 (or "
+            "null for no clipping)")
     refuse(precision.problem(cfg.precision))
     require(t.max_memory_mb is None or t.max_memory_mb > 0, f"trainer.max_memory_mb="
-             f"{t.max_memory_mb} is out of range: it must be > 0 (or null for no budget)")
+            f"{t.max_memory_mb} is out of range: it must be > 0 (or null for no budget)")
     _at_least("trainer.checkpoint_every_n_steps", t.checkpoint_every_n_steps, 1, optional=True)
     _at_least("trainer.keep_last_k", t.keep_last_k, 1)
     require(t.on_nan in ("stop", "skip"),
-             f"trainer.on_nan={t.on_nan} is unknown: use trainer.on_nan=stop or skip")
+            f"trainer.on_nan={t.on_nan} is unknown: use trainer.on_nan=stop or skip")
     if t.quantize is not None:
         from parallab import quantize
 
         require(t.quantize in quantize.METHODS, f"trainer.quantize={t.quantize} is unknown: "
-                 f"use one of {', '.join(quantize.METHODS)} (or null)")
+                f"use one of {', '.join(quantize.METHODS)} (or null)")
         require(quantize.available(), f"trainer.quantize={t.quantize} needs torchao: "
-                 "pip install 'parallab[quantize]'")
+                "pip install 'parallab[quantize]'")
         require(cfg.precision.name != "fp8", f"trainer.quantize={t.quantize} with "
-                 "precision=fp8: the trained Linear layers are float8 ones, which int8 "
-                 "quantization does not take: use precision=bf16")
+                "precision=fp8: the trained Linear layers are float8 ones, which int8 "
+                "quantization does not take: use precision=bf16")
     refuse(activations.problem(t.activation_checkpointing, t.activation_checkpointing_every))
     refuse(optim.problem(cfg.optim))
     refuse(schedule.problem(cfg.scheduler))
     refuse(loggers.problem(cfg.logger))
     timeout = cfg.backend.timeout_s
     require(math.isfinite(timeout) and MIN_TIMEOUT_S <= timeout <= MAX_TIMEOUT_S,
-             f"backend.timeout_s={timeout} is out of range: a collective may wait between "
-             f"{MIN_TIMEOUT_S:g} s and {MAX_TIMEOUT_S:g} s (a week) before the job fails")
+            f"backend.timeout_s={timeout} is out of range: a collective may wait between "
+            f"{MIN_TIMEOUT_S:g} s and {MAX_TIMEOUT_S:g} s (a week) before the job fails")
     require(cfg.seed < 2**63, f"seed={cfg.seed} is out of range: it must be < 2**63 (torch "
-             "seeds take 64 bits, and each rank adds its rank)")
+            "seeds take 64 bits, and each rank adds its rank)")
     refuse(parallelize.compile_problem(t))
 
 
@@ -117,8 +117,8 @@ def check_data(cfg: Config) -> None:
 
     refuse(loader_problem(cfg.data) or cfg.data.problem())
     require(cfg.data.sized() or cfg.trainer.max_steps is not None, f"data={cfg.data.name} "
-             "streams samples with no known length (an IterableDataset without __len__), so "
-             "an epoch has no known number of steps: set trainer.max_steps")
+            "streams samples with no known length (an IterableDataset without __len__), so "
+            "an epoch has no known number of steps: set trainer.max_steps")
     cfg.data.loader = resolve_loader(cfg.data)
 
 
@@ -129,12 +129,12 @@ def check_objective(cfg: Config) -> None:
     loss.check(cfg.loss)
     metrics.check(cfg.metrics)
     require(not (cfg.metrics and loss.from_model(cfg.loss)), "metrics with loss=model: the "
-             "model returns its loss, not an output a metric could score: drop metrics, or "
-             "use a loss of output and targets")
+            "model returns its loss, not an output a metric could score: drop metrics, or "
+            "use a loss of output and targets")
     names = metrics.names(loss.build_loss(cfg.loss), cfg.metrics)
     if cfg.objective is not None:
         require(cfg.objective in names, f"objective={cfg.objective} is not a figure this run "
-                 f"reports ({', '.join(names)}): pick one of them")
+                f"reports ({', '.join(names)}): pick one of them")
     refuse(monitor.problem(cfg.trainer, names))
 
 
@@ -150,10 +150,10 @@ def resolve_device(cfg: Config) -> None:
     if cfg.device is Device.auto:
         cfg.device = Device.cuda if has_cuda else Device.cpu
     require(cfg.device is Device.cpu or has_cuda,
-             "device=cuda but PyTorch sees no CUDA device: use device=cpu (or device=auto)")
+            "device=cuda but PyTorch sees no CUDA device: use device=cpu (or device=auto)")
     require(cfg.parallel.devices is None or cfg.device is Device.cuda,
-             f"parallel.devices={cfg.parallel.devices} picks GPUs, but device=cpu: "
-             "drop parallel.devices or run on CUDA")
+            f"parallel.devices={cfg.parallel.devices} picks GPUs, but device=cpu: "
+            "drop parallel.devices or run on CUDA")
 
 
 def visible_gpus(cfg: Config, plan) -> int:
@@ -169,12 +169,12 @@ def visible_gpus(cfg: Config, plan) -> int:
         return found
     named = list(dict.fromkeys(p.devices))
     require(len(named) <= found, f"parallel.devices={p.devices} names {len(named)} GPUs, but "
-             f"{found} of them are visible here (CUDA counts ids up to the first one it does "
-             "not have): name GPUs this machine has (nvidia-smi -L)")
+            f"{found} of them are visible here (CUDA counts ids up to the first one it does "
+            "not have): name GPUs this machine has (nvidia-smi -L)")
     require(not plan.processes or len(named) == len(p.devices),
-             f"parallel.devices={p.devices} names a GPU twice, and parallel={p.name} runs a "
-             "process per GPU (NCCL takes one rank per GPU): name each once (parallel=dp and "
-             "model may share one)")
+            f"parallel.devices={p.devices} names a GPU twice, and parallel={p.name} runs a "
+            "process per GPU (NCCL takes one rank per GPU): name each once (parallel=dp and "
+            "model may share one)")
     return len(p.devices)
 
 
@@ -191,20 +191,20 @@ def resolve_parallel(cfg: Config, in_place: InPlace | None) -> Layout:
     if in_place is not None:
         launching = [name for name, kind in PLANS.items() if kind.processes]
         require(plan.processes or in_place.world_size == 1, f"parallel={p.name} "
-                 f"runs one process, but {in_place.launcher} started {in_place.world_size}: "
-                 f"use parallel={' or '.join(launching)}, or launch one process")
+                f"runs one process, but {in_place.launcher} started {in_place.world_size}: "
+                f"use parallel={' or '.join(launching)}, or launch one process")
         require(world in (None, in_place.world_size), f"parallel.world_size="
-                 f"{world}, but {in_place.launcher} started {in_place.world_size} "
-                 f"tasks: drop parallel.world_size (each task is a rank) or start "
-                 f"{world} tasks")
+                f"{world}, but {in_place.launcher} started {in_place.world_size} "
+                f"tasks: drop parallel.world_size (each task is a rank) or start "
+                f"{world} tasks")
         world, nnodes = in_place.world_size, in_place.nnodes
     elif world is None:
         world = plan.default_world_size(gpus)
     require(world % nnodes == 0, f"parallel.world_size={world} does not split "
-             f"evenly over parallel.nnodes={nnodes}: use a multiple of {nnodes}")
+            f"evenly over parallel.nnodes={nnodes}: use a multiple of {nnodes}")
     require(in_place is not None or nnodes == 1,
-             f"parallel.nnodes={nnodes}: start one agent per node with torchrun, SLURM or "
-             "mpirun (docs/parallel.md: several nodes); the built-in launcher starts one node")
+            f"parallel.nnodes={nnodes}: start one agent per node with torchrun, SLURM or "
+            "mpirun (docs/parallel.md: several nodes); the built-in launcher starts one node")
     per_node = world // nnodes
     cores = cpu_cores()
     if p.threads_per_worker is not None and p.threads_per_worker * per_node > cores:
@@ -213,7 +213,7 @@ def resolve_parallel(cfg: Config, in_place: InPlace | None) -> Layout:
                     p.threads_per_worker, per_node, cores)
     if gpus and not (in_place is not None and gpus == 1):  # in place: one GPU per task will do
         require(per_node <= gpus, f"parallel.world_size={world} needs {per_node} GPUs "
-                 f"per node but {gpus} are visible: set parallel.world_size<={gpus * nnodes}")
+                f"per node but {gpus} are visible: set parallel.world_size<={gpus * nnodes}")
     return plan.resolve(p, cfg.device.value, world, nnodes)  # a null degree resolved, checked
 
 
@@ -221,8 +221,8 @@ def check_fixed_batch(cfg: Config) -> None:
     """data.global_batch_size and trainer.auto_batch_size are not both asked for."""
     d = cfg.data
     require(d.global_batch_size is None or not cfg.trainer.auto_batch_size,
-             f"data.global_batch_size={d.global_batch_size} fixes the samples of each step, "
-             "which trainer.auto_batch_size=true would change: drop one of them")
+            f"data.global_batch_size={d.global_batch_size} fixes the samples of each step, "
+            "which trainer.auto_batch_size=true would change: drop one of them")
 
 
 def resolve_global_batch(cfg: Config, layout: Layout) -> None:
@@ -233,13 +233,13 @@ def resolve_global_batch(cfg: Config, layout: Layout) -> None:
         return
     check_fixed_batch(cfg)
     require(d.global_batch_size > 0, f"data.global_batch_size={d.global_batch_size} is out "
-             "of range: it is the samples of each step, >= 1")
+            "of range: it is the samples of each step, >= 1")
     ranks = layout.dp
     per_step = ranks * cfg.trainer.accumulate_grad_batches
     require(d.global_batch_size % per_step == 0,
-             f"data.global_batch_size={d.global_batch_size} does not split over {ranks} "
-             f"data-parallel ranks x trainer.accumulate_grad_batches="
-             f"{cfg.trainer.accumulate_grad_batches}: use a multiple of {per_step}")
+            f"data.global_batch_size={d.global_batch_size} does not split over {ranks} "
+            f"data-parallel ranks x trainer.accumulate_grad_batches="
+            f"{cfg.trainer.accumulate_grad_batches}: use a multiple of {per_step}")
     d.batch_size = d.global_batch_size // per_step
 
 
@@ -287,11 +287,11 @@ def check_adapter(cfg: Config, layout: Layout) -> None:
     if not adapters.enabled(cfg.adapter):
         return
     require(not layout.cuts_model and layout.tp == 1,
-             f"adapter=lora with parallel={cfg.parallel.name}: peft's adapter layers are not "
-             "cut by a tensor-parallel plan or into pipeline stages: use a data-parallel "
-             "layout (none, dp, ddp, fsdp, hsdp)")
+            f"adapter=lora with parallel={cfg.parallel.name}: peft's adapter layers are not "
+            "cut by a tensor-parallel plan or into pipeline stages: use a data-parallel "
+            "layout (none, dp, ddp, fsdp, hsdp)")
     require(cfg.precision.name != "fp8", "adapter=lora with precision=fp8: float8 training "
-             "swaps the Linear layers the adapters wrap: use precision=bf16")
+            "swaps the Linear layers the adapters wrap: use precision=bf16")
     refuse(adapters.problem(cfg.adapter, models.build_on_meta(cfg.model)))
 
 
@@ -308,12 +308,12 @@ def resolve_backend(cfg: Config, layout: Layout) -> None:
     if name == "auto":
         cfg.backend.name = name = "nccl" if cfg.device is Device.cuda else "gloo"
     require(name in ("gloo", "nccl", "mpi"), f"backend={name} is unknown: use auto, gloo, "
-             "nccl or mpi")
+            "nccl or mpi")
     require(name != "nccl" or cfg.device is Device.cuda,
-             "backend=nccl needs CUDA, but device=cpu: use backend=gloo (or backend=auto)")
+            "backend=nccl needs CUDA, but device=cpu: use backend=gloo (or backend=auto)")
     require(name != "mpi" or dist.is_mpi_available(),
-             "backend=mpi: this PyTorch was built without MPI (PyPI wheels are); build PyTorch "
-             "from source with MPI, or run under mpirun with backend=gloo or backend=nccl")
+            "backend=mpi: this PyTorch was built without MPI (PyPI wheels are); build PyTorch "
+            "from source with MPI, or run under mpirun with backend=gloo or backend=nccl")
     if name == "gloo" and layout.processes:
         refuse(interfaces_problem("GLOO_SOCKET_IFNAME"))
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from typing import Iterator
+from unittest import mock
 
 import torch
 
@@ -19,15 +20,11 @@ def masks() -> Iterator[None]:
     the attention kernel's is_causal: the simulated batch packs none (its positions are
     0..T-1), so the trace runs the device's ops, no mask."""
     masking = sys.modules.get("transformers.masking_utils")
-    original = getattr(masking, "find_packed_sequence_indices", None)
-    if original is None:
+    if not hasattr(masking, "find_packed_sequence_indices"):
         yield
         return
-    masking.find_packed_sequence_indices = lambda position_ids: None
-    try:
+    with mock.patch.object(masking, "find_packed_sequence_indices", lambda position_ids: None):
         yield
-    finally:
-        masking.find_packed_sequence_indices = original
 
 
 @contextlib.contextmanager
@@ -48,11 +45,8 @@ def attention() -> Iterator[None]:
         value = F.pad(value, (0, query.shape[-1] - width))
         return original(query, key, value, *args, **kwargs)[..., :width]
 
-    F.scaled_dot_product_attention = fused
-    try:
+    with mock.patch.object(F, "scaled_dot_product_attention", fused):
         yield
-    finally:
-        F.scaled_dot_product_attention = original
 
 
 class _FusedRMSNorm(torch.autograd.Function):
@@ -86,8 +80,6 @@ def norms() -> Iterator[None]:
     input cast to float32 first, that copy the one kept."""
     import torch.nn.functional as F
 
-    original = F.rms_norm
-
     def fused(input, normalized_shape, weight=None, eps=None):
         if torch.is_autocast_enabled(input.device.type) and input.dtype != torch.float32:
             input = input.float()
@@ -95,8 +87,5 @@ def norms() -> Iterator[None]:
         normed = 1 if isinstance(normalized_shape, int) else len(normalized_shape)
         return _FusedRMSNorm.apply(input, weight, normed)
 
-    F.rms_norm = fused
-    try:
+    with mock.patch.object(F, "rms_norm", fused):
         yield
-    finally:
-        F.rms_norm = original

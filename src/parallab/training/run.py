@@ -276,7 +276,8 @@ def start_model(cfg: Config, dist: distributed.Dist, layout: Layout, init_from: 
         except Exception:  # noqa: BLE001 - a model that must be built whole (from_pretrained)
             pass
     torch.manual_seed(cfg.seed)
-    model = build_model(cfg.model, cfg.trainer.fused_norms)  # identical initial weights (and adapters) on every rank
+    # identical initial weights (and adapters) on every rank
+    model = build_model(cfg.model, cfg.trainer.fused_norms)
     adapted = init_from is not None and weights.holds_adapters(init_from)
     left = []
     if init_from is not None and not adapted:
