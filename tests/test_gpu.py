@@ -192,8 +192,8 @@ def test_fsdp_gathers_float8_weights_and_trains_as_with_bf16_gathers(monkeypatch
             precision = Precision(PrecisionConfig(name="fp8", fp8_all_gather=gather),
                                   torch.device("cuda"))
             model = fsdp.shard(precision.convert(model), mesh,
-                               SimpleNamespace(stages=None, name="fsdp"), torch.bfloat16,
-                               True, True)
+                               SimpleNamespace(stages=None, name="fsdp"),
+                               fsdp.mixed_precision(torch.bfloat16), True, True)
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
             runs[gather] = []
             for _ in range(10):

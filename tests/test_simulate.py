@@ -132,6 +132,19 @@ def test_autocasts_copies_of_weights_are_held_once_a_step_however_many_passes_fl
     assert held * 2**30 == pytest.approx(4 * (kept - casts) + casts)  # 1F1B's first: 4
 
 
+def test_the_weights_gradients_are_state_not_temporaries():
+    """The step's peak of temporaries leaves out the weights' gradients (the training state
+    holds them, or FSDP2's gathered ones): a vocabulary twice as large adds at most its
+    8 tokens' logits, not its embedding's and head's gradients (512 x 256 float32 each,
+    which the peak counted before)."""
+    from parallab.simulate.trace import Shape
+
+    shape, width = Shape(rows=1, seq_len=8, precision="fp32"), 512
+    peaks = [traced(shape, f"model.vocab_size={vocab}", f"model.width={width}").peak_transient
+             for vocab in (256, 512)]
+    assert 0 <= peaks[1] - peaks[0] < width * 256 * 4
+
+
 def test_a_tied_head_is_held_once():
     """model.tie_embeddings=true: the head's matrix is the embedding's, held (and so
     gathered, reduced and stepped) once, where laying the model out on fake tensors had
@@ -241,14 +254,19 @@ def test_fsdp_reduces_each_accumulated_micro_batch_and_keeps_only_shards():
             one = one or predicted.memory
             assert predicted.memory == one or r > 1
     # a pipeline's sharded part (torch's stages) keeps its weights and gradients whole from
-    # the first micro-batch to the flush, and reduces them once
+    # the first micro-batch to the flush, and reduces them once; its float32 shards of the
+    # gradients come after the flush, when the activations are gone: not held beside them
     found = Trace(Shape(), ops=[], params={"before": 0.0, "block": 1e6, "after": 0.0})
     layout = Layout.planned(4, dp_shard=2, pp=2, microbatches=4, batch_size=4, schedule="1f1b")
-    predicted = step.predict(found, costs.costs(found, rates, False, False), layout,
-                             step.Run(reshard_after_forward=False), rates, 4)
-    assert predicted.parts["reduce_scatter_s"] == pytest.approx(2 * scatter)  # its 2 blocks
-    assert predicted.parts["all_gather_s"] == pytest.approx(2 * gather)
-    assert predicted.memory["gathered"] * 2**30 == pytest.approx(2 * 1e6 * (2 + 4))
+    for reduced in (4, 2):  # precision.reduce_dtype=float32, bfloat16: half the bytes
+        predicted = step.predict(found, costs.costs(found, rates, False, False), layout,
+                                 step.Run(reshard_after_forward=False, reduce_bytes=reduced),
+                                 rates, 4)
+        assert predicted.parts["reduce_scatter_s"] == pytest.approx(  # its 2 blocks
+            2 * scatter * reduced / 4)
+        assert predicted.parts["all_gather_s"] == pytest.approx(2 * gather)
+        assert predicted.memory["gathered"] * 2**30 == pytest.approx(2 * 1e6 * (2 + reduced))
+        assert predicted.memory["state"] * 2**30 == pytest.approx(2 * 1e6 / 2 * (4 + 8))
 
 
 @pytest.mark.parametrize("layout", [["parallel=fsdp", "parallel.world_size=64"],

@@ -118,6 +118,27 @@ def test_layout_trains_as_one_device_does(train_here, single_device, layout):
 
 @pytest.mark.slow
 @pytest.mark.distributed
+def test_fsdp_reduces_gradients_in_bfloat16_when_asked(train_here):
+    """precision.reduce_dtype=bfloat16 under bf16: FSDP2's reduce-scatter sends half the
+    float32 reduction's bytes, gathers the same bf16 weights, and trains as it does but for
+    bfloat16's rounding of the reduced gradients."""
+    runs = {dtype: train_here(*EQUIVALENCE, "precision=bf16", "parallel=fsdp",
+                              "parallel.world_size=2", "data.batch_size=32",
+                              f"precision.reduce_dtype={dtype}", name=dtype)[1]
+            for dtype in ("float32", "bfloat16")}
+    numel = sum(w.numel() for w in final_weights(runs["float32"]).values())
+    metrics = {dtype: read_metrics(run_dir) for dtype, run_dir in runs.items()}
+    for dtype, size in (("float32", 4), ("bfloat16", 2)):
+        assert metrics[dtype]["comm_reduce_scatter_mb"] * 2**20 == pytest.approx(
+            textbook_volume(size * numel, shards=2)["reduce_scatter"], rel=1e-6)
+    assert metrics["bfloat16"]["comm_all_gather_mb"] == metrics["float32"]["comm_all_gather_mb"]
+    wide, narrow = (scalars(runs[dtype], "train/loss") for dtype in runs)
+    assert [v for _, v in narrow] == pytest.approx([v for _, v in wide], rel=1e-2)
+    assert narrow != wide  # the reduction's rounding is bfloat16's
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.parametrize("parallel", ["fsdp", "pipeline"])
 def test_sharded_checkpoint_evaluates_and_exports_on_one_device(tmp_path, train_here, parallel):
     _, run_dir = train_here(*EQUIVALENCE, f"parallel={parallel}", "parallel.world_size=2",

@@ -11,6 +11,9 @@
           output layer stays in bf16. precision.fp8_all_gather: FSDP2 gathers the weights
           in float8
 
+precision.reduce_dtype=bfloat16 (bf16 and fp8): FSDP2 reduces the gradients in bfloat16,
+and a pipeline's sharded parts accumulate them so between reductions (float32 otherwise).
+
 Under a sharded layout (fsdp, hsdp, tp) each rank holds part of the gradients, so float16's
 scaler is torch's ShardedGradScaler: the ranks agree on an overflow (one all-reduce) and
 skip the step together.
@@ -34,6 +37,7 @@ log = logging.getLogger(__name__)
 
 MODES = ("fp32", "amp", "bf16", "fp16", "fp8")
 FP8_RECIPES = ("tensorwise", "rowwise")  # torchao's Float8LinearConfig.from_recipe_name
+REDUCE_DTYPES = ("float32", "bfloat16")
 FP8_CAPABILITY = (8, 9)  # torch._scaled_mm's float8 tensor cores: Ada, Hopper and later
 
 
@@ -51,6 +55,13 @@ def problem(cfg: PrecisionConfig) -> str | None:
         return (f"precision.fp8_all_gather=true with precision.fp8_recipe={cfg.fp8_recipe}: "
                 "FSDP2 gathers float8 weights with tensorwise scales only: use "
                 "precision.fp8_recipe=tensorwise")
+    if cfg.reduce_dtype not in REDUCE_DTYPES:
+        return (f"precision.reduce_dtype={cfg.reduce_dtype} is not a dtype FSDP2 reduces "
+                f"gradients in here: use {' or '.join(REDUCE_DTYPES)}")
+    if cfg.reduce_dtype == "bfloat16" and cfg.name not in ("bf16", "fp8"):
+        return (f"precision.reduce_dtype=bfloat16 with precision={cfg.name}: it reduces the "
+                "bfloat16 gradients of precision=bf16 or fp8 as they are: use one of those, "
+                "or drop it")
     return None
 
 
@@ -70,10 +81,16 @@ def layout_problem(cfg: PrecisionConfig, dp_shard: int = 1) -> str | None:
 
 
 def _gather_problem(cfg: PrecisionConfig, dp_shard: int) -> str | None:
-    if cfg.fp8_all_gather and dp_shard < 2:
+    if dp_shard > 1:
+        return None
+    if cfg.fp8_all_gather:
         return ("precision.fp8_all_gather=true gathers FSDP2's sharded weights, and this "
                 "layout shards over no ranks: use parallel=fsdp or hsdp with 2 or more "
                 "ranks, or drop it")
+    if cfg.reduce_dtype != "float32":  # DDP's buckets are the float32 gradients themselves
+        return (f"precision.reduce_dtype={cfg.reduce_dtype} sets the dtype FSDP2 reduces "
+                "gradients in, and this layout shards over no ranks: use parallel=fsdp or "
+                "hsdp with 2 or more ranks, or drop it")
     return None
 
 
@@ -132,6 +149,7 @@ class Precision:
         self.device_type = device.type
         self.tf32 = cfg.tf32 and device.type == "cuda"
         self.dtype = compute_dtype(cfg.name, device.type)
+        self.reduce_dtype = getattr(torch, cfg.reduce_dtype)
         # scaled loss keeps small float16 gradients from flushing to zero; a step whose
         # gradients overflowed is skipped and the scale lowered
         scaled = self.dtype == torch.float16

@@ -35,7 +35,7 @@ def _alone(model: torch.nn.Module, spec: run.RunSpec, dist: distributed.Dist, on
     from torch.distributed.device_mesh import DeviceMesh
 
     from parallab.parallel import tp_plans
-    from parallab.parallel.fsdp import shard
+    from parallab.parallel.fsdp import mixed_precision, shard
     from parallab.parallel.parallelize import speed_up
 
     cfg, layout, p = spec.cfg, spec.layout, spec.cfg.parallel
@@ -56,8 +56,9 @@ def _alone(model: torch.nn.Module, spec: run.RunSpec, dist: distributed.Dist, on
                                        find_unused_parameters=p.find_unused_parameters,
                                        gradient_as_bucket_view=p.gradient_as_bucket_view), False
     if cut:
-        shard(model, mesh["dp_shard"], p, compute_dtype(cfg.precision.name, dist.device.type),
-              False, p.reshard_after_forward)
+        policy = mixed_precision(compute_dtype(cfg.precision.name, dist.device.type),
+                                 getattr(torch, cfg.precision.reduce_dtype))
+        shard(model, mesh["dp_shard"], p, policy, False, p.reshard_after_forward)
     return model, sharded
 
 

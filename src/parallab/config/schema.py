@@ -187,6 +187,10 @@ class PrecisionConfig:
     # fp8 under fsdp/hsdp: FSDP2 all-gathers the weights in float8 (half bf16's bytes);
     # tensorwise scales only
     fp8_all_gather: bool = False
+    # float32 | bfloat16: the dtype FSDP2 reduces gradients in, and a pipeline's sharded
+    # parts accumulate them in between reductions (torchtitan's mixed_precision_reduce);
+    # bfloat16, under bf16 or fp8, halves those bytes
+    reduce_dtype: str = "float32"
 
 
 @dataclass

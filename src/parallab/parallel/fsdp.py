@@ -21,10 +21,10 @@ from parallab.parallel.base import params_by_mesh
 log = logging.getLogger(__name__)
 
 
-def shard(model: nn.Module, mesh, cfg, dtype: torch.dtype, is_main: bool,
+def shard(model: nn.Module, mesh, cfg, policy, is_main: bool,
           reshard_after_forward: bool) -> nn.Module:
     """fully_shard each stage (parallel.stages), then the root, over `mesh` (2-D: replicate
-    x shard, HSDP)."""
+    x shard, HSDP), each computing and reducing as `policy` (mixed_precision's) says."""
     from torch.distributed.fsdp import fully_shard
 
     # FSDP2 warns at every forward whose output is a view (transformers' logits are a slice
@@ -32,7 +32,6 @@ def shard(model: nn.Module, mesh, cfg, dtype: torch.dtype, is_main: bool,
     # outputs out of place only
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
 
-    policy = mixed_precision(dtype)
     stages = stages_of.units(model, cfg.stages)
     if stages is None and is_main:
         log.info("parallel=%s: the model declares no stages, so it is sharded as one unit "
@@ -52,11 +51,14 @@ def shard(model: nn.Module, mesh, cfg, dtype: torch.dtype, is_main: bool,
     return model
 
 
-def mixed_precision(dtype: torch.dtype):
-    """FSDP2's policy: compute in the precision group's dtype, reduce gradients in float32."""
+def mixed_precision(dtype: torch.dtype, reduce_dtype: torch.dtype = torch.float32):
+    """FSDP2's policy: compute in the precision group's dtype, reduce gradients in
+    precision.reduce_dtype (float32 unless asked). Its sharded gradients are float32 either
+    way, as the weights they update; a pipeline's parts, reducing once a step, accumulate the
+    whole gradients in the reduce dtype meanwhile."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce_dtype)
 
 
 def norm_squares(model: nn.Module, device: torch.device, leave: set[int] = frozenset()

@@ -237,11 +237,11 @@ class MeshRuntime(Runtime):
                 model, device_ids=device_ids, bucket_cap_mb=p.bucket_cap_mb,
                 find_unused_parameters=p.find_unused_parameters,
                 gradient_as_bucket_view=p.gradient_as_bucket_view)
+        policy = mixed_precision(self.precision.dtype, self.precision.reduce_dtype)
         if self.ep is not None:  # the experts' own units first, over the ranks ep leaves
-            expert_parallel.shard(model, self.ep, mixed_precision(self.precision.dtype),
-                          p.reshard_after_forward)
-        return shard(model, self.data_parallel_mesh(), p, self.precision.dtype,
-                     self.dist.is_main, p.reshard_after_forward)
+            expert_parallel.shard(model, self.ep, policy, p.reshard_after_forward)
+        return shard(model, self.data_parallel_mesh(), p, policy, self.dist.is_main,
+                     p.reshard_after_forward)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model.module if self.layout.replicas_only else model

@@ -187,11 +187,11 @@ class PipelineRuntime(MeshRuntime):
         parts = self.runs(model)  # the schedules' modules, checkpointing's wrappers in them
         # each part gathered once per step, not once per micro-batch (torchtitan)
         if self.layout.dp_shard > 1:
+            policy = mixed_precision(self.precision.dtype, self.precision.reduce_dtype)
             for part in parts:
                 if self.ep is not None:  # the experts' own units first (MeshRuntime.wrap)
-                    expert_parallel.shard(part, self.ep, mixed_precision(self.precision.dtype), False)
-                shard(part, self.data_parallel_mesh(), p, self.precision.dtype,
-                      self.dist.is_main, False)
+                    expert_parallel.shard(part, self.ep, policy, False)
+                shard(part, self.data_parallel_mesh(), p, policy, self.dist.is_main, False)
         return model
 
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

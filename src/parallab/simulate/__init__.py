@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import nn
 
 from parallab.config.errors import ConfigError, refuse
@@ -217,7 +218,8 @@ def run_of(cfg, layout: Layout, facts: Facts) -> step.Run:
                     reshard, cfg.trainer.clip_grad_norm is not None,
                     options.bucket_cap_mb, cfg.precision.tf32,
                     _split(options.split, layout, facts), split,
-                    cfg.precision.name == "fp8" and cfg.precision.fp8_all_gather)
+                    cfg.precision.name == "fp8" and cfg.precision.fp8_all_gather,
+                    getattr(torch, cfg.precision.reduce_dtype).itemsize)
 
 
 def _split(split: tuple[int, ...] | None, layout: Layout, facts: Facts

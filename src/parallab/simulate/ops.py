@@ -130,8 +130,9 @@ class Recorder(TorchDispatchMode):
         # storage -> (region, kind, in_model) of the op that made it
         self.produced: dict[int, tuple[str, str, bool]] = {}
         # bytes of the storages the step made that are alive, and their most at once (each
-        # storage held weakly: freed when the step lets it go)
+        # storage held weakly: freed when the step lets it go); each made and freed in turn
         self.live = self.peak = 0
+        self.events: list[tuple[int, int]] = []  # (storage, +bytes made or -bytes freed)
         self.block_seen = False  # the block's forward has begun (what is after it, after)
         self.block_done = False  # the block's input has its gradient: backward left it
         self.held: dict[int, weakref.ref] = {}
@@ -211,14 +212,32 @@ class Recorder(TorchDispatchMode):
         size = storage.nbytes()
         self.live += size
         self.peak = max(self.peak, self.live)
+        self.events.append((key, size))
 
         def freed(_, key=key, size=size) -> None:
             self.live -= size
+            self.events.append((key, -size))
             self.held.pop(key, None)
             # its address is free for the next storage, which this op did not make
             self.produced.pop(key, None)
 
         self.held[key] = weakref.ref(storage, freed)
+
+    def peak_but(self, kept: set[int], asked: set[int]) -> tuple[int, int]:
+        """The most bytes alive at once but those of the storages `kept` at the end (the
+        weights' gradients: state, counted apart), each left out from when it was made; and
+        the bytes of those of them in `asked` alive at that peak."""
+        made = {key: i for i, (key, size) in enumerate(self.events) if size > 0 and key in kept}
+        last = {i: key for key, i in made.items()}  # a storage's last making: the one kept
+        live = peak = beside = at_peak = 0
+        for i, (_, size) in enumerate(self.events):
+            if i in last:
+                beside += size if last[i] in asked else 0
+                continue
+            live += size
+            if live > peak:
+                peak, at_peak = live, beside
+        return peak, at_peak
 
     def _cost(self, func, args, kwargs, out) -> tuple[str, float]:
         from torch.utils.flop_counter import flop_registry

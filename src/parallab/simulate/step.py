@@ -26,9 +26,10 @@ The optimizer's step moves each state once (a fused kernel's bytes) at the memor
 bandwidth.
 
 Memory: the training state a rank holds (float32 weights, gradients and optimizer
-state, sharded by FSDP2, cut by tensor and pipeline parallel), FSDP2's gathered
-weights (this block's and the next one's) and a block's whole gradient as it is reduced
-(a pipeline part's weights and gradients all, till the flush), the activations each block
+state, sharded by FSDP2, cut by tensor and pipeline parallel; a pipeline's sharded
+gradients only after its flush), FSDP2's gathered weights (this block's and the next
+one's) and a block's whole gradient as it is reduced, in precision.reduce_dtype (a
+pipeline part's weights and gradients all, till the flush), the activations each block
 keeps for backward
 times the micro-batches the schedule holds at once, and the peak of temporaries the
 traced step reached beyond them (the loss's logits and their gradients).
@@ -68,6 +69,7 @@ class Run:
     split: tuple[int, ...] | None = None  # a pipeline's cuts as parallel.split gives them
     experts: Split = Split()  # how expert parallelism splits an MoE block's experts
     float8_gathered: bool = False  # FSDP2 gathers the float8 layers' weights in float8
+    reduce_bytes: int = 4  # FSDP2's reduced gradient's element (precision.reduce_dtype)
 
 
 @dataclass
@@ -247,12 +249,14 @@ def _sharded(layout: Layout, run: Run, rates: Rates, units: list[tuple[float, in
 
     def collectives(params: float, n: int, element: float = run.compute_bytes
                     ) -> tuple[float, float, float]:
-        """A unit's gather (compute dtype), reduce-scatter and replicas' all-reduce (fp32)."""
+        """A unit's gather (compute dtype), reduce-scatter and replicas' all-reduce (the
+        reduce dtype)."""
         shard = Group.of(n, inner, rates.gpus_per_node)
         replicas = Group.of(r, layout.dp_shard * inner, rates.gpus_per_node)
+        reduced = params * run.reduce_bytes
         return (rates.collective_s("all_gather", (n - 1) / n * params * element, shard),
-                rates.collective_s("reduce_scatter", (n - 1) / n * params * 4, shard),
-                rates.collective_s("all_reduce", 2 * (r - 1) / r * params / n * 4, replicas))
+                rates.collective_s("reduce_scatter", (n - 1) / n * reduced, shard),
+                rates.collective_s("all_reduce", 2 * (r - 1) / r * reduced / n, replicas))
 
     gather, scatter, reduce = (sum(each) for each in zip(*(collectives(*u, element)
                                                             for u in units)))
@@ -312,19 +316,27 @@ def _memory(trace: Trace, layout: Layout, run: Run, load: Load) -> dict[str, flo
     block = _stored(trace, run)
     held_ends = _ends(trace, load)
     held = (load.blocks * block + held_ends) / layout.dp_shard
-    state = held * (4 + 4 + STATE_BYTES[run.optimizer])
+    # a pipeline's sharded parts reduce their gradients at the flush, when its activations
+    # are gone: till then the float32 shards are not there (zero_grad sets them to None)
+    grads = 0 if layout.pp > 1 and layout.dp_shard > 1 else 4
+    state = held * (4 + grads + STATE_BYTES[run.optimizer])
     gathered = 0.0
     if layout.dp_shard > 1:  # this block's and the next one's weights (every block's where
-        # they stay gathered from the forward), the root's, and a block's gradient as it is
-        # reduced (a pipeline's part keeps all of its whole till the flush); of its experts,
-        # this rank's ep share
+        # they stay gathered from the forward) and the root's; of its experts, this rank's
+        # ep share
         block = sum(elements for elements, _ in experts.units(
             trace.params["block"], trace.params.get("experts", 0.0), run.experts,
             layout.dp_shard))
         blocks_held = 2 if run.reshard_after_forward else load.blocks
-        whole = load.blocks * block + held_ends if layout.pp > 1 else block
         gathered = blocks_held * block * _gathered_bytes(trace, run) + \
-            held_ends * run.compute_bytes + whole * 4
+            held_ends * run.compute_bytes
+        # a block's gradient as it is reduced, in the reduce dtype; a pipeline's part keeps
+        # all of its whole till the flush
+        whole = load.blocks * block + held_ends if layout.pp > 1 else block
+        gathered += whole * run.reduce_bytes
+        if layout.pp == 1:  # the root's, in the compute dtype, as much of it as the traced
+            # step had made at its peak (a head's backward comes after the loss's)
+            gathered += trace.ends_grads / 4 * run.compute_bytes
     saved = trace.saved_compiled if run.compile else trace.saved
 
     def held(by_region: dict[str, float]) -> float:

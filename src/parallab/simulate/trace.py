@@ -11,8 +11,8 @@ it reads and writes (by tensor, so that a fused chain can be counted once), the
 collectives tensor parallelism calls; ModTracker says whether
 an op belongs to the block, to what comes before it (embeddings) or after it (the head
 and the loss). Saved-for-backward bytes per region come from autograd's hooks, and the
-peak of the bytes the step's ops made and held at once (activations, temporaries, the
-gradients of the one block), each storage followed until it is freed (ops.py). An MoE
+peak of the bytes the step's ops made and held at once (activations, temporaries; not the
+weights' gradients, which are the state), each storage followed until it is freed (ops.py). An MoE
 block's router sends each expert an even share of the tokens (models/experts.py's uniform
 routing: fake values cannot be read, and vendor benchmarks force it so); its experts' ops
 and weights are marked, for expert parallelism's share of them (simulate/experts.py).
@@ -64,6 +64,8 @@ class Trace:
     # however many of a pipeline's micro-batches are in flight
     casts: dict[str, float] = field(default_factory=dict)
     peak_transient: float = 0.0  # activations and temporaries at the step's peak, bytes
+    # the weights' gradients outside the block alive at that peak, bytes (float32, as traced)
+    ends_grads: float = 0.0
     # elements a rank holds, by region; "experts": those of the block's experts modules
     params: dict[str, float] = field(default_factory=dict)
     boundary_bytes: float = 0.0  # a block's input: what a pipeline stage sends on
@@ -209,7 +211,14 @@ def trace(cfg, template: nn.Module, block: str, vocab: int, shape: Shape) -> Tra
     found.casts = saved.by_region(casts=True)
     found.boundary_bytes = float(_nbytes(entered.tensor)) if entered.tensor is not None \
         else 0.0
-    found.peak_transient = float(recorder.peak)
+    # the weights' gradients are the training state (or FSDP2's gathered ones): not again;
+    # those outside the block alive at the peak, as FSDP2's root holds them whole
+    grads = {id(p): _local(p.grad).untyped_storage()._cdata for p in model.parameters()
+             if p.grad is not None}
+    ends = {key for pid, key in grads.items()
+            if pid not in {id(p) for p in the_block.parameters()}}
+    peak, found.ends_grads = recorder.peak_but(set(grads.values()), ends)
+    found.peak_transient = float(peak)
     return found
 
 
