@@ -140,9 +140,14 @@ def test_the_weights_gradients_are_state_not_temporaries():
     from parallab.simulate.trace import Shape
 
     shape, width = Shape(rows=1, seq_len=8, precision="fp32"), 512
-    peaks = [traced(shape, f"model.vocab_size={vocab}", f"model.width={width}").peak_transient
+    found = [traced(shape, f"model.vocab_size={vocab}", f"model.width={width}")
              for vocab in (256, 512)]
-    assert 0 <= peaks[1] - peaks[0] < width * 256 * 4
+    assert 0 <= found[1].peak_transient - found[0].peak_transient < width * 256 * 4
+    # which of the gradients outside the block the peak saw (FSDP2's root holds them whole
+    # in the compute dtype): this wide model's peak comes after its head's backward, a
+    # narrow one's long sequence peaks at the loss, before any
+    assert found[0].ends_grads == 4 * found[0].params["after"]
+    assert traced(Shape(rows=1, seq_len=512, precision="fp32")).ends_grads == 0
 
 
 def test_a_tied_head_is_held_once():
@@ -253,6 +258,11 @@ def test_fsdp_reduces_each_accumulated_micro_batch_and_keeps_only_shards():
                 m * (3 + root) * scatter + (r - 1) * (3 + root) * reduce)
             one = one or predicted.memory
             assert predicted.memory == one or r > 1
+    # the root's gradients the traced peak saw (float32 there), whole in bf16 under FSDP2
+    seen = Trace(Shape(), ops=[], params=found.params, ends_grads=4e5)
+    predicted = step.predict(seen, costs.costs(seen, rates, False, False), layout, step.Run(),
+                             rates, 3)
+    assert (predicted.memory["gathered"] - one["gathered"]) * 2**30 == pytest.approx(2e5)
     # a pipeline's sharded part (torch's stages) keeps its weights and gradients whole from
     # the first micro-batch to the flush, and reduces them once; its float32 shards of the
     # gradients come after the flush, when the activations are gone: not held beside them
