@@ -199,7 +199,7 @@ def overrides_of(row: dict) -> list[str]:
         else []
     fused = ["trainer.fused_norms=true"] if FUSED_NORMS in notes else []
     fused += ["loss=fused_cross_entropy"] if FUSED_LOSS in notes else []
-    fused += ["precision.reduce_dtype=bfloat16"] if BF16_REDUCE in notes and F > 1 else []
+    fused += ["precision.reduce_dtype=bfloat16"] if BF16_REDUCE in notes else []
     return [*model, *layout, f"data.seq_len={seq}", f"precision={precision}", "optim=adamw",
             *ac, *fused, f"trainer.compile={compiled}", f"cluster={cluster_of(row)}", *small]
 

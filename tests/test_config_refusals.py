@@ -83,12 +83,7 @@ from parallab.checks import validate
      "FSDP2 gathers float8 weights with tensorwise scales only"),
     (["precision=fp8", "precision.fp8_all_gather=true"], "this layout shards over no ranks"),
     (["precision=bf16", "precision.reduce_dtype=float16"], "precision.reduce_dtype=float16 is "
-                                                           "not a dtype FSDP2 reduces"),
-    (["precision.reduce_dtype=bfloat16", "parallel=fsdp", "parallel.world_size=2"],
-     "precision.reduce_dtype=bfloat16 with precision=fp32"),
-    (["precision=bf16", "precision.reduce_dtype=bfloat16", "parallel=ddp",
-      "parallel.world_size=2"], "precision.reduce_dtype=bfloat16 sets the dtype FSDP2 reduces "
-                                "gradients in, and this layout shards over no ranks"),
+                                                           "not a dtype data-parallel ranks"),
     (["trainer.memory_snapshot=true"], "trainer.memory_snapshot=true records CUDA's caching "
                                        "allocator, and device=cpu has none"),
     (["trainer.on_nan=ignore"], "trainer.on_nan=ignore"),

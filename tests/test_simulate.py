@@ -258,6 +258,12 @@ def test_fsdp_reduces_each_accumulated_micro_batch_and_keeps_only_shards():
                 m * (3 + root) * scatter + (r - 1) * (3 + root) * reduce)
             one = one or predicted.memory
             assert predicted.memory == one or r > 1
+    # DDP's all-reduce in the reduce dtype too (no latency here: exactly half in bf16)
+    ddp = Layout.planned(2, 2, 1, accumulation=1, batch_size=1)
+    exposed = [step.predict(found, costs.costs(found, rates, False, False), ddp,
+                            step.Run(reduce_bytes=size), rates, 3).parts["all_reduce_s"]
+               for size in (4, 2)]
+    assert exposed[1] == pytest.approx(exposed[0] / 2)
     # the root's gradients the traced peak saw (float32 there), whole in bf16 under FSDP2
     seen = Trace(Shape(), ops=[], params=found.params, ends_grads=4e5)
     predicted = step.predict(seen, costs.costs(seen, rates, False, False), layout, step.Run(),

@@ -118,23 +118,47 @@ def test_layout_trains_as_one_device_does(train_here, single_device, layout):
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_fsdp_reduces_gradients_in_bfloat16_when_asked(train_here):
-    """precision.reduce_dtype=bfloat16 under bf16: FSDP2's reduce-scatter sends half the
-    float32 reduction's bytes, gathers the same bf16 weights, and trains as it does but for
-    bfloat16's rounding of the reduced gradients."""
-    runs = {dtype: train_here(*EQUIVALENCE, "precision=bf16", "parallel=fsdp",
+@pytest.mark.parametrize("parallel,kind", [("fsdp", "reduce_scatter"), ("ddp", "all_reduce")])
+def test_gradients_reduce_in_bfloat16_when_asked(train_here, parallel, kind):
+    """precision.reduce_dtype=bfloat16 under bf16: FSDP2's reduce-scatter, and DDP's
+    all-reduce (torch's bf16 compression hook), send half the float32 reduction's bytes,
+    and the run trains as it does but for bfloat16's rounding of the reduced gradients."""
+    runs = {dtype: train_here(*EQUIVALENCE, "precision=bf16", f"parallel={parallel}",
                               "parallel.world_size=2", "data.batch_size=32",
                               f"precision.reduce_dtype={dtype}", name=dtype)[1]
             for dtype in ("float32", "bfloat16")}
     numel = sum(w.numel() for w in final_weights(runs["float32"]).values())
     metrics = {dtype: read_metrics(run_dir) for dtype, run_dir in runs.items()}
+    layout = {"shards": 2} if parallel == "fsdp" else {"replicas": 2}
     for dtype, size in (("float32", 4), ("bfloat16", 2)):
-        assert metrics[dtype]["comm_reduce_scatter_mb"] * 2**20 == pytest.approx(
-            textbook_volume(size * numel, shards=2)["reduce_scatter"], rel=1e-6)
-    assert metrics["bfloat16"]["comm_all_gather_mb"] == metrics["float32"]["comm_all_gather_mb"]
+        assert metrics[dtype][f"comm_{kind}_mb"] * 2**20 == pytest.approx(
+            textbook_volume(size * numel, **layout)[kind], rel=1e-6)
+    gathered = "comm_all_gather_mb"  # FSDP2's weights, gathered in bf16 either way
+    assert metrics["bfloat16"].get(gathered) == metrics["float32"].get(gathered)
     wide, narrow = (scalars(runs[dtype], "train/loss") for dtype in runs)
     assert [v for _, v in narrow] == pytest.approx([v for _, v in wide], rel=1e-2)
     assert narrow != wide  # the reduction's rounding is bfloat16's
+
+
+def test_a_pipelines_replicas_send_their_buckets_in_the_reduce_dtype():
+    """precision.reduce_dtype=bfloat16 under a pipeline's replicas: each bucket all-reduced
+    in bfloat16, the averages written back into the float32 gradients (the fake group's
+    all-reduce sums this rank's alone: halved)."""
+    from parallab.launching.distributed import fake_group
+    from parallab.parallel.replicas import Replicas
+
+    with fake_group(2):
+        part = torch.nn.Linear(4, 4)
+        replicas = Replicas([part], None, 2, microbatches=1, bucket_mb=25.0,
+                            dtype=torch.bfloat16)
+        replicas.arm()
+        part(torch.randn(2, 4)).sum().backward()
+        assert [flat.dtype for _, flat, _, _ in replicas.launched] == [torch.bfloat16]
+        whole = [p.grad.clone() for p in part.parameters()]
+        replicas.finish()
+        for param, grad in zip(part.parameters(), whole):
+            assert param.grad.dtype == torch.float32
+            torch.testing.assert_close(param.grad, grad.bfloat16().float() / 2)
 
 
 @pytest.mark.slow

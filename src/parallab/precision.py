@@ -11,8 +11,11 @@
           output layer stays in bf16. precision.fp8_all_gather: FSDP2 gathers the weights
           in float8
 
-precision.reduce_dtype=bfloat16 (bf16 and fp8): FSDP2 reduces the gradients in bfloat16,
-and a pipeline's sharded parts accumulate them so between reductions (float32 otherwise).
+precision.reduce_dtype=bfloat16: the data-parallel ranks reduce their gradients in bfloat16,
+half float32's bytes: FSDP2's reduce-scatter (and a pipeline's sharded parts accumulate them
+so between reductions), DDP's all-reduce (torch's bf16_compress_hook) and a pipeline's
+replicas' buckets; the gradients the optimizer steps stay float32. A layout without
+data-parallel ranks has nothing to reduce.
 
 Under a sharded layout (fsdp, hsdp, tp) each rank holds part of the gradients, so float16's
 scaler is torch's ShardedGradScaler: the ranks agree on an overflow (one all-reduce) and
@@ -56,12 +59,8 @@ def problem(cfg: PrecisionConfig) -> str | None:
                 "FSDP2 gathers float8 weights with tensorwise scales only: use "
                 "precision.fp8_recipe=tensorwise")
     if cfg.reduce_dtype not in REDUCE_DTYPES:
-        return (f"precision.reduce_dtype={cfg.reduce_dtype} is not a dtype FSDP2 reduces "
-                f"gradients in here: use {' or '.join(REDUCE_DTYPES)}")
-    if cfg.reduce_dtype == "bfloat16" and cfg.name not in ("bf16", "fp8"):
-        return (f"precision.reduce_dtype=bfloat16 with precision={cfg.name}: it reduces the "
-                "bfloat16 gradients of precision=bf16 or fp8 as they are: use one of those, "
-                "or drop it")
+        return (f"precision.reduce_dtype={cfg.reduce_dtype} is not a dtype data-parallel "
+                f"ranks reduce gradients in: use {' or '.join(REDUCE_DTYPES)}")
     return None
 
 
@@ -81,16 +80,10 @@ def layout_problem(cfg: PrecisionConfig, dp_shard: int = 1) -> str | None:
 
 
 def _gather_problem(cfg: PrecisionConfig, dp_shard: int) -> str | None:
-    if dp_shard > 1:
-        return None
-    if cfg.fp8_all_gather:
+    if cfg.fp8_all_gather and dp_shard < 2:
         return ("precision.fp8_all_gather=true gathers FSDP2's sharded weights, and this "
                 "layout shards over no ranks: use parallel=fsdp or hsdp with 2 or more "
                 "ranks, or drop it")
-    if cfg.reduce_dtype != "float32":  # DDP's buckets are the float32 gradients themselves
-        return (f"precision.reduce_dtype={cfg.reduce_dtype} sets the dtype FSDP2 reduces "
-                "gradients in, and this layout shards over no ranks: use parallel=fsdp or "
-                "hsdp with 2 or more ranks, or drop it")
     return None
 
 

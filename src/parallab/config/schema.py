@@ -187,9 +187,9 @@ class PrecisionConfig:
     # fp8 under fsdp/hsdp: FSDP2 all-gathers the weights in float8 (half bf16's bytes);
     # tensorwise scales only
     fp8_all_gather: bool = False
-    # float32 | bfloat16: the dtype FSDP2 reduces gradients in, and a pipeline's sharded
-    # parts accumulate them in between reductions (torchtitan's mixed_precision_reduce);
-    # bfloat16, under bf16 or fp8, halves those bytes
+    # float32 | bfloat16: the dtype data-parallel ranks reduce gradients in (FSDP2's
+    # reduce-scatter, torchtitan's mixed_precision_reduce; DDP's all-reduce; a pipeline's
+    # replicas'), and a pipeline's sharded parts accumulate them in; bfloat16 halves the bytes
     reduce_dtype: str = "float32"
 
 

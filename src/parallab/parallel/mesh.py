@@ -233,10 +233,15 @@ class MeshRuntime(Runtime):
 
             model = self.on_device(model)
             device_ids = [self.dist.device] if self.dist.device.type == "cuda" else None
-            return DistributedDataParallel(
+            model = DistributedDataParallel(
                 model, device_ids=device_ids, bucket_cap_mb=p.bucket_cap_mb,
                 find_unused_parameters=p.find_unused_parameters,
                 gradient_as_bucket_view=p.gradient_as_bucket_view)
+            if self.precision.reduce_dtype == torch.bfloat16:  # torch's bf16 compression
+                from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+                model.register_comm_hook(None, default_hooks.bf16_compress_hook)
+            return model
         policy = mixed_precision(self.precision.dtype, self.precision.reduce_dtype)
         if self.ep is not None:  # the experts' own units first, over the ranks ep leaves
             expert_parallel.shard(model, self.ep, policy, p.reshard_after_forward)

@@ -154,7 +154,8 @@ class PipelineRuntime(MeshRuntime):
             return None
         if self.averaging is None:
             self.averaging = Replicas(self.parts, self.dp_group, self.layout.dp_replicate,
-                                      self.p.microbatches, self.p.bucket_cap_mb)
+                                      self.p.microbatches, self.p.bucket_cap_mb,
+                                      self.precision.reduce_dtype)
         return self.averaging
 
     def part(self, model: nn.Module) -> nn.Module:

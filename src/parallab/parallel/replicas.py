@@ -27,11 +27,12 @@ from parallab import batch as batches
 class Replicas:
     """The gradients of `parts` (a pipeline rank's, in the model's order) averaged over
     `group`'s `size` replicas in buckets of about `bucket_mb` MiB, each launched as its
-    gradients have taken `microbatches` accumulations each (once per part holding it)."""
+    gradients have taken `microbatches` accumulations each (once per part holding it), and
+    sent in `dtype` (precision.reduce_dtype: bfloat16 halves float32's bytes)."""
 
     def __init__(self, parts: list[nn.Module], group, size: int, microbatches: int,
-                 bucket_mb: float):
-        self.group, self.size = group, size
+                 bucket_mb: float, dtype: torch.dtype = torch.float32):
+        self.group, self.size, self.dtype = group, size, dtype
         uses: dict[nn.Parameter, int] = {}
         for part in reversed(parts):  # a later part's last backward runs first
             for param in reversed(list(part.parameters())):
@@ -83,7 +84,7 @@ class Replicas:
         held = [batches.local(p.grad) if p.grad is not None else
                 torch.zeros_like(batches.local(p)) for p in bucket]
         had = held[0].new_tensor([float(p.grad is not None) for p in bucket])
-        flat = _flatten_dense_tensors([*held, had])
+        flat = _flatten_dense_tensors([*held, had]).to(self.dtype)
         self.launched.append((dist.all_reduce(flat, group=self.group, async_op=True), flat,
                               bucket, [*held, had]))
 
@@ -100,7 +101,7 @@ class Replicas:
             self._launch(bucket)
         for work, flat, bucket, held in self.launched:
             work.wait()
-            flat /= self.size
+            flat = flat.to(held[0].dtype) / self.size
             *averages, had = _unflatten_dense_tensors(flat, held)
             for i, (param, here, averaged) in enumerate(zip(bucket, held, averages)):
                 if param.grad is not None:

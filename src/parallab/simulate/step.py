@@ -69,7 +69,7 @@ class Run:
     split: tuple[int, ...] | None = None  # a pipeline's cuts as parallel.split gives them
     experts: Split = Split()  # how expert parallelism splits an MoE block's experts
     float8_gathered: bool = False  # FSDP2 gathers the float8 layers' weights in float8
-    reduce_bytes: int = 4  # FSDP2's reduced gradient's element (precision.reduce_dtype)
+    reduce_bytes: int = 4  # a reduced gradient's element (precision.reduce_dtype)
 
 
 @dataclass
@@ -206,7 +206,7 @@ def _data_parallel(trace: Trace, c: Costs, layout: Layout, run: Run, rates: Rate
     elif layout.dp_replicate > 1:
         r = layout.dp_replicate
         replicas = Group.of(r, layout.tp * layout.pp, rates.gpus_per_node)
-        grads = (k * _stored(trace, run) + held_ends) * 4
+        grads = (k * _stored(trace, run) + held_ends) * run.reduce_bytes
         buckets = max(1, math.ceil(grads / (run.bucket_mb * 2**20)))
         one = rates.collective_s("all_reduce", 2 * (r - 1) / r * grads / buckets, replicas)
         if layout.pp > 1:  # beside the first rank's last backwards
