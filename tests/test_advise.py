@@ -134,6 +134,21 @@ def test_a_pipelines_parts_run_their_stages_checkpointed():
     assert all(full < none / 2 for full, none in zip(kept["full"], kept["none"])), kept
 
 
+def test_ddps_memory_is_predicted_whatever_dtype_it_reduces_in():
+    """precision.reduce_dtype=bfloat16 gives DDP torch's bf16 compression hook; the
+    prediction's own hook (the fake group returns no reduced bucket) stands in for it, and
+    the state and activations are float32 reduction's."""
+    from parallab.advise import memory
+    from parallab.checks import trial
+
+    predicted = []
+    for dtype in ("float32", "bfloat16"):
+        cfg, layout = checked(*TINY, "parallel=ddp", "parallel.world_size=2", "precision=bf16",
+                              f"precision.reduce_dtype={dtype}")
+        predicted.append(memory.predict(cfg, layout, trial.one_batch(cfg, 4), 0))
+    assert predicted[0] == predicted[1] and predicted[0][0] > 0
+
+
 def test_a_losing_layout_is_judged_differs_with_its_worst_step():
     from parallab.advise import report
     from parallab.parallel.grid import Candidate

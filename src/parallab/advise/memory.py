@@ -12,6 +12,7 @@ measures the same two figures on its real second step (measure.ActivationCounter
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -59,7 +60,11 @@ def predict(cfg, layout, batch: Any, rank: int) -> tuple[float, float]:
     # share of the tokens (as simulate traces it)
     with fake_group(world, rank), uniform_routing():
         dist = Dist(rank, rank, world, world, device, "fake")
-        precision = Precision(cfg.precision, device)
+        # DDP's hook is _reduce_locally's, which takes no other (bf16 compression's copy of
+        # a bucket, a moment's, is not counted)
+        kept = dataclasses.replace(cfg.precision, reduce_dtype="float32") \
+            if layout.replicas_only else cfg.precision
+        precision = Precision(kept, device)
         model = fake_model(cfg, fake, device)  # the mesh and wrappers are built outside
         runtime = layout.plan.runtime(cfg.parallel, layout, dist, precision,
                                       build_loss(cfg.loss).bind(model), model)
