@@ -130,10 +130,11 @@ def _dispatch_as_one(rank: int, store: str) -> None:
 
 
 def _tensor_parallel_as_one(family, x, ids, weights, probe, y, want, want_inputs) -> None:
-    """The same experts split over 2 tp ranks by transformers' style for them
-    (moe_tp_experts: its gate_up_proj packed colwise, its down_proj rowwise): the whole
-    output on every rank, the weights' gradients whole once gathered, the tokens' and
-    routing weights' whole too."""
+    """The same experts split over 2 tp ranks by the model's own plan (its moe_tp_experts:
+    the gate_up_proj packed colwise, the down_proj rowwise; for the experts modules its ep
+    plan names, where transformers 5.25's tp plans leave them out): the whole output on
+    every rank, the weights' gradients whole once gathered, the tokens' and routing
+    weights' whole too."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
@@ -144,9 +145,7 @@ def _tensor_parallel_as_one(family, x, ids, weights, probe, y, want, want_inputs
     _, module = experts_of.experts_of(model)[0]
     for p in module.parameters():
         torch.nn.init.normal_(p, std=0.1)
-    # the model's own plan's style for its experts (transformers 5.25 leaves them out of
-    # its plans, for ep: given here as a user's plan gives it)
-    plan = tp_plans.plan_of(model, {"model.layers.*.mlp.experts": tp_plans.EXPERTS})
+    plan = tp_plans.plan_of(model, None)
     name = next(n for n, style in plan.items() if "Experts" in type(style).__name__)
     parallelize_module(model.get_submodule(name), init_device_mesh("cpu", (2,)), plan[name])
     x, weights = x.clone().requires_grad_(), weights.clone().requires_grad_()

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from parallab.batch import local
+from parallab.models import hf
 
 
 class _OnGrad(torch.autograd.Function):
@@ -165,7 +166,7 @@ class Experts(nn.Module):
         return torch.cat(outs) if outs else x.new_zeros(0, down.shape[1])
 
 
-DISPATCHED = "ep_dispatch_experts"  # a transformers ep plan's style for an experts module
+DISPATCHED = hf.EP_DISPATCHED  # a transformers ep plan's style for an experts module
 
 
 def experts_of(model: nn.Module) -> list[tuple[str, nn.Module]]:

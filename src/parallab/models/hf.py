@@ -80,6 +80,10 @@ def blocks(model: nn.Module) -> list[nn.Module] | None:
     return [m for m in model.modules() if type(m).__name__ in names]
 
 
+TP_EXPERTS = "moe_tp_experts"  # a transformers tp plan's style for an experts module
+EP_DISPATCHED = "ep_dispatch_experts"  # an ep plan's, for one it dispatches tokens to
+
+
 def tp_plan(model: nn.Module) -> dict[str, str] | None:
     """The model's own tensor-parallel plan, module pattern -> style name (transformers':
     "colwise", "rowwise", "embedding_rowwise", "colwise_gather_output", ...)."""
@@ -88,7 +92,16 @@ def tp_plan(model: nn.Module) -> dict[str, str] | None:
     plan = getattr(model, "tp_plan", None)
     if callable(plan):  # an older transformers: a method, or none
         return None
-    return dict(plan) if plan else None
+    if not plan:
+        return None
+    plan = dict(plan)
+    # transformers 5.25 leaves the experts modules its ep plan dispatches to out of its tp
+    # plan (its moe_tp_experts deprecated): split over tp as its earlier plans split them
+    # (Megatron's expert tensor parallelism), not held whole by every tp rank
+    for pattern, style in (getattr(model, "ep_plan", None) or {}).items():
+        if style == EP_DISPATCHED:
+            plan.setdefault(pattern, TP_EXPERTS)
+    return plan
 
 
 def heads_problem(model: nn.Module, tp: int) -> str | None:

@@ -53,7 +53,7 @@ def _styles() -> dict[str, Any]:
     }
 
 
-EXPERTS = "moe_tp_experts"  # a transformers plan's style for an experts module
+EXPERTS = hf.TP_EXPERTS  # a transformers plan's style for an experts module
 
 
 class PlanError(ValueError):
