@@ -88,6 +88,8 @@ def test_float8_prices_the_linear_layers_train_converts_and_nothing_else(tmp_pat
         answer = simulate_in_process([*GPT, *wide, f"precision={name}"], tmp_path / name)
         step[name] = answer["layouts"][0]["parts"]
     assert 1.1 < step["bf16"]["compute_s"] / step["fp8"]["compute_s"] < 2
+    said = {name: (tmp_path / name / "simulate.md").read_text() for name in step}
+    assert "kept for backward in bf16" in said["fp8"] and "Float8" not in said["bf16"]
     gathered = simulate_in_process([*GPT, *wide, "precision=fp8", "precision.fp8_all_gather=true"],
                                    tmp_path / "gathered")["layouts"][0]["parts"]
     assert gathered["all_gather_s"] < step["fp8"]["all_gather_s"]

@@ -13,7 +13,8 @@ train converts are priced as float8 runs them:
   scales move the same bytes;
 - under FSDP2 with precision.fp8_all_gather, those layers' weights gathered in float8 (one
   byte an element, the others in bf16), and held so.
-What the trace keeps for backward stays the bf16 step's.
+What the trace keeps for backward stays the bf16 step's, as torchao's Float8Linear saves
+its input and weight in the high precision (NOTE, for the answer).
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ from parallab.simulate.cluster import Rates
 from parallab.simulate.ops import Op
 
 PEAK = "fp8"  # the Rates.peaks key of the GPU's dense float8 matmul rate
+NOTE = ("Float8: the Linear layers' inputs are kept for backward in bf16, as torchao's "
+        "Float8Linear keeps them (parallab's precision=fp8); Transformer Engine keeps float8 "
+        "copies, so a run on it (NeMo, Megatron-Core) holds less.")
 
 
 def layers(model: nn.Module) -> set[nn.Module]:

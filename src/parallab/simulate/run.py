@@ -158,6 +158,8 @@ def _simulated(cfg, layout):
         raise ConfigError(f"simulate.routing={cfg.simulate.routing} prices how tokens pick "
                           "experts, and this model has none: leave it out")
     candidates, notes = candidates_of(cfg, layout, facts, rates)
+    if cfg.precision.name == "fp8":
+        notes.append(float8.NOTE)
     facts.cut()
     traces = Traces(cfg, facts)
     start = time.perf_counter()
