@@ -267,10 +267,11 @@ def test_fsdp_reduces_each_accumulated_micro_batch_and_keeps_only_shards():
                for size in (4, 2)]
     assert exposed[1] == pytest.approx(exposed[0] / 2)
     # the root's gradients the traced peak saw (float32 there), whole in bf16 under FSDP2
-    seen = Trace(Shape(), ops=[], params=found.params, ends_grads=4e5)
-    predicted = step.predict(seen, costs.costs(seen, rates, False, False), layout, step.Run(),
-                             rates, 3)
-    assert (predicted.memory["gathered"] - one["gathered"]) * 2**30 == pytest.approx(2e5)
+    fsdp = Layout.planned(2, 1, 2, accumulation=1, batch_size=1)
+    gathered = [step.predict(t, costs.costs(t, rates, False, False), fsdp, step.Run(), rates,
+                             3).memory["gathered"]
+                for t in (found, Trace(Shape(), ops=[], params=found.params, ends_grads=4e5))]
+    assert (gathered[1] - gathered[0]) * 2**30 == pytest.approx(2e5)
     # a pipeline's sharded part (torch's stages) keeps its weights and gradients whole from
     # the first micro-batch to the flush, and reduces them once; its float32 shards of the
     # gradients come after the flush, when the activations are gone: not held beside them

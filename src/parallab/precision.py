@@ -64,6 +64,11 @@ def problem(cfg: PrecisionConfig) -> str | None:
     return None
 
 
+def reduce_dtype(cfg: PrecisionConfig) -> torch.dtype:
+    """The dtype data-parallel ranks reduce gradients in (precision.reduce_dtype)."""
+    return getattr(torch, cfg.reduce_dtype)
+
+
 def device_hint(cfg: PrecisionConfig, device_type: str) -> str | None:
     """A warning for a run that works but slowly on its device (given by the checks, once:
     a trace of a GPU's step on this CPU, as parallab simulate makes one, is not a run)."""
@@ -142,7 +147,7 @@ class Precision:
         self.device_type = device.type
         self.tf32 = cfg.tf32 and device.type == "cuda"
         self.dtype = compute_dtype(cfg.name, device.type)
-        self.reduce_dtype = getattr(torch, cfg.reduce_dtype)
+        self.reduce_dtype = reduce_dtype(cfg)
         # scaled loss keeps small float16 gradients from flushing to zero; a step whose
         # gradients overflowed is skipped and the scale lowered
         scaled = self.dtype == torch.float16

@@ -15,7 +15,7 @@ import torch
 
 from parallab.launching import distributed
 from parallab.observe.comm import KINDS, MB
-from parallab.precision import Precision, compute_dtype
+from parallab.precision import Precision, compute_dtype, reduce_dtype
 from parallab.training import run
 
 
@@ -57,7 +57,7 @@ def _alone(model: torch.nn.Module, spec: run.RunSpec, dist: distributed.Dist, on
                                        gradient_as_bucket_view=p.gradient_as_bucket_view), False
     if cut:
         policy = mixed_precision(compute_dtype(cfg.precision.name, dist.device.type),
-                                 getattr(torch, cfg.precision.reduce_dtype))
+                                 reduce_dtype(cfg.precision))
         shard(model, mesh["dp_shard"], p, policy, False, p.reshard_after_forward)
     return model, sharded
 

@@ -221,6 +221,10 @@ class MeshRuntime(Runtime):
         """What of the model this rank holds before tensor parallelism (all of it)."""
         return model
 
+    def fsdp_policy(self):
+        """FSDP2's MixedPrecisionPolicy: the precision's compute and reduce dtypes."""
+        return mixed_precision(self.precision.dtype, self.precision.reduce_dtype)
+
     def data_parallel_mesh(self):
         """The mesh FSDP2 shards over: dp_shard, or replicate x shard (HSDP)."""
         names = ("dp_replicate", "dp_shard") if self.layout.dp_replicate > 1 else ("dp_shard",)
@@ -242,11 +246,10 @@ class MeshRuntime(Runtime):
 
                 model.register_comm_hook(None, default_hooks.bf16_compress_hook)
             return model
-        policy = mixed_precision(self.precision.dtype, self.precision.reduce_dtype)
         if self.ep is not None:  # the experts' own units first, over the ranks ep leaves
-            expert_parallel.shard(model, self.ep, policy, p.reshard_after_forward)
-        return shard(model, self.data_parallel_mesh(), p, policy, self.dist.is_main,
-                     p.reshard_after_forward)
+            expert_parallel.shard(model, self.ep, self.fsdp_policy(), p.reshard_after_forward)
+        return shard(model, self.data_parallel_mesh(), p, self.fsdp_policy(),
+                     self.dist.is_main, p.reshard_after_forward)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model.module if self.layout.replicas_only else model

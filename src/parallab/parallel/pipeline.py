@@ -39,7 +39,7 @@ from parallab.loss import FromModel, from_model, scores
 from parallab.models import hf, moe
 from parallab.parallel import expert_parallel, schedules, tp_plans
 from parallab.parallel.base import Options
-from parallab.parallel.fsdp import mixed_precision, norm_squares, shard
+from parallab.parallel.fsdp import norm_squares, shard
 from parallab.parallel.layout import Layout
 from parallab.parallel.mesh import MeshPlan, MeshRuntime
 from parallab.parallel.pipeline_step import ITEMS, SYNCING, Placed, Shaped, scoped
@@ -188,7 +188,7 @@ class PipelineRuntime(MeshRuntime):
         parts = self.runs(model)  # the schedules' modules, checkpointing's wrappers in them
         # each part gathered once per step, not once per micro-batch (torchtitan)
         if self.layout.dp_shard > 1:
-            policy = mixed_precision(self.precision.dtype, self.precision.reduce_dtype)
+            policy = self.fsdp_policy()
             for part in parts:
                 if self.ep is not None:  # the experts' own units first (MeshRuntime.wrap)
                     expert_parallel.shard(part, self.ep, policy, False)

@@ -53,7 +53,7 @@ def _styles() -> dict[str, Any]:
     }
 
 
-EXPERTS = hf.TP_EXPERTS  # a transformers plan's style for an experts module
+EXPERTS = hf.TP_EXPERTS  # a transformers plan's style for an experts module (hf's name)
 
 
 class PlanError(ValueError):

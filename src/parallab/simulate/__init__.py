@@ -17,7 +17,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from torch import nn
 
 from parallab.config.errors import ConfigError, refuse
@@ -204,7 +203,7 @@ def shape_of(cfg, layout: Layout) -> trace.Shape:
 def run_of(cfg, layout: Layout, facts: Facts) -> step.Run:
     """What the step model needs of the config besides the layout (a pipeline's cuts
     parallel.split's, where given)."""
-    from parallab.precision import compute_dtype
+    from parallab.precision import compute_dtype, reduce_dtype
 
     dtype = compute_dtype(cfg.precision.name, "cuda")
     options = options_of(cfg.parallel)
@@ -219,7 +218,7 @@ def run_of(cfg, layout: Layout, facts: Facts) -> step.Run:
                     options.bucket_cap_mb, cfg.precision.tf32,
                     _split(options.split, layout, facts), split,
                     cfg.precision.name == "fp8" and cfg.precision.fp8_all_gather,
-                    getattr(torch, cfg.precision.reduce_dtype).itemsize)
+                    reduce_dtype(cfg.precision).itemsize)
 
 
 def _split(split: tuple[int, ...] | None, layout: Layout, facts: Facts

@@ -129,10 +129,9 @@ class Recorder(TorchDispatchMode):
         self.ops: list[Op] = []
         # storage -> (region, kind, in_model) of the op that made it
         self.produced: dict[int, tuple[str, str, bool]] = {}
-        # bytes of the storages the step made that are alive, and their most at once (each
-        # storage held weakly: freed when the step lets it go); each made and freed in turn
-        self.live = self.peak = 0
-        self.events: list[tuple[int, int]] = []  # (storage, +bytes made or -bytes freed)
+        # the storages the step made, each as it was made and freed (held weakly: freed
+        # when the step lets it go), in turn: (storage, +bytes made or -bytes freed)
+        self.events: list[tuple[int, int]] = []
         self.block_seen = False  # the block's forward has begun (what is after it, after)
         self.block_done = False  # the block's input has its gradient: backward left it
         self.held: dict[int, weakref.ref] = {}
@@ -210,18 +209,20 @@ class Recorder(TorchDispatchMode):
         if key in self.held:
             return
         size = storage.nbytes()
-        self.live += size
-        self.peak = max(self.peak, self.live)
         self.events.append((key, size))
 
         def freed(_, key=key, size=size) -> None:
-            self.live -= size
             self.events.append((key, -size))
             self.held.pop(key, None)
             # its address is free for the next storage, which this op did not make
             self.produced.pop(key, None)
 
         self.held[key] = weakref.ref(storage, freed)
+
+    @property
+    def live(self) -> int:
+        """Bytes of the storages the step made that are alive now."""
+        return sum(size for _, size in self.events)
 
     def peak_but(self, kept: set[int], asked: set[int]) -> tuple[int, int]:
         """The most bytes alive at once but those of the storages `kept` at the end (the

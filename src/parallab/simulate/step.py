@@ -330,13 +330,11 @@ def _memory(trace: Trace, layout: Layout, run: Run, load: Load) -> dict[str, flo
         blocks_held = 2 if run.reshard_after_forward else load.blocks
         gathered = blocks_held * block * _gathered_bytes(trace, run) + \
             held_ends * run.compute_bytes
-        # a block's gradient as it is reduced, in the reduce dtype; a pipeline's part keeps
-        # all of its whole till the flush
-        whole = load.blocks * block + held_ends if layout.pp > 1 else block
-        gathered += whole * run.reduce_bytes
-        if layout.pp == 1:  # the root's, in the compute dtype, as much of it as the traced
-            # step had made at its peak (a head's backward comes after the loss's)
-            gathered += trace.ends_grads / 4 * run.compute_bytes
+        if layout.pp > 1:  # a part's gradients whole till the flush, in the reduce dtype
+            gathered += (load.blocks * block + held_ends) * run.reduce_bytes
+        else:  # a block's as it is reduced; the root's in the compute dtype, as much of it
+            # as the traced step had made at its peak (a head's backward follows the loss's)
+            gathered += block * run.reduce_bytes + trace.ends_grads / 4 * run.compute_bytes
     saved = trace.saved_compiled if run.compile else trace.saved
 
     def held(by_region: dict[str, float]) -> float:

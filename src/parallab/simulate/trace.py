@@ -12,7 +12,8 @@ collectives tensor parallelism calls; ModTracker says whether
 an op belongs to the block, to what comes before it (embeddings) or after it (the head
 and the loss). Saved-for-backward bytes per region come from autograd's hooks, and the
 peak of the bytes the step's ops made and held at once (activations, temporaries; not the
-weights' gradients, which are the state), each storage followed until it is freed (ops.py). An MoE
+weights' gradients, which are the state), each storage followed until it is freed
+(ops.py). An MoE
 block's router sends each expert an even share of the tokens (models/experts.py's uniform
 routing: fake values cannot be read, and vendor benchmarks force it so); its experts' ops
 and weights are marked, for expert parallelism's share of them (simulate/experts.py).
@@ -215,8 +216,8 @@ def trace(cfg, template: nn.Module, block: str, vocab: int, shape: Shape) -> Tra
     # those outside the block alive at the peak, as FSDP2's root holds them whole
     grads = {id(p): _local(p.grad).untyped_storage()._cdata for p in model.parameters()
              if p.grad is not None}
-    ends = {key for pid, key in grads.items()
-            if pid not in {id(p) for p in the_block.parameters()}}
+    inside = {id(p) for p in the_block.parameters()}
+    ends = {key for pid, key in grads.items() if pid not in inside}
     peak, found.ends_grads = recorder.peak_but(set(grads.values()), ends)
     found.peak_transient = float(peak)
     return found
