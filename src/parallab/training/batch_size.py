@@ -1,4 +1,5 @@
-"""Batch-size finder: grow the per-rank batch until just under the limit.
+"""The global batch (its samples, its loss terms), and the batch-size finder: grow the
+per-rank batch until just under the limit.
 
 Doubles data.batch_size while the trial fits (no out-of-memory, under trainer.max_memory_mb)
 and samples/s still improves by 5%. Trials run the runtime's trial step (Runtime.trial_step)
@@ -21,7 +22,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from parallab.batch import rows
+from parallab.batch import labels_of, rows
 from parallab.data.loaders import ShardLoader
 from parallab.launching.distributed import Dist
 from parallab.observe.memory import peak_memory_mb, reset_peak_memory
@@ -35,6 +36,30 @@ Step = Callable[[Any], None]  # forward and backward of one batch
 def global_batch_size(loader, cfg, runtime) -> int:
     """Samples per optimizer step, over all ranks (cfg: the trainer config)."""
     return loader.batch_size * cfg.accumulate_grad_batches * runtime.ranks.data.world_size
+
+
+def loss_terms(batches: list[Any], loader, runtime, dist: Dist):
+    """The global batch's loss terms (valid labels) per data-parallel rank: what each
+    micro-batch's sum of `batches` is divided by; 0 where there are none (the step is
+    skipped); None where the one batch of a one-rank step holds every label (its own mean is
+    the step's: no counting, as a hand-written loop)."""
+    # the training data's labels all count (the global count follows from shapes), and
+    # the ranks reading different samples
+    all_valid, world = loader.all_valid, runtime.ranks.data.world_size
+    if len(batches) == 1 and world == 1 and all_valid:
+        return None
+    counts = [runtime.loss.count(labels_of(b)) for b in batches]
+    n = counts[0] if len(counts) == 1 else sum(counts)
+    if all_valid:  # every rank's shard of one split batched alike:
+        n = n * world  # the global count follows from this rank's shapes
+    elif world > 1:  # one all-reduce of a scalar; tp/pipeline ranks count alike
+        n = dist.all_reduce_sum(torch.as_tensor(n, dtype=torch.float64, device=dist.device))
+        n = n / runtime.ranks.readers
+    if isinstance(n, torch.Tensor) and n.device.type == "cpu":
+        n = n.item()  # free on the CPU: an exact skip of an empty step, a plain divisor
+    if isinstance(n, torch.Tensor):  # on a GPU: no sync; an empty step's gradients are 0
+        return n.clamp(min=1).float() / world
+    return n / world
 
 
 @dataclass

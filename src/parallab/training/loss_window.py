@@ -1,16 +1,20 @@
 """The train loss between log steps and over the epoch: what the loop reports as train/loss
-and carries in its checkpoints (a resumed epoch's mean goes on from its steps so far), and
-the error that ends a run whose train loss went non-finite (Diverged)."""
+and carries in its checkpoints (a resumed epoch's mean goes on from its steps so far), the
+steps dropped over the run, and the error that ends a run whose train loss went non-finite
+or that drops most of its steps (Diverged)."""
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from typing import Any
 
 import torch
 
 from parallab.config.errors import OneLineError
 from parallab.launching.distributed import Dist
+
+SKIP_HORIZON = 20  # on_nan=skip stops when it drops over half of this many recent steps
 
 
 class Diverged(OneLineError, RuntimeError):
@@ -35,6 +39,8 @@ class LossWindow:
         self.empty = 0  # of those, steps whose labels were all ignored
         self.epoch_loss = 0.0  # the epoch's windows' losses, weighted by their trained steps
         self.epoch_steps = 0
+        self.run_skipped = 0  # steps dropped over the run: non-finite gradients, or no label
+        self.recent: deque[bool] = deque(maxlen=SKIP_HORIZON)  # dropped or not, per step
 
     def __len__(self) -> int:
         return len(self.losses)
@@ -45,6 +51,18 @@ class LossWindow:
     def skip(self, empty: bool = False) -> None:
         self.skipped += 1
         self.empty += empty
+        self.run_skipped += 1
+
+    def judged(self, dropped: bool, step: int) -> None:
+        """on_nan=skip's verdict on a step; a run that drops most of its recent steps learns
+        nothing: Diverged, as a non-finite loss under on_nan=stop."""
+        self.recent.append(dropped)
+        recent = self.recent
+        if len(recent) >= SKIP_HORIZON // 2 and sum(recent) * 2 > len(recent):
+            raise Diverged(f"trainer.on_nan=skip dropped {sum(recent)} of the last "
+                           f"{len(recent)} steps (non-finite gradients) at step {step}: "
+                           "stopped, every checkpoint kept holds finite weights; lower "
+                           "optim.lr or set trainer.clip_grad_norm")
 
     def sum(self) -> torch.Tensor:
         """This rank's summed loss of the steps since the last log step."""
@@ -80,11 +98,14 @@ class LossWindow:
         self.epoch_loss, self.epoch_steps = 0.0, 0
 
     def state_dict(self) -> dict[str, Any]:
-        """The epoch's loss so far (a window is always closed before a checkpoint)."""
-        return {"epoch_loss": self.epoch_loss, "epoch_steps": self.epoch_steps}
+        """The epoch's loss so far (a window is always closed before a checkpoint), the
+        run's dropped steps."""
+        return {"epoch_loss": self.epoch_loss, "epoch_steps": self.epoch_steps,
+                "skipped_steps": self.run_skipped}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.epoch_loss, self.epoch_steps = state["epoch_loss"], state["epoch_steps"]
+        self.run_skipped = state["skipped_steps"]
 
     def epoch_mean(self) -> float:
         """The epoch's train loss; NaN where no step computed one."""

@@ -2,8 +2,9 @@
 optimizer step (the global batch's loss terms counted, each micro-batch's forward and
 backward, clipping and trainer.on_nan=skip, the optimizer and the learning-rate schedule);
 then log steps, stopping, checkpoints and the run's final figures. Each evaluation is
-evaluation.py's, the train loss between log steps loss_window.py's, and what the loop
-counts and reports observe/meter.py's. A step is told to the loop's observers at two points
+evaluation.py's, the train loss between log steps and the steps dropped loss_window.py's,
+the global batch's loss terms batch_size.py's, and what the loop counts and reports
+observe/meter.py's. A step is told to the loop's observers at two points
 (started, done; observe/observer.py), and the one it counts runs inside each's `counting`."""
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from collections import deque
 from typing import Any, Sequence
 
 import torch
@@ -36,15 +36,14 @@ from parallab.observe.profiling import profiled
 from parallab.observe.progress import Progress
 from parallab.parallel.base import Runtime
 from parallab.training import checkpoint
-from parallab.training.batch_size import global_batch_size
+from parallab.training.batch_size import global_batch_size, loss_terms
 from parallab.training.checkpoint import Checkpointer
 from parallab.training.evaluation import Evaluation
-from parallab.training.loss_window import Diverged, LossWindow, diverged
+from parallab.training.loss_window import LossWindow, diverged
 
 log = logging.getLogger(__name__)
 
 Batch = Any  # as the data gives it (batch.py): an (inputs, targets) pair, a dict, ...
-SKIP_HORIZON = 20  # on_nan=skip stops when it drops over half of this many recent steps
 
 
 class Trainer:
@@ -75,8 +74,6 @@ class Trainer:
         self.evaluation = Evaluation(cfg, self.eval_model, runtime, data, dist,
                                      logger, metric_specs)
         self.first_step = 0  # where this process's training starts (after a resume: later)
-        self.skipped = 0  # steps dropped: non-finite gradients (on_nan=skip), or no label
-        self.recent_skips: deque[bool] = deque(maxlen=SKIP_HORIZON)  # dropped or not, per step
         self.lr: float | None = None  # the rate the last step used, before its schedule moved
 
         self.steps_per_epoch, self.total_steps = run_length(cfg, data.train)
@@ -210,7 +207,7 @@ class Trainer:
         returns this rank's share of the step's loss, detached: the sum of its terms over the
         count of the global batch's terms (all micro-batches, all data-parallel ranks), times
         the data-parallel ranks, which average it."""
-        items = self.loss_terms(batches)
+        items = loss_terms(batches, self.data.train, self.runtime, self.dist)
         if isinstance(items, float) and not items:  # (a tensor on a GPU: no host check)
             return self.skip_empty()
         total = None
@@ -245,59 +242,23 @@ class Trainer:
         # gradients are already reduced, so every rank decides alike
         dropped = skip and not bool(torch.isfinite(norm))
         if dropped:
-            self.skipped += 1
             self.window.skip()
             total = torch.zeros_like(total)
             if not self.precision.scaler.is_enabled():  # a scaler skips it by itself
                 self.optimizer.zero_grad(set_to_none=True)
         # a GradScaler's overflow steps are its calibration, not divergence
         if skip and not self.precision.scaler.is_enabled():
-            self.recent_skips.append(dropped)
-            self.check_skips()
+            self.window.judged(dropped, self.step)
         return total
-
-    def loss_terms(self, batches: list[Batch]):
-        """The global batch's loss terms (valid labels) per data-parallel rank: what each
-        micro-batch's sum is divided by; 0 where there are none (the step is skipped); None
-        where the one batch of a one-rank step holds every label (its own mean is the
-        step's: no counting, as a hand-written loop)."""
-        # the training data's labels all count (the global count follows from shapes), and
-        # the ranks reading different samples
-        all_valid, world = self.data.train.all_valid, self.runtime.ranks.data.world_size
-        if len(batches) == 1 and world == 1 and all_valid:
-            return None
-        counts = [self.runtime.loss.count(batch_of.labels_of(b)) for b in batches]
-        n = counts[0] if len(counts) == 1 else sum(counts)
-        if all_valid:  # every rank's shard of one split batched alike:
-            n = n * world  # the global count follows from this rank's shapes
-        elif world > 1:  # one all-reduce of a scalar; tp/pipeline ranks count alike
-            n = self.dist.all_reduce_sum(torch.as_tensor(n, dtype=torch.float64,
-                                                         device=self.dist.device))
-            n = n / self.runtime.ranks.readers
-        if isinstance(n, torch.Tensor) and n.device.type == "cpu":
-            n = n.item()  # free on the CPU: an exact skip of an empty step, a plain divisor
-        if isinstance(n, torch.Tensor):  # on a GPU: no sync; an empty step's gradients are 0
-            return n.clamp(min=1).float() / world
-        return n / world
 
     def skip_empty(self) -> torch.Tensor:
         """A global batch whose labels are all ignored (-100): nothing to learn; the
         optimizer does not step."""
-        self.skipped += 1
         self.window.skip(empty=True)
         if self.dist.is_main:
             log.warning("step %d: no label of its global batch counts (all are -100): the "
                         "step is skipped", self.step + 1)
         return torch.zeros((), device=self.dist.device)
-
-    def check_skips(self) -> None:
-        """on_nan=skip that drops most of the recent steps learns nothing: stop as `stop`."""
-        recent = self.recent_skips
-        if len(recent) >= SKIP_HORIZON // 2 and sum(recent) * 2 > len(recent):
-            raise Diverged(f"trainer.on_nan=skip dropped {sum(recent)} of the last "
-                           f"{len(recent)} steps (non-finite gradients) at step {self.step}: "
-                           "stopped, every checkpoint kept holds finite weights; lower "
-                           "optim.lr or set trainer.clip_grad_norm")
 
     def stop_requested(self) -> bool:
         """One process stops as soon as it is signalled; several stop together, when the
@@ -359,7 +320,7 @@ class Trainer:
             "train/lr": self.lr or self.optimizer.param_groups[0]["lr"],
             **{f"train/{k}": v for k, v in figures.items()},
             "train/epoch": self.epoch,
-            "train/skipped_steps": self.skipped,
+            "train/skipped_steps": self.window.run_skipped,
             **{f"data/tokens/{name}": n
                for name, n in data_of.source_tokens(self.data.train).items()},
         }, self.step)
@@ -411,7 +372,7 @@ class Trainer:
         return {"model": model_state, "optimizer": optimizer_state,
                 **{name: part.state_dict() if part is not None else None
                    for name, part in parts.items()},
-                **self.window.state_dict(), "skipped_steps": self.skipped,
+                **self.window.state_dict(),
                 "step": self.step, "epoch": self.epoch, "epoch_step": self.epoch_step,
                 "total_steps": self.total_steps, "data": data_of.position(self.data.train)}
 
@@ -422,7 +383,6 @@ class Trainer:
         self.step, self.epoch, self.epoch_step = state["step"], state["epoch"], state["epoch_step"]
         self.window.load_state_dict(state)
         data_of.restore_position(self.data.train, state.get("data"))  # its global sample
-        self.skipped = state["skipped_steps"]
         self.evaluation.load_state_dict(state.get("monitor"))
         if self.scheduler is not None and state.get("scheduler"):  # its step count
             schedule.resume(self.scheduler, self.optimizer, state["scheduler"],
