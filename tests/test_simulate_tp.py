@@ -50,7 +50,7 @@ LLAMA = [*TINY_LLAMA, "data.seq_len=32", "data.batch_size=2"]
 
 
 def test_a_transformers_model_under_sequence_parallel_gathers_each_input_once():
-    """Its own plan made sequence parallel (tp_plans.sequence_plan): a block's attention
+    """Its own plan made sequence parallel (sequence_parallel.sequence_plan): a block's attention
     and MLP each gather the sequence once and reduce-scatter their output, and backward
     reduce-scatters each input's gradient once, where the plain plan all-reduces the
     gradient of q, k, v, gate and up one by one (5 a block) besides the two outputs. A

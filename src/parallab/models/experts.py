@@ -7,7 +7,9 @@ A call sorts its (token, expert) pairs by expert, runs each expert's rows throug
 one grouped matmul (torch's grouped_mm; a loop over experts where it does not apply),
 weights each pair's output by its router score and sums them back onto their tokens. Expert
 parallelism (parallel/expert_parallel.py) keeps the sort and the sum and sends the rows to
-the ranks holding their experts in between.
+the ranks holding their experts in between. What a layer's experts took is counted in a
+Load (tokens per expert, pairs dropped and routed, the router loss), parallab's layers' and
+a transformers model's experts modules' alike.
 """
 
 from __future__ import annotations
@@ -181,3 +183,46 @@ def count(model: nn.Module) -> int | None:
     """The experts each MoE layer holds (None: the model has none)."""
     found = experts_of(model)
     return int(found[0][1].num_experts) if found else None
+
+
+def in_backward() -> bool:
+    """A forward running again inside backward (activation checkpointing's recompute): its
+    load is not counted twice."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class Load:
+    """What an MoE layer saw since it was last read: tokens per expert, pairs dropped and
+    routed, and its router loss (each micro-batch's weighted by its share of its step)."""
+
+    def __init__(self, experts: int):
+        self.experts = experts
+        self.step = torch.zeros(experts)  # this step's tokens per expert (bias balancing)
+        self.window = torch.zeros(experts + 3)  # tokens per expert, dropped, routed, aux
+
+    def add(self, counts: torch.Tensor, dropped: torch.Tensor, routed: int) -> None:
+        if self.step.device != counts.device:
+            self.step, self.window = self.step.to(counts.device), self.window.to(counts.device)
+        self.step += counts
+        self.window[:self.experts] += counts
+        self.window[self.experts] += dropped
+        self.window[self.experts + 1] += routed
+
+    def add_aux(self, aux: torch.Tensor) -> None:
+        self.window[self.experts + 2] += aux.to(self.window.device)
+
+    def take_step(self) -> torch.Tensor:
+        counts, self.step = self.step, torch.zeros_like(self.step)
+        return counts
+
+    def take_window(self) -> torch.Tensor:
+        window, self.window = self.window, torch.zeros_like(self.window)
+        return window
+
+
+def count_ids(module: nn.Module, args: tuple) -> None:
+    """A transformers experts module's call (hidden_states, top_k_index, top_k_weights)
+    counted: the tokens its router sent each expert (dropless: none dropped)."""
+    if module.training and not in_backward():
+        load, ids = module.parallab_load, args[1]
+        load.add(torch.bincount(ids.flatten(), minlength=load.experts).float(), 0, ids.numel())

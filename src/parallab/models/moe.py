@@ -34,7 +34,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from parallab.batch import local
-from parallab.models.experts import Experts, even_counts, experts_of, uniform
+from parallab.models.experts import (Experts, Load, count_ids, even_counts, experts_of,
+                                     in_backward, uniform)
 
 ROUTERS = ("softmax", "sigmoid")
 
@@ -165,12 +166,6 @@ class _AttachAux(torch.autograd.Function):
         return grad, torch.ones_like(aux) * weight, None, None
 
 
-def in_backward() -> bool:
-    """A forward running again inside backward (activation checkpointing's recompute): its
-    load is not counted twice."""
-    return torch._C._current_graph_task_id() != -1
-
-
 # --- routing ---------------------------------------------------------------------------
 
 class Router(nn.Module):
@@ -278,35 +273,6 @@ class MoE(nn.Module):
         self.router.bias += self.cfg.bias_update * torch.sign(counts.mean() - counts)
 
 
-class Load:
-    """What an MoE layer saw since it was last read: tokens per expert, pairs dropped and
-    routed, and its router loss (each micro-batch's weighted by its share of its step)."""
-
-    def __init__(self, experts: int):
-        self.experts = experts
-        self.step = torch.zeros(experts)  # this step's tokens per expert (bias balancing)
-        self.window = torch.zeros(experts + 3)  # tokens per expert, dropped, routed, aux
-
-    def add(self, counts: torch.Tensor, dropped: torch.Tensor, routed: int) -> None:
-        if self.step.device != counts.device:
-            self.step, self.window = self.step.to(counts.device), self.window.to(counts.device)
-        self.step += counts
-        self.window[:self.experts] += counts
-        self.window[self.experts] += dropped
-        self.window[self.experts + 1] += routed
-
-    def add_aux(self, aux: torch.Tensor) -> None:
-        self.window[self.experts + 2] += aux.to(self.window.device)
-
-    def take_step(self) -> torch.Tensor:
-        counts, self.step = self.step, torch.zeros_like(self.step)
-        return counts
-
-    def take_window(self) -> torch.Tensor:
-        window, self.window = self.window, torch.zeros_like(self.window)
-        return window
-
-
 def layers(model: nn.Module) -> list[MoE]:
     """The model's MoE layers (a pipeline rank's: those of its parts)."""
     return [m for m in model.modules() if isinstance(m, MoE)]
@@ -353,18 +319,10 @@ def loads(model: nn.Module, experts: int) -> list[tuple[int, Load]]:
             continue
         if not hasattr(module, "parallab_load"):
             module.parallab_load = Load(experts)
-            module.register_forward_pre_hook(_count_ids)
+            module.register_forward_pre_hook(count_ids)
         block = re.search(r"(?:^|\.)(\d+)\.", name)
         found.append((int(block.group(1)) if block else 0, module.parallab_load))
     return found
-
-
-def _count_ids(module: nn.Module, args: tuple) -> None:
-    """A transformers experts module's call (hidden_states, top_k_index, top_k_weights)
-    counted: the tokens its router sent each expert (dropless: none dropped)."""
-    if module.training and not in_backward():
-        load, ids = module.parallab_load, args[1]
-        load.add(torch.bincount(ids.flatten(), minlength=load.experts).float(), 0, ids.numel())
 
 
 def step_done(layers: list[MoE]) -> None:
