@@ -18,7 +18,7 @@ LAYERS = [
     ("launching",),                                         # processes and signals
     ("training",),                                          # a rank's run
     ("checks", "advise", "simulate"),                       # the controller's checks
-    ("cli", "commands", "invocation", "testing"),           # the commands
+    ("cli", "commands", "invocation", "sweep_job", "testing"),  # the commands
 ]
 
 

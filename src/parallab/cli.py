@@ -13,7 +13,6 @@ import contextlib
 import dataclasses
 import functools
 import gc
-import json
 import logging
 import os
 import signal
@@ -26,7 +25,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from parallab.config import help, naming
+from parallab import sweep_job
+from parallab.config import help
 from parallab.config.errors import ConfigError, OneLineError
 from parallab.config.hydra_app import (
     CONF_DIR,
@@ -250,61 +250,10 @@ def objective(cfg) -> str:
     return metrics.objective(cfg, build_loss(cfg.loss))
 
 
-def _sweep_job(dict_cfg: DictConfig, run_dir: Path, call: Invocation) -> float | None:
-    """One job of a multirun: a failure is recorded for the summary and ends no other job;
-    with sweep.skip_completed, a job whose dir holds complete metrics is not run again. A job
-    stopped by a signal (saved, as a single run is) stops the sweep: the node is going."""
-    from parallab import metrics
-
-    status_file = run_dir / summary.STATUS_FILE
-    status_file.unlink(missing_ok=True)
-    if call.stopped_sweep:
-        status_file.write_text(json.dumps({"status": "stopped"}) + "\n")
-        log.info("not run: the sweep was stopped; continue it with: %s", call.stopped_sweep)
-        return None
-    # a sweep SLURM requeued goes on where it stopped
-    skip_completed = dict_cfg.sweep.skip_completed or slurm.restart_count() > 0
-    finished = summary.read_metrics(run_dir) if skip_completed else None
-    if finished is not None:
-        status_file.write_text(json.dumps({"status": "skipped"}) + "\n")
-        log.info("skipped: %s already holds complete metrics", run_dir)
-        return metrics.objective_of(finished, dict_cfg.objective)
-    if skip_completed and dict_cfg.trainer.resume is None:
-        dict_cfg.trainer.resume = "auto"  # a job that did not finish continues (or starts)
-    try:
-        return _train_job(dict_cfg, call)
-    except Stopped as stopped:  # its record says so: the sweep stops at it
-        if not stopped.said:
-            log.error("%s", stopped)
-        stopped.record(run_dir)
-        call.stopped_by = stopped.signum
-        call.stopped_sweep = _continue_sweep(run_dir.parent, call)
-        log.warning("the sweep stops here, its later jobs not run; continue it with: %s",
-                    call.stopped_sweep)
-    except Exception as error:  # noqa: BLE001 - any failure of one job is that job's result
-        line = error.line if isinstance(error, JobFailed) else (
-            f"{type(error).__name__}: {error}".splitlines()[0])
-        log.error("job failed: %s", error if isinstance(error, JobFailed) else line,
-                  exc_info=not isinstance(error, JobFailed))
-        status_file.write_text(json.dumps({"status": "failed", "error": line}) + "\n")
-    return None
-
-
-def _continue_sweep(sweep_dir: Path, call: Invocation) -> str:
-    """The multirun command as the user ran it, in its dir, finished jobs kept."""
-    import shlex
-
-    args = [a for a in call.argv[1:] if not a.startswith(("hydra.sweep.dir=",
-                                                          "sweep.skip_completed="))]
-    return shlex.join([*call.entry()[:2], *args,
-                       f"hydra.sweep.dir={naming.hydra_value(str(sweep_dir))}",
-                       "sweep.skip_completed=true"])
-
-
 def _train_task(dict_cfg: DictConfig, call: Invocation) -> float | None:
     hydra_cfg = HydraConfig.get()
     if hydra_cfg.mode == RunMode.MULTIRUN:
-        return _sweep_job(dict_cfg, Path(hydra_cfg.runtime.output_dir), call)
+        return sweep_job.run(dict_cfg, Path(hydra_cfg.runtime.output_dir), call, _train_job)
     try:
         return _train_job(dict_cfg, call)
     except Stopped as stopped:

@@ -1,0 +1,71 @@
+"""One job of a multirun: its outcome recorded for the sweep's summary (done, failed,
+skipped, stopped), a job with complete metrics skipped when the sweep goes on, and the
+command that continues a sweep a signal stopped."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Callable
+
+from omegaconf import DictConfig
+
+from parallab.config import naming
+from parallab.invocation import Invocation, JobFailed, Stopped
+from parallab.launching import slurm
+from parallab.observe import summary
+
+log = logging.getLogger("parallab")
+
+
+def run(dict_cfg: DictConfig, run_dir: Path, call: Invocation,
+        train_job: Callable[[DictConfig, Invocation], float | None]) -> float | None:
+    """One job of a multirun, trained by `train_job`: a failure is recorded for the summary and ends no other job;
+    with sweep.skip_completed, a job whose dir holds complete metrics is not run again. A job
+    stopped by a signal (saved, as a single run is) stops the sweep: the node is going."""
+    from parallab import metrics
+
+    status_file = run_dir / summary.STATUS_FILE
+    status_file.unlink(missing_ok=True)
+    if call.stopped_sweep:
+        status_file.write_text(json.dumps({"status": "stopped"}) + "\n")
+        log.info("not run: the sweep was stopped; continue it with: %s", call.stopped_sweep)
+        return None
+    # a sweep SLURM requeued goes on where it stopped
+    skip_completed = dict_cfg.sweep.skip_completed or slurm.restart_count() > 0
+    finished = summary.read_metrics(run_dir) if skip_completed else None
+    if finished is not None:
+        status_file.write_text(json.dumps({"status": "skipped"}) + "\n")
+        log.info("skipped: %s already holds complete metrics", run_dir)
+        return metrics.objective_of(finished, dict_cfg.objective)
+    if skip_completed and dict_cfg.trainer.resume is None:
+        dict_cfg.trainer.resume = "auto"  # a job that did not finish continues (or starts)
+    try:
+        return train_job(dict_cfg, call)
+    except Stopped as stopped:  # its record says so: the sweep stops at it
+        if not stopped.said:
+            log.error("%s", stopped)
+        stopped.record(run_dir)
+        call.stopped_by = stopped.signum
+        call.stopped_sweep = continue_command(run_dir.parent, call)
+        log.warning("the sweep stops here, its later jobs not run; continue it with: %s",
+                    call.stopped_sweep)
+    except Exception as error:  # noqa: BLE001 - any failure of one job is that job's result
+        line = error.line if isinstance(error, JobFailed) else (
+            f"{type(error).__name__}: {error}".splitlines()[0])
+        log.error("job failed: %s", error if isinstance(error, JobFailed) else line,
+                  exc_info=not isinstance(error, JobFailed))
+        status_file.write_text(json.dumps({"status": "failed", "error": line}) + "\n")
+    return None
+
+
+def continue_command(sweep_dir: Path, call: Invocation) -> str:
+    """The multirun command as the user ran it, in its dir, finished jobs kept."""
+    import shlex
+
+    args = [a for a in call.argv[1:] if not a.startswith(("hydra.sweep.dir=",
+                                                          "sweep.skip_completed="))]
+    return shlex.join([*call.entry()[:2], *args,
+                       f"hydra.sweep.dir={naming.hydra_value(str(sweep_dir))}",
+                       "sweep.skip_completed=true"])
