@@ -1,7 +1,8 @@
 """adapter=lora through peft: only the adapters train (the base stays as it started, the
 optimizer holds state for the adapters alone), every data-parallel layout gives one device's
 losses, checkpoints resume under another layout, export writes what peft and transformers
-read, and bad input ends in one line before any rank starts."""
+read, and bad input ends in one line before any rank starts (what advise makes of
+adapters: test_advise.py)."""
 
 from __future__ import annotations
 
@@ -291,74 +292,6 @@ def test_a_pretrained_llama_fine_tunes_under_fsdp_and_exports_as_peft_and_transf
     assert scored(tuned) == pytest.approx(metrics["eval_loss"], rel=1e-5)
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
     assert scored(merged) == pytest.approx(metrics["eval_loss"], rel=1e-5)
-
-
-def test_advise_counts_the_frozen_base_without_gradients_or_optimizer_state():
-    """The memory prediction (fake tensors) holds no gradient or AdamW moment for the base,
-    and the step's counted FLOPs leave out the base's weight gradients (MFU's too)."""
-    from conftest import typed
-
-    from parallab.advise import memory
-    from parallab.checks import trial
-    from parallab.models import adapters, build_model
-    from parallab.observe import mfu
-
-    (full, full_layout), (lora, lora_layout) = (
-        checked(*run, "data.global_batch_size=16") for run in (RUN, LORA))
-    batch = trial.one_batch(full, size=16)
-    full_state, lora_state = (memory.predict(cfg, layout, batch, 0)[0]
-                              for cfg, layout in ((full, full_layout), (lora, lora_layout)))
-    params_mb = sum(p.numel() for p in build_model(full.model).parameters()) * 4 / 2**20
-    assert full_state == pytest.approx(4 * params_mb, rel=0.01)  # weights, grads, 2 moments
-    assert lora_state == pytest.approx(params_mb, rel=0.1) and lora_state <= 0.3 * full_state
-    ratio = _step_flops(lora, batch) / _step_flops(full, batch)
-    assert 0.6 < ratio < 0.8  # the base's weight gradients (a third of its FLOPs) go
-    plain = build_model(typed(*RUN).model)
-    adapted = adapters.apply(build_model(typed(*RUN).model), lora.adapter)
-    linear = sum(m.weight.numel() for m in plain.modules() if isinstance(m, torch.nn.Linear))
-    assert mfu.flops_per_token(adapted, 32) == mfu.flops_per_token(plain, 32) - 2 * linear
-
-
-def _step_flops(cfg, batch) -> float:
-    """A forward and backward's FLOPs on fake tensors, the adapters on where the config has
-    them (a frozen weight's gradient is not computed)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.utils.flop_counter import FlopCounterMode
-
-    from parallab import batch as batches
-    from parallab.advise.memory import fake_model
-    from parallab.loss import build_loss
-
-    fake = FakeTensorMode(allow_non_fake_inputs=True)
-    model = fake_model(cfg, fake, torch.device("cpu"))
-    with fake:
-        fake_batch = batches.apply(batch, fake.from_tensor)
-        with FlopCounterMode(display=False) as counter:
-            build_loss(cfg.loss).bind(model).step_loss(model, fake_batch, 1)[1].backward()
-    return counter.get_total_flops()
-
-
-@pytest.mark.distributed
-def test_advise_with_adapters_measures_the_data_parallel_layouts_and_refuses_the_rest(
-        tmp_path):
-    import csv
-
-    from parallab.cli import advise_in_process
-
-    advise_in_process([*LORA, "advise.steps=3", "advise.warmup_steps=1",
-                       "advise.precisions=[fp32]", "parallel.world_size=2",
-                       "advise.activation_checkpointing=[none]", "advise.max_accumulation=1",
-                       "advise.layouts=[none,ddp,fsdp,tp,pipeline]"], tmp_path / "advise")
-    rows = {r["layout"].partition("(")[0]: r for r in
-            csv.DictReader(open(tmp_path / "advise" / "advise.csv"))}
-    for layout in ("tp", "pipeline"):
-        assert rows[layout]["reason"].startswith(f"adapter=lora with parallel={layout}")
-    for layout in ("none", "ddp", "fsdp"):
-        assert rows[layout]["verdict"] in ("reference", "matches"), rows[layout]
-    adapters = 2 * (4 * 32 + 96 * 4)  # two blocks' qkv: A (4 x 32) and B (96 x 4)
-    # ddp all-reduces the adapters' gradients (and a few numbers of the step's figures)
-    assert float(rows["ddp"]["comm_mb_per_step"]) == pytest.approx(adapters * 4 / 2**20,
-                                                                   rel=0.01)
 
 
 TIED_HEAD = [*LORA, "model.tie_embeddings=true", "adapter.target_modules=[out]",

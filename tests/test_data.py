@@ -1,19 +1,26 @@
-"""The input pipeline: real MNIST decoding, DistributedSampler sharding, both loader paths."""
+"""The input pipeline: real MNIST decoding, DistributedSampler sharding, both loader paths;
+CIFAR-10 and image folders."""
 
 from __future__ import annotations
 
 import gzip
+import pickle
 import shutil
+from pathlib import Path
+
+import numpy as np
 
 import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
 from parallab.config.schema import Loader
-from parallab.data import build_data, mnist
+from parallab.data import build_data, images, mnist, resolve_loader
+from parallab.data.images import Cifar10, ImageFolder
 from parallab.data.loaders import DataLoaderLoader, MemoryLoader, ShardSampler
 from parallab.data.mnist import MNIST
 from parallab.data.synthetic import Synthetic
+from parallab.data.text import Text
 from parallab.launching.distributed import Dist
 
 ROOT = MNIST().folder  # data.root=null: the copy parallab ships
@@ -21,6 +28,9 @@ ROOT = MNIST().folder  # data.root=null: the copy parallab ships
 
 def cpu_rank(rank: int, world_size: int) -> Dist:
     return Dist(rank, rank, world_size, world_size, torch.device("cpu"), None)
+
+
+CPU = cpu_rank(0, 1)
 
 
 @pytest.fixture(scope="module")
@@ -151,3 +161,104 @@ def test_datasets_are_made_under_the_seed_and_leave_each_generators_stream_as_it
             made.append(draws())
         assert draws() == expected
     assert made[0] == made[1]
+
+
+# --- image sets ----------------------------------------------------------------------------
+def write_cifar(root: Path, per_batch: int = 8) -> None:
+    folder = root / images.CIFAR_DIR
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for name in [*images.CIFAR_FILES["train"], *images.CIFAR_FILES["test"]]:
+        batch = {"data": rng.integers(0, 256, (per_batch, 3072), dtype=np.uint8),
+                 "labels": rng.integers(0, 10, per_batch).tolist()}
+        (folder / name).write_bytes(pickle.dumps(batch))
+
+
+def test_cifar10_from_files_with_augmentation_on_the_dataloader_path(tmp_path):
+    write_cifar(tmp_path)
+    cfg = Cifar10(root=str(tmp_path))
+    assert cfg.problem() is None and resolve_loader(cfg) is Loader.dataloader
+    train, test = images.make_cifar10(cfg, 0)
+    assert train.inputs.shape == (40, 3, 32, 32) and len(test) == 8
+    batch = train.prepare(train.inputs[:4])
+    mean, std = torch.tensor(images.CIFAR_MEAN), torch.tensor(images.CIFAR_STD)
+    torch.testing.assert_close(batch, (train.inputs[:4] / 255 - mean[:, None, None])
+                               / std[:, None, None])
+    cfg.num_workers = 1
+
+    def first_batch(shuffle: bool) -> torch.Tensor:
+        loader = DataLoaderLoader(train if shuffle else test, CPU, 8, shuffle, 0, cfg)
+        return next(iter(loader))[0]
+
+    augmented = first_batch(True)
+    assert augmented.shape == (8, 3, 32, 32) and augmented.dtype == torch.float32
+    torch.testing.assert_close(first_batch(True), augmented)  # workers seeded: reproducible
+    order = MemoryLoader(train, CPU, 8, True, 0).sampler.indices()[:8]
+    assert not torch.equal(augmented, train.prepare(train.inputs[order]))  # cropped, flipped
+    torch.testing.assert_close(first_batch(False), test.prepare(test.inputs[:8]))
+
+
+def test_cifar10_missing_is_one_line_naming_data_root(tmp_path):
+    problem = Cifar10(root=str(tmp_path)).problem()
+    assert problem.startswith(f"data.root={tmp_path} has no CIFAR-10 files") and "\n" not in problem
+    (tmp_path / images.CIFAR_DIR).mkdir()
+    (tmp_path / images.CIFAR_DIR / "data_batch_1").write_bytes(
+        b"cos\nsystem\n(S'echo hi'\ntR.")  # a pickle naming code to run
+    with pytest.raises(pickle.UnpicklingError, match="refusing os.system"):
+        images.read_cifar(tmp_path, "train")
+
+
+def write_folder(root: Path, classes=("cat", "dog"), per_class: int = 5) -> Path:
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for name in classes:
+        (root / name).mkdir(parents=True)
+        for i in range(per_class):
+            pixels = rng.integers(0, 256, (20 + i, 30, 3), dtype=np.uint8)
+            Image.fromarray(pixels).save(root / name / f"{i}.png")
+    return root
+
+
+@pytest.mark.parametrize("loader", [Loader.memory, Loader.dataloader])
+def test_imagefolder_on_both_paths(tmp_path, loader):
+    cfg = ImageFolder(path=str(write_folder(tmp_path)), image_size=16,
+                      augment=loader is Loader.dataloader, loader=loader, batch_size=4,
+                      eval_batch_size=4)
+    assert cfg.problem() is None and cfg.num_classes == 2
+    data = build_data(cfg, CPU, seed=0)
+    assert (len(data.train.source), len(data.eval.source)) == (8, 2)  # 1 of 5 held out per class
+    for part in (data.train, data.eval):
+        inputs, targets = next(iter(part))
+        assert inputs.shape[1:] == (3, 16, 16) and inputs.dtype == torch.float32
+        assert set(targets.tolist()) <= {0, 1}
+    assert ImageFolder(path=str(tmp_path / "cat" / "0.png")).problem().startswith("data.path=")
+
+
+@pytest.mark.parametrize("loader", [Loader.memory, Loader.dataloader])
+def test_an_unreadable_image_is_skipped_with_a_counted_warning(tmp_path, loader, caplog):
+    write_folder(tmp_path / "val")
+    root = write_folder(tmp_path / "train")
+    (root / "cat" / "9.png").write_bytes(b"not a png")
+    (root / "dog" / "0.png").write_bytes((root / "dog" / "0.png").read_bytes()[:60])  # truncated
+    cfg = ImageFolder(path=str(tmp_path), image_size=16, augment=False, loader=loader,
+                      batch_size=4, eval_batch_size=4)
+    data = build_data(cfg, CPU, seed=0)
+    with caplog.at_level("WARNING", logger="parallab.data.images"):
+        seen = [targets for _ in range(2) for _, targets in data.train]
+    if loader is Loader.memory:  # dropped once, when decoded
+        assert len(data.train.source) == 9
+        assert "skipped 2 unreadable image(s) of 11" in caplog.text
+    else:  # a readable neighbour stands in, so every batch keeps its size
+        assert [len(t) for t in seen] == [4, 4, 3] * 2  # 11 files, 2 epochs
+        assert caplog.text.count("skipped unreadable image") == 2  # once per file, not per epoch
+        assert "2 skipped so far by this loader" in caplog.text
+
+
+def test_loader_auto_picks_memory_when_the_set_fits():
+    assert resolve_loader(MNIST()) is Loader.memory
+    assert resolve_loader(Text()) is Loader.memory
+    assert resolve_loader(Cifar10(augment=False)) is Loader.memory
+    assert resolve_loader(Cifar10()) is Loader.dataloader  # augmentation per sample
+    assert resolve_loader(Synthetic(train_size=10**6, shape=[3, 64, 64])) is Loader.dataloader
+    assert resolve_loader(MNIST(loader=Loader.dataloader)) is Loader.dataloader

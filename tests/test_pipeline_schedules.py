@@ -2,7 +2,8 @@
 activations as torch orders them, the stages they place on each rank, the micro-batch
 counts they take, bad input refused in one line, and every schedule of several stages per
 rank training as one device does (real gloo processes). A transformers model's own chain
-of stages: tests/test_transformers.py."""
+of stages: tests/test_transformers.py; the replicas' gradient average:
+tests/test_strategies.py."""
 
 from __future__ import annotations
 
@@ -326,95 +327,3 @@ def test_advise_offers_each_schedule_and_replays_its_bubble():
             0.4 * bubble(name, 2, v, 4))
     # a bubble of None: GPipe's and 1F1B's pp - 1 slots, as before
     assert scaling.pipeline_s([0.4, 0.4], [0.4, 0.4], 2, 4, devices) == pytest.approx(0.5)
-
-
-def test_replicas_average_each_part_as_its_last_backward_lands():
-    """A pipeline rank's replicas' all-reduce: each bucket launched once its gradients have
-    taken the step's last micro-batch, the later part's first (while the earlier part still
-    runs its backwards), never out of that order (a replica reaching another bucket first
-    waits for it), the rest at the flush, each average written back (the fake group's
-    all-reduce sums this rank's alone: halved); nothing before the step is armed."""
-    from parallab.launching.distributed import fake_group
-    from parallab.parallel.replicas import Replicas
-
-    def backward(part):
-        part(torch.ones(2, 4)).sum().backward()
-
-    with fake_group(2):
-        torch.manual_seed(0)
-        parts = [torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)]
-        replicas = Replicas(parts, None, 2, microbatches=2, bucket_mb=1e-6)  # a bucket each
-        assert [len(b) for b in replicas.buckets] == [1, 1, 1, 1]
-        backward(parts[1])  # not armed: a dry run's backward
-        assert replicas.launched == []
-        for part in parts:
-            part.zero_grad()
-        replicas.arm()
-        for later_first in (parts[1], parts[1], parts[0]):
-            backward(later_first)
-        assert len(replicas.launched) == 2  # the later part's weight and bias, in flight
-        backward(parts[0])
-        assert len(replicas.launched) == 4
-        summed = [p.grad.clone() for part in parts for p in part.parameters()]
-        replicas.finish()
-        for got, whole in zip([p.grad for part in parts for p in part.parameters()], summed):
-            torch.testing.assert_close(got, whole / 2)
-
-        replicas.arm()  # the earlier part's backwards first: held till the later one's land
-        backward(parts[0])
-        backward(parts[0])
-        assert replicas.launched == []
-        backward(parts[1])
-        backward(parts[1])
-        assert len(replicas.launched) == 4
-        replicas.finish()
-        replicas.arm()  # a step cut short (one micro-batch of two): all left to the flush
-        backward(parts[1])
-        assert replicas.launched == []
-        replicas.finish()
-        assert replicas.launched == [] and not replicas.armed
-
-        shared = torch.nn.Linear(4, 4)  # one parameter in two parts (a V's tied ends)
-        tied = Replicas([torch.nn.Sequential(shared), torch.nn.Sequential(shared)], None, 2,
-                        microbatches=2, bucket_mb=1e-6)
-        tied.arm()
-        for _ in range(3):
-            backward(shared)
-        assert tied.launched == []  # 3 of its 2 parts x 2 micro-batches
-        backward(shared)
-        assert len(tied.launched) == 2
-        tied.finish()
-
-
-def _replicas_where_one_made_no_gradient(rank: int, store: str) -> None:
-    """On one of 2 gloo replicas: a part's second layer reached by rank 0's graph only."""
-    import torch.distributed as dist
-
-    from parallab.parallel.replicas import Replicas
-
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
-    torch.manual_seed(0)
-    first, second = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
-    part = torch.nn.Sequential(first, second)
-    replicas = Replicas([part], None, 2, microbatches=1, bucket_mb=25.0)
-    replicas.arm()
-    x = torch.full((2, 4), float(rank + 1))
-    (second(first(x)) if rank == 0 else first(x)).sum().backward()
-    replicas.finish()
-    grads = [torch.zeros(0) if p.grad is None else p.grad for p in part.parameters()]
-    gathered = [None, None]
-    dist.all_gather_object(gathered, grads)
-    for mine, theirs in zip(*gathered):  # one model on both replicas
-        torch.testing.assert_close(mine, theirs)
-    assert second.weight.grad is not None and second.weight.grad.abs().sum() > 0
-    dist.destroy_process_group()
-
-
-@pytest.mark.distributed
-def test_replicas_agree_where_one_replicas_graph_made_no_gradient(tmp_path):
-    """A parameter one replica's graph did not reach (a branch its data did not take):
-    its place in the bucket is zeros there, so the buffers match (no hang), and it takes
-    the average the other replica's gradient gives, so that both stay one model."""
-    import torch.multiprocessing as mp
-
-    mp.spawn(_replicas_where_one_made_no_gradient, args=(str(tmp_path / "store"),), nprocs=2)
