@@ -305,8 +305,6 @@ def parallab() -> None:
     python evaluate.py; `parallab summary DIR`: rebuild a finished multirun's summary;
     `parallab export CKPT OUT`: a checkpoint's full model state as one file; `parallab
     prepare-data FILES --tokenizer DIR --out DIR`: token files from text."""
-    import argparse
-
     # as `python -m` does: a project's own modules (its model, its data) import from where
     # it is run, for every command (export rebuilds the project's model); launched workers
     # inherit the path
@@ -314,6 +312,38 @@ def parallab() -> None:
     if len(sys.argv) > 1 and sys.argv[1] in APPS:
         APPS[sys.argv[1]]([sys.argv[0], *sys.argv[2:]])  # the app's command line: no `train`
         return
+    parser = _parser()
+    args = parser.parse_args()
+    if args.command == "prepare-data":
+        from parallab.data.pretrain import prepare
+
+        try:
+            prepare.main(args)
+        except ConfigError as error:
+            print(error, file=sys.stderr)  # one line, as every refusal
+            raise SystemExit(2) from None
+        return
+    if args.command == "export":
+        from parallab.training.checkpoint import CheckpointError
+
+        try:
+            _export(args.ckpt, args.out, args.force, args.merged)
+        except (CheckpointError, ConfigError, KeyError) as error:
+            print(f"parallab export: {error}", file=sys.stderr)  # one line, as every refusal
+            raise SystemExit(2) from None
+        return
+    if not any(args.sweep_dir.glob("*/.hydra/overrides.yaml")):
+        parser.error(f"{args.sweep_dir} holds no multirun jobs (no */.hydra/overrides.yaml)")
+    print(summary.markdown(summary.write(args.sweep_dir)))
+
+
+def _parser():
+    """The `parallab` command's subcommands and their arguments (an app's own command line,
+    Hydra's, is not parsed here)."""
+    import argparse
+
+    from parallab.data.pretrain import prepare
+
     parser = argparse.ArgumentParser(prog="parallab")
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("train", help="train: [group=option ...] [key=value ...] (Hydra's "
@@ -342,26 +372,6 @@ def parallab() -> None:
                         "adapter folder PeftModel.from_pretrained reads)")
     said = ("token files from text: Megatron-LM .bin/.idx pairs that data=token_files reads "
             "(OUT/train.bin, OUT/val.bin)")
-    from parallab.data.pretrain import prepare
-
     prepare.arguments(commands.add_parser("prepare-data", help=said, description=said))
-    args = parser.parse_args()
-    if args.command == "prepare-data":
-        try:
-            prepare.main(args)
-        except ConfigError as error:
-            print(error, file=sys.stderr)  # one line, as every refusal
-            raise SystemExit(2) from None
-        return
-    if args.command == "export":
-        from parallab.training.checkpoint import CheckpointError
+    return parser
 
-        try:
-            _export(args.ckpt, args.out, args.force, args.merged)
-        except (CheckpointError, ConfigError, KeyError) as error:
-            print(f"parallab export: {error}", file=sys.stderr)  # one line, as every refusal
-            raise SystemExit(2) from None
-        return
-    if not any(args.sweep_dir.glob("*/.hydra/overrides.yaml")):
-        parser.error(f"{args.sweep_dir} holds no multirun jobs (no */.hydra/overrides.yaml)")
-    print(summary.markdown(summary.write(args.sweep_dir)))

@@ -157,12 +157,7 @@ def trace(cfg, template: nn.Module, block: str, vocab: int, shape: Shape) -> Tra
 
     precision = Precision(PrecisionConfig(name=shape.precision), torch.device("cpu"))
     fake = FakeTensorMode(allow_non_fake_inputs=True)
-    model = copy.deepcopy(template)
-    if shape.gathered and precision.dtype != torch.float32:
-        model = model.to(precision.dtype)  # FSDP2 gathers weights in the compute dtype
-    with fake:
-        model = model.to_empty(device="cpu")
-    _tie_again(template, model)
+    model = _on_fake(template, fake, precision.dtype if shape.gathered else None)
     found = Trace(shape)
     the_block = model.get_submodule(block)
     entered = _BlockInput()
@@ -201,12 +196,37 @@ def trace(cfg, template: nn.Module, block: str, vocab: int, shape: Shape) -> Tra
             calls.remove()  # a global hook: never left behind
     found.ops = recorder.ops
     _region(found.ops)
-    found.params = _params_by_region(model, the_block, called)
-    found.params["experts"] = float(sum(_local(p).numel() for _, m in held
-                                        for p in m.parameters()))
-    inside = set(the_block.modules())
-    found.params["float8"] = float(sum(_local(m.weight).numel() for m in converted
-                                       if m in inside))
+    found.params = {**_params_by_region(model, the_block, called),
+                    **_block_kinds(the_block, [m for _, m in held], converted)}
+    _saved_and_peak(found, saved, entered, recorder, model, the_block)
+    return found
+
+
+def _block_kinds(block: nn.Module, experts: list[nn.Module], converted: set[nn.Module]
+                 ) -> dict[str, float]:
+    """The block's weights (a rank's) that its experts modules hold, and those of the
+    Linear layers precision=fp8 converts."""
+    inside = set(block.modules())
+    return {"experts": float(sum(_local(p).numel() for m in experts for p in m.parameters())),
+            "float8": float(sum(_local(m.weight).numel() for m in converted if m in inside))}
+
+
+def _on_fake(template: nn.Module, fake, gathered_dtype: torch.dtype | None) -> nn.Module:
+    """A copy of `template` (on meta) with fake tensors for its weights, tied as it is; in
+    `gathered_dtype` where FSDP2 gathers them in that compute dtype (not float32)."""
+    model = copy.deepcopy(template)
+    if gathered_dtype is not None and gathered_dtype != torch.float32:
+        model = model.to(gathered_dtype)
+    with fake:
+        model = model.to_empty(device="cpu")
+    _tie_again(template, model)
+    return model
+
+
+def _saved_and_peak(found: Trace, saved: _SavedByRegion, entered: _BlockInput,
+                    recorder: Recorder, model: nn.Module, the_block: nn.Module) -> None:
+    """What the traced step saved for backward by region (compiled, and its casts), the
+    block's input, and its temporaries' peak without the weights' gradients."""
     found.saved = saved.by_region()
     found.saved_compiled = saved.by_region(compiled=True)
     found.casts = saved.by_region(casts=True)
@@ -220,7 +240,6 @@ def trace(cfg, template: nn.Module, block: str, vocab: int, shape: Shape) -> Tra
     ends = {key for pid, key in grads.items() if pid not in inside}
     peak, found.ends_grads = recorder.peak_but(set(grads.values()), ends)
     found.peak_transient = float(peak)
-    return found
 
 
 class _BlockInput:
