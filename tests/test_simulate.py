@@ -335,3 +335,25 @@ def test_checkpointing_every_second_block_costs_and_keeps_the_mean():
     # the step's temporaries beyond them are no more than either kind of block's
     assert half.memory["temporary"] <= max(none.memory["temporary"],
                                            full.memory["temporary"]) * (1 + 1e-9)
+
+
+def test_a_transformers_models_trace_warns_the_user_of_nothing_of_its_own():
+    """transformers' hub kernels (the kernels package) call its functions, rotary
+    embedding's among them, through modules nested in modules of one class, which torch's
+    ModTracker takes for a broken module hierarchy: it warns that it may be "messed up",
+    asking for a bug report, and swaps the process's warning format. Neither reaches the
+    user of a simulation."""
+    import warnings
+
+    from conftest import TINY_LLAMA
+
+    from parallab.simulate.trace import Shape
+
+    kept = warnings.formatwarning
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        found = traced(Shape(rows=2, seq_len=32, precision="fp32"), base=[
+            *TINY_LLAMA, "data.seq_len=32", "data.batch_size=2"])
+    assert found.ops  # traced
+    assert not [w for w in said if "hierarchy" in str(w.message)], [str(w.message) for w in said]
+    assert warnings.formatwarning is kept

@@ -23,8 +23,10 @@ Nothing is allocated and no collective runs: a 405B model's block traces in a se
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -183,7 +185,7 @@ def trace(cfg, template: nn.Module, block: str, vocab: int, shape: Shape) -> Tra
         saved = _SavedByRegion(model, tracker, recorder)
         calls = register_module_forward_pre_hook(lambda module, _: called.append(module))
         try:
-            with fake, tracker, recorder, on_a_device.masks(), \
+            with _tracker_quiet(), fake, tracker, recorder, on_a_device.masks(), \
                     tp_plans.loss_context(sharded), uniform_routing(), \
                     on_a_device.attention(), on_a_device.norms():
                 with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
@@ -209,6 +211,22 @@ def _block_kinds(block: nn.Module, experts: list[nn.Module], converted: set[nn.M
     inside = set(block.modules())
     return {"experts": float(sum(_local(p).numel() for m in experts for p in m.parameters())),
             "float8": float(sum(_local(m.weight).numel() for m in converted if m in inside))}
+
+
+@contextlib.contextmanager
+def _tracker_quiet():
+    """ModTracker's warning that the module hierarchy "maybe be messed up" kept from the
+    user, and the process's warning format it swaps as it warns put back: transformers' hub
+    kernels (the kernels package) call functions such as rotary embedding's through modules
+    nested in modules of one class, unregistered, which ModTracker names alike. The block's
+    name stays open around them, so each op's region is still right."""
+    kept = warnings.formatwarning
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The module hierarchy tracking maybe")
+        try:
+            yield
+        finally:
+            warnings.formatwarning = kept
 
 
 def _on_fake(template: nn.Module, fake, gathered_dtype: torch.dtype | None) -> nn.Module:
