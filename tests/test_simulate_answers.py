@@ -68,6 +68,8 @@ def test_auto_ranks_every_layout_and_writes_its_answer(tmp_path):
         answer["sbatch"]
     said = (tmp_path / "simulate.md").read_text()
     assert best["layout"] in said and "srun --kill-on-bad-exit=1 parallab train" in said
+    small = best["memory_per_gpu_gb"]  # a small size to two figures: not 0.0 beside 0.0
+    assert small < 0.1 and f"| {small:.2g} | yes |" in said and "| 0.0 |" not in said
     assert (tmp_path / "simulate.png").stat().st_size > 0
     # none that train refuses: a zero-bubble schedule's split backward checkpointed selectively
     split = [e for e in found if any(f"parallel.schedule={s} " in e["command"]

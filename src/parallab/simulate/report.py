@@ -56,6 +56,11 @@ def sbatch(c: Candidate, gpus_per_node: int, command: str) -> list[str]:
             "#SBATCH --requeue", f"srun --kill-on-bad-exit=1 {command}"]
 
 
+def gib(size: float) -> str:
+    """A size to tenths, small ones to two figures (not 0.0 beside 0.0)."""
+    return f"{size:,.1f}" if size >= 1 else f"{size:.2g}"
+
+
 def _part_names(entries: list[dict[str, Any]]) -> list[str]:
     kinds = sorted({k for e in entries for k in e.get("parts", {}) if k not in PARTS})
     return [*PARTS[:1], *kinds, *PARTS[1:]]
@@ -78,7 +83,7 @@ def markdown(head: dict[str, Any], entries: list[dict[str, Any]], rows: int,
         cells = [e["layout"], f"{tps:,.0f}" if tps else "-",
                  f"{e['step_time_s']:.3f}" if e["step_time_s"] else "-",
                  f"{e['mfu']:.1%}" if e["mfu"] else "-",
-                 f"{e['memory_per_gpu_gb']:,.1f}" if e["memory_per_gpu_gb"] else "-",
+                 gib(e["memory_per_gpu_gb"]) if e["memory_per_gpu_gb"] else "-",
                  "yes" if e["fits"] else ("no" if e["memory_per_gpu_gb"] else
                                           e.get("reason") or "no")]
         cells += [f"{e['parts'][n]:.3f}" if n in e["parts"] else "" for n in names]

@@ -228,14 +228,9 @@ def _nothing_fits(cfg, ranked: list[Candidate], rates) -> str:
     need = least.memory_gb
     return (f"no layout of parallel.world_size={cfg.parallel.world_size} GPUs fits "
             f"{cfg.model['_target_'].rpartition('.')[2]} on cluster={cfg.cluster.name}: the "
-            f"smallest needs {_gib(need)} GiB per GPU ({least.label}) and a GPU has "
-            f"{_gib(rates.memory_bytes / 2**30)} GiB; use more GPUs, a shorter data.seq_len or "
-            "a smaller data.batch_size")
-
-
-def _gib(size: float) -> str:
-    """A size to tenths, small ones to two figures (not 0.0 beside 0.0)."""
-    return f"{size:,.1f}" if size >= 1 else f"{size:.2g}"
+            f"smallest needs {report.gib(need)} GiB per GPU ({least.label}) and a GPU has "
+            f"{report.gib(rates.memory_bytes / 2**30)} GiB; use more GPUs, a shorter "
+            "data.seq_len or a smaller data.batch_size")
 
 
 def _head(cfg, facts: Facts, seconds: float) -> dict[str, Any]:
@@ -326,7 +321,6 @@ def _say(best: Candidate, command: str, lines: list[str], rates, out: Path) -> N
         return
     over = "" if best.fits(rates.memory_bytes) else " (does not fit)"
     print(f"parallab simulate: {best.label}: {p.tokens_per_sec_per_gpu:,.0f} tokens/s per GPU, "
-          f"{p.step_time_s:.3f} s a step, MFU {p.mfu:.1%}, {p.memory_per_gpu_gb:,.1f} GiB per "
-          f"GPU{over} (simulate.md, .json, .png in {out})",
-          flush=True)
+          f"{p.step_time_s:.3f} s a step, MFU {p.mfu:.1%}, {report.gib(p.memory_per_gpu_gb)} "
+          f"GiB per GPU{over} (simulate.md, .json, .png in {out})", flush=True)
     print(command, flush=True)
