@@ -1,6 +1,6 @@
 """parallab advise: candidates measured in one job per world size, memory predicted on fake
-tensors against what the run measured, verdicts, the answer's files, its refusals, and a model with LoRA adapters (its grid and
-step-time model: test_advise_grid.py)."""
+tensors against what the run measured, verdicts, the answer's files, its refusals, and a
+model with LoRA adapters (its grid and step-time model: test_advise_grid.py)."""
 
 from __future__ import annotations
 

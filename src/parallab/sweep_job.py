@@ -21,9 +21,10 @@ log = logging.getLogger("parallab")
 
 def run(dict_cfg: DictConfig, run_dir: Path, call: Invocation,
         train_job: Callable[[DictConfig, Invocation], float | None]) -> float | None:
-    """One job of a multirun, trained by `train_job`: a failure is recorded for the summary and ends no other job;
-    with sweep.skip_completed, a job whose dir holds complete metrics is not run again. A job
-    stopped by a signal (saved, as a single run is) stops the sweep: the node is going."""
+    """One job of a multirun, trained by `train_job`: a failure is recorded for the summary
+    and ends no other job; with sweep.skip_completed, a job whose dir holds complete metrics
+    is not run again. A job stopped by a signal (saved, as a single run is) stops the
+    sweep: the node is going."""
     from parallab import metrics
 
     status_file = run_dir / summary.STATUS_FILE
