@@ -219,6 +219,8 @@ def bad_inputs(root) -> list:
          "\\+ 1 = 17"),
         ([f"data.sources={two.format(w=web, a=1, n='b', b=-1)}"], "b's weight -1 is not a "
          "share"),
+        ([f"data.sources={two.format(w=web, a=1, n='b', b='inf')}"], "b's weight inf is not "
+         "a share"),
         ([f"data.sources={two.format(w=web, a=0, n='b', b=0)}"], "weights sum to 0"),
         ([f"data.sources={two.format(w=web, a=1, n='a', b=1)}"], "names a twice"),
         ([f"data.files={root}/cut.bin"], "cut.idx does not match .*cut.bin"),

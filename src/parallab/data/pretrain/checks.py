@@ -6,6 +6,7 @@ changed since the checkpoint."""
 
 from __future__ import annotations
 
+import math
 from typing import Any, Optional
 
 import numpy as np
@@ -56,7 +57,7 @@ def _sources(cfg) -> Optional[str]:
     if twice is not None:
         return f"data.sources names {twice} twice: give each source a name of its own"
     for name, _, weight in cfg.named_sources():
-        if not isinstance(weight, (int, float)) or weight < 0 or weight != weight:
+        if not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight < 0:
             return (f"data.sources: {name}'s weight {weight} is not a share: give a number "
                     ">= 0 (they need not sum to 1)")
     if sum(w for _, _, w in cfg.named_sources()) <= 0:
