@@ -309,3 +309,13 @@ def test_prepare_data_writes_the_documents_token_files_read(tokenizer, tmp_path,
                             f"data.eval_files={tmp_path}/val.bin", "model.vocab_size=300",
                             "data.document_mask=true", "trainer.max_steps=2")
     assert metrics["steps"] == 2
+    # written again into the same folder: refused before anything is tokenized, the run's
+    # data as it was; with --force, replaced, the earlier val pair gone with it
+    before = (tmp_path / "train.bin").read_bytes()
+    with pytest.raises(ConfigError, match="already holds train.bin, train.idx, val.bin, "
+                       "val.idx: give another folder, or --force"):
+        prepare([str(folder / "docs.jsonl")], str(folder), tmp_path, eval_fraction=0.0)
+    assert (tmp_path / "train.bin").read_bytes() == before
+    again = prepare([str(folder / "docs.jsonl")], str(folder), tmp_path, eval_fraction=0.0,
+                    force=True)
+    assert again["train"]["documents"] == len(lines) and not (tmp_path / "val.bin").exists()

@@ -41,13 +41,16 @@ def arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=2357, help="the seed of the val split")
     parser.add_argument("--no-eos", action="store_true", help="write no end-of-text id "
                         "after each document")
+    parser.add_argument("--force", action="store_true", help="replace the token files an "
+                        "earlier prepare-data wrote at OUT (its other files are kept)")
 
 
 def prepare(files: list[str], tokenizer: str, out: Path, text_key: str = "text",
             eval_fraction: float = 0.0005, num_proc: int = 1, seed: int = 2357,
-            eos: bool = True) -> dict[str, Any]:
+            eos: bool = True, force: bool = False) -> dict[str, Any]:
     """Tokenize and write; returns what was written (paths, documents and tokens per
-    split, the dtype). ConfigError, one line, for bad input."""
+    split, the dtype). ConfigError, one line, for bad input; for token files already at
+    `out` unless `force` (a run's data, which its checkpoints fingerprint)."""
     from parallab.data import hf_text
 
     try:
@@ -68,6 +71,7 @@ def prepare(files: list[str], tokenizer: str, out: Path, text_key: str = "text",
     if not 0 <= eval_fraction < 1:
         raise ConfigError(f"parallab prepare-data: --eval-fraction {eval_fraction} is out of "
                           "range: it must be in [0, 1)")
+    _clear(out, force)
     tok = hf_text._tokenizer(str(Path(tokenizer).expanduser()))
     end = [tok.eos_token_id] if eos and tok.eos_token_id is not None else []
     dtype = np.dtype(np.uint16 if len(tok) <= 1 << 16 else np.int32)  # Megatron-LM's rule
@@ -88,6 +92,22 @@ def prepare(files: list[str], tokenizer: str, out: Path, text_key: str = "text",
     written = {name: write_split(split, out / name, dtype) for name, split in splits.items()}
     return {"dtype": str(dtype), "vocab_size": len(tok), "eos_id": end[0] if end else None,
             **written}
+
+
+def _clear(out: Path, force: bool) -> None:
+    """`out` made ready for the token files, before anything is tokenized: refused where it
+    is a file, or already holds them (unless `force`: then they go, a val pair this run may
+    not write included, so no earlier split is left beside the new one)."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"parallab prepare-data: --out {out} is a file: give a folder")
+    held = [out / f"{split}.{kind}" for split in ("train", "val") for kind in ("bin", "idx")
+            if (out / f"{split}.{kind}").exists()]
+    if held and not force:
+        raise ConfigError(f"parallab prepare-data: --out {out} already holds "
+                          f"{', '.join(p.name for p in held)}: give another folder, or "
+                          "--force to replace them")
+    for path in held:
+        path.unlink()
 
 
 def _documents(paths: list[str], text_key: str):
@@ -124,7 +144,7 @@ def write_split(split, prefix: Path, dtype: np.dtype) -> dict[str, Any]:
 
 def main(args: argparse.Namespace) -> None:
     found = prepare(args.files, args.tokenizer, args.out, args.text_key, args.eval_fraction,
-                    args.num_proc, args.seed, not args.no_eos)
+                    args.num_proc, args.seed, not args.no_eos, args.force)
     for name in ("train", "val"):
         if name in found:
             split = found[name]
