@@ -250,6 +250,12 @@ def test_the_recommended_command_keeps_where_the_config_came_from():
     (["advise.world_sizes=[0]"], "advise.world_sizes=[0] holds 0: give world sizes >= 1"),
     (["advise.world_sizes=[2,-1]"], "advise.world_sizes=[2, -1] holds -1"),
     (["advise.world_sizes=[]"], "advise.world_sizes=[] holds no world size"),
+    # a schedule's typo or a count of none would only leave the pipelines out, unsaid
+    (["advise.schedules=[1f1b,zvb]"], "advise.schedules names zvb: use schedules parallab "
+                                      "has (gpipe, 1f1b,"),
+    (["advise.schedules=[]"], "advise.schedules=[] names none"),
+    (["advise.microbatches=[4,0]"], "advise.microbatches=[4, 0]: give the pipeline "
+                                    "candidates' micro-batch counts, each >= 1"),
     # as train refuses it, not advice for world size 1 alone (0) or for none (-3)
     (["parallel.world_size=0"], "parallel.world_size=0 is out of range: it must be >= 1"),
     (["parallel.world_size=-3"], "parallel.world_size=-3 is out of range: it must be >= 1"),

@@ -65,6 +65,22 @@ def problem(options) -> str | None:
             return f"advise.activation_checkpointing: {found}"
     if options.target_world_size is not None and options.target_world_size < 1:
         return f"advise.target_world_size={options.target_world_size}: it must be >= 1"
+    return _pipeline_problem(options)
+
+
+def _pipeline_problem(options) -> str | None:
+    """The pipeline candidates' keys: schedules parallab has, micro-batch counts >= 1 (a
+    typo would only leave the pipelines out, unsaid)."""
+    from parallab.parallel.schedules import SCHEDULES
+
+    unknown = [n for n in options.schedules or [] if n not in SCHEDULES]
+    if unknown or options.schedules == []:
+        said = f" names {', '.join(unknown)}" if unknown else "=[] names none"
+        return (f"advise.schedules{said}: use schedules parallab has "
+                f"({', '.join(SCHEDULES)}), or null for every one")
+    if not options.microbatches or any(m < 1 for m in options.microbatches):
+        return (f"advise.microbatches={list(options.microbatches)}: give the pipeline "
+                "candidates' micro-batch counts, each >= 1 (e.g. [2, 4])")
     return None
 
 
