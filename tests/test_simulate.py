@@ -343,12 +343,15 @@ def test_a_transformers_models_trace_warns_the_user_of_nothing_of_its_own():
     ModTracker takes for a broken module hierarchy: it warns that it may be "messed up",
     asking for a bug report, and swaps the process's warning format. Neither reaches the
     user of a simulation."""
+    import importlib.util
     import warnings
 
     from conftest import TINY_LLAMA
 
     from parallab.simulate.trace import Shape
 
+    if importlib.util.find_spec("kernels") is None:  # no nesting to keep quiet
+        pytest.skip("needs transformers' kernels package (installed with transformers 5.25)")
     kept = warnings.formatwarning
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")

@@ -15,7 +15,7 @@ import torch
 
 from parallab.launching import distributed
 from parallab.observe.comm import KINDS, MB
-from parallab.precision import Precision, compute_dtype, reduce_dtype
+from parallab.precision import Precision
 from parallab.training import run
 
 
@@ -24,13 +24,13 @@ def max_over_ranks(dist: distributed.Dist, value: float) -> float:
                                             device=dist.device)).item()
 
 
-def _alone(model: torch.nn.Module, spec: run.RunSpec, dist: distributed.Dist, one, loss
-           ) -> tuple[torch.nn.Module, bool]:
+def _alone(model: torch.nn.Module, spec: run.RunSpec, dist: distributed.Dist, one, loss,
+           precision: Precision) -> tuple[torch.nn.Module, bool]:
     """`model` laid out as parallelize() lays out the candidate's (tensor parallel, then
-    activation checkpointing, then FSDP2 or DDP), but over the one-rank group `one`: the
-    layout's own work (FSDP2's copies and hooks, DTensor's dispatch per op, DDP's buckets,
-    recomputation), no peer; and whether its logits stay cut by vocabulary, as the
-    trainer leaves them for `loss`. A pipeline's parts (_own_parts) are run by a schedule
+    activation checkpointing, then FSDP2 in `precision`'s dtypes, or DDP), but over the
+    one-rank group `one`: the layout's own work (FSDP2's copies and hooks, DTensor's
+    dispatch per op, DDP's buckets, recomputation), no peer; and whether its logits stay
+    cut by vocabulary, as the trainer leaves them for `loss`. A pipeline's parts (_own_parts) are run by a schedule
     (_forward_backward). Not compiled: that would be a second compile per candidate."""
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -56,8 +56,7 @@ def _alone(model: torch.nn.Module, spec: run.RunSpec, dist: distributed.Dist, on
                                        find_unused_parameters=p.find_unused_parameters,
                                        gradient_as_bucket_view=p.gradient_as_bucket_view), False
     if cut:
-        policy = mixed_precision(compute_dtype(cfg.precision.name, dist.device.type),
-                                 reduce_dtype(cfg.precision))
+        policy = mixed_precision(precision.dtype, precision.reduce_dtype)
         shard(model, mesh["dp_shard"], p, policy, False, p.reshard_after_forward)
     return model, sharded
 
@@ -184,7 +183,7 @@ def share_s(spec: run.RunSpec, dist: distributed.Dist, one, steps: int = 5) -> d
     if layout.cuts_model:
         cut, batch = _own_parts(model, spec, dist, batches.inputs_of(batch), precision)
     loss = build_loss(cfg.loss)
-    model, sharded = _alone(model, spec, dist, one, loss)
+    model, sharded = _alone(model, spec, dist, one, loss, precision)
     loss = loss.bind(model)
     optimizer = build_optimizer(cfg.optim, model)
     step = _forward_backward(model, spec, loss, precision, dist, one, cut, sharded)

@@ -172,9 +172,8 @@ def experts_of(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The model's experts modules by name: parallab's, and those a transformers model's
     ep plan dispatches tokens to (its `ep_dispatch_experts`), each taking (hidden_states,
     top_k_index, top_k_weights) and holding weights of experts x ..."""
-    patterns = [p for p, style in (getattr(model, "ep_plan", None) or {}).items()
-                if style == hf.EP_DISPATCHED]
-    regexes = [re.compile(r"[^.]+".join(map(re.escape, p.split("*")))) for p in patterns]
+    regexes = [re.compile(r"[^.]+".join(map(re.escape, p.split("*"))))
+               for p in hf.dispatched_experts(model)]
     return [(name, m) for name, m in model.named_modules()
             if isinstance(m, Experts) or any(r.fullmatch(name) for r in regexes)]
 

@@ -84,6 +84,13 @@ TP_EXPERTS = "moe_tp_experts"  # a transformers tp plan's style for an experts m
 EP_DISPATCHED = "ep_dispatch_experts"  # an ep plan's, for one it dispatches tokens to
 
 
+def dispatched_experts(model: nn.Module) -> list[str]:
+    """The module patterns of the experts modules a transformers model's ep plan dispatches
+    tokens to (its `ep_dispatch_experts`); [] for a model without one."""
+    return [pattern for pattern, style in (getattr(model, "ep_plan", None) or {}).items()
+            if style == EP_DISPATCHED]
+
+
 def tp_plan(model: nn.Module) -> dict[str, str] | None:
     """The model's own tensor-parallel plan, module pattern -> style name (transformers':
     "colwise", "rowwise", "embedding_rowwise", "colwise_gather_output", ...)."""
@@ -98,9 +105,8 @@ def tp_plan(model: nn.Module) -> dict[str, str] | None:
     # transformers 5.25 leaves the experts modules its ep plan dispatches to out of its tp
     # plan (its moe_tp_experts deprecated): split over tp as its earlier plans split them
     # (Megatron's expert tensor parallelism), not held whole by every tp rank
-    for pattern, style in (getattr(model, "ep_plan", None) or {}).items():
-        if style == EP_DISPATCHED:
-            plan.setdefault(pattern, TP_EXPERTS)
+    for pattern in dispatched_experts(model):
+        plan.setdefault(pattern, TP_EXPERTS)
     return plan
 
 

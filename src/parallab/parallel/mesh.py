@@ -246,9 +246,10 @@ class MeshRuntime(Runtime):
 
                 model.register_comm_hook(None, default_hooks.bf16_compress_hook)
             return model
+        policy = self.fsdp_policy()
         if self.ep is not None:  # the experts' own units first, over the ranks ep leaves
-            expert_parallel.shard(model, self.ep, self.fsdp_policy(), p.reshard_after_forward)
-        return shard(model, self.data_parallel_mesh(), p, self.fsdp_policy(),
+            expert_parallel.shard(model, self.ep, policy, p.reshard_after_forward)
+        return shard(model, self.data_parallel_mesh(), p, policy,
                      self.dist.is_main, p.reshard_after_forward)
 
     def unwrap(self, model: nn.Module) -> nn.Module:

@@ -13,10 +13,10 @@ an op belongs to the block, to what comes before it (embeddings) or after it (th
 and the loss). Saved-for-backward bytes per region come from autograd's hooks, and the
 peak of the bytes the step's ops made and held at once (activations, temporaries; not the
 weights' gradients, which are the state), each storage followed until it is freed
-(ops.py). An MoE
-block's router sends each expert an even share of the tokens (models/experts.py's uniform
-routing: fake values cannot be read, and vendor benchmarks force it so); its experts' ops
-and weights are marked, for expert parallelism's share of them (simulate/experts.py).
+(ops.py). An MoE block's router sends each expert an even share of the tokens
+(models/experts.py's uniform routing: fake values cannot be read, and vendor benchmarks
+force it so); its experts' ops and weights are marked, for expert parallelism's share of
+them (simulate/experts.py).
 
 Nothing is allocated and no collective runs: a 405B model's block traces in a second.
 """
