@@ -223,6 +223,11 @@ def bad_inputs(root) -> list:
          "a share"),
         ([f"data.sources={two.format(w=web, a=0, n='b', b=0)}"], "weights sum to 0"),
         ([f"data.sources={two.format(w=web, a=1, n='a', b=1)}"], "names a twice"),
+        # a misspelt key: the source would have drawn at the default weight of 1
+        ([f"data.sources=[{{name: a, files: {web}, wieght: 0.1}}]"], "a has wieght, which a "
+         "source does not take"),
+        ([f"data.sources=[{{name: a, files: {web}, weight: '0.7'}}]"], "a's weight '0.7' is "
+         "not a share"),
         ([f"data.files={root}/cut.bin"], "cut.idx does not match .*cut.bin"),
         ([f"data.files={web}", "data.document_mask=true"], "needs document boundaries"),
         ([f"data.files={root}/docs.bin", "data.document_mask=true", "parallel=pipeline",

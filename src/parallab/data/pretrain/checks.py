@@ -16,6 +16,7 @@ from parallab.data.pretrain.files import DTYPES, FileProblem, TokenFile
 from parallab.data.pretrain.loader import SAMPLES
 
 SAMPLED_SLICES, SLICE_TOKENS = 16, 4096  # ids read per file: 64 Ki tokens, spread out
+SOURCE_KEYS = {"name", "files", "weight"}
 
 
 def problem(cfg) -> Optional[str]:
@@ -52,13 +53,18 @@ def _sources(cfg) -> Optional[str]:
             isinstance(s, dict) and {"name", "files"} <= set(s) for s in cfg.sources):
         return ("data.sources is not a list of {name, files, weight}: give e.g. "
                 "data.sources='[{name: web, files: web/*.bin, weight: 0.7}, ...]'")
+    for s in cfg.sources:  # a misspelt weight would otherwise leave the source at 1
+        extra = sorted(set(s) - SOURCE_KEYS)
+        if extra:
+            return (f"data.sources: {s['name']} has {', '.join(map(str, extra))}, which a "
+                    "source does not take: give each source name, files and weight alone")
     names = [str(s["name"]) for s in cfg.sources]
     twice = next((n for n in names if names.count(n) > 1), None)
     if twice is not None:
         return f"data.sources names {twice} twice: give each source a name of its own"
     for name, _, weight in cfg.named_sources():
         if not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight < 0:
-            return (f"data.sources: {name}'s weight {weight} is not a share: give a number "
+            return (f"data.sources: {name}'s weight {weight!r} is not a share: give a number "
                     ">= 0 (they need not sum to 1)")
     if sum(w for _, _, w in cfg.named_sources()) <= 0:
         return "data.sources' weights sum to 0: give at least one source a weight > 0"
