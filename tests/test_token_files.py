@@ -324,3 +324,18 @@ def test_prepare_data_writes_the_documents_token_files_read(tokenizer, tmp_path,
     again = prepare([str(folder / "docs.jsonl")], str(folder), tmp_path, eval_fraction=0.0,
                     force=True)
     assert again["train"]["documents"] == len(lines) and not (tmp_path / "val.bin").exists()
+
+
+def test_a_resume_that_would_train_other_samples_next_is_refused(corpus, train_here):
+    """Another share held out (windows evaluated so far would be trained on) or another
+    seed (another order): each named before launch; a cap on eval samples is taken."""
+    data = [*GPT, f"data.files={corpus}/web.bin"]
+    train_here(*data, "trainer.max_steps=2")
+    resume = [*data, "trainer.max_steps=3", "trainer.resume=auto"]
+    with pytest.raises(ConfigError, match=r"saved training on \d+ windows, here \d+: "
+                       "data.eval_fraction=0.3 holds out another share"):
+        train_here(*resume, "data.eval_fraction=0.3")
+    with pytest.raises(ConfigError, match="saved at seed=42, which orders its data"):
+        train_here(*resume, "seed=7")
+    metrics, _ = train_here(*resume, "data.eval_samples=4")
+    assert metrics["steps"] == 3

@@ -133,8 +133,8 @@ def sampled_max(tokens: np.ndarray) -> tuple[int, int]:
 
 
 def changed(cfg, saved: Any, resume: str) -> Optional[str]:
-    """A checkpoint's data (its files' fingerprints, seq_len, a mixture's weights) that
-    differs here: one line naming what changed. A run must not go on on other data."""
+    """A checkpoint's data (its files' fingerprints, seq_len, the windows held out, a
+    mixture's weights) that differs here: one line naming what changed. A run must not go on on other data."""
     if not isinstance(saved, dict) or "files" not in saved:
         return None
     before = {f["path"]: f for f in saved["files"]}
@@ -155,6 +155,14 @@ def changed(cfg, saved: Any, resume: str) -> Optional[str]:
     if saved.get("seq_len") != cfg.seq_len:
         return (f"trainer.resume={resume} was saved at data.seq_len={saved.get('seq_len')}: "
                 "give it again, or start a new run")
+    # the files and seq_len as saved, a source's count of training windows moves only with
+    # the share held out: windows it evaluated would be trained on, and the order changes
+    windows = [len(s.windows) for s in cfg.split()[0]]
+    if saved.get("windows", windows) != windows:
+        counts = [" + ".join(map(str, w)) for w in (saved["windows"], windows)]
+        return (f"trainer.resume={resume} was saved training on {counts[0]} windows, here "
+                f"{counts[1]}: data.eval_fraction={cfg.eval_fraction} holds out another "
+                "share; give it as saved, or start a new run")
     weights = {n: float(w) for n, _, w in cfg.named_sources()} if cfg.sources else None
     if (saved.get("sources") or None) != weights:
         return (f"trainer.resume={resume} was saved with data.sources weights "

@@ -140,7 +140,8 @@ class TokenLoader:
     def state_dict(self) -> dict[str, Any]:
         return {"next_sample": self.position, "seq_len": self.stream.seq_len,
                 "files": self.fingerprints, "sources": self.names and {
-                    name: s.weight for name, s in zip(self.names, self.stream.sources)}}
+                    name: s.weight for name, s in zip(self.names, self.stream.sources)},
+                "windows": [len(s.windows) for s in self.stream.sources]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.position = self.restored = int(state["next_sample"])
