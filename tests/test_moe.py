@@ -164,6 +164,8 @@ def test_flops_count_the_experts_a_token_meets():
      "parallel.ep=3 is carved from the data-parallel shard and tp ranks"),
     (["parallel=ddp", "parallel.world_size=2", "parallel.ep=2"],
      "every rank holds the whole model"),
+    (["parallel=pipeline", "parallel.world_size=2", "parallel.ep=2"],
+     "every rank holds its part of the model whole"),
     (["parallel.ep=2"], "parallel.ep=2 with parallel=none: one process holds"),
     (["parallel=fsdp", "parallel.world_size=2", "parallel.ep=2", "model.moe.experts=null",
       "model.moe.width=null"],

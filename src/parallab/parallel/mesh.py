@@ -294,9 +294,10 @@ class MeshPlan(Plan):
         degrees = resolve_degrees(cls.given_degrees(p), world_size)
         ep = p.ep
         if ep > 1 and degrees["dp_shard"] == degrees["tp"] == 1:
-            raise ConfigError(f"parallel.ep={ep} with parallel={p.name}: every rank holds the "
-                              "whole model (replicas), with no shard or tp ranks to carve ep "
-                              "from: use parallel=fsdp, hsdp, fsdp_tp or pipeline with "
+            held = "its part of the model whole" if "pp" in cls.dims else "the whole model"
+            raise ConfigError(f"parallel.ep={ep} with parallel={p.name}: every rank holds "
+                              f"{held} (dp_shard=1, tp=1), with no shard or tp ranks to carve "
+                              "ep from: use parallel=fsdp, hsdp, fsdp_tp or pipeline with "
                               "dp_shard > 1, or parallel.ep=1")
         if ep > 1 and degrees["dp_shard"] * degrees["tp"] % ep:
             raise ConfigError(f"parallel.ep={ep} is carved from the data-parallel shard and "
