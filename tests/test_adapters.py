@@ -10,6 +10,7 @@ import logging
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -277,8 +278,12 @@ def test_a_pretrained_llama_fine_tunes_under_fsdp_and_exports_as_peft_and_transf
         "trainer.max_steps=6", "data.train.size=192", "data.eval.size=64", "parallel=fsdp",
         "parallel.world_size=2", "data.batch_size=8"], tmp_path / "run", LLAMA / "conf")
     ckpt = checkpoint.latest(tmp_path / "run" / "checkpoints")
-    _export(ckpt, tmp_path / "adapter")
-    _export(ckpt, tmp_path / "merged", merged=True)
+    with warnings.catch_warnings(record=True) as said:  # nothing the user can act on
+        warnings.simplefilter("always")
+        _export(ckpt, tmp_path / "adapter")
+        _export(ckpt, tmp_path / "merged", merged=True)
+    assert not [w for w in said if issubclass(w.category, FutureWarning)], \
+        [str(w.message) for w in said]
     verses = Verses(seq_len=64, size=64, offset=30000)
 
     def scored(model) -> float:

@@ -231,4 +231,11 @@ def is_peft_model(model: nn.Module) -> bool:
 def with_adapters(model: nn.Module, cfg: Any):
     """peft's PeftModel around `model` with adapters per `cfg`: its inner model has this
     run's names, and it saves an adapter folder or merges the adapters into the base."""
-    return _peft().get_peft_model(model, peft_config(cfg, model))
+    import warnings
+
+    peft = _peft()
+    with warnings.catch_warnings():  # peft reads transformers' deprecated name (5.x): not
+        # the user's to act on, printed by every export of a transformers model's adapters
+        warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated",
+                                FutureWarning)
+        return peft.get_peft_model(model, peft_config(cfg, model))
