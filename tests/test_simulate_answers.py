@@ -191,6 +191,27 @@ def test_auto_prices_and_carries_the_layout_keys_given(tmp_path):
     assert cfg.parallel.bucket_cap_mb == 0.01
 
 
+def test_auto_leaves_out_the_tied_pipelines_train_refuses():
+    """Tied embeddings under a pipeline whose rank holds several parts sharded apart
+    (dp_shard > 1): train refuses it (FSDP2 holds a parameter in one root), so the grid
+    marks it with train's reason; one part a rank, or no shards, it takes."""
+    from conftest import checked
+
+    from parallab.simulate import Facts, search
+
+    cfg = configured(*GPT, "model.tie_embeddings=true", "parallel=auto",
+                     "parallel.world_size=4", "data.batch_size=4", "cluster=h100")
+    grid = [c for c in search.grid(cfg, Facts.of(cfg), 4) if c.layout.pp > 1]
+    refused = [c for c in grid if c.layout.dp_shard > 1 and c.layout.stages_per_rank > 1]
+    assert refused and all("share a parameter (tied weights)" in c.reason for c in refused)
+    taken = [c for c in grid if c not in refused and not c.reason]
+    assert any(c.layout.dp_shard > 1 for c in taken) and \
+        any(c.layout.stages_per_rank > 1 for c in taken)
+    with pytest.raises(ConfigError, match=r"share a parameter \(tied weights\)"):
+        checked(*GPT, "model.tie_embeddings=true", "data=tokens", *refused[0].overrides,
+                "device=cpu")
+
+
 def test_a_learned_position_table_shorter_than_the_sequence_is_refused(tmp_path):
     """The example's GPT-2 (64 learned positions) at data.seq_len=1024: refused as train
     refuses it, not predicted with a command that then fails."""

@@ -46,7 +46,9 @@ class Facts:
     mix: experts.Mix | None = None  # its mixture of experts (None: dense)
     dense_model: nn.Module | None = None  # a mixture's, cut to its first dense block
     dense_block: str = ""
+    chain: list[nn.Module] | None = None  # its stages, kept whole when cut() cuts the model
     _tp: dict[int, str | None] = field(default_factory=dict)
+    _shared: dict[tuple[int, int], str | None] = field(default_factory=dict)
     _sp: dict[int, str | None] = field(default_factory=dict)
 
     @classmethod
@@ -75,7 +77,7 @@ class Facts:
                    float(sum(p.numel() for p in model.parameters())),
                    tp_plans.takes_sequence_parallel(model, given),
                    activations.units_problem(model, cfg.parallel.stages),
-                   experts.mix_of(model, blocks))
+                   experts.mix_of(model, blocks), chain=stages)
 
     def split_problem(self) -> str | None:
         """None unless parallel.split cuts a chain simulate does not lay out as its stages
@@ -111,6 +113,24 @@ class Facts:
         if pp > self.stages:
             return f"parallel.pp={pp} is more parts than the model's {self.stages} stages"
         return None
+
+    def parts_problem(self, layout: Layout) -> str | None:
+        """train's refusal of a pipeline whose rank holds parts sharded apart that share a
+        parameter (tied embeddings under dp_shard > 1, several parts a rank)."""
+        from parallab.parallel.split import part_ranges, refuse_shared_parts
+
+        if layout.dp_shard == 1 or layout.stages_per_rank == 1 or not self.chain:
+            return None
+        parts = layout.pp * layout.stages_per_rank
+        key = (parts, layout.dp_shard)  # the same for every layout of as many parts
+        if key not in self._shared:
+            self._shared[key] = None
+            try:
+                refuse_shared_parts(layout, self.chain, part_ranges(
+                    self.chain, parts, options_of(self.cfg.parallel).split))
+            except ConfigError as error:
+                self._shared[key] = str(error)
+        return self._shared[key]
 
     def cut(self) -> None:
         """Keep the first block only (after every check that needs the whole model): of a

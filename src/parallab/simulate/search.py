@@ -55,7 +55,8 @@ def grid(cfg, facts, gpus_per_node: int) -> list[Candidate]:
             for ep in expert_degrees(facts.mix, layout.tp, layout.dp_shard):
                 c = Candidate(dataclasses.replace(layout, checkpointing=ac, ep=ep),
                               global_batch=global_batch, cfg=cfg)
-                c.reason = reason or cfg.data.layout_problem(c.layout)
+                c.reason = reason or facts.parts_problem(c.layout) or \
+                    cfg.data.layout_problem(c.layout)
                 found.append(c)
                 if layout.tp > 1 and facts.takes_sequence_parallel and not c.reason \
                         and facts.sp_problem(layout.tp) is None:
