@@ -30,8 +30,9 @@ def _alone(model: torch.nn.Module, spec: run.RunSpec, dist: distributed.Dist, on
     activation checkpointing, then FSDP2 in `precision`'s dtypes, or DDP), but over the
     one-rank group `one`: the layout's own work (FSDP2's copies and hooks, DTensor's
     dispatch per op, DDP's buckets, recomputation), no peer; and whether its logits stay
-    cut by vocabulary, as the trainer leaves them for `loss`. A pipeline's parts (_own_parts) are run by a schedule
-    (_forward_backward). Not compiled: that would be a second compile per candidate."""
+    cut by vocabulary, as the trainer leaves them for `loss`. A pipeline's parts
+    (_own_parts) are run by a schedule (_forward_backward). Not compiled: that would be a
+    second compile per candidate."""
     from torch.distributed.device_mesh import DeviceMesh
 
     from parallab.parallel import tp_plans

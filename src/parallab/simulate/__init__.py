@@ -39,14 +39,14 @@ class Facts:
     blocks: int
     vocab: int
     flops_per_token: float
-    stages: int | None  # a pipeline's cut points, where the model has them
+    chain: list[nn.Module] | None  # its stages (a pipeline's cut points), where it has them,
+    # kept whole when cut() cuts the model
     params: float  # elements of the model's parameters
     takes_sequence_parallel: bool
     checkpoint_problem: str | None  # why activation checkpointing cannot wrap its units
     mix: experts.Mix | None = None  # its mixture of experts (None: dense)
     dense_model: nn.Module | None = None  # a mixture's, cut to its first dense block
     dense_block: str = ""
-    chain: list[nn.Module] | None = None  # its stages, kept whole when cut() cuts the model
     _tp: dict[int, str | None] = field(default_factory=dict)
     _shared: dict[tuple[int, int], str | None] = field(default_factory=dict)
     _sp: dict[int, str | None] = field(default_factory=dict)
@@ -73,11 +73,16 @@ class Facts:
         given = options_of(cfg.parallel).tp_plan
         return cls(cfg, model, "", len(blocks), vocab_of(model, cfg),
                    mfu.flops_per_token(model, cfg.data.seq_len),
-                   len(stages) if stages else None,
+                   stages or None,
                    float(sum(p.numel() for p in model.parameters())),
                    tp_plans.takes_sequence_parallel(model, given),
                    activations.units_problem(model, cfg.parallel.stages),
-                   experts.mix_of(model, blocks), chain=stages)
+                   experts.mix_of(model, blocks))
+
+    @property
+    def stages(self) -> int | None:
+        """How many stages a pipeline may cut the model at (None: it declares none)."""
+        return len(self.chain) if self.chain else None
 
     def split_problem(self) -> str | None:
         """None unless parallel.split cuts a chain simulate does not lay out as its stages
@@ -124,10 +129,10 @@ class Facts:
         parts = layout.pp * layout.stages_per_rank
         key = (parts, layout.dp_shard)  # the same for every layout of as many parts
         if key not in self._shared:
-            self._shared[key] = None
             try:
                 refuse_shared_parts(layout, self.chain, part_ranges(
                     self.chain, parts, options_of(self.cfg.parallel).split))
+                self._shared[key] = None
             except ConfigError as error:
                 self._shared[key] = str(error)
         return self._shared[key]

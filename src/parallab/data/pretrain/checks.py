@@ -134,7 +134,8 @@ def sampled_max(tokens: np.ndarray) -> tuple[int, int]:
 
 def changed(cfg, saved: Any, resume: str) -> Optional[str]:
     """A checkpoint's data (its files' fingerprints, seq_len, the windows held out, a
-    mixture's weights) that differs here: one line naming what changed. A run must not go on on other data."""
+    mixture's weights) that differs here: one line naming what changed. A run must not go
+    on on other data."""
     if not isinstance(saved, dict) or "files" not in saved:
         return None
     before = {f["path"]: f for f in saved["files"]}
