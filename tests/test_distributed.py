@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -84,6 +85,44 @@ def test_torchrun_runs_the_entrypoint_in_place(tmp_path):
     run_dir = only_run_dir(tmp_path)
     assert read_metrics(run_dir)["world_size"] == 2
     assert (run_dir / "train_rank1.log").exists()
+
+
+# sitecustomize for torchrun's workers: every rank signalled at its step 5, as a scheduler
+# signals every task; rank 0 slow to say where it stopped once all of them have saved
+SIGNALLED_AND_SLOW = """
+import os, signal, time
+import parallab.training.run as run
+import parallab.training.trainer as trainer
+
+step, stopped = trainer.Trainer.train_step, run._stopped
+
+def train_step(self, batches):
+    if self.step == 5:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return step(self, batches)
+
+def slow(trainer, preemption, spec, main):
+    time.sleep(3 if main else 0)
+    return stopped(trainer, preemption, spec, main)
+
+trainer.Trainer.train_step, run._stopped = train_step, slow
+"""
+
+
+def test_a_stopped_run_in_place_ends_after_rank_0_has_said_where(tmp_path):
+    """The other ranks end once saved; with 128 + the signal, torchrun (as srun
+    --kill-on-bad-exit and mpirun do) would end rank 0 before its line and its record."""
+    (tmp_path / "inject").mkdir()
+    (tmp_path / "inject" / "sitecustomize.py").write_text(SIGNALLED_AND_SLOW)
+    result = run_entry("train.py", [*FAST, "parallel=ddp", "trainer.log_every_n_steps=1"],
+                       cwd=tmp_path, env={"PYTHONPATH": str(tmp_path / "inject")}, prefix=[
+                           str(BIN / "torchrun"), "--standalone", "--nproc-per-node=2",
+                           f"--log-dir={tmp_path / 'torchrun'}"])
+    assert "exitcode  : 143" in output(result), output(result)[-3000:]  # rank 0's, as run
+    run_dir = only_run_dir(tmp_path)
+    assert "stopped by SIGTERM at step 6, checkpoint saved" in (run_dir / "train.log").read_text()
+    assert json.loads((run_dir / "status.json").read_text()) == {
+        "status": "stopped", "signal": "SIGTERM", "step": 6}
 
 
 def test_two_nodes_over_loopback(tmp_path):

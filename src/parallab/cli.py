@@ -258,8 +258,8 @@ def _train_task(dict_cfg: DictConfig, call: Invocation) -> float | None:
         return _train_job(dict_cfg, call)
     except Stopped as stopped:
         if stopped.said:  # by the run, in its one line
-            sys.exit(stopped.status)
-        _fail(str(stopped), stopped.status)
+            sys.exit(_stopped_status(stopped.status))
+        _fail(str(stopped), _stopped_status(stopped.status))
     except JobFailed as error:
         _fail(str(error), error.status)
 
@@ -297,7 +297,17 @@ def train(argv: list[str] | None = None, advising: bool = False) -> None:
             run_app(hydra_app("config", _train_task, call), call)
         finally:
             if call.stopped_by is not None:  # a sweep a signal stopped, whatever its jobs did
-                sys.exit(128 + call.stopped_by)
+                sys.exit(_stopped_status(128 + call.stopped_by))
+
+
+def _stopped_status(status: int) -> int:
+    """The exit status of a run a signal stopped, in this process: `status` (128 + the
+    signal) on rank 0 and in a process of its own. Every other rank a launcher started in
+    place ends with 0 once its part is saved: srun --kill-on-bad-exit, torchrun and mpirun
+    end the whole job when one task ends with another status, and would end rank 0 before it
+    says where the run stopped and records it. The job's status is rank 0's."""
+    in_place = prepare_in_place()
+    return status if in_place is None or in_place.rank == 0 else 0
 
 
 def advise(argv: list[str] | None = None) -> None:
