@@ -288,13 +288,20 @@ def test_fsdp_reduces_each_accumulated_micro_batch_and_keeps_only_shards():
         assert predicted.memory["state"] * 2**30 == pytest.approx(2 * 1e6 / 2 * (4 + 8))
 
 
-@pytest.mark.parametrize("layout", [["parallel=fsdp", "parallel.world_size=64"],
-                                    ["parallel=tp", "parallel.world_size=2"]])
+@pytest.mark.parametrize("layout", [
+    ["parallel=fsdp", "parallel.world_size=64"],
+    ["parallel=tp", "parallel.world_size=2"],
+    ["parallel=fsdp_tp", "parallel.world_size=4", "parallel.sequence_parallel=true"],
+    ["parallel=pipeline", "parallel.world_size=2", "parallel.schedule=interleaved_1f1b",
+     "parallel.stages_per_rank=2", "parallel.microbatches=4", "data.batch_size=8",
+     "model.layers=4"]], ids=["fsdp", "tp", "fsdp_tp_sp", "interleaved"])
 def test_memory_is_the_fake_tensor_layouts(layout):
     """The composed figure (a block's state and activations, times the blocks) against
-    the whole model laid out on fake tensors, as advise predicts a rank's memory: by FSDP2
-    at world size 64; split by tensor parallelism, whose weights' shards autograd saves
-    for backward are the state's, not activations."""
+    the whole model laid out on fake tensors, as advise predicts a rank's memory (the
+    busiest rank's): by FSDP2 at world size 64; split by tensor parallelism, whose
+    weights' shards autograd saves for backward are the state's, not activations, and with
+    the sequence cut between tp's ranks; a rank of an interleaved pipeline, its parts'
+    micro-batches in flight as torch's schedule holds them."""
     from conftest import checked
 
     from parallab.advise import memory
@@ -302,7 +309,10 @@ def test_memory_is_the_fake_tensor_layouts(layout):
     from parallab.simulate import run, search
 
     cfg, layout_here = checked(*GPT, "data=bytes", *layout, "device=cpu")
-    state_mb, activations_mb = memory.predict(cfg, layout_here, trial.one_batch(cfg, 2), 0)
+    batch = trial.one_batch(cfg, cfg.data.batch_size)
+    ranks = range(layout_here.world_size) if layout_here.cuts_model else [0]
+    state_mb, activations_mb = max((memory.predict(cfg, layout_here, batch, rank)
+                                    for rank in ranks), key=sum)
     sim = configured(*GPT, *layout, "precision=fp32")
     candidate, _ = run.given(sim)
     assert isinstance(candidate, search.Candidate)
