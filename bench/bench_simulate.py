@@ -57,6 +57,8 @@ SEQUENCE_PARALLEL = "sequence parallel inferred"  # a row's notes, lower-cased
 FUSED_NORMS = "fused_rmsnorm"
 # a fused cross-entropy (flash-attn's: MosaicML's loss_fn), a row's notes: that loss
 FUSED_LOSS = "fused_crossentropy"
+# torchao's float8 with rowwise scales, a row's notes: precision.fp8_recipe
+ROWWISE = "float8 rowwise"
 # gradients reduced in bf16 (NeMo's grad_sync_dtype), a row's notes: FSDP2's reduce dtype
 BF16_REDUCE = "grad_sync_dtype bf16"
 # the first N blocks recomputed whole (Megatron's recompute_method=block), a row's notes
@@ -200,6 +202,7 @@ def overrides_of(row: dict) -> list[str]:
     fused = ["trainer.fused_norms=true"] if FUSED_NORMS in notes else []
     fused += ["loss=fused_cross_entropy"] if FUSED_LOSS in notes else []
     fused += ["precision.reduce_dtype=bfloat16"] if BF16_REDUCE in notes else []
+    fused += ["precision.fp8_recipe=rowwise"] if ROWWISE in notes else []
     return [*model, *layout, f"data.seq_len={seq}", f"precision={precision}", "optim=adamw",
             *ac, *fused, f"trainer.compile={compiled}", f"cluster={cluster_of(row)}", *small]
 

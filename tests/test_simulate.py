@@ -102,6 +102,36 @@ def test_float8_prices_the_linear_layers_train_converts_and_nothing_else(tmp_pat
     assert 1.1 < split["bf16"]["compute_s"] / split["fp8"]["compute_s"] < 2
 
 
+@pytest.mark.parametrize("checkpointing", ["none", "full"])
+def test_rowwise_scales_add_a_pass_over_each_gradient_matmuls_output(checkpointing):
+    """precision.fp8_recipe=rowwise: torchao multiplies each gradient matmul's output by
+    its scales after the kernel (one more read and write of it); the forward's matmuls,
+    run again in backward by a checkpoint, take no such pass. Nothing else moves."""
+    import dataclasses
+
+    from parallab.simulate import costs, rates_of
+    from parallab.simulate.trace import Shape
+
+    rates = rates_of(configured("cluster=h100").cluster, 8)
+    found = traced(Shape(rows=2, seq_len=32, precision="fp8", checkpointing=checkpointing))
+    marked = [op for op in found.ops if op.fp8]
+    again = [op for op in marked if op.recomputed]
+    assert len(again) == (3 if checkpointing == "full" else 0)  # qkv, proj, the MLP's first
+    assert all(op.phase == "backward" for op in again)
+    gradients = [op for op in marked if op.phase == "backward" and not op.recomputed]
+    assert len(gradients) == 8  # each of the block's four Linear layers: input and weight
+    priced = {recipe: costs.costs(dataclasses.replace(
+        found, shape=dataclasses.replace(found.shape, fp8_recipe=recipe)), rates, True, False)
+        for recipe in ("tensorwise", "rowwise")}
+    added = {key: priced["rowwise"].compute[key] - priced["tensorwise"].compute.get(key, 0)
+             for key in priced["rowwise"].compute}
+    passes = sum(costs._with_overhead(2 * sum(b for _, b in op.writes) / rates.hbm, rates)
+                 for op in gradients)
+    assert added[("backward", "block")] == pytest.approx(passes, rel=1e-9)
+    assert added[("forward", "block")] == 0
+    assert all(added[key] == 0 for key in added if key[1] != "block")
+
+
 def test_float16_pipelines_are_simulated_as_train_runs_them():
     """precision=fp16 under a pipeline (train scales the schedule's loss): parallel=auto's
     grid holds pipeline layouts beside the others, no longer leaving them out."""

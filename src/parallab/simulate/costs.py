@@ -147,8 +147,9 @@ def costs(trace: Trace, rates: Rates, compile: bool, tf32: bool, ep: int = 1) ->
             chain.append(op)
             continue
         close(index)
-        seconds = float8.seconds(op, rates, compile, lambda s: _with_overhead(s, rates)) \
-            if op.fp8 else op_seconds(op, rates, fp32_peak, 1 / ep if op.experts else 1.0)
+        seconds = float8.seconds(op, rates, compile, lambda s: _with_overhead(s, rates),
+                                 trace.shape.fp8_recipe) if op.fp8 else \
+            op_seconds(op, rates, fp32_peak, 1 / ep if op.experts else 1.0)
         found.compute[key] = found.compute.get(key, 0.0) + seconds
         if op.experts:
             found.experts[op.phase] = found.experts.get(op.phase, 0.0) + seconds

@@ -10,7 +10,9 @@ train converts are priced as float8 runs them:
 - beside each, its operands' casts: each operand's amax (read once) and its scaled cast
   (read again, written in one byte), two kernels eager; compiled, torch.compile fuses
   the two into one read (torchtitan's float8 runs are compiled). Tensorwise and rowwise
-  scales move the same bytes;
+  scales move the same bytes there; rowwise adds a pass over each gradient matmul's output
+  (`rescaled`), priced so compiled too (the multiply follows cuBLAS's kernel, which
+  Inductor cannot fuse it into);
 - under FSDP2 with precision.fp8_all_gather, those layers' weights gathered in float8 (one
   byte an element, the others in bf16), and held so.
 What the trace keeps for backward stays the bf16 step's, as torchao's Float8Linear saves
@@ -47,7 +49,8 @@ def problem(precision: str, rates: Rates) -> str | None:
     return None
 
 
-def seconds(op: Op, rates: Rates, compile: bool, overhead) -> float:
+def seconds(op: Op, rates: Rates, compile: bool, overhead, recipe: str = "tensorwise"
+            ) -> float:
     """A float8 Linear's matmul and its operands' casts (see the module's docstring);
     `overhead`: a kernel's time with its launch (costs._with_overhead)."""
     operands = [b for _, b in op.reads]
@@ -58,7 +61,16 @@ def seconds(op: Op, rates: Rates, compile: bool, overhead) -> float:
     reads, kernels = (1, 1) if compile else (2, 2)
     casts = sum(kernels * overhead((reads * b + b / 2) / rates.hbm / kernels)
                 for b in operands)
-    return gemm + casts
+    return gemm + casts + (overhead(2 * written / rates.hbm) if rescaled(op, recipe) else 0.0)
+
+
+def rescaled(op: Op, recipe: str) -> bool:
+    """A gradient's matmul under rowwise scales: torchao runs it without fast accumulation,
+    where its rowwise kernel is slow, so as the tensorwise kernel at unit scales, and then
+    multiplies the output by its rows' and columns' scales (float8_ops.addmm_float8_unwrapped):
+    one more read and write of the output. The forward's matmul, run again in backward by
+    a checkpoint too, takes the rowwise kernel with fast accumulation: no such pass."""
+    return recipe == "rowwise" and op.phase == "backward" and not op.recomputed
 
 
 def gathered_bytes(compute_bytes: int, share: float) -> float:

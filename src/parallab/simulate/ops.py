@@ -41,6 +41,7 @@ class Op:
     experts: bool = False  # run inside an MoE layer's experts module (expert parallelism's)
     weight_bytes: int = 0  # of its bytes, its experts' weights (3-D) and their gradients
     fp8: bool = False  # a matmul of a Linear layer precision=fp8 trains in float8 (float8.py)
+    recomputed: bool = False  # a forward op run again in backward (activation checkpointing)
     # the op and its arguments, tensors as (shape, stride, dtype): run again on this machine
     # (cluster=this times each op for real)
     replay: Any = None
@@ -133,11 +134,19 @@ class Recorder(TorchDispatchMode):
         # when the step lets it go), in turn: (storage, +bytes made or -bytes freed)
         self.events: list[tuple[int, int]] = []
         self.block_seen = False  # the block's forward has begun (what is after it, after)
+        self.rerun = 0  # modules whose forward runs again in backward, nested (checkpoints')
         self.block_done = False  # the block's input has its gradient: backward left it
         self.held: dict[int, weakref.ref] = {}
         # a serial number per tensor, held weakly: the trace frees what the step frees
         self.serials = WeakIdKeyDictionary()
         self.counter = itertools.count()
+
+    def forward_entered(self, module, args) -> None:
+        """ModTracker's hook at a module's forward: in backward, a checkpoint's rerun."""
+        self.rerun += self.phase == "backward"
+
+    def forward_left(self, module, args, output) -> None:
+        self.rerun -= self.phase == "backward"
 
     def _ids(self, values) -> tuple[tuple[int, int], ...]:
         found = []
@@ -196,6 +205,7 @@ class Recorder(TorchDispatchMode):
                                  _local(t).dim() == 3) if experts else 0,
                 replay=(func, tree_map(_spec, args), tree_map(_spec, kwargs)))
         op.fp8 = op.kind == "matmul" and bool(self.float8.intersection(self.tracker.parents))
+        op.recomputed = self.rerun > 0
         self.ops.append(op)
         for value in flat_out:
             value = _local(value)

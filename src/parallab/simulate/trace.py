@@ -53,6 +53,7 @@ class Shape:
     checkpointing: str = "none"
     gathered: bool = False  # FSDP2 gathers the weights in the compute dtype (no casts)
     precision: str = "bf16"  # the precision group's option
+    fp8_recipe: str = "tensorwise"  # precision=fp8's scales (float8.py prices them)
     dense: bool = False  # a mixture of experts' dense block, not its MoE one
     experts_split: bool = False  # ep splits the experts: the plan's tp styles for them out
 
@@ -182,6 +183,7 @@ def trace(cfg, template: nn.Module, block: str, vocab: int, shape: Shape) -> Tra
         recorder = entered.recorder = Recorder(tracker, _fqn(model, block),
                                                hf.shifts_labels(model),
                                                tuple(name for name, _ in held), float8_names)
+        tracker.register_user_hooks(recorder.forward_entered, recorder.forward_left)
         saved = _SavedByRegion(model, tracker, recorder)
         calls = register_module_forward_pre_hook(lambda module, _: called.append(module))
         try:
