@@ -195,7 +195,8 @@ BAD = [
      "trainer.activation_checkpointing=selective_alternate with parallel.schedule=zbv"),
     (["parallel=pipeline", "parallel.world_size=4", "parallel.pp=2", "parallel.dp_shard=2",
       "parallel.dp_replicate=1", *GPT, "parallel.schedule=zbv", "model.tie_embeddings=true"],
-     "parallel.dp_shard=2 shards each of a rank's parts apart, but stages 0 and 3 share"),
+     "parallel.dp_shard=2 shards each of a rank's parts apart, but stages 0 and 3, both on "
+     "pipeline rank 0, share a parameter"),
 ]
 
 
@@ -224,7 +225,8 @@ TIED = [*GPT, "data.eval_fraction=0.002", "model.heads=2", "model.width=32",
 @pytest.mark.distributed
 def test_tied_embeddings_and_float16_train_across_pipeline_ranks_as_one_device(train_here):
     """Megatron-LM's pipelines: the embedding on pipeline rank 0 and the head that shares it
-    on rank 1 (interleaved, v 2; tp 2 within each), each a copy whose gradients are summed,
+    on rank 1 (interleaved, v 2; tp 2 within each, or each part sharded over dp_shard 2),
+    each a copy whose gradients are summed,
     the norm counting it once, AdamW's decay leaving the head's copy as it leaves the
     embedding; float16's scale on the schedule's loss, resumed at a scale the gradients
     overflow at, so that steps are skipped, on every stage together (DTensor weights and
@@ -241,11 +243,18 @@ def test_tied_embeddings_and_float16_train_across_pipeline_ranks_as_one_device(t
     _, pp = train_here(*resumed, "parallel=pipeline", "parallel.world_size=4", "parallel.pp=2",
                        "parallel.tp=2", "parallel.sequence_parallel=true",
                        "parallel.schedule=interleaved_1f1b", name="pp")
+    # each part sharded over dp_shard 2 instead, a root of its own: the embedding's part
+    # and the head's are on different ranks, each rank's copy sharded (the same global batch)
+    _, sharded = train_here(*resumed, "data.batch_size=4", "parallel=pipeline",
+                            "parallel.world_size=4", "parallel.pp=2", "parallel.dp_shard=2",
+                            "parallel.schedule=interleaved_1f1b", name="sharded")
     scale = torch.load(one / "checkpoints" / "last.pt", weights_only=False)["grad_scaler"]
     assert scale["scale"] < 2.0 ** 40  # overflowed, and skipped
     assert losses(pp) == pytest.approx(losses(one), rel=1e-4)
-    log = (pp / "train.log").read_text()
-    assert "a pipeline's ranks holding parts [[0, 2], [1, 3]]" in log
+    assert losses(sharded) == pytest.approx(losses(one), rel=1e-4)
+    for run in (pp, sharded):
+        log = (run / "train.log").read_text()
+        assert "a pipeline's ranks holding parts [[0, 2], [1, 3]]" in log
 
 
 # parallab's mlp on synthetic data, no dropout, every step logged, a checkpoint at the end

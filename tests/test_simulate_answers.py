@@ -192,24 +192,28 @@ def test_auto_prices_and_carries_the_layout_keys_given(tmp_path):
 
 
 def test_auto_leaves_out_the_tied_pipelines_train_refuses():
-    """Tied embeddings under a pipeline whose rank holds several parts sharded apart
-    (dp_shard > 1): train refuses it (FSDP2 holds a parameter in one root), so the grid
-    marks it with train's reason; one part a rank, or no shards, it takes."""
+    """Tied embeddings under a V (its first and last part on one rank) whose parts are
+    sharded apart (dp_shard > 1): train refuses it (FSDP2 holds a parameter in one root),
+    so the grid marks it with train's reason; interleaved parts (the two on different
+    ranks, a copy each), one part a rank, or no shards, it takes."""
     from conftest import checked
 
+    from parallab.parallel.schedules import SCHEDULES
     from parallab.simulate import Facts, search
 
     cfg = configured(*GPT, "model.tie_embeddings=true", "parallel=auto",
                      "parallel.world_size=4", "data.batch_size=4", "cluster=h100")
     grid = [c for c in search.grid(cfg, Facts.of(cfg), 4) if c.layout.pp > 1]
-    refused = [c for c in grid if c.layout.dp_shard > 1 and c.layout.stages_per_rank > 1]
+    refused = [c for c in grid if c.layout.dp_shard > 1 and
+               SCHEDULES[c.layout.schedule].v_shape]
     assert refused and all("share a parameter (tied weights)" in c.reason for c in refused)
-    taken = [c for c in grid if c not in refused and not c.reason]
-    assert any(c.layout.dp_shard > 1 for c in taken) and \
-        any(c.layout.stages_per_rank > 1 for c in taken)
+    taken = [c for c in grid if c not in refused and not c.reason and c.layout.dp_shard > 1
+             and c.layout.stages_per_rank > 1]
+    assert taken
     with pytest.raises(ConfigError, match=r"share a parameter \(tied weights\)"):
         checked(*GPT, "model.tie_embeddings=true", "data=tokens", *refused[0].overrides,
                 "device=cpu")
+    checked(*GPT, "model.tie_embeddings=true", "data=tokens", *taken[0].overrides, "device=cpu")
 
 
 def test_a_learned_position_table_shorter_than_the_sequence_is_refused(tmp_path):

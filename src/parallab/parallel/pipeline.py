@@ -366,10 +366,14 @@ class PipelinePlan(MeshPlan):
             model = build_on_meta(cfg.model)
             stages = stages if stages is not None else hf.pipeline_stages(model)
         v = layout.stages_per_rank
-        check_parts(cfg, layout, stages, layout.pp * v, v,
-                    lambda part: schedules.rank_of(p.schedule, layout.pp, v, part))
+
+        def rank_of(part: int) -> int:
+            return schedules.rank_of(p.schedule, layout.pp, v, part)
+
+        check_parts(cfg, layout, stages, layout.pp * v, v, rank_of)
         if layout.dp_shard > 1 and v > 1:
-            refuse_shared_parts(layout, stages, part_ranges(stages, layout.pp * v, p.split))
+            refuse_shared_parts(layout, stages, part_ranges(stages, layout.pp * v, p.split),
+                                rank_of)
         if from_model(cfg.loss) and not hf.shifts_labels(model):
             raise ConfigError("loss=model with parallel=pipeline: the last stage computes the "
                               "loss from the output, which a model returning its own loss does "

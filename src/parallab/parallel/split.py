@@ -3,6 +3,7 @@ parallelism; which of them a pipeline's rank holds (Cut)."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from typing import Any
 
@@ -167,11 +168,17 @@ class Cut:
         return received
 
 
-def refuse_shared_parts(layout, stages: list[nn.Module], ranges: list[range]) -> None:
+def refuse_shared_parts(layout, stages: list[nn.Module], ranges: list[range], rank_of
+                        ) -> None:
     """FSDP2 shards each Part as a root of its own, and a parameter in one root only: two
-    parts of a rank may not share one (a V's first and last, tied embeddings)."""
-    shared = shared_across(stages, ranges)
-    if shared:
-        raise ConfigError(f"parallel.dp_shard={layout.dp_shard} shards each of a rank's parts "
-                          f"apart, but stages {shared[0]} and {shared[1]} share a parameter "
-                          "(tied weights): untie them, or use parallel.dp_shard=1")
+    parts of one rank (`rank_of`: each part's) may not share one (a V's first and last,
+    tied embeddings). Parts on different ranks keep a copy each (parallel/tied.py)."""
+    part = {index: k for k, indices in enumerate(ranges) for index in indices}
+    for held in stages_of.holders(stages).values():
+        for a, b in itertools.combinations(held, 2):
+            if part[a] != part[b] and rank_of(part[a]) == rank_of(part[b]):
+                raise ConfigError(
+                    f"parallel.dp_shard={layout.dp_shard} shards each of a rank's parts apart, "
+                    f"but stages {a} and {b}, both on pipeline rank {rank_of(part[a])}, share "
+                    "a parameter (tied weights): untie them, use parallel.dp_shard=1, or a "
+                    "schedule that puts them on different ranks (interleaved_1f1b)")

@@ -122,16 +122,18 @@ class Facts:
     def parts_problem(self, layout: Layout) -> str | None:
         """train's refusal of a pipeline whose rank holds parts sharded apart that share a
         parameter (tied embeddings under dp_shard > 1, several parts a rank)."""
+        from parallab.parallel import schedules
         from parallab.parallel.split import part_ranges, refuse_shared_parts
 
         if layout.dp_shard == 1 or layout.stages_per_rank == 1 or not self.chain:
             return None
-        parts = layout.pp * layout.stages_per_rank
-        key = (parts, layout.dp_shard)  # the same for every layout of as many parts
+        pp, v, schedule = layout.pp, layout.stages_per_rank, layout.schedule
+        key = (pp, v, schedule, layout.dp_shard)  # the same for every layout of these parts
         if key not in self._shared:
             try:
                 refuse_shared_parts(layout, self.chain, part_ranges(
-                    self.chain, parts, options_of(self.cfg.parallel).split))
+                    self.chain, pp * v, options_of(self.cfg.parallel).split),
+                    lambda part: schedules.rank_of(schedule, pp, v, part))
                 self._shared[key] = None
             except ConfigError as error:
                 self._shared[key] = str(error)
