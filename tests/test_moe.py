@@ -6,6 +6,8 @@ line (transformers MoE models: test_moe_transformers.py)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from conftest import checked, losses, read_metrics, scalars
@@ -155,6 +157,14 @@ def test_flops_count_the_experts_a_token_meets():
     (["model.moe.top_k=5"], "model.moe.top_k=5 is above model.moe.experts=4"),
     (["model.moe.capacity=0"], "model.moe.capacity=0 is out of range"),
     (["model.moe.router=relu"], "model.moe.router=relu is unknown"),
+    # a value of another type: the router's first forward failed with a traceback (in the
+    # workers, under a launched layout)
+    (["model.moe.top_k=1.5"], "model.moe.top_k=1.5 is not of type int"),
+    (["model.moe.experts=abc"], "model.moe.experts='abc' is not of type int or NoneType"),
+    (["model.moe.experts=[4]"], "model.moe.experts=[4] is not of type int"),
+    (["model.moe.capacity=abc"], "model.moe.capacity='abc' is not of type int or float"),
+    (["parallel=fsdp", "parallel.world_size=2", "parallel.ep=2", "model.moe.shared=1.5"],
+     "model.moe.shared=1.5 is not of type int"),
     (["model.moe.every=3"], "model.moe.every=3 leaves none of the 2 blocks"),
     (["parallel=fsdp", "parallel.world_size=4", "parallel.ep=4", "model.moe.experts=6",
       "model.moe.top_k=2"], "parallel.ep=4 does not divide the model's 6 experts"),
@@ -173,7 +183,7 @@ def test_flops_count_the_experts_a_token_meets():
     (["parallel=fsdp", "parallel.world_size=2", "parallel.ep=0"], "parallel.ep=0 is out of range"),
 ])
 def test_bad_moe_input_is_one_line_before_launch(given, message):
-    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+    with pytest.raises(ConfigError, match=re.escape(message)):
         checked(*GPT_MOE, "model.layers=2", *given)
 
 

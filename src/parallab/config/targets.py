@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import types
 import typing
 from typing import Any
 
@@ -64,7 +65,7 @@ def qualname(obj: Any) -> str:
 def _accepted(annotation: Any) -> tuple[type, ...] | None:
     """The Python types a config value may have for a simple annotation; None: not checked."""
     origin = typing.get_origin(annotation)
-    if origin is typing.Union or str(origin) == "types.UnionType":
+    if origin is typing.Union or origin is types.UnionType:  # Optional[int], int | None
         parts = [_accepted(a) for a in typing.get_args(annotation)]
         return None if any(p is None for p in parts) else tuple(t for p in parts for t in p)
     simple = {int: (int,), float: (int, float), bool: (bool,), str: (str,),

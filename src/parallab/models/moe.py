@@ -34,6 +34,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from parallab.batch import local
+from parallab.config.errors import ConfigError
+from parallab.config.targets import check_types
 from parallab.models.experts import (Experts, Load, count_ids, even_counts, experts_of,
                                      in_backward, uniform)
 
@@ -77,6 +79,10 @@ def problem(given: Any, layers: int) -> str | None:
     except TypeError as error:
         keys = ", ".join(f.name for f in dataclasses.fields(MoeConfig))
         return f"model.moe: {error} (its keys: {keys})"
+    try:  # a value of another type fails in the router's first forward, with a traceback
+        check_types(MoeConfig, dataclasses.asdict(cfg), "model.moe")
+    except ConfigError as error:
+        return str(error)
     if not cfg.on:
         changed = [f.name for f in dataclasses.fields(MoeConfig)
                    if getattr(cfg, f.name) != f.default]
