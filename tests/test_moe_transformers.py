@@ -79,6 +79,30 @@ def assert_exported_as_published(run_dir, train_here) -> None:
     assert metrics["steps"] == 1
 
 
+def test_a_transformers_router_loss_joins_the_gradient_not_the_logged_loss():
+    """Qwen3-MoE with output_router_logits: the step's loss is the task loss (train/loss),
+    its gradient the task loss's and the router term's (coefficient x aux_loss x the
+    micro-batch's share), the term counted apart (train/aux)."""
+    from parallab.loss import build_loss
+    from parallab.models import moe
+
+    model = _tiny_qwen3()
+    model.config.output_router_logits = True
+    tokens = torch.randint(0, 512, (2, 33))
+    batch = (tokens[:, :-1], tokens[:, 1:])
+    objective = build_loss({"_target_": "parallab.loss.CrossEntropy"}).bind(model)
+    with moe.micro_batch(0.5):
+        output, loss = objective.step_loss(model, batch, 64)
+    task = objective.total(objective.scored(output), batch[1]) / 64
+    term = 0.5 * model.config.router_aux_loss_coef * output.aux_loss
+    assert objective.take_aux() == pytest.approx(term.item(), rel=1e-6)
+    assert loss.item() == pytest.approx(task.item(), rel=1e-6)
+    weight = model.model.embed_tokens.weight
+    got = torch.autograd.grad(loss, weight, retain_graph=True)[0]
+    expected = torch.autograd.grad(task + term, weight)[0]
+    assert torch.allclose(got, expected, rtol=1e-5, atol=1e-8)
+
+
 def _tiny_qwen3() -> torch.nn.Module:
     """QWEN3_MOE's model, built as a run builds it."""
     from conftest import typed

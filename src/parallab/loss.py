@@ -58,7 +58,9 @@ class Objective:
         """The loss with a transformers MoE model's router loss (coefficient x aux_loss, as it
         computes it) weighted by this micro-batch's share of the step's tokens, as
         parallab's own routers' is (models/moe.py). `added`: the model's loss holds the
-        term once already (its forward adds it to a loss of labels)."""
+        term once already (its forward adds it to a loss of labels). The term joins the
+        loss's gradient, not its value: train/loss stays the task loss, as parallab's own
+        routers leave it, the term taken apart for train/aux."""
         aux = getattr(output, "aux_loss", None)
         if not self.router_coefficient or aux is None:
             return loss
@@ -66,7 +68,8 @@ class Objective:
 
         term = self.router_coefficient * aux
         self.aux = self.aux + (term * moe.share()).detach()
-        return loss + term * (moe.share() - (1 if added else 0))
+        return loss + term * (moe.share() - (1 if added else 0)) - \
+            (term * moe.share()).detach()
 
     def take_aux(self) -> Any:
         aux, self.aux = self.aux, 0.0
