@@ -326,6 +326,23 @@ def test_prepare_data_writes_the_documents_token_files_read(tokenizer, tmp_path,
     assert again["train"]["documents"] == len(lines) and not (tmp_path / "val.bin").exists()
 
 
+def test_prepare_data_refuses_a_record_without_text_in_one_line(tokenizer, tmp_path):
+    """A record whose text is null, or under another key: its index named, nothing written
+    (the tokenizer's own error was a worker's traceback)."""
+    from parallab.data.pretrain.prepare import prepare
+
+    folder, lines = tokenizer
+    docs = tmp_path / "docs.jsonl"
+    for bad in ({"text": None}, {"body": "a word"}):
+        docs.write_text("".join(json.dumps(r) + "\n" for r in (
+            *({"text": line} for line in lines[:40]), bad)))
+        with pytest.raises(ConfigError, match=rf"^parallab prepare-data: record 40 of {docs} "
+                           r"\(from 0, the files in order\) has None under --text-key text, "
+                           "no text"):
+            prepare([str(docs)], str(folder), tmp_path / "out", num_proc=2)
+        assert not (tmp_path / "out").exists()
+
+
 def test_a_resume_that_would_train_other_samples_next_is_refused(corpus, train_here):
     """Another share held out (windows evaluated so far would be trained on) or another
     seed (another order): each named before launch; a cap on eval samples is taken."""

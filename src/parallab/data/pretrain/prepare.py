@@ -77,12 +77,24 @@ def prepare(files: list[str], tokenizer: str, out: Path, text_key: str = "text",
     dtype = np.dtype(np.uint16 if len(tok) <= 1 << 16 else np.int32)  # Megatron-LM's rule
     rows = _documents(paths, text_key)
 
-    def tokenize(batch: dict[str, list]) -> dict[str, list]:
-        ids = tok(batch[text_key], add_special_tokens=False)["input_ids"]
+    def tokenize(batch: dict[str, list], indices: list[int]) -> dict[str, list]:
+        texts = batch[text_key]
+        for index, text in zip(indices, texts):
+            if not isinstance(text, str):  # the tokenizer's own error: a worker's traceback
+                raise NoText(index, text)
+        ids = tok(texts, add_special_tokens=False)["input_ids"]
         return {"ids": [i + end for i in ids], "length": [len(i) + len(end) for i in ids]}
 
-    tokens = rows.map(tokenize, batched=True, batch_size=BATCH, num_proc=num_proc,
-                      remove_columns=rows.column_names, desc="tokenizing")
+    try:
+        tokens = rows.map(tokenize, batched=True, batch_size=BATCH, num_proc=num_proc,
+                          with_indices=True, remove_columns=rows.column_names,
+                          desc="tokenizing")
+    except NoText as error:
+        index, text = error.args
+        raise ConfigError(f"parallab prepare-data: record {index} of {', '.join(files)} (from "
+                          f"0, the files in order) has {text!r} under --text-key {text_key}, "
+                          "no text: drop such records, or give the key every record's text is "
+                          "under") from None
     held = max(1, int(len(tokens) * eval_fraction)) if eval_fraction and len(tokens) > 1 else 0
     splits = {"train": tokens}
     if held:
@@ -92,6 +104,10 @@ def prepare(files: list[str], tokenizer: str, out: Path, text_key: str = "text",
     written = {name: write_split(split, out / name, dtype) for name, split in splits.items()}
     return {"dtype": str(dtype), "vocab_size": len(tok), "eos_id": end[0] if end else None,
             **written}
+
+
+class NoText(ValueError):
+    """A record without text under the key (its index, its value): raised in a worker."""
 
 
 def _clear(out: Path, force: bool) -> None:
