@@ -168,7 +168,12 @@ from parallab.checks import validate
     (["data.persistent_workers=true"], "data.persistent_workers=True applies to DataLoader"),
     (["parallel=ddp", "parallel.world_size=2", "data=synthetic", "data.train_size=256",
       "trainer.accumulate_grad_batches=3"],
-     "trainer.accumulate_grad_batches=3 is more than the 2 batches an epoch gives each rank"),
+     "trainer.accumulate_grad_batches=3 is more than the 2 batches an epoch of the data gives "
+     "each rank"),
+    # a pipeline drops a short batch: 4 samples give no batch of 8 (no accumulation helps)
+    (["model=gpt", "data=tokens", "data.train_size=4", "data.batch_size=8", "parallel=pipeline",
+      "parallel.world_size=2"], "an epoch of the data gives each rank no full batch of "
+     "data.batch_size=8: lower data.batch_size, or give the data more samples"),
     (["parallel=tp", "parallel.world_size=2", "model=mlp", "data=synthetic",
       "data.train_size=256", "trainer.epochs=1", "scheduler=cosine",
       "scheduler.warmup_steps=4"],

@@ -102,22 +102,29 @@ def refuse_partial_epoch(accumulate: int, batches: int) -> None:
     """A stream of unknown length whose epoch gives each rank fewer batches (`batches`)
     than one step accumulates (a sized one is refused before: run_length): every step would
     be short of the samples asked for."""
-    raise ConfigError(
-        f"trainer.accumulate_grad_batches={accumulate} is more than the {batches} batches an "
-        f"epoch of the data gives each rank: set it to at most {batches}, or lower "
-        "data.batch_size")
+    raise ConfigError(too_few(accumulate, batches))
 
 
-def run_length(cfg, loader) -> tuple[int | None, int | None]:
-    """Optimizer steps per epoch and in the run (`cfg`: the trainer's keys) over `loader`;
-    None per epoch for a stream without __len__, which trainer.max_steps bounds."""
+def too_few(accumulate: int, batches: int, batch_size: int | None = None) -> str:
+    """Why an epoch of `batches` batches a rank cannot make a step of `accumulate`."""
+    if batches == 0:  # no accumulation can help: each rank's share is under one batch
+        size = f"={batch_size}" if batch_size else ""
+        return (f"an epoch of the data gives each rank no full batch of data.batch_size{size}: "
+                "lower data.batch_size, or give the data more samples")
+    return (f"trainer.accumulate_grad_batches={accumulate} is more than the {batches} batches "
+            f"an epoch of the data gives each rank: set it to at most {batches}, or lower "
+            "data.batch_size")
+
+
+def run_length(cfg, loader, batch_size: int | None = None) -> tuple[int | None, int | None]:
+    """Optimizer steps per epoch and in the run (`cfg`: the trainer's keys) over `loader`
+    (of `batch_size` samples a batch, for what is said); None per epoch for a stream
+    without __len__, which trainer.max_steps bounds."""
     if length(loader) is None:
         return None, cfg.max_steps
     if cfg.accumulate_grad_batches > len(loader):  # else steps of fewer samples than asked
-        raise ConfigError(
-            f"trainer.accumulate_grad_batches={cfg.accumulate_grad_batches} is more than the "
-            f"{len(loader)} batches an epoch gives each rank: set it to at most "
-            f"{len(loader)}, or lower data.batch_size")
+        raise ConfigError(too_few(cfg.accumulate_grad_batches, len(loader),
+                                  batch_size or getattr(loader, "batch_size", None)))
     per_epoch = math.ceil(len(loader) / cfg.accumulate_grad_batches)
     steps = cfg.epochs * per_epoch
     return per_epoch, min(steps, cfg.max_steps) if cfg.max_steps else steps
