@@ -181,11 +181,14 @@ BAD = [
     ([*PIPE, *GPT, "parallel.schedule=dualpipev", "parallel.microbatches=2"],
      "parallel.microbatches=2 does not suit parallel.schedule=dualpipev at parallel.pp=2: "
      "DualPipeV needs at least as many micro-batches as stages (4); use "
-     "parallel.microbatches=4 or 5"),
+     "parallel.microbatches=4 or 8"),  # those that also cut data.batch_size=32 evenly
+    ([*PIPE, *GPT, "parallel.schedule=1f1b", "parallel.microbatches=1", "data.batch_size=6"],
+     "1F1B needs at least as many micro-batches as stages (2); use parallel.microbatches=2 "
+     "or 3"),
     (["parallel=pipeline", "parallel.world_size=4", *GPT, "model.layers=6",
       "parallel.schedule=interleaved_zb", "parallel.microbatches=9", "data.batch_size=18"],
      "runs them in max(1, microbatches // pp) = 2 rounds, so it needs a multiple of 2; use "
-     "parallel.microbatches=8 or 10"),
+     "parallel.microbatches=3 or 6"),
     ([*PIPE, *GPT, "parallel.schedule=zbv", "trainer.compile=true"],
      "trainer.compile=true with parallel.schedule=zbv: it splits each backward"),
     ([*PIPE, *GPT, "parallel.schedule=interleaved_zb",

@@ -259,8 +259,10 @@ def check_microbatches(cfg, layout) -> None:
     pp, v = layout.pp, layout.stages_per_rank
     problem = microbatches_problem(p.schedule, pp, v, p.microbatches)
     if problem:
-        fits = [m for m in range(1, 4 * pp * v + 1)
+        fits = [m for m in range(1, max(4 * pp * v, d.batch_size) + 1)
                 if not microbatches_problem(p.schedule, pp, v, m)]
+        # those that also cut the batch evenly, where any does: the next check's rule
+        fits = [m for m in fits if d.batch_size % m == 0] or fits
         near = sorted(fits, key=lambda m: (abs(m - p.microbatches), m))[:2]
         raise ConfigError(f"parallel.microbatches={p.microbatches} does not suit "
                           f"parallel.schedule={p.schedule} at parallel.pp={pp}: {problem}; use "
