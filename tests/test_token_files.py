@@ -230,6 +230,9 @@ def bad_inputs(root) -> list:
          "not a share"),
         ([f"data.files={root}/cut.bin"], "cut.idx does not match .*cut.bin"),
         ([f"data.files={web}", "data.document_mask=true"], "needs document boundaries"),
+        ([f"data.files={web}", "data.sample=causal_lm"], "data.sample=causal_lm gives a "
+         "transformers model's {input_ids, labels}, and model=gpt takes .x, y. pairs: use "
+         "data.sample=pair, or auto"),
         ([f"data.files={root}/docs.bin", "data.document_mask=true", "parallel=pipeline",
           "parallel.world_size=2"], "under a layout that cuts the model into stages"),
     ]
