@@ -161,6 +161,18 @@ def test_init_from_is_strict_in_one_line_and_loads_what_matches_when_told(tmp_pa
         assert says in str(error.value) and "\n" not in str(error.value)
 
 
+def test_a_resume_of_another_model_names_the_key_that_differs(train_here):
+    """The refusal names the first model key whose value differs, saved and here."""
+    from conftest import checked
+
+    _, run_dir = train_here(*MLP, "trainer.max_steps=1")
+    ckpt = checkpoint.latest(run_dir / "checkpoints")
+    with pytest.raises(ConfigError, match=r"was saved from another model config than model "
+                       r"MLP here \(model.hidden=\[64\] here, \[64, 32\] in the checkpoint\): "
+                       "resume with the same model config"):
+        checked(*MLP, "model.hidden=[64]", f"trainer.resume={ckpt}")
+
+
 @pytest.mark.distributed
 def test_a_new_weight_format_is_one_class_and_one_registry_line(fsdp_run, tmp_path,
                                                                  monkeypatch):

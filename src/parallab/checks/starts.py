@@ -34,9 +34,12 @@ def check_resume(cfg: Config, layout: Layout, run_dir: str | None) -> None:
     require(checkpoint.resumable(resume, meta),
             f"trainer.resume={resume} is not a parallab training checkpoint (no optimizer or "
             "position in it): evaluate it with evaluate.py, or start afresh")
-    require(checkpoint.same_model(meta, cfg.model),
-            f"trainer.resume={resume} was saved from another model config than model "
-            f"{config.model_name(cfg.model)} here: resume with the same model config")
+    if not checkpoint.same_model(meta, cfg.model):
+        key, saved, here = checkpoint.first_difference(
+            checkpoint.saved_config(meta).get("model"), cfg.model, "model")
+        raise ConfigError(f"trainer.resume={resume} was saved from another model config than "
+                          f"model {config.model_name(cfg.model)} here ({key}={here!r} here, "
+                          f"{saved!r} in the checkpoint): resume with the same model config")
     refuse(changed_recipe(cfg, checkpoint.saved_config(meta), resume))
     refuse(cfg.data.resume_problem(meta.get("data"), resume))  # its files, unchanged
     # any layout continues any other's checkpoint, except a one-file one by an earlier

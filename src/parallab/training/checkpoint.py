@@ -70,6 +70,18 @@ def same_model(meta: dict[str, Any], spec: dict[str, Any]) -> bool:
     return saved_config(meta).get("model") == spec
 
 
+def first_difference(saved: Any, here: Any, key: str) -> tuple[str, Any, Any] | None:
+    """The first key (dotted, under `key`) whose value differs between two configs, with
+    the saved value and this one's (a key one lacks: None there); None where they match."""
+    if isinstance(saved, dict) and isinstance(here, dict):
+        for name in [*saved, *(k for k in here if k not in saved)]:
+            found = first_difference(saved.get(name), here.get(name), f"{key}.{name}")
+            if found:
+                return found
+        return None
+    return None if saved == here else (key, saved, here)
+
+
 def by_name(path: str | Path, meta: dict[str, Any]) -> bool:
     """The optimizer state is keyed by parameter name (any layout reads it), not by index."""
     return formats.state_format(path).by_name(meta)
