@@ -135,6 +135,7 @@ class Recorder(TorchDispatchMode):
         self.events: list[tuple[int, int]] = []
         self.block_seen = False  # the block's forward has begun (what is after it, after)
         self.rerun = 0  # modules whose forward runs again in backward, nested (checkpoints')
+        tracker.register_user_hooks(self.forward_entered, self.forward_left)
         self.block_done = False  # the block's input has its gradient: backward left it
         self.held: dict[int, weakref.ref] = {}
         # a serial number per tensor, held weakly: the trace frees what the step frees

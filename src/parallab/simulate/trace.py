@@ -183,7 +183,6 @@ def trace(cfg, template: nn.Module, block: str, vocab: int, shape: Shape) -> Tra
         recorder = entered.recorder = Recorder(tracker, _fqn(model, block),
                                                hf.shifts_labels(model),
                                                tuple(name for name, _ in held), float8_names)
-        tracker.register_user_hooks(recorder.forward_entered, recorder.forward_left)
         saved = _SavedByRegion(model, tracker, recorder)
         calls = register_module_forward_pre_hook(lambda module, _: called.append(module))
         try:
