@@ -87,6 +87,20 @@ def test_torchrun_runs_the_entrypoint_in_place(tmp_path):
     assert (run_dir / "train_rank1.log").exists()
 
 
+def test_a_sweep_under_torchrun_runs_each_job_in_its_own_process_group(tmp_path):
+    """torchrun's agent hosts the store every job meets at: each job in a key space of its
+    own, where the second job read the first's gloo addresses and waited till the timeout."""
+    result = run_entry("train.py", ["-m", *FAST, "parallel=ddp", "trainer.max_steps=2",
+                                    "optim.lr=0.1,0.2", "backend.timeout_s=60",
+                                    f"hydra.sweep.dir={tmp_path / 'sweep'}"],
+                       cwd=tmp_path, timeout=240, prefix=[
+                           str(BIN / "torchrun"), "--standalone", "--nproc-per-node=2",
+                           f"--log-dir={tmp_path / 'torchrun'}"])
+    assert_ok(result)
+    summary = (tmp_path / "sweep" / "summary.csv").read_text()
+    assert summary.count(",completed,") == 2, summary
+
+
 # sitecustomize for torchrun's workers: every rank signalled at its step 5, as a scheduler
 # signals every task; rank 0 slow to say where it stopped once all of them have saved
 SIGNALLED_AND_SLOW = """

@@ -9,6 +9,7 @@ of them name one run dir (meet_in_place, called from launching/start.py).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import sys
 from dataclasses import dataclass
@@ -174,14 +175,29 @@ def meet_in_place(timeout_s: float) -> None:
 
 
 def take_store(rendezvous_timeout_s: float):
-    """The store the process group meets at, hosted by rank 0, for a job started in place
-    (None under torchrun, whose agent hosts one, and for a job not started in place): the
-    one the ranks met at, or one they meet at now (a sweep's later jobs)."""
+    """The store the process group meets at, for a job started in place (None for a job not
+    started in place): hosted by rank 0, the one the ranks met at or one they meet at now (a
+    sweep's later jobs); under torchrun, the agent's, in a key space of this job's own."""
     global _store
-    if _prepared is not None and not _agent_hosts():
+    if _prepared is not None and _agent_hosts():
+        return _job_space(meet(_prepared, rendezvous_timeout_s, "MASTER_ADDR"))
+    if _prepared is not None:
         meet_in_place(rendezvous_timeout_s)
     store, _store = _store, None
     return store
+
+
+_jobs = itertools.count()  # the jobs this process has run in place (a sweep's, in turn)
+
+
+def _job_space(agent_store):
+    """torch's env:// meets at torchrun's agent's store with a key space per restart, not
+    per job: a sweep's second job would read the first's gloo addresses and wait on them
+    till the backend's timeout. Every rank runs a sweep's jobs in the same order."""
+    from torch.distributed import PrefixStore
+
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return PrefixStore(f"parallab/attempt_{restart}/job_{next(_jobs)}", agent_store)
 
 
 def meet(ctx: InPlace, timeout_s: float, source: str):
