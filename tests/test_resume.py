@@ -19,6 +19,7 @@ import torch
 from conftest import FAST, assert_ok, output, read_metrics, run_entry, scalars
 
 from parallab.cli import JobFailed, train_in_process
+from parallab.config.errors import ConfigError
 
 pytestmark = pytest.mark.slow
 # a cosine schedule: every resume must also land on the uninterrupted run's learning rates
@@ -147,6 +148,22 @@ def test_periodic_checkpoints_are_pruned_to_keep_last_k(train_here):
         "best.pt", "last.pt", "step_00000032.pt", "step_00000035.pt"]  # 32: epoch 1's end
     state = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
     assert {"model", "optimizer", "grad_scaler", "rng", "config", "epoch_step"} <= set(state)
+
+
+def test_a_mid_epoch_resume_at_another_step_size_is_refused(train_here):
+    """Map-style data resumes mid-epoch by skipping the batches its steps took: another
+    data.batch_size x accumulation would skip other samples (past the epoch: a NaN loss),
+    so it is refused; the same product, split otherwise, resumes."""
+    small = [*FAST, "model=mlp", "data.train_size=64", "data.batch_size=16",
+             "trainer.checkpoint_every_n_steps=1"]
+    train_here(*small, "trainer.max_steps=2")
+    resume = [*small, "trainer.max_steps=4", "trainer.resume=auto"]
+    with pytest.raises(ConfigError, match=r"was saved mid-epoch, at data.batch_size=16 x "
+                       r"trainer.accumulate_grad_batches=1 samples a rank a step, and 16 x 2 "
+                       "here would skip other samples"):
+        train_here(*resume, "trainer.accumulate_grad_batches=2")
+    metrics, _ = train_here(*resume, "data.batch_size=8", "trainer.accumulate_grad_batches=2")
+    assert metrics["steps"] == 4
 
 
 def test_a_diverging_run_stops_with_a_clear_message(train_here):

@@ -41,6 +41,7 @@ def check_resume(cfg: Config, layout: Layout, run_dir: str | None) -> None:
                           f"model {config.model_name(cfg.model)} here ({key}={here!r} here, "
                           f"{saved!r} in the checkpoint): resume with the same model config")
     refuse(changed_recipe(cfg, checkpoint.saved_config(meta), resume))
+    refuse(changed_step_size(cfg, meta, resume))
     refuse(cfg.data.resume_problem(meta.get("data"), resume))  # its files, unchanged
     # any layout continues any other's checkpoint, except a one-file one by an earlier
     # parallab, whose optimizer state is by parameter index: only a whole model reads it
@@ -80,6 +81,25 @@ def check_init(cfg: Config, probe: trial.Probe) -> None:
         refuse(weights.fit_problem(model, path, "trainer.init_from", cfg.trainer.init_strict))
     except checkpoint.CheckpointError as error:
         raise ConfigError(f"trainer.init_from: {error}") from None
+
+
+def changed_step_size(cfg: Config, meta: dict, resume: str) -> str | None:
+    """Data without a place of its own in a checkpoint (map-style data sets; token files
+    keep their next sample) resume mid-epoch by skipping the batches the epoch's steps
+    took, each step as many samples a rank as here: another data.batch_size x
+    trainer.accumulate_grad_batches than when saved would skip other samples (past the
+    epoch's end, none left: a NaN loss)."""
+    saved = checkpoint.saved_config(meta)
+    was = (saved.get("data", {}).get("batch_size"),
+           saved.get("trainer", {}).get("accumulate_grad_batches"))
+    here = (cfg.data.batch_size, cfg.trainer.accumulate_grad_batches)
+    if meta.get("data") is not None or not meta.get("epoch_step") or None in was or \
+            was[0] * was[1] == here[0] * here[1]:
+        return None
+    return (f"trainer.resume={resume} was saved mid-epoch, at data.batch_size={was[0]} x "
+            f"trainer.accumulate_grad_batches={was[1]} samples a rank a step, and {here[0]} x "
+            f"{here[1]} here would skip other samples than its steps took: give a product of "
+            f"{was[0] * was[1]} (or resume a checkpoint saved at an epoch's end)")
 
 
 def changed_recipe(cfg: Config, saved: dict, resume: str) -> str | None:
