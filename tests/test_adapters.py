@@ -173,6 +173,11 @@ def test_export_writes_an_adapter_folder_and_a_merged_model(one_device, tmp_path
     assert not any(".lora_" in k for k in weights.shapes(tmp_path / "merged.pt"))
     evaluate_in_process([f"ckpt={ckpt}"], tmp_path / "eval_ckpt")  # with its adapters on
     assert read_metrics(tmp_path / "eval_ckpt")["eval_loss"] == pytest.approx(eval_loss)
+    # the adapter folder alone, on the base its run built (its seed; no trainer.init_from):
+    # it scored the adapters on a base built afresh, unseeded, without a word
+    evaluate_in_process([f"ckpt={tmp_path / 'adapter'}"], tmp_path / "eval_adapter")
+    assert read_metrics(tmp_path / "eval_adapter")["eval_loss"] == pytest.approx(eval_loss,
+                                                                                 rel=1e-5)
 
     # the adapter folder as the start of a new run: its first loss continues the last one
     train_in_process([*LORA, f"trainer.init_from={tmp_path / 'adapter'}", "adapter.dropout=0",
