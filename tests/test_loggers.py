@@ -213,14 +213,19 @@ def test_a_logger_not_installed_is_one_line_naming_the_extra(monkeypatch):
     ("checkpoints/rows.csv", "which is the run's own checkpoints"),
     ("../rows.csv", "outside the run dir"),
     ("/tmp/rows.csv", "outside the run dir"),
+    ("''", "which names no file"),  # the run dir itself: it ended in an IndexError
+    (".", "which names no file"),
 ])
 def test_a_csv_file_on_the_runs_own_files_or_outside_its_dir_is_refused_before_launch(
         filename, refusal):
+    import re
+
     from conftest import checked
 
     from parallab.config.errors import ConfigError
 
-    with pytest.raises(ConfigError, match=f"logger csv writes {filename}, {refusal}"):
+    said = repr(filename.strip("'")) if refusal == "which names no file" else filename
+    with pytest.raises(ConfigError, match=re.escape(f"logger csv writes {said}, {refusal}")):
         checked("logger=csv", f"logger.csv.filename={filename}", "device=cpu")
 
 

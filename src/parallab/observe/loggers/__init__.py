@@ -62,6 +62,9 @@ def _clash(name: str, files: list[str]) -> str | None:
         if path.is_absolute() or ".." in path.parts:
             return (f"logger {name} writes {written}, outside the run dir: give a path inside "
                     "it (a name, or a subfolder's)")
+        if not path.parts:  # '' or '.': the run dir itself
+            return (f"logger {name} writes {written!r}, which names no file: give the "
+                    "logger's file a name")
         if any(Path(path.parts[0]).match(own) for own in RUN_FILES):  # a name or a glob
             return (f"logger {name} writes {written}, which is the run's own {path.parts[0]}: "
                     "give the logger's file another name")
