@@ -54,6 +54,9 @@ BAD = [
     (["loss._target_=own_model.losses.nope"], "loss._target_=own_model.losses.nope does not"),
     (["+loss.sharpness=2"], "loss.sharpness is not an argument of parallab.loss.MSE"),
     (["+metrics.mae._target_=torchmetrics.Nope"], "metrics.mae._target_=torchmetrics.Nope"),
+    # its figure would have replaced the run's eval_loss (and best.pt's choice), silently
+    (["+metrics.loss._target_=torchmetrics.MeanAbsoluteError"],
+     "metrics.loss would report as eval_loss, the run's own figure"),
     (["model._target_=own_parts.MisplannedRegressor", "~model.out_features", "~model.width",
       "~model.depth", "~model.expansion", "parallel.stages=null", "parallel=tp",
       "parallel.world_size=2"],

@@ -46,8 +46,13 @@ def objective_of(figures: dict[str, Any], name: str | None) -> Any:
     return figures.get(name) if name else figures.get(ACCURACY, figures.get(LOSS))
 
 
-def check(specs: dict[str, Any]) -> None:
+def check(specs: dict[str, Any], loss) -> None:
+    own = names(loss, {})
     for name, spec in specs.items():
+        if PREFIX + name in own:  # its figure would replace the run's own, silently
+            raise ConfigError(f"metrics.{name} would report as {PREFIX + name}, the run's own "
+                              f"figure (best.pt and early stopping follow it): give the metric "
+                              f"another name, e.g. metrics.my_{name}")
         if not isinstance(spec, dict) or targets.TARGET not in spec:
             raise ConfigError(f"metrics.{name}={spec!r}: give a _target_ spec, e.g. "
                               f"+metrics.{name}._target_=torchmetrics.MeanAbsoluteError")

@@ -127,7 +127,7 @@ def check_objective(cfg: Config) -> None:
     from parallab import loss, metrics
 
     loss.check(cfg.loss)
-    metrics.check(cfg.metrics)
+    metrics.check(cfg.metrics, loss.build_loss(cfg.loss))
     require(not (cfg.metrics and loss.from_model(cfg.loss)), "metrics with loss=model: the "
             "model returns its loss, not an output a metric could score: drop metrics, or "
             "use a loss of output and targets")
