@@ -238,6 +238,14 @@ def test_overwrite_replaces_the_earlier_runs_rows_and_events_and_a_subfolder_is_
     with open(run_dir / "tables" / "rows.csv", newline="") as file:  # none of the first's
         assert [row["step"] for row in csv.DictReader(file)] == ["2", "8"]  # comm/*, the end
     assert len(list(run_dir.glob("events.out.tfevents.*"))) == 1
+    # replaced by a run of other loggers: the replaced run's files go too (its checkpoint's
+    # config names them), and a file of the user's own in checkpoints/ stays
+    (run_dir / "checkpoints" / "notes.txt").write_text("mine")
+    train_here(*FAST, "data.train_size=512", "logger=csv", "trainer.overwrite=true")
+    assert not list(run_dir.glob("events.out.tfevents.*"))
+    assert not (run_dir / "tables" / "rows.csv").exists() and (run_dir / "metrics.csv").exists()
+    assert (run_dir / "checkpoints" / "notes.txt").read_text() == "mine"
+    assert (run_dir / "checkpoints" / "last.pt").exists()
 
 
 @pytest.mark.parametrize("overrides,refusal", [

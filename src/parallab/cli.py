@@ -215,7 +215,6 @@ def _claimed(run_dir: str, cfg, in_place: InPlace | None, call: Invocation,
     checkpoints or metrics (trainer.resume=auto continues it), and a second run started in
     the same dir while this one runs is refused at once (a lock file). `command`: one that
     is not training (advise, evaluate) starts only in a dir holding no run at all."""
-    from parallab.observe import loggers
     from parallab.training import rundir
 
     main = in_place is None or in_place.rank == 0
@@ -228,7 +227,7 @@ def _claimed(run_dir: str, cfg, in_place: InPlace | None, call: Invocation,
         if command is not None:
             rundir.check_unused(Path(run_dir), command, call.held_before())
         else:
-            logged = loggers.files(cfg.logger) if cfg.trainer.overwrite else []
+            logged = _logged(cfg, Path(run_dir)) if cfg.trainer.overwrite else []
             rundir.check_fresh(Path(run_dir), resume, cfg.trainer.overwrite, delete=main,
                                logged=logged)
         if main:  # how an earlier start ended (stopped, failed) is not how this one will
@@ -241,6 +240,20 @@ def _claimed(run_dir: str, cfg, in_place: InPlace | None, call: Invocation,
             if main:
                 stopped.record(run_dir)
             raise stopped from None
+
+
+def _logged(cfg, run_dir: Path) -> list[str]:
+    """The files trainer.overwrite=true deletes beside the replaced run's checkpoints: what
+    this run's loggers write, and what the replaced run's wrote (its checkpoint's config
+    says, where it names loggers this process can still find)."""
+    from parallab.observe import loggers
+    from parallab.training import rundir
+
+    logged = loggers.files(cfg.logger)
+    earlier = rundir.earlier_loggers(run_dir)
+    with contextlib.suppress(ConfigError):  # a logger class of its own since removed
+        logged += loggers.files(earlier) if earlier else []
+    return logged
 
 
 def objective(cfg) -> str:

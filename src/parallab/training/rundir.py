@@ -46,12 +46,37 @@ def check_fresh(run_dir: Path, resume: str | None, overwrite: bool, delete: bool
                           "continue it with trainer.resume=auto, start this one in a new "
                           "hydra.run.dir, or replace it with trainer.overwrite=true")
     if delete:
-        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+        for path in checkpoints_written(run_dir / "checkpoints"):
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
         (run_dir / "metrics.json").unlink(missing_ok=True)
-        for pattern in logged:  # a CSV's rows, TensorBoard's events: the new run's alone
+        for pattern in logged:  # a CSV's rows, TensorBoard's events
             for path in run_dir.glob(pattern):
                 if path.is_file():
                     path.unlink()
+
+
+def checkpoints_written(directory: Path) -> list[Path]:
+    """What parallab's checkpointer writes into `directory` (last, best, step_N in any
+    format, and a save's temporary): a file of the user's own beside them stays."""
+    from parallab.training import formats
+
+    names = [f"{stem}{kind.checkpoint_suffix}" for kind in formats.checkpoint_formats()
+             for stem in ("last", "best", "step_*")]
+    return sorted({path for name in names for pattern in (name, f".{name}.tmp")
+                   for path in directory.glob(pattern)})
+
+
+def earlier_loggers(run_dir: Path) -> dict | None:
+    """The loggers the run a dir holds was trained with (its last checkpoint's config):
+    their files go with it under trainer.overwrite=true; None where no checkpoint says."""
+    from parallab.training import checkpoint
+
+    try:
+        found = checkpoint.latest(run_dir / "checkpoints")
+        return None if found is None else \
+            checkpoint.saved_config(checkpoint.load_meta(found)).get("logger")
+    except checkpoint.CheckpointError:
+        return None
 
 
 @contextlib.contextmanager
