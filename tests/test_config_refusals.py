@@ -297,3 +297,20 @@ def test_a_plus_key_the_schema_lacks_is_refused_not_dropped(override, message):
     with pytest.raises(validate.ConfigError, match=re.escape(message)):
         typed_config(compose([override]), [override])
     typed_config(compose(["+model.extra=1"]), ["+model.extra=1"])  # a model argument: its check
+
+
+def test_a_projects_own_option_without_its_schema_is_one_line(tmp_path):
+    """A project's optim/NAME.yaml that does not extend a schema composed as a plain mapping,
+    and the run ended in an AttributeError; with the schema's default first, it is taken."""
+    (tmp_path / "optim").mkdir()
+    mine = tmp_path / "optim" / "adamw.yaml"
+    mine.write_text("name: adamw\nlr: 0.123\n")
+    with pytest.raises(validate.ConfigError, match=re.escape(
+            "optim: the option composed is a plain mapping, not typed by a schema of "
+            "parallab's: begin your optim/NAME.yaml with `defaults: [/schema/optim/OPTION@"
+            "_here_, _self_]`")):
+        checked("optim=adamw", "device=cpu", config_dir=tmp_path)
+    mine.write_text("defaults:\n  - /schema/optim/adamw@_here_\n  - _self_\nname: adamw\n"
+                    "lr: 0.123\n")
+    cfg, _ = checked("optim=adamw", "device=cpu", config_dir=tmp_path)
+    assert cfg.optim.lr == 0.123

@@ -43,9 +43,21 @@ def typed(dict_cfg) -> "Config":
     except MissingMandatoryValue as error:  # a group option that leaves a key ??? (unset)
         raise ConfigError(f"{error.full_key} is missing: set it ({error.full_key}=VALUE, or in "
                           "the option's YAML)") from None
+    for group in TYPED_GROUPS:  # a project's own option without its schema: a mapping
+        if isinstance(getattr(cfg, group), dict):
+            raise ConfigError(
+                f"{group}: the option composed is a plain mapping, not typed by a schema of "
+                f"parallab's: begin your {group}/NAME.yaml with `defaults: [/schema/{group}/"
+                f"OPTION@_here_, _self_]`, OPTION the built-in one it extends, as parallab's "
+                f"own {group} options begin")
     if not isinstance(cfg.data, DataConfig):  # a user's data node, typed by its _target_
         cfg.data = data_config(cfg.data)
     return cfg
+
+
+# the groups whose options each extend a schema (conf/GROUP/*.yaml's first default)
+TYPED_GROUPS = ("parallel", "adapter", "precision", "backend", "optim", "scheduler", "trainer",
+                "cluster")
 
 
 # --- parallel ----------------------------------------------------------------------------
