@@ -154,6 +154,15 @@ from parallab.checks import validate
     (["optim.weight_decay=nan"], "optim.weight_decay=nan"),
     (["trainer.compile_mode=fastest"], "trainer.compile_mode=fastest is not a torch.compile"),
     (["trainer.compile_backend=inductr"], "trainer.compile_backend=inductr is not a torch"),
+    # set without trainer.compile=true: nothing compiled, the key ignored without a word
+    (["trainer.compile_mode=max-autotune"], "trainer.compile_mode=max-autotune without "
+     "trainer.compile=true"),
+    (["trainer.compile_backend=aot_eager"], "trainer.compile_backend=aot_eager without "
+     "trainer.compile=true"),
+    (["precision.fp8_recipe=rowwise"], "precision.fp8_recipe=rowwise with precision=fp32: it "
+     "scales float8 matmuls"),
+    (["scheduler=cosine", "scheduler.warmup_steps=1.5"], "scheduler.warmup_steps=1.5 is no "
+     "whole number of optimizer steps"),
     (["seed=9223372036854775808"], "seed=9223372036854775808 is out of range"),
     (["backend.timeout_s=1e9"], "backend.timeout_s=1000000000.0 is out of range"),
     (["backend.timeout_s=0.01"], "backend.timeout_s=0.01 is out of range"),

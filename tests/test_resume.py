@@ -150,20 +150,24 @@ def test_periodic_checkpoints_are_pruned_to_keep_last_k(train_here):
     assert {"model", "optimizer", "grad_scaler", "rng", "config", "epoch_step"} <= set(state)
 
 
-def test_a_mid_epoch_resume_at_another_step_size_is_refused(train_here):
-    """Map-style data resumes mid-epoch by skipping the batches its steps took: another
-    data.batch_size x accumulation would skip other samples (past the epoch: a NaN loss),
-    so it is refused; the same product, split otherwise, resumes."""
+def test_a_mid_epoch_resume_at_another_step_size_takes_the_samples_left(train_here):
+    """Map-style data resumes mid-epoch by skipping the batches its steps took: at another
+    data.batch_size x accumulation they are another count of steps (the run had skipped 2
+    steps of 32, the whole epoch, and stopped on a NaN loss), and a step of samples that
+    does not divide them is refused."""
     small = [*FAST, "model=mlp", "data.train_size=64", "data.batch_size=16",
-             "trainer.checkpoint_every_n_steps=1"]
-    train_here(*small, "trainer.max_steps=2")
+             "trainer.checkpoint_every_n_steps=1", "trainer.log_every_n_steps=1",
+             "trainer.epochs=2"]
+    train_here(*small, "trainer.max_steps=2")  # 32 of the epoch's 64 samples
     resume = [*small, "trainer.max_steps=4", "trainer.resume=auto"]
-    with pytest.raises(ConfigError, match=r"was saved mid-epoch, at data.batch_size=16 x "
-                       r"trainer.accumulate_grad_batches=1 samples a rank a step, and 16 x 2 "
-                       "here would skip other samples"):
-        train_here(*resume, "trainer.accumulate_grad_batches=2")
-    metrics, _ = train_here(*resume, "data.batch_size=8", "trainer.accumulate_grad_batches=2")
-    assert metrics["steps"] == 4
+    with pytest.raises(ConfigError, match=r"was saved 32 samples a rank into its epoch, which "
+                       r"data.batch_size=24 x trainer.accumulate_grad_batches=1 here does not "
+                       "divide into steps"):
+        train_here(*resume, "data.batch_size=24")
+    metrics, run_dir = train_here(*resume, "trainer.accumulate_grad_batches=2")
+    assert math.isfinite(metrics["train_loss"])
+    # step 3 the epoch's other 32 samples, step 4 the next epoch's first
+    assert sorted(losses(run_dir)) == [1, 2, 3, 4]
 
 
 def test_a_diverging_run_stops_with_a_clear_message(train_here):

@@ -51,6 +51,9 @@ def problem(cfg: PrecisionConfig) -> str | None:
     if cfg.fp8_recipe not in FP8_RECIPES:
         return (f"precision.fp8_recipe={cfg.fp8_recipe} is not one of torchao's float8 "
                 f"recipes: use {' or '.join(FP8_RECIPES)}")
+    if cfg.fp8_recipe != "tensorwise" and cfg.name != "fp8":
+        return (f"precision.fp8_recipe={cfg.fp8_recipe} with precision={cfg.name}: it scales "
+                "float8 matmuls, so it needs precision=fp8 (or drop it)")
     if cfg.fp8_all_gather and cfg.name != "fp8":
         return (f"precision.fp8_all_gather=true with precision={cfg.name}: it gathers float8 "
                 "weights, so it needs precision=fp8 (or drop it)")

@@ -33,6 +33,10 @@ def problem(cfg) -> str | None:
     if not (math.isfinite(cfg.warmup_steps) and cfg.warmup_steps >= 0):
         return (f"scheduler.warmup_steps={cfg.warmup_steps} is out of range: give optimizer "
                 "steps (>= 1) or a fraction of the run (< 1)")
+    if cfg.warmup_steps > 1 and cfg.warmup_steps != int(cfg.warmup_steps):
+        return (f"scheduler.warmup_steps={cfg.warmup_steps} is no whole number of optimizer "
+                f"steps (it would be {int(cfg.warmup_steps)}): give steps (>= 1) or a fraction "
+                "of the run (< 1)")
     if not 0 <= cfg.min_lr_ratio <= 1:
         return f"scheduler.min_lr_ratio={cfg.min_lr_ratio} is out of range: it must be in [0, 1]"
     if cfg.step_size < 1:

@@ -86,20 +86,19 @@ def check_init(cfg: Config, probe: trial.Probe) -> None:
 def changed_step_size(cfg: Config, meta: dict, resume: str) -> str | None:
     """Data without a place of its own in a checkpoint (map-style data sets; token files
     keep their next sample) resume mid-epoch by skipping the batches the epoch's steps
-    took, each step as many samples a rank as here: another data.batch_size x
-    trainer.accumulate_grad_batches than when saved would skip other samples (past the
-    epoch's end, none left: a NaN loss)."""
-    saved = checkpoint.saved_config(meta)
-    was = (saved.get("data", {}).get("batch_size"),
-           saved.get("trainer", {}).get("accumulate_grad_batches"))
-    here = (cfg.data.batch_size, cfg.trainer.accumulate_grad_batches)
-    if meta.get("data") is not None or not meta.get("epoch_step") or None in was or \
-            was[0] * was[1] == here[0] * here[1]:
+    took: at another data.batch_size x trainer.accumulate_grad_batches the samples they
+    took must be a whole number of this run's steps (checkpoint.epoch_step_here counts
+    them so), else some would be trained twice or skipped."""
+    was = checkpoint.samples_a_step(checkpoint.saved_config(meta))
+    here = cfg.data.batch_size * cfg.trainer.accumulate_grad_batches
+    taken = (meta.get("epoch_step") or 0) * (was or 0)
+    if meta.get("data") is not None or not taken or taken % here == 0:
         return None
-    return (f"trainer.resume={resume} was saved mid-epoch, at data.batch_size={was[0]} x "
-            f"trainer.accumulate_grad_batches={was[1]} samples a rank a step, and {here[0]} x "
-            f"{here[1]} here would skip other samples than its steps took: give a product of "
-            f"{was[0] * was[1]} (or resume a checkpoint saved at an epoch's end)")
+    return (f"trainer.resume={resume} was saved {taken} samples a rank into its epoch, which "
+            f"data.batch_size={cfg.data.batch_size} x trainer.accumulate_grad_batches="
+            f"{cfg.trainer.accumulate_grad_batches} here does not divide into steps: give a "
+            f"step of samples that divides {taken} (or resume a checkpoint saved at an "
+            "epoch's end)")
 
 
 def changed_recipe(cfg: Config, saved: dict, resume: str) -> str | None:

@@ -50,12 +50,17 @@ def compile_problem(trainer) -> str | None:
     if trainer.compile_mode not in COMPILE_MODES:
         return (f"trainer.compile_mode={trainer.compile_mode} is not a torch.compile mode: use "
                 f"one of {', '.join(map(str, COMPILE_MODES[1:]))} (or null)")
-    if trainer.compile_backend == "inductor":  # torch's own default: no need to import dynamo
-        return None
-    import torch._dynamo
+    if trainer.compile_backend != "inductor":  # torch's own default: no need to load dynamo
+        import torch._dynamo
 
-    if trainer.compile_backend not in torch._dynamo.list_backends(exclude_tags=()):
-        return (f"trainer.compile_backend={trainer.compile_backend} is not a torch.compile "
-                "backend: use inductor, or aot_eager or eager to debug (all: "
-                "torch._dynamo.list_backends(exclude_tags=()))")
+        if trainer.compile_backend not in torch._dynamo.list_backends(exclude_tags=()):
+            return (f"trainer.compile_backend={trainer.compile_backend} is not a torch.compile "
+                    "backend: use inductor, or aot_eager or eager to debug (all: "
+                    "torch._dynamo.list_backends(exclude_tags=()))")
+    given = [f"trainer.{key}={getattr(trainer, key)}" for key, default in
+             (("compile_mode", None), ("compile_backend", "inductor"))
+             if getattr(trainer, key) != default]
+    if given and not trainer.compile:
+        return (f"{given[0]} without trainer.compile=true: it says how torch.compile compiles, "
+                "and nothing is compiled: set trainer.compile=true (or drop it)")
     return None
