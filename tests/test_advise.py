@@ -250,6 +250,9 @@ def test_the_recommended_command_keeps_where_the_config_came_from():
     (["advise.world_sizes=[0]"], "advise.world_sizes=[0] holds 0: give world sizes >= 1"),
     (["advise.world_sizes=[2,-1]"], "advise.world_sizes=[2, -1] holds -1"),
     (["advise.world_sizes=[]"], "advise.world_sizes=[] holds no world size"),
+    # an empty list was read as null: every layout (every precision) measured, unsaid
+    (["advise.layouts=[]"], "advise.layouts=[] names none"),
+    (["advise.precisions=[]"], "advise.precisions=[] names none"),
     # a schedule's typo or a count of none would only leave the pipelines out, unsaid
     (["advise.schedules=[1f1b,zvb]"], "advise.schedules names zvb: use schedules parallab "
                                       "has (gpipe, 1f1b,"),

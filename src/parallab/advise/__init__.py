@@ -51,6 +51,9 @@ def problem(options) -> str | None:
     if bad:
         return (f"advise.world_sizes={list(options.world_sizes)} holds {bad[0]}: give world "
                 "sizes >= 1 (or null for 1 and each divisor of parallel.world_size)")
+    for key in ("layouts", "precisions"):  # an empty list read as null: every one measured
+        if getattr(options, key) is not None and not getattr(options, key):
+            return (f"advise.{key}=[] names none: give some, or leave it out (null: all)")
     unknown = [n for n in options.layouts or [] if n not in PLANS]
     if unknown:
         return (f"advise.layouts names {', '.join(unknown)}: use parallel options "
