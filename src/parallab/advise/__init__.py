@@ -176,8 +176,8 @@ def full_grid(cfg, overrides: list[str]) -> tuple[list[Candidate], list[int]]:
     """Every candidate advise considers for `cfg` (its advise.* keys filled in), none yet
     checked or pruned, and the world sizes they use. ConfigError for a bad advise key."""
     options, device_type = cfg.advise, _device_type(cfg)
+    found = problem(options)  # before the defaults fill in what is left null
     options.precisions = options.precisions or default_precisions(device_type)
-    found = problem(options)
     if not found and options.target_world_size is not None:
         from parallab.simulate import cluster
 
