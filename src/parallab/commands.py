@@ -83,29 +83,6 @@ def _checked(dict_cfg: DictConfig, overrides: list[str]):
     return cfg, state
 
 
-def _adapters_base(cfg, state: dict):
-    """The base a peft adapter folder's adapters were trained on, which the folder does not
-    hold: built as its run built it (its seed, then the weights it started from,
-    trainer.init_from, where it had any)."""
-    import torch
-
-    from parallab.models import build_model
-    from parallab.training import checkpoint, weights
-
-    saved = checkpoint.saved_config(state)
-    base = (saved.get("trainer") or {}).get("init_from")
-    if base is not None and (not Path(base).exists() or weights.holds_adapters(base)):
-        said = "is gone" if not Path(base).exists() else "holds adapters of its own"
-        raise ConfigError(f"ckpt={cfg.ckpt} holds LoRA adapters alone, trained on the weights "
-                          f"at trainer.init_from={base}, which {said}: evaluate the run's "
-                          "checkpoint, or its export with --merged")
-    torch.manual_seed(saved.get("seed", cfg.seed))
-    model = build_model(cfg.model)
-    if base is not None:
-        weights.load_into(model, base)
-    return model
-
-
 def _scored(cfg, state: dict, run_dir: Path) -> tuple[dict[str, float], str]:
     """The checkpoint's model scored on the eval set, written to run_dir/metrics.json; its
     figures and the objective's name. ConfigError where the weights do not fit the model."""
@@ -121,8 +98,8 @@ def _scored(cfg, state: dict, run_dir: Path) -> tuple[dict[str, float], str]:
     dist = distributed.setup(cfg.device.value, None, cfg.backend.timeout_s,
                              cfg.parallel.threads_per_worker)
     try:
-        base = _adapters_base(cfg, state) if adapters.is_folder(cfg.ckpt) else \
-            build_model(cfg.model)
+        base = weights.base_of_adapters(cfg.ckpt, state, cfg.model, cfg.seed) \
+            if adapters.is_folder(cfg.ckpt) else build_model(cfg.model)
         model = weights.model_from(cfg.ckpt, adapters.apply(base, cfg.adapter))
     except ConfigError as error:
         raise ConfigError(f"ckpt={cfg.ckpt} does not fit model "

@@ -55,9 +55,10 @@ def typed(dict_cfg) -> "Config":
     return cfg
 
 
-# the groups whose options each extend a schema (conf/GROUP/*.yaml's first default)
-TYPED_GROUPS = ("parallel", "adapter", "precision", "backend", "optim", "scheduler", "trainer",
-                "cluster")
+# groups whose options each extend a schema (conf/GROUP/*.yaml's first default) and whose
+# readers take the typed config alone (an adapter may stay a mapping: evaluate.py sets the
+# checkpoint's)
+TYPED_GROUPS = ("parallel", "precision", "backend", "optim", "scheduler", "trainer", "cluster")
 
 
 # --- parallel ----------------------------------------------------------------------------

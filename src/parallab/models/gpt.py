@@ -289,7 +289,7 @@ class GPT(Model):
                     "heads: make model.width a multiple of model.heads")
         seq_len, vocab = getattr(data, "seq_len", None), getattr(data, "vocab_size", None)
         if seq_len is not None and getattr(data, "sample", None) == "causal_lm":
-            return (f"data.sample=causal_lm gives a transformers model's {{input_ids, labels}}, "
+            return ("data.sample=causal_lm gives a transformers model's {input_ids, labels}, "
                     "and model=gpt takes (x, y) pairs: use data.sample=pair, or auto")
         if seq_len is None or vocab is None or not data.next_token:  # next-token targets
             return (f"model=gpt predicts the next token of sequences, which data={data.name} "

@@ -237,3 +237,25 @@ def export(model: nn.Module, record: dict[str, Any], out: Path,
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return what
+
+
+def base_of_adapters(folder: str | Path, state: dict[str, Any], spec: dict[str, Any],
+                     seed: int) -> nn.Module:
+    """The base a peft adapter folder's adapters were trained on, which the folder does not
+    hold: built as its run built it (its seed, then the weights it started from,
+    trainer.init_from, where it had any); `state`: the folder's record, `spec` the model's."""
+    from parallab.models import build_model
+    from parallab.training import checkpoint
+
+    saved = checkpoint.saved_config(state)
+    base = (saved.get("trainer") or {}).get("init_from")
+    if base is not None and (not Path(base).exists() or holds_adapters(base)):
+        said = "is gone" if not Path(base).exists() else "holds adapters of its own"
+        raise ConfigError(f"ckpt={folder} holds LoRA adapters alone, trained on the weights "
+                          f"at trainer.init_from={base}, which {said}: evaluate the run's "
+                          "checkpoint, or its export with --merged")
+    torch.manual_seed(saved.get("seed", seed))
+    model = build_model(spec)
+    if base is not None:
+        load_into(model, base)
+    return model
