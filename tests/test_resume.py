@@ -19,7 +19,6 @@ import torch
 from conftest import FAST, assert_ok, output, read_metrics, run_entry, scalars
 
 from parallab.cli import JobFailed, train_in_process
-from parallab.config.errors import ConfigError
 
 pytestmark = pytest.mark.slow
 # a cosine schedule: every resume must also land on the uninterrupted run's learning rates
@@ -148,26 +147,6 @@ def test_periodic_checkpoints_are_pruned_to_keep_last_k(train_here):
         "best.pt", "last.pt", "step_00000032.pt", "step_00000035.pt"]  # 32: epoch 1's end
     state = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
     assert {"model", "optimizer", "grad_scaler", "rng", "config", "epoch_step"} <= set(state)
-
-
-def test_a_mid_epoch_resume_at_another_step_size_takes_the_samples_left(train_here):
-    """Map-style data resumes mid-epoch by skipping the batches its steps took: at another
-    data.batch_size x accumulation they are another count of steps (the run had skipped 2
-    steps of 32, the whole epoch, and stopped on a NaN loss), and a step of samples that
-    does not divide them is refused."""
-    small = [*FAST, "model=mlp", "data.train_size=64", "data.batch_size=16",
-             "trainer.checkpoint_every_n_steps=1", "trainer.log_every_n_steps=1",
-             "trainer.epochs=2"]
-    train_here(*small, "trainer.max_steps=2")  # 32 of the epoch's 64 samples
-    resume = [*small, "trainer.max_steps=4", "trainer.resume=auto"]
-    with pytest.raises(ConfigError, match=r"was saved 32 samples a rank into its epoch, which "
-                       r"data.batch_size=24 x trainer.accumulate_grad_batches=1 here does not "
-                       "divide into steps"):
-        train_here(*resume, "data.batch_size=24")
-    metrics, run_dir = train_here(*resume, "trainer.accumulate_grad_batches=2")
-    assert math.isfinite(metrics["train_loss"])
-    # step 3 the epoch's other 32 samples, step 4 the next epoch's first
-    assert sorted(losses(run_dir)) == [1, 2, 3, 4]
 
 
 def test_a_diverging_run_stops_with_a_clear_message(train_here):

@@ -41,7 +41,6 @@ def check_resume(cfg: Config, layout: Layout, run_dir: str | None) -> None:
                           f"model {config.model_name(cfg.model)} here ({key}={here!r} here, "
                           f"{saved!r} in the checkpoint): resume with the same model config")
     refuse(changed_recipe(cfg, checkpoint.saved_config(meta), resume))
-    refuse(changed_step_size(cfg, meta, resume))
     refuse(cfg.data.resume_problem(meta.get("data"), resume))  # its files, unchanged
     # any layout continues any other's checkpoint, except a one-file one by an earlier
     # parallab, whose optimizer state is by parameter index: only a whole model reads it
@@ -81,24 +80,6 @@ def check_init(cfg: Config, probe: trial.Probe) -> None:
         refuse(weights.fit_problem(model, path, "trainer.init_from", cfg.trainer.init_strict))
     except checkpoint.CheckpointError as error:
         raise ConfigError(f"trainer.init_from: {error}") from None
-
-
-def changed_step_size(cfg: Config, meta: dict, resume: str) -> str | None:
-    """Data without a place of its own in a checkpoint (map-style data sets; token files
-    keep their next sample) resume mid-epoch by skipping the batches the epoch's steps
-    took: at another data.batch_size x trainer.accumulate_grad_batches the samples they
-    took must be a whole number of this run's steps (checkpoint.epoch_step_here counts
-    them so), else some would be trained twice or skipped."""
-    was = checkpoint.samples_a_step(checkpoint.saved_config(meta))
-    here = cfg.data.batch_size * cfg.trainer.accumulate_grad_batches
-    taken = (meta.get("epoch_step") or 0) * (was or 0)
-    if meta.get("data") is not None or not taken or taken % here == 0:
-        return None
-    return (f"trainer.resume={resume} was saved {taken} samples a rank into its epoch, which "
-            f"data.batch_size={cfg.data.batch_size} x trainer.accumulate_grad_batches="
-            f"{cfg.trainer.accumulate_grad_batches} here does not divide into steps: give a "
-            f"step of samples that divides {taken} (or resume a checkpoint saved at an "
-            "epoch's end)")
 
 
 def changed_recipe(cfg: Config, saved: dict, resume: str) -> str | None:

@@ -70,25 +70,6 @@ def same_model(meta: dict[str, Any], spec: dict[str, Any]) -> bool:
     return saved_config(meta).get("model") == spec
 
 
-def samples_a_step(config: dict[str, Any]) -> int | None:
-    """The samples a rank took each step under a saved config: data.batch_size x
-    trainer.accumulate_grad_batches (None where it records neither)."""
-    batch = (config.get("data") or {}).get("batch_size")
-    accumulate = (config.get("trainer") or {}).get("accumulate_grad_batches")
-    return batch * accumulate if batch and accumulate else None
-
-
-def epoch_step_here(state: dict[str, Any], accumulate: int, batch_size: int) -> int:
-    """A checkpoint's steps into its epoch, counted at this run's samples a step: data
-    without a place of its own (map-style) skips the batches they took, so at another
-    data.batch_size x accumulation the same samples are another count of steps (a count
-    that does not divide them is refused before launch: checks/starts.py)."""
-    was, here = samples_a_step(state.get("config") or {}), accumulate * batch_size
-    if state.get("data") is not None or not was or was == here:
-        return state["epoch_step"]
-    return state["epoch_step"] * was // here
-
-
 def first_difference(saved: Any, here: Any, key: str) -> tuple[str, Any, Any] | None:
     """The first key (dotted, under `key`) whose value differs between two configs, with
     the saved value and this one's (a key one lacks: None there); None where they match."""

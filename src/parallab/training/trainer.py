@@ -380,9 +380,7 @@ class Trainer:
         self.runtime.load_state_dict(self.model, self.optimizer, state["model"],
                                       state["optimizer"])
         self.precision.load_state_dict(state["grad_scaler"])
-        self.step, self.epoch = state["step"], state["epoch"]
-        self.epoch_step = checkpoint.epoch_step_here(state, self.cfg.accumulate_grad_batches,
-                                                     self.data.train.batch_size)
+        self.step, self.epoch, self.epoch_step = state["step"], state["epoch"], state["epoch_step"]
         self.window.load_state_dict(state)
         data_of.restore_position(self.data.train, state.get("data"))  # its global sample
         self.evaluation.load_state_dict(state.get("monitor"))
