@@ -350,7 +350,7 @@ class Config:
     # name -> _target_ spec of each logger (the logger group: tensorboard, csv, mlflow, wandb)
     logger: Any = field(default_factory=dict)
     # further evaluation metrics, name -> _target_ spec (e.g. a torchmetrics class):
-    # reported as eval_<name>
+    # reported as eval_<name> (not loss, nor accuracy under a classifying loss: the run's own)
     metrics: dict[str, Any] = field(default_factory=dict)
     # the figure a sweep's objective returns (Optuna); null = eval_accuracy where the loss
     # classifies, else eval_loss
