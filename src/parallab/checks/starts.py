@@ -35,8 +35,10 @@ def check_resume(cfg: Config, layout: Layout, run_dir: str | None) -> None:
             f"trainer.resume={resume} is not a parallab training checkpoint (no optimizer or "
             "position in it): evaluate it with evaluate.py, or start afresh")
     if not checkpoint.same_model(meta, cfg.model):
-        key, saved, here = checkpoint.first_difference(
-            checkpoint.saved_config(meta).get("model"), cfg.model, "model")
+        before = checkpoint.saved_config(meta).get("model")
+        # (where no key differs by value, a type does: the whole spec named)
+        key, saved, here = checkpoint.first_difference(before, cfg.model, "model") or \
+            ("model", before, cfg.model)
         raise ConfigError(f"trainer.resume={resume} was saved from another model config than "
                           f"model {config.model_name(cfg.model)} here ({key}={here!r} here, "
                           f"{saved!r} in the checkpoint): resume with the same model config")
