@@ -108,7 +108,7 @@ def test_only_needed_measures_the_cheapest_saver_that_fits():
 
     options = AdviseConfig(precisions=["fp32"], layouts=["none"], max_accumulation=2)
     found = grid.enumerate_grid(options, [1], "cpu")
-    grid.settle(found, lambda extra: checked(*TINY, *extra), lambda n: 1e6, True)
+    grid.settle(found, lambda c: checked(*TINY, *c.overrides), lambda n: 1e6, True)
     kept = [c for c in found if c.reason is None]
     assert [c.label for c in kept] == ["none(1) b1 ac=none fp32"]
     assert kept[0].predicted_mb > 0
@@ -117,7 +117,7 @@ def test_only_needed_measures_the_cheapest_saver_that_fits():
                                     and c.predicted_mb is None for c in others)
     # a budget below the plain layout's need: the savers are tried, cheapest first
     tight = grid.enumerate_grid(options, [1], "cpu")
-    grid.settle(tight, lambda extra: checked(*TINY, *extra),
+    grid.settle(tight, lambda c: checked(*TINY, *c.overrides),
                 lambda n: kept[0].predicted_mb * 0.99, True)
     assert "> budget" in tight[0].reason and tight[0].predicted_mb == pytest.approx(
         kept[0].predicted_mb)

@@ -191,6 +191,29 @@ def test_auto_prices_and_carries_the_layout_keys_given(tmp_path):
     assert cfg.parallel.bucket_cap_mb == 0.01
 
 
+def test_auto_carries_which_blocks_are_checkpointed_only_where_some_are(tmp_path):
+    """trainer.activation_checkpointing_every with auto: the layouts that checkpoint carry
+    it; those that do not, where train refuses it, leave it out, and pass train's checks
+    as printed."""
+    import shlex
+
+    from conftest import checked
+
+    from parallab.commands import simulate_in_process
+
+    every = "trainer.activation_checkpointing_every=2"
+    simulate_in_process([*GPT, "model.layers=4", "parallel=auto", "parallel.world_size=2",
+                         "data.batch_size=2", "cluster=a100",
+                         "trainer.activation_checkpointing=full", every], tmp_path)
+    found = json.loads((tmp_path / "simulate.json").read_text())["layouts"]
+    plain = [e for e in found if "activation_checkpointing=none" in e["command"]]
+    saving = [e for e in found if e not in plain]
+    assert plain and saving and all(every in e["command"] for e in saving)
+    assert not any(every in e["command"] for e in plain)
+    cfg, _ = checked(*shlex.split(plain[0]["command"])[2:], "device=cpu")
+    assert cfg.trainer.activation_checkpointing == "none"
+
+
 def test_auto_leaves_out_the_tied_pipelines_train_refuses():
     """Tied embeddings under a V (its first and last part on one rank) whose parts are
     sharded apart (dp_shard > 1): train refuses it (FSDP2 holds a parameter in one root),

@@ -24,6 +24,10 @@ from parallab.config.errors import ConfigError
 
 log = logging.getLogger(__name__)
 NAMES = ("constant", "cosine", "linear", "step", "wsd")
+# the keys only some schedules read, with their schema default: set under another, ignored
+ONLY_IN = {"min_lr_ratio": (("cosine", "linear", "wsd"), 0.0),
+           "step_size": (("step",), 1000), "gamma": (("step",), 0.1),
+           "decay_steps": (("wsd",), 0.2)}
 
 
 def problem(cfg) -> str | None:
@@ -46,6 +50,17 @@ def problem(cfg) -> str | None:
     if not (math.isfinite(cfg.decay_steps) and cfg.decay_steps > 0):
         return (f"scheduler.decay_steps={cfg.decay_steps} is out of range: give optimizer "
                 "steps (>= 1) or a fraction of the run (< 1)")
+    return unread(cfg)
+
+
+def unread(cfg) -> str | None:
+    """A key set that this schedule does not read (scheduler.gamma under cosine), which would
+    be ignored without a word."""
+    for key, (readers, default) in ONLY_IN.items():
+        if cfg.name not in readers and getattr(cfg, key) != default:
+            return (f"scheduler.{key}={getattr(cfg, key)} is read by scheduler="
+                    f"{' or '.join(readers)}, and scheduler={cfg.name} ignores it: drop it "
+                    "(or choose one that reads it)")
     return None
 
 
@@ -106,3 +121,4 @@ def resume(scheduler, optimizer: torch.optim.Optimizer, state: dict, saved_total
     for group, base, rate in zip(optimizer.param_groups, scheduler.base_lrs,
                                  scheduler.lr_lambdas):
         group["lr"] = base * rate(scheduler.last_epoch)
+

@@ -23,7 +23,7 @@ import torch
 
 from parallab.advise import candidates as grid
 from parallab.advise import report, scaling
-from parallab.parallel.grid import Candidate
+from parallab.parallel.grid import Candidate, kept_for
 from parallab.config import targets
 from parallab.config.errors import ConfigError, NothingFits, first_line
 
@@ -209,8 +209,8 @@ def plan(cfg, overrides: list[str], configure: Callable[[list[str]], Any],
     candidates, sizes = full_grid(cfg, overrides)
     global_batch = cfg.data.global_batch_size or cfg.data.batch_size
     user = grid.user_overrides(overrides)
-    base = user + measuring(options, global_batch) + dropout
-    grid.settle(candidates, lambda extra: configure(base + extra),
+    base = measuring(options, global_batch) + dropout
+    grid.settle(candidates, lambda c: configure(kept_for(user, c.layout) + base + c.overrides),
                 _budget(options, cfg, _device_type(cfg)), options.only_needed)
     checked = [c for c in candidates if c.cfg is not None]
     if not checked:

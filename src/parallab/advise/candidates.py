@@ -81,7 +81,7 @@ def _with_experts(layout: Layout, experts: int | None) -> list[Layout]:
                       if experts % ep == 0 and carved % ep == 0)]
 
 
-def settle(candidates: list[Candidate], configure: Callable[[list[str]], Any],
+def settle(candidates: list[Candidate], configure: Callable[[Candidate], Any],
            budget_of: Callable[[int], float], only_needed: bool) -> None:
     """Check each candidate as train.py would (a refusal prunes it) and predict its memory
     per rank (over the budget at its world size prunes it). Of candidates differing only in
@@ -102,7 +102,7 @@ def settle(candidates: list[Candidate], configure: Callable[[list[str]], Any],
                                     "false measures it)")
                 continue
             try:
-                candidate.cfg, candidate.resolved = configure(candidate.overrides)
+                candidate.cfg, candidate.resolved = configure(candidate)
             except ConfigError as error:
                 candidate.reason = str(error)
                 continue

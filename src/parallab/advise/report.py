@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from parallab.advise.candidates import cost
-from parallab.parallel.grid import Candidate
+from parallab.parallel.grid import Candidate, kept_for
 
 # the measured step time beside its prediction from its measured parts (the model's check)
 COLUMNS = ["layout", "world_size", "predicted_memory_mb", "measured_memory_mb",
@@ -156,5 +156,6 @@ def command(entry: list[str], user: list[str], candidate: Candidate, global_batc
     `candidate`."""
     extra = [] if any(o.startswith("data.global_batch_size=") for o in user) else [
         f"data.global_batch_size={global_batch}"]
+    user = kept_for(user, candidate.layout)
     return " ".join([entry[0], *(shlex.quote(o) for o in [*entry[1:], *user, *extra,
                                                           *candidate.overrides])])

@@ -62,6 +62,11 @@ def problem(mode: str, every: int = 1) -> str | None:
     if not (isinstance(every, int) and every >= 1):
         return (f"trainer.activation_checkpointing_every={every} is out of range: checkpoint "
                 "every Nth stage, N >= 1 (1: every stage)")
+    if every != 1 and mode == "none":
+        return (f"trainer.activation_checkpointing_every={every} with "
+                "trainer.activation_checkpointing=none: it says which stages are checkpointed, "
+                "and none are: set trainer.activation_checkpointing=full or selective (or drop "
+                "it)")
     return None
 
 

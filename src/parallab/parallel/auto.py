@@ -24,7 +24,7 @@ class AutoPlan(Plan):
     @classmethod
     def options(cls, p) -> Options:
         """The mesh's keys, which auto carries to the layouts it ranks (each where its
-        layout takes it: simulate/search.py's WHERE)."""
+        layout takes it: parallel/grid.py's WHERE)."""
         from parallab.parallel.mesh import MeshPlan
 
         return MeshPlan.options(p)

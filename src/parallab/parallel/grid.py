@@ -26,6 +26,22 @@ def overrides_kept(overrides: list[str], decided: tuple[str, ...],
     return [o for o in overrides if o.startswith(kept) or not o.lstrip("+~").startswith(gone)]
 
 
+# the user's keys a candidate's command carries only where its layout takes them: a
+# tensor-parallel plan where it splits (train refuses one at tp 1), FSDP's resharding where
+# no pipeline holds the parts (its parts stay gathered to the flush; no such key), which
+# blocks are checkpointed where some are
+WHERE = (("parallel.tp_plan=", lambda layout: layout.tp > 1),
+         ("parallel.reshard_after_forward=", lambda layout: layout.pp == 1),
+         ("trainer.activation_checkpointing_every=",
+          lambda layout: layout.checkpointing != "none"))
+
+
+def kept_for(user: list[str], layout: Layout) -> list[str]:
+    """The user's overrides as the command of a candidate of `layout` keeps them (WHERE)."""
+    return [o for o in user if all(takes(layout) for key, takes in WHERE
+                                   if o.lstrip("+~").startswith(key))]
+
+
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 

@@ -36,9 +36,9 @@ def entry(c: Candidate, fits: bool, command: str) -> dict[str, Any]:
 
 
 def command_of(entry_words: list[str], user: list[str], c: Candidate) -> str:
-    from parallab.simulate.search import command_overrides
+    from parallab.parallel.grid import kept_for
 
-    return shlex.join([*entry_words, *command_overrides(user, c), *c.overrides])
+    return shlex.join([*entry_words, *kept_for(user, c.layout), *c.overrides])
 
 
 def sbatch(c: Candidate, gpus_per_node: int, command: str) -> list[str]:

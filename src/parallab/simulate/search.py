@@ -133,16 +133,3 @@ def grown(c: Candidate, world_size: int) -> Candidate:
 def user_overrides(overrides: list[str]) -> list[str]:
     """The user's overrides less those each candidate decides."""
     return overrides_kept(overrides, DECIDED)
-
-
-# the user's keys a candidate's command carries only where its layout takes them: a
-# tensor-parallel plan where it splits (train refuses one at tp 1), FSDP's resharding where
-# no pipeline holds the parts (its parts stay gathered to the flush; no such key)
-WHERE = (("parallel.tp_plan=", lambda layout: layout.tp > 1),
-         ("parallel.reshard_after_forward=", lambda layout: layout.pp == 1))
-
-
-def command_overrides(user: list[str], c: Candidate) -> list[str]:
-    """The user's overrides as a candidate's command keeps them (WHERE)."""
-    return [o for o in user if all(takes(c.layout) for key, takes in WHERE
-                                   if o.lstrip("+~").startswith(key))]
