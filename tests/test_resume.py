@@ -19,6 +19,7 @@ import torch
 from conftest import FAST, assert_ok, output, read_metrics, run_entry, scalars
 
 from parallab.cli import JobFailed, train_in_process
+from parallab.config.errors import ConfigError
 
 pytestmark = pytest.mark.slow
 # a cosine schedule: every resume must also land on the uninterrupted run's learning rates
@@ -147,6 +148,30 @@ def test_periodic_checkpoints_are_pruned_to_keep_last_k(train_here):
         "best.pt", "last.pt", "step_00000032.pt", "step_00000035.pt"]  # 32: epoch 1's end
     state = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
     assert {"model", "optimizer", "grad_scaler", "rng", "config", "epoch_step"} <= set(state)
+
+
+def test_a_resume_at_another_global_batch_trains_the_epochs_left_at_it(train_here):
+    """A resume at another global batch than saved counts the epochs left in its steps: it
+    ended at once, an epoch untrained, its steps counted as the saved size's. Mid-epoch in
+    map-style data, whose place is the batches its steps took, it would go on from other
+    samples: refused; the same global batch split otherwise goes on."""
+    small = [*FAST, "model=mlp", "data.train_size=64", "data.batch_size=16",
+             "trainer.checkpoint_every_n_steps=1", "trainer.log_every_n_steps=1",
+             "scheduler=cosine"]
+    train_here(*small, "trainer.max_steps=2")  # saved 2 steps into the epoch
+    resume = [*small, "trainer.epochs=2", "trainer.resume=auto"]
+    for other in ("data.batch_size=32", "trainer.accumulate_grad_batches=2"):
+        with pytest.raises(ConfigError, match=r"was saved 2 steps into an epoch, at 16 "
+                           r"samples a step over all ranks, and this run takes 32"):
+            train_here(*resume, other)
+    metrics, _ = train_here(*resume, "data.global_batch_size=16",
+                            "trainer.accumulate_grad_batches=2")
+    assert (metrics["steps"], metrics["global_batch_size"]) == (8, 16)
+    train_here(*small, name="ended")  # 4 steps, the epoch's end
+    metrics, run_dir = train_here(*resume, "data.batch_size=32", name="ended")
+    assert (metrics["steps"], metrics["global_batch_size"]) == (6, 32)  # 4 + 2 of 32
+    rates = [lr for _, lr in scalars(run_dir, "train/lr")]
+    assert len(rates) == 6 and rates[-1] < rates[-2]  # the cosine over the new 6 steps
 
 
 def test_a_diverging_run_stops_with_a_clear_message(train_here):

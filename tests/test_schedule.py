@@ -70,8 +70,9 @@ def test_a_resume_goes_on_at_the_rate_and_schedule_its_checkpoint_holds(train_he
     reported so), a new run length is said with the rate's jump."""
     from parallab.config.errors import ConfigError
 
-    run = [*FAST, "optim.scale_lr=linear", "data.batch_size=128", "trainer.log_every_n_steps=1",
-           "scheduler=cosine"]
+    # 6 steps an epoch: resumed at an epoch's end, where another global batch may go on
+    run = [*FAST, "data.train_size=768", "trainer.epochs=3", "optim.scale_lr=linear",
+           "data.batch_size=128", "trainer.log_every_n_steps=1", "scheduler=cosine"]
     train_here(*run, "trainer.max_steps=6", name="run")
     for change, says in ((["optim.lr=0.001"], "optim.lr=0.001 differs from its 0.01: give "
                                            "optim.lr=0.01 as when it was saved"),

@@ -122,3 +122,13 @@ def resume(scheduler, optimizer: torch.optim.Optimizer, state: dict, saved_total
                                  scheduler.lr_lambdas):
         group["lr"] = base * rate(scheduler.last_epoch)
 
+
+def respanned(cfg, optimizer: torch.optim.Optimizer, total_steps: int
+              ) -> torch.optim.lr_scheduler.LambdaLR | None:
+    """The run's scheduler over a new length, for a resumed run whose state it loads next:
+    the optimizer's rates, as saved, left as they are (a new LambdaLR sets its first)."""
+    rates = [group["lr"] for group in optimizer.param_groups]
+    scheduler = build(cfg, optimizer, total_steps)
+    for group, rate in zip(optimizer.param_groups, rates):
+        group["lr"] = rate
+    return scheduler

@@ -43,6 +43,9 @@ def check_resume(cfg: Config, layout: Layout, run_dir: str | None) -> None:
                           f"model {config.model_name(cfg.model)} here ({key}={here!r} here, "
                           f"{saved!r} in the checkpoint): resume with the same model config")
     refuse(changed_recipe(cfg, checkpoint.saved_config(meta), resume))
+    if not cfg.trainer.auto_batch_size:  # (else chosen in the workers, which check it then)
+        here = cfg.data.batch_size * cfg.trainer.accumulate_grad_batches * layout.dp
+        refuse(checkpoint.changed_batch(meta, here, resume))
     refuse(cfg.data.resume_problem(meta.get("data"), resume))  # its files, unchanged
     # any layout continues any other's checkpoint, except a one-file one by an earlier
     # parallab, whose optimizer state is by parameter index: only a whole model reads it

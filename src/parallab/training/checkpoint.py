@@ -70,6 +70,22 @@ def same_model(meta: dict[str, Any], spec: dict[str, Any]) -> bool:
     return saved_config(meta).get("model") == spec
 
 
+def changed_batch(saved: dict[str, Any], here: int, resume: str) -> str | None:
+    """A resume at another global batch (`here` samples a step over all ranks) than its
+    checkpoint's (`saved`: its meta or state) counts the rest of its epochs in steps of
+    `here` (Trainer.resized). Refused mid-epoch in data without a place of its own:
+    map-style data skips the batches its steps took, which at another size are other
+    samples."""
+    was = saved.get("global_batch_size")
+    if was is None or was == here or not saved.get("epoch_step") or \
+            saved.get("data") is not None:  # (a checkpoint that records none: taken)
+        return None
+    return (f"trainer.resume={resume} was saved {saved['epoch_step']} steps into an epoch, "
+            f"at {was} samples a step over all ranks, and this run takes {here}: it would "
+            f"go on from other samples than those steps took: give data.global_batch_size="
+            f"{was} (or resume a checkpoint saved at an epoch's end)")
+
+
 def first_difference(saved: Any, here: Any, key: str) -> tuple[str, Any, Any] | None:
     """The first key (dotted, under `key`) whose value differs between two configs, with
     the saved value and this one's (a key one lacks: None there); None where they match."""

@@ -16,6 +16,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from parallab.config import naming
+from parallab.config.errors import refuse
 from parallab.config.schema import Config, TrainerConfig, model_name
 from parallab.data import build_data
 from parallab.launching import distributed, in_place, slurm
@@ -343,8 +344,12 @@ def _fit(spec: RunSpec, dist: distributed.Dist, logger: RunLogger,
                                     Path(spec.run_dir) / "checkpoints", preemption,
                                     None if resume_from else cfg.trainer.init_from)
         if resume_from is not None:
-            trainer.load_state_dict(read_checkpoint(resume_from, trainer.runtime,
-                                                    trainer.model, trainer.optimizer))
+            state = read_checkpoint(resume_from, trainer.runtime, trainer.model,
+                                    trainer.optimizer)
+            # a batch the workers chose (trainer.auto_batch_size) is checked here, others
+            # before launch
+            refuse(checkpoint.changed_batch(state, trainer.global_batch_size, resume_from))
+            trainer.load_state_dict(state)
             log.info("resumed from %s at step %d%s", resume_from, trainer.step,
                      f" (SLURM job {slurm.job_name()}, restart {slurm.restart_count()})"
                      if slurm.restart_count() else "")

@@ -78,6 +78,7 @@ class Trainer:
 
         self.steps_per_epoch, self.total_steps = run_length(cfg, data.train)
         # the learning rate of each step: over this run's steps (a continued run's new horizon)
+        self.scheduler_cfg = scheduler_cfg
         self.scheduler = (schedule.build(scheduler_cfg, optimizer, self.total_steps)
                           if scheduler_cfg is not None else None)
         self.meter = Meter(cfg, dist, runtime, self.eval_model, logger)
@@ -374,13 +375,29 @@ class Trainer:
                    for name, part in parts.items()},
                 **self.window.state_dict(),
                 "step": self.step, "epoch": self.epoch, "epoch_step": self.epoch_step,
-                "total_steps": self.total_steps, "data": data_of.position(self.data.train)}
+                "total_steps": self.total_steps, "global_batch_size": self.global_batch_size,
+                "data": data_of.position(self.data.train)}
+
+    def recounted(self, saved_batch: int | None) -> None:
+        """Resumed at another global batch than saved (at an epoch's end, or in data with a
+        place of its own: checked before): the epochs left counted in steps of this one,
+        bounded by trainer.max_steps, the schedule over that length."""
+        here = self.global_batch_size
+        if saved_batch in (None, here) or self.steps_per_epoch is None:
+            return
+        self.epoch_step = self.epoch_step * saved_batch // here  # the samples taken, here
+        left = (self.cfg.epochs - self.epoch) * self.steps_per_epoch - self.epoch_step
+        self.total_steps = min(self.step + left, self.cfg.max_steps or math.inf)
+        if self.scheduler is not None:
+            self.scheduler = schedule.respanned(self.scheduler_cfg, self.optimizer,
+                                                self.total_steps)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.runtime.load_state_dict(self.model, self.optimizer, state["model"],
                                       state["optimizer"])
         self.precision.load_state_dict(state["grad_scaler"])
         self.step, self.epoch, self.epoch_step = state["step"], state["epoch"], state["epoch_step"]
+        self.recounted(state.get("global_batch_size"))
         self.window.load_state_dict(state)
         data_of.restore_position(self.data.train, state.get("data"))  # its global sample
         self.evaluation.load_state_dict(state.get("monitor"))
