@@ -46,6 +46,34 @@ def test_a_job_whose_overrides_outgrow_a_file_name_gets_a_readable_stable_dir(tm
     assert [row["status"] for row in summary_rows(tmp_path / "sweep")] == ["completed"]
 
 
+def test_skip_completed_skips_a_job_only_where_its_dir_trained_the_same(tmp_path):
+    """Two sweeps of other experiments given one hydra.sweep.dir name their jobs alike (the
+    dir's name leaves `experiment` out): the second's sweep.skip_completed=true took the
+    first's finished jobs for its own. Such a job fails naming both; the same sweep skips."""
+    own = tmp_path / "conf" / "experiment"
+    own.mkdir(parents=True)
+    for name, lr in (("slow", 0.001), ("quick", 0.1)):
+        (own / f"{name}.yaml").write_text(f"# @package _global_\noptim:\n  lr: {lr}\n")
+    sweep_dir = tmp_path / "sweep"
+
+    def sweep_of(*args: str) -> subprocess.CompletedProcess:
+        return run_entry("train.py", [f"--config-dir={tmp_path / 'conf'}", "-m", *QUICK,
+                                      "data.batch_size=16,32", *args,
+                                      f"hydra.sweep.dir={sweep_dir}"])
+
+    first = sweep_of("experiment=slow")
+    assert first.returncode == 0, output(first)
+    other = sweep_of("experiment=quick", "sweep.skip_completed=true")
+    assert other.returncode != 0, output(other)
+    rows = summary_rows(sweep_dir)
+    assert [r["status"] for r in rows] == ["failed", "failed"]
+    assert "holds a finished job of other overrides (" in rows[0]["error"]
+    assert "experiment=slow" in rows[0]["error"] and "here " in rows[0]["error"]
+    again = sweep_of("experiment=slow", "sweep.skip_completed=true")
+    assert again.returncode == 0, output(again)
+    assert [r["status"] for r in summary_rows(sweep_dir)] == ["skipped", "skipped"]
+
+
 def test_a_failing_job_is_reported_and_the_others_still_run(tmp_path):
     sweep_dir = tmp_path / "sweep"
     result = sweep(sweep_dir, "data.batch_size=0,32")

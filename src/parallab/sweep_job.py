@@ -28,6 +28,7 @@ def run(dict_cfg: DictConfig, run_dir: Path, call: Invocation,
     from parallab import metrics
 
     status_file = run_dir / summary.STATUS_FILE
+    before = summary.read_status(run_dir)  # a finished job's: what it trained
     status_file.unlink(missing_ok=True)
     if call.stopped_sweep:
         status_file.write_text(json.dumps({"status": "stopped"}) + "\n")
@@ -36,14 +37,25 @@ def run(dict_cfg: DictConfig, run_dir: Path, call: Invocation,
     # a sweep SLURM requeued goes on where it stopped
     skip_completed = dict_cfg.sweep.skip_completed or slurm.restart_count() > 0
     finished = summary.read_metrics(run_dir) if skip_completed else None
+    trains = what_it_trains()
+    if finished is not None and before.get("trains", trains) != trains:
+        line = (f"{run_dir} holds a finished job of other overrides ("
+                f"{' '.join(before['trains']) or 'none'}; here {' '.join(trains) or 'none'}), "
+                "which sweep.skip_completed would take for this one: give this sweep a "
+                "hydra.sweep.dir of its own")
+        log.error("job failed: %s", line)
+        status_file.write_text(json.dumps({**before, "status": "failed", "error": line}) + "\n")
+        return None
     if finished is not None:
-        status_file.write_text(json.dumps({"status": "skipped"}) + "\n")
+        status_file.write_text(json.dumps({"status": "skipped", "trains": trains}) + "\n")
         log.info("skipped: %s already holds complete metrics", run_dir)
         return metrics.objective_of(finished, dict_cfg.objective)
     if skip_completed and dict_cfg.trainer.resume is None:
         dict_cfg.trainer.resume = "auto"  # a job that did not finish continues (or starts)
     try:
-        return train_job(dict_cfg, call)
+        objective = train_job(dict_cfg, call)
+        status_file.write_text(json.dumps({"trains": trains}) + "\n")  # (done: no status)
+        return objective
     except Stopped as stopped:  # its record says so: the sweep stops at it
         if not stopped.said:
             log.error("%s", stopped)
@@ -59,6 +71,19 @@ def run(dict_cfg: DictConfig, run_dir: Path, call: Invocation,
                   exc_info=not isinstance(error, JobFailed))
         status_file.write_text(json.dumps({"status": "failed", "error": line}) + "\n")
     return None
+
+
+def what_it_trains() -> list[str]:
+    """This job's overrides that say what it trains: all but those its dir's name leaves
+    out (hydra.job.config.override_dirname.exclude_keys: where it logs, the terminal's
+    progress bar, ...), bar `experiment`, which the name leaves out and which trains
+    another run: two sweeps given one hydra.sweep.dir name their jobs alike."""
+    from hydra.core.hydra_config import HydraConfig
+
+    hydra = HydraConfig.get()
+    ignored = set(hydra.job.config.override_dirname.exclude_keys) - {"experiment"}
+    return sorted(o for o in hydra.overrides.task
+                  if o.lstrip("+~").split("=", 1)[0] not in ignored)
 
 
 def continue_command(sweep_dir: Path, call: Invocation) -> str:

@@ -16,7 +16,7 @@ import yaml
 from hydra.experimental.callback import Callback
 
 log = logging.getLogger(__name__)
-STATUS_FILE = "status.json"  # written into a job's dir when it failed or was skipped
+STATUS_FILE = "status.json"  # a sweep job's outcome and what it trained (a single run: stopped)
 METRIC_COLUMNS = ["eval_accuracy", "eval_loss", "train_loss", "samples_per_sec",
                   "step_time_ms", "epoch_time_s", "wall_time_s", "world_size",
                   "global_batch_size", "precision_dtype", "backend", "parallel",
@@ -43,13 +43,18 @@ def read_metrics(run_dir: Path) -> dict[str, Any] | None:
     return metrics if complete else None
 
 
+def read_status(run_dir: Path) -> dict[str, Any]:
+    """A job's status.json ({} where it holds none)."""
+    return _json_object(run_dir / STATUS_FILE) or {}
+
+
 def job_row(job_dir: Path) -> dict[str, Any]:
     try:
         overrides = yaml.safe_load((job_dir / ".hydra" / "overrides.yaml").read_text()) or []
     except (OSError, yaml.YAMLError):
         overrides = ["(unreadable overrides.yaml)"]
     metrics = read_metrics(job_dir)
-    status = _json_object(job_dir / STATUS_FILE) or {}
+    status = read_status(job_dir)
     if metrics:
         state = status.get("status") or "completed"
     elif (job_dir / "metrics.json").exists():  # written, but not as a run writes it
