@@ -74,6 +74,12 @@ def test_evaluate_scores_the_data_the_checkpoint_was_trained_on(train_here, tmp_
     scored = read_metrics(tmp_path / "eval")
     assert scored["data"] == "synthetic"
     assert scored["eval_loss"] == pytest.approx(metrics["eval_loss"], rel=1e-5)
+    # the trained data's own keys, which the default data lacks, with no `+`; a data= choice
+    # of the same set keeps its keys as trained (not the option file's)
+    fewer = evaluate_in_process([ckpt, "device=cpu", "data.eval_size=16"], tmp_path / "few")
+    assert fewer["eval_loss"] != pytest.approx(metrics["eval_loss"], rel=1e-5)
+    same = evaluate_in_process([ckpt, "device=cpu", "data=synthetic"], tmp_path / "same")
+    assert same["eval_loss"] == pytest.approx(metrics["eval_loss"], rel=1e-5)
 
 
 @pytest.mark.parametrize("where", ["a file", "read-only"])

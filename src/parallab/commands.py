@@ -57,7 +57,8 @@ def evaluate_in_process(overrides: list[str], run_dir: str | Path) -> dict[str, 
     (tests, notebooks): the figures it writes to RUN_DIR/metrics.json; raises ConfigError
     or CheckpointError where evaluate.py would end in one line."""
     _refuse_ignored_overrides(list(overrides))
-    cfg, state = _checked(compose(list(overrides), config_name="evaluate"), list(overrides))
+    overrides = onto_trained_data(list(overrides))
+    cfg, state = _checked(compose(overrides, config_name="evaluate"), overrides)
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     return _scored(cfg, state, Path(run_dir))[0]
 
@@ -139,19 +140,29 @@ def _refuse_ignored_overrides(overrides: list[str]) -> None:
                 "(parallel.threads_per_worker sets its threads, parallel.devices its GPU)")
 
 
+def onto_trained_data(overrides: list[str]) -> list[str]:
+    """Without a data= choice, evaluate.py scores the checkpoint's data, which Hydra has not
+    composed (it composes the default data): a data.KEY=VALUE for it is added where that
+    lacks the key (the trained data's eval_size), as `++` asks, not refused for want of a
+    `+`."""
+    if any(o.lstrip("+~").partition("=")[0] == "data" for o in overrides):
+        return overrides
+    return [f"++{o}" if o.startswith("data.") else o for o in overrides]
+
+
 def _trained_data_config(meta: dict[str, Any], dict_cfg: DictConfig, overrides: list[str]):
     """The data evaluate.py scores: the checkpoint's, with the command line's data.KEY
-    values; a data= choice that differs from it is used, and said."""
+    values (also under a data= choice of the same data set: its keys as trained); a data=
+    choice of another data set is used as composed, and said."""
     from parallab.training import checkpoint
 
     saved = checkpoint.saved_config(meta).get("data")
     chosen = any(o.lstrip("+~").partition("=")[0] == "data" for o in overrides)
     if not isinstance(saved, dict) or targets_of(saved) is None:
         return dict_cfg.data  # a checkpoint that records no data: as composed
-    if chosen:
-        if targets_of(saved) != dict_cfg.data.get("_target_"):
-            log.info("evaluate.py scores ckpt=%s, trained on data %s, on data %s, as asked",
-                     dict_cfg.ckpt, targets_of(saved), dict_cfg.data.get("_target_"))
+    if chosen and targets_of(saved) != dict_cfg.data.get("_target_"):
+        log.info("evaluate.py scores ckpt=%s, trained on data %s, on data %s, as asked",
+                 dict_cfg.ckpt, targets_of(saved), dict_cfg.data.get("_target_"))
         return dict_cfg.data
     data = OmegaConf.create(saved)
     for override in overrides:  # the command line's data.KEY=VALUE, as Hydra parsed them
@@ -178,7 +189,8 @@ def _trained_model_config(meta: dict[str, Any], path) -> dict[str, Any]:
 
 def evaluate(argv: list[str] | None = None) -> None:
     """`python evaluate.py ckpt=PATH [overrides]`; `argv`: the command line (sys.argv)."""
-    call = Invocation.read(argv or sys.argv)
+    argv = argv or sys.argv
+    call = Invocation.read([argv[0], *onto_trained_data(argv[1:])])
     try:
         _refuse_ignored_overrides([a for a in call.argv[1:] if not a.startswith("-")])
     except ConfigError as error:
