@@ -94,6 +94,34 @@ def test_the_global_order_is_the_same_at_every_world_size_and_starts_anywhere_at
     assert torch.equal(first[0], torch.from_numpy(expected[:, :-1]))
 
 
+def test_epochs_hold_whole_steps_and_a_resume_at_another_global_batch_goes_on_from_its_sample(
+        corpus):
+    """Every step takes G: 5 samples x 2 accumulated and 10 at once take the same samples
+    over two epochs (1,249 windows: the accumulated run's first epoch ended in a short step
+    and its second began elsewhere); resumed after an epoch at another global batch, the
+    next epoch begins at the sample the last one reached, its samples whole steps of 25."""
+    web = Windows([token_files.open_tokens(str(corpus / "web.bin"), "uint16")], SEQ)
+    stream = Stream([Source("web", web)], seed=3)
+    dist = Dist(0, 0, 1, 1, torch.device("cpu"), None)
+    split = TokenLoader(stream, Samples("pair", False, False), dist, 5, 0, [], None, 2)
+    whole = loader(stream, 0, 1, 10)
+    assert len(stream) == 1249 and len(split) == 2 * len(whole) == 248
+    for epoch in (0, 1):
+        split.set_epoch(epoch)
+        whole.set_epoch(epoch)
+        halves, steps = [b[0] for b in split], [b[0] for b in whole]
+        assert all(torch.equal(torch.cat(halves[2 * i:2 * i + 2]), step)
+                   for i, step in enumerate(steps))
+    state = whole.state_dict()
+    assert state["next_sample"] == state["epoch_start"] == 2480
+    wider = loader(stream, 0, 1, 25)
+    wider.load_state_dict(state)
+    wider.set_epoch(2)
+    read = [b[0] for b in wider]
+    assert len(read) == 1249 // 25
+    assert torch.equal(read[0], torch.from_numpy(stream.read(2480, 25)[0][:, :-1]))
+
+
 def test_a_mixture_draws_deterministically_in_proportion_to_its_weights(corpus):
     opened = [token_files.open_tokens(str(corpus / name), "uint16")
               for name in ("web.bin", "code.npy", "docs.bin")]

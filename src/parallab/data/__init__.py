@@ -83,15 +83,17 @@ def drawn_from(seed: int) -> Iterator[None]:
                 numpy.random.set_state(numpy_state)
 
 
-def build_data(cfg: DataConfig, dist: Dist, seed: int, batch_scale: int = 1) -> Data:
+def build_data(cfg: DataConfig, dist: Dist, seed: int, batch_scale: int = 1,
+               accumulate: int = 1) -> Data:
     """Train and eval loaders for this rank, their datasets made under the run's `seed`
     (drawn_from); a process feeding several devices (dp) takes `batch_scale` times
-    data.batch_size per step."""
+    data.batch_size per step; a step takes `accumulate` batches (data with loaders of its
+    own keeps its epochs to whole steps)."""
     cfg.loader = resolve_loader(cfg)  # validate resolved it already, unless built directly
     batch, eval_batch = cfg.batch_size * batch_scale, cfg.eval_batch_size * batch_scale
     own = getattr(cfg, "loaders", None)  # a data set with loaders of its own (token_files)
     if callable(own):
-        return Data(*own(dist, seed, batch, eval_batch))
+        return Data(*own(dist, seed, batch, eval_batch, accumulate))
     with drawn_from(seed):
         train, test = cfg.make(seed)
     if isinstance(train, IterableDataset) or isinstance(test, IterableDataset):

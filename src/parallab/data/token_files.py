@@ -130,13 +130,14 @@ class TokenFiles(DataConfig):
         found = [p for spec in specs for p in token_files.paths(spec)]
         return [token_files.fingerprint(p) for p in dict.fromkeys(found)]
 
-    def loaders(self, dist, seed: int, batch: int, eval_batch: int):
-        """(train, eval) loaders for this rank (data.build_data asks for them)."""
+    def loaders(self, dist, seed: int, batch: int, eval_batch: int, accumulate: int = 1):
+        """(train, eval) loaders for this rank (data.build_data asks for them), the training
+        one's epochs whole steps of `accumulate` batches."""
         sources, held = self.split()
         stream = Stream(sources, seed, documents=self.marks())
         names = [s.name for s in sources] if self.sources is not None else None
         train = TokenLoader(stream, self.samples(), dist, batch, self.prefetch,
-                            self.fingerprints(), names)
+                            self.fingerprints(), names, accumulate)
         return train, TokenEvalLoader(held, self.samples(), dist, eval_batch, seed)
 
     def make(self, seed: int) -> tuple[Any, Any]:

@@ -315,7 +315,8 @@ def build_trainer(cfg: Config, layout: Layout, dist: distributed.Dist, logger: R
         if dist.is_main:
             log.info("started from the weights in %s, each rank reading its part", init_from)
     data = build_data(cfg.data, runtime.ranks.data, cfg.seed,
-                      batch_scale=runtime.ranks.devices_per_process)
+                      batch_scale=runtime.ranks.devices_per_process,
+                      accumulate=cfg.trainer.accumulate_grad_batches)
     data.train.drop_last = runtime.layout.pipelined
     optimizer = build_optimizer(cfg.optim, model, runtime.tied_embeddings())
     if cfg.trainer.auto_batch_size:

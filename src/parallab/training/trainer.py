@@ -385,7 +385,7 @@ class Trainer:
         here = self.global_batch_size
         if saved_batch in (None, here) or self.steps_per_epoch is None:
             return
-        self.epoch_step = self.epoch_step * saved_batch // here  # the samples taken, here
+        self.epoch_step = -(-self.epoch_step * saved_batch // here)  # the samples taken
         left = (self.cfg.epochs - self.epoch) * self.steps_per_epoch - self.epoch_step
         self.total_steps = min(self.step + left, self.cfg.max_steps or math.inf)
         if self.scheduler is not None:

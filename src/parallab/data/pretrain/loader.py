@@ -83,34 +83,45 @@ class TokenLoader:
     num_valid = float("inf")
 
     def __init__(self, stream: Stream, samples: Samples, dist: Dist, batch_size: int,
-                 prefetch: int, fingerprints: list[dict[str, Any]], names: list[str] | None):
+                 prefetch: int, fingerprints: list[dict[str, Any]], names: list[str] | None,
+                 accumulate: int = 1):
         self.stream, self.samples, self.dist = stream, samples, dist
         self.batch_size, self.prefetch, self.device = batch_size, prefetch, dist.device
         self.fingerprints, self.names = fingerprints, names
+        self.accumulate = accumulate  # micro-batches a step: an epoch holds whole steps
         self.all_valid = not samples.skip_boundary  # labels counted from shapes alone
         self.per_rank = len(stream) // dist.world_size
         self.position = 0  # the next global sample to train on
-        self.restored: Optional[int] = None
-        self.start = self.end = 0
+        # (the start of the epoch it was in, the next sample) from a checkpoint
+        self.restored: Optional[tuple[Optional[int], int]] = None
+        self.epoch, self.epoch_start, self.start, self.end = -1, 0, 0, 0
 
     @property
     def epoch_samples(self) -> int:
-        """Global samples in one of the trainer's epochs: whole global batches' worth."""
-        per_batch = self.batch_size * self.dist.world_size
-        return len(self.stream) // per_batch * per_batch
+        """Global samples in one of the trainer's epochs: whole steps' worth, so that every
+        step takes G, whatever the split of G into ranks, batches and accumulation."""
+        per_step = self.batch_size * self.dist.world_size * self.accumulate
+        return len(self.stream) // per_step * per_step
 
     def __len__(self) -> int:
         return self.epoch_samples // (self.batch_size * self.dist.world_size)
 
     def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
         """Read epoch `epoch`'s samples, from a checkpoint's position where one was
-        restored, else after this rank's first `skip_batches` batches of it."""
-        size = self.epoch_samples
+        restored, else after this rank's first `skip_batches` batches of it. An epoch
+        begins where the one before ended, which a resume at another global batch (whose
+        epochs hold another count of samples) keeps."""
         if self.restored is not None:
-            self.start, self.restored = self.restored, None
+            (begun, self.start), self.restored = self.restored, None
+            self.epoch_start = epoch * self.epoch_samples if begun is None else begun
         else:
-            self.start = epoch * size + skip_batches * self.batch_size * self.dist.world_size
-        self.end = (epoch + 1) * size
+            if epoch == self.epoch + 1 and self.end:
+                self.epoch_start = self.end
+            elif epoch != self.epoch:
+                self.epoch_start = epoch * self.epoch_samples
+            self.start = self.epoch_start + skip_batches * self.batch_size * \
+                self.dist.world_size
+        self.epoch, self.end = epoch, self.epoch_start + self.epoch_samples
 
     def batch_at(self, first: int) -> tuple[Any, np.ndarray]:
         """The batch of this rank in the global batch starting at sample `first`."""
@@ -135,16 +146,21 @@ class TokenLoader:
 
     def resized(self, batch_size: int) -> TokenLoader:
         return TokenLoader(self.stream, self.samples, self.dist, batch_size, self.prefetch,
-                           self.fingerprints, self.names)
+                           self.fingerprints, self.names, self.accumulate)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"next_sample": self.position, "seq_len": self.stream.seq_len,
+        # an epoch trained to its end: the trainer's next one begins here
+        begun = self.end if self.end and self.position >= self.end else self.epoch_start
+        return {"next_sample": self.position, "epoch_start": begun,
+                "seq_len": self.stream.seq_len,
                 "files": self.fingerprints, "sources": self.names and {
                     name: s.weight for name, s in zip(self.names, self.stream.sources)},
                 "windows": [len(s.windows) for s in self.stream.sources]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.position = self.restored = int(state["next_sample"])
+        self.position = int(state["next_sample"])
+        begun = state.get("epoch_start")  # (an earlier parallab's records none)
+        self.restored = (None if begun is None else int(begun), self.position)
 
     def tokens_by_source(self) -> dict[str, int]:
         """Tokens each named source gave the run so far (targets: seq_len a sample): a
