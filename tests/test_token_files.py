@@ -227,6 +227,27 @@ def test_a_resume_on_changed_files_is_refused_naming_the_file(corpus, train_here
         train_here(*GPT, f"data.files={data}", "trainer.max_steps=4", "trainer.resume=auto")
 
 
+def test_a_resume_tells_files_by_where_they_are_and_in_their_order(corpus, train_here,
+                                                                     monkeypatch):
+    """Files given in another order, or a mixture's sources, would draw other samples: it
+    was taken; the same file written as another path is the same file: it was refused."""
+    monkeypatch.chdir(corpus)
+    two = [*GPT, "trainer.max_steps=2", "data.files=[web.bin,code.npy]"]
+    train_here(*two)
+    resume = ["trainer.max_steps=4", "trainer.resume=auto"]
+    with pytest.raises(ConfigError, match=r"was saved reading its files in another order "
+                       r"\(web.bin, code.npy\)"):
+        train_here(*two, *resume, "data.files=[code.npy,web.bin]")
+    metrics, _ = train_here(*two, *resume, f"data.files=[{corpus}/web.bin,./code.npy]")
+    assert metrics["steps"] == 4
+    mix = "data.sources=[{{name: {}, files: web.bin}}, {{name: {}, files: code.npy}}]"
+    train_here(*GPT, "trainer.max_steps=2", mix.format("a", "b"), name="mix")
+    with pytest.raises(ConfigError, match=r"was saved with data.sources \{'a': 1.0, 'b': 1.0\}"
+                       r", here \{'b': 1.0, 'a': 1.0\}: give their names, order and weights"):
+        train_here(*GPT, *resume, "data.sources=[{name: b, files: code.npy}, "
+                   "{name: a, files: web.bin}]", name="mix")
+
+
 def bad_inputs(root) -> list:
     short = root / "short.bin"
     np.arange(10, dtype=np.uint16).tofile(short)

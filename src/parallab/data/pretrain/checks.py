@@ -7,6 +7,7 @@ changed since the checkpoint."""
 from __future__ import annotations
 
 import math
+import os
 from typing import Any, Optional
 
 import numpy as np
@@ -133,40 +134,50 @@ def sampled_max(tokens: np.ndarray) -> tuple[int, int]:
 
 
 def changed(cfg, saved: Any, resume: str) -> Optional[str]:
-    """A checkpoint's data (its files' fingerprints, seq_len, the windows held out, a
-    mixture's weights) that differs here: one line naming what changed. A run must not go
-    on on other data."""
+    """A checkpoint's data (its files' fingerprints and their order, seq_len, the windows
+    held out, a mixture's sources, their order and weights) that differs here: one line
+    naming what changed. A run must not go on on other data. Files are told by where they
+    are, however the path is written."""
     if not isinstance(saved, dict) or "files" not in saved:
         return None
-    before = {f["path"]: f for f in saved["files"]}
-    now = {f["path"]: f for f in cfg.fingerprints()}
-    for path, print_ in before.items():
-        if path not in now:
-            return (f"trainer.resume={resume} was saved training on {path}, which this run's "
-                    "data does not name (or no longer exists): train on the files it was saved "
+    before = {_where(f["path"]): f for f in saved["files"]}
+    now = {_where(f["path"]): f for f in cfg.fingerprints()}
+    for where, print_ in before.items():
+        path = print_["path"]
+        if where not in now:
+            return (f"trainer.resume={resume} was saved reading {path}, which this run's "
+                    "data does not name (or no longer exists): give the files it was saved "
                     "with, or start a new run")
-        if print_ != now[path]:
+        if {**print_, "path": None} != {**now[where], "path": None}:
             return (f"trainer.resume={resume}: {path} changed since the checkpoint (its size or "
                     "contents): the next samples would be others; put the file back as it was, "
                     "or start a new run")
-    added = next((p for p in now if p not in before), None)
+    added = next((now[w]["path"] for w in now if w not in before), None)
     if added is not None:
         return (f"trainer.resume={resume} was saved without {added}, which this run's data "
                 "adds: the order of samples would change; drop it, or start a new run")
+    weights = {n: float(w) for n, _, w in cfg.named_sources()} if cfg.sources else None
+    was = saved.get("sources") or None
+    if was != weights or (was and list(was) != list(weights)):
+        return (f"trainer.resume={resume} was saved with data.sources {was}, here {weights}: "
+                "give their names, order and weights as saved, or start a new run")
+    if list(before) != list(now):
+        return (f"trainer.resume={resume} was saved reading its files in another order ("
+                f"{', '.join(f['path'] for f in before.values())}): the order of samples "
+                "would change; give them in that order, or start a new run")
     if saved.get("seq_len") != cfg.seq_len:
         return (f"trainer.resume={resume} was saved at data.seq_len={saved.get('seq_len')}: "
                 "give it again, or start a new run")
-    # the files and seq_len as saved, a source's count of training windows moves only with
-    # the share held out: windows it evaluated would be trained on, and the order changes
+    # the files, their order and seq_len as saved, a source's count of training windows
+    # moves only with the share held out: windows it evaluated would be trained on
     windows = [len(s.windows) for s in cfg.split()[0]]
     if saved.get("windows", windows) != windows:
         counts = [" + ".join(map(str, w)) for w in (saved["windows"], windows)]
         return (f"trainer.resume={resume} was saved training on {counts[0]} windows, here "
                 f"{counts[1]}: data.eval_fraction={cfg.eval_fraction} holds out another "
                 "share; give it as saved, or start a new run")
-    weights = {n: float(w) for n, _, w in cfg.named_sources()} if cfg.sources else None
-    if (saved.get("sources") or None) != weights:
-        return (f"trainer.resume={resume} was saved with data.sources weights "
-                f"{saved.get('sources')}, here {weights}: give them as saved, or start a new "
-                "run")
     return None
+
+
+def _where(path: str) -> str:
+    return os.path.realpath(path)
