@@ -393,6 +393,21 @@ def test_prepare_data_refuses_a_record_without_text_in_one_line(tokenizer, tmp_p
                            "no text"):
             prepare([str(docs)], str(folder), tmp_path / "out", num_proc=2)
         assert not (tmp_path / "out").exists()
+    # with --force over earlier token files: they stay as they were until the new ones are
+    # all written (they were deleted before the record was read)
+    good = tmp_path / "good.jsonl"
+    good.write_text("".join(json.dumps({"text": line}) + "\n" for line in lines[:40]))
+    kept = prepare([str(good)], str(folder), tmp_path / "kept", eval_fraction=0.0)
+    before = (tmp_path / "kept" / "train.bin").read_bytes()
+    with pytest.raises(ConfigError, match="no text"):
+        prepare([str(docs)], str(folder), tmp_path / "kept", force=True)
+    assert kept["train"]["documents"] == 40
+    assert sorted(p.name for p in (tmp_path / "kept").iterdir()) == ["train.bin", "train.idx"]
+    assert (tmp_path / "kept" / "train.bin").read_bytes() == before
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(ConfigError, match=rf"^parallab prepare-data {empty}: no records"):
+        prepare([str(empty)], str(folder), tmp_path / "none")
 
 
 def test_a_resume_that_would_train_other_samples_next_is_refused(corpus, train_here):

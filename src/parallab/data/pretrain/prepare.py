@@ -71,7 +71,7 @@ def prepare(files: list[str], tokenizer: str, out: Path, text_key: str = "text",
     if not 0 <= eval_fraction < 1:
         raise ConfigError(f"parallab prepare-data: --eval-fraction {eval_fraction} is out of "
                           "range: it must be in [0, 1)")
-    _clear(out, force)
+    earlier = _held(out, force)
     tok = hf_text._tokenizer(str(Path(tokenizer).expanduser()))
     end = [tok.eos_token_id] if eos and tok.eos_token_id is not None else []
     dtype = np.dtype(np.uint16 if len(tok) <= 1 << 16 else np.int32)  # Megatron-LM's rule
@@ -101,7 +101,16 @@ def prepare(files: list[str], tokenizer: str, out: Path, text_key: str = "text",
         parts = tokens.train_test_split(test_size=held, seed=seed, shuffle=True)
         splits = {"train": parts["train"], "val": parts["test"]}
     out.mkdir(parents=True, exist_ok=True)
-    written = {name: write_split(split, out / name, dtype) for name, split in splits.items()}
+    # beside the earlier files until every split is written: a refusal or a failure leaves
+    # them as they were (a run's data, which its checkpoints fingerprint)
+    written = {name: write_split(split, out / f".{name}-partial", dtype)
+               for name, split in splits.items()}
+    for path in earlier:
+        path.unlink()
+    for name, figures in written.items():
+        for kind in ("bin", "idx"):
+            (out / f".{name}-partial.{kind}").replace(out / f"{name}.{kind}")
+        figures["path"] = str(out / f"{name}.bin")
     return {"dtype": str(dtype), "vocab_size": len(tok), "eos_id": end[0] if end else None,
             **written}
 
@@ -110,10 +119,11 @@ class NoText(ValueError):
     """A record without text under the key (its index, its value): raised in a worker."""
 
 
-def _clear(out: Path, force: bool) -> None:
-    """`out` made ready for the token files, before anything is tokenized: refused where it
-    is a file, or already holds them (unless `force`: then they go, a val pair this run may
-    not write included, so no earlier split is left beside the new one)."""
+def _held(out: Path, force: bool) -> list[Path]:
+    """The token files already at `out`, checked before anything is tokenized: refused
+    where `out` is a file, or holds them (unless `force`: then they are replaced once the
+    new ones are written, a val pair this run may not write included, so no earlier split
+    is left beside the new one)."""
     if out.exists() and not out.is_dir():
         raise ConfigError(f"parallab prepare-data: --out {out} is a file: give a folder")
     held = [out / f"{split}.{kind}" for split in ("train", "val") for kind in ("bin", "idx")
@@ -122,8 +132,7 @@ def _clear(out: Path, force: bool) -> None:
         raise ConfigError(f"parallab prepare-data: --out {out} already holds "
                           f"{', '.join(p.name for p in held)}: give another folder, or "
                           "--force to replace them")
-    for path in held:
-        path.unlink()
+    return held
 
 
 def _documents(paths: list[str], text_key: str):
@@ -133,7 +142,13 @@ def _documents(paths: list[str], text_key: str):
 
     builder = BUILDERS[Path(paths[0]).suffix.lower()]
     options = {"sample_by": "document"} if builder == "text" else {}
-    rows = load_dataset(builder, data_files=paths, split="train", **options)
+    try:
+        rows = load_dataset(builder, data_files=paths, split="train", **options)
+    except StopIteration:  # datasets' json builder, on files without a record
+        rows = None
+    if rows is None or len(rows) == 0:
+        raise ConfigError(f"parallab prepare-data {' '.join(paths)}: no records in them: "
+                          "give files that hold text")
     if text_key not in rows.column_names:
         raise ConfigError(f"parallab prepare-data: --text-key {text_key} is no column of "
                           f"{paths[0]} (its columns: {', '.join(rows.column_names)})")
@@ -167,5 +182,6 @@ def main(args: argparse.Namespace) -> None:
             print(f"{split['path']}: {split['documents']:,} documents, {split['tokens']:,} "
                   f"tokens ({found['dtype']})")
     val = f" data.eval_files={args.out / 'val.bin'}" if "val" in found else ""
-    print(f"train with: parallab train data=token_files data.files={args.out / 'train.bin'}"
-          f"{val}")  # the .idx marks the documents: no data.eos_id needed
+    # the .idx marks the documents: no data.eos_id needed; gpt's vocabulary the tokenizer's
+    print(f"train with: parallab train model=gpt model.vocab_size={found['vocab_size']} "
+          f"data=token_files data.files={args.out / 'train.bin'}{val}")
