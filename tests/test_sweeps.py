@@ -49,7 +49,8 @@ def test_a_job_whose_overrides_outgrow_a_file_name_gets_a_readable_stable_dir(tm
 def test_skip_completed_skips_a_job_only_where_its_dir_trained_the_same(tmp_path):
     """Two sweeps of other experiments given one hydra.sweep.dir name their jobs alike (the
     dir's name leaves `experiment` out): the second's sweep.skip_completed=true took the
-    first's finished jobs for its own. Such a job fails naming both; the same sweep skips."""
+    first's finished jobs for its own. Such a job fails naming both; the same sweep skips,
+    given trainer.resume=auto too (which named other dirs)."""
     own = tmp_path / "conf" / "experiment"
     own.mkdir(parents=True)
     for name, lr in (("slow", 0.001), ("quick", 0.1)):
@@ -69,7 +70,8 @@ def test_skip_completed_skips_a_job_only_where_its_dir_trained_the_same(tmp_path
     assert [r["status"] for r in rows] == ["failed", "failed"]
     assert "holds a finished job of other overrides (" in rows[0]["error"]
     assert "experiment=slow" in rows[0]["error"] and "here " in rows[0]["error"]
-    again = sweep_of("experiment=slow", "sweep.skip_completed=true")
+    # trainer.resume is no part of a job's dir name: the rerun finds its jobs
+    again = sweep_of("experiment=slow", "sweep.skip_completed=true", "trainer.resume=auto")
     assert again.returncode == 0, output(again)
     assert [r["status"] for r in summary_rows(sweep_dir)] == ["skipped", "skipped"]
 
