@@ -148,6 +148,8 @@ from parallab.checks import validate
     (["scheduler=step", "scheduler.gamma=0"], "scheduler.gamma=0.0 is out of range"),
     (["scheduler.warmup_steps=-1"], "scheduler.warmup_steps=-1.0 is out of range"),
     (["trainer.activation_checkpointing_every=2"], "trainer.activation_checkpointing_every=2 with trainer.activation_checkpointing=none: it says which stages"),
+    (["data=bytes"], "model=mnist_cnn takes images, but data=bytes holds token ids: use model=gpt"),
+    (["model=mlp", "data=text"], "model=mlp takes numeric features, but data=text holds token ids: use model=lstm or model=gpt"),
     (["scheduler.min_lr_ratio=0.1"], "scheduler.min_lr_ratio=0.1 is read by scheduler=cosine or linear or wsd, and scheduler=constant ignores it"),
     (["scheduler=cosine", "scheduler.gamma=0.5"], "scheduler.gamma=0.5 is read by scheduler=step, and scheduler=cosine ignores it"),
     (["scheduler=linear", "scheduler.decay_steps=0.5"], "scheduler.decay_steps=0.5 is read by scheduler=wsd"),

@@ -64,6 +64,16 @@ def in_range(cfg: dict[str, Any], low: dict[str, float], below_one: tuple[str, .
     return None
 
 
+def token_ids_problem(model: str, takes: str, data) -> str | None:
+    """A model of numbers or images given token ids (a vocabulary, or next-token targets
+    whose vocabulary follows the model's)."""
+    next_token = getattr(data, "next_token", False)  # lstm classifies, gpt predicts them
+    if getattr(data, "vocab_size", None) or next_token:
+        return (f"model={model} takes {takes}, but data={data.name} holds token ids: use "
+                f"{'model=gpt' if next_token else 'model=lstm or model=gpt'}")
+    return None
+
+
 def fits_classes(cfg: dict[str, Any], data) -> str | None:
     """The common check for a classifier's head: enough outputs for the data's classes."""
     classes = getattr(data, "num_classes", None)

@@ -7,7 +7,7 @@ from typing import Any
 
 from torch import nn
 
-from parallab.models.base import Model, fits_classes, in_range
+from parallab.models.base import Model, fits_classes, in_range, token_ids_problem
 
 
 class MLP(Model):
@@ -46,9 +46,9 @@ class MLP(Model):
             return problem
         if any(width < 1 for width in cfg["hidden"]):
             return f"model.hidden={cfg['hidden']} holds a width < 1: every width must be >= 1"
-        if getattr(data, "vocab_size", None):
-            return (f"model=mlp takes numeric features, but data={data.name} holds token ids: "
-                    "use model=lstm or model=gpt")
+        problem = token_ids_problem("mlp", "numeric features", data)
+        if problem:
+            return problem
         if data.input_shape is None:
             return f"model=mlp: data={data.name} does not say its sample shape: set model.input_dim"
         features = math.prod(data.input_shape)

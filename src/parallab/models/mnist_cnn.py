@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from parallab.models.base import Model, fits_classes, in_range
+from parallab.models.base import Model, fits_classes, in_range, token_ids_problem
 
 
 class ConvStage(nn.Module):
@@ -61,8 +61,13 @@ class MnistCNN(Model):
         problem = in_range(cfg, {"num_classes": 1}, below_one=("dropout",))
         if problem:
             return problem
+        problem = token_ids_problem("mnist_cnn", "images", data)
+        if problem:
+            return problem
         if list(data.input_shape or []) != cls.input_shape:
+            fix = (f"set data.shape={cls.input_shape}" if hasattr(data, "shape") else
+                   "use data=mnist, or a model of its samples (model=mlp, model=convnet)")
             return (f"data={data.name} gives samples of shape {data.input_shape}, which does "
                     f"not fit model=mnist_cnn, which takes inputs of shape {cls.input_shape}: "
-                    f"set data.shape={cls.input_shape}")
+                    f"{fix}")
         return fits_classes(cfg, data)
