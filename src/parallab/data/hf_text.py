@@ -126,7 +126,7 @@ def _files_problem(key: str, spec: Any, optional: bool) -> str | None:
         return (f"data.{key}: {unknown[0]} is not a file kind the datasets library reads here "
                 f"({', '.join(sorted(BUILDERS))})")
     if len({BUILDERS[Path(p).suffix.lower()] for p in paths}) > 1:
-        return f"data.{key}={spec} mixes file kinds: give files of one kind"
+        return f"data.{key}={spec}: its files are of several kinds: give files of one kind"
     return None
 
 

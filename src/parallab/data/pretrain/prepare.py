@@ -63,8 +63,9 @@ def prepare(files: list[str], tokenizer: str, out: Path, text_key: str = "text",
     problem = hf_text._files_problem("files", files, optional=False)
     if problem:  # its words name the data key; here they are the command's arguments
         said = problem.split(": ", 1)[1] if ": " in problem else problem
-        raise ConfigError(f"parallab prepare-data {' '.join(map(str, files))}: {said}: give "
-                          "text, json/jsonl, parquet or csv files (or globs of them)")
+        fix = "" if "give " in said else ": give text, json/jsonl, parquet or csv files (or " \
+            "globs of them)"
+        raise ConfigError(f"parallab prepare-data {' '.join(map(str, files))}: {said}{fix}")
     if not Path(tokenizer).expanduser().is_dir():
         raise ConfigError(f"parallab prepare-data: --tokenizer {tokenizer} is not a folder: give "
                           "a local tokenizer folder (saved by tokenizer.save_pretrained)")
