@@ -250,6 +250,9 @@ def test_expert_parallel_trains_as_one_device_does_across_ep_degrees(train_here,
     block = "expert/block1/max_mean"
     assert [v for _, v in scalars(run_dir, block)] == pytest.approx(
         [v for _, v in scalars(expected, block)], rel=1e-6)
+    summary = read_metrics(expected)  # the run's, over its resumes (the last leg's alone)
+    for key in ("expert_max_mean", "train_aux"):
+        assert metrics.get(key) == pytest.approx(summary.get(key), rel=1e-4)
     if reference == "aux":
         assert [v for _, v in scalars(run_dir, "train/aux")] == pytest.approx(
             [v for _, v in scalars(expected, "train/aux")], rel=1e-4)

@@ -88,6 +88,14 @@ class ExpertLoad:
                                        for b in blocks) / len(blocks),
                 "expert_dropped": _share(total)}
 
+    def state_dict(self) -> dict[str, Any]:
+        """The run's sums so far: a resumed run's summary is the uninterrupted one's."""
+        return {"run": self.run.clone(), "model_aux": self.run_model_aux, "steps": self.steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.run, self.run_model_aux = state["run"].clone(), state["model_aux"]
+        self.steps = state["steps"]
+
     def _moe_blocks(self, rows: torch.Tensor) -> list[int]:
         return [b for b in range(self.blocks) if rows[b, self.experts + 1] > 0]
 

@@ -369,7 +369,7 @@ class Trainer:
         them), each stateful part's own state by its name, the loop's position."""
         model_state, optimizer_state = self.runtime.state_dict(self.model, self.optimizer)
         parts = {"grad_scaler": self.precision, "monitor": self.evaluation,
-                 "scheduler": self.scheduler}
+                 "scheduler": self.scheduler, "expert_load": self.expert_load}
         return {"model": model_state, "optimizer": optimizer_state,
                 **{name: part.state_dict() if part is not None else None
                    for name, part in parts.items()},
@@ -401,6 +401,8 @@ class Trainer:
         self.window.load_state_dict(state)
         data_of.restore_position(self.data.train, state.get("data"))  # its global sample
         self.evaluation.load_state_dict(state.get("monitor"))
+        if self.expert_load is not None and state.get("expert_load"):  # the run's sums
+            self.expert_load.load_state_dict(state["expert_load"])
         if self.scheduler is not None and state.get("scheduler"):  # its step count
             schedule.resume(self.scheduler, self.optimizer, state["scheduler"],
                             state.get("total_steps"), self.total_steps, self.step,
