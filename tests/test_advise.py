@@ -234,6 +234,13 @@ def test_the_recommended_command_keeps_where_the_config_came_from():
 
 @pytest.mark.parametrize("overrides, says", [
     (["advise.layouts=[ddp,nope]"], "advise.layouts names nope"),
+    # auto chooses among layouts: as one it made no candidate, and a line naming the wrong key
+    (["advise.layouts=[auto,fsdp]"], "advise.layouts names auto: use parallel options "
+                                     "(none, dp, ddp, fsdp,"),
+    # parallel.world_size is 2: the layouts are what leaves one candidate
+    (["advise.layouts=[none]", "advise.activation_checkpointing=[none]",
+      "advise.max_accumulation=1", "parallel.world_size=2"],
+     "at world sizes [1, 2]: nothing to compare; give more advise.precisions or advise.layouts"),
     (["advise.world_sizes=[2]", "advise.layouts=[ddp,fsdp]", "data.global_batch_size=7",
       "parallel.world_size=2"],
      "data.global_batch_size=7 does not split over any layout"),

@@ -54,10 +54,11 @@ def problem(options) -> str | None:
     for key in ("layouts", "precisions"):  # an empty list read as null: every one measured
         if getattr(options, key) is not None and not getattr(options, key):
             return (f"advise.{key}=[] names none: give some, or leave it out (null: all)")
-    unknown = [n for n in options.layouts or [] if n not in PLANS]
+    layouts = [name for name in PLANS if name != "auto"]  # auto chooses; it is no layout
+    unknown = [n for n in options.layouts or [] if n not in layouts]
     if unknown:
         return (f"advise.layouts names {', '.join(unknown)}: use parallel options "
-                f"({', '.join(PLANS)})")
+                f"({', '.join(layouts)}), or leave it out (null: every one)")
     for name in options.precisions or []:
         found = precision.problem(PrecisionConfig(name=name))
         if found:
@@ -229,11 +230,12 @@ def plan(cfg, overrides: list[str], configure: Callable[[list[str]], Any],
     if len(kept) == 1 and all(c.reason is None or "not needed" in c.reason for c in candidates):
         others = "; the others are savers it does not need (advise.only_needed=false " \
                  "measures them)" if len(candidates) > 1 else ""
-        sizes_key = ("more advise.world_sizes" if options.world_sizes else
-                     "parallel.world_size > 1")
+        sizes_key = ("parallel.world_size > 1" if sizes == [1] else
+                     "more advise.world_sizes" if options.world_sizes else None)
         raise ConfigError(f"only one candidate ({kept[0].label}) at world sizes {sizes}"
-                          f"{others}: nothing to compare; give {sizes_key}, or more "
-                          "advise.precisions or advise.layouts")
+                          f"{others}: nothing to compare; give "
+                          f"{f'{sizes_key}, or ' if sizes_key else ''}more advise.precisions "
+                          "or advise.layouts")
     if not any(c.reason is None for c in candidates):
         least = min((c for c in candidates if c.predicted_mb), key=lambda c: c.predicted_mb)
         table = "\n".join(f"  {c.label}: {c.reason}" for c in candidates)
