@@ -150,6 +150,8 @@ from parallab.checks import validate
     (["trainer.activation_checkpointing_every=2"], "trainer.activation_checkpointing_every=2 with trainer.activation_checkpointing=none: it says which stages"),
     (["data=bytes"], "model=mnist_cnn takes images, but data=bytes holds token ids: use model=gpt"),
     (["model=mlp", "data=text"], "model=mlp takes numeric features, but data=text holds token ids: use model=lstm or model=gpt"),
+    # the world size given, not the 1 a null is on a CPU (where auto ranks none alone)
+    (["parallel=auto"], "rank them with `parallab simulate parallel=auto parallel.world_size=N cluster=NAME`"),
     (["scheduler.min_lr_ratio=0.1"], "scheduler.min_lr_ratio=0.1 is read by scheduler=cosine or linear or wsd, and scheduler=constant ignores it"),
     (["scheduler=cosine", "scheduler.gamma=0.5"], "scheduler.gamma=0.5 is read by scheduler=step, and scheduler=cosine ignores it"),
     (["scheduler=linear", "scheduler.decay_steps=0.5"], "scheduler.decay_steps=0.5 is read by scheduler=wsd"),

@@ -11,10 +11,11 @@ from parallab.parallel.layout import Layout
 class AutoPlan(Plan):
     @classmethod
     def layout_of(cls, p, world_size: int) -> Layout:
+        # the world size given, not the one a null resolved to here (1 on a CPU: none alone)
         raise ConfigError(f"parallel=auto stands for every layout, and a run trains one: rank "
                           f"them with `parallab simulate parallel=auto parallel.world_size="
-                          f"{world_size or 'N'} cluster=NAME` and run the command it prints, "
-                          "or give a layout (parallel=ddp, fsdp, ...)")
+                          f"{p.world_size or 'N'} cluster=NAME` and run the command it "
+                          "prints, or give a layout (parallel=ddp, fsdp, ...)")
 
     @classmethod
     def problem(cls, p) -> str | None:
