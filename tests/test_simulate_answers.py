@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import output
 from test_simulate import GPT, configured
 
 from parallab.config.errors import ConfigError
@@ -360,6 +361,15 @@ def test_the_command_as_a_user_runs_it(tmp_path):
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
     assert len(refused.stderr.strip().splitlines()) == 1 and "cluster" in refused.stderr
     assert not Path(tmp_path / "bad" / "simulate.json").exists()
+    # a refusal found once the model is built: its line alone, not after the warnings on
+    # the defaults taken (float32, here)
+    routed = run_entry("parallab", ["simulate", *[o for o in GPT if "precision" not in o],
+                                    "parallel=fsdp", "parallel.world_size=8",
+                                    "simulate.routing=round_robin"], tmp_path / "dense",
+                       timeout=120)
+    said = output(routed).strip().splitlines()
+    assert routed.returncode == 2 and len(said) == 1, said
+    assert "simulate.routing=round_robin prices how tokens pick experts" in said[0]
 
 
 def test_a_pipelines_accumulated_passes_are_each_priced_and_said(tmp_path):

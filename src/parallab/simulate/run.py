@@ -177,9 +177,9 @@ def run(cfg, overrides: list[str], run_dir: str, entry: list[str]) -> dict[str, 
     """The whole simulation of the composed, typed `cfg`; its summary."""
     layout = check(cfg)
     taken = _defaults_taken(cfg, overrides)
-    for line in taken:
-        log.warning(line)
     ranked, seconds, notes, traces, rates = _simulated(cfg, layout)
+    for line in taken:  # once the input is known good: a refusal is its one line alone
+        log.warning(line)
     notes = [*taken, *([""] if taken else []), *notes]
     user = search.user_overrides(overrides)
     if not any(o.lstrip("+~").startswith("data=") for o in user):
