@@ -340,3 +340,12 @@ def test_a_users_option_wins_over_a_built_in_of_its_name(tmp_path, train):
     assert result.returncode == 0, output(result)[-2000:]
     said = [line for line in output(result).splitlines() if "built-ins" in line]
     assert len(said) == 1 and said[0].endswith(f"data=tokens from {conf}")
+    # a Hydra project's own config.yaml beside its groups: parallab's stays the app's whole
+    # config (the project's replaced every key: a traceback), and the file not read is said
+    (conf / "config.yaml").write_text("db:\n  host: localhost\n")
+    assert typed("data=tokens", *gpt, config_dir=conf).data.batch_size == 4
+    result, _ = train("--config-dir", str(conf), "data=tokens", *gpt, "trainer.max_steps=1",
+                      "trainer.checkpoint_every_n_steps=null", "trainer.overwrite=true")
+    assert result.returncode == 0, output(result)[-2000:]
+    assert f"{conf} holds config.yaml, the name of parallab's own config, which is not " \
+        "read" in output(result)

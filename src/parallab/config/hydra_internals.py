@@ -46,6 +46,7 @@ def users_first() -> Iterator[dict[str, str]]:
         rest = [s for s in sources if s not in users]
         repository.sources = [*rest[:first_built_in], *users, *rest[first_built_in:]]
         shadowed.update(_shadowed(users, sources[first_built_in]))
+        _keep_primary(users, sources[first_built_in])
 
     ordered.users_first = True
     ConfigRepository.initialize_sources = ordered
@@ -53,6 +54,37 @@ def users_first() -> Iterator[dict[str, str]]:
         yield shadowed
     finally:
         ConfigRepository.initialize_sources = original
+
+
+def _keep_primary(users: list, built_in) -> None:
+    """parallab's own top-level configs (config, evaluate, simulate: an app's whole config)
+    over a user's of the same name, which a Hydra project's config dir often holds beside
+    its groups: first, it replaced every key parallab composes (a traceback). Said once a
+    file: Hydra itself reads such a file after the primary's, so never."""
+    import logging
+
+    primary = {name.removesuffix(".yaml") for name in built_in.list("", ObjectType.CONFIG)}
+    for source in users:
+        hidden = sorted(n for n in primary if source.is_config(n))
+        if not hidden:
+            continue
+        if source.path not in _SAID:
+            _SAID.add(source.path)
+            logging.getLogger("parallab").warning(
+                "%s holds %s, the name of parallab's own config, which is not read: "
+                "parallab composes its own; put your options in groups (model/, data/, "
+                "experiment/, ...)", source.path, ", ".join(f"{n}.yaml" for n in hidden))
+        source.is_config = _without(source.is_config, primary)
+
+
+_SAID: set[str] = set()  # the dirs whose files of a primary's name were said
+
+
+def _without(is_config, names: set[str]):
+    def found(config_path: str) -> bool:
+        return config_path.removesuffix(".yaml") not in names and is_config(config_path)
+
+    return found
 
 
 def _shadowed(users: list, built_in) -> dict[str, str]:
