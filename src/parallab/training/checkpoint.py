@@ -10,6 +10,7 @@ and pruning find checkpoints by the suffixes of those in formats.FORMATS.
 from __future__ import annotations
 
 import logging
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -112,6 +113,14 @@ def _suffixes() -> list[str]:
     return [kind.checkpoint_suffix for kind in formats.checkpoint_formats()]
 
 
+def periodic(directory: Path, suffix: str) -> list[Path]:
+    """The periodic checkpoints parallab wrote in `directory` (step_NNNNNNNN.pt or .dcp),
+    oldest first: a user's own file there (step_notes.pt, a step_00000002.backup.pt copy)
+    is neither resumed from nor pruned."""
+    return sorted(p for p in directory.glob(f"step_*{suffix}")
+                  if re.fullmatch(rf"step_\d+{re.escape(suffix)}", p.name))
+
+
 def _step(path: Path) -> int:
     if path.name.startswith("step_"):
         return int(path.name[len("step_"):].split(".")[0])
@@ -122,7 +131,7 @@ def latest(directory: Path) -> Path | None:
     """The newest readable checkpoint in `directory` by step, last.* winning a tie; an
     unreadable newer one (truncated by a crash, a shard lost) is passed over, saying so."""
     suffixes = _suffixes()
-    candidates = [p for p in directory.glob("step_*") if p.suffix in suffixes]
+    candidates = [p for s in suffixes for p in periodic(directory, s)]
     candidates += [p for p in (directory / f"last{s}" for s in suffixes) if p.exists()]
     ranked = []
     for path in candidates:
@@ -198,5 +207,5 @@ class Checkpointer:
 
     def _prune(self) -> None:
         for suffix in _suffixes():
-            for old in sorted(self.directory.glob(f"step_*{suffix}"))[:-self.keep_last_k]:
+            for old in periodic(self.directory, suffix)[:-self.keep_last_k]:
                 shutil.rmtree(old) if old.is_dir() else old.unlink()

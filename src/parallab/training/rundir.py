@@ -58,12 +58,16 @@ def check_fresh(run_dir: Path, resume: str | None, overwrite: bool, delete: bool
 def checkpoints_written(directory: Path) -> list[Path]:
     """What parallab's checkpointer writes into `directory` (last, best, step_N in any
     format, and a save's temporary): a file of the user's own beside them stays."""
+    import re
+
     from parallab.training import formats
 
-    names = [f"{stem}{kind.checkpoint_suffix}" for kind in formats.checkpoint_formats()
-             for stem in ("last", "best", "step_*")]
-    return sorted({path for name in names for pattern in (name, f".{name}.tmp")
-                   for path in directory.glob(pattern)})
+    suffixes = "|".join(re.escape(kind.checkpoint_suffix)
+                        for kind in formats.checkpoint_formats())
+    ours = re.compile(rf"(last|best|step_\d+)({suffixes})|\.(last|best|step_\d+)({suffixes})"
+                      r"\.tmp")
+    return sorted(p for p in directory.iterdir() if ours.fullmatch(p.name)) \
+        if directory.is_dir() else []
 
 
 def earlier_loggers(run_dir: Path) -> dict | None:
