@@ -75,6 +75,12 @@ def test_export_replaces_only_what_it_writes_and_never_the_checkpoint(fsdp_run, 
     with pytest.raises(ConfigError, match="no other suffix"):
         _export(ckpt, notes, force=True)
     assert notes.read_text() == "mine"
+    plain = tmp_path / "NOTES"  # a file with no suffix: a folder's name (a traceback)
+    plain.write_text("mine")
+    with pytest.raises(ConfigError, match="NOTES is a file: export writes a folder there "
+                       "only in place of one"):
+        _export(ckpt, plain, force=True)
+    assert plain.read_text() == "mine"
     version = tmp_path / "v1.0"  # a folder, whatever its name
     version.mkdir()
     (version / "README").write_text("mine")

@@ -212,6 +212,9 @@ def export_kind(ckpt: Path, out: Path, force: bool) -> type[formats.Format]:
     if out.exists() and kind.suffix and not out.is_file():
         raise ConfigError(f"{out} is not a file: export writes a {kind.suffix} file there "
                           "only in place of one")
+    if out.exists() and not kind.suffix and not out.is_dir():
+        raise ConfigError(f"{out} is a file: export writes a folder there only in place of "
+                          "one (give OUT a suffix for a file: .pt, .safetensors)")
     return kind
 
 
