@@ -54,6 +54,18 @@ def test_evaluations_by_step_pick_the_best_and_stop_early_across_a_resume(train_
     assert resumed["eval_loss"] == pytest.approx(whole["eval_loss"], rel=1e-6)
 
 
+def test_a_resume_monitoring_another_figure_starts_its_best_afresh(train_here):
+    """Resumed with another trainer.monitor, the checkpoint's best (the eval loss) stood as
+    the accuracy's: 2.3 'best accuracy', best.pt never updated; it starts afresh now."""
+    train_here(*EPOCHS, "trainer.eval_every_n_steps=2", "trainer.max_steps=2")
+    resumed, run_dir = train_here(*EPOCHS, "trainer.eval_every_n_steps=2",
+                                  "trainer.max_steps=6", "trainer.resume=auto",
+                                  "trainer.monitor=eval_accuracy")
+    accuracy = dict(scalars(run_dir, "eval/accuracy"))
+    assert resumed["best_eval_accuracy"] == pytest.approx(max(accuracy[4], accuracy[6]))
+    assert resumed["best_step"] in (4, 6)
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_early_stopping_agrees_across_ranks_and_resumes(train_here):

@@ -7,11 +7,13 @@ resumed run keeps its best figure and its count of evaluations without improveme
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
 from parallab import metrics
 
+log = logging.getLogger(__name__)
 # the figures whose better direction is known; any other names its mode
 MODES = {metrics.LOSS: "min", metrics.ACCURACY: "max"}
 
@@ -69,9 +71,19 @@ class Monitor:
                 "stopped_early": self.stopped_early}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"best": self.best, "best_step": self.best_step, "stale": self.stale}
+        return {"best": self.best, "best_step": self.best_step, "stale": self.stale,
+                "name": self.name, "mode": self.mode}
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
-        if state:  # a checkpoint from before best.pt existed holds none
-            self.best, self.best_step, self.stale = (state["best"], state["best_step"],
-                                                     state["stale"])
+        """The checkpoint's best and count, where it monitored the same figure the same way
+        (another trainer.monitor or monitor_mode here: its best is another figure's, and
+        would stand as this one's; the best starts afresh at the resume)."""
+        if not state:  # a checkpoint from before best.pt existed holds none
+            return
+        if (state.get("name", self.name), state.get("mode", self.mode)) != (self.name,
+                                                                           self.mode):
+            log.info("trainer.monitor=%s (%s) here, %s (%s) in the checkpoint: the best "
+                     "starts afresh", self.name, self.mode, state["name"], state["mode"])
+            return
+        self.best, self.best_step, self.stale = (state["best"], state["best_step"],
+                                                 state["stale"])
