@@ -178,6 +178,11 @@ def test_export_writes_an_adapter_folder_and_a_merged_model(one_device, tmp_path
     evaluate_in_process([f"ckpt={tmp_path / 'adapter'}"], tmp_path / "eval_adapter")
     assert read_metrics(tmp_path / "eval_adapter")["eval_loss"] == pytest.approx(eval_loss,
                                                                                  rel=1e-5)
+    # the folder merged: onto that base too (it folded them into one built afresh, unseeded)
+    _export(tmp_path / "adapter", tmp_path / "folded.pt", merged=True)
+    evaluate_in_process([f"ckpt={tmp_path / 'folded.pt'}"], tmp_path / "eval_folded")
+    assert read_metrics(tmp_path / "eval_folded")["eval_loss"] == pytest.approx(eval_loss,
+                                                                                rel=1e-5)
 
     # the adapter folder as the start of a new run: its first loss continues the last one
     train_in_process([*LORA, f"trainer.init_from={tmp_path / 'adapter'}", "adapter.dropout=0",

@@ -218,8 +218,11 @@ def _export(ckpt: Path, out: Path, force: bool = False, merged: bool = False) ->
         else None
     _require_adapters(ckpt, out, kind, adapter, merged)
     targets.locate(spec.get("_target_"), "model._target_")  # the project must import
-    try:
-        built = build_model(spec)
+    try:  # an adapter folder's base as its run built it (the folder holds adapters alone)
+        built = weights.base_of_adapters(ckpt, meta, spec, 0) if adapters.is_folder(ckpt) \
+            else build_model(spec)
+    except ConfigError:
+        raise
     except Exception as error:  # noqa: BLE001 - a user's or a library's constructor
         raise ConfigError(_unbuildable(ckpt, spec, error)) from None
     peft_model = adapters.with_adapters(built, adapter) if adapter else None
