@@ -341,6 +341,13 @@ def test_an_adapter_folder_that_does_not_fit_is_held_to_init_strict(one_device, 
                            rf"GPT: .*{says}.*: trainer.init_strict=false loads those that "
                            "match$"):
             checked(*LORA, *other, f"trainer.init_from={folder}")
+    # another scale: refused from the folder, and from the run's checkpoint too (it
+    # scaled the adapters otherwise without a word)
+    ckpt = one_device["lora"] / "checkpoints" / "last.pt"
+    for given in (folder, ckpt):
+        with pytest.raises(ConfigError, match=rf"^trainer.init_from={given} holds adapters of "
+                           r"alpha=\d+(\.0)?, and adapter.alpha=64.0 here: set adapter.alpha="):
+            checked(*LORA, "adapter.alpha=64", f"trainer.init_from={given}")
     with caplog.at_level(logging.INFO):
         train_in_process([*LORA, "model.layers=3", f"trainer.init_from={folder}",
                           "trainer.init_strict=false", "trainer.max_steps=1"], tmp_path / "run")

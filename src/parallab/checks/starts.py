@@ -78,6 +78,9 @@ def check_init(cfg: Config, probe: trial.Probe) -> None:
         require(not adapted or adapters.enabled(cfg.adapter),
                 f"trainer.init_from={path} holds a model with LoRA adapters: add adapter=lora "
                 "with the adapter keys it was trained with")
+        if adapted and not adapters.is_folder(path):  # a run's checkpoint: its config says
+            saved = checkpoint.saved_config(weights.record(path)).get("adapter") or {}
+            refuse(adapters.recorded_problem(cfg.adapter, path, saved))
         model = probe.model if probe.model is not None and not adapted else \
             models.build_on_meta(cfg.model)
         if adapted:  # its names are those of the model with its adapters on

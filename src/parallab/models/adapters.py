@@ -187,8 +187,16 @@ def folder_problem(cfg: Any, path: str | Path) -> str | None:
         return (f"trainer.init_from={path} is a peft adapter folder: add adapter=lora (its "
                 "base is this run's model)")
     saved = json.loads((Path(path) / FOLDER_CONFIG).read_text())
-    for key, theirs in (("r", "r"), ("alpha", "lora_alpha"), ("target_modules", None)):
-        here, there = _value(cfg, key), saved.get(theirs or key)
+    return recorded_problem(cfg, path, {"r": saved.get("r"), "alpha": saved.get("lora_alpha"),
+                                        "target_modules": saved.get("target_modules")})
+
+
+def recorded_problem(cfg: Any, path: str | Path, saved: dict[str, Any]) -> str | None:
+    """trainer.init_from=`path`, whose adapters were `saved` (r, alpha, target_modules: a
+    checkpoint's adapter config, or a folder's), against this run's: the same shape and
+    scale (another alpha scales the adapters otherwise, without a word), or one line."""
+    for key in ("r", "alpha", "target_modules"):
+        here, there = _value(cfg, key), saved.get(key)
         if key == "target_modules":
             if here is None:  # the model's own: whatever the folder's were
                 continue
