@@ -129,6 +129,20 @@ def test_init_from_starts_every_layout_from_the_same_weights(fsdp_run, tmp_path)
     assert "started from the weights in" in (tmp_path / "ddp_folder" / "train.log").read_text()
 
 
+@pytest.mark.distributed
+def test_a_sharded_checkpoint_not_strict_loads_what_matches(fsdp_run):
+    """As a file does: a weight of another shape is left at its initial value, and said
+    (DCP's size mismatch was a traceback)."""
+    from parallab.models.mlp import MLP as Net
+
+    small = Net(input_dim=64, hidden=[64], num_classes=10)
+    dcp = fsdp_run / "checkpoints" / "last.dcp"
+    assert weights.load_into(small, dcp, strict=False) == ["head.1.weight"]
+    whole = weights.model_from(dcp, Net(input_dim=64, hidden=[64, 32], num_classes=10))
+    torch.testing.assert_close(small.state_dict()["layers.0.1.weight"],
+                               whole.state_dict()["layers.0.1.weight"])
+
+
 def test_init_from_is_strict_in_one_line_and_loads_what_matches_when_told(tmp_path):
     from conftest import checked
 

@@ -51,9 +51,9 @@ class Sharded(CheckpointFormat):
                 if k.startswith("model.") and hasattr(v, "size")}
 
     def read(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        saved = self.shapes()
+        saved = self.shapes()  # (a weight of another shape is left out, as a file's is)
         template = {k: v.detach().clone() for k, v in model.state_dict().items()
-                    if plain_name(k) in saved}
+                    if saved.get(plain_name(k)) == tuple(v.shape)}
         self.read_state({"model": template})
         return {plain_name(k): v for k, v in template.items()}
 
