@@ -76,6 +76,17 @@ def test_skip_completed_skips_a_job_only_where_its_dir_trained_the_same(tmp_path
     assert [r["status"] for r in summary_rows(sweep_dir)] == ["skipped", "skipped"]
 
 
+def test_the_summary_holds_this_sweeps_jobs_alone(tmp_path):
+    """A second sweep into the same hydra.sweep.dir: its summary was of every job dir there,
+    the first sweep's too (4 jobs for 2); it is of its own."""
+    sweep_dir = tmp_path / "sweep"
+    assert sweep(sweep_dir, "optim.lr=0.01,0.02").returncode == 0
+    second = sweep(sweep_dir, "optim.lr=0.005,0.03")
+    assert second.returncode == 0, output(second)
+    rows = summary_rows(sweep_dir)
+    assert [r["job"].split("optim.lr=")[1].split(",")[0] for r in rows] == ["0.005", "0.03"]
+
+
 def test_a_failing_job_is_reported_and_the_others_still_run(tmp_path):
     sweep_dir = tmp_path / "sweep"
     result = sweep(sweep_dir, "data.batch_size=0,32")

@@ -69,13 +69,15 @@ def job_row(job_dir: Path) -> dict[str, Any]:
     return row
 
 
-def collect(sweep_dir: Path) -> list[dict[str, Any]]:
+def collect(sweep_dir: Path, jobs: list[Path] | None = None) -> list[dict[str, Any]]:
+    """The rows of `jobs` (dirs), in their order; None: of every job dir in `sweep_dir`."""
     def job_number(job: Path) -> tuple[int, str]:
         head = job.name.split("_")[0]
         return (int(head) if head.isdigit() else -1, job.name)
 
-    jobs = sorted((p.parent.parent for p in sweep_dir.glob("*/.hydra/overrides.yaml")),
-                  key=job_number)
+    if jobs is None:
+        jobs = sorted((p.parent.parent for p in sweep_dir.glob("*/.hydra/overrides.yaml")),
+                      key=job_number)
     return [job_row(job) for job in jobs]
 
 
@@ -139,9 +141,10 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
-def write(sweep_dir: Path) -> list[dict[str, Any]]:
-    """summary.csv, summary.md and summary.png in `sweep_dir`; the rows."""
-    rows = collect(sweep_dir)
+def write(sweep_dir: Path, jobs: list[Path] | None = None) -> list[dict[str, Any]]:
+    """summary.csv, summary.md and summary.png in `sweep_dir` of `jobs` (None: every job
+    dir it holds); the rows."""
+    rows = collect(sweep_dir, jobs)
     with open(sweep_dir / "summary.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["job"])
         writer.writeheader()
@@ -152,11 +155,20 @@ def write(sweep_dir: Path) -> list[dict[str, Any]]:
 
 
 class SummaryCallback(Callback):
-    """At the end of a multirun: the summary, the table printed, exit 1 if a job failed."""
+    """At the end of a multirun: the summary, the table printed, exit 1 if a job failed.
+    Its rows are this multirun's jobs where they ran in this process (Hydra's own launcher;
+    an earlier sweep's jobs in the same hydra.sweep.dir are not this one's), else every
+    job dir the sweep dir holds (a launcher's jobs elsewhere: SLURM's)."""
+
+    def __init__(self) -> None:
+        self.jobs: list[Path] = []
+
+    def on_job_start(self, config, **kwargs: Any) -> None:
+        self.jobs.append(Path(config.hydra.runtime.output_dir))
 
     def on_multirun_end(self, config, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
-        rows = write(sweep_dir)
+        rows = write(sweep_dir, self.jobs or None)
         print(markdown(rows), flush=True)
         failed = [r["job"] for r in rows if r["status"] == "failed"]
         log.info("summary of %d jobs in %s", len(rows), sweep_dir)
