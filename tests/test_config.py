@@ -145,6 +145,11 @@ def torch_loaded(tmp_path):
 @pytest.mark.parametrize("args,key,before_torch", [
     (["data.batch_size=abc"], "data.batch_size", False),  # wrong type: the data set's class
     (["data.batch_sze=3"], "batch_sze", True),  # unknown key
+    # a typed group's: the key meant, not Hydra's "+trainer.max_step=3", refused after
+    (["trainer.max_step=3"], "Could not override 'trainer.max_step'; did you mean "
+                             "trainer.max_steps?", True),
+    (["logger.csv.filename=x.csv"], "logger.csv is set only for a logger chosen: choose it, "
+                                    "e.g. logger=[tensorboard,csv]", True),
     (["parallel=fsdp_typo"], "parallel", True),  # unknown group option
     # one of a list's options unknown: Hydra lists where it looked, parallab what is there
     (["logger=[tensorboard,nope]"], "'logger/nope' (options in 'logger': csv, mlflow, "

@@ -130,6 +130,10 @@ def hydra_line(error: Exception) -> str:
     said = [line.strip().rstrip(".") for line in text.splitlines() if line.strip() and not
             line.strip().startswith(("full_key:", "object_type=", "reference_type="))]
     override = getattr(error, "override", None)  # a parse error names the text, not the key
+    hint = _unknown_key_hint(text)
+    if hint:  # Hydra's "use +KEY=VALUE", which the typed config then refuses
+        said = [hint if line.startswith("To append to your config use +") else line
+                for line in said]
     line = "; ".join([*([override] if override else []), *said])
     if options:
         group, _, names = options.partition(":")
@@ -144,6 +148,32 @@ def hydra_line(error: Exception) -> str:
                         for p in (folder / group).glob("*.yaml")})
         line += f" (options in '{group}': {', '.join(names)})"
     return line
+
+
+def _unknown_key_hint(text: str) -> str | None:
+    """For an override of a key the config lacks: the key meant (a typed group's close
+    match), or, under logger, the logger to choose; None where neither is known."""
+    import dataclasses
+    import difflib
+
+    from parallab.config import schema
+
+    key = re.search(r"Could not override '([^']+)'", text)
+    if key is None:
+        return None
+    parts = key[1].split(".")
+    typed_in = re.search(r"Key '([^']+)' not in '(\w+)'", text)
+    kind = getattr(schema, typed_in[2], None) if typed_in else None
+    if dataclasses.is_dataclass(kind):
+        where = parts[:parts.index(typed_in[1])] if typed_in[1] in parts else parts[:-1]
+        known = [f.name for f in dataclasses.fields(kind)]
+        close = difflib.get_close_matches(typed_in[1], known, n=1)
+        return (f"did you mean {'.'.join([*where, close[0]])}?" if close else
+                f"{'.'.join(where) or 'the config'} has no key {typed_in[1]!r}")
+    if parts[0] == "logger" and len(parts) > 2:
+        return (f"logger.{parts[1]} is set only for a logger chosen: choose it, e.g. "
+                f"logger=[tensorboard,{parts[1]}]")
+    return None
 
 
 def _searched_folders(searched: str) -> list[Path]:
