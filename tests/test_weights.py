@@ -163,6 +163,11 @@ def test_init_from_is_strict_in_one_line_and_loads_what_matches_when_told(tmp_pa
     assert "trainer.init_strict=false loads those that match" in str(error.value)
     assert "\n" not in str(error.value)
     checked(*base, "model.hidden=[64]", "trainer.init_strict=false")
+    other = tmp_path / "other.pt"  # nothing of it matches: init_strict=false would not help
+    checkpoint.save(other, {"model": {"encoder.weight": torch.zeros(3, 3)}})
+    with pytest.raises(ConfigError, match=r"1 unexpected \(encoder.weight\): give weights of "
+                       "this model$"):
+        checked(*MLP, f"trainer.init_from={other}")
     small = Net(input_dim=64, hidden=[64], num_classes=10)
     assert weights.load_into(small, source, strict=False) == ["head.1.weight"]
     torch.testing.assert_close(small.state_dict()["layers.0.1.weight"],

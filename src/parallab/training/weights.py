@@ -95,9 +95,10 @@ def fit_problem(model: nn.Module, path: str | Path, key: str, strict: bool) -> s
     said = [f"{len(found)} {what} ({', '.join(found[:5])})" for what, found in
             (("missing", missing), ("unexpected", unexpected), ("mis-shaped", wrong)) if found]
     held = [k for k in model.state_dict() if covers(plain_name(k))]
-    if not said or not strict and len(missing) + len(wrong) < len(held):
+    some = len(missing) + len(wrong) < len(held)  # some weight matches
+    if not said or not strict and some:
         return None
-    fix = ("trainer.init_strict=false loads those that match" if strict else
+    fix = ("trainer.init_strict=false loads those that match" if strict and some else
            "give weights of this model")
     return (f"{key}={path} does not fit {type(model).__name__}: {'; '.join(said)}: {fix}")
 
