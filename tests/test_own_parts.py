@@ -62,6 +62,10 @@ BAD = [
       "parallel.world_size=2"],
      "the tensor-parallel plan (MisplannedRegressor.tp_plan()) names middle, which is not a "
      "module of MisplannedRegressor"),
+    # a function without _partial_ was called with nothing: "make it return a number"
+    (["+metrics.half._target_=own_parts.half_mse"],
+     "metrics.half._target_=own_parts.half_mse is a function, which is called on each batch "
+     "as (output, targets): give it +metrics.half._partial_=true"),
     (["+metrics.s._target_=own_parts.text_metric", "+metrics.s._partial_=true"],
      "metrics.s: ValueError: could not convert string to float: 'good' on a batch of the "
      "model's output: make it return a number"),

@@ -65,6 +65,11 @@ def check_on(specs: dict[str, Any], output: Any, labels: torch.Tensor) -> None:
     """Each metric scores a batch (the trial's) to a number; ConfigError naming the one that
     does not, before any worker starts rather than after all training."""
     for name, spec in specs.items():
+        target = targets.locate(spec.get(targets.TARGET), f"metrics.{name}._target_")
+        if inspect.isroutine(target) and not spec.get("_partial_"):  # else called with none
+            raise ConfigError(f"metrics.{name}._target_={spec[targets.TARGET]} is a function, "
+                              "which is called on each batch as (output, targets): give it "
+                              f"+metrics.{name}._partial_=true")
         try:
             metric = targets.build(spec)
             if hasattr(metric, "update") and hasattr(metric, "compute"):
