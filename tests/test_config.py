@@ -307,6 +307,21 @@ def test_the_hydra_internals_parallab_uses_are_in_the_installed_hydra_and_nowher
     assert not reaching
 
 
+def test_two_loggers_chosen_that_set_one_key_are_refused(tmp_path, train):
+    """A user's copy of csv.yaml as mycsv.yaml, its key still csv: logger=[csv,mycsv] made
+    one logger of the two, the other dropped without a word; one line now, exit 2."""
+    conf = tmp_path / "conf"
+    (conf / "logger").mkdir(parents=True)
+    (conf / "logger" / "mycsv.yaml").write_text(
+        "csv:\n  _target_: parallab.observe.loggers.csv_file.CSVLogger\n"
+        "  filename: user_metrics.csv\n")
+    result, run_dir = train("--config-dir", str(conf), "logger=[csv,mycsv]", "device=cpu")
+    text = output(result)
+    assert result.returncode == 2 and len(text.strip().splitlines()) == 1, text
+    assert "logger/mycsv.yaml sets another's, so one was dropped: give it a key of its own" \
+        in text
+
+
 def test_composing_shares_hydras_config_store_only_while_it_composes():
     """Hydra copies its config repository for each compose; parallab's copies share the one
     ConfigStore instead (one_store), and leave it copied as before after, nested too."""

@@ -27,7 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from parallab import sweep_job
 from parallab.config import help
-from parallab.config.errors import ConfigError, OneLineError
+from parallab.config.errors import ConfigError, OneLineError, refuse
 from parallab.config.hydra_app import (
     CONF_DIR,
     config_flags,
@@ -173,9 +173,12 @@ def _checked_and_trained(dict_cfg: DictConfig, call: Invocation) -> float | None
     forking.warm_up(dict_cfg, in_place is None and
                     getattr(OmegaConf.get_type(dict_cfg.parallel), "processes", False))
     from parallab.checks import validate
+    from parallab.observe import loggers
     from parallab.training import run
 
     with call.refusing():
+        refuse(loggers.chosen_problem(list(hydra_cfg.overrides.task),
+                                      OmegaConf.to_container(dict_cfg.logger)))
         cfg, layout = validate.prepare(typed_config(dict_cfg, list(hydra_cfg.overrides.task)),
                                        in_place, hydra_cfg.runtime.output_dir)
     sweep = hydra_cfg.sweep.dir if hydra_cfg.mode == RunMode.MULTIRUN else None

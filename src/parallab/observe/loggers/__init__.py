@@ -48,6 +48,22 @@ def problem(loggers: Any) -> str | None:
     return None
 
 
+def chosen_problem(overrides: list[str], loggers: Any) -> str | None:
+    """The loggers chosen on the command line (logger=[a,b]) each under a key of their own:
+    two option files that set one key (a user's copy of csv.yaml as mycsv.yaml, its key
+    still csv) were merged into one logger, the other dropped without a word."""
+    for override in overrides:
+        key, _, value = override.lstrip("+~").partition("=")
+        names = list(dict.fromkeys(n.strip() for n in value.strip("[]").split(",") if n.strip()))
+        if key != "logger" or not isinstance(loggers, dict) or len(names) <= len(loggers):
+            continue
+        merged = next((n for n in names if n not in loggers), names[-1])
+        return (f"logger={value} chooses {len(names)} loggers, and their option files set "
+                f"{len(loggers)} key(s) ({', '.join(loggers)}): logger/{merged}.yaml sets "
+                f"another's, so one was dropped: give it a key of its own ({merged}: ...)")
+    return None
+
+
 # what a run writes into its dir beside its loggers' files (Hydra's record, the logs, the
 # checkpoints, what advise, the profiler and a sweep's summary leave)
 RUN_FILES = ("metrics.json", ".hydra", "train.log", "train_rank*.log", "checkpoints",
