@@ -78,13 +78,22 @@ def test_skip_completed_skips_a_job_only_where_its_dir_trained_the_same(tmp_path
 
 def test_the_summary_holds_this_sweeps_jobs_alone(tmp_path):
     """A second sweep into the same hydra.sweep.dir: its summary was of every job dir there,
-    the first sweep's too (4 jobs for 2); it is of its own."""
+    the first sweep's too (4 jobs for 2); it is of its own. Rerun with a value more and
+    sweep.skip_completed=true, the finished jobs under their new numbers were trained again."""
     sweep_dir = tmp_path / "sweep"
     assert sweep(sweep_dir, "optim.lr=0.01,0.02").returncode == 0
     second = sweep(sweep_dir, "optim.lr=0.005,0.03")
     assert second.returncode == 0, output(second)
     rows = summary_rows(sweep_dir)
     assert [r["job"].split("optim.lr=")[1].split(",")[0] for r in rows] == ["0.005", "0.03"]
+    earlier = [r["eval_loss"] for r in rows]
+    # given one more value, its jobs numbered anew (0_..lr=0.03 is now 2_..lr=0.03): those
+    # finished are skipped as their earlier dirs, their figures read from there
+    more = sweep(sweep_dir, "optim.lr=0.001,0.005,0.03", "sweep.skip_completed=true")
+    assert more.returncode == 0, output(more)
+    rows = summary_rows(sweep_dir)
+    assert [r["status"] for r in rows] == ["completed", "skipped", "skipped"]
+    assert [r["eval_loss"] for r in rows[1:]] == earlier and all(earlier)
 
 
 def test_a_failing_job_is_reported_and_the_others_still_run(tmp_path):

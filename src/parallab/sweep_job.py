@@ -36,20 +36,17 @@ def run(dict_cfg: DictConfig, run_dir: Path, call: Invocation,
         return None
     # a sweep SLURM requeued goes on where it stopped
     skip_completed = dict_cfg.sweep.skip_completed or slurm.restart_count() > 0
-    finished = summary.read_metrics(run_dir) if skip_completed else None
     trains = what_it_trains()
-    if finished is not None and before.get("trains", trains) != trains:
-        line = (f"{run_dir} holds a finished job of other overrides ("
-                f"{' '.join(before['trains']) or 'none'}; here {' '.join(trains) or 'none'}), "
-                "which sweep.skip_completed would take for this one: give this sweep a "
-                "hydra.sweep.dir of its own")
-        log.error("job failed: %s", line)
-        status_file.write_text(json.dumps({**before, "status": "failed", "error": line}) + "\n")
+    found, clash = finished_as(run_dir, before, trains) if skip_completed else (None, None)
+    if clash is not None:
+        log.error("job failed: %s", clash)
+        status_file.write_text(json.dumps({**before, "status": "failed", "error": clash}) + "\n")
         return None
-    if finished is not None:
-        status_file.write_text(json.dumps({"status": "skipped", "trains": trains}) + "\n")
-        log.info("skipped: %s already holds complete metrics", run_dir)
-        return metrics.objective_of(finished, dict_cfg.objective)
+    if found is not None:  # ("as": the metrics are another job dir's, the summary reads them)
+        status_file.write_text(json.dumps({"status": "skipped", "trains": trains, **(
+            {"as": found.name} if found != run_dir else {})}) + "\n")
+        log.info("skipped: %s already holds complete metrics", found)
+        return metrics.objective_of(summary.read_metrics(found), dict_cfg.objective)
     if skip_completed and dict_cfg.trainer.resume is None:
         dict_cfg.trainer.resume = "auto"  # a job that did not finish continues (or starts)
     try:
@@ -71,6 +68,24 @@ def run(dict_cfg: DictConfig, run_dir: Path, call: Invocation,
                   exc_info=not isinstance(error, JobFailed))
         status_file.write_text(json.dumps({"status": "failed", "error": line}) + "\n")
     return None
+
+
+def finished_as(run_dir: Path, before: dict, trains: list[str]) -> tuple[Path | None,
+                                                                        str | None]:
+    """Under sweep.skip_completed, the job dir whose complete metrics this job's are: its
+    own, or another of the sweep dir's that trained the same overrides (a sweep given more
+    values numbers its jobs anew: 0_..lr=0.01 became 1_..lr=0.01); else None. A line where
+    its own dir holds a finished job of other overrides (another sweep's, named alike)."""
+    if summary.read_metrics(run_dir) is not None:
+        if before.get("trains", trains) == trains:
+            return run_dir, None
+        return None, (f"{run_dir} holds a finished job of other overrides ("
+                      f"{' '.join(before['trains']) or 'none'}; here "
+                      f"{' '.join(trains) or 'none'}), which sweep.skip_completed would take "
+                      "for this one: give this sweep a hydra.sweep.dir of its own")
+    twins = (d for d in sorted(run_dir.parent.iterdir()) if d != run_dir and d.is_dir()
+             and summary.read_status(d).get("trains") == trains)
+    return next((d for d in twins if summary.read_metrics(d) is not None), None), None
 
 
 def what_it_trains() -> list[str]:

@@ -53,8 +53,9 @@ def job_row(job_dir: Path) -> dict[str, Any]:
         overrides = yaml.safe_load((job_dir / ".hydra" / "overrides.yaml").read_text()) or []
     except (OSError, yaml.YAMLError):
         overrides = ["(unreadable overrides.yaml)"]
-    metrics = read_metrics(job_dir)
     status = read_status(job_dir)
+    metrics = read_metrics(job_dir) or (  # a job skipped as another dir's, its figures
+        read_metrics(job_dir.parent / status["as"]) if status.get("as") else None)
     if metrics:
         state = status.get("status") or "completed"
     elif (job_dir / "metrics.json").exists():  # written, but not as a run writes it
