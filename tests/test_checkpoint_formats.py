@@ -29,8 +29,8 @@ def test_the_layout_picks_the_checkpoint_format(tmp_path):
 
 def test_a_new_checkpoint_format_is_one_class_and_one_registry_line(tmp_path, monkeypatch):
     """Registered first, a format is what the Checkpointer writes; latest, pruning, the
-    resume checks and resume itself find and read it by its suffix, beside the .pt files
-    written before it was."""
+    resume checks and resume itself find and read it by its suffix, and the .pt files
+    written before it was are pruned with its own, by step (keep_last_k in all)."""
     class Pth(formats.TorchFile):
         said, checkpoint_suffix = ".pth (torch's other suffix)", ".pth"
 
@@ -44,7 +44,7 @@ def test_a_new_checkpoint_format_is_one_class_and_one_registry_line(tmp_path, mo
     for step in (2, 3, 4):
         assert checkpointer.save(_state(step), checkpoint.periodic_name(step)).suffix == ".pth"
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "step_00000001.pt", "step_00000003.pth", "step_00000004.pth"]
+        "step_00000003.pth", "step_00000004.pth"]
     newest = checkpoint.latest(tmp_path)
     assert newest.name == "step_00000004.pth"
     meta = checkpoint.load_meta(newest)
@@ -80,6 +80,21 @@ def test_a_sharded_checkpoint_is_written_and_read_by_its_format(tmp_path):
     state = checkpoint.read_state(path, template)
     assert torch.equal(state["model"]["fc.weight"], torch.full((2, 2), 5.0))
     assert state["optimizer"]["state.fc.weight.step"].item() == 5.0
+
+
+def test_a_run_resumed_in_another_format_keeps_its_newest_and_no_stale_best(tmp_path):
+    """Resumed under a layout of the other format: the periodic checkpoints are pruned by
+    step whatever their format (each format kept its own keep_last_k), and best.dcp goes
+    once best.pt is saved (the earlier layout's stood beside it, naming another step)."""
+    folder = tmp_path / "c"
+    folder.mkdir()
+    for name in ("step_00000002.dcp", "step_00000004.dcp", "best.dcp", "last.dcp"):
+        (folder / name).mkdir()  # the earlier layout's (their contents are not read)
+    saver = Checkpointer(folder, ONE, {"model": {}}, 2)
+    saver.save(_state(6), "step_00000006")
+    saver.save(_state(6), "best")
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "best.pt", "last.dcp", "step_00000004.dcp", "step_00000006.pt"]
 
 
 def test_a_sharded_index_read_for_weights_goes_through_the_allow_list(tmp_path):

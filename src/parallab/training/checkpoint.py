@@ -202,10 +202,16 @@ class Checkpointer:
         path = self.directory / f"{name}{self.format.checkpoint_suffix}"
         self.format(path).write_state({**state, "rng": rng, "config": self.config}, self.dist)
         if self.dist.is_main:
-            self._prune()
+            self._prune(path)
         return path
 
-    def _prune(self) -> None:
-        for suffix in _suffixes():
-            for old in periodic(self.directory, suffix)[:-self.keep_last_k]:
-                shutil.rmtree(old) if old.is_dir() else old.unlink()
+    def _prune(self, saved: Path) -> None:
+        """The periodic checkpoints but the last keep_last_k, by step whatever their format
+        (a run resumed under another layout writes the other one); and `saved`'s name in
+        another format (best.dcp beside a new best.pt: an earlier layout's, now stale)."""
+        found = sorted((p for s in _suffixes() for p in periodic(self.directory, s)),
+                       key=_step)
+        stale = [self.directory / f"{Path(saved.stem).stem}{s}" for s in _suffixes()
+                 if not saved.name.startswith("step_") and s != saved.suffix]
+        for old in [*found[:-self.keep_last_k], *(p for p in stale if p.exists())]:
+            shutil.rmtree(old) if old.is_dir() else old.unlink()
