@@ -334,12 +334,14 @@ def test_an_adapter_folder_that_does_not_fit_is_held_to_init_strict(one_device, 
     traceback; strict, both are one line; not strict, what fits loads and the rest is said."""
     folder = tmp_path / "adapter"
     _export(one_device["lora"] / "checkpoints" / "last.pt", folder)
-    for other, says in ((["model.layers=3"], r"2 missing \(blocks.2.attn.qkv.lora_A"),
-                        (["model.width=64"], r"mis-shaped \(blocks.0.attn.qkv.lora_A.default"
-                                             r".weight \[4, 32\] vs \[4, 64\]")):
+    # (every adapter of the wider model mis-shaped: init_strict=false would load none)
+    for other, says, fix in (
+            (["model.layers=3"], r"2 missing \(blocks.2.attn.qkv.lora_A",
+             "trainer.init_strict=false loads those that match"),
+            (["model.width=64"], r"mis-shaped \(blocks.0.attn.qkv.lora_A.default.weight "
+                                 r"\[4, 32\] vs \[4, 64\]", "give weights of this model")):
         with pytest.raises(ConfigError, match=rf"^trainer.init_from={folder} does not fit "
-                           rf"GPT: .*{says}.*: trainer.init_strict=false loads those that "
-                           "match$"):
+                           rf"GPT: .*{says}.*: {fix}$"):
             checked(*LORA, *other, f"trainer.init_from={folder}")
     # another scale: refused from the folder, and from the run's checkpoint too (it
     # scaled the adapters otherwise without a word)
