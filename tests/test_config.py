@@ -148,6 +148,7 @@ def torch_loaded(tmp_path):
     # a typed group's: the key meant, not Hydra's "+trainer.max_step=3", refused after
     (["trainer.max_step=3"], "Could not override 'trainer.max_step'; did you mean "
                              "trainer.max_steps?", True),
+    (["data.batchsize=3"], "did you mean data.batch_size?", True),  # untyped until checked
     (["logger.csv.filename=x.csv"], "logger.csv is set only for a logger chosen: choose it, "
                                     "e.g. logger=[tensorboard,csv]", True),
     (["parallel=fsdp_typo"], "parallel", True),  # unknown group option

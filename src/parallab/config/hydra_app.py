@@ -170,6 +170,11 @@ def _unknown_key_hint(text: str) -> str | None:
         close = difflib.get_close_matches(typed_in[1], known, n=1)
         return (f"did you mean {'.'.join([*where, close[0]])}?" if close else
                 f"{'.'.join(where) or 'the config'} has no key {typed_in[1]!r}")
+    if parts[0] == "data" and len(parts) == 2:  # a mapping until typed: the keys all own
+        from parallab.config.data_config import data_defaults
+
+        close = difflib.get_close_matches(parts[1], list(data_defaults()), n=1)
+        return f"did you mean data.{close[0]}?" if close else None
     if parts[0] == "logger" and len(parts) > 2:
         return (f"logger.{parts[1]} is set only for a logger chosen: choose it, e.g. "
                 f"logger=[tensorboard,{parts[1]}]")
