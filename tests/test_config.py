@@ -308,6 +308,16 @@ def test_the_hydra_internals_parallab_uses_are_in_the_installed_hydra_and_nowher
     assert not reaching
 
 
+def test_a_config_dir_given_a_file_says_so(tmp_path, train):
+    """Hydra said the dir was not found, of a file that is there."""
+    own = tmp_path / "mine.yaml"
+    own.write_text("a: 1\n")
+    result, _ = train("--config-dir", str(own), "device=cpu")
+    text = output(result)
+    assert result.returncode == 2 and len(text.strip().splitlines()) == 1, text
+    assert "it is a file; give --config-dir the folder that holds your config groups" in text
+
+
 def test_two_loggers_chosen_that_set_one_key_are_refused(tmp_path, train):
     """A user's copy of csv.yaml as mycsv.yaml, its key still csv: logger=[csv,mycsv] made
     one logger of the two, the other dropped without a word; one line now, exit 2."""

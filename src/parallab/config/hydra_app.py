@@ -135,6 +135,10 @@ def hydra_line(error: Exception) -> str:
         said = [hint if line.startswith("To append to your config use +") else line
                 for line in said]
     line = "; ".join([*([override] if override else []), *said])
+    named = re.search(r"Additional config directory '(.+)' not found", text)
+    if named and Path(named[1]).is_file():  # --config-dir given a file of the project's
+        line += ": it is a file; give --config-dir the folder that holds your config " \
+                "groups (model/, data/, ...)"
     if options:
         group, _, names = options.partition(":")
         names = [n.strip() for n in names.splitlines() if n.startswith("\t")
