@@ -14,6 +14,7 @@ resumes to the same rates bit for bit (the multipliers are recomputed from it).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from typing import Callable
@@ -21,13 +22,13 @@ from typing import Callable
 import torch
 
 from parallab.config.errors import ConfigError
+from parallab.config.schema import SchedulerConfig
 
 log = logging.getLogger(__name__)
 NAMES = ("constant", "cosine", "linear", "step", "wsd")
-# the keys only some schedules read, with their schema default: set under another, ignored
-ONLY_IN = {"min_lr_ratio": (("cosine", "linear", "wsd"), 0.0),
-           "step_size": (("step",), 1000), "gamma": (("step",), 0.1),
-           "decay_steps": (("wsd",), 0.2)}
+# the keys only some schedules read: set under another (off the schema's default), ignored
+ONLY_IN = {"min_lr_ratio": ("cosine", "linear", "wsd"), "step_size": ("step",),
+           "gamma": ("step",), "decay_steps": ("wsd",)}
 
 
 def problem(cfg) -> str | None:
@@ -56,8 +57,9 @@ def problem(cfg) -> str | None:
 def unread(cfg) -> str | None:
     """A key set that this schedule does not read (scheduler.gamma under cosine), which would
     be ignored without a word."""
-    for key, (readers, default) in ONLY_IN.items():
-        if cfg.name not in readers and getattr(cfg, key) != default:
+    defaults = {f.name: f.default for f in dataclasses.fields(SchedulerConfig)}
+    for key, readers in ONLY_IN.items():
+        if cfg.name not in readers and getattr(cfg, key) != defaults[key]:
             return (f"scheduler.{key}={getattr(cfg, key)} is read by scheduler="
                     f"{' or '.join(readers)}, and scheduler={cfg.name} ignores it: drop it "
                     "(or choose one that reads it)")
