@@ -62,6 +62,13 @@ from parallab.checks import validate
       "parallel.sequence_parallel=true"], "parallel.sequence_parallel=true cuts a "
                                           "tensor-parallel group's activations: it needs "
                                           "parallel.tp > 1"),
+    (["model=gpt", "data=bytes", "parallel=tp", "parallel.world_size=2",
+      "parallel.regather_in_backward=true"], "parallel.regather_in_backward=true gathers "
+                                             "sequence parallelism's inputs again in backward, "
+                                             "and parallel.sequence_parallel=false gathers none"),
+    (["model=gpt", "data=bytes", "parallel=tp", "parallel.world_size=2",
+      "parallel.sequence_parallel=true", "parallel.regather_in_backward=true",
+      "trainer.compile=true"], "parallel.regather_in_backward=true with trainer.compile=true"),
     (["model=mlp", "data=synthetic", "parallel=tp", "parallel.world_size=2",
       "parallel.sequence_parallel=true"],
      "the plan of MLP (MLP.tp_plan()) takes no sequence_parallel argument"),

@@ -10,6 +10,8 @@ import pytest
 from conftest import TINY_LLAMA
 from test_simulate import configured, flops, traced
 
+from parallab.parallel.grid import kept_for
+
 
 def test_tensor_parallel_halves_a_blocks_matmuls_and_adds_its_all_reduces():
     from parallab.simulate.trace import Shape
@@ -76,6 +78,31 @@ def test_a_transformers_model_under_sequence_parallel_gathers_each_input_once():
         not in olmo
 
 
+def test_gathering_again_in_backward_keeps_a_blocks_slice_of_each_gathered_input():
+    """parallel.regather_in_backward=true (Megatron-LM's sequence parallelism): a block's
+    attention and MLP each save their rank's slice of the sequence in place of the whole
+    input they gathered, and gather it again in backward. The block keeps half of two
+    gathered inputs less at tp 2 (both the float32 stream's and FSDP's bf16 one), backward
+    all-gathers twice more, and its matmuls are the same."""
+    from parallab.simulate.trace import Shape
+
+    for precision, gathered, itemsize in (("fp32", False, 4), ("bf16", True, 2)):
+        shape = Shape(tp=2, sequence_parallel=True, rows=2, seq_len=32, precision=precision,
+                      gathered=gathered)
+        kept, again = (traced(dataclasses.replace(shape, regather=r), base=LLAMA)
+                       for r in (False, True))
+        whole = 2 * 32 * 64 * itemsize  # a gathered input: rows x sequence x hidden
+        assert kept.saved["block"] - again.saved["block"] == 2 * whole / 2
+        gathers = lambda found: [op.sent for op in found.ops  # noqa: E731
+                                 if op.collective == "all_gather" and op.region == "block"
+                                 and op.phase == "backward"]
+        assert len(gathers(again)) == len(gathers(kept)) + 2
+        assert sorted(gathers(again))[-2:] == [whole / 2] * 2
+        for phase in ("forward", "backward"):
+            assert flops(again, phase, "block", "matmul") == flops(kept, phase, "block",
+                                                                   "matmul")
+
+
 def test_auto_cuts_a_transformers_models_sequence_under_tp_pipelines_too():
     """parallel=auto tries sequence parallelism with a transformers model's own plan
     wherever tp splits it, a pipeline's too (each part hands on its slice of the
@@ -83,11 +110,28 @@ def test_auto_cuts_a_transformers_models_sequence_under_tp_pipelines_too():
     from parallab.simulate import Facts, search
     from parallab.simulate.trace import Shape
 
-    cfg = configured(*LLAMA, "parallel=auto", "parallel.world_size=8", "cluster=h100")
+    again = "parallel.regather_in_backward=true"
+    cfg = configured(*LLAMA, "parallel=auto", "parallel.world_size=8", "cluster=h100", again)
     found = search.grid(cfg, Facts.of(cfg), 8)
     cut = [c.layout for c in found if c.layout.sequence_parallel]
     assert cut and all(x.tp > 1 for x in cut) and any(x.pp > 1 for x in cut)
+    # a user's gathering again goes with the layouts that cut the sequence (train refuses
+    # it without)
+    assert all(kept_for([again], c.layout) == [again] * c.layout.sequence_parallel
+               for c in found)
     whole, sliced = (traced(Shape(tp=2, sequence_parallel=sp, rows=2, seq_len=32,
                                   precision="fp32"), base=LLAMA).boundary_bytes
                      for sp in (False, True))
     assert whole > 0 and sliced == whole / 2
+
+
+def test_auto_refuses_gathering_again_under_compile():
+    """Each of auto's layouts with sequence parallelism would carry both keys, which train
+    refuses together: refused before any is ranked."""
+    from parallab.config.errors import ConfigError
+    from parallab.simulate.run import check
+
+    cfg = configured(*LLAMA, "parallel=auto", "parallel.world_size=8", "cluster=h100",
+                     "parallel.regather_in_backward=true", "trainer.compile=true")
+    with pytest.raises(ConfigError, match="regather_in_backward=true with trainer.compile"):
+        check(cfg)

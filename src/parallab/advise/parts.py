@@ -47,7 +47,7 @@ def _alone(model: torch.nn.Module, spec: run.RunSpec, dist: distributed.Dist, on
     sharded = False
     if cut and layout.tp > 1:
         sharded = tp_plans.split(model, mesh["tp"], p.tp_plan or None, p.sequence_parallel,
-                                 loss)
+                                 loss, regather=p.regather_in_backward)
     model = speed_up(model, dataclasses.replace(cfg.trainer, compile=False), p.stages)
     if cut and layout.replicas_only:
         from torch.nn.parallel import DistributedDataParallel

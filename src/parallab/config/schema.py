@@ -114,6 +114,9 @@ class MeshConfig(ParallelConfig):
     # tp > 1: the activations between the split layers cut along the sequence too (gpt's
     # tp_plan(sequence_parallel=True), a transformers model's own plan made so)
     sequence_parallel: bool = False
+    # sequence parallelism's gathered inputs freed after forward and gathered again in
+    # backward (Megatron-LM's): a block keeps its slice of each, not the whole sequence
+    regather_in_backward: bool = False
     reshard_after_forward: bool = True  # free gathered parameters after forward (ZeRO-3)
     # replicas only (dp_shard = tp = 1): DistributedDataParallel's settings
     bucket_cap_mb: float = 25.0
@@ -136,6 +139,9 @@ class AutoConfig(ParallelConfig):
     # the sharded layouts without a pipeline: free gathered parameters after forward
     # (ZeRO-3), or keep them to backward (false), as the mesh's; their commands carry it
     reshard_after_forward: bool = True
+    # the layouts with sequence parallelism: their gathered inputs gathered again in
+    # backward, as the mesh's; their commands carry it
+    regather_in_backward: bool = False
 
 
 @dataclass
@@ -165,6 +171,7 @@ class PipelineConfig(ParallelConfig):
     tp: int = 1  # ranks each part is split over by the model's tensor-parallel plan
     tp_plan: Any = None  # as the mesh's: null = the model's own
     sequence_parallel: bool = False  # tp > 1: activations cut along the sequence too
+    regather_in_backward: bool = False  # as the mesh's: gathered inputs gathered again
     # replicas (dp_shard = 1): MiB of gradients each all-reduce carries, launched as their
     # last micro-batch's backward lands (parallel/replicas.py)
     bucket_cap_mb: float = 25.0

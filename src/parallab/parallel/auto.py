@@ -18,9 +18,12 @@ class AutoPlan(Plan):
                           "prints, or give a layout (parallel=ddp, fsdp, ...)")
 
     @classmethod
-    def problem(cls, p) -> str | None:
+    def problem(cls, cfg) -> str | None:
         """The keys auto passes on to the layouts it ranks, checked as their plans would."""
-        return bucket_problem(p.bucket_cap_mb)
+        from parallab.parallel.mesh import regather_problem
+
+        p = cfg.parallel
+        return bucket_problem(p.bucket_cap_mb) or regather_problem(p, cfg.trainer)
 
     @classmethod
     def options(cls, p) -> Options:

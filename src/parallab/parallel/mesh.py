@@ -25,7 +25,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from parallab.config.errors import ConfigError
+from parallab.config.errors import ConfigError, refuse
 from parallab.launching.distributed import Dist
 from parallab.models import experts, hf, tied_names
 from parallab.parallel import expert_parallel, tp_plans
@@ -134,6 +134,16 @@ def _get(owner, key: str):
     return getattr(owner, key, None)
 
 
+def regather_problem(p, trainer) -> str | None:
+    """What stops the gathered inputs being gathered again in backward (the mesh's,
+    a pipeline's, or those auto's layouts with sequence parallelism carry)."""
+    if p.regather_in_backward and trainer.compile:
+        return ("parallel.regather_in_backward=true with trainer.compile=true: torch.compile "
+                "does not take the saved-tensor hooks that gather the inputs again: set one "
+                "of them false")
+    return None
+
+
 def refuse_tp(cfg, tp: int, sequence_parallel: bool = False, ep: int = 1) -> None:
     """ConfigError where tp > 1 and the model (built on meta) has no plan that splits over
     `tp` ranks, or no sequence-parallel one where asked."""
@@ -207,7 +217,7 @@ class MeshRuntime(Runtime):
             self.sharded_logits = tp_plans.split(
                 model, self.mesh["tp"], p.tp_plan or None, p.sequence_parallel, self.loss,
                 whole=not self.layout.cuts_model,  # checked whole before launch
-                ep=self.layout.ep)
+                ep=self.layout.ep, regather=p.regather_in_backward)
         if self.mixes:  # the routers' data-parallel group; the experts split over ep
             self.ep = expert_parallel.attach(model, self.mesh, self.layout)
         if self.dist.is_main:
@@ -309,7 +319,8 @@ class MeshPlan(Plan):
 
     @classmethod
     def options(cls, p) -> Options:
-        return Options(p.tp_plan or None, p.bucket_cap_mb, p.reshard_after_forward)
+        return Options(p.tp_plan or None, p.bucket_cap_mb, p.reshard_after_forward,
+                       regather_in_backward=p.regather_in_backward)
 
     @classmethod
     def given_degrees(cls, p) -> dict[str, int | None]:
@@ -340,6 +351,12 @@ class MeshPlan(Plan):
             raise ConfigError("parallel.sequence_parallel=true cuts a tensor-parallel "
                               "group's activations: it needs parallel.tp > 1 (or set it "
                               "false)")
+        if p.regather_in_backward and not p.sequence_parallel:
+            raise ConfigError("parallel.regather_in_backward=true gathers sequence "
+                              "parallelism's inputs again in backward, and "
+                              "parallel.sequence_parallel=false gathers none: set "
+                              "parallel.sequence_parallel=true (or regather_in_backward false)")
+        refuse(regather_problem(p, cfg.trainer))
         refuse_tp(cfg, layout.tp, p.sequence_parallel, layout.ep)
 
     @staticmethod

@@ -22,6 +22,7 @@ from torch import nn
 from parallab.config.errors import first_line
 from parallab.models import hf, named_layer, tied_names
 from parallab.parallel import expert_parallel
+from parallab.parallel.regather import gather_again
 from parallab.parallel.sequence_parallel import PlanError, sequence_plan
 
 
@@ -167,15 +168,16 @@ def send_sequence_slices(part: nn.Module, mesh) -> None:
 
 
 def split(model: nn.Module, mesh, given: dict[str, str] | None, sequence_parallel: bool,
-          loss, whole: bool = True, ep: int = 1) -> bool:
+          loss, whole: bool = True, ep: int = 1, regather: bool = False) -> bool:
     """The model split over `mesh` by its plan (plan_for's) as the trainer, advise's
     measured parts and simulate's trace split it: the plan's entries for the modules it
     holds (a pipeline rank's part, or simulate's model cut to a block: not the others, nor
     the nn.Identity left in their place), each tied weight kept one parameter (split, each
     module it is part of would hold a parameter of its own, the pair parting ways as they
     train; cut alike, as mesh.tp_problem makes sure, the first's is given to the others);
-    its entries for experts modules left out where `ep` > 1 splits them. Whether the
-    logits stay cut by vocabulary."""
+    its entries for experts modules left out where `ep` > 1 splits them; under sequence
+    parallelism, where `regather`, each gathered input saved as its slice and gathered
+    again in backward (regather.py). Whether the logits stay cut by vocabulary."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     from parallab.precision import float8_style
@@ -192,6 +194,8 @@ def split(model: nn.Module, mesh, given: dict[str, str] | None, sequence_paralle
     for alias, first in tied.items():
         owner, _, attr = alias.rpartition(".")
         setattr(model.get_submodule(owner), attr, model.get_parameter(first))
+    if sequence_parallel and regather:
+        gather_again(model, [name for name in plan if name in held])
     return sharded
 
 

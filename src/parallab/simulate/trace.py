@@ -48,6 +48,7 @@ class Shape:
 
     tp: int = 1
     sequence_parallel: bool = False
+    regather: bool = False  # its gathered inputs gathered again in backward
     rows: int = 1  # sequences of a micro-batch
     seq_len: int = 128
     checkpointing: str = "none"
@@ -140,7 +141,8 @@ def _split(model: nn.Module, cfg, shape: "Shape", loss) -> bool:
 
     mesh = init_device_mesh("cpu", (shape.tp,), mesh_dim_names=("tp",))
     return tp_plans.split(model, mesh, options_of(cfg.parallel).tp_plan,
-                          shape.sequence_parallel, loss, ep=2 if shape.experts_split else 1)
+                          shape.sequence_parallel, loss, ep=2 if shape.experts_split else 1,
+                          regather=shape.regather)
 
 
 def trace(cfg, template: nn.Module, block: str, vocab: int, shape: Shape) -> Trace:

@@ -1,0 +1,171 @@
+"""Sequence parallelism's gathered inputs freed after forward and gathered again in backward,
+as Megatron-LM does (parallel.regather_in_backward).
+
+Under sequence parallelism a split layer's input comes cut along the sequence and is
+gathered whole as the layer (or a transformers block's attention or MLP) is called. Its
+column-split linears save that whole input for their weights' gradients, so that each block
+keeps tp slices' worth of it until backward. Here a module that gathers its input saves,
+in place of the whole (any view of it that autograd keeps), its rank's slice, and gathers
+that again when backward asks for it: the same redistribute, the same bytes, one more
+all-gather a gather. Made with torch's saved-tensor hooks, pushed over the module's forward:
+what else is saved goes to the hooks below them (activation checkpointing's, a planner's
+count), the slice too, so that each of those sees what is kept."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def gather_again(model: nn.Module, names: list[str]) -> None:
+    """Hooks on the modules of `model` named `names` (a tensor-parallel plan's): where one
+    is called with a sequence-cut DTensor that its style gathers whole, the whole is saved
+    as the slice (GatheredInput)."""
+    for name in names:
+        module = model.get_submodule(name)
+        calls = _Calls()
+        # first, before the style's own hook gathers the input; then, after it
+        module.register_forward_pre_hook(calls.before, prepend=True, with_kwargs=True)
+        module.register_forward_pre_hook(calls.after, with_kwargs=True)
+        module.register_forward_hook(calls.done, always_call=True)
+
+
+def _input(args: tuple, kwargs: dict) -> Any:
+    """The hidden states a module is called with: its first argument, or transformers'
+    attention's keyword."""
+    return args[0] if args else kwargs.get("hidden_states")
+
+
+def _gathered(cut: Any, whole: Any) -> bool:
+    """Whether the style's hook made `whole`, a plain tensor (or fake, as simulate traces),
+    replicated, of the sequence `cut` came cut in. Not a float8 tensor, which torchao's
+    styles gather in their own format."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if not isinstance(cut, DTensor) or cut.placements != (Shard(1),) or whole is cut or \
+            not torch.is_tensor(whole) or whole.shape != cut.shape:
+        return False
+    replicated = not isinstance(whole, DTensor) or whole.placements == (Replicate(),)
+    local = whole._local_tensor if isinstance(whole, DTensor) else whole
+    return replicated and (type(local) is torch.Tensor or isinstance(local, FakeTensor))
+
+
+def _checkpointed(hooks) -> bool:
+    """Whether the saved-tensor hooks below are activation checkpointing's (its forward's
+    or its recomputation's): a region it recomputes keeps none of the gathered input, and
+    gathers it again as it recomputes."""
+    return hooks is not None and getattr(hooks[0], "__qualname__", "").startswith(
+        ("_checkpoint_hook.", "_recomputation_hook."))
+
+
+def _storage(t: torch.Tensor) -> int | None:
+    """The storage a tensor (a DTensor's local one) views; None for a subclass without one
+    (a float8 tensor that a layer inside saves)."""
+    from torch.distributed.tensor import DTensor
+
+    local = t._local_tensor if isinstance(t, DTensor) else t
+    try:
+        return local.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+
+
+class _Calls:
+    """One module's hooks: the slice seen before its style's hook, the saved-tensor hooks
+    pushed after it where the input came out gathered, popped as the forward ends."""
+
+    def __init__(self):
+        self.slices: list[Any] = []
+        self.pushed: list[Any] = []
+
+    def before(self, _, args, kwargs) -> None:
+        self.slices.append(_input(args, kwargs))
+
+    def after(self, _, args, kwargs) -> None:
+        cut, whole = self.slices.pop(), _input(args, kwargs)
+        below = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        hooks = None
+        if _gathered(cut, whole) and not _checkpointed(below):
+            hooks = GatheredInput(cut, whole, below).hooks()
+            hooks.__enter__()
+        self.pushed.append(hooks)
+
+    def done(self, *_) -> None:
+        hooks = self.pushed.pop() if self.pushed else None
+        if hooks is not None:
+            hooks.__exit__(None, None, None)
+
+
+@dataclass
+class _Kept:
+    """A saved view of the gathered input: its geometry in the whole's storage, and
+    whether autograd saved the DTensor or its local tensor."""
+
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    dtensor: bool
+
+
+@dataclass
+class GatheredInput:
+    """One call's gathered input: kept as its slice (through the hooks below, where any),
+    gathered again once however many of its views backward unpacks, then let go."""
+
+    cut: Any  # the sequence-cut DTensor the module was called with (till it is packed)
+    whole: Any  # the gathered input: only its storage and geometry are kept
+    outer: Any  # the saved-tensor hooks below these (pack, unpack), or None
+    packed_cut: Any = None  # the slice, as the hooks below packed it
+    views: int = 0  # views of the whole saved
+    unpacked: int = 0
+    again: Any = field(default=None, repr=False)  # the whole gathered again, while in use
+
+    def __post_init__(self):
+        from torch.distributed.tensor import DTensor
+
+        local = self.whole._local_tensor if isinstance(self.whole, DTensor) else self.whole
+        self.storage, self.base_offset = _storage(self.whole), local.storage_offset()
+        self.contiguous, self.mesh = local.is_contiguous(), self.cut.device_mesh
+        self.whole = None  # not held: what the hooks save in its place is the point
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+    def pack(self, t: torch.Tensor) -> Any:
+        from torch.distributed.tensor import DTensor
+
+        if self.contiguous and self.storage is not None and _storage(t) == self.storage:
+            local = t._local_tensor if isinstance(t, DTensor) else t
+            if self.views == 0:  # the slice saved as the hooks below would save it
+                self.packed_cut = self.outer[0](self.cut) if self.outer else self.cut
+                self.cut = None
+            self.views += 1
+            return _Kept(tuple(local.shape), tuple(local.stride()),
+                         local.storage_offset() - self.base_offset, isinstance(t, DTensor))
+        return (self.outer[0](t),) if self.outer else t
+
+    def unpack(self, packed: Any) -> torch.Tensor:
+        if isinstance(packed, _Kept):
+            return self.view(packed)
+        return self.outer[1](packed[0]) if isinstance(packed, tuple) else packed
+
+    def view(self, kept: _Kept) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor, Replicate
+
+        again = self.again
+        if again is None:
+            cut = self.outer[1](self.packed_cut) if self.outer else self.packed_cut
+            again = cut.redistribute(cut.device_mesh, (Replicate(),))._local_tensor
+            again = again if again.is_contiguous() else again.contiguous()
+        self.unpacked += 1
+        # kept for the other views of this call; let go after the last (a second backward
+        # over the same graph, as a split backward's weight pass may make, gathers anew)
+        self.again = again if self.unpacked % self.views else None
+        local = again.as_strided(kept.size, kept.stride, again.storage_offset() + kept.offset)
+        if not kept.dtensor:
+            return local
+        return DTensor.from_local(local, self.mesh, (Replicate(),), run_check=False)
