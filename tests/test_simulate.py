@@ -322,15 +322,18 @@ def test_fsdp_reduces_each_accumulated_micro_batch_and_keeps_only_shards():
     ["parallel=fsdp", "parallel.world_size=64"],
     ["parallel=tp", "parallel.world_size=2"],
     ["parallel=fsdp_tp", "parallel.world_size=4", "parallel.sequence_parallel=true"],
+    ["parallel=fsdp_tp", "parallel.world_size=4", "parallel.sequence_parallel=true",
+     "parallel.regather_in_backward=true"],
     ["parallel=pipeline", "parallel.world_size=2", "parallel.schedule=interleaved_1f1b",
      "parallel.stages_per_rank=2", "parallel.microbatches=4", "data.batch_size=8",
-     "model.layers=4"]], ids=["fsdp", "tp", "fsdp_tp_sp", "interleaved"])
+     "model.layers=4"]], ids=["fsdp", "tp", "fsdp_tp_sp", "fsdp_tp_sp_regather", "interleaved"])
 def test_memory_is_the_fake_tensor_layouts(layout):
     """The composed figure (a block's state and activations, times the blocks) against
     the whole model laid out on fake tensors, as advise predicts a rank's memory (the
     busiest rank's): by FSDP2 at world size 64; split by tensor parallelism, whose
     weights' shards autograd saves for backward are the state's, not activations, and with
-    the sequence cut between tp's ranks; a rank of an interleaved pipeline, its parts'
+    the sequence cut between tp's ranks (its gathered inputs kept, or gathered again in
+    backward); a rank of an interleaved pipeline, its parts'
     micro-batches in flight as torch's schedule holds them."""
     from conftest import checked
 
