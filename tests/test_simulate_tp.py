@@ -10,8 +10,6 @@ import pytest
 from conftest import TINY_LLAMA
 from test_simulate import configured, flops, traced
 
-from parallab.parallel.grid import kept_for
-
 
 def test_tensor_parallel_halves_a_blocks_matmuls_and_adds_its_all_reduces():
     from parallab.simulate.trace import Shape
@@ -110,28 +108,48 @@ def test_auto_cuts_a_transformers_models_sequence_under_tp_pipelines_too():
     from parallab.simulate import Facts, search
     from parallab.simulate.trace import Shape
 
-    again = "parallel.regather_in_backward=true"
-    cfg = configured(*LLAMA, "parallel=auto", "parallel.world_size=8", "cluster=h100", again)
+    cfg = configured(*LLAMA, "parallel=auto", "parallel.world_size=8", "cluster=h100")
     found = search.grid(cfg, Facts.of(cfg), 8)
     cut = [c.layout for c in found if c.layout.sequence_parallel]
     assert cut and all(x.tp > 1 for x in cut) and any(x.pp > 1 for x in cut)
-    # a user's gathering again goes with the layouts that cut the sequence (train refuses
-    # it without)
-    assert all(kept_for([again], c.layout) == [again] * c.layout.sequence_parallel
-               for c in found)
+    # each of them twice: its gathered inputs kept, and gathered again in backward; not
+    # compiled only (train refuses both), and never without the sequence cut
+    again = [x for x in cut if x.regather]
+    assert 2 * len(again) == len(cut) and all(
+        dataclasses.replace(x, regather=False) in cut for x in again)
+    assert not any(c.layout.regather for c in found if not c.layout.sequence_parallel)
+    compiled = configured(*LLAMA, "parallel=auto", "parallel.world_size=8", "cluster=h100",
+                          "trainer.compile=true")
+    found = search.grid(compiled, Facts.of(compiled), 8)
+    assert any(c.layout.sequence_parallel for c in found) and \
+        not any(c.layout.regather for c in found)
     whole, sliced = (traced(Shape(tp=2, sequence_parallel=sp, rows=2, seq_len=32,
                                   precision="fp32"), base=LLAMA).boundary_bytes
                      for sp in (False, True))
     assert whole > 0 and sliced == whole / 2
 
 
-def test_auto_refuses_gathering_again_under_compile():
-    """Each of auto's layouts with sequence parallelism would carry both keys, which train
-    refuses together: refused before any is ranked."""
-    from parallab.config.errors import ConfigError
-    from parallab.simulate.run import check
+def test_auto_ranks_the_gathered_inputs_gathered_again_as_train_runs_them(tmp_path):
+    """A layout of auto's with the inputs gathered again keeps less than its twin that
+    keeps them gathered, and takes longer (the gathers again); its command says so and
+    passes train's checks."""
+    import json
+    import shlex
 
-    cfg = configured(*LLAMA, "parallel=auto", "parallel.world_size=8", "cluster=h100",
-                     "parallel.regather_in_backward=true", "trainer.compile=true")
-    with pytest.raises(ConfigError, match="regather_in_backward=true with trainer.compile"):
-        check(cfg)
+    from conftest import checked
+
+    from parallab.commands import simulate_in_process
+
+    simulate_in_process([*LLAMA, "parallel=auto", "parallel.world_size=2", "cluster=h100",
+                         "precision=bf16"], tmp_path)
+    found = json.loads((tmp_path / "simulate.json").read_text())["layouts"]
+    again = "parallel.regather_in_backward=true"
+    twins = [(e, next(k for k in found if k["command"] == e["command"].replace(again + " ",
+                                                                                "")))
+             for e in found if again in e["command"]]
+    assert twins
+    for regathered, kept in twins:
+        assert regathered["memory_gb"]["activations"] < kept["memory_gb"]["activations"]
+        assert regathered["parts"]["tp_all_gather_s"] > kept["parts"]["tp_all_gather_s"]
+    cfg, layout = checked(*shlex.split(twins[0][0]["command"])[2:], "device=cpu")
+    assert cfg.parallel.regather_in_backward and layout.regather

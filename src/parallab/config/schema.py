@@ -139,9 +139,6 @@ class AutoConfig(ParallelConfig):
     # the sharded layouts without a pipeline: free gathered parameters after forward
     # (ZeRO-3), or keep them to backward (false), as the mesh's; their commands carry it
     reshard_after_forward: bool = True
-    # the layouts with sequence parallelism: their gathered inputs gathered again in
-    # backward, as the mesh's; their commands carry it
-    regather_in_backward: bool = False
 
 
 @dataclass

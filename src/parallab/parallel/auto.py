@@ -18,12 +18,9 @@ class AutoPlan(Plan):
                           "prints, or give a layout (parallel=ddp, fsdp, ...)")
 
     @classmethod
-    def problem(cls, cfg) -> str | None:
+    def problem(cls, p) -> str | None:
         """The keys auto passes on to the layouts it ranks, checked as their plans would."""
-        from parallab.parallel.mesh import regather_problem
-
-        p = cfg.parallel
-        return bucket_problem(p.bucket_cap_mb) or regather_problem(p, cfg.trainer)
+        return bucket_problem(p.bucket_cap_mb)
 
     @classmethod
     def options(cls, p) -> Options:

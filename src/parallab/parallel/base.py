@@ -226,15 +226,13 @@ class Runtime:
 class Options:
     """What a parallel config sets beyond its degrees that shapes each step: the
     tensor-parallel plan (None: the model's own), the replicas' gradient buckets (MiB),
-    FSDP2's freeing of gathered weights after forward, a pipeline's cuts (parallel.split),
-    sequence parallelism's inputs gathered again in backward.
+    FSDP2's freeing of gathered weights after forward, a pipeline's cuts (parallel.split).
     A plan whose config has no such key runs as these defaults, the mesh's schema's."""
 
     tp_plan: Any = None
     bucket_cap_mb: float = MeshConfig.bucket_cap_mb
     reshard_after_forward: bool = MeshConfig.reshard_after_forward
     split: tuple[int, ...] | None = None
-    regather_in_backward: bool = MeshConfig.regather_in_backward
 
 
 class Plan:

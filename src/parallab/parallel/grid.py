@@ -28,11 +28,10 @@ def overrides_kept(overrides: list[str], decided: tuple[str, ...],
 
 # the user's keys a candidate's command carries only where its layout takes them: a
 # tensor-parallel plan where it splits (train refuses one at tp 1), FSDP's resharding where
-# no pipeline holds the parts (its parts stay gathered to the flush; no such key), the
-# sequence's gathering again where it is cut, which blocks are checkpointed where some are
+# no pipeline holds the parts (its parts stay gathered to the flush; no such key), which
+# blocks are checkpointed where some are
 WHERE = (("parallel.tp_plan=", lambda layout: layout.tp > 1),
          ("parallel.reshard_after_forward=", lambda layout: layout.pp == 1),
-         ("parallel.regather_in_backward=", lambda layout: layout.sequence_parallel),
          ("trainer.activation_checkpointing_every=",
           lambda layout: layout.checkpointing != "none"))
 

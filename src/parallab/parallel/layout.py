@@ -12,7 +12,8 @@ group: one process drives every device.
 
 A planned layout (the grid's, parallel/grid.py: Layout.planned) also fixes how a rank's
 batch is cut and what its blocks keep: the schedule and micro-batches, gradient
-accumulation, the batch per rank, activation checkpointing, sequence parallelism;
+accumulation, the batch per rank, activation checkpointing, sequence parallelism (and its
+gathered inputs gathered again in backward);
 `overrides` renders it as `parallab train`'s command.
 """
 
@@ -32,7 +33,8 @@ PIPELINE_DEGREES = ("dp_replicate", "dp_shard", "pp", "tp")
 SET_KEYS = ("parallel=", "parallel.world_size=", "parallel.dp_replicate=",
             "parallel.dp_shard=", "parallel.tp=", "parallel.pp=", "parallel.schedule=",
             "parallel.microbatches=", "parallel.stages_per_rank=",
-            "parallel.sequence_parallel=", "parallel.ep=", "data.batch_size=",
+            "parallel.sequence_parallel=", "parallel.regather_in_backward=", "parallel.ep=",
+            "data.batch_size=",
             "trainer.accumulate_grad_batches=", "trainer.activation_checkpointing=")
 
 
@@ -92,6 +94,7 @@ class Layout:
     batch_size: int = 1  # sequences a data-parallel rank takes an optimizer step
     checkpointing: str = "none"  # trainer.activation_checkpointing
     sequence_parallel: bool = False
+    regather: bool = False  # its gathered inputs gathered again in backward
 
     @classmethod
     def planned(cls, world_size: int, dp_replicate: int = 1, dp_shard: int = 1, tp: int = 1,
@@ -241,6 +244,8 @@ class Layout:
                 found.append(f"parallel.stages_per_rank={self.stages_per_rank}")
         if self.sequence_parallel:
             found.append("parallel.sequence_parallel=true")
+        if self.regather:
+            found.append("parallel.regather_in_backward=true")
         if self.ep > 1:
             found.append(f"parallel.ep={self.ep}")
         if not global_batch:
@@ -259,6 +264,6 @@ class Layout:
         v = f" v{self.stages_per_rank}" if self.stages_per_rank > 1 else ""
         way = (f" {self.schedule}{v} m{self.microbatches}" if self.pipelined else "") + (
             f" accum{self.accumulation}" if self.accumulation > 1 else "")
-        sp = " sp" if self.sequence_parallel else ""
+        sp = (" sp" if self.sequence_parallel else "") + (" regather" if self.regather else "")
         return (f"{self.preset}({'x'.join(degrees) or '1'}){way}{sp} b{self.batch_size} "
                 f"ac={self.checkpointing}")

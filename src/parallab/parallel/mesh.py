@@ -25,7 +25,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from parallab.config.errors import ConfigError, refuse
+from parallab.config.errors import ConfigError
 from parallab.launching.distributed import Dist
 from parallab.models import experts, hf, tied_names
 from parallab.parallel import expert_parallel, tp_plans
@@ -132,16 +132,6 @@ def _get(owner, key: str):
     if isinstance(owner, Mapping):
         return owner.get(key)
     return getattr(owner, key, None)
-
-
-def regather_problem(p, trainer) -> str | None:
-    """What stops the gathered inputs being gathered again in backward (the mesh's,
-    a pipeline's, or those auto's layouts with sequence parallelism carry)."""
-    if p.regather_in_backward and trainer.compile:
-        return ("parallel.regather_in_backward=true with trainer.compile=true: torch.compile "
-                "does not take the saved-tensor hooks that gather the inputs again: set one "
-                "of them false")
-    return None
 
 
 def refuse_tp(cfg, tp: int, sequence_parallel: bool = False, ep: int = 1) -> None:
@@ -315,12 +305,11 @@ class MeshPlan(Plan):
                               f"{degrees['tp']}), which it does not divide: set dp_shard (or "
                               "tp) so that ep divides their product")
         return Layout(world_size, cls.dims, True, **degrees, ep=ep,
-                      sequence_parallel=p.sequence_parallel)
+                      sequence_parallel=p.sequence_parallel, regather=p.regather_in_backward)
 
     @classmethod
     def options(cls, p) -> Options:
-        return Options(p.tp_plan or None, p.bucket_cap_mb, p.reshard_after_forward,
-                       regather_in_backward=p.regather_in_backward)
+        return Options(p.tp_plan or None, p.bucket_cap_mb, p.reshard_after_forward)
 
     @classmethod
     def given_degrees(cls, p) -> dict[str, int | None]:
@@ -356,7 +345,10 @@ class MeshPlan(Plan):
                               "parallelism's inputs again in backward, and "
                               "parallel.sequence_parallel=false gathers none: set "
                               "parallel.sequence_parallel=true (or regather_in_backward false)")
-        refuse(regather_problem(p, cfg.trainer))
+        if p.regather_in_backward and cfg.trainer.compile:
+            raise ConfigError("parallel.regather_in_backward=true with trainer.compile=true: "
+                              "torch.compile does not take the saved-tensor hooks that gather "
+                              "the inputs again: set one of them false")
         refuse_tp(cfg, layout.tp, p.sequence_parallel, layout.ep)
 
     @staticmethod

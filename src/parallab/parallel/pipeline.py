@@ -391,4 +391,4 @@ class PipelinePlan(MeshPlan):
         """A pipeline's sharded parts stay gathered from their forward to their backward
         (torch's stages reshard at the flush)."""
         return Options(p.tp_plan or None, p.bucket_cap_mb, False,
-                       tuple(p.split) if p.split else None, p.regather_in_backward)
+                       tuple(p.split) if p.split else None)

@@ -223,8 +223,7 @@ def _traced(cfg, model: nn.Module, block: str, vocab: int, shape: trace.Shape) -
 
 def shape_of(cfg, layout: Layout) -> trace.Shape:
     fp8 = cfg.precision.name == "fp8"
-    regather = layout.sequence_parallel and options_of(cfg.parallel).regather_in_backward
-    return trace.Shape(layout.tp, layout.sequence_parallel, regather, layout.rows,
+    return trace.Shape(layout.tp, layout.sequence_parallel, layout.regather, layout.rows,
                        cfg.data.seq_len,
                        layout.checkpointing, layout.gathered, cfg.precision.name,
                        cfg.precision.fp8_recipe if fp8 else "tensorwise",

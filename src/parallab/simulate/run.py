@@ -62,7 +62,7 @@ def check(cfg) -> Any:
                           "your own sequence model") from None
     cfg.device = Device.cuda  # the cluster's: its compute dtypes, not this machine's
     if p.name == "auto":
-        refuse(PLANS[p.name].problem(cfg))
+        refuse(PLANS[p.name].problem(p))
         return None
     layout = PLANS[p.name].resolve(p, "cuda", p.world_size)
     from parallab.checks.trial import stages_on_meta

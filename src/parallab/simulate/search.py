@@ -60,8 +60,12 @@ def grid(cfg, facts, gpus_per_node: int) -> list[Candidate]:
                 found.append(c)
                 if layout.tp > 1 and facts.takes_sequence_parallel and not c.reason \
                         and facts.sp_problem(layout.tp) is None:
-                    found.append(Candidate(dataclasses.replace(
-                        c.layout, sequence_parallel=True), global_batch=global_batch, cfg=cfg))
+                    # the sequence cut, its gathered inputs kept or (not compiled: train
+                    # refuses both) gathered again in backward
+                    for again in (False, True)[:1 if cfg.trainer.compile else 2]:
+                        found.append(Candidate(dataclasses.replace(
+                            c.layout, sequence_parallel=True, regather=again),
+                            global_batch=global_batch, cfg=cfg))
     return found
 
 
