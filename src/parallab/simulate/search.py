@@ -60,11 +60,14 @@ def grid(cfg, facts, gpus_per_node: int) -> list[Candidate]:
                 found.append(c)
                 if layout.tp > 1 and facts.takes_sequence_parallel and not c.reason \
                         and facts.sp_problem(layout.tp) is None:
-                    # the sequence cut, its gathered inputs kept or (not compiled: train
-                    # refuses both) gathered again in backward
-                    for again in (False, True)[:1 if cfg.trainer.compile else 2]:
+                    # the sequence cut, its gathered inputs kept or gathered again in
+                    # backward: not compiled (train refuses both), and where some blocks
+                    # are not checkpointed (one that is keeps no gathered input anyway)
+                    again = not cfg.trainer.compile and (
+                        ac == "none" or cfg.trainer.activation_checkpointing_every > 1)
+                    for regather in (False, True)[:1 + again]:
                         found.append(Candidate(dataclasses.replace(
-                            c.layout, sequence_parallel=True, regather=again),
+                            c.layout, sequence_parallel=True, regather=regather),
                             global_batch=global_batch, cfg=cfg))
     return found
 
