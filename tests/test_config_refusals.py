@@ -63,9 +63,13 @@ from parallab.checks import validate
                                           "tensor-parallel group's activations: it needs "
                                           "parallel.tp > 1"),
     (["model=gpt", "data=bytes", "parallel=tp", "parallel.world_size=2",
-      "parallel.regather_in_backward=true"], "parallel.regather_in_backward=true gathers "
-                                             "sequence parallelism's inputs again in backward, "
-                                             "and parallel.sequence_parallel=false gathers none"),
+      "parallel.regather_in_backward=true"], "parallel.regather_in_backward=true gathers again "
+                                             "what sequence parallelism gathers, and there is "
+                                             "none: it needs parallel.sequence_parallel=true "
+                                             "(or set it false)"),
+    (["model=gpt", "data=bytes", "parallel=ddp", "parallel.world_size=2",
+      "parallel.regather_in_backward=true"], "it needs parallel.sequence_parallel=true and "
+                                             "parallel.tp > 1 (or set it false)"),
     (["model=gpt", "data=bytes", "parallel=tp", "parallel.world_size=2",
       "parallel.sequence_parallel=true", "parallel.regather_in_backward=true",
       "trainer.compile=true"], "parallel.regather_in_backward=true with trainer.compile=true"),

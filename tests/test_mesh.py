@@ -351,6 +351,24 @@ def test_inputs_gathered_again_in_backward_train_as_one_device(train_here, one_d
     assert metrics["comm_all_gather_mb"] * MB == pytest.approx(15 * half, rel=0.01)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_autocasts_copies_of_a_gathered_input_are_made_again_in_backward(train_here):
+    """A pipeline's parts not sharded keep a float32 stream under bf16's autocast: what
+    each split layer saves is autocast's bf16 copy of the gathered input, which is made
+    again (gathered, cast) in backward. The same losses as keeping them, and more
+    all-gathers a step."""
+    layout = [*GPT_RUN, *STEPS, "parallel=pipeline", "parallel.world_size=4",
+              "parallel.pp=2", "parallel.tp=2", "parallel.schedule=gpipe", "precision=bf16",
+              "parallel.sequence_parallel=true", f"data.batch_size={BATCH['gpt']}"]
+    (kept, kept_dir), (again, again_dir) = (
+        train_here(*layout, f"parallel.regather_in_backward={flag}", name=flag)
+        for flag in ("false", "true"))
+    assert losses(again_dir) == losses(kept_dir)
+    assert again["eval_loss"] == kept["eval_loss"]
+    assert again["comm_all_gather_mb"] > kept["comm_all_gather_mb"]
+
+
 # each leg: (layout, data-parallel ranks, the step it runs to)
 RESUMES = {
     # DCP reshards; sequence parallelism makes the norms replicated DTensors

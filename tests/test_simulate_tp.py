@@ -81,24 +81,45 @@ def test_gathering_again_in_backward_keeps_a_blocks_slice_of_each_gathered_input
     attention and MLP each save their rank's slice of the sequence in place of the whole
     input they gathered, and gather it again in backward. The block keeps half of two
     gathered inputs less at tp 2 (both the float32 stream's and FSDP's bf16 one), backward
-    all-gathers twice more, and its matmuls are the same."""
+    all-gathers twice more, and its matmuls are the same. Where the stream is float32 under
+    bf16's autocast (a pipeline's parts not sharded), what the split layers keep is
+    autocast's copy of it, one each (q, k, v, gate, up): those are made again from the
+    gathered input too, and the block keeps two float32 slices in place of five copies."""
     from parallab.simulate.trace import Shape
 
-    for precision, gathered, itemsize in (("fp32", False, 4), ("bf16", True, 2)):
+    whole = 2 * 32 * 64  # a gathered input's elements: rows x sequence x hidden
+    for precision, gathered, kept_bytes in (("fp32", False, 2 * whole * 4),
+                                           ("bf16", True, 2 * whole * 2),
+                                           ("bf16", False, 5 * whole * 2)):
         shape = Shape(tp=2, sequence_parallel=True, rows=2, seq_len=32, precision=precision,
                       gathered=gathered)
         kept, again = (traced(dataclasses.replace(shape, regather=r), base=LLAMA)
                        for r in (False, True))
-        whole = 2 * 32 * 64 * itemsize  # a gathered input: rows x sequence x hidden
-        assert kept.saved["block"] - again.saved["block"] == 2 * whole / 2
+        itemsize = 2 if gathered else 4  # the stream's
+        assert kept.saved["block"] - again.saved["block"] == kept_bytes - 2 * whole * \
+            itemsize / 2
         gathers = lambda found: [op.sent for op in found.ops  # noqa: E731
                                  if op.collective == "all_gather" and op.region == "block"
                                  and op.phase == "backward"]
         assert len(gathers(again)) == len(gathers(kept)) + 2
-        assert sorted(gathers(again))[-2:] == [whole / 2] * 2
+        assert sorted(gathers(again))[-2:] == [whole * itemsize / 2] * 2
         for phase in ("forward", "backward"):
             assert flops(again, phase, "block", "matmul") == flops(kept, phase, "block",
                                                                    "matmul")
+
+
+def test_gathering_again_is_refused_where_torchaos_styles_gather_in_float8():
+    """precision=fp8's tensorwise recipe splits its Linear layers by torchao's styles,
+    which gather in float8 and keep that: refused with regather_in_backward (simulate runs
+    train's checks); the rowwise recipe gathers bf16, which is gathered again."""
+    from parallab.config.errors import ConfigError
+    from parallab.simulate.run import check
+
+    layout = [*LLAMA, "parallel=tp", "parallel.world_size=2", "parallel.sequence_parallel=true",
+              "parallel.regather_in_backward=true", "precision=fp8", "cluster=h100"]
+    with pytest.raises(ConfigError, match="precision=fp8's tensorwise recipe"):
+        check(configured(*layout))
+    assert check(configured(*layout, "precision.fp8_recipe=rowwise")).regather
 
 
 def test_auto_cuts_a_transformers_models_sequence_under_tp_pipelines_too():
@@ -120,11 +141,14 @@ def test_auto_cuts_a_transformers_models_sequence_under_tp_pipelines_too():
     assert sorted(map(repr, (dataclasses.replace(x, regather=False) for x in again))) == \
         sorted(repr(x) for x in cut if x.checkpointing == "none" and not x.regather)
     assert not any(c.layout.regather for c in found if not c.layout.sequence_parallel)
-    compiled = configured(*LLAMA, "parallel=auto", "parallel.world_size=8", "cluster=h100",
-                          "trainer.compile=true")
-    found = search.grid(compiled, Facts.of(compiled), 8)
-    assert any(c.layout.sequence_parallel for c in found) and \
-        not any(c.layout.regather for c in found)
+    for given, twins in ((["trainer.compile=true"], False), (["precision=fp8"], False),
+                         (["precision=fp8", "precision.fp8_recipe=rowwise"], True)):
+        # torchao's tensorwise styles gather in float8 and keep that: nothing to regather
+        other = configured(*LLAMA, "parallel=auto", "parallel.world_size=8", "cluster=h100",
+                           *given)
+        found = search.grid(other, Facts.of(other), 8)
+        assert any(c.layout.sequence_parallel for c in found)
+        assert any(c.layout.regather for c in found) == twins, given
     whole, sliced = (traced(Shape(tp=2, sequence_parallel=sp, rows=2, seq_len=32,
                                   precision="fp32"), base=LLAMA).boundary_bytes
                      for sp in (False, True))

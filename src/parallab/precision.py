@@ -279,6 +279,12 @@ def float8_style(module: torch.nn.Module, style: Any) -> Any:
                use_local_output=style.use_local_output)
 
 
+def gathers_in_float8(cfg) -> bool:
+    """Whether precision `cfg` splits its float8 Linear layers by torchao's styles, which
+    gather their input in float8 (float8_style: the tensorwise recipe)."""
+    return cfg.name == "fp8" and cfg.fp8_recipe == "tensorwise"
+
+
 def _tensorwise(module: torch.nn.Module) -> bool:
     from torchao.float8.config import ScalingGranularity
 

@@ -25,7 +25,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from parallab.config.errors import ConfigError
+from parallab.config.errors import ConfigError, refuse
 from parallab.launching.distributed import Dist
 from parallab.models import experts, hf, tied_names
 from parallab.parallel import expert_parallel, tp_plans
@@ -132,6 +132,27 @@ def _get(owner, key: str):
     if isinstance(owner, Mapping):
         return owner.get(key)
     return getattr(owner, key, None)
+
+
+def regather_problem(sequence_parallel: bool, tp: int, trainer, precision) -> str | None:
+    """What keeps parallel.regather_in_backward=true from gathering anything again (a
+    layout's sequence parallelism and tp, the trainer's and the precision's config)."""
+    key = "parallel.regather_in_backward=true"
+    if not sequence_parallel:
+        needs = "parallel.sequence_parallel=true" + (" and parallel.tp > 1" if tp == 1
+                                                     else "")
+        return (f"{key} gathers again what sequence parallelism gathers, and there is none: "
+                f"it needs {needs} (or set it false)")
+    if trainer.compile:
+        return (f"{key} with trainer.compile=true: torch.compile does not take the "
+                "saved-tensor hooks that gather the inputs again: set one of them false")
+    from parallab.precision import gathers_in_float8
+
+    if gathers_in_float8(precision):
+        return (f"{key} with precision=fp8's tensorwise recipe: torchao's float8 styles "
+                "gather the split layers' inputs in float8 and keep those, which nothing "
+                "gathers again: use precision.fp8_recipe=rowwise, or set it false")
+    return None
 
 
 def refuse_tp(cfg, tp: int, sequence_parallel: bool = False, ep: int = 1) -> None:
@@ -340,15 +361,9 @@ class MeshPlan(Plan):
             raise ConfigError("parallel.sequence_parallel=true cuts a tensor-parallel "
                               "group's activations: it needs parallel.tp > 1 (or set it "
                               "false)")
-        if p.regather_in_backward and not p.sequence_parallel:
-            raise ConfigError("parallel.regather_in_backward=true gathers sequence "
-                              "parallelism's inputs again in backward, and "
-                              "parallel.sequence_parallel=false gathers none: set "
-                              "parallel.sequence_parallel=true (or regather_in_backward false)")
-        if p.regather_in_backward and cfg.trainer.compile:
-            raise ConfigError("parallel.regather_in_backward=true with trainer.compile=true: "
-                              "torch.compile does not take the saved-tensor hooks that gather "
-                              "the inputs again: set one of them false")
+        if p.regather_in_backward:
+            refuse(regather_problem(p.sequence_parallel, layout.tp, cfg.trainer,
+                                    cfg.precision))
         refuse_tp(cfg, layout.tp, p.sequence_parallel, layout.ep)
 
     @staticmethod

@@ -76,53 +76,85 @@ def _storage(t: torch.Tensor) -> int | None:
 
 class _Calls:
     """One module's hooks: the slice seen before its style's hook, the saved-tensor hooks
-    pushed after it where the input came out gathered, popped as the forward ends."""
+    pushed after it where the input came out gathered, popped as the forward ends. One
+    call at a time (a module is not called inside itself); a style's hook that fails
+    leaves nothing behind: the next call's `before` takes the slot."""
 
     def __init__(self):
-        self.slices: list[Any] = []
-        self.pushed: list[Any] = []
+        self.cut: Any = None
+        self.gathered: GatheredInput | None = None
+        self.hooks: Any = None
 
     def before(self, _, args, kwargs) -> None:
-        self.slices.append(_input(args, kwargs))
+        self.cut = _input(args, kwargs)
 
     def after(self, _, args, kwargs) -> None:
-        cut, whole = self.slices.pop(), _input(args, kwargs)
+        cut, whole, self.cut = self.cut, _input(args, kwargs), None
         below = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        hooks = None
         if _gathered(cut, whole) and not _checkpointed(below):
-            hooks = GatheredInput(cut, whole, below).hooks()
-            hooks.__enter__()
-        self.pushed.append(hooks)
+            self.gathered = GatheredInput(cut, whole, below)
+            self.hooks = self.gathered.hooks()
+            self.hooks.__enter__()
 
     def done(self, *_) -> None:
-        hooks = self.pushed.pop() if self.pushed else None
-        if hooks is not None:
-            hooks.__exit__(None, None, None)
+        if self.hooks is not None:
+            self.hooks.__exit__(None, None, None)
+            self.gathered.release()
+        self.gathered = self.hooks = None
+
+
+def _cast_of(t: torch.Tensor, node: Any, numel: int) -> bool:
+    """Whether `t` is (a view of) a cast of the tensor whose grad_fn is `node`, whole: the
+    copy autocast makes of the gathered input for each split layer where the stream is of
+    a wider dtype (a pipeline's parts not sharded, in bf16)."""
+    fn = t.grad_fn
+    for _ in range(3):  # the views a linear takes of its input (reshape, view)
+        if fn is None:
+            return False
+        if fn.name() == "ToCopyBackward0":
+            storage = _nbytes(t)
+            return fn.next_functions[0][0] is node and storage == numel * t.element_size()
+        if "View" not in fn.name() and "Reshape" not in fn.name():
+            return False
+        fn = fn.next_functions[0][0]
+    return False
+
+
+def _nbytes(t: torch.Tensor) -> int | None:
+    from torch.distributed.tensor import DTensor
+
+    local = t._local_tensor if isinstance(t, DTensor) else t
+    try:
+        return local.untyped_storage().nbytes()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
 
 
 @dataclass
 class _Kept:
-    """A saved view of the gathered input: its geometry in the whole's storage, and
-    whether autograd saved the DTensor or its local tensor."""
+    """A saved view of the gathered input (or of a cast of it, `dtype`): its geometry in
+    the whole's storage, and whether autograd saved the DTensor or its local tensor."""
 
     size: tuple[int, ...]
     stride: tuple[int, ...]
     offset: int
     dtensor: bool
+    dtype: torch.dtype | None = None
 
 
 @dataclass
 class GatheredInput:
     """One call's gathered input: kept as its slice (through the hooks below, where any),
-    gathered again once however many of its views backward unpacks, then let go."""
+    gathered again once however many of its views (or casts) backward unpacks, then let
+    go."""
 
     cut: Any  # the sequence-cut DTensor the module was called with (till it is packed)
-    whole: Any  # the gathered input: only its storage and geometry are kept
+    whole: Any  # the gathered input: only its storage, geometry and node are kept
     outer: Any  # the saved-tensor hooks below these (pack, unpack), or None
     packed_cut: Any = None  # the slice, as the hooks below packed it
-    views: int = 0  # views of the whole saved
+    views: int = 0  # views of the whole (or of its casts) saved
     unpacked: int = 0
-    again: Any = field(default=None, repr=False)  # the whole gathered again, while in use
+    again: dict = field(default_factory=dict, repr=False)  # dtype -> the whole, in use
 
     def __post_init__(self):
         from torch.distributed.tensor import DTensor
@@ -130,23 +162,34 @@ class GatheredInput:
         local = self.whole._local_tensor if isinstance(self.whole, DTensor) else self.whole
         self.storage, self.base_offset = _storage(self.whole), local.storage_offset()
         self.contiguous, self.mesh = local.is_contiguous(), self.cut.device_mesh
+        self.node, self.numel = self.whole.grad_fn, self.whole.numel()
         self.whole = None  # not held: what the hooks save in its place is the point
 
     def hooks(self):
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
+    def release(self) -> None:
+        """The forward is over: a slice no view took is let go (the hooks' unpack, which
+        autograd keeps with each tensor saved under them, would hold it to backward)."""
+        if self.views == 0:
+            self.cut = None
+
     def pack(self, t: torch.Tensor) -> Any:
         from torch.distributed.tensor import DTensor
 
-        if self.contiguous and self.storage is not None and _storage(t) == self.storage:
-            local = t._local_tensor if isinstance(t, DTensor) else t
-            if self.views == 0:  # the slice saved as the hooks below would save it
-                self.packed_cut = self.outer[0](self.cut) if self.outer else self.cut
-                self.cut = None
-            self.views += 1
-            return _Kept(tuple(local.shape), tuple(local.stride()),
-                         local.storage_offset() - self.base_offset, isinstance(t, DTensor))
-        return (self.outer[0](t),) if self.outer else t
+        whole = self.contiguous and self.storage is not None and _storage(t) == self.storage
+        cast = not whole and self.node is not None and _cast_of(t, self.node, self.numel)
+        if not whole and not cast:
+            return (self.outer[0](t),) if self.outer else t
+        local = t._local_tensor if isinstance(t, DTensor) else t
+        if self.views == 0:  # the slice saved as the hooks below would save it
+            self.packed_cut = self.outer[0](self.cut) if self.outer else self.cut
+            self.cut = None
+        self.views += 1
+        # a cast is a fresh contiguous copy: its views' offsets are from its start
+        offset = local.storage_offset() - (self.base_offset if whole else 0)
+        return _Kept(tuple(local.shape), tuple(local.stride()), offset,
+                     isinstance(t, DTensor), None if whole else t.dtype)
 
     def unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, _Kept):
@@ -156,16 +199,20 @@ class GatheredInput:
     def view(self, kept: _Kept) -> torch.Tensor:
         from torch.distributed.tensor import DTensor, Replicate
 
-        again = self.again
-        if again is None:
+        if None not in self.again:
             cut = self.outer[1](self.packed_cut) if self.outer else self.packed_cut
             again = cut.redistribute(cut.device_mesh, (Replicate(),))._local_tensor
-            again = again if again.is_contiguous() else again.contiguous()
+            self.again[None] = again if again.is_contiguous() else again.contiguous()
+        if kept.dtype not in self.again:  # autocast's copy, made again as it made it
+            self.again[kept.dtype] = self.again[None].to(kept.dtype)
+        source = self.again[kept.dtype]
         self.unpacked += 1
-        # kept for the other views of this call; let go after the last (a second backward
-        # over the same graph, as a split backward's weight pass may make, gathers anew)
-        self.again = again if self.unpacked % self.views else None
-        local = again.as_strided(kept.size, kept.stride, again.storage_offset() + kept.offset)
+        if self.unpacked % self.views == 0:
+            # let go after the last view (a second backward over the same graph, as a
+            # split backward's weight pass may make, gathers anew)
+            self.again = {}
+        offset = source.storage_offset() + kept.offset
+        local = source.as_strided(kept.size, kept.stride, offset)
         if not kept.dtensor:
             return local
         return DTensor.from_local(local, self.mesh, (Replicate(),), run_check=False)

@@ -15,6 +15,7 @@ from parallab.parallel.activations import CONTEXTS
 from parallab.parallel.grid import (Candidate, Space, layouts, overrides_kept,
                                     powers_of_two_dividing)
 from parallab.parallel.layout import Layout
+from parallab.parallel.mesh import regather_problem
 
 # the modes in order of what they recompute: none, the selective ones, full
 CHECKPOINTING = ("none", *CONTEXTS, "full")
@@ -61,10 +62,10 @@ def grid(cfg, facts, gpus_per_node: int) -> list[Candidate]:
                 if layout.tp > 1 and facts.takes_sequence_parallel and not c.reason \
                         and facts.sp_problem(layout.tp) is None:
                     # the sequence cut, its gathered inputs kept or gathered again in
-                    # backward: not compiled (train refuses both), and where some blocks
-                    # are not checkpointed (one that is keeps no gathered input anyway)
-                    again = not cfg.trainer.compile and (
-                        ac == "none" or cfg.trainer.activation_checkpointing_every > 1)
+                    # backward: where train takes it (mesh.regather_problem), and where
+                    # some blocks are not checkpointed (one that is keeps none anyway)
+                    again = (ac == "none" or cfg.trainer.activation_checkpointing_every > 1) \
+                        and regather_problem(True, layout.tp, cfg.trainer, cfg.precision) is None
                     for regather in (False, True)[:1 + again]:
                         found.append(Candidate(dataclasses.replace(
                             c.layout, sequence_parallel=True, regather=regather),
