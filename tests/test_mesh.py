@@ -328,47 +328,6 @@ def test_sequence_parallel_splits_the_blocks_under_activation_checkpointing(trai
     assert metrics["comm_reduce_scatter_mb"] > 0
 
 
-@pytest.mark.slow
-@pytest.mark.distributed
-def test_inputs_gathered_again_in_backward_train_as_one_device(train_here, one_device):
-    """parallel.regather_in_backward=true (Megatron-LM's sequence parallelism): each split
-    layer keeps its rank's slice of the sequence for backward and gathers it again there,
-    the same values. The losses and weights are one device's; a step all-gathers half a
-    (B, T, C) activation 15 times where it kept them 10 (the 4 block inputs and the head's
-    once more; the rest: the same 5 inputs in forward, the 4 output projections' and the
-    embedding's gradients in backward)."""
-    metrics, run_dir = train_here(*GPT_RUN, *STEPS, "parallel=tp", "parallel.world_size=2",
-                                  f"data.batch_size={BATCH['gpt']}",
-                                  "parallel.sequence_parallel=true",
-                                  "parallel.regather_in_backward=true")
-    assert losses(run_dir) == pytest.approx(losses(one_device["gpt"]), rel=1e-4, abs=1e-5)
-    build = lambda: GPT(layers=2, heads=4, width=32, context=32)  # noqa: E731
-    expected = final_weights(one_device["gpt"], build())
-    got = final_weights(run_dir, build())
-    for name in expected:
-        torch.testing.assert_close(got[name], expected[name], rtol=1e-4, atol=1e-5)
-    half = BATCH["gpt"] * 32 * 32 * 4 / 2
-    assert metrics["comm_all_gather_mb"] * MB == pytest.approx(15 * half, rel=0.01)
-
-
-@pytest.mark.slow
-@pytest.mark.distributed
-def test_autocasts_copies_of_a_gathered_input_are_made_again_in_backward(train_here):
-    """A pipeline's parts not sharded keep a float32 stream under bf16's autocast: what
-    each split layer saves is autocast's bf16 copy of the gathered input, which is made
-    again (gathered, cast) in backward. The same losses as keeping them, and more
-    all-gathers a step."""
-    layout = [*GPT_RUN, *STEPS, "parallel=pipeline", "parallel.world_size=4",
-              "parallel.pp=2", "parallel.tp=2", "parallel.schedule=gpipe", "precision=bf16",
-              "parallel.sequence_parallel=true", f"data.batch_size={BATCH['gpt']}"]
-    (kept, kept_dir), (again, again_dir) = (
-        train_here(*layout, f"parallel.regather_in_backward={flag}", name=flag)
-        for flag in ("false", "true"))
-    assert losses(again_dir) == losses(kept_dir)
-    assert again["eval_loss"] == kept["eval_loss"]
-    assert again["comm_all_gather_mb"] > kept["comm_all_gather_mb"]
-
-
 # each leg: (layout, data-parallel ranks, the step it runs to)
 RESUMES = {
     # DCP reshards; sequence parallelism makes the norms replicated DTensors
