@@ -5,9 +5,10 @@ Under sequence parallelism a split layer's input comes cut along the sequence an
 gathered whole as the layer (or a transformers block's attention or MLP) is called. Its
 column-split linears save that whole input for their weights' gradients, so that each block
 keeps tp slices' worth of it until backward. Here a module that gathers its input saves,
-in place of the whole (any view of it that autograd keeps), its rank's slice, and gathers
-that again when backward asks for it: the same redistribute, the same bytes, one more
-all-gather a gather. Made with torch's saved-tensor hooks, pushed over the module's forward:
+in place of the whole (any view of it that autograd keeps, or autocast's copy of it where
+the stream is wider than the compute dtype), its rank's slice, and gathers that again
+(and casts it, as autocast did) when backward asks for it: the same redistribute, the
+same bytes, one more all-gather a gather. Made with torch's saved-tensor hooks, pushed over the module's forward:
 what else is saved goes to the hooks below them (activation checkpointing's, a planner's
 count), the slice too, so that each of those sees what is kept."""
 
