@@ -149,6 +149,10 @@ def torch_loaded(tmp_path):
     (["trainer.max_step=3"], "Could not override 'trainer.max_step'; did you mean "
                              "trainer.max_steps?", True),
     (["data.batchsize=3"], "did you mean data.batch_size?", True),  # untyped until checked
+    # a key auto's layouts each set, given to auto
+    (["parallel=auto", "parallel.regather_in_backward=true"],
+     "parallel=auto sets parallel.regather_in_backward itself, for each layout it ranks: drop "
+     "it (or give one layout)", True),
     (["logger.csv.filename=x.csv"], "logger.csv is set only for a logger chosen: choose it, "
                                     "e.g. logger=[tensorboard,csv]", True),
     (["parallel=fsdp_typo"], "parallel", True),  # unknown group option

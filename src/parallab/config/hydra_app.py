@@ -170,6 +170,9 @@ def _unknown_key_hint(text: str) -> str | None:
     kind = getattr(schema, typed_in[2], None) if typed_in else None
     if dataclasses.is_dataclass(kind):
         where = parts[:parts.index(typed_in[1])] if typed_in[1] in parts else parts[:-1]
+        if typed_in[1] in getattr(kind, "decides", ()):  # the option sets it itself
+            return (f"{'.'.join(where)}={kind.name} sets {key[1]} itself, for each layout "
+                    "it ranks: drop it (or give one layout)")
         known = [f.name for f in dataclasses.fields(kind)]
         close = difflib.get_close_matches(typed_in[1], known, n=1)
         return (f"did you mean {'.'.join([*where, close[0]])}?" if close else

@@ -129,6 +129,10 @@ class AutoConfig(ParallelConfig):
     # parallab simulate ranks every layout at parallel.world_size GPUs; training takes one
     # of them (the command simulate prints)
     name: str = "auto"
+    # the keys each of them sets itself (given with auto: told so)
+    decides: ClassVar[tuple[str, ...]] = (
+        "dp_replicate", "dp_shard", "tp", "pp", "ep", "schedule", "microbatches",
+        "stages_per_rank", "sequence_parallel", "regather_in_backward")
     world_size: Optional[int] = None  # GPUs of the cluster the layouts are ranked for
     # the tensor-parallel plan of the layouts with tp > 1, as the mesh's (null = the
     # model's own); their commands carry it
