@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from parallab.cli import compose
 from parallab.models import build_model
 from parallab.parallel import activations
-from parallab.testing import scratch_dir, train_metrics
+from parallab.testing import interleaved_runs, scratch_dir
 
 RUN = ["model=gpt", "data=bytes", "device=cpu", "trainer.log_every_n_steps=10",
        "trainer.checkpoint_every_n_steps=null", "data.eval_fraction=0.01"]
@@ -48,14 +48,9 @@ def main() -> None:
     args = parser.parse_args()
     work = scratch_dir("parallab-bench-activations-")
     kept = {mode: kept_bytes(mode, args.extra) for mode in activations.MODES}
-    runs: dict[str, list[dict]] = {mode: [] for mode in activations.MODES}
-    for repeat in range(args.repeats):
-        for mode in activations.MODES:
-            metrics = train_metrics([*RUN, f"trainer.max_steps={args.steps}",
-                                     f"trainer.activation_checkpointing={mode}", *args.extra],
-                                    work / f"{mode}-{repeat}", timeout=None)
-            runs[mode].append(metrics)
-            print(f"{mode} #{repeat}: {metrics['step_time_ms']:.1f} ms/step", flush=True)
+    runs = interleaved_runs(activations.MODES, lambda mode: [
+        *RUN, f"trainer.max_steps={args.steps}", f"trainer.activation_checkpointing={mode}",
+        *args.extra], args.repeats, work)
     best = {mode: min(r["step_time_ms"] for r in results) for mode, results in runs.items()}
     print(f"\ngpt defaults, data=bytes {' '.join(args.extra)}\n")
     print("| activation_checkpointing | kept for backward (MB) | vs none | step (ms, best of "

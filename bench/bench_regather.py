@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from parallab.cli import compose
-from parallab.testing import scratch_dir, train_metrics
+from parallab.testing import free_port, interleaved_runs, scratch_dir
 
 RUN = ["model=gpt", "data=bytes", "device=cpu", "trainer.log_every_n_steps=10",
        "trainer.checkpoint_every_n_steps=null", "data.eval_fraction=0.01", "parallel=tp",
@@ -62,7 +62,7 @@ def _kept(rank: int, extra: list[str], port: int, out) -> None:
 def kept_bytes(extra: list[str]) -> dict[str, int]:
     context = mp.get_context("spawn")
     out = context.Queue()
-    port = 29500 + os.getpid() % 1000
+    port = free_port()
     mp.start_processes(_kept, args=(extra, port, out), nprocs=2, start_method="spawn")
     return out.get()
 
@@ -75,14 +75,9 @@ def main() -> None:
     args = parser.parse_args()
     kept = kept_bytes(args.extra)
     work = scratch_dir("parallab-bench-regather-")
-    runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
-    for repeat in range(args.repeats):
-        for mode in MODES:
-            metrics = train_metrics([*RUN, f"trainer.max_steps={args.steps}",
-                                     f"parallel.regather_in_backward={mode}", *args.extra],
-                                    work / f"{mode}-{repeat}", timeout=None)
-            runs[mode].append(metrics)
-            print(f"{mode} #{repeat}: {metrics['step_time_ms']:.1f} ms/step", flush=True)
+    runs = interleaved_runs(MODES, lambda mode: [
+        *RUN, f"trainer.max_steps={args.steps}", f"parallel.regather_in_backward={mode}",
+        *args.extra], args.repeats, work)
     best = {mode: min(r["step_time_ms"] for r in results) for mode, results in runs.items()}
     print(f"\ngpt defaults, tp 2 with sequence parallelism, data=bytes {' '.join(args.extra)}\n")
     print("| regather_in_backward | kept for backward, a rank (MB) | vs false | step (ms, best "

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 REPO = Path(__file__).resolve().parents[2]  # the checkout, where this runs from one
 
@@ -86,6 +86,20 @@ def train_metrics(args: list[str], run_dir: Path, **kwargs: Any) -> dict[str, An
     """`python train.py ARGS` in a fresh process; its metrics.json (RuntimeError if it fails)."""
     run_entry("train.py", args, run_dir, check=True, **kwargs)
     return read_metrics(run_dir)
+
+
+def interleaved_runs(modes: tuple[str, ...] | list[str], args_of: Callable[[str], list[str]],
+                     repeats: int, work: Path) -> dict[str, list[dict[str, Any]]]:
+    """Each mode's `python train.py args_of(mode)` metrics, `repeats` runs each in fresh
+    processes, the modes interleaved so that a shared machine's drift falls on all of them
+    alike; each run's step time printed as it ends."""
+    runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes}
+    for repeat in range(repeats):
+        for mode in modes:
+            metrics = train_metrics(args_of(mode), work / f"{mode}-{repeat}", timeout=None)
+            runs[mode].append(metrics)
+            print(f"{mode} #{repeat}: {metrics['step_time_ms']:.1f} ms/step", flush=True)
+    return runs
 
 
 def scratch_dir(prefix: str) -> Path:

@@ -129,7 +129,7 @@ class AutoConfig(ParallelConfig):
     # parallab simulate ranks every layout at parallel.world_size GPUs; training takes one
     # of them (the command simulate prints)
     name: str = "auto"
-    # the keys each of them sets itself (given with auto: told so)
+    # the parallel keys each of them sets itself (layout.SET_KEYS; given with auto: told so)
     decides: ClassVar[tuple[str, ...]] = (
         "dp_replicate", "dp_shard", "tp", "pp", "ep", "schedule", "microbatches",
         "stages_per_rank", "sequence_parallel", "regather_in_backward")

@@ -25,17 +25,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from parallab.config.errors import ConfigError
+from parallab.config.schema import AutoConfig
 
 DEGREES = ("dp_replicate", "dp_shard", "tp")  # the mesh layouts' (the pipeline adds pp)
 PIPELINE_DEGREES = ("dp_replicate", "dp_shard", "pp", "tp")
 # every key Layout.overrides may set: a user's own setting of one gives way to the
 # layout's in a planner's command (parallel/grid.py overrides_kept)
-SET_KEYS = ("parallel=", "parallel.world_size=", "parallel.dp_replicate=",
-            "parallel.dp_shard=", "parallel.tp=", "parallel.pp=", "parallel.schedule=",
-            "parallel.microbatches=", "parallel.stages_per_rank=",
-            "parallel.sequence_parallel=", "parallel.regather_in_backward=", "parallel.ep=",
-            "data.batch_size=",
-            "trainer.accumulate_grad_batches=", "trainer.activation_checkpointing=")
+SET_KEYS = ("parallel=", "parallel.world_size=",
+            *(f"parallel.{key}=" for key in AutoConfig.decides),  # what a layout decides
+            "data.batch_size=", "trainer.accumulate_grad_batches=",
+            "trainer.activation_checkpointing=")
 
 
 def resolve_degrees(given: dict[str, int | None], world_size: int) -> dict[str, int]:

@@ -14,7 +14,7 @@ count), the slice too, so that each of those sees what is kept."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -51,7 +51,7 @@ def _gathered(cut: Any, whole: Any) -> bool:
             not torch.is_tensor(whole) or whole.shape != cut.shape:
         return False
     replicated = not isinstance(whole, DTensor) or whole.placements == (Replicate(),)
-    local = whole._local_tensor if isinstance(whole, DTensor) else whole
+    local = _local(whole)
     return replicated and (type(local) is torch.Tensor or isinstance(local, FakeTensor))
 
 
@@ -63,14 +63,18 @@ def _checkpointed(hooks) -> bool:
         ("_checkpoint_hook.", "_recomputation_hook."))
 
 
-def _storage(t: torch.Tensor) -> int | None:
-    """The storage a tensor (a DTensor's local one) views; None for a subclass without one
-    (a float8 tensor that a layer inside saves)."""
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor, or the tensor."""
     from torch.distributed.tensor import DTensor
 
-    local = t._local_tensor if isinstance(t, DTensor) else t
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _storage(t: torch.Tensor) -> Any:
+    """The storage a tensor (a DTensor's local one) views; None for a subclass without one
+    (a float8 tensor that a layer inside saves)."""
     try:
-        return local.untyped_storage()._cdata
+        return _local(t).untyped_storage()
     except (RuntimeError, NotImplementedError, TypeError):
         return None
 
@@ -113,22 +117,13 @@ def _cast_of(t: torch.Tensor, node: Any, numel: int) -> bool:
         if fn is None:
             return False
         if fn.name() == "ToCopyBackward0":
-            storage = _nbytes(t)
-            return fn.next_functions[0][0] is node and storage == numel * t.element_size()
+            storage = _storage(t)
+            return fn.next_functions[0][0] is node and storage is not None and \
+                storage.nbytes() == numel * t.element_size()
         if "View" not in fn.name() and "Reshape" not in fn.name():
             return False
         fn = fn.next_functions[0][0]
     return False
-
-
-def _nbytes(t: torch.Tensor) -> int | None:
-    from torch.distributed.tensor import DTensor
-
-    local = t._local_tensor if isinstance(t, DTensor) else t
-    try:
-        return local.untyped_storage().nbytes()
-    except (RuntimeError, NotImplementedError, TypeError):
-        return None
 
 
 @dataclass
@@ -143,28 +138,23 @@ class _Kept:
     dtype: torch.dtype | None = None
 
 
-@dataclass
 class GatheredInput:
     """One call's gathered input: kept as its slice (through the hooks below, where any),
     gathered again once however many of its views (or casts) backward unpacks, then let
-    go."""
+    go. Of the whole, only its storage, geometry and autograd node are kept: not holding
+    it is the point."""
 
-    cut: Any  # the sequence-cut DTensor the module was called with (till it is packed)
-    whole: Any  # the gathered input: only its storage, geometry and node are kept
-    outer: Any  # the saved-tensor hooks below these (pack, unpack), or None
-    packed_cut: Any = None  # the slice, as the hooks below packed it
-    views: int = 0  # views of the whole (or of its casts) saved
-    unpacked: int = 0
-    again: dict = field(default_factory=dict, repr=False)  # dtype -> the whole, in use
-
-    def __post_init__(self):
-        from torch.distributed.tensor import DTensor
-
-        local = self.whole._local_tensor if isinstance(self.whole, DTensor) else self.whole
-        self.storage, self.base_offset = _storage(self.whole), local.storage_offset()
-        self.contiguous, self.mesh = local.is_contiguous(), self.cut.device_mesh
-        self.node, self.numel = self.whole.grad_fn, self.whole.numel()
-        self.whole = None  # not held: what the hooks save in its place is the point
+    def __init__(self, cut: Any, whole: torch.Tensor, outer: Any):
+        self.cut = cut  # the sequence-cut DTensor the module was called with, till packed
+        self.outer = outer  # the saved-tensor hooks below these (pack, unpack), or None
+        self.mesh = cut.device_mesh
+        storage, local = _storage(whole), _local(whole)
+        self.storage = None if storage is None else storage._cdata
+        self.base_offset, self.contiguous = local.storage_offset(), local.is_contiguous()
+        self.node, self.numel = whole.grad_fn, whole.numel()
+        self.packed_cut: Any = None  # the slice, as the hooks below packed it
+        self.views = self.unpacked = 0  # views of the whole (or of its casts) saved, given
+        self.again: dict = {}  # dtype (None: the whole's) -> the whole made again, in use
 
     def hooks(self):
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
@@ -178,11 +168,13 @@ class GatheredInput:
     def pack(self, t: torch.Tensor) -> Any:
         from torch.distributed.tensor import DTensor
 
-        whole = self.contiguous and self.storage is not None and _storage(t) == self.storage
+        storage = _storage(t)
+        whole = self.contiguous and self.storage is not None and storage is not None and \
+            storage._cdata == self.storage
         cast = not whole and self.node is not None and _cast_of(t, self.node, self.numel)
         if not whole and not cast:
             return (self.outer[0](t),) if self.outer else t
-        local = t._local_tensor if isinstance(t, DTensor) else t
+        local = _local(t)
         if self.views == 0:  # the slice saved as the hooks below would save it
             self.packed_cut = self.outer[0](self.cut) if self.outer else self.cut
             self.cut = None

@@ -61,16 +61,19 @@ def grid(cfg, facts, gpus_per_node: int) -> list[Candidate]:
                 found.append(c)
                 if layout.tp > 1 and facts.takes_sequence_parallel and not c.reason \
                         and facts.sp_problem(layout.tp) is None:
-                    # the sequence cut, its gathered inputs kept or gathered again in
-                    # backward: where train takes it (mesh.regather_problem), and where
-                    # some blocks are not checkpointed (one that is keeps none anyway)
-                    again = (ac == "none" or cfg.trainer.activation_checkpointing_every > 1) \
-                        and regather_problem(True, layout.tp, cfg.trainer, cfg.precision) is None
-                    for regather in (False, True)[:1 + again]:
-                        found.append(Candidate(dataclasses.replace(
-                            c.layout, sequence_parallel=True, regather=regather),
-                            global_batch=global_batch, cfg=cfg))
+                    found += _sequence_cut(c.layout, cfg, global_batch)
     return found
+
+
+def _sequence_cut(layout: Layout, cfg, global_batch: bool) -> list[Candidate]:
+    """`layout` with the sequence cut, its gathered inputs kept; and gathered again in
+    backward where train takes it (mesh.regather_problem) and some blocks are not
+    checkpointed (one that is keeps none anyway)."""
+    again = (layout.checkpointing == "none" or cfg.trainer.activation_checkpointing_every > 1) \
+        and regather_problem(True, layout.tp, cfg.trainer, cfg.precision) is None
+    return [Candidate(dataclasses.replace(layout, sequence_parallel=True, regather=regather),
+                      global_batch=global_batch, cfg=cfg)
+            for regather in (False, True)[:1 + again]]
 
 
 def expert_degrees(mix, tp: int, shards: int) -> list[int]:
