@@ -28,7 +28,7 @@ import contextlib
 import dataclasses
 import logging
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -277,6 +277,37 @@ def float8_style(module: torch.nn.Module, style: Any) -> Any:
     cls = Float8ColwiseParallel if type(style) is ColwiseParallel else Float8RowwiseParallel
     return cls(input_layouts=style.input_layouts[0], output_layouts=style.output_layouts[0],
                use_local_output=style.use_local_output)
+
+
+def feeds_float8(module: torch.nn.Module, float8: Callable[[torch.nn.Module], bool]) -> bool:
+    """Whether the input of `module` (a transformers block's attention or MLP, which a
+    sequence-parallel plan gathers once) feeds float8 Linear layers alone, so that it can
+    be cast to float8 once and gathered in one byte an element (torchao's
+    PrepareFloat8ModuleInput, as torchtitan splits Llama): no weights of its own, and each
+    child with weights a float8 layer of the tensorwise recipe (`float8`) or a norm, which
+    norms their outputs (Qwen 3's and OLMo 2's q and k). An MoE layer (its router, its
+    experts) does not."""
+    holding = [m for m in module.children() if next(m.parameters(), None) is not None]
+    return next(module.parameters(recurse=False), None) is None and \
+        any(float8(m) for m in holding) and \
+        all(float8(m) or "Norm" in type(m).__name__ for m in holding)
+
+
+def float8_input_cast(module: torch.nn.Module) -> Callable[[Any], Any] | None:
+    """Where `module`'s input feeds its tensorwise Float8Linear layers alone (feeds_float8),
+    the cast that gives it to them in float8 (as torchao's float8 styles cast it); None
+    elsewhere."""
+    if not feeds_float8(module, lambda m: type(m).__name__ == "Float8Linear" and
+                        _tensorwise(m)):
+        return None
+    from torchao.float8.config import e4m3_dtype
+    from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
+    from torchao.float8.float8_training_tensor import GemmInputRole
+
+    config = next(m for m in module.children()
+                  if type(m).__name__ == "Float8Linear").linear_mm_config
+    return lambda x: hp_tensor_to_float8_dynamic(x, e4m3_dtype, config,
+                                                 gemm_input_role=GemmInputRole.INPUT)
 
 
 def gathers_in_float8(cfg) -> bool:

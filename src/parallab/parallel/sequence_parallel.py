@@ -5,7 +5,7 @@ attention and MLP gathering their input once (GatherSequence)."""
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Callable
 
 from torch import nn
 
@@ -27,15 +27,21 @@ def _gather_sequence() -> type:
         block's attention or MLP): its hidden states, cut along the sequence, gathered
         whole once as it is called (their gradient reduce-scattered once), where each of
         its column-split layers would gather its own input and reduce its gradient (q, k
-        and v: three times)."""
+        and v: three times). Where that input feeds tensorwise float8 layers alone
+        (precision=fp8), it is cast to float8 first: gathered in one byte an element and
+        kept so for their backward once, not once a layer in bf16."""
 
         def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+            from parallab.precision import float8_input_cast
+
+            cast = float8_input_cast(module)
+
             def gather(_, args, kwargs):
                 if args:
-                    return (_whole(args[0], device_mesh), *args[1:]), kwargs
+                    return (_whole(args[0], device_mesh, cast), *args[1:]), kwargs
                 if "hidden_states" in kwargs:  # transformers' attention, called by keyword
-                    return args, {**kwargs, "hidden_states": _whole(kwargs["hidden_states"],
-                                                                    device_mesh)}
+                    return args, {**kwargs, "hidden_states": _whole(
+                        kwargs["hidden_states"], device_mesh, cast)}
                 return args, kwargs
 
             module.register_forward_pre_hook(gather, with_kwargs=True)
@@ -44,10 +50,12 @@ def _gather_sequence() -> type:
     return GatherSequence
 
 
-def _whole(x: Any, mesh) -> Any:
+def _whole(x: Any, mesh, cast: Callable[[Any], Any] | None) -> Any:
     from torch.distributed.tensor import DTensor, Replicate
 
-    return x.redistribute(mesh, (Replicate(),)) if isinstance(x, DTensor) else x
+    if not isinstance(x, DTensor):
+        return x
+    return (cast(x) if cast is not None else x).redistribute(mesh, (Replicate(),))
 
 
 def sequence_plan(model: nn.Module, plan: dict[str, Any], whole: bool = True

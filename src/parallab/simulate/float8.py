@@ -16,20 +16,30 @@ train converts are priced as float8 runs them:
 - under FSDP2 with precision.fp8_all_gather, those layers' weights gathered in float8 (one
   byte an element, the others in bf16), and held so.
 What the trace keeps for backward stays the bf16 step's, as torchao's Float8Linear saves
-its input and weight in the high precision (NOTE, for the answer).
-"""
+its input and weight in the high precision (NOTE, for the answer), but for the layers tp
+splits by torchao's float8 styles, which keep float8 copies (SplitCasts)."""
 
 from __future__ import annotations
 
+import itertools
+import weakref
+
+import torch
 from torch import nn
 
 from parallab.simulate.cluster import Rates
 from parallab.simulate.ops import Op
 
+# what hands a gathered input on as it is: the gather's wait, its chunks concatenated,
+# autocast's cast
+COPIES = {torch.ops._c10d_functional.wait_tensor.default, torch.ops.aten.cat.default,
+          torch.ops.aten._to_copy.default, torch.ops.aten.clone.default}
 PEAK = "fp8"  # the Rates.peaks key of the GPU's dense float8 matmul rate
 NOTE = ("Float8: the Linear layers' inputs are kept for backward in bf16, as torchao's "
-        "Float8Linear keeps them (parallab's precision=fp8); Transformer Engine keeps float8 "
-        "copies, so a run on it (NeMo, Megatron-Core) holds less.")
+        "Float8Linear keeps them (parallab's precision=fp8), but those tp splits under the "
+        "tensorwise recipe, kept in float8 as torchao's float8 styles keep them; Transformer "
+        "Engine keeps float8 copies of them all, so a run on it (NeMo, Megatron-Core) holds "
+        "less.")
 
 
 def layers(model: nn.Module) -> set[nn.Module]:
@@ -77,3 +87,82 @@ def gathered_bytes(compute_bytes: int, share: float) -> float:
     """Bytes an element of a block's weights takes gathered: `share` of them (the float8
     layers', precision.fp8_all_gather) in one byte, the rest in the compute dtype."""
     return compute_bytes - share * (compute_bytes - 1)
+
+
+class SplitCasts:
+    """Under tp, the tensorwise recipe's split layers as train runs them: torchao's float8
+    styles cast each split layer's input to float8 before its matmul, which keeps that
+    one-byte copy for backward; where the input is gathered (a column-split layer's under
+    gpt's sequence-parallel plan, or the attention's and MLP's of a transformers block that
+    feed float8 layers alone: precision.feeds_float8), it is cast before the gather, which
+    then moves one byte an element, and kept once for the layers it feeds. The trace runs
+    the bf16 step: this tells its recorder which all-gathers move float8, and the saver
+    what those layers keep."""
+
+    def __init__(self, model: nn.Module, converted: set[nn.Module], names: dict[int, str]):
+        from torch.distributed.tensor import DTensor
+
+        from parallab.precision import feeds_float8
+
+        self.split = {names[id(m)] for m in converted if isinstance(m.weight, DTensor)}
+        split = {m for m in converted if names[id(m)] in self.split}
+        # storage -> alive: the inputs cast before their gather; storage -> (the gathered
+        # input's serial, its elements): what hands it on. Each while its storage lives (a
+        # freed storage's address is the next one's)
+        self.inputs: dict[int, weakref.ref] = {}
+        self.roots: dict[int, tuple[int, int]] = {}
+        self._alive: dict[int, weakref.ref] = {}
+        self._serials = itertools.count()
+        for module in model.modules():
+            if module in split or feeds_float8(module, split.__contains__):
+                module.register_forward_pre_hook(self._entered, prepend=True,
+                                                 with_kwargs=True)
+
+    def _entered(self, _, args, kwargs) -> None:
+        from parallab.simulate.ops import _local
+
+        x = args[0] if args else kwargs.get("hidden_states")
+        if isinstance(x, torch.Tensor):
+            while_alive(_local(x).untyped_storage(), self.inputs, self.inputs)
+
+    def gathered(self, source: torch.Tensor, out: torch.Tensor) -> bool:
+        """Whether an all-gather of `source` (a local tensor) moves float8: its output
+        then the root of what the layers it feeds keep."""
+        if source.untyped_storage()._cdata not in self.inputs:
+            return False
+        self._root(out, (next(self._serials), out.numel()))
+        return True
+
+    def derived(self, func, sources: list[torch.Tensor], outputs: list[torch.Tensor]
+                ) -> None:
+        """A copy of a gathered input (its chunks concatenated, autocast's cast of it) is
+        the one float8 tensor too."""
+        if func not in COPIES:
+            return
+        root = next((self.roots[t.untyped_storage()._cdata] for t in sources
+                     if t.untyped_storage()._cdata in self.roots), None)
+        for out in outputs if root is not None else ():
+            self._root(out, root)
+
+    def _root(self, tensor: torch.Tensor, root: tuple[int, int]) -> None:
+        self.roots[tensor.untyped_storage()._cdata] = root
+        while_alive(tensor.untyped_storage(), self.roots, self._alive)
+
+    def kept(self, tensor: torch.Tensor, parents: set[str], cast: bool
+             ) -> tuple[object, int, bool | None] | None:
+        """What a split layer keeps of `tensor` (local) as it saves it: (key, bytes, kept
+        compiled: None where as the tensor is) of its one float8 copy, nothing of autocast's
+        copy of its weight (Float8Linear keeps the weight it holds); None where no split
+        float8 layer saves it."""
+        key = tensor.untyped_storage()._cdata
+        if key in self.roots:  # the gathered input, a collective's output: kept compiled
+            serial, elements = self.roots[key]
+            return ("gathered", serial), elements, True
+        layer = next((p for p in parents if p in self.split), None)
+        return None if layer is None else ((key, layer), 0 if cast else tensor.numel(), None)
+
+
+def while_alive(storage: torch.UntypedStorage, found: dict, alive: dict) -> None:
+    """`storage`'s entry in `found` dropped as it is freed (`alive` holds the reference)."""
+    key = storage._cdata
+    alive[key] = weakref.ref(storage, lambda _: (found.pop(key, None), alive.pop(key, None)))

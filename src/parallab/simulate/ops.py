@@ -119,8 +119,9 @@ class Recorder(TorchDispatchMode):
     shard), its region from `tracker` (ModTracker) and the phase set from outside."""
 
     def __init__(self, tracker, block: str, causal_lm: bool, experts: tuple[str, ...] = (),
-                 float8: frozenset[str] = frozenset()):
+                 float8: frozenset[str] = frozenset(), casts8=None):
         super().__init__()
+        self.casts8 = casts8  # float8.SplitCasts under tp's tensorwise float8 styles
         self.tracker, self.block, self.causal_lm = tracker, block, causal_lm
         self.float8 = float8  # the Linear layers precision=fp8 converts, as ModTracker names
         # the block's experts modules by their path in it (a checkpoint wrapper between)
@@ -185,11 +186,18 @@ class Recorder(TorchDispatchMode):
         if known is not None:
             kind_name, index, factor = known
             n = comm._group_size(args, kwargs)
-            sent = comm._nbytes(_local(args[index])) * factor(n) if n > 1 else 0.0
+            source, made = _local(args[index]), _local(out)
+            sent = comm._nbytes(source) * factor(n) if n > 1 else 0.0
+            size = 1  # bytes an element moves: the output's own, or float8's one
+            if kind_name == "all_gather" and self.casts8 is not None and \
+                    self.casts8.gathered(source, made):
+                size = source.element_size()  # cast to float8 before it is gathered
             self.ops.append(Op(self.phase, self._region(), "collective", 0.0, (), (),
-                               kind_name, sent, n))
+                               kind_name, sent / size, n))
             return out
         if func.namespace == "_c10d_functional":  # waits, and the like: no work of their own
+            if self.casts8 is not None:
+                self.casts8.derived(func, [_local(args[0])], [_local(out)])
             return out
         from torch.distributed.tensor import DTensor
 
@@ -208,6 +216,11 @@ class Recorder(TorchDispatchMode):
         op.fp8 = op.kind == "matmul" and bool(self.float8.intersection(self.tracker.parents))
         op.recomputed = self.rerun > 0
         self.ops.append(op)
+        if self.phase == "forward" or op.recomputed:
+            tensors = [[t for t in map(_local, values) if isinstance(t, torch.Tensor)]
+                       for values in (flat_in, flat_out)]
+            if self.casts8 is not None:
+                self.casts8.derived(func, *tensors)
         for value in flat_out:
             value = _local(value)
             if isinstance(value, torch.Tensor):

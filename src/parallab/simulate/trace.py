@@ -179,12 +179,17 @@ def trace(cfg, template: nn.Module, block: str, vocab: int, shape: Shape) -> Tra
         model = activations.apply(model, shape.checkpointing, cfg.parallel.stages)
         float8_names = frozenset(_fqn(model, name) for name, m in model.named_modules()
                                  if m in converted)
+        casts8 = float8.SplitCasts(model, converted, {id(m): _fqn(model, name) for name, m
+                                                      in model.named_modules()}) \
+            if shape.tp > 1 and shape.precision == "fp8" and shape.fp8_recipe == "tensorwise" \
+            else None
         loss = loss.bind(model)
         batch = _fake_batch(fake, shape, vocab)
         tracker = ModTracker()
         recorder = entered.recorder = Recorder(tracker, _fqn(model, block),
                                                hf.shifts_labels(model),
-                                               tuple(name for name, _ in held), float8_names)
+                                               tuple(name for name, _ in held), float8_names,
+                                               casts8)
         saved = _SavedByRegion(model, tracker, recorder)
         calls = register_module_forward_pre_hook(lambda module, _: called.append(module))
         try:
@@ -335,21 +340,32 @@ class _SavedByRegion:
         self.params = {_local(p).untyped_storage()._cdata for p in model.parameters()}
         self.param_ids = {id(p) for p in model.parameters()}
         # storage -> (region, bytes, kept compiled, a parameter's cast)
-        self.seen: dict[int, tuple[str, int, bool, bool]] = {}
+        self.seen: dict[object, tuple[str, int, bool, bool]] = {}
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         from parallab.parallel.activations import is_cast
 
         storage = _local(tensor).untyped_storage()
         key = storage._cdata
-        if key not in self.params and key not in self.seen:
-            inside = any(p.startswith(self.recorder.block) for p in self.tracker.parents)
-            # outside the block: the embeddings' before the block ran, the head's after
-            region = "block" if inside else ("after" if self.recorder.block_seen else "before")
-            made_in, kind, in_model = self.recorder.produced.get(key, ("", "", False))
-            recomputed = kind == "memory" and in_model and (made_in == "block") == inside
-            self.seen[key] = (region, storage.nbytes(), not recomputed,
-                              is_cast(tensor, self.param_ids))
+        if key in self.params:
+            return tensor
+        cast = is_cast(tensor, self.param_ids)
+        # a split float8 layer's one-byte copy (float8.SplitCasts), in place of the tensor
+        float8 = self.recorder.casts8 and self.recorder.casts8.kept(
+            _local(tensor), self.tracker.parents, cast)
+        if (float8[0] if float8 else key) in self.seen:
+            return tensor
+        inside = any(p.startswith(self.recorder.block) for p in self.tracker.parents)
+        # outside the block: the embeddings' before the block ran, the head's after
+        region = "block" if inside else ("after" if self.recorder.block_seen else "before")
+        made_in, kind, in_model = self.recorder.produced.get(key, ("", "", False))
+        recomputed = kind == "memory" and in_model and (made_in == "block") == inside
+        if float8:
+            copy, nbytes, kept = float8
+            recomputed = recomputed if kept is None else not kept
+            self.seen[copy] = (region, nbytes, not recomputed, False)
+        else:
+            self.seen[key] = (region, storage.nbytes(), not recomputed, cast)
         return tensor
 
     def by_region(self, compiled: bool = False, casts: bool = False) -> dict[str, float]:

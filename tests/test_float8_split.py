@@ -1,0 +1,227 @@
+"""precision=fp8's tensorwise recipe under tp, as train splits it and simulate traces it:
+torchao's float8 styles cast each split layer's input to float8 and keep that copy for
+backward; a gathered input is cast before its gather (one byte an element) and kept once
+for the layers it feeds (a transformers block's q, k and v; gate and up).
+
+gloo carries no float8, so what a rank gathers and keeps is measured on torch's fake
+process group (float8 kernels run for real on this CPU; the collectives return at once),
+and the values on one gloo rank."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import TINY_LLAMA
+from test_simulate import GPT, configured, traced
+
+LLAMA = [*TINY_LLAMA, "data.seq_len=32", "data.batch_size=2"]
+ROWS, SEQ, TP = 2, 32, 2
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """What a rank holds of `t`: a DTensor's shard, a float8 tensor's one-byte data."""
+    from torch.distributed.tensor import DTensor
+
+    t = t.to_local() if isinstance(t, DTensor) else t
+    return getattr(t, "_data", t)
+
+
+class _Gathers(torch.utils._python_dispatch.TorchDispatchMode):
+    """The bytes each all-gather sends of its input (a float8 one's data)."""
+
+    def __init__(self):
+        super().__init__()
+        self.sent: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops._c10d_functional.all_gather_into_tensor.default:
+            data = _local(args[0])
+            self.sent.append(data.numel() * data.element_size())
+        return func(*args, **(kwargs or {}))
+
+
+def _model(kind: str, base: list[str]) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if kind == "gpt":
+        from parallab.models.gpt import GPT as Gpt
+
+        return Gpt(layers=2, heads=4, width=64, context=64)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    given = configured(*base).model["config"]
+    return LlamaForCausalLM(LlamaConfig(**{k: v for k, v in dict(given).items()
+                                           if k != "_target_"}))
+
+
+def _trained_block(kind: str, base: list[str], sequence_parallel: bool, bf16_weights: bool
+                   ) -> tuple[int, list[int]]:
+    """Train's split of the model (fp8, tensorwise) on a rank of tp 2: the bytes its first
+    block keeps for backward (not its weights) and its forward's all-gathers."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from parallab.config.schema import PrecisionConfig
+    from parallab.launching.distributed import fake_group
+    from parallab.parallel import tp_plans
+    from parallab.precision import Precision
+
+    precision = Precision(PrecisionConfig(name="fp8", fp8_recipe="tensorwise"),
+                          torch.device("cpu"))
+    model = _model(kind, base)
+    model = precision.convert(model.to(torch.bfloat16) if bf16_weights else model)
+    block = model.model.layers[0] if kind == "llama" else model.blocks[0]
+    kept: dict[int, int] = {}
+    gathers, inside, first = _Gathers(), [], []
+
+    def pack(t):
+        if inside:
+            storage = _local(t).untyped_storage()
+            kept[storage._cdata] = storage.nbytes()
+        return t
+
+    def entered(*_):
+        inside.append(1)
+        first.append(len(gathers.sent))
+
+    def left(*_):
+        inside.clear()
+        first.append(len(gathers.sent))
+
+    block.register_forward_pre_hook(entered)
+    block.register_forward_hook(left)
+    with fake_group(TP):
+        mesh = init_device_mesh("cpu", (TP,), mesh_dim_names=("tp",))
+        tp_plans.split(model, mesh, None, sequence_parallel, _WholeLogits())
+        tokens = torch.randint(0, 256, (ROWS, SEQ))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+                precision.autocast(), gathers:
+            logits = model(tokens)
+        getattr(logits, "logits", logits).float().sum().backward()
+        weights = {_local(p).untyped_storage()._cdata for p in model.parameters()}
+    return (sum(b for key, b in kept.items() if key not in weights),
+            gathers.sent[first[0]:first[1]])
+
+
+class _WholeLogits:
+    takes_sharded_logits = False
+
+
+@pytest.mark.parametrize("kind,sequence_parallel,bf16_weights", [
+    ("llama", True, False), ("llama", True, True), ("llama", False, True), ("gpt", True, False)],
+    ids=["llama-sp-autocast", "llama-sp-bf16", "llama-tp-bf16", "gpt-sp-autocast"])
+def test_a_traced_float8_block_keeps_and_gathers_what_trains_split_does(
+        kind, sequence_parallel, bf16_weights):
+    """simulate's traced block (the bf16 step, the split float8 layers' copies counted one
+    byte a value) keeps for backward what train's float8 block keeps, byte for byte, and
+    its forward's all-gathers move what train's move: under the sequence-parallel plans,
+    each gathered input once in one byte an element (a float32 stream's too, under
+    autocast), kept once for the layers it feeds."""
+    from parallab.simulate.trace import Shape
+
+    base = LLAMA if kind == "llama" else GPT
+    found = traced(Shape(tp=TP, sequence_parallel=sequence_parallel, rows=ROWS, seq_len=SEQ,
+                         precision="fp8", gathered=bf16_weights), base=base)
+    gathers = [op.sent for op in found.ops if op.collective == "all_gather" and
+               op.region == "block" and op.phase == "forward"]
+    kept, sent = _trained_block(kind, base, sequence_parallel, bf16_weights)
+    assert found.saved["block"] == kept
+    assert gathers == sent == ([ROWS * SEQ // TP * 64] * 2 if sequence_parallel else [])
+
+
+def test_a_float8_blocks_bytes_kept_fall_below_bf16s():
+    """What the copies are worth: the traced block in float8 keeps less than in bf16, by
+    the gathered inputs' second byte (not by q, k and v thrice: they keep one copy) and the
+    down projection's input's; the output projection's input, a view of what the attention
+    keeps in bf16, is one byte more: its float8 copy."""
+    from parallab.simulate.trace import Shape
+
+    shape = dict(tp=TP, sequence_parallel=True, rows=ROWS, seq_len=SEQ, gathered=True)
+    bf16, fp8 = (traced(Shape(**shape, precision=p), base=LLAMA).saved["block"]
+                 for p in ("bf16", "fp8"))
+    gathered, o_proj, down = ROWS * SEQ * 64, ROWS * SEQ * 64 // TP, ROWS * SEQ * 128 // TP
+    assert bf16 - fp8 == 2 * gathered + down - o_proj
+
+
+def _one_rank(rank: int, store: str, out: str) -> None:
+    import json
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torchao.float8.distributed_utils import tensor_already_casted_to_fp8
+
+    from parallab.config.schema import PrecisionConfig
+    from parallab.parallel import tp_plans
+    from parallab.precision import Precision
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=1)
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+    precision = Precision(PrecisionConfig(name="fp8", fp8_recipe="tensorwise"),
+                          torch.device("cpu"))
+    found = {}
+    for split in (False, True):
+        model = precision.convert(_model("llama", LLAMA))
+        handed = []
+        for name in ("q_proj", "k_proj", "v_proj"):
+            layer = getattr(model.model.layers[0].self_attn, name)
+            layer.register_forward_pre_hook(
+                lambda _, args: handed.append(tensor_already_casted_to_fp8(args[0])))
+        if split:
+            tp_plans.split(model, mesh, None, True, _WholeLogits())
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        torch.manual_seed(1)
+        tokens = torch.randint(0, 256, (ROWS, SEQ))
+        losses = []
+        for _ in range(3):
+            with precision.autocast():
+                logits = model(tokens).logits.float()
+            loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1),
+                                                     tokens[:, 1:].flatten())
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        found["split" if split else "whole"] = {"losses": losses, "handed": handed[:3]}
+    with open(out, "w") as f:
+        json.dump(found, f)
+    dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+def test_a_transformers_blocks_input_cast_before_its_gather_trains_as_the_model_whole(
+        tmp_path):
+    """The attention's input cast to float8 once, before the sequence is gathered (on one
+    gloo rank: gloo carries no float8), and handed so to q, k and v: three steps' losses
+    those of the model whole, where each layer casts it itself."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    out = tmp_path / "found.json"
+    mp.spawn(_one_rank, args=(str(tmp_path / "store"), str(out)), nprocs=1)
+    found = json.loads(out.read_text())
+    assert found["split"]["handed"] == [True] * 3 and found["whole"]["handed"] == [False] * 3
+    assert found["split"]["losses"] == pytest.approx(found["whole"]["losses"], rel=1e-6)
+    assert len(set(found["whole"]["losses"])) == 3  # each step moved the weights
+
+
+def test_only_an_input_that_feeds_float8_layers_alone_is_cast_before_its_gather():
+    """feeds_float8: a Llama block's attention and MLP, and Qwen 3's attention (its q and k
+    norms take the layers' outputs) feed float8 layers alone; an MoE layer (its router,
+    its experts) and a module with weights of its own do not, nor a block left in bf16."""
+    import transformers
+
+    from parallab.precision import feeds_float8
+
+    def float8(module):
+        return type(module).__name__ == "Linear" and module.in_features % 16 == 0
+
+    shape = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                 num_attention_heads=2, num_key_value_heads=2)
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape)).model.layers[0]
+    moe = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        **shape, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+        head_dim=16)).model.layers[0]
+    assert feeds_float8(llama.self_attn, float8) and feeds_float8(llama.mlp, float8)
+    assert feeds_float8(moe.self_attn, float8) and not feeds_float8(moe.mlp, float8)
+    assert not feeds_float8(llama.self_attn, lambda m: False)
+    llama.self_attn.register_parameter("sinks", torch.nn.Parameter(torch.zeros(2)))
+    assert not feeds_float8(llama.self_attn, float8)
