@@ -179,3 +179,45 @@ def test_auto_ranks_the_gathered_inputs_gathered_again_as_train_runs_them(tmp_pa
         assert regathered["parts"]["tp_all_gather_s"] > kept["parts"]["tp_all_gather_s"]
     cfg, layout = checked(*shlex.split(twins[0][0]["command"])[2:], "device=cpu")
     assert cfg.parallel.regather_in_backward and layout.regather
+
+
+def test_a_compiled_block_keeps_the_collective_outputs_it_is_made_again_from():
+    """torch.compile's partitioner makes memory-bound chains again in backward but never a
+    collective: a chain that starts from one keeps it. Under sequence parallelism a
+    block's gathered input is its gather's output at one sequence a micro-batch and a
+    copy of its chunks at more (which compiled backward would make again, from the
+    gather's output it keeps): what a compiled block keeps grows with the sequences alike
+    from 1 to 2 as from 2 to 4."""
+    from parallab.simulate.trace import Shape
+
+    kept = {rows: traced(Shape(tp=2, sequence_parallel=True, rows=rows, seq_len=32,
+                               precision="bf16", gathered=True), base=LLAMA
+                         ).saved_compiled["block"] for rows in (1, 2, 4)}
+    assert kept[4] - kept[2] == 2 * (kept[2] - kept[1]) > 0
+
+
+def test_a_chain_from_a_collective_keeps_the_cheaper_cut_once():
+    """What a compiled step keeps for chains from a collective's output (sources.py): the
+    cheaper of the output and what backward reads of them (a float32 gather's one bf16
+    copy: the copy; its three: the gather), once; nothing where the output is saved as
+    it is, or where the chain crosses the block's edge."""
+    import torch
+
+    from parallab.simulate.sources import Needed, Sources
+
+    def kept(copies: int, saved_too: bool = False, region: str = "block") -> float:
+        sources, needed = Sources(), Needed()
+        gathered = torch.zeros(64, 32)  # float32: 8 KiB
+        sources.collective(gathered, gathered.untyped_storage().nbytes(), True)
+        waited = gathered.view(64, 32)
+        sources.waited(gathered, waited)
+        made = [waited.to(torch.bfloat16) for _ in range(copies)]  # 4 KiB each
+        for copy in made:
+            sources.passed([waited], [copy])
+            needed.add(sources, copy, region, recomputed=True)
+        if saved_too:
+            needed.add(sources, waited, region, recomputed=False)
+        return needed.kept(region)
+
+    assert kept(1) == 4096 and kept(3) == 8192
+    assert kept(3, saved_too=True) == 0 and kept(1, region="after") == 0

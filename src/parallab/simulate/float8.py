@@ -29,6 +29,7 @@ from torch import nn
 
 from parallab.simulate.cluster import Rates
 from parallab.simulate.ops import Op
+from parallab.simulate.sources import while_alive
 
 # what hands a gathered input on as it is: the gather's wait, its chunks concatenated,
 # autocast's cast
@@ -161,8 +162,3 @@ class SplitCasts:
         layer = next((p for p in parents if p in self.split), None)
         return None if layer is None else ((key, layer), 0 if cast else tensor.numel(), None)
 
-
-def while_alive(storage: torch.UntypedStorage, found: dict, alive: dict) -> None:
-    """`storage`'s entry in `found` dropped as it is freed (`alive` holds the reference)."""
-    key = storage._cdata
-    alive[key] = weakref.ref(storage, lambda _: (found.pop(key, None), alive.pop(key, None)))

@@ -18,6 +18,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
 from parallab.observe import comm
+from parallab.simulate.sources import Sources
 
 aten = torch.ops.aten
 
@@ -122,6 +123,7 @@ class Recorder(TorchDispatchMode):
                  float8: frozenset[str] = frozenset(), casts8=None):
         super().__init__()
         self.casts8 = casts8  # float8.SplitCasts under tp's tensorwise float8 styles
+        self.sources = Sources()  # the collectives' outputs a compiled step keeps
         self.tracker, self.block, self.causal_lm = tracker, block, causal_lm
         self.float8 = float8  # the Linear layers precision=fp8 converts, as ModTracker names
         # the block's experts modules by their path in it (a checkpoint wrapper between)
@@ -192,12 +194,17 @@ class Recorder(TorchDispatchMode):
             if kind_name == "all_gather" and self.casts8 is not None and \
                     self.casts8.gathered(source, made):
                 size = source.element_size()  # cast to float8 before it is gathered
-            self.ops.append(Op(self.phase, self._region(), "collective", 0.0, (), (),
-                               kind_name, sent / size, n))
+            region = self._region()
+            self.ops.append(Op(self.phase, region, "collective", 0.0, (), (), kind_name,
+                               sent / size, n))
+            if isinstance(made, torch.Tensor):
+                self.sources.collective(made, made.untyped_storage().nbytes() // size,
+                                        region == "block")
             return out
         if func.namespace == "_c10d_functional":  # waits, and the like: no work of their own
             if self.casts8 is not None:
                 self.casts8.derived(func, [_local(args[0])], [_local(out)])
+            self.sources.waited(_local(args[0]), _local(out))
             return out
         from torch.distributed.tensor import DTensor
 
@@ -221,6 +228,8 @@ class Recorder(TorchDispatchMode):
                        for values in (flat_in, flat_out)]
             if self.casts8 is not None:
                 self.casts8.derived(func, *tensors)
+            if op.kind == "memory":
+                self.sources.passed(*tensors)
         for value in flat_out:
             value = _local(value)
             if isinstance(value, torch.Tensor):

@@ -36,6 +36,7 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from parallab.launching.distributed import fake_group
 from parallab.simulate import on_a_device
 from parallab.simulate.ops import Op, Recorder, _local, _nbytes
+from parallab.simulate.sources import Needed
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -341,6 +342,7 @@ class _SavedByRegion:
         self.param_ids = {id(p) for p in model.parameters()}
         # storage -> (region, bytes, kept compiled, a parameter's cast)
         self.seen: dict[object, tuple[str, int, bool, bool]] = {}
+        self.needed = Needed()
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         from parallab.parallel.activations import is_cast
@@ -366,6 +368,8 @@ class _SavedByRegion:
             self.seen[copy] = (region, nbytes, not recomputed, False)
         else:
             self.seen[key] = (region, storage.nbytes(), not recomputed, cast)
+        # what compiled backward makes it again from: a collective's output (sources.py)
+        self.needed.add(self.recorder.sources, _local(tensor), region, recomputed)
         return tensor
 
     def by_region(self, compiled: bool = False, casts: bool = False) -> dict[str, float]:
@@ -375,4 +379,6 @@ class _SavedByRegion:
         for region, nbytes, kept, cast in self.seen.values():
             if (kept or not compiled) and (cast or not casts):
                 totals[region] += nbytes
+        if compiled and not casts:
+            totals = {region: n + self.needed.kept(region) for region, n in totals.items()}
         return totals
