@@ -213,10 +213,10 @@ def test_a_chain_from_a_collective_keeps_the_cheaper_cut_once():
         sources.waited(gathered, waited)
         made = [waited.to(torch.bfloat16) for _ in range(copies)]  # 4 KiB each
         for copy in made:
-            sources.passed([waited], [copy])
-            needed.add(sources, copy, region, recomputed=True)
+            sources.passed([waited], [copy], in_block=True)
+            needed.add(sources, copy, copy.untyped_storage().nbytes(), region, True)
         if saved_too:
-            needed.add(sources, waited, region, recomputed=False)
+            needed.add(sources, waited, 8192, region, False)
         return needed.kept(region)
 
     assert kept(1) == 4096 and kept(3) == 8192

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
+from typing import Callable
 
 import torch
 from torch import nn
@@ -100,31 +101,48 @@ class SplitCasts:
     the bf16 step: this tells its recorder which all-gathers move float8, and the saver
     what those layers keep."""
 
-    def __init__(self, model: nn.Module, converted: set[nn.Module], names: dict[int, str]):
+    def __init__(self, model: nn.Module, converted: set[nn.Module], names: dict[int, str],
+                 sequence_parallel: bool):
         from torch.distributed.tensor import DTensor
 
         from parallab.precision import feeds_float8
 
         self.split = {names[id(m)] for m in converted if isinstance(m.weight, DTensor)}
         split = {m for m in converted if names[id(m)] in self.split}
-        # storage -> alive: the inputs cast before their gather; storage -> (the gathered
-        # input's serial, its elements): what hands it on. Each while its storage lives (a
-        # freed storage's address is the next one's)
+        # storage -> alive: the split layers' inputs (and autocast's copies of them) and
+        # the inputs cast before their gather; storage -> (the gathered input's serial,
+        # its elements): what hands it on. Each while its storage lives (a freed storage's
+        # address is the next one's)
         self.inputs: dict[int, weakref.ref] = {}
         self.roots: dict[int, tuple[int, int]] = {}
         self._alive: dict[int, weakref.ref] = {}
         self._serials = itertools.count()
+        self.sequence_parallel = sequence_parallel
+        # the recorder's, for a cast's tensorwise scale all-reduced over the ranks what it
+        # casts is cut over (DTensor's, inside the cast: no dispatch of its own to record)
+        self.amax: Callable[[int, int, str | None], None] = lambda *_: None
         for module in model.modules():
             if module in split or feeds_float8(module, split.__contains__):
                 module.register_forward_pre_hook(self._entered, prepend=True,
                                                  with_kwargs=True)
 
-    def _entered(self, _, args, kwargs) -> None:
+    def _entered(self, module, args, kwargs) -> None:
+        from torch.distributed.tensor import DTensor, Shard
+
         from parallab.simulate.ops import _local
 
         x = args[0] if args else kwargs.get("hidden_states")
         if isinstance(x, torch.Tensor):
             while_alive(_local(x).untyped_storage(), self.inputs, self.inputs)
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, DTensor):  # a split layer's casts of what is cut over tp:
+            ranks, rows = weight.device_mesh.size(), weight.placements == (Shard(1),)
+            # its weight, and a row split's input (a column split's comes whole, or is
+            # counted where it is cast before its gather)
+            self.amax(ranks, 1 + rows, None)
+            # in backward its weight again, and its output's gradient where that is cut (a
+            # column split's, cut by columns; a row split's under sequence parallelism)
+            self.amax(ranks, 1 + (not rows or self.sequence_parallel), "backward")
 
     def gathered(self, source: torch.Tensor, out: torch.Tensor) -> bool:
         """Whether an all-gather of `source` (a local tensor) moves float8: its output
@@ -137,13 +155,15 @@ class SplitCasts:
     def derived(self, func, sources: list[torch.Tensor], outputs: list[torch.Tensor]
                 ) -> None:
         """A copy of a gathered input (its chunks concatenated, autocast's cast of it) is
-        the one float8 tensor too."""
+        the one float8 tensor too; autocast's copy of a split layer's input is its input."""
         if func not in COPIES:
             return
-        root = next((self.roots[t.untyped_storage()._cdata] for t in sources
-                     if t.untyped_storage()._cdata in self.roots), None)
+        keys = [t.untyped_storage()._cdata for t in sources]
+        root = next((self.roots[key] for key in keys if key in self.roots), None)
         for out in outputs if root is not None else ():
             self._root(out, root)
+        for out in outputs if any(key in self.inputs for key in keys) else ():
+            while_alive(out.untyped_storage(), self.inputs, self.inputs)
 
     def _root(self, tensor: torch.Tensor, root: tuple[int, int]) -> None:
         self.roots[tensor.untyped_storage()._cdata] = root
@@ -152,13 +172,16 @@ class SplitCasts:
     def kept(self, tensor: torch.Tensor, parents: set[str], cast: bool
              ) -> tuple[object, int, bool | None] | None:
         """What a split layer keeps of `tensor` (local) as it saves it: (key, bytes, kept
-        compiled: None where as the tensor is) of its one float8 copy, nothing of autocast's
-        copy of its weight (Float8Linear keeps the weight it holds); None where no split
-        float8 layer saves it."""
+        compiled: None where as the tensor is) of its input's one float8 copy, nothing of
+        autocast's copy of its weight (Float8Linear keeps the weight it holds); None where
+        no split float8 layer saves it, or what it saves is not its input (its output,
+        which selective checkpointing keeps in bf16)."""
         key = tensor.untyped_storage()._cdata
         if key in self.roots:  # the gathered input, a collective's output: kept compiled
             serial, elements = self.roots[key]
             return ("gathered", serial), elements, True
         layer = next((p for p in parents if p in self.split), None)
-        return None if layer is None else ((key, layer), 0 if cast else tensor.numel(), None)
+        if layer is None or not (cast or key in self.inputs):
+            return None
+        return (key, layer), 0 if cast else tensor.numel(), None
 

@@ -123,6 +123,8 @@ class Recorder(TorchDispatchMode):
                  float8: frozenset[str] = frozenset(), casts8=None):
         super().__init__()
         self.casts8 = casts8  # float8.SplitCasts under tp's tensorwise float8 styles
+        if casts8 is not None:
+            casts8.amax = self.amax
         self.sources = Sources()  # the collectives' outputs a compiled step keeps
         self.tracker, self.block, self.causal_lm = tracker, block, causal_lm
         self.float8 = float8  # the Linear layers precision=fp8 converts, as ModTracker names
@@ -195,6 +197,8 @@ class Recorder(TorchDispatchMode):
                     self.casts8.gathered(source, made):
                 size = source.element_size()  # cast to float8 before it is gathered
             region = self._region()
+            if size > 1:  # cast before it is gathered: the cast's scale over the slices
+                self.amax(n)
             self.ops.append(Op(self.phase, region, "collective", 0.0, (), (), kind_name,
                                sent / size, n))
             if isinstance(made, torch.Tensor):
@@ -229,12 +233,22 @@ class Recorder(TorchDispatchMode):
             if self.casts8 is not None:
                 self.casts8.derived(func, *tensors)
             if op.kind == "memory":
-                self.sources.passed(*tensors)
+                self.sources.passed(*tensors, op.region == "block")
         for value in flat_out:
             value = _local(value)
             if isinstance(value, torch.Tensor):
                 self._made(value.untyped_storage(), op)
         return out
+
+    def amax(self, ranks: int, casts: int = 1, phase: str | None = None) -> None:
+        """`casts` float8 casts of tensors cut over `ranks`, in `phase` (None: now): each
+        one's tensorwise scale's amax (one float32) all-reduced over them. Those of a
+        backward are counted as its forward runs (not again as a checkpoint reruns it)."""
+        if phase is not None and phase != self.phase and self.phase != "forward":
+            return
+        self.ops.extend(Op(phase or self.phase, self._region(), "collective", 0.0, (), (),
+                           "all_reduce", 4 * 2 * (ranks - 1) / ranks, ranks)
+                        for _ in range(casts))
 
     def _made(self, storage: torch.UntypedStorage, op: Op) -> None:
         key = storage._cdata

@@ -43,10 +43,16 @@ class Sources:
         if key in self.found:
             self._keep(out, self.found[key], self.itself.get(key))
 
-    def passed(self, sources: list[torch.Tensor], outputs: list[torch.Tensor]) -> None:
-        """A memory-bound op made `outputs` from `sources`."""
-        found = frozenset().union(*(self.found.get(t.untyped_storage()._cdata, frozenset())
-                                    for t in sources))
+    def passed(self, sources: list[torch.Tensor], outputs: list[torch.Tensor],
+               in_block: bool) -> None:
+        """A memory-bound op made `outputs` from `sources`, inside the traced block or
+        not. A chain is followed inside the block, or outside it, not across: a compiled
+        step makes again what a block made from what the block holds (the next block's
+        input is this block's output, saved where it is read; the trace's first block's
+        input is the embedding's collective, which no other block's is)."""
+        found = frozenset(source for t in sources
+                          for source in self.found.get(t.untyped_storage()._cdata, ())
+                          if source[2] == in_block)
         for out in outputs if found else ():
             self._keep(out, found, None)
 
@@ -70,28 +76,24 @@ class Sources:
 
 class Needed:
     """The collective outputs a traced step's recomputed chains need, by region: each
-    one's bytes, and those of the saved tensors backward reads of its chains. A chain is
-    followed inside the block, or outside it, not across: a compiled step makes again
-    what a block made from what the block holds (the next block's input is the block's
-    output, saved where it is read, not the embedding's collective the trace began
-    with)."""
+    one's bytes, and those of the saved tensors backward reads of its chains."""
 
     def __init__(self):
         self.needs: dict[int, tuple[str, int, int]] = {}  # serial -> (region, bytes, read)
         self.saved: set[int] = set()  # serials saved as they are (counted with the rest)
 
-    def add(self, sources: Sources, tensor: torch.Tensor, region: str, recomputed: bool
-            ) -> None:
+    def add(self, sources: Sources, tensor: torch.Tensor, nbytes: int, region: str,
+            recomputed: bool) -> None:
+        """`tensor` saved, as `nbytes` (a float8 copy's one byte a value)."""
         if not recomputed:
             serial = sources.serial_of(tensor)
             if serial is not None:
                 self.saved.add(serial)
             return
-        for serial, nbytes, in_block in sources.of(tensor):
-            if in_block != (region == "block"):
-                continue
-            _, _, read = self.needs.get(serial, (region, nbytes, 0))
-            self.needs[serial] = (region, nbytes, read + tensor.untyped_storage().nbytes())
+        for serial, size, in_block in sources.of(tensor):
+            if in_block == (region == "block"):
+                _, _, read = self.needs.get(serial, (region, size, 0))
+                self.needs[serial] = (region, size, read + nbytes)
 
     def kept(self, region: str) -> float:
         """Bytes a compiled step keeps in `region` for them: the cheaper cut of each."""

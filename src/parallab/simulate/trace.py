@@ -181,7 +181,8 @@ def trace(cfg, template: nn.Module, block: str, vocab: int, shape: Shape) -> Tra
         float8_names = frozenset(_fqn(model, name) for name, m in model.named_modules()
                                  if m in converted)
         casts8 = float8.SplitCasts(model, converted, {id(m): _fqn(model, name) for name, m
-                                                      in model.named_modules()}) \
+                                                      in model.named_modules()},
+                                   shape.sequence_parallel) \
             if shape.tp > 1 and shape.precision == "fp8" and shape.fp8_recipe == "tensorwise" \
             else None
         loss = loss.bind(model)
@@ -367,9 +368,10 @@ class _SavedByRegion:
             recomputed = recomputed if kept is None else not kept
             self.seen[copy] = (region, nbytes, not recomputed, False)
         else:
-            self.seen[key] = (region, storage.nbytes(), not recomputed, cast)
+            nbytes = storage.nbytes()
+            self.seen[key] = (region, nbytes, not recomputed, cast)
         # what compiled backward makes it again from: a collective's output (sources.py)
-        self.needed.add(self.recorder.sources, _local(tensor), region, recomputed)
+        self.needed.add(self.recorder.sources, _local(tensor), nbytes, region, recomputed)
         return tensor
 
     def by_region(self, compiled: bool = False, casts: bool = False) -> dict[str, float]:
