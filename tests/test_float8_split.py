@@ -250,3 +250,24 @@ def test_only_an_input_that_feeds_float8_layers_alone_is_cast_before_its_gather(
     assert not feeds_float8(llama.self_attn, lambda m: False)
     llama.self_attn.register_parameter("sinks", torch.nn.Parameter(torch.zeros(2)))
     assert not feeds_float8(llama.self_attn, float8)
+
+
+def test_what_a_measured_step_keeps_counts_a_float8_copy_by_its_bytes():
+    """activations.Saved (advise's measured memory) counts a float8 tensor autograd keeps
+    by its one-byte data and its scale, not by the storage of its wrapper, which is sized
+    as the bf16 tensor it stands for."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    from torchao.float8.config import e4m3_dtype
+    from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
+    from torchao.float8.float8_training_tensor import GemmInputRole, LinearMMConfig
+
+    from parallab.parallel.activations import Saved
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64, bias=False)).to(torch.bfloat16)
+    convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name("tensorwise"))
+    handed = hp_tensor_to_float8_dynamic(torch.randn(32, 64, dtype=torch.bfloat16), e4m3_dtype,
+                                         LinearMMConfig(), gemm_input_role=GemmInputRole.INPUT)
+    saved = Saved(model)
+    with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+        model(handed)
+    assert saved() == 32 * 64 + 4  # float8 values, and the float32 scale

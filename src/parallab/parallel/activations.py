@@ -170,6 +170,18 @@ def apply(model: nn.Module, mode: str, names: list[str] | None = None, every: in
     return model
 
 
+def _storages(tensor: torch.Tensor) -> list[torch.UntypedStorage]:
+    """What `tensor` holds: a wrapper subclass's inner tensors' storages (a float8 tensor's
+    one-byte data and its scale), whose own storage is sized as the high-precision tensor
+    it stands for."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if not is_traceable_wrapper_subclass(tensor):
+        return [tensor.untyped_storage()]
+    names, _ = tensor.__tensor_flatten__()
+    return [s for name in names for s in _storages(getattr(tensor, name))]
+
+
 class Saved:
     """The storages autograd saved for backward while counting, by identity (a StorageImpl,
     which fake tensors have too), parameters left out; their bytes as of the call: counted
@@ -190,11 +202,11 @@ class Saved:
         self.cast_ids: set[int] = set()
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        storage = local(tensor).untyped_storage()
-        if storage._cdata not in self.storages:
-            self.saved[storage._cdata] = storage
-            if is_cast(tensor, self.params):
-                self.cast_ids.add(storage._cdata)
+        for storage in _storages(local(tensor)):
+            if storage._cdata not in self.storages:
+                self.saved[storage._cdata] = storage
+                if is_cast(tensor, self.params):
+                    self.cast_ids.add(storage._cdata)
         return tensor
 
     def casts(self) -> int:
