@@ -188,22 +188,7 @@ class Recorder(TorchDispatchMode):
         name = func.name().replace("::", ".").removesuffix(".default")
         known = comm._OPS.get(name)
         if known is not None:
-            kind_name, index, factor = known
-            n = comm._group_size(args, kwargs)
-            source, made = _local(args[index]), _local(out)
-            sent = comm._nbytes(source) * factor(n) if n > 1 else 0.0
-            size = 1  # bytes an element moves: the output's own, or float8's one
-            if kind_name == "all_gather" and self.casts8 is not None and \
-                    self.casts8.gathered(source, made):
-                size = source.element_size()  # cast to float8 before it is gathered
-            region = self._region()
-            if size > 1:  # cast before it is gathered: the cast's scale over the slices
-                self.amax(n)
-            self.ops.append(Op(self.phase, region, "collective", 0.0, (), (), kind_name,
-                               sent / size, n))
-            if isinstance(made, torch.Tensor):
-                self.sources.collective(made, made.untyped_storage().nbytes() // size,
-                                        region == "block")
+            self._collective(known, args, kwargs, out)
             return out
         if func.namespace == "_c10d_functional":  # waits, and the like: no work of their own
             if self.casts8 is not None:
@@ -239,6 +224,25 @@ class Recorder(TorchDispatchMode):
             if isinstance(value, torch.Tensor):
                 self._made(value.untyped_storage(), op)
         return out
+
+    def _collective(self, known: tuple, args: tuple, kwargs: dict, out: Any) -> None:
+        """A collective: the bytes a rank sends (one an element where it gathers what was
+        cast to float8 first, SplitCasts), and its output, which a compiled step keeps
+        where a recomputed chain starts from it (sources.py)."""
+        kind_name, index, factor = known
+        n = comm._group_size(args, kwargs)
+        source, made = _local(args[index]), _local(out)
+        sent = comm._nbytes(source) * factor(n) if n > 1 else 0.0
+        size = 1  # bytes an element moves: the output's own, or float8's one
+        if kind_name == "all_gather" and self.casts8 is not None and \
+                self.casts8.gathered(source, made):
+            size = source.element_size()
+            self.amax(n)  # the cast before the gather: its scale over the slices
+        self.ops.append(Op(self.phase, self._region(), "collective", 0.0, (), (), kind_name,
+                           sent / size, n))
+        if isinstance(made, torch.Tensor):
+            self.sources.collective(made, made.untyped_storage().nbytes() // size,
+                                    self._region() == "block")
 
     def amax(self, ranks: int, casts: int = 1, phase: str | None = None) -> None:
         """`casts` float8 casts of tensors cut over `ranks`, in `phase` (None: now): each

@@ -34,7 +34,7 @@ from torch import nn
 from torch.nn.modules.module import register_module_forward_pre_hook
 
 from parallab.launching.distributed import fake_group
-from parallab.simulate import on_a_device
+from parallab.simulate import float8, on_a_device
 from parallab.simulate.ops import Op, Recorder, _local, _nbytes
 from parallab.simulate.sources import Needed
 
@@ -157,7 +157,6 @@ def trace(cfg, template: nn.Module, block: str, vocab: int, shape: Shape) -> Tra
     from parallab.models.experts import experts_of, uniform_routing
     from parallab.parallel import activations, tp_plans
     from parallab.precision import Precision
-    from parallab.simulate import float8
 
     from parallab.config.schema import PrecisionConfig
 
@@ -178,13 +177,7 @@ def trace(cfg, template: nn.Module, block: str, vocab: int, shape: Shape) -> Tra
                 if name.startswith(f"{block}.")]
         converted = float8.layers(model) if shape.precision == "fp8" else set()
         model = activations.apply(model, shape.checkpointing, cfg.parallel.stages)
-        float8_names = frozenset(_fqn(model, name) for name, m in model.named_modules()
-                                 if m in converted)
-        casts8 = float8.SplitCasts(model, converted, {id(m): _fqn(model, name) for name, m
-                                                      in model.named_modules()},
-                                   shape.sequence_parallel) \
-            if shape.tp > 1 and shape.precision == "fp8" and shape.fp8_recipe == "tensorwise" \
-            else None
+        float8_names, casts8 = _float8(model, converted, shape)
         loss = loss.bind(model)
         batch = _fake_batch(fake, shape, vocab)
         tracker = ModTracker()
@@ -212,6 +205,18 @@ def trace(cfg, template: nn.Module, block: str, vocab: int, shape: Shape) -> Tra
                     **_block_kinds(the_block, [m for _, m in held], converted)}
     _saved_and_peak(found, saved, entered, recorder, model, the_block)
     return found
+
+
+def _float8(model: nn.Module, converted: set[nn.Module], shape: Shape
+            ) -> tuple[frozenset[str], float8.SplitCasts | None]:
+    """The Linear layers precision=fp8 converts, as ModTracker names them; and where tp
+    splits them by torchao's float8 styles (the tensorwise recipe), what those keep and
+    gather (float8.SplitCasts)."""
+    names = {id(m): _fqn(model, name) for name, m in model.named_modules()}
+    casts8 = float8.SplitCasts(model, converted, names, shape.sequence_parallel) \
+        if shape.tp > 1 and shape.precision == "fp8" and shape.fp8_recipe == "tensorwise" \
+        else None
+    return frozenset(names[id(m)] for m in converted), casts8
 
 
 def _block_kinds(block: nn.Module, experts: list[nn.Module], converted: set[nn.Module]
