@@ -271,3 +271,27 @@ def test_what_a_measured_step_keeps_counts_a_float8_copy_by_its_bytes():
     with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
         model(handed)
     assert saved() == 32 * 64 + 4  # float8 values, and the float32 scale
+
+
+def test_a_split_float8_layers_matmuls_are_priced_with_the_casts_its_styles_make():
+    """Float8Linear alone casts both operands of each of its three matmuls. Under tp's
+    float8 styles the gathered inputs come cast (q, k, v; gate, up), once each on its
+    slice before the gather, which the first matmul reading it pays; in backward the
+    weight's gradient takes the output's gradient cast for the input's and the input
+    kept cast: no cast of its own. A layer whose input is not gathered casts it itself."""
+    from parallab.simulate.trace import Shape
+
+    def matmuls(sequence_parallel: bool) -> list:
+        found = traced(Shape(tp=TP, sequence_parallel=sequence_parallel, rows=ROWS,
+                             seq_len=SEQ, precision="fp8", gathered=True), base=LLAMA)
+        return [op for op in found.ops if op.fp8 and op.region == "block"]
+
+    cut, whole = matmuls(True), matmuls(False)
+    forward = [len(op.precast) for op in cut if op.phase == "forward"]
+    assert forward == [1, 1, 1, 0, 1, 1, 0]  # q k v o, gate up down
+    slice_bf16 = ROWS * SEQ * 64 * 2 / TP
+    assert [op.slice_cast for op in cut if op.slice_cast] == [slice_bf16] * 2
+    assert not any(op.precast for op in whole if op.phase == "forward")
+    for ops in (cut, whole):
+        backward = [len(op.precast) for op in ops if op.phase == "backward"]
+        assert sorted(backward) == [0] * 7 + [2] * 7

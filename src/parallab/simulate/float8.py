@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from parallab.simulate.cluster import Rates
-from parallab.simulate.ops import Op
+from parallab.simulate.ops import Op, _nbytes
 from parallab.simulate.sources import while_alive
 
 # what hands a gathered input on as it is: the gather's wait, its chunks concatenated,
@@ -71,8 +71,14 @@ def seconds(op: Op, rates: Rates, compile: bool, overhead, recipe: str = "tensor
                                                   rates.matmul_efficiency))
     gemm = overhead((sum(operands) / 2 + written) / rates.hbm + multiplies)
     reads, kernels = (1, 1) if compile else (2, 2)
+    cast = [b for i, b in enumerate(operands) if i not in op.precast]  # SplitCasts
     casts = sum(kernels * overhead((reads * b + b / 2) / rates.hbm / kernels)
-                for b in operands)
+                for b in cast + ([op.slice_cast] if op.slice_cast else []))
+    if op.phase == "backward":  # operands kept cast, laid out again for the weight's
+        # gradient (torchao's preprocess_addmm: one row-major, one column-major), where a
+        # cast would write them so
+        casts += sum(overhead(b / rates.hbm) for i, b in enumerate(operands)
+                     if i in op.precast)
     return gemm + casts + (overhead(2 * written / rates.hbm) if rescaled(op, recipe) else 0.0)
 
 
@@ -109,6 +115,9 @@ class SplitCasts:
 
         self.split = {names[id(m)] for m in converted if isinstance(m.weight, DTensor)}
         split = {m for m in converted if names[id(m)] in self.split}
+        self.weights = {m.weight.to_local().untyped_storage()._cdata for m in split}
+        self.ranks = next(iter(split)).weight.device_mesh.size() if split else 1
+        self.charged: set[int] = set()  # gathered inputs whose slice's cast is priced
         # storage -> alive: the split layers' inputs (and autocast's copies of them) and
         # the inputs cast before their gather; storage -> (the gathered input's serial,
         # its elements): what hands it on. Each while its storage lives (a freed storage's
@@ -168,6 +177,29 @@ class SplitCasts:
     def _root(self, tensor: torch.Tensor, root: tuple[int, int]) -> None:
         self.roots[tensor.untyped_storage()._cdata] = root
         while_alive(tensor.untyped_storage(), self.roots, self._alive)
+
+    def casts(self, backward: bool, parents: set[str], operands: list[torch.Tensor]
+              ) -> tuple[tuple[int, ...], float]:
+        """A split layer's float8 matmul's operands cast before it (their places), and the
+        bytes of a gathered input's slice whose cast before the gather it is charged with:
+        Float8Linear alone casts each operand of each of its three matmuls; under the
+        float8 styles a layer's input comes cast (once, on its slice where gathered: the
+        first matmul reading it pays), and in backward its output's gradient is cast once
+        for both matmuls, where the weight's gradient takes it with the input kept cast
+        (each laid out again: seconds)."""
+        if not any(p in self.split for p in parents):
+            return (), 0.0
+        keys = [t.untyped_storage()._cdata for t in operands]
+        if backward:  # the weight's gradient: no weight among its operands, none cast here
+            weighted = any(key in self.weights for key in keys)
+            return (() if weighted else tuple(range(len(operands)))), 0.0
+        first = 0.0
+        for t, key in zip(operands, keys):
+            serial = self.roots.get(key, (None,))[0]
+            if serial is not None and serial not in self.charged:
+                self.charged.add(serial)
+                first += _nbytes(t) / self.ranks
+        return tuple(i for i, key in enumerate(keys) if key in self.roots), first
 
     def kept(self, tensor: torch.Tensor, parents: set[str], cast: bool
              ) -> tuple[object, int, bool | None] | None:

@@ -42,6 +42,11 @@ class Op:
     experts: bool = False  # run inside an MoE layer's experts module (expert parallelism's)
     weight_bytes: int = 0  # of its bytes, its experts' weights (3-D) and their gradients
     fp8: bool = False  # a matmul of a Linear layer precision=fp8 trains in float8 (float8.py)
+    # of a float8 matmul's operands (by their place in reads), those cast before it (under
+    # tp's float8 styles: float8.SplitCasts), and the bytes of a gathered input's slice
+    # cast before its gather, charged to the first matmul that reads it
+    precast: tuple[int, ...] = ()
+    slice_cast: float = 0.0
     recomputed: bool = False  # a forward op run again in backward (activation checkpointing)
     # the op and its arguments, tensors as (shape, stride, dtype): run again on this machine
     # (cluster=this times each op for real)
@@ -211,6 +216,10 @@ class Recorder(TorchDispatchMode):
                 replay=(func, tree_map(_spec, args), tree_map(_spec, kwargs)))
         op.fp8 = op.kind == "matmul" and bool(self.float8.intersection(self.tracker.parents))
         op.recomputed = self.rerun > 0
+        if op.fp8 and self.casts8 is not None:
+            op.precast, op.slice_cast = self.casts8.casts(
+                self.phase == "backward" and not op.recomputed, self.tracker.parents,
+                [_local(t) for t in flat_in if isinstance(_local(t), torch.Tensor)])
         self.ops.append(op)
         if self.phase == "forward" or op.recomputed:
             tensors = [[t for t in map(_local, values) if isinstance(t, torch.Tensor)]
