@@ -44,17 +44,18 @@ class _Collectives(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _model(kind: str, base: list[str]) -> torch.nn.Module:
+def _model(kind: str, base: list[str], layers: int = 2) -> torch.nn.Module:
     torch.manual_seed(0)
     if kind == "gpt":
         from parallab.models.gpt import GPT as Gpt
 
-        return Gpt(layers=2, heads=4, width=64, context=64)
+        return Gpt(layers=layers, heads=4, width=64, context=64)
     from transformers import LlamaConfig, LlamaForCausalLM
 
     given = configured(*base).model["config"]
-    return LlamaForCausalLM(LlamaConfig(**{k: v for k, v in dict(given).items()
-                                           if k != "_target_"}))
+    return LlamaForCausalLM(LlamaConfig(**{**{k: v for k, v in dict(given).items()
+                                              if k != "_target_"},
+                                           "num_hidden_layers": layers}))
 
 
 def _trained_block(kind: str, base: list[str], sequence_parallel: bool, bf16_weights: bool
@@ -295,3 +296,45 @@ def test_a_split_float8_layers_matmuls_are_priced_with_the_casts_its_styles_make
     for ops in (cut, whole):
         backward = [len(op.precast) for op in ops if op.phase == "backward"]
         assert sorted(backward) == [0] * 7 + [2] * 7
+
+
+def _backward_collectives(kind: str, base: list[str], sequence_parallel: bool,
+                          layers: int) -> int:
+    """The collectives train's split model (fp8, tensorwise, tp 2) runs in backward."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from parallab.config.schema import PrecisionConfig
+    from parallab.launching.distributed import fake_group
+    from parallab.parallel import tp_plans
+    from parallab.precision import Precision
+
+    precision = Precision(PrecisionConfig(name="fp8", fp8_recipe="tensorwise"),
+                          torch.device("cpu"))
+    model = precision.convert(_model(kind, base, layers).to(torch.bfloat16))
+    with fake_group(TP):
+        mesh = init_device_mesh("cpu", (TP,), mesh_dim_names=("tp",))
+        tp_plans.split(model, mesh, None, sequence_parallel, _WholeLogits())
+        output = model(torch.randint(0, 256, (ROWS, SEQ)))
+        with CommDebugMode() as counted:
+            getattr(output, "logits", output).float().sum().backward()
+    return counted.get_total_counts()
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # CommDebugMode's module tracking
+@pytest.mark.parametrize("kind,sequence_parallel", [("llama", True), ("llama", False),
+                                                    ("gpt", True)])
+def test_a_traced_float8_blocks_backward_runs_trains_collectives(kind, sequence_parallel):
+    """A block's backward (a model of two blocks against one, in train) runs as many
+    collectives as the traced block's: with its casts' scales, each weight again and each
+    output gradient that is cut (a column split's; a row split's under sequence
+    parallelism), beside the gradients' own reductions."""
+    from parallab.simulate.trace import Shape
+
+    base = LLAMA if kind == "llama" else GPT
+    found = traced(Shape(tp=TP, sequence_parallel=sequence_parallel, rows=ROWS, seq_len=SEQ,
+                         precision="fp8", gathered=True), base=base)
+    traced_block = sum(op.kind == "collective" and op.region == "block" and
+                       op.phase == "backward" for op in found.ops)
+    two, one = (_backward_collectives(kind, base, sequence_parallel, n) for n in (2, 1))
+    assert traced_block == two - one > 0
