@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from parallab.parallel.sequence_parallel import hidden_states
+
 
 def gather_again(model: nn.Module, names: list[str]) -> None:
     """Hooks on the modules of `model` named `names` (a tensor-parallel plan's): where one
@@ -32,12 +34,6 @@ def gather_again(model: nn.Module, names: list[str]) -> None:
         module.register_forward_pre_hook(calls.before, prepend=True, with_kwargs=True)
         module.register_forward_pre_hook(calls.after, with_kwargs=True)
         module.register_forward_hook(calls.done, always_call=True)
-
-
-def _input(args: tuple, kwargs: dict) -> Any:
-    """The hidden states a module is called with: its first argument, or transformers'
-    attention's keyword."""
-    return args[0] if args else kwargs.get("hidden_states")
 
 
 def _gathered(cut: Any, whole: Any) -> bool:
@@ -91,10 +87,10 @@ class _Calls:
         self.hooks: Any = None
 
     def before(self, _, args, kwargs) -> None:
-        self.cut = _input(args, kwargs)
+        self.cut = hidden_states(args, kwargs)
 
     def after(self, _, args, kwargs) -> None:
-        cut, whole, self.cut = self.cut, _input(args, kwargs), None
+        cut, whole, self.cut = self.cut, hidden_states(args, kwargs), None
         below = torch._C._autograd._top_saved_tensors_default_hooks(False)
         if _gathered(cut, whole) and not _checkpointed(below):
             self.gathered = GatheredInput(cut, whole, below)

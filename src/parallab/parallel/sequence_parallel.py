@@ -50,6 +50,12 @@ def _gather_sequence() -> type:
     return GatherSequence
 
 
+def hidden_states(args: tuple, kwargs: dict) -> Any:
+    """The hidden states a block's attention or MLP is called with: its first argument, or
+    transformers' attention's keyword."""
+    return args[0] if args else kwargs.get("hidden_states")
+
+
 def _whole(x: Any, mesh, cast: Callable[[Any], Any] | None) -> Any:
     from torch.distributed.tensor import DTensor, Replicate
 

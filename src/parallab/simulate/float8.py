@@ -21,7 +21,6 @@ splits by torchao's float8 styles, which keep float8 copies (SplitCasts)."""
 
 from __future__ import annotations
 
-import itertools
 import weakref
 from typing import Callable
 
@@ -30,12 +29,10 @@ from torch import nn
 
 from parallab.simulate.cluster import Rates
 from parallab.simulate.ops import Op, _nbytes
-from parallab.simulate.sources import while_alive
+from parallab.simulate.sources import Sources, while_alive
 
-# what hands a gathered input on as it is: the gather's wait, its chunks concatenated,
-# autocast's cast
-COPIES = {torch.ops._c10d_functional.wait_tensor.default, torch.ops.aten.cat.default,
-          torch.ops.aten._to_copy.default, torch.ops.aten.clone.default}
+# what copies a split layer's input as it is: autocast's cast
+COPIES = {torch.ops.aten._to_copy.default, torch.ops.aten.clone.default}
 PEAK = "fp8"  # the Rates.peaks key of the GPU's dense float8 matmul rate
 NOTE = ("Float8: the Linear layers' inputs are kept for backward in bf16, as torchao's "
         "Float8Linear keeps them (parallab's precision=fp8), but those tp splits under the "
@@ -119,13 +116,10 @@ class SplitCasts:
         self.ranks = next(iter(split)).weight.device_mesh.size() if split else 1
         self.charged: set[int] = set()  # gathered inputs whose slice's cast is priced
         # storage -> alive: the split layers' inputs (and autocast's copies of them) and
-        # the inputs cast before their gather; storage -> (the gathered input's serial,
-        # its elements): what hands it on. Each while its storage lives (a freed storage's
-        # address is the next one's)
+        # the inputs cast before their gather, each while its storage lives (a freed
+        # storage's address is the next one's)
         self.inputs: dict[int, weakref.ref] = {}
-        self.roots: dict[int, tuple[int, int]] = {}
-        self._alive: dict[int, weakref.ref] = {}
-        self._serials = itertools.count()
+        self.float8: set[int] = set()  # the collectives (sources.py) that gather float8
         self.sequence_parallel = sequence_parallel
         # the recorder's, for a cast's tensorwise scale all-reduced over the ranks what it
         # casts is cut over (DTensor's, inside the cast: no dispatch of its own to record)
@@ -138,9 +132,10 @@ class SplitCasts:
     def _entered(self, module, args, kwargs) -> None:
         from torch.distributed.tensor import DTensor, Shard
 
+        from parallab.parallel.sequence_parallel import hidden_states
         from parallab.simulate.ops import _local
 
-        x = args[0] if args else kwargs.get("hidden_states")
+        x = hidden_states(args, kwargs)
         if isinstance(x, torch.Tensor):
             while_alive(_local(x).untyped_storage(), self.inputs, self.inputs)
         weight = getattr(module, "weight", None)
@@ -153,33 +148,27 @@ class SplitCasts:
             # column split's, cut by columns; a row split's under sequence parallelism)
             self.amax(ranks, 1 + (not rows or self.sequence_parallel), "backward")
 
-    def gathered(self, source: torch.Tensor, out: torch.Tensor) -> bool:
-        """Whether an all-gather of `source` (a local tensor) moves float8: its output
-        then the root of what the layers it feeds keep."""
-        if source.untyped_storage()._cdata not in self.inputs:
-            return False
-        self._root(out, (next(self._serials), out.numel()))
-        return True
+    def cast_first(self, source: torch.Tensor) -> bool:
+        """Whether an all-gather of `source` (a local tensor) moves float8: one of the
+        inputs cast before their gather."""
+        return source.untyped_storage()._cdata in self.inputs
 
     def derived(self, func, sources: list[torch.Tensor], outputs: list[torch.Tensor]
                 ) -> None:
-        """A copy of a gathered input (its chunks concatenated, autocast's cast of it) is
-        the one float8 tensor too; autocast's copy of a split layer's input is its input."""
-        if func not in COPIES:
-            return
-        keys = [t.untyped_storage()._cdata for t in sources]
-        root = next((self.roots[key] for key in keys if key in self.roots), None)
-        for out in outputs if root is not None else ():
-            self._root(out, root)
-        for out in outputs if any(key in self.inputs for key in keys) else ():
-            while_alive(out.untyped_storage(), self.inputs, self.inputs)
+        """Autocast's copy of a split layer's input is its input."""
+        if func in COPIES and any(t.untyped_storage()._cdata in self.inputs
+                                  for t in sources):
+            for out in outputs:
+                while_alive(out.untyped_storage(), self.inputs, self.inputs)
 
-    def _root(self, tensor: torch.Tensor, root: tuple[int, int]) -> None:
-        self.roots[tensor.untyped_storage()._cdata] = root
-        while_alive(tensor.untyped_storage(), self.roots, self._alive)
+    def _gathered(self, sources: Sources, t: torch.Tensor) -> tuple[int, int] | None:
+        """The float8 all-gather `t` hands on (its output, the chunks put together,
+        autocast's copy): (its serial, its bytes, one a value); None for any other."""
+        return next(((serial, nbytes) for serial, nbytes, _ in sources.of(t)
+                     if serial in self.float8), None)
 
-    def casts(self, backward: bool, parents: set[str], operands: list[torch.Tensor]
-              ) -> tuple[tuple[int, ...], float]:
+    def casts(self, sources: Sources, backward: bool, parents: set[str],
+              operands: list[torch.Tensor]) -> tuple[tuple[int, ...], float]:
         """A split layer's float8 matmul's operands cast before it (their places), and the
         bytes of a gathered input's slice whose cast before the gather it is charged with:
         Float8Linear alone casts each operand of each of its three matmuls; under the
@@ -193,25 +182,27 @@ class SplitCasts:
         if backward:  # the weight's gradient: no weight among its operands, none cast here
             weighted = any(key in self.weights for key in keys)
             return (() if weighted else tuple(range(len(operands)))), 0.0
-        first = 0.0
-        for t, key in zip(operands, keys):
-            serial = self.roots.get(key, (None,))[0]
-            if serial is not None and serial not in self.charged:
-                self.charged.add(serial)
-                first += _nbytes(t) / self.ranks
-        return tuple(i for i, key in enumerate(keys) if key in self.roots), first
+        first, precast = 0.0, []
+        for i, t in enumerate(operands):
+            gathered = self._gathered(sources, t)
+            if gathered is not None:
+                precast.append(i)
+                if gathered[0] not in self.charged:
+                    self.charged.add(gathered[0])
+                    first += _nbytes(t) / self.ranks
+        return tuple(precast), first
 
-    def kept(self, tensor: torch.Tensor, parents: set[str], cast: bool
+    def kept(self, sources: Sources, tensor: torch.Tensor, parents: set[str], cast: bool
              ) -> tuple[object, int, bool | None] | None:
         """What a split layer keeps of `tensor` (local) as it saves it: (key, bytes, kept
         compiled: None where as the tensor is) of its input's one float8 copy, nothing of
         autocast's copy of its weight (Float8Linear keeps the weight it holds); None where
         no split float8 layer saves it, or what it saves is not its input (its output,
         which selective checkpointing keeps in bf16)."""
+        gathered = self._gathered(sources, tensor)
+        if gathered is not None:  # a collective's output: kept compiled
+            return ("collective", gathered[0]), gathered[1], True
         key = tensor.untyped_storage()._cdata
-        if key in self.roots:  # the gathered input, a collective's output: kept compiled
-            serial, elements = self.roots[key]
-            return ("gathered", serial), elements, True
         layer = next((p for p in parents if p in self.split), None)
         if layer is None or not (cast or key in self.inputs):
             return None

@@ -196,8 +196,6 @@ class Recorder(TorchDispatchMode):
             self._collective(known, args, kwargs, out)
             return out
         if func.namespace == "_c10d_functional":  # waits, and the like: no work of their own
-            if self.casts8 is not None:
-                self.casts8.derived(func, [_local(args[0])], [_local(out)])
             self.sources.waited(_local(args[0]), _local(out))
             return out
         from torch.distributed.tensor import DTensor
@@ -218,7 +216,8 @@ class Recorder(TorchDispatchMode):
         op.recomputed = self.rerun > 0
         if op.fp8 and self.casts8 is not None:
             op.precast, op.slice_cast = self.casts8.casts(
-                self.phase == "backward" and not op.recomputed, self.tracker.parents,
+                self.sources, self.phase == "backward" and not op.recomputed,
+                self.tracker.parents,
                 [_local(t) for t in flat_in if isinstance(_local(t), torch.Tensor)])
         self.ops.append(op)
         if self.phase == "forward" or op.recomputed:
@@ -242,16 +241,18 @@ class Recorder(TorchDispatchMode):
         n = comm._group_size(args, kwargs)
         source, made = _local(args[index]), _local(out)
         sent = comm._nbytes(source) * factor(n) if n > 1 else 0.0
-        size = 1  # bytes an element moves: the output's own, or float8's one
-        if kind_name == "all_gather" and self.casts8 is not None and \
-                self.casts8.gathered(source, made):
-            size = source.element_size()
+        float8 = kind_name == "all_gather" and self.casts8 is not None and \
+            self.casts8.cast_first(source)
+        size = source.element_size() if float8 else 1  # bytes an element moves: float8's one
+        if float8:
             self.amax(n)  # the cast before the gather: its scale over the slices
         self.ops.append(Op(self.phase, self._region(), "collective", 0.0, (), (), kind_name,
                            sent / size, n))
         if isinstance(made, torch.Tensor):
-            self.sources.collective(made, made.untyped_storage().nbytes() // size,
-                                    self._region() == "block")
+            serial = self.sources.collective(made, made.untyped_storage().nbytes() // size,
+                                             self._region() == "block")
+            if float8:
+                self.casts8.float8.add(serial)
 
     def amax(self, ranks: int, casts: int = 1, phase: str | None = None) -> None:
         """`casts` float8 casts of tensors cut over `ranks`, in `phase` (None: now): each

@@ -32,10 +32,12 @@ class Sources:
         self._alive: dict[int, weakref.ref] = {}
         self._serials = itertools.count()
 
-    def collective(self, out: torch.Tensor, nbytes: int, in_block: bool) -> None:
-        """A collective's output (local), `nbytes` as it moves (float8's one byte)."""
+    def collective(self, out: torch.Tensor, nbytes: int, in_block: bool) -> int:
+        """A collective's output (local), `nbytes` as it moves (float8's one byte): its
+        serial."""
         serial = next(self._serials)
         self._keep(out, frozenset({(serial, nbytes, in_block)}), serial)
+        return serial
 
     def waited(self, source: torch.Tensor, out: torch.Tensor) -> None:
         """A collective's wait: `out` is `source`."""

@@ -360,7 +360,7 @@ class _SavedByRegion:
         cast = is_cast(tensor, self.param_ids)
         # a split float8 layer's one-byte copy (float8.SplitCasts), in place of the tensor
         float8 = self.recorder.casts8 and self.recorder.casts8.kept(
-            _local(tensor), self.tracker.parents, cast)
+            self.recorder.sources, _local(tensor), self.tracker.parents, cast)
         if (float8[0] if float8 else key) in self.seen:
             return tensor
         inside = any(p.startswith(self.recorder.block) for p in self.tracker.parents)
@@ -372,6 +372,8 @@ class _SavedByRegion:
             copy, nbytes, kept = float8
             recomputed = recomputed if kept is None else not kept
             self.seen[copy] = (region, nbytes, not recomputed, False)
+            if copy[0] == "collective":  # a float8 gather's output, counted here
+                self.needed.saved.add(copy[1])
         else:
             nbytes = storage.nbytes()
             self.seen[key] = (region, nbytes, not recomputed, cast)
