@@ -338,3 +338,23 @@ def test_a_traced_float8_blocks_backward_runs_trains_collectives(kind, sequence_
                        op.phase == "backward" for op in found.ops)
     two, one = (_backward_collectives(kind, base, sequence_parallel, n) for n in (2, 1))
     assert traced_block == two - one > 0
+
+
+@pytest.mark.parametrize("bf16_weights,fewer", [(False, 2 * (8 - 2) + 5 * (4 + 2)),
+                                                (True, 2 * (4 - 2))],
+                         ids=["float32-stream", "bf16-stream"])
+def test_what_train_does_to_a_float8_gather_is_priced_at_its_bytes(bf16_weights, fewer):
+    """A float8 gather's chunks are put together in one byte an element, and autocast's
+    copy of it (a float8 tensor's cast changes its metadata) is not run: a sequence-parallel
+    Llama block's forward moves, of memory-bound bytes, 2 gathers' chunks read and written
+    (float32: 4 bytes an element each way, against 1; bf16: 2) and the 5 copies q, k, v,
+    gate and up read (4 bytes) and write (2) of a float32 stream less than in bf16."""
+    from parallab.simulate.trace import Shape
+
+    def moved(precision: str) -> float:
+        found = traced(Shape(tp=TP, sequence_parallel=True, rows=ROWS, seq_len=SEQ,
+                             precision=precision, gathered=bf16_weights), base=LLAMA)
+        return sum(b for op in found.ops if op.kind == "memory" and op.region == "block"
+                   and op.phase == "forward" for _, b in (*op.reads, *op.writes))
+
+    assert moved("bf16") - moved("fp8") == fewer * ROWS * SEQ * 64

@@ -161,6 +161,16 @@ class SplitCasts:
             for out in outputs:
                 while_alive(out.untyped_storage(), self.inputs, self.inputs)
 
+    def moved(self, sources: Sources, func, inputs: list[torch.Tensor]) -> float | None:
+        """The share of its traced bytes a memory-bound op moves in train where it takes a
+        float8 gather's output alone (the bf16 step's stand-in for it): one byte an element
+        where it puts the gathered chunks together, none where it is autocast's copy (a
+        float8 tensor's cast to the autocast dtype changes its metadata alone); None for
+        any other op."""
+        if not inputs or any(self._gathered(sources, t) is None for t in inputs):
+            return None
+        return 0.0 if func in COPIES else 1 / inputs[0].element_size()
+
     def _gathered(self, sources: Sources, t: torch.Tensor) -> tuple[int, int] | None:
         """The float8 all-gather `t` hands on (its output, the chunks put together,
         autocast's copy): (its serial, its bytes, one a value); None for any other."""

@@ -219,19 +219,32 @@ class Recorder(TorchDispatchMode):
                 self.sources, self.phase == "backward" and not op.recomputed,
                 self.tracker.parents,
                 [_local(t) for t in flat_in if isinstance(_local(t), torch.Tensor)])
-        self.ops.append(op)
+        moved = True  # train runs it (not so a float8 gather's autocast copy)
         if self.phase == "forward" or op.recomputed:
             tensors = [[t for t in map(_local, values) if isinstance(t, torch.Tensor)]
                        for values in (flat_in, flat_out)]
             if self.casts8 is not None:
+                moved = self._float8_gathered(op, func, tensors[0])
                 self.casts8.derived(func, *tensors)
             if op.kind == "memory":
                 self.sources.passed(*tensors, op.region == "block")
+        if moved:
+            self.ops.append(op)
         for value in flat_out:
             value = _local(value)
             if isinstance(value, torch.Tensor):
                 self._made(value.untyped_storage(), op)
         return out
+
+    def _float8_gathered(self, op: Op, func, inputs: list[torch.Tensor]) -> bool:
+        """A memory-bound op on a float8 gather's output priced at the bytes train moves
+        (SplitCasts.moved): the chunks put together in one byte an element; False for
+        autocast's copy, which train does not run."""
+        share = self.casts8.moved(self.sources, func, inputs) if op.kind == "memory" else None
+        if share is not None:
+            op.reads, op.writes = (tuple((s, b * share) for s, b in ends)
+                                   for ends in (op.reads, op.writes))
+        return share != 0
 
     def _collective(self, known: tuple, args: tuple, kwargs: dict, out: Any) -> None:
         """A collective: the bytes a rank sends (one an element where it gathers what was
