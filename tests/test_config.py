@@ -12,7 +12,8 @@ from conftest import REPO, checked, output, run_entry, typed
 from omegaconf import OmegaConf
 
 from parallab.checks import validate
-from parallab.config.schema import DataConfig, model_name
+from parallab.config.schema import DataConfig
+from parallab.config.targets import model_name
 
 GROUPS = ["model", "data", "parallel", "precision", "backend", "optim", "trainer", "logger"]
 # what this machine lacks for an option, and the key the refusal names

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from parallab import models
 from parallab.checks import trial
-from parallab.config import schema as config
 from parallab.config.errors import ConfigError, refuse, require
 from parallab.config.schema import Config
+from parallab.config.targets import model_name
 from parallab.models import adapters
 from parallab.parallel.layout import Layout
 from parallab.training import checkpoint
@@ -40,7 +40,7 @@ def check_resume(cfg: Config, layout: Layout, run_dir: str | None) -> None:
         key, saved, here = checkpoint.first_difference(before, cfg.model, "model") or \
             ("model", before, cfg.model)
         raise ConfigError(f"trainer.resume={resume} was saved from another model config than "
-                          f"model {config.model_name(cfg.model)} here ({key}={here!r} here, "
+                          f"model {model_name(cfg.model)} here ({key}={here!r} here, "
                           f"{saved!r} in the checkpoint): resume with the same model config")
     refuse(changed_recipe(cfg, checkpoint.saved_config(meta), resume))
     if not cfg.trainer.auto_batch_size:  # (else chosen in the workers, which check it then)

@@ -18,7 +18,6 @@ from typing import Any, ClassVar, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
-from parallab.config import targets
 # DataConfig and Loader are also named from here: a user's data set subclasses
 # parallab.config.schema.DataConfig (docs/own-model.md)
 from parallab.config.data_config import DataConfig, Loader, data_config, data_defaults  # noqa: F401
@@ -402,8 +401,3 @@ def register_configs() -> None:
     for group, options in SCHEMAS.items():
         for name, node in options.items():
             store.store(group=f"schema/{group}", name=name, node=node)
-
-
-def model_name(spec: dict[str, Any]) -> str:
-    """A model's short name for logs and hparams: its class's (`GPT`, `ResMLP`)."""
-    return str(spec.get(targets.TARGET, "?")).rpartition(".")[2]

@@ -58,6 +58,12 @@ def _missing_extra(error: BaseException) -> str | None:
     return None
 
 
+def model_name(spec: dict[str, Any]) -> str:
+    """A model's (or loss's) short name for logs and hparams: its class's (`GPT`,
+    `ResMLP`)."""
+    return str(spec.get(TARGET, "?")).rpartition(".")[2]
+
+
 def qualname(obj: Any) -> str:
     return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', repr(obj))}"
 

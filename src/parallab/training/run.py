@@ -17,7 +17,8 @@ import torch
 
 from parallab.config import naming
 from parallab.config.errors import refuse
-from parallab.config.schema import Config, TrainerConfig, model_name
+from parallab.config.schema import Config, TrainerConfig
+from parallab.config.targets import model_name
 from parallab.data import build_data
 from parallab.launching import distributed, in_place, slurm
 from parallab.launching.preemption import Preemption

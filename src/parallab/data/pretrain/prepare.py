@@ -53,25 +53,7 @@ def prepare(files: list[str], tokenizer: str, out: Path, text_key: str = "text",
     `out` unless `force` (a run's data, which its checkpoints fingerprint)."""
     from parallab.data import hf_text
 
-    try:
-        import datasets  # noqa: F401
-        import transformers  # noqa: F401
-    except ImportError as error:
-        raise ConfigError(f"parallab prepare-data needs {error.name}, which is not installed: "
-                          f"{hf_text.INSTALL}") from None
-    paths = list(hf_text._paths(files))
-    problem = hf_text._files_problem("files", files, optional=False)
-    if problem:  # its words name the data key; here they are the command's arguments
-        said = problem.split(": ", 1)[1] if ": " in problem else problem
-        fix = "" if "give " in said else ": give text, json/jsonl, parquet or csv files (or " \
-            "globs of them)"
-        raise ConfigError(f"parallab prepare-data {' '.join(map(str, files))}: {said}{fix}")
-    if not Path(tokenizer).expanduser().is_dir():
-        raise ConfigError(f"parallab prepare-data: --tokenizer {tokenizer} is not a folder: give "
-                          "a local tokenizer folder (saved by tokenizer.save_pretrained)")
-    if not 0 <= eval_fraction < 1:
-        raise ConfigError(f"parallab prepare-data: --eval-fraction {eval_fraction} is out of "
-                          "range: it must be in [0, 1)")
+    paths = _checked(files, tokenizer, eval_fraction)
     earlier = _held(out, force)
     tok = hf_text._tokenizer(str(Path(tokenizer).expanduser()))
     end = [tok.eos_token_id] if eos and tok.eos_token_id is not None else []
@@ -119,6 +101,32 @@ def prepare(files: list[str], tokenizer: str, out: Path, text_key: str = "text",
 class NoText(ValueError):
     """A record without text under the key (its index, its value): raised in a worker."""
 
+
+def _checked(files: list[str], tokenizer: str, eval_fraction: float) -> list:
+    """The input files' paths, once the command's arguments are checked: ConfigError, one
+    line, for what it cannot take."""
+    from parallab.data import hf_text
+
+    try:
+        import datasets  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError as error:
+        raise ConfigError(f"parallab prepare-data needs {error.name}, which is not installed: "
+                          f"{hf_text.INSTALL}") from None
+    paths = list(hf_text._paths(files))
+    problem = hf_text._files_problem("files", files, optional=False)
+    if problem:  # its words name the data key; here they are the command's arguments
+        said = problem.split(": ", 1)[1] if ": " in problem else problem
+        fix = "" if "give " in said else ": give text, json/jsonl, parquet or csv files (or " \
+            "globs of them)"
+        raise ConfigError(f"parallab prepare-data {' '.join(map(str, files))}: {said}{fix}")
+    if not Path(tokenizer).expanduser().is_dir():
+        raise ConfigError(f"parallab prepare-data: --tokenizer {tokenizer} is not a folder: give "
+                          "a local tokenizer folder (saved by tokenizer.save_pretrained)")
+    if not 0 <= eval_fraction < 1:
+        raise ConfigError(f"parallab prepare-data: --eval-fraction {eval_fraction} is out of "
+                          "range: it must be in [0, 1)")
+    return paths
 
 def _held(out: Path, force: bool) -> list[Path]:
     """The token files already at `out`, checked before anything is tokenized: refused
