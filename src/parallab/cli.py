@@ -332,7 +332,7 @@ def advise(argv: list[str] | None = None) -> None:
 
 
 def compose(overrides: list[str], config_dir: str | Path | None = None,
-            config_name: str = "config") -> DictConfig:
+            config_name: str = "config", return_hydra: bool = False) -> DictConfig:
     """conf/ composed with `overrides` as train.py composes it, a project's config dir's
     groups added (as --config-dir adds them), its options over built-ins of their names."""
     from hydra import compose as hydra_compose
@@ -345,7 +345,23 @@ def compose(overrides: list[str], config_dir: str | Path | None = None,
     extra = [f"hydra.searchpath=[file://{Path(config_dir).resolve()}]"] if config_dir else []
     with users_first(), initialize_config_dir(config_dir=CONF_DIR, version_base=None), \
             one_store():
-        return hydra_compose(config_name, overrides=[*overrides, *extra])
+        return hydra_compose(config_name, overrides=[*overrides, *extra],
+                             return_hydra_config=return_hydra)
+
+
+def chosen_data(overrides: list[str], composed) -> str | None:
+    """The data option train composes for `overrides` where something chose it (an
+    experiment, the user) over train's own default; None where none did, or where the
+    overrides do not compose (a sweep's: simulate's own composition says what is wrong).
+    `composed(name, overrides)`: the config `name` composed with its Hydra node."""
+    from hydra.errors import HydraException
+
+    try:
+        chosen, default = (composed("config", given).hydra.runtime.choices.data
+                           for given in (overrides, []))
+    except (HydraException, ValueError):
+        return None
+    return None if chosen == default else chosen
 
 
 def advise_in_process(overrides: list[str], run_dir: str | Path,

@@ -182,8 +182,6 @@ def run(cfg, overrides: list[str], run_dir: str, entry: list[str]) -> dict[str, 
         log.warning(line)
     notes = [*taken, *([""] if taken else []), *notes]
     user = search.user_overrides(overrides)
-    if not any(o.lstrip("+~").startswith("data=") for o in user):
-        user = ["data=tokens", *user]  # simulate's data; train's default is another
     fits = [c for c in ranked if c.fits(rates.memory_bytes)]
     if layout is None and not fits:
         raise NothingFits(_nothing_fits(cfg, ranked, rates))
