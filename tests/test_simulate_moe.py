@@ -135,3 +135,20 @@ def test_a_token_is_priced_once_for_each_rank_holding_its_experts():
     with pytest.raises(ConfigError, match="this model has none: leave it out"):
         run.given(configured(*dense, "simulate.routing=round_robin", "parallel=fsdp",
                              "parallel.world_size=2"))
+
+
+def test_a_float8_moe_block_prices_only_its_converted_layers_matmuls_in_float8():
+    """precision=fp8 converts the Linear layers (a shared expert's too), not the routed
+    experts' grouped weights: their matmuls stay bf16 in both phases, though a shared
+    expert's Linear is still among the tracked parents as backward runs them."""
+    from parallab.simulate import trace
+
+    cfg, facts = facts_of("model.moe.shared=1", "precision=fp8")
+    found = trace.trace(cfg, facts.model, facts.block, facts.vocab,
+                        trace.Shape(rows=4, seq_len=32, gathered=True, precision="fp8"))
+    block = [op for op in found.ops if op.region == "block" and op.kind == "matmul"]
+    assert any(op.experts for op in block) and not any(op.fp8 and op.experts for op in block)
+    # the attention's two Linear layers and the shared expert's three, each forward once
+    # and backward twice (the input's gradient, the weight's)
+    assert [sum(op.fp8 for op in block if op.phase == phase)
+            for phase in ("forward", "backward")] == [5, 10]

@@ -212,7 +212,10 @@ class Recorder(TorchDispatchMode):
                                  if isinstance(_local(t), torch.Tensor) and
                                  _local(t).dim() == 3) if experts else 0,
                 replay=(func, tree_map(_spec, args), tree_map(_spec, kwargs)))
-        op.fp8 = op.kind == "matmul" and bool(self.float8.intersection(self.tracker.parents))
+        # a converted Linear's matmul; not an experts' one, which train keeps in bf16, run
+        # in backward while a shared expert's Linear is still among the parents
+        op.fp8 = op.kind == "matmul" and not experts and \
+            bool(self.float8.intersection(self.tracker.parents))
         op.recomputed = self.rerun > 0
         if op.fp8 and self.casts8 is not None:
             op.precast, op.slice_cast = self.casts8.casts(
