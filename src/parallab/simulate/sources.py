@@ -103,6 +103,22 @@ class Needed:
                          in self.needs.items() if where == region and serial not in self.saved))
 
 
+class Lifetimes:
+    """A key for each storage of its own, for as long as it lives: a freed storage's
+    address is the next one's, which its `_cdata` alone would take for the same storage."""
+
+    def __init__(self):
+        self.keys: dict[int, int] = {}
+        self._alive: dict[int, weakref.ref] = {}
+        self._serials = itertools.count()
+
+    def of(self, storage: torch.UntypedStorage) -> int:
+        if storage._cdata not in self.keys:
+            self.keys[storage._cdata] = next(self._serials)
+            while_alive(storage, self.keys, self._alive)
+        return self.keys[storage._cdata]
+
+
 def while_alive(storage: torch.UntypedStorage, found: tuple[dict, ...] | dict, alive: dict
                 ) -> None:
     """`storage`'s entries in `found` dropped as it is freed (`alive` holds the

@@ -36,7 +36,7 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from parallab.launching.distributed import fake_group
 from parallab.simulate import float8, on_a_device
 from parallab.simulate.ops import Op, Recorder, _local, _nbytes
-from parallab.simulate.sources import Needed
+from parallab.simulate.sources import Lifetimes, Needed
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -348,25 +348,28 @@ class _SavedByRegion:
         self.param_ids = {id(p) for p in model.parameters()}
         # storage -> (region, bytes, kept compiled, a parameter's cast)
         self.seen: dict[object, tuple[str, int, bool, bool]] = {}
+        self.lifetimes = Lifetimes()
         self.needed = Needed()
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         from parallab.parallel.activations import is_cast
 
         storage = _local(tensor).untyped_storage()
-        key = storage._cdata
-        if key in self.params:
+        if storage._cdata in self.params:
             return tensor
+        key = self.lifetimes.of(storage)  # (not its address: another's once it is freed)
         cast = is_cast(tensor, self.param_ids)
         # a split float8 layer's one-byte copy (float8.SplitCasts), in place of the tensor
         float8 = self.recorder.casts8 and self.recorder.casts8.kept(
             self.recorder.sources, _local(tensor), self.tracker.parents, cast)
+        if float8 and float8[0][0] != "collective":  # (its input, the layer)
+            float8 = ((key, float8[0][1]), *float8[1:])
         if (float8[0] if float8 else key) in self.seen:
             return tensor
         inside = any(p.startswith(self.recorder.block) for p in self.tracker.parents)
         # outside the block: the embeddings' before the block ran, the head's after
         region = "block" if inside else ("after" if self.recorder.block_seen else "before")
-        made_in, kind, in_model = self.recorder.produced.get(key, ("", "", False))
+        made_in, kind, in_model = self.recorder.produced.get(storage._cdata, ("", "", False))
         recomputed = kind == "memory" and in_model and (made_in == "block") == inside
         if float8:
             copy, nbytes, kept = float8
