@@ -95,6 +95,8 @@ def test_float8_prices_the_linear_layers_train_converts_and_nothing_else(tmp_pat
     assert gathered["all_gather_s"] < step["fp8"]["all_gather_s"]
     with pytest.raises(ConfigError, match="has no float8 tensor cores"):
         simulate_in_process([*GPT, *wide, "precision=fp8", "cluster=a100"], tmp_path / "no")
+    with pytest.raises(ConfigError, match="^precision=fp8 with cluster=this: .* CUDA GPUs"):
+        simulate_in_process([*GPT, "precision=fp8", "cluster=this"], tmp_path / "here")
     # float8 under tp, as train splits it (torchao's float8 styles): its matmuls too
     split = {name: simulate_in_process([*GPT, *wide, f"precision={name}", "parallel=fsdp_tp",
                                         "parallel.tp=2"], tmp_path / f"tp_{name}")

@@ -44,6 +44,14 @@ def test_a_gpu_the_table_does_not_list_needs_its_cluster_yaml_alone():
     assert rates.fp32_peak(tf32=True) == pytest.approx(163.4e12)
     preset = cluster.Rates.of(configured("cluster=h100").cluster)
     assert preset.peaks["bf16"] == mfu.peak_flops("NVIDIA H100 80GB HBM3", torch.bfloat16)
+    # a listed GPU's own peaks each over its entry's, the rest kept
+    added = cluster.Rates.of(configured("cluster=a100", "+cluster.peak_tflops.fp8=624").cluster)
+    assert added.peaks["fp8"] == pytest.approx(624e12)
+    assert added.peaks["bf16"] == mfu.peak_flops("NVIDIA A100-SXM4-80GB", torch.bfloat16)
+    clocked = cluster.Rates.of(configured("cluster=h100", "+cluster.peak_tflops={bf16: 900}")
+                               .cluster)
+    assert clocked.peaks["bf16"] == pytest.approx(900e12)
+    assert clocked.peaks["fp8"] == preset.peaks["fp8"]
 
 
 def test_auto_ranks_every_layout_and_writes_its_answer(tmp_path):

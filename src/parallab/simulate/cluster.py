@@ -89,13 +89,12 @@ PRECISIONS = ("fp32", "tf32", "bf16", "fp16", "fp8")  # cluster.peak_tflops's ke
 
 
 def peaks_of(cfg: ClusterConfig) -> dict[str, float]:
-    """The cluster GPU's dense peaks by precision, FLOP/s: its own peak_tflops where given,
-    else gpus.yaml's entry for its name (empty: neither knows it)."""
+    """The cluster GPU's dense peaks by precision, FLOP/s: gpus.yaml's entry for its name,
+    each of its own peak_tflops over the entry's (empty: neither knows it)."""
     from parallab.observe import mfu
 
-    if cfg.peak_tflops:
-        return mfu.filled({k: float(v) * 1e12 for k, v in cfg.peak_tflops.items()})
-    return mfu.peaks_of(cfg.gpu) or {}
+    own = {k: float(v) * 1e12 for k, v in (cfg.peak_tflops or {}).items()}
+    return mfu.filled({**(mfu.peaks_of(cfg.gpu) or {}), **own})
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,10 @@ def check(cfg) -> Any:
     from parallab.parallel import PLANS
 
     refuse(clusters.problem(cfg.cluster))
+    if cfg.precision.name == "fp8" and cfg.cluster.gpu == clusters.THIS:  # before measuring
+        raise ConfigError("precision=fp8 with cluster=this: this machine's rates are measured "
+                          "in float32 and bf16, and train runs float8 on CUDA GPUs alone: use "
+                          "precision=bf16 here, or a cluster of GPUs with float8 (cluster=h100)")
     refuse(_own_problem(cfg.simulate))
     p = cfg.parallel
     if p.world_size is None:
