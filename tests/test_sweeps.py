@@ -270,3 +270,19 @@ def test_a_failed_ddp_job_is_summarised_by_its_root_cause(tmp_path):
     [row] = summary_rows(sweep_dir)
     assert row["status"] == "failed"
     assert row["error"] == "rank 1: RuntimeError: injected failure on rank 1"
+
+
+def test_a_simulate_sweep_summarizes_each_jobs_best_layout(tmp_path):
+    """`parallab simulate -m` over world sizes: each job's row holds its best layout as
+    predicted (marked so), in a run's columns, where train's summary found none."""
+    done = run_entry("parallab", ["simulate", "-m", "model=gpt", "model.layers=2",
+                                  "model.width=64", "model.heads=4", "model.context=64",
+                                  "data.seq_len=64", "precision=bf16", "parallel=fsdp",
+                                  "parallel.world_size=8,16", "cluster=h100",
+                                  f"hydra.sweep.dir={tmp_path}"], timeout=300)
+    assert done.returncode == 0, output(done)[-3000:]
+    rows = summary_rows(tmp_path)
+    assert [r["status"] for r in rows] == ["simulated (simulate.md)"] * 2
+    assert [int(r["world_size"]) for r in rows] == [8, 16]
+    assert all(r["parallel"].startswith("fsdp(F") and float(r["samples_per_sec"]) > 0 and
+               float(r["peak_memory_mb"]) > 0 for r in rows)

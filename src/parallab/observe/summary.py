@@ -62,12 +62,30 @@ def job_row(job_dir: Path) -> dict[str, Any]:
         state = "unreadable"
     elif (job_dir / "advise.csv").exists():  # experiment=advise: its answer is its table
         state = "advised (advise.md)"
+    elif (metrics := _simulated(job_dir)) is not None:  # parallab simulate's, predicted
+        state = "simulated (simulate.md)"
     else:
         state = status.get("status") or "incomplete"
     row = {"job": job_dir.name, "overrides": " ".join(map(str, overrides)), "status": state,
            "error": str(status.get("error", ""))}
     row.update({key: (metrics or {}).get(key) for key in METRIC_COLUMNS})
     return row
+
+
+def _simulated(job_dir: Path) -> dict[str, Any] | None:
+    """A `parallab simulate` job's best layout (simulate.json's first: the fastest that
+    fits) in the columns a run reports: predicted on its cluster, not measured."""
+    answer = _json_object(job_dir / "simulate.json")
+    layouts = (answer or {}).get("layouts") or [{}]
+    best, world = layouts[0], (answer or {}).get("world_size")
+    try:
+        tokens = best["tokens_per_sec_per_gpu"] * world
+        return {"parallel": best["layout"], "world_size": world, "tokens_per_sec": tokens,
+                "samples_per_sec": tokens / answer["seq_len"], "mfu": best["mfu"],
+                "step_time_ms": best["step_time_s"] * 1e3, "precision_dtype": answer["precision"],
+                "peak_memory_mb": best["memory_per_gpu_gb"] * 1024}
+    except (KeyError, TypeError):  # not written as simulate writes it
+        return None
 
 
 def collect(sweep_dir: Path, jobs: list[Path] | None = None) -> list[dict[str, Any]]:
