@@ -63,8 +63,9 @@ class ClusterConfig:
     # the GPU, as observe/gpus.yaml names it (its peak FLOP/s per precision); `this` = this
     # machine, its rates measured
     gpu: str = MISSING
-    # its dense peaks by precision (fp32, tf32, bf16, fp16, fp8), TFLOP/s, in place of
-    # gpus.yaml's entry: a GPU it does not list needs its cluster YAML alone
+    # its dense peaks by precision (fp32, tf32, bf16, fp16, fp8), TFLOP/s, each over
+    # gpus.yaml's entry for the GPU (`+cluster.peak_tflops.fp8=...` adds one): a GPU it
+    # does not list needs its cluster YAML alone
     peak_tflops: dict[str, float] = field(default_factory=dict)
     memory_gb: Optional[float] = MISSING  # a GPU's memory, GiB
     hbm_gbps: Optional[float] = MISSING  # its memory bandwidth, Gbit/s (H100 SXM: 26,800)
