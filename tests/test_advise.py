@@ -336,8 +336,10 @@ def test_advise_counts_the_frozen_base_without_gradients_or_optimizer_state():
 
     from test_adapters import LORA, RUN
 
-    (full, full_layout), (lora, lora_layout) = (
-        checked(*run, "data.global_batch_size=16") for run in (RUN, LORA))
+    (full, full_layout), (lora, lora_layout) = (  # the global batch in place of the rank's
+        checked(*[o for o in run if not o.startswith("data.batch_size=")],
+                "data.global_batch_size=16")
+        for run in (RUN, LORA))
     batch = trial.one_batch(full, size=16)
     full_state, lora_state = (memory.predict(cfg, layout, batch, 0)[0]
                               for cfg, layout in ((full, full_layout), (lora, lora_layout)))

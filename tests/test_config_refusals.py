@@ -216,6 +216,10 @@ from parallab.checks import validate
     (["data.global_batch_size=8", "trainer.auto_batch_size=true"],
      "data.global_batch_size=8 fixes the samples of each step, which "
      "trainer.auto_batch_size=true would change: drop one of them"),
+    # not the given batch per rank set over without a word
+    (["data.global_batch_size=16", "data.batch_size=4"],
+     "data.batch_size is given with data.global_batch_size=16, which sets the batch per "
+     "rank itself"),
     (["parallel=pipeline", "parallel.world_size=2", "model=gpt", "data=bytes",
       "data.global_batch_size=30"],
      "data.global_batch_size=30 (30 per rank) does not split into parallel.microbatches=4 "

@@ -174,8 +174,8 @@ def test_a_resume_at_another_global_batch_trains_the_epochs_left_at_it(train_her
         with pytest.raises(ConfigError, match=r"was saved 2 steps into an epoch, at 16 "
                            r"samples a step over all ranks, and this run takes 32"):
             train_here(*resume, other)
-    metrics, _ = train_here(*resume, "data.global_batch_size=16",
-                            "trainer.accumulate_grad_batches=2")
+    metrics, _ = train_here(*[o for o in resume if o != "data.batch_size=16"],
+                            "data.global_batch_size=16", "trainer.accumulate_grad_batches=2")
     assert (metrics["steps"], metrics["global_batch_size"]) == (8, 16)
     train_here(*small, name="ended")  # 4 steps, the epoch's end
     metrics, run_dir = train_here(*resume, "data.batch_size=32", name="ended")

@@ -29,7 +29,8 @@ class DataConfig:
 
     _target_: str = MISSING  # the data set's config class (this one's subclass)
     batch_size: int = 64  # per rank
-    # set: batch_size = this / (data-parallel ranks x trainer.accumulate_grad_batches)
+    # set: batch_size = this / (data-parallel ranks x trainer.accumulate_grad_batches); a
+    # data.batch_size given beside it on the command line is refused
     global_batch_size: Optional[int] = None
     eval_batch_size: int = 1000  # per rank
     # auto | memory (the whole split as tensors held in memory) | dataloader; auto = memory
@@ -85,6 +86,18 @@ class DataConfig:
         """None if the data a checkpoint recorded (`saved`: its "data" entry, if any) is
         still the data here, else one line naming what changed."""
         return None
+
+
+def batch_overridden(overrides: list[str], global_batch: int | None) -> str | None:
+    """Where the command line gives data.batch_size and the config fixes the global batch,
+    which sets the batch per rank over it (validate.resolve_global_batch): one line."""
+    given = {o.lstrip("+~").partition("=")[0] for o in overrides}
+    if global_batch is None or "data.batch_size" not in given:
+        return None
+    return (f"data.batch_size is given with data.global_batch_size={global_batch}, which sets "
+            "the batch per rank itself (the global batch / (data-parallel ranks x "
+            "trainer.accumulate_grad_batches)): drop data.batch_size, or give "
+            "data.global_batch_size=null to keep it")
 
 
 def data_defaults() -> dict[str, Any]:

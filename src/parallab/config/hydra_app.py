@@ -12,7 +12,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from parallab.config.errors import ConfigError
+from parallab.config.data_config import batch_overridden
+from parallab.config.errors import ConfigError, refuse
 from parallab.config.schema import typed
 
 # conf/ ships inside the package; Hydra finds it as pkg://parallab/conf (a user project adds
@@ -47,7 +48,9 @@ def typed_config(dict_cfg: DictConfig, overrides: list[str]):
             if not isinstance(node, DictConfig) or node._is_none() or part not in node:
                 break
             node = node[part]
-    return typed(dict_cfg)
+    cfg = typed(dict_cfg)
+    refuse(batch_overridden(overrides, cfg.data.global_batch_size))
+    return cfg
 
 
 # Hydra's flags that say where the config comes from: a recommended command keeps them
