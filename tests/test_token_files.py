@@ -251,6 +251,9 @@ def test_a_resume_tells_files_by_where_they_are_and_in_their_order(corpus, train
 def bad_inputs(root) -> list:
     short = root / "short.bin"
     np.arange(10, dtype=np.uint16).tofile(short)
+    (root / "empty.bin").write_bytes(b"")  # numpy maps no empty file
+    one = root / "one.bin"  # one window, which the held-out share takes
+    np.arange(SEQ + 1, dtype=np.uint16).tofile(one)
     high = root / "high.bin"
     np.full(100, 300, dtype=np.uint16).tofile(high)
     (root / "cut.bin").write_bytes((root / "docs.bin").read_bytes()[:-2])
@@ -266,6 +269,11 @@ def bad_inputs(root) -> list:
          "vocabulary of 256"),
         ([f"data.files={short}"], "holds 10 tokens, fewer than one window of data.seq_len "
          "\\+ 1 = 17"),
+        ([f"data.files={root}/empty.bin"], "holds 0 tokens, fewer than one window"),
+        ([f"data.files={one}"], "data.files: its 1 window.s. of data.seq_len \\+ 1 tokens "
+         "are all held out for evaluation"),
+        ([f"data.sources=[{{name: a, files: {web}}}, {{name: b, files: {one}}}]"],
+         "data.sources.b.files: its 1 window.s. .* held out"),
         ([f"data.sources={two.format(w=web, a=1, n='b', b=-1)}"], "b's weight -1 is not a "
          "share"),
         ([f"data.sources={two.format(w=web, a=1, n='b', b='inf')}"], "b's weight inf is not "

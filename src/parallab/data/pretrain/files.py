@@ -77,6 +77,8 @@ def open_tokens(path: str, dtype: str) -> TokenFile:
     if size % itemsize:
         raise FileProblem(f"{path} is {size} bytes, not a whole number of {dtype} tokens: "
                           "give data.dtype as the file was written")
+    if size == 0:  # numpy maps no empty file: no tokens, which the window checks refuse
+        return TokenFile(path, np.zeros(0, dtype=DTYPES[dtype]))
     return TokenFile(path, np.memmap(path, dtype=DTYPES[dtype], mode="r"))
 
 
