@@ -32,6 +32,20 @@ def test_a_transformers_moe_model_refuses_sequence_parallelism_in_one_line():
                 "parallel.sequence_parallel=true")
 
 
+@pytest.mark.parametrize("k,said", [
+    (0, "model.config.num_experts_per_tok=0 is out of range: it must be >= 1"),
+    (5, "model.config.num_experts_per_tok=5 is above model.config.num_experts=4")])
+def test_a_transformers_moe_models_experts_per_token_are_checked_as_gpts(k, said):
+    """Not a router that sends no token anywhere (0: it trained, its experts idle), nor a
+    topk failing on the data's batch, said as the data's fault (5 of 4)."""
+    with pytest.raises(ConfigError, match=said):
+        checked(*QWEN3_MOE, f"model.config.num_experts_per_tok={k}")
+    with pytest.raises(ConfigError, match="num_local_experts=4: a token picks at most"):
+        checked("model=mixtral_8x7b", "model.config.num_local_experts=4",
+                "model.config.num_experts_per_tok=5", "data=tokens", "data.seq_len=32",
+                "model.config.num_hidden_layers=1", "model.config.hidden_size=64")
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_a_transformers_moe_model_trains_under_ep_as_one_device_does(train_here):

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from parallab.config import targets
-from parallab.config.errors import ConfigError
+from parallab.config.errors import ConfigError, refuse
 
 KEY = "model"
 
@@ -82,6 +82,9 @@ def check(spec: dict[str, Any], data) -> dict[str, Any]:
         raise ConfigError(f"model._target_={spec[targets.TARGET]} is not callable: name a "
                           "Module class, or a function that returns a Module")
     spec = data_vocabulary(spec, data)
+    from parallab.models.hf import experts_problem
+
+    refuse(experts_problem(spec.get("config")))
     kwargs = targets.arguments(spec)
     # a spec's _args_ fill the first parameters
     targets.check_arguments(target, kwargs, KEY, at_call=len(spec.get("_args_") or []))

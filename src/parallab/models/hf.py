@@ -8,6 +8,7 @@ imports transformers unless the model is one of its.
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 from torch import nn
@@ -119,6 +120,27 @@ def heads_problem(model: nn.Module, tp: int) -> str | None:
         if isinstance(heads, int) and heads % tp:
             return (f"parallel.tp={tp} does not divide the model's {key}={heads}: each rank "
                     "computes whole heads; pick a tp that divides it")
+    return None
+
+
+EXPERTS_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")  # the families' names
+
+
+def experts_problem(config) -> str | None:
+    """A transformers MoE config (model.config, as given) whose experts each token is sent
+    to are none, or more than it holds: its router would route no token, or fail in topk."""
+    if not isinstance(config, Mapping):
+        return None
+    k = config.get("num_experts_per_tok")
+    key = next((key for key in EXPERTS_KEYS if isinstance(config.get(key), int)), None)
+    if not isinstance(k, int) or key is None:
+        return None
+    if k < 1:
+        return (f"model.config.num_experts_per_tok={k} is out of range: it must be >= 1 (the "
+                "experts each token is sent to)")
+    if k > config[key]:
+        return (f"model.config.num_experts_per_tok={k} is above model.config.{key}="
+                f"{config[key]}: a token picks at most every expert once; lower it")
     return None
 
 
