@@ -386,6 +386,27 @@ def test_prepare_data_writes_the_documents_token_files_read(tokenizer, tmp_path,
     assert again["train"]["documents"] == len(lines) and not (tmp_path / "val.bin").exists()
 
 
+def test_prepare_datas_printed_command_trains_where_its_val_is_shorter_than_a_window(
+        tokenizer, tmp_path, capsys):
+    """The command prepare-data prints is one train takes: a held-out split shorter than
+    one of gpt's windows (its context of 256, and the next token) is left out of it, said,
+    where the command had been refused."""
+    import argparse
+
+    from parallab.data.pretrain import prepare
+
+    folder, _ = tokenizer
+    parser = argparse.ArgumentParser()
+    prepare.arguments(parser)
+    prepare.main(parser.parse_args([str(folder / "docs.jsonl"), "--tokenizer", str(folder),
+                                    "--out", str(tmp_path), "--num-proc", "1"]))
+    said = capsys.readouterr().out.strip().splitlines()
+    assert said[-2].startswith("val.bin holds fewer tokens than one window of gpt's (257)")
+    command = said[-1].removeprefix("train with: parallab train ").split()
+    assert not any(o.startswith("data.eval_files=") for o in command)
+    checked(*command, "model.layers=1", "model.width=32", "model.heads=2", "device=cpu")
+
+
 def test_prepare_data_refuses_a_record_without_text_in_one_line(tokenizer, tmp_path):
     """A record whose text is null, or under another key: its index named, nothing written
     (the tokenizer's own error was a worker's traceback)."""

@@ -182,6 +182,9 @@ def write_split(split, prefix: Path, dtype: np.dtype) -> dict[str, Any]:
             "tokens": int(lengths.sum())}
 
 
+GPT_CONTEXT = 256  # conf/model/gpt.yaml's context: the printed command's data.seq_len
+
+
 def main(args: argparse.Namespace) -> None:
     found = prepare(args.files, args.tokenizer, args.out, args.text_key, args.eval_fraction,
                     args.num_proc, args.seed, not args.no_eos, args.force)
@@ -190,7 +193,14 @@ def main(args: argparse.Namespace) -> None:
             split = found[name]
             print(f"{split['path']}: {split['documents']:,} documents, {split['tokens']:,} "
                   f"tokens ({found['dtype']})")
-    val = f" data.eval_files={args.out / 'val.bin'}" if "val" in found else ""
+    # a held-out split shorter than one of gpt's windows (its context of 256, and the next
+    # token) would refuse the printed command: the training split's last windows instead
+    window = GPT_CONTEXT + 1
+    short = "val" in found and found["val"]["tokens"] < window
+    val = f" data.eval_files={args.out / 'val.bin'}" if "val" in found and not short else ""
+    if short:
+        print(f"val.bin holds fewer tokens than one window of gpt's ({window}): left out "
+              "below, data.eval_fraction holds out train.bin's last windows instead")
     # the .idx marks the documents: no data.eos_id needed; gpt's vocabulary the tokenizer's
     print(f"train with: parallab train model=gpt model.vocab_size={found['vocab_size']} "
           f"data=token_files data.files={args.out / 'train.bin'}{val}")
