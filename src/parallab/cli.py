@@ -349,21 +349,6 @@ def compose(overrides: list[str], config_dir: str | Path | None = None,
                              return_hydra_config=return_hydra)
 
 
-def chosen_data(overrides: list[str], composed) -> str | None:
-    """The data option train composes for `overrides` where something chose it (an
-    experiment, the user) over train's own default; None where none did, or where the
-    overrides do not compose (a sweep's: simulate's own composition says what is wrong).
-    `composed(name, overrides)`: the config `name` composed with its Hydra node."""
-    from hydra.errors import HydraException
-
-    try:
-        chosen, default = (composed("config", given).hydra.runtime.choices.data
-                           for given in (overrides, []))
-    except (HydraException, ValueError):
-        return None
-    return None if chosen == default else chosen
-
-
 def advise_in_process(overrides: list[str], run_dir: str | Path,
                       config_dir: str | Path | None = None) -> dict[str, Any]:
     """What `parallab advise OVERRIDES hydra.run.dir=RUN_DIR` does, in this process."""

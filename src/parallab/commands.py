@@ -19,8 +19,9 @@ with ended_by_interrupt():
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import DictConfig, OmegaConf, open_dict
 
-    from parallab.cli import Invocation, _fail, advise, chosen_data, compose, train
+    from parallab.cli import Invocation, _fail, advise, compose, train
     from parallab.config import help
+    from parallab.config.chosen_data import composed_in_app, with_data
     from parallab.config.errors import ConfigError, OneLineError
     from parallab.config.hydra_app import config_flags, hydra_app, run_app, typed_config
     from parallab.config.schema import register_configs
@@ -277,7 +278,7 @@ def _simulate_task(dict_cfg: DictConfig, call: Invocation) -> None:
     run_dir = HydraConfig.get().runtime.output_dir
     try:
         rundir.check_unused(Path(run_dir), "parallab simulate", call.held_before())
-        dict_cfg, overrides = _with_data(dict_cfg, overrides, _hydra_composed)
+        dict_cfg, overrides = with_data(dict_cfg, overrides, composed_in_app)
         run.run(typed_config(dict_cfg, overrides), overrides, run_dir,
                 ["parallab", "train", *config_flags(call.argv[1:])])
     except OneLineError as error:  # a refusal puts the dir back; a full disk keeps its log
@@ -286,36 +287,13 @@ def _simulate_task(dict_cfg: DictConfig, call: Invocation) -> None:
         _fail(str(error), error.status)
 
 
-def _hydra_composed(name: str, overrides: list[str], hydra: bool = True) -> DictConfig:
-    """The config `name` composed inside a running Hydra app (its search path: a project's
-    config dir included)."""
-    from hydra import compose as hydra_compose
-
-    return hydra_compose(name, overrides=overrides, return_hydra_config=hydra)
-
-
-def _with_data(dict_cfg: DictConfig, overrides: list[str], composed
-               ) -> tuple[DictConfig, list[str]]:
-    """simulate's composition and overrides with the data train composes for them: an
-    experiment's (or the user's) choice in place of simulate's generated tokens, which stand
-    for train's default data alone and are then named for train's command (a choice on the
-    command line beats simulate.yaml's). `composed(name, overrides, hydra=True)`: the
-    config `name` composed (cli.chosen_data)."""
-    if any(o.lstrip("+~").startswith("data=") for o in overrides):
-        return dict_cfg, overrides
-    chosen = chosen_data(overrides, composed)
-    if chosen is None:
-        return dict_cfg, ["data=tokens", *overrides]
-    return composed("simulate", [*overrides, f"data={chosen}"], hydra=False), overrides
-
-
 def simulate_in_process(overrides: list[str], run_dir: str | Path,
                         config_dir: str | Path | None = None) -> dict[str, Any]:
     """What `parallab simulate OVERRIDES hydra.run.dir=RUN_DIR` does, in this process: its
     summary; ConfigError where the command would end in one line."""
     from parallab.simulate import run
 
-    dict_cfg, overrides = _with_data(
+    dict_cfg, overrides = with_data(
         compose(list(overrides), config_dir, "simulate"), list(overrides),
         lambda name, given, hydra=True: compose(given, config_dir, name, hydra))
     cfg = typed_config(dict_cfg, overrides)
