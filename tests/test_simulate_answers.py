@@ -50,7 +50,7 @@ def test_a_gpu_the_table_does_not_list_needs_its_cluster_yaml_alone():
     assert added.peaks["bf16"] == mfu.peak_flops("NVIDIA A100-SXM4-80GB", torch.bfloat16)
     clocked = cluster.Rates.of(configured("cluster=h100", "+cluster.peak_tflops={bf16: 900}")
                                .cluster)
-    assert clocked.peaks["bf16"] == pytest.approx(900e12)
+    assert clocked.peaks["bf16"] == clocked.peaks["fp16"] == pytest.approx(900e12)
     assert clocked.peaks["fp8"] == preset.peaks["fp8"]
 
 

@@ -46,11 +46,14 @@ def test_an_experiments_data_is_simulated_and_trained_as_printed(tmp_path):
 
 
 def test_the_command_simulates_an_experiments_data(tmp_path):
-    """The command line composes inside Hydra's app (another path than in process)."""
+    """The command line composes inside Hydra's app (another path than in process), the
+    project's dir given as --config-dir or as hydra.searchpath."""
     conf = _project(tmp_path)
-    done = run_entry("parallab", ["simulate", "--config-dir", str(conf), "experiment=short",
-                                  *GPT], tmp_path / "run", timeout=180)
-    assert done.returncode == 0, done.stderr[-3000:]
-    said = done.stdout.strip().splitlines()
-    assert said[-2].startswith("parallab simulate: fsdp(F4) b4 ")
-    assert "data=tokens" not in said[-1] and "experiment=short" in said[-1]
+    for name, where in (("dir", ["--config-dir", str(conf)]),
+                        ("path", [f"hydra.searchpath=[file://{conf}]"])):
+        done = run_entry("parallab", ["simulate", *where, "experiment=short", *GPT],
+                         tmp_path / name, timeout=180)
+        assert done.returncode == 0, done.stderr[-3000:]
+        said = done.stdout.strip().splitlines()
+        assert said[-2].startswith("parallab simulate: fsdp(F4) b4 "), said[-2]
+        assert "data=tokens" not in said[-1] and "experiment=short" in said[-1]

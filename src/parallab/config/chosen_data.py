@@ -39,8 +39,11 @@ def with_data(dict_cfg: DictConfig, overrides: list[str], composed
 
 
 def composed_in_app(name: str, overrides: list[str], hydra: bool = True) -> DictConfig:
-    """The config `name` composed inside a running Hydra app (its search path: a project's
-    config dir included)."""
+    """The config `name` composed inside a running Hydra app: its search path (a project's
+    --config-dir) the app's, and a hydra.searchpath given on the command line, which each
+    composition reads from its own overrides."""
     from hydra import compose as hydra_compose
+    from hydra.core.hydra_config import HydraConfig
 
-    return hydra_compose(name, overrides=overrides, return_hydra_config=hydra)
+    paths = [o for o in HydraConfig.get().overrides.hydra if o.startswith("hydra.searchpath=")]
+    return hydra_compose(name, overrides=[*overrides, *paths], return_hydra_config=hydra)

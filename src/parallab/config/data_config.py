@@ -91,7 +91,7 @@ class DataConfig:
 def batch_overridden(overrides: list[str], global_batch: int | None) -> str | None:
     """Where the command line gives data.batch_size and the config fixes the global batch,
     which sets the batch per rank over it (validate.resolve_global_batch): one line."""
-    given = {o.lstrip("+~").partition("=")[0] for o in overrides}
+    given = {o.lstrip("+").partition("=")[0] for o in overrides if not o.startswith("~")}
     if global_batch is None or "data.batch_size" not in given:
         return None
     return (f"data.batch_size is given with data.global_batch_size={global_batch}, which sets "

@@ -26,16 +26,17 @@ def table() -> tuple[tuple[str, dict[str, float]], ...]:
                  for e in entries)
 
 
-def peaks_of(device_name: str) -> dict[str, float] | None:
+def peaks_of(device_name: str, listed: bool = False) -> dict[str, float] | None:
     """The named device's peaks by precision (fp32, tf32, bf16, fp16, fp8: FLOP/s), those
     it lacks taken as the rate that runs them (fp16 on BF16 tensor cores, tf32 without
-    TF32 ones at fp32's); None for a device the table does not know."""
+    TF32 ones at fp32's; with `listed`, those the table lists alone); None for a device the
+    table does not know."""
     if "laptop" in device_name.lower():  # laptop parts: lower, varying clocks
         return None
     for pattern, peaks in table():
         # whole words only: "A10" is not "A100", "L4" is not "L40S", "T4" is not "RTX 4090"
         if re.search(rf"(?<![A-Za-z0-9])(?:{pattern})(?![A-Za-z0-9])", device_name, re.I):
-            return filled(peaks)
+            return dict(peaks) if listed else filled(peaks)
     return None
 
 

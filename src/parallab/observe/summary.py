@@ -63,7 +63,8 @@ def job_row(job_dir: Path) -> dict[str, Any]:
     elif (job_dir / "advise.csv").exists():  # experiment=advise: its answer is its table
         state = "advised (advise.md)"
     elif (metrics := _simulated(job_dir)) is not None:  # parallab simulate's, predicted
-        state = "simulated (simulate.md)"
+        state = "simulated (simulate.md)" if metrics.pop("fits") else \
+            "simulated, does not fit (simulate.md)"
     else:
         state = status.get("status") or "incomplete"
     row = {"job": job_dir.name, "overrides": " ".join(map(str, overrides)), "status": state,
@@ -74,7 +75,8 @@ def job_row(job_dir: Path) -> dict[str, Any]:
 
 def _simulated(job_dir: Path) -> dict[str, Any] | None:
     """A `parallab simulate` job's best layout (simulate.json's first: the fastest that
-    fits) in the columns a run reports: predicted on its cluster, not measured."""
+    fits, or the layout given where it does not) in the columns a run reports, and whether
+    it fits: predicted on its cluster, not measured."""
     answer = _json_object(job_dir / "simulate.json")
     layouts = (answer or {}).get("layouts") or [{}]
     best, world = layouts[0], (answer or {}).get("world_size")
@@ -82,7 +84,7 @@ def _simulated(job_dir: Path) -> dict[str, Any] | None:
         tokens = best["tokens_per_sec_per_gpu"] * world
         return {"parallel": best["layout"], "world_size": world, "tokens_per_sec": tokens,
                 "samples_per_sec": tokens / answer["seq_len"], "mfu": best["mfu"],
-                "step_time_ms": best["step_time_s"] * 1e3, "precision_dtype": answer["precision"],
+                "step_time_ms": best["step_time_s"] * 1e3, "fits": bool(best["fits"]),
                 "peak_memory_mb": best["memory_per_gpu_gb"] * 1024}
     except (KeyError, TypeError):  # not written as simulate writes it
         return None

@@ -94,7 +94,7 @@ def peaks_of(cfg: ClusterConfig) -> dict[str, float]:
     from parallab.observe import mfu
 
     own = {k: float(v) * 1e12 for k, v in (cfg.peak_tflops or {}).items()}
-    return mfu.filled({**(mfu.peaks_of(cfg.gpu) or {}), **own})
+    return mfu.filled({**(mfu.peaks_of(cfg.gpu, listed=True) or {}), **own})
 
 
 @dataclass(frozen=True)

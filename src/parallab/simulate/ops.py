@@ -231,8 +231,9 @@ class Recorder(TorchDispatchMode):
                 self.casts8.derived(func, *tensors)
             if op.kind == "memory":
                 self.sources.passed(*tensors, op.region == "block")
-        if moved:
-            self.ops.append(op)
+        if not moved:  # not run by train: neither its time nor its memory
+            return out
+        self.ops.append(op)
         for value in flat_out:
             value = _local(value)
             if isinstance(value, torch.Tensor):
