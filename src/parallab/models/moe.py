@@ -35,6 +35,7 @@ from torch import nn
 
 from parallab.batch import local
 from parallab.config.errors import ConfigError
+from parallab.models.hf import EXPERTS_KEYS
 from parallab.config.targets import check_types
 from parallab.models.experts import (Experts, Load, count_ids, even_counts, experts_of,
                                      in_backward, uniform)
@@ -293,8 +294,7 @@ def shape_of(model: nn.Module) -> tuple[int, int, float] | None:
     if isinstance(getattr(cfg, "moe", None), MoeConfig):
         return (cfg.layers, cfg.moe.experts, cfg.moe.aux_loss) if cfg.moe.on else None
     config = getattr(model, "config", None)
-    experts = next((getattr(config, k) for k in ("num_experts", "num_local_experts",
-                                                 "n_routed_experts")
+    experts = next((getattr(config, k) for k in EXPERTS_KEYS
                     if isinstance(getattr(config, k, None), int)), None)
     blocks = getattr(config, "num_hidden_layers", None)
     if not experts or not isinstance(blocks, int) or not getattr(model, "ep_plan", None):

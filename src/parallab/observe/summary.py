@@ -62,9 +62,9 @@ def job_row(job_dir: Path) -> dict[str, Any]:
         state = "unreadable"
     elif (job_dir / "advise.csv").exists():  # experiment=advise: its answer is its table
         state = "advised (advise.md)"
-    elif (metrics := _simulated(job_dir)) is not None:  # parallab simulate's, predicted
-        state = "simulated (simulate.md)" if metrics.pop("fits") else \
-            "simulated, does not fit (simulate.md)"
+    elif (answer := _simulated(job_dir)) is not None:  # parallab simulate's, predicted
+        metrics, fits = answer
+        state = "simulated (simulate.md)" if fits else "simulated, does not fit (simulate.md)"
     else:
         state = status.get("status") or "incomplete"
     row = {"job": job_dir.name, "overrides": " ".join(map(str, overrides)), "status": state,
@@ -73,7 +73,7 @@ def job_row(job_dir: Path) -> dict[str, Any]:
     return row
 
 
-def _simulated(job_dir: Path) -> dict[str, Any] | None:
+def _simulated(job_dir: Path) -> tuple[dict[str, Any], bool] | None:
     """A `parallab simulate` job's best layout (simulate.json's first: the fastest that
     fits, or the layout given where it does not) in the columns a run reports, and whether
     it fits: predicted on its cluster, not measured."""
@@ -84,8 +84,8 @@ def _simulated(job_dir: Path) -> dict[str, Any] | None:
         tokens = best["tokens_per_sec_per_gpu"] * world
         return {"parallel": best["layout"], "world_size": world, "tokens_per_sec": tokens,
                 "samples_per_sec": tokens / answer["seq_len"], "mfu": best["mfu"],
-                "step_time_ms": best["step_time_s"] * 1e3, "fits": bool(best["fits"]),
-                "peak_memory_mb": best["memory_per_gpu_gb"] * 1024}
+                "step_time_ms": best["step_time_s"] * 1e3,
+                "peak_memory_mb": best["memory_per_gpu_gb"] * 1024}, bool(best["fits"])
     except (KeyError, TypeError):  # not written as simulate writes it
         return None
 

@@ -202,19 +202,19 @@ class SplitCasts:
                     first += _nbytes(t) / self.ranks
         return tuple(precast), first
 
-    def kept(self, sources: Sources, tensor: torch.Tensor, parents: set[str], cast: bool
-             ) -> tuple[object, int, bool | None] | None:
-        """What a split layer keeps of `tensor` (local) as it saves it: (key, bytes, kept
-        compiled: None where as the tensor is) of its input's one float8 copy, nothing of
-        autocast's copy of its weight (Float8Linear keeps the weight it holds); None where
-        no split float8 layer saves it, or what it saves is not its input (its output,
-        which selective checkpointing keeps in bf16)."""
+    def kept(self, sources: Sources, tensor: torch.Tensor, key: int, parents: set[str],
+             cast: bool) -> tuple[object, int, bool | None] | None:
+        """What a split layer keeps of `tensor` (local; `key` its storage's, as the saver
+        counts it) as it saves it: (key, bytes, kept compiled: None where as the tensor is)
+        of its input's one float8 copy, nothing of autocast's copy of its weight
+        (Float8Linear keeps the weight it holds); None where no split float8 layer saves
+        it, or what it saves is not its input (its output, which selective checkpointing
+        keeps in bf16)."""
         gathered = self._gathered(sources, tensor)
         if gathered is not None:  # a collective's output: kept compiled
             return ("collective", gathered[0]), gathered[1], True
-        key = tensor.untyped_storage()._cdata
         layer = next((p for p in parents if p in self.split), None)
-        if layer is None or not (cast or key in self.inputs):
+        if layer is None or not (cast or tensor.untyped_storage()._cdata in self.inputs):
             return None
         return (key, layer), 0 if cast else tensor.numel(), None
 

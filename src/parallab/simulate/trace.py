@@ -361,9 +361,7 @@ class _SavedByRegion:
         cast = is_cast(tensor, self.param_ids)
         # a split float8 layer's one-byte copy (float8.SplitCasts), in place of the tensor
         float8 = self.recorder.casts8 and self.recorder.casts8.kept(
-            self.recorder.sources, _local(tensor), self.tracker.parents, cast)
-        if float8 and float8[0][0] != "collective":  # (its input, the layer)
-            float8 = ((key, float8[0][1]), *float8[1:])
+            self.recorder.sources, _local(tensor), key, self.tracker.parents, cast)
         if (float8[0] if float8 else key) in self.seen:
             return tensor
         inside = any(p.startswith(self.recorder.block) for p in self.tracker.parents)

@@ -96,16 +96,17 @@ def _files(cfg) -> Optional[str]:
 
 def _left_to_train(cfg) -> Optional[str]:
     """Each source that is drawn keeps a window to train on once data.eval_fraction holds
-    out the last of its windows (at least one: TokenFiles.split)."""
+    out the last of its windows (TokenFiles.split, the files opened once)."""
     if cfg.eval_files is not None:
         return None
-    for name, spec, weight in cfg.named_sources():
-        windows = sum(max(0, (len(f) - 1) // cfg.seq_len) for f in cfg.opened(spec))
-        if weight and windows - max(1, int(windows * cfg.eval_fraction)) < 1:
-            key = f"data.sources.{name}.files" if cfg.sources is not None else "data.files"
-            return (f"{key}: its {windows} window(s) of data.seq_len + 1 tokens are all held "
-                    f"out for evaluation (data.eval_fraction={cfg.eval_fraction}, at least "
-                    "one): give more tokens, a shorter data.seq_len, or data.eval_files")
+    for source in cfg.split()[0]:
+        if source.weight and not len(source.windows):
+            key = f"data.sources.{source.name}.files" if cfg.sources is not None else \
+                "data.files"
+            return (f"{key}: its {source.windows.total} window(s) of data.seq_len + 1 tokens "
+                    f"are all held out for evaluation (data.eval_fraction="
+                    f"{cfg.eval_fraction}, at least one): give more tokens, a shorter "
+                    "data.seq_len, or data.eval_files")
     return None
 
 

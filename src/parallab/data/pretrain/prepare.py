@@ -182,9 +182,6 @@ def write_split(split, prefix: Path, dtype: np.dtype) -> dict[str, Any]:
             "tokens": int(lengths.sum())}
 
 
-GPT_CONTEXT = 256  # conf/model/gpt.yaml's context: the printed command's data.seq_len
-
-
 def main(args: argparse.Namespace) -> None:
     found = prepare(args.files, args.tokenizer, args.out, args.text_key, args.eval_fraction,
                     args.num_proc, args.seed, not args.no_eos, args.force)
@@ -195,7 +192,7 @@ def main(args: argparse.Namespace) -> None:
                   f"tokens ({found['dtype']})")
     # a held-out split shorter than one of gpt's windows (its context of 256, and the next
     # token) would refuse the printed command: the training split's last windows instead
-    window = GPT_CONTEXT + 1
+    window = _gpt_context() + 1
     short = "val" in found and found["val"]["tokens"] < window
     val = f" data.eval_files={args.out / 'val.bin'}" if "val" in found and not short else ""
     if short:
@@ -204,3 +201,12 @@ def main(args: argparse.Namespace) -> None:
     # the .idx marks the documents: no data.eos_id needed; gpt's vocabulary the tokenizer's
     print(f"train with: parallab train model=gpt model.vocab_size={found['vocab_size']} "
           f"data=token_files data.files={args.out / 'train.bin'}{val}")
+
+
+def _gpt_context() -> int:
+    """model=gpt's context (its YAML's), which the printed command's data.seq_len follows."""
+    import yaml
+
+    from parallab.config.hydra_app import CONF_DIR
+
+    return int(yaml.safe_load((Path(CONF_DIR) / "model" / "gpt.yaml").read_text())["context"])
