@@ -74,7 +74,7 @@ def same_model(meta: dict[str, Any], spec: dict[str, Any]) -> bool:
 def changed_batch(saved: dict[str, Any], here: int, resume: str) -> str | None:
     """A resume at another global batch (`here` samples a step over all ranks) than its
     checkpoint's (`saved`: its meta or state) counts the rest of its epochs in steps of
-    `here` (Trainer.recounted). Refused mid-epoch in data without a place of its own:
+    `here` (training/loop_state.py). Refused mid-epoch in data without a place of its own:
     map-style data skips the batches its steps took, which at another size are other
     samples."""
     was = saved.get("global_batch_size")

@@ -35,7 +35,7 @@ from parallab.observe.loggers import RunLogger
 from parallab.observe.profiling import profiled
 from parallab.observe.progress import Progress
 from parallab.parallel.base import Runtime
-from parallab.training import checkpoint
+from parallab.training import checkpoint, loop_state
 from parallab.training.batch_size import global_batch_size, loss_terms
 from parallab.training.checkpoint import Checkpointer
 from parallab.training.evaluation import Evaluation
@@ -365,46 +365,7 @@ class Trainer:
         }
 
     def state_dict(self) -> dict[str, Any]:
-        """All a run needs to continue exactly: weights and optimizer (as the runtime holds
-        them), each stateful part's own state by its name, the loop's position."""
-        model_state, optimizer_state = self.runtime.state_dict(self.model, self.optimizer)
-        parts = {"grad_scaler": self.precision, "monitor": self.evaluation,
-                 "scheduler": self.scheduler, "expert_load": self.expert_load}
-        return {"model": model_state, "optimizer": optimizer_state,
-                **{name: part.state_dict() if part is not None else None
-                   for name, part in parts.items()},
-                **self.window.state_dict(),
-                "step": self.step, "epoch": self.epoch, "epoch_step": self.epoch_step,
-                "total_steps": self.total_steps, "global_batch_size": self.global_batch_size,
-                "data": data_of.position(self.data.train)}
-
-    def recounted(self, saved_batch: int | None) -> None:
-        """Resumed at another global batch than saved (at an epoch's end, or in data with a
-        place of its own: checked before): the epochs left counted in steps of this one,
-        bounded by trainer.max_steps, the schedule over that length."""
-        here = self.global_batch_size
-        if saved_batch in (None, here) or self.steps_per_epoch is None:
-            return
-        self.epoch_step = -(-self.epoch_step * saved_batch // here)  # the samples taken
-        left = (self.cfg.epochs - self.epoch) * self.steps_per_epoch - self.epoch_step
-        self.total_steps = min(self.step + left, self.cfg.max_steps or math.inf)
-        if self.scheduler is not None:
-            self.scheduler = schedule.respanned(self.scheduler_cfg, self.optimizer,
-                                                self.total_steps)
+        return loop_state.state_of(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.runtime.load_state_dict(self.model, self.optimizer, state["model"],
-                                      state["optimizer"])
-        self.precision.load_state_dict(state["grad_scaler"])
-        self.step, self.epoch, self.epoch_step = state["step"], state["epoch"], state["epoch_step"]
-        self.recounted(state.get("global_batch_size"))
-        self.window.load_state_dict(state)
-        data_of.restore_position(self.data.train, state.get("data"))  # its global sample
-        self.evaluation.load_state_dict(state.get("monitor"))
-        if self.expert_load is not None and state.get("expert_load"):  # the run's sums
-            self.expert_load.load_state_dict(state["expert_load"])
-        if self.scheduler is not None and state.get("scheduler"):  # its step count
-            schedule.resume(self.scheduler, self.optimizer, state["scheduler"],
-                            state.get("total_steps"), self.total_steps, self.step,
-                            self.dist.is_main)
-        checkpoint.restore_rng(state, self.dist)
+        loop_state.restore(self, state)
