@@ -5,6 +5,8 @@ cores shared, parts that could not be measured)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from test_advise import TINY
 
@@ -30,7 +32,6 @@ def test_the_grid_comes_from_each_layout():
 def test_a_users_setting_of_a_key_a_layout_sets_gives_way_in_each_planners_command():
     """Every key a layout's command sets is one a user's own setting of gives way to, in
     advise's commands and simulate's alike; what each planner alone decides stays its own."""
-    import dataclasses
 
     from parallab.advise.candidates import user_overrides as advise_keeps
     from parallab.parallel import grid
@@ -86,6 +87,15 @@ def test_one_grid_spans_the_presets_for_advise_and_every_product_for_simulate():
     assert "hsdp(R2xF4xE4)" in labels
     assert "hsdp(R2xF4xE8)" not in labels  # 4 shards
     assert "fsdp(F8xE8)" in labels
+    # the ep train takes (ep carved from tp's ranks first, then the shards), as simulate's
+    # grid spans it: under tp 4 no ep of 2
+    options = dataclasses.replace(options, layouts=["fsdp_tp"])
+    carved = {(c.layout.tp, c.layout.dp_shard, c.layout.ep)
+              for c in enumerate_grid(options, [8], "cpu", experts=8) if c.layout.ep > 1}
+    assert carved == {(2, 4, 2), (2, 4, 4), (2, 4, 8), (4, 2, 4), (4, 2, 8)}
+    assert all(grid.expert_degrees(8, tp, shards)[1:] ==
+               sorted(ep for t, s, ep in carved if (t, s) == (tp, shards))
+               for tp, shards, _ in carved)
 
 
 @pytest.mark.parametrize("fp8_problem", [None, "no float8 tensor cores"])

@@ -12,7 +12,6 @@ from typing import Any, Callable
 
 from parallab.config.errors import ConfigError, first_line
 from parallab.parallel.grid import Candidate, overrides_kept
-from parallab.parallel.layout import Layout
 
 log = logging.getLogger(__name__)
 # the cost order of the memory savers: each next one trades more time for memory
@@ -28,15 +27,12 @@ def user_overrides(overrides: list[str]) -> list[str]:
     return overrides_kept(overrides, DECIDED, KEPT)
 
 
-# the layouts whose shards (and tp ranks) expert parallelism is carved from
-EXPERT_LAYOUTS = ("fsdp", "hsdp", "tp", "fsdp_tp")
-
 
 def enumerate_grid(options, world_sizes: list[int], device_type: str,
                    experts: int | None = None, batch: int = 1) -> list[Candidate]:
     """The grid: the presets' layouts of the one grid (parallel/grid.py) that `options`
     name, by preset; for a model of `experts` experts a layer, the sharded layouts each also
-    with every power-of-two ep of its ranks that divides them and their shards x tp; each
+    with every ep train takes of them (grid.expert_degrees, which simulate spans too); each
     by precision, activation checkpointing and accumulation, its data-parallel ranks
     splitting the global `batch` (data.global_batch_size, which its command keeps)."""
     from parallab.parallel import PLANS, grid
@@ -46,14 +42,15 @@ def enumerate_grid(options, world_sizes: list[int], device_type: str,
     accumulations = [2**k for k in range(int(math.log2(options.max_accumulation)) + 1)]
     space = grid.Space(ways=lambda pp, dp: _ways(pp, options),
                        devices=device_type == "cuda")
-    return [Candidate(dataclasses.replace(layout, checkpointing=ac, accumulation=accumulation,
+    return [Candidate(dataclasses.replace(layout, ep=ep, checkpointing=ac,
+                                          accumulation=accumulation,
                                           batch_size=max(1, batch // layout.dp)),
                       precision, global_batch=True)
             for n in world_sizes
-            for planned in sorted((layout for layout in grid.layouts(n, space)
-                                   if layout.preset in names),
-                                  key=lambda layout: order[layout.preset])
-            for layout in _with_experts(planned, experts)
+            for layout in sorted((layout for layout in grid.layouts(n, space)
+                                  if layout.preset in names),
+                                 key=lambda layout: order[layout.preset])
+            for ep in grid.expert_degrees(experts, layout.tp, layout.dp_shard)
             for precision in options.precisions for ac in options.activation_checkpointing
             for accumulation in accumulations]
 
@@ -70,15 +67,6 @@ def _ways(pp: int, options) -> list[dict[str, Any]]:
              "microbatches": micro}
             for name in options.schedules or schedules.SCHEDULES
             for micro in options.microbatches]
-
-
-def _with_experts(layout: Layout, experts: int | None) -> list[Layout]:
-    if not experts or layout.preset not in EXPERT_LAYOUTS:
-        return [layout]
-    carved = layout.dp_shard * layout.tp
-    return [layout, *(dataclasses.replace(layout, ep=ep)
-                      for ep in (2**k for k in range(1, int(math.log2(layout.world_size)) + 1))
-                      if experts % ep == 0 and carved % ep == 0)]
 
 
 def settle(candidates: list[Candidate], configure: Callable[[Candidate], Any],

@@ -54,6 +54,16 @@ def powers_of_two_dividing(n: int) -> list[int]:
     return [d for d in powers_of_two(n) if n % d == 0]
 
 
+
+def expert_degrees(experts: int | None, tp: int, shards: int) -> list[int]:
+    """The ep a layout of `tp` and `shards` (FSDP2's) may take for a model of `experts`
+    experts a layer (None: no mixture, [1]): 1, and tp x each power of two of the shards,
+    where it divides the experts (train's rule: parallel/expert_parallel.py)."""
+    if not experts:
+        return [1]
+    carved = [tp * s for s in powers_of_two_dividing(shards) if tp * s > 1]
+    return [1, *(ep for ep in carved if experts % ep == 0)]
+
 @dataclass(frozen=True)
 class Space:
     """What a grid spans: the degrees a count of ranks splits into (`splits`: each divides

@@ -12,8 +12,8 @@ from typing import Any
 from parallab.config.errors import ConfigError
 from parallab.parallel import schedules
 from parallab.parallel.activations import CONTEXTS
-from parallab.parallel.grid import (Candidate, Space, layouts, overrides_kept,
-                                    powers_of_two_dividing)
+from parallab.parallel.grid import (Candidate, Space, expert_degrees, layouts,
+                                    overrides_kept, powers_of_two_dividing)
 from parallab.parallel.layout import Layout
 from parallab.parallel.mesh import regather_problem
 
@@ -43,6 +43,7 @@ def grid(cfg, facts, gpus_per_node: int) -> list[Candidate]:
     from parallab.precision import layout_problem
 
     global_batch = cfg.data.global_batch_size is not None
+    experts = facts.mix.experts if facts.mix is not None else None
     space = Space(powers_of_two_dividing, max_tp=gpus_per_node, mixed=True,
                   ways=lambda pp, dp: _ways(pp, per_rank_batch(cfg, dp)[0] or 1, facts))
     found: list[Candidate] = []
@@ -53,7 +54,7 @@ def grid(cfg, facts, gpus_per_node: int) -> list[Candidate]:
             if layout.schedule and schedules.split_backward_clash(
                     layout.schedule, ac, cfg.trainer.compile):
                 continue  # train refuses it
-            for ep in expert_degrees(facts.mix, layout.tp, layout.dp_shard):
+            for ep in expert_degrees(experts, layout.tp, layout.dp_shard):
                 c = Candidate(dataclasses.replace(layout, checkpointing=ac, ep=ep),
                               global_batch=global_batch, cfg=cfg)
                 c.reason = reason or facts.parts_problem(c.layout) or \
@@ -74,16 +75,6 @@ def _sequence_cut(layout: Layout, cfg, global_batch: bool) -> list[Candidate]:
     return [Candidate(dataclasses.replace(layout, sequence_parallel=True, regather=regather),
                       global_batch=global_batch, cfg=cfg)
             for regather in (False, True)[:1 + again]]
-
-
-def expert_degrees(mix, tp: int, shards: int) -> list[int]:
-    """The ep a layout of `tp` and `shards` may take for a mixture (`mix`; none: [1]): 1, and
-    tp x each power of two of the shards, where it divides the experts (train's rule:
-    parallel/expert_parallel.py)."""
-    if mix is None:
-        return [1]
-    carved = [tp * s for s in powers_of_two_dividing(shards) if tp * s > 1]
-    return [1, *(ep for ep in carved if mix.experts % ep == 0)]
 
 
 def _ways(pp: int, batch: int, facts) -> list[dict[str, Any]]:
