@@ -222,6 +222,9 @@ def test_the_recommended_command_keeps_where_the_config_came_from():
     argv = ["advise", "--config-dir", "conf", "experiment=waves", "-cn=mine",
             "data.global_batch_size=64"]
     assert config_flags(argv) == ["--config-dir", "conf", "-cn=mine"]
+    # the same project given as an override: a command without it composes the built-ins
+    assert config_flags(["advise", "hydra.searchpath=[file:///p/conf]", "model=gpt",
+                         "hydra.run.dir=out"]) == ["hydra.searchpath=[file:///p/conf]"]
     chosen = Candidate(planned("ddp", 2), "fp32", global_batch=True)
     line = report.command(["parallab train", *config_flags(argv)],
                           ["experiment=waves", "data.global_batch_size=64"], chosen, 64)

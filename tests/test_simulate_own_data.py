@@ -57,3 +57,5 @@ def test_the_command_simulates_an_experiments_data(tmp_path):
         said = done.stdout.strip().splitlines()
         assert said[-2].startswith("parallab simulate: fsdp(F4) b4 "), said[-2]
         assert "data=tokens" not in said[-1] and "experiment=short" in said[-1]
+        # the printed command finds the project's experiment where simulate found it
+        assert where[-1] in shlex.split(said[-1]), said[-1]

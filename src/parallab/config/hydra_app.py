@@ -59,7 +59,7 @@ CONFIG_FLAGS = ("--config-dir", "-cd", "--config-path", "-cp", "--config-name", 
 
 def entry_command(argv: list[str]) -> list[str]:
     """How this command was started, less its overrides: `parallab train` or `python
-    train.py`, and the Hydra config flags (a project's --config-dir)."""
+    train.py`, and where it finds a project's configs (config_flags)."""
     entry = ["parallab", "train"] if Path(argv[0]).name == "parallab" else ["python",
                                                                             "train.py"]
     return [*entry, *config_flags(argv[1:])]
@@ -67,9 +67,12 @@ def entry_command(argv: list[str]) -> list[str]:
 
 def config_flags(argv: list[str]) -> list[str]:
     """The Hydra config flags in `argv` (a command line less its program), with their
-    values: `--config-dir conf` and `--config-dir=conf` alike."""
+    values (`--config-dir conf` and `--config-dir=conf` alike), and hydra.searchpath, the
+    same project given as an override: a command printed without it would compose the
+    built-ins of the project's names."""
     return [arg for i, arg in enumerate(argv) if arg in CONFIG_FLAGS or (
-        i and argv[i - 1] in CONFIG_FLAGS) or arg.startswith(tuple(f"{f}=" for f in CONFIG_FLAGS))]
+        i and argv[i - 1] in CONFIG_FLAGS) or arg.startswith(tuple(f"{f}=" for f in CONFIG_FLAGS))
+        or arg.lstrip("+").startswith("hydra.searchpath=")]
 
 
 def hydra_app(config_name: str, task, call):
