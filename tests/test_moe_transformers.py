@@ -93,6 +93,22 @@ def assert_exported_as_published(run_dir, train_here) -> None:
     assert metrics["steps"] == 1
 
 
+
+def test_experts_split_over_tp_ranks_go_to_a_checkpoint_and_back(train_here):
+    """Experts split over 2 tp ranks by the model's own plan (its packed gate_up_proj
+    strided: each rank its slice of gate and of up, which torch's checkpoint planner reads
+    as overlapping chunks) are saved as one device's weights, and resume to its losses."""
+    run = [*QWEN3_MOE, "data.batch_size=8", "trainer.checkpoint_every_n_steps=2"]
+    _, one_dir = train_here(*run, name="one")
+    tp = [*run, "parallel=tp", "parallel.world_size=2"]
+    train_here(*tp, "trainer.max_steps=2", name="tp")
+    _, tp_dir = train_here(*tp, "trainer.resume=auto", name="tp")  # steps 3 and 4
+    assert losses(tp_dir)[-2:] == pytest.approx(losses(one_dir)[-2:], rel=1e-5)
+    model = _tiny_qwen3()
+    one = weights.read(checkpoint.latest(one_dir / "checkpoints"), model)
+    for name, value in weights.read(checkpoint.latest(tp_dir / "checkpoints"), model).items():
+        torch.testing.assert_close(value, one[name], rtol=1e-4, atol=1e-6)
+
 def test_a_transformers_router_loss_joins_the_gradient_not_the_logged_loss():
     """Qwen3-MoE with output_router_logits: the step's loss is the task loss (train/loss),
     its gradient the task loss's and the router term's (coefficient x aux_loss x the

@@ -209,6 +209,24 @@ def test_on_nan_skip_drops_the_bad_steps_and_finishes(train_here, monkeypatch):
     assert metrics["steps"] == 40 and math.isfinite(metrics["eval_loss"])
 
 
+
+def test_a_sharded_writes_failure_names_a_ranks_own_error(tmp_path):
+    """torch's CheckpointException holds each rank's error under a line of ranks: the
+    first rank's own error is named, and the disk is blamed only where it is why."""
+    import errno
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from parallab.training.formats.base import write_failure
+
+    planned = CheckpointException("ranks", {1: (ValueError("overlapping chunks\nmore"), None),
+                                            0: (RuntimeError("chunks overlap"), None)})
+    said = str(write_failure(tmp_path / "best.dcp", planned))
+    assert "(rank 0: RuntimeError: chunks overlap)" in said and "free space" not in said
+    full = CheckpointException("ranks", {0: (OSError(errno.ENOSPC, "No space left"), None)})
+    said = str(write_failure(tmp_path / "best.dcp", full))
+    assert "(No space left)" in said and "free space" in said
+
 def test_a_full_disk_is_a_clear_error_and_the_previous_checkpoint_survives(
         train_here, tmp_path, monkeypatch):
     import errno

@@ -73,17 +73,29 @@ def load(path: str | Path, mmap: bool = False) -> dict[str, Any]:
 
 
 def write_failure(path: Path, error: BaseException) -> CheckpointError:
-    """A failed checkpoint write as one line: why, and that the earlier ones are intact."""
+    """A failed checkpoint write as one line: why, and that the earlier ones are intact;
+    a fix for the disk only where the disk is why (torch's CheckpointException carries
+    each rank's own error: the first is named)."""
+    failures = getattr(error, "failures", None)
+    if failures:  # torch.distributed.checkpoint's: {rank: (exception, traceback)}
+        rank, (error, _) = next(iter(sorted(failures.items())))
+        return write_failure(path, error) if isinstance(error, OSError) else CheckpointError(
+            f"could not write checkpoint {path} (rank {rank}: {type(error).__name__}: "
+            f"{_first_line(error)}); the previous checkpoints are intact")
     if isinstance(error, OSError) and error.strerror:
         reason = error.strerror
     else:
-        reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+        reason = _first_line(error)
         with contextlib.suppress(OSError):
             if shutil.disk_usage(path.parent).free < 1 << 20:
                 reason = "no space left on the device"
     return CheckpointError(f"could not write checkpoint {path} ({reason}); the previous "
                            "checkpoints are intact: free space or point hydra.run.dir "
                            "somewhere writable")
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
 
 
 def all_wrote(dist, wrote: bool) -> bool:

@@ -6,6 +6,7 @@ reader would unpickle anything."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import pickle
@@ -79,7 +80,8 @@ class Sharded(CheckpointFormat):
         reader = _safe_reader(self.path, self.index)
         with warnings.catch_warnings():  # "assuming ... a single process": yes, that is meant
             warnings.filterwarnings("ignore", message=".*single process")
-            dcp.load(template, storage_reader=reader)
+            with _unstrided_for_load(template) as readable:
+                dcp.load(readable, storage_reader=reader)
         return {**meta, **template}
 
     def write_state(self, state: dict[str, Any], dist) -> None:
@@ -93,7 +95,7 @@ class Sharded(CheckpointFormat):
         if dist.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
         torch_dist.barrier()
-        tensors = {key: state[key] for key in TENSORS}
+        tensors = _unstrided({key: state[key] for key in TENSORS})
         failure = None
         try:
             dcp.save(tensors, checkpoint_id=str(tmp))  # collective: raises on every rank
@@ -115,6 +117,73 @@ class Sharded(CheckpointFormat):
             os.replace(tmp, path)
             shutil.rmtree(old, ignore_errors=True)
         torch_dist.barrier()  # no rank reads or prunes before the rename
+
+
+# --- strided shards ---------------------------------------------------------------------
+# A packed weight split over tp ranks as _StridedShard (a transformers MoE's gate_up_proj:
+# each rank its slice of gate and of up, parallel/expert_parallel.py) is one chunk a rank to
+# torch's checkpoint planner, at an offset that overlaps its neighbour's: DCP refuses to
+# write it. It goes to the files as the same tensor cut in plain Shards, and comes back
+# through one: the files are as any layout writes them. Its whole tensor is put together
+# for the move, one weight at a time.
+
+def _strided(value: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return isinstance(value, DTensor) and any(isinstance(p, _StridedShard)
+                                              for p in value.placements)
+
+
+def _plain_placements(value: Any) -> list[Any]:
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return [Shard(p.dim) if isinstance(p, _StridedShard) else p for p in value.placements]
+
+
+def _plain(value: Any) -> Any:
+    """A strided DTensor's tensor cut in plain Shards of its dims."""
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(value.full_tensor(), value.device_mesh, _plain_placements(value),
+                             src_data_rank=None)
+
+
+def _mapped(tree: Any, change) -> Any:
+    """`tree` (dicts and lists of a state) with each strided DTensor `change`d."""
+    if isinstance(tree, dict):
+        return {k: _mapped(v, change) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_mapped(v, change) for v in tree]
+    return change(tree) if _strided(tree) else tree
+
+
+def _unstrided(state: dict[str, Any]) -> dict[str, Any]:
+    return _mapped(state, _plain)
+
+
+@contextlib.contextmanager
+def _unstrided_for_load(template: dict[str, Any]):
+    """`template` with plain-Shard stand-ins for its strided DTensors, read into; each
+    copied back into its own after."""
+    pairs: list[tuple[Any, Any]] = []
+
+    def stand_in(value: Any) -> Any:
+        from torch.distributed.tensor import empty
+
+        pairs.append((value, empty(value.shape, dtype=value.dtype,
+                                   device_mesh=value.device_mesh,
+                                   placements=_plain_placements(value))))
+        return pairs[-1][1]
+
+    readable = _mapped(template, stand_in)
+    yield readable
+    from torch.distributed.tensor import distribute_tensor
+
+    for own, read in pairs:
+        own.copy_(distribute_tensor(read.full_tensor(), own.device_mesh, own.placements,
+                                    src_data_rank=None))
 
 
 def _read_index(path: Path) -> Any:
