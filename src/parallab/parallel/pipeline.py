@@ -137,9 +137,12 @@ class PipelineRuntime(MeshRuntime):
             yield
 
     def sum_partial_gradients(self, model: nn.Module) -> None:
-        """Sequence parallelism leaves the norms' gradients partial on the tp ranks (each
-        rank's share from its slice of the sequence): summed over them once per optimizer
-        step, as the parameters they update are whole on every tp rank."""
+        """Weights whole on every tp rank that each applies to its own slice leave their
+        gradients partial there: the norms under sequence parallelism (each rank's share
+        from its slice of the sequence), a plan's replicated_with_grad_allreduce (Qwen 3's
+        q and k norms, over each rank's heads). Summed over the tp ranks once per optimizer
+        step, as FSDP2 sums them where it shards: an optimizer's state made from a partial
+        gradient would be partial too, which no checkpoint takes."""
         from torch.distributed.tensor import DTensor
 
         for param in model.parameters():
@@ -239,7 +242,7 @@ class PipelineRuntime(MeshRuntime):
             finally:  # (raised: every bucket still issued once, as the other replicas do)
                 if replicas is not None:
                     replicas.finish()
-        if self.layout.dp_shard == 1 and syncing and self.p.sequence_parallel:
+        if self.layout.dp_shard == 1 and syncing and self.layout.tp > 1:
             self.sum_partial_gradients(model)  # (after the replicas': both are sums)
         if syncing:
             self.tied.reduce()
