@@ -98,13 +98,17 @@ def test_experts_split_over_tp_ranks_go_to_a_checkpoint_and_back(train_here):
     """Experts split over 2 tp ranks by the model's own plan (its packed gate_up_proj
     strided: each rank its slice of gate and of up, which torch's checkpoint planner reads
     as overlapping chunks) are saved as one device's weights, and resume to its losses;
-    under a pipeline too, where no FSDP2 sums the q and k norms' partial gradients."""
-    run = [*QWEN3_MOE, "data.batch_size=8", "trainer.checkpoint_every_n_steps=2"]
+    under a pipeline too, where no FSDP2 sums the q and k norms' partial gradients; and
+    on into a pipeline's parts sharded, their experts dispatched over ep (found by the
+    whole model's ep plan, which a part does not hold)."""
+    run = [*QWEN3_MOE, "data.global_batch_size=8", "trainer.checkpoint_every_n_steps=2"]
     _, one_dir = train_here(*run, name="one")
-    train_here(*run, "trainer.max_steps=2", "parallel=pipeline", "parallel.world_size=4",
-               "parallel.pp=2", "parallel.tp=2", name="tp")
-    _, tp_dir = train_here(*run, "trainer.resume=auto", "parallel=tp",  # steps 3 and 4
-                           "parallel.world_size=2", name="tp")
+    pipeline = ["parallel=pipeline", "parallel.world_size=4", "parallel.pp=2"]
+    train_here(*run, "trainer.max_steps=2", *pipeline, "parallel.tp=2", name="tp")
+    train_here(*run, "trainer.max_steps=3", "trainer.resume=auto", "parallel=tp",
+               "parallel.world_size=2", name="tp")
+    _, tp_dir = train_here(*run, "trainer.resume=auto", *pipeline, "parallel.dp_shard=2",
+                           "parallel.ep=2", name="tp")  # step 4
     assert losses(tp_dir)[-2:] == pytest.approx(losses(one_dir)[-2:], rel=1e-5)
     model = _tiny_qwen3()
     one = weights.read(checkpoint.latest(one_dir / "checkpoints"), model)

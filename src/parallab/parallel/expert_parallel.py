@@ -138,9 +138,11 @@ def attach(model: nn.Module, mesh, layout) -> Meshes | None:
     return ep
 
 
-def shard(model: nn.Module, ep: Meshes, policy, reshard_after_forward: bool) -> None:
-    """Each experts module an FSDP2 unit of its own over the efsdp ranks, before the blocks
-    holding it: FSDP2 shards a parameter in one unit, and theirs lives on the ep mesh.
+def shard(modules: list[nn.Module], ep: Meshes, policy, reshard_after_forward: bool) -> None:
+    """Each experts module (experts.experts_of's, of the whole model: a pipeline's part has
+    no ep plan to find a transformers model's by) an FSDP2 unit of its own over the efsdp
+    ranks, before the blocks holding it: FSDP2 shards a parameter in one unit, and theirs
+    lives on the ep mesh.
     Experts are cut along dim 0 while there are enough of them on a rank, else along the
     next (torchtitan's choice: padding a dim of 1 to efsdp ranks would waste memory)."""
     from torch.distributed.fsdp import fully_shard
@@ -151,7 +153,7 @@ def shard(model: nn.Module, ep: Meshes, policy, reshard_after_forward: bool) -> 
     def placement(param: nn.Parameter):
         return Shard(0) if param.to_local().shape[0] >= ranks else Shard(1)
 
-    for _, module in experts.experts_of(model):
+    for module in modules:
         if next(module.parameters(), None) is not None:
             fully_shard(module, mesh=ep.fsdp, mp_policy=policy,
                         reshard_after_forward=reshard_after_forward,

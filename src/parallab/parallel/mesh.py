@@ -269,7 +269,8 @@ class MeshRuntime(Runtime):
             return model
         policy = self.fsdp_policy()
         if self.ep is not None:  # the experts' own units first, over the ranks ep leaves
-            expert_parallel.shard(model, self.ep, policy, p.reshard_after_forward)
+            expert_parallel.shard([m for _, m in experts.experts_of(model)], self.ep,
+                                  policy, p.reshard_after_forward)
         return shard(model, self.data_parallel_mesh(), p, policy,
                      self.dist.is_main, p.reshard_after_forward)
 

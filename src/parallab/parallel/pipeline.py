@@ -36,7 +36,7 @@ from torch import nn
 from parallab import batch as batches
 from parallab.config.errors import ConfigError
 from parallab.loss import FromModel, from_model, scores
-from parallab.models import hf, moe
+from parallab.models import experts, hf, moe
 from parallab.parallel import expert_parallel, schedules, tp_plans
 from parallab.parallel.base import Options
 from parallab.parallel.fsdp import norm_squares, shard
@@ -192,9 +192,11 @@ class PipelineRuntime(MeshRuntime):
         # each part gathered once per step, not once per micro-batch (torchtitan)
         if self.layout.dp_shard > 1:
             policy = self.fsdp_policy()
+            held = {m for _, m in experts.experts_of(model)}  # the whole model's ep plan's
             for part in parts:
                 if self.ep is not None:  # the experts' own units first (MeshRuntime.wrap)
-                    expert_parallel.shard(part, self.ep, policy, False)
+                    expert_parallel.shard([m for m in part.modules() if m in held], self.ep,
+                                          policy, False)
                 shard(part, self.data_parallel_mesh(), p, policy, self.dist.is_main, False)
         return model
 
