@@ -342,6 +342,13 @@ def test_a_projects_own_option_without_its_schema_is_one_line(tmp_path):
             "parallab's: begin your optim/NAME.yaml with `defaults: [/schema/optim/OPTION@"
             "_here_, _self_]`")):
         checked("optim=adamw", "device=cpu", config_dir=tmp_path)
+    # one of its schema's keys given too: Hydra refuses it first, as a key its mapping lacks
+    from parallab.config.hydra_app import hydra_line
+
+    with pytest.raises(Exception) as refused:
+        checked("optim=adamw", "optim.weight_decay=0.1", config_dir=tmp_path)
+    assert "begin your optim/NAME.yaml with `defaults: [/schema/optim/" in \
+        hydra_line(refused.value)
     mine.write_text("defaults:\n  - /schema/optim/adamw@_here_\n  - _self_\nname: adamw\n"
                     "lr: 0.123\n")
     cfg, _ = checked("optim=adamw", "device=cpu", config_dir=tmp_path)

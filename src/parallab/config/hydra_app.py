@@ -172,6 +172,8 @@ def _unknown_key_hint(text: str) -> str | None:
     if key is None:
         return None
     parts = key[1].split(".")
+    if len(parts) == 2 and parts[0] in schema.TYPED_GROUPS and "not in struct" in text:
+        return schema.untyped(parts[0])  # a project's option without its schema: no keys
     typed_in = re.search(r"Key '([^']+)' not in '(\w+)'", text)
     kind = getattr(schema, typed_in[2], None) if typed_in else None
     if dataclasses.is_dataclass(kind):

@@ -44,14 +44,18 @@ def typed(dict_cfg) -> "Config":
                           "the option's YAML)") from None
     for group in TYPED_GROUPS:  # a project's own option without its schema: a mapping
         if isinstance(getattr(cfg, group), dict):
-            raise ConfigError(
-                f"{group}: the option composed is a plain mapping, not typed by a schema of "
-                f"parallab's: begin your {group}/NAME.yaml with `defaults: [/schema/{group}/"
-                f"OPTION@_here_, _self_]`, OPTION the built-in one it extends, as parallab's "
-                f"own {group} options begin")
+            raise ConfigError(untyped(group))
     if not isinstance(cfg.data, DataConfig):  # a user's data node, typed by its _target_
         cfg.data = data_config(cfg.data)
     return cfg
+
+
+def untyped(group: str) -> str:
+    """The line for a project's own option of a typed group that does not extend its schema."""
+    return (f"{group}: the option composed is a plain mapping, not typed by a schema of "
+            f"parallab's: begin your {group}/NAME.yaml with `defaults: [/schema/{group}/"
+            f"OPTION@_here_, _self_]`, OPTION the built-in one it extends, as parallab's "
+            f"own {group} options begin")
 
 
 # groups whose options each extend a schema (conf/GROUP/*.yaml's first default) and whose
