@@ -6,6 +6,7 @@ adapters: test_advise.py)."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import subprocess
@@ -307,6 +308,23 @@ def test_a_pretrained_llama_fine_tunes_under_fsdp_and_exports_as_peft_and_transf
     assert scored(tuned) == pytest.approx(metrics["eval_loss"], rel=1e-5)
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
     assert scored(merged) == pytest.approx(metrics["eval_loss"], rel=1e-5)
+    assert_base_held_to_its_fingerprint(tmp_path, lambda: models.build_model(
+        models.check(cfg.model, cfg.data)).save_pretrained(tmp_path / "llama"))
+
+
+def assert_base_held_to_its_fingerprint(tmp_path, save_other_base) -> None:
+    """The adapter folder names its base by where it is (absolute, read from any dir) and
+    its fingerprint: other weights saved over it are refused in one line, not scored."""
+    from parallab.commands import evaluate_in_process
+    from parallab.training.formats.safetensors_weights import BASE
+
+    recorded = json.loads((tmp_path / "adapter" / BASE).read_text())
+    assert recorded["path"] == str((tmp_path / "llama").absolute())
+    torch.manual_seed(7)
+    save_other_base()
+    with pytest.raises(ConfigError, match="holds other weights now than those they were "
+                                          "trained on"):
+        evaluate_in_process([f"ckpt={tmp_path / 'adapter'}"], tmp_path / "eval_other_base")
 
 
 TIED_HEAD = [*LORA, "model.tie_embeddings=true", "adapter.target_modules=[out]",

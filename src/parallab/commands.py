@@ -234,7 +234,8 @@ def _export(ckpt: Path, out: Path, force: bool = False, merged: bool = False) ->
     except ConfigError as error:
         raise checkpoint.CheckpointError(f"ckpt={ckpt} does not fit model {spec['_target_']}: "
                                          f"{error}") from None
-    record = {"step": meta["step"], "config": meta["config"]}
+    record = {"step": meta["step"], "config": meta["config"],
+              **({"base": meta["base"]} if meta.get("base") else {})}
     if merged:  # what is written is a plain model again
         record["config"] = {**meta["config"], "adapter": {"name": "none"}}
     model = peft_model.merge_and_unload() if merged else peft_model or built

@@ -167,11 +167,14 @@ class Checkpointer:
     layout every rank its part of the .dcp directory."""
 
     def __init__(self, directory: Path, dist, config: dict[str, Any], keep_last_k: int,
-                 sharded: bool = False):
+                 sharded: bool = False, base: dict[str, str] | None = None):
         self.directory = directory
         self.format = formats.checkpoint_format(sharded)
         self.dist = dist
         self.config = config
+        # the weights it started from (trainer.init_from: weights.base_record), which an
+        # export of adapters alone needs again and does not hold
+        self.base = {"base": base} if base else {}
         self.keep_last_k = keep_last_k
         if dist.is_main:
             self._remove_temporaries()
@@ -200,7 +203,7 @@ class Checkpointer:
         collective); CheckpointError on every rank where the write failed."""
         rng = self._rng_states()
         path = self.directory / f"{name}{self.format.checkpoint_suffix}"
-        self.format(path).write_state({**state, "rng": rng, "config": self.config}, self.dist)
+        self.format(path).write_state({**state, "rng": rng, "config": self.config, **self.base}, self.dist)
         if self.dist.is_main:
             self._prune(path)
         return path

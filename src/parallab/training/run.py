@@ -327,9 +327,12 @@ def build_trainer(cfg: Config, layout: Layout, dist: distributed.Dist, logger: R
                        dist.is_main)
     checkpointer = None
     if checkpoints is not None:
+        from parallab.training.weights import base_record
+
+        base = cfg.trainer.init_from  # a resumed run's too: its adapters' base
         checkpointer = Checkpointer(checkpoints, dist, loggers.as_run(cfg, layout),
-                                    cfg.trainer.keep_last_k,
-                                    sharded=runtime.layout.sharded)
+                                    cfg.trainer.keep_last_k, sharded=runtime.layout.sharded,
+                                    base=base_record(base) if base else None)
     trainer = Trainer(cfg.trainer, model, runtime, optimizer, data, dist, logger,
                       checkpointer, preemption, cfg.metrics, cfg.scheduler, observers)
     return trainer, lr

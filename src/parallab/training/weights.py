@@ -243,18 +243,50 @@ def export(model: nn.Module, record: dict[str, Any], out: Path,
     return what
 
 
+def base_record(path: str | Path) -> dict[str, str]:
+    """Where the weights a run starts from are (absolute: a record is read from anywhere)
+    and their fingerprint: each file's name, size and first and last 64 KiB, cheap at any
+    size and unlike other weights of the same shapes (a folder exported again over it)."""
+    import hashlib
+
+    where = Path(path).absolute()
+    files = sorted(f for f in where.rglob("*") if f.is_file()) if where.is_dir() else [where]
+    digest = hashlib.sha256()
+    for file in files:
+        size = file.stat().st_size
+        digest.update(f"{file.relative_to(where) if where.is_dir() else ''}:{size}".encode())
+        with open(file, "rb") as f:
+            digest.update(f.read(1 << 16))
+            if size > 1 << 17:
+                f.seek(-(1 << 16), 2)
+                digest.update(f.read())
+    return {"path": str(where), "fingerprint": digest.hexdigest()[:16]}
+
+
+def _base_problem(base: str, recorded: dict[str, str] | None) -> str | None:
+    if not Path(base).exists():
+        return "is gone"
+    if holds_adapters(base):
+        return "holds adapters of its own"
+    if recorded and base_record(base)["fingerprint"] != recorded.get("fingerprint"):
+        return "holds other weights now than those they were trained on"
+    return None
+
+
 def base_of_adapters(folder: str | Path, state: dict[str, Any], spec: dict[str, Any],
                      seed: int) -> nn.Module:
     """The base a peft adapter folder's adapters were trained on, which the folder does not
     hold: built as its run built it (its seed, then the weights it started from,
-    trainer.init_from, where it had any); `state`: the folder's record, `spec` the model's."""
+    trainer.init_from, where it had any, checked against their fingerprint where the record
+    holds one); `state`: the folder's record, `spec` the model's."""
     from parallab.models import build_model
     from parallab.training import checkpoint
 
     saved = checkpoint.saved_config(state)
-    base = (saved.get("trainer") or {}).get("init_from")
-    if base is not None and (not Path(base).exists() or holds_adapters(base)):
-        said = "is gone" if not Path(base).exists() else "holds adapters of its own"
+    recorded = state.get("base")
+    base = recorded["path"] if recorded else (saved.get("trainer") or {}).get("init_from")
+    said = _base_problem(base, recorded) if base is not None else None
+    if said:
         raise ConfigError(f"ckpt={folder} holds LoRA adapters alone, trained on the weights "
                           f"at trainer.init_from={base}, which {said}: evaluate the run's "
                           "checkpoint, or its export with --merged")

@@ -15,6 +15,7 @@ from parallab.config.errors import ConfigError
 from parallab.training.formats.base import CheckpointError, FileFormat, Lazy, plain_name
 
 RUN_CONFIG = "parallab.yaml"  # the run's config beside exported weights
+BASE = "parallab_base.json"  # beside adapters alone: the weights they were trained on
 WEIGHTS = "model.safetensors"
 
 
@@ -38,9 +39,10 @@ def _opened(file: Path):
 def _folder_record(folder: Path) -> dict[str, Any]:
     from omegaconf import OmegaConf
 
-    config = folder / RUN_CONFIG
+    config, base = folder / RUN_CONFIG, folder / BASE
     return {"step": 0, "config": OmegaConf.to_container(OmegaConf.load(config))
-            if config.exists() else {}}
+            if config.exists() else {},
+            **({"base": json.loads(base.read_text())} if base.exists() else {})}
 
 
 class SafetensorsFile(FileFormat):
@@ -134,6 +136,8 @@ class WeightsFolder(SafetensorsFile):
         target.mkdir()
         if adapters.is_peft_model(model):
             model.save_pretrained(str(target))
+            if record.get("base"):  # where its base is and its fingerprint
+                (target / BASE).write_text(json.dumps(record["base"]))
             what = ("a peft adapter folder (adapter_config.json, adapter_model.safetensors) "
                     "PeftModel.from_pretrained and trainer.init_from read")
         elif hf.is_transformers(model):
