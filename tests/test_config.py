@@ -156,6 +156,8 @@ def torch_loaded(tmp_path):
      "it (or give one layout)", True),
     (["logger.csv.filename=x.csv"], "logger.csv is set only for a logger chosen: choose it, "
                                     "e.g. logger=[tensorboard,csv]", True),
+    # a chosen logger's key mistyped: the key meant, not advice to choose it
+    (["logger=csv", "logger.csv.filenme=x.csv"], "did you mean logger.csv.filename?", True),
     (["parallel=fsdp_typo"], "parallel", True),  # unknown group option
     # one of a list's options unknown: Hydra lists where it looked, parallab what is there
     (["logger=[tensorboard,nope]"], "'logger/nope' (options in 'logger': csv, mlflow, "

@@ -191,9 +191,28 @@ def _unknown_key_hint(text: str) -> str | None:
         close = difflib.get_close_matches(parts[1], list(data_defaults()), n=1)
         return f"did you mean data.{close[0]}?" if close else None
     if parts[0] == "logger" and len(parts) > 2:
+        return _logger_key_hint(parts, text)
+    return None
+
+
+def _logger_key_hint(parts: list[str], text: str) -> str:
+    """logger.NAME.KEY refused: NAME not chosen, or a KEY the chosen logger lacks (its
+    close match among the keys of parallab's option of that name, where there is one)."""
+    import difflib
+
+    import yaml
+
+    missing = re.search(r"Key '([^']+)'", text)
+    if missing is None or missing[1] == parts[1]:
         return (f"logger.{parts[1]} is set only for a logger chosen: choose it, e.g. "
                 f"logger=[tensorboard,{parts[1]}]")
-    return None
+    option = Path(CONF_DIR) / "logger" / f"{parts[1]}.yaml"
+    known = [k for k in (yaml.safe_load(option.read_text()) or {}).get(parts[1], {})
+             if k != "_target_"] if option.is_file() else []
+    close = difflib.get_close_matches(missing[1], known, n=1)
+    return (f"did you mean {'.'.join([*parts[:-1], close[0]])}?" if close else
+            f"logger.{parts[1]} has no key {missing[1]!r}" +
+            (f" (its keys: {', '.join(known)})" if known else ""))
 
 
 def _searched_folders(searched: str) -> list[Path]:
