@@ -263,10 +263,10 @@ def bad_inputs(root) -> list:
     return [
         ([f"data.files={root}/nothing*.bin"], "matches no file"),
         ([f"data.files={web}", "model.vocab_size=100000"],
-         "uint16 ids .below 65536., too few for the model's vocabulary of 100000: write the "
-         "files as uint32 and set data.dtype=uint32"),
-        ([f"data.files={high}"], "holds token id 300 .at token 0., not in the model's "
-         "vocabulary of 256"),
+         "uint16 ids .below 65536., too few for a vocabulary of 100000 .data.vocab_size: "
+         "the model's unless given.: write the files as uint32 and set data.dtype=uint32"),
+        ([f"data.files={high}"], "holds token id 300 .at token 0., not in a vocabulary of "
+         "256 .data.vocab_size: the model's unless given."),
         ([f"data.files={short}"], "holds 10 tokens, fewer than one window of data.seq_len "
          "\\+ 1 = 17"),
         ([f"data.files={root}/empty.bin"], "holds 0 tokens, fewer than one window"),

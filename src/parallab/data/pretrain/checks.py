@@ -118,14 +118,15 @@ def _file_problem(cfg, file: TokenFile, window: int) -> Optional[str]:
     dtype = file.tokens.dtype
     if vocab is not None and vocab - 1 > np.iinfo(dtype).max:
         return (f"{file.path} holds {dtype} ids (below {np.iinfo(dtype).max + 1}), too few for "
-                f"the model's vocabulary of {vocab}: write the files as uint32 and set "
+                f"a vocabulary of {vocab} (data.vocab_size: the model's unless given): write "
+                "the files as uint32 and set "
                 "data.dtype=uint32")
     if vocab is not None:
         high, at = sampled_max(file.tokens)
         if high >= vocab or high < 0:
-            return (f"{file.path} holds token id {high} (at token {at}), not in the model's "
-                    f"vocabulary of {vocab}: give data.dtype as the file was written, or a "
-                    "model vocabulary that holds the tokenizer's")
+            return (f"{file.path} holds token id {high} (at token {at}), not in a vocabulary "
+                    f"of {vocab} (data.vocab_size: the model's unless given): give data.dtype "
+                    "as the file was written, or a vocabulary that holds the tokenizer's")
     if cfg.marks() and not file.marks_documents and cfg.eos_id is None:
         key = "document_mask" if cfg.document_mask else "skip_boundary_target"
         return (f"data.{key}=true needs document boundaries, which {file.path} does not mark: "
