@@ -353,3 +353,15 @@ def test_a_projects_own_option_without_its_schema_is_one_line(tmp_path):
                     "lr: 0.123\n")
     cfg, _ = checked("optim=adamw", "device=cpu", config_dir=tmp_path)
     assert cfg.optim.lr == 0.123
+
+
+def test_threads_are_weighed_against_the_cores_only_where_each_rank_is_a_process(
+        monkeypatch, caplog):
+    """parallel=dp runs its replicas in one process: no contention of workers to warn of."""
+    monkeypatch.setattr(validate, "cpu_cores", lambda: 2)
+    for name, warned in (("ddp", True), ("dp", False)):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="parallab.checks.validate"):
+            checked(f"parallel={name}", "parallel.world_size=4",
+                    "parallel.threads_per_worker=1", "device=cpu")
+        assert ("more threads than the 2 cores" in caplog.text) is warned, name

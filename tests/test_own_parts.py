@@ -263,3 +263,19 @@ def test_dataloader_workers_read_a_stream_in_whole_batches():
     alone = batches(0)
     assert [len(b) for b in alone] == [32] * 4 + [22]  # 150 samples of rank 1
     assert batches(2) == alone
+
+
+def test_a_users_module_named_train_is_not_the_checkouts_script(tmp_path):
+    """`python train.py` puts the checkout's dir first on sys.path, where its train.py would
+    stand for a user's own module of that name (model._target_=train.Net)."""
+    from conftest import run_entry
+
+    (tmp_path / "train.py").write_text(
+        "from torch import nn\n\n\nclass Net(nn.Sequential):\n"
+        "    def __init__(self, hidden: int):\n"
+        "        super().__init__(nn.Flatten(), nn.Linear(784, hidden), nn.Linear(hidden, 10))\n")
+    done = run_entry("train.py", ["data=mnist", "trainer.max_steps=1", "device=cpu",
+                                  "model._target_=train.Net", "~model.dropout",
+                                  "~model.num_classes", "+model.hidden=8"],
+                     tmp_path / "run", env={"PYTHONPATH": str(tmp_path)}, timeout=120)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-2000:]

@@ -207,7 +207,8 @@ def resolve_parallel(cfg: Config, in_place: InPlace | None) -> Layout:
             "mpirun (docs/parallel.md: several nodes); the built-in launcher starts one node")
     per_node = world // nnodes
     cores = cpu_cores()
-    if p.threads_per_worker is not None and p.threads_per_worker * per_node > cores:
+    if p.threads_per_worker is not None and plan.processes and \
+            p.threads_per_worker * per_node > cores:  # (one process's layouts: one worker)
         log.warning("parallel.threads_per_worker=%d x %d workers per node is more threads than "
                     "the %d cores here: they will contend (null gives each its share)",
                     p.threads_per_worker, per_node, cores)
