@@ -125,3 +125,17 @@ def test_the_finder_searches_on_the_sharded_model_under_fsdp(train_here):
     metrics = read_metrics(run_dir)
     assert metrics["global_batch_size"] == 2 * chosen
     assert metrics["steps"] == min(5, 2048 // chosen)  # one epoch of each rank's half
+
+
+def test_a_resume_keeps_the_batch_the_finder_chose(train_here, monkeypatch):
+    """Resumed, the finder is not run again: timed afresh it may choose another batch, which
+    a checkpoint saved inside its epoch does not take (the resume was refused)."""
+    from parallab.training import batch_size
+
+    chosen = iter([32, 128])  # what the finder would choose at the start, and again
+    monkeypatch.setattr(batch_size, "find_batch_size", lambda *a, **k: (next(chosen), []))
+    run = [*FAST, "trainer.auto_batch_size=true", "trainer.checkpoint_every_n_steps=3"]
+    train_here(*run, "trainer.max_steps=3")
+    _, run_dir = train_here(*run, "trainer.max_steps=5", "trainer.resume=auto")
+    metrics = read_metrics(run_dir)
+    assert (metrics["steps"], metrics["global_batch_size"]) == (5, 32)

@@ -135,6 +135,24 @@ def tune_batch_size(model, runtime, optimizer, data, dist, cfg: TrainerConfig,
     return data.train.resized(size)
 
 
+def chosen_before(resume_from: Path | None, cfg: TrainerConfig, runtime, main: bool
+                  ) -> int | None:
+    """A resumed run's batch per rank as the finder chose it before (its checkpoint's global
+    batch over these ranks): the finder, timed again, may choose another, which the
+    checkpoint's place in its epoch does not take. None where nothing is resumed, or the
+    saved batch does not split over these ranks (the finder runs; the resume's check says)."""
+    if resume_from is None:
+        return None
+    saved = checkpoint.load_meta(resume_from).get("global_batch_size")
+    split = cfg.accumulate_grad_batches * runtime.ranks.data.world_size
+    if not saved or saved % split:
+        return None
+    if main:
+        log.info("trainer.auto_batch_size: %d per rank, as the finder chose it for %s",
+                 saved // split, resume_from)
+    return saved // split
+
+
 def resume_path(resume: str | None, run_dir: str) -> Path | None:
     """trainer.resume as a file: `auto` is the newest checkpoint in the run dir, if any; a
     worker the elastic agent restarted, or a job SLURM requeued, resumes that way too."""
@@ -295,8 +313,8 @@ def start_model(cfg: Config, dist: distributed.Dist, layout: Layout, init_from: 
 
 def build_trainer(cfg: Config, layout: Layout, dist: distributed.Dist, logger: RunLogger,
                   checkpoints: Path | None, preemption: Preemption,
-                  init_from: str | None = None, observers: Sequence[Any] = ()
-                  ) -> tuple[Trainer, float]:
+                  init_from: str | None = None, observers: Sequence[Any] = (),
+                  resume_from: Path | None = None) -> tuple[Trainer, float]:
     """Model, runtime, data, optimizer and trainer on this rank (a checkpointer saving
     into `checkpoints`, if given; the weights at `init_from`, if given); the trainer and the
     learning rate it uses; `observers` watch its steps beside its Meter)."""
@@ -321,8 +339,9 @@ def build_trainer(cfg: Config, layout: Layout, dist: distributed.Dist, logger: R
     data.train.drop_last = runtime.layout.pipelined
     optimizer = build_optimizer(cfg.optim, model, runtime.tied_embeddings())
     if cfg.trainer.auto_batch_size:
-        data.train = tune_batch_size(model, runtime, optimizer, data, dist,
-                                     cfg.trainer, logger)
+        chosen = chosen_before(resume_from, cfg.trainer, runtime, dist.is_main)
+        data.train = data.train.resized(chosen) if chosen else tune_batch_size(
+            model, runtime, optimizer, data, dist, cfg.trainer, logger)
     lr = use_scaled_lr(cfg, optimizer, global_batch_size(data.train, cfg.trainer, runtime),
                        dist.is_main)
     checkpointer = None
@@ -347,7 +366,8 @@ def _fit(spec: RunSpec, dist: distributed.Dist, logger: RunLogger,
         resume_from = resume_path(cfg.trainer.resume, spec.run_dir)
         trainer, lr = build_trainer(cfg, spec.layout, dist, logger,
                                     Path(spec.run_dir) / "checkpoints", preemption,
-                                    None if resume_from else cfg.trainer.init_from)
+                                    None if resume_from else cfg.trainer.init_from,
+                                    resume_from=resume_from)
         if resume_from is not None:
             state = read_checkpoint(resume_from, trainer.runtime, trainer.model,
                                     trainer.optimizer)
