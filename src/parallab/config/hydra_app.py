@@ -12,13 +12,40 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from parallab.config.data_config import batch_overridden
+from parallab.config.data_config import DataConfig, batch_overridden, data_config
 from parallab.config.errors import ConfigError, refuse
-from parallab.config.schema import typed
+from parallab.config.schema import TYPED_GROUPS
 
 # conf/ ships inside the package; Hydra finds it as pkg://parallab/conf (a user project adds
 # its own groups with --config-dir or hydra.searchpath)
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+
+
+def typed(dict_cfg):
+    """The composed config as the typed Config every check and every rank reads: each group
+    by its schema, `data` by its data set's own config class (ConfigError where a data key
+    does not fit it). model, loss and metrics stay `_target_` specs."""
+    from omegaconf.errors import MissingMandatoryValue
+
+    try:
+        cfg = OmegaConf.to_object(dict_cfg)
+    except MissingMandatoryValue as error:  # a group option that leaves a key ??? (unset)
+        raise ConfigError(f"{error.full_key} is missing: set it ({error.full_key}=VALUE, or in "
+                          "the option's YAML)") from None
+    for group in TYPED_GROUPS:  # a project's own option without its schema: a mapping
+        if isinstance(getattr(cfg, group), dict):
+            raise ConfigError(untyped(group))
+    if not isinstance(cfg.data, DataConfig):  # a user's data node, typed by its _target_
+        cfg.data = data_config(cfg.data)
+    return cfg
+
+
+def untyped(group: str) -> str:
+    """The line for a project's own option of a typed group that does not extend its schema."""
+    return (f"{group}: the option composed is a plain mapping, not typed by a schema of "
+            f"parallab's: begin your {group}/NAME.yaml with `defaults: [/schema/{group}/"
+            f"OPTION@_here_, _self_]`, OPTION the built-in one it extends, as parallab's "
+            f"own {group} options begin")
 
 
 def typed_config(dict_cfg: DictConfig, overrides: list[str]):
@@ -172,8 +199,8 @@ def _unknown_key_hint(text: str) -> str | None:
     if key is None:
         return None
     parts = key[1].split(".")
-    if len(parts) == 2 and parts[0] in schema.TYPED_GROUPS and "not in struct" in text:
-        return schema.untyped(parts[0])  # a project's option without its schema: no keys
+    if len(parts) == 2 and parts[0] in TYPED_GROUPS and "not in struct" in text:
+        return untyped(parts[0])  # a project's option without its schema: no keys
     typed_in = re.search(r"Key '([^']+)' not in '(\w+)'", text)
     kind = getattr(schema, typed_in[2], None) if typed_in else None
     if dataclasses.is_dataclass(kind):

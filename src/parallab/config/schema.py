@@ -16,12 +16,11 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, OmegaConf
+from omegaconf import MISSING
 
 # DataConfig and Loader are also named from here: a user's data set subclasses
 # parallab.config.schema.DataConfig (docs/own-model.md)
-from parallab.config.data_config import DataConfig, Loader, data_config, data_defaults  # noqa: F401
-from parallab.config.errors import ConfigError
+from parallab.config.data_config import DataConfig, Loader, data_defaults  # noqa: F401
 from parallab.config.planning import AdviseConfig, ClusterConfig, SimulateConfig
 
 
@@ -29,33 +28,6 @@ class Device(enum.Enum):
     auto = "auto"
     cpu = "cpu"
     cuda = "cuda"
-
-
-def typed(dict_cfg) -> "Config":
-    """The composed config as the typed Config every check and every rank reads: each group
-    by its schema, `data` by its data set's own config class (ConfigError where a data key
-    does not fit it). model, loss and metrics stay `_target_` specs."""
-    from omegaconf.errors import MissingMandatoryValue
-
-    try:
-        cfg = OmegaConf.to_object(dict_cfg)
-    except MissingMandatoryValue as error:  # a group option that leaves a key ??? (unset)
-        raise ConfigError(f"{error.full_key} is missing: set it ({error.full_key}=VALUE, or in "
-                          "the option's YAML)") from None
-    for group in TYPED_GROUPS:  # a project's own option without its schema: a mapping
-        if isinstance(getattr(cfg, group), dict):
-            raise ConfigError(untyped(group))
-    if not isinstance(cfg.data, DataConfig):  # a user's data node, typed by its _target_
-        cfg.data = data_config(cfg.data)
-    return cfg
-
-
-def untyped(group: str) -> str:
-    """The line for a project's own option of a typed group that does not extend its schema."""
-    return (f"{group}: the option composed is a plain mapping, not typed by a schema of "
-            f"parallab's: begin your {group}/NAME.yaml with `defaults: [/schema/{group}/"
-            f"OPTION@_here_, _self_]`, OPTION the built-in one it extends, as parallab's "
-            f"own {group} options begin")
 
 
 # groups whose options each extend a schema (conf/GROUP/*.yaml's first default) and whose
