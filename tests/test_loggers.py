@@ -192,6 +192,18 @@ def test_a_tracker_that_is_down_is_one_warning_and_the_run_goes_on(train_here, c
     assert [s for s, _ in scalars(run_dir, "eval/loss")] == [4]
 
 
+
+def test_a_local_stores_artifacts_go_beside_its_database(train_here, tmp_path, monkeypatch):
+    """MLflow's default artifact root is ./mlruns in the dir a run starts from (a checkout's,
+    a project's): a local store's go beside its database instead."""
+    started_in = tmp_path / "project"
+    started_in.mkdir()
+    monkeypatch.chdir(started_in)
+    train_here(*FAST, "trainer.max_steps=1", "logger=[mlflow]",
+               f"logger.mlflow.tracking_uri=sqlite:///{tmp_path / 'store' / 'mlflow.db'}")
+    assert list(started_in.iterdir()) == []
+    assert list((tmp_path / "store" / "mlruns").glob("*/artifacts/config.yaml"))
+
 def test_a_logger_not_installed_is_one_line_naming_the_extra(monkeypatch):
     import importlib.util
 

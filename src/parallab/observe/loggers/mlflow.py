@@ -110,8 +110,12 @@ class MLflowLogger(Logger):
 
         self.client = MlflowClient(uri)
         found = self.client.get_experiment_by_name(self.experiment_name)
+        # a local store's artifacts beside its database: MLflow's default is ./mlruns in the
+        # dir the run was started from (a checkout's, a project's), whatever hydra.run.dir
+        beside = (Path(uri.removeprefix("sqlite:///")).parent / "mlruns").as_uri() \
+            if uri.startswith("sqlite:///") else None
         experiment = found.experiment_id if found else self.client.create_experiment(
-            self.experiment_name)
+            self.experiment_name, artifact_location=beside)
         tags = {**run.tags, "parallab.run_dir": str(run.run_dir),
                 "parallab.overrides": " ".join(run.overrides)}
         if run.sweep is not None:
