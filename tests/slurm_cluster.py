@@ -11,6 +11,7 @@ process carrying its marker in its environment).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import secrets
 import shutil
@@ -112,7 +113,8 @@ class Cluster:
     def _spawn(self, command: list[str]) -> None:
         log = open(self.root / f"{Path(command[0]).name}-{len(self.daemons)}.out", "wb")
         self.daemons.append(subprocess.Popen(command, env=self.env, stdout=log,
-                                             stderr=subprocess.STDOUT, start_new_session=True))
+                                             stderr=subprocess.STDOUT, start_new_session=True,
+                                             preexec_fn=_ended_with_the_tests))
 
     def _wait(self, ready, timeout_s: float, what: str) -> None:
         deadline = time.monotonic() + timeout_s
@@ -202,3 +204,10 @@ def _marked(value: str) -> list[int]:
         except OSError:
             continue
     return [pid for pid in found if pid != os.getpid()]
+
+
+def _ended_with_the_tests() -> None:
+    """In a daemon before it execs: SIGTERM when the test process that started it ends, so
+    a killed test run (its fixtures' stop() never run) leaves no cluster behind (Linux's
+    PR_SET_PDEATHSIG, kept across exec)."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
