@@ -93,9 +93,6 @@ def test_one_grid_spans_the_presets_for_advise_and_every_product_for_simulate():
     carved = {(c.layout.tp, c.layout.dp_shard, c.layout.ep)
               for c in enumerate_grid(options, [8], "cpu", experts=8) if c.layout.ep > 1}
     assert carved == {(2, 4, 2), (2, 4, 4), (2, 4, 8), (4, 2, 4), (4, 2, 8)}
-    assert all(grid.expert_degrees(8, tp, shards)[1:] ==
-               sorted(ep for t, s, ep in carved if (t, s) == (tp, shards))
-               for tp, shards, _ in carved)
 
 
 @pytest.mark.parametrize("fp8_problem", [None, "no float8 tensor cores"])

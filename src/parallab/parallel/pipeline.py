@@ -192,7 +192,8 @@ class PipelineRuntime(MeshRuntime):
         # each part gathered once per step, not once per micro-batch (torchtitan)
         if self.layout.dp_shard > 1:
             policy = self.fsdp_policy()
-            held = {m for _, m in experts.experts_of(model)}  # the whole model's ep plan's
+            # the experts by the whole model's ep plan (a part holds none)
+            held = {m for _, m in experts.experts_of(model)} if self.ep is not None else ()
             for part in parts:
                 if self.ep is not None:  # the experts' own units first (MeshRuntime.wrap)
                     expert_parallel.shard([m for m in part.modules() if m in held], self.ep,

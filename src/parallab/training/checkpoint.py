@@ -174,7 +174,7 @@ class Checkpointer:
         self.config = config
         # the weights it started from (trainer.init_from: weights.base_record), which an
         # export of adapters alone needs again and does not hold
-        self.base = {"base": base} if base else {}
+        self.base = base
         self.keep_last_k = keep_last_k
         if dist.is_main:
             self._remove_temporaries()
@@ -203,7 +203,8 @@ class Checkpointer:
         collective); CheckpointError on every rank where the write failed."""
         rng = self._rng_states()
         path = self.directory / f"{name}{self.format.checkpoint_suffix}"
-        self.format(path).write_state({**state, "rng": rng, "config": self.config, **self.base}, self.dist)
+        record = {"rng": rng, "config": self.config, **({"base": self.base} if self.base else {})}
+        self.format(path).write_state({**state, **record}, self.dist)
         if self.dist.is_main:
             self._prune(path)
         return path

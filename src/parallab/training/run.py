@@ -348,7 +348,9 @@ def build_trainer(cfg: Config, layout: Layout, dist: distributed.Dist, logger: R
     if checkpoints is not None:
         from parallab.training.weights import base_record
 
-        base = cfg.trainer.init_from  # a resumed run's too: its adapters' base
+        # adapters' base (a resumed run's too), read by rank 0 alone: it writes the record
+        base = cfg.trainer.init_from if adapters.enabled(cfg.adapter) and dist.is_main \
+            else None
         checkpointer = Checkpointer(checkpoints, dist, loggers.as_run(cfg, layout),
                                     cfg.trainer.keep_last_k, sharded=runtime.layout.sharded,
                                     base=base_record(base) if base else None)

@@ -95,7 +95,7 @@ class Sharded(CheckpointFormat):
         if dist.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
         torch_dist.barrier()
-        tensors = _unstrided({key: state[key] for key in TENSORS})
+        tensors = _mapped({key: state[key] for key in TENSORS}, _plain)
         failure = None
         try:
             dcp.save(tensors, checkpoint_id=str(tmp))  # collective: raises on every rank
@@ -157,10 +157,6 @@ def _mapped(tree: Any, change) -> Any:
     if isinstance(tree, list):
         return [_mapped(v, change) for v in tree]
     return change(tree) if _strided(tree) else tree
-
-
-def _unstrided(state: dict[str, Any]) -> dict[str, Any]:
-    return _mapped(state, _plain)
 
 
 @contextlib.contextmanager
