@@ -139,6 +139,42 @@ def test_a_stopped_run_in_place_ends_after_rank_0_has_said_where(tmp_path):
         "status": "stopped", "signal": "SIGTERM", "step": 6}
 
 
+# sitecustomize for parallab's own workers: rank 1 alone signalled at its step 3, and the
+# ranks' vote on a stop due every 0.2 s of steps rather than 5 s, so a short run shows it
+SIGNALLED_ONE_RANK = """
+import os, signal
+import parallab.training.stop_vote as stop_vote
+import parallab.training.trainer as trainer
+
+stop_vote.AGREE_S = 0.2
+step = trainer.Trainer.train_step
+
+def train_step(self, batches):
+    if self.step == 3 and self.dist.rank == 1:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return step(self, batches)
+
+trainer.Trainer.train_step = train_step
+"""
+
+
+def test_ranks_agree_on_a_stop_long_before_the_next_log_step(tmp_path):
+    """One rank's signal stops every rank within the vote's time, not at the next log step
+    (150 steps away here), which a cluster's grace period may not reach: the ranks save the
+    same step and the run says so."""
+    (tmp_path / "inject").mkdir()
+    (tmp_path / "inject" / "sitecustomize.py").write_text(SIGNALLED_ONE_RANK)
+    result = run_entry("train.py", [*FAST, "data.train_size=20480", "parallel=ddp",
+                                    "trainer.max_steps=150", "trainer.log_every_n_steps=1000"],
+                       cwd=tmp_path, env={"PYTHONPATH": str(tmp_path / "inject")})
+    run_dir = only_run_dir(tmp_path)
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["status"] == "stopped", output(result)[-3000:]
+    assert 4 <= status["step"] <= 75, status  # a log step's agreement: 150, the last
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == [
+        f"step_{status['step']:08d}.pt"]  # every rank saved that step
+
+
 def test_two_nodes_over_loopback(tmp_path):
     """One rank a node: the second node's rank is global rank 1 at local rank 0, so a rank-0
     duty taken by the local rank would show (its log named train.log, not train_rank1.log)."""

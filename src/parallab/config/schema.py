@@ -250,7 +250,7 @@ class SchedulerConfig:
 class TrainerConfig:
     epochs: int = 10  # passes over the training set (trainer.max_steps may end it sooner)
     max_steps: Optional[int] = None  # stop after this many optimizer steps
-    log_every_n_steps: int = 50  # train/* scalars; ranks also agree a stop request here
+    log_every_n_steps: int = 50  # train/* scalars; the ranks vote on a stop here too
     eval_every_n_epochs: int = 1  # and once at the end on the final weights
     # set: evaluate every this many optimizer steps instead of by epoch
     eval_every_n_steps: Optional[int] = None

@@ -40,6 +40,7 @@ from parallab.training.batch_size import global_batch_size, loss_terms
 from parallab.training.checkpoint import Checkpointer
 from parallab.training.evaluation import Evaluation
 from parallab.training.loss_window import LossWindow, diverged
+from parallab.training.stop_vote import SHARED, StopVote
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,7 @@ class Trainer:
         self.epoch = 0
         self.epoch_step = 0  # optimizer steps done in the current epoch: where to resume
         self.stopped = False  # a signal asked the run to stop; its checkpoint is saved
-        self.stop_agreed = False  # every rank has seen the stop request
+        self.vote = StopVote(self.preemption, dist)  # several ranks' stop, agreed
         self.window = LossWindow(dist.device)
         self.last_train_loss = math.nan
         self.evaluation = Evaluation(cfg, self.eval_model, runtime, data, dist,
@@ -167,8 +168,11 @@ class Trainer:
             for observer in observers:
                 observer.step_done(self.step, batches, last)
             progress.update()
+            vote = self.vote.due()
             if self.step % self.cfg.log_every_n_steps == 0 or last:
-                self.log_window(progress)
+                self.log_window(progress)  # the ranks vote in its all-reduce
+            elif vote:
+                self.vote.vote()
             if self.stop_requested():  # before the periodic save: it saves this step once
                 self.stop()
                 return False
@@ -262,9 +266,9 @@ class Trainer:
         return torch.zeros((), device=self.dist.device)
 
     def stop_requested(self) -> bool:
-        """One process stops as soon as it is signalled; several stop together, when the
-        next log step has shared the request (no extra collective per step)."""
-        return self.stop_agreed or (self.dist.world_size == 1 and self.preemption.requested)
+        """One process stops as soon as it is signalled; several stop together, once they
+        have voted on it (stop_vote.py: within about AGREE_S)."""
+        return self.vote.agreed or (self.dist.world_size == 1 and self.preemption.requested)
 
     def stop_before_start(self) -> bool:
         """A stop asked while the run was starting (building it, loading its checkpoint):
@@ -291,29 +295,25 @@ class Trainer:
 
     def log_window(self, progress: Progress | None) -> None:
         """Train loss averaged over the steps since the last log and over all ranks; the
-        same all-reduce shares any stop request (and whether it asks for a requeue) and a
-        language model's token count."""
+        same all-reduce holds the ranks' vote on a stop (stop_vote.py) and a language
+        model's token count."""
         steps = len(self.window)
-        asked = self.preemption.requested
-        shared = torch.stack([self.window.sum(),
-                              torch.tensor(float(asked), device=self.dist.device),
-                              torch.tensor(float(asked and self.preemption.requeue_asked),
-                                           device=self.dist.device),
-                              torch.as_tensor(self.meter.take_window_tokens(),
-                                              dtype=torch.float32, device=self.dist.device)])
+        shared = torch.cat([self.window.sum().reshape(1), self.vote.shared(),
+                            torch.as_tensor(self.meter.take_window_tokens(),
+                                            dtype=torch.float32,
+                                            device=self.dist.device).reshape(1)])
         if self.expert_load is not None:  # the experts' load rides the same all-reduce
             shared = torch.cat([shared, self.expert_load.window(self.dist.device)])
         shared = self.dist.all_reduce_sum(shared)
-        loss_sum, stops, requeues, tokens = shared[:4].tolist()
-        self.stop_agreed = self.stop_agreed or stops > 0
-        if requeues > 0:  # every rank stops to requeue, whichever received the warning
-            self.preemption.requeue_agreed()
+        head = shared[:2 + SHARED].tolist()  # one host sync
+        loss_sum, tokens = head[0], head[1 + SHARED]
+        self.vote.take(head[1:1 + SHARED])
         loss = self.window.close(loss_sum, self.runtime.ranks.loss_ranks)
         if loss is not None and not math.isfinite(loss) and self.cfg.on_nan == "stop":
             raise diverged(loss, self.step)
         figures = self.meter.log_figures(steps, tokens, self.global_batch_size)
         experts, histograms = ({}, {}) if self.expert_load is None else \
-            self.expert_load.figures(shared[4:], steps)
+            self.expert_load.figures(shared[2 + SHARED:], steps)
         self.logger.histograms(histograms, self.step)
         self.logger.scalars({
             **({"train/loss": loss} if loss is not None else {}),
