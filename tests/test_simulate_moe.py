@@ -60,7 +60,7 @@ def test_expert_parallelism_trades_gathered_experts_for_sent_tokens():
     """ep over the shards: each rank gathers its experts' share, not all; state is as
     sharded as before; each MoE block sends its pairs 4 times a micro-batch (6 with the
     forward recomputed); an expert op moves 1/ep of the weights it was traced with."""
-    from parallab.simulate import Traces, predict, rates_of, search
+    from parallab.simulate import Traces, predict, rates_of
 
     # wide enough that the experts' ops take longer than a kernel's launch
     cfg, facts = facts_of("parallel.world_size=8", "model.width=1024", "model.moe.width=2048",
