@@ -387,3 +387,62 @@ def test_a_users_option_wins_over_a_built_in_of_its_name(tmp_path, train):
     assert result.returncode == 0, output(result)[-2000:]
     assert f"{conf} holds config.yaml, the name of parallab's own config, which is not " \
         "read" in output(result)
+
+
+def refusal(capsys, *argv: str) -> str:
+    """The one line train.py refuses `argv` with (exit status 2), run in this process."""
+    from parallab import cli
+
+    with pytest.raises(SystemExit) as ended:
+        cli.train(["train.py", *argv])
+    said = capsys.readouterr().err.strip()
+    assert ended.value.code == 2 and "\n" not in said, said
+    return said
+
+
+def test_a_project_option_extending_the_built_in_of_its_name_is_refused(tmp_path, capsys):
+    """Hydra's way to extend a config names it in the defaults list; a project's option of
+    a built-in's name names itself that way, the project's coming first, and Hydra recursed
+    to Python's limit (2,500 lines of RecursionError). Under a name of its own it extends
+    the built-in, and the project's other options are not held up by it."""
+    conf = tmp_path / "conf"
+    (conf / "model").mkdir(parents=True)
+    (conf / "model" / "mnist_cnn.yaml").write_text(
+        "defaults:\n  - /model/mnist_cnn@_here_\n  - _self_\ndropout: 0.1\n")
+    said = refusal(capsys, "--config-dir", str(conf), "--cfg", "job")
+    assert said.startswith(f"{conf}/model/mnist_cnn.yaml extends /model/mnist_cnn, which is "
+                           "itself") and "(model/my_mnist_cnn.yaml)" in said
+    assert typed("model=gpt", config_dir=conf).model["_target_"].endswith(".GPT")
+    (conf / "model" / "mnist_cnn.yaml").rename(conf / "model" / "my_mnist_cnn.yaml")
+    assert typed("model=my_mnist_cnn", config_dir=conf).model["dropout"] == 0.1
+
+
+@pytest.mark.parametrize("given,said", [
+    # Hydra warned, and composed parallab's built-ins in place of the project's options
+    (["hydra.searchpath=[file://no_such_conf]"],
+     "hydra.searchpath: file://no_such_conf is not found (no such folder"),
+    (["hydra.searchpath=[pkg://no_such_package.conf]"],
+     "hydra.searchpath: pkg://no_such_package.conf is not found (no such package dir"),
+    # Hydra's flag for a primary config: it replaced parallab's, every built-in gone
+    (["--config-path", "/tmp"], "--config-path /tmp: it would replace parallab's own config"),
+], ids=["file", "pkg", "config-path"])
+def test_a_project_config_that_would_drop_out_is_refused(capsys, given, said):
+    assert refusal(capsys, *given, "model=gpt", "--cfg", "job").startswith(said)
+
+
+def test_a_project_option_without_its_schema_is_told_the_schemas_name(tmp_path):
+    """The fix the line gives works as written: the group's one schema named (a scheduler's
+    is `default`, which no built-in option is called), or the group's list of them."""
+    from parallab.config.hydra_app import untyped
+
+    conf = tmp_path / "conf"
+    (conf / "scheduler").mkdir(parents=True)
+    (conf / "scheduler" / "cosine.yaml").write_text("min_lr_ratio: 0.5\n")
+    with pytest.raises(validate.ConfigError, match=r"`defaults: \[/schema/scheduler/default"
+                                                   r"@_here_, _self_\]`, as"):
+        checked("scheduler=cosine", "device=cpu", config_dir=conf)
+    fixed = "defaults:\n  - /schema/scheduler/default@_here_\n  - _self_\n"
+    (conf / "scheduler" / "cosine.yaml").write_text(fixed + "name: cosine\nmin_lr_ratio: 0.5\n")
+    assert typed("scheduler=cosine", config_dir=conf).scheduler.min_lr_ratio == 0.5
+    assert "/schema/parallel/SCHEMA@_here_, _self_]`, SCHEMA one of none, dp, mesh, model, " \
+        "pipeline, auto" in untyped("parallel")

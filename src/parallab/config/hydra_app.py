@@ -41,11 +41,17 @@ def typed(dict_cfg):
 
 
 def untyped(group: str) -> str:
-    """The line for a project's own option of a typed group that does not extend its schema."""
+    """The line for a project's own option of a typed group that does not extend its schema:
+    the schema to name (the group's one, or its list: each built-in option names its own)."""
+    from parallab.config.schema import SCHEMAS
+
+    names = list(SCHEMAS[group])
+    schema = names[0] if len(names) == 1 else "SCHEMA"
+    which = "" if len(names) == 1 else (f", SCHEMA one of {', '.join(names)}: the one the "
+                                        f"built-in {group} option you extend names")
     return (f"{group}: the option composed is a plain mapping, not typed by a schema of "
             f"parallab's: begin your {group}/NAME.yaml with `defaults: [/schema/{group}/"
-            f"OPTION@_here_, _self_]`, OPTION the built-in one it extends, as parallab's "
-            f"own {group} options begin")
+            f"{schema}@_here_, _self_]`{which}, as parallab's own {group} options begin")
 
 
 def typed_config(dict_cfg: DictConfig, overrides: list[str]):
@@ -122,6 +128,10 @@ def hydra_app(config_name: str, task, call):
         version.setbase(None)
         parser = hydra.get_args_parser()
         args = parser.parse_args(call.argv[1:])
+        if args.config_path is not None:  # Hydra's: it replaces conf/, every built-in gone
+            raise ConfigError(f"--config-path {args.config_path}: it would replace parallab's "
+                              "own config, every built-in option with it: give your config "
+                              f"groups with --config-dir {args.config_path} instead")
         if args.experimental_rerun is not None:
             job(hydra.rerun_conf(args.experimental_rerun, args.overrides))
             hydra.flush_loggers()

@@ -43,10 +43,12 @@ def users_first() -> Iterator[dict[str, str]]:
         first_built_in = next((i for i, s in enumerate(sources) if s.provider == "main"), None)
         if not users or first_built_in is None:
             return
+        _refuse_missing(users)
         rest = [s for s in sources if s not in users]
         repository.sources = [*rest[:first_built_in], *users, *rest[first_built_in:]]
         shadowed.update(_shadowed(users, sources[first_built_in]))
         _keep_primary(users, sources[first_built_in])
+        _refuse_extending_itself(users, shadowed)
 
     ordered.users_first = True
     ConfigRepository.initialize_sources = ordered
@@ -54,6 +56,69 @@ def users_first() -> Iterator[dict[str, str]]:
         yield shadowed
     finally:
         ConfigRepository.initialize_sources = original
+
+
+def _refuse_missing(users: list) -> None:
+    """A user's config dir that is not there (a mistyped hydra.searchpath entry): Hydra
+    only warns, and composes parallab's built-ins in place of the user's options."""
+    from parallab.config.errors import ConfigError
+
+    for source in users:
+        if not source.available():
+            where = "no such folder" if source.scheme() == "file" else "no such package dir"
+            raise ConfigError(f"hydra.searchpath: {source.full_path()} is not found ({where}"
+                              f"; {source.provider}): give the folder that holds your config "
+                              "groups (model/, data/, ...), e.g. hydra.searchpath=[file://"
+                              "/abs/path/conf], or --config-dir DIR")
+
+
+def _refuse_extending_itself(users: list, shadowed: dict[str, str]) -> None:
+    """A user's option of a built-in's name whose defaults list names that name
+    (`model/mnist_cnn.yaml` with `- /model/mnist_cnn@_here_`, Hydra's way to extend a
+    config) names itself, the user's coming first, and Hydra recursed till Python's limit:
+    refused when it is composed, in one line."""
+    from parallab.config.errors import ConfigError
+
+    for name, path in shadowed.items():
+        source = next(u for u in users if u.path == path)
+        if name not in _named_in_defaults(source, name):
+            continue
+        group, _, option = name.partition("/")
+
+        def refused(config_path: str, load=source.load_config, name=name, option=option,
+                    group=group, where=source.path if source.scheme() == "file" else
+                    source.full_path()):
+            if config_path.removesuffix(".yaml") == name:
+                raise ConfigError(
+                    f"{where}/{name}.yaml extends /{name}, which is itself: your option "
+                    f"hides parallab's of the same name; to extend parallab's {option}, "
+                    f"name yours otherwise ({group}/my_{option}.yaml) and choose that")
+            return load(config_path)
+
+        source.load_config = refused
+
+
+def _named_in_defaults(source, name: str) -> set[str]:
+    """The group/option paths a config's defaults list names (strings and `group: option`
+    entries; relative ones in its own group)."""
+    group = name.rpartition("/")[0]
+    try:
+        defaults = source.load_config(name).config.get("defaults") or []
+    except Exception:  # a file Hydra will refuse itself, in its own words
+        return set()
+
+    def path(key: str, option: str | None = None) -> str:
+        key = key.removeprefix("override ").removeprefix("optional ").partition("@")[0]
+        full = key if option is None else f"{key}/{option}"
+        return full[1:] if full.startswith("/") else f"{group}/{full}"
+
+    named = set()
+    for entry in defaults:
+        if isinstance(entry, str):
+            named.add(path(entry.strip()))
+        elif hasattr(entry, "items"):
+            named.update(path(str(k).strip(), str(v)) for k, v in entry.items())
+    return named
 
 
 def _keep_primary(users: list, built_in) -> None:
