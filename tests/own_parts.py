@@ -261,3 +261,38 @@ class CheckedLM(LooseStagesLM):
 
     def stages(self) -> list[nn.Module]:
         return [self.emb, *self.blocks, self.head]
+
+
+class StagesList(nn.Module):
+    """A regressor holding its middle layers in an attribute named `stages` (timm's naming):
+    a ModuleList, not the stages() method parallab reads; and a check_data method of its
+    own, taking the instance, which is not the classmethod parallab calls."""
+
+    def __init__(self, in_features: int = 8):
+        super().__init__()
+        self.inp = nn.Linear(in_features, 16)
+        self.stages = nn.ModuleList(nn.Linear(16, 16) for _ in range(2))
+        self.out = nn.Linear(16, 1)
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        x = self.inp(inputs)
+        for stage in self.stages:
+            x = torch.relu(stage(x))
+        return self.out(x)
+
+    def check_data(self) -> bool:
+        return all(p.isfinite().all() for p in self.parameters())
+
+
+class FrozenRegressor(StagesList):
+    """Every weight frozen: nothing to train."""
+
+    def __init__(self, in_features: int = 8):
+        super().__init__(in_features)
+        self.requires_grad_(False)
+
+
+class FailingCheck(StagesList):
+    @classmethod
+    def check_data(cls, cfg: dict, data) -> str | None:
+        return data.no_such_key

@@ -28,6 +28,9 @@ def train(run_dir, *overrides: str) -> dict:
     return train_in_process([*WAVES, *overrides], run_dir, CONF)
 
 
+# the example's ResMLP keys, left out for a model of tests/own_parts.py
+OWN_REGRESSOR = ["~model.out_features", "~model.width", "~model.depth", "~model.expansion",
+                 "parallel.stages=null"]
 BAD = [
     (["model._target_=own_model.nope.Net"], "model._target_=own_model.nope.Net does not import"),
     (["model._target_=own_model.data.Waves"], "is not a torch.nn.Module"),
@@ -81,6 +84,13 @@ BAD = [
       "trainer.activation_checkpointing=full"],
      "trainer.activation_checkpointing=full: the model's stages() gives Sequential, no "
      "submodule of the model, which it cannot wrap in a parent's place"),
+    (["model._target_=own_parts.FrozenRegressor", *OWN_REGRESSOR],
+     "model._target_=own_parts.FrozenRegressor has no parameter that takes a gradient"),
+    # its own check's failure, named as its own, not a traceback
+    (["model._target_=own_parts.FailingCheck", *OWN_REGRESSOR],
+     "model._target_=own_parts.FailingCheck: its check_data(cfg, data) raised "
+     "AttributeError:"),
+    (["optim.name=rmsprop"], "optim.name=rmsprop is not an optimizer parallab builds"),
     (["loss=model", "model._target_=own_parts.SelfScoring", "~model.out_features",
       "~model.width", "~model.depth", "~model.expansion", "parallel=pipeline",
       "parallel.stages=[net.0,net.1,net.2]"],
@@ -127,6 +137,18 @@ def test_stages_come_from_the_config_a_method_or_a_sequential():
     assert stages.find(model) is None  # no stages() and not a Sequential
     chain = sequential()
     assert stages.find(chain) == list(chain.children())
+
+
+def test_a_module_list_named_stages_and_an_own_check_data_are_the_models_business():
+    """An attribute `stages` (a ModuleList) is no stages() method, and a check_data taking
+    the instance no classmethod: parallab reads neither (fsdp called the ModuleList, and the
+    check was called with the config for its self)."""
+    from own_parts import StagesList
+
+    assert stages.find(StagesList()) is None
+    cfg, layout = checked(*WAVES, "model._target_=own_parts.StagesList", *OWN_REGRESSOR,
+                          "parallel=fsdp", "parallel.world_size=2", config_dir=CONF)
+    assert layout.dp_shard == 2 and cfg.model["_target_"] == "own_parts.StagesList"
 
 
 @pytest.mark.slow

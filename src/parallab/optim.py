@@ -9,11 +9,19 @@ import torch
 from torch import nn
 
 IMPLEMENTATIONS = ("auto", "foreach", "fused", "for_loop")
+SCHEMA_KEY = {"sgd": "momentum", "adam": "betas", "adamw": "betas"}  # a key of its schema
 SCALINGS = {"none": 0.0, "linear": 1.0, "sqrt": 0.5}  # the power of global / base batch
 
 
 def problem(cfg) -> str | None:
     """None if the optimizer's values make sense, else one line naming the key and the fix."""
+    if cfg.name not in SCHEMA_KEY:  # a project's own option of another name
+        return (f"optim.name={cfg.name} is not an optimizer parallab builds: use "
+                f"{', '.join(SCHEMA_KEY)} (a project's optim option keeps one of their names)")
+    if not hasattr(cfg, SCHEMA_KEY[cfg.name]):
+        return (f"optim.name={cfg.name} on another optimizer's schema (it has no optim."
+                f"{SCHEMA_KEY[cfg.name]}): begin the option with "
+                f"`defaults: [/schema/optim/{cfg.name}@_here_, _self_]`")
     if cfg.implementation not in IMPLEMENTATIONS:
         return (f"optim.implementation={cfg.implementation} is unknown: use "
                 f"{', '.join(IMPLEMENTATIONS[:-1])} or {IMPLEMENTATIONS[-1]}")

@@ -80,8 +80,14 @@ class Probe:
             raise ConfigError(f"model._target_={cfg.model[targets.TARGET]} returned "
                               f"{type(model).__name__}, not a torch.nn.Module: return the "
                               "Module")
-        from parallab.models import hf
+        from parallab.models import adapters, hf
 
+        if not adapters.enabled(cfg.adapter) and not any(
+                p.requires_grad for p in model.parameters()):  # (adapters: the frozen base)
+            raise ConfigError(f"model._target_={cfg.model[targets.TARGET]} has no parameter "
+                              "that takes a gradient (every one frozen, or layers held in a "
+                              "plain list, which nn.Module does not see): nothing would "
+                              "train; unfreeze some, or hold layers in nn.ModuleList")
         problem = hf.vocab_problem(model, cfg.data) or hf.positions_problem(model, cfg.data)
         if problem:
             raise ConfigError(problem)

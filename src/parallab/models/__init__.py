@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from parallab.config import targets
-from parallab.config.errors import ConfigError, refuse
+from parallab.config.errors import ConfigError, first_line, refuse
 
 KEY = "model"
 
@@ -89,11 +89,19 @@ def check(spec: dict[str, Any], data) -> dict[str, Any]:
     # a spec's _args_ fill the first parameters
     targets.check_arguments(target, kwargs, KEY, at_call=len(spec.get("_args_") or []))
     targets.check_types(target, kwargs, KEY, nulls=True)
-    check_data = getattr(target, "check_data", None)
-    if callable(check_data):  # sees every argument, the signature's defaults filled in
-        defaults = targets.defaults(target)
+    # a class's check_data (Model's, a classmethod); a method of that name taking an
+    # instance is the class's own business, not this
+    if isinstance(inspect.getattr_static(target, "check_data", None),
+                  (classmethod, staticmethod)):
+        defaults = targets.defaults(target)  # it sees every argument, defaults filled in
         full = {**defaults, **kwargs}
-        problem = check_data(full, data)
+        try:
+            problem = target.check_data(full, data)
+        except Exception as error:  # noqa: BLE001 - a user's check may raise anything
+            raise ConfigError(f"model._target_={spec[targets.TARGET]}: its check_data(cfg, "
+                              f"data) raised {first_line(error)}: fix it (parallab calls it "
+                              "with the model's arguments and the data config, for None or "
+                              "one line)") from None
         if problem:
             raise ConfigError(problem)
         # the spec's own keys, and any argument the data decided (a null filled in)

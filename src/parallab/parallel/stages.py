@@ -52,7 +52,7 @@ def find(model: nn.Module, names: list[str] | None = None) -> list[nn.Module] | 
     if names:
         return named(model, list(names))
     own = getattr(model, "stages", None)
-    if callable(own):
+    if callable(own) and not isinstance(own, nn.Module):  # the method, not a ModuleList
         return list(own())
     if isinstance(model, nn.Sequential):
         return list(model.children())
