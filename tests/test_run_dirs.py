@@ -82,6 +82,23 @@ def test_evaluate_scores_the_data_the_checkpoint_was_trained_on(train_here, tmp_
     assert same["eval_loss"] == pytest.approx(metrics["eval_loss"], rel=1e-5)
 
 
+def test_evaluate_scores_with_the_runs_own_loss_and_metrics(train_here, tmp_path):
+    """The run's loss (its label smoothing) and its extra metric, as its checkpoint records
+    them: evaluate had scored with loss=auto and no metric, its eval_loss another figure;
+    a loss given on the command line is the one used."""
+    own = ["loss._target_=torch.nn.CrossEntropyLoss", "+loss.label_smoothing=0.3",
+           "+metrics.top1._target_=torchmetrics.functional.accuracy",
+           "+metrics.top1.task=multiclass", "+metrics.top1.num_classes=10",
+           "+metrics.top1._partial_=true"]
+    metrics, run_dir = train_here(*TINY, *own)
+    ckpt = f"ckpt={run_dir}/checkpoints/last.pt"
+    scored = evaluate_in_process([ckpt, "device=cpu"], tmp_path / "eval")
+    assert scored["eval_loss"] == pytest.approx(metrics["eval_loss"], rel=1e-5)
+    assert scored["eval_top1"] == pytest.approx(metrics["eval_top1"])
+    plain = evaluate_in_process([ckpt, "device=cpu", "loss=cross_entropy"], tmp_path / "plain")
+    assert plain["eval_loss"] < scored["eval_loss"]  # no smoothing's floor
+
+
 @pytest.mark.parametrize("where", ["a file", "read-only"])
 def test_a_run_dir_that_cannot_be_made_ends_the_command_in_one_line(tmp_path, where):
     """`outputs` a file, or a dir on a read-only mount (a read-only folder: this suite runs

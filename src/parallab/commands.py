@@ -67,7 +67,8 @@ def evaluate_in_process(overrides: list[str], run_dir: str | Path) -> dict[str, 
 def _checked(dict_cfg: DictConfig, overrides: list[str]):
     """The config evaluate.py runs: the checkpoint's model and data (data keys that follow
     the model, such as data=bytes' seq_len from model.context, follow the trained one), and
-    the run's seed for generated data, checked; with the checkpoint's record."""
+    the run's seed for generated data, its loss and metrics, checked; with the checkpoint's
+    record."""
     from parallab.checks import validate
     from parallab.training import checkpoint, weights
 
@@ -77,9 +78,12 @@ def _checked(dict_cfg: DictConfig, overrides: list[str]):
         dict_cfg.data = _trained_data_config(state, dict_cfg, overrides)
         if weights.holds_adapters(dict_cfg.ckpt):  # the model as trained: adapters on
             dict_cfg.adapter = checkpoint.saved_config(state)["adapter"]
-        saved_seed = checkpoint.saved_config(state).get("seed")
-        if saved_seed is not None and not any(o.startswith("seed=") for o in overrides):
-            dict_cfg.seed = saved_seed
+        saved = checkpoint.saved_config(state)
+        # the run's seed (generated data), loss and metrics (its eval figures), unless given
+        for key in ("seed", "loss", "metrics"):
+            if saved.get(key) is not None and not any(
+                    o.lstrip("+~").partition("=")[0].split(".")[0] == key for o in overrides):
+                dict_cfg[key] = saved[key]
     cfg = typed_config(dict_cfg, overrides)
     validate.prepare(cfg, in_place=None)
     return cfg, state
