@@ -3,7 +3,7 @@
 A user's model needs none of this (parallel/stages.py finds stages from parallel.stages or
 an nn.Sequential); parallab's models declare theirs with stages(), and check the data they
 are given with check_data before any worker starts. A user's model class may define
-check_data too: the controller calls it the same way.
+check_data too, a classmethod: the controller calls it the same way.
 """
 
 from __future__ import annotations
