@@ -296,3 +296,10 @@ class FailingCheck(StagesList):
     @classmethod
     def check_data(cls, cfg: dict, data) -> str | None:
         return data.no_such_key
+
+
+class RefusingInit:
+    """A loss or metric whose constructor refuses its arguments."""
+
+    def __init__(self, scale: float = 1.0):
+        raise ValueError(f"scale={scale} is not allowed")

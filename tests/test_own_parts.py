@@ -91,6 +91,12 @@ BAD = [
      "model._target_=own_parts.FailingCheck: its check_data(cfg, data) raised "
      "AttributeError:"),
     (["optim.name=rmsprop"], "optim.name=rmsprop is not an optimizer parallab builds"),
+    # constructors' own refusals: Hydra's two lines for the loss, the metric's said as its
+    # call's on a batch with the cause lost
+    (["loss._target_=own_parts.RefusingInit"], "loss: own_parts.RefusingInit(...) raised "
+                                               "ValueError: scale=1.0 is not allowed"),
+    (["+metrics.m._target_=own_parts.RefusingInit"], "metrics.m: own_parts.RefusingInit(...) "
+                                                     "raised ValueError: scale=1.0 is not"),
     (["loss=model", "model._target_=own_parts.SelfScoring", "~model.out_features",
       "~model.width", "~model.depth", "~model.expansion", "parallel=pipeline",
       "parallel.stages=[net.0,net.1,net.2]"],

@@ -344,5 +344,5 @@ def build_loss(spec: dict[str, Any]) -> Objective:
     target = targets.locate(spec.get(targets.TARGET), "loss._target_")
     if not inspect.isclass(target):  # a function: the YAML's arguments bound as keywords
         return Wrapped(functools.partial(target, **targets.arguments(spec)))
-    built = targets.build(spec)
+    built = targets.build_checked(spec, "loss")  # a constructor's fault said as the loss's
     return built if isinstance(built, Objective) else Wrapped(built)

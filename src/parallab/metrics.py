@@ -70,8 +70,8 @@ def check_on(specs: dict[str, Any], output: Any, labels: torch.Tensor) -> None:
             raise ConfigError(f"metrics.{name}._target_={spec[targets.TARGET]} is a function, "
                               "which is called on each batch as (output, targets): give it "
                               f"+metrics.{name}._partial_=true")
+        metric = targets.build_checked(spec, f"metrics.{name}")  # its constructor's fault
         try:
-            metric = targets.build(spec)
             if hasattr(metric, "update") and hasattr(metric, "compute"):
                 metric.update(output, labels)
                 value = metric.compute()
