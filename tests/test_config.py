@@ -425,7 +425,9 @@ def test_a_project_option_extending_the_built_in_of_its_name_is_refused(tmp_path
      "hydra.searchpath: pkg://no_such_package.conf is not found (no such package dir"),
     # Hydra's flag for a primary config: it replaced parallab's, every built-in gone
     (["--config-path", "/tmp"], "--config-path /tmp: it would replace parallab's own config"),
-], ids=["file", "pkg", "config-path"])
+    # Hydra's ValueError, in a traceback
+    (["-m"], "Only one of --run, --multirun, --cfg, --info and --shell_completion"),
+], ids=["file", "pkg", "config-path", "multirun-cfg"])
 def test_a_project_config_that_would_drop_out_is_refused(capsys, given, said):
     assert refusal(capsys, *given, "model=gpt", "--cfg", "job").startswith(said)
 
@@ -446,3 +448,37 @@ def test_a_project_option_without_its_schema_is_told_the_schemas_name(tmp_path):
     assert typed("scheduler=cosine", config_dir=conf).scheduler.min_lr_ratio == 0.5
     assert "/schema/parallel/SCHEMA@_here_, _self_]`, SCHEMA one of none, dp, mesh, model, " \
         "pipeline, auto" in untyped("parallel")
+
+
+def test_a_users_option_in_a_list_is_said_over_the_built_in(tmp_path):
+    """logger=[tensorboard,csv] with a project's csv.yaml: the line naming the built-ins
+    passed over read Hydra's choices, which hold no list, and left it out."""
+    from parallab import cli
+
+    conf = tmp_path / "conf"
+    (conf / "logger").mkdir(parents=True)
+    (conf / "logger" / "csv.yaml").write_text(
+        "csv:\n  _target_: parallab.observe.loggers.csv_file.CSVLogger\n  filename: mine.csv\n")
+    run_dir = tmp_path / "run"
+    cli.train(["train.py", "--config-dir", str(conf), "logger=[tensorboard,csv]",
+               "data=synthetic", "data.train_size=64", "data.eval_size=32", "device=cpu",
+               "trainer.max_steps=1", f"hydra.run.dir={run_dir}"])
+    assert (run_dir / "mine.csv").is_file()
+    assert f"built-ins of the same name: logger=csv from {conf}" in \
+        (run_dir / "train.log").read_text()
+
+
+def test_a_projects_options_are_the_ones_hints_name(tmp_path, capsys):
+    """A mistyped key of the project's own csv logger is matched against its keys, not
+    parallab's csv's; `optim=null` lists the project's optim options too."""
+    conf = tmp_path / "conf"
+    for group in ("logger", "optim"):
+        (conf / group).mkdir(parents=True)
+    (conf / "logger" / "csv.yaml").write_text(
+        "csv:\n  _target_: parallab.observe.loggers.csv_file.CSVLogger\n  path: mine.csv\n")
+    (conf / "optim" / "fast.yaml").write_text(
+        "defaults:\n  - /schema/optim/sgd@_here_\n  - _self_\nname: sgd\nlr: 0.1\n")
+    said = refusal(capsys, "--config-dir", str(conf), "logger=csv", "logger.csv.pth=x")
+    assert "did you mean logger.csv.path?" in said
+    said = refusal(capsys, f"hydra.searchpath=[file://{conf}]", "optim=null")
+    assert "the optim group takes one of its options (adam, adamw, fast, sgd)" in said

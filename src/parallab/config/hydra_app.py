@@ -154,17 +154,23 @@ def say_shadowed(shadowed: dict[str, str]) -> None:
 
     if not shadowed or not HydraConfig.initialized():
         return
-    choices = HydraConfig.get().runtime.choices
+    hydra = HydraConfig.get()
+    chosen = list(hydra.runtime.choices.items())
+    for override in hydra.overrides.task:  # a list's options (logger=[a,b]) are no choice
+        group, _, value = override.lstrip("+").partition("=")
+        if value.startswith("[") and value.endswith("]"):
+            chosen += [(group, option.strip()) for option in value[1:-1].split(",")]
     passed = [f"{group}={option} from {shadowed[f'{group}/{option}']}"
-              for group, option in choices.items() if f"{group}/{option}" in shadowed]
+              for group, option in chosen if f"{group}/{option}" in shadowed]
     if passed:
         logging.getLogger("parallab").info(
             "your options over parallab's built-ins of the same name: %s", ", ".join(passed))
 
 
-def hydra_line(error: Exception) -> str:
+def hydra_line(error: Exception, argv: list[str] = ()) -> str:
     """Hydra's refusal (an unknown key or option, a value of the wrong type), which Hydra
-    prints over several lines, as one: its sentences, and a group's options on one line."""
+    prints over several lines, as one: its sentences, and a group's options on one line
+    (`argv`: the command line, whose config dirs hold a project's options)."""
     text = str(error)
     if error.__cause__ is not None and "full_key" in str(error.__cause__):  # OmegaConf's why
         text += "\n" + str(error.__cause__)
@@ -173,7 +179,7 @@ def hydra_line(error: Exception) -> str:
     said = [line.strip().rstrip(".") for line in text.splitlines() if line.strip() and not
             line.strip().startswith(("full_key:", "object_type=", "reference_type="))]
     override = getattr(error, "override", None)  # a parse error names the text, not the key
-    hint = _unknown_key_hint(text)
+    hint = _unknown_key_hint(text, option_folders(argv))
     if hint:  # Hydra's "use +KEY=VALUE", which the typed config then refuses
         said = [hint if line.startswith("To append to your config use +") else line
                 for line in said]
@@ -197,7 +203,7 @@ def hydra_line(error: Exception) -> str:
     return line
 
 
-def _unknown_key_hint(text: str) -> str | None:
+def _unknown_key_hint(text: str, folders: list[Path]) -> str | None:
     """For an override of a key the config lacks: the key meant (a typed group's close
     match), or, under logger, the logger to choose; None where neither is known."""
     import dataclasses
@@ -228,13 +234,14 @@ def _unknown_key_hint(text: str) -> str | None:
         close = difflib.get_close_matches(parts[1], list(data_defaults()), n=1)
         return f"did you mean data.{close[0]}?" if close else None
     if parts[0] == "logger" and len(parts) > 2:
-        return _logger_key_hint(parts, text)
+        return _logger_key_hint(parts, text, folders)
     return None
 
 
-def _logger_key_hint(parts: list[str], text: str) -> str:
+def _logger_key_hint(parts: list[str], text: str, folders: list[Path]) -> str:
     """logger.NAME.KEY refused: NAME not chosen, or a KEY the chosen logger lacks (its
-    close match among the keys of parallab's option of that name, where there is one)."""
+    close match among the keys of the option of that name composed: the first of
+    `folders`, a project's before parallab's, that holds one)."""
     import difflib
 
     import yaml
@@ -243,7 +250,8 @@ def _logger_key_hint(parts: list[str], text: str) -> str:
     if missing is None or missing[1] == parts[1]:
         return (f"logger.{parts[1]} is set only for a logger chosen: choose it, e.g. "
                 f"logger=[tensorboard,{parts[1]}]")
-    option = Path(CONF_DIR) / "logger" / f"{parts[1]}.yaml"
+    option = next((o for f in folders if (o := f / "logger" / f"{parts[1]}.yaml").is_file()),
+                  Path(CONF_DIR) / "logger" / f"{parts[1]}.yaml")
     known = [k for k in (yaml.safe_load(option.read_text()) or {}).get(parts[1], {})
              if k != "_target_"] if option.is_file() else []
     close = difflib.get_close_matches(missing[1], known, n=1)
@@ -267,11 +275,24 @@ def _searched_folders(searched: str) -> list[Path]:
     return folders
 
 
+def option_folders(argv: list[str]) -> list[Path]:
+    """The folders a command line's options come from: a project's (--config-dir, and
+    hydra.searchpath's file:// and pkg:// entries), then parallab's conf/."""
+    flags = config_flags(argv)
+    given = [flags[i + 1] for i, f in enumerate(flags[:-1]) if f in ("--config-dir", "-cd")]
+    given += [f.partition("=")[2] for f in flags if f.startswith("--config-dir=")]
+    entries = [f.partition("=")[2].strip("[]") for f in flags if "hydra.searchpath=" in f]
+    searched = " ".join(f"path={e.strip()}" for e in ",".join(entries).split(",") if e)
+    return [*map(Path, given), *_searched_folders(searched), Path(CONF_DIR)]
+
+
 def null_group_line(argv: list[str]) -> str:
-    """The one line for `GROUP=null` on the command line: a group takes one of its options."""
+    """The one line for `GROUP=null` on the command line: a group takes one of its options
+    (a project's too)."""
     for arg in argv:
         group, _, value = arg.lstrip("+").partition("=")
-        options = sorted(p.stem for p in (Path(CONF_DIR) / group).glob("*.yaml"))
+        options = sorted({p.stem for folder in option_folders(argv)
+                          for p in (folder / group).glob("*.yaml")})
         if value in ("null", "None") and options:
             return (f"{arg}: the {group} group takes one of its options ({', '.join(options)}), "
                     f"not null: choose one, or leave {group} out for its default")
@@ -292,17 +313,19 @@ def run_app(app, call) -> None:
         app()
     except CompactHydraException as error:
         call.restore()
-        print(hydra_line(error), file=sys.stderr)
+        print(hydra_line(error, call.argv[1:]), file=sys.stderr)
         raise SystemExit(2) from None
     except ConfigError as error:  # a launcher's refusal (launching/allocation.py), before any job
         call.restore()
         print(error, file=sys.stderr)
         raise SystemExit(2) from None
-    except ValueError as error:  # Hydra's own, for `group=null`: a traceback otherwise
-        if "Config group override must be" not in str(error):
+    except ValueError as error:  # Hydra's own, for `group=null` and flags that clash
+        said = str(error)
+        if "Config group override must be" not in said and not said.startswith("Only one of"):
             raise
         call.restore()
-        print(null_group_line(call.argv[1:]), file=sys.stderr)
+        print(null_group_line(call.argv[1:]) if said.startswith("Config") else
+              said.strip().splitlines()[0], file=sys.stderr)
         raise SystemExit(2) from None
     finally:
         os.environ.pop("HYDRA_FULL_ERROR", None)
