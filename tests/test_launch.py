@@ -269,3 +269,22 @@ def test_the_resume_command_is_the_one_the_user_ran():
     args = shlex.split(line)[2:]
     assert args[0] == "optim.lr=0.01" and len(args) == 3  # the weights are in its checkpoint
     assert OverridesParser.create().parse_override(args[1]).value() == job
+
+
+def test_a_module_of_the_run_dir_hiding_one_the_workers_import_is_refused(tmp_path,
+                                                                         monkeypatch):
+    """The parallab command puts the dir it runs in first on the workers' import path: a
+    queue.py there (torch imports queue) or a parallab.py ended every worker importing, in
+    a forkserver's EOFError. A standard module nothing here imports (test) is the user's."""
+    hidden_module_problem = launch.hidden_module_problem
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "queue.py").write_text("raise SystemExit('mine')\n")
+    assert hidden_module_problem() is None  # the dir not on the path: nothing hidden
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert hidden_module_problem().startswith("queue.py, in the dir parallab runs in, hides "
+                                              "Python module queue from the workers")
+    (tmp_path / "queue.py").rename(tmp_path / "test.py")
+    assert hidden_module_problem() is None
+    (tmp_path / "parallab.py").write_text("")
+    assert hidden_module_problem().startswith("parallab.py, in the dir parallab runs in, "
+                                              "hides parallab from")

@@ -22,7 +22,7 @@ from parallab.config.schema import Config, Device
 from parallab.launching.distributed import cpu_cores, interfaces_problem
 from parallab.launching import slurm
 from parallab.launching.in_place import InPlace
-from parallab.launching.launch import master_port_problem
+from parallab.launching.launch import hidden_module_problem, master_port_problem
 from parallab.observe import loggers, memory
 from parallab.parallel import activations, parallelize
 from parallab.parallel.layout import Layout
@@ -335,7 +335,7 @@ def prepare(cfg: Config, in_place: InPlace | None, run_dir: str | None = None
         resolve_device(cfg)
         layout = resolve_parallel(cfg, in_place)
         if in_place is None and layout.processes:  # parallab's own launcher
-            refuse(master_port_problem())
+            refuse(master_port_problem() or hidden_module_problem())
         refuse(precision.device_problem(cfg.precision, cfg.device.value, layout.dp_shard))
         if hint := precision.device_hint(cfg.precision, cfg.device.value):
             log.warning(hint)

@@ -75,6 +75,28 @@ def worker_env(cfg, layout) -> dict[str, str]:
     return {"OMP_NUM_THREADS": str(threads), **server_env(cfg)}
 
 
+def hidden_module_problem() -> str | None:
+    """A module in the dir parallab runs in named as parallab or as one of Python's own that
+    this process has imported (queue, tokenize: torch's): that dir leads the workers' import
+    path (the parallab command puts it first, as `python -m` does), where it hides the real
+    one, and every worker failed importing, in a traceback far from the cause."""
+    import sys
+
+    here = Path.cwd().resolve()
+    if not any(Path(p or ".").resolve() == here for p in sys.path):
+        return None
+    names = ["parallab", *sorted(set(sys.stdlib_module_names) & set(sys.modules))]
+    for name in names:
+        loaded = getattr(sys.modules.get(name), "__file__", None)
+        for found in (here / f"{name}.py", here / name / "__init__.py"):
+            if found.is_file() and (loaded is None or Path(loaded).resolve() != found):
+                return (f"{found.relative_to(here)}, in the dir parallab runs in, hides "
+                        f"{'parallab' if name == 'parallab' else f'Python module {name}'} "
+                        "from the workers, whose imports look here first: rename it, or run "
+                        "from another dir")
+    return None
+
+
 def master_port_problem() -> str | None:
     """MASTER_PORT, where the user set it for parallab's own launcher (its agent's store
     listens there): not a port number, or one in use on this machine, which ended the
