@@ -303,3 +303,7 @@ class RefusingInit:
 
     def __init__(self, scale: float = 1.0):
         raise ValueError(f"scale={scale} is not allowed")
+
+
+def collate_nothing() -> None:
+    """A collate function that takes no samples."""

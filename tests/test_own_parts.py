@@ -91,6 +91,8 @@ BAD = [
      "model._target_=own_parts.FailingCheck: its check_data(cfg, data) raised "
      "AttributeError:"),
     (["optim.name=rmsprop"], "optim.name=rmsprop is not an optimizer parallab builds"),
+    (["data.collate_fn=own_parts.collate_nothing"],
+     "data.collate_fn=own_parts.collate_nothing fails on 2 samples (TypeError:"),
     # constructors' own refusals: Hydra's two lines for the loss, the metric's said as its
     # call's on a batch with the cause lost
     (["loss._target_=own_parts.RefusingInit"], "loss: own_parts.RefusingInit(...) raised "
@@ -155,6 +157,16 @@ def test_a_module_list_named_stages_and_an_own_check_data_are_the_models_busines
     cfg, layout = checked(*WAVES, "model._target_=own_parts.StagesList", *OWN_REGRESSOR,
                           "parallel=fsdp", "parallel.world_size=2", config_dir=CONF)
     assert layout.dp_shard == 2 and cfg.model["_target_"] == "own_parts.StagesList"
+
+
+def test_a_collate_fn_of_data_held_in_memory_is_refused():
+    """Data held in memory is sliced into batches: its collate_fn was dropped without a
+    word; the DataLoader path collates with it."""
+    collate = "data.collate_fn=own_parts.collate_nothing"
+    with pytest.raises(ConfigError, match=f"^{collate}: data=synthetic is held in memory"):
+        checked("data=synthetic", collate, "device=cpu")
+    with pytest.raises(ConfigError, match=f"^{collate} fails on 2 samples"):
+        checked("data=synthetic", collate, "data.loader=dataloader", "device=cpu")
 
 
 @pytest.mark.slow

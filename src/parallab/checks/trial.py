@@ -30,12 +30,12 @@ OURS = "parallab."
 
 def needed(cfg) -> bool:
     """A user's part is in play (a model, data, a loss other than cross-entropy, which every
-    built-in model and data set is checked for, or a metric), or stages named in the
-    config."""
+    built-in model and data set is checked for, a metric or a collate function), or stages
+    named in the config."""
     return not (str(cfg.model.get(targets.TARGET, "")).startswith(OURS)
                 and cfg.data._target_.startswith(OURS) and cfg.data.tensors
                 and cfg.loss.get(targets.TARGET) in (CROSS_ENTROPY, AUTO)) \
-        or bool(cfg.parallel.stages) or bool(cfg.metrics)
+        or bool(cfg.parallel.stages) or bool(cfg.metrics) or cfg.data.collate_fn is not None
 
 
 def stages_on_meta(cfg) -> list[nn.Module] | None:
@@ -51,7 +51,7 @@ def one_batch(cfg, size: int = 2) -> Any:
     from parallab.data.split import Split
 
     train, _ = cfg.data.make(cfg.seed)
-    if isinstance(train, Split):
+    if isinstance(train, Split) and cfg.data.collate_fn is None:  # sliced, as in memory
         inputs, labels = train.inputs[:size], train.targets[:size]
         return train.prepare(inputs), labels
     if isinstance(train, IterableDataset):
@@ -60,7 +60,14 @@ def one_batch(cfg, size: int = 2) -> Any:
         dataset = _dataset(train, train=False)
         samples = [dataset[i] for i in range(min(size, len(dataset)))]
     join = collate(cfg.data.collate_fn) if cfg.data.collate_fn is not None else default_collate
-    batch = join(samples)
+    try:
+        batch = join(samples)
+    except Exception as error:  # noqa: BLE001 - a user's collate may raise anything
+        if cfg.data.collate_fn is None:
+            raise
+        raise ConfigError(f"data.collate_fn={cfg.data.collate_fn} fails on {len(samples)} "
+                          f"samples ({first_line(error)}): make it take a list of samples "
+                          "and return a batch") from None
     return tuple(batch) if isinstance(batch, list) else batch
 
 

@@ -18,7 +18,7 @@ from parallab.models import adapters
 from parallab.checks import starts, trial
 from parallab.config.errors import (ConfigError, environment_kept_if_refused, refuse,
                                     require)
-from parallab.config.schema import Config, Device
+from parallab.config.schema import Config, Device, Loader
 from parallab.launching.distributed import cpu_cores, interfaces_problem
 from parallab.launching import slurm
 from parallab.launching.in_place import InPlace
@@ -120,6 +120,10 @@ def check_data(cfg: Config) -> None:
             "streams samples with no known length (an IterableDataset without __len__), so "
             "an epoch has no known number of steps: set trainer.max_steps")
     cfg.data.loader = resolve_loader(cfg.data)
+    require(cfg.data.collate_fn is None or cfg.data.loader is not Loader.memory,
+            f"data.collate_fn={cfg.data.collate_fn}: data={cfg.data.name} is held in memory "
+            "and batched by slicing, with no collate function: set data.loader=dataloader "
+            "to collate its samples, or drop data.collate_fn")
 
 
 def check_objective(cfg: Config) -> None:
