@@ -274,6 +274,16 @@ def test_a_model_of_images_is_told_simulate_traces_sequences(tmp_path, model):
                             tmp_path)
 
 
+def test_a_projects_data_of_no_sequences_is_named_by_its_class(tmp_path):
+    """Not as data=datasets, the kind of config it is, which is no option to choose."""
+    from parallab.commands import simulate_in_process
+
+    with pytest.raises(ConfigError, match=r"^data.train._target_=own_model.data.Waves holds no "
+                                          r"sequences \(no data.seq_len\)"):
+        simulate_in_process(["data=waves", "model=gpt", "parallel=fsdp", "parallel.world_size=8"],
+                            tmp_path, config_dir=REPO / "examples" / "own_model" / "conf")
+
+
 @pytest.mark.parametrize("overrides, says", [
     (["cluster.hbm_gbps=-1"], "cluster.hbm_gbps=-1.0 is out of range: it must be > 0"),
     # infinite or vanishing rates: no step of infinite seconds, no Infinity in JSON
