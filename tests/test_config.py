@@ -482,3 +482,22 @@ def test_a_projects_options_are_the_ones_hints_name(tmp_path, capsys):
     assert "did you mean logger.csv.path?" in said
     said = refusal(capsys, f"hydra.searchpath=[file://{conf}]", "optim=null")
     assert "the optim group takes one of its options (adam, adamw, fast, sgd)" in said
+
+
+def test_help_describes_a_projects_option_by_its_own_words(tmp_path, capsys):
+    """--help read each option's comments from parallab's file of that name: a project's
+    model/gpt.yaml was shown with parallab's GPT's description."""
+    from parallab import cli
+
+    conf = tmp_path / "conf"
+    (conf / "model").mkdir(parents=True)
+    (conf / "model" / "gpt.yaml").write_text(
+        "_target_: torch.nn.Linear  # the project's own\nin_features: 784  # pixels in\n"
+        "out_features: 10\n")
+    with pytest.raises(SystemExit) as ended:
+        cli.train(["train.py", "--config-dir", str(conf), "model=gpt", "--help"])
+    assert ended.value.code == 0
+    shown = capsys.readouterr().out
+    assert "  _target_: torch.nn.Linear  # the project's own\n  in_features: 784  # pixels in" \
+        in shown
+    assert "decoder-only" not in shown

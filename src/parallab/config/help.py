@@ -61,9 +61,28 @@ def class_comments(cls: type) -> dict[str, str]:
     return found
 
 
+def option_file(group: str, choice: str) -> Path:
+    """The file the option `group/choice` is composed from: the first source of Hydra's
+    search path holding it (a project's before parallab's: hydra_internals.users_first),
+    parallab's where no Hydra is composing."""
+    import importlib.resources
+
+    from hydra.core.global_hydra import GlobalHydra
+
+    name = f"{group}/{choice}"
+    sources = GlobalHydra.instance().config_loader().get_sources() \
+        if GlobalHydra.instance().is_initialized() else []
+    for source in sources:
+        if source.scheme() in ("file", "pkg") and source.is_config(name):
+            root = Path(source.path) if source.scheme() == "file" else \
+                Path(str(importlib.resources.files(source.path.replace("/", "."))))
+            return root / f"{name}.yaml"
+    return CONF_DIR / f"{name}.yaml"
+
+
 def option_comments(group: str, choice: str | None) -> dict[str, str]:
-    path = CONF_DIR / group / f"{choice}.yaml"
-    return comments(path.read_text().splitlines()) if choice and path.is_file() else {}
+    path = option_file(group, choice) if choice else None
+    return comments(path.read_text().splitlines()) if path and path.is_file() else {}
 
 
 def block(section: str) -> list[str]:
@@ -101,8 +120,8 @@ def schema_of(group: str, choice: str | None) -> type | None:
     defaults list's `/schema/<group>/<name>`): the keys' defaults and their words."""
     from parallab.config import schema as config
 
-    path = CONF_DIR / group / f"{choice}.yaml"
-    found = re.search(rf"/schema/{group}/(\w+)@", path.read_text()) if choice and \
+    path = option_file(group, choice) if choice else None
+    found = re.search(rf"/schema/{group}/(\w+)@", path.read_text()) if path and \
         path.is_file() else None
     return config.SCHEMAS.get(group, {}).get(found.group(1)) if found else None
 
