@@ -11,7 +11,6 @@ count alone: the tokens are not touched until a window is read.
 
 from __future__ import annotations
 
-from functools import lru_cache
 from typing import Optional
 
 import numpy as np
@@ -30,6 +29,7 @@ class Windows:
         self.lo = lo
         self.hi = int(self.first[-1]) if hi is None else hi
         self.arrays = [f.tokens.view(np.ndarray) for f in files]  # the same mapped pages
+        self._orders: dict[tuple[int, int, int], np.ndarray] = {}  # the last two passes'
 
     def __len__(self) -> int:
         return self.hi - self.lo
@@ -85,11 +85,18 @@ class Windows:
         return out
 
     def order(self, seed: int, source: int, rounds: int) -> np.ndarray:
-        """The permutation of this range's windows for pass `rounds` over it."""
-        return _permutation(len(self), seed, source, rounds)
+        """The permutation of this range's windows for pass `rounds` over it, kept for the
+        pass read now and the one a batch may run on into: each source's own (one cache of
+        8 shared by all had made a mixture of 9 sources permute every source every batch,
+        O(windows) each)."""
+        key = (seed, source, rounds)
+        order = self._orders.get(key)
+        if order is None:
+            order = _permutation(len(self), *key)
+            self._orders = {k: v for k, v in list(self._orders.items())[-1:]} | {key: order}
+        return order
 
 
-@lru_cache(maxsize=8)  # the current pass and the next, of a few sources
 def _permutation(size: int, seed: int, source: int, rounds: int) -> np.ndarray:
     generator = np.random.Generator(np.random.PCG64([seed, source, rounds]))
     order = generator.permutation(size)
