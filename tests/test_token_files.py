@@ -144,6 +144,20 @@ def test_a_mixture_draws_deterministically_in_proportion_to_its_weights(corpus):
     assert np.array_equal(again.read(12345, 16)[0], stream.read(12345, 16)[0])
 
 
+def test_a_capped_eval_of_a_mixture_scores_each_source_in_its_share(corpus):
+    """data.eval_samples of a mixture: each source's share of the held-out windows, as
+    uncapped (the first n of them all had been the first source's alone)."""
+    from parallab.data.token_files import TokenFiles
+
+    mix = [{"name": "web", "files": str(corpus / "web.bin"), "weight": 0.9},
+           {"name": "code", "files": str(corpus / "code.npy"), "weight": 0.1}]
+    every = TokenFiles(sources=mix, seq_len=SEQ, vocab_size=256).split()[1]
+    capped = TokenFiles(sources=mix, seq_len=SEQ, vocab_size=256, eval_samples=9).split()[1]
+    assert [len(p) for p in every.parts] == [12, 4]  # 1% of each source's windows
+    assert [len(p) for p in capped.parts] == [7, 2]  # 6.75 and 2.25, by largest remainder
+    assert np.array_equal(capped.read(np.arange(9)), every.read(np.array([*range(7), 12, 13])))
+
+
 def test_a_packed_window_with_the_document_mask_is_each_document_alone():
     from parallab.models.gpt import GPT
 
@@ -236,7 +250,7 @@ def test_a_resume_tells_files_by_where_they_are_and_in_their_order(corpus, train
     train_here(*two)
     resume = ["trainer.max_steps=4", "trainer.resume=auto"]
     with pytest.raises(ConfigError, match=r"was saved reading its files in another order "
-                       r"\(web.bin, code.npy\)"):
+                       r"\(\S+/web.bin, \S+/code.npy\)"):
         train_here(*two, *resume, "data.files=[code.npy,web.bin]")
     metrics, _ = train_here(*two, *resume, f"data.files=[{corpus}/web.bin,./code.npy]")
     assert metrics["steps"] == 4
@@ -246,6 +260,11 @@ def test_a_resume_tells_files_by_where_they_are_and_in_their_order(corpus, train
                        r", here \{'b': 1.0, 'a': 1.0\}: give their names, order and weights"):
         train_here(*GPT, *resume, "data.sources=[{name: b, files: code.npy}, "
                    "{name: a, files: web.bin}]", name="mix")
+    # from another dir: the checkpoint's paths, as given, were read against that dir
+    monkeypatch.chdir(corpus.parent)
+    metrics, _ = train_here(*two, "trainer.max_steps=6", "trainer.resume=auto",
+                            f"data.files=[{corpus.name}/web.bin,{corpus}/code.npy]")
+    assert metrics["steps"] == 6
 
 
 def bad_inputs(root) -> list:
@@ -258,6 +277,8 @@ def bad_inputs(root) -> list:
     np.full(100, 300, dtype=np.uint16).tofile(high)
     (root / "cut.bin").write_bytes((root / "docs.bin").read_bytes()[:-2])
     (root / "cut.idx").write_bytes((root / "docs.idx").read_bytes())
+    learnable(4000, 3, np.uint32).tofile(root / "wide.bin")  # read as uint16 by default
+    (root / "garbage.npy").write_bytes(b"garbage" * 100)
     web = f"{root}/web.bin"
     two = "[{{name: a, files: {w}, weight: {a}}}, {{name: {n}, files: {w}, weight: {b}}}]"
     return [
@@ -286,6 +307,15 @@ def bad_inputs(root) -> list:
         ([f"data.sources=[{{name: a, files: {web}, weight: '0.7'}}]"], "a's weight '0.7' is "
          "not a share"),
         ([f"data.files={root}/cut.bin"], "cut.idx does not match .*cut.bin"),
+        # each half of a uint32 id is a small uint16 one: no id check saw it
+        ([f"data.files={root}/wide.bin"], "wide.bin reads as uint16 ids of which every "
+         "second one is 0 or 1, as the high halves of uint32 ids are: set data.dtype=uint32"),
+        ([f"data.files={root}/garbage.npy"], "garbage.npy does not read as a .npy array"),
+        # the list's other files trained alone, the typo unsaid
+        ([f"data.files=[{web},{root}/wbe*.bin]"], "data.files: .*wbe.*bin matches no file"),
+        ([f"data.files=[{web},{root}/web*.bin]"], "data.files names .*web.bin twice"),
+        ([f"data.files={web}", f"data.eval_files={web}"], "data.eval_files names .*web.bin, "
+         "which the run trains on"),
         ([f"data.files={web}", "data.document_mask=true"], "needs document boundaries"),
         ([f"data.files={web}", "data.sample=causal_lm"], "data.sample=causal_lm gives a "
          "transformers model's {input_ids, labels}, and model=gpt takes .x, y. pairs: use "

@@ -22,6 +22,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, ClassVar, Optional
 
+import numpy as np
+
 from parallab.config.schema import DataConfig
 from parallab.data.pretrain import files as token_files
 from parallab.data.pretrain.blend import Source, Stream
@@ -149,11 +151,15 @@ class TokenFiles(DataConfig):
 
 
 def _first(joined: Joined, n: int) -> Joined:
-    kept, left = [], n
-    for part in joined.parts:
-        kept.append(part.part(0, min(len(part), left)))
-        left -= len(kept[-1])
-    return Joined([k for k in kept if len(k)])
+    """`n` of a mixture's held-out windows, each source's share of them as in all of them
+    (the first of each, by largest remainder): the first n of them all had been the first
+    source's alone, the others never scored."""
+    sizes = np.array([len(p) for p in joined.parts], dtype=np.float64)
+    exact = n * sizes / sizes.sum()
+    counts = np.floor(exact).astype(np.int64)
+    for i in np.argsort(counts - exact)[:n - int(counts.sum())].tolist():
+        counts[i] += 1
+    return Joined([p.part(0, int(c)) for p, c in zip(joined.parts, counts) if c])
 
 
 @lru_cache(maxsize=32)

@@ -76,6 +76,13 @@ def _files(cfg) -> Optional[str]:
     specs = [(f"data.sources.{n}.files" if cfg.sources is not None else "data.files", s)
              for n, s, _ in cfg.named_sources()]
     if cfg.eval_files is not None:
+        trained = {os.path.realpath(p) for _, s in specs for p in token_files.paths(s)}
+        scored = next((p for p in token_files.paths(cfg.eval_files)
+                       if os.path.realpath(p) in trained), None)
+        if scored is not None:
+            return (f"data.eval_files names {scored}, which the run trains on: give held-out "
+                    "files, or leave data.eval_files out (data.eval_fraction holds out the "
+                    "end of each file)")
         specs.append(("data.eval_files", cfg.eval_files))
     window = cfg.seq_len + 1
     for key, spec in specs:
@@ -83,6 +90,15 @@ def _files(cfg) -> Optional[str]:
         if not paths:
             return (f"{key}={spec} matches no file: give token files (a glob, a path or a "
                     "list); `parallab prepare-data` writes them from text")
+        # each glob of a list: one matching nothing (a typo) had dropped its files unsaid
+        missing = next((i for i in spec if not token_files.paths(i)), None) \
+            if isinstance(spec, (list, tuple)) else None
+        if missing is not None:
+            return f"{key}: {missing} matches no file: correct it, or drop it from the list"
+        where = [os.path.realpath(p) for p in paths]
+        twice = next((p for p, w in zip(paths, where) if where.count(w) > 1), None)
+        if twice is not None:  # its windows drawn twice as often, unsaid
+            return f"{key} names {twice} twice: name each file once"
         try:
             opened = cfg.opened(spec)
         except FileProblem as error:
@@ -121,6 +137,10 @@ def _file_problem(cfg, file: TokenFile, window: int) -> Optional[str]:
                 f"a vocabulary of {vocab} (data.vocab_size: the model's unless given): write "
                 "the files as uint32 and set "
                 "data.dtype=uint32")
+    if file.tokens.dtype == np.uint16 and not file.marks_documents and \
+            not file.path.endswith(".npy") and _halves_of_uint32(file.tokens):
+        return (f"{file.path} reads as uint16 ids of which every second one is 0 or 1, as "
+                "the high halves of uint32 ids are: set data.dtype=uint32 (as it was written)")
     if vocab is not None:
         high, at = sampled_max(file.tokens)
         if high >= vocab or high < 0:
@@ -135,12 +155,30 @@ def _file_problem(cfg, file: TokenFile, window: int) -> Optional[str]:
     return None
 
 
+def _halves_of_uint32(tokens: np.ndarray) -> bool:
+    """Every second id of the sampled slices (by place in the file) 0 or 1 and the others
+    not all so: uint32 ids below 131072 read as uint16, a mistake no id check sees (each
+    half is a small id)."""
+    odd, even = [], []
+    for start in _slices(len(tokens)):
+        chunk = np.asarray(tokens[start:start + SLICE_TOKENS])
+        odd.append(chunk[1 - start % 2::2])
+        even.append(chunk[start % 2::2])
+    odd, even = np.concatenate(odd), np.concatenate(even)
+    return len(odd) >= 64 and int(odd.max()) <= 1 and int(even.max()) > 1
+
+
+def _slices(n: int) -> list[int]:
+    """Where SAMPLED_SLICES slices of SLICE_TOKENS ids start, spread over n ids."""
+    return np.unique(np.linspace(0, max(0, n - SLICE_TOKENS), SAMPLED_SLICES).astype(
+        np.int64)).tolist()
+
+
 def sampled_max(tokens: np.ndarray) -> tuple[int, int]:
     """The largest id (or a negative one) among SAMPLED_SLICES slices spread over the
     file, and where it is: a wrong dtype shows in any slice, so a sample finds it."""
-    starts = np.linspace(0, max(0, len(tokens) - SLICE_TOKENS), SAMPLED_SLICES).astype(np.int64)
     worst, where = -1, 0
-    for start in np.unique(starts).tolist():
+    for start in _slices(len(tokens)):
         chunk = np.asarray(tokens[start:start + SLICE_TOKENS])
         low, high = int(chunk.min()), int(chunk.max())
         if low < 0:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,7 +51,8 @@ class TokenFile:
 def paths(spec: Any) -> list[str]:
     """The files a glob, a path or a list of them names, each glob sorted (so the order
     of windows does not depend on the directory's listing order)."""
-    specs = [spec] if isinstance(spec, (str, Path)) else list(spec or [])
+    # a number is a file's name too (a shard called 2024, which YAML reads as an int)
+    specs = [spec] if isinstance(spec, (str, Path, int, float)) else list(spec or [])
     found: list[str] = []
     for item in specs:
         item = str(Path(str(item)).expanduser())
@@ -64,7 +66,11 @@ def open_tokens(path: str, dtype: str) -> TokenFile:
     if not file.is_file():
         raise FileProblem(f"{path} is not a file")
     if file.suffix == ".npy":
-        tokens = np.load(path, mmap_mode="r")
+        try:
+            tokens = np.load(path, mmap_mode="r")
+        except (ValueError, OSError, EOFError) as error:  # no header, pickled, cut short
+            raise FileProblem(f"{path} does not read as a .npy array ({error}): write it "
+                              "again with numpy.save") from None
         if tokens.ndim != 1 or tokens.dtype.kind not in "ui":
             raise FileProblem(f"{path} holds a {tokens.ndim}-D {tokens.dtype} array: give a "
                               "1-D array of integer token ids")
@@ -116,7 +122,9 @@ def _indexed(data: Path, index: Path) -> TokenFile:
 def fingerprint(path: str) -> dict[str, Any]:
     """The file's size and a hash of three slices of it (start, middle, end), and its
     index's where it has one: a changed file is told without reading it whole."""
-    found = {"path": path, "bytes": Path(path).stat().st_size, "hash": _hash(path)}
+    # where it is, not the path as given: a resume from another dir names it otherwise
+    found = {"path": os.path.realpath(path), "bytes": Path(path).stat().st_size,
+             "hash": _hash(path)}
     index = Path(path).with_suffix(".idx")
     if Path(path).suffix == ".bin" and index.is_file():
         found["idx_hash"] = _hash(str(index))
