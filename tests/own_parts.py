@@ -307,3 +307,19 @@ class RefusingInit:
 
 def collate_nothing() -> None:
     """A collate function that takes no samples."""
+
+
+class FailsPastTwo(torch.utils.data.Dataset):
+    """Regression samples (8 features, 1 target) of which only the first two, those the
+    trial reads, can be read: the DataLoader's workers fail on the first batch."""
+
+    def __init__(self, size: int, seed: int = 0):
+        self.size = size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if index >= 2:
+            raise ValueError(f"sample {index} cannot be read")
+        return torch.zeros(8), torch.zeros(1)

@@ -169,6 +169,21 @@ def test_a_collate_fn_of_data_held_in_memory_is_refused():
         checked("data=synthetic", collate, "data.loader=dataloader", "device=cpu")
 
 
+def test_a_data_set_failing_in_the_loaders_workers_ends_the_run_at_once(tmp_path):
+    """The failure reaches the run from a DataLoader worker: the run ends with it. The
+    workers ignored SIGTERM (a stop is the trainer's), which multiprocessing's exit handler
+    sends its children before it waits for them: the ended run waited for good."""
+    from conftest import run_entry
+
+    done = run_entry("train.py", ["--config-dir", str(CONF), *WAVES,
+                                  "data.train._target_=own_parts.FailsPastTwo",
+                                  "data.loader=dataloader", "data.num_workers=2"],
+                     tmp_path / "run", timeout=120,
+                     env={"PYTHONPATH": f"{REPO / 'tests'}:{CONF.parent}"})
+    said = done.stdout + done.stderr
+    assert done.returncode == 1 and "ValueError: sample" in said, said[-2000:]
+
+
 @pytest.mark.slow
 def test_metrics_by_target_and_the_objective(tmp_path):
     metrics = train(tmp_path, "+metrics.mae._target_=torchmetrics.MeanAbsoluteError",

@@ -13,7 +13,9 @@ shard; `num_valid` says how much of the shard is real, so evaluation counts ever
 from __future__ import annotations
 
 import math
+import os
 import signal
+import threading
 from typing import Any, Iterator
 
 import numpy as np
@@ -205,10 +207,24 @@ def pinned(cfg: DataConfig, device: torch.device) -> bool:
 
 def ignore_stop_signals(worker_id: int) -> None:
     """A DataLoader worker leaves a stop to the trainer: Ctrl-C signals the whole process
-    group, and a worker ended by it would break the epoch before the agreed checkpoint (the
-    worker still ends with its parent)."""
+    group and a scheduler's SIGTERM every process of the job, and a worker ended by either
+    would break the epoch before the agreed checkpoint (the worker still ends with its
+    parent). Its parent's own SIGTERM still ends it (torch ending its workers, or
+    multiprocessing's exit handler, which then waits for them: ignored, a run that had
+    failed hung there for good)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if not hasattr(signal, "sigwaitinfo"):  # (macOS) no sender to tell: ignored, as before
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        return
+    parent = os.getppid()
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # taken by the thread alone
+
+    def watch() -> None:
+        while signal.sigwaitinfo({signal.SIGTERM}).si_pid != parent:
+            pass
+        os._exit(128 + signal.SIGTERM)
+
+    threading.Thread(target=watch, name="parent-sigterm", daemon=True).start()
 
 
 def _collate(spec: Any):

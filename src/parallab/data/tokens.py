@@ -10,7 +10,7 @@ from typing import ClassVar, Optional
 
 import torch
 
-from parallab.config.schema import DataConfig
+from parallab.config.schema import DataConfig, Loader
 from parallab.data.split import TokenSplit
 
 
@@ -40,6 +40,9 @@ class Tokens(DataConfig):
         if self.vocab_size is None:
             return ("data.vocab_size=null: data=tokens draws ids from a vocabulary the model's "
                     "config does not state here: set data.vocab_size")
+        if self.loader is Loader.dataloader:  # loaders.SampleDataset takes one label a sample
+            return ("data.loader=dataloader does not take token data: use data.loader=memory "
+                    "with data=tokens")
         for key, low in (("vocab_size", 2), ("seq_len", 1), ("train_size", 1), ("eval_size", 1)):
             if getattr(self, key) < low:
                 return f"data.{key}={getattr(self, key)} is out of range: it must be >= {low}"
