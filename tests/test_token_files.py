@@ -71,6 +71,15 @@ def test_windows_are_nanogpts_read_in_place_in_a_seeded_order(corpus):
     assert not np.array_equal(order, windows.order(seed=0, source=0, rounds=1))
 
 
+def test_each_source_keeps_its_pass_order_however_many_sources(corpus):
+    """Nine sources: one cache of eight orders shared by all had permuted every source's
+    windows again on every batch."""
+    opened = token_files.open_tokens(str(corpus / "web.bin"), "uint16")
+    sources = [Windows([opened], SEQ) for _ in range(9)]
+    first = [w.order(0, s, 0) for s, w in enumerate(sources)]
+    assert all(w.order(0, s, 0) is first[s] for s, w in enumerate(sources))
+
+
 def test_the_global_order_is_the_same_at_every_world_size_and_starts_anywhere_at_once(corpus):
     web = Windows([token_files.open_tokens(str(corpus / "web.bin"), "uint16")], SEQ)
     stream = Stream([Source("web", web)], seed=3)
