@@ -260,6 +260,27 @@ def test_tied_embeddings_and_float16_train_across_pipeline_ranks_as_one_device(t
         assert "a pipeline's ranks holding parts [[0, 2], [1, 3]]" in log
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_tied_weights_started_from_a_file_stay_tied_under_every_pipeline(train_here,
+                                                                         tmp_path):
+    """A tied gpt's exported weights (the tied one written once, as embed.tokens.weight)
+    under zbv, whose rank 0 holds both ends, and 1f1b, whose rank 1 holds the head alone:
+    the losses of one device. zbv's two ends came apart when given storage (trained
+    untied, without a word), and 1f1b's head found no weight of its name (after launch)."""
+    from parallab.commands import _export
+
+    tied = [*TIED[:-1], "precision=fp32", "data.batch_size=8", "trainer.max_steps=3"]
+    tied.remove("precision=fp16")
+    _, start = train_here(*tied, name="start")
+    _export(start / "checkpoints" / "last.pt", tmp_path / "w.safetensors")
+    begin = [*tied, f"trainer.init_from={tmp_path / 'w.safetensors'}"]
+    _, one = train_here(*begin, name="one")
+    for schedule in ("zbv", "1f1b"):
+        _, run = train_here(*begin, *PIPE, f"parallel.schedule={schedule}", name=schedule)
+        assert losses(run) == pytest.approx(losses(one), rel=1e-5), schedule
+
+
 # parallab's mlp on synthetic data, no dropout, every step logged, a checkpoint at the end
 MLP_RUN = [*FAST, "model=mlp", "model.hidden=[64,64,32]", "data.shape=[1,8,8]",
            "trainer.max_steps=10", "trainer.log_every_n_steps=1", "optim.lr=0.05",

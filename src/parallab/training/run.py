@@ -23,7 +23,7 @@ from parallab.data import build_data
 from parallab.launching import distributed, in_place, slurm
 from parallab.launching.preemption import Preemption
 from parallab.loss import build_loss
-from parallab.models import adapters, build_model
+from parallab.models import adapters, build_model, tied_names
 from parallab.observe import loggers
 from parallab.observe.loggers import RunLogger
 from parallab.observe.memory import peak_memory_mb, reset_peak_memory
@@ -319,6 +319,7 @@ def build_trainer(cfg: Config, layout: Layout, dist: distributed.Dist, logger: R
     into `checkpoints`, if given; the weights at `init_from`, if given); the trainer and the
     learning rate it uses; `observers` watch its steps beside its Meter)."""
     model, held_only = start_model(cfg, dist, layout, init_from)
+    ties = tied_names(model)  # the whole model's, before a cut leaves a part one name
     precision = Precision(cfg.precision, dist.device, sharded=layout.sharded)
     # fp8's Float8Linear in place of Linear, before any cut: a pipeline's runtime records the
     # model's modules when made, and puts those back when it cuts
@@ -330,7 +331,7 @@ def build_trainer(cfg: Config, layout: Layout, dist: distributed.Dist, logger: R
     if held_only:
         from parallab.training import weights
 
-        weights.load_held(runtime.unwrap(model), init_from, dist.device)
+        weights.load_held(runtime.unwrap(model), init_from, dist.device, ties)
         if dist.is_main:
             log.info("started from the weights in %s, each rank reading its part", init_from)
     data = build_data(cfg.data, runtime.ranks.data, cfg.seed,

@@ -123,12 +123,14 @@ def parameters_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = register
 
 
-def load_held(model: nn.Module, path: str | Path, device: torch.device) -> None:
+def load_held(model: nn.Module, path: str | Path, device: torch.device,
+              ties: dict[str, str]) -> None:
     """`model`, laid out with its parameters on meta (parameters_on_meta), given storage on
     `device`, its buffers as built, and each rank's
     part of the weights at `path` (torchtitan's order: no rank holds the whole model): a
     .dcp read shard by shard, a file tensor by tensor, each cut here and copied straight
-    into the rank's own part."""
+    into the rank's own part. `ties`: the whole model's tied names (tied_names, taken
+    before any cut), by which a weight saved once is found under each of its names."""
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
         set_model_state_dict,
@@ -136,7 +138,11 @@ def load_held(model: nn.Module, path: str | Path, device: torch.device) -> None:
 
     path = Path(path)
     buffers = {name: b for name, b in model.named_buffers() if not b.is_meta}
+    held_ties = tied_names(model)  # a V's two parts on one rank share its embedding
     model.to_empty(device=device)
+    for alias, first in held_ties.items():  # to_empty gives each module a new parameter
+        owner, _, leaf = alias.rpartition(".")
+        setattr(model.get_submodule(owner), leaf, model.get_parameter(first))
     with torch.no_grad():  # buffers were built for real: computed ones (a rotary table) kept
         for name, value in buffers.items():
             model.get_buffer(name).copy_(value)
@@ -150,7 +156,7 @@ def load_held(model: nn.Module, path: str | Path, device: torch.device) -> None:
     if _converted(model, path):  # whole through the model's class: each rank cuts its part
         converted = {plain_name(k): v for k, v in hf.pretrained(path, model)[0].items()}
         saved = formats.Lazy({k: k for k in converted}, converted.__getitem__)
-    for alias, first in tied_names(model).items():  # a tied weight, saved under one name
+    for alias, first in ties.items():  # a tied weight, saved under one name
         if alias not in saved.where and first in saved.where:
             saved.where[alias] = saved.where[first]
         elif first not in saved.where and alias in saved.where:
