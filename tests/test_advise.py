@@ -272,6 +272,10 @@ def test_the_recommended_command_keeps_where_the_config_came_from():
     # as train refuses it, not advice for world size 1 alone (0) or for none (-3)
     (["parallel.world_size=0"], "parallel.world_size=0 is out of range: it must be >= 1"),
     (["parallel.world_size=-3"], "parallel.world_size=-3 is out of range: it must be >= 1"),
+    # what advise decides for each candidate, given: it was dropped without a word
+    (["parallel=pipeline", "parallel.microbatches=0"], "parallel=pipeline: parallab advise "
+     "decides parallel for each candidate it measures: drop it, or give advise.layouts=[...]"),
+    (["precision=bf16"], "or give advise.precisions=[...] to compare those alone"),
 ])
 def test_bad_advice_requests_end_in_one_line(tmp_path, overrides, says):
     with pytest.raises(JobFailed) as raised:

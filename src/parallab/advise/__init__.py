@@ -88,6 +88,28 @@ def _pipeline_problem(options) -> str | None:
     return None
 
 
+# what advise decides for each candidate, and the advise key that says which to compare
+CHOSEN_BY = {"parallel": "advise.layouts", "parallel.schedule": "advise.schedules",
+             "parallel.microbatches": "advise.microbatches", "precision": "advise.precisions",
+             "trainer.activation_checkpointing": "advise.activation_checkpointing"}
+
+
+def decided_problem(overrides: list[str]) -> str | None:
+    """A layout, precision or memory saver given on the command line, which advise decides
+    for each candidate: it had been dropped without a word (a bad value too)."""
+    from parallab.config.schema import AutoConfig
+
+    decided = {*CHOSEN_BY, *(f"parallel.{key}" for key in AutoConfig.decides)}
+    for override in overrides:
+        key, _, value = override.lstrip("+~").partition("=")
+        if key in decided and not (key == "parallel" and value == "none"):
+            chosen = CHOSEN_BY.get(key)
+            return (f"{override}: parallab advise decides {key} for each candidate it "
+                    "measures: drop it" + (f", or give {chosen}=[...] to compare those "
+                                           "alone" if chosen else ""))
+    return None
+
+
 def _world_size(cfg, overrides: list[str], device_type: str) -> int:
     """parallel.world_size where the command line gives it, else the GPUs, else 2 (CPU)."""
     given = any(o.startswith("parallel.world_size=") for o in overrides)
@@ -177,7 +199,7 @@ def full_grid(cfg, overrides: list[str]) -> tuple[list[Candidate], list[int]]:
     """Every candidate advise considers for `cfg` (its advise.* keys filled in), none yet
     checked or pruned, and the world sizes they use. ConfigError for a bad advise key."""
     options, device_type = cfg.advise, _device_type(cfg)
-    found = problem(options)  # before the defaults fill in what is left null
+    found = problem(options) or decided_problem(overrides)  # before the defaults fill in
     options.precisions = options.precisions or default_precisions(device_type)
     if not found and options.target_world_size is not None:
         from parallab.simulate import cluster
