@@ -298,6 +298,9 @@ def test_a_projects_data_of_no_sequences_is_named_by_its_class(tmp_path):
     (["cluster.gpu=MI300X", "+cluster.peak_tflops={bf16: -1}"],
      "cluster.peak_tflops.bf16=-1.0 is out of range: give the GPU's dense TFLOP/s"),
     (["cluster.remeasure=true"], "cluster.remeasure=true: cluster=h100's rates are given"),
+    # advise's keys, which a simulation reads none of: taken without a word
+    (["parallel=auto", "parallel.world_size=8", "advise.schedules=[foo]"],
+     "advise.schedules is parallab advise's: parallab simulate spans every schedule"),
     (["parallel=fsdp"], "parallel.world_size is not set: give the GPU count to simulate"),
     (["parallel=fsdp_tp", "parallel.world_size=8", "parallel.tp=3"],
      "multiply to 3 x ?, but parallel.world_size=8"),

@@ -31,7 +31,7 @@ def check(cfg) -> Any:
         raise ConfigError("precision=fp8 with cluster=this: this machine's rates are measured "
                           "in float32 and bf16, and train runs float8 on CUDA GPUs alone: use "
                           "precision=bf16 here, or a cluster of GPUs with float8 (cluster=h100)")
-    refuse(_own_problem(cfg.simulate))
+    refuse(_own_problem(cfg.simulate) or _advise_given(cfg.advise))
     p = cfg.parallel
     if p.world_size is None:
         raise ConfigError("parallel.world_size is not set: give the GPU count to simulate, "
@@ -106,6 +106,22 @@ def _own_problem(s) -> str | None:
         return (f"simulate.measured={s.measured} is not a directory: give a dir of runs "
                 "measured here (an advise run dir, a sweep's dir), or leave it null")
     return None
+
+
+def _advise_given(options) -> str | None:
+    """An advise key given to a simulation, which reads none: it had been taken without a
+    word (advise.schedules=[foo] too), the grid spanning every schedule regardless."""
+    import dataclasses
+
+    from parallab.config.planning import AdviseConfig
+
+    default = AdviseConfig()
+    given = next((f.name for f in dataclasses.fields(options)
+                  if getattr(options, f.name) != getattr(default, f.name)), None)
+    return None if given is None else (
+        f"advise.{given} is parallab advise's: parallab simulate spans every schedule, "
+        "micro-batch count and memory saver (parallel=auto) at the precision given, or "
+        "prices the one layout given: drop it")
 
 
 def candidates_of(cfg, layout, facts: Facts, rates) -> tuple[list[Candidate], list[str]]:
