@@ -357,11 +357,13 @@ def test_a_projects_own_option_without_its_schema_is_one_line(tmp_path):
 
 def test_threads_are_weighed_against_the_cores_only_where_each_rank_is_a_process(
         monkeypatch, caplog):
-    """parallel=dp runs its replicas in one process: no contention of workers to warn of."""
+    """parallel=dp runs its replicas in one process: no contention of workers to warn of;
+    one thread each for more workers than cores is null's share too, not warned of."""
     monkeypatch.setattr(validate, "cpu_cores", lambda: 2)
-    for name, warned in (("ddp", True), ("dp", False)):
+    for name, threads, warned in (("ddp", 2, True), ("dp", 2, False), ("ddp", 1, False)):
         caplog.clear()
         with caplog.at_level("WARNING", logger="parallab.checks.validate"):
             checked(f"parallel={name}", "parallel.world_size=4",
-                    "parallel.threads_per_worker=1", "device=cpu")
-        assert ("more threads than the 2 cores" in caplog.text) is warned, name
+                    f"parallel.threads_per_worker={threads}", "device=cpu")
+        assert ("more threads than the 2 cores here: they will contend (null gives each its "
+                "share, 1)" in caplog.text) is warned, (name, threads)

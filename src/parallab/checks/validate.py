@@ -211,11 +211,11 @@ def resolve_parallel(cfg: Config, in_place: InPlace | None) -> Layout:
             "mpirun (docs/parallel.md: several nodes); the built-in launcher starts one node")
     per_node = world // nnodes
     cores = cpu_cores()
-    if p.threads_per_worker is not None and plan.processes and \
-            p.threads_per_worker * per_node > cores:  # (one process's layouts: one worker)
+    share = max(1, cores // per_node)  # null's: more workers than cores share one each
+    if p.threads_per_worker is not None and p.threads_per_worker > share and plan.processes:
         log.warning("parallel.threads_per_worker=%d x %d workers per node is more threads than "
-                    "the %d cores here: they will contend (null gives each its share)",
-                    p.threads_per_worker, per_node, cores)
+                    "the %d cores here: they will contend (null gives each its share, %d)",
+                    p.threads_per_worker, per_node, cores, share)
     if gpus and not (in_place is not None and gpus == 1):  # in place: one GPU per task will do
         require(per_node <= gpus, f"parallel.world_size={world} needs {per_node} GPUs "
                 f"per node but {gpus} are visible: set parallel.world_size<={gpus * nnodes}")
