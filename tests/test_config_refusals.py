@@ -223,7 +223,7 @@ from parallab.checks import validate
     (["parallel=pipeline", "parallel.world_size=2", "model=gpt", "data=bytes",
       "data.global_batch_size=30"],
      "data.global_batch_size=30 (30 per rank) does not split into parallel.microbatches=4 "
-     "equal micro-batches: use a multiple of 4"),
+     "equal micro-batches: use a multiple of 4, or parallel.microbatches=3 or 5"),
     (["parallel=tp", "parallel.world_size=2", "model=gpt", "data=bytes", "parallel.tp_plan={}"],
      "parallel.tp_plan={} is not a plan"),  # not the model's own plan without a word
     (["parallel=tp", "parallel.world_size=2", "model=gpt", "data=bytes",
@@ -339,7 +339,7 @@ def test_a_projects_own_option_without_its_schema_is_one_line(tmp_path):
     mine.write_text("name: adamw\nlr: 0.123\n")
     with pytest.raises(validate.ConfigError, match=re.escape(
             "optim: the option composed is a plain mapping, not typed by a schema of "
-            "parallab's: begin your optim/NAME.yaml with `defaults: [/schema/optim/OPTION@"
+            "parallab's: begin your optim/NAME.yaml with `defaults: [/schema/optim/SCHEMA@"
             "_here_, _self_]`")):
         checked("optim=adamw", "device=cpu", config_dir=tmp_path)
     # one of its schema's keys given too: Hydra refuses it first, as a key its mapping lacks

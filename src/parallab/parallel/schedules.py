@@ -271,6 +271,12 @@ def check_microbatches(cfg, layout) -> None:
         # the key the user set: a global batch is per rank x the rest
         unit = p.microbatches * (d.global_batch_size // d.batch_size
                                  if d.global_batch_size else 1)
+        # or the counts near it that the schedule takes and the batch splits into
+        fits = [m for m in range(1, d.batch_size + 1) if d.batch_size % m == 0
+                and not microbatches_problem(p.schedule, pp, v, m)]
+        near = sorted(sorted(fits, key=lambda m: (abs(m - p.microbatches), m))[:2])
         raise ConfigError(f"{d.batch_said()} does not split into "
                           f"parallel.microbatches={p.microbatches} equal micro-batches: "
-                          f"use a multiple of {unit}")
+                          f"use a multiple of {unit}" + (
+                              f", or parallel.microbatches={' or '.join(map(str, near))}"
+                              if near else ""))
