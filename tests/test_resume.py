@@ -447,3 +447,16 @@ def test_ctrl_c_while_the_command_imports_is_one_line(tmp_path):
     assert stopped.returncode == 130, said[-3000:]
     assert "Traceback" not in said and "KeyboardInterrupt" not in said, said[-3000:]
     assert len(re.findall(r"stopped by SIGINT", said)) == 1, said[-3000:]
+
+
+def test_a_resume_at_another_rank_count_says_so_once(caplog):
+    """Each rank had said the RNG states did not match, in a line counting "1 ranks"."""
+    from parallab.launching.distributed import Dist
+    from parallab.training import checkpoint
+
+    state = {"rng": [torch.get_rng_state()]}
+    with caplog.at_level("WARNING"):
+        for rank in range(2):
+            checkpoint.restore_rng(state, Dist(rank, rank, 2, 2, torch.device("cpu"), None))
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "RNG states for 1 rank, this run has 2" in said[0]

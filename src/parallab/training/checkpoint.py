@@ -154,11 +154,11 @@ def restore_rng(state: dict[str, Any], dist) -> None:
     rng = state.get("rng", [])
     if len(rng) == dist.world_size:
         torch.set_rng_state(rng[dist.rank])
-    else:
-        # its line reads as the loop's, whose resume it is part of
+    elif dist.is_main:  # once, as the loop's line, whose resume it is part of
         logging.getLogger("parallab.training.trainer").warning(
-            "the checkpoint holds RNG states for %d ranks, this run has %d: dropout draws "
-            "will differ from the original run", len(rng), dist.world_size)
+            "the checkpoint holds RNG states for %d rank%s, this run has %d: random draws "
+            "(dropout) will differ from the original run's", len(rng),
+            "" if len(rng) == 1 else "s", dist.world_size)
 
 
 class Checkpointer:
