@@ -491,3 +491,18 @@ def test_a_resume_that_would_train_other_samples_next_is_refused(corpus, train_h
         train_here(*resume, "seed=7")
     metrics, _ = train_here(*resume, "data.eval_samples=4")
     assert metrics["steps"] == 3
+    # eval files decide no sample it trains on: other ones are taken (they were refused as
+    # a change of the order of samples)
+    # a file moved to another source, the files in their order: not a share held out
+    mix = "data.sources=[{{name: a, files: [{}]}}, {{name: b, files: [{}]}}]"
+    web, code, docs = (f"{corpus}/{name}" for name in ("web.bin", "code.npy", "docs.bin"))
+    train_here(*GPT, "trainer.max_steps=2", mix.format(f"{web},{code}", docs), name="mix")
+    with pytest.raises(ConfigError, match=r"saved training on \d+ \+ \d+ windows, here \d+ \+ "
+                       r"\d+: its files lie in other sources"):
+        train_here(*GPT, "trainer.max_steps=3", "trainer.resume=auto",
+                   mix.format(web, f"{code},{docs}"), name="mix")
+    held = [*data, f"data.eval_files={corpus}/code.npy"]
+    train_here(*held, "trainer.max_steps=2", name="held")
+    metrics, _ = train_here(*held[:-1], f"data.eval_files={corpus}/docs.bin", "trainer.max_steps=3",
+                            "trainer.resume=auto", name="held")
+    assert metrics["steps"] == 3

@@ -128,8 +128,8 @@ class TokenFiles(DataConfig):
         return Samples(kind, self.document_mask, self.skip_boundary_target)
 
     def fingerprints(self) -> list[dict[str, Any]]:
-        specs = [spec for _, spec, _ in self.named_sources()] + [self.eval_files]
-        found = [p for spec in specs for p in token_files.paths(spec)]
+        """The training files' (eval files decide no sample a resume trains on)."""
+        found = [p for _, spec, _ in self.named_sources() for p in token_files.paths(spec)]
         return [token_files.fingerprint(p) for p in dict.fromkeys(found)]
 
     def loaders(self, dist, seed: int, batch: int, eval_batch: int, accumulate: int = 1):

@@ -195,7 +195,8 @@ def changed(cfg, saved: Any, resume: str) -> Optional[str]:
     are, however the path is written."""
     if not isinstance(saved, dict) or "files" not in saved:
         return None
-    before = {_where(f["path"]): f for f in saved["files"]}
+    scored = {_where(p) for p in token_files.paths(cfg.eval_files)}  # (an earlier record's)
+    before = {_where(f["path"]): f for f in saved["files"] if _where(f["path"]) not in scored}
     now = {_where(f["path"]): f for f in cfg.fingerprints()}
     for where, print_ in before.items():
         path = print_["path"]
@@ -228,9 +229,10 @@ def changed(cfg, saved: Any, resume: str) -> Optional[str]:
     windows = [len(s.windows) for s in cfg.split()[0]]
     if saved.get("windows", windows) != windows:
         counts = [" + ".join(map(str, w)) for w in (saved["windows"], windows)]
+        why = "its files lie in other sources" if sum(saved["windows"]) == sum(windows) else \
+            f"data.eval_fraction={cfg.eval_fraction} holds out another share"
         return (f"trainer.resume={resume} was saved training on {counts[0]} windows, here "
-                f"{counts[1]}: data.eval_fraction={cfg.eval_fraction} holds out another "
-                "share; give it as saved, or start a new run")
+                f"{counts[1]}: {why}; give it as saved, or start a new run")
     return None
 
 
