@@ -263,10 +263,16 @@ def _logger_key_hint(parts: list[str], text: str, folders: list[Path]) -> str:
 def _searched_folders(searched: str) -> list[Path]:
     """The folders of Hydra's config search path as its message lists them (file:// and
     pkg:// entries; structured:// holds the schemas, not options)."""
+    return _folders(re.findall(r"path=(file|pkg)://(\S+)", searched))
+
+
+def _folders(entries: list[tuple[str, str]]) -> list[Path]:
+    """The folders of search path entries, each (scheme, place): a pkg:// one where its
+    package imports."""
     import importlib.resources
 
     folders = []
-    for kind, place in re.findall(r"path=(file|pkg)://(\S+)", searched):
+    for kind, place in entries:
         try:
             folders.append(Path(place) if kind == "file" else
                            Path(str(importlib.resources.files(place.replace("/", ".")))))
@@ -281,9 +287,9 @@ def option_folders(argv: list[str]) -> list[Path]:
     flags = config_flags(argv)
     given = [flags[i + 1] for i, f in enumerate(flags[:-1]) if f in ("--config-dir", "-cd")]
     given += [f.partition("=")[2] for f in flags if f.startswith("--config-dir=")]
-    entries = [f.partition("=")[2].strip("[]") for f in flags if "hydra.searchpath=" in f]
-    searched = " ".join(f"path={e.strip()}" for e in ",".join(entries).split(",") if e)
-    return [*map(Path, given), *_searched_folders(searched), Path(CONF_DIR)]
+    listed = ",".join(f.partition("=")[2].strip("[]") for f in flags if "hydra.searchpath=" in f)
+    entries = [e.strip().partition("://")[::2] for e in listed.split(",") if "://" in e]
+    return [*map(Path, given), *_folders(entries), Path(CONF_DIR)]
 
 
 def null_group_line(argv: list[str]) -> str:

@@ -93,7 +93,7 @@ class Windows:
         order = self._orders.get(key)
         if order is None:
             order = _permutation(len(self), *key)
-            self._orders = {k: v for k, v in list(self._orders.items())[-1:]} | {key: order}
+            self._orders = dict(list(self._orders.items())[-1:]) | {key: order}
         return order
 
 
