@@ -76,13 +76,12 @@ def _checked(dict_cfg: DictConfig, overrides: list[str]):
     with open_dict(dict_cfg):
         dict_cfg.model = _trained_model_config(state, dict_cfg.ckpt)
         dict_cfg.data = _trained_data_config(state, dict_cfg, overrides)
-        if weights.holds_adapters(dict_cfg.ckpt):  # the model as trained: adapters on
-            dict_cfg.adapter = checkpoint.saved_config(state)["adapter"]
         saved = checkpoint.saved_config(state)
-        # the run's seed (generated data), loss and metrics (its eval figures), unless given
-        for key in ("seed", "loss", "metrics"):
-            if saved.get(key) is not None and not any(
-                    o.lstrip("+~").partition("=")[0].split(".")[0] == key for o in overrides):
+        if weights.holds_adapters(dict_cfg.ckpt):  # the model as trained: adapters on
+            dict_cfg.adapter = saved["adapter"]
+        given = {o.lstrip("+~").partition("=")[0].split(".")[0] for o in overrides}
+        for key in ("seed", "loss", "metrics"):  # the run's, unless given
+            if saved.get(key) is not None and key not in given:
                 dict_cfg[key] = saved[key]
     cfg = typed_config(dict_cfg, overrides)
     validate.prepare(cfg, in_place=None)
@@ -327,13 +326,11 @@ APPS = {"train": train, "evaluate": evaluate, "advise": advise,  # Hydra apps: a
 
 
 def parallab() -> None:
-    """`parallab train [overrides]` = python train.py; `parallab evaluate ckpt=PATH` =
-    python evaluate.py; `parallab summary DIR`: rebuild a finished multirun's summary;
-    `parallab export CKPT OUT`: a checkpoint's full model state as one file; `parallab
-    prepare-data FILES --tokenizer DIR --out DIR`: token files from text."""
-    # as `python -m` does: a project's own modules (its model, its data) import from where
-    # it is run, for every command (export rebuilds the project's model); launched workers
-    # inherit the path
+    """`parallab train|evaluate [overrides]` = python train.py|evaluate.py; `summary DIR`: a
+    finished multirun's summary again; `export CKPT OUT`: a checkpoint's model as one file;
+    `prepare-data FILES --tokenizer DIR --out DIR`: token files from text."""
+    # as `python -m` does: a project's own modules import from where it is run, for every
+    # command (export rebuilds its model); launched workers inherit the path
     sys.path.insert(0, os.getcwd())
     if len(sys.argv) > 1 and sys.argv[1] in APPS:
         APPS[sys.argv[1]]([sys.argv[0], *sys.argv[2:]])  # the app's command line: no `train`
