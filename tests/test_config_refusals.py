@@ -110,10 +110,13 @@ from parallab.checks import validate
     (["trainer.keep_last_k=0"], "trainer.keep_last_k=0"),
     (["trainer.checkpoint_every_n_steps=0"], "trainer.checkpoint_every_n_steps=0"),
     (["parallel=dp", "backend=nccl"], "backend=nccl needs CUDA"),
-    (["parallel=pipeline", "parallel.world_size=1"], "needs at least 2 parts"),
+    (["parallel=pipeline", "parallel.world_size=1"], "needs at least 2 ranks"),
+    # a V's two parts on its one rank: counted as 2 parts, and told so
+    (["parallel=pipeline", "parallel.world_size=1", "parallel.schedule=zbv"],
+     "parallel.world_size=1: parallel=pipeline needs at least 2 ranks, each holding its parts"),
     (["parallel=pipeline", "parallel.world_size=2", "parallel.pp=1"],
      "parallel.pp=1 (parallel.world_size=2 over parallel.dp_replicate=2): parallel=pipeline "
-     "needs at least 2 parts"),
+     "needs at least 2 ranks"),
     (["trainer.overwrite=true", "trainer.resume=auto"], "trainer.overwrite=true starts "
      "afresh, deleting the run dir's checkpoints, and trainer.resume=auto continues from them"),
     (["parallel=pipeline", "parallel.world_size=4"], "is 4 parts, more than the 3 stages"),

@@ -73,8 +73,9 @@ def check_parts(cfg, layout, stages: list[nn.Module] | None, parts: int | None =
     said = _said(layout, ranks)
     making = f"{said} x parallel.stages_per_rank={per_rank}" if per_rank > 1 else said
     if ranks < 2:
-        raise ConfigError(f"{said}: parallel={p.name} needs at least 2 parts; use "
-                          "parallel=none (or ddp) for one")
+        unit = "devices" if p.name == "model" else "ranks"  # (a V's 2 parts on 1 rank: no)
+        raise ConfigError(f"{said}: parallel={p.name} needs at least 2 {unit}, each holding "
+                          "its parts; use parallel=none (or ddp) for one")
     if parts > len(stages):
         if per_rank > 1:
             raise ConfigError(f"{making} is {parts} parts, more than the {len(stages)} stages "
