@@ -63,7 +63,7 @@ def check_values(cfg: Config) -> None:
     _at_least("trainer.accumulate_grad_batches", t.accumulate_grad_batches, 1)
     require(not (t.overwrite and t.resume is not None), f"trainer.overwrite=true starts "
             f"afresh, deleting the run dir's checkpoints, and trainer.resume={t.resume} "
-            "continues from them: drop one")
+            f"continues {'from them' if t.resume == 'auto' else 'the run it saved'}: drop one")
     require(t.clip_grad_norm is None or t.clip_grad_norm > 0,
             f"trainer.clip_grad_norm={t.clip_grad_norm} is out of range: it must be > 0 (or "
             "null for no clipping)")
