@@ -119,6 +119,9 @@ from parallab.checks import validate
      "needs at least 2 ranks"),
     (["trainer.overwrite=true", "trainer.resume=auto"], "trainer.overwrite=true starts "
      "afresh, deleting the run dir's checkpoints, and trainer.resume=auto continues from them"),
+    # a checkpoint elsewhere, which overwrite would not delete
+    (["trainer.overwrite=true", "trainer.resume=/elsewhere/last.pt"],
+     "trainer.resume=/elsewhere/last.pt continues the run it saved: drop one"),
     (["parallel=pipeline", "parallel.world_size=4"], "is 4 parts, more than the 3 stages"),
     (["parallel=pipeline", "parallel.world_size=4", "parallel.pp=3"],
      "parallel.dp_replicate=null, parallel.dp_shard=1, parallel.pp=3, parallel.tp=1 multiply "
