@@ -320,6 +320,8 @@ def bad_inputs(root) -> list:
         ([f"data.files={root}/wide.bin"], "wide.bin reads as uint16 ids of which every "
          "second one is 0 or 1, as the high halves of uint32 ids are: set data.dtype=uint32"),
         ([f"data.files={root}/garbage.npy"], "garbage.npy does not read as a .npy array"),
+        ([f"data.files={web}", "data.num_workers=2"], "data.num_workers=2: data=token_files "
+         "reads its windows in place on a thread of its own, no DataLoader"),
         # the list's other files trained alone, the typo unsaid
         ([f"data.files=[{web},{root}/wbe*.bin]"], "data.files: .*wbe.*bin matches no file"),
         ([f"data.files=[{web},{root}/web*.bin]"], "data.files names .*web.bin twice"),

@@ -25,6 +25,11 @@ def problem(cfg) -> Optional[str]:
 
 
 def _keys(cfg) -> Optional[str]:
+    # its reader is its own (a thread, data.prefetch): DataLoader workers had been dropped
+    if cfg.num_workers:
+        return (f"data.num_workers={cfg.num_workers}: data=token_files reads its windows in "
+                "place on a thread of its own, no DataLoader: drop it (data.prefetch sets the "
+                "batches read ahead)")
     if cfg.dtype not in DTYPES:
         return f"data.dtype={cfg.dtype} is unknown: use uint16 or uint32"
     if cfg.sample not in SAMPLES:
