@@ -508,3 +508,23 @@ def test_a_resume_that_would_train_other_samples_next_is_refused(corpus, train_h
     metrics, _ = train_here(*held[:-1], f"data.eval_files={corpus}/docs.bin", "trainer.max_steps=3",
                             "trainer.resume=auto", name="held")
     assert metrics["steps"] == 3
+
+
+def test_a_reader_left_running_is_stopped_before_the_interpreter_ends():
+    """A reader whose consumer never closed it (a loop that broke, the run's last epoch)
+    was still in torch's code as the interpreter tore it down: the run that had ended
+    aborted (exit 134) now and then. The exit handler stops it and waits."""
+    from parallab.data.pretrain import loader as token_loader
+
+    def forever():
+        while True:
+            yield torch.zeros(4)
+
+    reader = token_loader._ahead(forever(), 2)
+    next(reader)  # started, never closed
+    running = [t for t in token_loader._READERS]
+    assert running and all(t.is_alive() for t in running)
+    token_loader.stop_readers()
+    assert not any(t.is_alive() for t in running)
+    reader.close()
+    assert not token_loader._READERS
