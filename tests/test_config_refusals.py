@@ -208,6 +208,11 @@ from parallab.checks import validate
     (["model=gpt", "data=tokens", "data.train_size=4", "data.batch_size=8", "parallel=pipeline",
       "parallel.world_size=2"], "an epoch of the data gives each rank no full batch of "
      "data.batch_size=8: lower data.batch_size, or give the data more samples"),
+    # the key the user set, not the per-rank batch it sets
+    (["model=gpt", "data=tokens", "data.train_size=4", "data.global_batch_size=8",
+      "parallel=pipeline", "parallel.world_size=2"],
+     "an epoch of the data gives each rank no full batch of data.global_batch_size=8 (8 per "
+     "rank): lower data.global_batch_size, or give"),
     (["parallel=tp", "parallel.world_size=2", "model=mlp", "data=synthetic",
       "data.train_size=256", "trainer.epochs=1", "scheduler=cosine",
       "scheduler.warmup_steps=4"],

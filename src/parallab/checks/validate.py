@@ -264,7 +264,7 @@ def check_run_length(cfg: Config, layout: Layout) -> None:
     rounding = math.floor if layout.pipelined else math.ceil  # drop_last
     batches = rounding(per_rank / cfg.data.batch_size)
     # an epoch's batches, by their number
-    _, total = run_length(cfg.trainer, range(batches), cfg.data.batch_size)
+    _, total = run_length(cfg.trainer, range(batches), cfg.data.batch_said())
     schedule.multiplier(cfg.scheduler, total)  # ConfigError for a warmup or decay too long
 
 

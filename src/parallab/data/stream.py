@@ -105,26 +105,27 @@ def refuse_partial_epoch(accumulate: int, batches: int) -> None:
     raise ConfigError(too_few(accumulate, batches))
 
 
-def too_few(accumulate: int, batches: int, batch_size: int | None = None) -> str:
-    """Why an epoch of `batches` batches a rank cannot make a step of `accumulate`."""
+def too_few(accumulate: int, batches: int, batch_said: str = "data.batch_size") -> str:
+    """Why an epoch of `batches` batches a rank cannot make a step of `accumulate`
+    (`batch_said`: the batch as the user set it, DataConfig.batch_said)."""
     if batches == 0:  # no accumulation can help: each rank's share is under one batch
-        size = f"={batch_size}" if batch_size else ""
-        return (f"an epoch of the data gives each rank no full batch of data.batch_size{size}: "
-                "lower data.batch_size, or give the data more samples")
+        return (f"an epoch of the data gives each rank no full batch of {batch_said}: lower "
+                f"{batch_said.partition('=')[0]}, or give the data more samples")
     return (f"trainer.accumulate_grad_batches={accumulate} is more than the {batches} batches "
             f"an epoch of the data gives each rank: set it to at most {batches}, or lower "
-            "data.batch_size")
+            f"{batch_said.partition('=')[0]}")
 
 
-def run_length(cfg, loader, batch_size: int | None = None) -> tuple[int | None, int | None]:
+def run_length(cfg, loader, batch_said: str | None = None) -> tuple[int | None, int | None]:
     """Optimizer steps per epoch and in the run (`cfg`: the trainer's keys) over `loader`
-    (of `batch_size` samples a batch, for what is said); None per epoch for a stream
-    without __len__, which trainer.max_steps bounds."""
+    (its batch as the user set it, `batch_said`, for what is said); None per epoch for a
+    stream without __len__, which trainer.max_steps bounds."""
     if length(loader) is None:
         return None, cfg.max_steps
     if cfg.accumulate_grad_batches > len(loader):  # else steps of fewer samples than asked
-        raise ConfigError(too_few(cfg.accumulate_grad_batches, len(loader),
-                                  batch_size or getattr(loader, "batch_size", None)))
+        size = getattr(loader, "batch_size", None)
+        raise ConfigError(too_few(cfg.accumulate_grad_batches, len(loader), batch_said or (
+            f"data.batch_size={size}" if size else "data.batch_size")))
     per_epoch = math.ceil(len(loader) / cfg.accumulate_grad_batches)
     steps = cfg.epochs * per_epoch
     return per_epoch, min(steps, cfg.max_steps) if cfg.max_steps else steps
