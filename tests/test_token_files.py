@@ -6,6 +6,7 @@ each bad input refused in one line before launch."""
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import numpy as np
@@ -442,6 +443,9 @@ def test_prepare_datas_printed_command_trains_where_its_val_is_shorter_than_a_wi
     prepare.main(parser.parse_args([str(folder / "docs.jsonl"), "--tokenizer", str(folder),
                                     "--out", str(tmp_path), "--num-proc", "1"]))
     said = capsys.readouterr().out.strip().splitlines()
+    # one document of a few held out: far more than the default 0.05% asks, said
+    assert re.match(r"val.bin holds \d+% of the tokens, --eval-fraction 0.0005 asked for "
+                    "less: a val split is whole documents", said[-3]), said
     assert said[-2].startswith("val.bin holds fewer tokens than one window of gpt's (257)")
     command = said[-1].removeprefix("train with: parallab train ").split()
     assert not any(o.startswith("data.eval_files=") for o in command)

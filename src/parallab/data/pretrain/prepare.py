@@ -190,6 +190,13 @@ def main(args: argparse.Namespace) -> None:
             split = found[name]
             print(f"{split['path']}: {split['documents']:,} documents, {split['tokens']:,} "
                   f"tokens ({found['dtype']})")
+    if "val" in found:  # at least one document held out: of a few, far more than asked
+        share = found["val"]["tokens"] / (found["val"]["tokens"] + found["train"]["tokens"])
+        if share > 2 * args.eval_fraction:
+            print(f"val.bin holds {share:.0%} of the tokens, --eval-fraction "
+                  f"{args.eval_fraction} asked for less: a val split is whole documents (a "
+                  "text file is one), and at least one; give more documents, or "
+                  "--eval-fraction 0 and data.eval_fraction to hold out windows instead")
     # a held-out split shorter than one of gpt's windows (its context of 256, and the next
     # token) would refuse the printed command: the training split's last windows instead
     window = _gpt_context() + 1
