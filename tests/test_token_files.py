@@ -452,6 +452,18 @@ def test_prepare_datas_printed_command_trains_where_its_val_is_shorter_than_a_wi
     checked(*command, "model.layers=1", "model.width=32", "model.heads=2", "device=cpu")
 
 
+def test_gpt_on_text_tokenized_as_a_transformers_model_takes_it_is_told_the_data_it_takes(
+        tokenizer):
+    """data=hf_text gives {input_ids, labels}: gpt's refusal had said it held no
+    data.seq_len, which it sets."""
+    folder, _ = tokenizer
+    with pytest.raises(ConfigError, match=r"data=hf_text does not hold \(its samples are no "
+                       r"\(x, y\) pairs of next-token targets\): use data=bytes, or "
+                       "data=token_files"):
+        checked("model=gpt", "data=hf_text", f"data.files={folder}/docs.jsonl",
+                f"data.tokenizer={folder}", "device=cpu")
+
+
 def test_prepare_data_refuses_a_record_without_text_in_one_line(tokenizer, tmp_path):
     """A record whose text is null, or under another key: its index named, nothing written
     (the tokenizer's own error was a worker's traceback)."""

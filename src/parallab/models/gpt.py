@@ -292,8 +292,11 @@ class GPT(Model):
             return ("data.sample=causal_lm gives a transformers model's {input_ids, labels}, "
                     "and model=gpt takes (x, y) pairs: use data.sample=pair, or auto")
         if seq_len is None or vocab is None or not data.next_token:  # next-token targets
+            why = "no data.seq_len" if seq_len is None else \
+                "its samples are no (x, y) pairs of next-token targets"
             return (f"model=gpt predicts the next token of sequences, which data={data.name} "
-                    "does not hold (no data.seq_len): use data=bytes")
+                    f"does not hold ({why}): use data=bytes, or data=token_files (`parallab "
+                    "prepare-data` writes them from text)")
         if seq_len > cfg.context:
             return (f"data.seq_len={seq_len} is longer than model.context={cfg.context}: set "
                     f"model.context={seq_len} or data.seq_len<={cfg.context}")
