@@ -410,6 +410,20 @@ def test_a_finished_run_resumed_or_requeued_keeps_its_record(train_here, caplog)
     assert f"the run in {run_dir} had finished at step 3" in caplog.text
 
 
+def test_a_run_stopped_at_its_last_step_resumes_to_its_train_loss(tmp_path, train_here):
+    """Stopped in its last step, resumed: no epoch is left to train, and its train_loss had
+    come out null; it is the restored epoch's, the uninterrupted run's."""
+    short = [*FAST, "trainer.max_steps=3"]
+    reference, _ = train_here(*short, name="reference")
+    run_dir = tmp_path / "run"
+    stopped = run_entry("train.py", short, run_dir,
+                        env=inject(tmp_path, 2, "os.kill(os.getpid(), signal.SIGTERM)"))
+    assert stopped.returncode == 128 + signal.SIGTERM, output(stopped)[-3000:]
+    metrics = train_in_process([*short, "trainer.resume=auto"], run_dir)
+    assert metrics["steps"] == 3
+    assert metrics["train_loss"] == pytest.approx(reference["train_loss"], rel=1e-6)
+
+
 def test_a_save_cut_short_leaves_no_temporary_for_good(train_here):
     """A second Ctrl-C (or a kill) while a checkpoint is written leaves its temporary: the
     run's next start removes it, and resumes from the last complete checkpoint."""

@@ -127,6 +127,9 @@ class Trainer:
                      observers: list[StepObserver]) -> bool:
         """Epoch after epoch to the end of the run, evaluating and saving between them, each
         step told to `observers`; False where a signal stopped it."""
+        # a run resumed where it had ended (stopped at its last step) trains no epoch: its
+        # train loss is the restored epoch's
+        self.last_train_loss = self.window.epoch_mean()
         while self.epoch < self.cfg.epochs and not self.done():
             finished = self.train_epoch(progress, observers)
             if self.stopped:
