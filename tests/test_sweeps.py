@@ -46,6 +46,18 @@ def test_a_job_whose_overrides_outgrow_a_file_name_gets_a_readable_stable_dir(tm
     assert [row["status"] for row in summary_rows(tmp_path / "sweep")] == ["completed"]
 
 
+def test_where_a_job_logs_stays_out_of_its_dir_name():
+    """Any logger key, a project's own logger added with `+` too: Hydra's exclude_keys had
+    named only some of them, so the rest (and a `_target_`'s dotted path) named the dir,
+    and counted as what the job trains for sweep.skip_completed."""
+    from parallab.config import naming
+
+    assert naming.job_dir(0, "+logger.mine._target_=pkg.Mine,data.batch_size=16,"
+                             "data.shape=[1,8,8],logger.mlflow.send_every_s=0") == \
+        "0_data.batch_size=16,data.shape=[1,8,8]"
+    assert naming.where_it_logs("+logger.mine._target_") and not naming.where_it_logs("loss")
+
+
 def test_skip_completed_skips_a_job_only_where_its_dir_trained_the_same(tmp_path):
     """Two sweeps of other experiments given one hydra.sweep.dir name their jobs alike (the
     dir's name leaves `experiment` out): the second's sweep.skip_completed=true took the

@@ -97,8 +97,9 @@ def what_it_trains() -> list[str]:
 
     hydra = HydraConfig.get()
     ignored = set(hydra.job.config.override_dirname.exclude_keys) - {"experiment"}
-    return sorted(o for o in hydra.overrides.task
-                  if o.lstrip("+~").split("=", 1)[0] not in ignored)
+    keys = {o: o.lstrip("+~").split("=", 1)[0] for o in hydra.overrides.task}
+    return sorted(o for o, key in keys.items()
+                  if key not in ignored and not naming.where_it_logs(key))
 
 
 def continue_command(sweep_dir: Path, call: Invocation) -> str:

@@ -21,10 +21,21 @@ def log_file(rank: int) -> str:
     return f"train{rank_suffix(rank)}.log"
 
 
+def where_it_logs(key: str) -> bool:
+    """An override of where a run logs (`logger=`, any `logger.` key, a project's own logger
+    added with `+` too): not what it trains, so not in a sweep job's name (Hydra's
+    exclude_keys name keys one by one)."""
+    key = key.lstrip("+~")
+    return key == "logger" or key.startswith("logger.")
+
+
 def job_dir(num: int, overrides: str) -> str:
-    """A sweep job's dir: its number and what it changed, readable; where that is longer
-    than a file name may be, cut and ended with a hash of the whole (stable: a rerun finds
-    the same dir; the job's .hydra/overrides.yaml keeps every override)."""
+    """A sweep job's dir: its number and what it changed (Hydra's override_dirname, less
+    where it logs), readable; where that is longer than a file name may be, cut and ended
+    with a hash of the whole (stable: a rerun finds the same dir; the job's
+    .hydra/overrides.yaml keeps every override)."""
+    items = re.split(r",(?=[+~]*[A-Za-z_][\w.@/-]*=)", overrides) if overrides else []
+    overrides = ",".join(i for i in items if not where_it_logs(i.partition("=")[0]))
     name = f"{num}_{overrides}"
     if len(name.encode()) <= NAME_MAX:
         return name
