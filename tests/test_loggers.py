@@ -291,3 +291,17 @@ def test_a_file_store_is_taken_where_the_user_allows_it(monkeypatch):
 
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     checked("logger=mlflow", "logger.mlflow.tracking_uri=file:///tmp/mlruns", "device=cpu")
+
+
+def test_a_sweep_is_one_group_however_its_dir_is_written(tmp_path, monkeypatch):
+    """A sweep continued from its printed command (hydra.sweep.dir absolute) had become a
+    second MLflow parent run and W&B group: the loggers are told the sweep by where it is."""
+    from conftest import typed
+
+    from parallab.observe import loggers
+
+    monkeypatch.chdir(tmp_path)
+    cfg = typed("device=cpu")
+    given = [loggers.run_info(cfg, tmp_path / "sweep" / "0_a", [], sweep, 1).sweep
+             for sweep in ("sweep", str(tmp_path / "sweep"), "./sweep/")]
+    assert given == [str(tmp_path.resolve() / "sweep")] * 3

@@ -118,6 +118,9 @@ def run_info(cfg: Any, run_dir: str | Path, overrides: list[str], sweep: str | N
              world_size: int, layout: Any = None) -> RunInfo:
     run_dir = Path(run_dir)
     config = as_run(cfg, layout)
+    # the sweep by where it is: a sweep continued from its printed command (an absolute
+    # hydra.sweep.dir) had become a second MLflow parent, a second W&B group
+    sweep = str(Path(sweep).resolve()) if sweep else None
     return RunInfo(
         run_dir=run_dir, name=run_dir.name if sweep else f"{run_dir.parent.name}/{run_dir.name}",
         sweep=sweep, params=flatten(config), config_yaml=OmegaConf.to_yaml(config),
