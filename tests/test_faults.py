@@ -202,9 +202,11 @@ def test_swept_keys_reach_the_hparams_as_numbers():
     values = hparams(spec, figures)
     assert (values["optim.lr"], values["trainer.compile"], values["metrics.x"]) == (
         0.01, False, "abc")  # the config's own values win where it names the key
-    spec.overrides = ["trainer.max_steps=7", "parallel.world_size=2"]
-    values = hparams(spec, figures)
-    assert values["trainer.max_steps"] == 7 and values["parallel.world_size"] == 2
+    # the value the run took: YAML had read 9e-1 as text (TensorBoard sorted it as one)
+    given = ["optim.momentum=9e-1", "trainer.max_steps=7", "parallel.world_size=1"]
+    values = hparams(RunSpec(*checked(*FAST, *given), "unused", given), figures)
+    assert (values["optim.momentum"], values["trainer.max_steps"],
+            values["parallel.world_size"]) == (0.9, 7, 1)
 
 
 @pytest.mark.slow

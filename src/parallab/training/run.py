@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import enum
 import gc
 import logging
 import math
@@ -89,20 +90,18 @@ def hparams(spec: RunSpec, metrics: dict[str, Any]) -> dict[str, Any]:
     }
     for override in spec.overrides:
         key, _, value = override.partition("=")
-        values.setdefault(key.lstrip("+~"), _scalar(value))
+        values.setdefault(key.lstrip("+~"), _scalar(cfg, key.lstrip("+~"), value))
     return {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in values.items()}
 
 
-def _scalar(text: str) -> Any:
-    """A command-line value as its number or bool (so TensorBoard sorts and plots swept keys
-    numerically), else the text."""
-    import yaml
-
-    try:
-        value = yaml.safe_load(text)
-    except yaml.YAMLError:
-        return text
-    return value if isinstance(value, (int, float, bool)) else text
+def _scalar(cfg: Config, key: str, text: str) -> Any:
+    """A command-line key's value as the run took it (TensorBoard sorts swept numbers: YAML
+    read `9e-1` as text); a group's choice, or a key not found, as given."""
+    node: Any = cfg
+    for part in key.split("."):
+        node = node.get(part) if isinstance(node, dict) else getattr(node, part, None)
+    plain = isinstance(node, (int, float, bool, str)) and not isinstance(node, enum.Enum)
+    return node if plain else text
 
 
 def use_scaled_lr(cfg: Config, optimizer, global_batch_size: int, main: bool) -> float:
