@@ -106,6 +106,12 @@ def test_the_summary_holds_this_sweeps_jobs_alone(tmp_path):
     rows = summary_rows(sweep_dir)
     assert [r["status"] for r in rows] == ["completed", "skipped", "skipped"]
     assert [r["eval_loss"] for r in rows[1:]] == earlier and all(earlier)
+    # rebuilt from the dirs alone (`parallab summary`): a skipped job stands for the dir it
+    # was skipped as, which is not listed again (each run had been listed twice)
+    from parallab.observe import summary
+
+    lrs = [r["job"].split("optim.lr=")[1].split(",")[0] for r in summary.collect(sweep_dir)]
+    assert sorted(lrs) == ["0.001", "0.005", "0.01", "0.02", "0.03"]
 
 
 def test_a_failing_job_is_reported_and_the_others_still_run(tmp_path):

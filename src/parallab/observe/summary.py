@@ -91,7 +91,9 @@ def _simulated(job_dir: Path) -> tuple[dict[str, Any], bool] | None:
 
 
 def collect(sweep_dir: Path, jobs: list[Path] | None = None) -> list[dict[str, Any]]:
-    """The rows of `jobs` (dirs), in their order; None: of every job dir in `sweep_dir`."""
+    """The rows of `jobs` (dirs), in their order; None: of every job dir in `sweep_dir` but
+    those a later sweep's job stands for (its status says it was skipped as that dir: both
+    rows had been listed, the run twice)."""
     def job_number(job: Path) -> tuple[int, str]:
         head = job.name.split("_")[0]
         return (int(head) if head.isdigit() else -1, job.name)
@@ -99,6 +101,8 @@ def collect(sweep_dir: Path, jobs: list[Path] | None = None) -> list[dict[str, A
     if jobs is None:
         jobs = sorted((p.parent.parent for p in sweep_dir.glob("*/.hydra/overrides.yaml")),
                       key=job_number)
+        stood_for = {read_status(job).get("as") for job in jobs}
+        jobs = [job for job in jobs if job.name not in stood_for]
     return [job_row(job) for job in jobs]
 
 
