@@ -61,8 +61,10 @@ def test_where_a_job_logs_stays_out_of_its_dir_name():
 def test_skip_completed_skips_a_job_only_where_its_dir_trained_the_same(tmp_path):
     """Two sweeps of other experiments given one hydra.sweep.dir name their jobs alike (the
     dir's name leaves `experiment` out): the second's sweep.skip_completed=true took the
-    first's finished jobs for its own. Such a job fails naming both; the same sweep skips,
-    given trainer.resume=auto too (which named other dirs)."""
+    first's finished jobs for its own. Such a sweep is refused before any job runs, naming
+    both, the first's record as it was (its jobs had run, been refused, and written their
+    record over it); the same sweep skips, given trainer.resume=auto too (which named other
+    dirs). Without skip_completed it is refused alike, and so are two jobs of one dir."""
     own = tmp_path / "conf" / "experiment"
     own.mkdir(parents=True)
     for name, lr in (("slow", 0.001), ("quick", 0.1)):
@@ -76,12 +78,21 @@ def test_skip_completed_skips_a_job_only_where_its_dir_trained_the_same(tmp_path
 
     first = sweep_of("experiment=slow")
     assert first.returncode == 0, output(first)
+    before = summary_rows(sweep_dir)
     other = sweep_of("experiment=quick", "sweep.skip_completed=true")
-    assert other.returncode != 0, output(other)
-    rows = summary_rows(sweep_dir)
-    assert [r["status"] for r in rows] == ["failed", "failed"]
-    assert "holds a finished job of other overrides (" in rows[0]["error"]
-    assert "experiment=slow" in rows[0]["error"] and "here " in rows[0]["error"]
+    said = output(other).strip().splitlines()
+    assert other.returncode == 2 and len(said) == 1, said
+    assert said[0].startswith("job #0 (") and "holds a finished job of other overrides (" \
+        in said[0] and "experiment=slow" in said[0] and "here " in said[0]
+    assert summary_rows(sweep_dir) == before and [r["status"] for r in before] == [
+        "completed", "completed"]
+    assert "experiment=slow" in next(sweep_dir.glob("0_*/.hydra")).joinpath(
+        "overrides.yaml").read_text()
+    rerun = sweep_of("experiment=slow")
+    assert rerun.returncode == 2 and "already holds a run (metrics.json, checkpoints/): " \
+        "continue the sweep with sweep.skip_completed=true" in output(rerun)
+    same = sweep_of("experiment=slow", "hydra.sweep.subdir=same")
+    assert same.returncode == 2 and "would both write" in output(same)
     # trainer.resume is no part of a job's dir name: the rerun finds its jobs
     again = sweep_of("experiment=slow", "sweep.skip_completed=true", "trainer.resume=auto")
     assert again.returncode == 0, output(again)

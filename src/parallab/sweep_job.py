@@ -88,14 +88,15 @@ def finished_as(run_dir: Path, before: dict, trains: list[str]) -> tuple[Path | 
     return next((d for d in twins if summary.read_metrics(d) is not None), None), None
 
 
-def what_it_trains() -> list[str]:
-    """This job's overrides that say what it trains: all but those its dir's name leaves
-    out (hydra.job.config.override_dirname.exclude_keys: where it logs, the terminal's
-    progress bar, ...), bar `experiment`, which the name leaves out and which trains
-    another run: two sweeps given one hydra.sweep.dir name their jobs alike."""
+def what_it_trains(hydra=None) -> list[str]:
+    """This job's overrides (`hydra`: its Hydra config, the running job's where None) that
+    say what it trains: all but those its dir's name leaves out
+    (hydra.job.config.override_dirname.exclude_keys: where it logs, the terminal's progress
+    bar, ...), bar `experiment`, which the name leaves out and which trains another run:
+    two sweeps given one hydra.sweep.dir name their jobs alike."""
     from hydra.core.hydra_config import HydraConfig
 
-    hydra = HydraConfig.get()
+    hydra = hydra or HydraConfig.get()
     ignored = set(hydra.job.config.override_dirname.exclude_keys) - {"experiment"}
     keys = {o: o.lstrip("+~").split("=", 1)[0] for o in hydra.overrides.task}
     return sorted(o for o, key in keys.items()

@@ -53,9 +53,48 @@ def job_label(idx: int, overrides: Sequence[str]) -> str:
 
 
 def checked_jobs(launcher, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> None:
-    """Every job of the sweep checked, before the first one runs or is submitted."""
+    """Every job of the sweep checked, and the dirs they will write, before the first one
+    runs or is submitted."""
+    dirs: dict = {}
     for idx, overrides in enumerate(job_overrides, initial_job_idx):
-        checked_job(launcher, overrides, idx)
+        cfg = checked_job(launcher, overrides, idx)
+        problem = dir_problem(cfg, job_label(idx, overrides), dirs)
+        if problem:
+            raise ConfigError(problem)
+
+
+def dir_problem(cfg: DictConfig, label: str, dirs: dict) -> "str | None":
+    """A job's dir another job of the sweep names too (`dirs`: those named so far), or one
+    holding a run the job would neither continue nor replace. Each job had run into it and
+    been refused there, after Hydra had written its own record over the finished run's."""
+    from pathlib import Path
+
+    from parallab.launching import slurm
+    from parallab.training.rundir import held_run
+
+    try:
+        run_dir = Path(cfg.hydra.sweep.dir).absolute() / str(cfg.hydra.sweep.subdir)
+    except Exception:  # noqa: BLE001 - a name only Hydra's job resolves: its own to check
+        return None
+    if run_dir in dirs:
+        return (f"{label} and {dirs[run_dir]} would both write {run_dir}: give "
+                "hydra.sweep.subdir a name that tells the jobs apart (its default names "
+                "each by what it changes)")
+    dirs[run_dir] = label
+    t, held = cfg.trainer, held_run(run_dir)
+    continued = cfg.sweep.skip_completed or t.resume is not None or t.overwrite or \
+        slurm.restart_count() > 0  # (a sweep SLURM requeued goes on where it stopped)
+    if held and not continued:
+        return (f"{label}: {run_dir} already holds a run ({', '.join(held)}): continue the "
+                "sweep with sweep.skip_completed=true, or give it a hydra.sweep.dir of its own")
+    if held and cfg.sweep.skip_completed:  # a finished job of other overrides named alike
+        from parallab import sweep_job
+        from parallab.observe import summary
+
+        trains = sweep_job.what_it_trains(cfg.hydra)
+        _, clash = sweep_job.finished_as(run_dir, summary.read_status(run_dir), trains)
+        return f"{label}: {clash}" if clash else None
+    return None
 
 
 class BasicLauncher(HydraBasicLauncher):
