@@ -61,6 +61,17 @@ class DataConfig:
         then checked before any worker starts); None: the workers check it."""
         return None
 
+    def said(self) -> str:
+        """The data as the user gave it, for messages: a project's by its class (its
+        option's name is not known here, and data=datasets is the kind of config it is, no
+        option of parallab's)."""
+        own = getattr(self, "train", None)
+        if isinstance(own, dict) and "_target_" in own:
+            return f"data.train._target_={own['_target_']}"
+        if self._target_.startswith("parallab."):
+            return f"data={self.name}"
+        return f"data._target_={self._target_}"
+
     def batch_said(self) -> str:
         """The per-rank batch size as the user set it, for messages: data.batch_size, or
         data.global_batch_size where that set it."""

@@ -327,20 +327,9 @@ def refuse_one_process(name: str) -> None:
 
 def refuse_no_sequences(data) -> None:
     if getattr(data, "seq_len", None) is None:
-        raise ConfigError(f"{_named(data)} holds no sequences (no data.seq_len): parallab simulate "
-                          "traces a sequence model's block: use parallab's data=tokens (its "
-                          "default) with a language model, or give your data a seq_len")
-
-
-def _named(data) -> str:
-    """The data as the user gave it: a project's by its class (the option's name is not
-    known here, and data=datasets is the kind of config it is, no option of parallab's)."""
-    own = getattr(data, "train", None)
-    if isinstance(own, dict) and "_target_" in own:
-        return f"data.train._target_={own['_target_']}"
-    if data._target_.startswith("parallab."):
-        return f"data={data.name}"
-    return f"data._target_={data._target_}"
+        raise ConfigError(f"{data.said()} holds no sequences (no data.seq_len): parallab "
+                          "simulate traces a sequence model's block: use parallab's data=tokens "
+                          "(its default) with a language model, or give your data a seq_len")
 
 
 def trace_key(cfg) -> str:
