@@ -194,17 +194,17 @@ def test_peak_memory_is_the_runs_own_not_an_earlier_jobs(train_here):
 def test_swept_keys_reach_the_hparams_as_numbers():
     from conftest import checked
 
-    from parallab.training.run import RunSpec, hparams
+    from parallab.observe.hparams import of as hparams
 
-    spec = RunSpec(*checked(*FAST), "unused", ["data.batch_size=32", "optim.lr=0.1",
-                                              "trainer.compile=false", "+metrics.x=abc"])
+    cfg, _ = checked(*FAST)
+    overrides = ["data.batch_size=32", "optim.lr=0.1", "trainer.compile=false", "+metrics.x=abc"]
     figures = {"world_size": 1, "global_batch_size": 32, "precision_dtype": "float32", "lr": 0.01}
-    values = hparams(spec, figures)
+    values = hparams(cfg, overrides, figures)
     assert (values["optim.lr"], values["trainer.compile"], values["metrics.x"]) == (
         0.01, False, "abc")  # the config's own values win where it names the key
     # the value the run took: YAML had read 9e-1 as text (TensorBoard sorted it as one)
     given = ["optim.momentum=9e-1", "trainer.max_steps=7", "parallel.world_size=1"]
-    values = hparams(RunSpec(*checked(*FAST, *given), "unused", given), figures)
+    values = hparams(checked(*FAST, *given)[0], given, figures)
     assert (values["optim.momentum"], values["trainer.max_steps"],
             values["parallel.world_size"]) == (0.9, 7, 1)
 

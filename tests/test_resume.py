@@ -424,6 +424,36 @@ def test_a_run_stopped_at_its_last_step_resumes_to_its_train_loss(tmp_path, trai
     assert metrics["train_loss"] == pytest.approx(reference["train_loss"], rel=1e-6)
 
 
+# sitecustomize: the run signalled as it writes its last checkpoint, once it has trained
+SIGNALLED_AT_THE_END = """
+import os, signal
+import parallab.training.checkpoint as checkpoint
+
+save = checkpoint.Checkpointer.save
+
+def signalled(self, state, name):
+    if name == "last":
+        os.kill(os.getpid(), signal.SIGTERM)
+    return save(self, state, name)
+
+checkpoint.Checkpointer.save = signalled
+"""
+
+
+def test_a_signal_as_a_finished_run_saves_its_end_leaves_it_finished(tmp_path):
+    """The last save ran past the run's handling of signals: a SIGTERM there ended the
+    process in it, silently, its record unwritten and a temporary left (under the launcher,
+    a worker failure). The run ends as finished."""
+    (tmp_path / "inject").mkdir()
+    (tmp_path / "inject" / "sitecustomize.py").write_text(SIGNALLED_AT_THE_END)
+    run_dir = tmp_path / "run"
+    ended = run_entry("train.py", [*FAST, "trainer.max_steps=3"], run_dir,
+                      env={"PYTHONPATH": str(tmp_path / "inject")})
+    assert ended.returncode == 0, output(ended)[-3000:]
+    assert read_metrics(run_dir)["steps"] == 3 and (run_dir / "checkpoints" / "last.pt").exists()
+    assert not list((run_dir / "checkpoints").glob(".*.tmp"))
+
+
 def test_a_save_cut_short_leaves_no_temporary_for_good(train_here):
     """A second Ctrl-C (or a kill) while a checkpoint is written leaves its temporary: the
     run's next start removes it, and resumes from the last complete checkpoint."""

@@ -25,7 +25,7 @@ from parallab.config.errors import OneLineError, first_line
 from parallab.launching import distributed
 from parallab.launching.preemption import Preemption
 from parallab.launching.worker import as_started_afresh, leaving_failure, recorded_once
-from parallab.observe import loggers
+from parallab.observe import hparams, loggers
 from parallab.observe.comm import MB
 from parallab.observe.loggers import RunLogger
 from parallab.observe.memory import reset_peak_memory
@@ -104,7 +104,7 @@ def measure(spec: run.RunSpec, dist: distributed.Dist) -> dict[str, Any]:
                        peak_memory_mb=max_over_ranks(dist, figures["peak_memory_mb"]))
         if dist.is_main:
             scalars = {k: v for k, v in figures.items() if k != "losses"}
-            logger.finish(scalars, run.hparams(spec, figures),
+            logger.finish(scalars, hparams.of(spec.cfg, spec.overrides, figures),
                           trainer.step)
         # for the verdict, not the run's record: report.judge says why such a model differs
         return {**figures, "batchnorm": normalises_by_batch(trainer.model)}

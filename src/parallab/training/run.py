@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import enum
 import gc
 import logging
 import math
@@ -19,13 +18,12 @@ import torch
 from parallab.config import naming
 from parallab.config.errors import refuse
 from parallab.config.schema import Config, TrainerConfig
-from parallab.config.targets import model_name
 from parallab.data import build_data
 from parallab.launching import distributed, in_place, slurm
 from parallab.launching.preemption import Preemption
 from parallab.loss import build_loss
 from parallab.models import adapters, build_model, tied_names
-from parallab.observe import loggers
+from parallab.observe import hparams, loggers
 from parallab.observe.loggers import RunLogger
 from parallab.observe.memory import peak_memory_mb, reset_peak_memory
 from parallab.optim import build_optimizer, scaled_lr
@@ -66,42 +64,6 @@ class RunSpec:
         return shlex.join([*self.command, *kept,
                            f"hydra.run.dir={naming.hydra_value(self.run_dir)}",
                            "trainer.resume=auto"])
-
-
-def hparams(spec: RunSpec, metrics: dict[str, Any]) -> dict[str, Any]:
-    """The keys runs are compared by: the main choices plus whatever the command line set."""
-    cfg = spec.cfg
-    values: dict[str, Any] = {
-        "model": model_name(cfg.model), "data": cfg.data.name,
-        "loss": model_name(cfg.loss), "parallel": cfg.parallel.name,
-        "precision": cfg.precision.name, "backend": cfg.backend.name, "optim": cfg.optim.name,
-        "scheduler": cfg.scheduler.name,
-        "data.batch_size": cfg.data.batch_size, "optim.lr": cfg.optim.lr, "lr": metrics["lr"],
-        "optim.scale_lr": cfg.optim.scale_lr,
-        "world_size": metrics["world_size"], "global_batch_size": metrics["global_batch_size"],
-        "precision_dtype": metrics["precision_dtype"], "seed": cfg.seed,
-        "precision.tf32": cfg.precision.tf32, "trainer.compile": cfg.trainer.compile,
-        "trainer.channels_last": cfg.trainer.channels_last,
-        "trainer.accumulate_grad_batches": cfg.trainer.accumulate_grad_batches,
-        "trainer.clip_grad_norm": cfg.trainer.clip_grad_norm or 0.0,
-        "trainer.quantize": cfg.trainer.quantize or "none",
-        "trainer.auto_batch_size": cfg.trainer.auto_batch_size,
-        **{f"scheduler.{k}": v for k, v in vars(cfg.scheduler).items() if k != "name"},
-    }
-    for override in spec.overrides:
-        key, _, value = override.partition("=")
-        values.setdefault(key.lstrip("+~"), _scalar(cfg, key.lstrip("+~"), value))
-    return {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in values.items()}
-
-
-def _scalar(cfg: Config, key: str, text: str) -> Any:
-    """A command-line key's value as the run took it (TensorBoard sorts swept numbers: YAML
-    read `9e-1` as text); a group's choice, or a key not found, as given."""
-    node: Any = cfg
-    for part in key.split("."):
-        node = node.get(part) if isinstance(node, dict) else getattr(node, part, None)
-    plain = isinstance(node, (int, float, bool, str)) and not isinstance(node, enum.Enum)
-    return node if plain else text
 
 
 def use_scaled_lr(cfg: Config, optimizer, global_batch_size: int, main: bool) -> float:
@@ -359,6 +321,15 @@ def build_trainer(cfg: Config, layout: Layout, dist: distributed.Dist, logger: R
     return trainer, lr
 
 
+def _ended(trainer: Trainer, metrics: dict[str, Any], spec: RunSpec, logger: RunLogger,
+           main: bool) -> None:
+    trainer.checkpointer.save(trainer.state_dict(), "last")
+    if main:
+        logger.finish(metrics, hparams.of(spec.cfg, spec.overrides, metrics), trainer.step)
+        log.info("metrics: %s", {k: round(v, 4) if isinstance(v, float) else v
+                                 for k, v in metrics.items()})
+
+
 def _fit(spec: RunSpec, dist: distributed.Dist, logger: RunLogger,
          backend: str | None) -> dict[str, Any]:
     """Build model, data, optimizer and trainer on this rank, resume if asked, train, save."""
@@ -386,15 +357,14 @@ def _fit(spec: RunSpec, dist: distributed.Dist, logger: RunLogger,
                 return kept
         start_mb = peak_memory_mb(dist.device)  # built (and loaded): before the first step
         metrics = trainer.fit()
+        with preemption.busy():  # a signal's default had ended a rank in its last save
+            if not trainer.stopped:
+                metrics.update(lr=lr, wall_time_s=time.time() - spec.started,
+                               start_memory_mb=start_mb, backend=backend or "none",
+                               world_size=trainer.runtime.ranks.world_size,
+                               precision_dtype=trainer.precision.dtype_name,
+                               parallel=cfg.parallel.name)
+                _ended(trainer, metrics, spec, logger, dist.is_main)
     if trainer.stopped:
         return _stopped(trainer, preemption, spec, dist.is_main)
-    metrics.update(lr=lr, wall_time_s=time.time() - spec.started, start_memory_mb=start_mb,
-                   world_size=trainer.runtime.ranks.world_size,
-                   precision_dtype=trainer.precision.dtype_name, backend=backend or "none",
-                   parallel=cfg.parallel.name)
-    trainer.checkpointer.save(trainer.state_dict(), "last")
-    if dist.is_main:
-        logger.finish(metrics, hparams(spec, metrics), trainer.step)
-        log.info("metrics: %s", {k: round(v, 4) if isinstance(v, float) else v
-                                 for k, v in metrics.items()})
     return metrics
