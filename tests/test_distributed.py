@@ -139,7 +139,7 @@ def test_a_stopped_run_in_place_ends_after_rank_0_has_said_where(tmp_path):
         "status": "stopped", "signal": "SIGTERM", "step": 6}
 
 
-# sitecustomize for parallab's own workers: rank 1 alone signalled at its step 3, and the
+# sitecustomize for parallab's own workers: rank 1 alone hung up on at its step 3, and the
 # ranks' vote on a stop due every 0.2 s of steps rather than 5 s, so a short run shows it
 SIGNALLED_ONE_RANK = """
 import os, signal
@@ -151,7 +151,7 @@ step = trainer.Trainer.train_step
 
 def train_step(self, batches):
     if self.step == 3 and self.dist.rank == 1:
-        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGHUP)
     return step(self, batches)
 
 trainer.Trainer.train_step = train_step
@@ -161,7 +161,8 @@ trainer.Trainer.train_step = train_step
 def test_ranks_agree_on_a_stop_long_before_the_next_log_step(tmp_path):
     """One rank's signal stops every rank within the vote's time, not at the next log step
     (150 steps away here), which a cluster's grace period may not reach: the ranks save the
-    same step and the run says so."""
+    same step and the run says so, naming the signal that rank heard (rank 0 had said
+    SIGTERM, heard by none)."""
     (tmp_path / "inject").mkdir()
     (tmp_path / "inject" / "sitecustomize.py").write_text(SIGNALLED_ONE_RANK)
     result = run_entry("train.py", [*FAST, "data.train_size=20480", "parallel=ddp",
@@ -170,9 +171,51 @@ def test_ranks_agree_on_a_stop_long_before_the_next_log_step(tmp_path):
     run_dir = only_run_dir(tmp_path)
     status = json.loads((run_dir / "status.json").read_text())
     assert status["status"] == "stopped", output(result)[-3000:]
+    assert status["signal"] == "SIGHUP" and result.returncode == 129, output(result)[-3000:]
     assert 4 <= status["step"] <= 75, status  # a log step's agreement: 150, the last
     assert [p.name for p in (run_dir / "checkpoints").iterdir()] == [
         f"step_{status['step']:08d}.pt"]  # every rank saved that step
+
+
+# sitecustomize for the workers: steps of 0.3 s, so that a stop is not agreed within 2.5 s
+SLOW_STEPS = """
+import time
+import parallab.training.trainer as trainer
+
+step = trainer.Trainer.train_step
+
+def train_step(self, batches):
+    time.sleep(0.3)
+    return step(self, batches)
+
+trainer.Trainer.train_step = train_step
+"""
+
+
+def test_a_second_signal_after_training_says_where_to_resume(tmp_path):
+    """Two SIGTERMs to the controller, the second before the ranks agreed on the first:
+    ended at once, unsaved, after checkpoints were written, the command had said "before
+    training began: nothing was saved"."""
+    import signal
+
+    (tmp_path / "inject").mkdir()
+    (tmp_path / "inject" / "sitecustomize.py").write_text(SLOW_STEPS)
+    run_dir = tmp_path / "run"
+    command = [sys.executable, str(REPO / "train.py"), *FAST, "parallel=ddp",
+               "trainer.log_every_n_steps=1000", "trainer.checkpoint_every_n_steps=2",
+               f"hydra.run.dir={run_dir}"]
+    job = subprocess.Popen(command, env={**os.environ, "PYTHONPATH": str(tmp_path / "inject")},
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 120
+    while not list((run_dir / "checkpoints").glob("step_*.pt")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    job.send_signal(signal.SIGTERM)
+    time.sleep(2.5)
+    job.send_signal(signal.SIGTERM)
+    said = job.communicate(timeout=120)[0]
+    assert job.returncode == 143, said[-3000:]
+    assert "the ranks ended without saving this step" in said and \
+        "resume from the last checkpoint with: python train.py" in said, said[-3000:]
 
 
 def test_two_nodes_over_loopback(tmp_path):

@@ -86,8 +86,12 @@ def _train_and_report(spec: run.RunSpec, in_place: InPlace | None) -> dict[str, 
     except OneLineError as error:
         raise JobFailed(str(error), error.status) from None
     except ChildFailedError as error:
-        if launch.stopped_by() is not None:  # a rank the signal ended while it started
-            raise Stopped(launch.stopped_by(), None, said=False) from None
+        if launch.stopped_by() is not None:  # ended unsaved: while starting, or stopped hard
+            from parallab.training import checkpoint
+
+            trained = checkpoint.latest(Path(spec.run_dir) / "checkpoints") is not None
+            raise Stopped(launch.stopped_by(), None, said=False,
+                          resume=spec.resume_command() if trained else None) from None
         raise worker_failure(error) from None
     return _ended(metrics, spec, in_place)
 

@@ -102,11 +102,18 @@ class Stopped(JobFailed):
     """A run a signal stopped (saved where it had trained): exit status 128 + the signal,
     its record (status.json) saying so; `said`: its line was logged by the run already."""
 
-    def __init__(self, signum: int, steps: int | None, said: bool = True):
+    def __init__(self, signum: int, steps: int | None, said: bool = True,
+                 resume: str | None = None):
         self.signum, self.steps, self.said = signum, steps, said
         name = signal.Signals(signum).name
-        super().__init__(f"stopped by {name} before training began: nothing was saved", 128 +
-                         signum, f"stopped by {name}" + (f" at step {steps}" if steps else ""))
+        # `resume`: where the ranks had trained and saved before a second signal, or the
+        # stop's watchdog, ended them unsaved (it had said nothing was saved)
+        message = f"stopped by {name} before training began: nothing was saved" if \
+            resume is None else (f"stopped by {name}: the ranks ended without saving this "
+                                 f"step (a second signal, or a stop that did not end); "
+                                 f"resume from the last checkpoint with: {resume}")
+        super().__init__(message, 128 + signum,
+                         f"stopped by {name}" + (f" at step {steps}" if steps else ""))
 
     def record(self, run_dir: str | Path) -> None:
         (Path(run_dir) / summary.STATUS_FILE).write_text(json.dumps({

@@ -60,6 +60,7 @@ class Preemption(StepObserver):
         self._previous_fd = -1
         self._sockets: tuple[socket.socket, socket.socket] | None = None
         self._since = 0.0  # when the first signal came
+        self._agreed = False  # signum is another rank's, agreed in a vote
         self._lock = threading.Lock()
 
     @property
@@ -86,6 +87,13 @@ class Preemption(StepObserver):
                 self.signum = self.requeue[0]
                 slurm.note(self.signum)
 
+    def stop_agreed(self, signum: int) -> None:
+        """Another rank was signalled (`signum`), this one not: its stop says that signal
+        (it had said SIGTERM, whatever another rank heard)."""
+        with self._lock:
+            if self.signum is None:
+                self.signum, self._agreed = signum, True
+
     def step_done(self, step: int, batches: list, last: bool) -> None:
         now = time.monotonic()
         if self._last_step is not None:  # the first step's time holds start-up and compiling
@@ -111,6 +119,9 @@ class Preemption(StepObserver):
             self._count(signum)
 
     def _count(self, signum: int) -> None:
+        if self._agreed:  # its own copy of the stop the ranks agreed on: the same request
+            self._agreed = False
+            return
         if self.signum is not None:
             # the same request arriving twice, or SLURM's warning again (or late, once
             # another rank's agreed it): not a second request
@@ -131,7 +142,8 @@ class Preemption(StepObserver):
             stuck = not self._busy and waiting > patience
             if stuck or now - since > GRACE_S:
                 _said_and_ended(self.signum or signal.SIGTERM, "and no step ended after it: "
-                                "ended without saving")
+                                "ended without saving" if stuck else f"and the stop took "
+                                f"over {GRACE_S:.0f} s: ended without saving")
 
     def _listen(self, reader: socket.socket) -> None:
         while True:

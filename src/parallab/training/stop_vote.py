@@ -12,6 +12,7 @@ which then ended the ranks unsaved; voting every step costs a host sync each ste
 
 from __future__ import annotations
 
+import signal
 import time
 
 import torch
@@ -20,7 +21,8 @@ from parallab.launching.distributed import Dist
 from parallab.launching.preemption import Preemption
 
 AGREE_S = 5.0  # a stop is agreed within about this long of steps (GRACE_S is 120 s)
-SHARED = 3  # the figures a vote adds to an all-reduce
+HEARD = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # the stop signals a vote names
+SHARED = 3 + len(HEARD)  # the figures a vote adds to an all-reduce
 
 
 class StopVote:
@@ -37,21 +39,26 @@ class StopVote:
         return self.dist.world_size > 1 and self.since >= self.every
 
     def shared(self) -> torch.Tensor:
-        """This rank's part of a vote: whether it was asked to stop, whether to requeue, and
-        (rank 0 alone) the seconds a step took since the last vote."""
+        """This rank's part of a vote: whether it was asked to stop, whether to requeue,
+        (rank 0 alone) the seconds a step took since the last vote, and which signal it
+        heard (a flag each of HEARD)."""
         asked = self.preemption.requested
         pace = (time.monotonic() - self.started) / max(self.since, 1) \
             if self.dist.is_main else 0.0
+        heard = [float(asked and self.preemption.signum == s) for s in HEARD]
         return torch.tensor([float(asked), float(asked and self.preemption.requeue_asked),
-                             pace], device=self.dist.device)
+                             pace, *heard], device=self.dist.device)
 
     def take(self, summed: list[float]) -> None:
         """The vote's sums (`shared`'s over all ranks): the stop agreed where any rank asked
         it, and the steps to the next vote."""
-        stops, requeues, pace = summed
+        stops, requeues, pace, *heard = summed
         self.agreed = self.agreed or stops > 0
         if requeues > 0:  # every rank stops to requeue, whichever received the warning
             self.preemption.requeue_agreed()
+        elif stops > 0:  # and says the signal a rank heard
+            self.preemption.stop_agreed(next((s for s, n in zip(HEARD, heard) if n > 0),
+                                             signal.SIGTERM))
         self.every = max(1, int(AGREE_S / pace)) if pace > 0 else 1
         self.since, self.started = 0, time.monotonic()
 
