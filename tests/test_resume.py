@@ -504,3 +504,17 @@ def test_a_resume_at_another_rank_count_says_so_once(caplog):
             checkpoint.restore_rng(state, Dist(rank, rank, 2, 2, torch.device("cpu"), None))
     said = [r.getMessage() for r in caplog.records]
     assert len(said) == 1 and "RNG states for 1 rank, this run has 2" in said[0]
+
+
+def test_the_ranks_vote_on_a_stop_within_a_bounded_count_of_steps():
+    """The steps to the next vote come from rank 0's pace, at most 100: steps 5 ms long
+    had set 1,000, and a run whose steps then slowed 50-fold held a stop for 250 s, past the
+    120 s after which a stopping rank ends unsaved."""
+    from parallab.launching.distributed import Dist
+    from parallab.launching.preemption import Preemption
+    from parallab.training.stop_vote import StopVote
+
+    vote = StopVote(Preemption(), Dist(0, 0, 2, 2, torch.device("cpu"), None))
+    for pace, every in ((0.005, 100), (1.0, 5), (30.0, 1)):
+        vote.take([0.0, 0.0, pace, 0.0, 0.0, 0.0])
+        assert vote.every == every and not vote.agreed

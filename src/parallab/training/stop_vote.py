@@ -5,7 +5,7 @@ Each rank hears its own signal at its own moment, and ranks must stop at the sam
 checkpoint is a collective), so they vote in an all-reduce: at each log step, riding the
 loss's, and between log steps every `every` steps, the steps of about AGREE_S as rank 0 last
 timed them. Every rank reads rank 0's figure (the others add 0), so every rank counts the
-same steps to the next vote. Voting only at log steps let a large log_every_n_steps hold a
+same steps to the next vote (at most MOST_STEPS). Voting only at log steps let a large log_every_n_steps hold a
 stop past the launcher's grace period (the watchdog's GRACE_S, SLURM's --signal lead),
 which then ended the ranks unsaved; voting every step costs a host sync each step.
 """
@@ -21,6 +21,10 @@ from parallab.launching.distributed import Dist
 from parallab.launching.preemption import Preemption
 
 AGREE_S = 5.0  # a stop is agreed within about this long of steps (GRACE_S is 120 s)
+# at most this many steps between votes: steps that slow down many times over after a vote
+# (a slower phase, a stalled input) had held the next one past GRACE_S; one small
+# all-reduce in 100 steps costs no step anything seen
+MOST_STEPS = 100
 HEARD = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # the stop signals a vote names
 SHARED = 3 + len(HEARD)  # the figures a vote adds to an all-reduce
 
@@ -59,7 +63,7 @@ class StopVote:
         elif stops > 0:  # and says the signal a rank heard
             self.preemption.stop_agreed(next((s for s, n in zip(HEARD, heard) if n > 0),
                                              signal.SIGTERM))
-        self.every = max(1, int(AGREE_S / pace)) if pace > 0 else 1
+        self.every = min(MOST_STEPS, max(1, int(AGREE_S / pace))) if pace > 0 else 1
         self.since, self.started = 0, time.monotonic()
 
     def vote(self) -> None:
