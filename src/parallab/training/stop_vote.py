@@ -4,10 +4,11 @@ about AGREE_S of steps, whatever trainer.log_every_n_steps.
 Each rank hears its own signal at its own moment, and ranks must stop at the same step (a
 checkpoint is a collective), so they vote in an all-reduce: at each log step, riding the
 loss's, and between log steps every `every` steps, the steps of about AGREE_S as rank 0 last
-timed them. Every rank reads rank 0's figure (the others add 0), so every rank counts the
-same steps to the next vote (at most MOST_STEPS). Voting only at log steps let a large log_every_n_steps hold a
-stop past the launcher's grace period (the watchdog's GRACE_S, SLURM's --signal lead),
-which then ended the ranks unsaved; voting every step costs a host sync each step.
+timed them, at most MOST_STEPS. Every rank reads rank 0's figure (the others add 0), so
+every rank counts the same steps to the next vote. Voting only at log steps let a large
+log_every_n_steps hold a stop past the launcher's grace period (the watchdog's GRACE_S,
+SLURM's --signal lead), which then ended the ranks unsaved; voting every step costs a
+host sync each step.
 """
 
 from __future__ import annotations
