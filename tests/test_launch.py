@@ -285,6 +285,9 @@ def test_a_module_of_the_run_dir_hiding_one_the_workers_import_is_refused(tmp_pa
                                               "Python module queue from the workers")
     (tmp_path / "queue.py").rename(tmp_path / "test.py")
     assert hidden_module_problem() is None
+    for name in ("time", "os"):  # built in, or frozen: found before any dir, so hidden never
+        (tmp_path / f"{name}.py").write_text("")
+    assert hidden_module_problem() is None
     (tmp_path / "parallab.py").write_text("")
     assert hidden_module_problem().startswith("parallab.py, in the dir parallab runs in, "
                                               "hides parallab from")

@@ -87,6 +87,9 @@ def hidden_module_problem() -> str | None:
         return None
     names = ["parallab", *sorted(set(sys.stdlib_module_names) & set(sys.modules))]
     for name in names:
+        spec = getattr(sys.modules.get(name), "__spec__", None)
+        if getattr(spec, "origin", None) in ("built-in", "frozen"):  # found before any path
+            continue
         loaded = getattr(sys.modules.get(name), "__file__", None)
         for found in (here / f"{name}.py", here / name / "__init__.py"):
             if found.is_file() and (loaded is None or Path(loaded).resolve() != found):
