@@ -280,7 +280,8 @@ def build_trainer(cfg: Config, layout: Layout, dist: distributed.Dist, logger: R
     into `checkpoints`, if given; the weights at `init_from`, if given); the trainer and the
     learning rate it uses; `observers` watch its steps beside its Meter)."""
     model, held_only = start_model(cfg, dist, layout, init_from)
-    ties = tied_names(model)  # the whole model's, before a cut leaves a part one name
+    # the whole model's ties, before a cut leaves a part one name (its weights read after)
+    ties = tied_names(model) if held_only else {}
     precision = Precision(cfg.precision, dist.device, sharded=layout.sharded)
     # fp8's Float8Linear in place of Linear, before any cut: a pipeline's runtime records the
     # model's modules when made, and puts those back when it cuts

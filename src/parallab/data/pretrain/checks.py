@@ -78,20 +78,19 @@ def _sources(cfg) -> Optional[str]:
 
 
 def _files(cfg) -> Optional[str]:
-    specs = [(f"data.sources.{n}.files" if cfg.sources is not None else "data.files", s)
-             for n, s, _ in cfg.named_sources()]
+    specs = [(f"data.sources.{n}.files" if cfg.sources is not None else "data.files", s,
+              token_files.paths(s)) for n, s, _ in cfg.named_sources()]
     if cfg.eval_files is not None:
-        trained = {os.path.realpath(p) for _, s in specs for p in token_files.paths(s)}
-        scored = next((p for p in token_files.paths(cfg.eval_files)
-                       if os.path.realpath(p) in trained), None)
+        trained = {os.path.realpath(p) for *_, paths in specs for p in paths}
+        evaluated = token_files.paths(cfg.eval_files)
+        scored = next((p for p in evaluated if os.path.realpath(p) in trained), None)
         if scored is not None:
             return (f"data.eval_files names {scored}, which the run trains on: give held-out "
                     "files, or leave data.eval_files out (data.eval_fraction holds out the "
                     "end of each file)")
-        specs.append(("data.eval_files", cfg.eval_files))
+        specs.append(("data.eval_files", cfg.eval_files, evaluated))
     window = cfg.seq_len + 1
-    for key, spec in specs:
-        paths = token_files.paths(spec)
+    for key, spec, paths in specs:
         if not paths:
             return (f"{key}={spec} matches no file: give token files (a glob, a path or a "
                     "list); `parallab prepare-data` writes them from text")
@@ -142,12 +141,13 @@ def _file_problem(cfg, file: TokenFile, window: int) -> Optional[str]:
                 f"a vocabulary of {vocab} (data.vocab_size: the model's unless given): write "
                 "the files as uint32 and set "
                 "data.dtype=uint32")
+    sampled = _sampled(file.tokens)  # read once for both checks
     if file.tokens.dtype == np.uint16 and not file.marks_documents and \
-            not file.path.endswith(".npy") and _halves_of_uint32(file.tokens):
+            not file.path.endswith(".npy") and _halves_of_uint32(sampled):
         return (f"{file.path} reads as uint16 ids of which every second one is 0 or 1, as "
                 "the high halves of uint32 ids are: set data.dtype=uint32 (as it was written)")
     if vocab is not None:
-        high, at = sampled_max(file.tokens)
+        high, at = sampled_max(sampled)
         if high >= vocab or high < 0:
             return (f"{file.path} holds token id {high} (at token {at}), not in a vocabulary "
                     f"of {vocab} (data.vocab_size: the model's unless given): give data.dtype "
@@ -160,31 +160,27 @@ def _file_problem(cfg, file: TokenFile, window: int) -> Optional[str]:
     return None
 
 
-def _halves_of_uint32(tokens: np.ndarray) -> bool:
+def _sampled(tokens: np.ndarray) -> list[tuple[int, np.ndarray]]:
+    """SAMPLED_SLICES slices of SLICE_TOKENS ids spread over the file, read: (start, ids)."""
+    starts = np.linspace(0, max(0, len(tokens) - SLICE_TOKENS), SAMPLED_SLICES)
+    return [(start, np.asarray(tokens[start:start + SLICE_TOKENS]))
+            for start in np.unique(starts.astype(np.int64)).tolist()]
+
+
+def _halves_of_uint32(sampled: list[tuple[int, np.ndarray]]) -> bool:
     """Every second id of the sampled slices (by place in the file) 0 or 1 and the others
     not all so: uint32 ids below 131072 read as uint16, a mistake no id check sees (each
     half is a small id)."""
-    odd, even = [], []
-    for start in _slices(len(tokens)):
-        chunk = np.asarray(tokens[start:start + SLICE_TOKENS])
-        odd.append(chunk[1 - start % 2::2])
-        even.append(chunk[start % 2::2])
-    odd, even = np.concatenate(odd), np.concatenate(even)
+    odd = np.concatenate([chunk[1 - start % 2::2] for start, chunk in sampled])
+    even = np.concatenate([chunk[start % 2::2] for start, chunk in sampled])
     return len(odd) >= 64 and int(odd.max()) <= 1 and int(even.max()) > 1
 
 
-def _slices(n: int) -> list[int]:
-    """Where SAMPLED_SLICES slices of SLICE_TOKENS ids start, spread over n ids."""
-    return np.unique(np.linspace(0, max(0, n - SLICE_TOKENS), SAMPLED_SLICES).astype(
-        np.int64)).tolist()
-
-
-def sampled_max(tokens: np.ndarray) -> tuple[int, int]:
-    """The largest id (or a negative one) among SAMPLED_SLICES slices spread over the
-    file, and where it is: a wrong dtype shows in any slice, so a sample finds it."""
+def sampled_max(sampled: list[tuple[int, np.ndarray]]) -> tuple[int, int]:
+    """The largest id (or a negative one) among the sampled slices (_sampled), and where it
+    is: a wrong dtype shows in any slice, so a sample finds it."""
     worst, where = -1, 0
-    for start in _slices(len(tokens)):
-        chunk = np.asarray(tokens[start:start + SLICE_TOKENS])
+    for start, chunk in sampled:
         low, high = int(chunk.min()), int(chunk.max())
         if low < 0:
             return low, start + int(chunk.argmin())
