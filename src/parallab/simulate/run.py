@@ -18,53 +18,22 @@ log = logging.getLogger("parallab")
 
 
 def check(cfg) -> Any:
-    """The config as a simulation reads it, checked as train's checks would check it on
-    the cluster (its GPUs, not this machine's); the resolved layout, None for auto.
-    ConfigError naming the key at fault."""
-    from parallab import models
+    """The config as a simulation reads it, checked in train's order as train's checks would
+    check it on the cluster: every run's keys, the data, the model, then the cluster's GPUs
+    where train checks this machine's device, and the layout; the resolved layout, None for
+    auto. ConfigError naming the key at fault."""
     from parallab.checks import validate
     from parallab.config.schema import Device
     from parallab.parallel import PLANS
 
-    refuse(clusters.problem(cfg.cluster))
-    if cfg.precision.name == "fp8" and cfg.cluster.gpu == clusters.THIS:  # before measuring
-        raise ConfigError("precision=fp8 with cluster=this: this machine's rates are measured "
-                          "in float32 and bf16, and train runs float8 on CUDA GPUs alone: use "
-                          "precision=bf16 here, or a cluster of GPUs with float8 (cluster=h100)")
-    refuse(_own_problem(cfg.simulate) or _advise_given(cfg.advise))
-    p = cfg.parallel
-    if p.world_size is None:
-        raise ConfigError("parallel.world_size is not set: give the GPU count to simulate, "
-                          "e.g. parallel.world_size=64")
-    if p.world_size < 1:
-        raise ConfigError(f"parallel.world_size={p.world_size} is out of range: it must be "
-                          ">= 1 (the GPUs to simulate)")
-    if p.name == "auto" and p.world_size < 2:
-        raise ConfigError(f"parallel=auto with parallel.world_size={p.world_size}: one GPU has "
-                          "one layout; give the cluster's GPU count (2 or more)")
-    refuse_one_process(p.name)
     validate.check_values(cfg)
     validate.check_fixed_batch(cfg)  # auto's commands too: train refuses them otherwise
-    if cfg.adapter.name != "none":
-        raise ConfigError(f"adapter={cfg.adapter.name}: parallab simulate trains every weight "
-                          "(its gradient and optimizer states), not an adapter beside frozen "
-                          "ones: simulate without adapter= for the whole model's figures")
+    refuse(_own_problem(cfg.simulate) or _advise_given(cfg.advise))
     _check_data(cfg.data)
-    try:
-        cfg.model = models.check(cfg.model, cfg.data)
-    except ConfigError as error:
-        # a model of other data (its refusal names the data group, data=, and no key of its
-        # own) said so; a sequence model's own limits (model.context against data.seq_len,
-        # model.vocab_size) as train says them
-        said = str(error)
-        if "data=" not in said or "model." in said:
-            raise
-        name = cfg.model["_target_"].rpartition(".")[2]
-        raise ConfigError(f"parallab simulate traces a language model's block on token "
-                          f"sequences, which {name} does not take: simulate gpt, a "
-                          "transformers causal LM (model=llama3_8b, qwen3_moe_30b, ...) or "
-                          "your own sequence model") from None
+    _check_model(cfg)
+    _check_cluster(cfg)
     cfg.device = Device.cuda  # the cluster's: its compute dtypes, not this machine's
+    p = cfg.parallel
     if p.name == "auto":
         refuse(PLANS[p.name].problem(p))
         return None
@@ -74,6 +43,47 @@ def check(cfg) -> Any:
     validate.check_resolved(cfg, layout,
                             lambda: stages_on_meta(cfg) if layout.cuts_model else None)
     return layout
+
+
+def _check_model(cfg) -> None:
+    """The model checked against the data as train checks it; a model of other data (its
+    refusal names the data group, data=, and no key of its own) said so. A sequence model's
+    own limits (model.context against data.seq_len, model.vocab_size) are said as train
+    says them."""
+    from parallab import models
+
+    if cfg.adapter.name != "none":
+        raise ConfigError(f"adapter={cfg.adapter.name}: parallab simulate trains every weight "
+                          "(its gradient and optimizer states), not an adapter beside frozen "
+                          "ones: simulate without adapter= for the whole model's figures")
+    try:
+        cfg.model = models.check(cfg.model, cfg.data)
+    except ConfigError as error:
+        said = str(error)
+        if "data=" not in said or "model." in said:
+            raise
+        name = cfg.model["_target_"].rpartition(".")[2]
+        raise ConfigError(f"parallab simulate traces a language model's block on token "
+                          f"sequences, which {name} does not take: simulate gpt, a "
+                          "transformers causal LM (model=llama3_8b, qwen3_moe_30b, ...) or "
+                          "your own sequence model") from None
+
+
+def _check_cluster(cfg) -> None:
+    """The cluster and its GPU count, in the place of train's check of this machine."""
+    refuse(clusters.problem(cfg.cluster))
+    if cfg.precision.name == "fp8" and cfg.cluster.gpu == clusters.THIS:  # before measuring
+        raise ConfigError("precision=fp8 with cluster=this: this machine's rates are measured "
+                          "in float32 and bf16, and train runs float8 on CUDA GPUs alone: use "
+                          "precision=bf16 here, or a cluster of GPUs with float8 (cluster=h100)")
+    p = cfg.parallel
+    if p.world_size is None:
+        raise ConfigError("parallel.world_size is not set: give the GPU count to simulate, "
+                          "e.g. parallel.world_size=64")
+    if p.name == "auto" and p.world_size < 2:
+        raise ConfigError(f"parallel=auto with parallel.world_size={p.world_size}: one GPU has "
+                          "one layout; give the cluster's GPU count (2 or more)")
+    refuse_one_process(p.name)
 
 
 def _check_data(data) -> None:
