@@ -169,6 +169,37 @@ def test_a_run_in_this_process_gives_mlflows_own_http_settings_back(mlflow_serve
     assert run.data.metrics["final/train_loss"] == pytest.approx(metrics["train_loss"])
 
 
+@ON_THE_SERVERS_WORKER
+def test_a_resumed_run_goes_on_in_its_mlflow_run_and_a_deleted_one_is_a_new_run(
+        mlflow_server, train_here, caplog):
+    """Stopped and resumed, a run's curves are one MLflow run's, its steps going on (as
+    Lightning's MLFlowLogger given the run_id); a resume whose run was deleted on the
+    tracker logs into a new one, said in one line, and trains as ever."""
+    from mlflow import MlflowClient
+
+    run = [*FAST, "trainer.log_every_n_steps=2", "logger=[mlflow]",
+           f"logger.mlflow.tracking_uri={mlflow_server}", "logger.mlflow.experiment_name=resumes"]
+    train_here(*run, "trainer.max_steps=4")
+    train_here(*run, "trainer.max_steps=8", "trainer.resume=auto")
+    client = MlflowClient(mlflow_server)
+    experiment = client.get_experiment_by_name("resumes").experiment_id
+    [first] = client.search_runs([experiment])
+    assert first.info.status == "FINISHED"
+    assert first.data.params["trainer.max_steps"] == "4"  # MLflow keeps a param's first value
+    steps = [m.step for m in client.get_metric_history(first.info.run_id, "train/loss")]
+    assert sorted(steps) == [2, 4, 6, 8]
+
+    client.delete_run(first.info.run_id)
+    with caplog.at_level(logging.WARNING):
+        metrics, _ = train_here(*run, "trainer.max_steps=12", "trainer.resume=auto")
+    warned = [r.getMessage() for r in caplog.records if r.name.startswith("parallab.observe")]
+    assert len(warned) == 1 and f"MLflow run {first.info.run_id} is deleted" in warned[0]
+    [second] = client.search_runs([experiment])
+    assert second.info.run_id != first.info.run_id and metrics["steps"] == 12
+    steps = [m.step for m in client.get_metric_history(second.info.run_id, "train/loss")]
+    assert sorted(steps) == [10, 12]
+
+
 @pytest.mark.parametrize("listening", [False, True], ids=["nothing-listens", "never-answers"])
 def test_a_tracker_that_is_down_is_one_warning_and_the_run_goes_on(train_here, caplog,
                                                                   listening):

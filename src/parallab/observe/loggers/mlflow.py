@@ -1,10 +1,12 @@
 """MLflow, through its own client: a run per parallab run, its config as params, figures as
-metric histories by step, a sweep's jobs as child runs of one parent run."""
+metric histories by step, a sweep's jobs as child runs of one parent run; a resumed run
+logs into the MLflow run it started."""
 
 from __future__ import annotations
 
 import functools
 import importlib.util
+import json
 import logging
 import os
 import time
@@ -26,6 +28,9 @@ STATUS = {"finished": "FINISHED", "stopped": "KILLED", "failed": "FAILED"}
 # a tracker that stops answering costs a few seconds, not MLflow's two minutes of retries
 # per request (MLflow reads these at each request; the user's own settings win)
 HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+# the run dir's MLflow run: a resumed run (trainer.resume, a requeue) goes on in it, its
+# curves one history, not split over two runs in the UI
+RUN_FILE = "mlflow_run.json"
 
 
 # the stores MLflow's client opens by URI scheme ('' : a local path), and the database
@@ -92,6 +97,10 @@ class MLflowLogger(Logger):
                     f"which is not installed: pip install {module}")
         return None
 
+    @classmethod
+    def writes(cls, **config: Any) -> list[str]:
+        return [RUN_FILE]  # trainer.overwrite=true deletes it: the new run is a new MLflow run
+
     def uri(self) -> str:
         """The tracking URI: as set, else a local store in the outputs dir."""
         if self.tracking_uri:
@@ -116,16 +125,58 @@ class MLflowLogger(Logger):
             if uri.startswith("sqlite:///") else None
         experiment = found.experiment_id if found else self.client.create_experiment(
             self.experiment_name, artifact_location=beside)
+        self.run_id = self.continued(run.run_dir, uri, experiment) or self.created(run,
+                                                                                   experiment)
+        run.run_dir.mkdir(parents=True, exist_ok=True)
+        (run.run_dir / RUN_FILE).write_text(json.dumps({
+            "run_id": self.run_id, "tracking_uri": uri, "experiment": self.experiment_name}) + "\n")
+        self.log_params(run.params)
+        self.client.log_text(self.run_id, run.config_yaml, "config.yaml")
+        log.info("mlflow: run %s in experiment %r at %s", self.run_id, self.experiment_name, uri)
+
+    def created(self, run: RunInfo, experiment: str) -> str:
         tags = {**run.tags, "parallab.run_dir": str(run.run_dir),
                 "parallab.overrides": " ".join(run.overrides)}
         if run.sweep is not None:
             tags["parallab.sweep"] = run.sweep
             tags["mlflow.parentRunId"] = self.parent(experiment, run.sweep)
-        self.run_id = self.client.create_run(experiment, run_name=self.run_name or run.name,
-                                             tags=tags).info.run_id
-        self.log_params(run.params)
-        self.client.log_text(self.run_id, run.config_yaml, "config.yaml")
-        log.info("mlflow: run %s in experiment %r at %s", self.run_id, self.experiment_name, uri)
+        return self.client.create_run(experiment, run_name=self.run_name or run.name,
+                                      tags=tags).info.run_id
+
+    def continued(self, run_dir: Path, uri: str, experiment: str) -> str | None:
+        """The MLflow run an earlier start in this run dir logged into, running again, if
+        the tracker still has it in this experiment: None (a new run) if there is none, or
+        it is gone or elsewhere (one warning: a resume is no reason to lose the tracker)."""
+        try:
+            earlier = json.loads((run_dir / RUN_FILE).read_text())
+            run_id, was = earlier["run_id"], (earlier["tracking_uri"], earlier["experiment"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        if was != (uri, self.experiment_name):
+            log.warning("logger.mlflow: this run dir's MLflow run %s is in experiment %r at "
+                        "%s: this start logs into a new run; give logger.mlflow.tracking_uri "
+                        "and experiment_name as before to go on in it", run_id, was[1], was[0])
+            return None
+        from mlflow.exceptions import MlflowException
+
+        try:
+            found = self.client.get_run(run_id)
+        except MlflowException as error:
+            if error.error_code != "RESOURCE_DOES_NOT_EXIST":
+                raise
+            found = None
+        if found is None or found.info.lifecycle_stage != "active" \
+                or found.info.experiment_id != experiment:
+            log.warning("logger.mlflow: this run dir's MLflow run %s is deleted or gone at %s: "
+                        "this start logs into a new run (a deleted one restored, `mlflow runs "
+                        "restore --run-id %s`, before resuming would go on)", run_id, uri, run_id)
+            return None
+        self.client.update_run(run_id, "RUNNING")
+        # MLflow refuses a param logged again with another value (a resume's longer
+        # trainer.max_steps): the first start's values stay
+        self.params.update(found.data.params)
+        log.info("mlflow: run %s goes on (%s)", run_id, run_dir / RUN_FILE)
+        return run_id
 
     def parent(self, experiment: str, sweep: str) -> str:
         """The sweep's parent run, made by its first job: one view of the sweep's jobs."""
