@@ -224,6 +224,31 @@ def test_a_tracker_that_is_down_is_one_warning_and_the_run_goes_on(train_here, c
 
 
 
+@ON_THE_SERVERS_WORKER
+def test_a_tracker_gone_mid_run_is_one_line_not_a_retry_warning_each(mlflow_server, train_here,
+                                                                   caplog, monkeypatch):
+    """A tracker that goes away once the run is under way: parallab's one line, not urllib3's
+    "Retrying (Retry(total=...))" at each retry of each request besides (nor a second line
+    and a second wait, from the final params sent after the figures had failed)."""
+    from parallab.observe.loggers.mlflow import QUIET_RETRIES, MLflowLogger
+
+    start = MLflowLogger.start
+    with testing.relay(mlflow_server) as (uri, cut):
+        def started(self, run):
+            start(self, run)
+            cut()
+
+        monkeypatch.setattr(MLflowLogger, "start", started)
+        with caplog.at_level(logging.WARNING):
+            metrics, _ = train_here(*FAST, "trainer.max_steps=4", "logger=[mlflow]",
+                                    f"logger.mlflow.tracking_uri={uri}")
+    warned = [r.getMessage() for r in caplog.records
+              if r.name.startswith(("parallab.observe", "urllib3", "mlflow"))]
+    assert len(warned) == 1 and f"logger.mlflow: {uri} stopped answering" in warned[0], warned
+    assert metrics["steps"] == 4
+    assert QUIET_RETRIES not in logging.getLogger("urllib3.connectionpool").filters  # the run's
+
+
 def test_a_local_stores_artifacts_go_beside_its_database(train_here, tmp_path, monkeypatch):
     """MLflow's default artifact root is ./mlruns in the dir a run starts from (a checkout's,
     a project's): a local store's go beside its database instead."""

@@ -176,3 +176,45 @@ def mlflow_server(store: Path, port: int, ready_s: float = 90) -> Iterator[str]:
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+@contextlib.contextmanager
+def relay(target: str) -> Iterator[tuple[str, Callable[[], None]]]:
+    """A TCP relay to `target` (http://HOST:PORT) on a port of its own: its URI, and a call
+    that cuts it (the listener and every connection shut), which is how a tracker that goes
+    away mid-run looks to its client, while the real one goes on serving other tests."""
+    import socket
+    import threading
+    from urllib.parse import urlparse
+
+    where = urlparse(target)
+    listener = socket.create_server(("127.0.0.1", 0))
+    relayed: list[socket.socket] = []
+
+    def pump(source: socket.socket, sink: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := source.recv(65536):
+                sink.sendall(data)
+        with contextlib.suppress(OSError):
+            sink.shutdown(socket.SHUT_WR)
+
+    def accept() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                client = listener.accept()[0]
+                server = socket.create_connection((where.hostname, where.port))
+                relayed.extend((client, server))
+                for ends in ((client, server), (server, client)):
+                    threading.Thread(target=pump, args=ends, daemon=True).start()
+
+    def cut() -> None:
+        for sock in (listener, *relayed):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)  # wakes the threads blocked on it
+            sock.close()
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}", cut
+    finally:
+        cut()

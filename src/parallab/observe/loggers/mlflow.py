@@ -25,8 +25,11 @@ BATCH = 100  # params per request (MLflow's limit)
 METRICS_BATCH = 1000  # metrics per request (MLflow's limit)
 NAME_LENGTH = 256  # an experiment's name column in MLflow's SQL stores
 STATUS = {"finished": "FINISHED", "stopped": "KILLED", "failed": "FAILED"}
-# a tracker that stops answering costs a few seconds, not MLflow's two minutes of retries
-# per request (MLflow reads these at each request; the user's own settings win)
+# a tracker that stops answering costs the run's end (its last figures waited on) one
+# request's tries, not MLflow's minutes of retries per request: about 5 s where it has gone
+# (refused: MLflow's backoff of 2 s, 4 s), about 35 s where it never answers (3 tries of
+# 10 s), once: nothing is sent after the first failure (MLflow reads these at each request;
+# the user's own settings win)
 HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
 # the run dir's MLflow run: a resumed run (trainer.resume, a requeue) goes on in it, its
 # curves one history, not split over two runs in the UI
@@ -113,6 +116,7 @@ class MLflowLogger(Logger):
         answering(uri)
         self.defaulted = [name for name in HTTP_DEFAULTS if name not in os.environ]
         os.environ.update({name: HTTP_DEFAULTS[name] for name in self.defaulted})
+        logging.getLogger("urllib3.connectionpool").addFilter(QUIET_RETRIES)
         if uri.startswith("sqlite:"):
             Path(uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
         from mlflow import MlflowClient
@@ -225,14 +229,16 @@ class MLflowLogger(Logger):
 
     @_unsetting_on_error
     def text(self, tag: str, markdown: str) -> None:
-        self.client.log_text(self.run_id, markdown, f"{tag}.md")
+        if self.sender.failed is None:
+            self.client.log_text(self.run_id, markdown, f"{tag}.md")
 
     @_unsetting_on_error
     def finish(self, final: dict[str, float], hparams: dict[str, Any], step: int) -> None:
         self.scalars(final, step)
         self.flush(time.time())
         self.sender.close()  # every figure sent before the run is closed
-        self.log_params(hparams)
+        if self.sender.failed is None:  # a tracker gone is said once, and not waited on again
+            self.log_params(hparams)
 
     def close(self, status: str) -> None:
         self.flush(time.time())
@@ -249,6 +255,23 @@ class MLflowLogger(Logger):
         for name in self.defaulted:
             os.environ.pop(name, None)
         self.defaulted = []
+        logging.getLogger("urllib3.connectionpool").removeFilter(QUIET_RETRIES)
+
+
+class QuietRetries(logging.Filter):
+    """urllib3's warning at each retry of a request to MLflow's REST API ("Retrying
+    (Retry(total=1, ...)) after connection broken by ...: /api/2.0/mlflow/runs/log-batch"):
+    a tracker that stops answering is parallab's one line, not those too. Another client's
+    requests (the user's own, a data loader's) still say theirs."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not (isinstance(record.msg, str) and record.msg.startswith("Retrying")):
+            return True
+        return not any("/mlflow/" in str(arg) or "/ajax-api/" in str(arg)
+                       for arg in record.args or ())
+
+
+QUIET_RETRIES = QuietRetries()
 
 
 def file_store_refused() -> bool:
