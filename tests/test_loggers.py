@@ -170,7 +170,7 @@ def test_a_run_in_this_process_gives_mlflows_own_http_settings_back(mlflow_serve
 
 
 @ON_THE_SERVERS_WORKER
-def test_a_resumed_run_goes_on_in_its_mlflow_run_and_a_deleted_one_is_a_new_run(
+def test_a_resumed_run_goes_on_in_its_mlflow_run_or_says_why_not(
         mlflow_server, train_here, caplog):
     """Stopped and resumed, a run's curves are one MLflow run's, its steps going on (as
     Lightning's MLFlowLogger given the run_id); a resume whose run was deleted on the
@@ -198,6 +198,21 @@ def test_a_resumed_run_goes_on_in_its_mlflow_run_and_a_deleted_one_is_a_new_run(
     assert second.info.run_id != first.info.run_id and metrics["steps"] == 12
     steps = [m.step for m in client.get_metric_history(second.info.run_id, "train/loss")]
     assert sorted(steps) == [10, 12]
+
+    # resumed into another experiment: a new run there, said; logger.mlflow.run_id given, a
+    # run dir's start goes on in that run, as Lightning's
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        train_here(*run, "logger.mlflow.experiment_name=elsewhere", "trainer.max_steps=14",
+                   "trainer.resume=auto")
+    warned = [r.getMessage() for r in caplog.records if r.name.startswith("parallab.observe")]
+    assert len(warned) == 1 and "is in experiment 'resumes' at" in warned[0]
+    [_] = client.search_runs([client.get_experiment_by_name("elsewhere").experiment_id])
+    train_here(*run, "trainer.max_steps=2", f"logger.mlflow.run_id={second.info.run_id}",
+               name="another")
+    [again] = client.search_runs([experiment])
+    steps = [m.step for m in client.get_metric_history(again.info.run_id, "train/loss")]
+    assert again.info.run_id == second.info.run_id and sorted(steps) == [2, 10, 12]
 
 
 @pytest.mark.parametrize("listening", [False, True], ids=["nothing-listens", "never-answers"])

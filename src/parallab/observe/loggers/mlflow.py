@@ -61,12 +61,14 @@ class MLflowLogger(Logger):
     requires = "mlflow"
 
     def __init__(self, tracking_uri: str | None = None, experiment_name: str = "parallab",
-                 run_name: str | None = None, send_every_s: float = 5.0) -> None:
+                 run_name: str | None = None, send_every_s: float = 5.0,
+                 run_id: str | None = None) -> None:
         self.send_every_s = send_every_s
         self.tracking_uri = tracking_uri
         self.experiment_name = experiment_name
         self.run_name = run_name
         self.client = None
+        self.given_run_id = run_id or None  # an MLflow run to go on in, whatever the run dir's
         self.run_id: str | None = None
         self.params: set[str] = set()
         self.sender = Sender("mlflow", self.uri())
@@ -129,8 +131,7 @@ class MLflowLogger(Logger):
             if uri.startswith("sqlite:///") else None
         experiment = found.experiment_id if found else self.client.create_experiment(
             self.experiment_name, artifact_location=beside)
-        self.run_id = self.continued(run.run_dir, uri, experiment) or self.created(run,
-                                                                                   experiment)
+        self.run_id = self.continued(run.run_dir, uri) or self.created(run, experiment)
         run.run_dir.mkdir(parents=True, exist_ok=True)
         (run.run_dir / RUN_FILE).write_text(json.dumps({
             "run_id": self.run_id, "tracking_uri": uri, "experiment": self.experiment_name}) + "\n")
@@ -147,10 +148,40 @@ class MLflowLogger(Logger):
         return self.client.create_run(experiment, run_name=self.run_name or run.name,
                                       tags=tags).info.run_id
 
-    def continued(self, run_dir: Path, uri: str, experiment: str) -> str | None:
-        """The MLflow run an earlier start in this run dir logged into, running again, if
-        the tracker still has it in this experiment: None (a new run) if there is none, or
-        it is gone or elsewhere (one warning: a resume is no reason to lose the tracker)."""
+    def continued(self, run_dir: Path, uri: str) -> str | None:
+        """The MLflow run to go on in, running again: logger.mlflow.run_id's (as Lightning's),
+        else the one an earlier start in this run dir logged into, if the tracker still has
+        it; None (a new run) if there is none, or it is gone or elsewhere (one warning: a
+        resume is no reason to lose the tracker)."""
+        if self.given_run_id is not None:
+            run_id, whose = self.given_run_id, f"logger.mlflow.run_id={self.given_run_id}"
+        else:
+            run_id, whose = self.earlier(run_dir, uri), "this run dir's MLflow run"
+            if run_id is None:
+                return None
+        from mlflow.exceptions import MlflowException
+
+        try:
+            found = self.client.get_run(run_id)
+        except MlflowException as error:
+            if error.error_code != "RESOURCE_DOES_NOT_EXIST":
+                raise
+            found = None
+        if found is None or found.info.lifecycle_stage != "active":
+            log.warning("logger.mlflow: %s %s is deleted or gone at %s: this start logs into a "
+                        "new run (restore a deleted one, `mlflow runs restore --run-id %s`, to "
+                        "go on in it)", whose, run_id, uri, run_id)
+            return None
+        self.client.update_run(run_id, "RUNNING")
+        # MLflow refuses a param logged again with another value (a resume's longer
+        # trainer.max_steps): the first start's values stay
+        self.params.update(found.data.params)
+        log.info("mlflow: run %s goes on (%s)", run_id, whose)
+        return run_id
+
+    def earlier(self, run_dir: Path, uri: str) -> str | None:
+        """The MLflow run an earlier start in this run dir logged into, if at this tracker
+        and experiment: another's is not this run's to go on in (one warning)."""
         try:
             earlier = json.loads((run_dir / RUN_FILE).read_text())
             run_id, was = earlier["run_id"], (earlier["tracking_uri"], earlier["experiment"])
@@ -161,25 +192,6 @@ class MLflowLogger(Logger):
                         "%s: this start logs into a new run; give logger.mlflow.tracking_uri "
                         "and experiment_name as before to go on in it", run_id, was[1], was[0])
             return None
-        from mlflow.exceptions import MlflowException
-
-        try:
-            found = self.client.get_run(run_id)
-        except MlflowException as error:
-            if error.error_code != "RESOURCE_DOES_NOT_EXIST":
-                raise
-            found = None
-        if found is None or found.info.lifecycle_stage != "active" \
-                or found.info.experiment_id != experiment:
-            log.warning("logger.mlflow: this run dir's MLflow run %s is deleted or gone at %s: "
-                        "this start logs into a new run (a deleted one restored, `mlflow runs "
-                        "restore --run-id %s`, before resuming would go on)", run_id, uri, run_id)
-            return None
-        self.client.update_run(run_id, "RUNNING")
-        # MLflow refuses a param logged again with another value (a resume's longer
-        # trainer.max_steps): the first start's values stay
-        self.params.update(found.data.params)
-        log.info("mlflow: run %s goes on (%s)", run_id, run_dir / RUN_FILE)
         return run_id
 
     def parent(self, experiment: str, sweep: str) -> str:
