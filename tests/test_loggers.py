@@ -174,7 +174,8 @@ def test_a_resumed_run_goes_on_in_its_mlflow_run_or_says_why_not(
         mlflow_server, train_here, caplog):
     """Stopped and resumed, a run's curves are one MLflow run's, its steps going on (as
     Lightning's MLFlowLogger given the run_id); a resume whose run was deleted on the
-    tracker logs into a new one, said in one line, and trains as ever."""
+    tracker, or that logs to another experiment, logs into a new one, said in one line, and
+    trains as ever."""
     from mlflow import MlflowClient
 
     run = [*FAST, "trainer.log_every_n_steps=2", "logger=[mlflow]",

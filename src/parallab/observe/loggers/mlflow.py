@@ -27,9 +27,9 @@ NAME_LENGTH = 256  # an experiment's name column in MLflow's SQL stores
 STATUS = {"finished": "FINISHED", "stopped": "KILLED", "failed": "FAILED"}
 # a tracker that stops answering costs the run's end (its last figures waited on) one
 # request's tries, not MLflow's minutes of retries per request: about 5 s where it has gone
-# (refused: MLflow's backoff of 2 s, 4 s), about 35 s where it never answers (3 tries of
-# 10 s), once: nothing is sent after the first failure (MLflow reads these at each request;
-# the user's own settings win)
+# (refused at once: the second retry's backoff, 4-5 s), about 35 s where it never answers
+# (3 tries of 10 s), once: nothing is sent after the first failure (MLflow reads these at
+# each request; the user's own settings win)
 HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
 # the run dir's MLflow run: a resumed run (trainer.resume, a requeue) goes on in it, its
 # curves one history, not split over two runs in the UI
