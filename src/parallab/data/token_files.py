@@ -104,16 +104,17 @@ class TokenFiles(DataConfig):
 
     def split(self) -> tuple[list[Source], Windows | Joined]:
         """Each source's training windows, and the eval windows."""
-        eos = self.eos_id
+        eos, vocab = self.eos_id, self.vocab_size
         train, held = [], []
         for name, spec, weight in self.named_sources():
-            every = Windows(self.opened(spec), self.seq_len, eos_id=eos)
+            every = Windows(self.opened(spec), self.seq_len, eos_id=eos, vocab=vocab)
             cut = len(every) if self.eval_files is not None else \
                 len(every) - max(1, int(len(every) * self.eval_fraction))
             train.append(Source(name, every.part(0, cut), float(weight)))
             held.append(every.part(cut, len(every)))
         if self.eval_files is not None:
-            held = [Windows(self.opened(self.eval_files), self.seq_len, eos_id=eos)]
+            held = [Windows(self.opened(self.eval_files), self.seq_len, eos_id=eos,
+                            vocab=vocab)]
         evaluated = held[0] if len(held) == 1 else Joined(held)
         if self.eval_samples is not None and self.eval_samples < len(evaluated):
             evaluated = evaluated.part(0, self.eval_samples) if isinstance(

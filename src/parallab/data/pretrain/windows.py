@@ -15,15 +15,29 @@ from typing import Optional
 
 import numpy as np
 
+from parallab.config.errors import OneLineError
 from parallab.data.pretrain.files import TokenFile
+
+
+class TokenIdOutOfRange(OneLineError):
+    """A token id read at or above the vocabulary (or below 0): bad input, as the start's
+    sampled check refuses it, found where a batch reads it."""
+
+    status = 2
 
 
 class Windows:
     """Windows [lo, hi) of the files' windows, in file order."""
 
     def __init__(self, files: list[TokenFile], seq_len: int, lo: int = 0,
-                 hi: Optional[int] = None, eos_id: Optional[int] = None):
-        self.files, self.seq_len, self.eos_id = files, seq_len, eos_id
+                 hi: Optional[int] = None, eos_id: Optional[int] = None,
+                 vocab: Optional[int] = None):
+        self.files, self.seq_len, self.eos_id, self.vocab = files, seq_len, eos_id, vocab
+        # ids are checked where a file's dtype can hold one outside the vocabulary (a
+        # signed one, or one wider than it): uint16 files under a vocabulary of 65,536 not
+        self.signed = any(np.iinfo(f.tokens.dtype).min < 0 for f in files)
+        self.checked = vocab is not None and (self.signed or any(
+            np.iinfo(f.tokens.dtype).max >= vocab for f in files))
         counts = [max(0, (len(f) - 1) // seq_len) for f in files]
         self.first = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)  # per file
         self.lo = lo
@@ -40,7 +54,8 @@ class Windows:
         return int(self.first[-1])
 
     def part(self, lo: int, hi: int) -> Windows:
-        return Windows(self.files, self.seq_len, self.lo + lo, self.lo + hi, self.eos_id)
+        return Windows(self.files, self.seq_len, self.lo + lo, self.lo + hi, self.eos_id,
+                       self.vocab)
 
     def where(self, index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(file, first token) of each window (numbers within this range)."""
@@ -58,11 +73,28 @@ class Windows:
             tokens = self.arrays[0]
             for row, start in enumerate(((np.asarray(index) + self.lo) * self.seq_len).tolist()):
                 out[row] = tokens[start:start + width]
-            return out
-        files, starts = self.where(index)
-        for row, (f, start) in enumerate(zip(files.tolist(), starts.tolist())):
-            out[row] = self.arrays[f][start:start + width]
+        else:
+            files, starts = self.where(index)
+            for row, (f, start) in enumerate(zip(files.tolist(), starts.tolist())):
+                out[row] = self.arrays[f][start:start + width]
+        if self.checked:
+            self._check_ids(index, out)
         return out
+
+    def _check_ids(self, index: np.ndarray, tokens: np.ndarray) -> None:
+        """TokenIdOutOfRange for the first id of `tokens` outside the vocabulary: the start's
+        check reads 16 slices of a file, and an id elsewhere had reached the embedding as a
+        bare IndexError deep in torch. A max (and a min for a signed file) over the batch:
+        a few us against the read's tens (docs/runs.md)."""
+        if int(tokens.max()) < self.vocab and (not self.signed or int(tokens.min()) >= 0):
+            return
+        row, column = (int(i) for i in np.argwhere((tokens >= self.vocab) | (tokens < 0))[0])
+        files, starts = self.where(np.asarray(index)[row:row + 1])
+        raise TokenIdOutOfRange(
+            f"{self.files[int(files[0])].path} holds token id {int(tokens[row, column])} at "
+            f"token {int(starts[0]) + column}, not in the model's vocabulary of {self.vocab} "
+            "(data.vocab_size): set model.vocab_size to the tokenizer's vocabulary, or "
+            "tokenize the file again with the model's tokenizer")
 
     def documents(self, index: np.ndarray, tokens: np.ndarray) -> Optional[np.ndarray]:
         """(n, seq_len + 1) int32: which document of its window each token is in (0 for the
