@@ -1,8 +1,12 @@
 """data=token_files where a batch is read: a token id outside the model's vocabulary that
-the start's sampled check missed ends the rank with one line naming the file, not a
-traceback from the embedding."""
+the start's sampled check missed, and a file cut short under the running reader, each end
+the rank with one line naming the file, not a traceback from the embedding or SIGBUS."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -73,3 +77,41 @@ def test_training_on_an_id_outside_the_vocabulary_ends_in_one_line_with_exit_sta
         f"{one_bad_id} holds token id 300 at token {BAD_AT}, not in the model's vocabulary "
         "of 256 (data.vocab_size): set model.vocab_size to the tokenizer's vocabulary, or "
         "tokenize the file again with the model's tokenizer")
+
+
+@pytest.mark.parametrize("pair", [False, True], ids=["flat", "idx"])
+def test_a_file_cut_short_under_the_reader_is_one_line_not_sigbus(tmp_path, pair):
+    """A read past a flat file's new end had ended the process by SIGBUS (a memmap of a
+    file that shrank), an .idx cut within its last page read zeros as document starts:
+    the read is refused naming the file, in a process of its own since SIGBUS would end
+    this one."""
+    documents = [np.arange(1, 2_000, dtype=np.uint16) % 256 for _ in range(64)]
+    bin_ = tmp_path / "train.bin"
+    if pair:
+        token_files.write_indexed(tmp_path / "train", documents)
+    else:
+        np.concatenate(documents).tofile(bin_)
+    cut = tmp_path / "train.idx" if pair else bin_
+    size = cut.stat().st_size
+    script = textwrap.dedent(f"""
+        import os, numpy as np
+        from parallab.data.pretrain.files import FileCutShort, open_tokens
+        from parallab.data.pretrain.windows import Windows
+        windows = Windows([open_tokens({str(bin_)!r}, "uint16")], {SEQ})
+        last = np.array([len(windows) - 1])
+        windows.read(last)
+        os.truncate({str(cut)!r}, os.path.getsize({str(cut)!r}) // 4)
+        try:
+            tokens = windows.read(last)
+            if windows.files[0].marks_documents:
+                windows.documents(last, tokens)
+        except FileCutShort as error:
+            print(error)
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, f"exit {result.returncode}: {output(result)[-2000:]}"
+    assert result.stdout.strip() == (
+        f"{cut} is {cut.stat().st_size} bytes, {size} when the run mapped it: it was changed "
+        "(cut short or written again) while the run read it; put the file back as it was "
+        "and resume (trainer.resume=auto), or start a new run on the new file")

@@ -4,7 +4,8 @@ run names), a numpy .npy (its header states its dtype), or Megatron-LM's indexed
 
 Nothing here reads the tokens: a file is a numpy memmap, and the operating system brings
 in the pages a window touches. A fingerprint (size and three 64 KiB slices) tells a file
-changed since a checkpoint without reading it whole.
+changed since a checkpoint without reading it whole; a file's size against its size when
+mapped tells one cut short under a running reader (TokenFile.check_size).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
+
+from parallab.config.errors import OneLineError
 
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}  # data.dtype of a flat .bin
 IDX_HEADER = b"MMIDIDX\x00\x00"  # Megatron-LM's MMapIndexedDataset index
@@ -33,6 +36,11 @@ class FileProblem(ValueError):
     """A token file that cannot be read as it is: one line naming the file and the fix."""
 
 
+class FileCutShort(OneLineError):
+    """A mapped token file whose size changed while the run read it: reading a page past
+    its new end would have ended the rank by SIGBUS, no line said."""
+
+
 @dataclass
 class TokenFile:
     path: str
@@ -40,12 +48,33 @@ class TokenFile:
     # byte offsets where its documents start (a .idx's sequence pointers, memory-mapped)
     pointers: Optional[np.ndarray] = None
 
+    def __post_init__(self) -> None:
+        # each mapping's mmap (which holds its file open: size() is an fstat, 0.5 us) and
+        # the file's size when mapped
+        named = ((self.path, self.tokens), (str(Path(self.path).with_suffix(".idx")),
+                                            self.pointers))
+        self.mapped = [(path, m, m.size()) for path, array in named
+                       if (m := getattr(array, "_mmap", None)) is not None]
+
     @property
     def marks_documents(self) -> bool:
         return self.pointers is not None
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    def check_size(self) -> None:
+        """FileCutShort where a mapped file's size is not what it was when mapped. A file
+        cut in the moment between this and the read still ends the rank by SIGBUS: the
+        check narrows that to the read of one batch (docs/runs.md)."""
+        for path, mapping, size in self.mapped:
+            now = mapping.size()
+            if now != size:
+                raise FileCutShort(
+                    f"{path} is {now} bytes, {size} when the run mapped it: it was changed "
+                    "(cut short or written again) while the run read it; put the file back "
+                    "as it was and resume (trainer.resume=auto), or start a new run on the "
+                    "new file")
 
 
 def paths(spec: Any) -> list[str]:

@@ -70,11 +70,14 @@ class Windows:
         width = self.seq_len + 1
         out = np.empty((len(index), width), dtype=np.int64)
         if len(self.files) == 1:  # one file: a window's first token by a multiply
+            self.files[0].check_size()
             tokens = self.arrays[0]
             for row, start in enumerate(((np.asarray(index) + self.lo) * self.seq_len).tolist()):
                 out[row] = tokens[start:start + width]
         else:
             files, starts = self.where(index)
+            for f in set(files.tolist()):
+                self.files[f].check_size()
             for row, (f, start) in enumerate(zip(files.tolist(), starts.tolist())):
                 out[row] = self.arrays[f][start:start + width]
         if self.checked:
