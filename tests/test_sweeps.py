@@ -150,6 +150,25 @@ def test_a_failing_job_is_reported_and_the_others_still_run(tmp_path):
     assert nothing.returncode != 0 and "no multirun jobs" in nothing.stderr
 
 
+def test_an_optuna_sweep_whose_every_trial_fails_ends_with_its_summary_and_one_line(tmp_path):
+    """Optuna's sweeper asked its study for the best of no completed trial: the sweep
+    ended in its traceback, no summary written."""
+    sweep_dir = tmp_path / "sweep"
+    result = sweep(sweep_dir, "hydra/sweeper=optuna", "hydra.sweeper.n_trials=2",
+                   "optim.lr=interval(0.01,0.1)", "data.batch_size=0")
+    said = output(result)
+    assert result.returncode == 1, said[-3000:]
+    assert "Traceback" not in said and "No trials are completed" not in said
+    rows = summary_rows(sweep_dir)
+    assert [r["status"] for r in rows] == ["failed", "failed"]
+    assert all("data.batch_size=0" in r["error"] for r in rows)
+    assert "| failed |" in result.stdout
+    assert result.stdout.strip().splitlines()[-1].endswith(  # (Optuna's own log: stderr)
+        "every trial of the Optuna sweep failed, so it has no best parameters: each trial's "
+        f"error is in {sweep_dir / 'summary.md'} (its log, with any traceback, in its job "
+        "dir's train.log there); mend it and run the sweep again")
+
+
 # sitecustomize for the sweep's process: SIGTERM to itself at the first job's 2nd step
 STOP_FIRST_JOB = """
 import os, signal

@@ -286,14 +286,16 @@ def _train_task(dict_cfg: DictConfig, call: Invocation) -> float | None:
 
 @functools.cache
 def _register_configs() -> None:
-    """parallab's schemas, its launchers that check every job of a sweep first, and its
-    submitit_slurm launcher where the plugin is installed: once a process (Hydra's
-    ConfigStore keeps them; each compose of a process that composes many, a test suite's or
-    advise's, stored them again)."""
-    from hydra_plugins.parallab_launchers import checked
+    """parallab's schemas, its launchers that check every job of a sweep first, its Optuna
+    sweeper that summarizes a sweep of no completed trial, and its submitit_slurm launcher
+    where the plugin is installed: once a process (Hydra's ConfigStore keeps them; each
+    compose of a process that composes many, a test suite's or advise's, stored them
+    again)."""
+    from hydra_plugins.parallab_launchers import checked, optuna_sweep
 
     register_configs()
     checked.register()
+    optuna_sweep.register()
     try:
         from parallab.launching import allocation
     except ImportError:  # no hydra-submitit-launcher (the slurm extra): Hydra says so
