@@ -179,6 +179,27 @@ def test_evaluate_without_ckpt_is_one_line():
     assert "ckpt is not set" in output(result)
 
 
+def test_evaluate_given_a_config_to_train_with_says_how_it_is_called(tmp_path):
+    """`evaluate.py -cn <a config to train with>` had ended in OmegaConf's traceback (Key
+    'ckpt' not in 'Config'), and with ckpt=... in Hydra's line that the config has no
+    key ckpt: neither said that evaluate.py composes its own config."""
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "mine.yaml").write_text("defaults:\n  - config\n  - _self_\n")
+    result = run_entry("evaluate.py", [f"--config-dir={tmp_path / 'conf'}", "-cn", "mine",
+                                       "device=cpu"], tmp_path / "eval")
+    assert result.returncode == 2 and "Traceback" not in output(result), output(result)
+    assert output(result).strip().splitlines()[-1].endswith(
+        "evaluate.py --config-name=mine: mine is a config to train with, which takes no ckpt; "
+        "evaluate.py composes its own and takes the checkpoint (its model and data come from "
+        "it): python evaluate.py ckpt=outputs/DATE/TIME/checkpoints/last.pt [overrides], no "
+        "--config-name")
+    given = run_entry("evaluate.py", ["-cn", "config", "ckpt=last.pt", "device=cpu"],
+                      tmp_path / "given")
+    assert given.returncode == 2 and "Traceback" not in output(given), output(given)
+    assert "ckpt is the checkpoint evaluate.py takes, under its own config: python " \
+        "evaluate.py ckpt=PATH [overrides], no --config-name" in output(given)
+
+
 def test_peak_memory_is_the_runs_own_not_an_earlier_jobs(train_here):
     """A sweep's jobs share a process: a 1.2 GB job before must not be this run's peak
     (a short run adds far less than 600 MB to what the process already holds)."""

@@ -35,9 +35,15 @@ def _evaluate_task(dict_cfg: DictConfig, call: Invocation) -> float:
     from parallab.training import rundir
     from parallab.training.checkpoint import CheckpointError
 
+    usage = "python evaluate.py ckpt=outputs/DATE/TIME/checkpoints/last.pt"
+    # --config-name gave a config to train with (keys(): `in` is false for ckpt=??? too)
+    if "ckpt" not in dict_cfg.keys():
+        name = HydraConfig.get().job.config_name
+        _fail(f"evaluate.py --config-name={name}: {name} is a config to train with, which "
+              "takes no ckpt; evaluate.py composes its own and takes the checkpoint (its "
+              f"model and data come from it): {usage} [overrides], no --config-name", 2)
     if OmegaConf.is_missing(dict_cfg, "ckpt"):
-        _fail("ckpt is not set: give the checkpoint to evaluate, python evaluate.py "
-              "ckpt=outputs/DATE/TIME/checkpoints/last.pt", 2)
+        _fail(f"ckpt is not set: give the checkpoint to evaluate, {usage}", 2)
     overrides = list(HydraConfig.get().overrides.task)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:

@@ -215,6 +215,10 @@ def _unknown_key_hint(text: str, folders: list[Path]) -> str | None:
     if key is None:
         return None
     parts = key[1].split(".")
+    if key[1] == "ckpt":  # evaluate.py's, given train.py or a config to train with
+        return ("ckpt is the checkpoint evaluate.py takes, under its own config: python "
+                "evaluate.py ckpt=PATH [overrides], no --config-name (train.py goes on from "
+                "one with trainer.resume=PATH)")
     if len(parts) == 2 and parts[0] in TYPED_GROUPS and "not in struct" in text:
         return untyped(parts[0])  # a project's option without its schema: no keys
     typed_in = re.search(r"Key '([^']+)' not in '(\w+)'", text)
