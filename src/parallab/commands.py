@@ -168,11 +168,12 @@ def _trained_data_config(meta: dict[str, Any], dict_cfg: DictConfig, overrides: 
 
     saved = checkpoint.saved_config(meta).get("data")
     chosen = any(o.lstrip("+~").partition("=")[0] == "data" for o in overrides)
-    if not isinstance(saved, dict) or targets_of(saved) is None:
+    trained = saved.get("_target_") if isinstance(saved, dict) else None
+    if trained is None:
         return dict_cfg.data  # a checkpoint that records no data: as composed
-    if chosen and targets_of(saved) != dict_cfg.data.get("_target_"):
+    if chosen and trained != dict_cfg.data.get("_target_"):
         log.info("evaluate.py scores ckpt=%s, trained on data %s, on data %s, as asked",
-                 dict_cfg.ckpt, targets_of(saved), dict_cfg.data.get("_target_"))
+                 dict_cfg.ckpt, trained, dict_cfg.data.get("_target_"))
         return dict_cfg.data
     data = OmegaConf.create(saved)
     for override in overrides:  # the command line's data.KEY=VALUE, as Hydra parsed them
@@ -182,19 +183,13 @@ def _trained_data_config(meta: dict[str, Any], dict_cfg: DictConfig, overrides: 
     return data
 
 
-def targets_of(spec: dict[str, Any]) -> str | None:
-    return spec.get("_target_") if isinstance(spec, dict) else None
-
-
 def _trained_model_config(meta: dict[str, Any], path) -> dict[str, Any]:
     """The model spec a checkpoint was trained with; a pretrained-weights file it named is
     not needed again (the checkpoint holds the weights)."""
     from parallab.training import checkpoint
 
     spec = checkpoint.saved_model(meta, path)
-    if spec.get("weights"):
-        spec["weights"] = None
-    return spec
+    return {**spec, "weights": None} if spec.get("weights") else spec
 
 
 def evaluate(argv: list[str] | None = None) -> None:
