@@ -12,6 +12,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import signal  # noqa: E402
 import subprocess  # noqa: E402
+import textwrap  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 # Ctrl-C as a terminal delivers it: a suite started in the background (`make test &`, a
@@ -38,6 +39,32 @@ GPT_RUN = ["data=bytes", "data.eval_fraction=0.002", "model=gpt", "model.layers=
            "model.heads=2", "model.width=32", "model.context=32", "model.dropout=0.1",
            "data.batch_size=8", "trainer.max_steps=20", "trainer.log_every_n_steps=1",
            "trainer.checkpoint_every_n_steps=null", "device=cpu"]
+
+
+# sitecustomize for the run's processes: act once the trainer has done `step` steps
+INJECT = """
+import os, signal
+import parallab.training.trainer as trainer
+
+step = trainer.Trainer.train_step
+
+def train_step(self, batches):
+    if self.step == {step} and {condition}:
+        {action}
+    return step(self, batches)
+
+trainer.Trainer.train_step = train_step
+"""
+
+
+def inject(tmp_path, step: int, action: str, condition: str = "True") -> dict[str, str]:
+    folder = tmp_path / "inject"
+    folder.mkdir(exist_ok=True)
+    (folder / "sitecustomize.py").write_text(textwrap.dedent(INJECT).format(
+        step=step, action=action, condition=condition))
+    # ahead of a PYTHONPATH the suite runs under (a checkout's src/ over the installed one)
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(folder),
+                                                        os.environ.get("PYTHONPATH")]))}
 
 
 def only_run_dir(root: Path) -> Path:

@@ -16,7 +16,7 @@ import time
 
 import pytest
 import torch
-from conftest import FAST, assert_ok, output, read_metrics, run_entry, scalars
+from conftest import FAST, assert_ok, inject, output, read_metrics, run_entry, scalars
 
 from parallab.cli import JobFailed, train_in_process
 from parallab.config.errors import ConfigError
@@ -25,30 +25,6 @@ pytestmark = pytest.mark.slow
 # a cosine schedule: every resume must also land on the uninterrupted run's learning rates
 RUN = [*FAST, "trainer.epochs=3", "trainer.max_steps=40", "trainer.log_every_n_steps=1",
        "trainer.checkpoint_every_n_steps=10", "scheduler=cosine"]
-
-# sitecustomize for the run's processes: act once the trainer has done `step` steps
-INJECT = """
-import os, signal
-import parallab.training.trainer as trainer
-
-step = trainer.Trainer.train_step
-
-def train_step(self, batches):
-    if self.step == {step} and {condition}:
-        {action}
-    return step(self, batches)
-
-trainer.Trainer.train_step = train_step
-"""
-
-
-def inject(tmp_path, step: int, action: str, condition: str = "True") -> dict[str, str]:
-    folder = tmp_path / "inject"
-    folder.mkdir(exist_ok=True)
-    (folder / "sitecustomize.py").write_text(textwrap.dedent(INJECT).format(
-        step=step, action=action, condition=condition))
-    return {"PYTHONPATH": str(folder)}
-
 
 def losses(run_dir) -> dict[int, tuple[float, float]]:
     """Step -> (train loss, learning rate); a resumed run's later values win."""
