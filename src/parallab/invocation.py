@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import os
 import shutil
@@ -116,6 +115,4 @@ class Stopped(JobFailed):
                          f"stopped by {name}" + (f" at step {steps}" if steps else ""))
 
     def record(self, run_dir: str | Path) -> None:
-        (Path(run_dir) / summary.STATUS_FILE).write_text(json.dumps({
-            "status": "stopped", "signal": signal.Signals(self.signum).name,
-            "step": self.steps}) + "\n")
+        summary.record_stopped(run_dir, self.signum, self.steps)

@@ -32,7 +32,7 @@ import threading
 import time
 from pathlib import Path
 from types import FrameType
-from typing import Iterator
+from typing import Callable, Iterator
 
 from parallab.launching import slurm
 from parallab.observe.observer import StepObserver
@@ -48,8 +48,12 @@ class Preemption(StepObserver):
     """The run's stop request, and its watchdog, which times the loop's steps as one of its
     observers (step_done)."""
 
-    def __init__(self, requeue: tuple[int, ...] = ()) -> None:
+    def __init__(self, requeue: tuple[int, ...] = (),
+                 ended_hard: Callable[[int], None] | None = None) -> None:
         self.signals = (*SIGNALS, *requeue)
+        # records a stop ended at once (the signal's number): os._exit runs nothing after it,
+        # so a process no controller outlives would leave no record
+        self.ended_hard = ended_hard
         self.requeue = requeue  # signals that also ask the job to requeue itself
         self.signum: int | None = None
         self._busy = 0  # evaluating or saving: long, but not stuck
@@ -127,7 +131,7 @@ class Preemption(StepObserver):
             # another rank's agreed it): not a second request
             if time.monotonic() - self._since < SAME_REQUEST_S or signum in self.requeue:
                 return
-            _said_and_ended(signum, "again: ended at once, without saving")
+            self._end(signum, "again: ended at once, without saving")
         self.signum, self._since = signum, time.monotonic()
         if signum in self.requeue:
             slurm.note(signum)
@@ -141,9 +145,15 @@ class Preemption(StepObserver):
             waiting = 0.0 if self._last_step is None else now - max(self._last_step, since)
             stuck = not self._busy and waiting > patience
             if stuck or now - since > GRACE_S:
-                _said_and_ended(self.signum or signal.SIGTERM, "and no step ended after it: "
+                self._end(self.signum or signal.SIGTERM, "and no step ended after it: "
                                 "ended without saving" if stuck else f"and the stop took "
                                 f"over {GRACE_S:.0f} s: ended without saving")
+
+    def _end(self, signum: int, how: str) -> None:
+        if self.ended_hard is not None:
+            with contextlib.suppress(OSError):  # a record unwritable ends the process as well
+                self.ended_hard(signum)
+        _said_and_ended(signum, how)
 
     def _listen(self, reader: socket.socket) -> None:
         while True:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import json
 import logging
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,13 @@ def read_metrics(run_dir: Path) -> dict[str, Any] | None:
 def read_status(run_dir: Path) -> dict[str, Any]:
     """A job's status.json ({} where it holds none)."""
     return _json_object(run_dir / STATUS_FILE) or {}
+
+
+def record_stopped(run_dir: str | Path, signum: int, step: int | None) -> None:
+    """A run's record that a signal stopped it (`step`: where it saved; None where it ended
+    unsaved)."""
+    (Path(run_dir) / STATUS_FILE).write_text(json.dumps({
+        "status": "stopped", "signal": signal.Signals(signum).name, "step": step}) + "\n")
 
 
 def job_row(job_dir: Path) -> dict[str, Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import logging
 import math
@@ -23,7 +24,7 @@ from parallab.launching import distributed, in_place, slurm
 from parallab.launching.preemption import Preemption
 from parallab.loss import build_loss
 from parallab.models import adapters, build_model, tied_names
-from parallab.observe import hparams, loggers
+from parallab.observe import hparams, loggers, summary
 from parallab.observe.loggers import RunLogger
 from parallab.observe.memory import peak_memory_mb, reset_peak_memory
 from parallab.optim import build_optimizer, scaled_lr
@@ -335,7 +336,12 @@ def _fit(spec: RunSpec, dist: distributed.Dist, logger: RunLogger,
          backend: str | None) -> dict[str, Any]:
     """Build model, data, optimizer and trainer on this rank, resume if asked, train, save."""
     cfg = spec.cfg
-    with Preemption(slurm.requeue_signals(cfg.trainer.requeue_signal)) as preemption:
+    # a launched worker's controller records a stop that ended it (cli); a process of its
+    # own, or rank 0 in place, records its own
+    record = functools.partial(summary.record_stopped, spec.run_dir, step=None) \
+        if dist.is_main and spec.failures is None else None
+    with Preemption(slurm.requeue_signals(cfg.trainer.requeue_signal),
+                    ended_hard=record) as preemption:
         # a resumed run has its weights (its start's included) from its checkpoint
         resume_from = resume_path(cfg.trainer.resume, spec.run_dir)
         trainer, lr = build_trainer(cfg, spec.layout, dist, logger,
