@@ -57,14 +57,19 @@ trainer.Trainer.train_step = train_step
 """
 
 
-def inject(tmp_path, step: int, action: str, condition: str = "True") -> dict[str, str]:
+def sitecustomize(tmp_path, text: str) -> dict[str, str]:
+    """The environment whose Python processes load `text` as their sitecustomize."""
     folder = tmp_path / "inject"
     folder.mkdir(exist_ok=True)
-    (folder / "sitecustomize.py").write_text(textwrap.dedent(INJECT).format(
-        step=step, action=action, condition=condition))
+    (folder / "sitecustomize.py").write_text(text)
     # ahead of a PYTHONPATH the suite runs under (a checkout's src/ over the installed one)
     return {"PYTHONPATH": os.pathsep.join(filter(None, [str(folder),
                                                         os.environ.get("PYTHONPATH")]))}
+
+
+def inject(tmp_path, step: int, action: str, condition: str = "True") -> dict[str, str]:
+    return sitecustomize(tmp_path, textwrap.dedent(INJECT).format(
+        step=step, action=action, condition=condition))
 
 
 def only_run_dir(root: Path) -> Path:

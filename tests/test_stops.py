@@ -7,7 +7,7 @@ import json
 import signal
 
 import pytest
-from conftest import FAST, inject, output, run_entry
+from conftest import FAST, inject, output, run_entry, sitecustomize
 
 pytestmark = pytest.mark.slow
 RUN = [*FAST, "trainer.max_steps=12", "trainer.checkpoint_every_n_steps=5"]
@@ -31,3 +31,47 @@ def test_one_process_ended_hard_records_that_it_was_stopped(tmp_path, action):
     assert "ended without saving" in output(ended) or "ended at once" in output(ended)
     assert json.loads((run_dir / "status.json").read_text()) == {
         "status": "stopped", "signal": "SIGTERM", "step": None}
+
+
+# sitecustomize: the run signalled as its final evaluation begins, its training done
+SIGNALLED_IN_THE_LAST_EVALUATION = """
+import os, signal
+import parallab.training.evaluation as evaluation
+
+run = evaluation.Evaluation.run
+
+def signalled(self, step, epoch, epoch_step):
+    if step == {steps} and os.environ.get("RANK", "0") == "0":
+        os.kill(os.getpid(), signal.{signal})
+    return run(self, step, epoch, epoch_step)
+
+evaluation.Evaluation.run = signalled
+"""
+
+
+@pytest.mark.parametrize("signum,parallel", [
+    (signal.SIGTERM, ["parallel=none"]), (signal.SIGINT, ["parallel=none"]),
+    # rank 0 alone signalled: the ranks agree on the stop in one vote after the evaluation
+    pytest.param(signal.SIGTERM, ["parallel=ddp", "parallel.world_size=2"],
+                 marks=pytest.mark.distributed)], ids=["term", "ctrl-c", "ddp"])
+def test_a_signal_in_the_last_evaluation_stops_the_run_as_at_its_last_step(
+        tmp_path, signum, parallel):
+    """It ended as finished, exit status 0, the request unheard: a scheduler's preemption
+    read as a run done, a Ctrl-C as ignored. It stops as a signal at the last step stops it,
+    saved; resumed, the run evaluates again and ends as the uninterrupted run."""
+    from parallab.cli import train_in_process
+
+    env = sitecustomize(tmp_path, SIGNALLED_IN_THE_LAST_EVALUATION.format(
+        steps=12, signal=signum.name))
+    run_dir = tmp_path / "run"
+    stopped = run_entry("train.py", [*RUN, *parallel], run_dir, timeout=180, env=env)
+    said = output(stopped) + ((run_dir / "train.log").read_text()  # rank 0's, where launched
+                              if (run_dir / "train.log").exists() else "")
+    assert stopped.returncode == 128 + signum, said[-3000:]
+    assert f"stopped by {signum.name} at step 12, checkpoint saved; resume with:" in said
+    assert not (run_dir / "metrics.json").exists()
+    assert json.loads((run_dir / "status.json").read_text()) == {
+        "status": "stopped", "signal": signum.name, "step": 12}
+    if parallel == ["parallel=none"]:  # the others resume the same way
+        metrics = train_in_process([*RUN, "trainer.resume=auto"], run_dir)
+        assert metrics["steps"] == 12 and metrics["eval_loss"] is not None

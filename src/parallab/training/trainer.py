@@ -115,6 +115,8 @@ class Trainer:
         if not self.evaluation.scored(self.step):  # the final weights, off the schedule
             self.evaluation.off_schedule()
             self.run_eval()
+        if self.stop_after_training():
+            return {}
         summary = self.summary()
         if self.cfg.quantize:
             # metrics.evaluate: `evaluate` here is fit's own flag
@@ -280,6 +282,19 @@ class Trainer:
         asked = torch.tensor(float(self.preemption.requested), device=self.dist.device)
         self.stopped = self.dist.all_reduce_sum(asked).item() > 0
         return self.stopped
+
+    def stop_after_training(self) -> bool:
+        """A stop asked during the last evaluation (the last step's check had passed) stops
+        the run as one asked at its last step does: saved, and resumed it evaluates again
+        and ends. Taken as done, it ended with exit status 0 and no word of the signal: a
+        scheduler's preemption read as a finished run, a Ctrl-C as unheard (Lightning ends
+        one interrupted in its validation as interrupted). The ranks agree in one vote."""
+        if self.dist.world_size > 1:
+            self.vote.vote()
+        if not self.stop_requested():
+            return False
+        self.stop()
+        return True
 
     def stop(self) -> None:
         if len(self.window):  # so the checkpoint holds no half-reduced window
