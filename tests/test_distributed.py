@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
+import shlex
 import shutil
 import socket
 import subprocess
@@ -21,11 +23,13 @@ from conftest import (
     REPO,
     assert_ok,
     free_port,
+    inject,
     only_run_dir,
     output,
     read_metrics,
     run_entry,
     scalars,
+    sitecustomize,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
@@ -126,17 +130,29 @@ trainer.Trainer.train_step, run._stopped = train_step, slow
 def test_a_stopped_run_in_place_ends_after_rank_0_has_said_where(tmp_path):
     """The other ranks end once saved; with 128 + the signal, torchrun (as srun
     --kill-on-bad-exit and mpirun do) would end rank 0 before its line and its record."""
-    (tmp_path / "inject").mkdir()
-    (tmp_path / "inject" / "sitecustomize.py").write_text(SIGNALLED_AND_SLOW)
     result = run_entry("train.py", [*FAST, "parallel=ddp", "trainer.log_every_n_steps=1"],
-                       cwd=tmp_path, env={"PYTHONPATH": str(tmp_path / "inject")}, prefix=[
+                       cwd=tmp_path, env=sitecustomize(tmp_path, SIGNALLED_AND_SLOW), prefix=[
                            str(BIN / "torchrun"), "--standalone", "--nproc-per-node=2",
                            f"--log-dir={tmp_path / 'torchrun'}"])
     assert "exitcode  : 143" in output(result), output(result)[-3000:]  # rank 0's, as run
     run_dir = only_run_dir(tmp_path)
-    assert "stopped by SIGTERM at step 6, checkpoint saved" in (run_dir / "train.log").read_text()
+    said = (run_dir / "train.log").read_text()
+    assert "stopped by SIGTERM at step 6, checkpoint saved" in said
     assert json.loads((run_dir / "status.json").read_text()) == {
         "status": "stopped", "signal": "SIGTERM", "step": 6}
+    # under torchrun as it was started, where a bare `python train.py` resumed on one process
+    command = resume_command(said)
+    assert Path(command[0]).name == "torchrun", command
+    assert command[1:5] == ["--standalone", "--nproc-per-node=2",
+                            f"--log-dir={tmp_path / 'torchrun'}", str(REPO / "train.py")]
+    assert command[-2:] == [f"hydra.run.dir={run_dir}", "trainer.resume=auto"]
+
+
+def resume_command(said: str) -> list[str]:
+    """The command a stopped run's log says resumes it."""
+    found = re.findall(r"resume with: (.+)", said)
+    assert len(found) == 1, said[-3000:]
+    return shlex.split(found[0])
 
 
 # sitecustomize for parallab's own workers: rank 1 alone hung up on at its step 3, and the
@@ -251,14 +267,25 @@ def test_two_nodes_over_loopback(tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="needs mpirun (openmpi-bin)")
-def test_mpirun_runs_the_entrypoint_in_place(tmp_path):
-    result = run_entry("train.py", [*FAST, "parallel=ddp", "backend=gloo"], cwd=tmp_path,
-                       env={"MASTER_PORT": str(free_port())}, prefix=[
-                           "mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2",
-                           sys.executable])
-    assert_ok(result)
+def test_mpirun_runs_the_entrypoint_in_place_and_resumes_under_it(tmp_path):
+    """Stopped by a scheduler's SIGTERM to every rank, the run says to resume under mpirun
+    as it was started (a bare `python train.py` resumed it on one process); that command
+    finishes it on both ranks."""
+    stop = inject(tmp_path, 5, "os.kill(os.getpid(), signal.SIGTERM)")
+    run = [*FAST, "parallel=ddp", "backend=gloo", "trainer.log_every_n_steps=1"]
+    mpirun = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2", sys.executable]
+    port = {"MASTER_PORT": str(free_port())}
+    stopped = run_entry("train.py", run, cwd=tmp_path, env={**port, **stop}, prefix=mpirun)
     run_dir = only_run_dir(tmp_path)
+    said = (run_dir / "train.log").read_text()
+    assert "stopped by SIGTERM at step 6, checkpoint saved" in said, output(stopped)[-3000:]
+    command = resume_command(said)
+    assert command[:7] == [*mpirun, str(REPO / "train.py")], command
+    result = subprocess.run(command, cwd=tmp_path, env={**os.environ, **port},
+                            capture_output=True, text=True, timeout=300)
+    assert_ok(result)
     assert read_metrics(run_dir)["world_size"] == 2
+    assert "resumed from" in (run_dir / "train.log").read_text()
     assert (run_dir / "train_rank1.log").exists()
 
 

@@ -291,3 +291,23 @@ def test_a_module_of_the_run_dir_hiding_one_the_workers_import_is_refused(tmp_pa
     (tmp_path / "parallab.py").write_text("")
     assert hidden_module_problem().startswith("parallab.py, in the dir parallab runs in, "
                                               "hides parallab from")
+
+
+@pytest.mark.parametrize("launcher,world,local,entry,expected", [
+    ("torchrun", 4, 4, ["python", "train.py"], "torchrun --standalone --nproc-per-node=4 "
+     "train.py"),
+    ("torchrun", 4, 2, ["parallab", "train", "--config-dir", "conf"], "torchrun --nnodes=2 "
+     "--nproc-per-node=2 --no-python parallab train --config-dir conf"),
+    ("mpirun", 2, 2, ["python", "train.py"], "mpirun -np 2 python train.py"),
+    ("slurm", 2, 2, ["python", "train.py"], "python train.py"),  # SLURM requeues its job
+], ids=["torchrun", "torchrun nodes", "mpirun", "slurm"])
+def test_a_resume_command_the_launcher_cannot_be_read_for_keeps_it_from_its_counts(
+        monkeypatch, launcher, world, local, entry, expected):
+    """Where this process's parent is not the launcher (a wrapper script, a remote node's
+    daemon) or /proc is hidden, the launcher and its counts still lead the resume command,
+    which would else resume the run on one process."""
+    from parallab.launching import relaunch
+
+    monkeypatch.setattr(relaunch, "_parent_argv", lambda: ["/bin/sh", "job.sh"])
+    ctx = in_place.InPlace(launcher, 0, 0, world, local)
+    assert " ".join(relaunch.launched(entry, ctx)) == expected

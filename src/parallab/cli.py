@@ -37,7 +37,7 @@ from parallab.config.hydra_app import (
 )
 from parallab.config.schema import register_configs
 from parallab.invocation import Invocation, JobFailed, Stopped
-from parallab.launching import forking, launch, slurm, start
+from parallab.launching import forking, launch, relaunch, slurm, start
 from parallab.launching.in_place import InPlace, prepare_in_place, restarted
 from parallab.launching.preemption import ended_by_interrupt
 from parallab.observe import summary
@@ -187,7 +187,7 @@ def _checked_and_trained(dict_cfg: DictConfig, call: Invocation) -> float | None
                                        in_place, hydra_cfg.runtime.output_dir)
     sweep = hydra_cfg.sweep.dir if hydra_cfg.mode == RunMode.MULTIRUN else None
     spec = run.RunSpec(cfg, layout, hydra_cfg.runtime.output_dir, list(hydra_cfg.overrides.task),
-                       command=call.entry(), sweep=sweep)
+                       command=relaunch.launched(call.entry(), in_place), sweep=sweep)
     if sweep is None:  # a run's wall time is the command's, from its process's start
         spec.started = process_started()
     with _claimed(spec.run_dir, cfg, in_place, call):
