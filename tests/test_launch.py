@@ -311,3 +311,18 @@ def test_a_resume_command_the_launcher_cannot_be_read_for_keeps_it_from_its_coun
     monkeypatch.setattr(relaunch, "_parent_argv", lambda: ["/bin/sh", "job.sh"])
     ctx = in_place.InPlace(launcher, 0, 0, world, local)
     assert " ".join(relaunch.launched(entry, ctx)) == expected
+
+
+def test_a_stopped_sweeps_command_in_place_keeps_its_launcher(monkeypatch, tmp_path):
+    """The command that continues a sweep a signal stopped under mpirun (or torchrun) ran
+    it on one process."""
+    from parallab import sweep_job
+    from parallab.invocation import Invocation
+    from parallab.launching import relaunch
+
+    monkeypatch.setattr(relaunch, "_parent_argv", lambda: [])  # /proc hidden
+    monkeypatch.setattr(in_place, "current", lambda: in_place.InPlace("mpirun", 0, 0, 2, 2))
+    call = Invocation(["train.py", "-m", "optim.lr=0.1,0.2", "hydra.sweep.dir=old"])
+    assert sweep_job.continue_command(tmp_path, call) == (
+        f"mpirun -np 2 python train.py -m optim.lr=0.1,0.2 hydra.sweep.dir={tmp_path} "
+        "sweep.skip_completed=true")

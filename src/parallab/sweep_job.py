@@ -13,7 +13,7 @@ from omegaconf import DictConfig
 
 from parallab.config import naming
 from parallab.invocation import Invocation, JobFailed, Stopped
-from parallab.launching import slurm
+from parallab.launching import in_place, relaunch, slurm
 from parallab.observe import summary
 
 log = logging.getLogger("parallab")
@@ -109,6 +109,8 @@ def continue_command(sweep_dir: Path, call: Invocation) -> str:
 
     args = [a for a in call.argv[1:] if not a.startswith(("hydra.sweep.dir=",
                                                           "sweep.skip_completed="))]
-    return shlex.join([*call.entry()[:2], *args,
+    # under the launcher that started it in place: a bare command ran it on one process
+    entry = relaunch.launched(call.entry()[:2], in_place.current())
+    return shlex.join([*entry, *args,
                        f"hydra.sweep.dir={naming.hydra_value(str(sweep_dir))}",
                        "sweep.skip_completed=true"])
