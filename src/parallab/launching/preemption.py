@@ -49,10 +49,11 @@ class Preemption(StepObserver):
     observers (step_done)."""
 
     def __init__(self, requeue: tuple[int, ...] = (),
-                 ended_hard: Callable[[int], None] | None = None) -> None:
+                 ended_hard: Callable[[int], str] | None = None) -> None:
         self.signals = (*SIGNALS, *requeue)
-        # records a stop ended at once (the signal's number): os._exit runs nothing after it,
-        # so a process no controller outlives would leave no record
+        # records a stop ended at once (the signal's number) and says how to go on (the end
+        # of its line): os._exit runs nothing after it, so a process no controller outlives
+        # would leave no record
         self.ended_hard = ended_hard
         self.requeue = requeue  # signals that also ask the job to requeue itself
         self.signum: int | None = None
@@ -150,9 +151,10 @@ class Preemption(StepObserver):
                                 f"over {GRACE_S:.0f} s: ended without saving")
 
     def _end(self, signum: int, how: str) -> None:
-        if self.ended_hard is not None:
-            with contextlib.suppress(OSError):  # a record unwritable ends the process as well
-                self.ended_hard(signum)
+        # anything it raises ends the process as well: raised in the listener or the watchdog,
+        # it would end that thread, and leave the stuck process running
+        with contextlib.suppress(Exception):
+            how += self.ended_hard(signum) if self.ended_hard is not None else ""
         _said_and_ended(signum, how)
 
     def _listen(self, reader: socket.socket) -> None:

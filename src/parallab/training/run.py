@@ -332,16 +332,23 @@ def _ended(trainer: Trainer, metrics: dict[str, Any], spec: RunSpec, logger: Run
                                  for k, v in metrics.items()})
 
 
+def _ended_hard(spec: RunSpec, signum: int) -> str:
+    """A stop ended before it saved (a second signal, the watchdog): its record, and the end
+    of its line (resume=auto starts afresh where nothing was saved yet)."""
+    summary.record_stopped(spec.run_dir, signum, None)
+    return f"; resume from the last checkpoint with: {spec.resume_command()}"
+
+
 def _fit(spec: RunSpec, dist: distributed.Dist, logger: RunLogger,
          backend: str | None) -> dict[str, Any]:
     """Build model, data, optimizer and trainer on this rank, resume if asked, train, save."""
     cfg = spec.cfg
-    # a launched worker's controller records a stop that ended it (cli); a process of its
-    # own, or rank 0 in place, records its own
-    record = functools.partial(summary.record_stopped, spec.run_dir, step=None) \
-        if dist.is_main and spec.failures is None else None
+    # a launched worker's controller records a stop that ended it, and says how to resume
+    # (cli); a process of its own, or rank 0 in place, does so itself
+    recorded = dist.is_main and spec.failures is None
     with Preemption(slurm.requeue_signals(cfg.trainer.requeue_signal),
-                    ended_hard=record) as preemption:
+                    ended_hard=functools.partial(_ended_hard, spec) if recorded else None
+                    ) as preemption:
         # a resumed run has its weights (its start's included) from its checkpoint
         resume_from = resume_path(cfg.trainer.resume, spec.run_dir)
         trainer, lr = build_trainer(cfg, spec.layout, dist, logger,
