@@ -7,7 +7,7 @@ import json
 import signal
 
 import pytest
-from conftest import FAST, inject, output, run_entry, sitecustomize
+from conftest import FAST, inject, output, read_metrics, run_entry, sitecustomize
 
 pytestmark = pytest.mark.slow
 RUN = [*FAST, "trainer.max_steps=12", "trainer.checkpoint_every_n_steps=5"]
@@ -78,3 +78,20 @@ def test_a_signal_in_the_last_evaluation_stops_the_run_as_at_its_last_step(
     if parallel == ["parallel=none"]:  # the others resume the same way
         metrics = train_in_process([*RUN, "trainer.resume=auto"], run_dir)
         assert metrics["steps"] == 12 and metrics["eval_loss"] is not None
+
+
+def test_a_signal_in_the_evaluation_early_stopping_ends_the_run_at_leaves_it_finished(
+        tmp_path):
+    """That evaluation ended the run: stopped and resumed from there instead, the run would
+    train on past where early stopping ended it (no checkpoint holds that it had)."""
+    env = sitecustomize(tmp_path, SIGNALLED_IN_THE_LAST_EVALUATION.format(
+        steps=24, signal="SIGTERM"))
+    run_dir = tmp_path / "run"
+    # an epoch of 8 steps evaluated; a falling loss monitored as if higher were better
+    # stops the run early at its third evaluation (tests/test_early_stopping.py)
+    ended = run_entry("train.py", [*FAST, "data.train_size=512", "trainer.epochs=6",
+                                   "trainer.monitor_mode=max", "trainer.early_stop_patience=2"],
+                      run_dir, timeout=120, env=env)
+    assert ended.returncode == 0, output(ended)[-3000:]
+    assert read_metrics(run_dir)["stopped_early"] is True
+    assert read_metrics(run_dir)["steps"] == 24 and not (run_dir / "status.json").exists()

@@ -288,7 +288,10 @@ class Trainer:
         the run as one asked at its last step does: saved, and resumed it evaluates again
         and ends. Taken as done, it ended with exit status 0 and no word of the signal: a
         scheduler's preemption read as a finished run, a Ctrl-C as unheard (Lightning ends
-        one interrupted in its validation as interrupted). The ranks agree in one vote."""
+        one interrupted in its validation as interrupted). The ranks agree in one vote. A run
+        early stopping ended is done: resumed, it would train on (no checkpoint says so)."""
+        if self.evaluation.monitor.stopped_early:
+            return False
         if self.dist.world_size > 1:
             self.vote.vote()
         if not self.stop_requested():
