@@ -147,8 +147,8 @@ class Preemption(StepObserver):
             stuck = not self._busy and waiting > patience
             if stuck or now - since > GRACE_S:
                 self._end(self.signum or signal.SIGTERM, "and no step ended after it: "
-                                "ended without saving" if stuck else f"and the stop took "
-                                f"over {GRACE_S:.0f} s: ended without saving")
+                          "ended without saving" if stuck else f"and the stop took "
+                          f"over {GRACE_S:.0f} s: ended without saving")
 
     def _end(self, signum: int, how: str) -> None:
         # anything it raises ends the process as well: raised in the listener or the watchdog,
