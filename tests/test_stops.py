@@ -95,3 +95,31 @@ def test_a_signal_in_the_evaluation_early_stopping_ends_the_run_at_leaves_it_fin
     assert ended.returncode == 0, output(ended)[-3000:]
     assert read_metrics(run_dir)["stopped_early"] is True
     assert read_metrics(run_dir)["steps"] == 24 and not (run_dir / "status.json").exists()
+
+
+# sitecustomize: the run signalled as its quantized model is scored, which takes a while
+SIGNALLED_IN_THE_QUANTIZED_EVALUATION = """
+import os, signal, time
+import parallab.observe.meter as meter
+
+quantized = meter.Meter.quantized
+
+def slow(self, *args, **kwargs):
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(6)  # past the watchdog's patience with a process between steps (3 s)
+    return quantized(self, *args, **kwargs)
+
+meter.Meter.quantized = slow
+"""
+
+
+def test_a_signal_while_the_quantized_model_is_scored_waits_for_it(tmp_path):
+    """trainer.quantize's scoring after the last evaluation is long work, not a stuck
+    step: the watchdog had ended the run there, unsaved, 3 s after a signal. Its figures
+    complete, the run ends finished, as one signalled in its last save."""
+    env = sitecustomize(tmp_path, SIGNALLED_IN_THE_QUANTIZED_EVALUATION)
+    run_dir = tmp_path / "run"
+    ended = run_entry("train.py", [*RUN, "trainer.quantize=dynamic_int8"], run_dir,
+                      timeout=120, env=env)
+    assert ended.returncode == 0, output(ended)[-3000:]
+    assert "quantized_eval_loss" in read_metrics(run_dir), read_metrics(run_dir)

@@ -118,11 +118,11 @@ class Trainer:
         if self.stop_after_training():
             return {}
         summary = self.summary()
-        if self.cfg.quantize:
-            # metrics.evaluate: `evaluate` here is fit's own flag
-            summary.update(self.meter.quantized(self.eval_model, lambda model: metrics.evaluate(
-                model, self.data.eval, self.dist, None, self.runtime.loss),
-                self.evaluation.figures[metrics.LOSS], self.step))
+        if self.cfg.quantize:  # long, not stuck: the watchdog waits for it as for a save
+            with self.preemption.busy():  # (metrics.evaluate: `evaluate` is fit's flag)
+                summary.update(self.meter.quantized(self.eval_model, lambda m: metrics.evaluate(
+                    m, self.data.eval, self.dist, None, self.runtime.loss),
+                    self.evaluation.figures[metrics.LOSS], self.step))
         return summary
 
     def train_epochs(self, progress: Progress, evaluate: bool,
