@@ -177,6 +177,15 @@ def test_flops_count_the_experts_a_token_meets():
     (["parallel=pipeline", "parallel.world_size=2", "parallel.ep=2"],
      "every rank holds its part of the model whole"),
     (["parallel.ep=2"], "parallel.ep=2 with parallel=none: one process holds"),
+    # the ways out named were those the user had taken, or left tp out
+    (["parallel=fsdp", "parallel.world_size=1", "parallel.ep=2"],
+     "parallel.ep=2 with parallel.world_size=1: one rank holds every expert: give "
+     "parallel.world_size >= 2"),
+    (["parallel=ddp", "parallel.world_size=2", "parallel.ep=2"],
+     "use parallel=fsdp, hsdp, tp or fsdp_tp, or a pipeline with parallel.dp_shard > 1"),
+    # auto is every layout, not one that holds the whole model
+    (["parallel=auto", "parallel.world_size=2", "parallel.ep=2"],
+     "parallel=auto stands for every layout, and a run trains one"),
     (["parallel=fsdp", "parallel.world_size=2", "parallel.ep=2", "model.moe.experts=null",
       "model.moe.width=null"],
      "GPT has no experts to split"),

@@ -302,6 +302,9 @@ def test_a_projects_data_of_no_sequences_is_named_by_its_class(tmp_path):
     (["parallel=auto", "parallel.world_size=8", "advise.schedules=[foo]"],
      "advise.schedules is parallab advise's: parallab simulate spans every schedule"),
     (["parallel=fsdp"], "parallel.world_size is not set: give the GPU count to simulate"),
+    # a key every plan's config has: auto had taken it without a word, ranking no ep
+    (["parallel=auto", "parallel.world_size=8", "parallel.ep=2"],
+     "parallel=auto sets parallel.ep itself, for each layout it ranks: drop parallel.ep=2"),
     (["parallel=fsdp_tp", "parallel.world_size=8", "parallel.tp=3"],
      "multiply to 3 x ?, but parallel.world_size=8"),
     (["parallel=tp", "parallel.world_size=8"], "parallel.tp=8 does not divide model.heads=4"),

@@ -9,6 +9,7 @@ from parallab.parallel.layout import Layout
 
 
 class AutoPlan(Plan):
+    splits_experts = True  # some of its layouts do: what refuses parallel.ep is layout_of
     @classmethod
     def layout_of(cls, p, world_size: int) -> Layout:
         # the world size given, not the one a null resolved to here (1 on a CPU: none alone)
@@ -19,7 +20,12 @@ class AutoPlan(Plan):
 
     @classmethod
     def problem(cls, p) -> str | None:
-        """The keys auto passes on to the layouts it ranks, checked as their plans would."""
+        """The keys auto passes on to the layouts it ranks, checked as their plans would;
+        parallel.ep, which every plan's config has (no struct error names it), set by auto
+        for each layout as the degrees are."""
+        if p.ep != 1:
+            return (f"parallel=auto sets parallel.ep itself, for each layout it ranks: drop "
+                    f"parallel.ep={p.ep} (or give one layout)")
         return bucket_problem(p.bucket_cap_mb)
 
     @classmethod

@@ -256,8 +256,8 @@ class Plan:
         if ep > 1 and not cls.splits_experts:
             raise ConfigError(f"parallel.ep={ep} with parallel={p.name}: one process holds "
                               "the whole model here; experts are split over the ranks of a "
-                              "sharded layout: use parallel=fsdp, hsdp, fsdp_tp or pipeline, "
-                              "or parallel.ep=1")
+                              "sharded layout: use parallel=fsdp, hsdp, tp, fsdp_tp or "
+                              "pipeline, or parallel.ep=1")
         layout = cls.layout_of(p, world_size)
         return dataclasses.replace(layout, nnodes=nnodes, plan=cls,
                                    gpus=cls.gpus_of(p, world_size))

@@ -303,6 +303,19 @@ class MeshRuntime(Runtime):
         return norm_squares(model, self.dist.device).sqrt()
 
 
+def _no_ep_ranks(p, ep: int, world_size: int, parts: bool) -> str:
+    """Where no shard or tp rank is there to carve ep from: one rank, or replicas (or a
+    pipeline's parts) each whole."""
+    if world_size == 1:
+        return (f"parallel.ep={ep} with parallel.world_size=1: one rank holds every expert: "
+                f"give parallel.world_size >= {ep} (ep is carved from the shard and tp "
+                "ranks), or parallel.ep=1")
+    held = "its part of the model whole" if parts else "the whole model"
+    return (f"parallel.ep={ep} with parallel={p.name}: every rank holds {held} (dp_shard=1, "
+            "tp=1), with no shard or tp ranks to carve ep from: use parallel=fsdp, hsdp, tp "
+            "or fsdp_tp, or a pipeline with parallel.dp_shard > 1; or parallel.ep=1")
+
+
 class MeshPlan(Plan):
     """One device mesh of the degrees `dims`, each a key of the parallel config."""
 
@@ -316,11 +329,7 @@ class MeshPlan(Plan):
         degrees = resolve_degrees(cls.given_degrees(p), world_size)
         ep = p.ep
         if ep > 1 and degrees["dp_shard"] == degrees["tp"] == 1:
-            held = "its part of the model whole" if "pp" in cls.dims else "the whole model"
-            raise ConfigError(f"parallel.ep={ep} with parallel={p.name}: every rank holds "
-                              f"{held} (dp_shard=1, tp=1), with no shard or tp ranks to carve "
-                              "ep from: use parallel=fsdp, hsdp, fsdp_tp or pipeline with "
-                              "dp_shard > 1, or parallel.ep=1")
+            raise ConfigError(_no_ep_ranks(p, ep, world_size, "pp" in cls.dims))
         if ep > 1 and degrees["dp_shard"] * degrees["tp"] % ep:
             raise ConfigError(f"parallel.ep={ep} is carved from the data-parallel shard and "
                               f"tp ranks (parallel.dp_shard={degrees['dp_shard']} x parallel.tp="
