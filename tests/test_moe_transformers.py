@@ -6,6 +6,8 @@ parallelism refused in one line."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from conftest import checked, losses
@@ -30,6 +32,18 @@ def test_a_transformers_moe_model_refuses_sequence_parallelism_in_one_line():
     with pytest.raises(ConfigError, match="sequence_parallel=true with a transformers mixture"):
         checked(*QWEN3_MOE, "parallel=fsdp_tp", "parallel.world_size=4", "parallel.tp=2",
                 "parallel.sequence_parallel=true")
+
+
+def test_adapters_in_the_experts_under_ep_are_one_line_before_launch():
+    """peft's all-linear wraps a transformers MoE layer's experts, whose weights ep splits
+    over its ranks and peft's beside them not: every worker had failed in the split. Named
+    layers outside the experts train under ep."""
+    lora = ["adapter=lora", "parallel=fsdp", "parallel.world_size=2", "parallel.ep=2"]
+    with pytest.raises(ConfigError, match=re.escape(
+            "adapter.target_modules=all-linear puts adapters in the experts "
+            "(model.layers.0.mlp.experts), which parallel.ep=2 splits over ranks")):
+        checked(*QWEN3_MOE, *lora, "adapter.target_modules=all-linear")
+    checked(*QWEN3_MOE, *lora, "adapter.target_modules=[q_proj,v_proj]")
 
 
 @pytest.mark.parametrize("k,said", [

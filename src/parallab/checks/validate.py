@@ -298,7 +298,9 @@ def check_adapter(cfg: Config, layout: Layout) -> None:
             "layout (none, dp, ddp, fsdp, hsdp)")
     require(cfg.precision.name != "fp8", "adapter=lora with precision=fp8: float8 training "
             "swaps the Linear layers the adapters wrap: use precision=bf16")
-    refuse(adapters.problem(cfg.adapter, models.build_on_meta(cfg.model)))
+    model = models.build_on_meta(cfg.model)
+    refuse(adapters.problem(cfg.adapter, model))  # which puts them on `model`
+    refuse(adapters.experts_problem(cfg.adapter, model, layout.ep))
 
 
 def check_norms(cfg: Config) -> None:

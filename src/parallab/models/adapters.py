@@ -108,6 +108,23 @@ def trainable(model: nn.Module) -> str:
     return f"{train:,} of {total:,} parameters train ({100 * train / max(total, 1):.2f}%)"
 
 
+def experts_problem(cfg: Any, model: nn.Module, ep: int) -> str | None:
+    """Adapters put inside a model's experts (`model`, with its adapters: peft's all-linear
+    wraps a transformers MoE layer's experts in a ParamWrapper) under expert parallelism,
+    which splits the experts' weights over the ep ranks and has no rule for peft's beside
+    them (every worker had failed in the split): one line; None where none are there."""
+    from parallab.models.experts import experts_of
+
+    if ep == 1:
+        return None
+    params = [name for name, _ in model.named_parameters() if ".lora_" in name]
+    inside = next((e for e, _ in experts_of(model)
+                   if any(n.startswith(f"{e}.") for n in params)), None)
+    return None if inside is None else (
+        f"adapter.target_modules={targets(cfg, model)} puts adapters in the experts ({inside}), "
+        f"which parallel.ep={ep} splits over ranks and peft's adapters there do not follow: "
+        "name layers outside the experts (such as [q_proj,v_proj]), or parallel.ep=1")
+
 def problem(cfg: Any, model: nn.Module) -> str | None:
     """Why adapters per `cfg` cannot be put on `model` (built on meta will do), in one line;
     None where they can (or none are asked). Tried on the model itself, which it changes."""
