@@ -46,6 +46,26 @@ def test_adapters_in_the_experts_under_ep_are_one_line_before_launch():
     checked(*QWEN3_MOE, *lora, "adapter.target_modules=[q_proj,v_proj]")
 
 
+def test_a_folder_of_other_expert_shapes_is_one_line_and_loads_what_matches(tmp_path):
+    """A transformers folder of 4 experts for a model of 8: transformers had raised after
+    its own report (ignore_mismatched_sizes), a traceback before launch, also under
+    trainer.init_strict=false. Now refused in one line; non-strict, the experts are left
+    at the model's own start and said, the rest read."""
+    from parallab.models import build_model
+
+    folder = tmp_path / "four"
+    build_model(checked(*QWEN3_MOE)[0].model).save_pretrained(folder)
+    eight = [*QWEN3_MOE, "model.config.num_experts=8", f"trainer.init_from={folder}"]
+    with pytest.raises(ConfigError, match=re.escape(
+            "mlp.experts.down_proj [4, 64, 32] vs [8, 64, 32]")):
+        checked(*eight)
+    cfg, _ = checked(*eight, "trainer.init_strict=false")
+    model = build_model(cfg.model)
+    left = weights.load_into(model, folder, strict=False)
+    assert {"model.layers.0.mlp.experts.down_proj", "model.layers.0.mlp.gate.weight"} <= set(left)
+    assert "model.embed_tokens.weight" not in left
+
+
 @pytest.mark.parametrize("k,said", [
     (0, "model.config.num_experts_per_tok=0 is out of range: it must be >= 1"),
     (5, "model.config.num_experts_per_tok=5 is above model.config.num_experts=4")])

@@ -225,9 +225,12 @@ def pretrained(folder, model: nn.Module, meta: bool = False) -> tuple[dict[str, 
     # the model's own class, not the one FSDP2 made of it (its class's first base)
     own = next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
     # only its weights are read: no layer swapped for the hub's kernels (transformers 5.25
-    # kernelizes a loaded model by default, and refuses to on meta)
+    # kernelizes a loaded model by default, and refuses to on meta); a weight of another
+    # shape is reported in the info (weights.fit_problem says it in one line), where
+    # transformers had raised after printing its own report
     loaded, info = own.from_pretrained(str(folder), config=model.config,
                                        output_loading_info=True, use_kernels=False,
+                                       ignore_mismatched_sizes=True,
                                        **({"device_map": "meta"} if meta else {}))
     return loaded.state_dict(), info
 

@@ -54,8 +54,17 @@ def read(path: str | Path, model: nn.Module) -> dict[str, torch.Tensor]:
     """The saved weights by plain name, whole tensors on the CPU (`model`, whole: the
     template a sharded checkpoint is read into)."""
     if _converted(model, path):
-        return {plain_name(k): v for k, v in hf.pretrained(path, model)[0].items()}
+        state, info = hf.pretrained(path, model)
+        # what the folder lacks or holds in another shape, the model's class made afresh:
+        # not read, so left at the model's own start (trainer.init_strict=false) and said
+        unread = {*info["missing_keys"], *(k for k, *_ in _mismatched(info))}
+        return {plain_name(k): v for k, v in state.items() if k not in unread}
     return formats.format_of(path).read(model)
+
+
+def _mismatched(info: dict) -> list[tuple[str, tuple, tuple]]:
+    """transformers' weights of another shape: (name, saved shape, the model's)."""
+    return [(k, tuple(saved), tuple(own)) for k, saved, own in info.get("mismatched_keys", [])]
 
 
 def _converted(model: nn.Module, path: str | Path) -> bool:
@@ -91,7 +100,7 @@ def fit_problem(model: nn.Module, path: str | Path, key: str, strict: bool) -> s
     if _converted(model, path):  # as the model's class reads it: its own names
         info = hf.pretrained(path, model, meta=True)[1]
         missing, unexpected = info["missing_keys"], info["unexpected_keys"]
-        wrong = [str(k) for k in info.get("mismatched_keys", [])]
+        wrong = [f"{k} {list(saved)} vs {list(own)}" for k, saved, own in _mismatched(info)]
     said = [f"{len(found)} {what} ({', '.join(found[:5])})" for what, found in
             (("missing", missing), ("unexpected", unexpected), ("mis-shaped", wrong)) if found]
     held = [k for k in model.state_dict() if covers(plain_name(k))]
