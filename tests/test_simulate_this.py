@@ -16,7 +16,7 @@ from parallab.parallel.layout import Layout
 def test_this_machines_measured_costs_stand_for_nccls_and_a_gpus():
     """cluster=this: a collective at the fixed cost and rate its kind was measured at, and
     a pipeline's schedule paying its own time on each pass through a stage (and in the
-    idle slots, which last as long as a busy one); the figures measured for real by two
+    idle slots, which last as long as a busy one); the figures measured for real by three
     processes over gloo."""
     from parallab.config.planning import NcclLatency
     from parallab.simulate import costs, step, rank_costs
@@ -38,9 +38,11 @@ def test_this_machines_measured_costs_stand_for_nccls_and_a_gpus():
     slot = 2 * 3e9 / 1e12 + 2 * 2e6 / 2e9 + 5e-3
     assert predicted.parts["bubble_s"] == pytest.approx(slot)
 
-    # measured for real by two processes: every kind a rate, every cost a figure (what a
-    # loaded machine leaves of a difference may be nothing, never less)
-    measured = rank_costs.measure(2, 1, 5e-6)
+    # measured for real by three processes: every kind a rate, every cost a figure (what a
+    # loaded machine leaves of a difference may be nothing, never less); an odd count, over
+    # which DTensor's matmuls of 16 wide had not split (a traceback at cluster=this), and
+    # whose odd rank out pipes nothing
+    measured = rank_costs.measure(3, 1, 5e-6)
     assert set(measured["links"]) == set(rank_costs.KINDS)
     # a real collective between two processes costs something, whatever the machine's load
     # (a send's fixed cost is the stage's: stage_s)
