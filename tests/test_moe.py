@@ -163,6 +163,9 @@ def test_flops_count_the_experts_a_token_meets():
     (["model.moe.experts=abc"], "model.moe.experts='abc' is not of type int or NoneType"),
     (["model.moe.experts=[4]"], "model.moe.experts=[4] is not of type int"),
     (["model.moe.capacity=abc"], "model.moe.capacity='abc' is not of type int or float"),
+    # a bool is an int to Python: true had failed in the model's constructor, no key named
+    (["model.moe.experts=true"], "model.moe.experts=True is not of type int or NoneType, as "
+     "parallab.models.moe.MoeConfig declares: give an int"),
     (["parallel=fsdp", "parallel.world_size=2", "parallel.ep=2", "model.moe.shared=1.5"],
      "model.moe.shared=1.5 is not of type int"),
     (["model.moe.every=3"], "model.moe.every=3 leaves none of the 2 blocks"),

@@ -125,10 +125,16 @@ def check_types(obj: Any, kwargs: dict[str, Any], key: str, nulls: bool = False)
         if nulls and value is None:
             continue
         accepted = _accepted(hints.get(name))
-        if accepted and not isinstance(value, accepted) and not _is_spec(value):
+        # a bool is an int to Python, and true a count of 1 to no one (experts=true had
+        # failed in the model's constructor, naming no key)
+        wrong = accepted and (not isinstance(value, accepted) or
+                              isinstance(value, bool) and bool not in accepted)
+        if wrong and not _is_spec(value):
             wanted = " or ".join(t.__name__ for t in accepted)
+            first = accepted[0].__name__
             raise ConfigError(f"{key}.{name}={value!r} is not of type {wanted}, as "
-                              f"{qualname(obj)} declares: give a {accepted[0].__name__}")
+                              f"{qualname(obj)} declares: give "
+                              f"{'an' if first[0] in 'aeiou' else 'a'} {first}")
 
 
 def _is_spec(value: Any) -> bool:
