@@ -80,6 +80,31 @@ def test_a_transformers_moe_models_experts_per_token_are_checked_as_gpts(k, said
                 "model.config.num_hidden_layers=1", "model.config.hidden_size=64")
 
 
+@pytest.mark.parametrize("groups,said", [
+    (["model.config.n_group=3"], "model.config.n_group=3 does not split "
+     "model.config.n_routed_experts=8 into groups of 2 or more experts"),
+    (["model.config.n_group=8"], "model.config.n_group=8 does not split"),
+    (["model.config.topk_group=5"], "model.config.topk_group=5 is out of range: a token's "
+     "experts come from 1 to model.config.n_group=4 groups"),
+    (["model.config.topk_group=1", "model.config.num_experts_per_tok=3"],
+     "model.config.num_experts_per_tok=3 is above the 2 experts of model.config.topk_group=1")])
+def test_deepseeks_expert_groups_are_checked_before_the_router_runs(groups, said):
+    """Groups that do not split the experts had failed in the router's view on the trial
+    batch, said as the data's fault ("make data samples and the model's input agree")."""
+    tiny = ["model=deepseek_v3", "model.config.n_routed_experts=8", "model.config.n_group=4",
+            "model.config.topk_group=2", "model.config.num_experts_per_tok=2",
+            "model.config.num_hidden_layers=2", "model.config.first_k_dense_replace=1",
+            "model.config.hidden_size=64", "model.config.intermediate_size=128",
+            "model.config.moe_intermediate_size=32", "model.config.num_attention_heads=2",
+            "model.config.num_key_value_heads=2", "model.config.q_lora_rank=32",
+            "model.config.kv_lora_rank=16", "model.config.qk_nope_head_dim=16",
+            "model.config.qk_rope_head_dim=16", "model.config.v_head_dim=16",
+            "model.config.vocab_size=256", "data=tokens", "data.seq_len=32", "device=cpu"]
+    checked(*tiny)
+    with pytest.raises(ConfigError, match=re.escape(said)):
+        checked(*tiny, *groups)
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_a_transformers_moe_model_trains_under_ep_as_one_device_does(train_here):

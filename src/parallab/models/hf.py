@@ -141,6 +141,29 @@ def experts_problem(config) -> str | None:
     if k > config[key]:
         return (f"model.config.num_experts_per_tok={k} is above model.config.{key}="
                 f"{config[key]}: a token picks at most every expert once; lower it")
+    return _groups_problem(config, key, k)
+
+
+def _groups_problem(config: Mapping, key: str, k: int) -> str | None:
+    """DeepSeek's group-limited routing (model.config.n_group groups of equal size, each
+    scored by its best two experts; a token's experts from the topk_group best groups):
+    groups that do not split the experts had failed in the router's view, said as the
+    data's fault."""
+    groups, best = config.get("n_group"), config.get("topk_group")
+    if not isinstance(groups, int) or not isinstance(best, int):
+        return None
+    experts = config[key]
+    if groups < 1 or experts % groups or experts // groups < 2:
+        return (f"model.config.n_group={groups} does not split model.config.{key}={experts} "
+                "into groups of 2 or more experts (the router scores each group by its best "
+                "two): give a divisor of the experts at most half their count")
+    if not 1 <= best <= groups:
+        return (f"model.config.topk_group={best} is out of range: a token's experts come from "
+                f"1 to model.config.n_group={groups} groups")
+    if k > best * (experts // groups):
+        return (f"model.config.num_experts_per_tok={k} is above the {best * experts // groups} "
+                f"experts of model.config.topk_group={best} groups: raise topk_group, or "
+                "lower num_experts_per_tok")
     return None
 
 
