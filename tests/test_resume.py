@@ -125,15 +125,17 @@ def test_periodic_checkpoints_are_pruned_to_keep_last_k(train_here):
     state = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
     assert {"model", "optimizer", "grad_scaler", "rng", "config", "epoch_step"} <= set(state)
     # a user's own files named like them: neither resumed from (step_notes.pt was a
-    # ValueError traceback) nor pruned (the backup copy was deleted)
+    # ValueError traceback; step_99.pt, the newest by its number, was resumed from) nor
+    # pruned (the backup copy and step_4.pt were deleted)
     folder = run_dir / "checkpoints"
     (folder / "step_notes.pt").write_text("notes")
-    (folder / "step_00000032.backup.pt").write_bytes((folder / "step_00000032.pt").read_bytes())
+    for copy in ("step_00000032.backup.pt", "step_4.pt", "step_99.pt"):
+        (folder / copy).write_bytes((folder / "step_00000032.pt").read_bytes())
     train_here(*RUN, "trainer.checkpoint_every_n_steps=5", "trainer.keep_last_k=2",
                "trainer.max_steps=52", "trainer.resume=auto")
     assert sorted(p.name for p in folder.iterdir()) == [
         "best.pt", "last.pt", "step_00000032.backup.pt", "step_00000045.pt", "step_00000050.pt",
-        "step_notes.pt"]
+        "step_4.pt", "step_99.pt", "step_notes.pt"]
 
 
 def test_a_resume_at_another_global_batch_trains_the_epochs_left_at_it(train_here):

@@ -31,6 +31,11 @@ def periodic_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
+# the names periodic_name writes: a user's own step_4.pt beside them is not one (it had been
+# pruned with them, or resumed from as the newest)
+PERIODIC = r"step_\d{8,}"
+
+
 def load_meta(path: str | Path) -> dict[str, Any]:
     """What a checkpoint holds besides sharded tensors: a .dcp's trainer.pt (its shards
     checked against its index first), or a file with its tensors memory-mapped (checking a
@@ -115,10 +120,10 @@ def _suffixes() -> list[str]:
 
 def periodic(directory: Path, suffix: str) -> list[Path]:
     """The periodic checkpoints parallab wrote in `directory` (step_NNNNNNNN.pt or .dcp),
-    oldest first: a user's own file there (step_notes.pt, a step_00000002.backup.pt copy)
-    is neither resumed from nor pruned."""
+    oldest first: a user's own file there (step_notes.pt, step_4.pt, a
+    step_00000002.backup.pt copy) is neither resumed from nor pruned."""
     return sorted(p for p in directory.glob(f"step_*{suffix}")
-                  if re.fullmatch(rf"step_\d+{re.escape(suffix)}", p.name))
+                  if re.fullmatch(rf"{PERIODIC}{re.escape(suffix)}", p.name))
 
 
 def _step(path: Path) -> int:

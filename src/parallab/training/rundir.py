@@ -60,12 +60,12 @@ def checkpoints_written(directory: Path) -> list[Path]:
     format, and a save's temporary): a file of the user's own beside them stays."""
     import re
 
-    from parallab.training import formats
+    from parallab.training import checkpoint, formats
 
     suffixes = "|".join(re.escape(kind.checkpoint_suffix)
                         for kind in formats.checkpoint_formats())
-    ours = re.compile(rf"(last|best|step_\d+)({suffixes})|\.(last|best|step_\d+)({suffixes})"
-                      r"\.tmp")
+    ours = re.compile(rf"(last|best|{checkpoint.PERIODIC})({suffixes})|"
+                      rf"\.(last|best|{checkpoint.PERIODIC})({suffixes})\.tmp")
     return sorted(p for p in directory.iterdir() if ours.fullmatch(p.name)) \
         if directory.is_dir() else []
 
