@@ -302,6 +302,12 @@ def test_a_projects_data_of_no_sequences_is_named_by_its_class(tmp_path):
     (["parallel=auto", "parallel.world_size=8", "advise.schedules=[foo]"],
      "advise.schedules is parallab advise's: parallab simulate spans every schedule"),
     (["parallel=fsdp"], "parallel.world_size is not set: give the GPU count to simulate"),
+    # trainer keys auto spans for each layout: dropped without a word, the command otherwise
+    (["parallel=auto", "parallel.world_size=8", "trainer.activation_checkpointing=full"],
+     "trainer.activation_checkpointing=full with parallel=auto: auto spans "
+     "trainer.activation_checkpointing itself"),
+    (["parallel=auto", "parallel.world_size=8", "trainer.accumulate_grad_batches=2"],
+     "trainer.accumulate_grad_batches=2 with parallel=auto: auto spans"),
     # a key every plan's config has: auto had taken it without a word, ranking no ep
     (["parallel=auto", "parallel.world_size=8", "parallel.ep=2"],
      "parallel=auto sets parallel.ep itself, for each layout it ranks: drop parallel.ep=2"),

@@ -89,9 +89,12 @@ def _pipeline_problem(options) -> str | None:
 
 
 # what advise decides for each candidate, and the advise key that says which to compare
-CHOSEN_BY = {"parallel": "advise.layouts", "parallel.schedule": "advise.schedules",
-             "parallel.microbatches": "advise.microbatches", "precision": "advise.precisions",
-             "trainer.activation_checkpointing": "advise.activation_checkpointing"}
+CHOSEN_BY = {"parallel": "advise.layouts=[...]", "parallel.schedule": "advise.schedules=[...]",
+             "parallel.microbatches": "advise.microbatches=[...]",
+             "precision": "advise.precisions=[...]",
+             "trainer.activation_checkpointing": "advise.activation_checkpointing=[...]"}
+# what advise spans up to a bound of its own: given, it had been dropped without a word
+BOUNDED_BY = {"trainer.accumulate_grad_batches": "advise.max_accumulation"}
 
 
 def decided_problem(overrides: list[str]) -> str | None:
@@ -99,14 +102,15 @@ def decided_problem(overrides: list[str]) -> str | None:
     for each candidate: it had been dropped without a word (a bad value too)."""
     from parallab.config.schema import AutoConfig
 
-    decided = {*CHOSEN_BY, *(f"parallel.{key}" for key in AutoConfig.decides)}
+    decided = {*CHOSEN_BY, *BOUNDED_BY, *(f"parallel.{key}" for key in AutoConfig.decides)}
     for override in overrides:
         key, _, value = override.lstrip("+~").partition("=")
         if key in decided and not (key == "parallel" and value == "none"):
-            chosen = CHOSEN_BY.get(key)
+            way = f", or give {CHOSEN_BY[key]} to compare those alone" if key in CHOSEN_BY \
+                else f", or give {BOUNDED_BY[key]}={value} as its bound" if key in BOUNDED_BY \
+                else ""
             return (f"{override}: parallab advise decides {key} for each candidate it "
-                    "measures: drop it" + (f", or give {chosen}=[...] to compare those "
-                                           "alone" if chosen else ""))
+                    f"measures: drop it{way}")
     return None
 
 

@@ -35,7 +35,7 @@ def check(cfg) -> Any:
     cfg.device = Device.cuda  # the cluster's: its compute dtypes, not this machine's
     p = cfg.parallel
     if p.name == "auto":
-        refuse(PLANS[p.name].problem(p))
+        refuse(PLANS[p.name].problem(p) or _spanned(cfg.trainer))
         return None
     layout = PLANS[p.name].resolve(p, "cuda", p.world_size)
     from parallab.checks.trial import stages_on_meta
@@ -43,6 +43,18 @@ def check(cfg) -> Any:
     validate.check_resolved(cfg, layout,
                             lambda: stages_on_meta(cfg) if layout.cuts_model else None)
     return layout
+
+
+def _spanned(t) -> str | None:
+    """A trainer key parallel=auto spans for each layout (the grid's checkpointing modes and
+    accumulation steps): it had been dropped without a word, the command printed set
+    otherwise."""
+    for key, value, default in (("activation_checkpointing", t.activation_checkpointing, "none"),
+                                ("accumulate_grad_batches", t.accumulate_grad_batches, 1)):
+        if value != default:
+            return (f"trainer.{key}={value} with parallel=auto: auto spans trainer.{key} "
+                    "itself, for each layout it ranks: drop it (or give one layout)")
+    return None
 
 
 def _check_model(cfg) -> None:
