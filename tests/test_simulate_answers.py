@@ -298,6 +298,10 @@ def test_a_projects_data_of_no_sequences_is_named_by_its_class(tmp_path):
     (["cluster.gpu=MI300X", "+cluster.peak_tflops={bf16: -1}"],
      "cluster.peak_tflops.bf16=-1.0 is out of range: give the GPU's dense TFLOP/s"),
     (["cluster.remeasure=true"], "cluster.remeasure=true: cluster=h100's rates are given"),
+    # the earlier line's advice followed: a KeyError traceback for fp32 had come next
+    (["cluster.gpu=Foo", "+cluster.peak_tflops.bf16=500"],
+     "cluster.peak_tflops.fp32 is not given for cluster.gpu=Foo: give its dense float32 "
+     "TFLOP/s too"),
     # advise's keys, which a simulation reads none of: taken without a word
     (["parallel=auto", "parallel.world_size=8", "advise.schedules=[foo]"],
      "advise.schedules is parallab advise's: parallab simulate spans every schedule"),

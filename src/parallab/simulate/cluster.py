@@ -78,10 +78,15 @@ def problem(cfg: ClusterConfig) -> str | None:
         if not 0 < value < math.inf:
             return (f"cluster.peak_tflops.{key}={value} is out of range: give the GPU's dense "
                     f"TFLOP/s by precision ({', '.join(PRECISIONS)}), each > 0")
-    if not measured and not peaks_of(cfg).get("bf16"):
+    peaks = {} if measured else peaks_of(cfg)
+    if not measured and not peaks.get("bf16"):
         return (f"cluster.gpu={cfg.gpu} is not in observe/gpus.yaml's peak FLOP/s: name a GPU "
                 "it lists (H100 SXM, H200, B200, A100, ...), `this`, or give the GPU's "
-                "cluster.peak_tflops (bf16 at least)")
+                "cluster.peak_tflops (bf16 and fp32 at least)")
+    if not measured and not peaks.get("fp32"):  # it had ended in a KeyError traceback
+        return (f"cluster.peak_tflops.fp32 is not given for cluster.gpu={cfg.gpu}: give its "
+                "dense float32 TFLOP/s too (float32 ops, such as norms and softmax, are priced "
+                "at it), e.g. +cluster.peak_tflops.fp32=67")
     return None
 
 
