@@ -405,3 +405,22 @@ def test_a_transformers_models_trace_warns_the_user_of_nothing_of_its_own():
     assert found.ops  # traced
     assert not [w for w in said if "hierarchy" in str(w.message)], [str(w.message) for w in said]
     assert warnings.formatwarning is kept
+
+
+def test_a_float16_step_is_priced_at_the_gpus_float16_peak():
+    """precision=fp16 and amp (float16 on CUDA) had been priced at bf16's peak whatever
+    the GPU's own fp16 peak (+cluster.peak_tflops.fp16 taken and not used); bf16 still is."""
+    from parallab.simulate import run
+
+    def predicted(*overrides):
+        return run.given(configured(*GPT, "parallel=fsdp", "parallel.world_size=8",
+                                    "cluster=h100", *overrides))[0].prediction
+
+    bf16, fp16 = predicted("precision=bf16"), predicted("precision=fp16")
+    assert fp16.step_time_s == pytest.approx(bf16.step_time_s)  # H100: the same peak
+    slow = "+cluster.peak_tflops.fp16=0.01"  # far below its bf16 peak: matmuls outlast all
+    for precision in ("fp16", "amp"):
+        half = predicted(f"precision={precision}", slow)
+        assert half.step_time_s > bf16.step_time_s
+        assert half.mfu > fp16.mfu  # its FLOPs over its own, lower, peak
+    assert predicted("precision=bf16", slow).step_time_s == pytest.approx(bf16.step_time_s)

@@ -162,6 +162,17 @@ class Rates:
         """A float32 matmul's peak: TF32's tensor cores where asked and the GPU has them."""
         return self.peaks["tf32" if tf32 and self.peaks.get("tf32") else "fp32"]
 
+    def half_peak(self, precision: str) -> float:
+        """A 16-bit matmul's peak under the precision group's `precision`: float16's for
+        fp16 and amp (float16 on CUDA), bfloat16's for the rest (fp16 had been priced at
+        bf16's, a GPU's own fp16 peak taken and not used)."""
+        import torch
+
+        from parallab.precision import compute_dtype
+
+        half = compute_dtype(precision, "cuda") == torch.float16
+        return self.peaks["fp16" if half and self.peaks.get("fp16") else "bf16"]
+
     def hidden(self, seconds: float, beside: float) -> float:
         """What of a collective of `seconds` run beside `beside` seconds of compute is left
         exposed: what outlasts it, or all of it where the same cores do both."""

@@ -26,7 +26,8 @@ LONGEST_S = 0.5  # an op run for real here at most this long by its roofline, ..
 MEMORY_SHARE = 0.25  # ... its tensors at most this share of a rank's memory
 
 
-def op_seconds(op: Op, rates: Rates, fp32_peak: float, experts_held: float = 1.0) -> float:
+def op_seconds(op: Op, rates: Rates, fp32_peak: float, experts_held: float = 1.0,
+               half_peak: float | None = None) -> float:
     """One op's roofline: its FLOPs at the peak of its precision x the matmul efficiency,
     or its bytes at the memory's bandwidth, whichever is longer; a matmul (every op with a
     FLOP formula) both, added: a bound, chosen on the published runs, for a GEMM kernel
@@ -46,7 +47,7 @@ def op_seconds(op: Op, rates: Rates, fp32_peak: float, experts_held: float = 1.0
         op.weight_bytes * (1 - experts_held)
     seconds = moved / rates.hbm
     if op.flops:
-        peak = fp32_peak if op.wide else rates.peaks["bf16"]
+        peak = fp32_peak if op.wide else half_peak or rates.peaks["bf16"]
         multiplies = op.flops / (peak * rates.matmul_efficiency)
         seconds = seconds + multiplies if op.kind == "matmul" else max(seconds, multiplies)
     if rates.timed is not None and seconds <= LONGEST_S and \
@@ -116,7 +117,7 @@ def costs(trace: Trace, rates: Rates, compile: bool, tf32: bool, ep: int = 1) ->
     """The trace's ops priced on the cluster: each compute op its roofline (a compiled run's
     chains of memory-bound ops fused; an experts' op with a rank's 1/ep of their weights),
     each collective NCCL's time over the tp group."""
-    fp32_peak = rates.fp32_peak(tf32)
+    fp32_peak, half_peak = rates.fp32_peak(tf32), rates.half_peak(trace.shape.precision)
     found = Costs()
     tp_group = Group.of(trace.shape.tp, 1, rates.gpus_per_node)
     ops = trace.ops
@@ -149,7 +150,7 @@ def costs(trace: Trace, rates: Rates, compile: bool, tf32: bool, ep: int = 1) ->
         close(index)
         seconds = float8.seconds(op, rates, compile, lambda s: _with_overhead(s, rates),
                                  trace.shape.fp8_recipe) if op.fp8 else \
-            op_seconds(op, rates, fp32_peak, 1 / ep if op.experts else 1.0)
+            op_seconds(op, rates, fp32_peak, 1 / ep if op.experts else 1.0, half_peak)
         found.compute[key] = found.compute.get(key, 0.0) + seconds
         if op.experts:
             found.experts[op.phase] = found.experts.get(op.phase, 0.0) + seconds

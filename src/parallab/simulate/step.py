@@ -186,7 +186,8 @@ def predict(trace: Trace, c: Costs, layout: Layout, run: Run, rates: Rates, bloc
     memory = max((_memory(trace, layout, run, load) for load in ranks),
                  key=lambda found: sum(found.values()))
     per_gpu = tokens / step / layout.world_size
-    peak = rates.peaks["bf16"] if run.compute_bytes == 2 else rates.fp32_peak(run.tf32)
+    peak = rates.half_peak(trace.shape.precision) if run.compute_bytes == 2 else \
+        rates.fp32_peak(run.tf32)
     return Prediction(step, per_gpu, sum(memory.values()), per_gpu * flops_per_token / peak,
                       parts, memory)
 
