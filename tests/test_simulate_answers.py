@@ -379,6 +379,24 @@ def test_sbatch_lines_ask_for_what_the_slurm_launcher_asks_for():
     assert "does not split evenly over the 2 nodes" in odd[-1]
 
 
+def test_a_layout_is_priced_on_the_nodes_its_sbatch_lines_ask_for():
+    """12 GPUs on 8-GPU nodes are allocated 2 x 6 (the sbatch lines, the launcher), where tp
+    4's ranks 4-7 cross nodes: priced so, as on nodes of 6, not on nodes of 8 (its tp
+    all-reduces had been priced over NVLink)."""
+    from parallab.commands import compose
+    from parallab.config.hydra_app import typed_config
+    from parallab.simulate import run
+
+    def predicted(*overrides):
+        given = [*GPT, "parallel=fsdp_tp", "parallel.world_size=12", "parallel.tp=4",
+                 "cluster=h100", *overrides]
+        return run.given(typed_config(compose(given, None, "simulate"), given))[0].prediction
+
+    eights, sixes = predicted(), predicted("cluster.gpus_per_node=6")
+    assert eights.parts == pytest.approx(sixes.parts)
+    assert eights.parts != pytest.approx(predicted("cluster.gpus_per_node=12").parts)
+
+
 def test_the_command_as_a_user_runs_it(tmp_path):
     """`parallab simulate` from a shell: the answer, its files; an unknown cluster refused in
     one line, exit status 2, before anything is traced."""

@@ -164,10 +164,9 @@ def rates_of(cluster, world_size: int = 1) -> clusters.Rates:
     `world_size` ways, a figure the cluster's YAML gives kept over the measured one."""
     if cluster.gpu != clusters.THIS:
         rates = clusters.Rates.of(cluster)
-        if world_size >= rates.gpus_per_node:
-            return rates
-        # a job smaller than a node sits on one: none of its groups crosses to another
-        return dataclasses.replace(rates, gpus_per_node=world_size)
+        held = clusters.per_node(world_size, rates.gpus_per_node)
+        return rates if held == rates.gpus_per_node else \
+            dataclasses.replace(rates, gpus_per_node=held)
     from parallab.simulate import this_machine
 
     return this_machine.rates(cluster, world_size)

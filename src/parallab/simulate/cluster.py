@@ -25,6 +25,7 @@ from typing import Any
 
 from omegaconf import MISSING
 
+from parallab.config.errors import ConfigError
 from parallab.config.planning import ClusterConfig, NcclLatency
 
 GBIT = 1e9 / 8  # bytes per second in a gigabit per second
@@ -100,6 +101,20 @@ def peaks_of(cfg: ClusterConfig) -> dict[str, float]:
 
     own = {k: float(v) * 1e12 for k, v in (cfg.peak_tflops or {}).items()}
     return mfu.filled({**(mfu.peaks_of(cfg.gpu, listed=True) or {}), **own})
+
+
+def per_node(world_size: int, gpus_per_node: int) -> int:
+    """The ranks a node holds in the allocation a job of `world_size` GPUs is given
+    (allocation.spread, the sbatch lines' rule: as few nodes as hold it, the same count on
+    each): a job smaller than a node sits on one, and 12 GPUs on 8-GPU nodes are 2 x 6,
+    where a tp group of ranks 4-7 crosses nodes (it had been priced on nodes of 8). A count
+    no node count splits evenly, which no allocation takes, is priced on full nodes."""
+    from parallab.launching.allocation import spread
+
+    try:
+        return spread(world_size, None, None, gpus_per_node, "").tasks_per_node
+    except ConfigError:
+        return gpus_per_node
 
 
 @dataclass(frozen=True)
