@@ -5,6 +5,8 @@ from_pretrained from a local folder."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from conftest import FAST, REPO, losses, read_metrics
@@ -294,3 +296,27 @@ def test_export_of_a_model_whose_pretrained_folder_is_gone_says_so_in_one_line(t
                                           r"pretrained_model_name_or_path=.*llama, which is gone"):
         _export(ckpt, tmp_path / "out.pt")
     assert not (tmp_path / "out.pt").exists()
+
+
+def test_an_untied_models_weights_given_to_a_tied_one_are_refused(tmp_path):
+    """An embedding and a head saved apart (an untied gpt's export) for a gpt that ties them:
+    one of the two had won without a word (eval loss 5.41 where the untied model scores
+    5.36). Saved equal, as a tied state_dict saved whole holds them, they are one."""
+    import safetensors.torch
+    from conftest import checked
+
+    from parallab.models import build_model
+
+    gpt = ["model=gpt", "model.layers=1", "model.width=32", "model.heads=2",
+           "model.context=32", "data=bytes", "device=cpu", "model.tie_embeddings=true"]
+    untied = build_model(checked(*gpt, "model.tie_embeddings=false")[0].model)
+    apart = tmp_path / "untied.safetensors"
+    safetensors.torch.save_file({k: v.contiguous() for k, v in untied.state_dict().items()},
+                                str(apart))
+    with pytest.raises(ConfigError, match=re.escape(
+            f"trainer.init_from={apart} holds embed.tokens.weight and head.out.weight apart")):
+        checked(*gpt, f"trainer.init_from={apart}")
+    tied = build_model(checked(*gpt)[0].model)
+    whole = tmp_path / "tied.pt"
+    torch.save(tied.state_dict(), whole)  # both names, one tensor
+    checked(*gpt, f"trainer.init_from={whole}")

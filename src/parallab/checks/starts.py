@@ -85,7 +85,8 @@ def check_init(cfg: Config, probe: trial.Probe) -> None:
             models.build_on_meta(cfg.model)
         if adapted:  # its names are those of the model with its adapters on
             adapters.apply(model, cfg.adapter)
-        refuse(weights.fit_problem(model, path, "trainer.init_from", cfg.trainer.init_strict))
+        refuse(weights.fit_problem(model, path, "trainer.init_from", cfg.trainer.init_strict)
+               or weights.tie_problem(model, path, "trainer.init_from"))
     except checkpoint.CheckpointError as error:
         raise ConfigError(f"trainer.init_from: {error}") from None
 

@@ -112,6 +112,24 @@ def fit_problem(model: nn.Module, path: str | Path, key: str, strict: bool) -> s
     return (f"{key}={path} does not fit {type(model).__name__}: {'; '.join(said)}: {fix}")
 
 
+
+def tie_problem(model: nn.Module, path: str | Path, key: str) -> str | None:
+    """Weights at `path` holding two of `model`'s tied names (an embedding and its head)
+    apart with different values, an untied model's: one had won without a word, the other
+    dropped. Two saved equal (a tied state_dict saved whole) are one. Files are read a
+    tensor at a time; a sharded checkpoint is its run's own, tied as trained."""
+    reader = formats.format_of(path)
+    if not isinstance(reader, formats.FileFormat):
+        return None
+    saved = reader.lazy()
+    for alias, first in tied_names(model).items():
+        if alias in saved and first in saved and not torch.equal(saved[alias], saved[first]):
+            return (f"{key}={path} holds {first} and {alias} apart (an untied model's), which "
+                    f"{type(model).__name__} ties into one weight: give weights of a tied "
+                    "model, or untie this one (model.tie_embeddings=false for gpt, "
+                    "model.config.tie_word_embeddings=false for a transformers model)")
+    return None
+
 @contextlib.contextmanager
 def parameters_on_meta() -> Iterator[None]:
     """Modules built inside hold their parameters on meta, their buffers for real (a rotary
