@@ -191,6 +191,33 @@ def test_export_writes_an_adapter_folder_and_a_merged_model(one_device, tmp_path
     assert losses(tmp_path / "again")[0] < losses(one_device["lora"])[0] - 0.05
 
 
+def test_an_adapter_folder_trained_on_given_weights_starts_a_run_on_them(one_device,
+                                                                       tmp_path):
+    """A run's adapters trained on the weights trainer.init_from gave (its folder records
+    them), given as a new run's trainer.init_from: they had gone on a base built afresh
+    from the seed, without a word, and trained on noise. Its base is read first; the run
+    scores as the adapters do on it. Those weights changed since: one line."""
+    from parallab.commands import evaluate_in_process
+
+    base = one_device["full"] / "checkpoints" / "last.pt"  # trained: not the seed's base
+    train_in_process([*LORA, f"trainer.init_from={base}", "trainer.max_steps=2"],
+                     tmp_path / "tuned")
+    _export(tmp_path / "tuned" / "checkpoints" / "last.pt", tmp_path / "adapter")
+    evaluate_in_process([f"ckpt={tmp_path / 'adapter'}"], tmp_path / "scored")
+    again = train_in_process([*LORA, f"trainer.init_from={tmp_path / 'adapter'}",
+                              "trainer.max_steps=1", "optim.lr=1e-12"], tmp_path / "again")
+    assert again["eval_loss"] == pytest.approx(read_metrics(tmp_path / "scored")["eval_loss"],
+                                               rel=1e-4)
+    moved = tmp_path / "moved.pt"
+    base.rename(moved)
+    try:
+        with pytest.raises(ConfigError, match="holds LoRA adapters alone, trained on the "
+                           f"weights at trainer.init_from={base}, which is gone"):
+            checked(*LORA, f"trainer.init_from={tmp_path / 'adapter'}")
+    finally:
+        moved.rename(base)
+
+
 def test_export_refuses_what_it_cannot_write_in_one_line(one_device, tmp_path):
     for ckpt, args, says in [
             (one_device["full"], ["--merged"], "holds no adapters"),

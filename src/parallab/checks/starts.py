@@ -73,6 +73,7 @@ def check_init(cfg: Config, probe: trial.Probe) -> None:
             f"as {formats.read()}")
     if adapters.is_folder(path):  # its adapters' shapes then, as any file's weights
         refuse(adapters.folder_problem(cfg.adapter, path))
+        weights.adapters_base(path, "trainer.init_from")  # the base they were trained on
     try:
         adapted = weights.holds_adapters(path)
         require(not adapted or adapters.enabled(cfg.adapter),

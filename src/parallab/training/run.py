@@ -264,6 +264,9 @@ def start_model(cfg: Config, dist: distributed.Dist, layout: Layout, init_from: 
     left = []
     if init_from is not None and not adapted:
         left = weights.load_into(model, init_from, cfg.trainer.init_strict)
+    elif adapted and adapters.is_folder(init_from) and \
+            (base := weights.adapters_base(init_from, "trainer.init_from")) is not None:
+        weights.load_into(model, base)  # the weights its adapters were trained on
     model = adapters.apply(model, cfg.adapter, dist.is_main)
     if adapted:  # a peft folder's adapters alone, or a whole model's with them
         left = weights.load_into(model, init_from, cfg.trainer.init_strict)
@@ -271,6 +274,16 @@ def start_model(cfg: Config, dist: distributed.Dist, layout: Layout, init_from: 
         log.info("started from the weights in %s%s", init_from, "; left at their initial "
                  f"values: {', '.join(left)}" if left else "")
     return model, False
+
+
+def _base_of(init_from: str | None) -> str | None:
+    """The weights a run's adapters sit on: trainer.init_from's, or, where it names an
+    adapter folder, those that folder's adapters were trained on (its record)."""
+    from parallab.training import weights
+
+    if init_from is None or not adapters.is_folder(init_from):
+        return init_from
+    return weights.adapters_base(init_from, "trainer.init_from")
 
 
 def build_trainer(cfg: Config, layout: Layout, dist: distributed.Dist, logger: RunLogger,
@@ -313,8 +326,8 @@ def build_trainer(cfg: Config, layout: Layout, dist: distributed.Dist, logger: R
         from parallab.training.weights import base_record
 
         # adapters' base (a resumed run's too), read by rank 0 alone: it writes the record
-        base = cfg.trainer.init_from if adapters.enabled(cfg.adapter) and dist.is_main \
-            else None
+        base = _base_of(cfg.trainer.init_from) if adapters.enabled(cfg.adapter) and \
+            dist.is_main else None
         checkpointer = Checkpointer(checkpoints, dist, loggers.as_run(cfg, layout),
                                     cfg.trainer.keep_last_k, sharded=runtime.layout.sharded,
                                     base=base_record(base) if base else None)

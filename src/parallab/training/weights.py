@@ -306,6 +306,26 @@ def _base_problem(base: str, recorded: dict[str, str] | None) -> str | None:
     return None
 
 
+def adapters_base(folder: str | Path, key: str, state: dict[str, Any] | None = None
+                  ) -> str | None:
+    """The weights a peft adapter folder's adapters were trained on (its record's base, else
+    its run's trainer.init_from), which the folder does not hold; None where its run built
+    its base from its seed. ConfigError where they are gone or other weights stand there
+    (`key`: the key that named the folder; `state`: its record, read here if not given)."""
+    from parallab.training import checkpoint
+
+    state = record(folder) if state is None else state
+    recorded = state.get("base")
+    base = recorded["path"] if recorded else \
+        (checkpoint.saved_config(state).get("trainer") or {}).get("init_from")
+    said = _base_problem(base, recorded) if base is not None else None
+    if said:
+        raise ConfigError(f"{key}={folder} holds LoRA adapters alone, trained on the weights "
+                          f"at trainer.init_from={base}, which {said}: use the run's "
+                          "checkpoint, or its export with --merged")
+    return base
+
+
 def base_of_adapters(folder: str | Path, state: dict[str, Any], spec: dict[str, Any],
                      seed: int) -> nn.Module:
     """The base a peft adapter folder's adapters were trained on, which the folder does not
@@ -315,15 +335,8 @@ def base_of_adapters(folder: str | Path, state: dict[str, Any], spec: dict[str, 
     from parallab.models import build_model
     from parallab.training import checkpoint
 
-    saved = checkpoint.saved_config(state)
-    recorded = state.get("base")
-    base = recorded["path"] if recorded else (saved.get("trainer") or {}).get("init_from")
-    said = _base_problem(base, recorded) if base is not None else None
-    if said:
-        raise ConfigError(f"ckpt={folder} holds LoRA adapters alone, trained on the weights "
-                          f"at trainer.init_from={base}, which {said}: evaluate the run's "
-                          "checkpoint, or its export with --merged")
-    torch.manual_seed(saved.get("seed", seed))
+    base = adapters_base(folder, "ckpt", state)
+    torch.manual_seed(checkpoint.saved_config(state).get("seed", seed))
     model = build_model(spec)
     if base is not None:
         load_into(model, base)
