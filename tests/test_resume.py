@@ -496,3 +496,29 @@ def test_the_ranks_vote_on_a_stop_within_a_bounded_count_of_steps():
     for pace, every in ((0.005, 100), (1.0, 5), (30.0, 1)):
         vote.take([0.0, 0.0, pace, 0.0, 0.0, 0.0])
         assert vote.every == every and not vote.agreed
+
+
+def test_a_resume_on_other_samples_names_the_data_key_that_differs(train_here, tmp_path):
+    """A map-style data set's samples are the run's as much as token files' are: another
+    data set, another text, another share held out had gone on mid-epoch without a word
+    (the loss jumped; windows once held out were trained on). How they are loaded may
+    change."""
+    from conftest import checked
+
+    text = tmp_path / "text.txt"
+    text.write_text("a run's own text, long enough to cut into windows of bytes. " * 200)
+    run = [*FAST, "model=gpt", "model.layers=1", "model.width=32", "model.heads=2",
+           "model.context=32", "data=bytes", "data.seq_len=32", f"data.path={text}",
+           "data.batch_size=8", "trainer.max_steps=2", "trainer.checkpoint_every_n_steps=1"]
+    run = [o for o in run if not o.startswith(("data=synthetic", "data.train_size",
+                                               "data.eval_size"))]
+    _, run_dir = train_here(*run)
+    ckpt = run_dir / "checkpoints" / "last.pt"
+    other = tmp_path / "other.txt"
+    other.write_text(text.read_text().upper())
+    for given, says in ((f"data.path={other}", f"data.path={other} differs from its {text}"),
+                        ("data.eval_fraction=0.5", "data.eval_fraction=0.5 differs from its "
+                                                   "0.1")):
+        with pytest.raises(ConfigError, match=re.escape(says)):
+            checked(*run, given, f"trainer.resume={ckpt}")
+    checked(*run, "data.eval_batch_size=4", f"trainer.resume={ckpt}")

@@ -93,16 +93,23 @@ def check_init(cfg: Config, probe: trial.Probe) -> None:
 
 
 def changed_recipe(cfg: Config, saved: dict, resume: str) -> str | None:
-    """A resumed run continues the order of samples, adapters, optimizer and schedule its
-    checkpoint holds (their shape, state and rates): a seed, adapter, optim or scheduler
-    key set otherwise here would be ignored or change the data without a word, so the
-    first one that differs is named."""
+    """A resumed run continues the samples, their order, the adapters, optimizer and
+    schedule its checkpoint holds (their shape, state and rates): a seed, data, adapter,
+    optim or scheduler key set otherwise here would be ignored or change the data without a
+    word, so the first one that differs is named."""
     from omegaconf import OmegaConf
 
     if saved.get("seed", cfg.seed) != cfg.seed:  # (a checkpoint that records none: taken)
         return (f"trainer.resume={resume} was saved at seed={saved['seed']}, which orders its "
                 f"data, and seed={cfg.seed} here would train other samples next: give "
                 f"seed={saved['seed']} as saved (or start a new run)")
+    changed = cfg.data.changed_keys(saved.get("data"))
+    if changed:  # other samples, or the same in another order: not this run going on
+        key, value, before = changed[0]
+        return (f"trainer.resume={resume} goes on with the samples it was training on, and "
+                f"data.{key}={value} differs from its {before}, which makes other ones: give "
+                f"data.{key}={before} as when it was saved (or start a new run from its "
+                "weights: trainer.init_from)")
     for group in ("adapter", "optim", "scheduler"):
         here = OmegaConf.to_container(OmegaConf.structured(getattr(cfg, group)))
         before = saved.get(group)

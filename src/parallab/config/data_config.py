@@ -44,6 +44,10 @@ class DataConfig:
     collate_fn: Any = None  # a function's dotted path, or a _target_ spec; null = torch's
 
     name: ClassVar[str] = "data"  # in messages and hparams
+    # a data set's own keys that change neither its training samples nor their order
+    # (download; files a fingerprint checks instead): a resume may give them otherwise,
+    # as it may every key above but _target_ (how the samples are loaded, not which)
+    same_data: ClassVar[tuple[str, ...]] = ()
     tensors: ClassVar[bool] = True  # make() gives in-memory Splits (data.loader=memory works)
     next_token: ClassVar[bool] = False  # targets are the next token of every input position
 
@@ -97,6 +101,17 @@ class DataConfig:
         """None if the data a checkpoint recorded (`saved`: its "data" entry, if any) is
         still the data here, else one line naming what changed."""
         return None
+
+    def changed_keys(self, saved: Any) -> list[tuple[str, Any, Any]]:
+        """(key, here, saved) of each key deciding the training samples or their order that
+        differs from the run config a checkpoint recorded (`saved`: its data entry)."""
+        if not isinstance(saved, dict):
+            return []  # a checkpoint that records none: nothing to compare
+        here = OmegaConf.to_container(OmegaConf.structured(self), enum_to_str=True)
+        loading = {f for f in DataConfig.__dataclass_fields__ if f != "_target_"}
+        return [(key, value, saved[key]) for key, value in here.items()
+                if key not in loading and key not in self.same_data and key in saved and
+                saved[key] != value]
 
 
 def batch_overridden(overrides: list[str], global_batch: int | None) -> str | None:

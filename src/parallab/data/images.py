@@ -282,6 +282,7 @@ class Cifar10(DataConfig):
     batch_size: int = 128
 
     name: ClassVar[str] = "cifar10"
+    same_data: ClassVar[tuple[str, ...]] = ("download",)  # the files, fetched or there
     input_shape: ClassVar[list[int]] = [3, 32, 32]
     num_classes: ClassVar[int] = 10
     memory_bytes: ClassVar[int] = 60_000 * 3 * 32 * 32

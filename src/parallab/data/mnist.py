@@ -74,6 +74,7 @@ class MNIST(DataConfig):
     download: bool = False
 
     name: ClassVar[str] = "mnist"
+    same_data: ClassVar[tuple[str, ...]] = ("download",)  # the files, fetched or there
     input_shape: ClassVar[list[int]] = [1, 28, 28]
     num_classes: ClassVar[int] = 10
     memory_bytes: ClassVar[int] = 70_000 * 28 * 28

@@ -52,6 +52,10 @@ class TokenFiles(DataConfig):
     eval_batch_size: int = 8
 
     name: ClassVar[str] = "token_files"
+    # what resume_problem checks itself (the files by where they are and their fingerprints,
+    # the windows held out, seq_len), and what decides no training window
+    same_data: ClassVar[tuple[str, ...]] = ("files", "eval_files", "sources", "eval_fraction",
+                                           "seq_len", "eval_samples", "prefetch")
     tensors: ClassVar[bool] = False
 
     @property
