@@ -320,3 +320,25 @@ def test_an_untied_models_weights_given_to_a_tied_one_are_refused(tmp_path):
     whole = tmp_path / "tied.pt"
     torch.save(tied.state_dict(), whole)  # both names, one tensor
     checked(*gpt, f"trainer.init_from={whole}")
+
+
+def test_an_export_the_disk_cannot_take_is_one_line_and_leaves_out_as_it_was(tmp_path,
+                                                                            monkeypatch):
+    """A full disk under the writer had ended `parallab export` in torch's or safetensors'
+    traceback ("unexpected pos 5248 vs 5142", "os error 28"); OUT, replaced with --force, is
+    left as it was, and no temporary beside it."""
+    import errno
+
+    from parallab.config.errors import OneLineError
+
+    out = tmp_path / "m.safetensors"
+    out.write_text("mine")
+
+    def full(*_):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(formats.SafetensorsFile, "write", staticmethod(full))
+    with pytest.raises(OneLineError, match=re.escape(
+            f"could not write {out} (No space left on device); it is as it was")):
+        weights.export(torch.nn.Linear(2, 2), {}, out, formats.SafetensorsFile)
+    assert out.read_text() == "mine" and [p.name for p in tmp_path.iterdir()] == [out.name]

@@ -352,9 +352,9 @@ def parallab() -> None:
 
         try:
             _export(args.ckpt, args.out, args.force, args.merged)
-        except (CheckpointError, ConfigError, KeyError) as error:
+        except (CheckpointError, ConfigError, KeyError, OneLineError) as error:
             print(f"parallab export: {error}", file=sys.stderr)  # one line, as every refusal
-            raise SystemExit(2) from None
+            raise SystemExit(1 if type(error) is OneLineError else 2) from None
         return
     if not any(args.sweep_dir.glob("*/.hydra/overrides.yaml")):
         parser.error(f"{args.sweep_dir} holds no multirun jobs (no */.hydra/overrides.yaml)")

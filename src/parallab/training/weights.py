@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from parallab import batch as batches
-from parallab.config.errors import ConfigError
+from parallab.config.errors import ConfigError, OneLineError
 from parallab.models import hf, tied_names
 from parallab.training import formats
 from parallab.training.formats import plain_name
@@ -271,6 +271,12 @@ def export(model: nn.Module, record: dict[str, Any], out: Path,
                 (out / stale).unlink()
             for file in written.iterdir():
                 os.replace(file, out / file.name)
+    except Exception as error:  # a full disk had ended in the writer's traceback
+        reason = formats.disk_reason(scratch, error)
+        if reason is None:
+            raise
+        raise OneLineError(f"could not write {out} ({reason}); it is as it was: free space, "
+                           "or export to another place") from None
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return what

@@ -22,6 +22,7 @@ from parallab.training.formats.base import (
     FileFormat,
     Format,
     Lazy,
+    disk_reason,
     held_as,
     load,
     plain_name,
@@ -40,7 +41,8 @@ from parallab.training.formats.safetensors_weights import (
 from parallab.training.formats.sharded import SHARDED_META, Sharded
 from parallab.training.formats.torch_file import TorchFile
 
-__all__ = ["CheckpointError", "CheckpointFormat", "FileFormat", "Format", "Lazy", "held_as",
+__all__ = ["CheckpointError", "CheckpointFormat", "FileFormat", "Format", "Lazy", "disk_reason",
+           "held_as",
            "load", "plain_name", "save", "EXPORTED", "RUN_CONFIG", "WEIGHTS",
            "AdapterFolder", "SafetensorsFile", "WeightsFolder", "earlier_export",
            "safetensors_torch", "SHARDED_META", "Sharded", "TorchFile", "FORMATS",

@@ -82,16 +82,22 @@ def write_failure(path: Path, error: BaseException) -> CheckpointError:
         return write_failure(path, error) if isinstance(error, OSError) else CheckpointError(
             f"could not write checkpoint {path} (rank {rank}: {type(error).__name__}: "
             f"{_first_line(error)}); the previous checkpoints are intact")
-    if isinstance(error, OSError) and error.strerror:
-        reason = error.strerror
-    else:
-        reason = _first_line(error)
-        with contextlib.suppress(OSError):
-            if shutil.disk_usage(path.parent).free < 1 << 20:
-                reason = "no space left on the device"
+    reason = disk_reason(path, error) or _first_line(error)
     return CheckpointError(f"could not write checkpoint {path} ({reason}); the previous "
                            "checkpoints are intact: free space or point hydra.run.dir "
                            "somewhere writable")
+
+
+def disk_reason(path: Path, error: BaseException) -> str | None:
+    """Why a write to `path` failed where the disk is why: an OSError's own words, or no
+    space left (torch's and safetensors' writers fail with words of their own, a position
+    or an os error's number); None where the disk is not why."""
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror
+    with contextlib.suppress(OSError):
+        if shutil.disk_usage(path.parent).free < 1 << 20:
+            return "no space left on the device"
+    return None
 
 
 def _first_line(error: BaseException) -> str:
