@@ -321,6 +321,11 @@ def test_evaluate_follows_the_checkpoints_model_and_refuses_model_overrides(trai
     for layout in ("parallel=fsdp", "parallel.world_size=2"):
         with pytest.raises(ConfigError, match=f"{layout}: evaluate.py scores .* in one process"):
             evaluate_in_process([ckpt, "data=bytes", layout, "device=cpu"], tmp_path / "eval4")
+    # a trainer key, read by no part of evaluate.py: the float model had been scored
+    with pytest.raises(ConfigError, match="trainer.quantize=dynamic_int8: evaluate.py scores "
+                       ".* as saved and trains nothing, so no trainer key is read: drop it"):
+        evaluate_in_process([ckpt, "data=bytes", "trainer.quantize=dynamic_int8", "device=cpu"],
+                            tmp_path / "eval7")
     evaluate_in_process([ckpt, "data=bytes", "parallel.threads_per_worker=1", "device=cpu"],
                         tmp_path / "eval5")
     with pytest.raises(ConfigError, match="picks GPUs, but device=cpu"):  # its GPU, on CUDA

@@ -132,10 +132,8 @@ EVALUATE_KEEPS = ("parallel.threads_per_worker", "parallel.devices")
 
 
 def _refuse_ignored_overrides(overrides: list[str]) -> None:
-    """evaluate.py builds the model the checkpoint records and scores it in one process: a
-    model or layout override would be ignored, so it is refused rather than dropped without
-    a word (before Hydra composes them: a key of the model the checkpoint records may be no
-    key of the default one)."""
+    """A model, layout or trainer override, which evaluate.py would ignore, refused before
+    Hydra composes them (a key of the checkpoint's model may be no key of the default)."""
     ckpt = next((o.partition("=")[2] for o in overrides if o.startswith("ckpt=")), "CKPT")
     for override in overrides:
         key = override.lstrip("+~").split("=")[0]
@@ -148,6 +146,9 @@ def _refuse_ignored_overrides(overrides: list[str]) -> None:
                 f"{override}: evaluate.py scores ckpt={ckpt} in one process, whatever layout "
                 "trained it (a sharded checkpoint too): drop the parallel override "
                 "(parallel.threads_per_worker sets its threads, parallel.devices its GPU)")
+        if key.startswith("trainer."):  # trainer.quantize had scored the float model
+            raise ConfigError(f"{override}: evaluate.py scores ckpt={ckpt} as saved and trains "
+                              "nothing, so no trainer key is read: drop it")
 
 
 def onto_trained_data(overrides: list[str]) -> list[str]:
