@@ -404,3 +404,4 @@ def test_advise_with_adapters_measures_the_data_parallel_layouts_and_refuses_the
     # ddp all-reduces the adapters' gradients (and a few numbers of the step's figures)
     assert float(rows["ddp"]["comm_mb_per_step"]) == pytest.approx(adapters * 4 / 2**20,
                                                                    rel=0.01)
+

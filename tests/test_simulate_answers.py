@@ -426,6 +426,29 @@ def test_the_command_as_a_user_runs_it(tmp_path):
     assert "simulate.routing=round_robin prices how tokens pick experts" in said[0]
 
 
+def test_a_simulated_sweep_checks_every_job_first_and_runs_past_a_failed_one(tmp_path):
+    """`parallab simulate -m`: a world size of 0 had run job #0 and then ended the sweep at
+    job #1, the rest unrun and no summary; it is refused before any job. A job whose layout
+    the model refuses (tp 8 of 4 heads) fails alone: the others run, the summary says it,
+    exit status 1."""
+    sweep = [*[o for o in GPT if "precision" not in o], "precision=bf16", "cluster=h100"]
+    # (parallel=auto, no layout a job trains, is checked by its values: job #0 passes)
+    refused = run_entry("parallab", ["simulate", "-m", *sweep, "parallel=auto",
+                                     "parallel.world_size=4,0",
+                                     f"hydra.sweep.dir={tmp_path / 'refused'}"], timeout=180)
+    assert refused.returncode == 2 and "Traceback" not in output(refused)
+    assert "job #1 (" in refused.stderr and "parallel.world_size=0 is out of range" in \
+        refused.stderr
+    assert not [p for p in (tmp_path / "refused").iterdir() if p.is_dir()]  # no job's dir
+    done = run_entry("parallab", ["simulate", "-m", *sweep, "parallel=tp",
+                                  "parallel.world_size=8,4",
+                                  f"hydra.sweep.dir={tmp_path / 'sweep'}"], timeout=300)
+    assert done.returncode == 1, output(done)[-3000:]
+    summary = (tmp_path / "sweep" / "summary.md").read_text()
+    assert "parallel.tp=8 does not divide model.heads=4" in summary
+    assert (next((tmp_path / "sweep").glob("1_*")) / "simulate.json").is_file()
+
+
 def test_a_pipelines_accumulated_passes_are_each_priced_and_said(tmp_path):
     """Layout.accumulation apart from a pipeline's micro-batches: each of a step's passes
     runs the schedule (its compute, sends and idle slots) on its share of the batch, and

@@ -19,7 +19,7 @@ with ended_by_interrupt():
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import DictConfig, OmegaConf, open_dict
 
-    from parallab.cli import Invocation, _fail, advise, compose, train
+    from parallab.cli import Invocation, _fail, _register_configs, advise, compose, train
     from parallab.config import help
     from parallab.config.chosen_data import composed_in_app, with_data
     from parallab.config.errors import ConfigError, OneLineError
@@ -277,6 +277,9 @@ def _unbuildable(ckpt: Path, spec: dict[str, Any], error: Exception) -> str:
 
 
 def _simulate_task(dict_cfg: DictConfig, call: Invocation) -> None:
+    from hydra.types import RunMode
+
+    from parallab import sweep_job
     from parallab.simulate import run
     from parallab.training import rundir
 
@@ -288,6 +291,8 @@ def _simulate_task(dict_cfg: DictConfig, call: Invocation) -> None:
         run.run(typed_config(dict_cfg, overrides), overrides, run_dir,
                 ["parallab", "train", *config_flags(call.argv[1:])])
     except OneLineError as error:  # a refusal puts the dir back; a full disk keeps its log
+        if HydraConfig.get().mode == RunMode.MULTIRUN:  # one job's: the others run
+            return sweep_job.failed(Path(run_dir), str(error))
         if isinstance(error, ConfigError):
             call.restore()
         _fail(str(error), error.status)
@@ -314,7 +319,7 @@ def simulate(argv: list[str] | None = None) -> None:
     call = Invocation.read(argv or sys.argv)
     launch.register_resolvers()
     help.register_resolver("simulate")
-    register_configs()
+    _register_configs()  # with the launchers that check a sweep's every job first
     try:
         run_app(hydra_app("simulate", _simulate_task, call), call)
     except KeyboardInterrupt:  # nothing is written before the answer: nothing to keep

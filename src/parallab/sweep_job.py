@@ -64,10 +64,17 @@ def run(dict_cfg: DictConfig, run_dir: Path, call: Invocation,
     except Exception as error:  # noqa: BLE001 - any failure of one job is that job's result
         line = error.line if isinstance(error, JobFailed) else (
             f"{type(error).__name__}: {error}".splitlines()[0])
-        log.error("job failed: %s", error if isinstance(error, JobFailed) else line,
-                  exc_info=not isinstance(error, JobFailed))
-        status_file.write_text(json.dumps({"status": "failed", "error": line}) + "\n")
+        failed(run_dir, line, error if isinstance(error, JobFailed) else line,
+               traceback=not isinstance(error, JobFailed))
     return None
+
+
+def failed(run_dir: Path, line: str, said: object = None, traceback: bool = False) -> None:
+    """A job's failure, said and recorded for the summary (`line`: its record's words;
+    `said`: the log's, if other): the sweep's other jobs run."""
+    log.error("job failed: %s", line if said is None else said, exc_info=traceback)
+    (run_dir / summary.STATUS_FILE).write_text(json.dumps({"status": "failed",
+                                                           "error": line}) + "\n")
 
 
 def finished_as(run_dir: Path, before: dict, trains: list[str]) -> tuple[Path | None,
