@@ -222,7 +222,7 @@ def _export(ckpt: Path, out: Path, force: bool = False, merged: bool = False) ->
     spec = _trained_model_config(meta, ckpt)
     adapter = checkpoint.saved_config(meta).get("adapter") if weights.holds_adapters(ckpt) \
         else None
-    _require_adapters(ckpt, out, kind, adapter, merged)
+    weights.require_adapters(ckpt, out, kind, adapter, merged)
     targets.locate(spec.get("_target_"), "model._target_")  # the project must import
     try:  # an adapter folder's base as its run built it (the folder holds adapters alone)
         built = weights.base_of_adapters(ckpt, meta, spec, 0) if adapters.is_folder(ckpt) \
@@ -230,7 +230,7 @@ def _export(ckpt: Path, out: Path, force: bool = False, merged: bool = False) ->
     except ConfigError:
         raise
     except Exception as error:  # noqa: BLE001 - a user's or a library's constructor
-        raise ConfigError(_unbuildable(ckpt, spec, error)) from None
+        raise ConfigError(weights.unbuildable(ckpt, spec, error)) from None
     peft_model = adapters.with_adapters(built, adapter) if adapter else None
     if merged and (tied := adapters.merge_problem(peft_model)) is not None:
         raise ConfigError(tied)
@@ -246,34 +246,6 @@ def _export(ckpt: Path, out: Path, force: bool = False, merged: bool = False) ->
     model = peft_model.merge_and_unload() if merged else peft_model or built
     what = weights.export(model, record, out, kind)
     print(f"{out}: {what}, of {ckpt} (step {meta['step']})")
-
-
-def _require_adapters(ckpt: Path, out: Path, kind, adapter: Any, merged: bool) -> None:
-    """--merged only of a checkpoint with adapters; adapters alone only as a folder."""
-    from parallab.training import formats
-
-    if merged and not adapter:
-        raise ConfigError(f"--merged: ckpt={ckpt} holds no adapters (its run had adapter=none):"
-                          " export it without --merged")
-    if adapter and not merged and kind is not formats.WeightsFolder:
-        raise ConfigError(f"{out}: ckpt={ckpt} holds LoRA adapters, which export as a peft "
-                          "adapter folder (give OUT without a suffix), or with --merged, the "
-                          "base with the adapters folded in, as .pt or .safetensors")
-
-
-def _unbuildable(ckpt: Path, spec: dict[str, Any], error: Exception) -> str:
-    """Why the model a checkpoint was trained with cannot be built again, in one line: most
-    often what its constructor read is gone (a from_pretrained folder)."""
-    from parallab.config.errors import first_line
-
-    gone = [f"{key}={value}" for key, value in spec.items() if isinstance(value, str)
-            and not key.startswith("_") and ("/" in value or value.startswith("."))
-            and not Path(value).exists()]
-    cause = first_line(error.__cause__ or error)
-    need = (f"it reads {', '.join(gone)}, which is gone: put it back (the checkpoint holds "
-            "the weights; the architecture comes from there)" if gone else
-            "make the model's class and what it reads importable here")
-    return f"ckpt={ckpt}: its model {spec.get('_target_')} cannot be built ({cause}): {need}"
 
 
 def _simulate_task(dict_cfg: DictConfig, call: Invocation) -> None:

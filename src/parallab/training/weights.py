@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from parallab import batch as batches
-from parallab.config.errors import ConfigError, OneLineError
+from parallab.config.errors import ConfigError, OneLineError, first_line
 from parallab.models import hf, tied_names
 from parallab.training import formats
 from parallab.training.formats import plain_name
@@ -251,6 +251,29 @@ def export_kind(ckpt: Path, out: Path, force: bool) -> type[formats.Format]:
                           "one (give OUT a suffix for a file: .pt, .safetensors)")
     return kind
 
+
+def require_adapters(ckpt: Path, out: Path, kind, adapter: Any, merged: bool) -> None:
+    """--merged only of a checkpoint with adapters; adapters alone only as a folder."""
+    if merged and not adapter:
+        raise ConfigError(f"--merged: ckpt={ckpt} holds no adapters (its run had adapter=none):"
+                          " export it without --merged")
+    if adapter and not merged and kind is not formats.WeightsFolder:
+        raise ConfigError(f"{out}: ckpt={ckpt} holds LoRA adapters, which export as a peft "
+                          "adapter folder (give OUT without a suffix), or with --merged, the "
+                          "base with the adapters folded in, as .pt or .safetensors")
+
+
+def unbuildable(ckpt: Path, spec: dict[str, Any], error: Exception) -> str:
+    """Why the model a checkpoint was trained with cannot be built again, in one line: most
+    often what its constructor read is gone (a from_pretrained folder)."""
+    gone = [f"{key}={value}" for key, value in spec.items() if isinstance(value, str)
+            and not key.startswith("_") and ("/" in value or value.startswith("."))
+            and not Path(value).exists()]
+    cause = first_line(error.__cause__ or error)
+    need = (f"it reads {', '.join(gone)}, which is gone: put it back (the checkpoint holds "
+            "the weights; the architecture comes from there)" if gone else
+            "make the model's class and what it reads importable here")
+    return f"ckpt={ckpt}: its model {spec.get('_target_')} cannot be built ({cause}): {need}"
 
 def export(model: nn.Module, record: dict[str, Any], out: Path,
            kind: type[formats.Format]) -> str:
