@@ -276,6 +276,8 @@ def test_the_recommended_command_keeps_where_the_config_came_from():
     (["parallel=pipeline", "parallel.microbatches=0"], "parallel=pipeline: parallab advise "
      "decides parallel for each candidate it measures: drop it, or give advise.layouts=[...]"),
     (["precision=bf16"], "or give advise.precisions=[...] to compare those alone"),
+    (["simulate.rows=3"], "simulate.rows=3: simulate.rows is parallab simulate's, and "
+     "advise reads none of its keys"),
     (["trainer.accumulate_grad_batches=2"], "trainer.accumulate_grad_batches=2: parallab "
      "advise decides trainer.accumulate_grad_batches for each candidate it measures: drop "
      "it, or give advise.max_accumulation=2 as its bound"),

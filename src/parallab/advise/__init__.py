@@ -105,6 +105,10 @@ def decided_problem(overrides: list[str]) -> str | None:
     decided = {*CHOSEN_BY, *BOUNDED_BY, *(f"parallel.{key}" for key in AutoConfig.decides)}
     for override in overrides:
         key, _, value = override.lstrip("+~").partition("=")
+        if key.startswith("simulate."):  # carried into the printed command, read by none
+            return (f"{override}: {key} is parallab simulate's, and advise reads none of its "
+                    "keys (its prediction at a target size: advise.target_world_size on the "
+                    "cluster group): drop it")
         if key in decided and not (key == "parallel" and value == "none"):
             way = f", or give {CHOSEN_BY[key]} to compare those alone" if key in CHOSEN_BY \
                 else f", or give {BOUNDED_BY[key]}={value} as its bound" if key in BOUNDED_BY \
