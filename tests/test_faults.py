@@ -108,7 +108,6 @@ def test_a_run_stopped_by_max_steps_continues_as_if_uninterrupted(train_here):
     assert parts["eval_loss"] == whole["eval_loss"]
 
 
-
 @pytest.mark.slow
 def test_a_fresh_run_in_a_used_dir_is_refused_and_leaves_it_as_it_was(train_here):
     # the refusal from the command line (the dir quoted there); the runs around it in-process

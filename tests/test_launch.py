@@ -326,3 +326,19 @@ def test_a_stopped_sweeps_command_in_place_keeps_its_launcher(monkeypatch, tmp_p
     assert sweep_job.continue_command(tmp_path, call) == (
         f"mpirun -np 2 python train.py -m optim.lr=0.1,0.2 hydra.sweep.dir={tmp_path} "
         "sweep.skip_completed=true")
+
+
+@pytest.mark.parametrize("parent,expected", [
+    (["/usr/bin/python3", "/venv/bin/torchrun", "--standalone", "--nproc-per-node=2",
+      "train.py", "a=1"], "/venv/bin/torchrun --standalone --nproc-per-node=2 train.py a=1"),
+    (["mpirun", "-np", "2", "/usr/bin/python3", "train.py", "a=1"],
+     "mpirun -np 2 /usr/bin/python3 train.py a=1"),
+    # a wrapper script between launcher and rank is not the launcher: its command dropped
+    # mpirun, and the resume ran on one process
+    (["/bin/bash", "./wrap.sh", "train.py", "a=1"], None),
+], ids=["torchrun", "mpirun", "wrapper"])
+def test_the_launchers_own_command_is_taken_only_from_a_launcher(parent, expected):
+    from parallab.launching import relaunch
+
+    found = relaunch._from_parent(["python", "train.py", "a=1"], parent, ["train.py", "a=1"])
+    assert (found and " ".join(found)) == expected

@@ -171,7 +171,7 @@ def test_a_run_in_this_process_gives_mlflows_own_http_settings_back(mlflow_serve
 
 @ON_THE_SERVERS_WORKER
 def test_a_resumed_run_goes_on_in_its_mlflow_run_or_says_why_not(
-        mlflow_server, train_here, caplog):
+        mlflow_server, train_here, caplog, tmp_path):
     """Stopped and resumed, a run's curves are one MLflow run's, its steps going on (as
     Lightning's MLFlowLogger given the run_id); a resume whose run was deleted on the
     tracker, or that logs to another experiment, logs into a new one, said in one line, and
@@ -215,6 +215,21 @@ def test_a_resumed_run_goes_on_in_its_mlflow_run_or_says_why_not(
     steps = [m.step for m in client.get_metric_history(again.info.run_id, "train/loss")]
     assert again.info.run_id == second.info.run_id and sorted(steps) == [2, 10, 12]
 
+    # a sweep's job given the run id logs into its own run, said: every job had gone into
+    # that one run, their steps over one another's
+    from parallab.observe.loggers.base import RunInfo
+    from parallab.observe.loggers.mlflow import MLflowLogger
+
+    job = MLflowLogger(mlflow_server, "resumes", run_id=second.info.run_id)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        job.start(RunInfo(tmp_path / "sweep" / "0_job", "0_job", str(tmp_path / "sweep"), {},
+                          ""))
+    job.close("finished")
+    assert job.run_id != second.info.run_id
+    assert any("names one MLflow run, and each job of a sweep logs into its own" in
+               r.getMessage() for r in caplog.records)
+
 
 @pytest.mark.parametrize("listening", [False, True], ids=["nothing-listens", "never-answers"])
 def test_a_tracker_that_is_down_is_one_warning_and_the_run_goes_on(train_here, caplog,
@@ -237,7 +252,6 @@ def test_a_tracker_that_is_down_is_one_warning_and_the_run_goes_on(train_here, c
     assert "\n" not in warned[0]
     assert metrics["steps"] == 4 and (run_dir / "metrics.json").exists()
     assert [s for s, _ in scalars(run_dir, "eval/loss")] == [4]
-
 
 
 @ON_THE_SERVERS_WORKER
@@ -277,6 +291,7 @@ def test_a_local_stores_artifacts_go_beside_its_database(train_here, tmp_path, m
                f"logger.mlflow.tracking_uri=sqlite:///{tmp_path / 'store' / 'mlflow.db'}")
     assert list(started_in.iterdir()) == []
     assert list((tmp_path / "store" / "mlruns").glob("*/artifacts/config.yaml"))
+
 
 def test_a_logger_not_installed_is_one_line_naming_the_extra(monkeypatch):
     import importlib.util

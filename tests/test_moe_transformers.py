@@ -152,7 +152,6 @@ def assert_exported_as_published(run_dir, train_here) -> None:
     assert metrics["steps"] == 1
 
 
-
 def test_experts_split_over_tp_ranks_go_to_a_checkpoint_and_back(train_here):
     """Experts split over 2 tp ranks by the model's own plan (its packed gate_up_proj
     strided: each rank its slice of gate and of up, which torch's checkpoint planner reads
@@ -173,6 +172,7 @@ def test_experts_split_over_tp_ranks_go_to_a_checkpoint_and_back(train_here):
     one = weights.read(checkpoint.latest(one_dir / "checkpoints"), model)
     for name, value in weights.read(checkpoint.latest(tp_dir / "checkpoints"), model).items():
         torch.testing.assert_close(value, one[name], rtol=1e-4, atol=1e-6)
+
 
 def test_a_transformers_router_loss_joins_the_gradient_not_the_logged_loss():
     """Qwen3-MoE with output_router_logits: the step's loss is the task loss (train/loss),

@@ -26,12 +26,11 @@ pytestmark = pytest.mark.slow
 RUN = [*FAST, "trainer.epochs=3", "trainer.max_steps=40", "trainer.log_every_n_steps=1",
        "trainer.checkpoint_every_n_steps=10", "scheduler=cosine"]
 
+
 def losses(run_dir) -> dict[int, tuple[float, float]]:
     """Step -> (train loss, learning rate); a resumed run's later values win."""
     rates = dict(scalars(run_dir, "train/lr"))
     return {step: (loss, rates[step]) for step, loss in scalars(run_dir, "train/loss")}
-
-
 
 
 def resumed_at(text: str) -> list[int]:
@@ -187,7 +186,6 @@ def test_on_nan_skip_drops_the_bad_steps_and_finishes(train_here, monkeypatch):
     assert metrics["steps"] == 40 and math.isfinite(metrics["eval_loss"])
 
 
-
 def test_a_sharded_writes_failure_names_a_ranks_own_error(tmp_path):
     """torch's CheckpointException holds each rank's error under a line of ranks: the
     first rank's own error is named, and the disk is blamed only where it is why."""
@@ -204,6 +202,7 @@ def test_a_sharded_writes_failure_names_a_ranks_own_error(tmp_path):
     full = CheckpointException("ranks", {0: (OSError(errno.ENOSPC, "No space left"), None)})
     said = str(write_failure(tmp_path / "best.dcp", full))
     assert "(No space left)" in said and "free space" in said
+
 
 def test_a_full_disk_is_a_clear_error_and_the_previous_checkpoint_survives(
         train_here, tmp_path, monkeypatch):
@@ -298,6 +297,7 @@ import os, signal
 import {module} as where
 
 called = where.{function}
+
 
 def interrupted(*args, **kwargs):
     if {condition}:
@@ -409,6 +409,7 @@ import parallab.training.checkpoint as checkpoint
 
 save = checkpoint.Checkpointer.save
 
+
 def signalled(self, state, name):
     if name == "last":
         os.kill(os.getpid(), signal.SIGTERM)
@@ -446,6 +447,7 @@ def test_a_save_cut_short_leaves_no_temporary_for_good(train_here):
 # sitecustomize for the `parallab` command: Ctrl-C while it imports the CLI
 AT_IMPORT = """
 import os, signal, sys
+
 
 class Interrupting:
     def find_spec(self, name, path=None, target=None):
@@ -522,3 +524,7 @@ def test_a_resume_on_other_samples_names_the_data_key_that_differs(train_here, t
         with pytest.raises(ConfigError, match=re.escape(says)):
             checked(*run, given, f"trainer.resume={ckpt}")
     checked(*run, "data.eval_batch_size=4", f"trainer.resume={ckpt}")
+    # the value to give back is said as an override takes it: None had read as 'None'
+    from parallab.checks.starts import _value
+
+    assert [_value(v) for v in (None, True, "a,b", 0.1)] == ["null", "true", "'a,b'", "0.1"]

@@ -46,8 +46,9 @@ def test_a_read_of_an_id_outside_the_vocabulary_names_the_file_its_place_and_the
         windows.read(np.array([0, inside, 5]))
     assert str(raised.value) == (
         f"{one_bad_id} holds token id 300 at token {BAD_AT}, not in the model's vocabulary "
-        "of 256 (data.vocab_size): set model.vocab_size to the tokenizer's vocabulary, or "
-        "tokenize the file again with the model's tokenizer")
+        "of 256 (data.vocab_size): set the model's vocabulary to the tokenizer's "
+        "(model.vocab_size; model.config.vocab_size for a transformers model), or tokenize "
+        "the file again with the model's tokenizer")
     assert raised.value.status == 2
     # a file whose dtype holds no id outside the vocabulary reads unchecked
     assert not Windows([opened], SEQ, vocab=1 << 16).checked
@@ -75,8 +76,9 @@ def test_training_on_an_id_outside_the_vocabulary_ends_in_one_line_with_exit_sta
     assert "Traceback" not in said and "IndexError" not in said
     assert said.strip().splitlines()[-1].endswith(
         f"{one_bad_id} holds token id 300 at token {BAD_AT}, not in the model's vocabulary "
-        "of 256 (data.vocab_size): set model.vocab_size to the tokenizer's vocabulary, or "
-        "tokenize the file again with the model's tokenizer")
+        "of 256 (data.vocab_size): set the model's vocabulary to the tokenizer's "
+        "(model.vocab_size; model.config.vocab_size for a transformers model), or tokenize "
+        "the file again with the model's tokenizer")
 
 
 @pytest.mark.parametrize("pair", [False, True], ids=["flat", "idx"])

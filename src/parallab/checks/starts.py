@@ -73,7 +73,10 @@ def check_init(cfg: Config, probe: trial.Probe) -> None:
             f"as {formats.read()}")
     if adapters.is_folder(path):  # its adapters' shapes then, as any file's weights
         refuse(adapters.folder_problem(cfg.adapter, path))
-        weights.adapters_base(path, "trainer.init_from")  # the base they were trained on
+        base = weights.adapters_base(path, "trainer.init_from")  # what they were trained on
+        if base is not None:  # read whole before the adapters, in every rank: it must fit
+            refuse(weights.fit_problem(models.build_on_meta(cfg.model), base,
+                                       "the base of trainer.init_from", True))
     try:
         adapted = weights.holds_adapters(path)
         require(not adapted or adapters.enabled(cfg.adapter),
@@ -107,9 +110,9 @@ def changed_recipe(cfg: Config, saved: dict, resume: str) -> str | None:
     if changed:  # other samples, or the same in another order: not this run going on
         key, value, before = changed[0]
         return (f"trainer.resume={resume} goes on with the samples it was training on, and "
-                f"data.{key}={value} differs from its {before}, which makes other ones: give "
-                f"data.{key}={before} as when it was saved (or start a new run from its "
-                "weights: trainer.init_from)")
+                f"data.{key}={_value(value)} differs from its {_value(before)}, which makes "
+                f"other ones: give data.{key}={_value(before)} as when it was saved (or start "
+                "a new run from its weights: trainer.init_from)")
     for group in ("adapter", "optim", "scheduler"):
         here = OmegaConf.to_container(OmegaConf.structured(getattr(cfg, group)))
         before = saved.get(group)
@@ -118,7 +121,19 @@ def changed_recipe(cfg: Config, saved: dict, resume: str) -> str | None:
         for key, value in here.items():
             if key in before and before[key] != value:
                 return (f"trainer.resume={resume} continues the adapters, optimizer and "
-                        f"schedule it holds, and {group}.{key}={value} differs from its "
-                        f"{before[key]}: give {group}.{key}={before[key]} as when it was "
-                        "saved (or start a new run)")
+                        f"schedule it holds, and {group}.{key}={_value(value)} differs from "
+                        f"its {_value(before[key])}: give {group}.{key}="
+                        f"{_value(before[key])} as when it was saved (or start a new run)")
     return None
+
+
+def _value(value) -> str:
+    """A saved value as an override gives it back (null, true; a string Hydra would parse
+    otherwise quoted), where Python's words (None, True) were read as strings."""
+    import json
+
+    from parallab.config.naming import hydra_value
+
+    if value is None or isinstance(value, bool):
+        return json.dumps(value)
+    return hydra_value(value) if isinstance(value, str) else str(value)

@@ -55,7 +55,7 @@ class TokenFiles(DataConfig):
     # what resume_problem checks itself (the files by where they are and their fingerprints,
     # the windows held out, seq_len), and what decides no training window
     same_data: ClassVar[tuple[str, ...]] = ("files", "eval_files", "sources", "eval_fraction",
-                                           "seq_len", "eval_samples", "prefetch")
+                                           "seq_len", "eval_samples", "prefetch", "vocab_size")
     tensors: ClassVar[bool] = False
 
     @property

@@ -42,7 +42,7 @@ def _from_parent(entry: list[str], parent: list[str], own: list[str]) -> list[st
     program there, then the program as the user named it and `entry`'s flags."""
     at = len(parent) - len(own)
     if at < 1 or parent[at + 1:] != own[1:] or \
-            Path(parent[at]).name != Path(own[0]).name:
+            Path(parent[at]).name != Path(own[0]).name or not _a_launcher(parent[:at]):
         return None
     launcher = parent[:at]
     # torchrun's script runs under its interpreter: the user typed `torchrun`
@@ -51,6 +51,19 @@ def _from_parent(entry: list[str], parent: list[str], own: list[str]) -> list[st
         launcher = [_as_typed(launcher[1]), *launcher[2:]]
     # the program's own words in `entry`: `python train.py`, or `parallab` (of `train`)
     return [*launcher, parent[at], *entry[2 if entry[0] == "python" else 1:]]
+
+
+# what started a rank in place: a wrapper script between them is not it (its command
+# dropped, the resume would run on one process)
+LAUNCHERS = ("torchrun", "mpirun", "mpiexec", "orterun", "prterun")
+
+
+def _a_launcher(words: list[str]) -> bool:
+    """`words` start a launcher: its program, or a Python running it (torchrun's script,
+    `-m torch.distributed.run`)."""
+    names = [Path(w).name for w in words[:3]]
+    return bool(names) and (names[0] in LAUNCHERS or names[0].startswith("python") and (
+        names[1:2] and names[1] in LAUNCHERS or names[1:3] == ["-m", "torch.distributed.run"]))
 
 
 def _as_typed(path: str) -> str:

@@ -125,6 +125,7 @@ def experts_problem(cfg: Any, model: nn.Module, ep: int) -> str | None:
         f"which parallel.ep={ep} splits over ranks and peft's adapters there do not follow: "
         "name layers outside the experts (such as [q_proj,v_proj]), or parallel.ep=1")
 
+
 def problem(cfg: Any, model: nn.Module) -> str | None:
     """Why adapters per `cfg` cannot be put on `model` (built on meta will do), in one line;
     None where they can (or none are asked). Tried on the model itself, which it changes."""

@@ -112,7 +112,6 @@ def fit_problem(model: nn.Module, path: str | Path, key: str, strict: bool) -> s
     return (f"{key}={path} does not fit {type(model).__name__}: {'; '.join(said)}: {fix}")
 
 
-
 def tie_problem(model: nn.Module, path: str | Path, key: str) -> str | None:
     """Weights at `path` holding two of `model`'s tied names (an embedding and its head)
     apart with different values, an untied model's: one had won without a word, the other
@@ -129,6 +128,7 @@ def tie_problem(model: nn.Module, path: str | Path, key: str) -> str | None:
                     "model, or untie this one (model.tie_embeddings=false for gpt, "
                     "model.config.tie_word_embeddings=false for a transformers model)")
     return None
+
 
 @contextlib.contextmanager
 def parameters_on_meta() -> Iterator[None]:
@@ -275,6 +275,7 @@ def unbuildable(ckpt: Path, spec: dict[str, Any], error: Exception) -> str:
             "make the model's class and what it reads importable here")
     return f"ckpt={ckpt}: its model {spec.get('_target_')} cannot be built ({cause}): {need}"
 
+
 def export(model: nn.Module, record: dict[str, Any], out: Path,
            kind: type[formats.Format]) -> str:
     """`model`'s weights written as `kind` (export_kind) at `out` with the run's `record`
@@ -283,11 +284,16 @@ def export(model: nn.Module, record: dict[str, Any], out: Path,
     existing folder replaces only the files it writes, and removes those an earlier export
     wrote there that this one does not (formats.earlier_export): the folder reads back as
     this export alone, its user's other files kept."""
-    scratch = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    whole = kind.suffix or not out.is_dir()  # else its files are replaced one by one
+    try:
+        scratch = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    except OSError as error:
+        raise OneLineError(f"could not write beside {out} ({error.strerror}): export to a "
+                           "writable place") from None
     try:
         written = scratch / (out.name if kind.suffix else "folder")
         what = kind.write(model, record, written)
-        if kind.suffix or not out.is_dir():
+        if whole:
             os.replace(written, out)
         else:
             for stale in set(formats.earlier_export(out)) - {p.name for p in written.iterdir()}:
@@ -298,8 +304,9 @@ def export(model: nn.Module, record: dict[str, Any], out: Path,
         reason = formats.disk_reason(scratch, error)
         if reason is None:
             raise
-        raise OneLineError(f"could not write {out} ({reason}); it is as it was: free space, "
-                           "or export to another place") from None
+        kept = "it is as it was" if whole else "some of its files may be this export's"
+        raise OneLineError(f"could not write {out} ({reason}); {kept}: free space, or export "
+                           "to another place") from None
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return what

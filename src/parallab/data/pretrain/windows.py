@@ -96,7 +96,8 @@ class Windows:
         raise TokenIdOutOfRange(
             f"{self.files[int(files[0])].path} holds token id {int(tokens[row, column])} at "
             f"token {int(starts[0]) + column}, not in the model's vocabulary of {self.vocab} "
-            "(data.vocab_size): set model.vocab_size to the tokenizer's vocabulary, or "
+            "(data.vocab_size): set the model's vocabulary to the tokenizer's "
+            "(model.vocab_size; model.config.vocab_size for a transformers model), or "
             "tokenize the file again with the model's tokenizer")
 
     def documents(self, index: np.ndarray, tokens: np.ndarray) -> Optional[np.ndarray]:

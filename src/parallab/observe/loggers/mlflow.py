@@ -131,6 +131,10 @@ class MLflowLogger(Logger):
             if uri.startswith("sqlite:///") else None
         experiment = found.experiment_id if found else self.client.create_experiment(
             self.experiment_name, artifact_location=beside)
+        if self.given_run_id is not None and run.sweep is not None:  # every job in one run
+            log.warning("logger.mlflow.run_id=%s names one MLflow run, and each job of a sweep "
+                        "logs into its own: it is not used here", self.given_run_id)
+            self.given_run_id = None
         self.run_id = self.continued(run.run_dir, uri) or self.created(run, experiment)
         run.run_dir.mkdir(parents=True, exist_ok=True)
         (run.run_dir / RUN_FILE).write_text(json.dumps({

@@ -5,6 +5,7 @@ written atomically and read back as plain tensors and containers only."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import pickle
 import re
@@ -82,17 +83,22 @@ def write_failure(path: Path, error: BaseException) -> CheckpointError:
         return write_failure(path, error) if isinstance(error, OSError) else CheckpointError(
             f"could not write checkpoint {path} (rank {rank}: {type(error).__name__}: "
             f"{_first_line(error)}); the previous checkpoints are intact")
-    reason = disk_reason(path, error) or _first_line(error)
+    reason = disk_reason(path, error) or (error.strerror if isinstance(error, OSError) and
+                                          error.strerror else _first_line(error))
     return CheckpointError(f"could not write checkpoint {path} ({reason}); the previous "
                            "checkpoints are intact: free space or point hydra.run.dir "
                            "somewhere writable")
+
+
+# the disk's refusals (full, over quota, read-only, not ours to write), not a missing input's
+DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
 
 
 def disk_reason(path: Path, error: BaseException) -> str | None:
     """Why a write to `path` failed where the disk is why: an OSError's own words, or no
     space left (torch's and safetensors' writers fail with words of their own, a position
     or an os error's number); None where the disk is not why."""
-    if isinstance(error, OSError) and error.strerror:
+    if isinstance(error, OSError) and error.errno in DISK_ERRNOS:
         return error.strerror
     with contextlib.suppress(OSError):
         if shutil.disk_usage(path.parent).free < 1 << 20:
