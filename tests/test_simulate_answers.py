@@ -215,6 +215,9 @@ def test_auto_carries_which_blocks_are_checkpointed_only_where_some_are(tmp_path
                          "data.batch_size=2", "cluster=a100",
                          "trainer.activation_checkpointing=full", every], tmp_path)
     found = json.loads((tmp_path / "simulate.json").read_text())["layouts"]
+    # the mode given is spanned, and said so (it had been dropped without a word)
+    assert "parallel=auto weighs every mode for each layout" in \
+        (tmp_path / "simulate.md").read_text()
     plain = [e for e in found if "activation_checkpointing=none" in e["command"]]
     saving = [e for e in found if e not in plain]
     assert plain and saving and all(every in e["command"] for e in saving)
@@ -306,10 +309,7 @@ def test_a_projects_data_of_no_sequences_is_named_by_its_class(tmp_path):
     (["parallel=auto", "parallel.world_size=8", "advise.schedules=[foo]"],
      "advise.schedules is parallab advise's: parallab simulate spans every schedule"),
     (["parallel=fsdp"], "parallel.world_size is not set: give the GPU count to simulate"),
-    # trainer keys auto spans for each layout: dropped without a word, the command otherwise
-    (["parallel=auto", "parallel.world_size=8", "trainer.activation_checkpointing=full"],
-     "trainer.activation_checkpointing=full with parallel=auto: auto spans "
-     "trainer.activation_checkpointing itself"),
+    # a trainer key auto spans for each layout: dropped without a word, the command otherwise
     (["parallel=auto", "parallel.world_size=8", "trainer.accumulate_grad_batches=2"],
      "trainer.accumulate_grad_batches=2 with parallel=auto: auto spans"),
     # a key every plan's config has: auto had taken it without a word, ranking no ep

@@ -46,14 +46,14 @@ def check(cfg) -> Any:
 
 
 def _spanned(t) -> str | None:
-    """A trainer key parallel=auto spans for each layout (the grid's checkpointing modes and
-    accumulation steps): it had been dropped without a word, the command printed set
-    otherwise."""
-    for key, value, default in (("activation_checkpointing", t.activation_checkpointing, "none"),
-                                ("accumulate_grad_batches", t.accumulate_grad_batches, 1)):
-        if value != default:
-            return (f"trainer.{key}={value} with parallel=auto: auto spans trainer.{key} "
-                    "itself, for each layout it ranks: drop it (or give one layout)")
+    """trainer.accumulate_grad_batches, which parallel=auto spans for each layout: it had
+    been dropped without a word, the command printed set otherwise. (A checkpointing mode
+    is said in the notes instead: it is how trainer.activation_checkpointing_every is given
+    to the layouts that checkpoint.)"""
+    if t.accumulate_grad_batches != 1:
+        return (f"trainer.accumulate_grad_batches={t.accumulate_grad_batches} with "
+                "parallel=auto: auto spans trainer.accumulate_grad_batches itself, for each "
+                "layout it ranks: drop it (or give one layout)")
     return None
 
 
@@ -165,6 +165,11 @@ def candidates_of(cfg, layout, facts: Facts, rates) -> tuple[list[Candidate], li
                               f"{facts.checkpoint_problem}")
         return [search.given(cfg, layout)], notes
     found = search.grid(cfg, facts, rates.gpus_per_node)
+    if cfg.trainer.activation_checkpointing != "none":  # it had been dropped without a word
+        notes.append(f"trainer.activation_checkpointing={cfg.trainer.activation_checkpointing}"
+                     ": parallel=auto weighs every mode for each layout (none, the "
+                     "selective ones, full); trainer.activation_checkpointing_every goes to "
+                     "those that checkpoint.")
     why = facts.pipeline_problem(2)
     if why:
         notes.append(f"No pipeline layouts: {why}.")
