@@ -92,6 +92,10 @@ def test_the_key_reference_in_the_docs_is_the_dataclasses():
 
     assert help.keys_markdown() in (REPO / "docs" / "config.md").read_text(), (
         "docs/config.md's keys are stale: python -m parallab.config.help")
+    # every key a user sets: a cluster's, which its option sets, and simulate's own had
+    # been left out (--help alone listed them)
+    assert "| `cluster.memory_gb` | the option's | a GPU's memory, GiB |" in help.keys_markdown()
+    assert "| `simulate.routing` | `random` |" in help.keys_markdown()
 
 
 @pytest.mark.parametrize("group", ["parallel", "adapter", "precision", "backend", "optim",

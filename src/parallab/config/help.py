@@ -199,8 +199,10 @@ def _cell(value: Any) -> str:
     return str(value).replace("|", "\\|")
 
 
-def key_table(cls: type, prefix: str) -> list[str]:
-    """One schema's keys as a markdown table: key, default, what it means."""
+def key_table(cls: type, prefix: str, by_option: str | None = None) -> list[str]:
+    """One schema's keys as a markdown table: key, default, what it means; a key each
+    option sets (no default) listed with `by_option` in its place where given, else left
+    out, as a group of its own is."""
     import dataclasses
 
     from omegaconf import MISSING
@@ -208,13 +210,14 @@ def key_table(cls: type, prefix: str) -> list[str]:
     words = class_comments(cls)
     rows = ["| key | default | |", "|---|---|---|"]
     for f in dataclasses.fields(cls):
-        if f.default is MISSING or dataclasses.is_dataclass(f.default_factory):
-            continue  # a group of its own, or set by an option
+        if dataclasses.is_dataclass(f.default_factory) or \
+                f.default is MISSING and by_option is None:
+            continue
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING \
             else f.default
-        default = getattr(default, "value", default)  # an enum's
-        rows.append(f"| `{prefix}{f.name}` | `{_value(default)}` | "
-                    f"{_cell(words.get(f.name, ''))} |")
+        default = by_option if default is MISSING else \
+            f"`{_value(getattr(default, 'value', default))}`"  # an enum's by its value
+        rows.append(f"| `{prefix}{f.name}` | {default} | {_cell(words.get(f.name, ''))} |")
     return rows
 
 
@@ -230,10 +233,12 @@ def keys_markdown() -> str:
             title = group if len(options) == 1 else f"{group} ({cls.__name__})"
             sections.append((title, cls, f"{group}."))
     sections += [("advise", config.AdviseConfig, "advise."),
+                 ("simulate", config.SimulateConfig, "simulate."),
                  ("sweep", config.SweepConfig, "sweep.")]
     lines = [BEGIN, ""]
     for title, cls, prefix in sections:
-        lines += [f"#### {title}", "", *key_table(cls, prefix), ""]
+        by_option = "the option's" if cls is config.ClusterConfig else None
+        lines += [f"#### {title}", "", *key_table(cls, prefix, by_option), ""]
     return "\n".join([*lines, END])
 
 
