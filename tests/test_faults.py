@@ -332,6 +332,33 @@ def test_evaluate_follows_the_checkpoints_model_and_refuses_model_overrides(trai
                             tmp_path / "eval6")
 
 
+@pytest.mark.slow
+def test_evaluates_refusals_name_only_fixes_it_takes(train_here, tmp_path):
+    """The checks evaluate.py shares with train.py name their fix in train.py's keys: where
+    that is a model or trainer key, which evaluate.py refuses, it says its own."""
+    from parallab.commands import _export, evaluate_in_process
+    from parallab.config.errors import OneLineError
+
+    _, run_dir = train_here("model=gpt", "data=bytes", "model.context=32", "model.layers=1",
+                            "model.width=32", "model.heads=2", "trainer.max_steps=1",
+                            "device=cpu")
+    last = run_dir / "checkpoints" / "last.pt"
+    with pytest.raises(OneLineError) as refused:  # the trained context is the model's
+        evaluate_in_process([f"ckpt={last}", "data.seq_len=64", "device=cpu"], tmp_path / "a")
+    assert "data.seq_len=64 is longer than model.context=32: evaluate.py builds the model" \
+        in str(refused.value) and "set model.context" not in str(refused.value)
+    saved = torch.load(last, weights_only=True)  # weights its model's class no longer fits
+    del saved["model"]["embed.positions.weight"]
+    torch.save(saved, tmp_path / "short.pt")
+    for call in (lambda: evaluate_in_process([f"ckpt={tmp_path / 'short.pt'}", "device=cpu"],
+                                             tmp_path / "b"),
+                 lambda: _export(tmp_path / "short.pt", tmp_path / "out.pt")):
+        with pytest.raises(OneLineError) as refused:
+            call()
+        assert "embed.positions.weight unset" in str(refused.value), refused.value
+        assert "trainer." not in str(refused.value)
+
+
 def test_an_image_folder_of_one_class_is_refused(tmp_path):
     from PIL import Image
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -89,9 +90,34 @@ def _checked(dict_cfg: DictConfig, overrides: list[str]):
         for key in ("seed", "loss", "metrics"):  # the run's, unless given
             if saved.get(key) is not None and key not in given:
                 dict_cfg[key] = saved[key]
-    cfg = typed_config(dict_cfg, overrides)
-    validate.prepare(cfg, in_place=None)
+    try:
+        cfg = typed_config(dict_cfg, overrides)
+        validate.prepare(cfg, in_place=None)
+    except ConfigError as error:
+        raise _as_evaluate_says(error, dict_cfg.ckpt) from None
     return cfg, state
+
+
+# keys evaluate.py refuses (_refuse_ignored_overrides): a fix that names one is none there
+_NOT_TAKEN = re.compile(r"(?<![\w.])(?:model|trainer|parallel(?!\.threads_per_worker"
+                        r"|\.devices))[.=]")
+
+
+def _as_evaluate_says(error: ConfigError, ckpt: str) -> ConfigError:
+    """A check's refusal, its fix (after the last ': ') evaluate.py's own where the check's
+    names a key evaluate.py refuses (data=bytes' data.seq_len beyond the trained gpt's
+    context said `set model.context=...`): the model is the checkpoint's, scored in one
+    process, so the data or precision given here is what changes."""
+    problem, _, fix = str(error).rpartition(": ")
+    if not problem or not _NOT_TAKEN.search(fix):
+        return error
+    if re.search(r"(?<![\w.])model[.=]", fix):
+        return ConfigError(f"{problem}: evaluate.py builds the model ckpt={ckpt} was trained "
+                           "with (no model key is taken): give data that model takes, or drop "
+                           "the data overrides to score the data it was trained on")
+    return ConfigError(f"{problem}: evaluate.py scores ckpt={ckpt} as saved, in one process, "
+                       "training nothing (no trainer or layout key is taken): drop the "
+                       "override this follows from")
 
 
 def _scored(cfg, state: dict, run_dir: Path) -> tuple[dict[str, float], str]:

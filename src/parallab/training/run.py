@@ -37,6 +37,7 @@ from parallab.training.batch_size import global_batch_size
 from parallab.training.trainer import Trainer
 
 log = logging.getLogger(__name__)
+STRICT_OFF = "trainer.init_strict=false"  # loads what fits of trainer.init_from's weights
 
 
 @dataclass
@@ -263,13 +264,13 @@ def start_model(cfg: Config, dist: distributed.Dist, layout: Layout, init_from: 
     adapted = init_from is not None and weights.holds_adapters(init_from)
     left = []
     if init_from is not None and not adapted:
-        left = weights.load_into(model, init_from, cfg.trainer.init_strict)
+        left = weights.load_into(model, init_from, cfg.trainer.init_strict, STRICT_OFF)
     elif adapted and adapters.is_folder(init_from) and \
             (base := weights.adapters_base(init_from, "trainer.init_from")) is not None:
         weights.load_into(model, base)  # the weights its adapters were trained on
     model = adapters.apply(model, cfg.adapter, dist.is_main)
     if adapted:  # a peft folder's adapters alone, or a whole model's with them
-        left = weights.load_into(model, init_from, cfg.trainer.init_strict)
+        left = weights.load_into(model, init_from, cfg.trainer.init_strict, STRICT_OFF)
     if init_from is not None and dist.is_main:
         log.info("started from the weights in %s%s", init_from, "; left at their initial "
                  f"values: {', '.join(left)}" if left else "")

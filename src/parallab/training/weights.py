@@ -209,9 +209,12 @@ def model_from(path: str | Path, model: nn.Module) -> nn.Module:
     return model
 
 
-def load_into(model: nn.Module, path: str | Path, strict: bool = True) -> list[str]:
+def load_into(model: nn.Module, path: str | Path, strict: bool = True,
+              loosen: str | None = None) -> list[str]:
     """`model` (whole, on the CPU) given the weights at `path`; returns the names left at
-    their initial values (strict=False), after fit_problem said they may be."""
+    their initial values (strict=False), after fit_problem said they may be. `loosen`: the
+    setting that loads only what fits, named in the refusal where the caller takes one
+    (trainer.init_strict=false for trainer.init_from; evaluate.py and export take none)."""
     saved = read(path, model)
     aliases = tied_names(model)
     for alias, first in aliases.items():  # a tied weight written under one of its names
@@ -225,7 +228,7 @@ def load_into(model: nn.Module, path: str | Path, strict: bool = True) -> list[s
     left = [k for k in own if own[k] not in kept and k not in aliases]
     if strict and left:
         raise ConfigError(f"{path} leaves {', '.join(left[:5])} unset: give weights of this "
-                          "model, or trainer.init_strict=false")
+                          f"model{f', or {loosen}' if loosen else ''}")
     model.load_state_dict({**state, **kept})
     return left
 
