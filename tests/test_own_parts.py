@@ -267,6 +267,17 @@ def test_a_stream_without_length_needs_max_steps():
                 config_dir=CONF)
 
 
+def test_a_checkpoint_trained_on_a_stream_without_length_is_evaluated(tmp_path):
+    """evaluate.py trains nothing: the run length such a stream asks of a run is its run's
+    (it takes no trainer key to be given one), not refused for want of it."""
+    from parallab.commands import evaluate_in_process
+
+    train(tmp_path / "run", *STREAM, "+data.train.sized=false", "trainer.max_steps=2")
+    figures = evaluate_in_process([f"ckpt={tmp_path / 'run' / 'checkpoints' / 'last.pt'}",
+                                   "device=cpu"], tmp_path / "eval")
+    assert figures["eval_loss"] > 0
+
+
 def test_advise_on_a_stream_without_length_asks_for_the_run_length(tmp_path):
     """Its candidates are measured for advise.steps, but the command it recommends trains."""
     from parallab.cli import JobFailed, advise_in_process
