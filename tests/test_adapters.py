@@ -420,7 +420,8 @@ def test_export_force_replaces_what_it_owns_and_nothing_else(one_device, tmp_pat
     assert (out / "README.md").read_text() == "the user's own\n"
     _export(ckpt, out, force=True, merged=True)
     assert sorted(p.name for p in out.iterdir()) == ["README.md", "model.safetensors",
-                                                       "notes.txt", "parallab.yaml"]
+                                                       "notes.txt", "parallab.yaml",
+                                                       "parallab_record.json"]
     assert isinstance(formats.format_of(out), formats.WeightsFolder)
     evaluate_in_process([f"ckpt={out}"], tmp_path / "eval")
     assert read_metrics(tmp_path / "eval")["eval_loss"] == pytest.approx(
@@ -428,4 +429,4 @@ def test_export_force_replaces_what_it_owns_and_nothing_else(one_device, tmp_pat
     _export(ckpt, out, force=True)  # and back: the merged model's file goes
     assert sorted(p.name for p in out.iterdir()) == [
         "README.md", "adapter_config.json", "adapter_model.safetensors", "notes.txt",
-        "parallab.yaml"]
+        "parallab.yaml", "parallab_record.json"]

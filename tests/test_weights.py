@@ -52,6 +52,7 @@ def test_export_writes_each_format_and_each_reads_back(fsdp_run, tmp_path):
         _export(ckpt, out)
         same_weights(weights.model_from(out, build_model(spec)), whole)
         assert weights.record(out)["config"]["model"] == spec
+        assert weights.record(out)["step"] == 4  # the step it was exported at
         with pytest.raises(ConfigError, match="exists: give a new name, or --force"):
             _export(ckpt, out)
     (tmp_path / "m.safetensors").write_bytes(b"mine")
@@ -63,6 +64,7 @@ def test_export_writes_each_format_and_each_reads_back(fsdp_run, tmp_path):
     evaluate_in_process([f"ckpt={tmp_path / 'folder'}"], tmp_path / "eval")
     assert read_metrics(tmp_path / "eval")["eval_loss"] == pytest.approx(
         read_metrics(fsdp_run)["eval_loss"], rel=1e-5)
+    assert read_metrics(tmp_path / "eval")["step"] == 4
 
 
 @pytest.mark.distributed
@@ -90,8 +92,8 @@ def test_export_replaces_only_what_it_writes_and_never_the_checkpoint(fsdp_run, 
     _export(ckpt, version, force=True)
     _export(ckpt, tmp_path / "link", force=True)
     assert (version / "README").read_text() == "mine"
-    assert sorted(p.name for p in version.iterdir()) == sorted(["README", formats.RUN_CONFIG,
-                                                                formats.WEIGHTS])
+    assert sorted(p.name for p in version.iterdir()) == sorted(
+        ["README", formats.RUN_CONFIG, formats.RECORD, formats.WEIGHTS])
     for out, said in ((ckpt, "is the checkpoint"), (ckpt / "x.pt", "inside the checkpoint"),
                       (fsdp_run / "checkpoints", "a folder holding the checkpoint")):
         with pytest.raises(ConfigError, match=said):

@@ -30,6 +30,7 @@ from parallab.training.formats.base import (
 )
 from parallab.training.formats.safetensors_weights import (
     EXPORTED,
+    RECORD,
     RUN_CONFIG,
     WEIGHTS,
     AdapterFolder,
@@ -43,7 +44,7 @@ from parallab.training.formats.torch_file import TorchFile
 
 __all__ = ["CheckpointError", "CheckpointFormat", "FileFormat", "Format", "Lazy", "disk_reason",
            "held_as",
-           "load", "plain_name", "save", "EXPORTED", "RUN_CONFIG", "WEIGHTS",
+           "load", "plain_name", "save", "EXPORTED", "RECORD", "RUN_CONFIG", "WEIGHTS",
            "AdapterFolder", "SafetensorsFile", "WeightsFolder", "earlier_export",
            "safetensors_torch", "SHARDED_META", "Sharded", "TorchFile", "FORMATS",
            "format_of", "written", "read", "writer_for", "checkpoint_formats",

@@ -16,6 +16,7 @@ from parallab.training.formats.base import CheckpointError, FileFormat, Lazy, pl
 
 RUN_CONFIG = "parallab.yaml"  # the run's config beside exported weights
 BASE = "parallab_base.json"  # beside adapters alone: the weights they were trained on
+RECORD = "parallab_record.json"  # the step exported: RUN_CONFIG is a config, of the run's keys
 WEIGHTS = "model.safetensors"
 
 
@@ -39,8 +40,10 @@ def _opened(file: Path):
 def _folder_record(folder: Path) -> dict[str, Any]:
     from omegaconf import OmegaConf
 
-    config, base = folder / RUN_CONFIG, folder / BASE
-    return {"step": 0, "config": OmegaConf.to_container(OmegaConf.load(config))
+    config, base, record = folder / RUN_CONFIG, folder / BASE, folder / RECORD
+    # a folder of an earlier export, or save_pretrained's, records no step
+    step = json.loads(record.read_text()).get("step", 0) if record.exists() else 0
+    return {"step": int(step), "config": OmegaConf.to_container(OmegaConf.load(config))
             if config.exists() else {},
             **({"base": json.loads(base.read_text())} if base.exists() else {})}
 
@@ -149,6 +152,7 @@ class WeightsFolder(SafetensorsFile):
             what = f"a folder ({WEIGHTS}) evaluate.py and trainer.init_from read"
         (target / "README.md").unlink(missing_ok=True)  # peft's model card: a folder's README
         OmegaConf.save(OmegaConf.create(record.get("config", {})), target / RUN_CONFIG)
+        (target / RECORD).write_text(json.dumps({"step": record.get("step", 0)}) + "\n")
         return f"{what}, with the run's config in {RUN_CONFIG}"
 
 
@@ -187,7 +191,7 @@ class AdapterFolder(SafetensorsFile):
 # own), by name or pattern
 EXPORTED = ("adapter_config.json", "adapter_model.safetensors", "config.json",
             "generation_config.json", WEIGHTS, f"{WEIGHTS}.index.json",
-            "model-*-of-*.safetensors", RUN_CONFIG)
+            "model-*-of-*.safetensors", RUN_CONFIG, RECORD)
 
 
 def earlier_export(folder: Path) -> list[str]:
