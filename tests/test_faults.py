@@ -254,6 +254,10 @@ def test_a_sharded_checkpoint_missing_or_truncating_a_shard_is_refused_before_la
                             (truncated, f"its shard {shard} is truncated (100 of")):
         with pytest.raises(validate.ConfigError, match=re.escape(problem)):
             checked(*FAST, "parallel=fsdp", "model=mlp", f"trainer.resume={broken}")
+        with pytest.raises(validate.ConfigError) as refused:  # its weights alone: the same
+            checked(*FAST, "parallel=fsdp", "model=mlp", f"trainer.init_from={broken}")
+        assert str(refused.value).startswith(f"trainer.init_from={broken}")
+        assert problem in str(refused.value) and "\n" not in str(refused.value)
         with pytest.raises(OneLineError, match=re.escape(problem)):  # evaluate.py's exit 2
             evaluate_in_process([f"ckpt={broken}", "device=cpu"], tmp_path / "eval")
     exported = subprocess.run([str(Path(sys.executable).parent / "parallab"), "export",

@@ -62,6 +62,7 @@ def check_init(cfg: Config, probe: trial.Probe) -> None:
     from pathlib import Path
 
     from parallab.training import formats, weights
+    from parallab.training.formats.sharded import check_shards
 
     path = cfg.trainer.init_from
     if path is None:
@@ -78,6 +79,11 @@ def check_init(cfg: Config, probe: trial.Probe) -> None:
             refuse(weights.fit_problem(models.build_on_meta(cfg.model), base,
                                        "the base of trainer.init_from", True))
     try:
+        reader = formats.format_of(path)
+        if isinstance(reader, formats.Sharded):  # its shards, as its .metadata lists them:
+            # one gone had failed every rank reading it, once launched
+            check_shards(reader.path, reader.index, "trainer.init_from",
+                         "start from other weights")
         adapted = weights.holds_adapters(path)
         require(not adapted or adapters.enabled(cfg.adapter),
                 f"trainer.init_from={path} holds a model with LoRA adapters: add adapter=lora "
@@ -91,8 +97,10 @@ def check_init(cfg: Config, probe: trial.Probe) -> None:
             adapters.apply(model, cfg.adapter)
         refuse(weights.fit_problem(model, path, "trainer.init_from", cfg.trainer.init_strict)
                or weights.tie_problem(model, path, "trainer.init_from"))
-    except checkpoint.CheckpointError as error:
-        raise ConfigError(f"trainer.init_from: {error}") from None
+    except checkpoint.CheckpointError as error:  # (a reader's own, naming the path alone)
+        said = str(error)
+        raise ConfigError(said if said.startswith("trainer.init_from=") else
+                          f"trainer.init_from: {said}") from None
 
 
 def changed_recipe(cfg: Config, saved: dict, resume: str) -> str | None:

@@ -195,10 +195,12 @@ def _read_index(path: Path) -> Any:
                               f"({type(error).__name__}): the checkpoint is damaged") from None
 
 
-def check_shards(path: Path, index: Any) -> None:
+def check_shards(path: Path, index: Any, key: str = "ckpt",
+                 instead: str = "use another checkpoint") -> None:
     """Every shard file the index (path's .metadata) names is there and long enough for what
     it should hold: a missing or truncated shard is one line before anything starts, not a
-    traceback from every rank inside torch.distributed.checkpoint."""
+    traceback from every rank inside torch.distributed.checkpoint. `key`: the setting that
+    named `path`; `instead`: what to do where a shard is gone, in its words."""
     needed: dict[str, int] = {}
     for info in getattr(index, "storage_data", {}).values():
         name = str(info.relative_path)
@@ -206,15 +208,15 @@ def check_shards(path: Path, index: Any) -> None:
     for name, size in sorted(needed.items()):
         shard = path / name
         if not shard.is_file():
-            raise CheckpointError(f"ckpt={path} is missing its shard {name}: copy the whole "
-                                  ".dcp directory, or resume from another checkpoint")
+            raise CheckpointError(f"{key}={path} is missing its shard {name}, which its "
+                                  f".metadata lists: copy the whole .dcp directory, or "
+                                  f"{instead}")
         if shard.stat().st_size < size:
-            raise CheckpointError(f"ckpt={path}: its shard {name} is truncated "
-                                  f"({shard.stat().st_size} of {size} bytes): resume from "
-                                  "another checkpoint")
+            raise CheckpointError(f"{key}={path}: its shard {name} is truncated "
+                                  f"({shard.stat().st_size} of {size} bytes): {instead}")
     if not (path / SHARDED_META).is_file():
-        raise CheckpointError(f"ckpt={path} has no {SHARDED_META}: not a complete sharded "
-                              "checkpoint")
+        raise CheckpointError(f"{key}={path} has no {SHARDED_META}: not a complete sharded "
+                              f"checkpoint: {instead}")
 
 
 class _MetadataUnpickler(pickle.Unpickler):
