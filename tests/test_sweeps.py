@@ -298,6 +298,29 @@ def test_a_sweep_with_a_job_the_checks_refuse_runs_none_of_its_jobs(tmp_path, la
     assert not [p for p in sweep_dir.iterdir() if p.is_dir()]  # no job's dir, no .submitit
 
 
+@pytest.mark.parametrize("entry", [[PARALLAB, "advise", "-m"],
+                                   ["train.py", "-m", "advise.run=true"]])
+def test_an_advise_sweeps_jobs_are_checked_as_advise_checks_its_run(tmp_path, entry):
+    """parallel.world_size is the largest world size advise measures (1 and each divisor),
+    not a layout of parallel=none's: a sweep of it is not refused as train would refuse it
+    (a job of world size 2 passes, the one of 0 is named), and advise's own keys are checked
+    before any job runs. parallab advise is train's app with a flag the launcher did not
+    see, so every job had been refused as one that trains."""
+    sweep_dir = tmp_path / "sweep"
+    script, *first = entry
+    for varied, says in [
+            (["parallel.world_size=2,0"], "parallel.world_size=0 is out of range: it must be "
+                                          ">= 1"),
+            (["parallel.world_size=2", "advise.steps=3,0"], "advise.steps=0 is out of range: "
+                                                            "it must be >= 1")]:
+        result = run_entry(script, [*first, "model=mlp", "data=synthetic", "device=cpu",
+                                    *varied, f"hydra.sweep.dir={sweep_dir}"])
+        assert result.returncode == 2, output(result)[-3000:]
+        [line] = result.stderr.strip().splitlines()
+        assert line.startswith("job #1 (") and line.endswith(f"): {says}"), line
+        assert not sweep_dir.exists() or not [p for p in sweep_dir.iterdir() if p.is_dir()]
+
+
 @pytest.mark.distributed
 def test_a_failed_ddp_job_is_summarised_by_its_root_cause(tmp_path):
     (tmp_path / "inject").mkdir()

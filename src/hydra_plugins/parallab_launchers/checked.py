@@ -44,10 +44,32 @@ def checked_job(launcher, overrides: Sequence[str], idx: int) -> DictConfig:
         typed = typed_config(job, list(overrides))
         # a simulation of parallel=auto: its values alone (auto is no layout a job trains)
         ranked = typed.parallel.name == "auto" and cfg.hydra.job.name == "simulate"
-        (validate.check_values if ranked else validate.check_config)(typed)
+        if advising(launcher, typed):
+            advise_checks(typed, list(overrides))
+        else:
+            (validate.check_values if ranked else validate.check_config)(typed)
     except ConfigError as error:
         raise ConfigError(f"{job_label(idx, overrides)}: {error}") from None
     return cfg
+
+
+def advising(launcher, typed) -> bool:
+    """Whether the job advises: advise.run=true in its config, or every job of `parallab
+    advise` (its Invocation, which the app's task function carries: hydra_app)."""
+    call = getattr(launcher.task_function, "invocation", None)
+    return bool(typed.advise.run or getattr(call, "advising", False))
+
+
+def advise_checks(typed, overrides: list[str]) -> None:
+    """An advise job's checks, as its own run makes them before measuring anything: the
+    values and advise's own request (advise.request_problem). Its parallel.world_size is the
+    largest world size it measures (1 and each divisor), no layout of parallel=none's."""
+    from parallab import advise
+    from parallab.checks import validate
+    from parallab.config.errors import refuse
+
+    validate.check_values(typed)
+    refuse(advise.request_problem(typed, overrides))
 
 
 def job_label(idx: int, overrides: Sequence[str]) -> str:

@@ -25,7 +25,7 @@ from parallab.advise import candidates as grid
 from parallab.advise import report, scaling
 from parallab.parallel.grid import Candidate, kept_for
 from parallab.config import targets
-from parallab.config.errors import ConfigError, NothingFits, first_line
+from parallab.config.errors import ConfigError, NothingFits, first_line, refuse
 
 log = logging.getLogger("parallab")
 
@@ -203,18 +203,23 @@ def default_precisions(device_type: str) -> list[str]:
     return ["fp32", "bf16", "amp", *(["fp8"] * fp8)]
 
 
+def request_problem(cfg, overrides: list[str]) -> str | None:
+    """What advise refuses in `cfg` before it plans anything (a sweep's launcher checks each
+    advise job by it too): its own keys, a key it decides given, the cluster it predicts for."""
+    found = problem(cfg.advise) or decided_problem(overrides)
+    if not found and cfg.advise.target_world_size is not None:
+        from parallab.simulate import cluster
+
+        found = cluster.problem(cfg.cluster)
+    return found
+
+
 def full_grid(cfg, overrides: list[str]) -> tuple[list[Candidate], list[int]]:
     """Every candidate advise considers for `cfg` (its advise.* keys filled in), none yet
     checked or pruned, and the world sizes they use. ConfigError for a bad advise key."""
     options, device_type = cfg.advise, _device_type(cfg)
-    found = problem(options) or decided_problem(overrides)  # before the defaults fill in
+    refuse(request_problem(cfg, overrides))  # before the defaults fill in
     options.precisions = options.precisions or default_precisions(device_type)
-    if not found and options.target_world_size is not None:
-        from parallab.simulate import cluster
-
-        found = cluster.problem(cfg.cluster)
-    if found:
-        raise ConfigError(found)
     world = _world_size(cfg, overrides, device_type)
     sizes = options.world_sizes or [d for d in range(1, world + 1) if world % d == 0]
     batch = cfg.data.global_batch_size or cfg.data.batch_size

@@ -124,6 +124,10 @@ def hydra_app(config_name: str, task, call):
         say_shadowed(shadowed[0] if shadowed else {})
         return task(dict_cfg, call)
 
+    # a sweep's launcher is handed this function alone: what the command is (parallab
+    # advise is train's app with a flag) reaches its checks of each job through it
+    job.invocation = call  # type: ignore[attr-defined]
+
     def app() -> None:
         version.setbase(None)
         parser = hydra.get_args_parser()
