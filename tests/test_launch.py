@@ -299,7 +299,8 @@ def test_a_module_of_the_run_dir_hiding_one_the_workers_import_is_refused(tmp_pa
     ("torchrun", 4, 2, ["parallab", "train", "--config-dir", "conf"], "torchrun --nnodes=2 "
      "--nproc-per-node=2 --no-python parallab train --config-dir conf"),
     ("mpirun", 2, 2, ["python", "train.py"], "mpirun -np 2 python train.py"),
-    ("slurm", 2, 2, ["python", "train.py"], "python train.py"),  # SLURM requeues its job
+    # srun's task is slurmstepd's child, srun's own command line nowhere to read
+    ("slurm", 4, 2, ["parallab", "train"], "srun --ntasks=4 --nodes=2 parallab train"),
 ], ids=["torchrun", "torchrun nodes", "mpirun", "slurm"])
 def test_a_resume_command_the_launcher_cannot_be_read_for_keeps_it_from_its_counts(
         monkeypatch, launcher, world, local, entry, expected):
@@ -308,9 +309,32 @@ def test_a_resume_command_the_launcher_cannot_be_read_for_keeps_it_from_its_coun
     which would else resume the run on one process."""
     from parallab.launching import relaunch
 
+    for name, _ in relaunch.SRUN_OPTIONS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("SUBMITIT_EXECUTOR", raising=False)
     monkeypatch.setattr(relaunch, "_parent_argv", lambda: ["/bin/sh", "job.sh"])
     ctx = in_place.InPlace(launcher, 0, 0, world, local)
     assert " ".join(relaunch.launched(entry, ctx)) == expected
+
+
+def test_an_srun_steps_resume_command_keeps_the_options_srun_gave_its_tasks(monkeypatch):
+    """srun's options as the variables it gives each task carry them (SLURM_NTASKS_PER_NODE
+    only where given), its counts from the step; a task of the submitit launcher's job keeps
+    the bare command (submitit restarts its own)."""
+    from parallab.launching import relaunch
+
+    ctx = in_place.InPlace("slurm", 0, 0, 8, 4, 2)
+    env = {"SLURM_NTASKS_PER_NODE": "4", "SLURM_CPUS_PER_TASK": "6", "SLURM_GPUS_PER_NODE":
+           "4", "SLURM_GPUS_PER_TASK": "", "SLURM_JOB_ID": "7"}
+    assert " ".join(relaunch.srun_command(["python", "train.py", "-cd", "conf"], ctx, env)) == (
+        "srun --ntasks=8 --nodes=2 --ntasks-per-node=4 --cpus-per-task=6 --gpus-per-node=4 "
+        "python train.py -cd conf")
+    # a step srun placed unevenly (3 tasks over 2 nodes): no per-node count it was not given
+    uneven = in_place.InPlace("slurm", 0, 0, 3, 2, 2)
+    assert relaunch.srun_command(["parallab", "train"], uneven, {}) == [
+        "srun", "--ntasks=3", "--nodes=2", "parallab", "train"]
+    monkeypatch.setenv("SUBMITIT_EXECUTOR", "slurm")
+    assert relaunch.launched(["python", "train.py"], ctx) == ["python", "train.py"]
 
 
 def test_a_stopped_sweeps_command_in_place_keeps_its_launcher(monkeypatch, tmp_path):

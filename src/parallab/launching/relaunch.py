@@ -1,6 +1,6 @@
 """The command that starts a run again as it was started: under the launcher that started it
-in place (torchrun, mpirun), where a bare `python train.py ... trainer.resume=auto` would
-resume it on one process (the resume command a stopped run prints)."""
+in place (torchrun, mpirun, srun), where a bare `python train.py ... trainer.resume=auto`
+would resume it on one process (the resume command a stopped run prints)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from pathlib import Path
 
 from parallab.launching.in_place import InPlace
 
-RELAUNCHED = ("torchrun", "mpirun")  # SLURM requeues its job itself; submitit restarts it
+# submitit restarts its own tasks (its SLURM jobs' too: SUBMITIT_EXECUTOR, below)
+RELAUNCHED = ("torchrun", "mpirun", "slurm")
 
 
 def launched(entry: list[str], ctx: InPlace | None) -> list[str]:
@@ -25,7 +26,32 @@ def launched(entry: list[str], ctx: InPlace | None) -> list[str]:
     /proc hidden), the counts the launcher's variables give, which every rank holds."""
     if ctx is None or ctx.launcher not in RELAUNCHED:
         return entry
+    if ctx.launcher == "slurm":
+        # a task's parent is slurmstepd (`slurmstepd: [JOB.STEP]`), and srun itself runs
+        # elsewhere, often on another node: its command line is nowhere to read, its
+        # options are in the variables it gives every task
+        if os.environ.get("SUBMITIT_EXECUTOR"):  # submitit's sbatch ran this srun step
+            return entry
+        return srun_command(entry, ctx, os.environ)
     return _from_parent(entry, _parent_argv(), sys.argv) or _from_counts(entry, ctx)
+
+
+# srun's options that it hands each task in a variable of its own (SLURM_NTASKS_PER_NODE
+# only where the step or its job was given it), kept where set
+SRUN_OPTIONS = (("SLURM_NTASKS_PER_NODE", "--ntasks-per-node"),
+                ("SLURM_CPUS_PER_TASK", "--cpus-per-task"),
+                ("SLURM_GPUS_PER_NODE", "--gpus-per-node"),
+                ("SLURM_GPUS_PER_TASK", "--gpus-per-task"),
+                ("SLURM_GPUS", "--gpus"))
+
+
+def srun_command(entry: list[str], ctx: InPlace, env) -> list[str]:
+    """`entry` as srun starts it, from what SLURM told this task (`env`): the step's tasks
+    and nodes, and the options among SRUN_OPTIONS it was given. Flags no variable carries
+    (--kill-on-bad-exit, a partition given on the command line) the user adds as before."""
+    options = [f"--ntasks={ctx.world_size}", f"--nodes={ctx.nnodes}"]
+    options += [f"{flag}={env[name]}" for name, flag in SRUN_OPTIONS if env.get(name)]
+    return ["srun", *options, *entry]
 
 
 def _parent_argv() -> list[str]:
