@@ -94,7 +94,32 @@ def test_a_signal_in_the_evaluation_early_stopping_ends_the_run_at_leaves_it_fin
                       run_dir, timeout=120, env=env)
     assert ended.returncode == 0, output(ended)[-3000:]
     assert read_metrics(run_dir)["stopped_early"] is True
-    assert read_metrics(run_dir)["steps"] == 24 and not (run_dir / "status.json").exists()
+    assert read_metrics(run_dir)["steps"] == 24
+    assert json.loads((run_dir / "status.json").read_text()) == {"status": "completed",
+                                                                 "step": 24}
+
+
+def test_a_stop_recorded_after_the_run_finished_leaves_it_completed(tmp_path):
+    """A signal just after a finished run wrote its record (a second one ending the process
+    at once, Ctrl-C reaching the controller as the workers end) had its status.json say
+    stopped beside complete metrics: a script or a summary resumed a run with nothing left.
+    The writers called in the order the race has them; a new start of the run (which
+    deletes the record) still records its own stop."""
+    from parallab.cli import train_in_process
+    from parallab.invocation import Stopped
+    from parallab.observe import summary
+
+    run_dir = tmp_path / "run"
+    metrics = train_in_process([*FAST, "data.train_size=256", "trainer.max_steps=3"], run_dir)
+    record = run_dir / "status.json"
+    summary.record_stopped(run_dir, signal.SIGTERM, None)  # a second signal's hard end
+    Stopped(signal.SIGINT, None, said=False).record(run_dir)  # Ctrl-C in the controller
+    assert json.loads(record.read_text()) == {"status": "completed", "step": 3}
+    assert read_metrics(run_dir) == json.loads(json.dumps(metrics))
+    record.unlink()  # as a continued start of the run does first (cli._claimed)
+    summary.record_stopped(run_dir, signal.SIGTERM, 5)
+    assert json.loads(record.read_text()) == {"status": "stopped", "signal": "SIGTERM",
+                                              "step": 5}
 
 
 # sitecustomize: the run signalled as its quantized model is scored, which takes a while

@@ -51,7 +51,9 @@ def run(dict_cfg: DictConfig, run_dir: Path, call: Invocation,
         dict_cfg.trainer.resume = "auto"  # a job that did not finish continues (or starts)
     try:
         objective = train_job(dict_cfg, call)
-        status_file.write_text(json.dumps({"trains": trains}) + "\n")  # (done: no status)
+        # done: the run's own record (completed) kept, what it trained beside it
+        status_file.write_text(json.dumps({**summary.read_status(run_dir), "trains": trains})
+                               + "\n")
         return objective
     except Stopped as stopped:  # its record says so: the sweep stops at it
         if not stopped.said:

@@ -17,7 +17,8 @@ import yaml
 from hydra.experimental.callback import Callback
 
 log = logging.getLogger(__name__)
-STATUS_FILE = "status.json"  # a sweep job's outcome and what it trained (a single run: stopped)
+# a run's outcome (completed, stopped), and a sweep job's (failed, skipped) and what it trained
+STATUS_FILE = "status.json"
 METRIC_COLUMNS = ["eval_accuracy", "eval_loss", "train_loss", "samples_per_sec",
                   "step_time_ms", "epoch_time_s", "wall_time_s", "world_size",
                   "global_batch_size", "precision_dtype", "backend", "parallel",
@@ -49,9 +50,22 @@ def read_status(run_dir: Path) -> dict[str, Any]:
     return _json_object(run_dir / STATUS_FILE) or {}
 
 
+def record_completed(run_dir: str | Path, step: int) -> None:
+    """A run's record that it finished (`step`: its last), written beside its complete
+    metrics.json: final for this start of the run (record_stopped)."""
+    (Path(run_dir) / STATUS_FILE).write_text(json.dumps({"status": "completed",
+                                                         "step": step}) + "\n")
+
+
 def record_stopped(run_dir: str | Path, signum: int, step: int | None) -> None:
     """A run's record that a signal stopped it (`step`: where it saved; None where it ended
-    unsaved)."""
+    unsaved). A run that finished stays completed: a signal that came just after its
+    record was written (a second one ending it at once, Ctrl-C in the controller as the
+    workers end) stopped nothing of it, and "stopped" beside its complete metrics had told
+    a script or a sweep's summary to resume a run with nothing left. A new start of the
+    run deletes the record first (cli._claimed), so a continued run's stop is recorded."""
+    if read_status(Path(run_dir)).get("status") == "completed":
+        return
     (Path(run_dir) / STATUS_FILE).write_text(json.dumps({
         "status": "stopped", "signal": signal.Signals(signum).name, "step": step}) + "\n")
 

@@ -342,6 +342,7 @@ def _ended(trainer: Trainer, metrics: dict[str, Any], spec: RunSpec, logger: Run
     trainer.checkpointer.save(trainer.state_dict(), "last")
     if main:
         logger.finish(metrics, hparams.of(spec.cfg, spec.overrides, metrics), trainer.step)
+        summary.record_completed(spec.run_dir, trainer.step)  # no later stop changes it
         log.info("metrics: %s", {k: round(v, 4) if isinstance(v, float) else v
                                  for k, v in metrics.items()})
 
@@ -382,6 +383,8 @@ def _fit(spec: RunSpec, dist: distributed.Dist, logger: RunLogger,
             lr = resumed_rate(trainer, lr, cfg, dist.is_main)
             kept = finished_record(trainer, spec.run_dir, dist)
             if kept is not None:
+                if dist.is_main:
+                    summary.record_completed(spec.run_dir, trainer.step)
                 return kept
         start_mb = peak_memory_mb(dist.device)  # built (and loaded): before the first step
         metrics = trainer.fit()
