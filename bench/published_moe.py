@@ -84,8 +84,10 @@ def overrides_of(row: dict) -> list[str]:
     fused = "TE" in row["kernels"] or "Transformer" in row["kernels"]
     # NeMo AutoModel's fake balanced gate gives token t the experts t*k ... t*k+k-1
     routing = "round_robin" if "fake balanced gate" in row["notes"].lower() else "random"
+    # and its runs keep weights, gradients and Adam's moments in bf16 (published_notes.md M2)
+    state = "bfloat16" if "automodel" in row["source"].lower() else "float32"
     return [*model, *layout, f"simulate.routing={routing}", f"data.seq_len={row['seq_len']}",
-            "precision=bf16", "optim=adamw",
+            "precision=bf16", f"precision.state_dtype={state}", "optim=adamw",
             f"trainer.activation_checkpointing={row['checkpointing']}",
             f"trainer.compile={str(fused).lower()}", "cluster=h100" if "H100" in row["hardware"]
             else "cluster=b200" if "B200" in row["hardware"] else "cluster=h200"]

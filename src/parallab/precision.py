@@ -14,8 +14,15 @@
 precision.reduce_dtype=bfloat16: the data-parallel ranks reduce their gradients in bfloat16,
 half float32's bytes: FSDP2's reduce-scatter (and a pipeline's sharded parts accumulate them
 so between reductions), DDP's all-reduce (torch's bf16_compress_hook) and a pipeline's
-replicas' buckets; the gradients the optimizer steps stay float32. A layout without
-data-parallel ranks has nothing to reduce.
+replicas' buckets; the gradients the optimizer steps stay in precision.state_dtype. A
+layout without data-parallel ranks has nothing to reduce.
+
+precision.state_dtype=bfloat16 (precision=bf16): the model is cast to bfloat16 before it is
+laid out, so its weights, their gradients and the optimizer's state (torch's optimizers keep
+theirs in their parameters' dtype) take 8 bytes a parameter under Adam where float32's take
+16; autocast has no weight to copy. Gradients are still reduced in precision.reduce_dtype:
+FSDP2 casts them up for its reduce-scatter and back, DDP's buckets go through
+float32_all_reduce.
 
 Under a sharded layout (fsdp, hsdp, tp) each rank holds part of the gradients, so float16's
 scaler is torch's ShardedGradScaler: the ranks agree on an overflow (one all-reduce) and
@@ -41,6 +48,7 @@ log = logging.getLogger(__name__)
 MODES = ("fp32", "amp", "bf16", "fp16", "fp8")
 FP8_RECIPES = ("tensorwise", "rowwise")  # torchao's Float8LinearConfig.from_recipe_name
 REDUCE_DTYPES = ("float32", "bfloat16")
+STATE_DTYPES = ("float32", "bfloat16")
 FP8_CAPABILITY = (8, 9)  # torch._scaled_mm's float8 tensor cores: Ada, Hopper and later
 
 
@@ -64,12 +72,27 @@ def problem(cfg: PrecisionConfig) -> str | None:
     if cfg.reduce_dtype not in REDUCE_DTYPES:
         return (f"precision.reduce_dtype={cfg.reduce_dtype} is not a dtype data-parallel "
                 f"ranks reduce gradients in: use {' or '.join(REDUCE_DTYPES)}")
+    return _state_problem(cfg)
+
+
+def _state_problem(cfg: PrecisionConfig) -> str | None:
+    if cfg.state_dtype not in STATE_DTYPES:
+        return (f"precision.state_dtype={cfg.state_dtype} is not a dtype a rank keeps its "
+                f"weights and optimizer state in: use {' or '.join(STATE_DTYPES)}")
+    if cfg.state_dtype == "bfloat16" and cfg.name != "bf16":
+        return (f"precision.state_dtype=bfloat16 with precision={cfg.name}: weights kept in "
+                "bfloat16 compute in bfloat16: use precision=bf16 (or drop it)")
     return None
 
 
 def reduce_dtype(cfg: PrecisionConfig) -> torch.dtype:
     """The dtype data-parallel ranks reduce gradients in (precision.reduce_dtype)."""
     return getattr(torch, cfg.reduce_dtype)
+
+
+def state_dtype(cfg: PrecisionConfig) -> torch.dtype:
+    """The dtype a rank keeps weights, gradients and optimizer state in."""
+    return getattr(torch, cfg.state_dtype)
 
 
 def device_hint(cfg: PrecisionConfig, device_type: str) -> str | None:
@@ -151,6 +174,7 @@ class Precision:
         self.tf32 = cfg.tf32 and device.type == "cuda"
         self.dtype = compute_dtype(cfg.name, device.type)
         self.reduce_dtype = reduce_dtype(cfg)
+        self.state_dtype = state_dtype(cfg)
         # scaled loss keeps small float16 gradients from flushing to zero; a step whose
         # gradients overflowed is skipped and the scale lowered
         scaled = self.dtype == torch.float16
@@ -170,10 +194,13 @@ class Precision:
         return str(self.dtype).removeprefix("torch.")
 
     def convert(self, model: torch.nn.Module) -> torch.nn.Module:
-        """fp8: the model's Linear layers as torchao's Float8Linear (before tensor parallel,
-        compile and sharding, as torchtitan converts them), but the output layer (its
-        logits feed the loss, torchtitan keeps it too) and any whose widths float8 matmuls
-        cannot take (multiples of 16); the model as it is otherwise."""
+        """The model in precision.state_dtype (its floating weights and buffers); fp8: its
+        Linear layers as torchao's Float8Linear (before tensor parallel, compile and
+        sharding, as torchtitan converts them), but the output layer (its logits feed the
+        loss, torchtitan keeps it too) and any whose widths float8 matmuls cannot take
+        (multiples of 16); the model as it is otherwise."""
+        if self.state_dtype != torch.float32:
+            model = model.to(self.state_dtype)
         if self.name != "fp8":
             return model
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
@@ -187,6 +214,16 @@ class Precision:
             model, config=config,
             module_filter_fn=lambda m, name: float8_converts(m, name, output))
         return model
+
+    def ddp_hook(self) -> Callable | None:
+        """DDP's comm hook for this precision: its gradients reduced in reduce_dtype where
+        they are kept in another (None: DDP's own all-reduce, in their dtype)."""
+        if self.reduce_dtype == self.state_dtype:
+            return None
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        return default_hooks.bf16_compress_hook if self.reduce_dtype == torch.bfloat16 \
+            else float32_all_reduce
 
     def autocast(self) -> contextlib.AbstractContextManager:
         if self.dtype == torch.float32:
@@ -229,6 +266,18 @@ class Precision:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.scaler.load_state_dict(state)
+
+
+def float32_all_reduce(group, bucket):  # (DDP refuses any return annotation but its own)
+    """DDP's comm hook for bfloat16 gradients reduced in float32 (bf16_compress_hook's
+    converse): each bucket averaged in float32, then copied back into its bfloat16 buffer."""
+    import torch.distributed as dist
+
+    group = group if group is not None else dist.group.WORLD
+    buffer = bucket.buffer()
+    wide = buffer.to(torch.float32).div_(group.size())
+    future = dist.all_reduce(wide, group=group, async_op=True).get_future()
+    return future.then(lambda done: buffer.copy_(done.value()[0]))
 
 
 def _sharded_scaler(device_type: str):

@@ -60,19 +60,21 @@ def predict(cfg, layout, batch: Any, rank: int) -> tuple[float, float]:
     # share of the tokens (as simulate traces it)
     with fake_group(world, rank), uniform_routing():
         dist = Dist(rank, rank, world, world, device, "fake")
-        # DDP's hook is _reduce_locally's, which takes no other (bf16 compression's copy of
-        # a bucket, a moment's, is not counted)
-        kept = dataclasses.replace(cfg.precision, reduce_dtype="float32") \
+        # DDP's hook is _reduce_locally's, which takes no other (a cast copy of a bucket,
+        # a moment's, is not counted)
+        kept = dataclasses.replace(cfg.precision, reduce_dtype=cfg.precision.state_dtype) \
             if layout.replicas_only else cfg.precision
         precision = Precision(kept, device)
-        model = fake_model(cfg, fake, device)  # the mesh and wrappers are built outside
+        # the mesh and wrappers are built outside; converted before the runtime, as train
+        # converts it (a pipeline's runtime records the modules it cuts)
+        model = precision.convert(fake_model(cfg, fake, device))
         runtime = layout.plan.runtime(cfg.parallel, layout, dist, precision,
                                       build_loss(cfg.loss).bind(model), model)
         # cloned: a batch sliced from a data set held in memory is a view of all of it
         batch = batches.apply(batch, lambda t: fake.from_tensor(t.clone()))
         if runtime.layout.cuts_model:
             return _predict_part(cfg, runtime, model, batch, precision)
-        model = parallelize(precision.convert(model), runtime, cfg.trainer, cfg.parallel.stages)
+        model = parallelize(model, runtime, cfg.trainer, cfg.parallel.stages)
         _reduce_locally(model)
         optimizer = build_optimizer(cfg.optim, model)
         with saved_for_backward(model) as saved:

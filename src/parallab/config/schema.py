@@ -187,6 +187,10 @@ class PrecisionConfig:
     # reduce-scatter, torchtitan's mixed_precision_reduce; DDP's all-reduce; a pipeline's
     # replicas'), and a pipeline's sharded parts accumulate them in; bfloat16 halves the bytes
     reduce_dtype: str = "float32"
+    # float32 | bfloat16: the dtype a rank keeps the weights, their gradients and the
+    # optimizer's state in; bfloat16 halves them (Lightning's bf16-true, NeMo AutoModel's
+    # runs), where an update smaller than a weight's bfloat16 spacing is lost. precision=bf16
+    state_dtype: str = "float32"
 
 
 @dataclass

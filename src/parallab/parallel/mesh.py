@@ -262,10 +262,9 @@ class MeshRuntime(Runtime):
                 model, device_ids=device_ids, bucket_cap_mb=p.bucket_cap_mb,
                 find_unused_parameters=p.find_unused_parameters,
                 gradient_as_bucket_view=p.gradient_as_bucket_view)
-            if self.precision.reduce_dtype == torch.bfloat16:  # torch's bf16 compression
-                from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-                model.register_comm_hook(None, default_hooks.bf16_compress_hook)
+            hook = self.precision.ddp_hook()  # (reduced in precision.reduce_dtype)
+            if hook is not None:
+                model.register_comm_hook(None, hook)
             return model
         policy = self.fsdp_policy()
         if self.ep is not None:  # the experts' own units first, over the ranks ep leaves

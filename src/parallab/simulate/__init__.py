@@ -232,7 +232,7 @@ def shape_of(cfg, layout: Layout) -> trace.Shape:
 def run_of(cfg, layout: Layout, facts: Facts) -> step.Run:
     """What the step model needs of the config besides the layout (a pipeline's cuts
     parallel.split's, where given)."""
-    from parallab.precision import compute_dtype, reduce_dtype
+    from parallab.precision import compute_dtype, reduce_dtype, state_dtype
 
     dtype = compute_dtype(cfg.precision.name, "cuda")
     options = options_of(cfg.parallel)
@@ -247,7 +247,8 @@ def run_of(cfg, layout: Layout, facts: Facts) -> step.Run:
                     options.bucket_cap_mb, cfg.precision.tf32,
                     _split(options.split, layout, facts), split,
                     cfg.precision.name == "fp8" and cfg.precision.fp8_all_gather,
-                    reduce_dtype(cfg.precision).itemsize)
+                    reduce_dtype(cfg.precision).itemsize,
+                    state_dtype(cfg.precision).itemsize)
 
 
 def _split(split: tuple[int, ...] | None, layout: Layout, facts: Facts

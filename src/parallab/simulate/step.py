@@ -25,8 +25,8 @@ spans, overlapped as each layout overlaps it:
 The optimizer's step moves each state once (a fused kernel's bytes) at the memory's
 bandwidth.
 
-Memory: the training state a rank holds (float32 weights, gradients and optimizer
-state, sharded by FSDP2, cut by tensor and pipeline parallel; a pipeline's sharded
+Memory: the training state a rank holds (weights, gradients and optimizer state in
+precision.state_dtype, float32 unless asked, sharded by FSDP2, cut by tensor and pipeline parallel; a pipeline's sharded
 gradients only after its flush), FSDP2's gathered weights (this block's and the next
 one's) and a block's whole gradient as it is reduced, in precision.reduce_dtype (a
 pipeline part's weights and gradients all, till the flush), the activations each block
@@ -48,7 +48,7 @@ from parallab.simulate.experts import Split
 from parallab.simulate.trace import Trace
 
 # bytes a fused optimizer kernel reads and writes per element: weight, gradient and each
-# state read, weight and each state written (float32)
+# state read, weight and each state written (float32; half of it in bfloat16)
 OPTIMIZER_BYTES = {"adam": 28, "adamw": 28, "sgd_momentum": 20, "sgd": 12}
 STATE_BYTES = {"adam": 8, "adamw": 8, "sgd_momentum": 4, "sgd": 0}  # per element, besides
 
@@ -70,6 +70,8 @@ class Run:
     experts: Split = Split()  # how expert parallelism splits an MoE block's experts
     float8_gathered: bool = False  # FSDP2 gathers the float8 layers' weights in float8
     reduce_bytes: int = 4  # a reduced gradient's element (precision.reduce_dtype)
+    # a kept weight's, gradient's and optimizer state's element (precision.state_dtype)
+    state_bytes: int = 4
 
 
 @dataclass
@@ -179,7 +181,7 @@ def predict(trace: Trace, c: Costs, layout: Layout, run: Run, rates: Rates, bloc
             "all_reduce", 4 * trace.params["tied"] / layout.dp_shard, Group(2, 1 + apart)))
     held = (k * _stored(trace, run) + _ends(trace, busiest)) / layout.dp_shard
     parts["optimizer_s"] = held * (OPTIMIZER_BYTES[run.optimizer] + 4 * run.clip) / \
-        rates.hbm
+        rates.hbm * run.state_bytes / 4
     parts.update({f"{kind}_s": seconds for kind, seconds in sorted(exposed.items())})
     step = sum(parts.values())
     tokens = layout.rows * run.seq_len * m * layout.dp
@@ -319,8 +321,8 @@ def _memory(trace: Trace, layout: Layout, run: Run, load: Load) -> dict[str, flo
     held = (load.blocks * block + held_ends) / layout.dp_shard
     # a pipeline's sharded parts reduce their gradients at the flush, when its activations
     # are gone: till then the float32 shards are not there (zero_grad sets them to None)
-    grads = 0 if layout.pp > 1 and layout.dp_shard > 1 else 4
-    state = held * (4 + grads + STATE_BYTES[run.optimizer])
+    grads = 0 if layout.pp > 1 and layout.dp_shard > 1 else 1
+    state = held * (1 + grads + STATE_BYTES[run.optimizer] / 4) * run.state_bytes
     gathered = 0.0
     if layout.dp_shard > 1:  # this block's and the next one's weights (every block's where
         # they stay gathered from the forward) and the root's; of its experts, this rank's
@@ -348,6 +350,8 @@ def _memory(trace: Trace, layout: Layout, run: Run, load: Load) -> dict[str, flo
     # partitioner makes them again in backward, a memory-bound op, not kept)
     casts = 0.0 if run.compile else held(trace.casts)
     kept = held(saved) - casts
+    if run.state_bytes == run.compute_bytes:  # weights kept in the compute dtype: no copy
+        casts = 0.0
     eager = sum(trace.saved.values())
     # (blend stores its peak as what goes beyond the eager saved bytes plus them: this
     # subtraction is what it counts on)

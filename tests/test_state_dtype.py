@@ -1,0 +1,90 @@
+"""precision.state_dtype=bfloat16: a rank keeps its weights, their gradients and the
+optimizer's state in bfloat16 (Lightning's bf16-true), half of float32's bytes, and trains
+under every layout as one device does; simulate prices what it keeps. Refused in one line
+where the compute is not bfloat16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import GPT_RUN, checked, scalars
+
+from parallab.config.errors import ConfigError
+
+BF16 = [*GPT_RUN, "trainer.max_steps=8", "precision=bf16", "optim=adamw", "model.dropout=0"]
+KEPT = "precision.state_dtype=bfloat16"
+
+
+@pytest.mark.parametrize("overrides,says", [
+    ([KEPT], "precision.state_dtype=bfloat16 with precision=fp32: weights kept in bfloat16 "
+             "compute in bfloat16: use precision=bf16 (or drop it)"),
+    ([KEPT, "precision=amp"], "with precision=amp"),
+    (["precision=bf16", "precision.state_dtype=float16"],
+     "precision.state_dtype=float16 is not a dtype a rank keeps its weights and optimizer "
+     "state in: use float32 or bfloat16"),
+])
+def test_a_state_dtype_the_precision_cannot_keep_is_one_line(overrides, says):
+    with pytest.raises(ConfigError) as raised:
+        checked(*GPT_RUN, *overrides)
+    assert says in str(raised.value) and "\n" not in str(raised.value)
+
+
+def test_the_model_and_its_optimizer_state_are_kept_in_bfloat16(train_here):
+    """The weights saved, Adam's moments and the measured state: bfloat16, half of what the
+    same run keeps in float32."""
+    floats, _ = train_here(*BF16, name="float32")
+    halves, run_dir = train_here(*BF16, KEPT, name="bfloat16")
+    assert halves["state_memory_mb"] == pytest.approx(floats["state_memory_mb"] / 2, rel=1e-3)
+    saved = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=False)
+    assert {t.dtype for t in saved["model"].values() if t.is_floating_point()} == \
+        {torch.bfloat16}
+    moments = [t for key, t in saved["optimizer"].items() if key.endswith(("exp_avg",
+                                                                          "exp_avg_sq"))]
+    assert moments and {t.dtype for t in moments} == {torch.bfloat16}
+    # trained, not merely cast: the loss falls as float32's does, to bfloat16's rounding
+    assert halves["train_loss"] == pytest.approx(floats["train_loss"], rel=1e-2)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", [
+    ["parallel=ddp", "parallel.world_size=2", "data.batch_size=4"],  # float32_all_reduce
+    ["parallel=ddp", "parallel.world_size=2", "data.batch_size=4",
+     "precision.reduce_dtype=bfloat16"],  # DDP's own all-reduce, in the gradients' dtype
+    ["parallel=fsdp", "parallel.world_size=2", "data.batch_size=4"],
+    ["parallel=pipeline", "parallel.world_size=2", "parallel.microbatches=2"],
+], ids=["ddp", "ddp-bf16-reduce", "fsdp", "pipeline"])
+def test_each_layout_trains_a_bfloat16_state_as_one_device(train_here, layout):
+    """Each step's loss is one device's to bfloat16's rounding (the reductions' order
+    differs); the state a rank keeps is its share of one device's."""
+    one, one_dir = train_here(*BF16, KEPT, name="one")
+    ran, run_dir = train_here(*BF16, KEPT, *layout, name="layout")
+    expected, got = scalars(one_dir, "train/loss"), scalars(run_dir, "train/loss")
+    assert len(got) == 8 and [loss for _, loss in got] == pytest.approx(
+        [loss for _, loss in expected], rel=1e-3)
+    shares = 1 if layout[0] == "parallel=ddp" else 2
+    assert ran["state_memory_mb"] == pytest.approx(one["state_memory_mb"] / shares, rel=0.1)
+
+
+@pytest.mark.parametrize("layout", ["fsdp", "ddp"])
+def test_simulate_prices_a_bfloat16_state_at_half_its_bytes(layout):
+    """The state a rank holds and the optimizer's traffic halve; the compute is the same
+    step's. Under DDP autocast copies no weight kept in bfloat16 already (FSDP2 gathers
+    them in bfloat16 either way)."""
+    from test_simulate import GPT, configured
+
+    from parallab.simulate import run
+
+    def predicted(*overrides):
+        return run.given(configured(*GPT, f"parallel={layout}", "parallel.world_size=8",
+                                    "cluster=h100", "precision=bf16", *overrides))[0].prediction
+
+    floats, halves = predicted(), predicted(KEPT)
+    assert halves.memory["state"] == pytest.approx(floats.memory["state"] / 2)
+    assert halves.parts["optimizer_s"] == pytest.approx(floats.parts["optimizer_s"] / 2)
+    assert halves.parts["compute_s"] == pytest.approx(floats.parts["compute_s"])
+    assert halves.memory["gathered"] == pytest.approx(floats.memory["gathered"])
+    if layout == "fsdp":
+        assert halves.memory["activations"] == pytest.approx(floats.memory["activations"])
+    else:  # float32 weights' bfloat16 copies, saved for backward, are gone
+        assert halves.memory["activations"] < floats.memory["activations"] * 0.99
