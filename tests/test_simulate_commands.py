@@ -209,3 +209,16 @@ def test_a_first_simulation_is_told_the_defaults_it_took(tmp_path, caplog):
     caplog.clear()
     simulate_in_process([*run, "data.seq_len=512", "precision=bf16"], tmp_path / "given")
     assert not any(s in caplog.text for s in said)
+
+
+def test_a_batch_train_searches_is_said_to_be_priced_as_given(tmp_path):
+    """trainer.auto_batch_size=true: train finds the batch on the GPUs as it starts, which
+    a simulation cannot; it had been priced at the batch given without a word."""
+    from parallab.commands import simulate_in_process
+
+    run = [*GPT, "parallel=fsdp", "parallel.world_size=8", "cluster=h100"]
+    simulate_in_process([*run, "trainer.auto_batch_size=true"], tmp_path / "searched")
+    said = "trainer.auto_batch_size=true: train searches the largest batch each GPU holds"
+    assert said in (tmp_path / "searched" / "simulate.md").read_text()
+    simulate_in_process(run, tmp_path / "given")
+    assert said not in (tmp_path / "given" / "simulate.md").read_text()

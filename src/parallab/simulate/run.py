@@ -157,6 +157,10 @@ def candidates_of(cfg, layout, facts: Facts, rates) -> tuple[list[Candidate], li
                      "wait. Each token is sent once to each rank holding any of its experts, "
                      f"which it picks as simulate.routing={cfg.simulate.routing} says. The "
                      "all-to-all is NCCL's (no node-level deduplication, as DeepEP's).")
+    if cfg.trainer.auto_batch_size:  # a search on the GPUs themselves, as train starts
+        notes.append("trainer.auto_batch_size=true: train searches the largest batch each "
+                     "GPU holds as it starts; each layout is priced at the batch it is given "
+                     "here (its data.batch_size).")
     if layout is not None:
         refuse(facts.split_problem())
         mode = cfg.trainer.activation_checkpointing
