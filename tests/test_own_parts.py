@@ -99,6 +99,12 @@ BAD = [
                                                "ValueError: scale=1.0 is not allowed"),
     (["+metrics.m._target_=own_parts.RefusingInit"], "metrics.m: own_parts.RefusingInit(...) "
                                                      "raised ValueError: scale=1.0 is not"),
+    # a value against its annotation, as a model's is checked (it had raised in the
+    # constructor, or not at all)
+    (["data.train.size=abc"], "data.train.size='abc' is not of type int, as "
+                              "own_model.data.Waves declares: give an int"),
+    (["loss._target_=own_parts.RefusingInit", "+loss.scale=big"],
+     "loss.scale='big' is not of type int or float"),
     (["loss=model", "model._target_=own_parts.SelfScoring", "~model.out_features",
       "~model.width", "~model.depth", "~model.expansion", "parallel=pipeline",
       "parallel.stages=[net.0,net.1,net.2]"],

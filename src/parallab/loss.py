@@ -332,6 +332,7 @@ def check(spec: dict[str, Any]) -> None:
                                   "name a loss class or a function (output, targets) -> loss")
     at_call = 0 if inspect.isclass(target) else 2  # a function's (output, targets)
     targets.check_arguments(target, targets.arguments(spec), "loss", at_call=at_call)
+    targets.check_types(target, targets.arguments(spec), "loss")
 
 
 def from_model(spec: dict[str, Any]) -> bool:

@@ -59,6 +59,7 @@ def check(specs: dict[str, Any], loss) -> None:
         target = targets.locate(spec[targets.TARGET], f"metrics.{name}._target_")
         at_call = 0 if inspect.isclass(target) else 2  # a function's (output, targets)
         targets.check_arguments(target, targets.arguments(spec), f"metrics.{name}", at_call)
+        targets.check_types(target, targets.arguments(spec), f"metrics.{name}")
 
 
 def check_on(specs: dict[str, Any], output: Any, labels: torch.Tensor) -> None:

@@ -61,6 +61,8 @@ class Datasets(DataConfig):
                             "Dataset (no __getitem__ and __len__, not an IterableDataset): "
                             "name a Dataset class or a function returning one")
                 targets.check_arguments(cls, targets.arguments(spec), f"data.{split}")
+                # its values against its annotations, as a model's (a null: its default)
+                targets.check_types(cls, targets.arguments(spec), f"data.{split}", nulls=True)
                 first_sample(self, split)
             if self.collate_fn is not None:
                 collate(self.collate_fn)
