@@ -322,6 +322,28 @@ def test_an_untied_models_weights_given_to_a_tied_one_are_refused(tmp_path):
     whole = tmp_path / "tied.pt"
     torch.save(tied.state_dict(), whole)  # both names, one tensor
     checked(*gpt, f"trainer.init_from={whole}")
+    # a sharded checkpoint holds a tied run's two names apart too (a pipeline's stages each
+    # save theirs): told by their values; an untied run's had been taken without a word
+    for model, name in ((untied, "untied.dcp"), (tied, "tied.dcp")):
+        _sharded(model, tmp_path / name)
+    with pytest.raises(ConfigError, match=re.escape(
+            f"trainer.init_from={tmp_path / 'untied.dcp'} holds embed.tokens.weight and "
+            "head.out.weight apart")):
+        checked(*gpt, f"trainer.init_from={tmp_path / 'untied.dcp'}")
+    checked(*gpt, f"trainer.init_from={tmp_path / 'tied.dcp'}")
+
+
+def _sharded(model: torch.nn.Module, path) -> None:
+    """`model`'s weights as one process writes a run's .dcp: each name its own tensor."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    with warnings.catch_warnings():  # ("assuming ... a single process")
+        warnings.simplefilter("ignore")
+        dcp.save({"model": state}, checkpoint_id=str(path))
+    checkpoint.save(path / formats.SHARDED_META, {"step": 1})
 
 
 def test_an_export_the_disk_cannot_take_is_one_line_and_leaves_out_as_it_was(tmp_path,
