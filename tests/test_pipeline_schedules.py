@@ -182,6 +182,12 @@ BAD = [
      "parallel.microbatches=2 does not suit parallel.schedule=dualpipev at parallel.pp=2: "
      "DualPipeV needs at least as many micro-batches as stages (4); use "
      "parallel.microbatches=4 or 8"),  # those that also cut data.batch_size=32 evenly
+    # none that the schedule takes cuts a batch of 2: the count, and a batch it cuts (it
+    # had named 4 or 5, which the next check refused)
+    ([*PIPE, *GPT, "parallel.schedule=dualpipev", "parallel.microbatches=2",
+      "data.batch_size=2"],
+     "use parallel.microbatches=4 with a batch per rank it splits (a multiple of 4; "
+     "data.batch_size=2 splits into none the schedule takes)"),
     ([*PIPE, *GPT, "parallel.schedule=1f1b", "parallel.microbatches=1", "data.batch_size=6"],
      "1F1B needs at least as many micro-batches as stages (2); use parallel.microbatches=2 "
      "or 3"),

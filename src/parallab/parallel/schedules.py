@@ -261,12 +261,16 @@ def check_microbatches(cfg, layout) -> None:
     if problem:
         fits = [m for m in range(1, max(4 * pp * v, d.batch_size) + 1)
                 if not microbatches_problem(p.schedule, pp, v, m)]
-        # those that also cut the batch evenly, where any does: the next check's rule
-        fits = [m for m in fits if d.batch_size % m == 0] or fits
-        near = sorted(fits, key=lambda m: (abs(m - p.microbatches), m))[:2]
+        # those that also cut the batch evenly (the next check's rule); where none does, the
+        # nearest the schedule takes, with a batch it cuts (it had named counts that did not)
+        splitting = [m for m in fits if d.batch_size % m == 0]
+        near = sorted(splitting or fits, key=lambda m: (abs(m - p.microbatches), m))[:2]
+        fix = f"parallel.microbatches={' or '.join(map(str, sorted(near)))}" if splitting \
+            else (f"parallel.microbatches={near[0]} with a batch per rank it splits (a multiple "
+                  f"of {near[0]}; {d.batch_said()} splits into none the schedule takes)")
         raise ConfigError(f"parallel.microbatches={p.microbatches} does not suit "
                           f"parallel.schedule={p.schedule} at parallel.pp={pp}: {problem}; use "
-                          f"parallel.microbatches={' or '.join(map(str, sorted(near)))}")
+                          f"{fix}")
     if d.batch_size % p.microbatches:
         # the key the user set: a global batch is per rank x the rest
         unit = p.microbatches * (d.global_batch_size // d.batch_size
