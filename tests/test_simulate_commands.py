@@ -25,6 +25,9 @@ from parallab.testing import run_entry
     (["cluster.hbm_gbps=null"], "cluster.hbm_gbps=null: only cluster.gpu=this measures"),
     (["cluster.memory_gb=???"], "cluster.memory_gb is missing: set it"),
     (["cluster.gpu=RTX-9090"], "cluster.gpu=RTX-9090 is not in observe/gpus.yaml's peak FLOP/s"),
+    # listed, but fp16 alone: it had been called not listed
+    (["cluster.gpu=V100-SXM2", "precision=fp16"],
+     "cluster.gpu=V100-SXM2 has no bf16 peak in observe/gpus.yaml (no bf16 tensor cores)"),
     (["cluster.gpu=MI300X", "+cluster.peak_tflops={bf16: 1307, int4: 2}"],
      "cluster.peak_tflops.int4 names no precision: give the GPU's dense TFLOP/s by fp32"),
     (["cluster.gpu=MI300X", "+cluster.peak_tflops={bf16: -1}"],

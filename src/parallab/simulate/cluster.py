@@ -80,10 +80,14 @@ def problem(cfg: ClusterConfig) -> str | None:
             return (f"cluster.peak_tflops.{key}={value} is out of range: give the GPU's dense "
                     f"TFLOP/s by precision ({', '.join(PRECISIONS)}), each > 0")
     peaks = {} if measured else peaks_of(cfg)
-    if not measured and not peaks.get("bf16"):
+    if not measured and not peaks:
         return (f"cluster.gpu={cfg.gpu} is not in observe/gpus.yaml's peak FLOP/s: name a GPU "
                 "it lists (H100 SXM, H200, B200, A100, ...), `this`, or give the GPU's "
                 "cluster.peak_tflops (bf16 and fp32 at least)")
+    if not measured and not peaks.get("bf16"):  # Volta, Turing: listed, fp16 alone
+        return (f"cluster.gpu={cfg.gpu} has no bf16 peak in observe/gpus.yaml (no bf16 tensor "
+                "cores), which simulate prices every 16-bit op against: give it as "
+                "+cluster.peak_tflops.bf16=TFLOPS (for a float16 run, its fp16 peak)")
     if not measured and not peaks.get("fp32"):  # it had ended in a KeyError traceback
         return (f"cluster.peak_tflops.fp32 is not given for cluster.gpu={cfg.gpu}: give its "
                 "dense float32 TFLOP/s too (float32 ops, such as norms and softmax, are priced "
