@@ -284,6 +284,18 @@ def test_a_checkpoint_trained_on_a_stream_without_length_is_evaluated(tmp_path):
     assert figures["eval_loss"] > 0
 
 
+def test_a_checkpoint_of_a_run_bounded_by_epochs_is_evaluated_on_a_stream(tmp_path):
+    """A run bounded by trainer.epochs records no max_steps: evaluated on a stream of no
+    known length it is still scored (evaluate.py reads no run length), not refused with a
+    fix it cannot take."""
+    from parallab.commands import evaluate_in_process
+
+    train(tmp_path / "run", *STREAM, "trainer.max_steps=null", "trainer.epochs=1")
+    figures = evaluate_in_process([f"ckpt={tmp_path / 'run' / 'checkpoints' / 'last.pt'}",
+                                   "device=cpu", "data.train.sized=false"], tmp_path / "eval")
+    assert figures["eval_loss"] > 0
+
+
 def test_advise_on_a_stream_without_length_asks_for_the_run_length(tmp_path):
     """Its candidates are measured for advise.steps, but the command it recommends trains."""
     from parallab.cli import JobFailed, advise_in_process

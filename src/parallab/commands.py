@@ -90,11 +90,13 @@ def _checked(dict_cfg: DictConfig, overrides: list[str]):
         for key in ("seed", "loss", "metrics"):  # the run's, unless given
             if saved.get(key) is not None and key not in given:
                 dict_cfg[key] = saved[key]
-        # the run's length, which no evaluation reads, but a stream of no known length is
-        # refused without one (the run had it: evaluate.py takes no trainer key to give it)
-        dict_cfg.trainer.max_steps = (saved.get("trainer") or {}).get("max_steps")
     try:
         cfg = typed_config(dict_cfg, overrides)
+        # a stream of no known length is refused without a run length, which no evaluation
+        # reads and evaluate.py takes no trainer key to give (a run bounded by epochs, or
+        # trained on other data, recorded none): any bound passes it
+        if cfg.trainer.max_steps is None and not cfg.data.sized():
+            cfg.trainer.max_steps = 1
         validate.prepare(cfg, in_place=None)
     except ConfigError as error:
         raise _as_evaluate_says(error, dict_cfg.ckpt) from None
