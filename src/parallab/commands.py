@@ -103,26 +103,41 @@ def _checked(dict_cfg: DictConfig, overrides: list[str]):
     return cfg, state
 
 
+# a key a fix names: a dotted name or one given a value, at a word's start and not inside
+# a path or a file's name (a hint's /data/model.bin names no model key)
+_KEY = re.compile(r"(?<![\w./-])[A-Za-z_]\w*(?:(?:\.\w+)+|(?=[<>!]?=|[<>]))")
+# what ends a file's name, not a key's (a hint's `model.bin` names no model key)
+_FILE_SUFFIXES = {"bin", "pt", "pth", "dcp", "safetensors", "json", "yaml", "yml", "csv",
+                  "md", "txt", "idx", "npy", "log"}
 # keys evaluate.py refuses (_refuse_ignored_overrides): a fix that names one is none there
-_NOT_TAKEN = re.compile(r"(?<![\w.])(?:model|trainer|parallel(?!\.threads_per_worker"
-                        r"|\.devices))[.=]")
+_NOT_TAKEN = re.compile(r"(?:model|trainer|parallel(?!\.threads_per_worker|\.devices))"
+                        r"(?:\.|$|(?=[<>!]?=|[<>]))")
 
 
 def _as_evaluate_says(error: ConfigError, ckpt: str) -> ConfigError:
-    """A check's refusal, its fix (after the last ': ') evaluate.py's own where the check's
-    names a key evaluate.py refuses (data=bytes' data.seq_len beyond the trained gpt's
-    context said `set model.context=...`): the model is the checkpoint's, scored in one
-    process, so the data or precision given here is what changes."""
+    """A check's refusal, its fix (after the last ': ') evaluate.py's own where every key the
+    check's names is one evaluate.py refuses (data=bytes' data.seq_len beyond the trained
+    gpt's context said `set model.context=...`): the model is the checkpoint's, scored in
+    one process, so the data or precision given here is what changes. A fix that also names
+    a key evaluate.py takes is kept, with what it cannot take said."""
     problem, _, fix = str(error).rpartition(": ")
-    if not problem or not _NOT_TAKEN.search(fix):
+    named = [key for key in _KEY.findall(fix) if key.rpartition(".")[2] not in _FILE_SUFFIXES]
+    refused = [_NOT_TAKEN.match(key) is not None for key in named]
+    if not problem or not any(refused):
         return error
-    if re.search(r"(?<![\w.])model[.=]", fix):
-        return ConfigError(f"{problem}: evaluate.py builds the model ckpt={ckpt} was trained "
-                           "with (no model key is taken): give data that model takes, or drop "
-                           "the data overrides to score the data it was trained on")
-    return ConfigError(f"{problem}: evaluate.py scores ckpt={ckpt} as saved, in one process, "
-                       "training nothing (no trainer or layout key is taken): drop the "
-                       "override this follows from")
+    if not all(refused):  # an accepted fix beside the refused one: the accepted one stands
+        said = f"{error} (evaluate.py takes no model, trainer or layout key)"
+    elif any(key.split(".")[0] == "model" for key in named):
+        said = (f"{problem}: evaluate.py builds the model ckpt={ckpt} was trained with (no "
+                "model key is taken): give data that model takes, or drop the data overrides "
+                "to score the data it was trained on")
+    else:
+        said = (f"{problem}: evaluate.py scores ckpt={ckpt} as saved, in one process, "
+                "training nothing (no trainer or layout key is taken): drop the override "
+                "this follows from")
+    refusal = type(error)(said)
+    refusal.status = error.status  # NothingFits carries its own
+    return refusal
 
 
 def _scored(cfg, state: dict, run_dir: Path) -> tuple[dict[str, float], str]:
