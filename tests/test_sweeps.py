@@ -321,6 +321,29 @@ def test_an_advise_sweeps_jobs_are_checked_as_advise_checks_its_run(tmp_path, en
         assert not sweep_dir.exists() or not [p for p in sweep_dir.iterdir() if p.is_dir()]
 
 
+def test_an_advise_sweep_continued_skips_its_answered_jobs(tmp_path):
+    """An advise job writes advise.md, no metrics.json: continued with
+    sweep.skip_completed=true, its job is skipped as answered, where it had failed in its
+    dir ('holds a run (advise.md)') and the summary, reading advise.csv first, said
+    advised and exit 0. A job whose last start failed is summarised as failed."""
+    import json
+
+    from parallab.observe import summary
+
+    sweep_dir = tmp_path / "sweep"
+    command = ["advise", "-m", "model=mlp", "data=synthetic", "device=cpu",
+               "parallel.world_size=1", "advise.precisions=[fp32,bf16]", "advise.steps=2",
+               "advise.warmup_steps=1", "optim.lr=0.1", f"hydra.sweep.dir={sweep_dir}"]
+    for extra in ([], ["sweep.skip_completed=true"]):
+        result = run_entry(PARALLAB, [*command, *extra])
+        assert result.returncode == 0, output(result)[-3000:]
+    [job] = [p for p in sweep_dir.iterdir() if p.is_dir()]
+    assert summary.read_status(job)["status"] == "skipped", output(result)[-3000:]
+    assert [row["status"] for row in summary_rows(sweep_dir)] == ["advised (advise.md)"]
+    (job / summary.STATUS_FILE).write_text(json.dumps({"status": "failed", "error": "x"}))
+    assert summary.job_row(job)["status"] == "failed"
+
+
 @pytest.mark.distributed
 def test_a_failed_ddp_job_is_summarised_by_its_root_cause(tmp_path):
     (tmp_path / "inject").mkdir()

@@ -45,8 +45,10 @@ def run(dict_cfg: DictConfig, run_dir: Path, call: Invocation,
     if found is not None:  # ("as": the metrics are another job dir's, the summary reads them)
         status_file.write_text(json.dumps({"status": "skipped", "trains": trains, **(
             {"as": found.name} if found != run_dir else {})}) + "\n")
-        log.info("skipped: %s already holds complete metrics", found)
-        return metrics.objective_of(summary.read_metrics(found), dict_cfg.objective)
+        figures = summary.read_metrics(found)  # None: advise's answer, which has no objective
+        log.info("skipped: %s already holds %s", found,
+                 "complete metrics" if figures else "advise's answer")
+        return metrics.objective_of(figures, dict_cfg.objective) if figures else None
     if skip_completed and dict_cfg.trainer.resume is None:
         dict_cfg.trainer.resume = "auto"  # a job that did not finish continues (or starts)
     try:
@@ -81,11 +83,12 @@ def failed(run_dir: Path, line: str, said: object = None, traceback: bool = Fals
 
 def finished_as(run_dir: Path, before: dict, trains: list[str]) -> tuple[Path | None,
                                                                         str | None]:
-    """Under sweep.skip_completed, the job dir whose complete metrics this job's are: its
-    own, or another of the sweep dir's that trained the same overrides (a sweep given more
-    values numbers its jobs anew: 0_..lr=0.01 became 1_..lr=0.01); else None. A line where
-    its own dir holds a finished job of other overrides (another sweep's, named alike)."""
-    if summary.read_metrics(run_dir) is not None:
+    """Under sweep.skip_completed, the job dir whose complete metrics (or advise's answer)
+    this job's are: its own, or another of the sweep dir's that trained the same overrides
+    (a sweep given more values numbers its jobs anew: 0_..lr=0.01 became 1_..lr=0.01); else
+    None. A line where its own dir holds a finished job of other overrides (another sweep's,
+    named alike)."""
+    if summary.finished(run_dir):
         if before.get("trains", trains) == trains:
             return run_dir, None
         return None, (f"{run_dir} holds a finished job of other overrides ("
@@ -94,7 +97,7 @@ def finished_as(run_dir: Path, before: dict, trains: list[str]) -> tuple[Path | 
                       "for this one: give this sweep a hydra.sweep.dir of its own")
     twins = (d for d in sorted(run_dir.parent.iterdir()) if d != run_dir and d.is_dir()
              and summary.read_status(d).get("trains") == trains)
-    return next((d for d in twins if summary.read_metrics(d) is not None), None), None
+    return next((d for d in twins if summary.finished(d)), None), None
 
 
 def what_it_trains(hydra=None) -> list[str]:

@@ -317,7 +317,7 @@ class TrainerConfig:
 
 @dataclass
 class SweepConfig:
-    # re-running a sweep: jobs whose dir holds a complete metrics.json are not rerun
+    # re-running a sweep: jobs whose dir holds a complete metrics.json (advise.md) are not rerun
     skip_completed: bool = False
 
 

@@ -45,6 +45,17 @@ def read_metrics(run_dir: Path) -> dict[str, Any] | None:
     return metrics if complete else None
 
 
+def advised(run_dir: Path) -> bool:
+    """Whether the dir holds advise's answer: advise.md, written last (after advise.csv)."""
+    return (run_dir / "advise.md").exists()
+
+
+def finished(run_dir: Path) -> bool:
+    """Whether a sweep's job dir holds a finished job: a run's complete metrics, or
+    advise's answer (an advise job writes no metrics.json)."""
+    return read_metrics(run_dir) is not None or advised(run_dir)
+
+
 def read_status(run_dir: Path) -> dict[str, Any]:
     """A job's status.json ({} where it holds none)."""
     return _json_object(run_dir / STATUS_FILE) or {}
@@ -76,13 +87,16 @@ def job_row(job_dir: Path) -> dict[str, Any]:
     except (OSError, yaml.YAMLError):
         overrides = ["(unreadable overrides.yaml)"]
     status = read_status(job_dir)
-    metrics = read_metrics(job_dir) or (  # a job skipped as another dir's, its figures
-        read_metrics(job_dir.parent / status["as"]) if status.get("as") else None)
-    if metrics:
+    # a job skipped as another dir's: its figures, or its answer, are that dir's
+    done_dir = job_dir.parent / status["as"] if status.get("as") else job_dir
+    metrics = read_metrics(job_dir) or (read_metrics(done_dir) if status.get("as") else None)
+    if status.get("status") == "failed":  # this start failed, whatever an earlier one left
+        metrics, state = None, "failed"
+    elif metrics:
         state = status.get("status") or "completed"
     elif (job_dir / "metrics.json").exists():  # written, but not as a run writes it
         state = "unreadable"
-    elif (job_dir / "advise.csv").exists():  # experiment=advise: its answer is its table
+    elif (done_dir / "advise.csv").exists():  # experiment=advise: its answer is its table
         state = "advised (advise.md)"
     elif (answer := _simulated(job_dir)) is not None:  # parallab simulate's, predicted
         metrics, fits = answer
