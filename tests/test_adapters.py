@@ -208,6 +208,10 @@ def test_an_adapter_folder_trained_on_given_weights_starts_a_run_on_them(one_dev
                               "trainer.max_steps=1", "optim.lr=1e-12"], tmp_path / "again")
     assert again["eval_loss"] == pytest.approx(read_metrics(tmp_path / "scored")["eval_loss"],
                                                rel=1e-4)
+    # its base is loaded whole whatever trainer.init_strict says: no fix names it
+    with pytest.raises(ConfigError, match=rf"^the base of trainer.init_from={base} does not "
+                       r"fit GPT: .*: give weights of this model$"):
+        checked(*LORA, "model.layers=3", f"trainer.init_from={tmp_path / 'adapter'}")
     moved = tmp_path / "moved.pt"
     base.rename(moved)
     try:

@@ -76,6 +76,7 @@ def check_init(cfg: Config, probe: trial.Probe) -> None:
         refuse(adapters.folder_problem(cfg.adapter, path))
         base = weights.adapters_base(path, "trainer.init_from")  # what they were trained on
         if base is not None:  # read whole before the adapters, in every rank: it must fit
+            # (strictly, whatever trainer.init_strict says: training/run.py loads it so)
             refuse(weights.fit_problem(models.build_on_meta(cfg.model), base,
                                        "the base of trainer.init_from", True))
     try:
@@ -95,7 +96,8 @@ def check_init(cfg: Config, probe: trial.Probe) -> None:
             models.build_on_meta(cfg.model)
         if adapted:  # its names are those of the model with its adapters on
             adapters.apply(model, cfg.adapter)
-        refuse(weights.fit_problem(model, path, "trainer.init_from", cfg.trainer.init_strict)
+        refuse(weights.fit_problem(model, path, "trainer.init_from", cfg.trainer.init_strict,
+                                   "trainer.init_strict=false")
                or weights.tie_problem(model, path, "trainer.init_from"))
     except checkpoint.CheckpointError as error:  # (a reader's own, naming the path alone)
         said = str(error)

@@ -92,9 +92,11 @@ def fit(model: nn.Module, saved: dict[str, tuple[int, ...]],
     return missing, unexpected, wrong
 
 
-def fit_problem(model: nn.Module, path: str | Path, key: str, strict: bool) -> str | None:
+def fit_problem(model: nn.Module, path: str | Path, key: str, strict: bool,
+                loosen: str | None = None) -> str | None:
     """One line where the weights at `path` do not fit `model` (strict: every name and
-    shape; else: some weight must match)."""
+    shape; else: some weight must match). `loosen`: the setting that loads only what fits,
+    named as the fix where some weight matches and the caller takes one (as load_into's)."""
     covers = formats.format_of(path).covers
     missing, unexpected, wrong = fit(model, shapes(path), covers)
     if _converted(model, path):  # as the model's class reads it: its own names
@@ -107,7 +109,7 @@ def fit_problem(model: nn.Module, path: str | Path, key: str, strict: bool) -> s
     some = len(missing) + len(wrong) < len(held)  # some weight matches
     if not said or not strict and some:
         return None
-    fix = ("trainer.init_strict=false loads those that match" if strict and some else
+    fix = (f"{loosen} loads those that match" if loosen and strict and some else
            "give weights of this model")
     return (f"{key}={path} does not fit {type(model).__name__}: {'; '.join(said)}: {fix}")
 
