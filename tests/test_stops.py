@@ -148,3 +148,25 @@ def test_a_signal_while_the_quantized_model_is_scored_waits_for_it(tmp_path):
                       timeout=120, env=env)
     assert ended.returncode == 0, output(ended)[-3000:]
     assert "quantized_eval_loss" in read_metrics(run_dir), read_metrics(run_dir)
+
+
+def test_only_rank_0_of_a_sweep_run_in_place_keeps_a_jobs_record(tmp_path, monkeypatch):
+    """Under torchrun, mpirun or srun every rank runs each job of a sweep: each had deleted
+    and rewritten status.json, one merging the run's record read before rank 0 wrote it,
+    which dropped "completed". Rank 1 writes none; rank 0's record is written whole."""
+    from parallab import sweep_job
+    from parallab.observe import summary
+
+    summary.record_completed(tmp_path, 3)
+    torchrun = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+                "GROUP_RANK": "0", "TORCHELASTIC_RUN_ID": "x", "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": "29500"}
+    for name, value in torchrun.items():
+        monkeypatch.setenv(name, value)
+    sweep_job.failed(tmp_path, "rank 1's line")
+    assert summary.read_status(tmp_path) == {"status": "completed", "step": 3}
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    sweep_job.failed(tmp_path, "rank 0's line")
+    assert summary.read_status(tmp_path) == {"status": "failed", "error": "rank 0's line"}
+    assert [p.name for p in tmp_path.iterdir()] == ["status.json"]  # no file left beside it

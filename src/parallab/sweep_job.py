@@ -4,7 +4,6 @@ command that continues a sweep a signal stopped."""
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Callable
@@ -27,11 +26,11 @@ def run(dict_cfg: DictConfig, run_dir: Path, call: Invocation,
     sweep: the node is going."""
     from parallab import metrics
 
-    status_file = run_dir / summary.STATUS_FILE
     before = summary.read_status(run_dir)  # a finished job's: what it trained
-    status_file.unlink(missing_ok=True)
+    if _main():
+        (run_dir / summary.STATUS_FILE).unlink(missing_ok=True)
     if call.stopped_sweep:
-        status_file.write_text(json.dumps({"status": "stopped"}) + "\n")
+        _record(run_dir, status="stopped")
         log.info("not run: the sweep was stopped; continue it with: %s", call.stopped_sweep)
         return None
     # a sweep SLURM requeued goes on where it stopped
@@ -40,11 +39,11 @@ def run(dict_cfg: DictConfig, run_dir: Path, call: Invocation,
     found, clash = finished_as(run_dir, before, trains) if skip_completed else (None, None)
     if clash is not None:
         log.error("job failed: %s", clash)
-        status_file.write_text(json.dumps({**before, "status": "failed", "error": clash}) + "\n")
+        _record(run_dir, **{**before, "status": "failed", "error": clash})
         return None
     if found is not None:  # ("as": the metrics are another job dir's, the summary reads them)
-        status_file.write_text(json.dumps({"status": "skipped", "trains": trains, **(
-            {"as": found.name} if found != run_dir else {})}) + "\n")
+        _record(run_dir, status="skipped", trains=trains,
+                **({"as": found.name} if found != run_dir else {}))
         figures = summary.read_metrics(found)  # None: advise's answer, which has no objective
         log.info("skipped: %s already holds %s", found,
                  "complete metrics" if figures else "advise's answer")
@@ -53,14 +52,15 @@ def run(dict_cfg: DictConfig, run_dir: Path, call: Invocation,
         dict_cfg.trainer.resume = "auto"  # a job that did not finish continues (or starts)
     try:
         objective = train_job(dict_cfg, call)
-        # done: the run's own record (completed) kept, what it trained beside it
-        status_file.write_text(json.dumps({**summary.read_status(run_dir), "trains": trains})
-                               + "\n")
+        # done: the run's own record (completed, written by rank 0 as it ended) kept, what
+        # it trained beside it
+        _record(run_dir, **{**summary.read_status(run_dir), "trains": trains})
         return objective
     except Stopped as stopped:  # its record says so: the sweep stops at it
         if not stopped.said:
             log.error("%s", stopped)
-        stopped.record(run_dir)
+        if _main():
+            stopped.record(run_dir)
         call.stopped_by = stopped.signum
         call.stopped_sweep = continue_command(run_dir.parent, call)
         log.warning("the sweep stops here, its later jobs not run; continue it with: %s",
@@ -77,8 +77,22 @@ def failed(run_dir: Path, line: str, said: object = None, traceback: bool = Fals
     """A job's failure, said and recorded for the summary (`line`: its record's words;
     `said`: the log's, if other): the sweep's other jobs run."""
     log.error("job failed: %s", line if said is None else said, exc_info=traceback)
-    (run_dir / summary.STATUS_FILE).write_text(json.dumps({"status": "failed",
-                                                           "error": line}) + "\n")
+    _record(run_dir, status="failed", error=line)
+
+
+def _main() -> bool:
+    """Whether this process keeps the job's record: the only one, or rank 0 of a sweep an
+    external launcher runs in place (torchrun, mpirun, srun), whose every rank runs each
+    job. Each rank had deleted and rewritten it, one merging the run's record read before
+    rank 0 wrote it (dropping "completed"), another deleting what rank 0 had written."""
+    ctx = in_place.current()
+    return ctx is None or ctx.rank == 0
+
+
+def _record(run_dir: Path, **fields) -> None:
+    """The job's status.json, written by the process that keeps it (_main)."""
+    if _main():
+        summary.write_status(run_dir, **fields)
 
 
 def finished_as(run_dir: Path, before: dict, trains: list[str]) -> tuple[Path | None,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import json
 import logging
+import os
 import signal
 from pathlib import Path
 from typing import Any
@@ -61,11 +62,20 @@ def read_status(run_dir: Path) -> dict[str, Any]:
     return _json_object(run_dir / STATUS_FILE) or {}
 
 
+def write_status(run_dir: str | Path, **fields: Any) -> None:
+    """A run's or a job's record, status.json, holding `fields`: written whole under another
+    name and moved into place, so a reader (a summary, the record merged into a sweep job's)
+    never sees half of it."""
+    path = Path(run_dir) / STATUS_FILE
+    written = path.with_name(f".{STATUS_FILE}.{os.getpid()}.tmp")
+    written.write_text(json.dumps(fields) + "\n")
+    os.replace(written, path)
+
+
 def record_completed(run_dir: str | Path, step: int) -> None:
     """A run's record that it finished (`step`: its last), written beside its complete
     metrics.json: final for this start of the run (record_stopped)."""
-    (Path(run_dir) / STATUS_FILE).write_text(json.dumps({"status": "completed",
-                                                         "step": step}) + "\n")
+    write_status(run_dir, status="completed", step=step)
 
 
 def record_stopped(run_dir: str | Path, signum: int, step: int | None) -> None:
@@ -77,8 +87,7 @@ def record_stopped(run_dir: str | Path, signum: int, step: int | None) -> None:
     run deletes the record first (cli._claimed), so a continued run's stop is recorded."""
     if read_status(Path(run_dir)).get("status") == "completed":
         return
-    (Path(run_dir) / STATUS_FILE).write_text(json.dumps({
-        "status": "stopped", "signal": signal.Signals(signum).name, "step": step}) + "\n")
+    write_status(run_dir, status="stopped", signal=signal.Signals(signum).name, step=step)
 
 
 def job_row(job_dir: Path) -> dict[str, Any]:
