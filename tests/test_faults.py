@@ -246,18 +246,23 @@ def test_a_sharded_checkpoint_missing_or_truncating_a_shard_is_refused_before_la
     whole = run_dir / "checkpoints" / "last.dcp"
     shard = sorted(whole.glob("*.distcp"))[-1].name
     missing, truncated = tmp_path / "missing.dcp", tmp_path / "truncated.dcp"
-    for broken in (missing, truncated):
+    unindexed = tmp_path / "unindexed.dcp"
+    for broken in (missing, truncated, unindexed):
         shutil.copytree(whole, broken)
     (missing / shard).unlink()
     (truncated / shard).write_bytes((whole / shard).read_bytes()[:100])
+    (unindexed / ".metadata").unlink()
     for broken, problem in ((missing, f"is missing its shard {shard}"),
-                            (truncated, f"its shard {shard} is truncated (100 of")):
-        with pytest.raises(validate.ConfigError, match=re.escape(problem)):
-            checked(*FAST, "parallel=fsdp", "model=mlp", f"trainer.resume={broken}")
-        with pytest.raises(validate.ConfigError) as refused:  # its weights alone: the same
-            checked(*FAST, "parallel=fsdp", "model=mlp", f"trainer.init_from={broken}")
-        assert str(refused.value).startswith(f"trainer.init_from={broken}")
-        assert problem in str(refused.value) and "\n" not in str(refused.value)
+                            (truncated, f"its shard {shard} is truncated (100 of"),
+                            (unindexed, "has no .metadata")):
+        # each names the key that named it, and one fix, that command's own
+        for key, fix in (("trainer.resume", "give another checkpoint, or trainer.resume=auto"),
+                         ("trainer.init_from", "start from other weights")):
+            with pytest.raises(validate.ConfigError) as refused:
+                checked(*FAST, "parallel=fsdp", "model=mlp", f"{key}={broken}")
+            said = str(refused.value)
+            assert said.startswith(f"{key}={broken}") and said.endswith(fix), said
+            assert problem in said and "ckpt=" not in said and "\n" not in said, said
         with pytest.raises(OneLineError, match=re.escape(problem)):  # evaluate.py's exit 2
             evaluate_in_process([f"ckpt={broken}", "device=cpu"], tmp_path / "eval")
     exported = subprocess.run([str(Path(sys.executable).parent / "parallab"), "export",

@@ -26,11 +26,14 @@ def check_resume(cfg: Config, layout: Layout, run_dir: str | None) -> None:
         if found is None:
             return
         resume = str(found)
-    try:
-        meta = checkpoint.load_meta(resume)  # of a sharded one, all but the tensors
-    except checkpoint.CheckpointError as error:
-        raise ConfigError(f"trainer.resume: {error}: give an existing checkpoint, or "
-                          "trainer.resume=auto") from None
+    instead = "give another checkpoint" + (
+        ", or trainer.resume=auto" if cfg.trainer.resume != "auto" else "")
+    try:  # of a sharded one, all but the tensors
+        meta = checkpoint.load_meta(resume, "trainer.resume", instead)
+    except checkpoint.CheckpointError as error:  # a .dcp's names its key and fix already
+        said = str(error)
+        raise ConfigError(said if said.startswith("trainer.resume=") else
+                          f"trainer.resume: {said}: {instead}") from None
     require(checkpoint.resumable(resume, meta),
             f"trainer.resume={resume} is not a parallab training checkpoint (no optimizer or "
             "position in it): evaluate it with evaluate.py, or start afresh")
@@ -80,11 +83,10 @@ def check_init(cfg: Config, probe: trial.Probe) -> None:
             refuse(weights.fit_problem(models.build_on_meta(cfg.model), base,
                                        "the base of trainer.init_from", True))
     try:
-        reader = formats.format_of(path)
+        reader = formats.format_of(path, "trainer.init_from", "start from other weights")
         if isinstance(reader, formats.Sharded):  # its shards, as its .metadata lists them:
             # one gone had failed every rank reading it, once launched
-            check_shards(reader.path, reader.index, "trainer.init_from",
-                         "start from other weights")
+            check_shards(reader.path, reader.index, reader.key, reader.instead)
         adapted = weights.holds_adapters(path)
         require(not adapted or adapters.enabled(cfg.adapter),
                 f"trainer.init_from={path} holds a model with LoRA adapters: add adapter=lora "

@@ -36,11 +36,13 @@ def periodic_name(step: int) -> str:
 PERIODIC = r"step_\d{8,}"
 
 
-def load_meta(path: str | Path) -> dict[str, Any]:
+def load_meta(path: str | Path, key: str = "ckpt",
+              instead: str = "use another checkpoint") -> dict[str, Any]:
     """What a checkpoint holds besides sharded tensors: a .dcp's trainer.pt (its shards
     checked against its index first), or a file with its tensors memory-mapped (checking a
-    resume target reads no weights)."""
-    return formats.state_format(path).record()
+    resume target reads no weights). `key`: the setting that named it, `instead` what to do
+    where it cannot be read, as a .dcp's refusal says them."""
+    return formats.state_format(path, key, instead).record()
 
 
 def read_state(path: str | Path, template: dict[str, Any]) -> dict[str, Any]:

@@ -55,10 +55,12 @@ FORMATS: list[type[Format]] = [Sharded, AdapterFolder, WeightsFolder, Safetensor
                                TorchFile]
 
 
-def format_of(path: str | Path) -> Format:
-    """The reader of the weights at `path`."""
+def format_of(path: str | Path, key: str = "ckpt",
+              instead: str = "use another checkpoint") -> Format:
+    """The reader of the weights at `path`, which `key` named (`instead`: what to do where
+    it cannot be read)."""
     path = Path(path)
-    return next(kind for kind in FORMATS if kind.holds(path))(path)
+    return next(kind for kind in FORMATS if kind.holds(path))(path, key, instead)
 
 
 def _listed(kinds: list[type[Format]]) -> str:
@@ -93,12 +95,13 @@ def checkpoint_format(sharded: bool) -> type[CheckpointFormat]:
     return next(kind for kind in checkpoint_formats() if kind.sharded == sharded)
 
 
-def state_format(path: str | Path) -> CheckpointFormat:
+def state_format(path: str | Path, key: str = "ckpt",
+                 instead: str = "use another checkpoint") -> CheckpointFormat:
     """The checkpoint format that reads the training state at `path`: the first that holds
     it; what none holds is read as the layout's whose checkpoints are shaped as it is (a
     directory as a sharded one, anything else as a file), so that its error says what is
-    missing (no .metadata, no such file, not a readable checkpoint)."""
+    missing (no .metadata, no such file, not a readable checkpoint); `key` named it."""
     path = Path(path)
     kinds = checkpoint_formats()
     found = next((kind for kind in kinds if kind.holds(path)), None)
-    return (found or checkpoint_format(sharded=path.is_dir()))(path)
+    return (found or checkpoint_format(sharded=path.is_dir()))(path, key, instead)

@@ -175,8 +175,11 @@ class Format(ABC):
     said: ClassVar[str]  # in messages
     suffix: ClassVar[str | None] = None  # what export's OUT ends with to be written so
 
-    def __init__(self, path: str | Path):
-        self.path = Path(path)
+    def __init__(self, path: str | Path, key: str = "ckpt",
+                 instead: str = "use another checkpoint"):
+        # the setting that named `path` and what to do where it cannot be read, in the
+        # words of the command that named it: a reader's refusal says them once
+        self.path, self.key, self.instead = Path(path), key, instead
 
     @staticmethod
     @abstractmethod

@@ -44,7 +44,7 @@ class Sharded(CheckpointFormat):
     def index(self) -> Any:
         """Its .metadata, read once (through the allow-list) for the shapes, the shards'
         check and DCP's reader alike."""
-        return _read_index(self.path)
+        return _read_index(self.path, self.key, self.instead)
 
     def _shapes(self) -> dict[str, tuple[int, ...]]:
         entries = self.index.state_dict_metadata
@@ -60,7 +60,7 @@ class Sharded(CheckpointFormat):
 
     def record(self) -> dict[str, Any]:
         """trainer.pt, its shards checked against the index first."""
-        check_shards(self.path, self.index)
+        check_shards(self.path, self.index, self.key, self.instead)
         return load(self.path / SHARDED_META)
 
     def resumable(self, meta: dict[str, Any]) -> bool:
@@ -182,17 +182,20 @@ def _unstrided_for_load(template: dict[str, Any]):
                                     src_data_rank=None))
 
 
-def _read_index(path: Path) -> Any:
+def _read_index(path: Path, key: str, instead: str) -> Any:
+    """The .metadata of the .dcp at `path`, which `key` named."""
     if not (path / ".metadata").is_file():
-        raise CheckpointError(f"ckpt={path} has no .metadata: not a complete sharded checkpoint")
+        raise CheckpointError(f"{key}={path} has no .metadata: not a complete sharded "
+                              f"checkpoint: {instead}")
     try:
         with open(path / ".metadata", "rb") as f:
             return _MetadataUnpickler(f).load()
     except CheckpointError:  # the unpickler's own refusal says what it refused
         raise
     except Exception as error:  # noqa: BLE001 - garbage can fail any way at all
-        raise CheckpointError(f"ckpt={path}: its .metadata index cannot be read "
-                              f"({type(error).__name__}): the checkpoint is damaged") from None
+        raise CheckpointError(f"{key}={path}: its .metadata index cannot be read "
+                              f"({type(error).__name__}), the checkpoint is damaged: "
+                              f"{instead}") from None
 
 
 def check_shards(path: Path, index: Any, key: str = "ckpt",
