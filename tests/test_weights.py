@@ -65,6 +65,14 @@ def test_export_writes_each_format_and_each_reads_back(fsdp_run, tmp_path):
     assert read_metrics(tmp_path / "eval")["eval_loss"] == pytest.approx(
         read_metrics(fsdp_run)["eval_loss"], rel=1e-5)
     assert read_metrics(tmp_path / "eval")["step"] == 4
+    # its record damaged: one line naming it, as any damaged checkpoint's (a traceback)
+    for text, says in (("{", r"is not JSON \(JSONDecodeError\)"),
+                       ("[4]", "holds a JSON list, not an object"),
+                       ('{"step": "4"}', "records step '4', not a whole number")):
+        (tmp_path / "folder" / formats.RECORD).write_text(text)
+        with pytest.raises(checkpoint.CheckpointError, match=rf"^ckpt={tmp_path / 'folder'}: "
+                           rf"its {formats.RECORD} {says}: the export is damaged"):
+            evaluate_in_process([f"ckpt={tmp_path / 'folder'}"], tmp_path / "eval2")
 
 
 @pytest.mark.distributed

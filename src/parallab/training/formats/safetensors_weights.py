@@ -37,15 +37,36 @@ def _opened(file: Path):
     return safe_open(str(file), "pt")
 
 
-def _folder_record(folder: Path) -> dict[str, Any]:
+def _folder_record(reader: FileFormat) -> dict[str, Any]:
+    """An exported folder's record: its step, its run's config, the base its adapters were
+    trained on; CheckpointError in one line where export's files there are damaged."""
     from omegaconf import OmegaConf
 
+    folder = reader.path
     config, base, record = folder / RUN_CONFIG, folder / BASE, folder / RECORD
     # a folder of an earlier export, or save_pretrained's, records no step
-    step = json.loads(record.read_text()).get("step", 0) if record.exists() else 0
-    return {"step": int(step), "config": OmegaConf.to_container(OmegaConf.load(config))
+    step = _json_object(record, reader).get("step", 0) if record.exists() else 0
+    if not isinstance(step, int) or isinstance(step, bool):
+        raise _damaged(record, reader, f"records step {step!r}, not a whole number")
+    return {"step": step, "config": OmegaConf.to_container(OmegaConf.load(config))
             if config.exists() else {},
-            **({"base": json.loads(base.read_text())} if base.exists() else {})}
+            **({"base": _json_object(base, reader)} if base.exists() else {})}
+
+
+def _json_object(file: Path, reader: FileFormat) -> dict[str, Any]:
+    """A JSON object export wrote beside the weights `reader` reads."""
+    try:
+        value = json.loads(file.read_text())
+    except (OSError, ValueError) as error:
+        raise _damaged(file, reader, f"is not JSON ({type(error).__name__})") from None
+    if not isinstance(value, dict):
+        raise _damaged(file, reader, f"holds a JSON {type(value).__name__}, not an object")
+    return value
+
+
+def _damaged(file: Path, reader: FileFormat, what: str) -> CheckpointError:
+    return CheckpointError(f"{reader.key}={reader.path}: its {file.name} {what}: the export "
+                           f"is damaged: {reader.instead}")
 
 
 class SafetensorsFile(FileFormat):
@@ -128,7 +149,7 @@ class WeightsFolder(SafetensorsFile):
 
     def record(self) -> dict[str, Any]:
         self.shapes()  # readable, or one line
-        return _folder_record(self.path)
+        return _folder_record(self)
 
     @staticmethod
     def write(model: nn.Module, record: dict[str, Any], target: Path) -> str:
@@ -180,7 +201,7 @@ class AdapterFolder(SafetensorsFile):
         return adapters.injected_name(key)
 
     def record(self) -> dict[str, Any]:
-        return _folder_record(self.path)
+        return _folder_record(self)
 
     @staticmethod
     def covers(name: str) -> bool:
