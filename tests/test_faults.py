@@ -378,7 +378,7 @@ def test_evaluates_refusal_keeps_a_fix_it_takes(fix, kept):
     """A check's fix is said in evaluate.py's words only where every key it names is one
     evaluate.py refuses: a file's name is kept, and a fix it takes beside one it refuses
     is kept with what it cannot take said; the refusal's class (and status) is kept."""
-    from parallab.commands import _as_evaluate_says
+    from parallab.checks.evaluating import _as_evaluate_says
     from parallab.config.errors import NothingFits
 
     said = _as_evaluate_says(NothingFits(f"data.seq_len=64 is too long: {fix}", 1), "c.pt")
