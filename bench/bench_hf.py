@@ -84,7 +84,7 @@ def parallab(steps: int):
     from parallab.launching.preemption import Preemption
     from parallab.observe import loggers
     from parallab.observe.progress import Progress
-    from parallab.training.run import build_trainer
+    from parallab.training.build import build_trainer
 
     overrides = ["experiment=llama", "model=my_gpt2", "device=cpu", "trainer.epochs=1000",
                  "data.train.size=8192", f"data.batch_size={BATCH}", f"optim.lr={LR}"]

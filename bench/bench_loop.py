@@ -241,7 +241,7 @@ def interleaved(epochs: int = 3, probe: bool = False, gpt: bool = False) -> None
     from parallab.models import build_model
     from parallab.observe import loggers
     from parallab.observe.progress import Progress
-    from parallab.training.run import build_trainer
+    from parallab.training.build import build_trainer
 
     overrides = ["device=cpu", f"trainer.epochs={epochs}",
                  *(["model=mlp", "model.hidden=[]"] if probe else []), *(GPT if gpt else [])]

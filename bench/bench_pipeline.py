@@ -106,7 +106,7 @@ def rank_main(rank: int, world: int, port: int, cfg, layout, steps: int, out) ->
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model)
     precision = Precision(cfg.precision, dist.device, sharded=layout.sharded)
-    model = precision.convert(model)  # as run.build_trainer: before the runtime records it
+    model = precision.convert(model)  # as build.build_trainer: before the runtime records it
     runtime = layout.plan.runtime(cfg.parallel, layout, dist, precision,
                                   build_loss(cfg.loss).bind(model), model)
     model = parallelize(model, runtime, cfg.trainer, cfg.parallel.stages)

@@ -80,7 +80,7 @@ def left_running(marker: str) -> list[int]:
     ("parallab.launching.forking", "start_fork_server", "True", False),
     ("parallab.checks.validate", "check_data", "True", False),  # the controller's checks
     # a rank building its model, the other perhaps already waiting in its first collective
-    ("parallab.training.run", "build_trainer", "os.environ.get('RANK') == '1'", True),
+    ("parallab.training.build", "build_trainer", "os.environ.get('RANK') == '1'", True),
 ], ids=["imports", "checks", "a rank building"])
 def test_ctrl_c_while_a_job_starts_ends_it_in_one_line_with_exit_status_130(
         tmp_path, module, function, condition, recorded):

@@ -4,7 +4,7 @@ a few optimizer steps each, one after another in one job.
 Candidates that share a world size run inside one launched job (or, at world size 1, in
 the controlling process): the process group is made once, and each candidate builds its
 own model, runtime (its own device mesh and groups), data and optimizer on it, as a
-worker of `python train.py` with its settings would (run.build_trainer). Each writes a
+worker of `python train.py` with its settings would (build.build_trainer). Each writes a
 TensorBoard run with its hparams into its own dir.
 """
 
@@ -32,7 +32,7 @@ from parallab.observe.memory import reset_peak_memory
 from parallab.observe.observer import StepObserver
 from parallab.parallel import activations
 from parallab.parallel.grid import Candidate
-from parallab.training import run
+from parallab.training import build, run
 
 log = logging.getLogger(__name__)
 
@@ -91,8 +91,8 @@ def measure(spec: run.RunSpec, dist: distributed.Dist) -> dict[str, Any]:
             logger.start(loggers.run_info(cfg, run_dir, overrides, None, dist.world_size,
                                           spec.layout))
             counter = ActivationCounter()
-            trainer, lr = run.build_trainer(cfg, spec.layout, dist, logger, None, preemption,
-                                            observers=[counter])
+            trainer, lr = build.build_trainer(cfg, spec.layout, dist, logger, None,
+                                              preemption, observers=[counter])
             figures = trainer.fit(evaluate=False, report=False)  # the run's own steps
         if trainer.stopped:
             raise Stopped(preemption.signum, run_dir)
