@@ -39,8 +39,10 @@ def checked(dict_cfg: DictConfig, overrides: list[str]):
         cfg = typed_config(dict_cfg, overrides)
         # a stream of no known length is refused without a run length, which no evaluation
         # reads and evaluate.py takes no trainer key to give (a run bounded by epochs, or
-        # trained on other data, recorded none): any bound passes it
-        if cfg.trainer.max_steps is None and not cfg.data.sized():
+        # trained on other data, recorded none): any bound passes it. A project's Dataset
+        # is known to be one once read (its problem(), which check_data repeats from cache)
+        if cfg.trainer.max_steps is None and cfg.data.problem() is None and \
+                not cfg.data.sized():
             cfg.trainer.max_steps = 1
         validate.prepare(cfg, in_place=None)
     except ConfigError as error:
