@@ -369,26 +369,6 @@ def test_evaluates_refusals_name_only_fixes_it_takes(train_here, tmp_path):
         assert "trainer." not in str(refused.value)
 
 
-@pytest.mark.parametrize("fix, kept", [
-    ("give a file such as /data/model.bin", True),  # a path's model.bin is no model key
-    ("the weights in model.pt are float16", True),
-    ("set model.context=64 or data.seq_len<=32", False),  # the data fix stands, said so
-])
-def test_evaluates_refusal_keeps_a_fix_it_takes(fix, kept):
-    """A check's fix is said in evaluate.py's words only where every key it names is one
-    evaluate.py refuses: a file's name is kept, and a fix it takes beside one it refuses
-    is kept with what it cannot take said; the refusal's class (and status) is kept."""
-    from parallab.checks.evaluating import _as_evaluate_says
-    from parallab.config.errors import NothingFits
-
-    said = _as_evaluate_says(NothingFits(f"data.seq_len=64 is too long: {fix}", 1), "c.pt")
-    assert type(said) is NothingFits and said.status == 1
-    assert str(said) == f"data.seq_len=64 is too long: {fix}" + (
-        "" if kept else " (evaluate.py takes no model, trainer or layout key)")
-    assert "evaluate.py builds the model" in str(
-        _as_evaluate_says(NothingFits("x: set model.context=64", 1), "c.pt"))
-
-
 def test_an_image_folder_of_one_class_is_refused(tmp_path):
     from PIL import Image
 
