@@ -97,6 +97,12 @@ def test_skip_completed_skips_a_job_only_where_its_dir_trained_the_same(tmp_path
     again = sweep_of("experiment=slow", "sweep.skip_completed=true", "trainer.resume=auto")
     assert again.returncode == 0, output(again)
     assert [r["status"] for r in summary_rows(sweep_dir)] == ["skipped", "skipped"]
+    # the same overrides composed from a YAML changed since (or a project's own option of
+    # a built-in's name): their finished jobs had been taken for these
+    (own / "slow.yaml").write_text("# @package _global_\noptim:\n  lr: 0.002\n")
+    changed = sweep_of("experiment=slow", "sweep.skip_completed=true")
+    assert changed.returncode == 2 and "holds a finished job of these overrides composed " \
+        "from other configs" in output(changed)
 
 
 def test_the_summary_holds_this_sweeps_jobs_alone(tmp_path):

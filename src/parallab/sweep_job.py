@@ -35,7 +35,7 @@ def run(dict_cfg: DictConfig, run_dir: Path, call: Invocation,
         return None
     # a sweep SLURM requeued goes on where it stopped
     skip_completed = dict_cfg.sweep.skip_completed or slurm.restart_count() > 0
-    trains = what_it_trains()
+    trains = what_it_trains(cfg=dict_cfg)
     found, clash = finished_as(run_dir, before, trains) if skip_completed else (None, None)
     if clash is not None:
         log.error("job failed: %s", clash)
@@ -103,30 +103,64 @@ def finished_as(run_dir: Path, before: dict, trains: list[str]) -> tuple[Path | 
     None. A line where its own dir holds a finished job of other overrides (another sweep's,
     named alike)."""
     if summary.finished(run_dir):
-        if before.get("trains", trains) == trains:
+        was, now = before.get("trains", trains), trains
+        if not any(o.startswith(COMPOSED) for o in was):  # recorded before the digest was
+            now = _overrides(now)
+        if was == now:
             return run_dir, None
+        if _overrides(was) == _overrides(now):  # the same overrides, composed otherwise
+            return None, (f"{run_dir} holds a finished job of these overrides composed from "
+                          "other configs (another --config-dir or hydra.searchpath, or a "
+                          "YAML changed since), which sweep.skip_completed would take for "
+                          "this one: give this sweep a hydra.sweep.dir of its own")
         return None, (f"{run_dir} holds a finished job of other overrides ("
-                      f"{' '.join(before['trains']) or 'none'}; here "
-                      f"{' '.join(trains) or 'none'}), which sweep.skip_completed would take "
-                      "for this one: give this sweep a hydra.sweep.dir of its own")
+                      f"{' '.join(_overrides(was)) or 'none'}; here "
+                      f"{' '.join(_overrides(now)) or 'none'}), which sweep.skip_completed "
+                      "would take for this one: give this sweep a hydra.sweep.dir of its own")
     twins = (d for d in sorted(run_dir.parent.iterdir()) if d != run_dir and d.is_dir()
              and summary.read_status(d).get("trains") == trains)
     return next((d for d in twins if summary.finished(d)), None), None
 
 
-def what_it_trains(hydra=None) -> list[str]:
+def what_it_trains(hydra=None, cfg=None) -> list[str]:
     """This job's overrides (`hydra`: its Hydra config, the running job's where None) that
     say what it trains: all but those its dir's name leaves out
     (hydra.job.config.override_dirname.exclude_keys: where it logs, the terminal's progress
     bar, ...), bar `experiment`, which the name leaves out and which trains another run:
-    two sweeps given one hydra.sweep.dir name their jobs alike."""
+    two sweeps given one hydra.sweep.dir name their jobs alike. With the job's composed
+    `cfg`, a digest of it too: the same overrides composed from a project's own model of the
+    same name had been taken for the built-in's finished job."""
     from hydra.core.hydra_config import HydraConfig
 
     hydra = hydra or HydraConfig.get()
     ignored = set(hydra.job.config.override_dirname.exclude_keys) - {"experiment"}
     keys = {o: o.lstrip("+~").split("=", 1)[0] for o in hydra.overrides.task}
-    return sorted(o for o, key in keys.items()
+    said = sorted(o for o, key in keys.items()
                   if key not in ignored and not naming.where_it_logs(key))
+    return said if cfg is None else [*said, f"{COMPOSED}{_digest(cfg, ignored)}"]
+
+
+COMPOSED = "composed:"  # what_it_trains's digest of the job's config, not an override
+
+
+def _overrides(trains: list[str]) -> list[str]:
+    return [o for o in trains if not o.startswith(COMPOSED)]
+
+
+def _digest(cfg, ignored: set[str]) -> str:
+    """The job's config as it trains: less Hydra's own, where it logs, the sweep's keys
+    and what the dir's name leaves out (resume, overwrite, the progress bar, the device)."""
+    import hashlib
+
+    from omegaconf import OmegaConf
+
+    tree = OmegaConf.to_container(cfg, resolve=False)
+    for key in ("hydra", "logger", "sweep", "objective", *ignored):
+        head, _, leaf = key.partition(".")
+        node = tree.get(head) if leaf else tree
+        if isinstance(node, dict):
+            node.pop(leaf or head, None)
+    return hashlib.sha256(repr(tree).encode()).hexdigest()[:12]
 
 
 def continue_command(sweep_dir: Path, call: Invocation) -> str:

@@ -116,7 +116,7 @@ def dir_problem(cfg: DictConfig, label: str, dirs: dict) -> "str | None":
         from parallab import sweep_job
         from parallab.observe import summary
 
-        trains = sweep_job.what_it_trains(cfg.hydra)
+        trains = sweep_job.what_it_trains(cfg.hydra, cfg)
         _, clash = sweep_job.finished_as(run_dir, summary.read_status(run_dir), trains)
         return f"{label}: {clash}" if clash else None
     return None

@@ -116,10 +116,9 @@ def fit_problem(model: nn.Module, path: str | Path, key: str, strict: bool,
 
 def tie_problem(model: nn.Module, path: str | Path, key: str) -> str | None:
     """Weights at `path` holding two of `model`'s tied names (an embedding and its head)
-    apart with different values, an untied model's: one had won without a word, the other
-    dropped (a pipeline's stages had each taken their own, tied in name only). Two saved
-    equal (a tied state_dict saved whole) are one. Files are read a tensor at a time; a
-    sharded checkpoint, which keeps a tied run's two names apart too, those two whole."""
+    apart with different values, an untied model's: one had won without a word (a
+    pipeline's stages each took their own). Two saved equal are one. Files are read a tensor
+    at a time; a .dcp, which keeps a tied run's two names apart too, those two whole."""
     if not (tied := tied_names(model)):
         return None
     reader = formats.format_of(path)
