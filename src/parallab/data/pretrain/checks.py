@@ -90,6 +90,8 @@ def _files(cfg) -> Optional[str]:
                     "end of each file)")
         specs.append(("data.eval_files", cfg.eval_files, evaluated))
     window = cfg.seq_len + 1
+    owner: dict[str, str] = {}  # each trained file's source: one file in two had been
+    # drawn by both weights, and one source's held-out windows the other's training ones
     for key, spec, paths in specs:
         if not paths:
             return (f"{key}={spec} matches no file: give token files (a glob, a path or a "
@@ -103,6 +105,12 @@ def _files(cfg) -> Optional[str]:
         twice = next((p for p, w in zip(paths, where) if where.count(w) > 1), None)
         if twice is not None:  # its windows drawn twice as often, unsaid
             return f"{key} names {twice} twice: name each file once"
+        shared = next((p for p, w in zip(paths, where) if owner.get(w, key) != key), None)
+        if shared is not None:
+            return (f"{key} names {shared}, which {owner[os.path.realpath(shared)]} names "
+                    "too: give each file to one source")
+        if key != "data.eval_files":
+            owner.update(dict.fromkeys(where, key))
         try:
             opened = cfg.opened(spec)
         except FileProblem as error:
