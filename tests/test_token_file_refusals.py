@@ -40,3 +40,45 @@ def test_a_file_two_sources_name_is_refused(root):
     apart = (f"data.sources=[{{name: a, files: {root}/shards/s0.bin}}, "
              f"{{name: b, files: '{root}/shards/s[12].bin'}}]")
     checked(*GPT, apart)
+
+
+def own_yaml(tmp_path, root, name: str = "high.bin"):
+    """A project's own TokenFiles option that leaves vocab_size out, over a file holding
+    id 300 (ids 0..299: the sampled check reads it)."""
+    (tmp_path / "data").mkdir()
+    np.arange(300, dtype=np.uint16).repeat(4).tofile(root / name)
+    (tmp_path / "data" / "mytok.yaml").write_text(
+        f"_target_: parallab.data.token_files.TokenFiles\nfiles: {root}/{name}\n"
+        f"seq_len: {SEQ}\nbatch_size: 4\neval_batch_size: 4\n")
+    return tmp_path
+
+
+def test_an_own_token_files_option_without_a_vocabulary_checks_ids_by_the_models(
+        root, tmp_path):
+    """Its vocab_size null had skipped every id check (the run ended in the embedding's
+    IndexError), and model=gpt was refused as if the files held no sequences."""
+    project = own_yaml(tmp_path, root)
+    model = [o for o in GPT if o.startswith("model.")]
+    with pytest.raises(ConfigError, match=r"high.bin holds token id 299 .at token \d+., not "
+                       r"in a vocabulary of 256"):
+        checked("model=gpt", *model, "data=mytok", "device=cpu", config_dir=project)
+    cfg, _ = checked("model=gpt", *model, "model.vocab_size=512", "data=mytok", "device=cpu",
+                     config_dir=project)
+    assert cfg.data.vocab_size == 512
+
+
+def test_a_key_an_own_data_option_leaves_out_is_said_as_plus_the_key(root, tmp_path):
+    """data.vocab_size=256 had been answered "did you mean data.eval_batch_size?"."""
+    from parallab.config.hydra_app import hydra_line
+
+    project = own_yaml(tmp_path, root)
+    for given, said in (("data.vocab_size=256", "data=mytok leaves out vocab_size, a key of "
+                         "data set TokenFiles: add it with +data.vocab_size=256"),
+                        ("data.vocab_sz=256", "did you mean data.vocab_size?")):
+        argv = ["--config-dir", str(project), "model=gpt", "data=mytok", given]
+        with pytest.raises(Exception) as refused:
+            checked("model=gpt", "data=mytok", given, config_dir=project)
+        assert said in hydra_line(refused.value, argv)
+    cfg, _ = checked("model=gpt", "model.vocab_size=512", "data=mytok", "+data.vocab_size=300",
+                     "device=cpu", config_dir=project)
+    assert cfg.data.vocab_size == 300

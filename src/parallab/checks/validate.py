@@ -331,8 +331,8 @@ def prepare(cfg: Config, in_place: InPlace | None, run_dir: str | None = None
     """Check `cfg` and fill in its `auto` values; the config, and the layout resolved from
     it once; raises ConfigError on the first problem."""
     check_values(cfg)
+    cfg.data.fit_model(cfg.model)  # before the data's checks: a vocabulary they check ids by
     check_data(cfg)
-    cfg.data.fit_model(cfg.model)
     cfg.model = models.check(cfg.model, cfg.data)
     probe = trial.Probe(cfg)  # the user's model and a batch, where a trial is needed
     trial.resolve_loss(cfg, probe)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import enum
 import inspect
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar, Optional
 
 from omegaconf import MISSING, OmegaConf
@@ -134,6 +135,16 @@ def data_defaults() -> dict[str, Any]:
 
     return {f.name: getattr(f.default, "value", f.default) for f in dataclasses.fields(DataConfig)
             if f.default is not MISSING}
+
+
+def data_class_of(path: Path) -> Optional[type]:
+    """The data set class a data option's YAML names by its _target_ (None where it names
+    none, or none that imports): for a line on a key that YAML leaves out."""
+    try:
+        cls = targets.locate(OmegaConf.load(path).get(targets.TARGET), "data._target_")
+    except Exception:  # noqa: BLE001 - a hint only: the run's own check names the fault
+        return None
+    return cls if inspect.isclass(cls) and issubclass(cls, DataConfig) else None
 
 
 def data_config(node: dict[str, Any]) -> DataConfig:

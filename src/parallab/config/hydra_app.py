@@ -183,7 +183,7 @@ def hydra_line(error: Exception, argv: list[str] = ()) -> str:
     said = [line.strip().rstrip(".") for line in text.splitlines() if line.strip() and not
             line.strip().startswith(("full_key:", "object_type=", "reference_type="))]
     override = getattr(error, "override", None)  # a parse error names the text, not the key
-    hint = _unknown_key_hint(text, option_folders(argv))
+    hint = _unknown_key_hint(text, option_folders(argv), argv)
     if hint:  # Hydra's "use +KEY=VALUE", which the typed config then refuses
         said = [hint if line.startswith("To append to your config use +") else line
                 for line in said]
@@ -207,7 +207,7 @@ def hydra_line(error: Exception, argv: list[str] = ()) -> str:
     return line
 
 
-def _unknown_key_hint(text: str, folders: list[Path]) -> str | None:
+def _unknown_key_hint(text: str, folders: list[Path], argv: list[str] = ()) -> str | None:
     """For an override of a key the config lacks: the key meant (a typed group's close
     match), or, under logger, the logger to choose; None where neither is known."""
     import dataclasses
@@ -236,14 +236,34 @@ def _unknown_key_hint(text: str, folders: list[Path]) -> str | None:
         close = difflib.get_close_matches(typed_in[1], known, n=1)
         return (f"did you mean {'.'.join([*where, close[0]])}?" if close else
                 f"{'.'.join(where) or 'the config'} has no key {typed_in[1]!r}")
-    if parts[0] == "data" and len(parts) == 2:  # a mapping until typed: the keys all own
-        from parallab.config.data_config import data_defaults
-
-        close = difflib.get_close_matches(parts[1], list(data_defaults()), n=1)
-        return f"did you mean data.{close[0]}?" if close else None
+    if parts[0] == "data" and len(parts) == 2:  # a mapping until typed
+        return _data_key_hint(parts[1], folders, argv)
     if parts[0] == "logger" and len(parts) > 2:
         return _logger_key_hint(parts, text, folders)
     return None
+
+
+def _data_key_hint(key: str, folders: list[Path], argv: list[str]) -> str | None:
+    """data.KEY that the data option's YAML leaves out: a key of its data set's class
+    (+data.KEY=VALUE adds it), else the key meant among the class's (parallab's own keys
+    where the class is not known here)."""
+    import dataclasses
+    import difflib
+
+    from parallab.config.data_config import data_class_of, data_defaults
+
+    option = next((a.partition("=")[2] for a in reversed(argv) if a.startswith("data=")), None)
+    found = next((folder / "data" / f"{option}.yaml" for folder in folders if option and
+                  (folder / "data" / f"{option}.yaml").is_file()), None)
+    cls = data_class_of(found) if found else None
+    keys = [f.name for f in dataclasses.fields(cls)] if cls else list(data_defaults())
+    if cls and key in keys:
+        value = next((a.partition("=")[2] for a in argv if a.startswith(f"data.{key}=")),
+                     "VALUE")
+        return (f"data={option} leaves out {key}, a key of data set {cls.__name__}: add it "
+                f"with +data.{key}={value}")
+    close = difflib.get_close_matches(key, keys, n=1)
+    return f"did you mean data.{close[0]}?" if close else None
 
 
 def _logger_key_hint(parts: list[str], text: str, folders: list[Path]) -> str:

@@ -77,9 +77,13 @@ class TokenFiles(DataConfig):
         return checks.problem(self)
 
     def fit_model(self, model: dict[str, Any]) -> None:
-        """data.sample=auto: {input_ids, labels} for a transformers model, (x, y) else."""
+        """data.sample=auto: {input_ids, labels} for a transformers model, (x, y) else; and
+        data.vocab_size=null: the model's, as conf/data/token_files.yaml interpolates it (a
+        project's own TokenFiles YAML without the key had checked no token id)."""
         if self.sample == "auto":
             self.sample = "causal_lm" if _transformers(model) else "pair"
+        if self.vocab_size is None:
+            self.vocab_size = model_vocabulary(model)
 
     def layout_problem(self, layout) -> Optional[str]:
         if self.document_mask and layout.cuts_model:
@@ -177,6 +181,16 @@ def _opened(paths: tuple[str, ...], dtype: str) -> list[TokenFile]:
     stamps = tuple((Path(p).stat().st_size, Path(p).stat().st_mtime_ns)
                    if Path(p).is_file() else None for p in paths)
     return _opened_at(paths, dtype, stamps)
+
+
+def model_vocabulary(model: dict[str, Any]) -> Optional[int]:
+    """The vocabulary a model spec states (model.vocab_size, or its config's), else None."""
+    config = model.get("config")
+    for vocab in (model.get("vocab_size"),
+                  config.get("vocab_size") if isinstance(config, dict) else None):
+        if isinstance(vocab, int) and not isinstance(vocab, bool):
+            return vocab
+    return None
 
 
 def _transformers(model: dict[str, Any]) -> bool:

@@ -29,6 +29,7 @@ def check(cfg) -> Any:
     validate.check_values(cfg)
     validate.check_fixed_batch(cfg)  # auto's commands too: train refuses them otherwise
     refuse(_own_problem(cfg.simulate) or _advise_given(cfg.advise))
+    cfg.data.fit_model(cfg.model)  # as train does: the model's vocabulary, its samples
     _check_data(cfg.data)
     _check_model(cfg)
     _check_cluster(cfg)
