@@ -82,3 +82,13 @@ def test_a_key_an_own_data_option_leaves_out_is_said_as_plus_the_key(root, tmp_p
     cfg, _ = checked("model=gpt", "model.vocab_size=512", "data=mytok", "+data.vocab_size=300",
                      "device=cpu", config_dir=project)
     assert cfg.data.vocab_size == 300
+
+
+def test_a_first_source_at_weight_0_without_a_training_window_is_taken(root):
+    """The trial batch had been read from the first source, whatever its weight: one whose
+    one window is held out ended the check in an IndexError."""
+    mix = (f"data.sources=[{{name: a, files: {root}/one.bin, weight: 0}}, "
+           f"{{name: b, files: {root}/shards/s0.bin, weight: 1}}]")
+    cfg, _ = checked(*GPT, mix)
+    trial, _ = cfg.data.make(cfg.seed)
+    assert len(trial) == len(cfg.data.split()[0][1].windows) > 0

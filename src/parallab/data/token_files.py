@@ -152,11 +152,13 @@ class TokenFiles(DataConfig):
         return train, TokenEvalLoader(held, self.samples(), dist, eval_batch, seed)
 
     def make(self, seed: int) -> tuple[Any, Any]:
-        """Map-style views of the windows, for a trial batch (checks/trial.py)."""
+        """Map-style views of the windows, for a trial batch (checks/trial.py): a source
+        the run draws from (the first, at a weight of 0, may hold no training window)."""
         from parallab.data.pretrain.loader import WindowSet
 
         sources, held = self.split()
-        return WindowSet(sources[0].windows, self.samples()), WindowSet(held, self.samples())
+        drawn = next(s for s in sources if s.weight > 0 and len(s.windows))
+        return WindowSet(drawn.windows, self.samples()), WindowSet(held, self.samples())
 
 
 def _first(joined: Joined, n: int) -> Joined:
