@@ -92,3 +92,18 @@ def test_a_first_source_at_weight_0_without_a_training_window_is_taken(root):
     cfg, _ = checked(*GPT, mix)
     trial, _ = cfg.data.make(cfg.seed)
     assert len(trial) == len(cfg.data.split()[0][1].windows) > 0
+
+
+def test_a_sources_weight_of_true_and_a_null_name_are_refused(root):
+    """weight: true had drawn at 1 (a bool is an int) and name: null reported its tokens
+    under 'None'."""
+    shard = f"{root}/shards/s0.bin"
+    for source, said in (
+            (f"{{name: a, files: {shard}, weight: true}}", r"^data.sources: a's weight True is "
+             r"not a share: give a number >= 0"),
+            (f"{{name: null, files: {shard}, weight: 1}}", r"^data.sources: source 2 of 2 has "
+             r"no name \(name: None\): give each source a name"),
+            (f"{{name: '', files: {shard}, weight: 1}}", r"source 2 of 2 has no name \(name: "
+             r"''\)")):
+        with pytest.raises(ConfigError, match=said):
+            checked(*GPT, f"data.sources=[{{name: b, files: {root}/shards/s1.bin}}, {source}]")

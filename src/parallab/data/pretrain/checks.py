@@ -59,6 +59,11 @@ def _sources(cfg) -> Optional[str]:
             isinstance(s, dict) and {"name", "files"} <= set(s) for s in cfg.sources):
         return ("data.sources is not a list of {name, files, weight}: give e.g. "
                 "data.sources='[{name: web, files: web/*.bin, weight: 0.7}, ...]'")
+    unnamed = next((i for i, s in enumerate(cfg.sources)
+                    if s["name"] is None or not str(s["name"]).strip()), None)
+    if unnamed is not None:  # its tokens had been reported under 'None'
+        return (f"data.sources: source {unnamed + 1} of {len(cfg.sources)} has no name (name:"
+                f" {cfg.sources[unnamed]['name']!r}): give each source a name (web, code, ...)")
     for s in cfg.sources:  # a misspelt weight would otherwise leave the source at 1
         extra = sorted(set(s) - SOURCE_KEYS)
         if extra:
@@ -69,7 +74,8 @@ def _sources(cfg) -> Optional[str]:
     if twice is not None:
         return f"data.sources names {twice} twice: give each source a name of its own"
     for name, _, weight in cfg.named_sources():
-        if not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight < 0:
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or \
+                not math.isfinite(weight) or weight < 0:  # true had been taken as 1
             return (f"data.sources: {name}'s weight {weight!r} is not a share: give a number "
                     ">= 0 (they need not sum to 1)")
     if sum(w for _, _, w in cfg.named_sources()) <= 0:
