@@ -107,3 +107,18 @@ def test_a_sources_weight_of_true_and_a_null_name_are_refused(root):
              r"''\)")):
         with pytest.raises(ConfigError, match=said):
             checked(*GPT, f"data.sources=[{{name: b, files: {root}/shards/s1.bin}}, {source}]")
+
+
+def test_a_run_its_loader_finds_no_full_batch_or_step_for_is_refused_before_launch(root):
+    """The check before launch rounded each rank's share up to a batch, where the loader
+    drops what is short of one: the workers started, then rank 0 refused the run. s0.bin's
+    374 windows of 17 tokens, 3 held out: 371 to train on, 185 full batches at 2 ranks."""
+    ddp = [*GPT, f"data.files={root}/shards/s0.bin", "parallel=ddp", "parallel.world_size=2",
+           "trainer.max_steps=2"]
+    with pytest.raises(ConfigError, match=r"^an epoch of the data gives each rank no full "
+                       r"batch of data.batch_size=186: lower data.batch_size"):
+        checked(*ddp, "data.batch_size=186")
+    with pytest.raises(ConfigError, match=r"^trainer.accumulate_grad_batches=4 is more than "
+                       r"the 3 batches an epoch of the data gives each rank"):
+        checked(*ddp, "data.batch_size=60", "trainer.accumulate_grad_batches=4")
+    checked(*ddp, "data.batch_size=185")

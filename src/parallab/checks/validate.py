@@ -260,9 +260,14 @@ def check_run_length(cfg: Config, layout: Layout) -> None:
     samples = cfg.data.train_length()
     if samples is None or cfg.trainer.auto_batch_size:
         return
-    per_rank = math.ceil(samples / layout.dp)
-    rounding = math.floor if layout.pipelined else math.ceil  # drop_last
-    batches = rounding(per_rank / cfg.data.batch_size)
+    accumulate = cfg.trainer.accumulate_grad_batches
+    if cfg.data.whole_steps:  # counted as its loader counts them: full batches, whole steps
+        batches = samples // (layout.dp * cfg.data.batch_size)
+        batches = batches // accumulate * accumulate or batches  # (too few: run_length says)
+    else:
+        per_rank = math.ceil(samples / layout.dp)
+        rounding = math.floor if layout.pipelined else math.ceil  # drop_last
+        batches = rounding(per_rank / cfg.data.batch_size)
     # an epoch's batches, by their number
     _, total = run_length(cfg.trainer, range(batches), cfg.data.batch_said())
     schedule.multiplier(cfg.scheduler, total)  # ConfigError for a warmup or decay too long

@@ -51,6 +51,9 @@ class DataConfig:
     same_data: ClassVar[tuple[str, ...]] = ()
     tensors: ClassVar[bool] = True  # make() gives in-memory Splits (data.loader=memory works)
     next_token: ClassVar[bool] = False  # targets are the next token of every input position
+    # its loader's epoch is whole steps of full batches whatever the layout (data=token_files):
+    # a share short of a batch is dropped, not a short last batch
+    whole_steps: ClassVar[bool] = False
 
     def problem(self) -> Optional[str]:
         """None if the data can be made (files there, values in range), else one line

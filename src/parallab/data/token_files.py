@@ -57,6 +57,7 @@ class TokenFiles(DataConfig):
     same_data: ClassVar[tuple[str, ...]] = ("files", "eval_files", "sources", "eval_fraction",
                                            "seq_len", "eval_samples", "prefetch", "vocab_size")
     tensors: ClassVar[bool] = False
+    whole_steps: ClassVar[bool] = True  # TokenLoader.epoch_samples
 
     @property
     def next_token(self) -> bool:  # y is x shifted: gpt's targets
