@@ -122,3 +122,14 @@ def test_a_run_its_loader_finds_no_full_batch_or_step_for_is_refused_before_laun
                        r"the 3 batches an epoch of the data gives each rank"):
         checked(*ddp, "data.batch_size=60", "trainer.accumulate_grad_batches=4")
     checked(*ddp, "data.batch_size=185")
+
+
+def test_a_key_the_data_set_lacks_added_with_plus_names_the_key_meant(root):
+    """+data.flies=x had said "data.flies: Key 'flies' not (data set TokenFiles)"."""
+    files = f"data.files={root}/shards/s0.bin"
+    with pytest.raises(ConfigError, match=r"^data.flies is not a key of data set TokenFiles: "
+                       r"did you mean data.files\?$"):
+        checked(*GPT, files, "+data.flies=x")
+    with pytest.raises(ConfigError, match=r"^data.zzzqqq is not a key of data set TokenFiles: "
+                       r"drop it$"):
+        checked(*GPT, files, "+data.zzzqqq=x")

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Optional
 
 from omegaconf import MISSING, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from parallab.config import targets
 from parallab.config.errors import ConfigError
@@ -164,6 +164,14 @@ def data_config(node: dict[str, Any]) -> DataConfig:
             "data.train._target_ and data.eval._target_ instead")
     try:
         return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls), node))
+    except ConfigKeyError as error:  # a key the class lacks (+data.KEY=...): the one meant
+        import dataclasses
+        import difflib
+
+        known = [f.name for f in dataclasses.fields(cls)]
+        close = difflib.get_close_matches(str(error.full_key), known, n=1)
+        raise ConfigError(f"data.{error.full_key} is not a key of data set {cls.__name__}: "
+                          + (f"did you mean data.{close[0]}?" if close else "drop it")) from None
     except OmegaConfBaseException as error:
         message = str(error.msg).splitlines()[0].replace(f" in '{cls.__name__}'", "")
         raise ConfigError(f"data.{error.full_key}: {message} (data set {cls.__name__}): fix "
