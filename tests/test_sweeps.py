@@ -56,6 +56,9 @@ def test_where_a_job_logs_stays_out_of_its_dir_name():
                              "data.shape=[1,8,8],logger.mlflow.send_every_s=0") == \
         "0_data.batch_size=16,data.shape=[1,8,8]"
     assert naming.where_it_logs("+logger.mine._target_") and not naming.where_it_logs("loss")
+    # a path's slashes had nested the job's dir a level each (another job's dir its parent)
+    assert naming.job_dir(1, "data.files=/data/a.bin,optim.lr=0.1") == \
+        "1_data.files=%2Fdata%2Fa.bin,optim.lr=0.1"
 
 
 def test_skip_completed_skips_a_job_only_where_its_dir_trained_the_same(tmp_path):

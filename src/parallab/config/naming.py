@@ -36,7 +36,9 @@ def job_dir(num: int, overrides: str) -> str:
     .hydra/overrides.yaml keeps every override)."""
     items = re.split(r",(?=[+~]*[A-Za-z_][\w.@/-]*=)", overrides) if overrides else []
     overrides = ",".join(i for i in items if not where_it_logs(i.partition("=")[0]))
-    name = f"{num}_{overrides}"
+    # a value's slashes (data.files=/data/a.bin) had made one dir a level each, the jobs
+    # of one sweep in others' subdirs: written as a URL writes them
+    name = f"{num}_{overrides.replace('/', '%2F')}"
     if len(name.encode()) <= NAME_MAX:
         return name
     digest = hashlib.sha1(overrides.encode()).hexdigest()[:10]
