@@ -133,3 +133,25 @@ def test_a_key_the_data_set_lacks_added_with_plus_names_the_key_meant(root):
     with pytest.raises(ConfigError, match=r"^data.zzzqqq is not a key of data set TokenFiles: "
                        r"drop it$"):
         checked(*GPT, files, "+data.zzzqqq=x")
+
+
+def test_a_checkpoint_whose_token_file_changed_is_not_scored_on_other_windows(tmp_path, root):
+    """evaluate.py of a run's checkpoint scores the windows the run held out of its files:
+    a file cut since gave others, some trained on, without a word. data.eval_files scores
+    windows of its own."""
+    import shutil
+
+    from parallab.cli import train_in_process
+    from parallab.commands import evaluate_in_process
+
+    data = tmp_path / "a.bin"
+    shutil.copy(root / "shards" / "s0.bin", data)
+    train_in_process([*GPT, f"data.files={data}", "trainer.max_steps=2"], tmp_path / "run")
+    ckpt = tmp_path / "run" / "checkpoints" / "last.pt"
+    evaluate_in_process([f"ckpt={ckpt}", "device=cpu"], tmp_path / "scored")
+    np.fromfile(data, np.uint16)[:3000].tofile(data)  # cut since
+    with pytest.raises(ConfigError, match=rf"^ckpt={ckpt}: {data} changed since the run "
+                                          r"trained on it \(its size or contents\)"):
+        evaluate_in_process([f"ckpt={ckpt}", "device=cpu"], tmp_path / "again")
+    evaluate_in_process([f"ckpt={ckpt}", "device=cpu", f"data.eval_files={root}/shards/s1.bin"],
+                        tmp_path / "other")

@@ -10,7 +10,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from parallab.config.errors import ConfigError
+from parallab.config.errors import ConfigError, refuse
 from parallab.config.hydra_app import typed_config
 
 log = logging.getLogger("parallab")
@@ -47,6 +47,7 @@ def checked(dict_cfg: DictConfig, overrides: list[str]):
         validate.prepare(cfg, in_place=None)
     except ConfigError as error:
         raise _as_evaluate_says(error, dict_cfg.ckpt) from None
+    refuse(cfg.data.scored_problem(state.get("data"), dict_cfg.ckpt))  # (evaluate's keys)
     return cfg, state
 
 

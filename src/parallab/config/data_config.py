@@ -106,6 +106,11 @@ class DataConfig:
         still the data here, else one line naming what changed."""
         return None
 
+    def scored_problem(self, saved: Any, ckpt: str) -> Optional[str]:
+        """evaluate.py's: None if the samples held out here are those the run at `ckpt`
+        held out (`saved`: its checkpoint's "data" entry), else one line."""
+        return None
+
     def changed_keys(self, saved: Any) -> list[tuple[str, Any, Any]]:
         """(key, here, saved) of each key deciding the training samples or their order that
         differs from the run config a checkpoint recorded (`saved`: its data entry)."""

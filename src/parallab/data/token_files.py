@@ -99,6 +99,11 @@ class TokenFiles(DataConfig):
 
         return checks.changed(self, saved, resume)
 
+    def scored_problem(self, saved: Any, ckpt: str) -> Optional[str]:
+        from parallab.data.pretrain import checks
+
+        return checks.scored_changed(self, saved, ckpt)
+
     def sized(self) -> bool:
         return True
 

@@ -251,5 +251,22 @@ def changed(cfg, saved: Any, resume: str) -> Optional[str]:
     return None
 
 
+def scored_changed(cfg, saved: Any, ckpt: str) -> Optional[str]:
+    """A file the run at `ckpt` held windows out of, changed since: its held-out windows
+    would be others here, some of them trained on (evaluate.py had scored them without a
+    word). None where data.eval_files gives the windows to score."""
+    if cfg.eval_files is not None or not isinstance(saved, dict) or "files" not in saved:
+        return None
+    now = {_where(f["path"]): f for f in cfg.fingerprints()}
+    for print_ in saved["files"]:
+        found = now.get(_where(print_["path"]))
+        if found is not None and {**print_, "path": None} != {**found, "path": None}:
+            return (f"ckpt={ckpt}: {print_['path']} changed since the run trained on it (its "
+                    "size or contents): the windows held out of it would be others, some of "
+                    "them trained on; put the file back as it was, or score other windows "
+                    "with data.eval_files=FILE")
+    return None
+
+
 def _where(path: str) -> str:
     return os.path.realpath(path)
