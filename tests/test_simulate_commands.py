@@ -225,3 +225,15 @@ def test_a_batch_train_searches_is_said_to_be_priced_as_given(tmp_path):
     assert said in (tmp_path / "searched" / "simulate.md").read_text()
     simulate_in_process(run, tmp_path / "given")
     assert said not in (tmp_path / "given" / "simulate.md").read_text()
+
+
+def test_a_gpu_count_a_curve_cannot_take_is_said(tmp_path):
+    """simulate.world_sizes: a count the layout does not split into had been left out of
+    simulate.png without a word; simulate.md names it and why."""
+    from parallab.commands import simulate_in_process
+
+    simulate_in_process([*GPT, "parallel=tp", "parallel.world_size=4", "cluster=h100",
+                         "simulate.world_sizes=[2,4,6,8]"], tmp_path)
+    said = (tmp_path / "simulate.md").read_text()
+    assert "simulate.world_sizes: 2 GPUs left out of tp(T4)" in said
+    assert "simulate.world_sizes: 6 GPUs left out of" in said and "8 GPUs left out" not in said

@@ -246,7 +246,8 @@ def run(cfg, overrides: list[str], run_dir: str, entry: list[str]) -> dict[str, 
     notes += _notes(lines)
     out = Path(run_dir)
     out.mkdir(parents=True, exist_ok=True)
-    curves = _curves(cfg, fits[:cfg.simulate.plotted], traces, rates)
+    curves, left_out = _curves(cfg, fits[:cfg.simulate.plotted], traces, rates)
+    notes += left_out
     report.write(out, head, entries, cfg.simulate.rows, notes, curves,
                  _measured(cfg.simulate.measured))
     _say(best, command, lines, rates, out)
@@ -304,27 +305,32 @@ def _notes(lines: list[str]) -> list[str]:
             "The best layout's allocation:", "", "```bash", *lines, "```"]
 
 
-def _curves(cfg, best: list[Candidate], traces, rates) -> dict[str, list]:
+def _curves(cfg, best: list[Candidate], traces, rates) -> tuple[dict[str, list], list[str]]:
     """Each of the best layouts at other GPU counts, as search.grown grows it (the same
     tp, pp and batch per data-parallel rank; fsdp's shards, hsdp's and ddp's replicas
     grown), on the cluster's rates at each count (simulate.world_sizes, else powers of 2
-    from 8)."""
+    from 8); and a note on each count given that a layout cannot take (it had been left
+    out of the plot without a word)."""
     from parallab.parallel import grid
 
     n = cfg.parallel.world_size
     sizes = cfg.simulate.world_sizes or [s for s in grid.powers_of_two(max(n, 8)) if s >= 8]
     judge = Predict(cfg.cluster, {trace_key(cfg): traces}, {n: rates})
     curves: dict[str, list] = {}
+    left_out = []
     for c in best:
         points = []
         for size in sorted(set(sizes)):
             try:
                 other = search.grown(c, size)
-            except ConfigError:  # the count does not split so
+            except ConfigError as error:  # the count does not split so
+                if cfg.simulate.world_sizes:
+                    left_out.append(f"simulate.world_sizes: {size} GPUs left out of "
+                                    f"{c.label}'s curve: {error}")
                 continue
             points.append((size, judge.of(other).tokens_per_sec_per_gpu))
         curves[c.label] = points
-    return curves
+    return curves, left_out
 
 
 def _measured(where: str | None) -> list[tuple[int, float, str]]:
