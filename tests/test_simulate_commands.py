@@ -237,3 +237,16 @@ def test_a_gpu_count_a_curve_cannot_take_is_said(tmp_path):
     said = (tmp_path / "simulate.md").read_text()
     assert "simulate.world_sizes: 2 GPUs left out of tp(T4)" in said
     assert "simulate.world_sizes: 6 GPUs left out of" in said and "8 GPUs left out" not in said
+
+
+def test_a_measured_run_that_timed_no_step_is_said_so(tmp_path, caplog):
+    """simulate.measured: a short run's metrics.json (every step within
+    trainer.timing_skip_steps) had been called a file parallab did not write."""
+    from parallab.simulate import run
+
+    (tmp_path / "short").mkdir()
+    (tmp_path / "short" / "metrics.json").write_text(json.dumps(
+        {"steps": 5, "world_size": 1, "samples_per_sec": None, "step_time_ms": None}))
+    assert run._measured(str(tmp_path)) == []
+    assert "metrics.json is a run that timed no step (each within " \
+        "trainer.timing_skip_steps); left out" in caplog.text

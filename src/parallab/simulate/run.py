@@ -348,9 +348,13 @@ def _measured(where: str | None) -> list[tuple[int, float, str]]:
             log.warning("simulate.measured: %s cannot be read as JSON; left out", path)
             continue
         point = _measured_point(figures)
-        if point is None:
-            log.warning("simulate.measured: %s holds no run's tokens/s and world size (a "
-                        "metrics.json parallab wrote has them); left out", path)
+        if point is None:  # a run of parallab's timed none of its steps, or another file
+            why = ("is a run that timed no step (each within trainer.timing_skip_steps)"
+                   if isinstance(figures, dict) and "step_time_ms" in figures and
+                   figures["step_time_ms"] is None else
+                   "holds no run's tokens/s and world size (a metrics.json parallab wrote "
+                   "has them)")
+            log.warning("simulate.measured: %s %s; left out", path, why)
             continue
         found.append((*point, f"{path.parent.name} (measured)"))
     return found
