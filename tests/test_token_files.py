@@ -270,6 +270,10 @@ def test_a_resume_tells_files_by_where_they_are_and_in_their_order(corpus, train
                        r", here \{'b': 1.0, 'a': 1.0\}: give their names, order and weights"):
         train_here(*GPT, *resume, "data.sources=[{name: b, files: code.npy}, "
                    "{name: a, files: web.bin}]", name="mix")
+    # the same shares written otherwise (2 and 2 for 1 and 1) draw the same samples: taken
+    metrics, _ = train_here(*GPT, *resume, "data.sources=[{name: a, files: web.bin, weight: "
+                            "2}, {name: b, files: code.npy, weight: 2}]", name="mix")
+    assert metrics["steps"] == 4
     # from another dir: the checkpoint's paths, as given, were read against that dir
     monkeypatch.chdir(corpus.parent)
     metrics, _ = train_here(*two, "trainer.max_steps=6", "trainer.resume=auto",
@@ -505,6 +509,9 @@ def test_a_resume_that_would_train_other_samples_next_is_refused(corpus, train_h
     with pytest.raises(ConfigError, match=r"saved training on \d+ windows, here \d+: "
                        "data.eval_fraction=0.3 holds out another share"):
         train_here(*resume, "data.eval_fraction=0.3")
+    with pytest.raises(ConfigError, match="data.eval_files takes the place of the share held "
+                                          "out"):  # (it had been said as eval_fraction's)
+        train_here(*resume, f"data.eval_files={corpus}/code.npy")
     with pytest.raises(ConfigError, match="saved at seed=42, which orders its data"):
         train_here(*resume, "seed=7")
     metrics, _ = train_here(*resume, "data.eval_samples=4")

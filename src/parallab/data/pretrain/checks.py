@@ -12,6 +12,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from parallab.data.pretrain import blend
 from parallab.data.pretrain import files as token_files
 from parallab.data.pretrain.files import DTYPES, FileProblem, TokenFile
 from parallab.data.pretrain.loader import SAMPLES
@@ -229,7 +230,7 @@ def changed(cfg, saved: Any, resume: str) -> Optional[str]:
                 "adds: the order of samples would change; drop it, or start a new run")
     weights = {n: float(w) for n, _, w in cfg.named_sources()} if cfg.sources else None
     was = saved.get("sources") or None
-    if was != weights or (was and list(was) != list(weights)):
+    if not _same_shares(was, weights):
         return (f"trainer.resume={resume} was saved with data.sources {was}, here {weights}: "
                 "give their names, order and weights as saved, or start a new run")
     if list(before) != list(now):
@@ -245,10 +246,23 @@ def changed(cfg, saved: Any, resume: str) -> Optional[str]:
     if saved.get("windows", windows) != windows:
         counts = [" + ".join(map(str, w)) for w in (saved["windows"], windows)]
         why = "its files lie in other sources" if sum(saved["windows"]) == sum(windows) else \
+            "data.eval_files takes the place of the share held out" if cfg.eval_files else \
             f"data.eval_fraction={cfg.eval_fraction} holds out another share"
         return (f"trainer.resume={resume} was saved training on {counts[0]} windows, here "
                 f"{counts[1]}: {why}; give it as saved, or start a new run")
     return None
+
+
+def _same_shares(was: dict | None, now: dict | None) -> bool:
+    """The same sources in the same order, drawn as the blend draws them: the same period
+    and counts in it (weights 7 and 3 are 0.7 and 0.3 there)."""
+    if not was or not now:
+        return was == now
+    if list(was) != list(now):
+        return False
+    periods = [blend.period_of(list(w.values())) for w in (was, now)]
+    return periods[0] == periods[1] and (blend.counts(list(was.values()), periods[0]) ==
+                                         blend.counts(list(now.values()), periods[1])).all()
 
 
 def scored_changed(cfg, saved: Any, ckpt: str) -> Optional[str]:
