@@ -276,6 +276,10 @@ def test_the_recommended_command_keeps_where_the_config_came_from():
     (["parallel=pipeline", "parallel.microbatches=0"], "parallel=pipeline: parallab advise "
      "decides parallel for each candidate it measures: drop it, or give advise.layouts=[...]"),
     (["precision=bf16"], "or give advise.precisions=[...] to compare those alone"),
+    # each fp32 candidate had been refused with precision's fix, precision=bf16
+    (["precision.state_dtype=bfloat16"], "precision.state_dtype=bfloat16 keeps the state in "
+     "a dtype precision=bf16 alone computes with, and advise.precisions holds fp32: give "
+     "advise.precisions=[bf16]"),
     (["simulate.rows=3"], "simulate.rows=3: simulate.rows is parallab simulate's, and "
      "advise reads none of its keys"),
     (["trainer.accumulate_grad_batches=2"], "trainer.accumulate_grad_batches=2: parallab "

@@ -235,7 +235,7 @@ def test_only_an_input_that_feeds_float8_layers_alone_is_cast_before_its_gather(
     its experts) and a module with weights of its own do not, nor a block left in bf16."""
     import transformers
 
-    from parallab.precision import feeds_float8
+    from parallab.parallel.float8_split import feeds_float8
 
     def float8(module):
         return type(module).__name__ == "Linear" and module.in_features % 16 == 0

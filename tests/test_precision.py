@@ -241,7 +241,8 @@ def test_switches_show_in_hparams(train_here):
     events.Reload()
     start = events.PluginTagToContent("hparams")["_hparams_/session_start_info"]
     for key in (b"precision", b"precision.tf32", b"trainer.compile", b"trainer.channels_last",
-                b"trainer.accumulate_grad_batches", b"trainer.clip_grad_norm", b"bfloat16"):
+                b"trainer.accumulate_grad_batches", b"trainer.clip_grad_norm", b"bfloat16",
+                b"precision.state_dtype", b"precision.reduce_dtype"):
         assert key in start
 
 
@@ -283,7 +284,7 @@ def _fp8_split_as_one(rank: int, store: str, out: str) -> None:
 
     from parallab.models.gpt import GPT
     from parallab.parallel import tp_plans
-    from parallab.precision import float8_style
+    from parallab.parallel.float8_split import float8_style
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))

@@ -16,8 +16,8 @@ KEPT = "precision.state_dtype=bfloat16"
 
 
 @pytest.mark.parametrize("overrides,says", [
-    ([KEPT], "precision.state_dtype=bfloat16 with precision=fp32: weights kept in bfloat16 "
-             "compute in bfloat16: use precision=bf16 (or drop it)"),
+    ([KEPT], "precision.state_dtype=bfloat16 with precision=fp32: bfloat16 state is taken "
+             "with precision=bf16 alone"),
     ([KEPT, "precision=amp"], "with precision=amp"),
     (["precision=bf16", "precision.state_dtype=float16"],
      "precision.state_dtype=float16 is not a dtype a rank keeps its weights and optimizer "
@@ -43,6 +43,59 @@ def test_the_model_and_its_optimizer_state_are_kept_in_bfloat16(train_here):
     assert moments and {t.dtype for t in moments} == {torch.bfloat16}
     # trained, not merely cast: the loss falls as float32's does, to bfloat16's rounding
     assert halves["train_loss"] == pytest.approx(floats["train_loss"], rel=1e-2)
+
+
+def test_buffers_and_a_transformers_models_float32_modules_stay_float32():
+    """Only the weights are kept in bfloat16: a rotary table, a router's balancing bias and
+    DeepSeek-V3's router weight (its _keep_in_fp32_modules_strict) had been rounded too
+    (cos error 0.22 at position 2048); a tied weight stays one, also on fake tensors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    from parallab.precision import kept_in
+
+    config = DeepseekV3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, n_routed_experts=4,
+        num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
+        q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+        v_head_dim=8, tie_word_embeddings=True)
+    model = kept_in(DeepseekV3ForCausalLM(config), torch.bfloat16)
+    kept = {n for n, p in model.named_parameters() if p.dtype == torch.float32}
+    assert kept == {"model.layers.1.mlp.gate.weight"}
+    assert {b.dtype for b in model.buffers()} == {torch.float32}
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    with FakeTensorMode(allow_non_fake_inputs=True):  # (Module.to could not swap them)
+        fake = torch.nn.Linear(4, 4)
+    assert kept_in(fake, torch.bfloat16).weight.dtype == torch.bfloat16
+
+
+def test_what_a_bfloat16_state_loses_is_said_before_launch(caplog):
+    """AdamW's decay at lr 1e-3 and weight_decay 0.1 (1e-4 of a weight a step) and Adam's
+    second-moment decay at beta 0.999 are under bfloat16's rounding: they never change the
+    state, a run's weights bit-identical with and without decay. Said; float32 state, or
+    a decay that moves a bfloat16 weight, says nothing."""
+    checked(*BF16, KEPT, "optim.weight_decay=0.1")
+    said = caplog.text
+    assert "optim.weight_decay=0.1 at optim.lr=0.001 shrinks a weight by 1.0e-04 of itself a " \
+        "step, under bfloat16's rounding" in said
+    assert "optim.betas[1]=0.999: Adam's second moment, kept in bfloat16, is never lowered" \
+        in said
+    caplog.clear()
+    checked(*BF16, KEPT, "optim.lr=0.1", "optim.weight_decay=0.1", "optim.betas=[0.9,0.99]")
+    checked(*BF16, "optim.weight_decay=0.1")
+    assert "bfloat16's rounding" not in caplog.text
+
+
+def test_a_resume_in_another_state_dtype_is_refused(train_here):
+    """Its weights and optimizer state had been rounded to bfloat16 (or widened) without a
+    word, a run of float32 state going on in bfloat16."""
+    _, run_dir = train_here(*BF16, "trainer.max_steps=2")
+    with pytest.raises(ConfigError, match=r"was saved keeping its weights and optimizer state "
+                                          r"in float32: give precision.state_dtype=float32"):
+        train_here(*BF16, KEPT, "trainer.max_steps=4", "trainer.resume=auto")
+    metrics, _ = train_here(*BF16, "trainer.max_steps=4", "trainer.resume=auto")
+    assert metrics["steps"] == 4
 
 
 @pytest.mark.slow

@@ -17,10 +17,11 @@ so between reductions), DDP's all-reduce (torch's bf16_compress_hook) and a pipe
 replicas' buckets; the gradients the optimizer steps stay in precision.state_dtype. A
 layout without data-parallel ranks has nothing to reduce.
 
-precision.state_dtype=bfloat16 (precision=bf16): the model is cast to bfloat16 before it is
-laid out, so its weights, their gradients and the optimizer's state (torch's optimizers keep
-theirs in their parameters' dtype) take 8 bytes a parameter under Adam where float32's take
-16; autocast has no weight to copy. Gradients are still reduced in precision.reduce_dtype:
+precision.state_dtype=bfloat16 (precision=bf16): the model's weights are cast to bfloat16
+before it is laid out (its buffers and a transformers model's float32 modules are not), so
+its weights, their gradients and the optimizer's state (torch's optimizers keep theirs in
+their parameters' dtype) take 8 bytes a parameter under Adam where float32's take 16;
+autocast has no weight to copy. Gradients are still reduced in precision.reduce_dtype:
 FSDP2 casts them up for its reduce-scatter and back, DDP's buckets go through
 float32_all_reduce.
 
@@ -80,8 +81,9 @@ def _state_problem(cfg: PrecisionConfig) -> str | None:
         return (f"precision.state_dtype={cfg.state_dtype} is not a dtype a rank keeps its "
                 f"weights and optimizer state in: use {' or '.join(STATE_DTYPES)}")
     if cfg.state_dtype == "bfloat16" and cfg.name != "bf16":
-        return (f"precision.state_dtype=bfloat16 with precision={cfg.name}: weights kept in "
-                "bfloat16 compute in bfloat16: use precision=bf16 (or drop it)")
+        return (f"precision.state_dtype=bfloat16 with precision={cfg.name}: bfloat16 state is "
+                "taken with precision=bf16 alone (bfloat16 autocast, no loss scale, no float8 "
+                "casts of its weights): use precision=bf16 (or drop it)")
     return None
 
 
@@ -102,6 +104,30 @@ def device_hint(cfg: PrecisionConfig, device_type: str) -> str | None:
         return (f"precision={cfg.name} computes in float16 on CPU, which is slower than fp32 "
                 "here; precision=bf16 (or amp) is the fast one on CPU")
     return None
+
+
+BF16_ROUNDING = 2**-9  # a bfloat16 number is changed by no less than this share of it
+
+
+def state_hints(cfg: PrecisionConfig, optim) -> list[str]:
+    """What a bfloat16 state silently loses under this optimizer, said before launch (the
+    run works; these parts of its update do nothing): AdamW's decoupled decay and Adam's
+    second-moment decay, each a step's change under bfloat16's rounding."""
+    if cfg.state_dtype != "bfloat16":
+        return []
+    said = []
+    shrink = optim.lr * optim.weight_decay
+    if optim.name == "adamw" and 0 < shrink < BF16_ROUNDING:
+        said.append(f"optim.weight_decay={optim.weight_decay} at optim.lr={optim.lr} shrinks a "
+                    f"weight by {shrink:.1e} of itself a step, under bfloat16's rounding: with "
+                    "precision.state_dtype=bfloat16 it never changes a weight (keep float32 "
+                    "state, or give optim.weight_decay=0)")
+    betas = getattr(optim, "betas", None)
+    if betas and 1 - betas[1] < BF16_ROUNDING:
+        said.append(f"optim.betas[1]={betas[1]}: Adam's second moment, kept in bfloat16, is "
+                    "never lowered (each step's decay is under bfloat16's rounding), so steps "
+                    "after a large gradient stay small (keep float32 state, or a smaller beta)")
+    return said
 
 
 def layout_problem(cfg: PrecisionConfig, dp_shard: int = 1) -> str | None:
@@ -194,13 +220,13 @@ class Precision:
         return str(self.dtype).removeprefix("torch.")
 
     def convert(self, model: torch.nn.Module) -> torch.nn.Module:
-        """The model in precision.state_dtype (its floating weights and buffers); fp8: its
+        """The model's weights in precision.state_dtype (kept_in); fp8: its
         Linear layers as torchao's Float8Linear (before tensor parallel, compile and
         sharding, as torchtitan converts them), but the output layer (its logits feed the
         loss, torchtitan keeps it too) and any whose widths float8 matmuls cannot take
         (multiples of 16); the model as it is otherwise."""
         if self.state_dtype != torch.float32:
-            model = model.to(self.state_dtype)
+            model = kept_in(model, self.state_dtype)
         if self.name != "fp8":
             return model
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
@@ -268,6 +294,30 @@ class Precision:
         self.scaler.load_state_dict(state)
 
 
+def kept_in(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """`model` with its floating parameters in `dtype`, each made anew once (a tied one
+    stays one; fake tensors too, which Module.to cannot swap); its buffers as they are (a
+    rotary table, a router's balancing bias, a count: Module.to had rounded them to bf16)
+    and a transformers model's _keep_in_fp32_modules_strict (DeepSeek-V3's router) in
+    float32, as from_pretrained keeps them."""
+    import re
+
+    keep = getattr(model, "_keep_in_fp32_modules_strict", None) or ()
+    kept = re.compile("|".join(rf"(?:^|\.){re.escape(k)}(?:$|\.)" for k in keep)) \
+        if keep else None
+    made: dict[int, torch.nn.Parameter] = {}
+    for prefix, module in model.named_modules():
+        for name, param in list(module._parameters.items()):
+            if param is None or not param.is_floating_point() or \
+                    kept is not None and kept.search(f"{prefix}.{name}".lstrip(".")):
+                continue
+            if id(param) not in made:
+                made[id(param)] = torch.nn.Parameter(param.detach().to(dtype),
+                                                     requires_grad=param.requires_grad)
+            module._parameters[name] = made[id(param)]
+    return model
+
+
 def float32_all_reduce(group, bucket):  # (DDP refuses any return annotation but its own)
     """DDP's comm hook for bfloat16 gradients reduced in float32 (bf16_compress_hook's
     converse): each bucket averaged in float32, then copied back into its bfloat16 buffer."""
@@ -306,68 +356,3 @@ def _sharded_scaler(device_type: str):
             return found
 
     return Scaler(device_type)
-
-
-def float8_style(module: torch.nn.Module, style: Any) -> Any:
-    """A float8 Linear layer's (precision=fp8) column or row split as torchao's float8
-    styles, which cast its input to float8 before they gather it (a gather of one byte an
-    element, the layer's matmul in float8 on DTensors), as torchtitan splits them; where its
-    scaling is tensorwise (torchao's styles take that alone; rowwise keeps torch's)."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    if type(style) not in (ColwiseParallel, RowwiseParallel) or \
-            type(module).__name__ != "Float8Linear" or not _tensorwise(module):
-        return style
-    from torchao.float8.float8_tensor_parallel import (
-        Float8ColwiseParallel,
-        Float8RowwiseParallel,
-    )
-
-    cls = Float8ColwiseParallel if type(style) is ColwiseParallel else Float8RowwiseParallel
-    return cls(input_layouts=style.input_layouts[0], output_layouts=style.output_layouts[0],
-               use_local_output=style.use_local_output)
-
-
-def feeds_float8(module: torch.nn.Module, float8: Callable[[torch.nn.Module], bool]) -> bool:
-    """Whether the input of `module` (a transformers block's attention or MLP, which a
-    sequence-parallel plan gathers once) feeds float8 Linear layers alone, so that it can
-    be cast to float8 once and gathered in one byte an element (torchao's
-    PrepareFloat8ModuleInput, as torchtitan splits Llama): no weights of its own, and each
-    child with weights a float8 layer of the tensorwise recipe (`float8`) or a norm, which
-    norms their outputs (Qwen 3's and OLMo 2's q and k). An MoE layer (its router, its
-    experts) does not."""
-    holding = [m for m in module.children() if next(m.parameters(), None) is not None]
-    return next(module.parameters(recurse=False), None) is None and \
-        any(float8(m) for m in holding) and \
-        all(float8(m) or "Norm" in type(m).__name__ for m in holding)
-
-
-def float8_input_cast(module: torch.nn.Module) -> Callable[[Any], Any] | None:
-    """Where `module`'s input feeds its tensorwise Float8Linear layers alone (feeds_float8),
-    the cast that gives it to them in float8 (as torchao's float8 styles cast it); None
-    elsewhere."""
-    if not feeds_float8(module, lambda m: type(m).__name__ == "Float8Linear" and
-                        _tensorwise(m)):
-        return None
-    from torchao.float8.config import e4m3_dtype
-    from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
-    from torchao.float8.float8_training_tensor import GemmInputRole
-
-    config = next(m for m in module.children()
-                  if type(m).__name__ == "Float8Linear").linear_mm_config
-    return lambda x: hp_tensor_to_float8_dynamic(x, e4m3_dtype, config,
-                                                 gemm_input_role=GemmInputRole.INPUT)
-
-
-def gathers_in_float8(cfg) -> bool:
-    """Whether precision `cfg` splits its float8 Linear layers by torchao's styles, which
-    gather their input in float8 (float8_style: the tensorwise recipe)."""
-    return cfg.name == "fp8" and cfg.fp8_recipe == "tensorwise"
-
-
-def _tensorwise(module: torch.nn.Module) -> bool:
-    from torchao.float8.config import ScalingGranularity
-
-    casts = (module.config.cast_config_input, module.config.cast_config_weight,
-             module.config.cast_config_grad_output)
-    return all(c.scaling_granularity == ScalingGranularity.TENSORWISE for c in casts)

@@ -206,12 +206,24 @@ def default_precisions(device_type: str) -> list[str]:
 def request_problem(cfg, overrides: list[str]) -> str | None:
     """What advise refuses in `cfg` before it plans anything (a sweep's launcher checks each
     advise job by it too): its own keys, a key it decides given, the cluster it predicts for."""
-    found = problem(cfg.advise) or decided_problem(overrides)
+    found = problem(cfg.advise) or decided_problem(overrides) or _state_problem(cfg)
     if not found and cfg.advise.target_world_size is not None:
         from parallab.simulate import cluster
 
         found = cluster.problem(cfg.cluster)
     return found
+
+
+def _state_problem(cfg) -> str | None:
+    """precision.state_dtype=bfloat16 given: precision=bf16 alone computes with it, and the
+    other precisions' candidates had each been refused (precision's own fix, use
+    precision=bf16, one advise refuses in turn)."""
+    others = [p for p in cfg.advise.precisions or ["fp32"] if p != "bf16"]
+    if cfg.precision.state_dtype != "float32" and others:
+        return (f"precision.state_dtype={cfg.precision.state_dtype} keeps the state in a dtype "
+                f"precision=bf16 alone computes with, and advise.precisions holds {others[0]}: "
+                "give advise.precisions=[bf16] to compare layouts with it")
+    return None
 
 
 def full_grid(cfg, overrides: list[str]) -> tuple[list[Candidate], list[int]]:

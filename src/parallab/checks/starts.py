@@ -109,9 +109,9 @@ def check_init(cfg: Config, probe: trial.Probe) -> None:
 
 def changed_recipe(cfg: Config, saved: dict, resume: str) -> str | None:
     """A resumed run continues the samples, their order, the adapters, optimizer and
-    schedule its checkpoint holds (their shape, state and rates): a seed, data, adapter,
-    optim or scheduler key set otherwise here would be ignored or change the data without a
-    word, so the first one that differs is named."""
+    schedule its checkpoint holds (their shape, state, dtype and rates): a seed, data,
+    adapter, optim, scheduler or state dtype key set otherwise here would be ignored or
+    change them without a word, so the first one that differs is named."""
     from omegaconf import OmegaConf
 
     if saved.get("seed", cfg.seed) != cfg.seed:  # (a checkpoint that records none: taken)
@@ -136,6 +136,12 @@ def changed_recipe(cfg: Config, saved: dict, resume: str) -> str | None:
                         f"schedule it holds, and {group}.{key}={_value(value)} differs from "
                         f"its {_value(before[key])}: give {group}.{key}="
                         f"{_value(before[key])} as when it was saved (or start a new run)")
+    kept = (saved.get("precision") or {}).get("state_dtype", "float32")  # (earlier: float32)
+    if isinstance(saved.get("precision"), dict) and kept != cfg.precision.state_dtype:
+        # its weights and optimizer state: rounded to bfloat16, or widened from it, unsaid
+        return (f"trainer.resume={resume} was saved keeping its weights and optimizer state "
+                f"in {kept}: give precision.state_dtype={kept} as saved (or start a new run "
+                "from its weights: trainer.init_from)")
     return None
 
 

@@ -348,8 +348,10 @@ def prepare(cfg: Config, in_place: InPlace | None, run_dir: str | None = None
         if in_place is None and layout.processes:  # parallab's own launcher
             refuse(master_port_problem() or hidden_module_problem())
         refuse(precision.device_problem(cfg.precision, cfg.device.value, layout.dp_shard))
-        if hint := precision.device_hint(cfg.precision, cfg.device.value):
-            log.warning(hint)
+        for hint in [precision.device_hint(cfg.precision, cfg.device.value),
+                     *precision.state_hints(cfg.precision, cfg.optim)]:
+            if hint:
+                log.warning(hint)
         refuse(memory.snapshot_problem(cfg.trainer.memory_snapshot, cfg.device.value))
         check_layout(cfg, layout, probe)
         check_adapter(cfg, layout)

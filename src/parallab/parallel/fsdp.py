@@ -53,9 +53,9 @@ def shard(model: nn.Module, mesh, cfg, policy, is_main: bool,
 
 def mixed_precision(dtype: torch.dtype, reduce_dtype: torch.dtype = torch.float32):
     """FSDP2's policy: compute in the precision group's dtype, reduce gradients in
-    precision.reduce_dtype (float32 unless asked). Its sharded gradients are float32 either
-    way, as the weights they update; a pipeline's parts, reducing once a step, accumulate the
-    whole gradients in the reduce dtype meanwhile."""
+    precision.reduce_dtype (float32 unless asked). Its sharded gradients are in the weights'
+    own dtype either way (precision.state_dtype); a pipeline's parts, reducing once a step,
+    accumulate the whole gradients in the reduce dtype meanwhile."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce_dtype)

@@ -146,7 +146,7 @@ def regather_problem(sequence_parallel: bool, tp: int, trainer, precision) -> st
     if trainer.compile:
         return (f"{key} with trainer.compile=true: torch.compile does not take the "
                 "saved-tensor hooks that gather the inputs again: set one of them false")
-    from parallab.precision import gathers_in_float8
+    from parallab.parallel.float8_split import gathers_in_float8
 
     if gathers_in_float8(precision):
         return (f"{key} with precision=fp8's tensorwise recipe: torchao's float8 styles "

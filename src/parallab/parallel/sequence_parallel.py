@@ -32,7 +32,7 @@ def _gather_sequence() -> type:
         kept so for their backward once, not once a layer in bf16."""
 
         def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-            from parallab.precision import float8_input_cast
+            from parallab.parallel.float8_split import float8_input_cast
 
             cast = float8_input_cast(module)
 

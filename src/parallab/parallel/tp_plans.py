@@ -180,7 +180,7 @@ def split(model: nn.Module, mesh, given: dict[str, str] | None, sequence_paralle
     again in backward (regather.py). Whether the logits stay cut by vocabulary."""
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from parallab.precision import float8_style
+    from parallab.parallel.float8_split import float8_style
 
     plan, sharded = plan_for(model, given, sequence_parallel, loss, whole)
     if ep > 1:  # expert parallelism splits the experts: the plan's styles for them stay out

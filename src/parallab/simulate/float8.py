@@ -99,7 +99,7 @@ class SplitCasts:
     styles cast each split layer's input to float8 before its matmul, which keeps that
     one-byte copy for backward; where the input is gathered (a column-split layer's under
     gpt's sequence-parallel plan, or the attention's and MLP's of a transformers block that
-    feed float8 layers alone: precision.feeds_float8), it is cast before the gather, which
+    feed float8 layers alone: float8_split.feeds_float8), it is cast before the gather, which
     then moves one byte an element, and kept once for the layers it feeds. The trace runs
     the bf16 step: this tells its recorder which all-gathers move float8, and the saver
     what those layers keep."""
@@ -108,7 +108,7 @@ class SplitCasts:
                  sequence_parallel: bool):
         from torch.distributed.tensor import DTensor
 
-        from parallab.precision import feeds_float8
+        from parallab.parallel.float8_split import feeds_float8
 
         self.split = {names[id(m)] for m in converted if isinstance(m.weight, DTensor)}
         split = {m for m in converted if names[id(m)] in self.split}
