@@ -141,3 +141,28 @@ def test_simulate_prices_a_bfloat16_state_at_half_its_bytes(layout):
         assert halves.memory["activations"] == pytest.approx(floats.memory["activations"])
     else:  # float32 weights' bfloat16 copies, saved for backward, are gone
         assert halves.memory["activations"] < floats.memory["activations"] * 0.99
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_float32_router_amid_bfloat16_weights_is_sharded_as_one_device_trains(train_here):
+    """DeepSeek-V3's router weight, kept float32 amid bfloat16 weights, is a unit of its own
+    under FSDP2 (which had failed: 'FSDP expects uniform original parameter dtype'), and
+    the run follows one device's."""
+    deepseek = ["model=deepseek_v3", "model.config.n_routed_experts=8",
+                "model.config.n_group=4", "model.config.topk_group=2",
+                "model.config.num_experts_per_tok=2", "model.config.num_hidden_layers=2",
+                "model.config.first_k_dense_replace=1", "model.config.hidden_size=64",
+                "model.config.intermediate_size=128", "model.config.moe_intermediate_size=32",
+                "model.config.num_attention_heads=2", "model.config.num_key_value_heads=2",
+                "model.config.q_lora_rank=32", "model.config.kv_lora_rank=16",
+                "model.config.qk_nope_head_dim=16", "model.config.qk_rope_head_dim=16",
+                "model.config.v_head_dim=16", "model.config.vocab_size=256", "data=tokens",
+                "data.seq_len=32", "device=cpu", "trainer.max_steps=4", "precision=bf16",
+                KEPT, "optim=adamw", "optim.weight_decay=0", "trainer.log_every_n_steps=1"]
+    _, one = train_here(*deepseek, "data.batch_size=4", name="one")
+    _, split = train_here(*deepseek, "data.batch_size=2", "parallel=fsdp",
+                          "parallel.world_size=2", "parallel.ep=2", name="split")
+    expected, got = scalars(one, "train/loss"), scalars(split, "train/loss")
+    assert len(got) == 4 and [loss for _, loss in got] == pytest.approx(
+        [loss for _, loss in expected], rel=1e-3)

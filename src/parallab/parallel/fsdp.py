@@ -38,6 +38,8 @@ def shard(model: nn.Module, mesh, cfg, policy, is_main: bool,
                  "(every parameter gathered at once); set parallel.stages to shard its "
                  "blocks one by one", cfg.name)
     shared = {pid for pid, held in stages_of.holders(stages or []).items() if len(held) > 1}
+    for stage in [*(stages or []), model]:
+        _units_of_their_own_dtype(stage, mesh, policy, reshard_after_forward)
     for stage in stages or []:
         # a stage sharing a parameter with another (tied embeddings) is left to the root:
         # FSDP2 shards each parameter in one unit only. A frozen stage (the base beside
@@ -49,6 +51,25 @@ def shard(model: nn.Module, mesh, cfg, policy, is_main: bool,
     # the root: whatever the stages leave; kept gathered, it is used again at once
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
     return model
+
+
+def _units_of_their_own_dtype(stage: nn.Module, mesh, policy, reshard: bool) -> None:
+    """The modules of `stage` whose weights are kept in another dtype than the rest of it
+    (a transformers model's float32 router under bfloat16 state), each a unit of its own:
+    FSDP2 gathers a unit's weights of one dtype (it had failed on the mixture)."""
+    from collections import Counter
+
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    held = Counter(p.dtype for p in stage.parameters())
+    if len(held) < 2:
+        return
+    most = held.most_common(1)[0][0]
+    for module in stage.modules():
+        own = list(module.parameters(recurse=False))
+        if module is not stage and own and not isinstance(module, FSDPModule) and \
+                all(p.dtype != most for p in own):
+            fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
 
 
 def mixed_precision(dtype: torch.dtype, reduce_dtype: torch.dtype = torch.float32):
