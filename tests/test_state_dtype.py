@@ -43,6 +43,14 @@ def test_the_model_and_its_optimizer_state_are_kept_in_bfloat16(train_here):
     assert moments and {t.dtype for t in moments} == {torch.bfloat16}
     # trained, not merely cast: the loss falls as float32's does, to bfloat16's rounding
     assert halves["train_loss"] == pytest.approx(floats["train_loss"], rel=1e-2)
+    # exported as kept (it had been widened to float32, twice the bytes)
+    import safetensors.torch
+
+    from parallab.commands import _export
+
+    _export(run_dir / "checkpoints" / "last.pt", run_dir / "m.safetensors")
+    written = safetensors.torch.load_file(str(run_dir / "m.safetensors"))
+    assert {t.dtype for t in written.values()} == {torch.bfloat16}
 
 
 def test_buffers_and_a_transformers_models_float32_modules_stay_float32():

@@ -160,6 +160,13 @@ def _export(ckpt: Path, out: Path, force: bool = False, merged: bool = False) ->
     if merged:  # what is written is a plain model again
         record["config"] = {**meta["config"], "adapter": {"name": "none"}}
     model = peft_model.merge_and_unload() if merged else peft_model or built
+    kept = (checkpoint.saved_config(meta).get("precision") or {}).get("state_dtype")
+    if kept and kept != "float32":  # written as the run kept them (half float32's bytes)
+        import torch
+
+        from parallab.precision import kept_in
+
+        model = kept_in(model, getattr(torch, kept))
     what = weights.export(model, record, out, kind)
     print(f"{out}: {what}, of {ckpt} (step {meta['step']})")
 
