@@ -78,6 +78,19 @@ def test_buffers_and_a_transformers_models_float32_modules_stay_float32():
     assert kept_in(fake, torch.bfloat16).weight.dtype == torch.bfloat16
 
 
+def test_a_model_with_batch_norms_trains_their_weights_in_float32(train_here):
+    """F.batch_norm takes a norm's weights in its running statistics' float32 alone: a
+    convnet had failed its first step on every rank ('expected scalar type BFloat16')."""
+    metrics, run_dir = train_here("model=convnet", "data=synthetic", "data.shape=[3,32,32]",
+                                  "data.train_size=64", "data.eval_size=32",
+                                  "trainer.max_steps=2", "device=cpu", "precision=bf16", KEPT,
+                                  "optim=adamw", "optim.weight_decay=0")
+    saved = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=False)["model"]
+    norms = {k: v.dtype for k, v in saved.items() if "norm" in k and v.is_floating_point()}
+    assert metrics["steps"] == 2 and norms and set(norms.values()) == {torch.float32}
+    assert saved["blocks.0.conv.weight"].dtype == saved["head.weight"].dtype == torch.bfloat16
+
+
 def test_what_a_bfloat16_state_loses_is_said_before_launch(caplog):
     """AdamW's decay at lr 1e-3 and weight_decay 0.1 (1e-4 of a weight a step) and Adam's
     second-moment decay at beta 0.999 are under bfloat16's rounding: they never change the
@@ -85,12 +98,15 @@ def test_what_a_bfloat16_state_loses_is_said_before_launch(caplog):
     a decay that moves a bfloat16 weight, says nothing."""
     checked(*BF16, KEPT, "optim.weight_decay=0.1")
     said = caplog.text
-    assert "optim.weight_decay=0.1 at optim.lr=0.001 shrinks a weight by 1.0e-04 of itself a " \
-        "step, under bfloat16's rounding" in said
+    assert "optim.weight_decay=0.1 at the peak rate 0.001 shrinks a weight by 1.0e-04 of " \
+        "itself a step, under bfloat16's rounding" in said
     assert "optim.betas[1]=0.999: Adam's second moment, kept in bfloat16, is never lowered" \
         in said
     caplog.clear()
     checked(*BF16, KEPT, "optim.lr=0.1", "optim.weight_decay=0.1", "optim.betas=[0.9,0.99]")
+    # the rate the run uses: optim.lr scaled to its global batch of 8 (8 x 5e-4 of a weight)
+    checked(*BF16, KEPT, "optim.weight_decay=0.5", "optim.betas=[0.9,0.99]",
+            "optim.scale_lr=linear", "optim.base_batch_size=1")
     checked(*BF16, "optim.weight_decay=0.1")
     assert "bfloat16's rounding" not in caplog.text
 

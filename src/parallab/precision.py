@@ -109,19 +109,20 @@ def device_hint(cfg: PrecisionConfig, device_type: str) -> str | None:
 BF16_ROUNDING = 2**-9  # a bfloat16 number is changed by no less than this share of it
 
 
-def state_hints(cfg: PrecisionConfig, optim) -> list[str]:
-    """What a bfloat16 state silently loses under this optimizer, said before launch (the
-    run works; these parts of its update do nothing): AdamW's decoupled decay and Adam's
-    second-moment decay, each a step's change under bfloat16's rounding."""
+def state_hints(cfg: PrecisionConfig, optim, lr: float) -> list[str]:
+    """What a bfloat16 state silently loses under this optimizer at its peak rate `lr`
+    (optim.lr as the run scales it), said before launch (the run works; these parts of its
+    update do nothing): AdamW's decoupled decay and Adam's second-moment decay, each a
+    step's change under bfloat16's rounding."""
     if cfg.state_dtype != "bfloat16":
         return []
     said = []
-    shrink = optim.lr * optim.weight_decay
+    shrink = lr * optim.weight_decay
     if optim.name == "adamw" and 0 < shrink < BF16_ROUNDING:
-        said.append(f"optim.weight_decay={optim.weight_decay} at optim.lr={optim.lr} shrinks a "
-                    f"weight by {shrink:.1e} of itself a step, under bfloat16's rounding: with "
-                    "precision.state_dtype=bfloat16 it never changes a weight (keep float32 "
-                    "state, or give optim.weight_decay=0)")
+        said.append(f"optim.weight_decay={optim.weight_decay} at the peak rate {lr:g} shrinks "
+                    f"a weight by {shrink:.1e} of itself a step, under bfloat16's rounding: "
+                    "with precision.state_dtype=bfloat16 it never changes a weight (keep "
+                    "float32 state, or give optim.weight_decay=0)")
     betas = getattr(optim, "betas", None)
     if betas and 1 - betas[1] < BF16_ROUNDING:
         said.append(f"optim.betas[1]={betas[1]}: Adam's second moment, kept in bfloat16, is "
@@ -296,26 +297,42 @@ class Precision:
 
 def kept_in(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     """`model` with its floating parameters in `dtype`, each made anew once (a tied one
-    stays one; fake tensors too, which Module.to cannot swap); its buffers as they are (a
-    rotary table, a router's balancing bias, a count: Module.to had rounded them to bf16)
-    and a transformers model's _keep_in_fp32_modules_strict (DeepSeek-V3's router) in
-    float32, as from_pretrained keeps them."""
-    import re
+    stays one; fake tensors too, which Module.to cannot swap). Its buffers stay as they are
+    (a rotary table, a router's balancing bias: Module.to had rounded them to bf16); so do
+    the weights of a batch norm (F.batch_norm takes them in its statistics' float32 alone)
+    and of a transformers model's _keep_in_fp32_modules_strict, wherever it sits in the
+    model (DeepSeek-V3's router), as from_pretrained keeps them; a tie held by one of those
+    too."""
+    from torch.nn.modules.batchnorm import _NormBase
 
-    keep = getattr(model, "_keep_in_fp32_modules_strict", None) or ()
-    kept = re.compile("|".join(rf"(?:^|\.){re.escape(k)}(?:$|\.)" for k in keep)) \
-        if keep else None
+    kept = _float32_weights(model)
     made: dict[int, torch.nn.Parameter] = {}
-    for prefix, module in model.named_modules():
+    for module in model.modules():
         for name, param in list(module._parameters.items()):
-            if param is None or not param.is_floating_point() or \
-                    kept is not None and kept.search(f"{prefix}.{name}".lstrip(".")):
+            if param is None or not param.is_floating_point() or id(param) in kept or \
+                    isinstance(module, _NormBase):
                 continue
             if id(param) not in made:
                 made[id(param)] = torch.nn.Parameter(param.detach().to(dtype),
                                                      requires_grad=param.requires_grad)
             module._parameters[name] = made[id(param)]
     return model
+
+
+def _float32_weights(model: torch.nn.Module) -> set[int]:
+    """The ids of the weights a transformers model in `model` keeps in float32 (its
+    _keep_in_fp32_modules_strict: module or parameter names), under the model that declares
+    them, wherever that sits (a user's module wrapping it)."""
+    import re
+
+    found = set()
+    for owner in model.modules():
+        keep = getattr(owner, "_keep_in_fp32_modules_strict", None) or ()
+        if keep:
+            pattern = re.compile("|".join(rf"(?:^|\.){re.escape(k)}(?:$|\.)" for k in keep))
+            found |= {id(p) for name, p in owner.named_parameters(remove_duplicate=False)
+                      if pattern.search(name)}
+    return found
 
 
 def float32_all_reduce(group, bucket):  # (DDP refuses any return annotation but its own)

@@ -151,6 +151,7 @@ def _digest(cfg, ignored: set[str]) -> str:
     """The job's config as it trains: less Hydra's own, where it logs, the sweep's keys
     and what the dir's name leaves out (resume, overwrite, the progress bar, the device)."""
     import hashlib
+    import json
 
     from omegaconf import OmegaConf
 
@@ -160,7 +161,9 @@ def _digest(cfg, ignored: set[str]) -> str:
         node = tree.get(head) if leaf else tree
         if isinstance(node, dict):
             node.pop(leaf or head, None)
-    return hashlib.sha256(repr(tree).encode()).hexdigest()[:12]
+    # keys sorted: those added with + (+model.config.x) come in the command line's order
+    return hashlib.sha256(json.dumps(tree, sort_keys=True, default=str).encode()
+                          ).hexdigest()[:12]
 
 
 def continue_command(sweep_dir: Path, call: Invocation) -> str:

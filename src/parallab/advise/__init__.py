@@ -220,9 +220,11 @@ def _state_problem(cfg) -> str | None:
     precision=bf16, one advise refuses in turn)."""
     others = [p for p in cfg.advise.precisions or ["fp32"] if p != "bf16"]
     if cfg.precision.state_dtype != "float32" and others:
+        held = "advise.precisions holds" if cfg.advise.precisions else \
+            "advise's default precisions hold"
         return (f"precision.state_dtype={cfg.precision.state_dtype} keeps the state in a dtype "
-                f"precision=bf16 alone computes with, and advise.precisions holds {others[0]}: "
-                "give advise.precisions=[bf16] to compare layouts with it")
+                f"precision=bf16 alone computes with, and {held} {others[0]}: give "
+                "advise.precisions=[bf16] to compare layouts with it")
     return None
 
 

@@ -64,7 +64,7 @@ def check_init(cfg: Config, probe: trial.Probe) -> None:
     trainer.init_strict=false), read without their tensors."""
     from pathlib import Path
 
-    from parallab.training import formats, weights
+    from parallab.training import formats, ties, weights
     from parallab.training.formats.sharded import check_shards
 
     path = cfg.trainer.init_from
@@ -100,7 +100,7 @@ def check_init(cfg: Config, probe: trial.Probe) -> None:
             adapters.apply(model, cfg.adapter)
         refuse(weights.fit_problem(model, path, "trainer.init_from", cfg.trainer.init_strict,
                                    "trainer.init_strict=false")
-               or weights.tie_problem(model, path, "trainer.init_from"))
+               or ties.tie_problem(model, path, "trainer.init_from", cfg.model))
     except checkpoint.CheckpointError as error:  # (a reader's own, naming the path alone)
         said = str(error)
         raise ConfigError(said if said.startswith("trainer.init_from=") else

@@ -248,6 +248,15 @@ def resolve_global_batch(cfg: Config, layout: Layout) -> None:
     d.batch_size = d.global_batch_size // per_step
 
 
+def _peak_lr(cfg: Config, layout: Layout) -> float:
+    """optim.lr as the run will scale it (optim.scale_lr) to its global batch."""
+    from parallab.optim import scaled_lr
+
+    d = cfg.data
+    return scaled_lr(cfg.optim, d.global_batch_size or
+                     d.batch_size * layout.dp * cfg.trainer.accumulate_grad_batches)
+
+
 def check_run_length(cfg: Config, layout: Layout) -> None:
     """Where the training set's length is known here, the run's steps as the workers will
     count them (data.stream.run_length over each rank's batches): accumulation beyond an
@@ -348,15 +357,15 @@ def prepare(cfg: Config, in_place: InPlace | None, run_dir: str | None = None
         if in_place is None and layout.processes:  # parallab's own launcher
             refuse(master_port_problem() or hidden_module_problem())
         refuse(precision.device_problem(cfg.precision, cfg.device.value, layout.dp_shard))
-        for hint in [precision.device_hint(cfg.precision, cfg.device.value),
-                     *precision.state_hints(cfg.precision, cfg.optim)]:
-            if hint:
-                log.warning(hint)
+        if hint := precision.device_hint(cfg.precision, cfg.device.value):
+            log.warning(hint)
         refuse(memory.snapshot_problem(cfg.trainer.memory_snapshot, cfg.device.value))
         check_layout(cfg, layout, probe)
         check_adapter(cfg, layout)
         check_norms(cfg)
         check_run_length(cfg, layout)
+        for hint in precision.state_hints(cfg.precision, cfg.optim, _peak_lr(cfg, layout)):
+            log.warning(hint)
         resolve_backend(cfg, layout)
         starts.check_resume(cfg, layout, run_dir)
         starts.check_init(cfg, probe)

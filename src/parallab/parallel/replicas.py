@@ -101,13 +101,14 @@ class Replicas:
             self._launch(bucket)
         for work, flat, bucket, held in self.launched:
             work.wait()
-            flat = flat.to(held[0].dtype) / self.size
+            flat = flat / self.size  # (each cast to its gradient's own dtype as it lands:
+            # a bucket can hold a float32 weight beside bfloat16 ones)
             *averages, had = _unflatten_dense_tensors(flat, held)
             for i, (param, here, averaged) in enumerate(zip(bucket, held, averages)):
                 if param.grad is not None:
                     here.copy_(averaged)
                 elif had[i].item():  # (read on the host only where a gradient is missing)
-                    param.grad = _as_gradient(param, averaged)
+                    param.grad = _as_gradient(param, averaged.to(param.dtype))
         self.launched = []
 
 

@@ -26,8 +26,8 @@ The optimizer's step moves each state once (a fused kernel's bytes) at the memor
 bandwidth.
 
 Memory: the training state a rank holds (weights, gradients and optimizer state in
-precision.state_dtype, float32 unless asked, sharded by FSDP2, cut by tensor and pipeline parallel; a pipeline's sharded
-gradients only after its flush), FSDP2's gathered weights (this block's and the next
+precision.state_dtype, float32 unless asked, sharded by FSDP2, cut by tensor and pipeline
+parallel; a pipeline's sharded gradients only after its flush), FSDP2's gathered weights (this block's and the next
 one's) and a block's whole gradient as it is reduced, in precision.reduce_dtype (a
 pipeline part's weights and gradients all, till the flush), the activations each block
 keeps for backward
