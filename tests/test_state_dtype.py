@@ -43,6 +43,13 @@ def test_the_model_and_its_optimizer_state_are_kept_in_bfloat16(train_here):
     assert moments and {t.dtype for t in moments} == {torch.bfloat16}
     # trained, not merely cast: the loss falls as float32's does, to bfloat16's rounding
     assert halves["train_loss"] == pytest.approx(floats["train_loss"], rel=1e-2)
+    # scored as kept: evaluate.py had taken the key and scored float32 weights
+    from parallab.commands import evaluate_in_process
+
+    ckpt = run_dir / "checkpoints" / "last.pt"
+    scored = evaluate_in_process([f"ckpt={ckpt}", "device=cpu", "precision=bf16", KEPT],
+                                 run_dir / "scored")
+    assert scored["eval_loss"] == halves["eval_loss"]
     # exported as kept (it had been widened to float32, twice the bytes)
     import safetensors.torch
 

@@ -85,6 +85,8 @@ def _scored(cfg, state: dict, run_dir: Path) -> tuple[dict[str, float], str]:
     from parallab.loss import build_loss
     from parallab.metrics import evaluate
     from parallab.models import adapters, build_model
+    import torch
+
     from parallab.precision import Precision
     from parallab.training import weights
 
@@ -97,10 +99,14 @@ def _scored(cfg, state: dict, run_dir: Path) -> tuple[dict[str, float], str]:
     except ConfigError as error:
         raise ConfigError(f"ckpt={cfg.ckpt} does not fit model "
                           f"{cfg.model['_target_']}: {error}") from None
+    precision = Precision(cfg.precision, dist.device)
+    if precision.state_dtype != torch.float32:  # scored as a run keeps its weights
+        from parallab.precision import kept_in
+
+        model = kept_in(model, precision.state_dtype)
     data = build_data(cfg.data, dist, cfg.seed)
     loss = build_loss(cfg.loss).bind(model)
-    figures = evaluate(model.to(dist.device), data.eval, dist,
-                       Precision(cfg.precision, dist.device), loss, cfg.metrics)
+    figures = evaluate(model.to(dist.device), data.eval, dist, precision, loss, cfg.metrics)
     result = {"ckpt": str(Path(cfg.ckpt).resolve()), "model": cfg.model["_target_"],
               "data": cfg.data.name, "step": state.get("step"), **figures}
     out = run_dir / "metrics.json"
