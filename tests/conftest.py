@@ -128,3 +128,20 @@ def train_here(tmp_path):
         return train_in_process(list(args), run_dir, config_dir), run_dir
 
     return _train
+
+
+@pytest.fixture(scope="module")  # a module's cluster tests share it, on one worker (xdist_group)
+def cluster(tmp_path_factory):
+    """A real SLURM (slurm_cluster.py: munged, slurmctld, slurmd per node), started for the
+    module's tests and stopped after; skipped in one line where its daemons cannot be had."""
+    import slurm_cluster
+
+    why = slurm_cluster.missing()
+    if why is not None:
+        pytest.skip(f"no SLURM cluster for these tests: {why}")
+    running = slurm_cluster.Cluster(tmp_path_factory.mktemp("slurm"))
+    try:
+        running.start()
+        yield running
+    finally:
+        running.stop()

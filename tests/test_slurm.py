@@ -19,7 +19,6 @@ from pathlib import Path
 import pytest
 from conftest import checked, free_port, losses, output, read_metrics, typed
 
-import slurm_cluster
 from parallab.config.errors import ConfigError
 from parallab.launching import allocation, distributed, in_place, launch, slurm
 from parallab.launching.in_place import InPlace
@@ -189,19 +188,6 @@ def test_a_master_that_does_not_resolve_or_answer_ends_the_rank_in_one_line(tmp_
 
 
 # -- against a real SLURM ------------------------------------------------------------------
-
-@pytest.fixture(scope="module")  # every cluster test is here, on one worker (xdist_group)
-def cluster(tmp_path_factory):
-    why = slurm_cluster.missing()
-    if why is not None:
-        pytest.skip(f"no SLURM cluster for these tests: {why}")
-    running = slurm_cluster.Cluster(tmp_path_factory.mktemp("slurm"))
-    try:
-        running.start()
-        yield running
-    finally:
-        running.stop()
-
 
 def sbatch(cluster, workdir: Path, script: str, *options: str) -> str:
     path = workdir / "job.sh"

@@ -14,24 +14,10 @@ from pathlib import Path
 import pytest
 from conftest import REPO, inject, output, read_metrics
 
-import slurm_cluster
 
 RUN = ["parallel=ddp", "model=mlp", "data=synthetic", "data.train_size=512",
        "data.eval_size=64", "trainer.max_steps=12", "trainer.log_every_n_steps=2",
        "device=cpu", "parallel.threads_per_worker=1"]
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    why = slurm_cluster.missing()
-    if why is not None:
-        pytest.skip(f"no SLURM cluster for these tests: {why}")
-    running = slurm_cluster.Cluster(tmp_path_factory.mktemp("slurm"))
-    try:
-        running.start()
-        yield running
-    finally:
-        running.stop()
 
 
 @pytest.mark.slow

@@ -220,7 +220,7 @@ def changed(cfg, saved: Any, resume: str) -> Optional[str]:
             return (f"trainer.resume={resume} was saved reading {path}, which this run's "
                     "data does not name (or no longer exists): give the files it was saved "
                     "with, or start a new run")
-        if {**print_, "path": None} != {**now[where], "path": None}:
+        if not _same_file(print_, now[where]):
             return (f"trainer.resume={resume}: {path} changed since the checkpoint (its size or "
                     "contents): the next samples would be others; put the file back as it was, "
                     "or start a new run")
@@ -274,12 +274,18 @@ def scored_changed(cfg, saved: Any, ckpt: str) -> Optional[str]:
     now = {_where(f["path"]): f for f in cfg.fingerprints()}
     for print_ in saved["files"]:
         found = now.get(_where(print_["path"]))
-        if found is not None and {**print_, "path": None} != {**found, "path": None}:
+        if found is not None and not _same_file(print_, found):
             return (f"ckpt={ckpt}: {print_['path']} changed since the run trained on it (its "
                     "size or contents): the windows held out of it would be others, some of "
                     "them trained on; put the file back as it was, or score other windows "
                     "with data.eval_files=FILE")
     return None
+
+
+def _same_file(saved: dict, now: dict) -> bool:
+    """Two fingerprints of one file (its size and sampled contents), however its path is
+    written."""
+    return {**saved, "path": None} == {**now, "path": None}
 
 
 def _where(path: str) -> str:
